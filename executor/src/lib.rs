@@ -1,0 +1,1 @@
+//! dflow executor (filled by later issues).

@@ -1,0 +1,413 @@
+//! The op registry: every op's signature, attributes and dtype/shape rule.
+//!
+//! One module per op family; adding an op touches exactly one module (its declaration, shape
+//! rule, and — as later layers land — its CPU kernel and gradient live side by side). Each family
+//! module exposes `pub(crate) fn register(r: &mut OpRegistry)`.
+
+use crate::{AttrType, AttrValue, DType, Shape, Tensor};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::OnceLock;
+
+pub mod state;
+
+/// One input or output of an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArgDef {
+    /// Argument name (for messages and docs).
+    pub name: &'static str,
+    /// A reference input: the op reads or mutates the producer's state (a variable) in place.
+    /// Reference edges force colocation and never become Send/Recv pairs.
+    pub is_ref: bool,
+    /// Repeated: the op takes any number (≥ 1) of inputs here. Only the last input may be repeated.
+    pub variadic: bool,
+}
+
+/// A plain argument.
+pub const fn arg(name: &'static str) -> ArgDef {
+    ArgDef {
+        name,
+        is_ref: false,
+        variadic: false,
+    }
+}
+
+/// A reference argument (see [`ArgDef::is_ref`]).
+pub const fn ref_arg(name: &'static str) -> ArgDef {
+    ArgDef {
+        name,
+        is_ref: true,
+        variadic: false,
+    }
+}
+
+/// A repeated argument (see [`ArgDef::variadic`]).
+pub const fn variadic(name: &'static str) -> ArgDef {
+    ArgDef {
+        name,
+        is_ref: false,
+        variadic: true,
+    }
+}
+
+/// The default of an attribute, in a form that fits in a `static`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AttrDefault {
+    /// The attribute is required.
+    Required,
+    /// Default integer.
+    Int(i64),
+    /// Default float.
+    Float(f64),
+    /// Default bool.
+    Bool(bool),
+    /// Default string.
+    Str(&'static str),
+    /// Default dtype.
+    DType(DType),
+    /// Default list of ints.
+    Ints(&'static [i64]),
+    /// Default empty string list.
+    EmptyStrings,
+    /// Default shape: unknown rank.
+    UnknownShape,
+}
+
+impl AttrDefault {
+    /// The default as a value, or `None` when required.
+    pub fn value(self) -> Option<AttrValue> {
+        Some(match self {
+            AttrDefault::Required => return None,
+            AttrDefault::Int(i) => AttrValue::Int(i),
+            AttrDefault::Float(x) => AttrValue::Float(x),
+            AttrDefault::Bool(b) => AttrValue::Bool(b),
+            AttrDefault::Str(s) => AttrValue::String(s.to_string()),
+            AttrDefault::DType(d) => AttrValue::DType(d),
+            AttrDefault::Ints(v) => AttrValue::IntList(v.to_vec()),
+            AttrDefault::EmptyStrings => AttrValue::StringList(vec![]),
+            AttrDefault::UnknownShape => AttrValue::Shape(Shape::unknown()),
+        })
+    }
+}
+
+/// One attribute an op accepts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttrDef {
+    /// Attribute name.
+    pub name: &'static str,
+    /// Its type.
+    pub ty: AttrType,
+    /// Its default.
+    pub default: AttrDefault,
+}
+
+/// A required attribute.
+pub const fn attr(name: &'static str, ty: AttrType) -> AttrDef {
+    AttrDef {
+        name,
+        ty,
+        default: AttrDefault::Required,
+    }
+}
+
+/// An optional attribute with a default.
+pub const fn attr_or(name: &'static str, ty: AttrType, default: AttrDefault) -> AttrDef {
+    AttrDef { name, ty, default }
+}
+
+/// The static type of one tensor flowing along an edge.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, possibly partial.
+    pub shape: Shape,
+}
+
+impl TensorType {
+    /// Builds a tensor type.
+    pub fn new(dtype: DType, shape: Shape) -> Self {
+        TensorType { dtype, shape }
+    }
+
+    /// Bytes of one value of this type, when its shape is static.
+    pub fn byte_size(&self) -> Option<usize> {
+        self.shape.num_elements()?.checked_mul(self.dtype.size_of())
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.dtype, self.shape)
+    }
+}
+
+/// What a shape rule sees: the node's input types and its attributes (defaults filled in).
+#[derive(Debug)]
+pub struct InferCtx<'a> {
+    /// The node's name.
+    pub node: &'a str,
+    /// Types of the data inputs, in order.
+    pub inputs: &'a [TensorType],
+    /// Attributes, with declared defaults filled in.
+    pub attrs: &'a BTreeMap<String, AttrValue>,
+}
+
+impl InferCtx<'_> {
+    /// Input `i`'s type.
+    pub fn input(&self, i: usize) -> Result<&TensorType, String> {
+        self.inputs
+            .get(i)
+            .ok_or_else(|| format!("missing input {i}"))
+    }
+
+    fn attr(&self, name: &str) -> Result<&AttrValue, String> {
+        self.attrs
+            .get(name)
+            .ok_or_else(|| format!("missing attribute `{name}`"))
+    }
+
+    /// An int attribute.
+    pub fn int(&self, name: &str) -> Result<i64, String> {
+        match self.attr(name)? {
+            AttrValue::Int(v) => Ok(*v),
+            v => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+        }
+    }
+
+    /// A float attribute.
+    pub fn float(&self, name: &str) -> Result<f64, String> {
+        match self.attr(name)? {
+            AttrValue::Float(v) => Ok(*v),
+            v => Err(format!("attribute `{name}` is {}, not float", v.ty())),
+        }
+    }
+
+    /// A bool attribute.
+    pub fn bool(&self, name: &str) -> Result<bool, String> {
+        match self.attr(name)? {
+            AttrValue::Bool(v) => Ok(*v),
+            v => Err(format!("attribute `{name}` is {}, not bool", v.ty())),
+        }
+    }
+
+    /// A dtype attribute.
+    pub fn dtype(&self, name: &str) -> Result<DType, String> {
+        match self.attr(name)? {
+            AttrValue::DType(v) => Ok(*v),
+            v => Err(format!("attribute `{name}` is {}, not dtype", v.ty())),
+        }
+    }
+
+    /// A shape attribute.
+    pub fn shape(&self, name: &str) -> Result<&Shape, String> {
+        match self.attr(name)? {
+            AttrValue::Shape(v) => Ok(v),
+            v => Err(format!("attribute `{name}` is {}, not shape", v.ty())),
+        }
+    }
+
+    /// A tensor attribute.
+    pub fn tensor(&self, name: &str) -> Result<&Tensor, String> {
+        match self.attr(name)? {
+            AttrValue::Tensor(v) => Ok(v),
+            v => Err(format!("attribute `{name}` is {}, not tensor", v.ty())),
+        }
+    }
+
+    /// An int-list attribute.
+    pub fn ints(&self, name: &str) -> Result<&[i64], String> {
+        match self.attr(name)? {
+            AttrValue::IntList(v) => Ok(v),
+            v => Err(format!("attribute `{name}` is {}, not list(int)", v.ty())),
+        }
+    }
+}
+
+/// A dtype and shape rule: input types and attrs in, output types out. The error message should
+/// name the offending shapes; the caller adds the node name.
+pub type ShapeFn = fn(&InferCtx<'_>) -> Result<Vec<TensorType>, String>;
+
+/// An op's declaration.
+#[derive(Clone, Debug)]
+pub struct OpDef {
+    /// Op type name, as written in files (`MatMul`).
+    pub name: &'static str,
+    /// One line for docs and `dflow check`.
+    pub summary: &'static str,
+    /// Inputs, in order.
+    pub inputs: Vec<ArgDef>,
+    /// Outputs, in order.
+    pub outputs: Vec<ArgDef>,
+    /// Attributes.
+    pub attrs: Vec<AttrDef>,
+    /// The dtype and shape rule.
+    pub infer: ShapeFn,
+    /// True for ops with side effects or state (never pruned as dead, never deduplicated).
+    pub stateful: bool,
+    /// True for ops that hold trainable state (`Variable`): placed on ps by the device setter.
+    pub is_variable: bool,
+}
+
+impl OpDef {
+    /// A stateless op with no inputs, outputs or attrs yet; add them with the builder methods.
+    pub fn new(name: &'static str, summary: &'static str, infer: ShapeFn) -> Self {
+        OpDef {
+            name,
+            summary,
+            inputs: vec![],
+            outputs: vec![],
+            attrs: vec![],
+            infer,
+            stateful: false,
+            is_variable: false,
+        }
+    }
+
+    /// Sets the inputs.
+    pub fn inputs<const N: usize>(mut self, inputs: [ArgDef; N]) -> Self {
+        self.inputs = inputs.to_vec();
+        self
+    }
+
+    /// Sets the outputs.
+    pub fn outputs<const N: usize>(mut self, outputs: [ArgDef; N]) -> Self {
+        self.outputs = outputs.to_vec();
+        self
+    }
+
+    /// Sets the attributes.
+    pub fn attrs<const N: usize>(mut self, attrs: [AttrDef; N]) -> Self {
+        self.attrs = attrs.to_vec();
+        self
+    }
+
+    /// Marks the op stateful.
+    pub fn stateful(mut self) -> Self {
+        self.stateful = true;
+        self
+    }
+
+    /// Marks the op as a variable (implies stateful).
+    pub fn variable(mut self) -> Self {
+        self.is_variable = true;
+        self.stateful = true;
+        self
+    }
+
+    /// The declaration of attribute `name`.
+    pub fn attr(&self, name: &str) -> Option<&AttrDef> {
+        self.attrs.iter().find(|a| a.name == name)
+    }
+
+    /// True when the last input is repeated.
+    pub fn is_variadic(&self) -> bool {
+        self.inputs.last().is_some_and(|a| a.variadic)
+    }
+}
+
+/// All known ops, by name.
+#[derive(Debug, Default)]
+pub struct OpRegistry {
+    ops: BTreeMap<&'static str, OpDef>,
+}
+
+impl OpRegistry {
+    /// Adds an op. Registering the same name twice is a programming error caught by a test.
+    pub fn add(&mut self, op: OpDef) {
+        self.ops.insert(op.name, op);
+    }
+
+    /// Looks up an op.
+    pub fn get(&self, name: &str) -> Option<&OpDef> {
+        self.ops.get(name)
+    }
+
+    /// Every op, sorted by name.
+    pub fn ops(&self) -> impl Iterator<Item = &OpDef> {
+        self.ops.values()
+    }
+
+    /// The registered op whose name is closest to `name`, if any is reasonably close.
+    pub fn suggest(&self, name: &str) -> Option<&'static str> {
+        let lower = name.to_ascii_lowercase();
+        self.ops
+            .keys()
+            .map(|k| (strsim::jaro_winkler(&lower, &k.to_ascii_lowercase()), *k))
+            .filter(|(score, _)| *score > 0.8)
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, k)| k)
+    }
+}
+
+/// The process-wide registry of built-in ops.
+pub fn registry() -> &'static OpRegistry {
+    static REGISTRY: OnceLock<OpRegistry> = OnceLock::new();
+    REGISTRY.get_or_init(|| {
+        let mut r = OpRegistry::default();
+        state::register(&mut r);
+        r
+    })
+}
+
+/// Shape-rule helper: the first input's type unchanged (elementwise unary ops).
+pub fn same_as_input(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    Ok(vec![ctx.input(0)?.clone()])
+}
+
+/// Shape-rule helper: requires a floating-point dtype.
+pub fn require_float(what: &str, t: &TensorType) -> Result<(), String> {
+    if t.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a float type, got {}", t.dtype))
+    }
+}
+
+/// Shape-rule helper: requires two inputs to have the same dtype.
+pub fn require_same_dtype(a: &TensorType, b: &TensorType) -> Result<DType, String> {
+    if a.dtype == b.dtype {
+        Ok(a.dtype)
+    } else {
+        Err(format!("dtype mismatch: {} vs {}", a.dtype, b.dtype))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_op_is_well_formed() {
+        for op in registry().ops() {
+            for (i, a) in op.inputs.iter().enumerate() {
+                assert!(
+                    !a.variadic || i + 1 == op.inputs.len(),
+                    "{}: only the last input may repeat",
+                    op.name
+                );
+            }
+            let mut names: Vec<_> = op.attrs.iter().map(|a| a.name).collect();
+            names.sort();
+            names.dedup();
+            assert_eq!(names.len(), op.attrs.len(), "{}: duplicate attr", op.name);
+            for a in &op.attrs {
+                if let Some(v) = a.default.value() {
+                    assert_eq!(
+                        v.ty(),
+                        a.ty,
+                        "{}.{}: default has the wrong type",
+                        op.name,
+                        a.name
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn suggests_near_names() {
+        assert_eq!(registry().suggest("Identiy"), Some("Identity"));
+        assert_eq!(registry().suggest("zzzzzzzz"), None);
+    }
+}

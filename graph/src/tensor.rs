@@ -1,0 +1,601 @@
+//! Dense tensors over a shared, 64-byte aligned buffer.
+//!
+//! A [`Tensor`] is cheap to clone: clones share the same [`Buffer`]. Handing a tensor from one
+//! partition to another in the same process therefore moves no bytes; [`Tensor::data_ptr`] lets
+//! tests prove it. Writing goes through [`Tensor::as_mut_slice`], which copies only when the
+//! buffer is shared (copy-on-write), and counts such copies in [`buffer_copies`].
+
+use crate::{DType, Shape};
+use aligned_vec::{AVec, ConstAlign};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Alignment of every tensor buffer in bytes (a cache line; enough for AVX-512 and RDMA).
+pub const BUFFER_ALIGN: usize = 64;
+
+/// The largest tensor a single buffer may hold (bounds allocations driven by untrusted input).
+pub const MAX_TENSOR_BYTES: usize = 1 << 40;
+
+static BUFFER_COPIES: AtomicU64 = AtomicU64::new(0);
+
+/// How many times a shared buffer has been copied by copy-on-write since the process started.
+pub fn buffer_copies() -> u64 {
+    BUFFER_COPIES.load(Ordering::Relaxed)
+}
+
+/// Errors from constructing or viewing tensors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    /// A typed view asked for the wrong element type.
+    #[error("tensor has dtype {actual}, not {requested}")]
+    DTypeMismatch {
+        /// The tensor's dtype.
+        actual: DType,
+        /// The dtype the caller asked for.
+        requested: DType,
+    },
+    /// The number of values does not match the shape.
+    #[error("shape {shape} holds {expected} elements but {actual} values were given")]
+    ElementCount {
+        /// The shape.
+        shape: Shape,
+        /// Elements the shape needs.
+        expected: usize,
+        /// Values given.
+        actual: usize,
+    },
+    /// The tensor would be larger than [`MAX_TENSOR_BYTES`] (or its size overflows).
+    #[error("tensor of dtype {dtype} and shape {shape} is too large to allocate")]
+    TooLarge {
+        /// Element type.
+        dtype: DType,
+        /// Requested shape.
+        shape: Shape,
+    },
+}
+
+/// A 64-byte aligned byte buffer.
+#[derive(Clone)]
+pub struct Buffer {
+    bytes: AVec<u8, ConstAlign<BUFFER_ALIGN>>,
+}
+
+impl Buffer {
+    /// A zero-filled buffer of `len` bytes.
+    pub fn zeroed(len: usize) -> Self {
+        Buffer {
+            bytes: AVec::from_iter(BUFFER_ALIGN, std::iter::repeat(0u8).take(len)),
+        }
+    }
+
+    /// A buffer holding a copy of `bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        Buffer {
+            bytes: AVec::from_slice(BUFFER_ALIGN, bytes),
+        }
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The bytes, writable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Buffer({} bytes @ {:p})",
+            self.len(),
+            self.bytes.as_ptr()
+        )
+    }
+}
+
+/// Rust element types that map to a [`DType`]. Bool tensors are viewed as `u8` (0 or 1).
+pub trait Element: bytemuck::Pod + Send + Sync + fmt::Debug + 'static {
+    /// The dtype for this element type.
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+}
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl Element for u8 {
+    const DTYPE: DType = DType::Bool;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+/// A dense, row-major tensor with a fully known shape.
+#[derive(Clone)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    buf: Arc<Buffer>,
+}
+
+fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
+    shape
+        .iter()
+        .try_fold(dtype.size_of(), |acc, &d| acc.checked_mul(d))
+        .filter(|&b| b <= MAX_TENSOR_BYTES)
+        .ok_or_else(|| TensorError::TooLarge {
+            dtype,
+            shape: Shape::known(shape),
+        })
+}
+
+impl Tensor {
+    /// A zero-filled tensor.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor, TensorError> {
+        let len = byte_len(dtype, shape)?;
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            buf: Arc::new(Buffer::zeroed(len)),
+        })
+    }
+
+    /// A tensor holding a copy of `values`.
+    pub fn from_slice<T: Element>(shape: &[usize], values: &[T]) -> Result<Tensor, TensorError> {
+        let len = byte_len(T::DTYPE, shape)?;
+        let expected = len / T::DTYPE.size_of();
+        if expected != values.len() {
+            return Err(TensorError::ElementCount {
+                shape: Shape::known(shape),
+                expected,
+                actual: values.len(),
+            });
+        }
+        Ok(Tensor {
+            dtype: T::DTYPE,
+            shape: shape.to_vec(),
+            buf: Arc::new(Buffer::from_bytes(bytemuck::cast_slice(values))),
+        })
+    }
+
+    /// A rank-0 tensor.
+    pub fn scalar<T: Element>(value: T) -> Tensor {
+        Tensor {
+            dtype: T::DTYPE,
+            shape: vec![],
+            buf: Arc::new(Buffer::from_bytes(bytemuck::bytes_of(&value))),
+        }
+    }
+
+    /// A tensor over raw bytes (copied). The length must match dtype and shape.
+    pub fn from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tensor, TensorError> {
+        let len = byte_len(dtype, shape)?;
+        if len != bytes.len() {
+            return Err(TensorError::ElementCount {
+                shape: Shape::known(shape),
+                expected: len / dtype.size_of(),
+                actual: bytes.len() / dtype.size_of(),
+            });
+        }
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            buf: Arc::new(Buffer::from_bytes(bytes)),
+        })
+    }
+
+    /// Wraps an existing shared buffer without copying. The length must match.
+    pub fn from_shared(
+        dtype: DType,
+        shape: &[usize],
+        buf: Arc<Buffer>,
+    ) -> Result<Tensor, TensorError> {
+        let len = byte_len(dtype, shape)?;
+        if len != buf.len() {
+            return Err(TensorError::ElementCount {
+                shape: Shape::known(shape),
+                expected: len / dtype.size_of(),
+                actual: buf.len() / dtype.size_of(),
+            });
+        }
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            buf,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The shape as a [`Shape`].
+    pub fn shape(&self) -> Shape {
+        Shape::known(&self.shape)
+    }
+
+    /// Rank (number of dimensions).
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements.
+    pub fn num_elements(&self) -> usize {
+        self.buf.len() / self.dtype.size_of()
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.buf.as_bytes()
+    }
+
+    /// The shared buffer (for zero-copy hand-over).
+    pub fn buffer(&self) -> &Arc<Buffer> {
+        &self.buf
+    }
+
+    /// Address of the first byte: equal addresses mean the same memory (zero-copy proofs).
+    pub fn data_ptr(&self) -> *const u8 {
+        self.buf.as_bytes().as_ptr()
+    }
+
+    /// A typed read-only view.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T], TensorError> {
+        self.check::<T>()?;
+        Ok(bytemuck::cast_slice(self.buf.as_bytes()))
+    }
+
+    /// A typed writable view; copies the buffer first if it is shared (counted).
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T], TensorError> {
+        self.check::<T>()?;
+        if Arc::get_mut(&mut self.buf).is_none() {
+            BUFFER_COPIES.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(bytemuck::cast_slice_mut(
+            Arc::make_mut(&mut self.buf).as_bytes_mut(),
+        ))
+    }
+
+    /// The same bytes under a new shape with the same element count (no copy).
+    pub fn reshaped(&self, shape: &[usize]) -> Result<Tensor, TensorError> {
+        Tensor::from_shared(self.dtype, shape, self.buf.clone())
+    }
+
+    /// Copies of the values as `f64` (any dtype; bools as 0/1). For tests and printing.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        let b = self.buf.as_bytes();
+        match self.dtype {
+            DType::F32 => bytemuck::cast_slice::<u8, f32>(b)
+                .iter()
+                .map(|&x| x as f64)
+                .collect(),
+            DType::F64 => bytemuck::cast_slice::<u8, f64>(b).to_vec(),
+            DType::I32 => bytemuck::cast_slice::<u8, i32>(b)
+                .iter()
+                .map(|&x| x as f64)
+                .collect(),
+            DType::I64 => bytemuck::cast_slice::<u8, i64>(b)
+                .iter()
+                .map(|&x| x as f64)
+                .collect(),
+            DType::Bool => b.iter().map(|&x| x as f64).collect(),
+            DType::BF16 => bytemuck::cast_slice::<u8, half::bf16>(b)
+                .iter()
+                .map(|x| x.to_f64())
+                .collect(),
+            DType::F16 => bytemuck::cast_slice::<u8, half::f16>(b)
+                .iter()
+                .map(|x| x.to_f64())
+                .collect(),
+        }
+    }
+
+    fn check<T: Element>(&self) -> Result<(), TensorError> {
+        if self.dtype == T::DTYPE {
+            Ok(())
+        } else {
+            Err(TensorError::DTypeMismatch {
+                actual: self.dtype,
+                requested: T::DTYPE,
+            })
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    /// Bitwise equality of dtype, shape and bytes.
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let vals = self.to_f64_vec();
+        let shown: Vec<_> = vals.iter().take(8).collect();
+        write!(
+            f,
+            "Tensor({} {}, {:?}{})",
+            self.dtype,
+            Shape::known(&self.shape),
+            shown,
+            if vals.len() > 8 { " ..." } else { "" }
+        )
+    }
+}
+
+/// One serialized element: a JSON number, or for non-finite floats the strings "nan", "inf", "-inf".
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum Scalar {
+    Int(i64),
+    Num(f64),
+    Text(String),
+}
+
+impl Scalar {
+    fn float(x: f64) -> Scalar {
+        if x.is_nan() {
+            Scalar::Text("nan".into())
+        } else if x.is_infinite() {
+            Scalar::Text(if x > 0.0 { "inf" } else { "-inf" }.into())
+        } else {
+            Scalar::Num(x)
+        }
+    }
+
+    fn to_f64(&self) -> Result<f64, String> {
+        match self {
+            Scalar::Int(i) => Ok(*i as f64),
+            Scalar::Num(x) => Ok(*x),
+            Scalar::Text(t) => match t.as_str() {
+                "nan" => Ok(f64::NAN),
+                "inf" => Ok(f64::INFINITY),
+                "-inf" => Ok(f64::NEG_INFINITY),
+                _ => Err(format!("expected a number, got string {t:?}")),
+            },
+        }
+    }
+
+    fn to_i64(&self) -> Result<i64, String> {
+        match self {
+            Scalar::Int(i) => Ok(*i),
+            Scalar::Num(x) => Err(format!("expected an integer, got {x}")),
+            Scalar::Text(t) => Err(format!("expected an integer, got string {t:?}")),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TensorRepr {
+    dtype: DType,
+    shape: Vec<usize>,
+    values: Vec<Scalar>,
+}
+
+/// Serialized as `{"dtype": "f32", "shape": [2], "values": [1.5, 2.0]}` (the form `Const` attrs use).
+impl Serialize for Tensor {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let b = self.as_bytes();
+        let values: Vec<Scalar> = match self.dtype {
+            DType::I32 => bytemuck::cast_slice::<u8, i32>(b)
+                .iter()
+                .map(|&x| Scalar::Int(x.into()))
+                .collect(),
+            DType::I64 => bytemuck::cast_slice::<u8, i64>(b)
+                .iter()
+                .map(|&x| Scalar::Int(x))
+                .collect(),
+            DType::Bool => b.iter().map(|&x| Scalar::Int(x.into())).collect(),
+            DType::F32 => bytemuck::cast_slice::<u8, f32>(b)
+                .iter()
+                .map(|&x| {
+                    // Print the f32's shortest decimal so files stay readable and round-trip exactly.
+                    let shortest: f64 = x.to_string().parse().unwrap_or(x as f64);
+                    if x.is_finite() {
+                        Scalar::Num(shortest)
+                    } else {
+                        Scalar::float(x as f64)
+                    }
+                })
+                .collect(),
+            _ => self.to_f64_vec().into_iter().map(Scalar::float).collect(),
+        };
+        TensorRepr {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            values,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Tensor {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let r = TensorRepr::deserialize(d)?;
+        tensor_from_values(r.dtype, &r.shape, &r.values).map_err(D::Error::custom)
+    }
+}
+
+fn tensor_from_values(dtype: DType, shape: &[usize], values: &[Scalar]) -> Result<Tensor, String> {
+    let expected = byte_len(dtype, shape).map_err(|e| e.to_string())? / dtype.size_of();
+    if expected != values.len() {
+        return Err(TensorError::ElementCount {
+            shape: Shape::known(shape),
+            expected,
+            actual: values.len(),
+        }
+        .to_string());
+    }
+    fn floats(v: &[Scalar]) -> Result<Vec<f64>, String> {
+        v.iter().map(Scalar::to_f64).collect()
+    }
+    fn ints(v: &[Scalar]) -> Result<Vec<i64>, String> {
+        v.iter().map(Scalar::to_i64).collect()
+    }
+    let t = match dtype {
+        DType::F32 => Tensor::from_slice(
+            shape,
+            &floats(values)?
+                .iter()
+                .map(|&x| x as f32)
+                .collect::<Vec<_>>(),
+        ),
+        DType::F64 => Tensor::from_slice(shape, &floats(values)?),
+        DType::BF16 => Tensor::from_slice(
+            shape,
+            &floats(values)?
+                .iter()
+                .map(|&x| half::bf16::from_f64(x))
+                .collect::<Vec<_>>(),
+        ),
+        DType::F16 => Tensor::from_slice(
+            shape,
+            &floats(values)?
+                .iter()
+                .map(|&x| half::f16::from_f64(x))
+                .collect::<Vec<_>>(),
+        ),
+        DType::I64 => Tensor::from_slice(shape, &ints(values)?),
+        DType::I32 => {
+            let v = ints(values)?
+                .into_iter()
+                .map(|x| i32::try_from(x).map_err(|_| format!("value {x} does not fit in i32")))
+                .collect::<Result<Vec<_>, _>>()?;
+            Tensor::from_slice(shape, &v)
+        }
+        DType::Bool => {
+            let v = ints(values)?
+                .into_iter()
+                .map(|x| match x {
+                    0 | 1 => Ok(x as u8),
+                    _ => Err(format!("bool value must be 0 or 1, got {x}")),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Tensor::from_slice(shape, &v)
+        }
+    };
+    t.map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_aligned_and_shared() {
+        let t = Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        assert_eq!(t.data_ptr() as usize % BUFFER_ALIGN, 0);
+        let u = t.clone();
+        assert_eq!(t.data_ptr(), u.data_ptr());
+        let r = t.reshaped(&[4]).unwrap();
+        assert_eq!(r.data_ptr(), t.data_ptr());
+        assert!(t.reshaped(&[3]).is_err());
+    }
+
+    #[test]
+    fn copy_on_write_counts() {
+        let mut t = Tensor::from_slice(&[2], &[1i64, 2]).unwrap();
+        let before = buffer_copies();
+        t.as_mut_slice::<i64>().unwrap()[0] = 5; // unique: no copy
+        let shared = t.clone();
+        t.as_mut_slice::<i64>().unwrap()[1] = 7; // shared: one copy
+        assert!(buffer_copies() > before);
+        assert_eq!(shared.as_slice::<i64>().unwrap(), &[5, 2]);
+        assert_eq!(t.as_slice::<i64>().unwrap(), &[5, 7]);
+    }
+
+    #[test]
+    fn typed_view_checks_dtype() {
+        let t = Tensor::scalar(1.0f64);
+        assert!(matches!(
+            t.as_slice::<f32>(),
+            Err(TensorError::DTypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn huge_shapes_error_instead_of_aborting() {
+        assert!(matches!(
+            Tensor::zeros(DType::F32, &[1 << 40, 1 << 40]),
+            Err(TensorError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn json_round_trip_every_dtype() {
+        let cases = vec![
+            Tensor::from_slice(&[3], &[0.1f32, f32::NAN, -f32::INFINITY]).unwrap(),
+            Tensor::from_slice(&[2], &[0.1f64, 1e300]).unwrap(),
+            Tensor::from_slice(&[2], &[i32::MIN, 7]).unwrap(),
+            Tensor::from_slice(&[1, 2], &[i64::MAX, -1]).unwrap(),
+            Tensor::from_slice(&[2], &[0u8, 1]).unwrap(),
+            Tensor::from_slice(&[1], &[half::bf16::from_f32(1.5)]).unwrap(),
+            Tensor::from_slice(&[1], &[half::f16::from_f32(-2.25)]).unwrap(),
+            Tensor::zeros(DType::F32, &[0, 3]).unwrap(),
+        ];
+        for t in cases {
+            let j = serde_json::to_string(&t).unwrap();
+            let back: Tensor = serde_json::from_str(&j).unwrap();
+            assert_eq!(back, t, "{j}");
+        }
+        let j = serde_json::to_string(&Tensor::scalar(0.1f32)).unwrap();
+        assert_eq!(j, r#"{"dtype":"f32","shape":[],"values":[0.1]}"#);
+    }
+
+    #[test]
+    fn json_rejects_bad_values() {
+        for bad in [
+            r#"{"dtype":"f32","shape":[2],"values":[1]}"#,
+            r#"{"dtype":"i32","shape":[1],"values":[1.5]}"#,
+            r#"{"dtype":"i32","shape":[1],"values":[99999999999]}"#,
+            r#"{"dtype":"bool","shape":[1],"values":[2]}"#,
+            r#"{"dtype":"f32","shape":[1099511627776,1099511627776],"values":[]}"#,
+            r#"{"dtype":"f32","shape":[1],"values":["x"]}"#,
+        ] {
+            assert!(serde_json::from_str::<Tensor>(bad).is_err(), "{bad}");
+        }
+    }
+}

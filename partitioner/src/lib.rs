@@ -1,0 +1,1 @@
+//! dflow partitioner (filled by later issues).

@@ -1,0 +1,1 @@
+//! dflow transport (filled by later issues).
