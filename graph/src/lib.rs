@@ -4,8 +4,11 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
+pub mod builder;
 pub mod def;
 pub mod dtype;
+pub mod error;
+pub mod graph;
 pub mod ops;
 pub mod shape;
 pub mod tensor;
@@ -13,6 +16,8 @@ pub mod tensor;
 pub use attr::{AttrType, AttrValue};
 pub use def::{GraphDef, InputRef, NodeDef};
 pub use dtype::DType;
+pub use error::{GraphError, GraphErrors};
+pub use graph::{Edge, Graph, Node};
 pub use ops::{registry, OpDef, TensorType};
 pub use shape::Shape;
 pub use tensor::{Element, Tensor, TensorError};

@@ -1,0 +1,570 @@
+//! The validated graph IR, on petgraph.
+//!
+//! [`Graph::from_def`] checks a [`GraphDef`] and builds a directed graph whose nodes carry their
+//! op, attributes and inferred output types, and whose edges are data edges (with producer
+//! output and consumer input slots) or control edges. Every later stage — placement,
+//! partitioning, execution — works on this IR.
+//!
+//! ```
+//! use dflow_graph::{Graph, GraphDef, NodeDef, DType, Shape, AttrValue};
+//!
+//! let mut def = GraphDef { version: 1, nodes: vec![] };
+//! let mut x = NodeDef { name: "x".into(), op: "Placeholder".into(), ..Default::default() };
+//! x.attrs.insert("dtype".into(), AttrValue::DType(DType::F32));
+//! x.attrs.insert("shape".into(), AttrValue::Shape(Shape::known(&[2, 3])));
+//! def.nodes.push(x);
+//! def.nodes.push(NodeDef { name: "y".into(), op: "Identity".into(), inputs: vec!["x".into()], ..Default::default() });
+//!
+//! let g = Graph::from_def(&def).unwrap();
+//! let y = g.find("y").unwrap();
+//! assert_eq!(g.node(y).outputs[0].shape, Shape::known(&[2, 3]));
+//! assert_eq!(g.to_def(), def);
+//! ```
+
+use crate::def::{check_node_name, FORMAT_VERSION};
+use crate::error::{GraphError, GraphErrors};
+use crate::ops::{registry, InferCtx, OpDef, TensorType};
+use crate::{AttrValue, GraphDef, InputRef, NodeDef};
+use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use std::collections::{BTreeMap, HashMap};
+
+/// A node of the validated graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// Unique name.
+    pub name: String,
+    /// Op type.
+    pub op: String,
+    /// Requested device as written (possibly partial, possibly empty).
+    pub device: String,
+    /// Nodes this node must be colocated with.
+    pub colocate_with: Vec<String>,
+    /// Attributes as written in the source (defaults not filled in).
+    pub attrs: BTreeMap<String, AttrValue>,
+    /// Inferred type of each output.
+    pub outputs: Vec<TensorType>,
+}
+
+impl Node {
+    /// The op's declaration (every node of a validated graph has a registered op).
+    pub fn op_def(&self) -> &'static OpDef {
+        // Validation guarantees the op exists; a missing op would be a bug in this crate.
+        registry().get(&self.op).unwrap_or_else(|| {
+            panic!(
+                "validated node `{}` has unregistered op `{}`",
+                self.name, self.op
+            )
+        })
+    }
+
+    /// An attribute, or its declared default.
+    pub fn attr(&self, name: &str) -> Option<AttrValue> {
+        self.attrs
+            .get(name)
+            .cloned()
+            .or_else(|| self.op_def().attr(name).and_then(|a| a.default.value()))
+    }
+
+    /// All attributes with declared defaults filled in.
+    pub fn resolved_attrs(&self) -> BTreeMap<String, AttrValue> {
+        resolve_attrs(self.op_def(), &self.attrs)
+    }
+}
+
+fn resolve_attrs(op: &OpDef, attrs: &BTreeMap<String, AttrValue>) -> BTreeMap<String, AttrValue> {
+    let mut out = attrs.clone();
+    for a in &op.attrs {
+        if !out.contains_key(a.name) {
+            if let Some(v) = a.default.value() {
+                out.insert(a.name.to_string(), v);
+            }
+        }
+    }
+    out
+}
+
+/// An edge of the graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Edge {
+    /// Output `src_output` of the source feeds input `dst_input` of the destination.
+    Data {
+        /// Producer output slot.
+        src_output: usize,
+        /// Consumer input slot.
+        dst_input: usize,
+    },
+    /// The destination runs only after the source.
+    Control,
+}
+
+/// A validated dataflow graph.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    g: DiGraph<Node, Edge>,
+    by_name: HashMap<String, NodeIndex>,
+}
+
+/// Limit on reported errors per graph, so a hostile file cannot make the report unbounded.
+const MAX_ERRORS: usize = 100;
+
+impl Graph {
+    /// Validates `def` and builds the graph. Every problem found is reported, up to a cap.
+    pub fn from_def(def: &GraphDef) -> Result<Graph, GraphErrors> {
+        let mut errs = Vec::new();
+        if def.version != FORMAT_VERSION {
+            errs.push(GraphError::UnsupportedVersion {
+                found: def.version,
+                supported: FORMAT_VERSION,
+            });
+        }
+
+        // 1. Names.
+        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(def.nodes.len());
+        let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(def.nodes.len(), def.nodes.len());
+        let mut first_index: HashMap<&str, usize> = HashMap::with_capacity(def.nodes.len());
+        for (i, n) in def.nodes.iter().enumerate() {
+            if let Err(message) = check_node_name(&n.name) {
+                errs.push(GraphError::InvalidName { index: i, message });
+            }
+            if let Some(&first) = first_index.get(n.name.as_str()) {
+                errs.push(GraphError::DuplicateName {
+                    name: n.name.clone(),
+                    first,
+                    second: i,
+                });
+                continue;
+            }
+            first_index.insert(&n.name, i);
+            let idx = g.add_node(Node {
+                name: n.name.clone(),
+                op: n.op.clone(),
+                device: n.device.clone(),
+                colocate_with: n.colocate_with.clone(),
+                attrs: n.attrs.clone(),
+                outputs: vec![],
+            });
+            by_name.insert(n.name.clone(), idx);
+        }
+
+        // 2. Ops and attributes.
+        let mut op_ok = vec![false; g.node_count()];
+        for idx in g.node_indices() {
+            let n = &g[idx];
+            match registry().get(&n.op) {
+                None => errs.push(GraphError::UnknownOp {
+                    node: n.name.clone(),
+                    op: n.op.clone(),
+                    suggestion: registry().suggest(&n.op),
+                }),
+                Some(op) => {
+                    let before = errs.len();
+                    check_attrs(n, op, &mut errs);
+                    check_device(n, &mut errs);
+                    op_ok[idx.index()] = errs.len() == before;
+                }
+            }
+        }
+
+        // 3. Inputs and edges.
+        let mut pending_edges = Vec::new();
+        for (i, n) in def.nodes.iter().enumerate() {
+            let Some(&dst) = by_name.get(&n.name) else {
+                continue;
+            };
+            if first_index.get(n.name.as_str()) != Some(&i) {
+                continue; // a duplicate; already reported
+            }
+            let mut seen_control = false;
+            let mut data_inputs = 0;
+            for input in &n.inputs {
+                let r = match InputRef::parse(input) {
+                    Ok(r) => r,
+                    Err(message) => {
+                        errs.push(GraphError::InvalidInput {
+                            node: n.name.clone(),
+                            message,
+                        });
+                        continue;
+                    }
+                };
+                let Some(&src) = by_name.get(r.node()) else {
+                    if matches!(r, InputRef::Data { .. }) {
+                        data_inputs += 1; // still counts towards arity
+                    }
+                    op_ok[dst.index()] = false;
+                    errs.push(GraphError::DanglingInput {
+                        node: n.name.clone(),
+                        input: input.clone(),
+                        missing: r.node().to_string(),
+                        suggestion: nearest_name(r.node(), &by_name),
+                    });
+                    continue;
+                };
+                match r {
+                    InputRef::Control(_) => {
+                        seen_control = true;
+                        pending_edges.push((src, dst, Edge::Control));
+                    }
+                    InputRef::Data { index, .. } => {
+                        if seen_control {
+                            errs.push(GraphError::InvalidInput {
+                                node: n.name.clone(),
+                                message: format!("data input `{input}` comes after a control input; list control inputs (`^x`) last"),
+                            });
+                        }
+                        pending_edges.push((
+                            src,
+                            dst,
+                            Edge::Data {
+                                src_output: index,
+                                dst_input: data_inputs,
+                            },
+                        ));
+                        data_inputs += 1;
+                    }
+                }
+            }
+            for target in &n.colocate_with {
+                if !by_name.contains_key(target) {
+                    errs.push(GraphError::UnknownColocation {
+                        node: n.name.clone(),
+                        target: target.clone(),
+                    });
+                }
+            }
+            if let Some(op) = registry().get(&n.op) {
+                let want = op.inputs.len();
+                let ok = if op.is_variadic() {
+                    data_inputs >= want
+                } else {
+                    data_inputs == want
+                };
+                if !ok {
+                    errs.push(GraphError::Arity {
+                        node: n.name.clone(),
+                        op: n.op.clone(),
+                        expected: if op.is_variadic() {
+                            format!("at least {want}")
+                        } else {
+                            want.to_string()
+                        },
+                        found: data_inputs,
+                    });
+                    op_ok[dst.index()] = false;
+                }
+            }
+        }
+        for (src, dst, e) in pending_edges {
+            if let Edge::Data { src_output, .. } = e {
+                if let Some(op) = registry().get(&g[src].op) {
+                    if src_output >= op.outputs.len() {
+                        errs.push(GraphError::NoSuchOutput {
+                            node: g[dst].name.clone(),
+                            input: format!("{}:{src_output}", g[src].name),
+                            index: src_output,
+                            producer: g[src].name.clone(),
+                            outputs: op.outputs.len(),
+                        });
+                        op_ok[dst.index()] = false;
+                        continue;
+                    }
+                }
+            }
+            g.add_edge(src, dst, e);
+        }
+
+        let mut graph = Graph { g, by_name };
+
+        // 4. Cycles.
+        let order = match petgraph::algo::toposort(&graph.g, None) {
+            Ok(order) => order,
+            Err(cycle) => {
+                errs.push(GraphError::Cycle {
+                    path: graph.cycle_through(cycle.node_id()),
+                });
+                truncate(&mut errs);
+                return Err(GraphErrors(errs));
+            }
+        };
+
+        // 5. Reference inputs and type inference, in topological order.
+        let mut typed = vec![false; graph.g.node_count()];
+        for idx in order {
+            if !op_ok[idx.index()] {
+                continue;
+            }
+            let inputs = graph.inputs(idx);
+            if inputs.iter().any(|(src, _)| !typed[src.index()]) {
+                continue; // an upstream node failed; don't cascade
+            }
+            let node = &graph.g[idx];
+            let op = node.op_def();
+            let mut input_types = Vec::with_capacity(inputs.len());
+            let mut ref_ok = true;
+            for (i, (src, out)) in inputs.iter().enumerate() {
+                let producer = &graph.g[*src];
+                if let Some(arg) = op.inputs.get(i).filter(|a| a.is_ref) {
+                    if !producer.op_def().is_variable {
+                        errs.push(GraphError::RefInput {
+                            node: node.name.clone(),
+                            op: node.op.clone(),
+                            index: i,
+                            arg: arg.name,
+                            producer: producer.name.clone(),
+                            producer_op: producer.op.clone(),
+                        });
+                        ref_ok = false;
+                    }
+                }
+                input_types.push(producer.outputs[*out].clone());
+            }
+            if !ref_ok {
+                continue;
+            }
+            let attrs = resolve_attrs(op, &node.attrs);
+            let ctx = InferCtx {
+                node: &node.name,
+                inputs: &input_types,
+                attrs: &attrs,
+            };
+            match (op.infer)(&ctx) {
+                Ok(outs) if outs.len() == op.outputs.len() => {
+                    graph.g[idx].outputs = outs;
+                    typed[idx.index()] = true;
+                }
+                Ok(outs) => errs.push(GraphError::Shape {
+                    node: node.name.clone(),
+                    op: node.op.clone(),
+                    message: format!(
+                        "shape rule returned {} outputs, op declares {}",
+                        outs.len(),
+                        op.outputs.len()
+                    ),
+                }),
+                Err(message) => errs.push(GraphError::Shape {
+                    node: node.name.clone(),
+                    op: node.op.clone(),
+                    message,
+                }),
+            }
+        }
+
+        if errs.is_empty() {
+            Ok(graph)
+        } else {
+            truncate(&mut errs);
+            Err(GraphErrors(errs))
+        }
+    }
+
+    /// Back to the serializable form (inverse of [`Graph::from_def`], node order preserved).
+    pub fn to_def(&self) -> GraphDef {
+        let nodes = self
+            .g
+            .node_indices()
+            .map(|idx| {
+                let n = &self.g[idx];
+                let mut inputs: Vec<String> = self
+                    .inputs(idx)
+                    .into_iter()
+                    .map(|(src, out)| {
+                        InputRef::Data {
+                            node: self.g[src].name.clone(),
+                            index: out,
+                        }
+                        .to_string()
+                    })
+                    .collect();
+                inputs.extend(
+                    self.control_inputs(idx)
+                        .into_iter()
+                        .map(|s| format!("^{}", self.g[s].name)),
+                );
+                NodeDef {
+                    name: n.name.clone(),
+                    op: n.op.clone(),
+                    inputs,
+                    device: n.device.clone(),
+                    colocate_with: n.colocate_with.clone(),
+                    attrs: n.attrs.clone(),
+                }
+            })
+            .collect();
+        GraphDef {
+            version: FORMAT_VERSION,
+            nodes,
+        }
+    }
+
+    /// Number of nodes.
+    pub fn num_nodes(&self) -> usize {
+        self.g.node_count()
+    }
+
+    /// Number of edges (data and control).
+    pub fn num_edges(&self) -> usize {
+        self.g.edge_count()
+    }
+
+    /// Node indices in file order.
+    pub fn node_indices(&self) -> impl Iterator<Item = NodeIndex> + '_ {
+        self.g.node_indices()
+    }
+
+    /// The node at `idx`.
+    pub fn node(&self, idx: NodeIndex) -> &Node {
+        &self.g[idx]
+    }
+
+    /// Looks a node up by name.
+    pub fn find(&self, name: &str) -> Option<NodeIndex> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The data inputs of `idx` in input-slot order: (producer, producer output).
+    pub fn inputs(&self, idx: NodeIndex) -> Vec<(NodeIndex, usize)> {
+        let mut v: Vec<(usize, NodeIndex, usize)> = self
+            .g
+            .edges_directed(idx, Direction::Incoming)
+            .filter_map(|e| match *e.weight() {
+                Edge::Data {
+                    src_output,
+                    dst_input,
+                } => Some((dst_input, e.source(), src_output)),
+                Edge::Control => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, s, o)| (s, o)).collect()
+    }
+
+    /// The control inputs of `idx`, in insertion order.
+    pub fn control_inputs(&self, idx: NodeIndex) -> Vec<NodeIndex> {
+        let mut v: Vec<(EdgeIndex, NodeIndex)> = self
+            .g
+            .edges_directed(idx, Direction::Incoming)
+            .filter(|e| *e.weight() == Edge::Control)
+            .map(|e| (e.id(), e.source()))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Every outgoing edge of `idx`: (consumer, edge).
+    pub fn out_edges(&self, idx: NodeIndex) -> Vec<(NodeIndex, Edge)> {
+        let mut v: Vec<(EdgeIndex, NodeIndex, Edge)> = self
+            .g
+            .edges_directed(idx, Direction::Outgoing)
+            .map(|e| (e.id(), e.target(), *e.weight()))
+            .collect();
+        v.sort_unstable_by_key(|x| x.0);
+        v.into_iter().map(|(_, t, e)| (t, e)).collect()
+    }
+
+    /// Node indices in a topological order (producers before consumers), deterministic.
+    pub fn topo_order(&self) -> Vec<NodeIndex> {
+        // Validation rejected cycles, so this cannot fail on a Graph built by from_def.
+        petgraph::algo::toposort(&self.g, None).unwrap_or_default()
+    }
+
+    /// The type of output `out` of node `idx`.
+    pub fn output_type(&self, idx: NodeIndex, out: usize) -> Option<&TensorType> {
+        self.g[idx].outputs.get(out)
+    }
+
+    /// The underlying petgraph graph (read-only).
+    pub fn petgraph(&self) -> &DiGraph<Node, Edge> {
+        &self.g
+    }
+
+    /// Variables and their total size: (count, elements, bytes).
+    pub fn parameter_stats(&self) -> (usize, usize, usize) {
+        self.g
+            .node_weights()
+            .filter(|n| n.op_def().is_variable)
+            .fold((0, 0, 0), |(c, e, b), n| {
+                let t = &n.outputs[0];
+                let elems = t.shape.num_elements().unwrap_or(0);
+                (c + 1, e + elems, b + t.byte_size().unwrap_or(0))
+            })
+    }
+
+    fn cycle_through(&self, start: NodeIndex) -> Vec<String> {
+        // Iterative DFS from `start` until it returns to `start`; the stack is the cycle.
+        let mut stack: Vec<(NodeIndex, Vec<NodeIndex>)> =
+            vec![(start, self.g.neighbors(start).collect())];
+        let mut visited = vec![false; self.g.node_count()];
+        visited[start.index()] = true;
+        while let Some((_, next)) = stack.last_mut() {
+            match next.pop() {
+                Some(n) if n == start => {
+                    let mut path: Vec<String> =
+                        stack.iter().map(|(x, _)| self.g[*x].name.clone()).collect();
+                    path.push(self.g[start].name.clone());
+                    return path;
+                }
+                Some(n) if !visited[n.index()] => {
+                    visited[n.index()] = true;
+                    let succ = self.g.neighbors(n).collect();
+                    stack.push((n, succ));
+                }
+                Some(_) => {}
+                None => {
+                    stack.pop();
+                }
+            }
+        }
+        vec![self.g[start].name.clone(), self.g[start].name.clone()]
+    }
+}
+
+fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
+    for (name, value) in &n.attrs {
+        match op.attr(name) {
+            None => errs.push(GraphError::UnknownAttr {
+                node: n.name.clone(),
+                op: n.op.clone(),
+                attr: name.clone(),
+                valid: op.attrs.iter().map(|a| a.name).collect(),
+            }),
+            Some(d) if d.ty != value.ty() => errs.push(GraphError::AttrType {
+                node: n.name.clone(),
+                attr: name.clone(),
+                expected: d.ty,
+                found: value.ty(),
+            }),
+            Some(_) => {}
+        }
+    }
+    for a in &op.attrs {
+        if a.default.value().is_none() && !n.attrs.contains_key(a.name) {
+            errs.push(GraphError::MissingAttr {
+                node: n.name.clone(),
+                op: n.op.clone(),
+                attr: a.name,
+                ty: a.ty,
+            });
+        }
+    }
+}
+
+fn check_device(_n: &Node, _errs: &mut [GraphError]) {}
+
+fn nearest_name(name: &str, by_name: &HashMap<String, NodeIndex>) -> Option<String> {
+    // Bounded: suggestions only for graphs small enough that a linear scan is cheap.
+    if by_name.len() > 10_000 {
+        return None;
+    }
+    by_name
+        .keys()
+        .map(|k| (strsim::jaro_winkler(name, k), k))
+        .filter(|(s, _)| *s > 0.85)
+        .max_by(|a, b| a.0.total_cmp(&b.0).then_with(|| b.1.cmp(a.1)))
+        .map(|(_, k)| k.clone())
+}
+
+fn truncate(errs: &mut Vec<GraphError>) {
+    errs.truncate(MAX_ERRORS);
+}
