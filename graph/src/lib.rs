@@ -9,6 +9,7 @@ pub mod def;
 pub mod dtype;
 pub mod error;
 pub mod graph;
+pub mod kernel;
 pub mod ops;
 pub mod shape;
 pub mod tensor;

@@ -1,1 +1,13 @@
-//! dflow transport (filled by later issues).
+//! dflow's transport layer: the rendezvous where `Send` and `Recv` meet, and its backends.
+//!
+//! The transport knows nothing of graphs: it moves [`Tensor`]s between named endpoints,
+//! identified by a [`RendezvousKey`] and a step id.
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+pub mod local;
+pub mod rendezvous;
+
+pub use dflow_graph::Tensor;
+pub use local::LocalRendezvous;
+pub use rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};

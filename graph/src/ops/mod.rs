@@ -247,6 +247,8 @@ pub struct OpDef {
     pub stateful: bool,
     /// True for ops that hold trainable state (`Variable`): placed on ps by the device setter.
     pub is_variable: bool,
+    /// Kernels by device type (`"CPU"`, later `"GPU"`).
+    pub kernels: Vec<(&'static str, crate::kernel::KernelFactory)>,
 }
 
 impl OpDef {
@@ -261,7 +263,26 @@ impl OpDef {
             infer,
             stateful: false,
             is_variable: false,
+            kernels: vec![],
         }
+    }
+
+    /// Registers the kernel for `device_type` (`"CPU"`).
+    pub fn kernel(
+        mut self,
+        device_type: &'static str,
+        factory: crate::kernel::KernelFactory,
+    ) -> Self {
+        self.kernels.push((device_type, factory));
+        self
+    }
+
+    /// The kernel factory for `device_type`, if the op has one.
+    pub fn kernel_for(&self, device_type: &str) -> Option<crate::kernel::KernelFactory> {
+        self.kernels
+            .iter()
+            .find(|(d, _)| d.eq_ignore_ascii_case(device_type))
+            .map(|(_, f)| *f)
     }
 
     /// Sets the inputs.

@@ -1,0 +1,123 @@
+//! The interface between ops and the executor: kernels and variable storage.
+//!
+//! An op declares its CPU kernel next to its shape rule (see [`crate::ops`]); the executor
+//! instantiates one [`Kernel`] per node when it compiles a partition, then calls
+//! [`Kernel::compute`] every step.
+
+use crate::ops::TensorType;
+use crate::{AttrValue, Tensor};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Mutex;
+
+/// Storage of one variable on its device, shared by the `Variable` node that reads it and the
+/// ops that update it through reference inputs.
+#[derive(Debug, Default)]
+pub struct VariableCell {
+    value: Mutex<Option<Tensor>>,
+}
+
+impl VariableCell {
+    /// The current value, or `None` before initialization. Cheap: shares the buffer.
+    pub fn read(&self) -> Option<Tensor> {
+        self.value.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the value.
+    pub fn write(&self, t: Tensor) {
+        *self.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+    }
+
+    /// Updates the value in place under the lock (no torn reads: readers see old or new).
+    pub fn update<R>(&self, f: impl FnOnce(&mut Option<Tensor>) -> R) -> R {
+        f(&mut self.value.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// What a kernel sees when it is instantiated (once per node per compiled plan).
+#[derive(Debug)]
+pub struct KernelInit<'a> {
+    /// Node name.
+    pub node: &'a str,
+    /// Attributes with defaults filled in.
+    pub attrs: &'a BTreeMap<String, AttrValue>,
+    /// Static types of the data inputs.
+    pub input_types: &'a [TensorType],
+    /// Static types of the outputs.
+    pub output_types: &'a [TensorType],
+}
+
+impl KernelInit<'_> {
+    /// An attribute (defaults are already filled in).
+    pub fn attr(&self, name: &str) -> Result<&AttrValue, String> {
+        self.attrs
+            .get(name)
+            .ok_or_else(|| format!("missing attribute `{name}`"))
+    }
+}
+
+/// What a kernel sees each step.
+#[derive(Debug)]
+pub struct KernelContext<'a> {
+    /// Node name (for messages).
+    pub node: &'a str,
+    /// Data input values, in slot order. For a reference input the value is the variable's
+    /// current value (or empty before initialization); use [`KernelContext::variable`] to write.
+    pub inputs: &'a [Tensor],
+    /// The variable this node owns (`Variable`) or updates through its reference input.
+    pub variable: Option<&'a VariableCell>,
+    /// The step id.
+    pub step: u64,
+    /// Output values; the kernel sets each one.
+    pub outputs: &'a mut [Option<Tensor>],
+}
+
+impl KernelContext<'_> {
+    /// Input `i`.
+    pub fn input(&self, i: usize) -> Result<&Tensor, String> {
+        self.inputs
+            .get(i)
+            .ok_or_else(|| format!("missing input {i}"))
+    }
+
+    /// Sets output `i`.
+    pub fn set_output(&mut self, i: usize, t: Tensor) -> Result<(), String> {
+        let slot = self
+            .outputs
+            .get_mut(i)
+            .ok_or_else(|| format!("no output {i}"))?;
+        *slot = Some(t);
+        Ok(())
+    }
+
+    /// The variable cell (for `Variable` and ops with a reference input).
+    pub fn variable(&self) -> Result<&VariableCell, String> {
+        self.variable
+            .ok_or_else(|| "no variable is bound to this node".to_string())
+    }
+}
+
+/// A compiled kernel for one node.
+pub trait Kernel: Send + Sync + fmt::Debug {
+    /// Computes the outputs from the inputs. The error message is wrapped by the executor with
+    /// the node name and device, so it should describe only the problem (e.g. both shapes).
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String>;
+}
+
+/// Builds the kernel for one node from its static description.
+pub type KernelFactory = fn(&KernelInit<'_>) -> Result<Box<dyn Kernel>, String>;
+
+/// A kernel made from a plain function (for stateless ops with no per-node setup).
+pub struct FnKernel(pub fn(&mut KernelContext<'_>) -> Result<(), String>);
+
+impl fmt::Debug for FnKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnKernel")
+    }
+}
+
+impl Kernel for FnKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        (self.0)(ctx)
+    }
+}

@@ -1,0 +1,133 @@
+//! The rendezvous interface: `Send` and `Recv` meet by key and step id.
+
+use dflow_graph::Tensor;
+use std::fmt;
+use std::sync::Arc;
+
+/// Identifies one Send/Recv pair: `send_device;recv_device;tensor_name`.
+///
+/// The step id is not part of the key; it is passed alongside, so the same key is reused every
+/// step (and the same preallocated buffer behind it).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RendezvousKey {
+    /// Full name of the sending device.
+    pub send_device: String,
+    /// Full name of the receiving device.
+    pub recv_device: String,
+    /// The tensor, `node:output` (or `^node` for a control edge).
+    pub tensor_name: String,
+}
+
+impl RendezvousKey {
+    /// Builds a key.
+    pub fn new(send_device: &str, recv_device: &str, tensor_name: &str) -> Self {
+        RendezvousKey {
+            send_device: send_device.into(),
+            recv_device: recv_device.into(),
+            tensor_name: tensor_name.into(),
+        }
+    }
+
+    /// Parses `send;recv;tensor`.
+    pub fn parse(s: &str) -> Result<Self, RendezvousError> {
+        let mut it = s.splitn(3, ';');
+        match (it.next(), it.next(), it.next()) {
+            (Some(a), Some(b), Some(c)) if !a.is_empty() && !b.is_empty() && !c.is_empty() => {
+                Ok(RendezvousKey::new(a, b, c))
+            }
+            _ => Err(RendezvousError::BadKey(s.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for RendezvousKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{};{};{}",
+            self.send_device, self.recv_device, self.tensor_name
+        )
+    }
+}
+
+/// Why a Send or Recv did not complete. Says whether the step was aborted, the peer is gone, or
+/// the slot was misused, and names the key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RendezvousError {
+    /// The step was aborted; `cause` says why (e.g. a kernel failure on another device).
+    #[error("step {step} aborted: {cause}")]
+    Aborted {
+        /// Step id.
+        step: u64,
+        /// The original error.
+        cause: String,
+    },
+    /// Nothing arrived within the timeout.
+    #[error("timed out after {waited_ms} ms waiting for tensor `{}` from {} (key {key}, step {step})", key.tensor_name, key.send_device)]
+    Timeout {
+        /// The key waited on.
+        key: RendezvousKey,
+        /// Step id.
+        step: u64,
+        /// Milliseconds waited.
+        waited_ms: u64,
+    },
+    /// The same key was sent twice in one step.
+    #[error("duplicate send of key {key} in step {step}")]
+    DuplicateSend {
+        /// The key.
+        key: RendezvousKey,
+        /// Step id.
+        step: u64,
+    },
+    /// The same key was received twice in one step.
+    #[error("duplicate recv of key {key} in step {step}")]
+    DuplicateRecv {
+        /// The key.
+        key: RendezvousKey,
+        /// Step id.
+        step: u64,
+    },
+    /// A key string does not have the `send;recv;tensor` form.
+    #[error("malformed rendezvous key {0:?} (expected `send_device;recv_device;tensor_name`)")]
+    BadKey(String),
+    /// The peer task is unreachable or died.
+    #[error("peer {peer} is gone: {cause}")]
+    PeerGone {
+        /// The peer task.
+        peer: String,
+        /// What happened.
+        cause: String,
+    },
+}
+
+/// Called exactly once with the received tensor or the reason there is none.
+pub type RecvCallback = Box<dyn FnOnce(Result<Tensor, RendezvousError>) + Send>;
+
+/// Where `Send` and `Recv` meet.
+///
+/// `send` never blocks. `recv_async` never blocks either: it registers a callback that runs
+/// when the tensor arrives (on the sender's thread, or immediately if it is already there), so a
+/// pending Recv holds no compute thread.
+pub trait Rendezvous: Send + Sync + fmt::Debug {
+    /// Delivers `value` for `key` in `step`.
+    fn send(
+        &self,
+        key: &Arc<RendezvousKey>,
+        step: u64,
+        value: Tensor,
+    ) -> Result<(), RendezvousError>;
+
+    /// Asks for the value of `key` in `step`; `done` runs once with it or with an error.
+    fn recv_async(&self, key: &Arc<RendezvousKey>, step: u64, done: RecvCallback);
+
+    /// Aborts `step`: every pending and future Recv of that step fails with `cause`, and values
+    /// already sent for it are dropped.
+    fn abort_step(&self, step: u64, cause: RendezvousError);
+
+    /// Forgets everything about `step` once it has completed (values not consumed are dropped).
+    fn finish_step(&self, step: u64);
+
+    /// Keys with a Recv still waiting in `step` (for timeout messages).
+    fn pending_recvs(&self, step: u64) -> Vec<RendezvousKey>;
+}
