@@ -10,6 +10,7 @@ use std::fmt;
 use std::sync::OnceLock;
 
 pub mod state;
+pub mod transfer;
 
 /// One input or output of an op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -367,6 +368,7 @@ pub fn registry() -> &'static OpRegistry {
     REGISTRY.get_or_init(|| {
         let mut r = OpRegistry::default();
         state::register(&mut r);
+        transfer::register(&mut r);
         r
     })
 }
