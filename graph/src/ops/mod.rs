@@ -9,6 +9,10 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::OnceLock;
 
+pub mod array;
+pub mod math;
+pub mod nn;
+pub mod reduce;
 pub mod state;
 pub mod transfer;
 
@@ -369,6 +373,10 @@ pub fn registry() -> &'static OpRegistry {
         let mut r = OpRegistry::default();
         state::register(&mut r);
         transfer::register(&mut r);
+        math::register(&mut r);
+        nn::register(&mut r);
+        reduce::register(&mut r);
+        array::register(&mut r);
         r
     })
 }

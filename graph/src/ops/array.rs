@@ -1,0 +1,211 @@
+//! Array manipulation: Reshape, ZerosLike, OnesLike.
+//!
+//! **Difference from TensorFlow:** Reshape's target shape is the attribute `shape` (list(int),
+//! at most one `-1`), not a second input tensor. A static target keeps output shapes known at
+//! graph-construction time, which the partitioner's buffer plan relies on; the `-1` still lets a
+//! graph keep an unknown batch dimension. Each op lives in its own delimited block below.
+
+use super::*;
+
+pub(crate) fn register(r: &mut OpRegistry) {
+    r.add(reshape());
+    r.add(zeros_like());
+    r.add(ones_like());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reshape
+// ---------------------------------------------------------------------------------------------
+
+fn reshape() -> OpDef {
+    OpDef::new(
+        "Reshape",
+        "output = tensor with its elements (row-major order unchanged) laid out as `shape`. \
+         In: tensor (any dtype). Out: output, same dtype. Attrs: shape (list(int), required; at \
+         most one -1, inferred from the element count).",
+        reshape_infer,
+    )
+    .inputs([arg("tensor")])
+    .outputs([arg("output")])
+    .attrs([attr("shape", AttrType::IntList)])
+}
+
+fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let x = ctx.input(0)?;
+    let target = ctx.ints("shape")?;
+    let pretty = || format!("{target:?}");
+    if target.iter().filter(|&&d| d == -1).count() > 1 {
+        return Err(format!("Reshape: shape {} has more than one -1", pretty()));
+    }
+    let mut out = Shape::from_signed(target)
+        .map_err(|e| format!("Reshape: shape {}: {e}", pretty()))?
+        .dims()
+        .map(<[Option<usize>]>::to_vec)
+        .unwrap_or_default();
+    // Product of the given (non -1) target dims.
+    let given = out
+        .iter()
+        .flatten()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| format!("Reshape: shape {} has too many elements", pretty()))?;
+    let wildcard = out.iter().position(Option::is_none);
+    match (x.shape.num_elements(), wildcard) {
+        (Some(n), None) if n != given => {
+            return Err(format!(
+            "Reshape: cannot reshape input of shape {} ({n} elements) into {} ({given} elements)",
+            x.shape,
+            pretty()
+        ))
+        }
+        (Some(n), Some(k)) => {
+            if given == 0 {
+                return Err(format!(
+                    "Reshape: cannot infer the -1 in {} for input of shape {}: another dimension is 0",
+                    pretty(),
+                    x.shape
+                ));
+            }
+            if n % given != 0 {
+                return Err(format!(
+                    "Reshape: cannot reshape input of shape {} ({n} elements) into {}: {n} is not \
+                     a multiple of {given}, the product of the other dimensions",
+                    x.shape,
+                    pretty()
+                ));
+            }
+            out[k] = Some(n / given);
+        }
+        (None, None) => {
+            // Partially known input: its element count is a multiple of its known dims' product.
+            let known = x.shape.dims().map(|d| {
+                d.iter()
+                    .flatten()
+                    .try_fold(1usize, |a, &d| a.checked_mul(d))
+            });
+            if let Some(Some(p)) = known {
+                let fits = if p == 0 { given == 0 } else { given % p == 0 };
+                if !fits {
+                    return Err(format!(
+                        "Reshape: cannot reshape input of shape {} into {} ({given} elements is \
+                         not a multiple of {p})",
+                        x.shape,
+                        pretty()
+                    ));
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(vec![TensorType::new(x.dtype, Shape::partial(out))])
+}
+
+// ---------------------------------------------------------------------------------------------
+// ZerosLike
+// ---------------------------------------------------------------------------------------------
+
+fn zeros_like() -> OpDef {
+    OpDef::new(
+        "ZerosLike",
+        "y = zeros of x's dtype and shape (false for bool). In: x (any dtype). Out: y, same type.",
+        same_as_input,
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// OnesLike
+// ---------------------------------------------------------------------------------------------
+
+fn ones_like() -> OpDef {
+    OpDef::new(
+        "OnesLike",
+        "y = ones of x's dtype and shape (true for bool). In: x (any dtype). Out: y, same type.",
+        same_as_input,
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::math::{infer, tt};
+    use super::*;
+    use DType::*;
+
+    fn reshape(x: TensorType, shape: &[i64]) -> Result<Vec<TensorType>, String> {
+        infer(
+            "Reshape",
+            &[x],
+            &[("shape", AttrValue::IntList(shape.to_vec()))],
+        )
+    }
+
+    #[test]
+    fn reshape_static() {
+        assert_eq!(
+            reshape(tt(F32, &[2, 3]), &[3, 2]),
+            Ok(vec![tt(F32, &[3, 2])])
+        );
+        assert_eq!(reshape(tt(I64, &[2, 3]), &[6]), Ok(vec![tt(I64, &[6])]));
+        assert_eq!(reshape(tt(F32, &[1]), &[]), Ok(vec![tt(F32, &[])]));
+        assert_eq!(
+            reshape(tt(F32, &[0, 4]), &[2, 0]),
+            Ok(vec![tt(F32, &[2, 0])])
+        );
+    }
+
+    #[test]
+    fn reshape_infers_minus_one() {
+        assert_eq!(
+            reshape(tt(F32, &[32, 28, 28]), &[-1, 784]),
+            Ok(vec![tt(F32, &[32, 784])])
+        );
+        assert_eq!(reshape(tt(F32, &[2, 3]), &[-1]), Ok(vec![tt(F32, &[6])]));
+        // Unknown batch: the -1 stays unknown.
+        assert_eq!(
+            reshape(tt(F32, &[-1, 28, 28]), &[-1, 784]),
+            Ok(vec![tt(F32, &[-1, 784])])
+        );
+        assert_eq!(
+            reshape(TensorType::new(Bool, Shape::unknown()), &[4, -1]),
+            Ok(vec![tt(Bool, &[4, -1])])
+        );
+    }
+
+    #[test]
+    fn reshape_errors() {
+        let e = reshape(tt(F32, &[2, 3]), &[4]).unwrap_err();
+        assert!(
+            e.contains("[2, 3]") && e.contains("6 elements") && e.contains("[4]"),
+            "{e}"
+        );
+        let e = reshape(tt(F32, &[2, 3]), &[-1, 4]).unwrap_err();
+        assert!(e.contains("[2, 3]") && e.contains("[-1, 4]"), "{e}");
+        let e = reshape(tt(F32, &[2, 3]), &[-1, -1]).unwrap_err();
+        assert!(e.contains("more than one -1"), "{e}");
+        let e = reshape(tt(F32, &[2, 3]), &[-2, 3]).unwrap_err();
+        assert!(e.contains("-2"), "{e}");
+        let e = reshape(tt(F32, &[0, 3]), &[0, -1]).unwrap_err();
+        assert!(e.contains("[0, 3]") && e.contains("cannot infer"), "{e}");
+        // Partially known input: [?, 3] holds a multiple of 3 elements.
+        let e = reshape(tt(F32, &[-1, 3]), &[4]).unwrap_err();
+        assert!(e.contains("[?, 3]") && e.contains("multiple of 3"), "{e}");
+        assert_eq!(reshape(tt(F32, &[-1, 3]), &[6]), Ok(vec![tt(F32, &[6])]));
+        let e = infer("Reshape", &[tt(F32, &[2])], &[]).unwrap_err();
+        assert!(e.contains("shape"), "{e}");
+    }
+
+    #[test]
+    fn like_ops_keep_type() {
+        for op in ["ZerosLike", "OnesLike"] {
+            for x in [
+                tt(F32, &[-1, 3]),
+                tt(Bool, &[2]),
+                TensorType::new(I64, Shape::unknown()),
+            ] {
+                assert_eq!(infer(op, std::slice::from_ref(&x), &[]), Ok(vec![x]));
+            }
+        }
+    }
+}

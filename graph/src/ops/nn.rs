@@ -1,0 +1,400 @@
+//! Neural-network ops: BiasAdd, Relu, Sigmoid, Tanh, Softmax, SparseSoftmaxCrossEntropyWithLogits,
+//! and the gradient helpers autodiff emits: ReluGrad, SigmoidGrad, TanhGrad, BiasAddGrad.
+//!
+//! Only the NHWC layout exists (the channel/bias dimension is the last one), so TensorFlow's
+//! `data_format` attribute is not declared. Each op lives in its own delimited block below.
+
+use super::math::{require_numeric, require_same, unary_float};
+use super::*;
+
+pub(crate) fn register(r: &mut OpRegistry) {
+    r.add(bias_add());
+    r.add(relu());
+    r.add(sigmoid());
+    r.add(tanh());
+    r.add(softmax());
+    r.add(sparse_softmax_cross_entropy_with_logits());
+    r.add(relu_grad());
+    r.add(sigmoid_grad());
+    r.add(tanh_grad());
+    r.add(bias_add_grad());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+// ---------------------------------------------------------------------------------------------
+
+/// Requires rank ≥ `min` when the rank is known.
+fn require_min_rank(op: &str, what: &str, t: &TensorType, min: usize) -> Result<(), String> {
+    match t.shape.rank() {
+        Some(r) if r < min => Err(format!(
+            "{op}: {what} must have rank >= {min}, got shape {}",
+            t.shape
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Requires exactly rank `n` when the rank is known.
+fn require_rank(op: &str, what: &str, t: &TensorType, n: usize) -> Result<(), String> {
+    match t.shape.rank() {
+        Some(r) if r != n => Err(format!(
+            "{op}: {what} must have rank {n}, got shape {}",
+            t.shape
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Shape rule of an elementwise gradient `(a, b) -> out`: same float dtype, same shape (merged).
+fn grad_pair(op: &str, names: (&str, &str), ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let (a, b) = (ctx.input(0)?, ctx.input(1)?);
+    let dtype = require_same(op, (names.0, a), (names.1, b))?;
+    require_float(&format!("{op}: {}", names.0), a)?;
+    let shape = a.shape.merge(&b.shape).ok_or_else(|| {
+        format!(
+            "{op}: {} has shape {} but {} has shape {}; they must match",
+            names.0, a.shape, names.1, b.shape
+        )
+    })?;
+    Ok(vec![TensorType::new(dtype, shape)])
+}
+
+// ---------------------------------------------------------------------------------------------
+// BiasAdd
+// ---------------------------------------------------------------------------------------------
+
+fn bias_add() -> OpDef {
+    OpDef::new(
+        "BiasAdd",
+        "output = value + bias, bias added along the last dimension. In: value (rank >= 2, \
+         numeric), bias (rank 1, same dtype, length = last dim of value). Out: output, shape of value.",
+        bias_add_infer,
+    )
+    .inputs([arg("value"), arg("bias")])
+    .outputs([arg("output")])
+}
+
+fn bias_add_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let (value, bias) = (ctx.input(0)?, ctx.input(1)?);
+    let dtype = require_same("BiasAdd", ("value", value), ("bias", bias))?;
+    require_numeric("BiasAdd", "value", value)?;
+    require_min_rank("BiasAdd", "value", value, 2)?;
+    require_rank("BiasAdd", "bias", bias, 1)?;
+    let Some(dims) = value.shape.dims() else {
+        return Ok(vec![value.clone()]);
+    };
+    let mut dims = dims.to_vec();
+    if let Some(last) = dims.last_mut() {
+        match (*last, bias.shape.dim(0)) {
+            (Some(c), Some(b)) if c != b => {
+                return Err(format!(
+                    "BiasAdd: bias {} does not match the last dimension of value {}",
+                    bias.shape, value.shape
+                ))
+            }
+            (None, b) => *last = b,
+            _ => {}
+        }
+    }
+    Ok(vec![TensorType::new(dtype, Shape::partial(dims))])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Relu
+// ---------------------------------------------------------------------------------------------
+
+fn relu() -> OpDef {
+    OpDef::new(
+        "Relu",
+        "activations = max(features, 0) elementwise. In: features (float). Out: activations, same type.",
+        |ctx| unary_float("Relu", ctx),
+    )
+    .inputs([arg("features")])
+    .outputs([arg("activations")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sigmoid
+// ---------------------------------------------------------------------------------------------
+
+fn sigmoid() -> OpDef {
+    OpDef::new(
+        "Sigmoid",
+        "y = 1 / (1 + e^-x) elementwise. In: x (float). Out: y, same type.",
+        |ctx| unary_float("Sigmoid", ctx),
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tanh
+// ---------------------------------------------------------------------------------------------
+
+fn tanh() -> OpDef {
+    OpDef::new(
+        "Tanh",
+        "y = tanh(x) elementwise. In: x (float). Out: y, same type.",
+        |ctx| unary_float("Tanh", ctx),
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax
+// ---------------------------------------------------------------------------------------------
+
+fn softmax() -> OpDef {
+    OpDef::new(
+        "Softmax",
+        "softmax = exp(logits) / sum(exp(logits)) over the last dimension. In: logits (rank >= 1, \
+         float). Out: softmax, same type.",
+        |ctx| {
+            let logits = ctx.input(0)?;
+            require_float("Softmax: logits", logits)?;
+            require_min_rank("Softmax", "logits", logits, 1)?;
+            Ok(vec![logits.clone()])
+        },
+    )
+    .inputs([arg("logits")])
+    .outputs([arg("softmax")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// SparseSoftmaxCrossEntropyWithLogits
+// ---------------------------------------------------------------------------------------------
+
+fn sparse_softmax_cross_entropy_with_logits() -> OpDef {
+    OpDef::new(
+        "SparseSoftmaxCrossEntropyWithLogits",
+        "Per-example softmax cross-entropy against integer class labels. In: features \
+         [batch, classes] (float), labels [batch] (i32 or i64, each in [0, classes)). \
+         Out: loss [batch], backprop [batch, classes] (d loss / d features), both of features' dtype.",
+        sparse_xent_infer,
+    )
+    .inputs([arg("features"), arg("labels")])
+    .outputs([arg("loss"), arg("backprop")])
+}
+
+fn sparse_xent_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    const OP: &str = "SparseSoftmaxCrossEntropyWithLogits";
+    let (features, labels) = (ctx.input(0)?, ctx.input(1)?);
+    require_float(&format!("{OP}: features"), features)?;
+    if !labels.dtype.is_int() {
+        return Err(format!("{OP}: labels must be i32 or i64, got {labels}"));
+    }
+    require_rank(OP, "features", features, 2)?;
+    require_rank(OP, "labels", labels, 1)?;
+    let (batch, classes) = (features.shape.dim(0), features.shape.dim(1));
+    let batch = match (batch, labels.shape.dim(0)) {
+        (Some(f), Some(l)) if f != l => {
+            return Err(format!(
+                "{OP}: features {} and labels {} disagree on the batch size",
+                features.shape, labels.shape
+            ))
+        }
+        (f, l) => f.or(l),
+    };
+    Ok(vec![
+        TensorType::new(features.dtype, Shape::partial(vec![batch])),
+        TensorType::new(features.dtype, Shape::partial(vec![batch, classes])),
+    ])
+}
+
+// ---------------------------------------------------------------------------------------------
+// ReluGrad
+// ---------------------------------------------------------------------------------------------
+
+fn relu_grad() -> OpDef {
+    OpDef::new(
+        "ReluGrad",
+        "backprops = gradients where features > 0, else 0. In: gradients, features (same float \
+         dtype and shape). Out: backprops.",
+        |ctx| grad_pair("ReluGrad", ("gradients", "features"), ctx),
+    )
+    .inputs([arg("gradients"), arg("features")])
+    .outputs([arg("backprops")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// SigmoidGrad
+// ---------------------------------------------------------------------------------------------
+
+fn sigmoid_grad() -> OpDef {
+    OpDef::new(
+        "SigmoidGrad",
+        "z = dy * y * (1 - y), the gradient of Sigmoid given its output y. In: y, dy (same float \
+         dtype and shape). Out: z.",
+        |ctx| grad_pair("SigmoidGrad", ("y", "dy"), ctx),
+    )
+    .inputs([arg("y"), arg("dy")])
+    .outputs([arg("z")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// TanhGrad
+// ---------------------------------------------------------------------------------------------
+
+fn tanh_grad() -> OpDef {
+    OpDef::new(
+        "TanhGrad",
+        "z = dy * (1 - y²), the gradient of Tanh given its output y. In: y, dy (same float dtype \
+         and shape). Out: z.",
+        |ctx| grad_pair("TanhGrad", ("y", "dy"), ctx),
+    )
+    .inputs([arg("y"), arg("dy")])
+    .outputs([arg("z")])
+}
+
+// ---------------------------------------------------------------------------------------------
+// BiasAddGrad
+// ---------------------------------------------------------------------------------------------
+
+fn bias_add_grad() -> OpDef {
+    OpDef::new(
+        "BiasAddGrad",
+        "output = out_backprop summed over every dimension but the last (the gradient of BiasAdd \
+         w.r.t. bias). In: out_backprop (rank >= 2, numeric). Out: output [last dim].",
+        |ctx| {
+            let g = ctx.input(0)?;
+            require_numeric("BiasAddGrad", "out_backprop", g)?;
+            require_min_rank("BiasAddGrad", "out_backprop", g, 2)?;
+            let last = g.shape.dims().and_then(|d| d.last().copied().flatten());
+            Ok(vec![TensorType::new(g.dtype, Shape::partial(vec![last]))])
+        },
+    )
+    .inputs([arg("out_backprop")])
+    .outputs([arg("output")])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::math::{infer, tt};
+    use super::*;
+    use DType::*;
+
+    #[test]
+    fn bias_add() {
+        assert_eq!(
+            infer("BiasAdd", &[tt(F32, &[32, 10]), tt(F32, &[10])], &[]),
+            Ok(vec![tt(F32, &[32, 10])])
+        );
+        // The bias fills in an unknown channel dimension.
+        assert_eq!(
+            infer("BiasAdd", &[tt(F32, &[-1, 2, -1]), tt(F32, &[7])], &[]),
+            Ok(vec![tt(F32, &[-1, 2, 7])])
+        );
+        assert_eq!(
+            infer("BiasAdd", &[tt(F32, &[-1, 10]), tt(F32, &[-1])], &[]),
+            Ok(vec![tt(F32, &[-1, 10])])
+        );
+        let unknown = TensorType::new(F32, Shape::unknown());
+        assert_eq!(
+            infer("BiasAdd", &[unknown.clone(), tt(F32, &[3])], &[]),
+            Ok(vec![unknown])
+        );
+    }
+
+    #[test]
+    fn bias_add_errors() {
+        let e = infer("BiasAdd", &[tt(F32, &[32, 10]), tt(F32, &[9])], &[]).unwrap_err();
+        assert!(e.contains("[9]") && e.contains("[32, 10]"), "{e}");
+        let e = infer("BiasAdd", &[tt(F32, &[10]), tt(F32, &[10])], &[]).unwrap_err();
+        assert!(e.contains("rank >= 2") && e.contains("[10]"), "{e}");
+        let e = infer("BiasAdd", &[tt(F32, &[2, 10]), tt(F32, &[1, 10])], &[]).unwrap_err();
+        assert!(e.contains("bias must have rank 1"), "{e}");
+        let e = infer("BiasAdd", &[tt(F32, &[2, 10]), tt(F64, &[10])], &[]).unwrap_err();
+        assert!(e.contains("f32[2, 10]") && e.contains("f64[10]"), "{e}");
+    }
+
+    #[test]
+    fn activations() {
+        for op in ["Relu", "Sigmoid", "Tanh", "Softmax"] {
+            assert_eq!(
+                infer(op, &[tt(F32, &[-1, 10])], &[]),
+                Ok(vec![tt(F32, &[-1, 10])])
+            );
+            let e = infer(op, &[tt(I32, &[2])], &[]).unwrap_err();
+            assert!(e.contains(op) && e.contains("i32"), "{e}");
+        }
+        let e = infer("Softmax", &[tt(F32, &[])], &[]).unwrap_err();
+        assert!(e.contains("rank >= 1") && e.contains("[]"), "{e}");
+    }
+
+    #[test]
+    fn sparse_xent() {
+        const OP: &str = "SparseSoftmaxCrossEntropyWithLogits";
+        assert_eq!(
+            infer(OP, &[tt(F32, &[32, 10]), tt(I64, &[32])], &[]),
+            Ok(vec![tt(F32, &[32]), tt(F32, &[32, 10])])
+        );
+        // The batch size can come from either input.
+        assert_eq!(
+            infer(OP, &[tt(F32, &[-1, 10]), tt(I32, &[8])], &[]),
+            Ok(vec![tt(F32, &[8]), tt(F32, &[8, 10])])
+        );
+        assert_eq!(
+            infer(
+                OP,
+                &[TensorType::new(F64, Shape::unknown()), tt(I32, &[-1])],
+                &[]
+            ),
+            Ok(vec![tt(F64, &[-1]), tt(F64, &[-1, -1])])
+        );
+        let e = infer(OP, &[tt(F32, &[32, 10]), tt(I64, &[16])], &[]).unwrap_err();
+        assert!(e.contains("[32, 10]") && e.contains("[16]"), "{e}");
+        let e = infer(OP, &[tt(F32, &[32, 10]), tt(F32, &[32])], &[]).unwrap_err();
+        assert!(e.contains("labels") && e.contains("f32[32]"), "{e}");
+        let e = infer(OP, &[tt(I32, &[32, 10]), tt(I32, &[32])], &[]).unwrap_err();
+        assert!(e.contains("features") && e.contains("i32"), "{e}");
+        let e = infer(OP, &[tt(F32, &[32]), tt(I32, &[32])], &[]).unwrap_err();
+        assert!(e.contains("features must have rank 2"), "{e}");
+        let e = infer(OP, &[tt(F32, &[32, 10]), tt(I32, &[32, 1])], &[]).unwrap_err();
+        assert!(
+            e.contains("labels must have rank 1") && e.contains("[32, 1]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn elementwise_grads() {
+        for (op, a, b) in [
+            ("ReluGrad", "gradients", "features"),
+            ("SigmoidGrad", "y", "dy"),
+            ("TanhGrad", "y", "dy"),
+        ] {
+            assert_eq!(
+                infer(op, &[tt(F32, &[-1, 10]), tt(F32, &[4, -1])], &[]),
+                Ok(vec![tt(F32, &[4, 10])])
+            );
+            let e = infer(op, &[tt(F32, &[4, 10]), tt(F32, &[4, 9])], &[]).unwrap_err();
+            assert!(
+                e.contains(a) && e.contains(b) && e.contains("[4, 9]"),
+                "{e}"
+            );
+            let e = infer(op, &[tt(F32, &[4]), tt(F64, &[4])], &[]).unwrap_err();
+            assert!(e.contains("f32[4]") && e.contains("f64[4]"), "{e}");
+            assert!(infer(op, &[tt(I32, &[4]), tt(I32, &[4])], &[]).is_err());
+        }
+    }
+
+    #[test]
+    fn bias_add_grad() {
+        assert_eq!(
+            infer("BiasAddGrad", &[tt(F32, &[-1, 10])], &[]),
+            Ok(vec![tt(F32, &[10])])
+        );
+        assert_eq!(
+            infer(
+                "BiasAddGrad",
+                &[TensorType::new(F32, Shape::unknown())],
+                &[]
+            ),
+            Ok(vec![tt(F32, &[-1])])
+        );
+        let e = infer("BiasAddGrad", &[tt(F32, &[10])], &[]).unwrap_err();
+        assert!(e.contains("rank >= 2") && e.contains("[10]"), "{e}");
+    }
+}
