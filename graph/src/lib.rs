@@ -4,14 +4,18 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
+pub mod cluster;
 pub mod def;
+pub mod device;
 pub mod dtype;
 pub mod ops;
 pub mod shape;
 pub mod tensor;
 
 pub use attr::{AttrType, AttrValue};
+pub use cluster::{ClusterSpec, TfConfig};
 pub use def::{GraphDef, InputRef, NodeDef};
+pub use device::DeviceName;
 pub use dtype::DType;
 pub use ops::{registry, OpDef, TensorType};
 pub use shape::Shape;
