@@ -5,7 +5,9 @@
 
 pub mod attr;
 pub mod builder;
+pub mod cluster;
 pub mod def;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod graph;
@@ -15,7 +17,9 @@ pub mod shape;
 pub mod tensor;
 
 pub use attr::{AttrType, AttrValue};
+pub use cluster::{ClusterSpec, TfConfig};
 pub use def::{GraphDef, InputRef, NodeDef};
+pub use device::DeviceName;
 pub use dtype::DType;
 pub use error::{GraphError, GraphErrors};
 pub use graph::{Edge, Graph, Node};
