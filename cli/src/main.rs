@@ -1,1 +1,50 @@
-fn main() {}
+//! The `dflow` command-line tool.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+mod cmd;
+
+/// dflow: partition dataflow graphs across devices and run them.
+#[derive(Debug, Parser)]
+#[command(name = "dflow", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a graph file and print a summary (nodes, ops, devices, parameters).
+    Check(cmd::check::Args),
+    /// Convert a graph between the JSON and DSL formats.
+    Convert(cmd::convert::Args),
+    /// Place and partition a graph over a cluster; print per-device subgraphs and Send/Recv pairs.
+    Partition(cmd::partition::Args),
+    /// Run a graph (`--local`: every task of the cluster in this process).
+    Run(cmd::run::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DFLOW_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Check(a) => cmd::check::run(a),
+        Command::Convert(a) => cmd::convert::run(a),
+        Command::Partition(a) => cmd::partition::run(a),
+        Command::Run(a) => cmd::run::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -550,7 +550,14 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
     }
 }
 
-fn check_device(_n: &Node, _errs: &mut [GraphError]) {}
+fn check_device(n: &Node, errs: &mut Vec<GraphError>) {
+    if let Err(e) = crate::DeviceName::parse(&n.device) {
+        errs.push(GraphError::InvalidDevice {
+            node: n.name.clone(),
+            message: e.to_string(),
+        });
+    }
+}
 
 fn nearest_name(name: &str, by_name: &HashMap<String, NodeIndex>) -> Option<String> {
     // Bounded: suggestions only for graphs small enough that a linear scan is cheap.

@@ -204,3 +204,14 @@ fn variable_shape_must_be_static_and_parameters_are_counted() {
     let e = errors(vec![v]);
     assert!(e[0].to_string().contains("must be fully known"), "{e:?}");
 }
+
+#[test]
+fn bad_device_names_the_node() {
+    let mut p = placeholder("x", &[1]);
+    p.device = "/job:ps/task:x".into();
+    let e = errors(vec![p]);
+    assert_eq!(
+        e[0].to_string(),
+        "node `x`: invalid device \"/job:ps/task:x\": task index \"x\" is not a number"
+    );
+}

@@ -11,15 +11,23 @@ pub const CLIENT_DEVICE: &str = "/job:client/replica:0/task:0/device:CPU:0";
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(
-        OpDef::new("Send", "Sends its input to `recv_device` under the rendezvous key.", |_| Ok(vec![]))
-            .inputs([arg("tensor")])
-            .attrs([
-                attr("tensor_name", AttrType::String),
-                attr("send_device", AttrType::String),
-                attr("recv_device", AttrType::String),
-                attr_or("client_terminated", AttrType::Bool, AttrDefault::Bool(false)),
-            ])
-            .stateful(),
+        OpDef::new(
+            "Send",
+            "Sends its input to `recv_device` under the rendezvous key.",
+            |_| Ok(vec![]),
+        )
+        .inputs([arg("tensor")])
+        .attrs([
+            attr("tensor_name", AttrType::String),
+            attr("send_device", AttrType::String),
+            attr("recv_device", AttrType::String),
+            attr_or(
+                "client_terminated",
+                AttrType::Bool,
+                AttrDefault::Bool(false),
+            ),
+        ])
+        .stateful(),
     );
     r.add(
         OpDef::new(
