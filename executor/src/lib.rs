@@ -1,1 +1,17 @@
-//! dflow executor (filled by later issues).
+//! dflow's executor: compiles each partition into an execution plan once, runs steps with a
+//! dataflow scheduler on a compute pool, and offers the [`Session`] API.
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+pub mod error;
+pub mod plan;
+// pub mod session;
+mod step;
+pub mod trace;
+pub mod variables;
+
+pub use error::ExecError;
+pub use plan::ExecutionPlan;
+// pub use session::{Session, SessionOptions};
+pub use trace::Tracer;
+pub use variables::VariableStore;

@@ -1,0 +1,341 @@
+//! The session API: run a graph over every device of a cluster inside this process.
+//!
+//! ```no_run
+//! use dflow_executor::{Session, SessionOptions};
+//! use dflow_graph::{builder::GraphBuilder, ClusterSpec, DType, Tensor};
+//!
+//! let mut b = GraphBuilder::new();
+//! let x = b.placeholder("x", DType::F32, &[2]);
+//! let w = b.with_device("/job:ps/task:0", |b| b.variable("w", DType::F32, &[2], "ones"));
+//! b.binary("Add", "y", &x, &w);
+//! let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 1)]).unwrap();
+//! let session = Session::new(b.build().unwrap(), cluster, SessionOptions::default()).unwrap();
+//! let x = Tensor::from_slice(&[2], &[1.0f32, 2.0]).unwrap();
+//! let out = session.run(&[("x", x)], &["y"], &[]).unwrap();
+//! assert_eq!(out[0].as_slice::<f32>().unwrap(), &[2.0, 3.0]);
+//! ```
+
+use crate::error::ExecError;
+use crate::plan::ExecutionPlan;
+use crate::step::start_step;
+use crate::trace::Tracer;
+use crate::variables::VariableStore;
+use dflow_graph::{ClusterSpec, DeviceName, Graph, Shape, Tensor};
+use dflow_partitioner::{partition, place, PartitionOptions, Partitions, PlacedGraph, PlacementOptions};
+use dflow_transport::{LocalRendezvous, Rendezvous, RendezvousError, RendezvousKey};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How a session places and runs its graph.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// Placement policy and defaults.
+    pub placement: PlacementOptions,
+    /// Longest a step may take before it is aborted with a message naming what it waited for.
+    pub step_timeout: Duration,
+    /// Record a Chrome trace of every step.
+    pub trace: bool,
+    /// Compute threads (0: one per core).
+    pub num_threads: usize,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            placement: PlacementOptions::default(),
+            step_timeout: Duration::from_secs(30),
+            trace: false,
+            num_threads: 0,
+        }
+    }
+}
+
+/// A fetch or feed signature: plans are compiled once per signature and reused.
+type Signature = (Vec<String>, Vec<String>, Vec<String>);
+
+/// A run signature compiled into per-device plans.
+#[derive(Debug)]
+struct CompiledCall {
+    partitions: Partitions,
+    plans: Vec<Arc<ExecutionPlan>>,
+    feeds: Vec<(Arc<RendezvousKey>, dflow_graph::DType, Shape)>,
+    fetches: Vec<Arc<RendezvousKey>>,
+}
+
+/// Runs a graph on every device of a cluster inside this process (the local backend).
+#[derive(Debug)]
+pub struct Session {
+    placed: PlacedGraph,
+    rendezvous: Arc<LocalRendezvous>,
+    stores: Mutex<BTreeMap<DeviceName, Arc<VariableStore>>>,
+    cache: Mutex<HashMap<Signature, Arc<CompiledCall>>>,
+    pool: Arc<rayon::ThreadPool>,
+    next_step: AtomicU64,
+    tracer: Option<Arc<Tracer>>,
+    timeout: Duration,
+}
+
+enum Event {
+    DeviceDone(Result<(), ExecError>),
+    Fetched(usize, Result<Tensor, RendezvousError>),
+}
+
+fn tensor_name(name: &str) -> String {
+    if name.contains(':') {
+        name.to_string()
+    } else {
+        format!("{name}:0")
+    }
+}
+
+impl Session {
+    /// Places `graph` on `cluster` and prepares to run it.
+    pub fn new(graph: Graph, cluster: ClusterSpec, opts: SessionOptions) -> Result<Session, ExecError> {
+        let placed = place(&graph, &cluster, &opts.placement).map_err(|e| ExecError::Setup(e.to_string()))?;
+        let threads = if opts.num_threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)
+        } else {
+            opts.num_threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("dflow-compute-{i}"))
+            .build()
+            .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
+        Ok(Session {
+            placed,
+            rendezvous: Arc::new(LocalRendezvous::new()),
+            stores: Mutex::new(BTreeMap::new()),
+            cache: Mutex::new(HashMap::new()),
+            pool: Arc::new(pool),
+            next_step: AtomicU64::new(1),
+            tracer: opts.trace.then(|| Arc::new(Tracer::new())),
+            timeout: opts.step_timeout,
+        })
+    }
+
+    /// The placed graph.
+    pub fn placed(&self) -> &PlacedGraph {
+        &self.placed
+    }
+
+    /// The trace recorder, when tracing is on.
+    pub fn tracer(&self) -> Option<&Arc<Tracer>> {
+        self.tracer.as_ref()
+    }
+
+    /// The partitions compiled for a run signature (compiling them if needed).
+    pub fn partitions(&self, feeds: &[&str], fetches: &[&str], targets: &[&str]) -> Result<Partitions, ExecError> {
+        Ok(self.compiled(feeds, fetches, targets)?.partitions.clone())
+    }
+
+    fn store(&self, device: &DeviceName) -> Arc<VariableStore> {
+        self.stores
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(device.clone())
+            .or_default()
+            .clone()
+    }
+
+    fn compiled(&self, feeds: &[&str], fetches: &[&str], targets: &[&str]) -> Result<Arc<CompiledCall>, ExecError> {
+        let sig: Signature = (
+            feeds.iter().map(|s| tensor_name(s)).collect(),
+            fetches.iter().map(|s| tensor_name(s)).collect(),
+            targets.iter().map(|s| s.to_string()).collect(),
+        );
+        if let Some(c) = self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(&sig) {
+            return Ok(c.clone());
+        }
+        let opts = PartitionOptions { feeds: sig.0.clone(), fetches: sig.1.clone(), targets: sig.2.clone() };
+        let partitions = partition(&self.placed, &opts).map_err(|e| ExecError::Setup(e.to_string()))?;
+        let mut plans = Vec::new();
+        for (device, part) in &partitions.partitions {
+            let store = self.store(device);
+            plans.push(Arc::new(ExecutionPlan::compile(device, &part.graph, &store)?));
+        }
+        let pair_types: HashMap<&str, (dflow_graph::DType, Shape)> = partitions
+            .pairs
+            .iter()
+            .map(|p| (p.key.as_str(), (p.dtype, p.shape.clone())))
+            .collect();
+        let mut feed_keys = Vec::new();
+        for (name, ep) in sig.0.iter().zip(&partitions.feeds) {
+            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Feed { name: name.clone(), message: e.to_string() })?;
+            let (dtype, shape) = pair_types.get(ep.key.as_str()).cloned().ok_or_else(|| ExecError::Feed {
+                name: name.clone(),
+                message: format!("no transfer pair for key {}", ep.key),
+            })?;
+            feed_keys.push((Arc::new(key), dtype, shape));
+        }
+        let mut fetch_keys = Vec::new();
+        for (name, ep) in sig.1.iter().zip(&partitions.fetches) {
+            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Fetch { name: name.clone(), message: e.to_string() })?;
+            fetch_keys.push(Arc::new(key));
+        }
+        let c = Arc::new(CompiledCall { partitions, plans, feeds: feed_keys, fetches: fetch_keys });
+        self.cache.lock().unwrap_or_else(|p| p.into_inner()).insert(sig, c.clone());
+        Ok(c)
+    }
+
+    /// Runs one step: feeds by tensor name (`x` or `x:0`), returns fetches in order; `targets`
+    /// are nodes run for their effect. Variables persist across calls. After an error the
+    /// session stays usable.
+    pub fn run(&self, feeds: &[(&str, Tensor)], fetches: &[&str], targets: &[&str]) -> Result<Vec<Tensor>, ExecError> {
+        let feed_names: Vec<&str> = feeds.iter().map(|(n, _)| *n).collect();
+        let call = self.compiled(&feed_names, fetches, targets)?;
+        let step = self.next_step.fetch_add(1, Ordering::Relaxed);
+
+        for ((name, value), (key, dtype, shape)) in feeds.iter().zip(&call.feeds) {
+            if value.dtype() != *dtype {
+                return Err(ExecError::Feed {
+                    name: name.to_string(),
+                    message: format!("expected dtype {dtype}, got {}", value.dtype()),
+                });
+            }
+            if !shape.is_compatible_with(&value.shape()) {
+                return Err(ExecError::Feed {
+                    name: name.to_string(),
+                    message: format!("expected shape {shape}, got {}", value.shape()),
+                });
+            }
+            self.rendezvous
+                .send(key, step, value.clone())
+                .map_err(|e| ExecError::Feed { name: name.to_string(), message: e.to_string() })?;
+        }
+
+        let (tx, rx) = mpsc::channel::<Event>();
+        let rv: Arc<dyn Rendezvous> = self.rendezvous.clone();
+        for plan in &call.plans {
+            let tx = tx.clone();
+            start_step(
+                plan.clone(),
+                step,
+                rv.clone(),
+                self.pool.clone(),
+                self.tracer.clone(),
+                Box::new(move |r| {
+                    let _ = tx.send(Event::DeviceDone(r));
+                }),
+            );
+        }
+        for (i, key) in call.fetches.iter().enumerate() {
+            let tx = tx.clone();
+            self.rendezvous.recv_async(
+                key,
+                step,
+                Box::new(move |r| {
+                    let _ = tx.send(Event::Fetched(i, r));
+                }),
+            );
+        }
+        drop(tx);
+
+        let result = self.collect(step, &call, &rx);
+        self.rendezvous.finish_step(step);
+        result
+    }
+
+    fn collect(&self, step: u64, call: &CompiledCall, rx: &mpsc::Receiver<Event>) -> Result<Vec<Tensor>, ExecError> {
+        let start = Instant::now();
+        let mut deadline = start + self.timeout;
+        let mut devices_left = call.plans.len();
+        let mut fetched: Vec<Option<Tensor>> = vec![None; call.fetches.len()];
+        let mut fetches_left = call.fetches.len();
+        let mut errors: Vec<ExecError> = Vec::new();
+        let mut timeout_error: Option<ExecError> = None;
+        while devices_left > 0 || fetches_left > 0 {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok(Event::DeviceDone(r)) => {
+                    devices_left -= 1;
+                    if let Err(e) = r {
+                        errors.push(e);
+                    }
+                }
+                Ok(Event::Fetched(i, r)) => {
+                    fetches_left -= 1;
+                    match r {
+                        Ok(t) => fetched[i] = Some(t),
+                        Err(e) => errors.push(ExecError::Transfer {
+                            node: format!("fetch {}", call.fetches[i].tensor_name),
+                            device: "client".into(),
+                            source: e,
+                        }),
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) if timeout_error.is_none() => {
+                    let waiting = self
+                        .rendezvous
+                        .pending_recvs(step)
+                        .into_iter()
+                        .map(|k| (k.tensor_name, k.send_device, k.recv_device))
+                        .collect();
+                    let e = ExecError::Timeout { step, waited_ms: start.elapsed().as_millis() as u64, waiting };
+                    self.rendezvous
+                        .abort_step(step, RendezvousError::Aborted { step, cause: e.to_string() });
+                    timeout_error = Some(e);
+                    // Give the aborted step a bounded grace period to unwind.
+                    deadline = Instant::now() + Duration::from_secs(5);
+                }
+                Err(_) => break, // grace period over, or every sender gone
+            }
+        }
+        if let Some(e) = timeout_error {
+            return Err(e);
+        }
+        if !errors.is_empty() {
+            // The root cause is the error that is not a consequence of the abort.
+            let root = errors
+                .iter()
+                .position(|e| !matches!(e, ExecError::Transfer { source: RendezvousError::Aborted { .. }, .. }))
+                .unwrap_or(0);
+            return Err(errors.swap_remove(root));
+        }
+        fetched
+            .into_iter()
+            .zip(&call.fetches)
+            .map(|(t, k)| {
+                t.ok_or_else(|| ExecError::Fetch { name: k.tensor_name.clone(), message: "no value arrived".into() })
+            })
+            .collect()
+    }
+
+    /// Current values of every initialized variable on every device: (device, name, value).
+    pub fn variables(&self) -> Vec<(DeviceName, String, Tensor)> {
+        let stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        stores
+            .iter()
+            .flat_map(|(d, s)| s.snapshot().into_iter().map(move |(n, t)| (d.clone(), n, t)))
+            .collect()
+    }
+
+    /// Sets a variable's value (restoring checkpoints). The variable must exist in the graph.
+    pub fn assign_variable(&self, name: &str, value: Tensor) -> Result<(), ExecError> {
+        let idx = self
+            .placed
+            .graph
+            .find(name)
+            .filter(|&i| self.placed.graph.node(i).op_def().is_variable)
+            .ok_or_else(|| ExecError::Setup(format!("no variable named `{name}` in the graph")))?;
+        let expected = &self.placed.graph.node(idx).outputs[0];
+        if expected.dtype != value.dtype() || expected.shape != value.shape() {
+            return Err(ExecError::Setup(format!(
+                "variable `{name}` is {expected}, the value is {}{}",
+                value.dtype(),
+                value.shape()
+            )));
+        }
+        let device = self.placed.devices[idx.index()].clone();
+        self.store(&device).cell(name).write(value);
+        Ok(())
+    }
+
+    /// Recv keys still pending in `step` (diagnostics).
+    pub fn pending(&self, step: u64) -> Vec<RendezvousKey> {
+        self.rendezvous.pending_recvs(step)
+    }
+}

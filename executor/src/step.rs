@@ -1,0 +1,283 @@
+//! Running one step of an [`ExecutionPlan`]: the dataflow scheduler.
+//!
+//! Each node waits for a count of incoming edges. When a node finishes, it decrements its
+//! successors' counts; the first newly ready successor runs inline on the same thread (so a
+//! chain runs without a thread hand-off per node) and the others go to the compute pool. A
+//! `Recv` never blocks a thread: it registers a callback with the rendezvous and the step
+//! continues elsewhere. An error anywhere aborts the step on the rendezvous, which wakes every
+//! pending `Recv` on every device with the cause; the remaining nodes are skipped and the step
+//! completes with the first error.
+
+use crate::error::ExecError;
+use crate::plan::{ExecutionPlan, NodeAction};
+use crate::trace::{TraceEvent, Tracer};
+use dflow_graph::kernel::KernelContext;
+use dflow_graph::Tensor;
+use dflow_transport::{Rendezvous, RendezvousError};
+use smallvec::SmallVec;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Called once when the step finishes on this device.
+pub type StepDone = Box<dyn FnOnce(Result<(), ExecError>) + Send>;
+
+/// Everything one running step of one device needs.
+pub(crate) struct StepState {
+    plan: Arc<ExecutionPlan>,
+    step: u64,
+    pending: Vec<AtomicU32>,
+    values: Vec<OnceLock<Tensor>>,
+    outstanding: AtomicUsize,
+    failed: AtomicBool,
+    error: Mutex<Option<ExecError>>,
+    done: Mutex<Option<StepDone>>,
+    rendezvous: Arc<dyn Rendezvous>,
+    pool: Arc<rayon::ThreadPool>,
+    tracer: Option<Arc<Tracer>>,
+}
+
+/// Starts `step` of `plan`; returns immediately. `done` runs once when every node has finished
+/// or been skipped.
+pub(crate) fn start_step(
+    plan: Arc<ExecutionPlan>,
+    step: u64,
+    rendezvous: Arc<dyn Rendezvous>,
+    pool: Arc<rayon::ThreadPool>,
+    tracer: Option<Arc<Tracer>>,
+    done: StepDone,
+) {
+    let n = plan.nodes.len();
+    if n == 0 {
+        done(Ok(()));
+        return;
+    }
+    let state = Arc::new(StepState {
+        pending: plan
+            .nodes
+            .iter()
+            .map(|p| AtomicU32::new(p.num_pending))
+            .collect(),
+        values: (0..plan.num_slots).map(|_| OnceLock::new()).collect(),
+        outstanding: AtomicUsize::new(n),
+        failed: AtomicBool::new(false),
+        error: Mutex::new(None),
+        done: Mutex::new(Some(done)),
+        plan,
+        step,
+        rendezvous,
+        pool,
+        tracer,
+    });
+    let roots = state.plan.roots.clone();
+    for r in roots {
+        let s = state.clone();
+        state.pool.spawn(move || s.run_from(r));
+    }
+}
+
+impl StepState {
+    /// Runs `first` and then, inline, one newly ready successor at a time.
+    fn run_from(self: &Arc<Self>, first: u32) {
+        let mut next = Some(first);
+        while let Some(n) = next.take() {
+            if !self.start_node(n) {
+                continue; // a Recv: completion arrives through its callback
+            }
+            let mut ready: SmallVec<[u32; 8]> = SmallVec::new();
+            self.complete(n, &mut ready);
+            let mut it = ready.into_iter();
+            next = it.next();
+            for other in it {
+                let s = self.clone();
+                self.pool.spawn(move || s.run_from(other));
+            }
+        }
+    }
+
+    /// Executes node `n`. Returns false when completion is asynchronous (Recv).
+    fn start_node(self: &Arc<Self>, n: u32) -> bool {
+        let node = &self.plan.nodes[n as usize];
+        let failed = self.failed.load(Ordering::Acquire);
+        match &node.action {
+            NodeAction::Recv(key) => {
+                if failed {
+                    return true;
+                }
+                let s = self.clone();
+                let t0 = self.tracer.as_ref().map(|t| t.now_us());
+                self.rendezvous.recv_async(
+                    key,
+                    self.step,
+                    Box::new(move |r| {
+                        let node = &s.plan.nodes[n as usize];
+                        match r {
+                            Ok(t) => {
+                                if let (Some(tr), Some(t0)) = (&s.tracer, t0) {
+                                    tr.record(TraceEvent::span(
+                                        &s.plan.device_label,
+                                        "Recv",
+                                        &node.name,
+                                        t0,
+                                        Some(t.byte_len()),
+                                    ));
+                                }
+                                let _ = s.values[node.output_base as usize].set(t);
+                            }
+                            Err(e) => s.fail(node_transfer_error(&s.plan, n, e)),
+                        }
+                        // Continue on the pool: this callback may run on another device's thread.
+                        let s2 = s.clone();
+                        s.pool.spawn(move || {
+                            let mut ready: SmallVec<[u32; 8]> = SmallVec::new();
+                            s2.complete(n, &mut ready);
+                            for r in ready {
+                                let s3 = s2.clone();
+                                s2.pool.spawn(move || s3.run_from(r));
+                            }
+                        });
+                    }),
+                );
+                false
+            }
+            _ if failed => true,
+            NodeAction::Send(key) => {
+                if let Some(v) = self.values[node.inputs[0] as usize].get() {
+                    let t0 = self.tracer.as_ref().map(|t| t.now_us());
+                    if let Err(e) = self.rendezvous.send(key, self.step, v.clone()) {
+                        self.fail(node_transfer_error(&self.plan, n, e));
+                    }
+                    if let (Some(tr), Some(t0)) = (&self.tracer, t0) {
+                        tr.record(TraceEvent::span(
+                            &self.plan.device_label,
+                            "Send",
+                            &node.name,
+                            t0,
+                            Some(v.byte_len()),
+                        ));
+                    }
+                }
+                true
+            }
+            NodeAction::Kernel(kernel) => {
+                let mut inputs: SmallVec<[Tensor; 4]> = SmallVec::with_capacity(node.inputs.len());
+                for &slot in &node.inputs {
+                    match self.values[slot as usize].get() {
+                        Some(v) => inputs.push(v.clone()),
+                        None => return true, // upstream skipped after a failure
+                    }
+                }
+                let mut outputs: SmallVec<[Option<Tensor>; 2]> = SmallVec::new();
+                outputs.resize(node.num_outputs as usize, None);
+                let t0 = self.tracer.as_ref().map(|t| t.now_us());
+                let mut ctx = KernelContext {
+                    node: &node.name,
+                    inputs: &inputs,
+                    variable: node.variable.as_deref(),
+                    step: self.step,
+                    outputs: &mut outputs,
+                };
+                let result = kernel.compute(&mut ctx);
+                if let (Some(tr), Some(t0)) = (&self.tracer, t0) {
+                    tr.record(TraceEvent::span(
+                        &self.plan.device_label,
+                        node.op,
+                        &node.name,
+                        t0,
+                        None,
+                    ));
+                }
+                match result {
+                    Ok(()) => {
+                        for (i, o) in outputs.into_iter().enumerate() {
+                            match o {
+                                Some(t) => {
+                                    let _ = self.values[node.output_base as usize + i].set(t);
+                                }
+                                None => {
+                                    self.fail(ExecError::Kernel {
+                                        node: node.name.clone(),
+                                        op: node.op.to_string(),
+                                        device: self.plan.device_label.clone(),
+                                        message: format!("kernel did not produce output {i}"),
+                                    });
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(message) => self.fail(ExecError::Kernel {
+                        node: node.name.clone(),
+                        op: node.op.to_string(),
+                        device: self.plan.device_label.clone(),
+                        message,
+                    }),
+                }
+                true
+            }
+        }
+    }
+
+    /// Marks `n` finished: notifies successors (collecting the newly ready ones) and, if it was
+    /// the last node, reports the step's result.
+    fn complete(&self, n: u32, ready: &mut SmallVec<[u32; 8]>) {
+        for &s in &self.plan.nodes[n as usize].successors {
+            if self.pending[s as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+                ready.push(s);
+            }
+        }
+        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let result = match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            if let Some(done) = self.done.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                done(result);
+            }
+        }
+    }
+
+    /// Records the first error and aborts the step everywhere.
+    fn fail(&self, e: ExecError) {
+        let first = {
+            let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(e.clone());
+                true
+            } else {
+                false
+            }
+        };
+        self.failed.store(true, Ordering::Release);
+        if first
+            && !matches!(
+                e,
+                ExecError::Transfer {
+                    source: RendezvousError::Aborted { .. },
+                    ..
+                }
+            )
+        {
+            self.rendezvous.abort_step(
+                self.step,
+                RendezvousError::Aborted {
+                    step: self.step,
+                    cause: e.to_string(),
+                },
+            );
+        }
+    }
+
+    /// The value in `slot` (for fetching results of local nodes in tests).
+    #[allow(dead_code)]
+    pub(crate) fn value(&self, slot: usize) -> Option<&Tensor> {
+        self.values.get(slot).and_then(|v| v.get())
+    }
+}
+
+fn node_transfer_error(plan: &ExecutionPlan, n: u32, source: RendezvousError) -> ExecError {
+    ExecError::Transfer {
+        node: plan.nodes[n as usize].name.clone(),
+        device: plan.device_label.clone(),
+        source,
+    }
+}
