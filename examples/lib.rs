@@ -1,1 +1,61 @@
-//! Example helpers.
+//! Example graphs built with the dflow library API.
+#![warn(missing_docs)]
+
+use dflow::graph::builder::GraphBuilder;
+use dflow::graph::{DType, Graph, GraphErrors};
+
+/// Builds the 64-32-10 digits MLP: variables on `/job:ps/task:0`, compute on
+/// `/job:worker/task:0` — the same graph as `examples/mlp/mlp.json`.
+pub fn mlp() -> Result<Graph, GraphErrors> {
+    let mut b = GraphBuilder::new();
+    let worker = "/job:worker/task:0";
+    let (w1, b1, w2, b2) = b.with_device("/job:ps/task:0", |b| {
+        let w1 = b
+            .op("Variable", "w1")
+            .attr("dtype", DType::F32)
+            .attr("shape", dflow::graph::Shape::known(&[64, 32]))
+            .attr("initializer", "glorot_uniform")
+            .attr("seed", 1i64)
+            .finish();
+        let b1 = b.variable("b1", DType::F32, &[32], "zeros");
+        let w2 = b
+            .op("Variable", "w2")
+            .attr("dtype", DType::F32)
+            .attr("shape", dflow::graph::Shape::known(&[32, 10]))
+            .attr("initializer", "glorot_uniform")
+            .attr("seed", 2i64)
+            .finish();
+        let b2 = b.variable("b2", DType::F32, &[10], "zeros");
+        (w1, b1, w2, b2)
+    });
+    b.with_device(worker, |b| {
+        let x = b.placeholder("x", DType::F32, &[-1, 64]);
+        let labels = b.placeholder("labels", DType::I64, &[-1]);
+        let h = b.matmul("layer1/matmul", &x, &w1);
+        let h = b.binary("BiasAdd", "layer1/bias", &h, &b1);
+        let h = b.unary("Relu", "layer1/relu", &h);
+        let l = b.matmul("layer2/matmul", &h, &w2);
+        let logits = b.binary("BiasAdd", "logits", &l, &b2);
+        b.unary("Softmax", "probs", &logits);
+        let xent = b.binary(
+            "SparseSoftmaxCrossEntropyWithLogits",
+            "xent",
+            &logits,
+            &labels,
+        );
+        b.unary("Mean", "loss", &xent);
+        let pred = b
+            .op("ArgMax", "predictions")
+            .input(&logits)
+            .attr("axis", 1i64)
+            .finish();
+        let correct = b.binary("Equal", "correct", &pred, &labels);
+        let c = b
+            .op("Cast", "correct_f32")
+            .input(&correct)
+            .attr("DstT", DType::F32)
+            .finish();
+        b.unary("Mean", "accuracy", &c);
+    });
+    b.build()
+}
