@@ -4,6 +4,7 @@
 #![deny(unused_must_use)]
 
 pub mod error;
+pub mod npy;
 pub mod plan;
 // pub mod session;
 mod step;
