@@ -38,8 +38,8 @@ pub(crate) struct PlanNode {
     pub(crate) successors: Vec<u32>,
     /// Incoming edges (data and control): the node runs when all have fired.
     pub(crate) num_pending: u32,
-    /// The variable this node owns or updates.
-    pub(crate) variable: Option<Arc<VariableCell>>,
+    /// The variable this node owns, or the variables behind its reference inputs.
+    pub(crate) variables: Vec<Arc<VariableCell>>,
 }
 
 /// A partition compiled for execution on one device.
@@ -123,14 +123,15 @@ impl ExecutionPlan {
                     })?)
                 }
             };
-            let variable = if op.is_variable {
-                Some(variables.cell(&node.name))
+            let cells = if op.is_variable {
+                vec![variables.cell(&node.name)]
             } else {
                 op.inputs
                     .iter()
                     .zip(&inputs)
-                    .find(|(arg, _)| arg.is_ref)
+                    .filter(|(arg, _)| arg.is_ref)
                     .map(|(_, (src, _))| variables.cell(&graph.node(*src).name))
+                    .collect()
             };
             let mut successors = Vec::new();
             for (dst, _) in graph.out_edges(idx) {
@@ -149,7 +150,7 @@ impl ExecutionPlan {
                 num_outputs: node.outputs.len() as u32,
                 successors,
                 num_pending,
-                variable,
+                variables: cells,
             });
         }
         let roots = nodes

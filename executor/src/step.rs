@@ -172,7 +172,7 @@ impl StepState {
                 let mut ctx = KernelContext {
                     node: &node.name,
                     inputs: &inputs,
-                    variable: node.variable.as_deref(),
+                    variables: &node.variables,
                     step: self.step,
                     outputs: &mut outputs,
                 };

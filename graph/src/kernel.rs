@@ -64,8 +64,9 @@ pub struct KernelContext<'a> {
     /// Data input values, in slot order. For a reference input the value is the variable's
     /// current value (or empty before initialization); use [`KernelContext::variable`] to write.
     pub inputs: &'a [Tensor],
-    /// The variable this node owns (`Variable`) or updates through its reference input.
-    pub variable: Option<&'a VariableCell>,
+    /// The variable this node owns (`Variable`), or the variables behind its reference inputs,
+    /// in input order.
+    pub variables: &'a [std::sync::Arc<VariableCell>],
     /// The step id.
     pub step: u64,
     /// Output values; the kernel sets each one.
