@@ -91,10 +91,17 @@ impl KernelContext<'_> {
         Ok(())
     }
 
-    /// The variable cell (for `Variable` and ops with a reference input).
+    /// The variable cell (for `Variable`, or an op's first reference input).
     pub fn variable(&self) -> Result<&VariableCell, String> {
-        self.variable
-            .ok_or_else(|| "no variable is bound to this node".to_string())
+        self.variable_at(0)
+    }
+
+    /// The cell behind the `k`-th reference input.
+    pub fn variable_at(&self, k: usize) -> Result<&VariableCell, String> {
+        self.variables
+            .get(k)
+            .map(|c| &**c)
+            .ok_or_else(|| format!("no variable is bound to reference input {k} of this node"))
     }
 }
 
