@@ -14,7 +14,9 @@ pub mod tensor;
 pub use attr::{AttrType, AttrValue};
 pub use def::{GraphDef, InputRef, NodeDef};
 pub use dtype::DType;
-pub use format::{load_file, parse_dsl, parse_json, to_dsl, to_json, Format, FormatErrors, ParsedGraph};
+pub use format::{
+    load_file, parse_dsl, parse_json, to_dsl, to_json, Format, FormatErrors, ParsedGraph,
+};
 pub use ops::{registry, OpDef, TensorType};
 pub use shape::Shape;
 pub use tensor::{Element, Tensor, TensorError};

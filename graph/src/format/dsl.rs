@@ -40,10 +40,10 @@ use crate::GraphDef;
 use serde_json::{Number, Value};
 use std::fmt::Write as _;
 use winnow::combinator::{alt, opt, peek, preceded, repeat};
+use winnow::error::ModalResult;
 use winnow::error::{AddContext, ContextError, ErrMode, StrContext, StrContextValue};
 use winnow::stream::{LocatingSlice, Location, Stream};
 use winnow::token::{any, literal, one_of, take_till, take_while};
-use winnow::error::ModalResult;
 use winnow::Parser;
 
 /// Lists nest at most this deep.
@@ -184,7 +184,12 @@ fn string(i: &mut Input<'_>) -> ModalResult<String> {
                 };
                 out.push(c);
             }
-            _ => return fail(start, "unterminated string (strings end on the same line)".into()),
+            _ => {
+                return fail(
+                    start,
+                    "unterminated string (strings end on the same line)".into(),
+                )
+            }
         }
     }
 }
@@ -206,7 +211,10 @@ fn number(i: &mut Input<'_>) -> ModalResult<Value> {
     if !text.contains(['.', 'e', 'E']) {
         return match text.parse::<i64>() {
             Ok(n) => Ok(Value::from(n)),
-            Err(_) => fail(pos, format!("integer {text} does not fit in 64 bits (signed)")),
+            Err(_) => fail(
+                pos,
+                format!("integer {text} does not fit in 64 bits (signed)"),
+            ),
         };
     }
     match text.parse::<f64>().ok().and_then(Number::from_f64) {
@@ -345,7 +353,9 @@ fn node(
             device_set = true;
             raw.device = d;
         } else if i.starts_with("colocate")
-            && peek(opt((literal("colocate"), ws, '('))).parse_next(i)?.is_some()
+            && peek(opt((literal("colocate"), ws, '(')))
+                .parse_next(i)?
+                .is_some()
         {
             literal("colocate").parse_next(i)?;
             token(i, "(")?;
@@ -385,13 +395,15 @@ fn arg(i: &mut Input<'_>, raw: &mut RawNode, soft: &mut Vec<(usize, String)>) ->
         return expected(i, &["input", "attr", ")"]);
     };
     // `x:1` (no spaces) is output 1 of x; `key: value` is an attr.
-    if let Some(idx) = opt(preceded(':', take_while(1.., |c: char| c.is_ascii_digit())))
-        .parse_next(i)?
+    if let Some(idx) =
+        opt(preceded(':', take_while(1.., |c: char| c.is_ascii_digit()))).parse_next(i)?
     {
         return push_input(raw, format!("{}:{idx}", n.v), pos, soft);
     }
     if eat(i, ":")? {
-        if !n.v.starts_with(is_ident_start) || !n.v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        if !n.v.starts_with(is_ident_start)
+            || !n.v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
             return fail(pos, format!("attr name {:?} is not an identifier", n.v));
         }
         ws(i)?;
@@ -544,7 +556,10 @@ fn syntax_message(e: ErrMode<ContextError>, at: usize, text: &str) -> (usize, St
     if wanted.is_empty() {
         (at, format!("syntax error at {found}"))
     } else {
-        (at, format!("expected {}, found {found}", wanted.join(" or ")))
+        (
+            at,
+            format!("expected {}, found {found}", wanted.join(" or ")),
+        )
     }
 }
 

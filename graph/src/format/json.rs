@@ -272,7 +272,11 @@ impl<'a> Reader<'a> {
         let h = self
             .text
             .get(self.i..self.i + 4)
-            .and_then(|h| u32::from_str_radix(h, 16).ok().filter(|_| !h.starts_with('+')))
+            .and_then(|h| {
+                u32::from_str_radix(h, 16)
+                    .ok()
+                    .filter(|_| !h.starts_with('+'))
+            })
             .ok_or_else(|| (esc, "\\u must be followed by 4 hex digits".to_string()))?;
         self.i += 4;
         Ok(h)
@@ -305,7 +309,12 @@ impl<'a> Reader<'a> {
                     self.i += 1;
                     return Ok(J::Arr(items));
                 }
-                _ => return Err((self.i, format!("expected \",\" or \"]\", found {}", self.found()))),
+                _ => {
+                    return Err((
+                        self.i,
+                        format!("expected \",\" or \"]\", found {}", self.found()),
+                    ))
+                }
             }
         }
     }
@@ -341,7 +350,12 @@ impl<'a> Reader<'a> {
                     self.i += 1;
                     return Ok(J::Obj(fields));
                 }
-                _ => return Err((self.i, format!("expected \",\" or \"}}\", found {}", self.found()))),
+                _ => {
+                    return Err((
+                        self.i,
+                        format!("expected \",\" or \"}}\", found {}", self.found()),
+                    ))
+                }
             }
         }
     }
@@ -363,7 +377,10 @@ pub fn parse_json(text: &str, path: Option<&str>) -> Result<ParsedGraph, FormatE
     let root = r.value(0).and_then(|v| {
         r.ws();
         if r.i < r.s.len() {
-            Err((r.i, format!("unexpected {} after the top-level value", r.found())))
+            Err((
+                r.i,
+                format!("unexpected {} after the top-level value", r.found()),
+            ))
         } else {
             Ok(v)
         }
@@ -404,7 +421,10 @@ fn top_level(root: Spanned, errs: &mut Errors<'_>) -> Vec<RawNode> {
         }
     }
     match format {
-        None => errs.push(root.pos, "missing field \"format\" (\"dflow-graph\")".into()),
+        None => errs.push(
+            root.pos,
+            "missing field \"format\" (\"dflow-graph\")".into(),
+        ),
         Some(Spanned { v: J::Str(s), .. }) if s == FORMAT_TAG => {}
         Some(f) => errs.push(f.pos, format!("\"format\" must be {FORMAT_TAG:?}")),
     }

@@ -270,10 +270,12 @@ impl<'a> Errors<'a> {
         self.list.len() >= MAX_ERRORS
     }
 
-    pub(crate) fn into_result<T>(self, ok: T) -> Result<T, FormatErrors> {
+    /// `Ok(ok)` when nothing was reported, else the errors in file order.
+    pub(crate) fn into_result<T>(mut self, ok: T) -> Result<T, FormatErrors> {
         if self.list.is_empty() {
             Ok(ok)
         } else {
+            self.list.sort_by_key(|e| (e.line, e.column));
             Err(FormatErrors(self.list))
         }
     }
@@ -407,6 +409,8 @@ fn build_attrs(
         errs.push(op.pos, format!("unknown op {:?}{hint}", op.v));
         return out;
     };
+    // A required attr that is present but invalid gets one error (its own), not two.
+    let given: Vec<String> = raw.iter().map(|(k, _)| k.v.clone()).collect();
     for (k, v) in raw {
         let Some(a) = def.attr(&k.v) else {
             let valid = if def.attrs.is_empty() {
@@ -433,7 +437,7 @@ fn build_attrs(
         }
     }
     for a in &def.attrs {
-        if a.default.value().is_none() && !out.contains_key(a.name) {
+        if a.default.value().is_none() && !given.iter().any(|g| g == a.name) {
             errs.push(
                 op.pos,
                 format!(
