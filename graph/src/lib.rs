@@ -10,6 +10,7 @@ pub mod def;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod format;
 pub mod graph;
 pub mod kernel;
 pub mod ops;
@@ -22,6 +23,9 @@ pub use def::{GraphDef, InputRef, NodeDef};
 pub use device::DeviceName;
 pub use dtype::DType;
 pub use error::{GraphError, GraphErrors};
+pub use format::{
+    load_file, parse_dsl, parse_json, to_dsl, to_json, Format, FormatErrors, ParsedGraph,
+};
 pub use graph::{Edge, Graph, Node};
 pub use ops::{registry, OpDef, TensorType};
 pub use shape::Shape;
