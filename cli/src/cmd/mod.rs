@@ -1,5 +1,6 @@
 //! One module per subcommand.
 pub mod check;
+pub mod common;
 pub mod convert;
 pub mod partition;
 pub mod run;
