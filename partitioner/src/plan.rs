@@ -1,0 +1,94 @@
+//! The buffer plan: what every Send/Recv pair needs before the first step.
+//!
+//! A pair with a static shape gets a slot of known size, so the transport can allocate and
+//! register it once; a pair whose shape is not static falls back to per-step buffers and is
+//! listed in [`BufferPlan::dynamic`] with the reason.
+
+use crate::partition::TransferPair;
+use dflow_graph::{DType, DeviceName, Shape};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One preallocated receive slot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotPlan {
+    /// The pair's rendezvous key.
+    pub key: String,
+    /// Element type.
+    pub dtype: DType,
+    /// The static shape.
+    pub shape: Shape,
+    /// Bytes per step.
+    pub bytes: usize,
+    /// Index of this slot (slots are numbered in key order, from 0).
+    pub slot: usize,
+}
+
+/// Buffers for every pair, known before the first step.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferPlan {
+    /// One slot per pair with a static shape, in key order.
+    pub slots: Vec<SlotPlan>,
+    /// Pairs whose shape is not static: (key, reason).
+    pub dynamic: Vec<(String, String)>,
+    /// Per partition device, the bytes of static pairs it receives per step (0 if none).
+    pub bytes_received_per_step: BTreeMap<DeviceName, usize>,
+}
+
+/// Builds the plan for `pairs` (sorted by key). `origin` names the placeholder a dynamic
+/// shape comes from, when there is one.
+pub(crate) fn build_buffer_plan<'a>(
+    pairs: &[TransferPair],
+    devices: impl Iterator<Item = &'a DeviceName>,
+    mut origin: impl FnMut(&TransferPair) -> Option<String>,
+) -> BufferPlan {
+    let client = dflow_graph::ops::transfer::CLIENT_DEVICE;
+    let mut plan = BufferPlan::default();
+    let mut per_device: BTreeMap<&str, usize> = BTreeMap::new();
+    for p in pairs {
+        match p.bytes {
+            Some(bytes) => {
+                plan.slots.push(SlotPlan {
+                    key: p.key.clone(),
+                    dtype: p.dtype,
+                    shape: p.shape.clone(),
+                    bytes,
+                    slot: plan.slots.len(),
+                });
+                if p.recv_device != client {
+                    let e = per_device.entry(p.recv_device.as_str()).or_insert(0);
+                    *e = e.saturating_add(bytes);
+                }
+            }
+            None => {
+                let mut reason = match p.shape.dims() {
+                    None => "rank unknown".to_string(),
+                    Some(dims) => {
+                        let unknown: Vec<String> = dims
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, d)| d.is_none())
+                            .map(|(i, _)| i.to_string())
+                            .collect();
+                        let s = if unknown.len() == 1 { "" } else { "s" };
+                        format!("dimension{s} {} unknown", unknown.join(", "))
+                    }
+                };
+                if let Some(ph) = origin(p) {
+                    let batch = p.shape.dims().is_some_and(|d| d.first() == Some(&None));
+                    if batch {
+                        reason.push_str(&format!(": batch size of placeholder {ph}"));
+                    } else {
+                        reason.push_str(&format!(": from placeholder {ph}"));
+                    }
+                }
+                plan.dynamic.push((p.key.clone(), reason));
+            }
+        }
+    }
+    for d in devices {
+        let bytes = per_device.get(d.to_string().as_str()).copied().unwrap_or(0);
+        plan.bytes_received_per_step.insert(d.clone(), bytes);
+    }
+    plan
+}
