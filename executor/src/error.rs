@@ -52,7 +52,7 @@ pub enum ExecError {
         /// Device name.
         device: String,
         /// The rendezvous error (aborted, timed out, peer gone, ...).
-        source: RendezvousError,
+        source: Box<RendezvousError>,
     },
     /// A step did not finish in time; names what was still awaited.
     #[error(

@@ -6,13 +6,13 @@
 pub mod error;
 pub mod npy;
 pub mod plan;
-// pub mod session;
+pub mod session;
 mod step;
 pub mod trace;
 pub mod variables;
 
 pub use error::ExecError;
 pub use plan::ExecutionPlan;
-// pub use session::{Session, SessionOptions};
+pub use session::{Session, SessionOptions};
 pub use trace::Tracer;
 pub use variables::VariableStore;

@@ -144,7 +144,7 @@ mod tests {
     fn round_trip_every_dtype() {
         let dir = std::env::temp_dir().join(format!("dflow-npy-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cases = vec![
+        let cases = [
             Tensor::from_slice(&[2, 3], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.5]).unwrap(),
             Tensor::from_slice(&[2], &[1.0f64, -2.0]).unwrap(),
             Tensor::from_slice(&[1, 2], &[7i32, -8]).unwrap(),

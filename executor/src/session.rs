@@ -21,7 +21,9 @@ use crate::step::start_step;
 use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::{ClusterSpec, DeviceName, Graph, Shape, Tensor};
-use dflow_partitioner::{partition, place, PartitionOptions, Partitions, PlacedGraph, PlacementOptions};
+use dflow_partitioner::{
+    partition, place, PartitionOptions, Partitions, PlacedGraph, PlacementOptions,
+};
 use dflow_transport::{LocalRendezvous, Rendezvous, RendezvousError, RendezvousKey};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -93,10 +95,17 @@ fn tensor_name(name: &str) -> String {
 
 impl Session {
     /// Places `graph` on `cluster` and prepares to run it.
-    pub fn new(graph: Graph, cluster: ClusterSpec, opts: SessionOptions) -> Result<Session, ExecError> {
-        let placed = place(&graph, &cluster, &opts.placement).map_err(|e| ExecError::Setup(e.to_string()))?;
+    pub fn new(
+        graph: Graph,
+        cluster: ClusterSpec,
+        opts: SessionOptions,
+    ) -> Result<Session, ExecError> {
+        let placed = place(&graph, &cluster, &opts.placement)
+            .map_err(|e| ExecError::Setup(e.to_string()))?;
         let threads = if opts.num_threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
         } else {
             opts.num_threads
         };
@@ -128,7 +137,12 @@ impl Session {
     }
 
     /// The partitions compiled for a run signature (compiling them if needed).
-    pub fn partitions(&self, feeds: &[&str], fetches: &[&str], targets: &[&str]) -> Result<Partitions, ExecError> {
+    pub fn partitions(
+        &self,
+        feeds: &[&str],
+        fetches: &[&str],
+        targets: &[&str],
+    ) -> Result<Partitions, ExecError> {
         Ok(self.compiled(feeds, fetches, targets)?.partitions.clone())
     }
 
@@ -141,21 +155,40 @@ impl Session {
             .clone()
     }
 
-    fn compiled(&self, feeds: &[&str], fetches: &[&str], targets: &[&str]) -> Result<Arc<CompiledCall>, ExecError> {
+    fn compiled(
+        &self,
+        feeds: &[&str],
+        fetches: &[&str],
+        targets: &[&str],
+    ) -> Result<Arc<CompiledCall>, ExecError> {
         let sig: Signature = (
             feeds.iter().map(|s| tensor_name(s)).collect(),
             fetches.iter().map(|s| tensor_name(s)).collect(),
             targets.iter().map(|s| s.to_string()).collect(),
         );
-        if let Some(c) = self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(&sig) {
+        if let Some(c) = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&sig)
+        {
             return Ok(c.clone());
         }
-        let opts = PartitionOptions { feeds: sig.0.clone(), fetches: sig.1.clone(), targets: sig.2.clone() };
-        let partitions = partition(&self.placed, &opts).map_err(|e| ExecError::Setup(e.to_string()))?;
+        let opts = PartitionOptions {
+            feeds: sig.0.clone(),
+            fetches: sig.1.clone(),
+            targets: sig.2.clone(),
+        };
+        let partitions =
+            partition(&self.placed, &opts).map_err(|e| ExecError::Setup(e.to_string()))?;
         let mut plans = Vec::new();
         for (device, part) in &partitions.partitions {
             let store = self.store(device);
-            plans.push(Arc::new(ExecutionPlan::compile(device, &part.graph, &store)?));
+            plans.push(Arc::new(ExecutionPlan::compile(
+                device,
+                &part.graph,
+                &store,
+            )?));
         }
         let pair_types: HashMap<&str, (dflow_graph::DType, Shape)> = partitions
             .pairs
@@ -164,27 +197,50 @@ impl Session {
             .collect();
         let mut feed_keys = Vec::new();
         for (name, ep) in sig.0.iter().zip(&partitions.feeds) {
-            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Feed { name: name.clone(), message: e.to_string() })?;
-            let (dtype, shape) = pair_types.get(ep.key.as_str()).cloned().ok_or_else(|| ExecError::Feed {
+            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Feed {
                 name: name.clone(),
-                message: format!("no transfer pair for key {}", ep.key),
+                message: e.to_string(),
             })?;
+            let (dtype, shape) =
+                pair_types
+                    .get(ep.key.as_str())
+                    .cloned()
+                    .ok_or_else(|| ExecError::Feed {
+                        name: name.clone(),
+                        message: format!("no transfer pair for key {}", ep.key),
+                    })?;
             feed_keys.push((Arc::new(key), dtype, shape));
         }
         let mut fetch_keys = Vec::new();
         for (name, ep) in sig.1.iter().zip(&partitions.fetches) {
-            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Fetch { name: name.clone(), message: e.to_string() })?;
+            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Fetch {
+                name: name.clone(),
+                message: e.to_string(),
+            })?;
             fetch_keys.push(Arc::new(key));
         }
-        let c = Arc::new(CompiledCall { partitions, plans, feeds: feed_keys, fetches: fetch_keys });
-        self.cache.lock().unwrap_or_else(|p| p.into_inner()).insert(sig, c.clone());
+        let c = Arc::new(CompiledCall {
+            partitions,
+            plans,
+            feeds: feed_keys,
+            fetches: fetch_keys,
+        });
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(sig, c.clone());
         Ok(c)
     }
 
     /// Runs one step: feeds by tensor name (`x` or `x:0`), returns fetches in order; `targets`
     /// are nodes run for their effect. Variables persist across calls. After an error the
     /// session stays usable.
-    pub fn run(&self, feeds: &[(&str, Tensor)], fetches: &[&str], targets: &[&str]) -> Result<Vec<Tensor>, ExecError> {
+    pub fn run(
+        &self,
+        feeds: &[(&str, Tensor)],
+        fetches: &[&str],
+        targets: &[&str],
+    ) -> Result<Vec<Tensor>, ExecError> {
         let feed_names: Vec<&str> = feeds.iter().map(|(n, _)| *n).collect();
         let call = self.compiled(&feed_names, fetches, targets)?;
         let step = self.next_step.fetch_add(1, Ordering::Relaxed);
@@ -204,7 +260,10 @@ impl Session {
             }
             self.rendezvous
                 .send(key, step, value.clone())
-                .map_err(|e| ExecError::Feed { name: name.to_string(), message: e.to_string() })?;
+                .map_err(|e| ExecError::Feed {
+                    name: name.to_string(),
+                    message: e.to_string(),
+                })?;
         }
 
         let (tx, rx) = mpsc::channel::<Event>();
@@ -239,7 +298,12 @@ impl Session {
         result
     }
 
-    fn collect(&self, step: u64, call: &CompiledCall, rx: &mpsc::Receiver<Event>) -> Result<Vec<Tensor>, ExecError> {
+    fn collect(
+        &self,
+        step: u64,
+        call: &CompiledCall,
+        rx: &mpsc::Receiver<Event>,
+    ) -> Result<Vec<Tensor>, ExecError> {
         let start = Instant::now();
         let mut deadline = start + self.timeout;
         let mut devices_left = call.plans.len();
@@ -263,7 +327,7 @@ impl Session {
                         Err(e) => errors.push(ExecError::Transfer {
                             node: format!("fetch {}", call.fetches[i].tensor_name),
                             device: "client".into(),
-                            source: e,
+                            source: Box::new(e),
                         }),
                     }
                 }
@@ -274,9 +338,18 @@ impl Session {
                         .into_iter()
                         .map(|k| (k.tensor_name, k.send_device, k.recv_device))
                         .collect();
-                    let e = ExecError::Timeout { step, waited_ms: start.elapsed().as_millis() as u64, waiting };
-                    self.rendezvous
-                        .abort_step(step, RendezvousError::Aborted { step, cause: e.to_string() });
+                    let e = ExecError::Timeout {
+                        step,
+                        waited_ms: start.elapsed().as_millis() as u64,
+                        waiting,
+                    };
+                    self.rendezvous.abort_step(
+                        step,
+                        RendezvousError::Aborted {
+                            step,
+                            cause: e.to_string(),
+                        },
+                    );
                     timeout_error = Some(e);
                     // Give the aborted step a bounded grace period to unwind.
                     deadline = Instant::now() + Duration::from_secs(5);
@@ -291,7 +364,7 @@ impl Session {
             // The root cause is the error that is not a consequence of the abort.
             let root = errors
                 .iter()
-                .position(|e| !matches!(e, ExecError::Transfer { source: RendezvousError::Aborted { .. }, .. }))
+                .position(|e| !crate::step::is_abort_echo(e))
                 .unwrap_or(0);
             return Err(errors.swap_remove(root));
         }
@@ -299,7 +372,10 @@ impl Session {
             .into_iter()
             .zip(&call.fetches)
             .map(|(t, k)| {
-                t.ok_or_else(|| ExecError::Fetch { name: k.tensor_name.clone(), message: "no value arrived".into() })
+                t.ok_or_else(|| ExecError::Fetch {
+                    name: k.tensor_name.clone(),
+                    message: "no value arrived".into(),
+                })
             })
             .collect()
     }
@@ -309,7 +385,11 @@ impl Session {
         let stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
         stores
             .iter()
-            .flat_map(|(d, s)| s.snapshot().into_iter().map(move |(n, t)| (d.clone(), n, t)))
+            .flat_map(|(d, s)| {
+                s.snapshot()
+                    .into_iter()
+                    .map(move |(n, t)| (d.clone(), n, t))
+            })
             .collect()
     }
 

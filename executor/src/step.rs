@@ -248,15 +248,7 @@ impl StepState {
             }
         };
         self.failed.store(true, Ordering::Release);
-        if first
-            && !matches!(
-                e,
-                ExecError::Transfer {
-                    source: RendezvousError::Aborted { .. },
-                    ..
-                }
-            )
-        {
+        if first && !is_abort_echo(&e) {
             self.rendezvous.abort_step(
                 self.step,
                 RendezvousError::Aborted {
@@ -278,6 +270,11 @@ fn node_transfer_error(plan: &ExecutionPlan, n: u32, source: RendezvousError) ->
     ExecError::Transfer {
         node: plan.nodes[n as usize].name.clone(),
         device: plan.device_label.clone(),
-        source,
+        source: Box::new(source),
     }
+}
+
+/// True for an error that only reports that the step was aborted elsewhere.
+pub(crate) fn is_abort_echo(e: &ExecError) -> bool {
+    matches!(e, ExecError::Transfer { source, .. } if matches!(**source, RendezvousError::Aborted { .. }))
 }

@@ -1,10 +1,145 @@
-//! `dflow run`.
+//! `dflow run`: run a graph. `--local` starts every task of the cluster inside this process.
+
+use anyhow::{bail, Context};
+use dflow_executor::npy::{read_npy, write_npy};
+use dflow_executor::{Session, SessionOptions};
+use dflow_graph::{ClusterSpec, Tensor};
+use std::path::PathBuf;
+use std::time::Duration;
 
 /// Arguments of `dflow run`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The graph file (JSON or DSL).
+    pub graph: PathBuf,
+    /// Run every task of the cluster in this process (the in-process backend).
+    #[arg(long)]
+    pub local: bool,
+    /// The cluster spec (JSON). With --local, defaults to one ps and one worker.
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// Feed a tensor from a .npy file: `name=FILE.npy` (repeatable).
+    #[arg(long = "feed", value_name = "NAME=FILE")]
+    pub feeds: Vec<String>,
+    /// Fetch a tensor by name (`node` or `node:1`) and print it (repeatable).
+    #[arg(long = "fetch", value_name = "NAME")]
+    pub fetches: Vec<String>,
+    /// Run a node for its effect (repeatable).
+    #[arg(long = "target", value_name = "NODE")]
+    pub targets: Vec<String>,
+    /// Number of steps to run.
+    #[arg(long, default_value_t = 1)]
+    pub steps: u64,
+    /// Write a Chrome trace (open in Perfetto or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Write each fetched tensor of the last step to DIR/NAME.npy.
+    #[arg(long, value_name = "DIR")]
+    pub out_dir: Option<PathBuf>,
+    /// Seconds a step may take before it is aborted.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+}
 
 /// Runs `dflow run`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`dflow run` is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if !args.local {
+        bail!("only `--local` runs are supported by this build (distributed `--job/--index` runs are not implemented yet)");
+    }
+    let graph = super::common::load_graph(&args.graph)?;
+    let cluster = match &args.cluster {
+        Some(p) => {
+            ClusterSpec::from_file(p).with_context(|| format!("loading cluster {}", p.display()))?
+        }
+        None => ClusterSpec::local(&[("ps", 1), ("worker", 1)])?,
+    };
+    let mut feeds: Vec<(String, Tensor)> = Vec::new();
+    for f in &args.feeds {
+        let (name, file) = f
+            .split_once('=')
+            .with_context(|| format!("--feed {f:?}: expected NAME=FILE.npy"))?;
+        let t = read_npy(file.as_ref()).with_context(|| format!("--feed {name}"))?;
+        feeds.push((name.to_string(), t));
+    }
+    if args.fetches.is_empty() && args.targets.is_empty() {
+        bail!("nothing to run: give at least one --fetch or --target");
+    }
+    let opts = SessionOptions {
+        step_timeout: Duration::from_secs(args.timeout),
+        trace: args.trace.is_some(),
+        ..SessionOptions::default()
+    };
+    let session = Session::new(graph, cluster, opts)?;
+    let feed_refs: Vec<(&str, Tensor)> =
+        feeds.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
+    let fetch_refs: Vec<&str> = args.fetches.iter().map(String::as_str).collect();
+    let target_refs: Vec<&str> = args.targets.iter().map(String::as_str).collect();
+    let mut last = Vec::new();
+    for _ in 0..args.steps.max(1) {
+        last = session.run(&feed_refs, &fetch_refs, &target_refs)?;
+    }
+    for (name, t) in args.fetches.iter().zip(&last) {
+        println!("{name}: {}", format_tensor(t));
+    }
+    if let Some(dir) = &args.out_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (name, t) in args.fetches.iter().zip(&last) {
+            let file = dir.join(format!("{}.npy", name.replace(['/', ':'], "_")));
+            write_npy(&file, t)?;
+        }
+    }
+    if let (Some(path), Some(tracer)) = (&args.trace, session.tracer()) {
+        let json = serde_json::to_string(&tracer.to_chrome_json())?;
+        std::fs::write(path, json).with_context(|| format!("writing trace {}", path.display()))?;
+        eprintln!(
+            "trace: {} events written to {}",
+            tracer.len(),
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Prints a tensor like numpy: dtype, shape, then nested rows (long tensors are elided).
+pub fn format_tensor(t: &Tensor) -> String {
+    let vals = t.to_f64_vec();
+    let fmt_val = |x: f64| -> String {
+        if t.dtype().is_float() {
+            format!("{x:.6}")
+        } else {
+            format!("{x}")
+        }
+    };
+    fn nest(dims: &[usize], vals: &[String], depth: usize) -> String {
+        match dims {
+            [] => vals.first().cloned().unwrap_or_default(),
+            [n] => format!("[{}]", elide(vals, *n).join(", ")),
+            [n, rest @ ..] => {
+                let inner: usize = rest.iter().product();
+                let rows: Vec<String> = (0..*n)
+                    .map(|i| {
+                        nest(
+                            rest,
+                            vals.get(i * inner..(i + 1) * inner).unwrap_or(&[]),
+                            depth + 1,
+                        )
+                    })
+                    .collect();
+                let rows = elide(&rows, *n);
+                format!("[{}]", rows.join(&format!(",\n{}", " ".repeat(depth + 1))))
+            }
+        }
+    }
+    fn elide(v: &[String], n: usize) -> Vec<String> {
+        if n > 12 {
+            let mut out: Vec<String> = v.iter().take(5).cloned().collect();
+            out.push("...".into());
+            out.extend(v.iter().skip(n.saturating_sub(5)).cloned());
+            out
+        } else {
+            v.to_vec()
+        }
+    }
+    let strs: Vec<String> = vals.into_iter().map(fmt_val).collect();
+    format!("{}{}\n{}", t.dtype(), t.shape(), nest(t.dims(), &strs, 0))
 }
