@@ -10,10 +10,14 @@ use std::fmt;
 use std::sync::OnceLock;
 
 pub mod array;
+pub mod broadcast;
+pub mod elementwise;
+pub mod init;
 pub mod math;
 pub mod nn;
 pub mod reduce;
 pub mod state;
+pub mod testing;
 pub mod transfer;
 
 /// One input or output of an op.
