@@ -42,7 +42,8 @@ fn bench(c: &mut Criterion) {
     group.sample_size(20);
     group.throughput(Throughput::Elements(N as u64));
     let cluster = ClusterSpec::local(&[("worker", 1)]).expect("cluster");
-    let chain_session = Session::new(chain(), cluster.clone(), SessionOptions::default()).expect("session");
+    let chain_session =
+        Session::new(chain(), cluster.clone(), SessionOptions::default()).expect("session");
     chain_session.run(&[], &["out"], &[]).expect("warm-up");
     group.bench_function(BenchmarkId::new("chain_scalar_add", N), |b| {
         b.iter(|| chain_session.run(&[], &["out"], &[]).expect("step"))

@@ -82,7 +82,7 @@ fn run_case(c: &Case) -> Result<Vec<Tensor>, String> {
         &attrs,
         &types,
         &c.inputs,
-        Some(&VariableCell::default()),
+        &[std::sync::Arc::new(VariableCell::default())],
     )
 }
 
@@ -149,7 +149,7 @@ fn runtime_shape_mismatch_names_both_shapes() {
         &[],
         &[unknown.clone(), unknown],
         &[a, b],
-        None,
+        &[],
     )
     .unwrap_err();
     assert_eq!(
@@ -192,7 +192,7 @@ fn placeholder_must_be_fed_and_noop_does_nothing() {
         &[("dtype", DType::F32.into())],
         &[],
         &[],
-        None,
+        &[],
     )
     .unwrap_err();
     assert_eq!(e, "placeholder `x` must be fed");
@@ -226,11 +226,11 @@ fn bool_arithmetic_is_an_error_not_a_panic() {
         &[],
         &[ty.clone(), ty.clone()],
         &[b.clone(), b.clone()],
-        None,
+        &[],
     );
     assert!(e.unwrap_err().contains("bool"));
     let f = TensorType::new(DType::F32, Shape::known(&[2]));
-    let e = run_kernel_with("Add", "n", &[], &[f.clone(), f], &[b.clone(), b], None).unwrap_err();
+    let e = run_kernel_with("Add", "n", &[], &[f.clone(), f], &[b.clone(), b], &[]).unwrap_err();
     assert_eq!(e, "dtype bool not supported by kernel Add");
 }
 
@@ -247,8 +247,15 @@ fn init_var(
         ("initializer", init.into()),
         ("seed", seed.into()),
     ];
-    let cell = VariableCell::default();
-    let out = run_kernel_with("Variable", node, &attrs, &[], &[], Some(&cell))?;
+    let cell = std::sync::Arc::new(VariableCell::default());
+    let out = run_kernel_with(
+        "Variable",
+        node,
+        &attrs,
+        &[],
+        &[],
+        std::slice::from_ref(&cell),
+    )?;
     assert_eq!(
         cell.read().as_ref(),
         Some(&out[0]),
@@ -322,7 +329,7 @@ fn variable_zeros_ones_existing_value_and_errors() {
     let e = init_var("w", "normal", 0, &[3], DType::I32).unwrap_err();
     assert!(e.contains("float"), "{e}");
     // An initialized cell is read, not re-initialized.
-    let cell = VariableCell::default();
+    let cell = std::sync::Arc::new(VariableCell::default());
     let v = Tensor::from_slice(&[2], &[5.0f32, 6.0]).unwrap();
     cell.write(v.clone());
     let attrs = [
@@ -330,9 +337,17 @@ fn variable_zeros_ones_existing_value_and_errors() {
         ("shape", Shape::known(&[2]).into()),
         ("initializer", "ones".into()),
     ];
-    let out = run_kernel_with("Variable", "w", &attrs, &[], &[], Some(&cell)).unwrap();
+    let out = run_kernel_with(
+        "Variable",
+        "w",
+        &attrs,
+        &[],
+        &[],
+        std::slice::from_ref(&cell),
+    )
+    .unwrap();
     assert_eq!(out[0].data_ptr(), v.data_ptr());
-    let e = run_kernel_with("Variable", "w", &attrs, &[], &[], None).unwrap_err();
+    let e = run_kernel_with("Variable", "w", &attrs, &[], &[], &[]).unwrap_err();
     assert!(e.contains("no variable"), "{e}");
 }
 

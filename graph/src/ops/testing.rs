@@ -80,7 +80,7 @@ pub fn run_kernel(
         attrs,
         &types,
         inputs,
-        Some(&VariableCell::default()),
+        &[std::sync::Arc::new(VariableCell::default())],
     )
 }
 
@@ -92,7 +92,7 @@ pub fn run_kernel_with(
     attrs: &[(&str, AttrValue)],
     input_types: &[TensorType],
     inputs: &[Tensor],
-    variable: Option<&VariableCell>,
+    variables: &[std::sync::Arc<VariableCell>],
 ) -> Result<Vec<Tensor>, String> {
     let attrs = attrs_with_defaults(op, attrs)?;
     let kernel = build_kernel(op, node, &attrs, input_types)?;
@@ -101,7 +101,7 @@ pub fn run_kernel_with(
     let mut ctx = KernelContext {
         node,
         inputs,
-        variable,
+        variables,
         step: 0,
         outputs: &mut outputs,
     };
