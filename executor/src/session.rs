@@ -1,6 +1,6 @@
 //! The session API: run a graph over every device of a cluster inside this process.
 //!
-//! ```no_run
+//! ```
 //! use dflow_executor::{Session, SessionOptions};
 //! use dflow_graph::{builder::GraphBuilder, ClusterSpec, DType, Tensor};
 //!
