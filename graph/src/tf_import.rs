@@ -32,7 +32,9 @@
 //!   reduction over an empty axes constant (TensorFlow: reduce nothing) becomes an `Identity`,
 //!   because an empty `axes` means "all axes" in dflow.
 //! - **Variable initialization is dropped**: every `Assign`/`AssignVariableOp` into a
-//!   variable, `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
+//!   variable of a value computed from constants alone (an assignment that reads a placeholder
+//!   or a variable is a real update: it stays, and is reported as unsupported),
+//!   `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
 //!   `/Initializer/`, every node all of whose consumers are dropped (the random ops and constants
 //!   feeding an initializer), and every `NoOp` all of whose inputs are dropped (`init`). The
 //!   variable's `initializer` attribute records what TensorFlow would have done when it is
@@ -386,11 +388,17 @@ impl<'r, 'a> Importer<'r, 'a> {
     /// Marks the variable-initialization subgraph as dropped.
     fn drop_initializers(&mut self) {
         for n in self.nodes {
+            // Only an assignment of a value computed from constants alone initializes; one
+            // that reads data or state (`w.assign(w + 1)`) is a real update and stays (and is
+            // then reported as unsupported).
             let assigns_variable = matches!(n.op.as_str(), "Assign" | "AssignVariableOp")
                 && n.inputs.first().is_some_and(|r| {
                     matches!(r, InputRef::Data { .. })
                         && is_variable_op(&self.nodes[self.producer(r)].op)
-                });
+                })
+                && n.inputs
+                    .get(1)
+                    .is_some_and(|r| self.computed_from_constants(self.producer(r)));
             let is_init_check = matches!(
                 n.op.as_str(),
                 "IsVariableInitialized" | "VarIsInitializedOp"
@@ -421,6 +429,28 @@ impl<'r, 'a> Importer<'r, 'a> {
                 break;
             }
         }
+    }
+
+    /// True when no data ancestor of node `i` (itself included) is a variable or placeholder.
+    fn computed_from_constants(&self, i: usize) -> bool {
+        let mut stack = vec![i];
+        let mut seen = BTreeSet::new();
+        while let Some(i) = stack.pop() {
+            if !seen.insert(i) {
+                continue;
+            }
+            let n = &self.nodes[i];
+            if is_variable_op(&n.op) || n.op.starts_with("Placeholder") {
+                return false;
+            }
+            stack.extend(
+                n.inputs
+                    .iter()
+                    .filter(|r| matches!(r, InputRef::Data { .. }))
+                    .map(|r| self.producer(r)),
+            );
+        }
+        true
     }
 
     fn check_supported(&self) -> Result<(), TfImportError> {
@@ -1397,6 +1427,23 @@ mod tests {
         );
         assert_eq!(node(&def, "v/read").op, "Identity");
         Graph::from_def(&def).unwrap();
+    }
+
+    #[test]
+    fn state_updates_are_not_mistaken_for_initializers() {
+        let e = import(json!({"node": [
+            {"name": "w", "op": "VariableV2", "attr": {"dtype": f32_type(),
+                "shape": {"shape": {"dim": [{"size": "2"}]}}}},
+            {"name": "w/Initializer/zeros", "op": "Const", "attr": {"value": {"tensor":
+                {"dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "2"}]}}}}},
+            {"name": "w/Assign", "op": "Assign", "input": ["w", "w/Initializer/zeros"]},
+            {"name": "one", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+                "floatVal": [1]}}}},
+            {"name": "w_plus_1", "op": "AddV2", "input": ["w", "one"]},
+            {"name": "update", "op": "Assign", "input": ["w", "w_plus_1"]}
+        ]}))
+        .unwrap_err();
+        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Assign (update)");
     }
 
     #[test]
