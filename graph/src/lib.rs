@@ -16,6 +16,7 @@ pub mod kernel;
 pub mod ops;
 pub mod shape;
 pub mod tensor;
+pub mod tf_import;
 
 pub use attr::{AttrType, AttrValue};
 pub use cluster::{ClusterSpec, TfConfig};

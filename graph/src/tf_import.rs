@@ -1,0 +1,1539 @@
+//! Importing TensorFlow GraphDefs written as protobuf JSON.
+//!
+//! [`import_graphdef_json`] reads what `google.protobuf.json_format.MessageToJson(graph_def)`
+//! writes for a TF1-style graph and returns a dflow [`GraphDef`] that [`crate::Graph::from_def`]
+//! accepts. Node names, inputs (`"x"`, `"x:1"`, `"^x"`) and requested devices are kept as
+//! TensorFlow wrote them (dflow's [`crate::DeviceName`] parses TensorFlow's device grammar), and
+//! `_class: ["loc:@w1"]` becomes [`NodeDef::colocate_with`].
+//!
+//! ```
+//! use dflow_graph::tf_import::import_graphdef_json;
+//! use dflow_graph::Graph;
+//!
+//! let text = r#"{"node": [
+//!   {"name": "x", "op": "Placeholder", "device": "/job:worker/task:0",
+//!    "attr": {"dtype": {"type": "DT_FLOAT"},
+//!             "shape": {"shape": {"dim": [{"size": "-1"}, {"size": "3"}]}}}},
+//!   {"name": "y", "op": "Relu", "input": ["x"], "attr": {"T": {"type": "DT_FLOAT"}}}
+//! ]}"#;
+//! let def = import_graphdef_json(text).unwrap();
+//! let g = Graph::from_def(&def).unwrap();
+//! assert_eq!(g.node(g.find("y").unwrap()).outputs[0].to_string(), "f32[?, 3]");
+//! ```
+//!
+//! # What changes on the way in
+//! - **Ops are renamed** to dflow's (`AddV2` → `Add`, `RealDiv` → `Div`, `VariableV2`,
+//!   `Variable` and `VarHandleOp` → `Variable`, `ReadVariableOp` → `Identity`); TensorFlow's
+//!   type attributes (`T`, `Tidx`, `SrcT`, ...) and private ones (`_output_shapes`, ...) are
+//!   dropped, since dflow infers types.
+//! - **Constant operands become attributes**: ArgMax's `dimension` → `axis`, the
+//!   `reduction_indices` of Sum/Mean/Max → `axes`, Reshape's `shape` → `shape`. The operand must
+//!   be a `Const`; the edge is removed, and so is the `Const` when nothing else reads it. A
+//!   reduction over an empty axes constant (TensorFlow: reduce nothing) becomes an `Identity`,
+//!   because an empty `axes` means "all axes" in dflow.
+//! - **Variable initialization is dropped**: every `Assign`/`AssignVariableOp` into a
+//!   variable of a value computed from constants alone (an assignment that reads a placeholder
+//!   or a variable is a real update: it stays, and is reported as unsupported),
+//!   `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
+//!   `/Initializer/`, every node all of whose consumers are dropped (the random ops and constants
+//!   feeding an initializer), and every `NoOp` all of whose inputs are dropped (`init`). The
+//!   variable's `initializer` attribute records what TensorFlow would have done when it is
+//!   recognisable: `glorot_uniform` (a `RandomUniform` whose limit is √(6 / (fan_in + fan_out))),
+//!   `random_uniform` (any other `RandomUniform`), `truncated_normal`, `random_normal`, `zeros`
+//!   and `ones` (a constant or `Fill` of all 0 or all 1). **Anything else is recorded as
+//!   `zeros`**, including a constant of other values; seeds are not carried over (dflow's random
+//!   streams differ from TensorFlow's anyway).
+//! - Ops dflow does not know are reported together, each with the nodes that use it, unless
+//!   they belong to the dropped initializer subgraph.
+//!
+//! Protobuf JSON quirks handled: int64 values as JSON strings, `bytes` fields (string attrs,
+//! `_class`) in base64, omitted default values (`{}` is a dimension of size 0, a missing `b` is
+//! `false`), tensor values in `tensorContent` (base64, little-endian) or in typed lists
+//! (`floatVal`, `intVal`, `int64Val`, ...) whose last value repeats to fill the shape, and the
+//! original snake_case field names (`tensor_content`, `float_val`, ...) as well.
+
+use crate::def::{InputRef, FORMAT_VERSION};
+use crate::{AttrValue, DType, GraphDef, NodeDef, Shape, Tensor};
+use base64::Engine as _;
+use serde_json::{Map, Value};
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+
+/// The largest constant tensor the importer materializes (bytes), so a small file cannot ask
+/// for a huge allocation through a broadcast scalar.
+const MAX_TENSOR_BYTES: usize = 1 << 30;
+
+/// Why a TensorFlow GraphDef could not be imported.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TfImportError {
+    /// The text is not JSON.
+    #[error("invalid JSON at line {line}, column {column}: {message}")]
+    Json {
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// The parser's message.
+        message: String,
+    },
+    /// The JSON is not shaped like a GraphDef (no top-level `node` list).
+    #[error("not a TensorFlow GraphDef: {0}")]
+    NotGraphDef(String),
+    /// One node is malformed or cannot be expressed in dflow.
+    #[error("node #{index} `{node}` ({op}): {message}")]
+    Node {
+        /// Index of the node in the `node` list.
+        index: usize,
+        /// Node name (empty when the name itself is missing).
+        node: String,
+        /// TensorFlow op (empty when missing).
+        op: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// Ops dflow has no equivalent for, each with the nodes that use it.
+    #[error("unsupported TensorFlow ops: {}", UnsupportedList(.0))]
+    UnsupportedOps(Vec<UnsupportedOp>),
+}
+
+/// One TensorFlow op dflow cannot import, and where it is used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnsupportedOp {
+    /// TensorFlow op name.
+    pub op: String,
+    /// Nodes using it, in file order.
+    pub nodes: Vec<String>,
+}
+
+struct UnsupportedList<'a>(&'a [UnsupportedOp]);
+
+impl fmt::Display for UnsupportedList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, u) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{} ({})", u.op, u.nodes.join(", "))?;
+        }
+        Ok(())
+    }
+}
+
+/// True when `text` looks like a TensorFlow GraphDef in protobuf JSON: a JSON object with a
+/// top-level `node` list whose first entry (if any) has an `op`. Cheap enough for format
+/// detection in the CLI; it does not validate the nodes.
+pub fn looks_like_tf_graphdef(text: &str) -> bool {
+    let Ok(Value::Object(top)) = serde_json::from_str::<Value>(text) else {
+        return false;
+    };
+    match top.get("node") {
+        Some(Value::Array(nodes)) => nodes
+            .first()
+            .map_or(true, |n| n.get("op").is_some_and(Value::is_string)),
+        _ => false,
+    }
+}
+
+/// Reads a TensorFlow GraphDef written as protobuf JSON and returns the equivalent dflow graph
+/// definition. See the [module docs](self) for what is renamed, folded and dropped.
+pub fn import_graphdef_json(text: &str) -> Result<GraphDef, TfImportError> {
+    let top: Value = serde_json::from_str(text).map_err(|e| TfImportError::Json {
+        line: e.line(),
+        column: e.column(),
+        message: e.to_string(),
+    })?;
+    let Value::Object(top) = top else {
+        return Err(TfImportError::NotGraphDef(
+            "expected a JSON object with a `node` list".into(),
+        ));
+    };
+    let nodes = match top.get("node") {
+        Some(Value::Array(nodes)) => nodes,
+        Some(_) => {
+            return Err(TfImportError::NotGraphDef(
+                "top-level `node` is not a list".into(),
+            ))
+        }
+        None => {
+            return Err(TfImportError::NotGraphDef(
+                "no top-level `node` list (an empty GraphDef has nothing to import)".into(),
+            ))
+        }
+    };
+    let raw = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, v)| RawNode::parse(i, v))
+        .collect::<Result<Vec<_>, _>>()?;
+    Importer::new(&raw)?.run()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw nodes
+// ---------------------------------------------------------------------------------------------
+
+/// One node as TensorFlow wrote it, with its inputs parsed.
+struct RawNode<'a> {
+    index: usize,
+    name: String,
+    op: String,
+    inputs: Vec<InputRef>,
+    device: String,
+    attrs: &'a Map<String, Value>,
+}
+
+static EMPTY: std::sync::OnceLock<Map<String, Value>> = std::sync::OnceLock::new();
+
+impl<'a> RawNode<'a> {
+    fn parse(index: usize, v: &'a Value) -> Result<RawNode<'a>, TfImportError> {
+        let err = |node: &str, op: &str, message: String| TfImportError::Node {
+            index,
+            node: node.to_string(),
+            op: op.to_string(),
+            message,
+        };
+        let Value::Object(obj) = v else {
+            return Err(err("", "", "expected a JSON object".into()));
+        };
+        let string = |key: &str| match obj.get(key) {
+            None => Ok(String::new()),
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(other) => Err(format!("`{key}` must be a string, found {}", kind(other))),
+        };
+        let name = string("name").map_err(|m| err("", "", m))?;
+        let op = string("op").map_err(|m| err(&name, "", m))?;
+        if name.is_empty() {
+            return Err(err("", &op, "missing `name`".into()));
+        }
+        if op.is_empty() {
+            return Err(err(&name, "", "missing `op`".into()));
+        }
+        let device = string("device").map_err(|m| err(&name, &op, m))?;
+        let inputs = match obj.get("input") {
+            None => vec![],
+            Some(Value::Array(list)) => list
+                .iter()
+                .map(|i| {
+                    let s = i.as_str().ok_or_else(|| {
+                        format!("`input` entries must be strings, found {}", kind(i))
+                    })?;
+                    InputRef::parse(s)
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|m| err(&name, &op, m))?,
+            Some(other) => {
+                return Err(err(
+                    &name,
+                    &op,
+                    format!("`input` must be a list, found {}", kind(other)),
+                ))
+            }
+        };
+        let attrs = match obj.get("attr") {
+            None => EMPTY.get_or_init(Map::new),
+            Some(Value::Object(m)) => m,
+            Some(other) => {
+                return Err(err(
+                    &name,
+                    &op,
+                    format!("`attr` must be an object, found {}", kind(other)),
+                ))
+            }
+        };
+        Ok(RawNode {
+            index,
+            name,
+            op,
+            inputs,
+            device,
+            attrs,
+        })
+    }
+
+    fn err(&self, message: impl Into<String>) -> TfImportError {
+        TfImportError::Node {
+            index: self.index,
+            node: self.name.clone(),
+            op: self.op.clone(),
+            message: message.into(),
+        }
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a bool",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn is_variable_op(op: &str) -> bool {
+    matches!(op, "VariableV2" | "Variable" | "VarHandleOp")
+}
+
+/// Ops with a constant operand that dflow takes as an attribute: (operand index, dflow attr).
+fn folded_operand(op: &str) -> Option<(usize, &'static str)> {
+    match op {
+        "ArgMax" => Some((1, "axis")),
+        "Sum" | "Mean" | "Max" => Some((1, "axes")),
+        "Reshape" => Some((1, "shape")),
+        _ => None,
+    }
+}
+
+/// The dflow op for a TensorFlow op, when there is one.
+fn dflow_op(op: &str) -> Option<&'static str> {
+    Some(match op {
+        "Const" => "Const",
+        "Placeholder" => "Placeholder",
+        "VariableV2" | "Variable" | "VarHandleOp" => "Variable",
+        "Identity" | "ReadVariableOp" => "Identity",
+        "NoOp" => "NoOp",
+        "Add" | "AddV2" => "Add",
+        "Sub" => "Sub",
+        "Mul" => "Mul",
+        "RealDiv" | "Div" => "Div",
+        "Neg" => "Neg",
+        "MatMul" => "MatMul",
+        "BiasAdd" => "BiasAdd",
+        "Relu" => "Relu",
+        "Sigmoid" => "Sigmoid",
+        "Tanh" => "Tanh",
+        "Softmax" => "Softmax",
+        "SparseSoftmaxCrossEntropyWithLogits" => "SparseSoftmaxCrossEntropyWithLogits",
+        "Sum" => "Sum",
+        "Mean" => "Mean",
+        "Max" => "Max",
+        "ArgMax" => "ArgMax",
+        "Reshape" => "Reshape",
+        "Cast" => "Cast",
+        "Equal" => "Equal",
+        "AddN" => "AddN",
+        "Square" => "Square",
+        "Sqrt" => "Sqrt",
+        "Exp" => "Exp",
+        "Log" => "Log",
+        "ZerosLike" => "ZerosLike",
+        "OnesLike" => "OnesLike",
+        _ => return None,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The import itself
+// ---------------------------------------------------------------------------------------------
+
+struct Importer<'r, 'a> {
+    nodes: &'r [RawNode<'a>],
+    by_name: HashMap<&'r str, usize>,
+    /// For each node, the indices of the nodes that read it (data or control), with repeats.
+    consumers: Vec<Vec<usize>>,
+    dropped: Vec<bool>,
+    /// (consumer, input slot) edges folded into an attribute.
+    folded: BTreeSet<(usize, usize)>,
+}
+
+impl<'r, 'a> Importer<'r, 'a> {
+    fn new(nodes: &'r [RawNode<'a>]) -> Result<Self, TfImportError> {
+        let mut by_name = HashMap::with_capacity(nodes.len());
+        for n in nodes {
+            if let Some(first) = by_name.insert(n.name.as_str(), n.index) {
+                return Err(n.err(format!("duplicate node name (first defined at #{first})")));
+            }
+        }
+        let mut consumers = vec![vec![]; nodes.len()];
+        for n in nodes {
+            for input in &n.inputs {
+                let Some(&src) = by_name.get(input.node()) else {
+                    return Err(n.err(format!("input `{input}` names no node")));
+                };
+                consumers[src].push(n.index);
+            }
+        }
+        Ok(Importer {
+            nodes,
+            by_name,
+            consumers,
+            dropped: vec![false; nodes.len()],
+            folded: BTreeSet::new(),
+        })
+    }
+
+    fn producer(&self, r: &InputRef) -> usize {
+        // Every input was resolved in `new`.
+        self.by_name.get(r.node()).copied().unwrap_or(usize::MAX)
+    }
+
+    fn run(mut self) -> Result<GraphDef, TfImportError> {
+        self.drop_initializers();
+        self.check_supported()?;
+        let initializers = self.initializer_kinds();
+        self.fold_constant_operands()?;
+        let mut out = Vec::new();
+        for n in self.nodes {
+            if !self.dropped[n.index] {
+                out.push(self.convert(n, &initializers)?);
+            }
+        }
+        Ok(GraphDef {
+            version: FORMAT_VERSION,
+            nodes: out,
+        })
+    }
+
+    /// Marks the variable-initialization subgraph as dropped.
+    fn drop_initializers(&mut self) {
+        for n in self.nodes {
+            // Only an assignment of a value computed from constants alone initializes; one
+            // that reads data or state (`w.assign(w + 1)`) is a real update and stays (and is
+            // then reported as unsupported).
+            let assigns_variable = matches!(n.op.as_str(), "Assign" | "AssignVariableOp")
+                && n.inputs.first().is_some_and(|r| {
+                    matches!(r, InputRef::Data { .. })
+                        && is_variable_op(&self.nodes[self.producer(r)].op)
+                })
+                && n.inputs
+                    .get(1)
+                    .is_some_and(|r| self.computed_from_constants(self.producer(r)));
+            let is_init_check = matches!(
+                n.op.as_str(),
+                "IsVariableInitialized" | "VarIsInitializedOp"
+            );
+            if assigns_variable || is_init_check || n.name.contains("/Initializer/") {
+                self.dropped[n.index] = true;
+            }
+        }
+        // Grow the set: nodes read only by dropped nodes, and NoOps waiting only on dropped nodes.
+        loop {
+            let mut changed = false;
+            for n in self.nodes {
+                if self.dropped[n.index] || is_variable_op(&n.op) {
+                    continue;
+                }
+                let readers = &self.consumers[n.index];
+                let only_feeds_dropped =
+                    !readers.is_empty() && readers.iter().all(|&c| self.dropped[c]);
+                let waits_on_dropped = n.op == "NoOp"
+                    && !n.inputs.is_empty()
+                    && n.inputs.iter().all(|r| self.dropped[self.producer(r)]);
+                if only_feeds_dropped || waits_on_dropped {
+                    self.dropped[n.index] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+    }
+
+    /// True when no data ancestor of node `i` (itself included) is a variable or placeholder.
+    fn computed_from_constants(&self, i: usize) -> bool {
+        let mut stack = vec![i];
+        let mut seen = BTreeSet::new();
+        while let Some(i) = stack.pop() {
+            if !seen.insert(i) {
+                continue;
+            }
+            let n = &self.nodes[i];
+            if is_variable_op(&n.op) || n.op.starts_with("Placeholder") {
+                return false;
+            }
+            stack.extend(
+                n.inputs
+                    .iter()
+                    .filter(|r| matches!(r, InputRef::Data { .. }))
+                    .map(|r| self.producer(r)),
+            );
+        }
+        true
+    }
+
+    fn check_supported(&self) -> Result<(), TfImportError> {
+        let mut unsupported: Vec<UnsupportedOp> = Vec::new();
+        for n in self.nodes {
+            if self.dropped[n.index] || dflow_op(&n.op).is_some() {
+                continue;
+            }
+            match unsupported.iter_mut().find(|u| u.op == n.op) {
+                Some(u) => u.nodes.push(n.name.clone()),
+                None => unsupported.push(UnsupportedOp {
+                    op: n.op.clone(),
+                    nodes: vec![n.name.clone()],
+                }),
+            }
+        }
+        if unsupported.is_empty() {
+            Ok(())
+        } else {
+            Err(TfImportError::UnsupportedOps(unsupported))
+        }
+    }
+
+    /// The initializer kind of each variable that has a recognisable dropped `Assign`.
+    fn initializer_kinds(&self) -> HashMap<usize, &'static str> {
+        let mut kinds = HashMap::new();
+        for n in self.nodes {
+            if !matches!(n.op.as_str(), "Assign" | "AssignVariableOp") || !self.dropped[n.index] {
+                continue;
+            }
+            let (Some(var), Some(value)) = (n.inputs.first(), n.inputs.get(1)) else {
+                continue;
+            };
+            let var = self.producer(var);
+            let value = self.producer(value);
+            if let Some(kind) = self.classify_initializer(var, value) {
+                kinds.insert(var, kind);
+            }
+        }
+        kinds
+    }
+
+    fn classify_initializer(&self, var: usize, value: usize) -> Option<&'static str> {
+        let v = &self.nodes[value];
+        if let Some(kind) = constant_fill_kind(self, v) {
+            return Some(kind);
+        }
+        // Walk the dropped ancestors of the value.
+        let mut stack = vec![value];
+        let mut seen = BTreeSet::new();
+        let mut ops = BTreeSet::new();
+        let mut scalars = Vec::new();
+        while let Some(i) = stack.pop() {
+            if !seen.insert(i) || !self.dropped[i] {
+                continue;
+            }
+            let n = &self.nodes[i];
+            ops.insert(n.op.as_str());
+            if n.op == "Const" {
+                if let Some(Ok(t)) = n.attrs.get("value").map(tensor_attr) {
+                    if t.num_elements() == 1 && t.dtype().is_float() {
+                        scalars.extend(t.to_f64_vec());
+                    }
+                }
+            }
+            stack.extend(n.inputs.iter().map(|r| self.producer(r)));
+        }
+        if ops.contains("RandomUniform") {
+            let limit = glorot_limit(&self.nodes[var]);
+            let is_glorot = limit.is_some_and(|l| {
+                scalars
+                    .iter()
+                    .any(|s| (s.abs() - l).abs() <= 1e-6 * l.max(1e-12))
+            });
+            return Some(if is_glorot {
+                "glorot_uniform"
+            } else {
+                "random_uniform"
+            });
+        }
+        if ops.contains("TruncatedNormal") {
+            return Some("truncated_normal");
+        }
+        if ops.contains("RandomStandardNormal") {
+            return Some("random_normal");
+        }
+        None
+    }
+
+    /// Turns constant operands into attributes (recorded in `self.folded`), dropping constants
+    /// that nothing else reads.
+    fn fold_constant_operands(&mut self) -> Result<(), TfImportError> {
+        for n in self.nodes {
+            if self.dropped[n.index] {
+                continue;
+            }
+            let Some((slot, _)) = folded_operand(&n.op) else {
+                continue;
+            };
+            let Some(r @ InputRef::Data { .. }) = n.inputs.get(slot) else {
+                return Err(n.err(format!("expected a constant operand at input {slot}")));
+            };
+            let src = self.producer(r);
+            if self.nodes[src].op != "Const" {
+                return Err(n.err(format!(
+                    "operand `{r}` must be a Const: dflow takes it as a static attribute"
+                )));
+            }
+            self.folded.insert((n.index, slot));
+        }
+        for n in self.nodes {
+            if n.op != "Const" || self.dropped[n.index] {
+                continue;
+            }
+            let readers = &self.consumers[n.index];
+            let still_read =
+                readers.iter().any(|&c| {
+                    !self.dropped[c]
+                        && self.nodes[c].inputs.iter().enumerate().any(|(slot, r)| {
+                            r.node() == n.name && !self.folded.contains(&(c, slot))
+                        })
+                });
+            if !readers.is_empty() && !still_read {
+                self.dropped[n.index] = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn folded_ints(&self, n: &RawNode<'_>, slot: usize) -> Result<Vec<i64>, TfImportError> {
+        let src = n
+            .inputs
+            .get(slot)
+            .map(|r| &self.nodes[self.producer(r)])
+            .ok_or_else(|| n.err(format!("missing input {slot}")))?;
+        let value = src
+            .attrs
+            .get("value")
+            .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
+        let t =
+            tensor_attr(value).map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        let ints = match t.dtype() {
+            DType::I32 => t
+                .as_slice::<i32>()
+                .map(|v| v.iter().map(|&x| i64::from(x)).collect()),
+            DType::I64 => t.as_slice::<i64>().map(<[i64]>::to_vec),
+            d => {
+                return Err(n.err(format!(
+                    "operand Const `{}` must be int32 or int64, found {d}",
+                    src.name
+                )))
+            }
+        };
+        ints.map_err(|e| n.err(e.to_string()))
+    }
+
+    fn convert(
+        &self,
+        n: &RawNode<'_>,
+        initializers: &HashMap<usize, &'static str>,
+    ) -> Result<NodeDef, TfImportError> {
+        let op = dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?;
+        let mut out = NodeDef {
+            name: n.name.clone(),
+            op: op.to_string(),
+            device: n.device.clone(),
+            ..NodeDef::default()
+        };
+        for (slot, r) in n.inputs.iter().enumerate() {
+            let src = self.producer(r);
+            if self.folded.contains(&(n.index, slot)) {
+                continue;
+            }
+            if self.dropped[src] {
+                match r {
+                    InputRef::Control(_) => continue,
+                    InputRef::Data { .. } => {
+                        return Err(n.err(format!(
+                            "reads `{r}`, which is part of the variable-initialization \
+                             subgraph that the importer drops"
+                        )))
+                    }
+                }
+            }
+            out.inputs.push(r.to_string());
+        }
+        if let Some(v) = n.attrs.get("_class") {
+            for loc in string_list_attr(v).map_err(|m| n.err(format!("attr `_class`: {m}")))? {
+                let Some(target) = loc.strip_prefix("loc:@") else {
+                    continue;
+                };
+                let keep =
+                    target != n.name && self.by_name.get(target).is_some_and(|&i| !self.dropped[i]);
+                if keep && !out.colocate_with.iter().any(|c| c == target) {
+                    out.colocate_with.push(target.to_string());
+                }
+            }
+        }
+        let a = &mut out.attrs;
+        let get = |name: &str| n.attrs.get(name);
+        let wrap = |name: &'static str| move |m: String| n.err(format!("attr `{name}`: {m}"));
+        match n.op.as_str() {
+            "Const" => {
+                let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
+                a.insert(
+                    "value".into(),
+                    AttrValue::Tensor(tensor_attr(v).map_err(wrap("value"))?),
+                );
+            }
+            "Placeholder" => {
+                let d = get("dtype").ok_or_else(|| n.err("missing attr `dtype`"))?;
+                a.insert(
+                    "dtype".into(),
+                    AttrValue::DType(dtype_attr(d).map_err(wrap("dtype"))?),
+                );
+                if let Some(s) = get("shape") {
+                    a.insert(
+                        "shape".into(),
+                        AttrValue::Shape(shape_attr(s).map_err(wrap("shape"))?),
+                    );
+                }
+            }
+            "VariableV2" | "Variable" | "VarHandleOp" => {
+                let d = get("dtype").ok_or_else(|| n.err("missing attr `dtype`"))?;
+                let s = get("shape").ok_or_else(|| n.err("missing attr `shape`"))?;
+                a.insert(
+                    "dtype".into(),
+                    AttrValue::DType(dtype_attr(d).map_err(wrap("dtype"))?),
+                );
+                a.insert(
+                    "shape".into(),
+                    AttrValue::Shape(shape_attr(s).map_err(wrap("shape"))?),
+                );
+                let kind = initializers.get(&n.index).copied().unwrap_or("zeros");
+                a.insert("initializer".into(), AttrValue::String(kind.into()));
+            }
+            "MatMul" => {
+                for name in ["transpose_a", "transpose_b"] {
+                    if let Some(v) = get(name) {
+                        a.insert(
+                            name.into(),
+                            AttrValue::Bool(bool_attr(v).map_err(wrap(name))?),
+                        );
+                    }
+                }
+            }
+            "BiasAdd" => {
+                if let Some(v) = get("data_format") {
+                    let f = string_attr(v).map_err(wrap("data_format"))?;
+                    if !(f.is_empty() || f == "NHWC") {
+                        return Err(n.err(format!(
+                            "data_format {f:?} is not supported (dflow adds the bias along the \
+                             last dimension, TensorFlow's NHWC)"
+                        )));
+                    }
+                }
+            }
+            "Cast" => {
+                let d = get("DstT").ok_or_else(|| n.err("missing attr `DstT`"))?;
+                a.insert(
+                    "DstT".into(),
+                    AttrValue::DType(dtype_attr(d).map_err(wrap("DstT"))?),
+                );
+            }
+            "ArgMax" => {
+                let axis = self.folded_ints(n, 1)?;
+                let [axis] = axis[..] else {
+                    return Err(n.err(format!("dimension must be one integer, found {axis:?}")));
+                };
+                a.insert("axis".into(), AttrValue::Int(axis));
+                if let Some(v) = get("output_type") {
+                    a.insert(
+                        "output_type".into(),
+                        AttrValue::DType(dtype_attr(v).map_err(wrap("output_type"))?),
+                    );
+                }
+            }
+            "Sum" | "Mean" | "Max" => {
+                let axes = self.folded_ints(n, 1)?;
+                if axes.is_empty() {
+                    out.op = "Identity".into();
+                } else {
+                    a.insert("axes".into(), AttrValue::IntList(axes));
+                    if let Some(v) = get("keep_dims") {
+                        a.insert(
+                            "keep_dims".into(),
+                            AttrValue::Bool(bool_attr(v).map_err(wrap("keep_dims"))?),
+                        );
+                    }
+                }
+            }
+            "Reshape" => {
+                let shape = self.folded_ints(n, 1)?;
+                a.insert("shape".into(), AttrValue::IntList(shape));
+            }
+            _ => {}
+        }
+        Ok(out)
+    }
+}
+
+/// `zeros` / `ones` when `n` is a Const, or a Fill of a Const, whose values are all 0 or all 1.
+fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<&'static str> {
+    let value_node = match n.op.as_str() {
+        "Const" => n,
+        "Fill" => &imp.nodes[imp.producer(n.inputs.get(1)?)],
+        _ => return None,
+    };
+    if value_node.op != "Const" {
+        return None;
+    }
+    let t = tensor_attr(value_node.attrs.get("value")?).ok()?;
+    let values = t.to_f64_vec();
+    if values.iter().all(|&x| x == 0.0) {
+        Some("zeros")
+    } else if values.iter().all(|&x| x == 1.0) {
+        Some("ones")
+    } else {
+        None
+    }
+}
+
+/// TensorFlow's Glorot-uniform limit √(6 / (fan_in + fan_out)) for a variable's shape.
+fn glorot_limit(var: &RawNode<'_>) -> Option<f64> {
+    let shape = shape_attr(var.attrs.get("shape")?).ok()?;
+    let dims: Vec<f64> = shape.as_static()?.into_iter().map(|d| d as f64).collect();
+    let (fan_in, fan_out) = match dims.as_slice() {
+        [] => (1.0, 1.0),
+        [n] => (*n, *n),
+        [a, b] => (*a, *b),
+        [rest @ .., a, b] => {
+            let field: f64 = rest.iter().product();
+            (a * field, b * field)
+        }
+    };
+    (fan_in + fan_out > 0.0).then(|| (6.0 / (fan_in + fan_out)).sqrt())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protobuf-JSON attribute values
+// ---------------------------------------------------------------------------------------------
+
+/// A field by its protobuf-JSON (lowerCamelCase) name or its original snake_case name.
+fn field<'v>(obj: &'v Value, camel: &str, snake: &str) -> Option<&'v Value> {
+    obj.get(camel).or_else(|| obj.get(snake))
+}
+
+fn int_value(v: &Value) -> Result<i64, String> {
+    match v {
+        Value::Number(n) => n
+            .as_i64()
+            .ok_or_else(|| format!("expected an integer, found {n}")),
+        Value::String(s) => s
+            .parse()
+            .map_err(|_| format!("expected an integer, found {s:?}")),
+        other => Err(format!("expected an integer, found {}", kind(other))),
+    }
+}
+
+fn float_value(v: &Value) -> Result<f64, String> {
+    match v {
+        Value::Number(n) => n
+            .as_f64()
+            .ok_or_else(|| format!("expected a number, found {n}")),
+        Value::String(s) => match s.as_str() {
+            "NaN" => Ok(f64::NAN),
+            "Infinity" => Ok(f64::INFINITY),
+            "-Infinity" => Ok(f64::NEG_INFINITY),
+            _ => s
+                .parse()
+                .map_err(|_| format!("expected a number, found {s:?}")),
+        },
+        other => Err(format!("expected a number, found {}", kind(other))),
+    }
+}
+
+fn bytes_value(v: &Value) -> Result<Vec<u8>, String> {
+    let s = v
+        .as_str()
+        .ok_or_else(|| format!("expected base64 bytes, found {}", kind(v)))?;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|e| format!("invalid base64: {e}"))
+}
+
+fn utf8(bytes: Vec<u8>) -> Result<String, String> {
+    String::from_utf8(bytes).map_err(|_| "string is not UTF-8".to_string())
+}
+
+fn bool_attr(v: &Value) -> Result<bool, String> {
+    match v.get("b") {
+        None => Ok(false), // proto3 JSON may omit a false value
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(format!("expected a bool `b`, found {}", kind(other))),
+    }
+}
+
+fn string_attr(v: &Value) -> Result<String, String> {
+    match v.get("s") {
+        None => Ok(String::new()),
+        Some(s) => utf8(bytes_value(s)?),
+    }
+}
+
+fn string_list_attr(v: &Value) -> Result<Vec<String>, String> {
+    match v.get("list").and_then(|l| l.get("s")) {
+        None => Ok(vec![]),
+        Some(Value::Array(items)) => items.iter().map(|s| utf8(bytes_value(s)?)).collect(),
+        Some(other) => Err(format!("expected a list of strings, found {}", kind(other))),
+    }
+}
+
+fn dtype_name(v: &Value) -> Result<DType, String> {
+    let s = v
+        .as_str()
+        .ok_or_else(|| format!("expected a dtype name, found {}", kind(v)))?;
+    s.parse().map_err(|_| {
+        format!("dtype {s} is not supported (dflow has f32, f64, i32, i64, bool, bf16, f16)")
+    })
+}
+
+fn dtype_attr(v: &Value) -> Result<DType, String> {
+    dtype_name(v.get("type").ok_or("missing `type`")?)
+}
+
+fn shape_attr(v: &Value) -> Result<Shape, String> {
+    shape_proto(v.get("shape").ok_or("missing `shape`")?)
+}
+
+/// A TensorShapeProto: `{"dim": [{"size": "64"}, {"size": "-1"}, {}]}`, `{"unknownRank": true}`
+/// or `{}` (a scalar).
+fn shape_proto(v: &Value) -> Result<Shape, String> {
+    if !v.is_object() {
+        return Err(format!("expected a shape object, found {}", kind(v)));
+    }
+    if field(v, "unknownRank", "unknown_rank").and_then(Value::as_bool) == Some(true) {
+        return Ok(Shape::unknown());
+    }
+    let dims = match v.get("dim") {
+        None => vec![],
+        Some(Value::Array(dims)) => dims
+            .iter()
+            .map(|d| d.get("size").map_or(Ok(0), int_value))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(other) => return Err(format!("`dim` must be a list, found {}", kind(other))),
+    };
+    if let Some(bad) = dims.iter().find(|&&d| d < -1) {
+        return Err(format!("dimension {bad} is negative"));
+    }
+    Shape::from_signed(&dims)
+}
+
+fn tensor_attr(v: &Value) -> Result<Tensor, String> {
+    tensor_proto(v.get("tensor").ok_or("missing `tensor`")?)
+}
+
+/// A TensorProto: dtype, shape, and the values in `tensorContent` or a typed list.
+fn tensor_proto(v: &Value) -> Result<Tensor, String> {
+    let dtype = dtype_name(v.get("dtype").ok_or("tensor has no `dtype`")?)?;
+    let shape = match field(v, "tensorShape", "tensor_shape") {
+        None => Shape::scalar(),
+        Some(s) => shape_proto(s)?,
+    };
+    let dims = shape
+        .as_static()
+        .ok_or_else(|| format!("constant tensor shape {shape} must be fully known"))?;
+    let n = dims
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .filter(|&n| {
+            n.checked_mul(dtype.size_of())
+                .is_some_and(|b| b <= MAX_TENSOR_BYTES)
+        })
+        .ok_or_else(|| format!("constant tensor of shape {shape} is too large"))?;
+    if let Some(content) = field(v, "tensorContent", "tensor_content") {
+        let bytes = bytes_value(content)?;
+        if bytes.len() != n * dtype.size_of() {
+            return Err(format!(
+                "tensorContent has {} bytes, but {dtype}{shape} needs {}",
+                bytes.len(),
+                n * dtype.size_of()
+            ));
+        }
+        return from_le_bytes(dtype, &dims, &bytes);
+    }
+    let list = |camel: &str, snake: &str| -> Result<&[Value], String> {
+        match field(v, camel, snake) {
+            None => Ok(&[]),
+            Some(Value::Array(a)) => Ok(a),
+            Some(other) => Err(format!("`{camel}` must be a list, found {}", kind(other))),
+        }
+    };
+    let t = match dtype {
+        DType::F32 => {
+            let vals = parse_all(list("floatVal", "float_val")?, |x| {
+                float_value(x).map(|f| f as f32)
+            })?;
+            Tensor::from_slice(&dims, &fill(vals, n)?)
+        }
+        DType::F64 => {
+            let vals = parse_all(list("doubleVal", "double_val")?, float_value)?;
+            Tensor::from_slice(&dims, &fill(vals, n)?)
+        }
+        DType::I32 => {
+            let vals = parse_all(list("intVal", "int_val")?, |x| {
+                i32::try_from(int_value(x)?).map_err(|_| "int32 value out of range".to_string())
+            })?;
+            Tensor::from_slice(&dims, &fill(vals, n)?)
+        }
+        DType::I64 => {
+            let vals = parse_all(list("int64Val", "int64_val")?, int_value)?;
+            Tensor::from_slice(&dims, &fill(vals, n)?)
+        }
+        DType::Bool => {
+            let vals = parse_all(list("boolVal", "bool_val")?, |x| {
+                x.as_bool()
+                    .map(u8::from)
+                    .ok_or_else(|| format!("expected a bool, found {}", kind(x)))
+            })?;
+            Tensor::from_slice(&dims, &fill(vals, n)?)
+        }
+        DType::F16 | DType::BF16 => {
+            let bits = parse_all(list("halfVal", "half_val")?, |x| {
+                u16::try_from(int_value(x)?).map_err(|_| "halfVal entry out of range".to_string())
+            })?;
+            let bits = fill(bits, n)?;
+            if dtype == DType::F16 {
+                let v: Vec<half::f16> = bits.into_iter().map(half::f16::from_bits).collect();
+                Tensor::from_slice(&dims, &v)
+            } else {
+                let v: Vec<half::bf16> = bits.into_iter().map(half::bf16::from_bits).collect();
+                Tensor::from_slice(&dims, &v)
+            }
+        }
+    };
+    t.map_err(|e| e.to_string())
+}
+
+fn parse_all<T>(vals: &[Value], f: impl Fn(&Value) -> Result<T, String>) -> Result<Vec<T>, String> {
+    vals.iter().map(f).collect()
+}
+
+/// TensorFlow's rule for typed value lists: an empty list means all zeros, a shorter list is
+/// padded with its last value (a single value broadcasts).
+fn fill<T: Copy + Default>(mut vals: Vec<T>, n: usize) -> Result<Vec<T>, String> {
+    if vals.len() > n {
+        return Err(format!(
+            "{} values given for a tensor of {n} elements",
+            vals.len()
+        ));
+    }
+    let last = vals.last().copied().unwrap_or_default();
+    vals.resize(n, last);
+    Ok(vals)
+}
+
+fn from_le_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor, String> {
+    fn chunks<const N: usize, T>(bytes: &[u8], f: fn([u8; N]) -> T) -> Vec<T> {
+        bytes
+            .chunks_exact(N)
+            .map(|c| {
+                let mut a = [0u8; N];
+                a.copy_from_slice(c);
+                f(a)
+            })
+            .collect()
+    }
+    let t = match dtype {
+        DType::F32 => Tensor::from_slice(dims, &chunks(bytes, f32::from_le_bytes)),
+        DType::F64 => Tensor::from_slice(dims, &chunks(bytes, f64::from_le_bytes)),
+        DType::I32 => Tensor::from_slice(dims, &chunks(bytes, i32::from_le_bytes)),
+        DType::I64 => Tensor::from_slice(dims, &chunks(bytes, i64::from_le_bytes)),
+        DType::Bool => {
+            if let Some(b) = bytes.iter().find(|&&b| b > 1) {
+                return Err(format!("bool tensorContent holds byte {b}, not 0 or 1"));
+            }
+            Tensor::from_slice(dims, bytes)
+        }
+        DType::F16 => Tensor::from_slice(
+            dims,
+            &chunks(bytes, |b| half::f16::from_bits(u16::from_le_bytes(b))),
+        ),
+        DType::BF16 => Tensor::from_slice(
+            dims,
+            &chunks(bytes, |b| half::bf16::from_bits(u16::from_le_bytes(b))),
+        ),
+    };
+    t.map_err(|e| e.to_string())
+}
+
+/// Initializer kinds the importer can record, for documentation and tests.
+pub const INITIALIZER_KINDS: [&str; 6] = [
+    "zeros",
+    "ones",
+    "glorot_uniform",
+    "random_uniform",
+    "truncated_normal",
+    "random_normal",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Graph;
+    use serde_json::json;
+
+    const PS_MLP: &str = include_str!("../../tests/fixtures/tf/ps_mlp.graphdef.json");
+    const PS_MLP_2PS: &str = include_str!("../../tests/fixtures/tf/ps_mlp_2ps.graphdef.json");
+
+    fn node<'d>(def: &'d GraphDef, name: &str) -> &'d NodeDef {
+        def.nodes
+            .iter()
+            .find(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node {name}"))
+    }
+
+    fn import(v: Value) -> Result<GraphDef, TfImportError> {
+        import_graphdef_json(&v.to_string())
+    }
+
+    fn f32_type() -> Value {
+        json!({"type": "DT_FLOAT"})
+    }
+
+    fn placeholder(name: &str, dims: &[i64]) -> Value {
+        let dims: Vec<Value> = dims
+            .iter()
+            .map(|d| json!({"size": d.to_string()}))
+            .collect();
+        json!({"name": name, "op": "Placeholder",
+               "attr": {"dtype": f32_type(), "shape": {"shape": {"dim": dims}}}})
+    }
+
+    fn int_const(name: &str, vals: &[i32]) -> Value {
+        json!({"name": name, "op": "Const", "attr": {
+            "dtype": {"type": "DT_INT32"},
+            "value": {"tensor": {"dtype": "DT_INT32",
+                                 "tensorShape": {"dim": [{"size": vals.len().to_string()}]},
+                                 "intVal": vals}}}})
+    }
+
+    fn const_tensor(tensor: Value) -> Result<Tensor, TfImportError> {
+        let def = import(json!({"node": [
+            {"name": "c", "op": "Const", "attr": {"value": {"tensor": tensor}}}
+        ]}))?;
+        match node(&def, "c").attrs.get("value") {
+            Some(AttrValue::Tensor(t)) => Ok(t.clone()),
+            other => panic!("value is {other:?}"),
+        }
+    }
+
+    #[test]
+    fn fixture_imports_and_validates() {
+        let def = import_graphdef_json(PS_MLP).unwrap();
+        let g = Graph::from_def(&def).unwrap();
+        let mut names: Vec<_> = def.nodes.iter().map(|n| n.name.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            [
+                "MatMul",
+                "b1",
+                "b1/read",
+                "b2",
+                "b2/read",
+                "h",
+                "h_pre",
+                "logits",
+                "logits_mm",
+                "prediction",
+                "softmax",
+                "w1",
+                "w1/read",
+                "w2",
+                "w2/read",
+                "x"
+            ]
+        );
+        let out = |n: &str| g.node(g.find(n).unwrap()).outputs[0].to_string();
+        assert_eq!(out("softmax"), "f32[?, 10]");
+        assert_eq!(out("prediction"), "i64[?]");
+        assert_eq!(out("w1/read"), "f32[64, 32]");
+
+        let w1 = node(&def, "w1");
+        assert_eq!(w1.op, "Variable");
+        assert_eq!(w1.device, "/job:ps/task:0");
+        assert_eq!(w1.attrs["shape"], AttrValue::Shape(Shape::known(&[64, 32])));
+        let init = |n: &str| node(&def, n).attrs["initializer"].clone();
+        assert_eq!(init("w1"), AttrValue::from("glorot_uniform"));
+        assert_eq!(init("b1"), AttrValue::from("zeros"));
+        assert_eq!(init("w2"), AttrValue::from("truncated_normal"));
+        assert_eq!(init("b2"), AttrValue::from("zeros")); // constant(0.1): not recognised
+
+        let read = node(&def, "w1/read");
+        assert_eq!(
+            (read.op.as_str(), read.device.as_str()),
+            ("Identity", "/job:ps/task:0")
+        );
+        assert_eq!(read.colocate_with, ["w1"]);
+        assert!(w1.colocate_with.is_empty(), "self-colocation is dropped");
+
+        let pred = node(&def, "prediction");
+        assert_eq!(pred.inputs, ["logits"]);
+        assert_eq!(pred.attrs["axis"], AttrValue::Int(1));
+        assert_eq!(pred.attrs["output_type"], AttrValue::DType(DType::I64));
+        assert_eq!(node(&def, "logits").op, "Add");
+        assert_eq!(
+            node(&def, "MatMul").attrs["transpose_b"],
+            AttrValue::Bool(false)
+        );
+        assert_eq!(
+            node(&def, "x").attrs["shape"],
+            AttrValue::Shape(Shape::partial(vec![None, Some(64)]))
+        );
+    }
+
+    #[test]
+    fn two_ps_fixture_keeps_round_robin_devices() {
+        let def = import_graphdef_json(PS_MLP_2PS).unwrap();
+        Graph::from_def(&def).unwrap();
+        let dev = |n: &str| node(&def, n).device.clone();
+        assert_eq!(dev("w1"), "/job:ps/task:0");
+        assert_eq!(dev("b1"), "/job:ps/task:1");
+        assert_eq!(dev("w2"), "/job:ps/task:0");
+        assert_eq!(dev("b2/read"), "/job:ps/task:1");
+        assert_eq!(dev("softmax"), "/job:worker/task:0");
+    }
+
+    #[test]
+    fn detects_graphdefs() {
+        assert!(looks_like_tf_graphdef(PS_MLP));
+        assert!(looks_like_tf_graphdef(r#"{"node": []}"#));
+        assert!(!looks_like_tf_graphdef(r#"{"version": 1, "nodes": []}"#));
+        assert!(!looks_like_tf_graphdef(r#"{"node": [{"name": "x"}]}"#));
+        assert!(!looks_like_tf_graphdef("x = Placeholder()"));
+        assert!(!looks_like_tf_graphdef("[1, 2]"));
+    }
+
+    #[test]
+    fn tensor_content_is_base64_little_endian() {
+        let vals = [1.0f32, -2.5, 3.0, 4.0];
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let t = const_tensor(json!({
+            "dtype": "DT_FLOAT",
+            "tensorShape": {"dim": [{"size": "2"}, {"size": "2"}]},
+            "tensorContent": base64::engine::general_purpose::STANDARD.encode(bytes)
+        }))
+        .unwrap();
+        assert_eq!(t.dims(), [2, 2]);
+        assert_eq!(t.as_slice::<f32>().unwrap(), vals);
+
+        let bytes: Vec<u8> = [7i64, -1].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let t = const_tensor(json!({
+            "dtype": "DT_INT64", "tensor_shape": {"dim": [{"size": 2}]},
+            "tensor_content": base64::engine::general_purpose::STANDARD.encode(bytes)
+        }))
+        .unwrap();
+        assert_eq!(t.as_slice::<i64>().unwrap(), [7, -1]);
+    }
+
+    #[test]
+    fn value_lists_broadcast_their_last_value() {
+        let t = const_tensor(json!({"dtype": "DT_FLOAT",
+            "tensorShape": {"dim": [{"size": "2"}, {"size": "3"}]}, "floatVal": [0.5]}))
+        .unwrap();
+        assert_eq!(t.as_slice::<f32>().unwrap(), [0.5; 6]);
+        let t = const_tensor(json!({"dtype": "DT_INT32",
+            "tensorShape": {"dim": [{"size": "4"}]}, "intVal": [1, 2]}))
+        .unwrap();
+        assert_eq!(t.as_slice::<i32>().unwrap(), [1, 2, 2, 2]);
+        let t =
+            const_tensor(json!({"dtype": "DT_INT64", "int64Val": ["-9007199254740993"]})).unwrap();
+        assert_eq!(t.as_slice::<i64>().unwrap(), [-9_007_199_254_740_993]);
+        let t = const_tensor(json!({"dtype": "DT_DOUBLE",
+            "tensorShape": {"dim": [{"size": "3"}]}, "doubleVal": ["NaN", "-Infinity", 2]}))
+        .unwrap();
+        let v = t.as_slice::<f64>().unwrap();
+        assert!(v[0].is_nan() && v[1] == f64::NEG_INFINITY && v[2] == 2.0);
+        // No values at all: zeros. A dimension written as `{}` has size 0.
+        let t = const_tensor(json!({"dtype": "DT_BOOL", "tensorShape": {"dim": [{"size": "3"}]}}))
+            .unwrap();
+        assert_eq!(t.as_slice::<u8>().unwrap(), [0, 0, 0]);
+        let t = const_tensor(json!({"dtype": "DT_FLOAT", "tensorShape": {"dim": [{}]}})).unwrap();
+        assert_eq!(t.dims(), [0]);
+        let t = const_tensor(json!({"dtype": "DT_HALF", "halfVal": [15360]})).unwrap();
+        assert_eq!(t.as_slice::<half::f16>().unwrap(), [half::f16::ONE]);
+    }
+
+    #[test]
+    fn bad_tensors_are_clean_errors() {
+        let cases = [
+            (
+                json!({"dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "2"}]},
+                    "tensorContent": "AAAA"}),
+                "tensorContent has 3 bytes",
+            ),
+            (
+                json!({"dtype": "DT_FLOAT", "tensorContent": "!!"}),
+                "invalid base64",
+            ),
+            (
+                json!({"dtype": "DT_STRING", "stringVal": ["YQ=="]}),
+                "DT_STRING is not supported",
+            ),
+            (json!({"tensorShape": {}}), "no `dtype`"),
+            (
+                json!({"dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "1000000"},
+                    {"size": "1000000"}]}, "floatVal": [1]}),
+                "too large",
+            ),
+            (
+                json!({"dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "-1"}]}}),
+                "must be fully known",
+            ),
+            (
+                json!({"dtype": "DT_INT32", "intVal": [1, 2]}),
+                "2 values given for a tensor of 1",
+            ),
+            (
+                json!({"dtype": "DT_INT32", "intVal": ["x"]}),
+                "expected an integer",
+            ),
+            (
+                json!({"dtype": "DT_INT32", "intVal": [3000000000u64]}),
+                "out of range",
+            ),
+        ];
+        for (tensor, want) in cases {
+            let e = const_tensor(tensor.clone()).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("`c`"), "{tensor}: {e}");
+        }
+    }
+
+    #[test]
+    fn shapes_with_unknown_dims_and_rank() {
+        let def = import(json!({"node": [
+            placeholder("a", &[-1, 3]),
+            {"name": "b", "op": "Placeholder", "attr": {"dtype": f32_type(),
+                "shape": {"shape": {"unknownRank": true}}}},
+            {"name": "c", "op": "Placeholder", "attr": {"dtype": f32_type(),
+                "shape": {"shape": {}}}},
+            {"name": "d", "op": "Placeholder", "attr": {"dtype": f32_type()}}
+        ]}))
+        .unwrap();
+        let shape = |n: &str| node(&def, n).attrs.get("shape").cloned();
+        assert_eq!(
+            shape("a"),
+            Some(AttrValue::Shape(Shape::partial(vec![None, Some(3)])))
+        );
+        assert_eq!(shape("b"), Some(AttrValue::Shape(Shape::unknown())));
+        assert_eq!(shape("c"), Some(AttrValue::Shape(Shape::scalar())));
+        assert_eq!(shape("d"), None, "dflow's default (unknown) applies");
+        Graph::from_def(&def).unwrap();
+        let e = import(json!({"node": [placeholder("a", &[-2])]})).unwrap_err();
+        assert!(e.to_string().contains("dimension -2 is negative"), "{e}");
+    }
+
+    #[test]
+    fn constant_operands_fold_into_attrs() {
+        let def = import(json!({"node": [
+            placeholder("x", &[-1, 4, 6]),
+            int_const("axes", &[1, -1]),
+            {"name": "s", "op": "Sum", "input": ["x", "axes"],
+             "attr": {"keep_dims": {"b": true}, "Tidx": {"type": "DT_INT32"}}},
+            {"name": "m", "op": "Mean", "input": ["x", "axes"], "attr": {}},
+            {"name": "shape", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_INT64",
+                "tensorShape": {"dim": [{"size": "2"}]}, "int64Val": ["-1", "24"]}}}},
+            {"name": "r", "op": "Reshape", "input": ["x", "shape"]},
+            int_const("none", &[]),
+            {"name": "keep", "op": "Max", "input": ["x", "none"]},
+            int_const("shared", &[0]),
+            {"name": "am", "op": "ArgMax", "input": ["r", "shared"],
+             "attr": {"output_type": {"type": "DT_INT32"}}},
+            {"name": "use_shared", "op": "Cast", "input": ["shared"],
+             "attr": {"DstT": f32_type(), "SrcT": {"type": "DT_INT32"}}}
+        ]}))
+        .unwrap();
+        let s = node(&def, "s");
+        assert_eq!(s.inputs, ["x"]);
+        assert_eq!(s.attrs["axes"], AttrValue::IntList(vec![1, -1]));
+        assert_eq!(s.attrs["keep_dims"], AttrValue::Bool(true));
+        assert_eq!(
+            node(&def, "r").attrs["shape"],
+            AttrValue::IntList(vec![-1, 24])
+        );
+        assert_eq!(node(&def, "keep").op, "Identity");
+        assert_eq!(node(&def, "am").attrs["axis"], AttrValue::Int(0));
+        assert!(def
+            .nodes
+            .iter()
+            .all(|n| !["axes", "shape", "none"].contains(&n.name.as_str())));
+        assert_eq!(node(&def, "shared").op, "Const", "still read by use_shared");
+        let g = Graph::from_def(&def).unwrap();
+        let out = |n: &str| g.node(g.find(n).unwrap()).outputs[0].to_string();
+        assert_eq!(out("s"), "f32[?, 1, 1]");
+        assert_eq!(out("r"), "f32[?, 24]");
+        assert_eq!(out("am"), "i32[24]");
+    }
+
+    #[test]
+    fn non_constant_operands_are_rejected() {
+        let e = import(json!({"node": [
+            placeholder("x", &[2, 3]),
+            {"name": "axis", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"}}},
+            {"name": "am", "op": "ArgMax", "input": ["x", "axis"]}
+        ]}))
+        .unwrap_err();
+        assert!(
+            matches!(&e, TfImportError::Node { node, .. } if node == "am")
+                && e.to_string().contains("operand `axis` must be a Const"),
+            "{e}"
+        );
+        let e = import(json!({"node": [placeholder("x", &[2]), {"name": "am", "op": "ArgMax", "input": ["x"]}]}))
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("expected a constant operand at input 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unsupported_ops_are_listed_together() {
+        let e = import(json!({"node": [
+            placeholder("x", &[2]),
+            {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
+            {"name": "b", "op": "ApplyAdam", "input": ["x"]},
+            {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
+        ]}))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unsupported TensorFlow ops: Conv2D (a, c), ApplyAdam (b)"
+        );
+    }
+
+    #[test]
+    fn initializer_subgraph_is_dropped_with_its_unsupported_ops() {
+        let def = import(json!({"node": [
+            {"name": "v/Initializer/random_normal/shape", "op": "Const", "attr": {"value":
+                {"tensor": {"dtype": "DT_INT32", "tensorShape": {"dim": [{"size": "1"}]}, "intVal": [3]}}}},
+            {"name": "v/Initializer/random_normal/RandomStandardNormal", "op": "RandomStandardNormal",
+             "input": ["v/Initializer/random_normal/shape"]},
+            {"name": "v", "op": "VarHandleOp", "device": "/job:ps/task:0",
+             "attr": {"dtype": f32_type(), "shape": {"shape": {"dim": [{"size": "3"}]}}}},
+            {"name": "v/Assign", "op": "AssignVariableOp",
+             "input": ["v", "v/Initializer/random_normal/RandomStandardNormal"]},
+            {"name": "v/IsInitialized", "op": "VarIsInitializedOp", "input": ["v"]},
+            {"name": "ones", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+                "tensorShape": {"dim": [{"size": "3"}]}, "floatVal": [1]}}}},
+            {"name": "u", "op": "VariableV2", "attr": {"dtype": f32_type(),
+                "shape": {"shape": {"dim": [{"size": "3"}]}}, "_class": {"list": {"s": ["bG9jOkB2"]}}}},
+            {"name": "u/Assign", "op": "Assign", "input": ["u", "ones"]},
+            {"name": "init", "op": "NoOp", "input": ["^v/Assign", "^u/Assign"]},
+            {"name": "v/read", "op": "ReadVariableOp", "input": ["v"], "attr": {"dtype": f32_type()}},
+            {"name": "y", "op": "AddV2", "input": ["v/read", "u", "^init"]}
+        ]}))
+        .unwrap();
+        let names: Vec<_> = def.nodes.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names, ["v", "u", "v/read", "y"]);
+        assert_eq!(
+            node(&def, "v").attrs["initializer"],
+            AttrValue::from("random_normal")
+        );
+        assert_eq!(
+            node(&def, "u").attrs["initializer"],
+            AttrValue::from("ones")
+        );
+        assert_eq!(node(&def, "u").colocate_with, ["v"]);
+        assert_eq!(
+            node(&def, "y").inputs,
+            ["v/read", "u"],
+            "^init is dropped with init"
+        );
+        assert_eq!(node(&def, "v/read").op, "Identity");
+        Graph::from_def(&def).unwrap();
+    }
+
+    #[test]
+    fn state_updates_are_not_mistaken_for_initializers() {
+        let e = import(json!({"node": [
+            {"name": "w", "op": "VariableV2", "attr": {"dtype": f32_type(),
+                "shape": {"shape": {"dim": [{"size": "2"}]}}}},
+            {"name": "w/Initializer/zeros", "op": "Const", "attr": {"value": {"tensor":
+                {"dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "2"}]}}}}},
+            {"name": "w/Assign", "op": "Assign", "input": ["w", "w/Initializer/zeros"]},
+            {"name": "one", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+                "floatVal": [1]}}}},
+            {"name": "w_plus_1", "op": "AddV2", "input": ["w", "one"]},
+            {"name": "update", "op": "Assign", "input": ["w", "w_plus_1"]}
+        ]}))
+        .unwrap_err();
+        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Assign (update)");
+    }
+
+    #[test]
+    fn reading_a_dropped_node_is_an_error() {
+        let e = import(json!({"node": [
+            {"name": "v/Initializer/zeros", "op": "Const", "attr": {"value": {"tensor":
+                {"dtype": "DT_FLOAT"}}}},
+            {"name": "y", "op": "Identity", "input": ["v/Initializer/zeros"]}
+        ]}))
+        .unwrap_err();
+        assert!(e.to_string().contains("variable-initialization"), "{e}");
+    }
+
+    #[test]
+    fn garbage_and_missing_fields_are_clean_errors() {
+        let cases: [(&str, &str); 13] = [
+            ("not json", "invalid JSON at line 1"),
+            ("{\"node\": [\n  {\"name\": }", "invalid JSON at line 2"),
+            ("[1, 2]", "not a TensorFlow GraphDef"),
+            ("{}", "no top-level `node` list"),
+            (r#"{"node": 3}"#, "`node` is not a list"),
+            (r#"{"node": [3]}"#, "node #0 `` (): expected a JSON object"),
+            (r#"{"node": [{"op": "NoOp"}]}"#, "missing `name`"),
+            (
+                r#"{"node": [{"name": "a"}]}"#,
+                "node #0 `a` (): missing `op`",
+            ),
+            (
+                r#"{"node": [{"name": "a", "op": "NoOp", "input": "b"}]}"#,
+                "`input` must be a list",
+            ),
+            (
+                r#"{"node": [{"name": "a", "op": "NoOp", "input": ["^"]}]}"#,
+                "invalid control input",
+            ),
+            (
+                r#"{"node": [{"name": "a", "op": "NoOp", "input": ["^b"]}]}"#,
+                "`^b` names no node",
+            ),
+            (
+                r#"{"node": [{"name": "a", "op": "NoOp"}, {"name": "a", "op": "NoOp"}]}"#,
+                "node #1 `a` (NoOp): duplicate node name (first defined at #0)",
+            ),
+            (
+                r#"{"node": [{"name": "c", "op": "Const"}]}"#,
+                "missing attr `value`",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = import_graphdef_json(text).unwrap_err().to_string();
+            assert!(e.contains(want), "{text}: {e}");
+        }
+        let bad_attrs = [
+            (
+                json!({"name": "p", "op": "Placeholder"}),
+                "missing attr `dtype`",
+            ),
+            (
+                json!({"name": "p", "op": "Placeholder", "attr": {"dtype": {"type": "DT_COMPLEX64"}}}),
+                "attr `dtype`: dtype DT_COMPLEX64 is not supported",
+            ),
+            (
+                json!({"name": "p", "op": "Placeholder", "attr": {"dtype": {"type": 1}}}),
+                "expected a dtype name",
+            ),
+            (
+                json!({"name": "p", "op": "Placeholder", "attr": {"dtype": f32_type(),
+                "shape": {"shape": {"dim": [{"size": "many"}]}}}}),
+                "expected an integer",
+            ),
+            (
+                json!({"name": "v", "op": "VariableV2", "attr": {"dtype": f32_type()}}),
+                "missing attr `shape`",
+            ),
+            (
+                json!({"name": "m", "op": "MatMul", "attr": {"transpose_a": {"b": "yes"}}}),
+                "attr `transpose_a`: expected a bool",
+            ),
+            (
+                json!({"name": "b", "op": "BiasAdd", "attr": {"data_format": {"s": "TkNIVw=="}}}),
+                "data_format \"NCHW\" is not supported",
+            ),
+            (
+                json!({"name": "b", "op": "NoOp", "attr": {"_class": {"list": {"s": ["%%"]}}}}),
+                "attr `_class`: invalid base64",
+            ),
+        ];
+        for (n, want) in bad_attrs {
+            let e = import(json!({"node": [n]})).unwrap_err().to_string();
+            assert!(e.contains(want), "{n}: {e}");
+        }
+    }
+}
