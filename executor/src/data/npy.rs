@@ -107,7 +107,10 @@ fn to_usize(path: &Path, n: u64) -> Result<usize> {
 macro_rules! read_as {
     ($path:expr, $npy:expr, $out:expr, $what:literal, [$($t:ty => $conv:expr),+ $(,)?]) => {{
         let npy = $npy;
-        let dtype = npy.dtype().descr();
+        let dtype = match npy.dtype() {
+            npyz::DType::Plain(ts) => ts.to_string(),
+            other => other.descr(),
+        };
         $(
             let npy = match npy.try_data::<$t>() {
                 Ok(reader) => {
