@@ -3,6 +3,8 @@
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+pub mod checkpoint;
+pub mod data;
 pub mod error;
 pub mod npy;
 pub mod plan;
