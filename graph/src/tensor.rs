@@ -66,9 +66,9 @@ pub struct Buffer {
 impl Buffer {
     /// A zero-filled buffer of `len` bytes.
     pub fn zeroed(len: usize) -> Self {
-        Buffer {
-            bytes: AVec::from_iter(BUFFER_ALIGN, std::iter::repeat(0u8).take(len)),
-        }
+        let mut bytes = AVec::with_capacity(BUFFER_ALIGN, len);
+        bytes.resize(len, 0u8); // a plain fill loop that compiles to memset
+        Buffer { bytes }
     }
 
     /// A buffer holding a copy of `bytes`.
