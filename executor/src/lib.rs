@@ -11,6 +11,7 @@ pub mod plan;
 pub mod session;
 mod step;
 pub mod trace;
+pub mod trainer;
 pub mod variables;
 
 pub use error::ExecError;

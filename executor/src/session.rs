@@ -414,6 +414,22 @@ impl Session {
         Ok(())
     }
 
+    /// Every variable of the graph: (name, dtype, dims), sorted by name.
+    pub fn variable_specs(&self) -> Vec<(String, dflow_graph::DType, Vec<usize>)> {
+        let g = &self.placed.graph;
+        let mut v: Vec<_> = g
+            .node_indices()
+            .map(|i| g.node(i))
+            .filter(|n| n.op_def().is_variable)
+            .filter_map(|n| {
+                let t = n.outputs.first()?;
+                Some((n.name.clone(), t.dtype, t.shape.as_static()?))
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Recv keys still pending in `step` (diagnostics).
     pub fn pending(&self, step: u64) -> Vec<RendezvousKey> {
         self.rendezvous.pending_recvs(step)
