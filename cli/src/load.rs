@@ -11,6 +11,7 @@
 //! # Ok::<(), dflow::load::LoadError>(())
 //! ```
 
+use dflow_graph::format::{FormatError, MAX_ERRORS};
 use dflow_graph::{Format, FormatErrors, Graph, GraphError, GraphErrors, ParsedGraph};
 use std::collections::HashMap;
 use std::fmt;
@@ -56,26 +57,43 @@ impl LoadError {
 
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LoadError::Format(errors) => {
-                let n = errors.0.len();
-                if n > 1 {
-                    let path = errors.0[0].path.as_deref().unwrap_or("<input>");
-                    writeln!(f, "{path}: {n} errors")?;
+        let (path, entries): (&str, Vec<String>) = match self {
+            LoadError::Format(errors) => (
+                errors
+                    .0
+                    .first()
+                    .and_then(|e| e.path.as_deref())
+                    .unwrap_or("<input>"),
+                errors.0.iter().map(render_format_error).collect(),
+            ),
+            LoadError::Invalid { path, rendered, .. } => (path, rendered.clone()),
+        };
+        // One error needs no header: its own line names the file.
+        if entries.len() > 1 {
+            let more = match self {
+                LoadError::Format(_) if entries.len() >= MAX_ERRORS => {
+                    format!(" (stopped after {MAX_ERRORS})")
                 }
-                write!(f, "{errors}")
-            }
-            LoadError::Invalid { path, rendered, .. } => {
-                let n = rendered.len();
-                let s = if n == 1 { "" } else { "s" };
-                write!(f, "{path}: invalid graph ({n} error{s})")?;
-                for r in rendered {
-                    write!(f, "\n{r}")?;
-                }
-                Ok(())
-            }
+                _ => String::new(),
+            };
+            writeln!(f, "{path}: {} errors{more}", entries.len())?;
         }
+        write!(f, "{}", entries.join("\n"))
     }
+}
+
+/// `file:line:col: message` plus the source line and caret, the line cut to a window around the
+/// column when it is long (a 10k-character line would drown the message).
+fn render_format_error(e: &FormatError) -> String {
+    let path = e.path.as_deref().unwrap_or("<input>");
+    if e.line == 0 {
+        return format!("{path}: {}", e.message);
+    }
+    let mut s = format!("{path}:{}:{}: {}", e.line, e.column, e.message);
+    if let Some(src) = e.snippet.lines().next() {
+        s.push_str(&snippet(src, e.column));
+    }
+    s
 }
 
 impl std::error::Error for LoadError {}
@@ -88,7 +106,15 @@ pub fn load_graph(path: &Path) -> Result<LoadedGraph, LoadError> {
     // detection and snippets, so a failure here just loses those.
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let format = Format::detect(Some(path), &text);
-    match Graph::from_def(&parsed.def) {
+    let checked = Graph::from_def(&parsed.def).and_then(|graph| {
+        let too_big = check_sizes(&graph);
+        if too_big.is_empty() {
+            Ok(graph)
+        } else {
+            Err(GraphErrors(too_big))
+        }
+    });
+    match checked {
         Ok(graph) => Ok(LoadedGraph {
             graph,
             parsed,
@@ -141,25 +167,61 @@ pub fn render_validation_errors(
         .collect()
 }
 
-/// The source line (cut to a readable length) and a caret under `col` (1-based, in chars).
+/// The source line and a caret under `col` (1-based, in chars). Lines longer than a screen are
+/// cut to a window around the column, marked with `…`; control characters show as `�`.
 fn snippet(line: &str, col: usize) -> String {
-    const MAX: usize = 160;
-    let line = line.trim_end_matches('\r');
-    if col > MAX {
-        return String::new();
-    }
-    let shown: String = line.chars().take(MAX).collect();
-    let more = if line.chars().nth(MAX).is_some() {
-        " …"
+    const WIDTH: usize = 120;
+    let chars: Vec<char> = line.trim_end_matches('\r').chars().collect();
+    let at = col.saturating_sub(1).min(chars.len());
+    let start = if chars.len() <= WIDTH {
+        0
     } else {
-        ""
+        at.saturating_sub(WIDTH / 2).min(chars.len() - WIDTH)
     };
-    let caret: String = shown
-        .chars()
-        .take(col.saturating_sub(1))
-        .map(|c| if c == '\t' { '\t' } else { ' ' })
+    let end = (start + WIDTH).min(chars.len());
+    let head = if start > 0 { "…" } else { "" };
+    let tail = if end < chars.len() { "…" } else { "" };
+    // Control characters and BOMs would garble a terminal or hide; show them as U+FFFD, one
+    // char each so the caret stays aligned.
+    let shown: String = chars[start..end]
+        .iter()
+        .map(|&c| {
+            if (c.is_control() && c != '\t') || c == '\u{feff}' {
+                '\u{fffd}'
+            } else {
+                c
+            }
+        })
         .collect();
-    format!("\n{shown}{more}\n{caret}^")
+    let caret: String = std::iter::repeat(' ')
+        .take(head.chars().count())
+        .chain(
+            chars[start..at]
+                .iter()
+                .map(|&c| if c == '\t' { '\t' } else { ' ' }),
+        )
+        .collect();
+    format!("\n{head}{shown}{tail}\n{caret}^")
+}
+
+/// Validation accepts any static shape, but a value whose byte size does not fit in `usize`
+/// could never be allocated; report it as the node's error rather than summarizing it as 0.
+fn check_sizes(graph: &Graph) -> Vec<GraphError> {
+    graph
+        .node_indices()
+        .map(|idx| graph.node(idx))
+        .flat_map(|n| {
+            n.outputs
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.shape.is_static() && t.byte_size().is_none())
+                .map(|(i, t)| GraphError::Shape {
+                    node: n.name.clone(),
+                    op: n.op.clone(),
+                    message: format!("output {i} is {t}: more bytes than this machine can address"),
+                })
+        })
+        .collect()
 }
 
 /// What `dflow check` prints about a valid graph. Everything except the file and format is a
@@ -328,6 +390,12 @@ mod tests {
     #[test]
     fn snippet_points_at_the_column() {
         assert_eq!(snippet("  a = B(c)", 3), "\n  a = B(c)\n  ^");
-        assert_eq!(snippet("x", 500), "");
+        assert_eq!(snippet("x", 2), "\nx\n ^");
+        assert_eq!(snippet("a\0b", 2), "\na\u{fffd}b\n ^");
+        let long = "a".repeat(1000);
+        let s = snippet(&long, 500);
+        let lines: Vec<&str> = s.lines().collect();
+        assert!(lines[1].starts_with('…') && lines[1].ends_with('…'));
+        assert_eq!(lines[2].chars().count(), 62);
     }
 }
