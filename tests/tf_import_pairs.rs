@@ -19,8 +19,7 @@
 //! - Client-terminated pairs (TensorFlow's feed and fetch plumbing) are left out: only the
 //!   device-to-device transfers are compared.
 //!
-//! The comparison against dflow's partitioner is gated on the `partitioner-api` feature and
-//! `#[ignore]`d until `dflow_partitioner::{place, partition}` exist; see `mod with_partitioner`.
+//! The comparison against dflow's partitioner is `mod with_partitioner`.
 
 use dflow_graph::tf_import::import_graphdef_json;
 use dflow_graph::{DeviceName, Graph};
@@ -240,15 +239,9 @@ fn fixtures_import_and_every_tf_transfer_is_a_graph_edge() {
     }
 }
 
-/// The real comparison. **To enable** once `dflow_partitioner` has `place` and `partition`:
-/// delete the `#[cfg(feature = "partitioner-api")]` line and the two `#[ignore]` lines below,
-/// and the `partitioner-api` feature in tests/Cargo.toml; then
-/// `cargo test -p dflow-tests --test tf_import_pairs`. Written against the expected API:
-/// `place(&Graph, &ClusterSpec, &PlacementOptions) -> Result<Placed, _>`,
-/// `partition(&Placed, &PartitionOptions { feeds, fetches, targets }) -> Result<Partitions, _>`,
-/// `Partitions { pairs: Vec<TransferPair { tensor_name, send_device, recv_device,
-/// client_terminated, .. }>, .. }` (the devices may be `String` or `DeviceName`).
-#[cfg(feature = "partitioner-api")]
+/// The real comparison: TensorFlow's GraphDef, imported, placed and partitioned by dflow,
+/// gives the same (tensor, send device, receive device) transfers as TensorFlow's own
+/// partitioner for the same placement.
 mod with_partitioner {
     use super::*;
     use dflow_graph::ClusterSpec;
@@ -284,14 +277,12 @@ mod with_partitioner {
     }
 
     #[test]
-    #[ignore = "enable when dflow_partitioner lands"]
     fn ps_mlp_matches_tensorflow() {
         let dflow = dflow_transfers(PS_MLP, 1);
         compare_transfers(&tf_transfers(PS_MLP_PAIRS).unwrap(), &dflow).unwrap();
     }
 
     #[test]
-    #[ignore = "enable when dflow_partitioner lands"]
     fn ps_mlp_two_ps_matches_tensorflow() {
         let dflow = dflow_transfers(PS_MLP_2PS, 2);
         compare_transfers(&tf_transfers(PS_MLP_2PS_PAIRS).unwrap(), &dflow).unwrap();

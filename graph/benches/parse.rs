@@ -1,8 +1,9 @@
-//! Parse time of a 100k-node graph in each format (`cargo bench -p dflow-graph --bench parse`).
+//! Parse time of a 100k-node graph in each format, and parse + validation time of a realistic
+//! 100k-node model (`cargo bench -p dflow-graph --bench parse`).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use dflow_graph::format::{parse_dsl, parse_json, to_dsl, to_json};
-use dflow_graph::{DType, GraphDef, NodeDef, Shape, Tensor};
+use dflow_graph::{DType, Graph, GraphDef, NodeDef, Shape, Tensor};
 
 const NODES: usize = 100_000;
 
@@ -43,6 +44,111 @@ fn big_graph() -> GraphDef {
     GraphDef { version: 1, nodes }
 }
 
+/// A stack of dense residual layers, the shape of a real model: each tower starts with a
+/// Placeholder `[-1, 64]`; each layer is `w`, `b` (Variables on a ps task), MatMul, BiasAdd, Relu,
+/// a residual Add and an Identity (with a control edge to the previous layer's Identity every 4th
+/// layer). Towers of 100 layers, spread over 4 worker tasks. Exactly `NODES` nodes.
+fn model_graph() -> GraphDef {
+    const WIDTH: usize = 64;
+    const LAYERS_PER_TOWER: usize = 100;
+    let mut nodes: Vec<NodeDef> = Vec::with_capacity(NODES);
+    let node = |name: String, op: &str, inputs: Vec<String>, device: String| NodeDef {
+        name,
+        op: op.into(),
+        inputs,
+        device,
+        ..NodeDef::default()
+    };
+    let variable = |name: String, shape: &[usize], seed: i64, device: String| {
+        let mut n = node(name, "Variable", vec![], device);
+        n.attrs.insert("dtype".into(), DType::F32.into());
+        n.attrs.insert("shape".into(), Shape::known(shape).into());
+        n.attrs
+            .insert("initializer".into(), "glorot_uniform".into());
+        n.attrs.insert("seed".into(), seed.into());
+        n
+    };
+    let (mut tower, mut layer) = (0usize, 0usize);
+    let mut prev = String::new();
+    let mut prev_id: Option<String> = None;
+    while nodes.len() < NODES {
+        let worker = format!("/job:worker/task:{}", tower % 4);
+        let ps = format!("/job:ps/task:{}", tower % 2);
+        if layer == 0 {
+            let mut x = node(
+                format!("tower{tower}/x"),
+                "Placeholder",
+                vec![],
+                worker.clone(),
+            );
+            x.attrs.insert("dtype".into(), DType::F32.into());
+            x.attrs.insert(
+                "shape".into(),
+                Shape::partial(vec![None, Some(WIDTH)]).into(),
+            );
+            prev = x.name.clone();
+            prev_id = None;
+            nodes.push(x);
+        }
+        let p = format!("tower{tower}/layer{layer}");
+        let seed = i64::try_from(nodes.len()).unwrap_or(0);
+        let block = [
+            variable(format!("{p}/w"), &[WIDTH, WIDTH], seed, ps.clone()),
+            variable(format!("{p}/b"), &[WIDTH], seed + 1, ps),
+            node(
+                format!("{p}/matmul"),
+                "MatMul",
+                vec![prev.clone(), format!("{p}/w")],
+                worker.clone(),
+            ),
+            node(
+                format!("{p}/bias"),
+                "BiasAdd",
+                vec![format!("{p}/matmul"), format!("{p}/b")],
+                worker.clone(),
+            ),
+            node(
+                format!("{p}/relu"),
+                "Relu",
+                vec![format!("{p}/bias")],
+                worker.clone(),
+            ),
+            node(
+                format!("{p}/residual"),
+                "Add",
+                vec![format!("{p}/relu"), prev.clone()],
+                worker.clone(),
+            ),
+            node(
+                format!("{p}/out"),
+                "Identity",
+                std::iter::once(format!("{p}/residual"))
+                    .chain(
+                        prev_id
+                            .iter()
+                            .filter(|_| layer % 4 == 3)
+                            .map(|i| format!("^{i}")),
+                    )
+                    .collect(),
+                worker,
+            ),
+        ];
+        for n in block {
+            if nodes.len() < NODES {
+                nodes.push(n);
+            }
+        }
+        prev = format!("{p}/out");
+        prev_id = Some(prev.clone());
+        layer += 1;
+        if layer == LAYERS_PER_TOWER {
+            (tower, layer) = (tower + 1, 0);
+        }
+    }
+    // Each node only reads nodes pushed before it, so cutting mid-layer leaves a valid graph.
+    GraphDef { version: 1, nodes }
+}
+
 fn nodes_name(nodes: &[NodeDef], i: usize) -> String {
     nodes[i].name.clone()
 }
@@ -65,6 +171,32 @@ fn bench(c: &mut Criterion) {
     group.bench_function("dsl", |b| b.iter(|| parse_dsl(&dsl, None)));
     group.bench_function("to_json", |b| b.iter(|| to_json(&g)));
     group.bench_function("to_dsl", |b| b.iter(|| to_dsl(&g)));
+    group.finish();
+
+    let model = model_graph();
+    let json = to_json(&model);
+    let dsl = to_dsl(&model);
+    let validated =
+        |parsed: Option<GraphDef>| parsed.map(|d| Graph::from_def(&d).map(|g| g.num_nodes()));
+    let n = model.nodes.len();
+    assert_eq!(n, NODES);
+    assert_eq!(
+        validated(parse_json(&json, None).ok().map(|p| p.def)).map(|r| r.ok()),
+        Some(Some(n))
+    );
+    assert_eq!(
+        validated(parse_dsl(&dsl, None).ok().map(|p| p.def)).map(|r| r.ok()),
+        Some(Some(n))
+    );
+    let mut group = c.benchmark_group("parse_validate_100k_model");
+    group.sample_size(10);
+    group.bench_function("json", |b| {
+        b.iter(|| parse_json(&json, None).map(|p| Graph::from_def(&p.def)))
+    });
+    group.bench_function("dsl", |b| {
+        b.iter(|| parse_dsl(&dsl, None).map(|p| Graph::from_def(&p.def)))
+    });
+    group.bench_function("validate_only", |b| b.iter(|| Graph::from_def(&model)));
     group.finish();
 }
 

@@ -1,10 +1,50 @@
-//! `dflow check`.
+//! `dflow check`: validate a graph file and summarize it.
+
+use super::common;
+use dflow::load::Summary;
+use dflow_graph::{registry, Format};
+use std::path::PathBuf;
 
 /// Arguments of `dflow check`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The graph file (`.json` or `.dflow`; detected from the content otherwise).
+    #[arg(required_unless_present = "ops")]
+    file: Option<PathBuf>,
+    /// List the registered ops instead of checking a file.
+    #[arg(long)]
+    ops: bool,
+}
 
 /// Runs `dflow check`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`dflow check` is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.ops {
+        print!("{}", op_list());
+        return Ok(());
+    }
+    let Some(path) = args.file else {
+        anyhow::bail!("no graph file given");
+    };
+    let loaded = common::load(&path)?;
+    println!("file:         {}", path.display());
+    println!("format:       {}", format_name(loaded.format));
+    println!("{}", Summary::of(&loaded.graph));
+    Ok(())
+}
+
+/// The name of a format as `--to` spells it.
+pub fn format_name(f: Format) -> &'static str {
+    match f {
+        Format::Json => "json",
+        Format::Dsl => "dsl",
+    }
+}
+
+fn op_list() -> String {
+    let mut ops: Vec<_> = registry().ops().collect();
+    ops.sort_by_key(|o| o.name);
+    let width = ops.iter().map(|o| o.name.len()).max().unwrap_or(0);
+    ops.iter()
+        .map(|o| format!("{:<width$}  {}\n", o.name, o.summary))
+        .collect()
 }
