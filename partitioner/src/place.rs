@@ -365,7 +365,7 @@ fn no_match_reason(spec: &DeviceName, cluster: &ClusterSpec) -> String {
     let ty = spec.device_type.as_deref().unwrap_or("*");
     let id = spec.device_id.map_or("*".to_string(), |i| i.to_string());
     format!(
-        "no device {ty}:{id} on the task; each task has CPU:0 (soft placement falls back to it)"
+        "no device {ty}:{id} there; each task has only CPU:0, which soft placement would use"
     )
 }
 
