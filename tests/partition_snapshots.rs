@@ -19,7 +19,12 @@ fn explicit() -> PlacementOptions {
     }
 }
 
-fn run(g: &Graph, c: &ClusterSpec, popts: &PlacementOptions, opts: &PartitionOptions) -> Partitions {
+fn run(
+    g: &Graph,
+    c: &ClusterSpec,
+    popts: &PlacementOptions,
+    opts: &PartitionOptions,
+) -> Partitions {
     let placed = place(g, c, popts).unwrap();
     let a = partition(&placed, opts).unwrap();
     // Determinism and JSON round trip, checked on every snapshot case.
@@ -50,7 +55,12 @@ fn chain_across_two_devices() {
     let t = b.with_device(&w(1), |b| b.unary("Tanh", "t", &a));
     b.with_device(&w(1), |b| b.unary("Identity", "out", &t));
     let g = b.build().unwrap();
-    let p = run(&g, &cluster(&[("worker", 2)]), &explicit(), &PartitionOptions::default());
+    let p = run(
+        &g,
+        &cluster(&[("worker", 2)]),
+        &explicit(),
+        &PartitionOptions::default(),
+    );
     assert_eq!(p.pairs.len(), 1);
     snap("chain_across_two_devices", &p);
 }
@@ -63,7 +73,12 @@ fn one_tensor_two_consumers_one_pair() {
     let s = b.with_device(&w(1), |b| b.unary("Sigmoid", "s", &x));
     b.with_device(&w(1), |b| b.binary("Add", "sum", &r, &s));
     let g = b.build().unwrap();
-    let p = run(&g, &cluster(&[("worker", 2)]), &explicit(), &PartitionOptions::default());
+    let p = run(
+        &g,
+        &cluster(&[("worker", 2)]),
+        &explicit(),
+        &PartitionOptions::default(),
+    );
     assert_eq!(p.pairs.len(), 1, "both consumers share one pair");
     snap("one_tensor_two_consumers", &p);
 }
@@ -76,9 +91,20 @@ fn diamond_over_three_devices() {
     let r = b.with_device(&w(2), |b| b.unary("Tanh", "right", &x));
     b.with_device(&w(0), |b| b.binary("Add", "join", &l, &r));
     let g = b.build().unwrap();
-    let p = run(&g, &cluster(&[("worker", 3)]), &explicit(), &PartitionOptions::default());
+    let p = run(
+        &g,
+        &cluster(&[("worker", 3)]),
+        &explicit(),
+        &PartitionOptions::default(),
+    );
     assert_eq!(p.pairs.len(), 4);
-    assert_eq!(p.buffer_plan.bytes_received_per_step.values().sum::<usize>(), 4 * 512);
+    assert_eq!(
+        p.buffer_plan
+            .bytes_received_per_step
+            .values()
+            .sum::<usize>(),
+        4 * 512
+    );
     snap("diamond_over_three_devices", &p);
 }
 
@@ -88,10 +114,24 @@ fn control_dependency_across_devices() {
     let x = b.with_device(&w(0), |b| b.placeholder("x", DType::F32, &[2]));
     let init = b.with_device(&w(0), |b| b.unary("Identity", "init", &x));
     let y = b.with_device(&w(1), |b| b.op("NoOp", "after").control_dep(&init).finish());
-    b.with_device(&w(1), |b| b.op("NoOp", "after2").control_dep(&init).control_dep(&y).finish());
+    b.with_device(&w(1), |b| {
+        b.op("NoOp", "after2")
+            .control_dep(&init)
+            .control_dep(&y)
+            .finish()
+    });
     let g = b.build().unwrap();
-    let p = run(&g, &cluster(&[("worker", 2)]), &explicit(), &PartitionOptions::default());
-    assert_eq!(p.pairs.len(), 1, "control pair deduplicated per destination device");
+    let p = run(
+        &g,
+        &cluster(&[("worker", 2)]),
+        &explicit(),
+        &PartitionOptions::default(),
+    );
+    assert_eq!(
+        p.pairs.len(),
+        1,
+        "control pair deduplicated per destination device"
+    );
     assert!(p.pairs[0].is_control);
     assert_eq!(p.pairs[0].bytes, Some(0));
     assert_eq!(p.pairs[0].tensor_name, "^init");
@@ -117,7 +157,12 @@ fn classic_ps_pattern_round_robin() {
     mlp(&mut b);
     let g = b.build().unwrap();
     let c = cluster(&[("ps", 2), ("worker", 1)]);
-    let p = run(&g, &c, &PlacementOptions::default(), &PartitionOptions::default());
+    let p = run(
+        &g,
+        &c,
+        &PlacementOptions::default(),
+        &PartitionOptions::default(),
+    );
     let ps0 = DeviceName::full("ps", 0, "CPU", 0);
     let ps1 = DeviceName::full("ps", 1, "CPU", 0);
     let names = |d: &DeviceName| -> Vec<String> {
@@ -156,10 +201,17 @@ fn two_workers_send_to_one_ps() {
     let v = b.variable("v", DType::F32, &[16], "zeros");
     let g0 = b.with_device(&w(0), |b| b.binary("Mul", "grad0", &v, &v));
     let g1 = b.with_device(&w(1), |b| b.binary("Mul", "grad1", &v, &v));
-    b.with_device("/job:ps/task:0", |b| b.op("AddN", "sum").inputs([&g0, &g1]).finish());
+    b.with_device("/job:ps/task:0", |b| {
+        b.op("AddN", "sum").inputs([&g0, &g1]).finish()
+    });
     let g = b.build().unwrap();
     let c = cluster(&[("ps", 1), ("worker", 2)]);
-    let p = run(&g, &c, &PlacementOptions::default(), &PartitionOptions::default());
+    let p = run(
+        &g,
+        &c,
+        &PlacementOptions::default(),
+        &PartitionOptions::default(),
+    );
     let ps0 = DeviceName::full("ps", 0, "CPU", 0);
     assert_eq!(p.buffer_plan.bytes_received_per_step[&ps0], 128);
     snap("two_workers_send_to_one_ps", &p);
@@ -182,7 +234,11 @@ fn feed_and_fetch_on_non_chief_task() {
     let p = run(&g, &cluster(&[("worker", 2)]), &explicit(), &opts);
     assert_eq!(p.feeds[0].device, DeviceName::full("worker", 1, "CPU", 0));
     assert_eq!(p.fetches.len(), 2);
-    assert!(p.buffer_plan.dynamic.iter().all(|(_, why)| why.contains("placeholder x")));
+    assert!(p
+        .buffer_plan
+        .dynamic
+        .iter()
+        .all(|(_, why)| why.contains("placeholder x")));
     snap("feed_and_fetch_on_non_chief_task", &p);
 }
 
@@ -223,9 +279,17 @@ fn generator_follows_its_consumers_and_refs_colocate() {
     let x = b.with_device(&w(1), |b| b.placeholder("x", DType::F32, &[]));
     b.with_device(&w(1), |b| b.binary("Mul", "m", &x, &c));
     let v = b.variable("v", DType::F32, &[3], "zeros");
-    b.op("Identity", "read").input(&v).colocate_with(&v).finish();
+    b.op("Identity", "read")
+        .input(&v)
+        .colocate_with(&v)
+        .finish();
     let g = b.build().unwrap();
-    let placed = place(&g, &cluster(&[("ps", 1), ("worker", 2)]), &PlacementOptions::default()).unwrap();
+    let placed = place(
+        &g,
+        &cluster(&[("ps", 1), ("worker", 2)]),
+        &PlacementOptions::default(),
+    )
+    .unwrap();
     assert_eq!(placed.device_of("c").unwrap().task, Some(1));
     assert_eq!(placed.device_of("read").unwrap().job.as_deref(), Some("ps"));
 }
@@ -244,25 +308,47 @@ fn bad_placements() {
     };
     let opts = PlacementOptions::default();
     let mut report = String::new();
-    report += &format!("unknown job: {}\n", place_err(&one("/job:chief"), &c, &opts));
-    report += &format!("unknown task: {}\n", place_err(&one("/job:worker/task:7"), &c, &opts));
-    report += &format!("device not in cluster: {}\n", place_err(&one("/job:worker/device:GPU:0"), &c, &opts));
+    report += &format!(
+        "unknown job: {}\n",
+        place_err(&one("/job:chief"), &c, &opts)
+    );
+    report += &format!(
+        "unknown task: {}\n",
+        place_err(&one("/job:worker/task:7"), &c, &opts)
+    );
+    report += &format!(
+        "device not in cluster: {}\n",
+        place_err(&one("/job:worker/device:GPU:0"), &c, &opts)
+    );
 
     let mut b = GraphBuilder::new();
     let a = b.with_device(&w(0), |b| b.placeholder("a", DType::F32, &[1]));
-    b.with_device(&w(1), |b| b.op("Identity", "b").input(&a).colocate_with(&a).finish());
-    report += &format!("conflicting colocation: {}\n", place_err(&b.build().unwrap(), &c, &opts));
+    b.with_device(&w(1), |b| {
+        b.op("Identity", "b").input(&a).colocate_with(&a).finish()
+    });
+    report += &format!(
+        "conflicting colocation: {}\n",
+        place_err(&b.build().unwrap(), &c, &opts)
+    );
 
     let mut b = GraphBuilder::new();
     let a = b.with_device("/job:ps", |b| b.placeholder("a", DType::F32, &[1]));
-    b.with_device("/job:worker", |b| b.op("Identity", "b").input(&a).colocate_with(&a).finish());
-    report += &format!("colocation spans jobs: {}\n", place_err(&b.build().unwrap(), &c, &opts));
+    b.with_device("/job:worker", |b| {
+        b.op("Identity", "b").input(&a).colocate_with(&a).finish()
+    });
+    report += &format!(
+        "colocation spans jobs: {}\n",
+        place_err(&b.build().unwrap(), &c, &opts)
+    );
 
     let bad_default = PlacementOptions {
         default_device: "/job:trainer".parse().unwrap(),
         ..PlacementOptions::default()
     };
-    report += &format!("default not in cluster: {}\n", place_err(&one(""), &c, &bad_default));
+    report += &format!(
+        "default not in cluster: {}\n",
+        place_err(&one(""), &c, &bad_default)
+    );
     insta::assert_snapshot!("bad_placements", report);
 
     // Soft placement falls back to the task's CPU.
@@ -282,10 +368,22 @@ fn bad_partition_requests() {
     let placed = place(&g, &cluster(&[("worker", 1)]), &PlacementOptions::default()).unwrap();
     let err = |o: PartitionOptions| partition(&placed, &o).unwrap_err().to_string();
     let report = [
-        err(PartitionOptions { fetches: vec!["nope".into()], ..Default::default() }),
-        err(PartitionOptions { fetches: vec!["x:3".into()], ..Default::default() }),
-        err(PartitionOptions { feeds: vec!["x:a".into()], ..Default::default() }),
-        err(PartitionOptions { targets: vec!["ghost".into()], ..Default::default() }),
+        err(PartitionOptions {
+            fetches: vec!["nope".into()],
+            ..Default::default()
+        }),
+        err(PartitionOptions {
+            fetches: vec!["x:3".into()],
+            ..Default::default()
+        }),
+        err(PartitionOptions {
+            feeds: vec!["x:a".into()],
+            ..Default::default()
+        }),
+        err(PartitionOptions {
+            targets: vec!["ghost".into()],
+            ..Default::default()
+        }),
     ]
     .join("\n");
     insta::assert_snapshot!("bad_partition_requests", report);
