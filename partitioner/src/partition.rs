@@ -1,6 +1,6 @@
 //! Partitioning: a placed graph becomes one subgraph per device, joined by Send/Recv pairs.
 //!
-//! All naming decisions live in this module ([`Namer`]): generated nodes are
+//! All naming decisions live in this module (`Namer`): generated nodes are
 //! `send/{tensor}/to/{device}` and `recv/{tensor}/from/{device}`, where `{tensor}` is the source
 //! tensor with `:` replaced by `_` (`x:0` → `x_0`, a control edge from `x` → `x_ctrl`) and
 //! `{device}` is the short device name (`worker_0`, `ps_1_gpu_0`, `client`).
