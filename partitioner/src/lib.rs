@@ -30,6 +30,7 @@ pub mod partition;
 pub mod place;
 pub mod plan;
 pub mod render;
+pub mod synthetic;
 
 pub use error::{LoadError, PartitionError, PlacementError};
 pub use partition::{

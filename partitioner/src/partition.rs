@@ -1,6 +1,6 @@
 //! Partitioning: a placed graph becomes one subgraph per device, joined by Send/Recv pairs.
 //!
-//! All naming decisions live in this module ([`Namer`]): generated nodes are
+//! All naming decisions live in this module (`Namer`): generated nodes are
 //! `send/{tensor}/to/{device}` and `recv/{tensor}/from/{device}`, where `{tensor}` is the source
 //! tensor with `:` replaced by `_` (`x:0` → `x_0`, a control edge from `x` → `x_ctrl`) and
 //! `{device}` is the short device name (`worker_0`, `ps_1_gpu_0`, `client`).
@@ -762,25 +762,38 @@ pub fn partition(
     })
 }
 
-/// Validates the non-empty per-device node lists into graphs, in device order.
+/// Validates the non-empty per-device node lists into graphs, in device order. Validation is
+/// most of partitioning's cost, so partitions are validated in parallel.
 fn build_graphs(
     defs: Vec<Vec<NodeDef>>,
     all: &[DeviceName],
 ) -> Result<Vec<(usize, Graph)>, PartitionError> {
+    use rayon::prelude::*;
+    let results: Vec<Option<Result<Graph, PartitionError>>> = defs
+        .into_par_iter()
+        .enumerate()
+        .map(|(d, nodes)| {
+            if nodes.is_empty() {
+                return None;
+            }
+            let def = GraphDef {
+                version: dflow_graph::def::FORMAT_VERSION,
+                nodes,
+            };
+            Some(
+                Graph::from_def(&def).map_err(|e| PartitionError::InvalidPartition {
+                    device: all[d].to_string(),
+                    message: e.to_string(),
+                }),
+            )
+        })
+        .collect();
+    // The first error in device order, so the message is deterministic.
     let mut out = Vec::new();
-    for (d, nodes) in defs.into_iter().enumerate() {
-        if nodes.is_empty() {
-            continue;
+    for (d, r) in results.into_iter().enumerate() {
+        if let Some(r) = r {
+            out.push((d, r?));
         }
-        let def = GraphDef {
-            version: dflow_graph::def::FORMAT_VERSION,
-            nodes,
-        };
-        let graph = Graph::from_def(&def).map_err(|e| PartitionError::InvalidPartition {
-            device: all[d].to_string(),
-            message: e.to_string(),
-        })?;
-        out.push((d, graph));
     }
     Ok(out)
 }

@@ -364,9 +364,7 @@ fn no_match_reason(spec: &DeviceName, cluster: &ClusterSpec) -> String {
     }
     let ty = spec.device_type.as_deref().unwrap_or("*");
     let id = spec.device_id.map_or("*".to_string(), |i| i.to_string());
-    format!(
-        "no device {ty}:{id} on the task; each task has CPU:0 (soft placement falls back to it)"
-    )
+    format!("no device {ty}:{id} there; each task has only CPU:0, which soft placement would use")
 }
 
 /// The error for member `i` whose request does not merge with its group's: finds the earlier

@@ -1,10 +1,163 @@
 //! `dflow partition`.
 
+use anyhow::Context as _;
+use dflow_graph::{ClusterSpec, DeviceName, Graph};
+use dflow_partitioner::{
+    partition, place, render_dot, render_json, render_text, PartitionOptions, Partitions,
+    PlacementOptions, Policy, PsStrategy,
+};
+use std::path::{Path, PathBuf};
+
+/// Output format of `dflow partition`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// One block per device, then a summary.
+    Text,
+    /// Everything, loadable by the executor.
+    Json,
+    /// Graphviz, one cluster per device.
+    Dot,
+}
+
+/// How variables are spread over ps tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PsStrategyArg {
+    /// ps tasks in turn.
+    RoundRobin,
+    /// The ps task with the fewest bytes so far.
+    Greedy,
+}
+
 /// Arguments of `dflow partition`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The graph file (dflow graph JSON).
+    pub graph: PathBuf,
+    /// The cluster spec (TF cluster JSON).
+    #[arg(long)]
+    pub cluster: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Write one file per device plus `summary.*` into this directory instead of stdout.
+    #[arg(short = 'o', long = "out-dir")]
+    pub out_dir: Option<PathBuf>,
+    /// Tensors to fetch (`y` or `y:0`); with targets, prunes to what they need.
+    #[arg(long = "fetch")]
+    pub fetches: Vec<String>,
+    /// Nodes to run.
+    #[arg(long = "target")]
+    pub targets: Vec<String>,
+    /// Tensors the client feeds.
+    #[arg(long = "feed")]
+    pub feeds: Vec<String>,
+    /// How variables are spread over ps tasks.
+    #[arg(long, value_enum, default_value_t = PsStrategyArg::RoundRobin)]
+    pub ps_strategy: PsStrategyArg,
+    /// Device of nodes that request none.
+    #[arg(long, default_value = "/job:worker/task:0")]
+    pub default_device: String,
+    /// Fall back to an existing device type when a requested one does not exist.
+    #[arg(long)]
+    pub soft_placement: bool,
+}
+
+// TODO(lead): switch to `dflow_graph::format::load_file` once graph/src/format is on main; this
+// reads the same JSON layout without file positions in its errors.
+fn load_graph(path: &Path) -> anyhow::Result<Graph> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let def = dflow_partitioner::graphdef_json::from_value(&value)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Graph::from_def(&def).with_context(|| format!("{}: invalid graph", path.display()))
+}
+
+fn render(p: &Partitions, format: Format) -> String {
+    match format {
+        Format::Text => render_text(p),
+        Format::Json => render_json(p),
+        Format::Dot => render_dot(p),
+    }
+}
+
+fn extension(format: Format) -> &'static str {
+    match format {
+        Format::Text => "txt",
+        Format::Json => "json",
+        Format::Dot => "dot",
+    }
+}
+
+/// `worker_0` for `/job:worker/replica:0/task:0/device:CPU:0`; a file-name-safe device name.
+fn file_stem(d: &DeviceName) -> String {
+    d.to_string()
+        .trim_start_matches('/')
+        .replace(['/', ':'], "_")
+}
 
 /// Runs `dflow partition`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`dflow partition` is not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let graph = load_graph(&args.graph)?;
+    let cluster = ClusterSpec::from_file(&args.cluster)
+        .with_context(|| format!("loading cluster {}", args.cluster.display()))?;
+    let default_device = DeviceName::parse(&args.default_device).context("--default-device")?;
+    let popts = PlacementOptions {
+        policy: Policy::DeviceSetter {
+            ps_strategy: match args.ps_strategy {
+                PsStrategyArg::RoundRobin => PsStrategy::RoundRobin,
+                PsStrategyArg::Greedy => PsStrategy::GreedyBytes,
+            },
+        },
+        default_device,
+        allow_soft_placement: args.soft_placement,
+    };
+    let placed = place(&graph, &cluster, &popts).context("placement failed")?;
+    let opts = PartitionOptions {
+        feeds: args.feeds,
+        fetches: args.fetches,
+        targets: args.targets,
+    };
+    let parts = partition(&placed, &opts).context("partitioning failed")?;
+    match &args.out_dir {
+        None => print!("{}", render(&parts, args.format)),
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            let ext = extension(args.format);
+            let write = |name: String, text: String| -> anyhow::Result<()> {
+                let path = dir.join(name);
+                std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+            };
+            for (device, part) in &parts.partitions {
+                let text = match args.format {
+                    Format::Text => dflow_partitioner::render::render_device_text(&parts, device)
+                        .unwrap_or_default(),
+                    Format::Json => {
+                        serde_json::to_string_pretty(&dflow_partitioner::graphdef_json::to_value(
+                            &part.graph.to_def(),
+                        ))? + "\n"
+                    }
+                    Format::Dot => {
+                        let single = Partitions {
+                            partitions: [(device.clone(), part.clone())].into(),
+                            pairs: vec![],
+                            feeds: vec![],
+                            fetches: vec![],
+                            buffer_plan: Default::default(),
+                        };
+                        render_dot(&single)
+                    }
+                };
+                write(format!("{}.{ext}", file_stem(device)), text)?;
+            }
+            write(format!("summary.{ext}"), render(&parts, args.format))?;
+            eprintln!(
+                "wrote {} device files and summary.{ext} to {}",
+                parts.partitions.len(),
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
