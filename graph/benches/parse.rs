@@ -40,7 +40,11 @@ fn big_graph() -> GraphDef {
         }
         nodes.push(n);
     }
-    GraphDef { version: 1, nodes }
+    GraphDef {
+        version: 1,
+        nodes,
+        train: None,
+    }
 }
 
 fn nodes_name(nodes: &[NodeDef], i: usize) -> String {

@@ -4,6 +4,7 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
+pub mod autodiff;
 pub mod builder;
 pub mod cluster;
 pub mod def;
@@ -16,6 +17,7 @@ pub mod kernel;
 pub mod ops;
 pub mod shape;
 pub mod tensor;
+pub mod train;
 
 pub use attr::{AttrType, AttrValue};
 pub use cluster::{ClusterSpec, TfConfig};

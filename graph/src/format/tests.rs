@@ -40,6 +40,7 @@ fn sample() -> GraphDef {
     GraphDef {
         version: FORMAT_VERSION,
         nodes: vec![w, x, h, sink, c],
+        train: None,
     }
 }
 
@@ -453,6 +454,7 @@ fn non_finite_float_attrs_and_tensors_round_trip() {
     let g = GraphDef {
         version: FORMAT_VERSION,
         nodes: vec![c],
+        train: None,
     };
     assert_eq!(
         parse_dsl(&to_dsl(&g), None).unwrap().def.nodes[0].attrs["value"].to_json(),
@@ -472,6 +474,7 @@ fn strings_with_escapes_round_trip() {
     let g = GraphDef {
         version: FORMAT_VERSION,
         nodes: vec![v],
+        train: None,
     };
     assert_eq!(
         parse_dsl(&to_dsl(&g), None).unwrap().def,
@@ -668,7 +671,7 @@ prop_compose! {
             };
             nodes.push(NodeDef { name, op, inputs, device, colocate_with, attrs });
         }
-        GraphDef { version: FORMAT_VERSION, nodes }
+        GraphDef { version: FORMAT_VERSION, nodes, train: None }
     }
 }
 

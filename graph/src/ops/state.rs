@@ -67,3 +67,17 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .stateful(),
     );
 }
+
+// ---- gradients ----
+
+use crate::autodiff::{no_gradient, only_dy};
+
+pub(crate) fn register_gradients(r: &mut OpRegistry) {
+    r.set_gradient("Identity", |_, _, dys| {
+        Ok(vec![Some(only_dy(dys)?.clone())])
+    });
+    // Sources: nothing flows further back (they have no inputs).
+    for op in ["Const", "Placeholder", "Variable"] {
+        r.set_gradient(op, no_gradient);
+    }
+}
