@@ -292,7 +292,7 @@ fn tensor_name(o: &Output) -> String {
 /// colocated with it), and a `NoOp` named `train` (made unique) that runs them all.
 pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph, TrainError> {
     spec.check().map_err(TrainError::InvalidSpec)?;
-    let g = Graph::from_def(def).map_err(|e| AutodiffError::InvalidGraph(e))?;
+    let g = Graph::from_def(def).map_err(AutodiffError::InvalidGraph)?;
     find_tensor(&g, "loss", &spec.loss)?;
     for m in &spec.metrics {
         find_tensor(&g, "metric", m)?;

@@ -398,11 +398,11 @@ pub fn registry() -> &'static OpRegistry {
         array::register(&mut r);
         grad::register(&mut r);
         train::register(&mut r);
-        state::register_gradients(&mut r);
-        math::register_gradients(&mut r);
-        nn::register_gradients(&mut r);
-        reduce::register_gradients(&mut r);
-        array::register_gradients(&mut r);
+        state::gradients::register_gradients(&mut r);
+        math::gradients::register_gradients(&mut r);
+        nn::gradients::register_gradients(&mut r);
+        reduce::gradients::register_gradients(&mut r);
+        array::gradients::register_gradients(&mut r);
         r
     })
 }
