@@ -5,7 +5,9 @@
 //! graph-construction time, which the partitioner's buffer plan relies on; the `-1` still lets a
 //! graph keep an unknown batch dimension. Each op lives in its own delimited block below.
 
+use super::elementwise::{attr_ints, ones, stateless};
 use super::*;
+use crate::kernel::{Kernel, KernelContext};
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(reshape());
@@ -28,6 +30,69 @@ fn reshape() -> OpDef {
     .inputs([arg("tensor")])
     .outputs([arg("output")])
     .attrs([attr("shape", AttrType::IntList)])
+    .kernel("CPU", |init| {
+        Ok(Box::new(ReshapeKernel {
+            shape: attr_ints(init, "shape")?,
+        }))
+    })
+}
+
+/// Reshape's kernel: resolves the `-1` from the runtime element count and shares the input's
+/// buffer (no copy).
+#[derive(Debug)]
+struct ReshapeKernel {
+    shape: Vec<i64>,
+}
+
+/// The target dims for `n` elements, or an error naming the input shape and the target.
+fn resolve_shape(input: &Shape, n: usize, target: &[i64]) -> Result<Vec<usize>, String> {
+    let mut dims = Vec::with_capacity(target.len());
+    let (mut given, mut wildcard) = (1usize, None);
+    for (i, &d) in target.iter().enumerate() {
+        match d {
+            -1 if wildcard.is_none() => {
+                wildcard = Some(i);
+                dims.push(1);
+            }
+            -1 => return Err(format!("Reshape: shape {target:?} has more than one -1")),
+            d => {
+                let d = usize::try_from(d)
+                    .map_err(|_| format!("Reshape: invalid dimension {d} in shape {target:?}"))?;
+                given = given
+                    .checked_mul(d)
+                    .ok_or_else(|| format!("Reshape: shape {target:?} has too many elements"))?;
+                dims.push(d);
+            }
+        }
+    }
+    match wildcard {
+        None if given == n => Ok(dims),
+        None => Err(format!(
+            "Reshape: cannot reshape input of shape {input} ({n} elements) into {target:?} \
+             ({given} elements)"
+        )),
+        Some(_) if given == 0 => Err(format!(
+            "Reshape: cannot infer the -1 in {target:?} for input of shape {input}: another \
+             dimension is 0"
+        )),
+        Some(k) if n % given == 0 => {
+            dims[k] = n / given;
+            Ok(dims)
+        }
+        Some(_) => Err(format!(
+            "Reshape: cannot reshape input of shape {input} ({n} elements) into {target:?}: {n} \
+             is not a multiple of {given}"
+        )),
+    }
+}
+
+impl Kernel for ReshapeKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let dims = resolve_shape(&x.shape(), x.num_elements(), &self.shape)?;
+        let y = x.reshaped(&dims).map_err(|e| e.to_string())?;
+        ctx.set_output(0, y)
+    }
 }
 
 fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -111,6 +176,13 @@ fn zeros_like() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(zeros_like_kernel))
+}
+
+fn zeros_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?;
+    let y = Tensor::zeros(x.dtype(), x.dims()).map_err(|e| e.to_string())?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -125,6 +197,13 @@ fn ones_like() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(ones_like_kernel))
+}
+
+fn ones_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?;
+    let y = ones(x.dtype(), x.dims())?;
+    ctx.set_output(0, y)
 }
 
 #[cfg(test)]

@@ -4,7 +4,14 @@
 //! Each op lives in its own delimited block below (declaration + shape rule); kernels and
 //! gradients for an op go into the same block.
 
+use super::broadcast::binary_map;
+use super::elementwise::{
+    attr_bool, attr_dtype, float_unary, from_f32, map_unary, num_binary, same_dtype, slice,
+    stateless, to_f32, unsupported,
+};
 use super::*;
+use crate::kernel::{Kernel, KernelContext, KernelInit};
+use crate::Element;
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(add());
@@ -125,6 +132,13 @@ fn add() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(add_kernel))
+}
+
+fn add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    let z = num_binary!("Add", x, y, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -139,6 +153,13 @@ fn sub() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(sub_kernel))
+}
+
+fn sub_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    let z = num_binary!("Sub", x, y, float: |a, b| a - b, int: |a, b| a.wrapping_sub(b))?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -153,6 +174,13 @@ fn mul() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(mul_kernel))
+}
+
+fn mul_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    let z = num_binary!("Mul", x, y, float: |a, b| a * b, int: |a, b| a.wrapping_mul(b))?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -168,6 +196,26 @@ fn div() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(div_kernel))
+}
+
+/// Integer division truncates toward zero (like TensorFlow's `Div` and C); a zero divisor is an
+/// error, and `MIN / -1` wraps to `MIN`.
+fn div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    let zero_divisor = match y.dtype() {
+        DType::I32 => slice::<i32>(y)?.contains(&0),
+        DType::I64 => slice::<i64>(y)?.contains(&0),
+        _ => false,
+    };
+    if zero_divisor {
+        return Err(format!(
+            "Div: integer division by zero (divisor y of shape {} contains 0)",
+            y.shape()
+        ));
+    }
+    let z = num_binary!("Div", x, y, float: |a, b| a / b, int: |a, b| a.wrapping_div(b))?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -186,6 +234,17 @@ fn neg() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(neg_kernel))
+}
+
+fn neg_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?;
+    let y = match x.dtype() {
+        DType::I32 => map_unary(x, i32::wrapping_neg),
+        DType::I64 => map_unary(x, i64::wrapping_neg),
+        _ => float_unary!("Neg", x, |v| -v),
+    }?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -206,6 +265,134 @@ fn mat_mul() -> OpDef {
         attr_or("transpose_a", AttrType::Bool, AttrDefault::Bool(false)),
         attr_or("transpose_b", AttrType::Bool, AttrDefault::Bool(false)),
     ])
+    .kernel("CPU", mat_mul_factory)
+}
+
+/// MatMul's kernel: the transpose flags are read once. `f32`/`f64` run on `matrixmultiply`
+/// (through `ndarray`, single-threaded; transposes are stride changes, never copies); `i32`/`i64`
+/// use `ndarray`'s generic product with wrapping arithmetic; `bf16`/`f16` compute in `f32`.
+#[derive(Debug)]
+struct MatMulKernel {
+    transpose_a: bool,
+    transpose_b: bool,
+}
+
+fn mat_mul_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    Ok(Box::new(MatMulKernel {
+        transpose_a: attr_bool(init, "transpose_a")?,
+        transpose_b: attr_bool(init, "transpose_b")?,
+    }))
+}
+
+/// `op(a) · op(b)` into `out` ([m, n]); `a` is [ar, ac] before its optional transpose.
+#[allow(clippy::too_many_arguments)]
+fn mat_mul_into<T: ndarray::LinalgScalar>(
+    a: &[T],
+    (ar, ac): (usize, usize),
+    ta: bool,
+    b: &[T],
+    (br, bc): (usize, usize),
+    tb: bool,
+    out: &mut [T],
+    (m, n): (usize, usize),
+) -> Result<(), String> {
+    use ndarray::{ArrayView2, ArrayViewMut2};
+    let err = |e: ndarray::ShapeError| format!("MatMul: {e}");
+    let av = ArrayView2::from_shape((ar, ac), a).map_err(err)?;
+    let bv = ArrayView2::from_shape((br, bc), b).map_err(err)?;
+    let av = if ta { av.reversed_axes() } else { av };
+    let bv = if tb { bv.reversed_axes() } else { bv };
+    let mut c = ArrayViewMut2::from_shape((m, n), out).map_err(err)?;
+    ndarray::linalg::general_mat_mul(T::one(), &av, &bv, T::zero(), &mut c);
+    Ok(())
+}
+
+fn mat_mul_typed<T: Element + ndarray::LinalgScalar>(
+    a: &Tensor,
+    b: &Tensor,
+    flags: (bool, bool),
+    mn: (usize, usize),
+) -> Result<Tensor, String> {
+    let (ad, bd) = ((a.dims()[0], a.dims()[1]), (b.dims()[0], b.dims()[1]));
+    let mut out = Tensor::zeros(T::DTYPE, &[mn.0, mn.1]).map_err(|e| e.to_string())?;
+    let o = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
+    mat_mul_into(
+        slice::<T>(a)?,
+        ad,
+        flags.0,
+        slice::<T>(b)?,
+        bd,
+        flags.1,
+        o,
+        mn,
+    )?;
+    Ok(out)
+}
+
+/// Integer product with wrapping arithmetic (overflow never panics).
+fn mat_mul_wrapping<T: Element + bytemuck::Pod>(
+    a: &Tensor,
+    b: &Tensor,
+    flags: (bool, bool),
+    mn: (usize, usize),
+) -> Result<Tensor, String>
+where
+    std::num::Wrapping<T>: ndarray::LinalgScalar + bytemuck::Pod,
+{
+    use std::num::Wrapping;
+    let (ad, bd) = ((a.dims()[0], a.dims()[1]), (b.dims()[0], b.dims()[1]));
+    let wa: &[Wrapping<T>] = bytemuck::cast_slice(slice::<T>(a)?);
+    let wb: &[Wrapping<T>] = bytemuck::cast_slice(slice::<T>(b)?);
+    let mut out = Tensor::zeros(T::DTYPE, &[mn.0, mn.1]).map_err(|e| e.to_string())?;
+    let o: &mut [Wrapping<T>] =
+        bytemuck::cast_slice_mut(out.as_mut_slice::<T>().map_err(|e| e.to_string())?);
+    mat_mul_into(wa, ad, flags.0, wb, bd, flags.1, o, mn)?;
+    Ok(out)
+}
+
+impl Kernel for MatMulKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let (a, b) = (ctx.input(0)?, ctx.input(1)?);
+        let (ta, tb) = (self.transpose_a, self.transpose_b);
+        let dtype = same_dtype("MatMul", a, b)?;
+        for (name, t) in [("a", a), ("b", b)] {
+            if t.rank() != 2 {
+                return Err(format!(
+                    "MatMul: {name} must be rank 2, got shape {}",
+                    t.shape()
+                ));
+            }
+        }
+        let pick = |t: &Tensor, tr: bool| {
+            let d = t.dims();
+            if tr {
+                (d[1], d[0])
+            } else {
+                (d[0], d[1])
+            }
+        };
+        let ((m, ka), (kb, n)) = (pick(a, ta), pick(b, tb));
+        if ka != kb {
+            return Err(format!(
+                "MatMul inner dimensions differ: a is {} (transpose_a={ta}), b is {} (transpose_b={tb})",
+                a.shape(),
+                b.shape()
+            ));
+        }
+        let flags = (ta, tb);
+        let out = match dtype {
+            DType::F32 => mat_mul_typed::<f32>(a, b, flags, (m, n)),
+            DType::F64 => mat_mul_typed::<f64>(a, b, flags, (m, n)),
+            DType::I32 => mat_mul_wrapping::<i32>(a, b, flags, (m, n)),
+            DType::I64 => mat_mul_wrapping::<i64>(a, b, flags, (m, n)),
+            DType::BF16 | DType::F16 => {
+                let (a32, b32) = (to_f32(a)?, to_f32(b)?);
+                from_f32(&mat_mul_typed::<f32>(&a32, &b32, flags, (m, n))?, dtype)
+            }
+            d => Err(unsupported("MatMul", d)),
+        }?;
+        ctx.set_output(0, out)
+    }
 }
 
 fn mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -257,6 +444,55 @@ fn cast() -> OpDef {
     .inputs([arg("x")])
     .outputs([arg("y")])
     .attrs([attr("DstT", AttrType::DType)])
+    .kernel("CPU", |init| {
+        Ok(Box::new(CastKernel {
+            dst: attr_dtype(init, "DstT")?,
+        }))
+    })
+}
+
+/// Cast's kernel. Integers (and bools as 0/1) convert through `i64`, floats through `f64`, so
+/// every conversion rounds once: float→int truncates toward zero and saturates (NaN → 0),
+/// int→int wraps like C, anything→bool is `x != 0` (NaN → true). Same dtype shares the buffer.
+#[derive(Debug)]
+struct CastKernel {
+    dst: DType,
+}
+
+fn cast_typed<D: Element>(
+    x: &Tensor,
+    from_int: impl Fn(i64) -> D,
+    from_float: impl Fn(f64) -> D,
+) -> Result<Tensor, String> {
+    match x.dtype() {
+        DType::I32 => map_unary(x, |v: i32| from_int(v.into())),
+        DType::I64 => map_unary(x, from_int),
+        DType::Bool => map_unary(x, |v: u8| from_int(v.into())),
+        DType::F32 => map_unary(x, |v: f32| from_float(v.into())),
+        DType::F64 => map_unary(x, from_float),
+        DType::BF16 => map_unary(x, |v: half::bf16| from_float(v.to_f64())),
+        DType::F16 => map_unary(x, |v: half::f16| from_float(v.to_f64())),
+    }
+}
+
+impl Kernel for CastKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        if x.dtype() == self.dst {
+            let y = x.clone();
+            return ctx.set_output(0, y);
+        }
+        let y = match self.dst {
+            DType::F32 => cast_typed(x, |i| i as f32, |f| f as f32),
+            DType::F64 => cast_typed(x, |i| i as f64, |f| f),
+            DType::I32 => cast_typed(x, |i| i as i32, |f| f as i32),
+            DType::I64 => cast_typed(x, |i| i, |f| f as i64),
+            DType::Bool => cast_typed(x, |i| u8::from(i != 0), |f| u8::from(f != 0.0)),
+            DType::BF16 => cast_typed(x, |i| half::bf16::from_f64(i as f64), half::bf16::from_f64),
+            DType::F16 => cast_typed(x, |i| half::f16::from_f64(i as f64), half::f16::from_f64),
+        }?;
+        ctx.set_output(0, y)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -272,6 +508,24 @@ fn equal() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(equal_kernel))
+}
+
+/// Equal compares values: `bf16`/`f16` compare after widening (so `-0 == 0` and NaN ≠ NaN).
+fn equal_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    fn eq<T: Element + PartialEq>(x: &Tensor, y: &Tensor) -> Result<Tensor, String> {
+        binary_map(x, y, |a: T, b: T| u8::from(a == b))
+    }
+    let z = match same_dtype("Equal", x, y)? {
+        DType::F32 => eq::<f32>(x, y),
+        DType::F64 => eq::<f64>(x, y),
+        DType::I32 => eq::<i32>(x, y),
+        DType::I64 => eq::<i64>(x, y),
+        DType::Bool => eq::<u8>(x, y),
+        DType::BF16 | DType::F16 => eq::<f32>(&to_f32(x)?, &to_f32(y)?),
+    }?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -287,6 +541,49 @@ fn add_n() -> OpDef {
     )
     .inputs([variadic("inputs")])
     .outputs([arg("sum")])
+    .kernel("CPU", |_| stateless(add_n_kernel))
+}
+
+/// AddN: all inputs must share dtype and runtime shape; one input passes through (shared buffer).
+fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let first = ctx.input(0)?;
+    for (i, t) in ctx.inputs.iter().enumerate().skip(1) {
+        if t.dtype() != first.dtype() || t.dims() != first.dims() {
+            return Err(format!(
+                "AddN: inputs[{i}] is {}{} but inputs[0] is {}{}; all inputs must match",
+                t.dtype(),
+                t.shape(),
+                first.dtype(),
+                first.shape()
+            ));
+        }
+    }
+    fn sum<T: Element>(inputs: &[Tensor], add: impl Fn(T, T) -> T) -> Result<Tensor, String> {
+        let mut out = inputs[0].clone();
+        if inputs.len() > 1 {
+            let acc = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
+            for t in &inputs[1..] {
+                for (o, &v) in acc.iter_mut().zip(slice::<T>(t)?) {
+                    *o = add(*o, v);
+                }
+            }
+        }
+        Ok(out)
+    }
+    let inputs = ctx.inputs;
+    let out = match first.dtype() {
+        _ if inputs.len() == 1 => Ok(first.clone()),
+        DType::F32 => sum::<f32>(inputs, |a, b| a + b),
+        DType::F64 => sum::<f64>(inputs, |a, b| a + b),
+        DType::I32 => sum::<i32>(inputs, i32::wrapping_add),
+        DType::I64 => sum::<i64>(inputs, i64::wrapping_add),
+        d @ (DType::BF16 | DType::F16) => {
+            let wide = inputs.iter().map(to_f32).collect::<Result<Vec<_>, _>>()?;
+            from_f32(&sum::<f32>(&wide, |a, b| a + b)?, d)
+        }
+        d => Err(unsupported("AddN", d)),
+    }?;
+    ctx.set_output(0, out)
 }
 
 fn add_n_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -324,6 +621,12 @@ fn square() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(square_kernel))
+}
+
+fn square_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Square", ctx.input(0)?, |v| v * v)?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -338,6 +641,12 @@ fn sqrt() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(sqrt_kernel))
+}
+
+fn sqrt_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Sqrt", ctx.input(0)?, |v| v.sqrt())?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -352,6 +661,12 @@ fn exp() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(exp_kernel))
+}
+
+fn exp_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Exp", ctx.input(0)?, |v| v.exp())?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -366,6 +681,12 @@ fn log() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(log_kernel))
+}
+
+fn log_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Log", ctx.input(0)?, |v| v.ln())?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,11 +10,15 @@ use std::fmt;
 use std::sync::OnceLock;
 
 pub mod array;
+pub mod broadcast;
+pub mod elementwise;
 pub mod grad;
+pub mod init;
 pub mod math;
 pub mod nn;
 pub mod reduce;
 pub mod state;
+pub mod testing;
 pub mod train;
 pub mod transfer;
 

@@ -4,8 +4,14 @@
 //! Only the NHWC layout exists (the channel/bias dimension is the last one), so TensorFlow's
 //! `data_format` attribute is not declared. Each op lives in its own delimited block below.
 
+use super::elementwise::{
+    float_unary, from_f32, new_tensor, num_binary, same_shape, slice, stateless, to_f32,
+    unsupported, Real,
+};
 use super::math::{require_numeric, require_same, unary_float};
 use super::*;
+use crate::kernel::KernelContext;
+use crate::Element;
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(bias_add());
@@ -73,6 +79,21 @@ fn bias_add() -> OpDef {
     )
     .inputs([arg("value"), arg("bias")])
     .outputs([arg("output")])
+    .kernel("CPU", |_| stateless(bias_add_kernel))
+}
+
+fn bias_add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (value, bias) = (ctx.input(0)?, ctx.input(1)?);
+    if value.rank() < 2 || bias.rank() != 1 || value.dims().last() != bias.dims().first() {
+        return Err(format!(
+            "BiasAdd: bias {} must be rank 1 and match the last dimension of value {} (rank >= 2)",
+            bias.shape(),
+            value.shape()
+        ));
+    }
+    let out =
+        num_binary!("BiasAdd", value, bias, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
+    ctx.set_output(0, out)
 }
 
 fn bias_add_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -112,6 +133,12 @@ fn relu() -> OpDef {
     )
     .inputs([arg("features")])
     .outputs([arg("activations")])
+    .kernel("CPU", |_| stateless(relu_kernel))
+}
+
+fn relu_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Relu", ctx.input(0)?, |v| if v < 0.0 { 0.0 } else { v })?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -126,6 +153,12 @@ fn sigmoid() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(sigmoid_kernel))
+}
+
+fn sigmoid_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Sigmoid", ctx.input(0)?, |v| 1.0 / (1.0 + (-v).exp()))?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -140,6 +173,12 @@ fn tanh() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(tanh_kernel))
+}
+
+fn tanh_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let y = float_unary!("Tanh", ctx.input(0)?, |v| v.tanh())?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -160,6 +199,46 @@ fn softmax() -> OpDef {
     )
     .inputs([arg("logits")])
     .outputs([arg("softmax")])
+    .kernel("CPU", |_| stateless(softmax_kernel))
+}
+
+/// Softmax over the last axis, stable: each row is shifted by its maximum before `exp`.
+fn softmax_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?;
+    let Some(&c) = x.dims().last() else {
+        return Err(format!(
+            "Softmax: logits must have rank >= 1, got shape {}",
+            x.shape()
+        ));
+    };
+    fn rows<T: Real>(x: &Tensor, c: usize) -> Result<Tensor, String> {
+        let xs = slice::<T>(x)?;
+        new_tensor(x.dims(), |out: &mut [T]| {
+            if c == 0 {
+                return;
+            }
+            for (o, r) in out.chunks_mut(c).zip(xs.chunks(c)) {
+                let m = r
+                    .iter()
+                    .fold(T::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+                let mut s = T::ZERO;
+                for (o, &v) in o.iter_mut().zip(r) {
+                    *o = (v - m).exp();
+                    s = s + *o;
+                }
+                for o in o.iter_mut() {
+                    *o = *o / s;
+                }
+            }
+        })
+    }
+    let y = match x.dtype() {
+        DType::F32 => rows::<f32>(x, c),
+        DType::F64 => rows::<f64>(x, c),
+        d @ (DType::BF16 | DType::F16) => from_f32(&rows::<f32>(&to_f32(x)?, c)?, d),
+        d => Err(unsupported("Softmax", d)),
+    }?;
+    ctx.set_output(0, y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -176,6 +255,81 @@ fn sparse_softmax_cross_entropy_with_logits() -> OpDef {
     )
     .inputs([arg("features"), arg("labels")])
     .outputs([arg("loss"), arg("backprop")])
+    .kernel("CPU", |_| stateless(sparse_xent_kernel))
+}
+
+/// TensorFlow semantics: `loss[i] = logsumexp(features[i]) - features[i, labels[i]]` and
+/// `backprop[i] = softmax(features[i]) - onehot(labels[i])`, computed stably (shifted by the row
+/// maximum). A label outside `[0, classes)` is an error naming the label and its row.
+fn sparse_xent_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    const OP: &str = "SparseSoftmaxCrossEntropyWithLogits";
+    let (features, labels) = (ctx.input(0)?, ctx.input(1)?);
+    if features.rank() != 2 || labels.rank() != 1 || features.dims()[0] != labels.dims()[0] {
+        return Err(format!(
+            "{OP}: features must be [batch, classes] and labels [batch], got features {} and labels {}",
+            features.shape(),
+            labels.shape()
+        ));
+    }
+    let classes = features.dims()[1];
+    let labels: Vec<i64> = match labels.dtype() {
+        DType::I32 => slice::<i32>(labels)?.iter().map(|&l| l.into()).collect(),
+        DType::I64 => slice::<i64>(labels)?.to_vec(),
+        d => return Err(format!("{OP}: labels must be i32 or i64, got {d}")),
+    };
+    let mut rows = Vec::with_capacity(labels.len());
+    for (row, &l) in labels.iter().enumerate() {
+        match usize::try_from(l) {
+            Ok(k) if k < classes => rows.push(k),
+            _ => {
+                return Err(format!(
+                    "{OP}: label {l} at row {row} is out of range [0, {classes})"
+                ))
+            }
+        }
+    }
+    fn xent<T: Real>(f: &Tensor, labels: &[usize], c: usize) -> Result<(Tensor, Tensor), String> {
+        let fs = slice::<T>(f)?;
+        let mut losses = vec![T::ZERO; labels.len()];
+        let backprop = new_tensor(f.dims(), |bp: &mut [T]| {
+            if c == 0 {
+                return;
+            }
+            for (((b, r), &k), loss) in bp
+                .chunks_mut(c)
+                .zip(fs.chunks(c))
+                .zip(labels)
+                .zip(&mut losses)
+            {
+                let m = r
+                    .iter()
+                    .fold(T::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+                let mut s = T::ZERO;
+                for (b, &v) in b.iter_mut().zip(r) {
+                    *b = (v - m).exp();
+                    s = s + *b;
+                }
+                for b in b.iter_mut() {
+                    *b = *b / s;
+                }
+                b[k] = b[k] - T::ONE;
+                *loss = s.ln() - (r[k] - m);
+            }
+        })?;
+        let loss = Tensor::from_slice(&[labels.len()], &losses).map_err(|e| e.to_string())?;
+        Ok((loss, backprop))
+    }
+    let (loss, backprop) = match features.dtype() {
+        DType::F32 => xent::<f32>(features, &rows, classes),
+        DType::F64 => xent::<f64>(features, &rows, classes),
+        d @ (DType::BF16 | DType::F16) => {
+            let (l, b) = xent::<f32>(&to_f32(features)?, &rows, classes)?;
+            Ok((from_f32(&l, d)?, from_f32(&b, d)?))
+        }
+        d => Err(unsupported(OP, d)),
+    }?;
+    ctx.set_output(0, loss)?;
+    ctx.set_output(1, backprop)
 }
 
 fn sparse_xent_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -216,6 +370,14 @@ fn relu_grad() -> OpDef {
     )
     .inputs([arg("gradients"), arg("features")])
     .outputs([arg("backprops")])
+    .kernel("CPU", |_| stateless(relu_grad_kernel))
+}
+
+fn relu_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (g, f) = (ctx.input(0)?, ctx.input(1)?);
+    same_shape("ReluGrad", ("gradients", g), ("features", f))?;
+    let z = num_binary!("ReluGrad", g, f, float: |g, f| if f > 0.0 { g } else { 0.0 }, int: none)?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -231,6 +393,14 @@ fn sigmoid_grad() -> OpDef {
     )
     .inputs([arg("y"), arg("dy")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(sigmoid_grad_kernel))
+}
+
+fn sigmoid_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (y, dy) = (ctx.input(0)?, ctx.input(1)?);
+    same_shape("SigmoidGrad", ("y", y), ("dy", dy))?;
+    let z = num_binary!("SigmoidGrad", y, dy, float: |y, dy| dy * y * (1.0 - y), int: none)?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -246,6 +416,14 @@ fn tanh_grad() -> OpDef {
     )
     .inputs([arg("y"), arg("dy")])
     .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(tanh_grad_kernel))
+}
+
+fn tanh_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (y, dy) = (ctx.input(0)?, ctx.input(1)?);
+    same_shape("TanhGrad", ("y", y), ("dy", dy))?;
+    let z = num_binary!("TanhGrad", y, dy, float: |y, dy| dy * (1.0 - y * y), int: none)?;
+    ctx.set_output(0, z)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,6 +445,48 @@ fn bias_add_grad() -> OpDef {
     )
     .inputs([arg("out_backprop")])
     .outputs([arg("output")])
+    .kernel("CPU", |_| stateless(bias_add_grad_kernel))
+}
+
+fn bias_add_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let g = ctx.input(0)?;
+    let c = match g.dims() {
+        [_, .., c] => *c,
+        _ => {
+            return Err(format!(
+                "BiasAddGrad: out_backprop must have rank >= 2, got shape {}",
+                g.shape()
+            ))
+        }
+    };
+    fn sum_rows<T: Element>(
+        g: &Tensor,
+        c: usize,
+        add: impl Fn(T, T) -> T,
+    ) -> Result<Tensor, String> {
+        let gs = slice::<T>(g)?;
+        new_tensor(&[c], |out: &mut [T]| {
+            if c == 0 {
+                return;
+            }
+            for row in gs.chunks(c) {
+                for (o, &v) in out.iter_mut().zip(row) {
+                    *o = add(*o, v);
+                }
+            }
+        })
+    }
+    let out = match g.dtype() {
+        DType::F32 => sum_rows::<f32>(g, c, |a, b| a + b),
+        DType::F64 => sum_rows::<f64>(g, c, |a, b| a + b),
+        DType::I32 => sum_rows::<i32>(g, c, i32::wrapping_add),
+        DType::I64 => sum_rows::<i64>(g, c, i64::wrapping_add),
+        d @ (DType::BF16 | DType::F16) => {
+            from_f32(&sum_rows::<f32>(&to_f32(g)?, c, |a, b| a + b)?, d)
+        }
+        d => Err(unsupported("BiasAddGrad", d)),
+    }?;
+    ctx.set_output(0, out)
 }
 
 #[cfg(test)]

@@ -7,8 +7,13 @@
 //! reduces over none when given an empty axes tensor. Negative axes count from the end;
 //! out-of-range or repeated axes are errors. Each op lives in its own delimited block below.
 
+use super::elementwise::{
+    attr_bool, attr_dtype, attr_ints, from_f32, new_tensor, slice, to_f32, unsupported, Real,
+};
 use super::math::require_numeric;
 use super::*;
+use crate::kernel::{Kernel, KernelContext, KernelInit};
+use crate::Element;
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(sum());
@@ -97,6 +102,217 @@ fn reduce_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String>
 }
 
 // ---------------------------------------------------------------------------------------------
+// Shared kernel code of Sum, Mean and Max
+// ---------------------------------------------------------------------------------------------
+
+/// Which reduction a [`ReduceKernel`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reduction {
+    Sum,
+    Mean,
+    Max,
+}
+
+/// The kernel of Sum, Mean and Max: attrs are read once, axes resolved per call (the runtime
+/// rank may be known only then).
+///
+/// Empty reductions: Sum gives 0, Mean gives NaN for floats and 0 for integers, Max gives the
+/// lowest value (−∞, `MIN`) like TensorFlow. Max propagates NaN like NumPy. Integer sums wrap.
+#[derive(Debug)]
+struct ReduceKernel {
+    op: &'static str,
+    kind: Reduction,
+    axes: Vec<i64>,
+    keep_dims: bool,
+}
+
+fn reduce_factory(
+    op: &'static str,
+    kind: Reduction,
+    init: &KernelInit<'_>,
+) -> Result<Box<dyn Kernel>, String> {
+    Ok(Box::new(ReduceKernel {
+        op,
+        kind,
+        axes: attr_ints(init, "axes")?,
+        keep_dims: attr_bool(init, "keep_dims")?,
+    }))
+}
+
+/// A reduction resolved against a runtime shape: the input's dims collapsed into alternating
+/// runs `(length, reduced)` (size-1 dims dropped, adjacent runs of one kind merged), so the
+/// common cases (all axes, trailing axes, leading axes) become one or two flat loops.
+#[derive(Debug)]
+struct ReducePlan {
+    runs: Vec<(usize, bool)>,
+    out_dims: Vec<usize>,
+    count: usize,
+}
+
+fn reduce_plan(
+    op: &str,
+    dims: &[usize],
+    axes: &[i64],
+    keep_dims: bool,
+) -> Result<ReducePlan, String> {
+    let rank = dims.len();
+    let shape = Shape::known(dims);
+    let mut reduced = vec![axes.is_empty(); rank];
+    for &a in axes {
+        let i = normalize_axis(op, a, rank, &shape)?;
+        if reduced[i] {
+            return Err(format!(
+                "{op}: axes {axes:?} name dimension {i} of input shape {shape} more than once"
+            ));
+        }
+        reduced[i] = true;
+    }
+    let mut runs: Vec<(usize, bool)> = Vec::new();
+    let (mut out_dims, mut count) = (Vec::with_capacity(rank), 1usize);
+    for (&d, &r) in dims.iter().zip(&reduced) {
+        if r {
+            count *= d;
+            if keep_dims {
+                out_dims.push(1);
+            }
+        } else {
+            out_dims.push(d);
+        }
+        if d == 1 {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((len, kind)) if *kind == r => *len *= d,
+            _ => runs.push((d, r)),
+        }
+    }
+    if runs.is_empty() {
+        runs.push((1, true));
+    }
+    Ok(ReducePlan {
+        runs,
+        out_dims,
+        count,
+    })
+}
+
+/// Folds `xs` into `out` (pre-filled with the identity) along the plan's reduced runs.
+pub(crate) fn reduce_into<T: Copy>(
+    xs: &[T],
+    runs: &[(usize, bool)],
+    out: &mut [T],
+    f: impl Fn(T, T) -> T,
+) {
+    let r = runs.len();
+    let Some(&(inner, inner_reduced)) = runs.last() else {
+        return;
+    };
+    if xs.is_empty() || inner == 0 {
+        return;
+    }
+    let mut ostride = vec![0usize; r];
+    let mut s = 1;
+    for i in (0..r).rev() {
+        if !runs[i].1 {
+            ostride[i] = s;
+            s *= runs[i].0;
+        }
+    }
+    let mut idx = vec![0usize; r - 1];
+    let mut ob = 0usize;
+    for chunk in xs.chunks(inner) {
+        if inner_reduced {
+            out[ob] = chunk.iter().fold(out[ob], |a, &v| f(a, v));
+        } else {
+            for (o, &v) in out[ob..ob + inner].iter_mut().zip(chunk) {
+                *o = f(*o, v);
+            }
+        }
+        for d in (0..r - 1).rev() {
+            idx[d] += 1;
+            ob += ostride[d];
+            if idx[d] < runs[d].0 {
+                break;
+            }
+            ob -= ostride[d] * runs[d].0;
+            idx[d] = 0;
+        }
+    }
+}
+
+fn reduce_typed<T: Element>(
+    x: &Tensor,
+    p: &ReducePlan,
+    identity: T,
+    f: impl Fn(T, T) -> T,
+) -> Result<Tensor, String> {
+    let xs = slice::<T>(x)?;
+    new_tensor(&p.out_dims, |out: &mut [T]| {
+        out.fill(identity);
+        reduce_into(xs, &p.runs, out, f);
+    })
+}
+
+fn reduce_float<T: Real>(kind: Reduction, x: &Tensor, p: &ReducePlan) -> Result<Tensor, String> {
+    match kind {
+        Reduction::Sum => reduce_typed(x, p, T::ZERO, |a, b| a + b),
+        Reduction::Mean => {
+            let mut s = reduce_typed(x, p, T::ZERO, |a, b| a + b)?;
+            let n = T::from_usize(p.count);
+            for v in s.as_mut_slice::<T>().map_err(|e| e.to_string())? {
+                *v = *v / n;
+            }
+            Ok(s)
+        }
+        Reduction::Max => reduce_typed(x, p, T::NEG_INFINITY, |a, b| {
+            if b > a || b.is_nan() {
+                b
+            } else {
+                a
+            }
+        }),
+    }
+}
+
+macro_rules! reduce_int {
+    ($t:ty, $kind:expr, $x:expr, $p:expr) => {
+        match $kind {
+            Reduction::Sum => reduce_typed::<$t>($x, $p, 0, <$t>::wrapping_add),
+            Reduction::Mean => {
+                let mut s = reduce_typed::<$t>($x, $p, 0, <$t>::wrapping_add)?;
+                if let Ok(n) = <$t>::try_from($p.count) {
+                    if n != 0 {
+                        for v in s.as_mut_slice::<$t>().map_err(|e| e.to_string())? {
+                            *v = v.wrapping_div(n);
+                        }
+                    }
+                }
+                Ok(s)
+            }
+            Reduction::Max => reduce_typed::<$t>($x, $p, <$t>::MIN, |a, b| a.max(b)),
+        }
+    };
+}
+
+impl Kernel for ReduceKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let p = reduce_plan(self.op, x.dims(), &self.axes, self.keep_dims)?;
+        let y = match x.dtype() {
+            DType::F32 => reduce_float::<f32>(self.kind, x, &p),
+            DType::F64 => reduce_float::<f64>(self.kind, x, &p),
+            DType::I32 => reduce_int!(i32, self.kind, x, &p),
+            DType::I64 => reduce_int!(i64, self.kind, x, &p),
+            d @ (DType::BF16 | DType::F16) => {
+                from_f32(&reduce_float::<f32>(self.kind, &to_f32(x)?, &p)?, d)
+            }
+            d => Err(unsupported(self.op, d)),
+        }?;
+        ctx.set_output(0, y)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sum
 // ---------------------------------------------------------------------------------------------
 
@@ -108,6 +324,7 @@ fn sum() -> OpDef {
          keep_dims (bool, default false: reduced dims are removed, true: kept as 1).",
         |ctx| reduce_infer("Sum", ctx),
     )
+    .kernel("CPU", |init| reduce_factory("Sum", Reduction::Sum, init))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -122,6 +339,7 @@ fn mean() -> OpDef {
          keep_dims (bool, default false).",
         |ctx| reduce_infer("Mean", ctx),
     )
+    .kernel("CPU", |init| reduce_factory("Mean", Reduction::Mean, init))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -136,6 +354,7 @@ fn max() -> OpDef {
          keep_dims (bool, default false).",
         |ctx| reduce_infer("Max", ctx),
     )
+    .kernel("CPU", |init| reduce_factory("Max", Reduction::Max, init))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -160,6 +379,101 @@ fn arg_max() -> OpDef {
             AttrDefault::DType(DType::I64),
         ),
     ])
+    .kernel("CPU", |init| {
+        Ok(Box::new(ArgMaxKernel {
+            axis: match init.attr("axis")? {
+                AttrValue::Int(a) => *a,
+                v => return Err(format!("attribute `axis` is {}, not int", v.ty())),
+            },
+            output_type: attr_dtype(init, "output_type")?,
+        }))
+    })
+}
+
+/// ArgMax's kernel: ties give the first index; NaN counts as the largest value (first NaN wins),
+/// like NumPy. An empty `axis` with a non-empty output is an error.
+#[derive(Debug)]
+struct ArgMaxKernel {
+    axis: i64,
+    output_type: DType,
+}
+
+fn arg_max_typed<T: Element>(
+    xs: &[T],
+    (outer, n, inner): (usize, usize, usize),
+    better: impl Fn(T, T) -> bool,
+) -> Vec<i64> {
+    let mut idx = vec![0i64; outer * inner];
+    if n == 0 || inner == 0 {
+        return idx;
+    }
+    for (block, ib) in xs.chunks(n * inner).zip(idx.chunks_mut(inner)) {
+        let mut best: Vec<T> = block[..inner].to_vec();
+        for (k, row) in block.chunks(inner).enumerate().skip(1) {
+            for ((b, i), &v) in best.iter_mut().zip(ib.iter_mut()).zip(row) {
+                if better(v, *b) {
+                    *b = v;
+                    *i = k as i64;
+                }
+            }
+        }
+    }
+    idx
+}
+
+impl Kernel for ArgMaxKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let dims = x.dims();
+        if dims.is_empty() {
+            return Err(format!(
+                "ArgMax: input must have rank >= 1, got shape {}",
+                x.shape()
+            ));
+        }
+        let a = normalize_axis("ArgMax", self.axis, dims.len(), &x.shape())?;
+        let (outer, n, inner): (usize, usize, usize) = (
+            dims[..a].iter().product(),
+            dims[a],
+            dims[a + 1..].iter().product(),
+        );
+        let mut out_dims = dims.to_vec();
+        out_dims.remove(a);
+        if n == 0 && outer * inner > 0 {
+            return Err(format!(
+                "ArgMax: axis {} of input shape {} is empty; there is no largest value",
+                self.axis,
+                x.shape()
+            ));
+        }
+        fn float_better<T: Real>(v: T, b: T) -> bool {
+            v > b || (v.is_nan() && !b.is_nan())
+        }
+        let geom = (outer, n, inner);
+        let idx = match x.dtype() {
+            DType::F32 => arg_max_typed(slice::<f32>(x)?, geom, float_better::<f32>),
+            DType::F64 => arg_max_typed(slice::<f64>(x)?, geom, float_better::<f64>),
+            DType::I32 => arg_max_typed(slice::<i32>(x)?, geom, |v: i32, b| v > b),
+            DType::I64 => arg_max_typed(slice::<i64>(x)?, geom, |v: i64, b| v > b),
+            DType::BF16 | DType::F16 => {
+                arg_max_typed(slice::<f32>(&to_f32(x)?)?, geom, float_better::<f32>)
+            }
+            d => return Err(unsupported("ArgMax", d)),
+        };
+        let y = match self.output_type {
+            DType::I64 => Tensor::from_slice(&out_dims, &idx).map_err(|e| e.to_string())?,
+            DType::I32 => {
+                let narrow = idx
+                    .iter()
+                    .map(|&i| i32::try_from(i))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|_| format!("ArgMax: index does not fit in i32 (axis length {n})"))?;
+                Tensor::from_slice(&out_dims, &narrow).map_err(|e| e.to_string())?
+            }
+            d => return Err(format!("ArgMax: output_type must be i32 or i64, got {d}")),
+        };
+        ctx.set_output(0, y)
+    }
 }
 
 fn arg_max_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {

@@ -1,6 +1,9 @@
 //! Sources, sinks and state: Const, Placeholder, Variable, Identity, NoOp.
 
+use super::elementwise::stateless;
+use super::init::{initial_value, Initializer};
 use super::*;
+use crate::kernel::{Kernel, KernelContext, KernelInit};
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(
@@ -13,7 +16,8 @@ pub(crate) fn register(r: &mut OpRegistry) {
             },
         )
         .outputs([arg("output")])
-        .attrs([attr("value", AttrType::Tensor)]),
+        .attrs([attr("value", AttrType::Tensor)])
+        .kernel("CPU", const_factory),
     );
     r.add(
         OpDef::new(
@@ -30,7 +34,8 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .attrs([
             attr("dtype", AttrType::DType),
             attr_or("shape", AttrType::Shape, AttrDefault::UnknownShape),
-        ]),
+        ])
+        .kernel("CPU", |_| stateless(placeholder_kernel)),
     );
     r.add(
         OpDef::new(
@@ -51,12 +56,14 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("initializer", AttrType::String, AttrDefault::Str("zeros")),
             attr_or("seed", AttrType::Int, AttrDefault::Int(0)),
         ])
-        .variable(),
+        .variable()
+        .kernel("CPU", variable_factory),
     );
     r.add(
         OpDef::new("Identity", "Passes its input through.", same_as_input)
             .inputs([arg("input")])
-            .outputs([arg("output")]),
+            .outputs([arg("output")])
+            .kernel("CPU", |_| stateless(identity_kernel)),
     );
     r.add(
         OpDef::new(
@@ -64,8 +71,99 @@ pub(crate) fn register(r: &mut OpRegistry) {
             "Does nothing; a target for control dependencies.",
             |_| Ok(vec![]),
         )
-        .stateful(),
+        .stateful()
+        .kernel("CPU", |_| stateless(|_| Ok(()))),
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------
+
+/// Const's kernel: hands out its value; clones share the attribute's buffer (no copy per step).
+#[derive(Debug)]
+struct ConstKernel(Tensor);
+
+fn const_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    match init.attr("value")? {
+        AttrValue::Tensor(t) => Ok(Box::new(ConstKernel(t.clone()))),
+        v => Err(format!("attribute `value` is {}, not tensor", v.ty())),
+    }
+}
+
+impl Kernel for ConstKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        ctx.set_output(0, self.0.clone())
+    }
+}
+
+/// Feeds replace placeholders before execution, so running one means it was not fed.
+fn placeholder_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    Err(format!("placeholder `{}` must be fed", ctx.node))
+}
+
+fn identity_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?.clone();
+    ctx.set_output(0, x)
+}
+
+/// Variable's kernel: outputs the cell's current value, initializing it on first use from the
+/// `initializer` and `seed` attributes (see [`super::init`]).
+#[derive(Debug)]
+struct VariableKernel {
+    node: String,
+    dtype: DType,
+    dims: Vec<usize>,
+    initializer: Initializer,
+    seed: i64,
+}
+
+fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    let dtype = match init.attr("dtype")? {
+        AttrValue::DType(d) => *d,
+        v => return Err(format!("attribute `dtype` is {}, not dtype", v.ty())),
+    };
+    let dims = match init.attr("shape")? {
+        AttrValue::Shape(s) => s
+            .as_static()
+            .ok_or_else(|| format!("variable shape {s} must be fully known"))?,
+        v => return Err(format!("attribute `shape` is {}, not shape", v.ty())),
+    };
+    let initializer = match init.attr("initializer")? {
+        AttrValue::String(s) => s.parse::<Initializer>()?,
+        v => return Err(format!("attribute `initializer` is {}, not string", v.ty())),
+    };
+    let seed = match init.attr("seed")? {
+        AttrValue::Int(s) => *s,
+        v => return Err(format!("attribute `seed` is {}, not int", v.ty())),
+    };
+    Ok(Box::new(VariableKernel {
+        node: init.node.to_string(),
+        dtype,
+        dims,
+        initializer,
+        seed,
+    }))
+}
+
+impl Kernel for VariableKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let value = ctx.variable()?.update(|v| -> Result<Tensor, String> {
+            if let Some(t) = v {
+                return Ok(t.clone());
+            }
+            let t = initial_value(
+                self.initializer,
+                self.dtype,
+                &self.dims,
+                self.seed,
+                &self.node,
+            )?;
+            *v = Some(t.clone());
+            Ok(t)
+        })?;
+        ctx.set_output(0, value)
+    }
 }
 
 // ---- gradients ----

@@ -1,0 +1,276 @@
+//! Shared pieces of the CPU kernels: output allocation, typed views, dtype dispatch.
+//!
+//! Kernels are generic over the element type and dispatched once per call on the runtime dtype
+//! (one `match`, then a monomorphised loop: no per-element dynamic dispatch). `bf16` and `f16`
+//! are computed by converting to `f32`, computing, and converting back.
+//!
+//! Outputs are allocated with [`Tensor::zeros`] and filled through [`Tensor::as_mut_slice`]: one
+//! allocation of the output buffer, no copy (building a `Vec` and calling
+//! [`Tensor::from_slice`] allocates twice and copies; see `benches/matmul.rs`, group `alloc`).
+
+use crate::kernel::{FnKernel, Kernel, KernelContext, KernelInit};
+use crate::{DType, Element, Shape, Tensor};
+
+/// A typed view of `t`, with the tensor error as a message.
+pub fn slice<T: Element>(t: &Tensor) -> Result<&[T], String> {
+    t.as_slice::<T>().map_err(|e| e.to_string())
+}
+
+/// A new tensor of shape `dims` and dtype `T::DTYPE`, filled by `fill` (which receives the
+/// zero-initialised elements).
+pub fn new_tensor<T: Element>(
+    dims: &[usize],
+    fill: impl FnOnce(&mut [T]),
+) -> Result<Tensor, String> {
+    let mut t = Tensor::zeros(T::DTYPE, dims).map_err(|e| e.to_string())?;
+    fill(t.as_mut_slice::<T>().map_err(|e| e.to_string())?);
+    Ok(t)
+}
+
+/// `f` applied to every element of `x` (dtype `T`), giving a tensor of dtype `O`, same shape.
+pub fn map_unary<T: Element, O: Element>(x: &Tensor, f: impl Fn(T) -> O) -> Result<Tensor, String> {
+    let xs = slice::<T>(x)?;
+    new_tensor(x.dims(), |out: &mut [O]| {
+        for (o, &v) in out.iter_mut().zip(xs) {
+            *o = f(v);
+        }
+    })
+}
+
+/// A `bf16` or `f16` tensor widened to `f32` (exact). Other dtypes are an error.
+pub fn to_f32(x: &Tensor) -> Result<Tensor, String> {
+    match x.dtype() {
+        DType::BF16 => map_unary(x, |v: half::bf16| v.to_f32()),
+        DType::F16 => map_unary(x, |v: half::f16| v.to_f32()),
+        DType::F32 => Ok(x.clone()),
+        d => Err(format!("cannot widen {d} to f32")),
+    }
+}
+
+/// An `f32` tensor rounded to `dtype` (`bf16`, `f16`, or `f32` itself).
+pub fn from_f32(x: &Tensor, dtype: DType) -> Result<Tensor, String> {
+    match dtype {
+        DType::BF16 => map_unary(x, half::bf16::from_f32),
+        DType::F16 => map_unary(x, half::f16::from_f32),
+        DType::F32 => Ok(x.clone()),
+        d => Err(format!("cannot narrow f32 to {d}")),
+    }
+}
+
+/// A tensor of ones (`true` for bool) of `dtype` and shape `dims`.
+pub fn ones(dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
+    match dtype {
+        DType::F32 => new_tensor(dims, |o: &mut [f32]| o.fill(1.0)),
+        DType::F64 => new_tensor(dims, |o: &mut [f64]| o.fill(1.0)),
+        DType::I32 => new_tensor(dims, |o: &mut [i32]| o.fill(1)),
+        DType::I64 => new_tensor(dims, |o: &mut [i64]| o.fill(1)),
+        DType::Bool => new_tensor(dims, |o: &mut [u8]| o.fill(1)),
+        DType::BF16 => new_tensor(dims, |o: &mut [half::bf16]| o.fill(half::bf16::ONE)),
+        DType::F16 => new_tensor(dims, |o: &mut [half::f16]| o.fill(half::f16::ONE)),
+    }
+}
+
+/// The error for a dtype a kernel does not handle.
+pub fn unsupported(op: &str, dtype: DType) -> String {
+    format!("dtype {dtype} not supported by kernel {op}")
+}
+
+/// Requires two runtime inputs of one op to share a dtype.
+pub fn same_dtype(op: &str, x: &Tensor, y: &Tensor) -> Result<DType, String> {
+    if x.dtype() == y.dtype() {
+        Ok(x.dtype())
+    } else {
+        Err(format!(
+            "{op}: inputs have dtypes {} and {}; they must match",
+            x.dtype(),
+            y.dtype()
+        ))
+    }
+}
+
+/// Requires two runtime inputs of one op to have the same shape, naming both.
+pub fn same_shape(
+    op: &str,
+    (na, a): (&str, &Tensor),
+    (nb, b): (&str, &Tensor),
+) -> Result<(), String> {
+    if a.dims() == b.dims() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{op}: {na} has shape {} but {nb} has shape {}; they must match",
+            a.shape(),
+            b.shape()
+        ))
+    }
+}
+
+/// Pretty form of runtime dims for messages.
+pub fn shape_of(dims: &[usize]) -> Shape {
+    Shape::known(dims)
+}
+
+/// Kernel factory for a stateless op computed by a plain function.
+pub fn stateless(
+    f: fn(&mut KernelContext<'_>) -> Result<(), String>,
+) -> Result<Box<dyn Kernel>, String> {
+    Ok(Box::new(FnKernel(f)))
+}
+
+/// A boolean attribute (defaults are filled in).
+pub fn attr_bool(init: &KernelInit<'_>, name: &str) -> Result<bool, String> {
+    match init.attr(name)? {
+        crate::AttrValue::Bool(b) => Ok(*b),
+        v => Err(format!("attribute `{name}` is {}, not bool", v.ty())),
+    }
+}
+
+/// An int-list attribute.
+pub fn attr_ints(init: &KernelInit<'_>, name: &str) -> Result<Vec<i64>, String> {
+    match init.attr(name)? {
+        crate::AttrValue::IntList(v) => Ok(v.clone()),
+        v => Err(format!("attribute `{name}` is {}, not list(int)", v.ty())),
+    }
+}
+
+/// A dtype attribute.
+pub fn attr_dtype(init: &KernelInit<'_>, name: &str) -> Result<DType, String> {
+    match init.attr(name)? {
+        crate::AttrValue::DType(v) => Ok(*v),
+        v => Err(format!("attribute `{name}` is {}, not dtype", v.ty())),
+    }
+}
+
+/// The float element types kernels compute in (`f32`, `f64`); `bf16`/`f16` widen to `f32`.
+pub trait Real:
+    Element
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    /// 0.
+    const ZERO: Self;
+    /// 1.
+    const ONE: Self;
+    /// −∞.
+    const NEG_INFINITY: Self;
+    /// eˣ.
+    fn exp(self) -> Self;
+    /// ln x.
+    fn ln(self) -> Self;
+    /// True for NaN.
+    fn is_nan(self) -> bool;
+    /// The nearest value to `n`.
+    fn from_usize(n: usize) -> Self;
+}
+
+macro_rules! impl_real {
+    ($t:ty) => {
+        impl Real for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+            fn from_usize(n: usize) -> Self {
+                n as $t
+            }
+        }
+    };
+}
+impl_real!(f32);
+impl_real!(f64);
+
+/// Applies a float expression elementwise: `float_unary!("Op", &x, |v| expr)`, where `expr` is
+/// written once and compiled for `f32` and `f64`; `bf16`/`f16` go through `f32`.
+macro_rules! float_unary {
+    ($op:expr, $x:expr, |$v:ident| $body:expr) => {{
+        use $crate::ops::elementwise as ew;
+        let x: &$crate::Tensor = $x;
+        match x.dtype() {
+            $crate::DType::F32 => ew::map_unary(x, |$v: f32| -> f32 { $body }),
+            $crate::DType::F64 => ew::map_unary(x, |$v: f64| -> f64 { $body }),
+            $crate::DType::BF16 | $crate::DType::F16 => {
+                let y = ew::map_unary(&ew::to_f32(x)?, |$v: f32| -> f32 { $body })?;
+                ew::from_f32(&y, x.dtype())
+            }
+            d => Err(ew::unsupported($op, d)),
+        }
+    }};
+}
+pub(crate) use float_unary;
+
+/// Applies a binary expression with broadcasting:
+/// `num_binary!("Op", &x, &y, float: |a, b| fexpr, int: |a, b| iexpr)`. The float expression is
+/// compiled for `f32`/`f64` (and used for `bf16`/`f16` through `f32`), the int one for
+/// `i32`/`i64`; `int: none` rejects integers.
+macro_rules! num_binary {
+    ($op:expr, $x:expr, $y:expr, float: |$a:ident, $b:ident| $fb:expr, int: |$ia:ident, $ib:ident| $ibody:expr) => {{
+        use $crate::ops::broadcast::binary_map;
+        use $crate::ops::elementwise as ew;
+        let (x, y): (&$crate::Tensor, &$crate::Tensor) = ($x, $y);
+        match ew::same_dtype($op, x, y)? {
+            $crate::DType::F32 => binary_map(x, y, |$a: f32, $b: f32| -> f32 { $fb }),
+            $crate::DType::F64 => binary_map(x, y, |$a: f64, $b: f64| -> f64 { $fb }),
+            $crate::DType::I32 => binary_map(x, y, |$ia: i32, $ib: i32| -> i32 { $ibody }),
+            $crate::DType::I64 => binary_map(x, y, |$ia: i64, $ib: i64| -> i64 { $ibody }),
+            d @ ($crate::DType::BF16 | $crate::DType::F16) => {
+                let (x, y) = (ew::to_f32(x)?, ew::to_f32(y)?);
+                let z = binary_map(&x, &y, |$a: f32, $b: f32| -> f32 { $fb })?;
+                ew::from_f32(&z, d)
+            }
+            d => Err(ew::unsupported($op, d)),
+        }
+    }};
+    ($op:expr, $x:expr, $y:expr, float: |$a:ident, $b:ident| $fb:expr, int: none) => {{
+        use $crate::ops::broadcast::binary_map;
+        use $crate::ops::elementwise as ew;
+        let (x, y): (&$crate::Tensor, &$crate::Tensor) = ($x, $y);
+        match ew::same_dtype($op, x, y)? {
+            $crate::DType::F32 => binary_map(x, y, |$a: f32, $b: f32| -> f32 { $fb }),
+            $crate::DType::F64 => binary_map(x, y, |$a: f64, $b: f64| -> f64 { $fb }),
+            d @ ($crate::DType::BF16 | $crate::DType::F16) => {
+                let (x, y) = (ew::to_f32(x)?, ew::to_f32(y)?);
+                let z = binary_map(&x, &y, |$a: f32, $b: f32| -> f32 { $fb })?;
+                ew::from_f32(&z, d)
+            }
+            d => Err(ew::unsupported($op, d)),
+        }
+    }};
+}
+pub(crate) use num_binary;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_types_round_trip_through_f32() {
+        let x = Tensor::from_slice(
+            &[2],
+            &[half::bf16::from_f32(1.5), half::bf16::from_f32(-2.0)],
+        )
+        .unwrap();
+        fn neg(x: &Tensor) -> Result<Tensor, String> {
+            float_unary!("Neg", x, |v| -v)
+        }
+        fn exp(x: &Tensor) -> Result<Tensor, String> {
+            float_unary!("Exp", x, |v| v.exp())
+        }
+        let y = neg(&x).unwrap();
+        assert_eq!(y.dtype(), DType::BF16);
+        assert_eq!(y.to_f64_vec(), vec![-1.5, 2.0]);
+        let b = Tensor::from_slice(&[1], &[1u8]).unwrap();
+        let e = exp(&b).unwrap_err();
+        assert_eq!(e, "dtype bool not supported by kernel Exp");
+    }
+}
