@@ -3,7 +3,7 @@
 use dflow_graph::kernel::{KernelContext, KernelInit, VariableCell};
 use dflow_graph::ops::{registry, InferCtx, TensorType};
 use dflow_graph::train::{expand_training, OptimizerKind, OptimizerSpec, TrainError, TrainSpec};
-use dflow_graph::{AttrValue, GraphDef, InputRef, Tensor};
+use dflow_graph::{AttrValue, DType, GraphDef, InputRef, Shape, Tensor};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -81,7 +81,7 @@ fn gradient_descent_two_steps() {
     run(
         "ApplyGradientDescent",
         &lr,
-        &[w.clone()],
+        std::slice::from_ref(&w),
         &[vec1(&[0.5, -1.0])],
     )
     .unwrap();
@@ -89,7 +89,7 @@ fn gradient_descent_two_steps() {
     run(
         "ApplyGradientDescent",
         &lr,
-        &[w.clone()],
+        std::slice::from_ref(&w),
         &[vec1(&[0.5, -1.0])],
     )
     .unwrap();
@@ -156,7 +156,6 @@ fn adam_two_steps_match_tensorflow_formula() {
 
 #[test]
 fn updates_reject_bad_state() {
-    let w = Arc::new(VariableCell::default());
     let lr = [("lr", AttrValue::Float(0.1))];
     let err = run(
         "ApplyGradientDescent",
@@ -166,25 +165,23 @@ fn updates_reject_bad_state() {
     )
     .unwrap_err();
     assert!(err.contains("shape [1]") && err.contains("[2]"), "{err}");
-    // An uninitialized variable: the kernel reports it (the input value is a placeholder here).
-    w.write(Tensor::from_slice(&[1], &[0.0f64]).unwrap());
-    let fresh = Arc::new(VariableCell::default());
+    // An uninitialized variable cell is an error, not a panic.
     let def = registry().get("ApplyGradientDescent").unwrap();
-    let map: BTreeMap<String, AttrValue> = [("lr".to_string(), AttrValue::Float(0.1))].into();
-    let types = vec![TensorType::new(dflow_graph::DType::F64, dflow_graph::Shape::known(&[1])); 2];
+    let attrs: BTreeMap<String, AttrValue> = [("lr".to_string(), AttrValue::Float(0.1))].into();
+    let types = vec![TensorType::new(DType::F64, Shape::known(&[1])); 2];
     let k = (def.kernel_for("cpu").unwrap())(&KernelInit {
         node: "n",
-        attrs: &map,
+        attrs: &attrs,
         input_types: &types,
         output_types: &[],
     })
     .unwrap();
-    let inputs = [w.read().unwrap(), vec1(&[1.0])];
+    let inputs = [vec1(&[0.0]), vec1(&[1.0])];
     let err = k
         .compute(&mut KernelContext {
             node: "n",
             inputs: &inputs,
-            variables: &[fresh],
+            variables: &[Arc::new(VariableCell::default())],
             step: 0,
             outputs: &mut [],
         })
@@ -197,7 +194,7 @@ fn increment_step_and_global_norm_scale() {
     let t = Arc::new(VariableCell::default());
     t.write(Tensor::scalar(0i64));
     for want in [1, 2] {
-        run("IncrementStep", &[], &[t.clone()], &[]).unwrap();
+        run("IncrementStep", &[], std::slice::from_ref(&t), &[]).unwrap();
         assert_eq!(t.read().unwrap().as_slice::<i64>().unwrap(), &[want]);
     }
     let grads = [vec1(&[3.0, 4.0]), vec1(&[12.0])]; // global norm 13
