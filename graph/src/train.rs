@@ -496,3 +496,145 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
         gradients: vars.into_iter().map(|v| v.name).zip(grads).collect(),
     })
 }
+
+// ---------------------------------------------------------------------------------------------
+// The spec in files (shared by the JSON and DSL readers and writers)
+// ---------------------------------------------------------------------------------------------
+
+/// One `key: value` of a file's train section, with the byte offset of its value.
+pub(crate) type SpecField = (String, usize, serde_json::Value);
+
+fn number(v: &serde_json::Value, what: &str) -> Result<f64, String> {
+    v.as_f64()
+        .ok_or_else(|| format!("{what} must be a number, found {v}"))
+}
+
+fn optimizer_from_json(v: &serde_json::Value) -> Result<OptimizerSpec, String> {
+    let obj = v.as_object().ok_or_else(|| {
+        format!("train.optimizer must be an object like {{\"type\": \"adam\", \"lr\": 0.01}}, found {v}")
+    })?;
+    let ty = obj
+        .get("type")
+        .and_then(serde_json::Value::as_str)
+        .ok_or("train.optimizer needs a \"type\": \"sgd\", \"momentum\" or \"adam\"")?;
+    let mut kind = match ty {
+        "sgd" => OptimizerKind::Sgd,
+        "momentum" => OptimizerKind::momentum(),
+        "adam" => OptimizerKind::adam(),
+        other => {
+            return Err(format!(
+                "unknown optimizer {other:?} (expected \"sgd\", \"momentum\" or \"adam\")"
+            ))
+        }
+    };
+    let lr = obj
+        .get("lr")
+        .ok_or_else(|| format!("optimizer {ty} needs \"lr\""))?;
+    let lr = number(lr, "train.optimizer.lr")?;
+    for (k, v) in obj {
+        let what = format!("train.optimizer.{k}");
+        match (&mut kind, k.as_str()) {
+            (_, "type" | "lr") => {}
+            (OptimizerKind::Momentum { momentum, .. }, "momentum") => *momentum = number(v, &what)?,
+            (OptimizerKind::Momentum { nesterov, .. }, "nesterov") => {
+                *nesterov = v
+                    .as_bool()
+                    .ok_or_else(|| format!("{what} must be true or false, found {v}"))?
+            }
+            (OptimizerKind::Adam { beta1, .. }, "beta1") => *beta1 = number(v, &what)?,
+            (OptimizerKind::Adam { beta2, .. }, "beta2") => *beta2 = number(v, &what)?,
+            (OptimizerKind::Adam { epsilon, .. }, "epsilon") => *epsilon = number(v, &what)?,
+            (kind, _) => {
+                let known: Vec<&str> = kind.params().iter().map(|(n, _)| *n).collect();
+                return Err(format!(
+                    "optimizer {ty} has no parameter {k:?} (it takes lr{})",
+                    known.iter().map(|n| format!(", {n}")).collect::<String>()
+                ));
+            }
+        }
+    }
+    Ok(OptimizerSpec { kind, lr })
+}
+
+/// Builds a spec from a train section's fields; `pos` is the section's offset (for missing
+/// fields). Errors carry the offset of the value they are about.
+pub(crate) fn spec_from_fields(
+    fields: Vec<SpecField>,
+    pos: usize,
+) -> Result<TrainSpec, Vec<(usize, String)>> {
+    let mut errs = vec![];
+    let (mut loss, mut optimizer, mut clip, mut metrics) = (None, None, None, vec![]);
+    let mut seen = HashSet::new();
+    for (k, at, v) in fields {
+        if !seen.insert(k.clone()) {
+            errs.push((at, format!("train.{k} is given twice")));
+            continue;
+        }
+        let r: Result<(), String> = match k.as_str() {
+            "loss" => match v.as_str().map(InputRef::parse) {
+                Some(Ok(InputRef::Data { .. })) => {
+                    loss = v.as_str().map(str::to_string);
+                    Ok(())
+                }
+                _ => Err(format!("train.loss must be a tensor name, found {v}")),
+            },
+            "optimizer" => optimizer_from_json(&v).map(|o| optimizer = Some(o)),
+            "clip_global_norm" => match v {
+                serde_json::Value::Null => Ok(()),
+                v => number(&v, "train.clip_global_norm").map(|c| clip = Some(c)),
+            },
+            "metrics" => match v.as_array() {
+                Some(items) => {
+                    items
+                        .iter()
+                        .try_for_each(|m| match m.as_str().map(InputRef::parse) {
+                            Some(Ok(InputRef::Data { .. })) => {
+                                metrics.push(m.as_str().unwrap_or_default().to_string());
+                                Ok(())
+                            }
+                            _ => Err(format!(
+                                "train.metrics entries must be tensor names, found {m}"
+                            )),
+                        })
+                }
+                None => Err(format!(
+                    "train.metrics must be a list of tensor names, found {v}"
+                )),
+            },
+            other => Err(format!(
+                "unknown field train.{other} (train has loss, optimizer, clip_global_norm, metrics)"
+            )),
+        };
+        if let Err(m) = r {
+            errs.push((at, m));
+        }
+    }
+    if loss.is_none() && !seen.contains("loss") {
+        errs.push((pos, "train is missing \"loss\"".into()));
+    }
+    if optimizer.is_none() && !seen.contains("optimizer") {
+        errs.push((pos, "train is missing \"optimizer\"".into()));
+    }
+    let (Some(loss), Some(optimizer), true) = (loss, optimizer, errs.is_empty()) else {
+        return Err(errs);
+    };
+    let spec = TrainSpec {
+        loss,
+        optimizer,
+        clip_global_norm: clip,
+        metrics,
+    };
+    spec.check().map_err(|m| vec![(pos, m)])?;
+    Ok(spec)
+}
+
+/// The optimizer as a JSON object: `{"type": "adam", "lr": 0.01, "beta1": 0.9, ...}`.
+pub(crate) fn optimizer_to_json(o: &OptimizerSpec) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    m.insert("type".into(), o.kind.name().into());
+    m.insert("lr".into(), o.lr.into());
+    for (k, v) in o.kind.params() {
+        m.insert(k.into(), crate::format::attr_to_json(&v));
+    }
+    serde_json::Value::Object(m)
+}
