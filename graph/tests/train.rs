@@ -4,8 +4,11 @@ use dflow_graph::kernel::{KernelContext, KernelInit, VariableCell};
 use dflow_graph::ops::{registry, InferCtx, TensorType};
 use dflow_graph::train::{expand_training, OptimizerKind, OptimizerSpec, TrainError, TrainSpec};
 use dflow_graph::{AttrValue, DType, GraphDef, InputRef, Shape, Tensor};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+
+mod common;
+use common::Eval;
 
 /// Runs op `op`'s CPU kernel once: `vars` are the cells behind its reference inputs (in order),
 /// `inputs` every data input value (reference inputs get the cell's current value).
@@ -367,4 +370,67 @@ fn expansion_errors_name_the_problem() {
     taken.nodes.push(n);
     let e = expand_training(&taken, &spec(OptimizerKind::momentum())).unwrap_err();
     assert_eq!(e, TrainError::NameTaken("w1/momentum".into()));
+}
+
+/// A fixed batch for the MLP example: 16 examples of 64 features, labels 0..10.
+fn mlp_batch() -> Eval {
+    let x: Vec<f32> = (0..16 * 64)
+        .map(|i| ((i * 7919 % 113) as f32 / 113.0) - 0.5)
+        .collect();
+    let labels: Vec<i64> = (0..16).map(|i| (i * 3 % 10) as i64).collect();
+    Eval {
+        feeds: HashMap::from([
+            ("x".to_string(), Tensor::from_slice(&[16, 64], &x).unwrap()),
+            (
+                "labels".to_string(),
+                Tensor::from_slice(&[16], &labels).unwrap(),
+            ),
+        ]),
+        vars: HashMap::new(),
+    }
+}
+
+#[test]
+fn one_sgd_step_applies_minus_lr_times_the_gradient() {
+    let mut s = spec(OptimizerKind::Sgd);
+    s.optimizer.lr = 0.5;
+    let t = expand_training(&mlp(), &s).unwrap();
+    let mut eval = mlp_batch();
+    let mut fetch: Vec<String> = t.gradients.iter().map(|(_, g)| g.clone()).collect();
+    fetch.extend(t.gradients.iter().map(|(v, _)| v.clone()));
+    let before = eval.run(&t.def, &fetch);
+    let n = t.gradients.len();
+    eval.run(&t.def, &[format!("^{}", t.train_op)]);
+    for (i, (v, _)) in t.gradients.iter().enumerate() {
+        let after = eval.get(v).to_f64_vec();
+        let (g, w) = (before[i].to_f64_vec(), before[n + i].to_f64_vec());
+        assert!(g.iter().any(|&x| x != 0.0), "{v}: zero gradient");
+        for ((a, w), g) in after.iter().zip(&w).zip(&g) {
+            let want = (*w as f32 - 0.5f32 * *g as f32) as f64;
+            assert!((a - want).abs() <= 1e-6, "{v}: {a} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn adam_and_momentum_reduce_the_mlp_loss() {
+    for (kind, lr) in [
+        (OptimizerKind::adam(), 0.01),
+        (OptimizerKind::momentum(), 0.1),
+    ] {
+        let mut s = spec(kind.clone());
+        s.optimizer.lr = lr;
+        s.clip_global_norm = Some(10.0);
+        let t = expand_training(&mlp(), &s).unwrap();
+        let mut eval = mlp_batch();
+        let first = eval.run(&t.def, &["loss".into()])[0].to_f64_vec()[0];
+        for _ in 0..30 {
+            eval.run(&t.def, &[format!("^{}", t.train_op)]);
+        }
+        let last = eval.run(&t.def, &["loss".into()])[0].to_f64_vec()[0];
+        assert!(last < 0.5 * first, "{kind:?}: loss {first} -> {last}");
+        if matches!(kind, OptimizerKind::Adam { .. }) {
+            assert_eq!(eval.get("adam/t").as_slice::<i64>().unwrap(), &[30]);
+        }
+    }
 }
