@@ -41,7 +41,11 @@ fn big_graph() -> GraphDef {
         }
         nodes.push(n);
     }
-    GraphDef { version: 1, nodes }
+    GraphDef {
+        version: 1,
+        nodes,
+        train: None,
+    }
 }
 
 /// A stack of dense residual layers, the shape of a real model: each tower starts with a
@@ -146,7 +150,11 @@ fn model_graph() -> GraphDef {
         }
     }
     // Each node only reads nodes pushed before it, so cutting mid-layer leaves a valid graph.
-    GraphDef { version: 1, nodes }
+    GraphDef {
+        version: 1,
+        nodes,
+        train: None,
+    }
 }
 
 fn nodes_name(nodes: &[NodeDef], i: usize) -> String {

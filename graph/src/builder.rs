@@ -211,6 +211,7 @@ impl GraphBuilder {
         GraphDef {
             version: FORMAT_VERSION,
             nodes: self.nodes.clone(),
+            train: None,
         }
     }
 
@@ -219,6 +220,7 @@ impl GraphBuilder {
         Graph::from_def(&GraphDef {
             version: FORMAT_VERSION,
             nodes: self.nodes,
+            train: None,
         })
     }
 }

@@ -18,6 +18,8 @@ pub struct GraphDef {
     pub version: u32,
     /// The nodes, in file order.
     pub nodes: Vec<NodeDef>,
+    /// The training step to add before partitioning (see [`crate::train::expand_training`]).
+    pub train: Option<crate::train::TrainSpec>,
 }
 
 /// One node as written in a file.

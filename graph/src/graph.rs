@@ -8,7 +8,7 @@
 //! ```
 //! use dflow_graph::{Graph, GraphDef, NodeDef, DType, Shape, AttrValue};
 //!
-//! let mut def = GraphDef { version: 1, nodes: vec![] };
+//! let mut def = GraphDef { version: 1, nodes: vec![], train: None };
 //! let mut x = NodeDef { name: "x".into(), op: "Placeholder".into(), ..Default::default() };
 //! x.attrs.insert("dtype".into(), AttrValue::DType(DType::F32));
 //! x.attrs.insert("shape".into(), AttrValue::Shape(Shape::known(&[2, 3])));
@@ -395,6 +395,7 @@ impl Graph {
         GraphDef {
             version: FORMAT_VERSION,
             nodes,
+            train: None,
         }
     }
 

@@ -4,6 +4,7 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
+pub mod autodiff;
 pub mod builder;
 pub mod cluster;
 pub mod def;
@@ -17,6 +18,7 @@ pub mod ops;
 pub mod shape;
 pub mod tensor;
 pub mod tf_import;
+pub mod train;
 
 pub use attr::{AttrType, AttrValue};
 pub use cluster::{ClusterSpec, TfConfig};

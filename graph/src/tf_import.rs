@@ -382,6 +382,7 @@ impl<'r, 'a> Importer<'r, 'a> {
         Ok(GraphDef {
             version: FORMAT_VERSION,
             nodes: out,
+            train: None,
         })
     }
 

@@ -20,7 +20,11 @@ fn placeholder(name: &str, dims: &[usize]) -> NodeDef {
 }
 
 fn graph(nodes: Vec<NodeDef>) -> GraphDef {
-    GraphDef { version: 1, nodes }
+    GraphDef {
+        version: 1,
+        nodes,
+        train: None,
+    }
 }
 
 fn errors(nodes: Vec<NodeDef>) -> Vec<GraphError> {

@@ -76,6 +76,7 @@ pub fn from_value(v: &Value) -> Result<GraphDef, String> {
     Ok(GraphDef {
         version,
         nodes: out,
+        train: None,
     })
 }
 

@@ -779,6 +779,7 @@ fn build_graphs(
             let def = GraphDef {
                 version: dflow_graph::def::FORMAT_VERSION,
                 nodes,
+                train: None,
             };
             Some(
                 Graph::from_def(&def).map_err(|e| PartitionError::InvalidPartition {

@@ -57,6 +57,7 @@ pub fn layered(nodes: usize) -> PlacedGraph {
     let def = GraphDef {
         version: dflow_graph::def::FORMAT_VERSION,
         nodes: defs,
+        train: None,
     };
     // The generator's own output is valid by construction.
     let graph = Graph::from_def(&def).unwrap_or_default();

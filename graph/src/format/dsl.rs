@@ -10,13 +10,19 @@
 //! h = Identity(x) @ "/job:worker/task:0"
 //! sink = NoOp(^h) colocate(w1)
 //! c = Const(value: tensor(f32, [2], [1.0, 2.0]))
+//! train { loss: h, optimizer: adam(lr: 0.01), clip_global_norm: 5.0, metrics: [h] }
 //! ```
 //!
 //! Grammar (whitespace and `# comments` may appear between any two tokens):
 //!
 //! ```text
 //! file    := "dflow" INT stmt*
-//! stmt    := node | "device" STRING "{" node* "}"
+//! stmt    := node | "device" STRING "{" node* "}" | train
+//! train   := "train" "{" [field ("," field)* [","]] "}"     (at most once)
+//! field   := "loss" ":" TENSOR | "metrics" ":" "[" [TENSOR ("," TENSOR)* [","]] "]"
+//!          | "optimizer" ":" IDENT "(" [IDENT ":" value ("," IDENT ":" value)* [","]] ")"
+//!          | "clip_global_norm" ":" value
+//! TENSOR  := NAME [":" DIGITS] | STRING
 //! node    := NAME "=" IDENT "(" [arg ("," arg)* [","]] ")" suffix*
 //! arg     := input | IDENT ":" value          (inputs first, then attrs)
 //! input   := ["^"] NAME [":" DIGITS]           (no spaces inside an input)
@@ -36,6 +42,7 @@ use super::{
     SUPPORTED_VERSIONS,
 };
 use crate::def::FORMAT_VERSION;
+use crate::train::SpecField;
 use crate::GraphDef;
 use serde_json::{Number, Value};
 use std::fmt::Write as _;
@@ -461,6 +468,7 @@ fn header(i: &mut Input<'_>) -> ModalResult<()> {
 fn file(
     i: &mut Input<'_>,
     nodes: &mut Vec<RawNode>,
+    train: &mut Option<(usize, Vec<SpecField>)>,
     soft: &mut Vec<(usize, String)>,
 ) -> ModalResult<()> {
     header(i)?;
@@ -470,6 +478,18 @@ fn file(
             return Ok(());
         }
         let pos = i.location();
+        if peek(opt((literal("train"), ws, '{')))
+            .parse_next(i)?
+            .is_some()
+        {
+            let section = train_block(i)?;
+            if train.is_some() {
+                soft.push((pos, "a second train section (only one is allowed)".into()));
+            } else {
+                *train = Some(section);
+            }
+            continue;
+        }
         let block = peek(opt((literal("device"), ws, '"'))).parse_next(i)?;
         if block.is_none() {
             nodes.push(node(i, None, soft)?);
@@ -498,6 +518,109 @@ fn file(
     }
 }
 
+/// A tensor name: `NAME[:DIGITS]` or a quoted string.
+fn tensor_ref(i: &mut Input<'_>) -> ModalResult<Value> {
+    ws(i)?;
+    if peek(opt('"')).parse_next(i)?.is_some() {
+        return Ok(Value::String(string(i)?));
+    }
+    let Some(n) = opt(name).parse_next(i)? else {
+        return expected(i, &["tensor name"]);
+    };
+    let mut v = n.v;
+    if opt(':').parse_next(i)?.is_some() {
+        let Some(d) = opt(take_while(1.., |c: char| c.is_ascii_digit())).parse_next(i)? else {
+            return expected(i, &["output index"]);
+        };
+        v = format!("{v}:{d}");
+    }
+    Ok(Value::String(v))
+}
+
+/// `IDENT(key: value, ...)` as `{"type": IDENT, key: value, ...}`.
+fn optimizer(i: &mut Input<'_>) -> ModalResult<Value> {
+    ws(i)?;
+    let Some(kind) = opt(ident).parse_next(i)? else {
+        return expected(i, &["optimizer (sgd, momentum, adam)"]);
+    };
+    let mut m = serde_json::Map::new();
+    m.insert("type".into(), Value::String(kind.into()));
+    token(i, "(")?;
+    loop {
+        if eat(i, ")")? {
+            return Ok(Value::Object(m));
+        }
+        ws(i)?;
+        let Some(k) = opt(ident).parse_next(i)? else {
+            return expected(i, &["optimizer parameter", ")"]);
+        };
+        token(i, ":")?;
+        let v = value(i, 0)?;
+        m.insert(k.into(), v);
+        if eat(i, ",")? {
+            continue;
+        }
+        if eat(i, ")")? {
+            return Ok(Value::Object(m));
+        }
+        return expected(i, &[")", ","]);
+    }
+}
+
+/// `train { field: value, ... }`: the fields with their values' offsets.
+fn train_block(i: &mut Input<'_>) -> ModalResult<(usize, Vec<SpecField>)> {
+    let pos = i.location();
+    literal("train").parse_next(i)?;
+    token(i, "{")?;
+    let mut fields = vec![];
+    loop {
+        if eat(i, "}")? {
+            return Ok((pos, fields));
+        }
+        ws(i)?;
+        let Some(k) = opt(ident).parse_next(i)? else {
+            return expected(
+                i,
+                &["train field (loss, optimizer, clip_global_norm, metrics)"],
+            );
+        };
+        token(i, ":")?;
+        ws(i)?;
+        let at = i.location();
+        let v = match k {
+            "loss" => tensor_ref(i)?,
+            "optimizer" => optimizer(i)?,
+            "metrics" => {
+                token(i, "[")?;
+                let mut items = vec![];
+                loop {
+                    if eat(i, "]")? {
+                        break;
+                    }
+                    items.push(tensor_ref(i)?);
+                    if eat(i, ",")? {
+                        continue;
+                    }
+                    if eat(i, "]")? {
+                        break;
+                    }
+                    return expected(i, &["]", ","]);
+                }
+                Value::Array(items)
+            }
+            _ => value(i, 0)?,
+        };
+        fields.push((k.to_string(), at, v));
+        if eat(i, ",")? {
+            continue;
+        }
+        if eat(i, "}")? {
+            return Ok((pos, fields));
+        }
+        return expected(i, &["}", ","]);
+    }
+}
+
 /// Parses a DSL graph file. `path` is only used in messages.
 ///
 /// A syntax error stops the parse; semantic errors of the nodes before it (unknown op or attr,
@@ -508,15 +631,24 @@ pub fn parse_dsl(text: &str, path: Option<&str>) -> Result<ParsedGraph, FormatEr
     let mut errs = Errors::new(&src);
     let mut input = LocatingSlice::new(text);
     let mut nodes = vec![];
+    let mut train = None;
     let mut soft = vec![];
-    let syntax = file(&mut input, &mut nodes, &mut soft).err().map(|e| {
-        let at = input.location();
-        syntax_message(e, at, text)
-    });
+    let syntax = file(&mut input, &mut nodes, &mut train, &mut soft)
+        .err()
+        .map(|e| {
+            let at = input.location();
+            syntax_message(e, at, text)
+        });
     for (p, m) in soft {
         errs.push(p, m);
     }
-    let g = build_graph(nodes, &mut errs);
+    let mut g = build_graph(nodes, &mut errs);
+    if let Some((pos, fields)) = train {
+        match crate::train::spec_from_fields(fields, pos) {
+            Ok(spec) => g.def.train = Some(spec),
+            Err(list) => list.into_iter().for_each(|(p, m)| errs.push(p, m)),
+        }
+    }
     if let Some((p, m)) = syntax {
         errs.push(p, m);
     }
@@ -596,7 +728,45 @@ pub fn to_dsl(def: &GraphDef) -> String {
         }
         out.push('\n');
     }
+    if let Some(t) = &def.train {
+        write_train(&mut out, t);
+    }
     out
+}
+
+/// `train { loss: ..., optimizer: adam(lr: ..., ...), clip_global_norm: ..., metrics: [...] }`
+fn write_train(out: &mut String, t: &crate::train::TrainSpec) {
+    let tensor = |out: &mut String, s: &str| {
+        if matches!(crate::InputRef::parse(s), Ok(crate::InputRef::Data { .. })) {
+            out.push_str(s);
+        } else {
+            write_string(out, s);
+        }
+    };
+    out.push_str("train { loss: ");
+    tensor(out, &t.loss);
+    let _ = write!(out, ", optimizer: {}(lr: ", t.optimizer.kind.name());
+    write_value(out, &Value::from(t.optimizer.lr));
+    for (k, v) in t.optimizer.kind.params() {
+        let _ = write!(out, ", {k}: ");
+        write_value(out, &attr_to_json(&v));
+    }
+    out.push(')');
+    if let Some(c) = t.clip_global_norm {
+        out.push_str(", clip_global_norm: ");
+        write_value(out, &Value::from(c));
+    }
+    if !t.metrics.is_empty() {
+        out.push_str(", metrics: [");
+        for (i, m) in t.metrics.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            tensor(out, m);
+        }
+        out.push(']');
+    }
+    out.push_str(" }\n");
 }
 
 fn write_string(out: &mut String, s: &str) {

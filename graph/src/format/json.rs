@@ -395,12 +395,18 @@ pub fn parse_json(text: &str, path: Option<&str>) -> Result<ParsedGraph, FormatE
             });
         }
     };
-    let raw = top_level(root, &mut errs);
-    let g = build_graph(raw, &mut errs);
+    let mut train = None;
+    let raw = top_level(root, &mut errs, &mut train);
+    let mut g = build_graph(raw, &mut errs);
+    g.def.train = train;
     errs.into_result(g)
 }
 
-fn top_level(root: Spanned, errs: &mut Errors<'_>) -> Vec<RawNode> {
+fn top_level(
+    root: Spanned,
+    errs: &mut Errors<'_>,
+    train: &mut Option<crate::train::TrainSpec>,
+) -> Vec<RawNode> {
     let J::Obj(fields) = root.v else {
         errs.push(
             root.pos,
@@ -414,9 +420,12 @@ fn top_level(root: Spanned, errs: &mut Errors<'_>) -> Vec<RawNode> {
             "format" => format = Some(v),
             "version" => version = Some(v),
             "nodes" => nodes = Some(v),
+            "train" => *train = train_section(v, errs),
             other => errs.push(
                 k.pos,
-                format!("unknown field {other:?} (expected \"format\", \"version\", \"nodes\")"),
+                format!(
+                    "unknown field {other:?} (expected \"format\", \"version\", \"nodes\", \"train\")"
+                ),
             ),
         }
     }
@@ -473,6 +482,30 @@ fn top_level(root: Spanned, errs: &mut Errors<'_>) -> Vec<RawNode> {
         }
     }
     out
+}
+
+/// The optional `"train"` object (see [`crate::train::TrainSpec`]).
+fn train_section(v: Spanned, errs: &mut Errors<'_>) -> Option<crate::train::TrainSpec> {
+    let J::Obj(fields) = v.v else {
+        errs.push(
+            v.pos,
+            format!("\"train\" must be an object, found {}", v.v.kind()),
+        );
+        return None;
+    };
+    let fields = fields
+        .into_iter()
+        .map(|(k, x)| (k.v, x.pos, x.into_value()))
+        .collect();
+    match crate::train::spec_from_fields(fields, v.pos) {
+        Ok(spec) => Some(spec),
+        Err(list) => {
+            for (pos, m) in list {
+                errs.push(pos, m);
+            }
+            None
+        }
+    }
 }
 
 fn string_at(path: &str, v: Spanned, errs: &mut Errors<'_>) -> Option<At<String>> {
@@ -605,7 +638,23 @@ pub fn to_json(def: &GraphDef) -> String {
     if !def.nodes.is_empty() {
         out.push_str("\n  ");
     }
-    out.push_str("]\n}\n");
+    out.push(']');
+    if let Some(t) = &def.train {
+        out.push_str(",\n  \"train\": {\n    \"loss\": ");
+        out.push_str(&quote(&t.loss));
+        out.push_str(",\n    \"optimizer\": ");
+        write_inline(&mut out, &crate::train::optimizer_to_json(&t.optimizer));
+        if let Some(c) = t.clip_global_norm {
+            out.push_str(",\n    \"clip_global_norm\": ");
+            write_inline(&mut out, &Value::from(c));
+        }
+        if !t.metrics.is_empty() {
+            out.push_str(",\n    \"metrics\": ");
+            write_string_list(&mut out, &t.metrics);
+        }
+        out.push_str("\n  }");
+    }
+    out.push_str("\n}\n");
     out
 }
 

@@ -319,6 +319,7 @@ pub(crate) fn build_graph(raw: Vec<RawNode>, errs: &mut Errors<'_>) -> ParsedGra
         def: GraphDef {
             version: FORMAT_VERSION,
             nodes,
+            train: None,
         },
         node_positions: positions,
     }

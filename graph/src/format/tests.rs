@@ -1,6 +1,7 @@
 use super::*;
 use crate::def::FORMAT_VERSION;
 use crate::ops::AttrDefault;
+use crate::train::{OptimizerKind, OptimizerSpec, TrainSpec};
 use crate::{DType, Shape, Tensor};
 use proptest::prelude::*;
 
@@ -40,6 +41,7 @@ fn sample() -> GraphDef {
     GraphDef {
         version: FORMAT_VERSION,
         nodes: vec![w, x, h, sink, c],
+        train: None,
     }
 }
 
@@ -453,6 +455,7 @@ fn non_finite_float_attrs_and_tensors_round_trip() {
     let g = GraphDef {
         version: FORMAT_VERSION,
         nodes: vec![c],
+        train: None,
     };
     assert_eq!(
         parse_dsl(&to_dsl(&g), None).unwrap().def.nodes[0].attrs["value"].to_json(),
@@ -472,6 +475,7 @@ fn strings_with_escapes_round_trip() {
     let g = GraphDef {
         version: FORMAT_VERSION,
         nodes: vec![v],
+        train: None,
     };
     assert_eq!(
         parse_dsl(&to_dsl(&g), None).unwrap().def,
@@ -535,6 +539,91 @@ fn truncated_files_never_panic() {
             let _ = parse_dsl(&text[..end], None);
         }
     }
+}
+
+// ---- the train section ----
+
+const TRAIN_JSON: &str = r#"{"format": "dflow-graph", "version": 1, "nodes": [
+  {"name": "x", "op": "Placeholder", "attrs": {"dtype": "f32"}}
+], "train": {"loss": "x", "optimizer": {"type": "adam", "lr": 0.01, "beta2": 0.99},
+  "clip_global_norm": 5, "metrics": ["x", "x:0"]}}"#;
+
+#[test]
+fn train_section_reads_in_both_formats() {
+    let want = TrainSpec {
+        loss: "x".into(),
+        optimizer: OptimizerSpec {
+            kind: OptimizerKind::Adam {
+                beta1: 0.9,
+                beta2: 0.99,
+                epsilon: 1e-7,
+            },
+            lr: 0.01,
+        },
+        clip_global_norm: Some(5.0),
+        metrics: vec!["x".into(), "x:0".into()],
+    };
+    let j = parse_json(TRAIN_JSON, None).unwrap().def;
+    assert_eq!(j.train.as_ref(), Some(&want));
+    let dsl = "dflow 1\nx = Placeholder(dtype: f32)\n\
+               train { loss: x, optimizer: adam(lr: 0.01, beta2: 0.99,), \
+               clip_global_norm: 5, metrics: [x, \"x:0\"], }\n";
+    let d = parse_dsl(dsl, None).unwrap().def;
+    assert_eq!(d, j);
+    let text = to_dsl(&d);
+    assert!(
+        text.contains("train { loss: x, optimizer: adam(lr: 0.01, beta1: 0.9, beta2: 0.99, epsilon: 1e-7), clip_global_norm: 5.0, metrics: [x, x:0] }"),
+        "{text}"
+    );
+    // Scoped names need no quotes; a node may be called `train`.
+    let d = parse_dsl(
+        "dflow 1\ntrain = NoOp()\ntrain { loss: a/b:1, optimizer: sgd(lr: 1) }\n",
+        None,
+    )
+    .unwrap()
+    .def;
+    assert_eq!(d.nodes[0].name, "train");
+    let t = d.train.unwrap();
+    assert_eq!(
+        (t.loss.as_str(), &t.optimizer.kind),
+        ("a/b:1", &OptimizerKind::Sgd)
+    );
+}
+
+#[test]
+fn train_section_errors_point_at_the_value() {
+    let bad = TRAIN_JSON.replace("\"adam\"", "\"adamw\"");
+    let e = parse_json(&bad, None).unwrap_err();
+    assert_eq!(e.0.len(), 1, "{e}");
+    assert!(
+        e.0[0].message.contains("unknown optimizer \"adamw\""),
+        "{e}"
+    );
+    assert_eq!(e.0[0].line, 3, "{e}");
+    let e = parse_json(&TRAIN_JSON.replace("\"lr\": 0.01", "\"lr\": -1"), None).unwrap_err();
+    assert!(e.to_string().contains("lr must be positive"), "{e}");
+    let e = parse_json(&TRAIN_JSON.replace("\"loss\": \"x\",", ""), None).unwrap_err();
+    assert!(e.to_string().contains("train is missing \"loss\""), "{e}");
+    let e = parse_json(&TRAIN_JSON.replace("\"beta2\"", "\"momentum\""), None).unwrap_err();
+    assert!(
+        e.to_string().contains("adam has no parameter \"momentum\""),
+        "{e}"
+    );
+    let e = parse_dsl(
+        "dflow 1\ntrain { loss: x, optimizer: sgd(lr: 1), speed: 3 }\n",
+        None,
+    )
+    .unwrap_err();
+    assert_eq!((e.0[0].line, e.0[0].column), (2, 48), "{e}");
+    assert!(e.0[0].message.contains("unknown field train.speed"), "{e}");
+    let e = parse_dsl(
+        "dflow 1\ntrain { loss: x, optimizer: sgd(lr: 1) }\ntrain { loss: x, optimizer: sgd(lr: 1) }\n",
+        None,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("second train section"), "{e}");
+    let e = parse_dsl("dflow 1\ntrain { loss: x, optimizer: sgd(lr 1) }\n", None).unwrap_err();
+    assert!(e.to_string().contains("expected \":\""), "{e}");
 }
 
 // ---- property tests: random graphs from the registry round-trip through both formats ----
@@ -633,6 +722,44 @@ fn node_strategy() -> BoxedStrategy<(String, BTreeMap<String, AttrValue>)> {
     proptest::strategy::Union::new(per_op).boxed()
 }
 
+fn tensor_name_strategy() -> impl Strategy<Value = String> {
+    (name_strategy(), 0usize..3).prop_map(|(n, k)| if k == 0 { n } else { format!("{n}:{k}") })
+}
+
+fn positive() -> impl Strategy<Value = f64> {
+    prop_oneof![1e-9f64..1e3, Just(0.01), Just(1.0), Just(5.0)]
+}
+
+fn train_strategy() -> impl Strategy<Value = Option<TrainSpec>> {
+    let kind = prop_oneof![
+        Just(OptimizerKind::Sgd),
+        (0.0f64..2.0, any::<bool>())
+            .prop_map(|(momentum, nesterov)| OptimizerKind::Momentum { momentum, nesterov }),
+        (0.0f64..1.0, 0.0f64..1.0, positive()).prop_map(|(beta1, beta2, epsilon)| {
+            OptimizerKind::Adam {
+                beta1,
+                beta2,
+                epsilon,
+            }
+        }),
+    ];
+    proptest::option::of(
+        (
+            tensor_name_strategy(),
+            kind,
+            positive(),
+            proptest::option::of(positive()),
+            proptest::collection::vec(tensor_name_strategy(), 0..3),
+        )
+            .prop_map(|(loss, kind, lr, clip_global_norm, metrics)| TrainSpec {
+                loss,
+                optimizer: OptimizerSpec { kind, lr },
+                clip_global_norm,
+                metrics,
+            }),
+    )
+}
+
 prop_compose! {
     fn graph_strategy()(
         specs in proptest::collection::vec(
@@ -645,7 +772,8 @@ prop_compose! {
                 proptest::collection::vec(any::<proptest::sample::Index>(), 0..2),
             ),
             0..12,
-        )
+        ),
+        train in train_strategy(),
     ) -> GraphDef {
         let mut nodes: Vec<NodeDef> = vec![];
         for (i, ((op, attrs), base, data, control, device, coloc)) in specs.into_iter().enumerate() {
@@ -668,7 +796,7 @@ prop_compose! {
             };
             nodes.push(NodeDef { name, op, inputs, device, colocate_with, attrs });
         }
-        GraphDef { version: FORMAT_VERSION, nodes }
+        GraphDef { version: FORMAT_VERSION, nodes, train }
     }
 }
 

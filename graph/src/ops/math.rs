@@ -981,3 +981,134 @@ mod tests {
         }
     }
 }
+
+// ---- gradients ----
+
+/// Gradients of this family's ops (see [`crate::autodiff`]); a module so the block can follow the
+/// tests.
+pub(crate) mod gradients {
+    use super::*;
+    use crate::autodiff::{no_gradient, only_dy, ForwardNode, GradBuilder, GradResult};
+    use crate::builder::Output;
+
+    pub(crate) fn register_gradients(r: &mut OpRegistry) {
+        r.set_gradient("Add", add_grad);
+        r.set_gradient("Sub", sub_grad);
+        r.set_gradient("Mul", mul_grad);
+        r.set_gradient("Div", div_grad);
+        r.set_gradient("Neg", |b, _, dys| {
+            Ok(vec![Some(b.unary("Neg", "dx", only_dy(dys)?))])
+        });
+        r.set_gradient("MatMul", mat_mul_grad);
+        r.set_gradient("Cast", cast_grad);
+        r.set_gradient("Equal", no_gradient);
+        r.set_gradient("AddN", |_, f, dys| {
+            let dy = only_dy(dys)?;
+            Ok(vec![Some(dy.clone()); f.inputs.len()])
+        });
+        r.set_gradient("Square", |b, f, dys| {
+            let x = f.input(0)?;
+            let two_x = b.binary("Add", "two_x", x, x);
+            Ok(vec![Some(b.binary("Mul", "dx", only_dy(dys)?, &two_x))])
+        });
+        r.set_gradient("Sqrt", |b, f, dys| {
+            let y = f.output(0);
+            let two_y = b.binary("Add", "two_y", &y, &y);
+            Ok(vec![Some(b.binary("Div", "dx", only_dy(dys)?, &two_y))])
+        });
+        r.set_gradient("Exp", |b, f, dys| {
+            Ok(vec![Some(b.binary(
+                "Mul",
+                "dx",
+                only_dy(dys)?,
+                &f.output(0),
+            ))])
+        });
+        r.set_gradient("Log", |b, f, dys| {
+            Ok(vec![Some(b.binary(
+                "Div",
+                "dx",
+                only_dy(dys)?,
+                f.input(0)?,
+            ))])
+        });
+    }
+
+    /// Reduces `gx` and `gy` (both of the output's static shape) to the shapes of x and y.
+    fn reduce_both(b: &mut GradBuilder, f: &ForwardNode, gx: Output, gy: Output) -> GradResult {
+        let shape = f.output_type(0)?.shape.clone();
+        Ok(vec![
+            Some(b.reduce_to_input(f, 0, gx, &shape, "dx")?),
+            Some(b.reduce_to_input(f, 1, gy, &shape, "dy")?),
+        ])
+    }
+
+    fn add_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let dy = only_dy(dys)?;
+        reduce_both(b, f, dy.clone(), dy.clone())
+    }
+
+    fn sub_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let dy = only_dy(dys)?;
+        let neg = b.unary("Neg", "neg_dz", dy);
+        reduce_both(b, f, dy.clone(), neg)
+    }
+
+    fn mul_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let dy = only_dy(dys)?;
+        let (x, y) = (f.input(0)?, f.input(1)?);
+        let gx = b.binary("Mul", "dz_y", dy, y);
+        let gy = b.binary("Mul", "dz_x", dy, x);
+        reduce_both(b, f, gx, gy)
+    }
+
+    fn div_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        // z = x / y: dz/dx = 1 / y, dz/dy = -x / y² = -z / y.
+        let dy = only_dy(dys)?;
+        let y = f.input(1)?;
+        let gx = b.binary("Div", "dz_over_y", dy, y);
+        let neg_z = b.unary("Neg", "neg_z", &f.output(0));
+        let dzdy = b.binary("Div", "neg_z_over_y", &neg_z, y);
+        let gy = b.binary("Mul", "dz_dzdy", dy, &dzdy);
+        reduce_both(b, f, gx, gy)
+    }
+
+    fn mat_mul_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let dy = only_dy(dys)?;
+        let (a, w) = (f.input(0)?, f.input(1)?);
+        let (ta, tb) = (f.bool_attr("transpose_a")?, f.bool_attr("transpose_b")?);
+        let mut mm = |suffix: &str, x: &Output, y: &Output, tx: bool, ty: bool| {
+            b.op(
+                "MatMul",
+                suffix,
+                &[x, y],
+                &[
+                    ("transpose_a", AttrValue::Bool(tx)),
+                    ("transpose_b", AttrValue::Bool(ty)),
+                ],
+            )
+        };
+        // TensorFlow's _MatMulGrad, one case per transpose combination.
+        let (da, db) = match (ta, tb) {
+            (false, false) => (mm("da", dy, w, false, true), mm("db", a, dy, true, false)),
+            (false, true) => (mm("da", dy, w, false, false), mm("db", dy, a, true, false)),
+            (true, false) => (mm("da", w, dy, false, true), mm("db", a, dy, false, false)),
+            (true, true) => (mm("da", w, dy, true, true), mm("db", dy, a, true, true)),
+        };
+        Ok(vec![Some(da), Some(db)])
+    }
+
+    fn cast_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let src = f.input_type(0)?.dtype;
+        if !src.is_float() {
+            return Ok(vec![None]);
+        }
+        let dy = only_dy(dys)?;
+        Ok(vec![Some(b.op(
+            "Cast",
+            "dx",
+            &[dy],
+            &[("DstT", AttrValue::DType(src))],
+        ))])
+    }
+}

@@ -12,12 +12,14 @@ use std::sync::OnceLock;
 pub mod array;
 pub mod broadcast;
 pub mod elementwise;
+pub mod grad;
 pub mod init;
 pub mod math;
 pub mod nn;
 pub mod reduce;
 pub mod state;
 pub mod testing;
+pub mod train;
 pub mod transfer;
 
 /// One input or output of an op.
@@ -258,6 +260,8 @@ pub struct OpDef {
     pub is_variable: bool,
     /// Kernels by device type (`"CPU"`, later `"GPU"`).
     pub kernels: Vec<(&'static str, crate::kernel::KernelFactory)>,
+    /// The symbolic gradient (see [`crate::autodiff`]); `None` when the op has none.
+    pub gradient: Option<crate::autodiff::GradFn>,
 }
 
 impl OpDef {
@@ -273,7 +277,14 @@ impl OpDef {
             stateful: false,
             is_variable: false,
             kernels: vec![],
+            gradient: None,
         }
+    }
+
+    /// Sets the symbolic gradient.
+    pub fn gradient(mut self, f: crate::autodiff::GradFn) -> Self {
+        self.gradient = Some(f);
+        self
     }
 
     /// Registers the kernel for `device_type` (`"CPU"`).
@@ -348,6 +359,14 @@ impl OpRegistry {
         self.ops.insert(op.name, op);
     }
 
+    /// Sets the gradient of the already registered op `name` (no-op for an unknown name; a test
+    /// checks that every differentiable op has one).
+    pub fn set_gradient(&mut self, name: &str, f: crate::autodiff::GradFn) {
+        if let Some(op) = self.ops.get_mut(name) {
+            op.gradient = Some(f);
+        }
+    }
+
     /// Looks up an op.
     pub fn get(&self, name: &str) -> Option<&OpDef> {
         self.ops.get(name)
@@ -381,6 +400,13 @@ pub fn registry() -> &'static OpRegistry {
         nn::register(&mut r);
         reduce::register(&mut r);
         array::register(&mut r);
+        grad::register(&mut r);
+        train::register(&mut r);
+        state::gradients::register_gradients(&mut r);
+        math::gradients::register_gradients(&mut r);
+        nn::gradients::register_gradients(&mut r);
+        reduce::gradients::register_gradients(&mut r);
+        array::gradients::register_gradients(&mut r);
         r
     })
 }

@@ -618,3 +618,91 @@ mod tests {
         assert!(e.contains("rank >= 2") && e.contains("[10]"), "{e}");
     }
 }
+
+// ---- gradients ----
+
+/// Gradients of this family's ops (see [`crate::autodiff`]); a module so the block can follow the
+/// tests.
+pub(crate) mod gradients {
+    use super::*;
+    use crate::autodiff::{only_dy, ForwardNode, GradBuilder, GradResult};
+    use crate::builder::Output;
+
+    /// Second derivatives are not supported: ReluGrad, SigmoidGrad, TanhGrad and BiasAddGrad get no
+    /// gradient.
+    pub(crate) fn register_gradients(r: &mut OpRegistry) {
+        r.set_gradient("BiasAdd", |b, _, dys| {
+            let dy = only_dy(dys)?;
+            Ok(vec![
+                Some(dy.clone()),
+                Some(b.unary("BiasAddGrad", "dbias", dy)),
+            ])
+        });
+        r.set_gradient("Relu", |b, f, dys| {
+            Ok(vec![Some(b.binary(
+                "ReluGrad",
+                "dx",
+                only_dy(dys)?,
+                f.input(0)?,
+            ))])
+        });
+        r.set_gradient("Sigmoid", |b, f, dys| {
+            Ok(vec![Some(b.binary(
+                "SigmoidGrad",
+                "dx",
+                &f.output(0),
+                only_dy(dys)?,
+            ))])
+        });
+        r.set_gradient("Tanh", |b, f, dys| {
+            Ok(vec![Some(b.binary(
+                "TanhGrad",
+                "dx",
+                &f.output(0),
+                only_dy(dys)?,
+            ))])
+        });
+        r.set_gradient("Softmax", softmax_grad);
+        r.set_gradient("SparseSoftmaxCrossEntropyWithLogits", sparse_xent_grad);
+    }
+
+    fn softmax_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        // dx = (dy - Σ_last(dy * y)) * y
+        let dy = only_dy(dys)?;
+        let y = f.output(0);
+        let dy_y = b.binary("Mul", "dy_y", dy, &y);
+        let sum = b.op(
+            "Sum",
+            "sum_dy_y",
+            &[&dy_y],
+            &[
+                ("axes", AttrValue::IntList(vec![-1])),
+                ("keep_dims", AttrValue::Bool(true)),
+            ],
+        );
+        let diff = b.binary("Sub", "dy_minus_sum", dy, &sum);
+        Ok(vec![Some(b.binary("Mul", "dx", &diff, &y))])
+    }
+
+    fn sparse_xent_grad(
+        b: &mut GradBuilder,
+        f: &ForwardNode,
+        dys: &[Option<Output>],
+    ) -> GradResult {
+        if dys.get(1).is_some_and(Option::is_some) {
+            return Err("differentiating through output 1 (backprop) is not supported".into());
+        }
+        // d loss_i / d features_ij = backprop_ij, scaled by the incoming dy_i.
+        let dy = only_dy(dys)?;
+        let column = b.op(
+            "Reshape",
+            "dy_column",
+            &[dy],
+            &[("shape", AttrValue::IntList(vec![-1, 1]))],
+        );
+        Ok(vec![
+            Some(b.binary("Mul", "dfeatures", &f.output(1), &column)),
+            None,
+        ])
+    }
+}

@@ -623,3 +623,40 @@ mod tests {
         assert!(e.contains("axis"), "{e}");
     }
 }
+
+// ---- gradients ----
+
+/// Gradients of this family's ops (see [`crate::autodiff`]); a module so the block can follow the
+/// tests.
+pub(crate) mod gradients {
+    use super::*;
+    use crate::autodiff::{no_gradient, only_dy, ForwardNode, GradBuilder, GradResult};
+    use crate::builder::Output;
+
+    pub(crate) fn register_gradients(r: &mut OpRegistry) {
+        r.set_gradient("Sum", |b, f, dys| reduction_grad(b, f, dys, false));
+        r.set_gradient("Mean", |b, f, dys| reduction_grad(b, f, dys, true));
+        r.set_gradient("ArgMax", no_gradient);
+    }
+
+    /// dx = dy copied back along the reduced axes of x's run-time shape (÷ count for Mean).
+    fn reduction_grad(
+        b: &mut GradBuilder,
+        f: &ForwardNode,
+        dys: &[Option<Output>],
+        mean: bool,
+    ) -> GradResult {
+        let dy = only_dy(dys)?;
+        let dx = b.op(
+            "BroadcastLike",
+            "dx",
+            &[dy, f.input(0)?],
+            &[
+                ("axes", AttrValue::IntList(f.ints_attr("axes")?)),
+                ("keep_dims", AttrValue::Bool(f.bool_attr("keep_dims")?)),
+                ("mean", AttrValue::Bool(mean)),
+            ],
+        );
+        Ok(vec![Some(dx)])
+    }
+}

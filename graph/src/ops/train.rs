@@ -1,0 +1,473 @@
+//! Optimizer ops: ApplyGradientDescent, ApplyMomentum, ApplyAdam, IncrementStep, and
+//! GlobalNormScale for clipping by global norm, with their CPU kernels.
+//!
+//! The update ops take their variable (and its optimizer slots) as reference inputs, so they are
+//! placed with the variable — on ps in the parameter-server pattern — and only the gradient
+//! crosses devices. They have no outputs; a training step depends on them through control edges.
+//!
+//! **Difference from TensorFlow:** ApplyAdam reads the step count `t` (the number of steps
+//! already taken, a scalar) as a plain data input instead of taking `beta1_power` and
+//! `beta2_power`; it computes `β^(t+1)` itself. One `IncrementStep` on the shared counter runs
+//! after every ApplyAdam of the step. A data input (not a reference) lets variables on
+//! different ps tasks share one counter.
+
+use super::grad::{dispatch_real, Real};
+use super::*;
+use crate::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
+
+pub(crate) fn register(r: &mut OpRegistry) {
+    r.add(apply_gradient_descent());
+    r.add(apply_momentum());
+    r.add(apply_adam());
+    r.add(increment_step());
+    r.add(global_norm_scale());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+// ---------------------------------------------------------------------------------------------
+
+/// Shape rule of an update: every `(name, type)` has `var`'s float dtype and a compatible shape.
+fn update_infer(op: &str, var: &TensorType, others: &[(&str, &TensorType)]) -> Result<(), String> {
+    require_float(&format!("{op}: var"), var)?;
+    for (name, t) in others {
+        if t.dtype != var.dtype {
+            return Err(format!(
+                "{op}: var is {var} but {name} is {t}; both must have the same dtype"
+            ));
+        }
+        if !t.shape.is_compatible_with(&var.shape) {
+            return Err(format!(
+                "{op}: var has shape {} but {name} has shape {}; they must match",
+                var.shape, t.shape
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn float_attr(init: &KernelInit<'_>, name: &str) -> Result<f64, String> {
+    match init.attr(name)? {
+        AttrValue::Float(x) => Ok(*x),
+        v => Err(format!("attribute `{name}` is {}, not float", v.ty())),
+    }
+}
+
+fn bool_attr(init: &KernelInit<'_>, name: &str) -> Result<bool, String> {
+    match init.attr(name)? {
+        AttrValue::Bool(b) => Ok(*b),
+        v => Err(format!("attribute `{name}` is {}, not bool", v.ty())),
+    }
+}
+
+/// Runs `f` on the elements of the variable in `cell` under its lock, after checking it is
+/// initialized and has the gradient's shape `dims`.
+fn with_slice<T: Real, R>(
+    cell: &VariableCell,
+    what: &str,
+    dims: &[usize],
+    f: impl FnOnce(&mut [T]) -> Result<R, String>,
+) -> Result<R, String> {
+    cell.update(|slot| {
+        let t = slot
+            .as_mut()
+            .ok_or_else(|| format!("{what} is not initialized"))?;
+        if t.dims() != dims {
+            return Err(format!(
+                "{what} has shape {:?} but the gradient has shape {dims:?}",
+                t.dims()
+            ));
+        }
+        let s = t.as_mut_slice::<T>().map_err(|e| format!("{what}: {e}"))?;
+        f(s)
+    })
+}
+
+fn grad_slice<T: Real>(g: &Tensor) -> Result<&[T], String> {
+    g.as_slice::<T>().map_err(|e| format!("grad: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// ApplyGradientDescent
+// ---------------------------------------------------------------------------------------------
+
+fn apply_gradient_descent() -> OpDef {
+    OpDef::new(
+        "ApplyGradientDescent",
+        "var -= lr * grad. In: var (reference to a float Variable), grad (same type). No \
+         outputs. Attrs: lr (float, required).",
+        |ctx| {
+            update_infer(
+                "ApplyGradientDescent",
+                ctx.input(0)?,
+                &[("grad", ctx.input(1)?)],
+            )?;
+            Ok(vec![])
+        },
+    )
+    .inputs([ref_arg("var"), arg("grad")])
+    .attrs([attr("lr", AttrType::Float)])
+    .stateful()
+    .kernel("CPU", SgdKernel::build)
+}
+
+#[derive(Debug)]
+struct SgdKernel {
+    lr: f64,
+}
+
+impl SgdKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(SgdKernel {
+            lr: float_attr(init, "lr")?,
+        }))
+    }
+}
+
+fn sgd<T: Real>(var: &VariableCell, g: &Tensor, lr: f64) -> Result<(), String> {
+    let (gs, lr) = (grad_slice::<T>(g)?, T::from_f64(lr));
+    with_slice::<T, _>(var, "var", g.dims(), |w| {
+        for (w, &g) in w.iter_mut().zip(gs) {
+            *w = *w - lr * g;
+        }
+        Ok(())
+    })
+}
+
+impl Kernel for SgdKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let g = ctx.input(1)?;
+        dispatch_real!(g.dtype(), sgd(ctx.variable_at(0)?, g, self.lr))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ApplyMomentum
+// ---------------------------------------------------------------------------------------------
+
+fn apply_momentum() -> OpDef {
+    OpDef::new(
+        "ApplyMomentum",
+        "accum = accum * momentum + grad; var -= lr * accum, or with use_nesterov var -= lr * grad \
+         + lr * momentum * accum (TensorFlow's ApplyMomentum). In: var, accum (references to \
+         float Variables of one type), grad (same type). No outputs. Attrs: lr, momentum \
+         (float, required), use_nesterov (bool, default false).",
+        |ctx| {
+            let var = ctx.input(0)?;
+            update_infer(
+                "ApplyMomentum",
+                var,
+                &[("accum", ctx.input(1)?), ("grad", ctx.input(2)?)],
+            )?;
+            Ok(vec![])
+        },
+    )
+    .inputs([ref_arg("var"), ref_arg("accum"), arg("grad")])
+    .attrs([
+        attr("lr", AttrType::Float),
+        attr("momentum", AttrType::Float),
+        attr_or("use_nesterov", AttrType::Bool, AttrDefault::Bool(false)),
+    ])
+    .stateful()
+    .kernel("CPU", MomentumKernel::build)
+}
+
+#[derive(Debug)]
+struct MomentumKernel {
+    lr: f64,
+    momentum: f64,
+    nesterov: bool,
+}
+
+impl MomentumKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(MomentumKernel {
+            lr: float_attr(init, "lr")?,
+            momentum: float_attr(init, "momentum")?,
+            nesterov: bool_attr(init, "use_nesterov")?,
+        }))
+    }
+}
+
+fn momentum<T: Real>(
+    k: &MomentumKernel,
+    var: &VariableCell,
+    accum: &VariableCell,
+    g: &Tensor,
+) -> Result<(), String> {
+    let gs = grad_slice::<T>(g)?;
+    let (lr, mu) = (T::from_f64(k.lr), T::from_f64(k.momentum));
+    with_slice::<T, _>(accum, "accum", g.dims(), |a| {
+        with_slice::<T, _>(var, "var", g.dims(), |w| {
+            for ((w, a), &g) in w.iter_mut().zip(a.iter_mut()).zip(gs) {
+                *a = *a * mu + g;
+                *w = if k.nesterov {
+                    *w - (g * lr + *a * mu * lr)
+                } else {
+                    *w - lr * *a
+                };
+            }
+            Ok(())
+        })
+    })
+}
+
+impl Kernel for MomentumKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let g = ctx.input(2)?;
+        let (var, accum) = (ctx.variable_at(0)?, ctx.variable_at(1)?);
+        dispatch_real!(g.dtype(), momentum(self, var, accum, g))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ApplyAdam
+// ---------------------------------------------------------------------------------------------
+
+fn apply_adam() -> OpDef {
+    OpDef::new(
+        "ApplyAdam",
+        "Adam (TensorFlow's ApplyAdam) at step n = t + 1: lr_n = lr * sqrt(1 - beta2^n) / \
+         (1 - beta1^n); m += (grad - m) * (1 - beta1); v += (grad² - v) * (1 - beta2); \
+         var -= lr_n * m / (sqrt(v) + epsilon). In: var, m, v (references to float Variables of \
+         one type), t (scalar: steps taken so far, i32/i64/f32/f64), grad (var's type). No \
+         outputs. Attrs: lr (float, required), beta1 (0.9), beta2 (0.999), epsilon (1e-7).",
+        |ctx| {
+            let var = ctx.input(0)?;
+            update_infer(
+                "ApplyAdam",
+                var,
+                &[
+                    ("m", ctx.input(1)?),
+                    ("v", ctx.input(2)?),
+                    ("grad", ctx.input(4)?),
+                ],
+            )?;
+            let t = ctx.input(3)?;
+            if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
+                return Err(format!("ApplyAdam: t must be a numeric scalar, got {t}"));
+            }
+            Ok(vec![])
+        },
+    )
+    .inputs([
+        ref_arg("var"),
+        ref_arg("m"),
+        ref_arg("v"),
+        arg("t"),
+        arg("grad"),
+    ])
+    .attrs([
+        attr("lr", AttrType::Float),
+        attr_or("beta1", AttrType::Float, AttrDefault::Float(0.9)),
+        attr_or("beta2", AttrType::Float, AttrDefault::Float(0.999)),
+        attr_or("epsilon", AttrType::Float, AttrDefault::Float(1e-7)),
+    ])
+    .stateful()
+    .kernel("CPU", AdamKernel::build)
+}
+
+#[derive(Debug)]
+struct AdamKernel {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    epsilon: f64,
+}
+
+impl AdamKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(AdamKernel {
+            lr: float_attr(init, "lr")?,
+            beta1: float_attr(init, "beta1")?,
+            beta2: float_attr(init, "beta2")?,
+            epsilon: float_attr(init, "epsilon")?,
+        }))
+    }
+}
+
+/// The value of a numeric scalar tensor as f64.
+fn scalar_value(t: &Tensor, what: &str) -> Result<f64, String> {
+    match (t.num_elements(), t.to_f64_vec().first()) {
+        (1, Some(&x)) => Ok(x),
+        _ => Err(format!("{what} must be a scalar, got shape {:?}", t.dims())),
+    }
+}
+
+fn adam<T: Real>(
+    k: &AdamKernel,
+    cells: [&VariableCell; 3],
+    step: f64,
+    g: &Tensor,
+) -> Result<(), String> {
+    let gs = grad_slice::<T>(g)?;
+    let n = step + 1.0;
+    let lr_t = k.lr * (1.0 - k.beta2.powf(n)).sqrt() / (1.0 - k.beta1.powf(n));
+    let (lr_t, eps) = (T::from_f64(lr_t), T::from_f64(k.epsilon));
+    let (one_b1, one_b2) = (T::from_f64(1.0 - k.beta1), T::from_f64(1.0 - k.beta2));
+    let [var, m, v] = cells;
+    with_slice::<T, _>(m, "m", g.dims(), |ms| {
+        with_slice::<T, _>(v, "v", g.dims(), |vs| {
+            with_slice::<T, _>(var, "var", g.dims(), |ws| {
+                for (((w, m), v), &g) in ws.iter_mut().zip(ms.iter_mut()).zip(vs.iter_mut()).zip(gs)
+                {
+                    *m += (g - *m) * one_b1;
+                    *v += (g * g - *v) * one_b2;
+                    *w = *w - lr_t * *m / (v.sqrt() + eps);
+                }
+                Ok(())
+            })
+        })
+    })
+}
+
+impl Kernel for AdamKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let step = scalar_value(ctx.input(3)?, "t")?;
+        let g = ctx.input(4)?;
+        let cells = [
+            ctx.variable_at(0)?,
+            ctx.variable_at(1)?,
+            ctx.variable_at(2)?,
+        ];
+        dispatch_real!(g.dtype(), adam(self, cells, step, g))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// IncrementStep
+// ---------------------------------------------------------------------------------------------
+
+fn increment_step() -> OpDef {
+    OpDef::new(
+        "IncrementStep",
+        "counter += 1. In: counter (reference to a scalar Variable, i32/i64/f32/f64). No outputs.",
+        |ctx| {
+            let c = ctx.input(0)?;
+            if !(c.dtype.is_int() || c.dtype == DType::F32 || c.dtype == DType::F64)
+                || c.shape.rank().is_some_and(|r| r != 0)
+            {
+                return Err(format!(
+                    "IncrementStep: counter must be an i32, i64, f32 or f64 scalar, got {c}"
+                ));
+            }
+            Ok(vec![])
+        },
+    )
+    .inputs([ref_arg("counter")])
+    .stateful()
+    .kernel("CPU", |_| {
+        Ok(Box::new(crate::kernel::FnKernel(|ctx| {
+            ctx.variable_at(0)?.update(|slot| {
+                let t = slot
+                    .as_mut()
+                    .ok_or_else(|| "counter is not initialized".to_string())?;
+                let e = |e: crate::TensorError| e.to_string();
+                match t.dtype() {
+                    DType::I64 => t
+                        .as_mut_slice::<i64>()
+                        .map_err(e)?
+                        .iter_mut()
+                        .for_each(|x| *x += 1),
+                    DType::I32 => t
+                        .as_mut_slice::<i32>()
+                        .map_err(e)?
+                        .iter_mut()
+                        .for_each(|x| *x += 1),
+                    DType::F32 => t
+                        .as_mut_slice::<f32>()
+                        .map_err(e)?
+                        .iter_mut()
+                        .for_each(|x| *x += 1.0),
+                    DType::F64 => t
+                        .as_mut_slice::<f64>()
+                        .map_err(e)?
+                        .iter_mut()
+                        .for_each(|x| *x += 1.0),
+                    d => return Err(format!("counter has unsupported dtype {d}")),
+                }
+                Ok(())
+            })
+        })))
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// GlobalNormScale
+// ---------------------------------------------------------------------------------------------
+
+fn global_norm_scale() -> OpDef {
+    OpDef::new(
+        "GlobalNormScale",
+        "scale = clip_norm / max(global_norm, clip_norm), global_norm = sqrt(Σ‖g‖²) over all \
+         inputs; multiplying each gradient by it is tf.clip_by_global_norm. In: grads \
+         (variadic, one float dtype). Out: scale (scalar of that dtype). Attrs: clip_norm \
+         (float, required, > 0).",
+        |ctx| {
+            let first = ctx.input(0)?;
+            require_float("GlobalNormScale: grads[0]", first)?;
+            if let Some((i, t)) = ctx
+                .inputs
+                .iter()
+                .enumerate()
+                .find(|(_, t)| t.dtype != first.dtype)
+            {
+                return Err(format!(
+                    "GlobalNormScale: grads[0] is {first} but grads[{i}] is {t}; all must have the same dtype"
+                ));
+            }
+            let clip = ctx.float("clip_norm")?;
+            if !(clip > 0.0 && clip.is_finite()) {
+                return Err(format!(
+                    "GlobalNormScale: clip_norm must be positive and finite, got {clip}"
+                ));
+            }
+            Ok(vec![TensorType::new(first.dtype, Shape::scalar())])
+        },
+    )
+    .inputs([variadic("grads")])
+    .outputs([arg("scale")])
+    .attrs([attr("clip_norm", AttrType::Float)])
+    .kernel("CPU", GlobalNormKernel::build)
+}
+
+#[derive(Debug)]
+struct GlobalNormKernel {
+    clip: f64,
+}
+
+impl GlobalNormKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(GlobalNormKernel {
+            clip: float_attr(init, "clip_norm")?,
+        }))
+    }
+}
+
+fn sum_squares<T: Real>(t: &Tensor) -> Result<f64, String> {
+    Ok(t.as_slice::<T>()
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|&x| x.to_f64() * x.to_f64())
+        .sum())
+}
+
+impl Kernel for GlobalNormKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let mut total = 0.0;
+        for g in ctx.inputs {
+            total += dispatch_real!(g.dtype(), sum_squares(g))?;
+        }
+        // NaN or infinite gradients give a NaN scale, as in TensorFlow, rather than hiding them.
+        let scale = if total.is_finite() {
+            self.clip / total.sqrt().max(self.clip)
+        } else {
+            f64::NAN
+        };
+        let out = match ctx.input(0)?.dtype() {
+            DType::F64 => Tensor::scalar(scale),
+            _ => Tensor::scalar(scale as f32),
+        };
+        ctx.set_output(0, out)
+    }
+}
