@@ -4,3 +4,4 @@ pub mod common;
 pub mod convert;
 pub mod partition;
 pub mod run;
+pub mod train;

@@ -1,12 +1,12 @@
 //! `dflow partition`.
 
 use anyhow::Context as _;
-use dflow_graph::{ClusterSpec, DeviceName, Graph};
+use dflow_graph::{ClusterSpec, DeviceName};
 use dflow_partitioner::{
     partition, place, render_dot, render_json, render_text, PartitionOptions, Partitions,
     PlacementOptions, Policy, PsStrategy,
 };
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Output format of `dflow partition`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -62,18 +62,6 @@ pub struct Args {
     pub soft_placement: bool,
 }
 
-// TODO(lead): switch to `dflow_graph::format::load_file` once graph/src/format is on main; this
-// reads the same JSON layout without file positions in its errors.
-fn load_graph(path: &Path) -> anyhow::Result<Graph> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    let def = dflow_partitioner::graphdef_json::from_value(&value)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    Graph::from_def(&def).with_context(|| format!("{}: invalid graph", path.display()))
-}
-
 fn render(p: &Partitions, format: Format) -> String {
     match format {
         Format::Text => render_text(p),
@@ -99,7 +87,7 @@ fn file_stem(d: &DeviceName) -> String {
 
 /// Runs `dflow partition`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let graph = load_graph(&args.graph)?;
+    let graph = super::common::load_program(&args.graph)?.graph;
     let cluster = ClusterSpec::from_file(&args.cluster)
         .with_context(|| format!("loading cluster {}", args.cluster.display()))?;
     let default_device = DeviceName::parse(&args.default_device).context("--default-device")?;

@@ -39,6 +39,37 @@ pub struct Args {
     /// Seconds a step may take before it is aborted.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
+    /// Training: the data set (CSV, gzip detected; label in the last column). Requires a graph
+    /// with a `train` section.
+    #[arg(long, value_name = "FILE")]
+    pub data: Option<PathBuf>,
+    /// Training: epochs over the training split.
+    #[arg(long, default_value_t = 30)]
+    pub epochs: u64,
+    /// Training: examples per step.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Training: fraction of the data held out for evaluation.
+    #[arg(long, default_value_t = 0.2)]
+    pub test_fraction: f64,
+    /// Training: seed of the train/test split and of the per-epoch shuffle.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Training: the placeholder fed with features.
+    #[arg(long, default_value = "pixels")]
+    pub features: String,
+    /// Training: the placeholder fed with labels.
+    #[arg(long, default_value = "labels")]
+    pub labels: String,
+    /// Training: write checkpoints here, and resume from the newest one on start.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Training: save a checkpoint every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Plain log lines instead of a progress bar (also when stderr is not a terminal).
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// Runs `dflow run`.
@@ -46,7 +77,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !args.local {
         bail!("only `--local` runs are supported by this build (distributed `--job/--index` runs are not implemented yet)");
     }
-    let graph = super::common::load_graph(&args.graph)?;
+    let program = super::common::load_program(&args.graph)?;
     let cluster = match &args.cluster {
         Some(p) => {
             ClusterSpec::from_file(p).with_context(|| format!("loading cluster {}", p.display()))?
@@ -61,14 +92,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let t = read_npy(file.as_ref()).with_context(|| format!("--feed {name}"))?;
         feeds.push((name.to_string(), t));
     }
-    if args.fetches.is_empty() && args.targets.is_empty() {
-        bail!("nothing to run: give at least one --fetch or --target");
-    }
     let opts = SessionOptions {
         step_timeout: Duration::from_secs(args.timeout),
         trace: args.trace.is_some(),
         ..SessionOptions::default()
     };
+    if let Some(data) = &args.data {
+        let training = program.training.context(
+            "--data trains the graph, but the graph file has no `train` section (see docs/graph-format.md)",
+        )?;
+        let session = Session::new(program.graph, cluster, opts)?;
+        super::train::train(&args, data, &training, &session)?;
+        return write_trace(&args, &session);
+    }
+    let graph = program.graph;
+    if args.fetches.is_empty() && args.targets.is_empty() {
+        bail!("nothing to run: give at least one --fetch or --target");
+    }
     let session = Session::new(graph, cluster, opts)?;
     let feed_refs: Vec<(&str, Tensor)> =
         feeds.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();
@@ -88,6 +128,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             write_npy(&file, t)?;
         }
     }
+    write_trace(&args, &session)
+}
+
+fn write_trace(args: &Args, session: &Session) -> anyhow::Result<()> {
     if let (Some(path), Some(tracer)) = (&args.trace, session.tracer()) {
         let json = serde_json::to_string(&tracer.to_chrome_json())?;
         std::fs::write(path, json).with_context(|| format!("writing trace {}", path.display()))?;
