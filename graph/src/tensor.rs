@@ -142,9 +142,12 @@ impl Element for half::f16 {
 #[derive(Clone)]
 pub struct Tensor {
     dtype: DType,
-    shape: Vec<usize>,
+    /// Inline for rank ≤ 4: creating a tensor costs no allocation for its dims.
+    shape: Dims,
     buf: Arc<Buffer>,
 }
+
+type Dims = smallvec::SmallVec<[usize; 4]>;
 
 fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
     shape
@@ -163,7 +166,7 @@ impl Tensor {
         let len = byte_len(dtype, shape)?;
         Ok(Tensor {
             dtype,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             buf: Arc::new(Buffer::zeroed(len)),
         })
     }
@@ -181,7 +184,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype: T::DTYPE,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             buf: Arc::new(Buffer::from_bytes(bytemuck::cast_slice(values))),
         })
     }
@@ -190,7 +193,7 @@ impl Tensor {
     pub fn scalar<T: Element>(value: T) -> Tensor {
         Tensor {
             dtype: T::DTYPE,
-            shape: vec![],
+            shape: Dims::new(),
             buf: Arc::new(Buffer::from_bytes(bytemuck::bytes_of(&value))),
         }
     }
@@ -207,7 +210,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             buf: Arc::new(Buffer::from_bytes(bytes)),
         })
     }
@@ -228,7 +231,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype,
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             buf,
         })
     }
@@ -445,7 +448,7 @@ impl Serialize for Tensor {
         };
         TensorRepr {
             dtype: self.dtype,
-            shape: self.shape.clone(),
+            shape: self.shape.to_vec(),
             values,
         }
         .serialize(s)
