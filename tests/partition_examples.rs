@@ -49,8 +49,16 @@ fn check_example(example: &str, stem: &str) -> Partitions {
     let from_json = partition_graph(&load(example, &format!("{stem}.json")).graph, &c);
     let from_dsl = partition_graph(&load(example, &format!("{stem}.dflow")).graph, &c);
     let (text, json) = (render_text(&from_json), render_json(&from_json));
-    assert_eq!(text, render_text(&from_dsl), "{example}: JSON and DSL differ");
-    assert_eq!(json, render_json(&from_dsl), "{example}: JSON and DSL differ");
+    assert_eq!(
+        text,
+        render_text(&from_dsl),
+        "{example}: JSON and DSL differ"
+    );
+    assert_eq!(
+        json,
+        render_json(&from_dsl),
+        "{example}: JSON and DSL differ"
+    );
     assert_eq!(render_json(&load_json(&json).unwrap()), json);
     insta::assert_snapshot!(format!("{example}_text"), text);
     insta::assert_snapshot!(format!("{example}_json"), json);
@@ -141,7 +149,13 @@ fn assert_ps_training(program: &Program, p: &Partitions, slots: &[&str]) {
     let mut want_grads: Vec<String> = training
         .gradients
         .iter()
-        .map(|(_, g)| if g.contains(':') { g.clone() } else { format!("{g}:0") })
+        .map(|(_, g)| {
+            if g.contains(':') {
+                g.clone()
+            } else {
+                format!("{g}:0")
+            }
+        })
         .collect();
     want_grads.sort();
     grads_sent.sort();
@@ -149,7 +163,10 @@ fn assert_ps_training(program: &Program, p: &Partitions, slots: &[&str]) {
     let mut want_values: Vec<String> = vars.iter().map(|v| format!("{v}:0")).collect();
     want_values.sort();
     values_sent.sort();
-    assert_eq!(values_sent, want_values, "each variable's value crosses once");
+    assert_eq!(
+        values_sent, want_values,
+        "each variable's value crosses once"
+    );
     // Each update reads its gradient from the Recv of that gradient.
     for (v, g) in &training.gradients {
         let update = format!("train/{v}/update");

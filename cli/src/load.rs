@@ -433,7 +433,10 @@ impl fmt::Display for ProgramError {
                 write!(f, "{path}: expanding the training spec: {error}")
             }
             ProgramError::TrainInvalid { path, errors } => {
-                write!(f, "{path}: the expanded training graph is invalid:\n{errors}")
+                write!(
+                    f,
+                    "{path}: the expanded training graph is invalid:\n{errors}"
+                )
             }
         }
     }
@@ -466,8 +469,10 @@ pub fn load_program(path: &Path) -> Result<Program, ProgramError> {
                 error,
             }
         })?;
-        let graph = Graph::from_def(&def)
-            .map_err(|errors| ProgramError::TfInvalid { path: shown, errors })?;
+        let graph = Graph::from_def(&def).map_err(|errors| ProgramError::TfInvalid {
+            path: shown,
+            errors,
+        })?;
         return Ok(Program {
             graph,
             training: None,
@@ -480,12 +485,15 @@ pub fn load_program(path: &Path) -> Result<Program, ProgramError> {
             training: None,
         });
     };
-    let training = expand_training(&loaded.parsed.def, spec).map_err(|error| ProgramError::Train {
-        path: shown.clone(),
-        error,
+    let training =
+        expand_training(&loaded.parsed.def, spec).map_err(|error| ProgramError::Train {
+            path: shown.clone(),
+            error,
+        })?;
+    let graph = Graph::from_def(&training.def).map_err(|errors| ProgramError::TrainInvalid {
+        path: shown,
+        errors,
     })?;
-    let graph = Graph::from_def(&training.def)
-        .map_err(|errors| ProgramError::TrainInvalid { path: shown, errors })?;
     Ok(Program {
         graph,
         training: Some(training),
