@@ -12,6 +12,8 @@
 //! ```
 
 use dflow_graph::format::{FormatError, MAX_ERRORS};
+use dflow_graph::tf_import::TfImportError;
+use dflow_graph::train::{expand_training, TrainError, TrainingGraph};
 use dflow_graph::{Format, FormatErrors, Graph, GraphError, GraphErrors, ParsedGraph};
 use std::collections::HashMap;
 use std::fmt;
@@ -370,6 +372,132 @@ pub fn human_bytes(n: usize) -> String {
         unit += 1;
     }
     format!("{v:.1} {}", UNITS[unit])
+}
+
+/// A graph ready to place and run: a graph file loaded, its `train` section (if any) expanded into
+/// the backward pass and optimizer updates, or a TensorFlow GraphDef imported.
+#[derive(Debug)]
+pub struct Program {
+    /// The graph to place and run (forward, backward and updates when training).
+    pub graph: Graph,
+    /// What the training expansion added (train op, loss, metrics), if the file trains.
+    pub training: Option<TrainingGraph>,
+}
+
+/// Why [`load_program`] failed. Each message starts with the file it is about.
+#[derive(Debug)]
+pub enum ProgramError {
+    /// The dflow graph file could not be loaded (see [`load_graph`]).
+    Load(LoadError),
+    /// The file looks like a TensorFlow GraphDef but could not be imported.
+    TfImport {
+        /// The file, as shown in messages.
+        path: String,
+        /// What the importer said.
+        error: TfImportError,
+    },
+    /// The imported TensorFlow graph does not validate.
+    TfInvalid {
+        /// The file, as shown in messages.
+        path: String,
+        /// The validation errors.
+        errors: GraphErrors,
+    },
+    /// The graph's `train` section could not be expanded.
+    Train {
+        /// The file, as shown in messages.
+        path: String,
+        /// What the expansion said.
+        error: TrainError,
+    },
+    /// The expanded training graph does not validate (a bug in the expansion, if it happens).
+    TrainInvalid {
+        /// The file, as shown in messages.
+        path: String,
+        /// The validation errors.
+        errors: GraphErrors,
+    },
+}
+
+impl fmt::Display for ProgramError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProgramError::Load(e) => write!(f, "{e}"),
+            ProgramError::TfImport { path, error } => {
+                write!(f, "{path}: importing a TensorFlow GraphDef: {error}")
+            }
+            ProgramError::TfInvalid { path, errors } => {
+                write!(f, "{path}: imported TensorFlow graph is invalid:\n{errors}")
+            }
+            ProgramError::Train { path, error } => {
+                write!(f, "{path}: expanding the training spec: {error}")
+            }
+            ProgramError::TrainInvalid { path, errors } => {
+                write!(
+                    f,
+                    "{path}: the expanded training graph is invalid:\n{errors}"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for ProgramError {}
+
+impl From<LoadError> for ProgramError {
+    fn from(e: LoadError) -> Self {
+        ProgramError::Load(e)
+    }
+}
+
+/// Loads a graph file for `partition` and `run`: a dflow graph (its `train` section expanded into
+/// the backward pass and updates), or a TensorFlow GraphDef in protobuf JSON (imported).
+///
+/// ```no_run
+/// let program = dflow::load::load_program(std::path::Path::new("examples/digits/digits.json"))?;
+/// assert!(program.training.is_some());
+/// # Ok::<(), dflow::load::ProgramError>(())
+/// ```
+pub fn load_program(path: &Path) -> Result<Program, ProgramError> {
+    let shown = path.display().to_string();
+    // An unreadable file is reported by `load_graph` below, with its path.
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    if dflow_graph::tf_import::looks_like_tf_graphdef(&text) {
+        let def = dflow_graph::tf_import::import_graphdef_json(&text).map_err(|error| {
+            ProgramError::TfImport {
+                path: shown.clone(),
+                error,
+            }
+        })?;
+        let graph = Graph::from_def(&def).map_err(|errors| ProgramError::TfInvalid {
+            path: shown,
+            errors,
+        })?;
+        return Ok(Program {
+            graph,
+            training: None,
+        });
+    }
+    let loaded = load_graph(path)?;
+    let Some(spec) = &loaded.parsed.def.train else {
+        return Ok(Program {
+            graph: loaded.graph,
+            training: None,
+        });
+    };
+    let training =
+        expand_training(&loaded.parsed.def, spec).map_err(|error| ProgramError::Train {
+            path: shown.clone(),
+            error,
+        })?;
+    let graph = Graph::from_def(&training.def).map_err(|errors| ProgramError::TrainInvalid {
+        path: shown,
+        errors,
+    })?;
+    Ok(Program {
+        graph,
+        training: Some(training),
+    })
 }
 
 #[cfg(test)]

@@ -79,9 +79,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let program = super::common::load_program(&args.graph)?;
     let cluster = match &args.cluster {
-        Some(p) => {
-            ClusterSpec::from_file(p).with_context(|| format!("loading cluster {}", p.display()))?
-        }
+        Some(p) => ClusterSpec::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
         None => ClusterSpec::local(&[("ps", 1), ("worker", 1)])?,
     };
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
