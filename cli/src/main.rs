@@ -5,6 +5,11 @@ use std::process::ExitCode;
 
 mod cmd;
 
+/// mimalloc: a step allocates and frees one buffer per kernel output; glibc's malloc spends
+/// more time consolidating those than the kernels spend computing on small tensors.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// dflow: partition dataflow graphs across devices and run them.
 #[derive(Debug, Parser)]
 #[command(name = "dflow", version, about, long_about = None)]

@@ -11,6 +11,10 @@ use dflow_graph::{ClusterSpec, Graph, Tensor};
 
 const N: usize = 10_000;
 
+/// The same allocator as the `dflow` binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn chain() -> Graph {
     let mut b = GraphBuilder::new();
     let one = b.constant("one", Tensor::scalar(1.0f32));

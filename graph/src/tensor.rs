@@ -57,45 +57,85 @@ pub enum TensorError {
     },
 }
 
+/// Bytes up to this size live inside the [`Buffer`] itself: a scalar or a tiny tensor then costs
+/// one allocation (the `Arc`) instead of two.
+const INLINE_BYTES: usize = 64;
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct InlineBytes([u8; INLINE_BYTES]);
+
+#[derive(Clone)]
+enum Storage {
+    Inline { bytes: InlineBytes, len: usize },
+    Heap(AVec<u8, ConstAlign<BUFFER_ALIGN>>),
+}
+
 /// A 64-byte aligned byte buffer.
 #[derive(Clone)]
 pub struct Buffer {
-    bytes: AVec<u8, ConstAlign<BUFFER_ALIGN>>,
+    storage: Storage,
 }
 
 impl Buffer {
     /// A zero-filled buffer of `len` bytes.
     pub fn zeroed(len: usize) -> Self {
+        if len <= INLINE_BYTES {
+            return Buffer {
+                storage: Storage::Inline {
+                    bytes: InlineBytes([0; INLINE_BYTES]),
+                    len,
+                },
+            };
+        }
         let mut bytes = AVec::with_capacity(BUFFER_ALIGN, len);
         bytes.resize(len, 0u8); // a plain fill loop that compiles to memset
-        Buffer { bytes }
+        Buffer {
+            storage: Storage::Heap(bytes),
+        }
     }
 
     /// A buffer holding a copy of `bytes`.
     pub fn from_bytes(bytes: &[u8]) -> Self {
+        if bytes.len() <= INLINE_BYTES {
+            let mut inline = InlineBytes([0; INLINE_BYTES]);
+            inline.0[..bytes.len()].copy_from_slice(bytes);
+            return Buffer {
+                storage: Storage::Inline {
+                    bytes: inline,
+                    len: bytes.len(),
+                },
+            };
+        }
         Buffer {
-            bytes: AVec::from_slice(BUFFER_ALIGN, bytes),
+            storage: Storage::Heap(AVec::from_slice(BUFFER_ALIGN, bytes)),
         }
     }
 
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes
+        match &self.storage {
+            Storage::Inline { bytes, len } => &bytes.0[..*len],
+            Storage::Heap(v) => v,
+        }
     }
 
     /// The bytes, writable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes
+        match &mut self.storage {
+            Storage::Inline { bytes, len } => &mut bytes.0[..*len],
+            Storage::Heap(v) => v,
+        }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.as_bytes().len()
     }
 
     /// True when empty.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.len() == 0
     }
 }
 
@@ -105,7 +145,7 @@ impl fmt::Debug for Buffer {
             f,
             "Buffer({} bytes @ {:p})",
             self.len(),
-            self.bytes.as_ptr()
+            self.as_bytes().as_ptr()
         )
     }
 }
