@@ -35,8 +35,7 @@ pub fn session() -> (Session, TrainingGraph) {
     let (graph, training) = training_graph();
     let cluster = ClusterSpec::from_file(&repo().join("examples/digits/cluster.json"))
         .expect("cluster.json loads");
-    let session =
-        Session::new(graph, cluster, SessionOptions::default()).expect("session starts");
+    let session = Session::new(graph, cluster, SessionOptions::default()).expect("session starts");
     (session, training)
 }
 
