@@ -111,7 +111,7 @@ fn a_truncated_checkpoint_fails_to_restore_naming_the_file() {
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
 
-    let (second, training) = session();
+    let (second, _) = session();
     let err = restore_latest(&second, &dir).unwrap_err().to_string();
     assert!(err.contains(&file.display().to_string()), "{err}");
     assert!(err.contains("truncated"), "{err}");
