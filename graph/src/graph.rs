@@ -359,6 +359,123 @@ impl Graph {
         }
     }
 
+    /// Builds a graph from parts that were already validated, e.g. the subgraphs the partitioner
+    /// cuts out of a validated graph: `nodes` carry their inferred `outputs`, and `edges` are
+    /// `(source, destination, edge)` by position in `nodes`, in the order [`Graph::from_def`]
+    /// would add them (by destination, then input order).
+    ///
+    /// Attributes are not re-checked and types are not re-inferred. Only cheap structural checks
+    /// run: registered ops, unique names, edge endpoints and producer output slots in range, and
+    /// no cycle.
+    pub fn from_parts(
+        nodes: Vec<Node>,
+        edges: Vec<(u32, u32, Edge)>,
+    ) -> Result<Graph, GraphErrors> {
+        let mut errs = Vec::new();
+        let n = nodes.len();
+        let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(n, edges.len());
+        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(n);
+        // Runs of one op are common; look the op up only when it changes.
+        let mut last_op: Option<&str> = None;
+        for (i, node) in nodes.iter().enumerate() {
+            if last_op != Some(node.op.as_str()) {
+                if registry().get(&node.op).is_none() {
+                    errs.push(GraphError::UnknownOp {
+                        node: node.name.clone(),
+                        op: node.op.clone(),
+                        suggestion: registry().suggest(&node.op),
+                    });
+                } else {
+                    last_op = Some(&node.op);
+                }
+            }
+            if let Some(&first) = by_name.get(node.name.as_str()) {
+                errs.push(GraphError::DuplicateName {
+                    name: node.name.clone(),
+                    first: first.index(),
+                    second: i,
+                });
+            } else {
+                by_name.insert(node.name.clone(), NodeIndex::new(i));
+            }
+        }
+        if !errs.is_empty() {
+            truncate(&mut errs);
+            return Err(GraphErrors(errs));
+        }
+        for node in nodes {
+            g.add_node(node);
+        }
+        let mut indegree = vec![0u32; n];
+        for &(src, dst, e) in &edges {
+            let (s, d) = (src as usize, dst as usize);
+            if s >= n || d >= n {
+                errs.push(GraphError::InvalidInput {
+                    node: g
+                        .node_weight(NodeIndex::new(d))
+                        .map_or_else(|| format!("#{d}"), |x| x.name.clone()),
+                    message: format!("edge {s} -> {d} names a node out of range (0..{n})"),
+                });
+                continue;
+            }
+            if let Edge::Data { src_output, .. } = e {
+                let outputs = g[NodeIndex::new(s)].outputs.len();
+                if src_output >= outputs {
+                    errs.push(GraphError::NoSuchOutput {
+                        node: g[NodeIndex::new(d)].name.clone(),
+                        input: format!("{}:{src_output}", g[NodeIndex::new(s)].name),
+                        index: src_output,
+                        producer: g[NodeIndex::new(s)].name.clone(),
+                        outputs,
+                    });
+                    continue;
+                }
+            }
+            indegree[d] += 1;
+            g.add_edge(NodeIndex::new(s), NodeIndex::new(d), e);
+        }
+        if !errs.is_empty() {
+            truncate(&mut errs);
+            return Err(GraphErrors(errs));
+        }
+        let graph = Graph { g, by_name };
+        // Kahn's algorithm: every node is reached exactly when there is no cycle.
+        let mut ready: Vec<NodeIndex> = (0..n)
+            .filter(|&i| indegree[i] == 0)
+            .map(NodeIndex::new)
+            .collect();
+        let mut seen = 0;
+        while let Some(v) = ready.pop() {
+            seen += 1;
+            for w in graph.g.neighbors_directed(v, Direction::Outgoing) {
+                indegree[w.index()] -= 1;
+                if indegree[w.index()] == 0 {
+                    ready.push(w);
+                }
+            }
+        }
+        if seen < n {
+            // Every node left over has a left-over predecessor; walking back must hit a cycle.
+            let mut v = NodeIndex::new((0..n).find(|&i| indegree[i] > 0).unwrap_or(0));
+            let mut on_path = vec![false; n];
+            while !on_path[v.index()] {
+                on_path[v.index()] = true;
+                match graph
+                    .g
+                    .neighbors_directed(v, Direction::Incoming)
+                    .find(|u| indegree[u.index()] > 0)
+                {
+                    Some(u) => v = u,
+                    None => break,
+                }
+            }
+            return Err(GraphErrors(vec![GraphError::Cycle {
+                path: graph.cycle_through(v),
+            }]));
+        }
+        Ok(graph)
+    }
+
     /// Back to the serializable form (inverse of [`Graph::from_def`], node order preserved).
     pub fn to_def(&self) -> GraphDef {
         let nodes = self
