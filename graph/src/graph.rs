@@ -150,6 +150,8 @@ impl Graph {
 
         // 2. Ops and attributes.
         let mut op_ok = vec![false; g.node_count()];
+        // Most nodes share a handful of devices; parse each distinct one once.
+        let mut good_devices: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for idx in g.node_indices() {
             let n = &g[idx];
             match registry().get(&n.op) {
@@ -161,7 +163,11 @@ impl Graph {
                 Some(op) => {
                     let before = errs.len();
                     check_attrs(n, op, &mut errs);
-                    check_device(n, &mut errs);
+                    if !good_devices.contains(n.device.as_str()) {
+                        if check_device(n, &mut errs) {
+                            good_devices.insert(&n.device);
+                        }
+                    }
                     op_ok[idx.index()] = errs.len() == before;
                 }
             }
@@ -179,7 +185,7 @@ impl Graph {
             let mut seen_control = false;
             let mut data_inputs = 0;
             for input in &n.inputs {
-                let r = match InputRef::parse(input) {
+                let (src_name, index) = match crate::def::parse_input(input) {
                     Ok(r) => r,
                     Err(message) => {
                         errs.push(GraphError::InvalidInput {
@@ -189,25 +195,25 @@ impl Graph {
                         continue;
                     }
                 };
-                let Some(&src) = by_name.get(r.node()) else {
-                    if matches!(r, InputRef::Data { .. }) {
+                let Some(&src) = by_name.get(src_name) else {
+                    if index.is_some() {
                         data_inputs += 1; // still counts towards arity
                     }
                     op_ok[dst.index()] = false;
                     errs.push(GraphError::DanglingInput {
                         node: n.name.clone(),
                         input: input.clone(),
-                        missing: r.node().to_string(),
-                        suggestion: nearest_name(r.node(), &by_name),
+                        missing: src_name.to_string(),
+                        suggestion: nearest_name(src_name, &by_name),
                     });
                     continue;
                 };
-                match r {
-                    InputRef::Control(_) => {
+                match index {
+                    None => {
                         seen_control = true;
                         pending_edges.push((src, dst, Edge::Control));
                     }
-                    InputRef::Data { index, .. } => {
+                    Some(index) => {
                         if seen_control {
                             errs.push(GraphError::InvalidInput {
                                 node: n.name.clone(),
@@ -291,6 +297,8 @@ impl Graph {
 
         // 5. Reference inputs and type inference, in topological order.
         let mut typed = vec![false; graph.g.node_count()];
+        // Nodes without attrs of one op all resolve to the op's defaults: build that map once.
+        let mut defaults: HashMap<&str, BTreeMap<String, AttrValue>> = HashMap::new();
         for idx in order {
             if !op_ok[idx.index()] {
                 continue;
@@ -323,11 +331,19 @@ impl Graph {
             if !ref_ok {
                 continue;
             }
-            let attrs = resolve_attrs(op, &node.attrs);
+            let own;
+            let attrs = if node.attrs.is_empty() {
+                defaults
+                    .entry(op.name)
+                    .or_insert_with(|| resolve_attrs(op, &node.attrs))
+            } else {
+                own = resolve_attrs(op, &node.attrs);
+                &own
+            };
             let ctx = InferCtx {
                 node: &node.name,
                 inputs: &input_types,
-                attrs: &attrs,
+                attrs,
             };
             match (op.infer)(&ctx) {
                 Ok(outs) if outs.len() == op.outputs.len() => {
@@ -668,12 +684,17 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
     }
 }
 
-fn check_device(n: &Node, errs: &mut Vec<GraphError>) {
-    if let Err(e) = crate::DeviceName::parse(&n.device) {
-        errs.push(GraphError::InvalidDevice {
-            node: n.name.clone(),
-            message: e.to_string(),
-        });
+/// False (and an error pushed) when the node's device does not parse.
+fn check_device(n: &Node, errs: &mut Vec<GraphError>) -> bool {
+    match crate::DeviceName::parse(&n.device) {
+        Ok(_) => true,
+        Err(e) => {
+            errs.push(GraphError::InvalidDevice {
+                node: n.name.clone(),
+                message: e.to_string(),
+            });
+            false
+        }
     }
 }
 
