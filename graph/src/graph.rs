@@ -163,10 +163,8 @@ impl Graph {
                 Some(op) => {
                     let before = errs.len();
                     check_attrs(n, op, &mut errs);
-                    if !good_devices.contains(n.device.as_str()) {
-                        if check_device(n, &mut errs) {
-                            good_devices.insert(&n.device);
-                        }
+                    if !good_devices.contains(n.device.as_str()) && check_device(n, &mut errs) {
+                        good_devices.insert(&n.device);
                     }
                     op_ok[idx.index()] = errs.len() == before;
                 }
