@@ -56,23 +56,12 @@ pub enum InputRef {
 impl InputRef {
     /// Parses `"x"`, `"x:1"` or `"^x"`.
     pub fn parse(s: &str) -> Result<InputRef, String> {
-        if let Some(rest) = s.strip_prefix('^') {
-            check_node_name(rest).map_err(|e| format!("invalid control input {s:?}: {e}"))?;
-            return Ok(InputRef::Control(rest.to_string()));
-        }
-        let (node, index) = match s.rsplit_once(':') {
-            Some((n, i)) => {
-                let index = i.parse::<usize>().map_err(|_| {
-                    format!("invalid input {s:?}: output index {i:?} is not a number")
-                })?;
-                (n, index)
-            }
-            None => (s, 0),
-        };
-        check_node_name(node).map_err(|e| format!("invalid input {s:?}: {e}"))?;
-        Ok(InputRef::Data {
-            node: node.to_string(),
-            index,
+        Ok(match parse_input(s)? {
+            (node, None) => InputRef::Control(node.to_string()),
+            (node, Some(index)) => InputRef::Data {
+                node: node.to_string(),
+                index,
+            },
         })
     }
 
@@ -82,6 +71,26 @@ impl InputRef {
             InputRef::Data { node, .. } | InputRef::Control(node) => node,
         }
     }
+}
+
+/// Parses an input string without allocating: the producer's name and, for a data input, the
+/// output index (`None` for a control input `^x`).
+pub(crate) fn parse_input(s: &str) -> Result<(&str, Option<usize>), String> {
+    if let Some(rest) = s.strip_prefix('^') {
+        check_node_name(rest).map_err(|e| format!("invalid control input {s:?}: {e}"))?;
+        return Ok((rest, None));
+    }
+    let (node, index) = match s.rsplit_once(':') {
+        Some((n, i)) => {
+            let index = i
+                .parse::<usize>()
+                .map_err(|_| format!("invalid input {s:?}: output index {i:?} is not a number"))?;
+            (n, index)
+        }
+        None => (s, 0),
+    };
+    check_node_name(node).map_err(|e| format!("invalid input {s:?}: {e}"))?;
+    Ok((node, Some(index)))
 }
 
 impl fmt::Display for InputRef {

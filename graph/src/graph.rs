@@ -150,6 +150,8 @@ impl Graph {
 
         // 2. Ops and attributes.
         let mut op_ok = vec![false; g.node_count()];
+        // Most nodes share a handful of devices; parse each distinct one once.
+        let mut good_devices: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for idx in g.node_indices() {
             let n = &g[idx];
             match registry().get(&n.op) {
@@ -161,7 +163,9 @@ impl Graph {
                 Some(op) => {
                     let before = errs.len();
                     check_attrs(n, op, &mut errs);
-                    check_device(n, &mut errs);
+                    if !good_devices.contains(n.device.as_str()) && check_device(n, &mut errs) {
+                        good_devices.insert(&n.device);
+                    }
                     op_ok[idx.index()] = errs.len() == before;
                 }
             }
@@ -179,7 +183,7 @@ impl Graph {
             let mut seen_control = false;
             let mut data_inputs = 0;
             for input in &n.inputs {
-                let r = match InputRef::parse(input) {
+                let (src_name, index) = match crate::def::parse_input(input) {
                     Ok(r) => r,
                     Err(message) => {
                         errs.push(GraphError::InvalidInput {
@@ -189,25 +193,25 @@ impl Graph {
                         continue;
                     }
                 };
-                let Some(&src) = by_name.get(r.node()) else {
-                    if matches!(r, InputRef::Data { .. }) {
+                let Some(&src) = by_name.get(src_name) else {
+                    if index.is_some() {
                         data_inputs += 1; // still counts towards arity
                     }
                     op_ok[dst.index()] = false;
                     errs.push(GraphError::DanglingInput {
                         node: n.name.clone(),
                         input: input.clone(),
-                        missing: r.node().to_string(),
-                        suggestion: nearest_name(r.node(), &by_name),
+                        missing: src_name.to_string(),
+                        suggestion: nearest_name(src_name, &by_name),
                     });
                     continue;
                 };
-                match r {
-                    InputRef::Control(_) => {
+                match index {
+                    None => {
                         seen_control = true;
                         pending_edges.push((src, dst, Edge::Control));
                     }
-                    InputRef::Data { index, .. } => {
+                    Some(index) => {
                         if seen_control {
                             errs.push(GraphError::InvalidInput {
                                 node: n.name.clone(),
@@ -291,6 +295,8 @@ impl Graph {
 
         // 5. Reference inputs and type inference, in topological order.
         let mut typed = vec![false; graph.g.node_count()];
+        // Nodes without attrs of one op all resolve to the op's defaults: build that map once.
+        let mut defaults: HashMap<&str, BTreeMap<String, AttrValue>> = HashMap::new();
         for idx in order {
             if !op_ok[idx.index()] {
                 continue;
@@ -323,11 +329,19 @@ impl Graph {
             if !ref_ok {
                 continue;
             }
-            let attrs = resolve_attrs(op, &node.attrs);
+            let own;
+            let attrs = if node.attrs.is_empty() {
+                defaults
+                    .entry(op.name)
+                    .or_insert_with(|| resolve_attrs(op, &node.attrs))
+            } else {
+                own = resolve_attrs(op, &node.attrs);
+                &own
+            };
             let ctx = InferCtx {
                 node: &node.name,
                 inputs: &input_types,
-                attrs: &attrs,
+                attrs,
             };
             match (op.infer)(&ctx) {
                 Ok(outs) if outs.len() == op.outputs.len() => {
@@ -357,6 +371,123 @@ impl Graph {
             truncate(&mut errs);
             Err(GraphErrors(errs))
         }
+    }
+
+    /// Builds a graph from parts that were already validated, e.g. the subgraphs the partitioner
+    /// cuts out of a validated graph: `nodes` carry their inferred `outputs`, and `edges` are
+    /// `(source, destination, edge)` by position in `nodes`, in the order [`Graph::from_def`]
+    /// would add them (by destination, then input order).
+    ///
+    /// Attributes are not re-checked and types are not re-inferred. Only cheap structural checks
+    /// run: registered ops, unique names, edge endpoints and producer output slots in range, and
+    /// no cycle.
+    pub fn from_parts(
+        nodes: Vec<Node>,
+        edges: Vec<(u32, u32, Edge)>,
+    ) -> Result<Graph, GraphErrors> {
+        let mut errs = Vec::new();
+        let n = nodes.len();
+        let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(n, edges.len());
+        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(n);
+        // Runs of one op are common; look the op up only when it changes.
+        let mut last_op: Option<&str> = None;
+        for (i, node) in nodes.iter().enumerate() {
+            if last_op != Some(node.op.as_str()) {
+                if registry().get(&node.op).is_none() {
+                    errs.push(GraphError::UnknownOp {
+                        node: node.name.clone(),
+                        op: node.op.clone(),
+                        suggestion: registry().suggest(&node.op),
+                    });
+                } else {
+                    last_op = Some(&node.op);
+                }
+            }
+            if let Some(&first) = by_name.get(node.name.as_str()) {
+                errs.push(GraphError::DuplicateName {
+                    name: node.name.clone(),
+                    first: first.index(),
+                    second: i,
+                });
+            } else {
+                by_name.insert(node.name.clone(), NodeIndex::new(i));
+            }
+        }
+        if !errs.is_empty() {
+            truncate(&mut errs);
+            return Err(GraphErrors(errs));
+        }
+        for node in nodes {
+            g.add_node(node);
+        }
+        let mut indegree = vec![0u32; n];
+        for &(src, dst, e) in &edges {
+            let (s, d) = (src as usize, dst as usize);
+            if s >= n || d >= n {
+                errs.push(GraphError::InvalidInput {
+                    node: g
+                        .node_weight(NodeIndex::new(d))
+                        .map_or_else(|| format!("#{d}"), |x| x.name.clone()),
+                    message: format!("edge {s} -> {d} names a node out of range (0..{n})"),
+                });
+                continue;
+            }
+            if let Edge::Data { src_output, .. } = e {
+                let outputs = g[NodeIndex::new(s)].outputs.len();
+                if src_output >= outputs {
+                    errs.push(GraphError::NoSuchOutput {
+                        node: g[NodeIndex::new(d)].name.clone(),
+                        input: format!("{}:{src_output}", g[NodeIndex::new(s)].name),
+                        index: src_output,
+                        producer: g[NodeIndex::new(s)].name.clone(),
+                        outputs,
+                    });
+                    continue;
+                }
+            }
+            indegree[d] += 1;
+            g.add_edge(NodeIndex::new(s), NodeIndex::new(d), e);
+        }
+        if !errs.is_empty() {
+            truncate(&mut errs);
+            return Err(GraphErrors(errs));
+        }
+        let graph = Graph { g, by_name };
+        // Kahn's algorithm: every node is reached exactly when there is no cycle.
+        let mut ready: Vec<NodeIndex> = (0..n)
+            .filter(|&i| indegree[i] == 0)
+            .map(NodeIndex::new)
+            .collect();
+        let mut seen = 0;
+        while let Some(v) = ready.pop() {
+            seen += 1;
+            for w in graph.g.neighbors_directed(v, Direction::Outgoing) {
+                indegree[w.index()] -= 1;
+                if indegree[w.index()] == 0 {
+                    ready.push(w);
+                }
+            }
+        }
+        if seen < n {
+            // Every node left over has a left-over predecessor; walking back must hit a cycle.
+            let mut v = NodeIndex::new((0..n).find(|&i| indegree[i] > 0).unwrap_or(0));
+            let mut on_path = vec![false; n];
+            while !on_path[v.index()] {
+                on_path[v.index()] = true;
+                match graph
+                    .g
+                    .neighbors_directed(v, Direction::Incoming)
+                    .find(|u| indegree[u.index()] > 0)
+                {
+                    Some(u) => v = u,
+                    None => break,
+                }
+            }
+            return Err(GraphErrors(vec![GraphError::Cycle {
+                path: graph.cycle_through(v),
+            }]));
+        }
+        Ok(graph)
     }
 
     /// Back to the serializable form (inverse of [`Graph::from_def`], node order preserved).
@@ -551,12 +682,17 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
     }
 }
 
-fn check_device(n: &Node, errs: &mut Vec<GraphError>) {
-    if let Err(e) = crate::DeviceName::parse(&n.device) {
-        errs.push(GraphError::InvalidDevice {
-            node: n.name.clone(),
-            message: e.to_string(),
-        });
+/// False (and an error pushed) when the node's device does not parse.
+fn check_device(n: &Node, errs: &mut Vec<GraphError>) -> bool {
+    match crate::DeviceName::parse(&n.device) {
+        Ok(_) => true,
+        Err(e) => {
+            errs.push(GraphError::InvalidDevice {
+                node: n.name.clone(),
+                message: e.to_string(),
+            });
+            false
+        }
     }
 }
 

@@ -25,7 +25,7 @@ use crate::error::PartitionError;
 use crate::place::PlacedGraph;
 use crate::plan::{build_buffer_plan, BufferPlan};
 use dflow_graph::ops::transfer::CLIENT_DEVICE;
-use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, GraphDef, NodeDef, Shape, Tensor};
+use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, Node, Shape, Tensor, TensorType};
 use petgraph::graph::NodeIndex;
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
@@ -213,9 +213,36 @@ struct PairBuild {
     recv_dev: u32,
     send_node: String,
     recv_node: String,
+    /// The Recv's position in its partition (`u32::MAX` for a fetch: the client receives).
+    recv_local: u32,
     tensor_name: String,
     dtype: DType,
     shape: Shape,
+}
+
+/// Where an edge of a partition under construction starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EdgeSrc {
+    /// A node of the placed graph, by index there; resolved once every node has its position.
+    Orig(u32),
+    /// A node of this partition, by position.
+    Local(u32),
+}
+
+/// A partition under construction: typed nodes, and edges `(source, destination, edge)`
+/// grouped by destination in push order (the order [`Graph::from_def`] would add them).
+#[derive(Default)]
+struct PartBuild {
+    nodes: Vec<Node>,
+    edges: Vec<(EdgeSrc, u32, Edge)>,
+}
+
+impl PartBuild {
+    /// Appends a node and returns its position.
+    fn push(&mut self, node: Node) -> u32 {
+        self.nodes.push(node);
+        (self.nodes.len() - 1) as u32
+    }
 }
 
 /// Splits `placed` into one subgraph per device (see the module docs for the rules).
@@ -370,26 +397,35 @@ pub fn partition(
         short,
         used: HashSet::new(),
     };
-    let mut defs: Vec<Vec<NodeDef>> = (0..all.len()).map(|_| Vec::new()).collect();
+    let mut parts: Vec<PartBuild> = (0..all.len()).map(|_| PartBuild::default()).collect();
+    let mut local_of: Vec<u32> = vec![u32::MAX; n];
     let mut pairs: Vec<PairBuild> = Vec::new();
     let mut pair_of: HashMap<(Source, u32), u32> = HashMap::new();
     let mut data_in: Vec<(usize, NodeIndex, usize)> = Vec::new();
     let mut ctrl_in: Vec<(usize, NodeIndex)> = Vec::new();
+    let mut data_from: Vec<(EdgeSrc, usize)> = Vec::new();
+    let mut ctrl_from: Vec<EdgeSrc> = Vec::new();
     let empty = Tensor::zeros(DType::F32, &[0]).ok();
 
-    // The device and local input string of a source, and its type.
-    let source_info = |src: Source| -> (u32, DType, Shape) {
+    // The device of a source, and its type.
+    let source_dev = |src: Source| -> u32 {
+        match src {
+            Source::Data(u, _) | Source::Control(u) => dev[u as usize],
+            Source::Feed(f) => dev[feeds[f as usize].node.index()],
+        }
+    };
+    let source_type = |src: Source| -> (DType, Shape) {
         match src {
             Source::Data(u, o) => {
                 let t = &g.node(NodeIndex::new(u as usize)).outputs[o as usize];
-                (dev[u as usize], t.dtype, t.shape.clone())
+                (t.dtype, t.shape.clone())
             }
             Source::Feed(f) => {
                 let t = feeds[f as usize];
                 let ty = &g.node(t.node).outputs[t.out];
-                (dev[t.node.index()], ty.dtype, ty.shape.clone())
+                (ty.dtype, ty.shape.clone())
             }
-            Source::Control(u) => (dev[u as usize], DType::F32, Shape::known(&[0])),
+            Source::Control(_) => (DType::F32, Shape::known(&[0])),
         }
     };
     let feed_recv_names: Vec<String> = feeds
@@ -400,14 +436,6 @@ pub fn partition(
             namer.name("recv", &tensor, "from", "client", f)
         })
         .collect();
-    let local_name = |src: Source| -> String {
-        match src {
-            Source::Data(u, 0) => g.node(NodeIndex::new(u as usize)).name.clone(),
-            Source::Data(u, o) => format!("{}:{o}", g.node(NodeIndex::new(u as usize)).name),
-            Source::Feed(f) => feed_recv_names[f as usize].clone(),
-            Source::Control(u) => format!("^{}", g.node(NodeIndex::new(u as usize)).name),
-        }
-    };
     let tensor_name = |src: Source| -> String {
         match src {
             Source::Data(u, o) => format!("{}:{o}", g.node(NodeIndex::new(u as usize)).name),
@@ -420,12 +448,13 @@ pub fn partition(
     };
 
     // Feed pairs first, so feed Recvs lead their partitions.
+    let mut feed_recv_local: Vec<u32> = Vec::with_capacity(feeds.len());
     for (f, t) in feeds.iter().enumerate() {
         let d = dev[t.node.index()];
         let ty = &g.node(t.node).outputs[t.out];
         let tn = tensor_name(Source::Feed(f as u32));
-        defs[d as usize].push(recv_def(
-            &feed_recv_names[f],
+        let local = parts[d as usize].push(recv_node(
+            feed_recv_names[f].clone(),
             &tn,
             &dev_str[client_id as usize],
             &dev_str[d as usize],
@@ -433,38 +462,45 @@ pub fn partition(
             ty.dtype,
             &ty.shape,
         ));
+        feed_recv_local.push(local);
         pairs.push(PairBuild {
             src: Source::Feed(f as u32),
             send_dev: client_id,
             recv_dev: d,
             send_node: String::new(),
             recv_node: feed_recv_names[f].clone(),
+            recv_local: local,
             tensor_name: tn,
             dtype: ty.dtype,
             shape: ty.shape.clone(),
         });
     }
+    // Where `src` comes from on its own device: (node, output).
+    let local_ref = |src: Source| -> (EdgeSrc, usize) {
+        match src {
+            Source::Data(u, o) => (EdgeSrc::Orig(u), o as usize),
+            Source::Feed(f) => (EdgeSrc::Local(feed_recv_local[f as usize]), 0),
+            Source::Control(u) => (EdgeSrc::Orig(u), 0),
+        }
+    };
 
-    // Returns the name of the local stand-in for `src` on device `d`, creating the pair if new.
+    // Creates the pair carrying `src` to device `d` and returns its index.
     #[allow(clippy::too_many_arguments)]
     fn remote(
         src: Source,
         d: u32,
+        sd: u32,
         pairs: &mut Vec<PairBuild>,
         pair_of: &mut HashMap<(Source, u32), u32>,
-        defs: &mut [Vec<NodeDef>],
+        parts: &mut [PartBuild],
         namer: &mut Namer<'_>,
         feeds: &[TensorRef],
         dev_str: &[String],
-        info: (u32, DType, Shape),
-        local: String,
+        (dtype, shape): (DType, Shape),
+        (local, out): (EdgeSrc, usize),
         tensor_name: String,
         empty: &Option<Tensor>,
-    ) -> String {
-        if let Some(&p) = pair_of.get(&(src, d)) {
-            return pairs[p as usize].recv_node.clone();
-        }
-        let (sd, dtype, shape) = info;
+    ) -> u32 {
         let p = pairs.len();
         let tensor = namer.tensor_part(src, feeds);
         let send = namer.name("send", &tensor, "to", &namer.short[d as usize].clone(), p);
@@ -476,27 +512,37 @@ pub fn partition(
             p,
         );
         let (sdev, rdev) = (&dev_str[sd as usize], &dev_str[d as usize]);
+        let sender = &mut parts[sd as usize];
         let send_input = if let Source::Control(_) = src {
             // A control pair sends an empty constant that runs after the source.
-            let value = format!("{send}/value");
-            let mut c = NodeDef {
-                name: value.clone(),
-                op: "Const".into(),
-                inputs: vec![local],
-                device: sdev.clone(),
-                ..NodeDef::default()
-            };
+            let mut attrs = BTreeMap::new();
             if let Some(t) = empty {
-                c.attrs.insert("value".into(), AttrValue::Tensor(t.clone()));
+                attrs.insert("value".into(), AttrValue::Tensor(t.clone()));
             }
-            defs[sd as usize].push(c);
-            value
+            let c = sender.push(Node {
+                name: format!("{send}/value"),
+                op: "Const".into(),
+                device: sdev.clone(),
+                colocate_with: vec![],
+                attrs,
+                outputs: vec![TensorType::new(DType::F32, Shape::known(&[0]))],
+            });
+            sender.edges.push((local, c, Edge::Control));
+            (EdgeSrc::Local(c), 0)
         } else {
-            local
+            (local, out)
         };
-        defs[sd as usize].push(send_def(&send, send_input, &tensor_name, sdev, rdev, false));
-        defs[d as usize].push(recv_def(
-            &recv,
+        let s = sender.push(send_node(send.clone(), &tensor_name, sdev, rdev, false));
+        sender.edges.push((
+            send_input.0,
+            s,
+            Edge::Data {
+                src_output: send_input.1,
+                dst_input: 0,
+            },
+        ));
+        let recv_local = parts[d as usize].push(recv_node(
+            recv.clone(),
             &tensor_name,
             sdev,
             rdev,
@@ -510,12 +556,13 @@ pub fn partition(
             send_dev: sd,
             recv_dev: d,
             send_node: send,
-            recv_node: recv.clone(),
+            recv_node: recv,
+            recv_local,
             tensor_name,
             dtype,
             shape,
         });
-        recv
+        recv_local
     }
 
     for v in g.node_indices() {
@@ -528,6 +575,8 @@ pub fn partition(
         let op = node.op_def();
         data_in.clear();
         ctrl_in.clear();
+        data_from.clear();
+        ctrl_from.clear();
         for e in pg.edges_directed(v, Direction::Incoming) {
             match *e.weight() {
                 Edge::Data {
@@ -539,7 +588,6 @@ pub fn partition(
         }
         data_in.sort_unstable();
         ctrl_in.sort_unstable();
-        let mut inputs = Vec::with_capacity(data_in.len() + ctrl_in.len());
         for &(slot, u, out) in &data_in {
             let is_ref = op.inputs.get(slot).is_some_and(|a| a.is_ref);
             let src = match fed(u.index(), out) {
@@ -554,63 +602,69 @@ pub fn partition(
                 }
                 None => Source::Data(u.index() as u32, out as u32),
             };
-            let info = source_info(src);
-            if info.0 == d {
-                inputs.push(local_name(src));
+            let sd = source_dev(src);
+            if sd == d {
+                data_from.push(local_ref(src));
                 continue;
             }
             if is_ref {
                 return Err(PartitionError::RefEdgeCrossesDevices {
                     producer: g.node(u).name.clone(),
                     consumer: node.name.clone(),
-                    producer_device: dev_str[info.0 as usize].clone(),
+                    producer_device: dev_str[sd as usize].clone(),
                     consumer_device: dev_str[d as usize].clone(),
                 });
             }
-            let local = local_name(src);
-            let tn = tensor_name(src);
-            inputs.push(remote(
-                src,
-                d,
-                &mut pairs,
-                &mut pair_of,
-                &mut defs,
-                &mut namer,
-                &feeds,
-                &dev_str,
-                info,
-                local,
-                tn,
-                &empty,
-            ));
+            let recv = match pair_of.get(&(src, d)) {
+                Some(&p) => pairs[p as usize].recv_local,
+                None => remote(
+                    src,
+                    d,
+                    sd,
+                    &mut pairs,
+                    &mut pair_of,
+                    &mut parts,
+                    &mut namer,
+                    &feeds,
+                    &dev_str,
+                    source_type(src),
+                    local_ref(src),
+                    tensor_name(src),
+                    &empty,
+                ),
+            };
+            data_from.push((EdgeSrc::Local(recv), 0));
         }
         for &(_, u) in &ctrl_in {
             let src = Source::Control(u.index() as u32);
-            if dev[u.index()] == d {
-                inputs.push(local_name(src));
-                continue;
+            let sd = dev[u.index()];
+            let from = if sd == d {
+                EdgeSrc::Orig(u.index() as u32)
+            } else {
+                EdgeSrc::Local(match pair_of.get(&(src, d)) {
+                    Some(&p) => pairs[p as usize].recv_local,
+                    None => remote(
+                        src,
+                        d,
+                        sd,
+                        &mut pairs,
+                        &mut pair_of,
+                        &mut parts,
+                        &mut namer,
+                        &feeds,
+                        &dev_str,
+                        source_type(src),
+                        local_ref(src),
+                        tensor_name(src),
+                        &empty,
+                    ),
+                })
+            };
+            // Several control edges can collapse onto one Recv; keep the first of each.
+            if !ctrl_from.contains(&from) {
+                ctrl_from.push(from);
             }
-            let info = source_info(src);
-            let local = local_name(src);
-            let tn = tensor_name(src);
-            let recv = remote(
-                src,
-                d,
-                &mut pairs,
-                &mut pair_of,
-                &mut defs,
-                &mut namer,
-                &feeds,
-                &dev_str,
-                info,
-                local,
-                tn,
-                &empty,
-            );
-            inputs.push(format!("^{recv}"));
         }
-        // Control inputs must come last and may repeat after dedup; keep the first of each.
-        dedup_controls(&mut inputs);
         let colocate_with = node
             .colocate_with
             .iter()
@@ -620,14 +674,29 @@ pub fn partition(
             })
             .cloned()
             .collect();
-        defs[d as usize].push(NodeDef {
+        let part = &mut parts[d as usize];
+        let local = part.push(Node {
             name: node.name.clone(),
             op: node.op.clone(),
-            inputs,
             device: dev_str[d as usize].clone(),
             colocate_with,
             attrs: node.attrs.clone(),
+            outputs: node.outputs.clone(),
         });
+        local_of[vi] = local;
+        for (k, &(from, out)) in data_from.iter().enumerate() {
+            part.edges.push((
+                from,
+                local,
+                Edge::Data {
+                    src_output: out,
+                    dst_input: k,
+                },
+            ));
+        }
+        for &from in &ctrl_from {
+            part.edges.push((from, local, Edge::Control));
+        }
     }
 
     // Fetches: one client-terminated Send per distinct fetched tensor.
@@ -642,18 +711,28 @@ pub fn partition(
             fetch_pairs_in_order.push(p);
             continue;
         }
-        let (sd, dtype, shape) = source_info(src);
+        let sd = source_dev(src);
+        let (dtype, shape) = source_type(src);
         let p = pairs.len();
         let tensor = namer.tensor_part(src, &feeds);
         let send = namer.name("send", &tensor, "to", "client", p);
         let tn = tensor_name(src);
-        defs[sd as usize].push(send_def(
-            &send,
-            local_name(src),
+        let part = &mut parts[sd as usize];
+        let s = part.push(send_node(
+            send.clone(),
             &tn,
             &dev_str[sd as usize],
             &dev_str[client_id as usize],
             true,
+        ));
+        let (from, out) = local_ref(src);
+        part.edges.push((
+            from,
+            s,
+            Edge::Data {
+                src_output: out,
+                dst_input: 0,
+            },
         ));
         pairs.push(PairBuild {
             src,
@@ -661,6 +740,7 @@ pub fn partition(
             recv_dev: client_id,
             send_node: send,
             recv_node: String::new(),
+            recv_local: u32::MAX,
             tensor_name: tn,
             dtype,
             shape,
@@ -734,7 +814,7 @@ pub fn partition(
 
     // Validate each partition.
     let mut partitions = BTreeMap::new();
-    let built = build_graphs(defs, &all)?;
+    let built = build_graphs(parts, &local_of, &all)?;
     for (d, graph) in built {
         let device = all[d].clone();
         partitions.insert(device.clone(), Partition { device, graph });
@@ -762,31 +842,40 @@ pub fn partition(
     })
 }
 
-/// Validates the non-empty per-device node lists into graphs, in device order. Validation is
-/// most of partitioning's cost, so partitions are validated in parallel.
+/// Builds the non-empty partitions into graphs, in device order. Every node and type comes from
+/// the validated input graph, so only structural checks run ([`Graph::from_parts`]); partitions
+/// are built in parallel.
 fn build_graphs(
-    defs: Vec<Vec<NodeDef>>,
+    parts: Vec<PartBuild>,
+    local_of: &[u32],
     all: &[DeviceName],
 ) -> Result<Vec<(usize, Graph)>, PartitionError> {
     use rayon::prelude::*;
-    let results: Vec<Option<Result<Graph, PartitionError>>> = defs
+    let results: Vec<Option<Result<Graph, PartitionError>>> = parts
         .into_par_iter()
         .enumerate()
-        .map(|(d, nodes)| {
-            if nodes.is_empty() {
+        .map(|(d, part)| {
+            if part.nodes.is_empty() {
                 return None;
             }
-            let def = GraphDef {
-                version: dflow_graph::def::FORMAT_VERSION,
-                nodes,
-                train: None,
-            };
-            Some(
-                Graph::from_def(&def).map_err(|e| PartitionError::InvalidPartition {
+            let edges = part
+                .edges
+                .into_iter()
+                .map(|(from, to, e)| {
+                    let src = match from {
+                        // A kept node on another device would be a bug; from_parts reports it.
+                        EdgeSrc::Orig(u) => local_of.get(u as usize).copied().unwrap_or(u32::MAX),
+                        EdgeSrc::Local(i) => i,
+                    };
+                    (src, to, e)
+                })
+                .collect();
+            Some(Graph::from_parts(part.nodes, edges).map_err(|e| {
+                PartitionError::InvalidPartition {
                     device: all[d].to_string(),
                     message: e.to_string(),
-                }),
-            )
+                }
+            }))
         })
         .collect();
     // The first error in device order, so the message is deterministic.
@@ -816,28 +905,13 @@ fn dynamic_origins(g: &Graph) -> Vec<Option<u32>> {
     origin
 }
 
-fn dedup_controls(inputs: &mut Vec<String>) {
-    let first_ctrl = inputs.iter().position(|s| s.starts_with('^'));
-    if let Some(start) = first_ctrl {
-        if inputs.len() - start > 1 {
-            let mut seen = HashSet::new();
-            let ctrls: Vec<String> = inputs
-                .drain(start..)
-                .filter(|c| seen.insert(c.clone()))
-                .collect();
-            inputs.extend(ctrls);
-        }
-    }
-}
-
-fn send_def(
-    name: &str,
-    input: String,
+/// The rendezvous attrs shared by Send and Recv.
+fn transfer_attrs(
     tensor_name: &str,
     send_device: &str,
     recv_device: &str,
     client_terminated: bool,
-) -> NodeDef {
+) -> BTreeMap<String, AttrValue> {
     let mut attrs = BTreeMap::new();
     attrs.insert("tensor_name".into(), AttrValue::String(tensor_name.into()));
     attrs.insert("send_device".into(), AttrValue::String(send_device.into()));
@@ -845,40 +919,117 @@ fn send_def(
     if client_terminated {
         attrs.insert("client_terminated".into(), AttrValue::Bool(true));
     }
-    NodeDef {
-        name: name.into(),
+    attrs
+}
+
+fn send_node(
+    name: String,
+    tensor_name: &str,
+    send_device: &str,
+    recv_device: &str,
+    client_terminated: bool,
+) -> Node {
+    Node {
+        name,
         op: "Send".into(),
-        inputs: vec![input],
         device: send_device.into(),
         colocate_with: vec![],
-        attrs,
+        attrs: transfer_attrs(tensor_name, send_device, recv_device, client_terminated),
+        outputs: vec![],
     }
 }
 
-fn recv_def(
-    name: &str,
+/// A Recv node; its one output has the type it receives (what Recv's shape rule would infer).
+fn recv_node(
+    name: String,
     tensor_name: &str,
     send_device: &str,
     recv_device: &str,
     client_terminated: bool,
     dtype: DType,
     shape: &Shape,
-) -> NodeDef {
-    let mut attrs = BTreeMap::new();
-    attrs.insert("tensor_name".into(), AttrValue::String(tensor_name.into()));
-    attrs.insert("send_device".into(), AttrValue::String(send_device.into()));
-    attrs.insert("recv_device".into(), AttrValue::String(recv_device.into()));
-    if client_terminated {
-        attrs.insert("client_terminated".into(), AttrValue::Bool(true));
-    }
+) -> Node {
+    let mut attrs = transfer_attrs(tensor_name, send_device, recv_device, client_terminated);
     attrs.insert("dtype".into(), AttrValue::DType(dtype));
     attrs.insert("shape".into(), AttrValue::Shape(shape.clone()));
-    NodeDef {
-        name: name.into(),
+    Node {
+        name,
         op: "Recv".into(),
-        inputs: vec![],
         device: recv_device.into(),
         colocate_with: vec![],
         attrs,
+        outputs: vec![TensorType::new(dtype, shape.clone())],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic;
+
+    /// Building partitions from parts must give exactly what validating them would.
+    fn assert_same_as_validated(p: &Partitions) {
+        for part in p.partitions.values() {
+            let def = part.graph.to_def();
+            let validated = Graph::from_def(&def).unwrap();
+            assert_eq!(validated.to_def(), def, "{}", part.device);
+            let (a, b) = (validated.petgraph(), part.graph.petgraph());
+            assert_eq!(a.node_count(), b.node_count());
+            assert_eq!(a.edge_count(), b.edge_count());
+            for v in validated.node_indices() {
+                assert_eq!(a[v], b[v], "{}", part.device);
+                assert_eq!(validated.out_edges(v), part.graph.out_edges(v));
+                assert_eq!(validated.control_inputs(v), part.graph.control_inputs(v));
+                assert_eq!(validated.inputs(v), part.graph.inputs(v));
+            }
+        }
+    }
+
+    #[test]
+    fn partitions_equal_their_validated_form() {
+        let placed = synthetic::layered(5000);
+        let all = partition(&placed, &PartitionOptions::default()).unwrap();
+        assert!(all.pairs.iter().any(|p| p.is_control));
+        assert_same_as_validated(&all);
+        let g = &placed.graph;
+        let name = |i: usize| g.node(NodeIndex::new(i)).name.clone();
+        let opts = PartitionOptions {
+            feeds: vec![format!("{}:0", name(40)), name(1030)],
+            fetches: vec![name(4000), format!("{}:0", name(4001)), name(1030)],
+            targets: vec![name(3000)],
+        };
+        let some = partition(&placed, &opts).unwrap();
+        assert!(some.pairs.iter().any(|p| p.client_terminated));
+        assert_same_as_validated(&some);
+    }
+
+    #[test]
+    fn from_parts_rejects_bad_structure() {
+        let placed = synthetic::layered(2048);
+        let g = &placed.graph;
+        let node = |i: usize| g.node(NodeIndex::new(i)).clone();
+        let data = Edge::Data {
+            src_output: 0,
+            dst_input: 0,
+        };
+        let e = Graph::from_parts(vec![node(0), node(0)], vec![]).unwrap_err();
+        assert!(e.to_string().contains("duplicate node name"), "{e}");
+        let e = Graph::from_parts(vec![node(0)], vec![(0, 5, data)]).unwrap_err();
+        assert!(e.to_string().contains("out of range"), "{e}");
+        let bad_slot = Edge::Data {
+            src_output: 3,
+            dst_input: 0,
+        };
+        let e = Graph::from_parts(vec![node(0), node(1)], vec![(0, 1, bad_slot)]).unwrap_err();
+        assert!(e.to_string().contains("output"), "{e}");
+        let e = Graph::from_parts(
+            vec![node(1024), node(1025), node(1026)],
+            vec![(0, 1, data), (1, 2, data), (2, 1, Edge::Control)],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("cycle"), "{e}");
+        let mut unknown = node(0);
+        unknown.op = "NoSuchOp".into();
+        assert!(Graph::from_parts(vec![unknown], vec![]).is_err());
     }
 }

@@ -18,6 +18,7 @@ use super::{attr_to_json, build_graph, At, Errors, FormatErrors, ParsedGraph, Ra
 use crate::def::FORMAT_VERSION;
 use crate::GraphDef;
 use serde_json::{Map, Number, Value};
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 /// Arrays and objects nest at most this deep.
@@ -28,23 +29,24 @@ pub const FORMAT_TAG: &str = "dflow-graph";
 
 /// A JSON value with the byte offset where it starts.
 #[derive(Debug)]
-struct Spanned {
+struct Spanned<'a> {
     pos: usize,
-    v: J,
+    v: J<'a>,
 }
 
 #[derive(Debug)]
-enum J {
+enum J<'a> {
     Null,
     Bool(bool),
     Num(Number),
-    Str(String),
-    Arr(Vec<Spanned>),
+    /// Borrowed from the input unless it had escapes.
+    Str(Cow<'a, str>),
+    Arr(Vec<Spanned<'a>>),
     /// Keys in file order, each with its offset.
-    Obj(Vec<(At<String>, Spanned)>),
+    Obj(Vec<(At<Cow<'a, str>>, Spanned<'a>)>),
 }
 
-impl J {
+impl J<'_> {
     fn kind(&self) -> &'static str {
         match self {
             J::Null => "null",
@@ -57,17 +59,17 @@ impl J {
     }
 }
 
-impl Spanned {
+impl Spanned<'_> {
     fn into_value(self) -> Value {
         match self.v {
             J::Null => Value::Null,
             J::Bool(b) => Value::Bool(b),
             J::Num(n) => Value::Number(n),
-            J::Str(s) => Value::String(s),
+            J::Str(s) => Value::String(s.into_owned()),
             J::Arr(a) => Value::Array(a.into_iter().map(Spanned::into_value).collect()),
             J::Obj(o) => Value::Object(
                 o.into_iter()
-                    .map(|(k, v)| (k.v, v.into_value()))
+                    .map(|(k, v)| (k.v.into_owned(), v.into_value()))
                     .collect::<Map<_, _>>(),
             ),
         }
@@ -97,7 +99,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Result<Spanned, SynErr> {
+    fn value(&mut self, depth: usize) -> Result<Spanned<'a>, SynErr> {
         self.ws();
         let pos = self.i;
         let v = match self.s.get(self.i) {
@@ -122,7 +124,7 @@ impl<'a> Reader<'a> {
         Ok(Spanned { pos, v })
     }
 
-    fn word(&mut self, w: &str, v: J) -> Result<J, SynErr> {
+    fn word(&mut self, w: &str, v: J<'a>) -> Result<J<'a>, SynErr> {
         if self.s[self.i..].starts_with(w.as_bytes()) {
             self.i += w.len();
             Ok(v)
@@ -194,9 +196,23 @@ impl<'a> Reader<'a> {
             .ok_or_else(|| (start, format!("number {text} is out of range for f64")))
     }
 
-    fn string(&mut self) -> Result<String, SynErr> {
+    fn string(&mut self) -> Result<Cow<'a, str>, SynErr> {
         let start = self.i;
         self.i += 1; // opening quote
+                     // Most strings have no escapes: borrow them from the input.
+        let run = self.i;
+        while let Some(&b) = self.s.get(self.i) {
+            if b == b'"' || b == b'\\' || b < 0x20 {
+                break;
+            }
+            self.i += 1;
+        }
+        if self.s.get(self.i) == Some(&b'"') {
+            let text: &'a str = self.text;
+            self.i += 1;
+            return Ok(Cow::Borrowed(&text[run..self.i - 1]));
+        }
+        self.i = run;
         let mut out = String::new();
         loop {
             let run = self.i;
@@ -211,7 +227,7 @@ impl<'a> Reader<'a> {
                 None => return Err((start, "unterminated string".into())),
                 Some(b'"') => {
                     self.i += 1;
-                    return Ok(out);
+                    return Ok(Cow::Owned(out));
                 }
                 Some(b'\\') => {
                     let esc = self.i;
@@ -292,7 +308,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn array(&mut self, depth: usize) -> Result<J, SynErr> {
+    fn array(&mut self, depth: usize) -> Result<J<'a>, SynErr> {
         self.i += 1;
         let mut items = vec![];
         self.ws();
@@ -319,9 +335,9 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn object(&mut self, depth: usize) -> Result<J, SynErr> {
+    fn object(&mut self, depth: usize) -> Result<J<'a>, SynErr> {
         self.i += 1;
-        let mut fields: Vec<(At<String>, Spanned)> = vec![];
+        let mut fields: Vec<(At<Cow<'a, str>>, Spanned<'a>)> = vec![];
         self.ws();
         if self.s.get(self.i) == Some(&b'}') {
             self.i += 1;
@@ -403,7 +419,7 @@ pub fn parse_json(text: &str, path: Option<&str>) -> Result<ParsedGraph, FormatE
 }
 
 fn top_level(
-    root: Spanned,
+    root: Spanned<'_>,
     errs: &mut Errors<'_>,
     train: &mut Option<crate::train::TrainSpec>,
 ) -> Vec<RawNode> {
@@ -416,7 +432,7 @@ fn top_level(
     };
     let (mut format, mut version, mut nodes) = (None, None, None);
     for (k, v) in fields {
-        match k.v.as_str() {
+        match k.v.as_ref() {
             "format" => format = Some(v),
             "version" => version = Some(v),
             "nodes" => nodes = Some(v),
@@ -485,7 +501,7 @@ fn top_level(
 }
 
 /// The optional `"train"` object (see [`crate::train::TrainSpec`]).
-fn train_section(v: Spanned, errs: &mut Errors<'_>) -> Option<crate::train::TrainSpec> {
+fn train_section(v: Spanned<'_>, errs: &mut Errors<'_>) -> Option<crate::train::TrainSpec> {
     let J::Obj(fields) = v.v else {
         errs.push(
             v.pos,
@@ -495,7 +511,7 @@ fn train_section(v: Spanned, errs: &mut Errors<'_>) -> Option<crate::train::Trai
     };
     let fields = fields
         .into_iter()
-        .map(|(k, x)| (k.v, x.pos, x.into_value()))
+        .map(|(k, x)| (k.v.into_owned(), x.pos, x.into_value()))
         .collect();
     match crate::train::spec_from_fields(fields, v.pos) {
         Ok(spec) => Some(spec),
@@ -508,37 +524,49 @@ fn train_section(v: Spanned, errs: &mut Errors<'_>) -> Option<crate::train::Trai
     }
 }
 
-fn string_at(path: &str, v: Spanned, errs: &mut Errors<'_>) -> Option<At<String>> {
+/// `path` is only built when there is an error to report.
+fn string_at(
+    path: impl Fn() -> String,
+    v: Spanned<'_>,
+    errs: &mut Errors<'_>,
+) -> Option<At<String>> {
     match v.v {
-        J::Str(s) => Some(At { v: s, pos: v.pos }),
+        J::Str(s) => Some(At {
+            v: s.into_owned(),
+            pos: v.pos,
+        }),
         other => {
             errs.push(
                 v.pos,
-                format!("{path} must be a string, found {}", other.kind()),
+                format!("{} must be a string, found {}", path(), other.kind()),
             );
             None
         }
     }
 }
 
-fn strings_at(path: &str, v: Spanned, errs: &mut Errors<'_>) -> Vec<At<String>> {
+fn strings_at(path: impl Fn() -> String, v: Spanned<'_>, errs: &mut Errors<'_>) -> Vec<At<String>> {
     match v.v {
         J::Arr(items) => items
             .into_iter()
             .enumerate()
-            .filter_map(|(i, x)| string_at(&format!("{path}[{i}]"), x, errs))
+            .filter_map(|(i, x)| string_at(|| format!("{}[{i}]", path()), x, errs))
             .collect(),
         other => {
             errs.push(
                 v.pos,
-                format!("{path} must be an array of strings, found {}", other.kind()),
+                format!(
+                    "{} must be an array of strings, found {}",
+                    path(),
+                    other.kind()
+                ),
             );
             vec![]
         }
     }
 }
 
-fn raw_node(i: usize, item: Spanned, errs: &mut Errors<'_>) -> Option<RawNode> {
+fn raw_node(i: usize, item: Spanned<'_>, errs: &mut Errors<'_>) -> Option<RawNode> {
     let J::Obj(fields) = item.v else {
         errs.push(
             item.pos,
@@ -551,13 +579,13 @@ fn raw_node(i: usize, item: Spanned, errs: &mut Errors<'_>) -> Option<RawNode> {
         ..RawNode::default()
     };
     for (k, v) in fields {
-        let path = format!("nodes[{i}].{}", k.v);
-        match k.v.as_str() {
-            "name" => n.name = string_at(&path, v, errs),
-            "op" => n.op = string_at(&path, v, errs),
-            "inputs" => n.inputs = strings_at(&path, v, errs),
-            "device" => n.device = string_at(&path, v, errs).map(|d| d.v).unwrap_or_default(),
-            "colocate_with" => n.colocate_with = strings_at(&path, v, errs),
+        let path = || format!("nodes[{i}].{}", k.v);
+        match k.v.as_ref() {
+            "name" => n.name = string_at(path, v, errs),
+            "op" => n.op = string_at(path, v, errs),
+            "inputs" => n.inputs = strings_at(path, v, errs),
+            "device" => n.device = string_at(path, v, errs).map(|d| d.v).unwrap_or_default(),
+            "colocate_with" => n.colocate_with = strings_at(path, v, errs),
             "attrs" => match v.v {
                 J::Obj(attrs) => {
                     n.attrs = attrs
@@ -565,7 +593,10 @@ fn raw_node(i: usize, item: Spanned, errs: &mut Errors<'_>) -> Option<RawNode> {
                         .map(|(k, v)| {
                             let pos = v.pos;
                             (
-                                k,
+                                At {
+                                    v: k.v.into_owned(),
+                                    pos: k.pos,
+                                },
                                 At {
                                     v: v.into_value(),
                                     pos,
@@ -576,14 +607,15 @@ fn raw_node(i: usize, item: Spanned, errs: &mut Errors<'_>) -> Option<RawNode> {
                 }
                 other => errs.push(
                     v.pos,
-                    format!("{path} must be an object, found {}", other.kind()),
+                    format!("{} must be an object, found {}", path(), other.kind()),
                 ),
             },
             _ => errs.push(
                 k.pos,
                 format!(
-                    "unknown field {path} (a node has name, op, inputs, device, \
-                     colocate_with, attrs)"
+                    "unknown field {} (a node has name, op, inputs, device, \
+                     colocate_with, attrs)",
+                    path()
                 ),
             ),
         }

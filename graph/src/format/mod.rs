@@ -18,7 +18,7 @@
 //! ```
 
 use crate::def::{check_node_name, FORMAT_VERSION};
-use crate::{registry, AttrType, AttrValue, GraphDef, InputRef, NodeDef};
+use crate::{registry, AttrType, AttrValue, GraphDef, NodeDef};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -354,10 +354,10 @@ fn build_node(
     let mut inputs = Vec::with_capacity(r.inputs.len());
     let mut first_control: Option<&str> = None;
     for i in &r.inputs {
-        match InputRef::parse(&i.v) {
+        match crate::def::parse_input(&i.v) {
             Err(e) => errs.push(i.pos, e),
-            Ok(InputRef::Control(_)) => first_control = first_control.or(Some(&i.v)),
-            Ok(InputRef::Data { .. }) => {
+            Ok((_, None)) => first_control = first_control.or(Some(&i.v)),
+            Ok((_, Some(_))) => {
                 if let Some(c) = first_control {
                     errs.push(
                         i.pos,
