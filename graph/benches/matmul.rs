@@ -16,6 +16,10 @@ use dflow_graph::ops::testing::{attrs_with_defaults, build_kernel};
 use dflow_graph::{DType, Tensor, TensorType};
 use std::time::Duration;
 
+/// The allocator the `dflow` binary uses.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn random(n: usize, seed: u32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(2_654_435_761).max(1);
     (0..n)

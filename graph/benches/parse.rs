@@ -5,6 +5,10 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use dflow_graph::format::{parse_dsl, parse_json, to_dsl, to_json};
 use dflow_graph::{DType, Graph, GraphDef, NodeDef, Shape, Tensor};
 
+/// The allocator the `dflow` binary uses.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const NODES: usize = 100_000;
 
 /// A chain/diamond mix: every 8th node is a source (Placeholder or Const), the others are

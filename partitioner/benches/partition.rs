@@ -4,6 +4,10 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use dflow_partitioner::{partition, synthetic, PartitionOptions};
 
+/// The allocator the `dflow` binary uses.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("partition");
     group.sample_size(10);
