@@ -243,9 +243,8 @@ impl Session {
     ) -> Result<Vec<Tensor>, ExecError> {
         let feed_names: Vec<&str> = feeds.iter().map(|(n, _)| *n).collect();
         let call = self.compiled(&feed_names, fetches, targets)?;
-        let step = self.next_step.fetch_add(1, Ordering::Relaxed);
-
-        for ((name, value), (key, dtype, shape)) in feeds.iter().zip(&call.feeds) {
+        // Check every feed before sending any, so a bad feed leaves nothing behind.
+        for ((name, value), (_, dtype, shape)) in feeds.iter().zip(&call.feeds) {
             if value.dtype() != *dtype {
                 return Err(ExecError::Feed {
                     name: name.to_string(),
@@ -258,14 +257,33 @@ impl Session {
                     message: format!("expected shape {shape}, got {}", value.shape()),
                 });
             }
+        }
+        let values: Vec<Tensor> = feeds.iter().map(|(_, t)| t.clone()).collect();
+        self.execute(&call, &values)
+    }
+
+    /// Runs one step of a compiled call with already-checked feed values (in `call.feeds` order).
+    fn execute(&self, call: &CompiledCall, feeds: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+        let step = self.next_step.fetch_add(1, Ordering::Relaxed);
+        let result = self.execute_step(call, feeds, step);
+        self.rendezvous.finish_step(step);
+        result
+    }
+
+    fn execute_step(
+        &self,
+        call: &CompiledCall,
+        feeds: &[Tensor],
+        step: u64,
+    ) -> Result<Vec<Tensor>, ExecError> {
+        for (value, (key, _, _)) in feeds.iter().zip(&call.feeds) {
             self.rendezvous
                 .send(key, step, value.clone())
                 .map_err(|e| ExecError::Feed {
-                    name: name.to_string(),
+                    name: key.tensor_name.clone(),
                     message: e.to_string(),
                 })?;
         }
-
         let (tx, rx) = mpsc::channel::<Event>();
         let rv: Arc<dyn Rendezvous> = self.rendezvous.clone();
         for plan in &call.plans {
@@ -292,10 +310,7 @@ impl Session {
             );
         }
         drop(tx);
-
-        let result = self.collect(step, &call, &rx);
-        self.rendezvous.finish_step(step);
-        result
+        self.collect(step, call, &rx)
     }
 
     fn collect(
@@ -433,5 +448,65 @@ impl Session {
     /// Recv keys still pending in `step` (diagnostics).
     pub fn pending(&self, step: u64) -> Vec<RendezvousKey> {
         self.rendezvous.pending_recvs(step)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::DType;
+
+    #[test]
+    fn a_recv_that_never_arrives_times_out_naming_the_key_and_the_producer() {
+        let mut b = GraphBuilder::new();
+        let w = b.with_device("/job:ps/task:0", |b| {
+            b.variable("w", DType::F32, &[2], "ones")
+        });
+        b.with_device("/job:worker/task:0", |b| b.unary("Neg", "y", &w));
+        let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 1)]).unwrap();
+        let opts = SessionOptions {
+            step_timeout: Duration::from_millis(300),
+            ..SessionOptions::default()
+        };
+        let s = Session::new(b.build().unwrap(), cluster, opts).unwrap();
+        let call = s.compiled(&[], &["y"], &[]).unwrap();
+        // Run the worker's partition alone: the ps, which would send `w`, never runs.
+        let worker: Vec<_> = call
+            .plans
+            .iter()
+            .filter(|p| p.device().job.as_deref() == Some("worker"))
+            .cloned()
+            .collect();
+        assert_eq!(worker.len(), 1);
+        let partial = CompiledCall {
+            partitions: call.partitions.clone(),
+            plans: worker,
+            feeds: vec![],
+            fetches: call.fetches.clone(),
+        };
+        let started = Instant::now();
+        let err = s.execute(&partial, &[]).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "bounded by the timeout and its grace period"
+        );
+        let ExecError::Timeout { waiting, .. } = &err else {
+            panic!("expected a timeout, got {err}")
+        };
+        assert!(
+            waiting.iter().any(|(t, from, to)| t == "w:0"
+                && from.contains("/job:ps")
+                && to.contains("/job:worker")),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("tensor `w:0` from /job:ps/replica:0/task:0/device:CPU:0"),
+            "{msg}"
+        );
+        // The session is still usable afterwards.
+        let out = s.run(&[], &["y"], &[]).unwrap();
+        assert_eq!(out[0].as_slice::<f32>().unwrap(), &[-1.0, -1.0]);
     }
 }
