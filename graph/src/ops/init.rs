@@ -4,6 +4,7 @@
 //! |------------------|-------------------------------------------------------------------|
 //! | `zeros`          | 0 (any dtype)                                                     |
 //! | `ones`           | 1 (any dtype; `true` for bool)                                    |
+//! | `constant`       | the `init_value` attribute (any dtype: truncated for ints, ≠ 0 for bool) |
 //! | `uniform`        | U[−0.05, 0.05) (Keras `RandomUniform` default)                    |
 //! | `normal`         | N(0, 0.05²) (Keras `RandomNormal` default)                        |
 //! | `glorot_uniform` | U[−l, l), l = √(6 / (fan_in + fan_out))                           |
@@ -44,6 +45,8 @@ pub enum Initializer {
     Zeros,
     /// All ones.
     Ones,
+    /// Every element the `init_value` attribute.
+    Constant,
     /// Uniform on [−0.05, 0.05).
     Uniform,
     /// Normal, mean 0, standard deviation 0.05.
@@ -60,9 +63,10 @@ pub enum Initializer {
 
 impl Initializer {
     /// Every initializer, in documentation order.
-    pub const ALL: [Initializer; 8] = [
+    pub const ALL: [Initializer; 9] = [
         Initializer::Zeros,
         Initializer::Ones,
+        Initializer::Constant,
         Initializer::Uniform,
         Initializer::Normal,
         Initializer::GlorotUniform,
@@ -76,6 +80,7 @@ impl Initializer {
         match self {
             Initializer::Zeros => "zeros",
             Initializer::Ones => "ones",
+            Initializer::Constant => "constant",
             Initializer::Uniform => "uniform",
             Initializer::Normal => "normal",
             Initializer::GlorotUniform => "glorot_uniform",
@@ -138,13 +143,15 @@ fn standard_normal(rng: &mut ChaCha8Rng) -> f64 {
 /// Standard deviation of a unit normal truncated at ±2.
 const TRUNCATED_STD: f64 = 0.879_625_661_034_239_8;
 
-/// The initial value of variable `node` with dtype `dtype` and shape `dims`.
+/// The initial value of variable `node` with dtype `dtype` and shape `dims`; `constant` is the
+/// value of the `constant` initializer.
 pub fn initial_value(
     init: Initializer,
     dtype: DType,
     dims: &[usize],
     seed: i64,
     node: &str,
+    constant: f64,
 ) -> Result<Tensor, String> {
     enum Dist {
         Uniform(f64),
@@ -155,6 +162,7 @@ pub fn initial_value(
     let dist = match init {
         Initializer::Zeros => return Tensor::zeros(dtype, dims).map_err(|e| e.to_string()),
         Initializer::Ones => return ones(dtype, dims),
+        Initializer::Constant => return filled(dtype, dims, constant),
         Initializer::Uniform => Dist::Uniform(0.05),
         Initializer::Normal => Dist::Normal(0.05),
         Initializer::GlorotUniform => Dist::Uniform((6.0 / (fan_in + fan_out)).sqrt()),
@@ -206,6 +214,23 @@ pub fn initial_value(
     }
 }
 
+/// A tensor with every element `value` (cast like `Cast`: truncated for ints, `value != 0` for bool).
+fn filled(dtype: DType, dims: &[usize], value: f64) -> Result<Tensor, String> {
+    match dtype {
+        DType::F32 => new_tensor(dims, |o: &mut [f32]| o.fill(value as f32)),
+        DType::F64 => new_tensor(dims, |o: &mut [f64]| o.fill(value)),
+        DType::I32 => new_tensor(dims, |o: &mut [i32]| o.fill(value as i32)),
+        DType::I64 => new_tensor(dims, |o: &mut [i64]| o.fill(value as i64)),
+        DType::Bool => new_tensor(dims, |o: &mut [u8]| o.fill(u8::from(value != 0.0))),
+        DType::BF16 => new_tensor(dims, |o: &mut [half::bf16]| {
+            o.fill(half::bf16::from_f64(value))
+        }),
+        DType::F16 => new_tensor(dims, |o: &mut [half::f16]| {
+            o.fill(half::f16::from_f64(value))
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,7 +254,7 @@ mod tests {
 
     #[test]
     fn truncated_normals_stay_within_two_sigma() {
-        let t = initial_value(Initializer::HeNormal, DType::F64, &[100, 50], 3, "w").unwrap();
+        let t = initial_value(Initializer::HeNormal, DType::F64, &[100, 50], 3, "w", 0.0).unwrap();
         let s = (2.0f64 / 100.0).sqrt() / TRUNCATED_STD;
         let v = t.to_f64_vec();
         assert!(v.iter().all(|x| x.abs() <= 2.0 * s + 1e-12));
@@ -239,9 +264,13 @@ mod tests {
 
     #[test]
     fn random_init_of_ints_is_an_error() {
-        let e = initial_value(Initializer::Uniform, DType::I32, &[2], 0, "w").unwrap_err();
+        let e = initial_value(Initializer::Uniform, DType::I32, &[2], 0, "w", 0.0).unwrap_err();
         assert!(e.contains("float") && e.contains("i32"), "{e}");
-        let z = initial_value(Initializer::Ones, DType::I32, &[2], 0, "w").unwrap();
+        let z = initial_value(Initializer::Ones, DType::I32, &[2], 0, "w", 0.0).unwrap();
+        let c = initial_value(Initializer::Constant, DType::F32, &[3], 0, "w", 0.25).unwrap();
+        assert_eq!(c.as_slice::<f32>().unwrap(), &[0.25; 3]);
+        let c = initial_value(Initializer::Constant, DType::I64, &[2], 0, "w", -2.7).unwrap();
+        assert_eq!(c.as_slice::<i64>().unwrap(), &[-2, -2]);
         assert_eq!(z.as_slice::<i32>().unwrap(), &[1, 1]);
     }
 }

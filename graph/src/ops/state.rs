@@ -54,6 +54,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr("dtype", AttrType::DType),
             attr("shape", AttrType::Shape),
             attr_or("initializer", AttrType::String, AttrDefault::Str("zeros")),
+            attr_or("init_value", AttrType::Float, AttrDefault::Float(0.0)),
             attr_or("seed", AttrType::Int, AttrDefault::Int(0)),
         ])
         .variable()
@@ -116,6 +117,7 @@ struct VariableKernel {
     dims: Vec<usize>,
     initializer: Initializer,
     seed: i64,
+    init_value: f64,
 }
 
 fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
@@ -137,12 +139,17 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         AttrValue::Int(s) => *s,
         v => return Err(format!("attribute `seed` is {}, not int", v.ty())),
     };
+    let init_value = match init.attr("init_value")? {
+        AttrValue::Float(x) => *x,
+        v => return Err(format!("attribute `init_value` is {}, not float", v.ty())),
+    };
     Ok(Box::new(VariableKernel {
         node: init.node.to_string(),
         dtype,
         dims,
         initializer,
         seed,
+        init_value,
     }))
 }
 
@@ -158,6 +165,7 @@ impl Kernel for VariableKernel {
                 &self.dims,
                 self.seed,
                 &self.node,
+                self.init_value,
             )?;
             *v = Some(t.clone());
             Ok(t)
