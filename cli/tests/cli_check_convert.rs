@@ -32,6 +32,10 @@ const EXAMPLES: &[(&str, &str)] = &[
         "examples/three_devices/towers.json",
         "examples/three_devices/towers.dflow",
     ),
+    (
+        "examples/digits/digits.json",
+        "examples/digits/digits.dflow",
+    ),
 ];
 
 /// A fresh scratch directory under the target dir.
@@ -280,4 +284,20 @@ fn convert_needs_a_known_target_format() {
     assert!(!o.status.success());
     let err = String::from_utf8(o.stderr).unwrap();
     assert!(err.contains("json") && err.contains("dsl"), "{err}");
+}
+
+#[test]
+fn check_prints_the_training_spec() {
+    for file in [
+        "examples/digits/digits.json",
+        "examples/digits/digits.dflow",
+    ] {
+        let out = stdout(&dflow(&["check", file]));
+        assert!(
+            out.contains("train:        loss loss, sgd, lr 0.1\n  metrics accuracy"),
+            "{out}"
+        );
+    }
+    let out = stdout(&dflow(&["check", "examples/mlp/mlp.json"]));
+    assert!(!out.contains("train:"), "{out}");
 }

@@ -2,6 +2,7 @@
 
 use super::common;
 use dflow::load::Summary;
+use dflow_graph::train::OptimizerKind;
 use dflow_graph::{registry, Format};
 use std::path::PathBuf;
 
@@ -29,6 +30,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!("file:         {}", path.display());
     println!("format:       {}", format_name(loaded.format));
     println!("{}", Summary::of(&loaded.graph));
+    if let Some(t) = &loaded.parsed.def.train {
+        let optimizer = match &t.optimizer.kind {
+            OptimizerKind::Sgd => "sgd".to_string(),
+            OptimizerKind::Momentum { momentum, nesterov } => {
+                format!("momentum (momentum {momentum}, nesterov {nesterov})")
+            }
+            OptimizerKind::Adam {
+                beta1,
+                beta2,
+                epsilon,
+            } => {
+                format!("adam (beta1 {beta1}, beta2 {beta2}, epsilon {epsilon})")
+            }
+        };
+        println!(
+            "train:        loss {}, {optimizer}, lr {}",
+            t.loss, t.optimizer.lr
+        );
+        if let Some(c) = t.clip_global_norm {
+            println!("  clip_global_norm {c}");
+        }
+        if !t.metrics.is_empty() {
+            println!("  metrics {}", t.metrics.join(", "));
+        }
+    }
     Ok(())
 }
 
