@@ -25,7 +25,6 @@
 #![deny(unused_must_use)]
 
 pub mod error;
-pub mod graphdef_json;
 pub mod partition;
 pub mod place;
 pub mod plan;

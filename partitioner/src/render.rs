@@ -2,7 +2,6 @@
 //! [`load_json`] to read it back), Graphviz DOT for pictures.
 
 use crate::error::LoadError;
-use crate::graphdef_json;
 use crate::partition::{ClientEndpoint, Partition, Partitions, TransferPair};
 use crate::plan::BufferPlan;
 use dflow_graph::ops::transfer::CLIENT_DEVICE;
@@ -183,7 +182,9 @@ pub fn render_json(p: &Partitions) -> String {
             .values()
             .map(|part| JsonPartition {
                 device: part.device.clone(),
-                graph: graphdef_json::to_value(&part.graph.to_def()),
+                // The graph file format's own writer; its output is always valid JSON.
+                graph: serde_json::from_str(&dflow_graph::to_json(&part.graph.to_def()))
+                    .unwrap_or_default(),
             })
             .collect(),
         pairs: p.pairs.clone(),
@@ -204,7 +205,9 @@ pub fn load_json(text: &str) -> Result<Partitions, LoadError> {
             device: jp.device.to_string(),
             message,
         };
-        let def = graphdef_json::from_value(&jp.graph).map_err(err)?;
+        let def = dflow_graph::parse_json(&jp.graph.to_string(), None)
+            .map_err(|e| err(e.to_string()))?
+            .def;
         let graph = Graph::from_def(&def).map_err(|e| err(e.to_string()))?;
         partitions.insert(
             jp.device.clone(),

@@ -122,11 +122,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 let text = match args.format {
                     Format::Text => dflow_partitioner::render::render_device_text(&parts, device)
                         .unwrap_or_default(),
-                    Format::Json => {
-                        serde_json::to_string_pretty(&dflow_partitioner::graphdef_json::to_value(
-                            &part.graph.to_def(),
-                        ))? + "\n"
-                    }
+                    Format::Json => dflow_graph::to_json(&part.graph.to_def()),
                     Format::Dot => {
                         let single = Partitions {
                             partitions: [(device.clone(), part.clone())].into(),
