@@ -292,6 +292,9 @@ struct Outgoing {
     body: Body,
 }
 
+/// Where an outgoing key goes: the peer and its slot id.
+type Route = (Arc<str>, u32);
+
 #[derive(Default)]
 struct Peers {
     /// Writer queues of outgoing connections.
@@ -309,7 +312,7 @@ pub struct TcpRendezvous {
     config: TcpConfig,
     local: LocalRendezvous,
     slots: SlotTable,
-    routes: Mutex<HashMap<Arc<RendezvousKey>, (Arc<str>, u32)>>,
+    routes: Mutex<HashMap<Arc<RendezvousKey>, Route>>,
     peers: Mutex<Peers>,
     /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
     remote_steps: Mutex<BTreeSet<u64>>,
