@@ -196,6 +196,11 @@ impl SlotTable {
         self.max_len.load(Ordering::Relaxed)
     }
 
+    /// The byte length of slot `slot_id`, if registered.
+    pub fn slot_len(&self, slot_id: u32) -> Option<u64> {
+        lock(&self.slots).get(&slot_id).map(|s| s.len as u64)
+    }
+
     /// How often a slot got a fresh buffer because its reader still held the previous tensor.
     pub fn reallocations(&self) -> u64 {
         self.reallocs.load(Ordering::Relaxed)
@@ -665,8 +670,11 @@ async fn read_frames(
         if got == 0 {
             return Ok(());
         }
-        let h = decode_header_slice(&head[..got], rv.slots.max_payload())
-            .map_err(|e| e.with_peer(&label))?;
+        // Bound a Data payload by its slot's registered size. An unknown slot id is rejected by
+        // `checkout` right after, still before anything is allocated or read.
+        let slot_id = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        let bound = rv.slots.slot_len(slot_id).unwrap_or(u64::MAX);
+        let h = decode_header_slice(&head[..got], bound).map_err(|e| e.with_peer(&label))?;
         match h.kind {
             FrameKind::Data => {
                 let mut c = rv

@@ -180,7 +180,7 @@ async fn bad_frames_are_rejected_and_the_good_connection_keeps_working() {
         .unwrap();
     assert_dropped(s).await;
 
-    // Longer than its slot (64 bytes) but within the largest slot (1 KiB).
+    // Longer than its slot (64 bytes), though within the largest slot (1 KiB).
     ps.register_recv(3, "rogue:len", key("z:0"), DType::F32, &[16])
         .unwrap();
     let mut s = rogue(addr, "rogue:len").await;
