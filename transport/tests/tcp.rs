@@ -256,3 +256,47 @@ async fn abort_reaches_the_peer() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stalls_mid_frame_is_dropped_after_the_frame_timeout() {
+    let config = TcpConfig {
+        frame_timeout: Duration::from_millis(200),
+        ..TcpConfig::default()
+    };
+    let ps = TcpRendezvous::bind("ps:0", any_addr(), config)
+        .await
+        .unwrap();
+    let k = key("x:0");
+    ps.register_recv(1, "worker:slow", k.clone(), DType::F32, &[64])
+        .unwrap();
+    let pending = recv(&ps, &k, 1);
+    let mut s = rogue(ps.local_addr(), "worker:slow").await;
+    s.write_all(&encode_header(&Header::data(1, 1, 256)))
+        .await
+        .unwrap();
+    s.write_all(&[1u8; 100]).await.unwrap();
+    // The connection stays open, the rest never comes.
+    match wait(pending).await {
+        Err(RendezvousError::PeerGone { peer, cause }) => {
+            assert_eq!(peer, "worker:slow");
+            assert!(
+                cause.contains("timed out") || cause.contains("TimedOut"),
+                "{cause}"
+            );
+        }
+        other => panic!("expected PeerGone, got {other:?}"),
+    }
+    assert_dropped(s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_without_a_route_or_slot_meet_locally_without_a_copy() {
+    let (ps, _worker, _k) = pair(4).await;
+    let local = Arc::new(RendezvousKey::new("/job:ps/cpu:0", "/job:ps/cpu:1", "l:0"));
+    let t = values(32, 1);
+    let ptr = t.data_ptr();
+    let rx = recv(&ps, &local, 1);
+    ps.send(&local, 1, t).unwrap();
+    assert_eq!(wait(rx).await.unwrap().data_ptr(), ptr);
+    assert!(ps.pending_recvs(1).is_empty());
+}
