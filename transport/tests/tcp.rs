@@ -300,3 +300,29 @@ async fn keys_without_a_route_or_slot_meet_locally_without_a_copy() {
     assert_eq!(wait(rx).await.unwrap().data_ptr(), ptr);
     assert!(ps.pending_recvs(1).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_to_a_dead_peer_fail_with_peer_gone() {
+    let (ps, worker, k) = pair(1024).await;
+    ps.shutdown();
+    drop(ps);
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut step = 0;
+    let err = loop {
+        step += 1;
+        match worker.send(&k, step, values(1024, step)) {
+            Ok(()) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "sends kept succeeding"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => break e,
+        }
+    };
+    match err {
+        RendezvousError::PeerGone { peer, .. } => assert_eq!(peer, "ps:0"),
+        other => panic!("expected PeerGone, got {other:?}"),
+    }
+}
