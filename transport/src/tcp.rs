@@ -579,7 +579,7 @@ async fn accept_loop(rv: Weak<TcpRendezvous>, listener: TcpListener) {
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            _ = shutdown.changed() => return,
+            _ = shutdown.wait_for(|&stop| stop) => return,
         };
         let Some(rv) = rv.upgrade() else { return };
         match accepted {
@@ -598,7 +598,7 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
     let mut peer: Option<Arc<str>> = None;
     let res = tokio::select! {
         r = read_frames(&rv, &mut stream, addr, &mut peer) => r,
-        _ = shutdown.changed() => return,
+        _ = shutdown.wait_for(|&stop| stop) => return,
     };
     let label = match &peer {
         Some(p) => format!("{p} ({addr})"),
