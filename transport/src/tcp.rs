@@ -13,8 +13,8 @@
 //! buffer (counted by [`SlotTable::reallocations`]), so a tensor a reader still holds is never
 //! torn. TODO(credits): the credit protocol ([`FrameKind::Credit`]: the receiver sends a Credit
 //! for a slot once its reader dropped the tensor, and the sender does not write that slot again
-//! before it has one) will make the steady state allocation-free and bound how far a sender runs
-//! ahead; Credit frames are accepted and ignored for now.
+//! before it has one) will keep the slot allocation-free even when a reader is slow, and bound how
+//! far a sender runs ahead; Credit frames are accepted and ignored for now.
 //!
 //! A peer that closes its connection, stalls mid-frame, or sends a bad frame (truncated, unknown
 //! slot, longer than its slot, garbage) is dropped with a logged error naming it, and every step
