@@ -7,6 +7,8 @@
 
 pub mod local;
 pub mod rendezvous;
+pub mod tcp;
+pub mod wire;
 
 pub use dflow_graph::Tensor;
 pub use local::LocalRendezvous;

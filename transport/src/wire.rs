@@ -1,0 +1,356 @@
+//! The data-plane frame format.
+//!
+//! Every frame is a fixed [`HEADER_LEN`]-byte little-endian header followed by `payload_len` raw
+//! bytes:
+//!
+//! | field         | type  | notes                                   |
+//! |---------------|-------|-----------------------------------------|
+//! | `magic`       | `u32` | the bytes `DFLW`                        |
+//! | `version`     | `u16` | [`VERSION`]                             |
+//! | `kind`        | `u8`  | [`FrameKind`]                           |
+//! | `flags`       | `u8`  | reserved, 0                             |
+//! | `slot_id`     | `u32` | the receive slot (Data, Credit)         |
+//! | `step`        | `u64` | the step id                             |
+//! | `payload_len` | `u64` | bytes that follow                       |
+//!
+//! [`decode_header`] validates everything, the length included, before the caller allocates or
+//! reads anything further.
+
+use std::fmt;
+
+/// The magic number: the bytes `DFLW` read as a little-endian `u32`.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"DFLW");
+/// The protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Versions this build accepts.
+pub const SUPPORTED_VERSIONS: &[u16] = &[VERSION];
+/// Size of the fixed header in bytes.
+pub const HEADER_LEN: usize = 28;
+/// Longest payload of a control frame (Abort reason, Hello name), whatever the caller's bound.
+pub const MAX_CONTROL_PAYLOAD: u64 = 4096;
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// A tensor's bytes for `slot_id` in `step`.
+    Data = 1,
+    /// The sender aborts `step`; the payload is the UTF-8 reason.
+    Abort = 2,
+    /// The receiver released `slot_id` and it may be rewritten (no payload).
+    Credit = 3,
+    /// First frame of a connection; the payload is the sender's UTF-8 task name.
+    Hello = 4,
+}
+
+impl FrameKind {
+    /// The kind for a wire byte, if known.
+    pub fn from_u8(b: u8) -> Option<FrameKind> {
+        Some(match b {
+            1 => FrameKind::Data,
+            2 => FrameKind::Abort,
+            3 => FrameKind::Credit,
+            4 => FrameKind::Hello,
+            _ => return None,
+        })
+    }
+
+    /// True for kinds whose payload is bounded by [`MAX_CONTROL_PAYLOAD`].
+    pub fn is_control(self) -> bool {
+        !matches!(self, FrameKind::Data)
+    }
+}
+
+/// A decoded frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Header {
+    /// What the frame carries.
+    pub kind: FrameKind,
+    /// Reserved flag bits (0 in version 1).
+    pub flags: u8,
+    /// The receive slot.
+    pub slot_id: u32,
+    /// The step id.
+    pub step: u64,
+    /// Bytes following the header.
+    pub payload_len: u64,
+}
+
+impl Header {
+    /// A Data header.
+    pub fn data(slot_id: u32, step: u64, payload_len: u64) -> Header {
+        Header {
+            kind: FrameKind::Data,
+            flags: 0,
+            slot_id,
+            step,
+            payload_len,
+        }
+    }
+}
+
+/// The peer a wire error came from, for messages (empty when unknown).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerTag(pub Option<String>);
+
+impl fmt::Display for PeerTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Some(p) => write!(f, " from peer `{p}`"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Why a header was rejected. Messages name the peer when one is attached with
+/// [`WireError::with_peer`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// The first four bytes are not `DFLW`.
+    #[error("bad frame magic {found:#010x}{peer} (expected {MAGIC:#010x}, \"DFLW\"): not a dflow data-plane stream")]
+    BadMagic {
+        /// What was read.
+        found: u32,
+        /// The peer.
+        peer: PeerTag,
+    },
+    /// An unsupported protocol version.
+    #[error("unsupported wire version {found}{peer}; this build supports {SUPPORTED_VERSIONS:?}")]
+    BadVersion {
+        /// What was read.
+        found: u16,
+        /// The peer.
+        peer: PeerTag,
+    },
+    /// An unknown frame kind.
+    #[error("unknown frame kind {found}{peer} (known: 1 Data, 2 Abort, 3 Credit, 4 Hello)")]
+    BadKind {
+        /// What was read.
+        found: u8,
+        /// The peer.
+        peer: PeerTag,
+    },
+    /// The payload is longer than allowed.
+    #[error("{kind:?} frame for slot {slot_id}, step {step}{peer} announces {len} payload bytes; at most {max} allowed")]
+    TooLong {
+        /// Frame kind.
+        kind: FrameKind,
+        /// Slot id.
+        slot_id: u32,
+        /// Step id.
+        step: u64,
+        /// Announced length.
+        len: u64,
+        /// The bound.
+        max: u64,
+        /// The peer.
+        peer: PeerTag,
+    },
+    /// Fewer than [`HEADER_LEN`] bytes were available.
+    #[error("truncated frame header{peer}: {got} of {HEADER_LEN} bytes")]
+    Truncated {
+        /// Bytes available.
+        got: usize,
+        /// The peer.
+        peer: PeerTag,
+    },
+}
+
+impl WireError {
+    /// The same error, naming `peer`.
+    pub fn with_peer(mut self, name: &str) -> WireError {
+        let p = match &mut self {
+            WireError::BadMagic { peer, .. }
+            | WireError::BadVersion { peer, .. }
+            | WireError::BadKind { peer, .. }
+            | WireError::TooLong { peer, .. }
+            | WireError::Truncated { peer, .. } => peer,
+        };
+        p.0 = Some(name.to_string());
+        self
+    }
+}
+
+/// Writes `h` into a header buffer.
+pub fn encode_header(h: &Header) -> [u8; HEADER_LEN] {
+    let mut b = [0u8; HEADER_LEN];
+    b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    b[6] = h.kind as u8;
+    b[7] = h.flags;
+    b[8..12].copy_from_slice(&h.slot_id.to_le_bytes());
+    b[12..20].copy_from_slice(&h.step.to_le_bytes());
+    b[20..28].copy_from_slice(&h.payload_len.to_le_bytes());
+    b
+}
+
+fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
+}
+
+/// Decodes and validates a header. A Data frame's payload must be at most `max_payload` bytes
+/// (the slot's registered size); a control frame's at most [`MAX_CONTROL_PAYLOAD`].
+pub fn decode_header(b: &[u8; HEADER_LEN], max_payload: u64) -> Result<Header, WireError> {
+    let peer = PeerTag::default();
+    let magic = u32::from_le_bytes(arr(&b[0..4]));
+    if magic != MAGIC {
+        return Err(WireError::BadMagic { found: magic, peer });
+    }
+    let version = u16::from_le_bytes(arr(&b[4..6]));
+    if !SUPPORTED_VERSIONS.contains(&version) {
+        return Err(WireError::BadVersion {
+            found: version,
+            peer,
+        });
+    }
+    let kind = FrameKind::from_u8(b[6]).ok_or(WireError::BadKind { found: b[6], peer })?;
+    let h = Header {
+        kind,
+        flags: b[7],
+        slot_id: u32::from_le_bytes(arr(&b[8..12])),
+        step: u64::from_le_bytes(arr(&b[12..20])),
+        payload_len: u64::from_le_bytes(arr(&b[20..28])),
+    };
+    let max = match kind {
+        FrameKind::Data => max_payload,
+        FrameKind::Credit => 0,
+        FrameKind::Abort | FrameKind::Hello => MAX_CONTROL_PAYLOAD,
+    };
+    if h.payload_len > max {
+        return Err(WireError::TooLong {
+            kind,
+            slot_id: h.slot_id,
+            step: h.step,
+            len: h.payload_len,
+            max,
+            peer: PeerTag::default(),
+        });
+    }
+    Ok(h)
+}
+
+/// Decodes a header from a slice that may be short (e.g. what arrived before a peer closed).
+pub fn decode_header_slice(b: &[u8], max_payload: u64) -> Result<Header, WireError> {
+    let a: &[u8; HEADER_LEN] =
+        b.get(..HEADER_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(WireError::Truncated {
+                got: b.len(),
+                peer: PeerTag::default(),
+            })?;
+    decode_header(a, max_payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn layout_is_little_endian_and_fixed() {
+        let b = encode_header(&Header::data(0x0403_0201, 0x0807_0605_0403_0201, 5));
+        assert_eq!(&b[0..4], b"DFLW");
+        assert_eq!(&b[4..6], &[1, 0]);
+        assert_eq!(b[6], 1);
+        assert_eq!(&b[8..12], &[1, 2, 3, 4]);
+        assert_eq!(&b[12..20], &[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(&b[20..28], &[5, 0, 0, 0, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn bad_magic_version_kind_are_named() {
+        let good = encode_header(&Header::data(1, 2, 3));
+        let mut b = good;
+        b[0] = b'X';
+        let e = decode_header(&b, 10).unwrap_err().with_peer("worker:1");
+        assert!(matches!(e, WireError::BadMagic { .. }));
+        assert!(e.to_string().contains("peer `worker:1`"), "{e}");
+
+        let mut b = good;
+        b[4] = 9;
+        let e = decode_header(&b, 10).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unsupported wire version 9; this build supports [1]"
+        );
+
+        let mut b = good;
+        b[6] = 77;
+        assert!(matches!(
+            decode_header(&b, 10),
+            Err(WireError::BadKind { found: 77, .. })
+        ));
+    }
+
+    #[test]
+    fn length_is_checked_against_the_bound() {
+        let b = encode_header(&Header::data(4, 9, 1025));
+        let e = decode_header(&b, 1024).unwrap_err().with_peer("ps:0");
+        assert_eq!(
+            e.to_string(),
+            "Data frame for slot 4, step 9 from peer `ps:0` announces 1025 payload bytes; at most 1024 allowed"
+        );
+        assert!(decode_header(&b, 1025).is_ok());
+        // Control frames have their own bound, whatever the caller allows.
+        let mut h = Header::data(0, 0, MAX_CONTROL_PAYLOAD + 1);
+        h.kind = FrameKind::Abort;
+        assert!(decode_header(&encode_header(&h), u64::MAX).is_err());
+        h.kind = FrameKind::Credit;
+        h.payload_len = 1;
+        assert!(decode_header(&encode_header(&h), u64::MAX).is_err());
+    }
+
+    #[test]
+    fn truncated_headers_are_errors() {
+        let b = encode_header(&Header::data(1, 2, 3));
+        for n in 0..HEADER_LEN {
+            assert_eq!(
+                decode_header_slice(&b[..n], 10),
+                Err(WireError::Truncated {
+                    got: n,
+                    peer: PeerTag::default()
+                })
+            );
+        }
+        assert!(decode_header_slice(&b, 10).is_ok());
+    }
+
+    fn any_kind() -> impl Strategy<Value = FrameKind> {
+        prop_oneof![
+            Just(FrameKind::Data),
+            Just(FrameKind::Abort),
+            Just(FrameKind::Credit),
+            Just(FrameKind::Hello),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_header_round_trips(kind in any_kind(), flags: u8, slot_id: u32, step: u64, len: u64) {
+            let len = match kind {
+                FrameKind::Data => len,
+                FrameKind::Credit => 0,
+                _ => len % (MAX_CONTROL_PAYLOAD + 1),
+            };
+            let h = Header { kind, flags, slot_id, step, payload_len: len };
+            prop_assert_eq!(decode_header(&encode_header(&h), u64::MAX), Ok(h));
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(b in proptest::collection::vec(any::<u8>(), 0..64), max: u64) {
+            if let Ok(h) = decode_header_slice(&b, max) {
+                prop_assert!(b.len() >= HEADER_LEN);
+                prop_assert!(h.payload_len <= max.max(MAX_CONTROL_PAYLOAD));
+            }
+        }
+
+        #[test]
+        fn over_long_lengths_are_errors(slot_id: u32, step: u64, max in 0u64..u64::MAX) {
+            let b = encode_header(&Header::data(slot_id, step, max + 1));
+            let is_too_long = matches!(decode_header(&b, max), Err(WireError::TooLong { .. }));
+            prop_assert!(is_too_long);
+        }
+    }
+}
