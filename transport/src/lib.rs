@@ -5,6 +5,7 @@
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+pub mod auth;
 pub mod local;
 pub mod rendezvous;
 pub mod tcp;
