@@ -20,6 +20,7 @@
 //! slot, longer than its slot, garbage) is dropped with a logged error naming it, and every step
 //! with a Recv waiting on one of its keys is aborted with [`RendezvousError::PeerGone`].
 
+use crate::auth::{Acceptor, Connector, Secret};
 use crate::local::LocalRendezvous;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::wire::{
@@ -274,6 +275,40 @@ async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, head: &[u8], body: &[u8])
     Ok(())
 }
 
+/// Writes one handshake frame.
+async fn send_control<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: FrameKind,
+    body: &[u8],
+) -> io::Result<()> {
+    let head = encode_header(&Header {
+        kind,
+        flags: 0,
+        slot_id: 0,
+        step: 0,
+        payload_len: body.len() as u64,
+    });
+    write_frame(w, &head, body).await?;
+    w.flush().await
+}
+
+/// Reads one handshake frame of `kind` (bounded by the control-frame limit before allocating).
+async fn recv_control<R: AsyncRead + Unpin>(r: &mut R, kind: FrameKind) -> io::Result<Vec<u8>> {
+    let mut head = [0u8; HEADER_LEN];
+    r.read_exact(&mut head).await?;
+    let h = crate::wire::decode_header(&head, 0)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if h.kind != kind {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("expected a {kind:?} frame, got {:?}", h.kind),
+        ));
+    }
+    let mut body = vec![0u8; h.payload_len as usize];
+    r.read_exact(&mut body).await?;
+    Ok(body)
+}
+
 /// Reads until `buf` is full or EOF; returns the bytes read.
 async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> io::Result<usize> {
     let mut got = 0;
@@ -322,6 +357,9 @@ pub struct TcpRendezvous {
     /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
     remote_steps: Mutex<BTreeSet<u64>>,
     shutdown: watch::Sender<bool>,
+    /// With a cluster secret, every connection runs the [`crate::auth`] handshake first and a
+    /// peer that cannot prove it knows the secret is dropped.
+    secret: Option<Secret>,
 }
 
 impl fmt::Debug for TcpRendezvous {
@@ -335,8 +373,20 @@ impl fmt::Debug for TcpRendezvous {
 }
 
 impl TcpRendezvous {
-    /// Listens on `addr` (port 0 picks one) as task `name`. Must run inside a tokio runtime.
+    /// Listens on `addr` (port 0 picks one) as task `name`, without authentication. Must run
+    /// inside a tokio runtime.
     pub async fn bind(name: &str, addr: SocketAddr, config: TcpConfig) -> io::Result<Arc<Self>> {
+        Self::bind_with_secret(name, addr, config, None).await
+    }
+
+    /// Like [`TcpRendezvous::bind`]; with `secret`, every connection in either direction must
+    /// pass the HMAC challenge-response of [`crate::auth`] before any data frame.
+    pub async fn bind_with_secret(
+        name: &str,
+        addr: SocketAddr,
+        config: TcpConfig,
+        secret: Option<Secret>,
+    ) -> io::Result<Arc<Self>> {
         let listener = TcpListener::bind(addr).await?;
         let (shutdown, _) = watch::channel(false);
         let rv = Arc::new(TcpRendezvous {
@@ -349,6 +399,7 @@ impl TcpRendezvous {
             peers: Mutex::default(),
             remote_steps: Mutex::default(),
             shutdown,
+            secret,
         });
         tokio::spawn(accept_loop(Arc::downgrade(&rv), listener));
         Ok(rv)
@@ -398,19 +449,40 @@ impl TcpRendezvous {
             .await
             .map_err(|_| io_err("connect", io::ErrorKind::TimedOut.into()))?
             .map_err(|e| io_err("connect", e))?;
+        let mut stream = stream;
         stream.set_nodelay(true).map_err(|e| io_err("connect", e))?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let hello = Header {
-            kind: FrameKind::Hello,
-            flags: 0,
-            slot_id: 0,
-            step: 0,
-            payload_len: self.name.len() as u64,
-        };
-        let _ = tx.send(Outgoing {
-            head: encode_header(&hello),
-            body: Body::Bytes(self.name.as_bytes().to_vec()),
-        });
+        match &self.secret {
+            Some(secret) => {
+                let t = self.config.frame_timeout;
+                let handshake = async {
+                    let (conn, hello) = Connector::hello(secret, &self.name);
+                    send_control(&mut stream, FrameKind::Hello, &hello).await?;
+                    let challenge = recv_control(&mut stream, FrameKind::Challenge).await?;
+                    let (_, proof) = conn
+                        .answer(&challenge, &format!("{peer} ({addr})"))
+                        .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
+                    send_control(&mut stream, FrameKind::Proof, &proof).await
+                };
+                tokio::time::timeout(t, handshake)
+                    .await
+                    .map_err(|_| io_err("authenticating", io::ErrorKind::TimedOut.into()))?
+                    .map_err(|e| io_err("authenticating", e))?;
+            }
+            None => {
+                let hello = Header {
+                    kind: FrameKind::Hello,
+                    flags: 0,
+                    slot_id: 0,
+                    step: 0,
+                    payload_len: self.name.len() as u64,
+                };
+                let _ = tx.send(Outgoing {
+                    head: encode_header(&hello),
+                    body: Body::Bytes(self.name.as_bytes().to_vec()),
+                });
+            }
+        }
         let peer: Arc<str> = peer.into();
         {
             let mut peers = lock(&self.peers);
@@ -630,33 +702,53 @@ async fn read_frames(
     let timed = |peer: &str, what: &str| io_err(peer, what, io::ErrorKind::TimedOut.into());
     let mut head = [0u8; HEADER_LEN];
 
-    // Hello: the peer's task name.
-    let got = tokio::time::timeout(cfg.frame_timeout, read_full(stream, &mut head))
-        .await
-        .map_err(|_| timed(&addr_s, "waiting for Hello"))?
-        .map_err(|e| io_err(&addr_s, "reading Hello", e))?;
-    if got == 0 {
-        return Ok(());
-    }
-    let h = decode_header_slice(&head[..got], 0).map_err(|e| e.with_peer(&addr_s))?;
-    if h.kind != FrameKind::Hello || h.payload_len as usize > MAX_PEER_NAME {
-        return Err(TcpError::Protocol {
-            peer: addr_s,
-            msg: format!(
-                "first frame must be a Hello with a name of at most {MAX_PEER_NAME} bytes, got {:?} with {} bytes",
-                h.kind, h.payload_len
-            ),
-        });
-    }
-    let mut name = vec![0u8; h.payload_len as usize];
-    tokio::time::timeout(cfg.frame_timeout, stream.read_exact(&mut name))
-        .await
-        .map_err(|_| timed(&addr_s, "reading Hello"))?
-        .map_err(|e| io_err(&addr_s, "reading Hello", e))?;
-    let name = String::from_utf8(name).map_err(|_| TcpError::Protocol {
-        peer: addr_s.clone(),
-        msg: "Hello name is not UTF-8".into(),
-    })?;
+    // Hello: the peer's task name, authenticated when this task has a cluster secret.
+    let name = match &rv.secret {
+        Some(secret) => {
+            let handshake = async {
+                let hello = recv_control(stream, FrameKind::Hello).await?;
+                let (acceptor, challenge) = Acceptor::challenge(secret, &rv.name, &hello, &addr_s)
+                    .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
+                send_control(stream, FrameKind::Challenge, &challenge).await?;
+                let proof = recv_control(stream, FrameKind::Proof).await?;
+                acceptor
+                    .verify(&proof, &addr_s)
+                    .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))
+            };
+            tokio::time::timeout(cfg.frame_timeout, handshake)
+                .await
+                .map_err(|_| timed(&addr_s, "authenticating"))?
+                .map_err(|e| io_err(&addr_s, "authenticating", e))?
+        }
+        None => {
+            let got = tokio::time::timeout(cfg.frame_timeout, read_full(stream, &mut head))
+                .await
+                .map_err(|_| timed(&addr_s, "waiting for Hello"))?
+                .map_err(|e| io_err(&addr_s, "reading Hello", e))?;
+            if got == 0 {
+                return Ok(());
+            }
+            let h = decode_header_slice(&head[..got], 0).map_err(|e| e.with_peer(&addr_s))?;
+            if h.kind != FrameKind::Hello || h.payload_len as usize > MAX_PEER_NAME {
+                return Err(TcpError::Protocol {
+                    peer: addr_s,
+                    msg: format!(
+                        "first frame must be a Hello with a name of at most {MAX_PEER_NAME} bytes, got {:?} with {} bytes",
+                        h.kind, h.payload_len
+                    ),
+                });
+            }
+            let mut name = vec![0u8; h.payload_len as usize];
+            tokio::time::timeout(cfg.frame_timeout, stream.read_exact(&mut name))
+                .await
+                .map_err(|_| timed(&addr_s, "reading Hello"))?
+                .map_err(|e| io_err(&addr_s, "reading Hello", e))?;
+            String::from_utf8(name).map_err(|_| TcpError::Protocol {
+                peer: addr_s.clone(),
+                msg: "Hello name is not UTF-8".into(),
+            })?
+        }
+    };
     let peer: Arc<str> = name.into();
     *peer_out = Some(peer.clone());
     lock(&rv.peers).gone.remove(&peer);
@@ -726,10 +818,10 @@ async fn read_frames(
             }
             // TODO(credits): a Credit releases a slot on the sender side.
             FrameKind::Credit => {}
-            FrameKind::Hello => {
+            FrameKind::Hello | FrameKind::Challenge | FrameKind::Proof => {
                 return Err(TcpError::Protocol {
                     peer: label,
-                    msg: "second Hello on one connection".into(),
+                    msg: format!("{:?} frame after the handshake", h.kind),
                 })
             }
         }

@@ -39,8 +39,13 @@ pub enum FrameKind {
     Abort = 2,
     /// The receiver released `slot_id` and it may be rewritten (no payload).
     Credit = 3,
-    /// First frame of a connection; the payload is the sender's UTF-8 task name.
+    /// First frame of a connection; the payload is the sender's UTF-8 task name, or with a
+    /// cluster secret the [`crate::auth`] Hello.
     Hello = 4,
+    /// The acceptor's answer to an authenticated Hello ([`crate::auth`] Challenge).
+    Challenge = 5,
+    /// The connector's proof that it knows the secret ([`crate::auth`] Proof).
+    Proof = 6,
 }
 
 impl FrameKind {
@@ -51,6 +56,8 @@ impl FrameKind {
             2 => FrameKind::Abort,
             3 => FrameKind::Credit,
             4 => FrameKind::Hello,
+            5 => FrameKind::Challenge,
+            6 => FrameKind::Proof,
             _ => return None,
         })
     }
@@ -216,7 +223,9 @@ pub fn decode_header(b: &[u8; HEADER_LEN], max_payload: u64) -> Result<Header, W
     let max = match kind {
         FrameKind::Data => max_payload,
         FrameKind::Credit => 0,
-        FrameKind::Abort | FrameKind::Hello => MAX_CONTROL_PAYLOAD,
+        FrameKind::Abort | FrameKind::Hello | FrameKind::Challenge | FrameKind::Proof => {
+            MAX_CONTROL_PAYLOAD
+        }
     };
     if h.payload_len > max {
         return Err(WireError::TooLong {
@@ -323,6 +332,8 @@ mod tests {
             Just(FrameKind::Abort),
             Just(FrameKind::Credit),
             Just(FrameKind::Hello),
+            Just(FrameKind::Challenge),
+            Just(FrameKind::Proof),
         ]
     }
 
