@@ -48,7 +48,8 @@ fn checkpoints(dir: &Path) -> Vec<String> {
 
 #[test]
 fn trains_logs_plain_lines_checkpoints_and_resumes() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli_train_digits");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli_train_digits-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
 
     let (stdout, stderr) = text(&train_digits(3, &dir));
