@@ -88,9 +88,7 @@ fn file_stem(d: &DeviceName) -> String {
 /// Runs `dflow partition`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let graph = super::common::load_program(&args.graph)?.graph;
-    // The error names the file and carries its cause in its message; flattening it keeps
-    // `{:#}` from printing the cause chain a second time.
-    let cluster = ClusterSpec::from_file(&args.cluster).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cluster = ClusterSpec::from_file(&args.cluster)?;
     let default_device = DeviceName::parse(&args.default_device).context("--default-device")?;
     let popts = PlacementOptions {
         policy: Policy::DeviceSetter {

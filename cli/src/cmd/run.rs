@@ -79,7 +79,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let program = super::common::load_program(&args.graph)?;
     let cluster = match &args.cluster {
-        Some(p) => ClusterSpec::from_file(p).map_err(|e| anyhow::anyhow!("{e}"))?,
+        Some(p) => ClusterSpec::from_file(p)?,
         None => ClusterSpec::local(&[("ps", 1), ("worker", 1)])?,
     };
     let mut feeds: Vec<(String, Tensor)> = Vec::new();
