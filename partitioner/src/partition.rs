@@ -588,6 +588,30 @@ pub fn partition(
         }
         data_in.sort_unstable();
         ctrl_in.sort_unstable();
+        // The local Recv of `src` on this device: the existing pair's, or a new pair's (one pair
+        // per (source, destination device), shared by every consumer here).
+        macro_rules! recv_of {
+            ($src:expr, $sd:expr) => {
+                match pair_of.get(&($src, d)) {
+                    Some(&p) => pairs[p as usize].recv_local,
+                    None => remote(
+                        $src,
+                        d,
+                        $sd,
+                        &mut pairs,
+                        &mut pair_of,
+                        &mut parts,
+                        &mut namer,
+                        &feeds,
+                        &dev_str,
+                        source_type($src),
+                        local_ref($src),
+                        tensor_name($src),
+                        &empty,
+                    ),
+                }
+            };
+        }
         for &(slot, u, out) in &data_in {
             let is_ref = op.inputs.get(slot).is_some_and(|a| a.is_ref);
             let src = match fed(u.index(), out) {
@@ -615,24 +639,7 @@ pub fn partition(
                     consumer_device: dev_str[d as usize].clone(),
                 });
             }
-            let recv = match pair_of.get(&(src, d)) {
-                Some(&p) => pairs[p as usize].recv_local,
-                None => remote(
-                    src,
-                    d,
-                    sd,
-                    &mut pairs,
-                    &mut pair_of,
-                    &mut parts,
-                    &mut namer,
-                    &feeds,
-                    &dev_str,
-                    source_type(src),
-                    local_ref(src),
-                    tensor_name(src),
-                    &empty,
-                ),
-            };
+            let recv = recv_of!(src, sd);
             data_from.push((EdgeSrc::Local(recv), 0));
         }
         for &(_, u) in &ctrl_in {
@@ -641,24 +648,7 @@ pub fn partition(
             let from = if sd == d {
                 EdgeSrc::Orig(u.index() as u32)
             } else {
-                EdgeSrc::Local(match pair_of.get(&(src, d)) {
-                    Some(&p) => pairs[p as usize].recv_local,
-                    None => remote(
-                        src,
-                        d,
-                        sd,
-                        &mut pairs,
-                        &mut pair_of,
-                        &mut parts,
-                        &mut namer,
-                        &feeds,
-                        &dev_str,
-                        source_type(src),
-                        local_ref(src),
-                        tensor_name(src),
-                        &empty,
-                    ),
-                })
+                EdgeSrc::Local(recv_of!(src, sd))
             };
             // Several control edges can collapse onto one Recv; keep the first of each.
             if !ctrl_from.contains(&from) {
