@@ -92,3 +92,48 @@ fn trains_logs_plain_lines_checkpoints_and_resumes() {
         ["ckpt-00000135.safetensors", "ckpt-00000180.safetensors"]
     );
 }
+
+fn dflow(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn training_without_held_out_data_skips_evaluation() {
+    let o = dflow(&[
+        "run",
+        "--local",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster.json",
+        "--data",
+        "examples/data/digits.csv.gz",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--test-fraction",
+        "0",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("no held-out examples"), "{out}");
+}
+
+#[test]
+fn data_without_a_train_section_is_a_clear_error() {
+    let o = dflow(&[
+        "run",
+        "--local",
+        "examples/mlp/mlp.json",
+        "--cluster",
+        "examples/mlp/cluster.json",
+        "--data",
+        "examples/data/digits.csv.gz",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("has no `train` section"), "{err}");
+}

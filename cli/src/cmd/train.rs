@@ -104,6 +104,13 @@ pub fn train(
         summary.elapsed.as_secs_f64(),
         summary.examples as f64 / summary.elapsed.as_secs_f64().max(1e-9)
     );
+    if test_set.is_empty() {
+        println!(
+            "no held-out examples (--test-fraction {}): nothing to evaluate",
+            args.test_fraction
+        );
+        return Ok(());
+    }
     let loss = evaluate(session, &cfg, &test_set, &training.loss)?;
     println!("held-out loss: {loss:.4}");
     for metric in &training.metrics {
