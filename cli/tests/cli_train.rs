@@ -137,3 +137,21 @@ fn data_without_a_train_section_is_a_clear_error() {
     assert!(!o.status.success());
     assert!(err.contains("has no `train` section"), "{err}");
 }
+
+#[test]
+fn a_zero_batch_size_is_an_error_not_a_silent_no_op() {
+    let o = dflow(&[
+        "run",
+        "--local",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster.json",
+        "--data",
+        "examples/data/digits.csv.gz",
+        "--batch-size",
+        "0",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("batch size must be at least 1"), "{err}");
+}

@@ -148,6 +148,9 @@ pub fn fit(
     if data.is_empty() {
         return Err(TrainError::Config("the training set is empty".into()));
     }
+    if cfg.batch_size == 0 {
+        return Err(TrainError::Config("batch size must be at least 1".into()));
+    }
     let steps_per_epoch = data.num_batches(cfg.batch_size, false) as u64;
     let total_steps = steps_per_epoch * cfg.epochs;
     let resumed_from = match &cfg.checkpoint_dir {
