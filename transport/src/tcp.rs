@@ -52,6 +52,11 @@ pub struct TcpConfig {
     pub frame_timeout: Duration,
     /// How long `connect` tries.
     pub connect_timeout: Duration,
+    /// Send a Heartbeat frame on an outgoing connection after it was idle this long, so the
+    /// peer's `idle_timeout` only fires when this task is really gone or stuck (`None`: never).
+    pub heartbeat_interval: Option<Duration>,
+    /// Longest control-plane [`FrameKind::Message`] accepted, checked before allocating.
+    pub max_message: u64,
 }
 
 impl Default for TcpConfig {
@@ -60,6 +65,8 @@ impl Default for TcpConfig {
             idle_timeout: Duration::from_secs(300),
             frame_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            heartbeat_interval: None,
+            max_message: 256 << 20,
         }
     }
 }
@@ -97,6 +104,26 @@ pub enum TcpError {
         key: String,
         /// Why.
         msg: String,
+    },
+}
+
+/// What the data plane reports to the layer above it (the control plane) about its peers.
+#[derive(Debug)]
+pub enum PeerEvent {
+    /// A control-plane message ([`FrameKind::Message`]) from an authenticated connection.
+    Message {
+        /// The sending task, as its Hello named it.
+        peer: Arc<str>,
+        /// The encoded message.
+        body: Vec<u8>,
+    },
+    /// A peer's connection broke or closed, it stayed silent past the idle timeout, or it sent
+    /// a bad frame and was dropped.
+    Gone {
+        /// The task.
+        peer: Arc<str>,
+        /// What happened.
+        cause: String,
     },
 }
 
@@ -360,6 +387,8 @@ pub struct TcpRendezvous {
     /// With a cluster secret, every connection runs the [`crate::auth`] handshake first and a
     /// peer that cannot prove it knows the secret is dropped.
     secret: Option<Secret>,
+    /// Where messages and peer failures go (see [`TcpRendezvous::subscribe`]).
+    events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
 }
 
 impl fmt::Debug for TcpRendezvous {
@@ -400,6 +429,7 @@ impl TcpRendezvous {
             remote_steps: Mutex::default(),
             shutdown,
             secret,
+            events: Mutex::default(),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&rv), listener));
         Ok(rv)
@@ -493,6 +523,64 @@ impl TcpRendezvous {
         Ok(())
     }
 
+    /// Delivers control-plane messages and peer failures to the returned receiver from now on
+    /// (a later call replaces an earlier subscriber). Without a subscriber, messages are dropped
+    /// with a log line.
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *lock(&self.events) = Some(tx);
+        rx
+    }
+
+    fn emit(&self, event: PeerEvent) {
+        let sent = match lock(&self.events).as_ref() {
+            Some(tx) => tx.send(event).map_err(|e| e.0),
+            None => Err(event),
+        };
+        if let Err(PeerEvent::Message { peer, body }) = sent {
+            tracing::warn!(
+                "{}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
+                self.name,
+                body.len()
+            );
+        }
+    }
+
+    /// True when an outgoing connection to `peer` is open.
+    pub fn is_connected(&self, peer: &str) -> bool {
+        lock(&self.peers).writers.contains_key(peer)
+    }
+
+    /// Queues a control-plane message for `peer` (connected with [`TcpRendezvous::connect`]).
+    /// Messages to one peer arrive in the order they were queued, after every Data frame queued
+    /// before them.
+    pub fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        let gone = |cause: String| RendezvousError::PeerGone {
+            peer: peer.to_string(),
+            cause,
+        };
+        let peers = lock(&self.peers);
+        if let Some(cause) = peers.gone.get(peer) {
+            return Err(gone(cause.clone()));
+        }
+        let tx = peers
+            .writers
+            .get(peer)
+            .ok_or_else(|| gone("not connected".into()))?;
+        let head = encode_header(&Header {
+            kind: FrameKind::Message,
+            flags: 0,
+            slot_id: 0,
+            step: 0,
+            payload_len: body.len() as u64,
+        });
+        tx.send(Outgoing {
+            head,
+            body: Body::Bytes(body),
+        })
+        .map_err(|_| gone("connection closed".into()))
+    }
+
     /// Stops accepting and reading; connections close.
     pub fn shutdown(&self) {
         let _ = self.shutdown.send(true);
@@ -510,6 +598,10 @@ impl TcpRendezvous {
             peer: peer.to_string(),
             cause: cause.to_string(),
         };
+        self.emit(PeerEvent::Gone {
+            peer: peer.clone(),
+            cause: cause.to_string(),
+        });
         let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
         for step in steps {
             let waits_on_peer = self
@@ -619,11 +711,29 @@ async fn writer(
     mut stream: TcpStream,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
-    let timeout = match rv.upgrade() {
-        Some(rv) => rv.config.frame_timeout,
+    let (timeout, heartbeat) = match rv.upgrade() {
+        Some(rv) => (rv.config.frame_timeout, rv.config.heartbeat_interval),
         None => return,
     };
-    while let Some(out) = rx.recv().await {
+    let beat = encode_header(&Header {
+        kind: FrameKind::Heartbeat,
+        flags: 0,
+        slot_id: 0,
+        step: 0,
+        payload_len: 0,
+    });
+    loop {
+        let next = match heartbeat {
+            Some(every) => match tokio::time::timeout(every, rx.recv()).await {
+                Ok(next) => next,
+                Err(_) => Some(Outgoing {
+                    head: beat,
+                    body: Body::Bytes(Vec::new()),
+                }),
+            },
+            None => rx.recv().await,
+        };
+        let Some(out) = next else { break };
         let body: &[u8] = match &out.body {
             Body::Tensor(t) => t.as_bytes(),
             Body::Bytes(b) => b,
@@ -765,7 +875,11 @@ async fn read_frames(
         // Bound a Data payload by its slot's registered size. An unknown slot id is rejected by
         // `checkout` right after, still before anything is allocated or read.
         let slot_id = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
-        let bound = rv.slots.slot_len(slot_id).unwrap_or(u64::MAX);
+        let bound = if head[6] == FrameKind::Message as u8 {
+            cfg.max_message
+        } else {
+            rv.slots.slot_len(slot_id).unwrap_or(u64::MAX)
+        };
         let h = decode_header_slice(&head[..got], bound).map_err(|e| e.with_peer(&label))?;
         match h.kind {
             FrameKind::Data => {
@@ -816,6 +930,19 @@ async fn read_frames(
                     },
                 );
             }
+            FrameKind::Message => {
+                let mut body = vec![0u8; h.payload_len as usize];
+                tokio::time::timeout(cfg.frame_timeout, stream.read_exact(&mut body))
+                    .await
+                    .map_err(|_| timed(&label, "reading a message"))?
+                    .map_err(|e| io_err(&label, "reading a message", e))?;
+                rv.emit(PeerEvent::Message {
+                    peer: peer.clone(),
+                    body,
+                });
+            }
+            // Any frame proves the peer alive; the read timeout above does the rest.
+            FrameKind::Heartbeat => {}
             // TODO(credits): a Credit releases a slot on the sender side.
             FrameKind::Credit => {}
             FrameKind::Hello | FrameKind::Challenge | FrameKind::Proof => {

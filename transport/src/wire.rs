@@ -46,6 +46,11 @@ pub enum FrameKind {
     Challenge = 5,
     /// The connector's proof that it knows the secret ([`crate::auth`] Proof).
     Proof = 6,
+    /// A control-plane message (the payload is an encoded [`crate::control`] message), bounded by
+    /// the receiver's configured message limit rather than a slot.
+    Message = 7,
+    /// Keeps an idle connection alive and proves the peer is still there (no payload).
+    Heartbeat = 8,
 }
 
 impl FrameKind {
@@ -58,13 +63,15 @@ impl FrameKind {
             4 => FrameKind::Hello,
             5 => FrameKind::Challenge,
             6 => FrameKind::Proof,
+            7 => FrameKind::Message,
+            8 => FrameKind::Heartbeat,
             _ => return None,
         })
     }
 
     /// True for kinds whose payload is bounded by [`MAX_CONTROL_PAYLOAD`].
     pub fn is_control(self) -> bool {
-        !matches!(self, FrameKind::Data)
+        !matches!(self, FrameKind::Data | FrameKind::Message)
     }
 }
 
@@ -130,7 +137,7 @@ pub enum WireError {
         peer: PeerTag,
     },
     /// An unknown frame kind.
-    #[error("unknown frame kind {found}{peer} (known: 1 Data, 2 Abort, 3 Credit, 4 Hello)")]
+    #[error("unknown frame kind {found}{peer} (known: 1 Data, 2 Abort, 3 Credit, 4 Hello, 5 Challenge, 6 Proof, 7 Message, 8 Heartbeat)")]
     BadKind {
         /// What was read.
         found: u8,
@@ -198,7 +205,9 @@ fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
 }
 
 /// Decodes and validates a header. A Data frame's payload must be at most `max_payload` bytes
-/// (the slot's registered size); a control frame's at most [`MAX_CONTROL_PAYLOAD`].
+/// (the slot's registered size), a Message's at most `max_payload` (the receiver's message
+/// limit); a handshake or Abort frame's at most [`MAX_CONTROL_PAYLOAD`]; Credit and Heartbeat
+/// frames carry nothing.
 pub fn decode_header(b: &[u8; HEADER_LEN], max_payload: u64) -> Result<Header, WireError> {
     let peer = PeerTag::default();
     let magic = u32::from_le_bytes(arr(&b[0..4]));
@@ -221,8 +230,8 @@ pub fn decode_header(b: &[u8; HEADER_LEN], max_payload: u64) -> Result<Header, W
         payload_len: u64::from_le_bytes(arr(&b[20..28])),
     };
     let max = match kind {
-        FrameKind::Data => max_payload,
-        FrameKind::Credit => 0,
+        FrameKind::Data | FrameKind::Message => max_payload,
+        FrameKind::Credit | FrameKind::Heartbeat => 0,
         FrameKind::Abort | FrameKind::Hello | FrameKind::Challenge | FrameKind::Proof => {
             MAX_CONTROL_PAYLOAD
         }
