@@ -8,6 +8,7 @@ pub mod data;
 pub mod error;
 pub mod npy;
 pub mod plan;
+mod run;
 pub mod session;
 mod step;
 pub mod trace;

@@ -17,19 +17,18 @@
 
 use crate::error::ExecError;
 use crate::plan::ExecutionPlan;
-use crate::step::start_step;
+use crate::run::{run_plans, StepEnv};
 use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::{ClusterSpec, DeviceName, Graph, Shape, Tensor};
 use dflow_partitioner::{
     partition, place, PartitionOptions, Partitions, PlacedGraph, PlacementOptions,
 };
-use dflow_transport::{LocalRendezvous, Rendezvous, RendezvousError, RendezvousKey};
+use dflow_transport::{LocalRendezvous, Rendezvous, RendezvousKey};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How a session places and runs its graph.
 #[derive(Debug, Clone)]
@@ -77,15 +76,8 @@ pub struct Session {
     /// The signature used last, as requested: a training loop repeats one call, and this finds
     /// its plans without building a signature (no allocation per step).
     last: Mutex<Option<(Signature, Arc<CompiledCall>)>>,
-    pool: Arc<rayon::ThreadPool>,
     next_step: AtomicU64,
-    tracer: Option<Arc<Tracer>>,
-    timeout: Duration,
-}
-
-enum Event {
-    DeviceDone(Result<(), ExecError>),
-    Fetched(usize, Result<Tensor, RendezvousError>),
+    env: StepEnv,
 }
 
 /// True when `owned` holds exactly the names in `requested`, in order.
@@ -122,16 +114,20 @@ impl Session {
             .thread_name(|i| format!("dflow-compute-{i}"))
             .build()
             .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
+        let rendezvous = Arc::new(LocalRendezvous::new());
         Ok(Session {
             placed,
-            rendezvous: Arc::new(LocalRendezvous::new()),
+            rendezvous: rendezvous.clone(),
             stores: Mutex::new(BTreeMap::new()),
             cache: Mutex::new(HashMap::new()),
             last: Mutex::new(None),
-            pool: Arc::new(pool),
             next_step: AtomicU64::new(1),
-            tracer: opts.trace.then(|| Arc::new(Tracer::new())),
-            timeout: opts.step_timeout,
+            env: StepEnv {
+                rendezvous,
+                pool: Arc::new(pool),
+                tracer: opts.trace.then(|| Arc::new(Tracer::new())),
+                timeout: opts.step_timeout,
+            },
         })
     }
 
@@ -142,7 +138,7 @@ impl Session {
 
     /// The trace recorder, when tracing is on.
     pub fn tracer(&self) -> Option<&Arc<Tracer>> {
-        self.tracer.as_ref()
+        self.env.tracer.as_ref()
     }
 
     /// The partitions compiled for a run signature (compiling them if needed).
@@ -309,123 +305,13 @@ impl Session {
         feeds: &[Tensor],
         step: u64,
     ) -> Result<Vec<Tensor>, ExecError> {
-        for (value, (key, _, _)) in feeds.iter().zip(&call.feeds) {
-            self.rendezvous
-                .send(key, step, value.clone())
-                .map_err(|e| ExecError::Feed {
-                    name: key.tensor_name.clone(),
-                    message: e.to_string(),
-                })?;
-        }
-        let (tx, rx) = mpsc::channel::<Event>();
-        let rv: Arc<dyn Rendezvous> = self.rendezvous.clone();
-        for plan in &call.plans {
-            let tx = tx.clone();
-            start_step(
-                plan.clone(),
-                step,
-                rv.clone(),
-                self.pool.clone(),
-                self.tracer.clone(),
-                Box::new(move |r| {
-                    let _ = tx.send(Event::DeviceDone(r));
-                }),
-            );
-        }
-        for (i, key) in call.fetches.iter().enumerate() {
-            let tx = tx.clone();
-            self.rendezvous.recv_async(
-                key,
-                step,
-                Box::new(move |r| {
-                    let _ = tx.send(Event::Fetched(i, r));
-                }),
-            );
-        }
-        drop(tx);
-        self.collect(step, call, &rx)
-    }
-
-    fn collect(
-        &self,
-        step: u64,
-        call: &CompiledCall,
-        rx: &mpsc::Receiver<Event>,
-    ) -> Result<Vec<Tensor>, ExecError> {
-        let start = Instant::now();
-        let mut deadline = start + self.timeout;
-        let mut devices_left = call.plans.len();
-        let mut fetched: Vec<Option<Tensor>> = vec![None; call.fetches.len()];
-        let mut fetches_left = call.fetches.len();
-        let mut errors: Vec<ExecError> = Vec::new();
-        let mut timeout_error: Option<ExecError> = None;
-        while devices_left > 0 || fetches_left > 0 {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(wait) {
-                Ok(Event::DeviceDone(r)) => {
-                    devices_left -= 1;
-                    if let Err(e) = r {
-                        errors.push(e);
-                    }
-                }
-                Ok(Event::Fetched(i, r)) => {
-                    fetches_left -= 1;
-                    match r {
-                        Ok(t) => fetched[i] = Some(t),
-                        Err(e) => errors.push(ExecError::Transfer {
-                            node: format!("fetch {}", call.fetches[i].tensor_name),
-                            device: "client".into(),
-                            source: Box::new(e),
-                        }),
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) if timeout_error.is_none() => {
-                    let waiting = self
-                        .rendezvous
-                        .pending_recvs(step)
-                        .into_iter()
-                        .map(|k| (k.tensor_name, k.send_device, k.recv_device))
-                        .collect();
-                    let e = ExecError::Timeout {
-                        step,
-                        waited_ms: start.elapsed().as_millis() as u64,
-                        waiting,
-                    };
-                    self.rendezvous.abort_step(
-                        step,
-                        RendezvousError::Aborted {
-                            step,
-                            cause: e.to_string(),
-                        },
-                    );
-                    timeout_error = Some(e);
-                    // Give the aborted step a bounded grace period to unwind.
-                    deadline = Instant::now() + Duration::from_secs(5);
-                }
-                Err(_) => break, // grace period over, or every sender gone
-            }
-        }
-        if let Some(e) = timeout_error {
-            return Err(e);
-        }
-        if !errors.is_empty() {
-            // The root cause is the error that is not a consequence of the abort.
-            let root = errors
-                .iter()
-                .position(|e| !crate::step::is_abort_echo(e))
-                .unwrap_or(0);
-            return Err(errors.swap_remove(root));
-        }
-        fetched
-            .into_iter()
-            .zip(&call.fetches)
-            .map(|(t, k)| {
-                t.ok_or_else(|| ExecError::Fetch {
-                    name: k.tensor_name.clone(),
-                    message: "no value arrived".into(),
-                })
-            })
-            .collect()
+        let feeds: Vec<(Arc<RendezvousKey>, Tensor)> = call
+            .feeds
+            .iter()
+            .zip(feeds)
+            .map(|((key, _, _), value)| (key.clone(), value.clone()))
+            .collect();
+        run_plans(&self.env, step, &call.plans, &feeds, &call.fetches)
     }
 
     /// Current values of every initialized variable on every device: (device, name, value).
@@ -489,6 +375,7 @@ mod tests {
     use super::*;
     use dflow_graph::builder::GraphBuilder;
     use dflow_graph::DType;
+    use std::time::Instant;
 
     #[test]
     fn a_recv_that_never_arrives_times_out_naming_the_key_and_the_producer() {
