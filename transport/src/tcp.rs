@@ -389,6 +389,10 @@ pub struct TcpRendezvous {
     secret: Option<Secret>,
     /// Where messages and peer failures go (see [`TcpRendezvous::subscribe`]).
     events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    /// The writer tasks of outgoing connections, awaited by [`TcpRendezvous::close`].
+    writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Set by [`TcpRendezvous::close`]: peers closing their connections now is expected.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 impl fmt::Debug for TcpRendezvous {
@@ -430,6 +434,8 @@ impl TcpRendezvous {
             shutdown,
             secret,
             events: Mutex::default(),
+            writer_tasks: Mutex::default(),
+            closing: Default::default(),
         });
         tokio::spawn(accept_loop(Arc::downgrade(&rv), listener));
         Ok(rv)
@@ -519,8 +525,27 @@ impl TcpRendezvous {
             peers.gone.remove(&peer);
             peers.writers.insert(peer.clone(), tx);
         }
-        tokio::spawn(writer(Arc::downgrade(self), peer, stream, rx));
+        let task = tokio::spawn(writer(Arc::downgrade(self), peer, stream, rx));
+        let mut tasks = lock(&self.writer_tasks);
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task);
         Ok(())
+    }
+
+    /// Ends every outgoing connection after the frames already queued on it are written (or
+    /// `within` passed), then stops accepting and reading. For a clean exit: a message queued
+    /// just before is delivered.
+    pub async fn close(&self, within: Duration) {
+        self.closing.store(true, Ordering::SeqCst);
+        lock(&self.peers).writers.clear();
+        let tasks: Vec<_> = lock(&self.writer_tasks).drain(..).collect();
+        let _ = tokio::time::timeout(within, async {
+            for t in tasks {
+                let _ = t.await;
+            }
+        })
+        .await;
+        let _ = self.shutdown.send(true);
     }
 
     /// Delivers control-plane messages and peer failures to the returned receiver from now on
@@ -787,6 +812,13 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
         None => addr.to_string(),
     };
     let cause = match res {
+        Ok(()) if rv.closing.load(Ordering::SeqCst) => {
+            tracing::debug!(
+                "{}: peer `{label}` closed its connection as this task closes",
+                rv.name
+            );
+            return;
+        }
         Ok(()) => "closed the connection".to_string(),
         Err(e) => e.to_string(),
     };
