@@ -476,11 +476,13 @@ fn replicate(
     // Each distinct loss or metric tensor becomes one weighted sum over the replicas.
     let mut summed: HashMap<String, String> = HashMap::new();
     let mut sum = |role: &'static str, tensor: &str| -> Result<String, StrategyError> {
-        if let Some(done) = summed.get(tensor) {
+        // `x` and `x:0` are one tensor, summed once.
+        let key = InputRef::parse(tensor).map_or_else(|_| tensor.to_string(), |r| r.to_string());
+        if let Some(done) = summed.get(&key) {
             return Ok(done.clone());
         }
         let out = weighted_sum(graph, facts, &mut names, &mut nodes, &weights, role, tensor)?;
-        summed.insert(tensor.to_string(), out.clone());
+        summed.insert(key, out.clone());
         Ok(out)
     };
     let loss = sum("loss", &spec.loss)?;
@@ -776,6 +778,24 @@ mod tests {
             "only {checked} gradient ops read replica activations"
         );
         Graph::from_def(def).expect("the sync graph validates");
+    }
+
+    #[test]
+    fn a_tensor_named_twice_is_summed_once() {
+        let g = ps_training(
+            &model(),
+            &spec("loss:0", &["loss", "mse"]),
+            2,
+            PsMode::Sync,
+            "x",
+            "y",
+        )
+        .unwrap()
+        .remove(0);
+        assert_eq!(g.training.loss, "loss");
+        assert_eq!(g.training.metrics, ["loss", "mse"]);
+        assert!(!g.training.def.nodes.iter().any(|n| n.name == "loss_1"));
+        assert_eq!(g.eval.loss, "replica_0/loss");
     }
 
     #[test]
