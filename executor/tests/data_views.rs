@@ -1,6 +1,6 @@
 //! Splitting, sharding and batching: coverage, disjointness, determinism, batch shapes.
 
-use dflow_executor::data::{epoch_seed, Dataset};
+use dflow_executor::data::{epoch_seed, part_range, Dataset};
 use dflow_graph::DType;
 use std::collections::BTreeSet;
 
@@ -182,6 +182,102 @@ fn shuffled_shard_batches_stay_in_the_shard() {
     let mut sorted = rows.clone();
     sorted.sort_unstable();
     assert_eq!(sorted, ids(&shard));
+}
+
+/// The rows of a batch (feature 0 is the row number), checking features and labels agree.
+fn batch_rows(x: &dflow_graph::Tensor, y: &dflow_graph::Tensor) -> Vec<usize> {
+    let xs = x.as_slice::<f32>().unwrap();
+    let ys = y.as_slice::<i64>().unwrap();
+    assert_eq!(xs.len(), ys.len() * 3);
+    xs.chunks(3)
+        .zip(ys)
+        .map(|(r, &label)| {
+            let row = r[0] as usize;
+            assert_eq!(label, (row % 10) as i64, "labels follow their rows");
+            row
+        })
+        .collect()
+}
+
+#[test]
+fn batch_parts_concatenate_to_the_batch() {
+    // 104 examples of a split view (batches of 32: 32, 32, 32 and 8); epochs shuffle differently.
+    let (ds, _) = dataset(130).split(0.2, 3).unwrap();
+    assert_eq!(ds.len(), 104);
+    for (batch_size, parts) in [(32, 2), (31, 2), (32, 3), (10, 4), (7, 1), (104, 5)] {
+        for epoch in [0, 1] {
+            let batches: Vec<_> = ds
+                .batches(batch_size, Some(9), epoch, false)
+                .unwrap()
+                .collect();
+            for (index, batch) in batches.into_iter().enumerate() {
+                let (x, y) = batch.unwrap();
+                let whole = batch_rows(&x, &y);
+                let mut joined = Vec::new();
+                for part in 0..parts {
+                    let range = part_range(whole.len(), part, parts).unwrap();
+                    if range.is_empty() {
+                        assert!(ds
+                            .batch_part(batch_size, 9, epoch, index, part, parts)
+                            .is_err());
+                        continue;
+                    }
+                    let (px, py) = ds
+                        .batch_part(batch_size, 9, epoch, index, part, parts)
+                        .unwrap();
+                    assert_eq!(px.dims(), &[range.len(), 3]);
+                    assert_eq!(py.dims(), &[range.len()]);
+                    joined.extend(batch_rows(&px, &py));
+                }
+                assert_eq!(
+                    joined, whole,
+                    "batch {batch_size}x{index} in {parts} parts, epoch {epoch}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn parts_differ_by_at_most_one_row_and_the_first_are_longer() {
+    for rows in 0..40 {
+        for parts in 1..7 {
+            let ranges: Vec<_> = (0..parts)
+                .map(|p| part_range(rows, p, parts).unwrap())
+                .collect();
+            assert_eq!(ranges[0].start, 0);
+            assert_eq!(ranges[parts - 1].end, rows);
+            for w in ranges.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "contiguous");
+                assert!(w[0].len() == w[1].len() || w[0].len() == w[1].len() + 1);
+            }
+            assert_eq!(part_range(rows, parts, parts), None);
+        }
+    }
+    assert_eq!(part_range(31, 0, 2), Some(0..16));
+    assert_eq!(part_range(31, 1, 2), Some(16..31));
+    assert_eq!(part_range(5, 0, 0), None);
+}
+
+#[test]
+fn batch_part_refuses_out_of_range_arguments() {
+    let ds = dataset(10);
+    let err = |batch_size, index, part, parts| {
+        ds.batch_part(batch_size, 0, 0, index, part, parts)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(err(0, 0, 0, 1).contains("batch size"));
+    let e = err(4, 3, 0, 2);
+    assert!(e.contains("batch 3 is not in 0..3"), "{e}");
+    let e = err(4, 0, 2, 2);
+    assert!(e.contains("part 2 is not in 0..2"), "{e}");
+    let e = err(4, 0, 0, 0);
+    assert!(e.contains("not in 0..0"), "{e}");
+    // The last batch holds 2 rows: a third part would be empty.
+    let e = err(4, 2, 2, 3);
+    assert!(e.contains("empty") && e.contains("only 2 examples"), "{e}");
+    assert!(ds.batch_part(4, 0, 0, 2, 1, 3).is_ok());
 }
 
 #[test]

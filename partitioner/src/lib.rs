@@ -29,6 +29,7 @@ pub mod partition;
 pub mod place;
 pub mod plan;
 pub mod render;
+pub mod strategy;
 pub mod synthetic;
 
 pub use error::{LoadError, PartitionError, PlacementError};
@@ -38,3 +39,4 @@ pub use partition::{
 pub use place::{place, PlacedGraph, PlacementOptions, Policy, PsStrategy};
 pub use plan::{BufferPlan, SlotPlan};
 pub use render::{load_json, render_dot, render_json, render_text};
+pub use strategy::{ps_training, PsGraph, PsMode, StrategyError};

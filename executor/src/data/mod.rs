@@ -35,6 +35,7 @@ use dflow_graph::{DType, Tensor, TensorError};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -414,10 +415,7 @@ impl Dataset {
         if batch_size == 0 {
             return Err(DataError::InvalidArgument("batch size must be > 0".into()));
         }
-        let mut order: Vec<usize> = self.rows.to_vec();
-        if let Some(seed) = shuffle_seed {
-            order.shuffle(&mut ChaCha8Rng::seed_from_u64(epoch_seed(seed, epoch)));
-        }
+        let mut order = self.epoch_order(shuffle_seed, epoch);
         if drop_remainder {
             order.truncate(order.len() - order.len() % batch_size);
         }
@@ -427,6 +425,63 @@ impl Dataset {
             next: 0,
             batch_size,
         })
+    }
+
+    /// Part `part` of `parts` of batch `batch_index` of an epoch shuffled with `seed`, as
+    /// `(features [m, F], labels [m])`: the batch is the one [`Dataset::batches`]`(batch_size,
+    /// Some(seed), epoch, false)` yields at that index, cut into `parts` contiguous slices by
+    /// [`part_range`]. Concatenating the parts in order gives the batch back, so `parts` workers
+    /// of a synchronous step together see exactly the global batch.
+    ///
+    /// Each call shuffles the whole view again (`O(len)`): cheap next to a training step on
+    /// in-memory data, but a loop over many batches should call [`Dataset::batches`] instead.
+    ///
+    /// Errors: batch size 0, `part` not in `0..parts`, `batch_index` past the epoch's last batch,
+    /// or an empty part (a batch with fewer rows than `parts`).
+    pub fn batch_part(
+        &self,
+        batch_size: usize,
+        seed: u64,
+        epoch: u64,
+        batch_index: usize,
+        part: usize,
+        parts: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        if batch_size == 0 {
+            return Err(DataError::InvalidArgument("batch size must be > 0".into()));
+        }
+        let num_batches = self.num_batches(batch_size, false);
+        if batch_index >= num_batches {
+            return Err(DataError::InvalidArgument(format!(
+                "batch {batch_index} is not in 0..{num_batches} ({} examples in batches of {batch_size})",
+                self.len()
+            )));
+        }
+        let start = batch_index * batch_size;
+        let rows = (self.len() - start).min(batch_size);
+        let range = part_range(rows, part, parts).ok_or_else(|| {
+            DataError::InvalidArgument(format!("batch part {part} is not in 0..{parts}"))
+        })?;
+        if range.is_empty() {
+            return Err(DataError::InvalidArgument(format!(
+                "part {part} of {parts} of batch {batch_index} would be empty: the batch has only {rows} examples"
+            )));
+        }
+        let order = self.epoch_order(Some(seed), epoch);
+        gather(
+            &self.storage,
+            &order[start + range.start..start + range.end],
+        )
+    }
+
+    /// The view's rows in the order of `epoch`: shuffled as [`Dataset::batches`] documents, or
+    /// as they are without a seed.
+    fn epoch_order(&self, shuffle_seed: Option<u64>, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = self.rows.to_vec();
+        if let Some(seed) = shuffle_seed {
+            order.shuffle(&mut ChaCha8Rng::seed_from_u64(epoch_seed(seed, epoch)));
+        }
+        order
     }
 
     /// The whole view as two tensors `(features [n, F], labels [n])` (e.g. for evaluation).
@@ -439,6 +494,28 @@ impl Dataset {
 /// the golden-ratio constant spreads consecutive epochs over all 64 bits). Epoch 0 uses `seed`.
 pub fn epoch_seed(seed: u64, epoch: u64) -> u64 {
     seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// The rows of part `part` when `rows` rows are cut into `parts` contiguous slices: the first
+/// `rows % parts` slices hold `rows / parts + 1` rows, the others `rows / parts`. `None` when
+/// `part` is not in `0..parts`; a range is empty when `rows < parts` and `part >= rows`.
+///
+/// ```
+/// use dflow_executor::data::part_range;
+///
+/// assert_eq!(part_range(31, 0, 2), Some(0..16));
+/// assert_eq!(part_range(31, 1, 2), Some(16..31));
+/// assert_eq!(part_range(2, 2, 3), Some(2..2));
+/// assert_eq!(part_range(8, 3, 3), None);
+/// ```
+pub fn part_range(rows: usize, part: usize, parts: usize) -> Option<Range<usize>> {
+    if part >= parts {
+        return None;
+    }
+    let (size, longer) = (rows / parts, rows % parts);
+    let start = part * size + part.min(longer);
+    let len = size + usize::from(part < longer);
+    Some(start..start + len)
 }
 
 /// Copies the given storage rows into fresh `[n, F]` and `[n]` tensors.
