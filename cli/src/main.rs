@@ -27,7 +27,9 @@ enum Command {
     /// Place and partition a graph over a cluster; print per-device subgraphs and Send/Recv pairs.
     Partition(cmd::partition::Args),
     /// Run a graph (`--local`: every task of the cluster in this process).
-    Run(cmd::run::Args),
+    Run(Box<cmd::run::Args>),
+    /// Work with Chrome traces written by `run --trace` (merge the per-task files of a job).
+    Trace(cmd::trace::Args),
 }
 
 fn main() -> ExitCode {
@@ -43,7 +45,8 @@ fn main() -> ExitCode {
         Command::Check(a) => cmd::check::run(a),
         Command::Convert(a) => cmd::convert::run(a),
         Command::Partition(a) => cmd::partition::run(a),
-        Command::Run(a) => cmd::run::run(a),
+        Command::Run(a) => cmd::run::run(*a),
+        Command::Trace(a) => cmd::trace::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

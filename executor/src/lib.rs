@@ -4,6 +4,7 @@
 #![deny(unused_must_use)]
 
 pub mod checkpoint;
+pub mod cluster;
 pub mod data;
 pub mod error;
 pub mod npy;

@@ -49,6 +49,9 @@ impl TraceEvent {
 #[derive(Debug)]
 pub struct Tracer {
     start: Instant,
+    /// Wall-clock microseconds since the Unix epoch at `start`: written timestamps are absolute,
+    /// so the traces of several processes line up when merged.
+    epoch_us: f64,
     events: Mutex<Vec<TraceEvent>>,
 }
 
@@ -56,6 +59,10 @@ impl Default for Tracer {
     fn default() -> Self {
         Tracer {
             start: Instant::now(),
+            epoch_us: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64() * 1e6)
+                .unwrap_or(0.0),
             events: Mutex::new(Vec::new()),
         }
     }
@@ -92,13 +99,16 @@ impl Tracer {
     }
 
     /// The trace in Chrome's JSON object format: `{"traceEvents": [...], "displayTimeUnit": "ms"}`
-    /// with one process (track) per device, named after the device.
+    /// with one process (track) per device, named after the device. Timestamps are wall-clock
+    /// microseconds since the Unix epoch and a device's process id is a hash of its name, so
+    /// the files written by the tasks of one job merge by concatenating their `traceEvents`
+    /// (`dflow trace merge`).
     pub fn to_chrome_json(&self) -> serde_json::Value {
         let events = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let mut pids: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut pids: BTreeMap<&str, u64> = BTreeMap::new();
         for e in events.iter() {
-            let next = pids.len() + 1;
-            pids.entry(e.device.as_str()).or_insert(next);
+            pids.entry(e.device.as_str())
+                .or_insert_with(|| device_pid(&e.device));
         }
         let mut out = Vec::with_capacity(events.len() + pids.len());
         for (device, pid) in &pids {
@@ -115,7 +125,7 @@ impl Tracer {
             }
             out.push(serde_json::json!({
                 "name": e.name, "cat": e.cat, "ph": "X",
-                "ts": e.ts, "dur": e.dur,
+                "ts": e.ts + self.epoch_us, "dur": e.dur,
                 "pid": pids.get(e.device.as_str()).copied().unwrap_or(0),
                 "tid": if e.cat == "Send" || e.cat == "Recv" { 1 } else { 0 },
                 "args": args,
@@ -123,4 +133,14 @@ impl Tracer {
         }
         serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"})
     }
+}
+
+/// A stable process id for a device: FNV-1a of its name, kept positive in 31 bits.
+fn device_pid(device: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in device.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h & 0x7fff_ffff).max(1)
 }

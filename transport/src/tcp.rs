@@ -819,10 +819,17 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
             );
             return;
         }
-        Ok(()) => "closed the connection".to_string(),
-        Err(e) => e.to_string(),
+        Ok(()) => {
+            // A clean close between frames: the layer above decides whether that is a failure
+            // (a task dying mid-job) or expected (the job ending), and says so.
+            tracing::debug!(peer = %label, "{}: peer `{label}` closed the connection", rv.name);
+            "closed the connection".to_string()
+        }
+        Err(e) => {
+            tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name);
+            e.to_string()
+        }
     };
-    tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {cause}", rv.name);
     if let Some(p) = peer {
         rv.peer_gone(&p, &cause);
     }

@@ -1,7 +1,10 @@
 //! One module per subcommand.
 pub mod check;
+pub mod cluster;
 pub mod common;
 pub mod convert;
 pub mod partition;
+pub mod progress;
 pub mod run;
+pub mod trace;
 pub mod train;

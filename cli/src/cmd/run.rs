@@ -1,4 +1,6 @@
-//! `dflow run`: run a graph. `--local` starts every task of the cluster inside this process.
+//! `dflow run`: run a graph. `--local` starts every task of the cluster inside this process;
+//! `--job J --index I` (or `TF_CONFIG`) runs one task of a distributed job (see
+//! [`super::cluster`]).
 
 use anyhow::{bail, Context};
 use dflow_executor::npy::{read_npy, write_npy};
@@ -10,14 +12,39 @@ use std::time::Duration;
 /// Arguments of `dflow run`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The graph file (JSON or DSL).
-    pub graph: PathBuf,
+    /// The graph file (JSON or DSL). Needed by `--local` runs and the chief (worker 0); other
+    /// tasks of a distributed job get their partitions from the chief.
+    pub graph: Option<PathBuf>,
     /// Run every task of the cluster in this process (the in-process backend).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["job", "index"])]
     pub local: bool,
+    /// Distributed: this process's job in the cluster (`ps` or `worker`; worker 0 is the chief).
+    /// Without --job and --local, the task comes from the TF_CONFIG environment variable.
+    #[arg(long, requires = "cluster")]
+    pub job: Option<String>,
+    /// Distributed: this process's index in its job.
+    #[arg(long, default_value_t = 0)]
+    pub index: u32,
     /// The cluster spec (JSON). With --local, defaults to one ps and one worker.
     #[arg(long)]
     pub cluster: Option<PathBuf>,
+    /// Distributed: a file holding the cluster secret (at least 16 bytes); every connection
+    /// must prove it knows it. Without it, the DFLOW_SECRET environment variable is used if set.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Distributed: seconds to wait for every other task to start.
+    #[arg(long, default_value_t = 60)]
+    pub startup_timeout: u64,
+    /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
+    /// step (the default).
+    #[arg(long, conflicts_with = "async")]
+    pub sync: bool,
+    /// Distributed training: apply each worker's gradients as they arrive; reports staleness.
+    #[arg(long = "async")]
+    pub r#async: bool,
+    /// Training: write `step loss` lines of every step to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub losses_out: Option<PathBuf>,
     /// Feed a tensor from a .npy file: `name=FILE.npy` (repeatable).
     #[arg(long = "feed", value_name = "NAME=FILE")]
     pub feeds: Vec<String>,
@@ -36,7 +63,8 @@ pub struct Args {
     /// Write each fetched tensor of the last step to DIR/NAME.npy.
     #[arg(long, value_name = "DIR")]
     pub out_dir: Option<PathBuf>,
-    /// Seconds a step may take before it is aborted.
+    /// Seconds a step may take before it is aborted; distributed, also how long a silent task
+    /// is trusted before it is declared dead.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
     /// Training: the data set (CSV, gzip detected; label in the last column). Requires a graph
@@ -75,9 +103,22 @@ pub struct Args {
 /// Runs `dflow run`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     if !args.local {
-        bail!("only `--local` runs are supported by this build (distributed `--job/--index` runs are not implemented yet)");
+        if let Some(job) = &args.job {
+            let path = args.cluster.as_ref().context("--job needs --cluster")?;
+            let cluster = ClusterSpec::from_file(path)?;
+            let job = job.clone();
+            return super::cluster::run_task(&args, cluster, &job, args.index);
+        }
+        if std::env::var_os(dflow_graph::cluster::TF_CONFIG_VAR).is_some() {
+            let tf = dflow_graph::TfConfig::from_env()?;
+            return super::cluster::run_task(&args, tf.cluster, &tf.task_type, tf.task_index);
+        }
+        bail!("say where to run: --local (every task in this process), --job J --index I --cluster FILE (one task of a distributed job), or set TF_CONFIG");
     }
-    let program = super::common::load_program(&args.graph)?;
+    let Some(graph_path) = &args.graph else {
+        bail!("--local needs the graph file");
+    };
+    let program = super::common::load_program(graph_path)?;
     let cluster = match &args.cluster {
         Some(p) => ClusterSpec::from_file(p)?,
         None => ClusterSpec::local(&[("ps", 1), ("worker", 1)])?,

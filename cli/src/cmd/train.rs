@@ -1,15 +1,13 @@
 //! The training mode of `dflow run --data ...`: split, train with a progress bar, evaluate.
 
+use super::progress::Progress;
 use super::run::Args;
 use anyhow::Context;
 use dflow_executor::data::{read_csv, ReadOptions};
-use dflow_executor::trainer::{evaluate, fit, StepReport, TrainConfig};
+use dflow_executor::trainer::{evaluate, fit, TrainConfig};
 use dflow_executor::Session;
 use dflow_graph::train::TrainingGraph;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use std::io::IsTerminal;
 use std::path::Path;
-use std::time::Instant;
 
 /// Trains `session` on the CSV at `data` as `args` says, then prints held-out metrics.
 pub fn train(
@@ -34,7 +32,6 @@ pub fn train(
         keep_checkpoints: 3,
     };
     let steps_per_epoch = train_set.num_batches(args.batch_size, false) as u64;
-    let total = steps_per_epoch * args.epochs;
     eprintln!(
         "training on {} examples ({} held out), {} epochs of {} steps, batch {}",
         train_set.len(),
@@ -43,55 +40,9 @@ pub fn train(
         steps_per_epoch,
         args.batch_size
     );
-    let fancy = !args.quiet && std::io::stderr().is_terminal();
-    let bar = if fancy {
-        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  ETA {eta}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        Some(bar)
-    } else {
-        None
-    };
-    let start = Instant::now();
-    let mut examples = 0u64;
-    let mut epoch_loss = (0.0f64, 0u64);
-    let on_step = |r: &StepReport| {
-        examples += r.examples as u64;
-        epoch_loss.0 += r.loss;
-        epoch_loss.1 += 1;
-        let rate = examples as f64 / start.elapsed().as_secs_f64().max(1e-9);
-        if let Some(bar) = &bar {
-            bar.set_position(r.step);
-            bar.set_message(format!(
-                "epoch {}  loss {:.4}  {:.0} examples/s",
-                r.epoch + 1,
-                r.loss,
-                rate
-            ));
-        }
-        if r.step % steps_per_epoch == 0 || r.step == r.total_steps {
-            let line = format!(
-                "epoch {}/{}  step {}/{}  mean loss {:.4}  {:.0} examples/s",
-                r.epoch + 1,
-                args.epochs,
-                r.step,
-                r.total_steps,
-                epoch_loss.0 / epoch_loss.1.max(1) as f64,
-                rate
-            );
-            match &bar {
-                Some(bar) => bar.println(line),
-                None => eprintln!("{line}"),
-            }
-            epoch_loss = (0.0, 0);
-        }
-    };
-    let summary = fit(session, &cfg, &train_set, on_step)?;
-    if let Some(bar) = &bar {
-        bar.finish_and_clear();
-    }
+    let mut progress = Progress::new(args.epochs, steps_per_epoch, args.quiet);
+    let summary = fit(session, &cfg, &train_set, |r| progress.step(r))?;
+    progress.finish();
     if let Some(step) = summary.resumed_from {
         eprintln!("resumed from the checkpoint at step {step}");
     }
@@ -104,6 +55,16 @@ pub fn train(
         summary.elapsed.as_secs_f64(),
         summary.examples as f64 / summary.elapsed.as_secs_f64().max(1e-9)
     );
+    if let Some(path) = &args.losses_out {
+        let first = summary.resumed_from.unwrap_or(0);
+        let text: String = summary
+            .losses
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("{} {l:.9}\n", first + i as u64 + 1))
+            .collect();
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     if test_set.is_empty() {
         println!(
             "no held-out examples (--test-fraction {}): nothing to evaluate",

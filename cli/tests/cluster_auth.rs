@@ -1,0 +1,124 @@
+//! A job with a cluster secret: connections that cannot prove they know it, and authenticated
+//! ones that send a truncated frame or a frame longer than its slot, are dropped and logged;
+//! training goes on and ends correctly.
+
+mod support;
+
+use dflow_transport::auth::{Connector, Secret};
+use dflow_transport::wire::{decode_header, encode_header, FrameKind, Header, HEADER_LEN};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+use support::*;
+
+fn frame(kind: FrameKind, slot_id: u32, payload_len: u64) -> [u8; HEADER_LEN] {
+    encode_header(&Header {
+        kind,
+        flags: 0,
+        slot_id,
+        step: 1,
+        payload_len,
+    })
+}
+
+fn connect(port: u16) -> TcpStream {
+    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// True when the peer closed the connection (reads EOF or a reset) within the read timeout.
+fn closed_by_peer(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Runs the HMAC handshake as `name` and returns the authenticated stream.
+fn authenticated(port: u16, secret: &Secret, name: &str) -> TcpStream {
+    let mut s = connect(port);
+    let (conn, hello) = Connector::hello(secret, name);
+    s.write_all(&frame(FrameKind::Hello, 0, hello.len() as u64))
+        .unwrap();
+    s.write_all(&hello).unwrap();
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head).unwrap();
+    let h = decode_header(&head, 0).unwrap();
+    assert_eq!(h.kind, FrameKind::Challenge);
+    let mut challenge = vec![0u8; h.payload_len as usize];
+    s.read_exact(&mut challenge).unwrap();
+    let (_, proof) = conn.answer(&challenge, "ps").unwrap();
+    s.write_all(&frame(FrameKind::Proof, 0, proof.len() as u64))
+        .unwrap();
+    s.write_all(&proof).unwrap();
+    s
+}
+
+#[test]
+fn rogue_clients_are_rejected_and_training_goes_on() {
+    let _serial = serial();
+    let cluster = Cluster::new(1, 2);
+    let secret_file = cluster.path("secret");
+    std::fs::write(&secret_file, "a-cluster-secret-of-32-bytes-xyz").unwrap();
+    let secret = Secret::from_file(&secret_file).unwrap();
+    let sf = secret_file.to_string_lossy().into_owned();
+    let common = [
+        "--data",
+        "examples/data/digits.csv.gz",
+        "--epochs",
+        "30",
+        "--quiet",
+        "--secret-file",
+        &sf,
+    ];
+    let ps = Task::start(&cluster, "ps", 0, &["--secret-file", &sf]);
+    let worker1 = Task::start(&cluster, "worker", 1, &common);
+    let mut chief_args = vec!["examples/digits/digits.json"];
+    chief_args.extend(common);
+    let chief = Task::start(&cluster, "worker", 0, &chief_args);
+    chief.wait_for_stderr(Duration::from_secs(60), |s| s.contains("every task joined"));
+    let ps_port = cluster.ps[0];
+
+    // 1. No secret: a plain Hello naming a real task is refused.
+    let mut s = connect(ps_port);
+    let name = b"/job:worker/replica:0/task:1";
+    s.write_all(&frame(FrameKind::Hello, 0, name.len() as u64))
+        .unwrap();
+    s.write_all(name).unwrap();
+    assert!(
+        closed_by_peer(&mut s),
+        "an unauthenticated client stays connected"
+    );
+
+    // 2. Authenticated, then a truncated frame: half a header, then silence and close.
+    let mut s = authenticated(ps_port, &secret, "intruder-1");
+    s.write_all(&frame(FrameKind::Data, 1, 8)[..10]).unwrap();
+    drop(s);
+
+    // 3. Authenticated, then a frame longer than its slot.
+    let mut s = authenticated(ps_port, &secret, "intruder-2");
+    s.write_all(&frame(FrameKind::Data, 1, 1 << 40)).unwrap();
+    assert!(
+        closed_by_peer(&mut s),
+        "an oversized frame did not drop the connection"
+    );
+
+    let chief = chief.wait(Duration::from_secs(240));
+    chief.assert_success();
+    let accuracy = chief.held_out("accuracy");
+    assert!(accuracy >= 0.93, "held-out accuracy {accuracy}");
+    worker1.wait(Duration::from_secs(30)).assert_success();
+    let ps = ps.wait(Duration::from_secs(30));
+    ps.assert_success();
+    assert!(ps.stderr.contains("authenticating"), "{}", ps.stderr);
+    assert!(ps.stderr.contains("intruder-1"), "{}", ps.stderr);
+    assert!(ps.stderr.contains("intruder-2"), "{}", ps.stderr);
+    assert!(ps.stderr.contains("at most"), "{}", ps.stderr);
+}

@@ -1,0 +1,289 @@
+//! Starting real `dflow` processes as the tasks of a job on 127.0.0.1, bounded in time.
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// One multi-process test at a time per test binary: each starts several processes, and the
+/// CI machine has two cores.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `n` ports that were free a moment ago.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+/// A cluster spec file with `ps` ps tasks and `workers` workers on fresh local ports.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub file: PathBuf,
+    pub ps: Vec<u16>,
+    pub workers: Vec<u16>,
+}
+
+impl Cluster {
+    pub fn new(ps: usize, workers: usize) -> Cluster {
+        let ports = free_ports(ps + workers);
+        let (p, w) = ports.split_at(ps);
+        let addrs = |ports: &[u16]| -> Vec<String> {
+            ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect()
+        };
+        let json = format!(
+            "{{\"ps\": [{}], \"worker\": [{}]}}",
+            addrs(p).join(", "),
+            addrs(w).join(", ")
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("cluster.json");
+        std::fs::write(&file, json).unwrap();
+        Cluster {
+            dir,
+            file,
+            ps: p.to_vec(),
+            workers: w.to_vec(),
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+/// A running task; killed when dropped.
+pub struct Task {
+    pub name: String,
+    child: Child,
+    stderr_file: PathBuf,
+    stdout_file: PathBuf,
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The end of a task: exit status and its output.
+#[derive(Debug)]
+pub struct Ended {
+    pub name: String,
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+fn read(path: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(mut f) = std::fs::File::open(path) {
+        let _ = f.read_to_string(&mut s);
+    }
+    s
+}
+
+impl Task {
+    /// Starts `dflow run --job JOB --index I --cluster FILE EXTRA...` from the repository root.
+    pub fn start(cluster: &Cluster, job: &str, index: usize, extra: &[&str]) -> Task {
+        Task::start_with_env(cluster, job, index, extra, &[])
+    }
+
+    pub fn start_with_env(
+        cluster: &Cluster,
+        job: &str,
+        index: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Task {
+        let name = format!("{job}-{index}");
+        let stdout_file = cluster.path(&format!("{name}.stdout"));
+        let stderr_file = cluster.path(&format!("{name}.stderr"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflow"));
+        cmd.args([
+            "run",
+            "--job",
+            job,
+            "--index",
+            &index.to_string(),
+            "--cluster",
+        ])
+        .arg(&cluster.file)
+        .args(extra)
+        .current_dir(repo())
+        .env_remove("TF_CONFIG")
+        .env_remove("DFLOW_SECRET")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&stdout_file).unwrap())
+        .stderr(std::fs::File::create(&stderr_file).unwrap());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().unwrap();
+        Task {
+            name,
+            child,
+            stderr_file,
+            stdout_file,
+        }
+    }
+
+    /// Starts `dflow run EXTRA...` with the task given by `TF_CONFIG` instead of flags.
+    pub fn start_tf_config(cluster: &Cluster, job: &str, index: usize, extra: &[&str]) -> Task {
+        let spec = std::fs::read_to_string(&cluster.file).unwrap();
+        let tf_config = format!(
+            "{{\"cluster\": {spec}, \"task\": {{\"type\": \"{job}\", \"index\": {index}}}}}"
+        );
+        let name = format!("{job}-{index}");
+        let stdout_file = cluster.path(&format!("{name}.stdout"));
+        let stderr_file = cluster.path(&format!("{name}.stderr"));
+        let child = Command::new(env!("CARGO_BIN_EXE_dflow"))
+            .arg("run")
+            .args(extra)
+            .current_dir(repo())
+            .env("TF_CONFIG", tf_config)
+            .env_remove("DFLOW_SECRET")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&stdout_file).unwrap())
+            .stderr(std::fs::File::create(&stderr_file).unwrap())
+            .spawn()
+            .unwrap();
+        Task {
+            name,
+            child,
+            stderr_file,
+            stdout_file,
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        read(&self.stderr_file)
+    }
+
+    pub fn stdout(&self) -> String {
+        read(&self.stdout_file)
+    }
+
+    /// Waits at most `limit` for the task to exit; panics with its output otherwise.
+    pub fn wait(mut self, limit: Duration) -> Ended {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Ended {
+                    name: self.name.clone(),
+                    status,
+                    stdout: self.stdout(),
+                    stderr: self.stderr(),
+                };
+            }
+            if start.elapsed() > limit {
+                let _ = self.child.kill();
+                panic!(
+                    "{} did not exit within {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                    self.name,
+                    self.stdout(),
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the task now (SIGKILL: no chance to say goodbye).
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits until `pred` holds for the task's stderr, at most `limit`.
+    pub fn wait_for_stderr(&self, limit: Duration, pred: impl Fn(&str) -> bool) {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if pred(&self.stderr()) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "{}: the expected output did not appear within {limit:?}; stderr:\n{}",
+            self.name,
+            self.stderr()
+        );
+    }
+}
+
+impl Ended {
+    pub fn assert_success(&self) {
+        assert!(
+            self.status.success(),
+            "{} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+            self.name,
+            self.status,
+            self.stdout,
+            self.stderr
+        );
+    }
+
+    pub fn assert_failure_naming(&self, what: &str) {
+        assert!(
+            !self.status.success(),
+            "{} should have failed:\n{}",
+            self.name,
+            self.stderr
+        );
+        assert!(
+            self.stderr.contains(what),
+            "{}'s error should name {what}:\n{}",
+            self.name,
+            self.stderr
+        );
+    }
+
+    /// The `held-out NAME: VALUE` line's value.
+    pub fn held_out(&self, name: &str) -> f64 {
+        let prefix = format!("held-out {name}: ");
+        self.stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no `{prefix}` line in:\n{}", self.stdout))
+    }
+}
+
+/// The training flags every digits task gets.
+pub fn digits_args(epochs: u32) -> Vec<String> {
+    vec![
+        "--data".into(),
+        "examples/data/digits.csv.gz".into(),
+        "--epochs".into(),
+        epochs.to_string(),
+        "--quiet".into(),
+    ]
+}
+
+/// Parses a `--losses-out` file: `(step, loss)` per line.
+pub fn read_losses(path: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (s, v) = l.split_once(' ').unwrap();
+            (s.parse().unwrap(), v.parse().unwrap())
+        })
+        .collect()
+}

@@ -1,0 +1,572 @@
+//! One process of a distributed job: it listens at its cluster address, connects to every other
+//! task (waiting for late starters up to a deadline), and then either serves the chief's
+//! requests ([`Node::serve`]) or, on the chief, calls them ([`Rpc`]).
+
+use super::protocol::{self, Message, Reply, Request};
+use super::server::{ServerOptions, TaskServer};
+use crate::error::ExecError;
+use dflow_graph::ClusterSpec;
+use dflow_transport::auth::Secret;
+use dflow_transport::tcp::{PeerEvent, TcpConfig, TcpRendezvous};
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// How a task joins its job.
+#[derive(Clone)]
+pub struct NodeOptions {
+    /// Every task of the job and its address.
+    pub cluster: ClusterSpec,
+    /// This task's job (`ps`, `worker`).
+    pub job: String,
+    /// This task's index in its job.
+    pub index: u32,
+    /// The cluster secret every connection must prove it knows.
+    pub secret: Option<Secret>,
+    /// Longest a step or a request may take; also how long a silent peer is trusted.
+    pub timeout: Duration,
+    /// Longest this task waits for the other tasks to come up.
+    pub startup_timeout: Duration,
+    /// How the task server runs steps.
+    pub server: ServerOptions,
+}
+
+impl fmt::Debug for NodeOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NodeOptions")
+            .field("job", &self.job)
+            .field("index", &self.index)
+            .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("timeout", &self.timeout)
+            .field("startup_timeout", &self.startup_timeout)
+            .finish()
+    }
+}
+
+/// Why a task of a distributed job stopped. Every message names the task, and the key or
+/// request that was being waited on when there was one.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The task is not in the cluster, or its address is unusable.
+    #[error("{0}")]
+    Setup(String),
+    /// Some tasks never came up.
+    #[error("gave up after {secs} s waiting for {tasks} to start (last error: {last_error})")]
+    Startup {
+        /// Seconds waited.
+        secs: u64,
+        /// The tasks still missing.
+        tasks: String,
+        /// What the last connection attempt said.
+        last_error: String,
+    },
+    /// A task died or became unreachable.
+    #[error("task {task} is gone ({cause}){waiting}")]
+    PeerGone {
+        /// The task.
+        task: String,
+        /// What the data plane saw.
+        cause: String,
+        /// What this task was waiting for at that moment (`; waiting for ...`), if anything.
+        waiting: String,
+    },
+    /// A request got no answer in time.
+    #[error("{what} on task {task}: no reply within {secs} s")]
+    Timeout {
+        /// The request.
+        what: String,
+        /// The task asked.
+        task: String,
+        /// Seconds waited.
+        secs: u64,
+    },
+    /// A request failed on the task that ran it.
+    #[error("{what} failed on task {task}: {message}")]
+    Remote {
+        /// The request.
+        what: String,
+        /// The task.
+        task: String,
+        /// Its error.
+        message: String,
+    },
+    /// The chief ended the job because of a failure elsewhere.
+    #[error("the chief ended the job: {0}")]
+    Aborted(String),
+    /// A local step failed.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+}
+
+/// This process's place in the job, connected to every other task.
+#[derive(Debug)]
+pub struct Node {
+    /// This task, `/job:J/replica:0/task:I`.
+    pub task: String,
+    /// The chief, `/job:worker/replica:0/task:0`.
+    pub chief: String,
+    /// Every other task.
+    pub peers: Vec<String>,
+    /// The data plane (and the control plane's transport).
+    pub rendezvous: Arc<TcpRendezvous>,
+    /// This task's server.
+    pub server: Arc<TaskServer>,
+    events: mpsc::UnboundedReceiver<PeerEvent>,
+    timeout: Duration,
+}
+
+/// `/job:J/replica:0/task:I`.
+pub fn task_name(job: &str, index: u32) -> String {
+    format!("/job:{job}/replica:0/task:{index}")
+}
+
+fn bind_addr(address: &str) -> Result<SocketAddr, JobError> {
+    let (host, port) = address
+        .rsplit_once(':')
+        .ok_or_else(|| JobError::Setup(format!("address `{address}` has no port")))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| JobError::Setup(format!("address `{address}`: bad port `{port}`")))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    // An IP literal is bound as given; a host name listens on every interface (its address
+    // may be a service name that resolves elsewhere, as in Kubernetes).
+    let ip = host
+        .parse::<IpAddr>()
+        .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    Ok(SocketAddr::new(ip, port))
+}
+
+impl Node {
+    /// Binds this task's address and connects to every other task, retrying until
+    /// `startup_timeout`; logs which tasks it still waits for.
+    pub async fn start(opts: &NodeOptions) -> Result<Node, JobError> {
+        let task = task_name(&opts.job, opts.index);
+        let address = opts
+            .cluster
+            .address(&opts.job, opts.index)
+            .ok_or_else(|| {
+                JobError::Setup(format!(
+                    "task {task} is not in the cluster (tasks: {})",
+                    opts.cluster.task_names().join(", ")
+                ))
+            })?
+            .to_string();
+        if opts.cluster.num_tasks("worker") == 0 {
+            return Err(JobError::Setup(
+                "the cluster has no `worker` job: worker 0 is the chief".into(),
+            ));
+        }
+        let config = TcpConfig {
+            idle_timeout: opts.timeout,
+            frame_timeout: opts.timeout,
+            connect_timeout: Duration::from_secs(5).min(opts.startup_timeout),
+            heartbeat_interval: Some(opts.timeout / 4),
+            ..TcpConfig::default()
+        };
+        let rendezvous = TcpRendezvous::bind_with_secret(
+            &task,
+            bind_addr(&address)?,
+            config,
+            opts.secret.clone(),
+        )
+        .await
+        .map_err(|e| JobError::Setup(format!("task {task} cannot listen on {address}: {e}")))?;
+        let events = rendezvous.subscribe();
+        tracing::info!("{task} listening on {}", rendezvous.local_addr());
+        let server = Arc::new(TaskServer::new(&task, rendezvous.clone(), &opts.server)?);
+        let peers: Vec<(String, String)> = opts
+            .cluster
+            .jobs()
+            .flat_map(|job| {
+                opts.cluster
+                    .tasks(job)
+                    .map(move |(i, addr)| (task_name(job, i), addr.to_string()))
+            })
+            .filter(|(name, _)| *name != task)
+            .collect();
+        connect_all(&rendezvous, &peers, opts.startup_timeout).await?;
+        Ok(Node {
+            chief: task_name("worker", 0),
+            peers: peers.into_iter().map(|(n, _)| n).collect(),
+            task,
+            rendezvous,
+            server,
+            events,
+            timeout: opts.timeout,
+        })
+    }
+
+    /// True on the chief.
+    pub fn is_chief(&self) -> bool {
+        self.task == self.chief
+    }
+
+    /// Serves the chief's requests until it says the job is over: `Ok` on a clean shutdown,
+    /// an error naming the cause when the chief aborts the job or disappears.
+    pub async fn serve(mut self) -> Result<(), JobError> {
+        let result = loop {
+            let Some(event) = self.events.recv().await else {
+                break Err(JobError::Aborted("the data plane stopped".into()));
+            };
+            match event {
+                PeerEvent::Message { peer, body } => {
+                    if *peer != *self.chief {
+                        tracing::warn!("{}: ignoring a control message from `{peer}`: only the chief {} controls this task", self.task, self.chief);
+                        continue;
+                    }
+                    let message = match protocol::decode(&body) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            tracing::error!(
+                                "{}: dropping a message from the chief: {e}",
+                                self.task
+                            );
+                            continue;
+                        }
+                    };
+                    match message {
+                        Message::Request { id, body } => {
+                            let server = self.server.clone();
+                            let rv = self.rendezvous.clone();
+                            let chief = self.chief.clone();
+                            tokio::spawn(async move {
+                                let reply = handle_blocking(server, body).await;
+                                let bytes = protocol::encode(&Message::Reply { id, body: reply });
+                                if let Err(e) = rv.send_message(&chief, bytes) {
+                                    tracing::error!("cannot answer the chief: {e}");
+                                }
+                            });
+                        }
+                        Message::AbortStep { step, reason } => {
+                            self.server.abort_step(step, &reason)
+                        }
+                        Message::Shutdown { failure: None } => break Ok(()),
+                        Message::Shutdown { failure: Some(f) } => break Err(JobError::Aborted(f)),
+                        Message::Reply { .. } => {
+                            tracing::warn!("{}: unexpected reply from the chief", self.task)
+                        }
+                    }
+                }
+                PeerEvent::Gone { peer, cause } => {
+                    if *peer == *self.chief {
+                        break Err(JobError::PeerGone {
+                            task: peer.to_string(),
+                            cause,
+                            waiting: describe_waiting(&self.server),
+                        });
+                    }
+                    // Another task: the chief sees it too and ends the job if it matters (a
+                    // step waiting on it fails here); at the end of a job tasks leave in any
+                    // order, so this is not an error by itself.
+                    tracing::debug!("{}: `{peer}` is gone: {cause}", self.task);
+                }
+            }
+        };
+        self.rendezvous.close(Duration::from_secs(2)).await;
+        result
+    }
+
+    /// Splits off the chief's request client; its event pump runs until the data plane stops.
+    pub fn into_rpc(self) -> Rpc {
+        let inner = Arc::new(RpcInner {
+            pending: Mutex::default(),
+            failed: Mutex::default(),
+            next_id: AtomicU64::new(1),
+        });
+        tokio::spawn(pump(
+            inner.clone(),
+            self.events,
+            self.peers.iter().cloned().collect(),
+            self.server.clone(),
+        ));
+        Rpc {
+            task: self.task,
+            peers: self.peers,
+            rendezvous: self.rendezvous,
+            server: self.server,
+            inner,
+            timeout: self.timeout,
+        }
+    }
+}
+
+fn describe_waiting(server: &TaskServer) -> String {
+    let waiting = server.waiting_for();
+    if waiting.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = waiting
+        .iter()
+        .map(|(step, keys)| {
+            let keys: Vec<String> = keys
+                .iter()
+                .map(|k| format!("`{}` from {}", k.tensor_name, k.send_device))
+                .collect();
+            format!("step {step}: {}", keys.join(", "))
+        })
+        .collect();
+    format!("; was waiting for {}", parts.join("; "))
+}
+
+async fn connect_all(
+    rv: &Arc<TcpRendezvous>,
+    peers: &[(String, String)],
+    within: Duration,
+) -> Result<(), JobError> {
+    let start = Instant::now();
+    let mut missing: Vec<&(String, String)> = peers.iter().collect();
+    let mut last_error = String::from("none yet");
+    let mut last_log = Instant::now();
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let mut still = Vec::new();
+        for p in missing {
+            let (name, addr) = p;
+            let resolved = match tokio::net::lookup_host(addr.as_str()).await {
+                Ok(mut a) => a.next(),
+                Err(e) => {
+                    last_error = format!("{name} at {addr}: {e}");
+                    None
+                }
+            };
+            let Some(sa) = resolved else {
+                still.push(p);
+                continue;
+            };
+            match rv.connect(name, sa).await {
+                Ok(()) => tracing::info!("connected to {name} at {addr}"),
+                Err(e) => {
+                    last_error = e.to_string();
+                    still.push(p);
+                }
+            }
+        }
+        missing = still;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = missing.iter().map(|(n, _)| n.as_str()).collect();
+        if start.elapsed() >= within {
+            return Err(JobError::Startup {
+                secs: within.as_secs(),
+                tasks: names.join(", "),
+                last_error,
+            });
+        }
+        if last_log.elapsed() >= Duration::from_secs(2) {
+            tracing::info!("waiting for {} to start", names.join(", "));
+            eprintln!("{}: waiting for {} to start", rv.name(), names.join(", "));
+            last_log = Instant::now();
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// Runs a request on this task's server, off the async runtime.
+async fn handle_blocking(server: Arc<TaskServer>, req: Request) -> Result<Reply, String> {
+    tokio::task::spawn_blocking(move || handle(&server, req))
+        .await
+        .unwrap_or_else(|e| Err(format!("the request handler failed: {e}")))
+}
+
+fn handle(server: &TaskServer, req: Request) -> Result<Reply, String> {
+    match req {
+        Request::RegisterGraph(g) => server.register(&g).map(|()| Reply::Registered),
+        Request::RunStep(r) => server.run_step(&r).map(Reply::StepDone),
+        Request::GetVariables => Ok(Reply::Variables(server.variables())),
+        Request::SetVariables(v) => server.set_variables(&v).map(|()| Reply::VariablesSet),
+    }
+}
+
+/// An outstanding request: the task asked, what was asked, and where the reply goes.
+type Pending = HashMap<u64, (String, String, oneshot::Sender<Result<Reply, JobError>>)>;
+
+#[derive(Debug)]
+struct RpcInner {
+    pending: Mutex<Pending>,
+    /// Set once a task died (task, cause, what was waited for): every later call fails with it.
+    failed: Mutex<Option<(String, String, String)>>,
+    next_id: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Delivers replies to their callers; on a task's death fails every outstanding call with it.
+async fn pump(
+    inner: Arc<RpcInner>,
+    mut events: mpsc::UnboundedReceiver<PeerEvent>,
+    peers: BTreeSet<String>,
+    server: Arc<TaskServer>,
+) {
+    while let Some(event) = events.recv().await {
+        match event {
+            PeerEvent::Message { peer, body } => match protocol::decode(&body) {
+                Ok(Message::Reply { id, body }) => {
+                    let waiter = lock(&inner.pending).remove(&id);
+                    match waiter {
+                        Some((task, _, tx)) if task == *peer => {
+                            let _ = tx.send(body.map_err(|message| JobError::Remote {
+                                what: String::new(),
+                                task: task.clone(),
+                                message,
+                            }));
+                        }
+                        Some((task, what, tx)) => {
+                            // Not from the task asked: put it back, drop the impostor's reply.
+                            lock(&inner.pending).insert(id, (task, what, tx));
+                            tracing::warn!(
+                                "ignoring a reply from `{peer}` to a request it was not sent"
+                            );
+                        }
+                        // After a failure the outstanding calls were failed already.
+                        None if lock(&inner.failed).is_some() => {}
+                        None => {
+                            tracing::warn!("ignoring a reply from `{peer}` to unknown request {id}")
+                        }
+                    }
+                }
+                Ok(_) => tracing::warn!("the chief ignores requests (from `{peer}`)"),
+                Err(e) => tracing::error!("dropping a message from `{peer}`: {e}"),
+            },
+            PeerEvent::Gone { peer, cause } => {
+                if !peers.contains(&*peer) {
+                    tracing::warn!("dropped connection from `{peer}`: {cause}");
+                    continue;
+                }
+                let calls: Vec<_> = lock(&inner.pending).drain().collect();
+                let mut asked: Vec<&str> = calls
+                    .iter()
+                    .filter(|(_, (task, _, _))| *task == *peer)
+                    .map(|(_, (_, what, _))| what.as_str())
+                    .collect();
+                asked.sort();
+                let mut waiting = describe_waiting(&server);
+                if !asked.is_empty() {
+                    waiting.push_str(&format!(
+                        "; the chief was waiting for its reply to {}",
+                        asked.join(", ")
+                    ));
+                }
+                {
+                    let mut failed = lock(&inner.failed);
+                    if failed.is_none() {
+                        *failed = Some((peer.to_string(), cause.clone(), waiting.clone()));
+                    }
+                }
+                for (_, (_, _, tx)) in calls {
+                    let _ = tx.send(Err(JobError::PeerGone {
+                        task: peer.to_string(),
+                        cause: cause.clone(),
+                        waiting: waiting.clone(),
+                    }));
+                }
+            }
+        }
+    }
+}
+
+/// The chief's client for requests to every task (its own included, served in-process).
+#[derive(Debug, Clone)]
+pub struct Rpc {
+    /// The chief's task name.
+    pub task: String,
+    /// Every other task.
+    pub peers: Vec<String>,
+    /// The data plane.
+    pub rendezvous: Arc<TcpRendezvous>,
+    /// The chief's own server.
+    pub server: Arc<TaskServer>,
+    inner: Arc<RpcInner>,
+    timeout: Duration,
+}
+
+impl Rpc {
+    /// The first task failure seen, if any, with what the chief was waiting for then.
+    pub fn failure(&self) -> Option<JobError> {
+        lock(&self.inner.failed)
+            .clone()
+            .map(|(task, cause, waiting)| JobError::PeerGone {
+                task,
+                cause,
+                waiting,
+            })
+    }
+
+    /// Sends `req` to `task` and waits for its reply, at most the job timeout (`extra` added
+    /// for requests that take longer, e.g. registering large graphs).
+    pub async fn call(&self, task: &str, req: Request, what: &str) -> Result<Reply, JobError> {
+        if task == self.task {
+            return handle_blocking(self.server.clone(), req)
+                .await
+                .map_err(|message| JobError::Remote {
+                    what: what.to_string(),
+                    task: task.to_string(),
+                    message,
+                });
+        }
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.inner.pending).insert(id, (task.to_string(), what.to_string(), tx));
+        let bytes = protocol::encode(&Message::Request { id, body: req });
+        if let Err(e) = self.rendezvous.send_message(task, bytes) {
+            lock(&self.inner.pending).remove(&id);
+            return Err(JobError::PeerGone {
+                task: task.to_string(),
+                cause: e.to_string(),
+                waiting: format!("; the chief was sending {what}"),
+            });
+        }
+        match tokio::time::timeout(self.timeout + Duration::from_secs(5), rx).await {
+            Ok(Ok(Ok(reply))) => Ok(reply),
+            Ok(Ok(Err(JobError::Remote { task, message, .. }))) => Err(JobError::Remote {
+                what: what.to_string(),
+                task,
+                message,
+            }),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(_)) => Err(JobError::Aborted("the chief's event pump stopped".into())),
+            Err(_) => {
+                lock(&self.inner.pending).remove(&id);
+                Err(JobError::Timeout {
+                    what: what.to_string(),
+                    task: task.to_string(),
+                    secs: (self.timeout + Duration::from_secs(5)).as_secs(),
+                })
+            }
+        }
+    }
+
+    /// Tells every other task to abort `step`.
+    pub fn abort_step(&self, step: u64, reason: &str) {
+        self.server.abort_step(step, reason);
+        for p in &self.peers {
+            let bytes = protocol::encode(&Message::AbortStep {
+                step,
+                reason: reason.to_string(),
+            });
+            let _ = self.rendezvous.send_message(p, bytes);
+        }
+    }
+
+    /// Tells every task the job is over (`failure` says why it failed) and closes the
+    /// connections once the messages are out.
+    pub async fn shutdown(&self, failure: Option<String>) {
+        for p in &self.peers {
+            let bytes = protocol::encode(&Message::Shutdown {
+                failure: failure.clone(),
+            });
+            let _ = self.rendezvous.send_message(p, bytes);
+        }
+        self.rendezvous.close(Duration::from_secs(2)).await;
+    }
+}

@@ -1,0 +1,423 @@
+//! One task's side of a distributed job: the graphs the chief registered here, their variables,
+//! and the steps it asks this task to run.
+
+use super::protocol::{
+    dims_usize, BatchRef, DataSpec, FeedSource, NamedTensor, RegisterGraph, RunStep, StepDone,
+    WireTensor,
+};
+use crate::data::{read_csv, Dataset, ReadOptions};
+use crate::error::ExecError;
+use crate::plan::ExecutionPlan;
+use crate::run::{run_plans, StepEnv};
+use crate::trace::Tracer;
+use crate::variables::VariableStore;
+use dflow_graph::format::parse_json;
+use dflow_graph::{DType, DeviceName, Graph, Tensor};
+use dflow_transport::tcp::TcpRendezvous;
+use dflow_transport::{RendezvousError, RendezvousKey};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// How a task server runs steps.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Compute threads (0: one per core).
+    pub num_threads: usize,
+    /// Longest one step may take here before it is aborted.
+    pub step_timeout: Duration,
+    /// Record a Chrome trace of every step.
+    pub trace: bool,
+    /// This task's copy of the data set; `None` uses the path the chief sends.
+    pub data_path: Option<PathBuf>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            num_threads: 0,
+            step_timeout: Duration::from_secs(30),
+            trace: false,
+            data_path: None,
+        }
+    }
+}
+
+/// Where a variable lives on this task and what it holds: (device, dtype, dims).
+pub type VariableSpec = (DeviceName, DType, Vec<usize>);
+
+/// A graph registered on this task.
+#[derive(Debug)]
+struct Registered {
+    plans: Vec<Arc<ExecutionPlan>>,
+    feeds: Vec<(Arc<RendezvousKey>, FeedSource)>,
+    fetches: Vec<Arc<RendezvousKey>>,
+    updates_variables: bool,
+}
+
+/// The training and held-out splits this task feeds from.
+#[derive(Debug)]
+struct TaskData {
+    train: Dataset,
+    seed: u64,
+}
+
+/// Runs the partitions the chief registers on this task.
+#[derive(Debug)]
+pub struct TaskServer {
+    task: String,
+    rendezvous: Arc<TcpRendezvous>,
+    env: StepEnv,
+    stores: Mutex<BTreeMap<DeviceName, Arc<VariableStore>>>,
+    /// Variable name → the device (of this task) that holds it.
+    variables: Mutex<BTreeMap<String, VariableSpec>>,
+    graphs: Mutex<HashMap<u32, Arc<Registered>>>,
+    data: Mutex<Option<Arc<TaskData>>>,
+    data_path: Option<PathBuf>,
+    /// Steps of variable-updating graphs finished here (async staleness).
+    updates: AtomicU64,
+    /// Steps running now (to say what a failure interrupted).
+    running: Mutex<BTreeSet<u64>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl TaskServer {
+    /// A server for task `task` (`/job:J/replica:0/task:T`) moving tensors over `rendezvous`.
+    pub fn new(
+        task: &str,
+        rendezvous: Arc<TcpRendezvous>,
+        opts: &ServerOptions,
+    ) -> Result<TaskServer, ExecError> {
+        let threads = if opts.num_threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+        } else {
+            opts.num_threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("dflow-compute-{i}"))
+            .build()
+            .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
+        Ok(TaskServer {
+            task: task.to_string(),
+            env: StepEnv {
+                rendezvous: rendezvous.clone(),
+                pool: Arc::new(pool),
+                tracer: opts.trace.then(|| Arc::new(Tracer::new())),
+                timeout: opts.step_timeout,
+            },
+            rendezvous,
+            stores: Mutex::default(),
+            variables: Mutex::default(),
+            graphs: Mutex::default(),
+            data: Mutex::default(),
+            data_path: opts.data_path.clone(),
+            updates: AtomicU64::new(0),
+            running: Mutex::default(),
+        })
+    }
+
+    /// This task's name.
+    pub fn task(&self) -> &str {
+        &self.task
+    }
+
+    /// The trace recorder, when tracing.
+    pub fn tracer(&self) -> Option<&Arc<Tracer>> {
+        self.env.tracer.as_ref()
+    }
+
+    fn store(&self, device: &DeviceName) -> Arc<VariableStore> {
+        lock(&self.stores)
+            .entry(device.clone())
+            .or_default()
+            .clone()
+    }
+
+    /// Installs a graph: compiles each partition once, registers its receive slots (allocating
+    /// their buffers) and send routes on the data plane, and loads the data set if it feeds.
+    pub fn register(&self, g: &RegisterGraph) -> Result<(), String> {
+        let mut plans = Vec::with_capacity(g.partitions.len());
+        let mut variables = Vec::new();
+        for p in &g.partitions {
+            let device = DeviceName::parse(&p.device)
+                .map_err(|e| format!("partition device `{}`: {e}", p.device))?;
+            let parsed = parse_json(&p.graph_json, Some(&p.device))
+                .map_err(|e| format!("partition for {}: {e}", p.device))?;
+            let graph = Graph::from_def(&parsed.def)
+                .map_err(|e| format!("partition for {} is invalid: {e}", p.device))?;
+            for idx in graph.node_indices() {
+                let node = graph.node(idx);
+                if node.op_def().is_variable {
+                    if let Some(dims) = node.outputs[0].shape.as_static() {
+                        variables.push((
+                            node.name.clone(),
+                            (device.clone(), node.outputs[0].dtype, dims),
+                        ));
+                    }
+                }
+            }
+            let store = self.store(&device);
+            let plan = ExecutionPlan::compile(&device, &graph, &store)
+                .map_err(|e| format!("compiling the partition for {}: {e}", p.device))?;
+            plans.push(Arc::new(plan));
+        }
+        for s in &g.recv_slots {
+            let key = Arc::new(RendezvousKey::parse(&s.key).map_err(|e| e.to_string())?);
+            if self.rendezvous.slots().peer_of(&key).is_some() {
+                continue; // shared with a graph registered earlier
+            }
+            let dtype: DType = s
+                .dtype
+                .parse()
+                .map_err(|_| format!("slot {}: unknown dtype `{}`", s.slot, s.dtype))?;
+            let dims = dims_usize(&s.dims)?;
+            self.rendezvous
+                .register_recv(s.slot, &s.peer, key, dtype, &dims)
+                .map_err(|e| e.to_string())?;
+        }
+        for r in &g.send_routes {
+            let key = Arc::new(RendezvousKey::parse(&r.key).map_err(|e| e.to_string())?);
+            self.rendezvous.register_send(key, &r.peer, r.slot);
+        }
+        let feeds = g
+            .feeds
+            .iter()
+            .map(|f| Ok((Arc::new(RendezvousKey::parse(&f.key)?), f.source)))
+            .collect::<Result<Vec<_>, RendezvousError>>()
+            .map_err(|e| e.to_string())?;
+        let fetches = g
+            .fetches
+            .iter()
+            .map(|k| RendezvousKey::parse(k).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        if let Some(spec) = &g.data {
+            self.load_data(spec)?;
+        }
+        lock(&self.variables).extend(variables);
+        lock(&self.graphs).insert(
+            g.handle,
+            Arc::new(Registered {
+                plans,
+                feeds,
+                fetches,
+                updates_variables: g.updates_variables,
+            }),
+        );
+        Ok(())
+    }
+
+    fn load_data(&self, spec: &DataSpec) -> Result<(), String> {
+        if lock(&self.data).is_some() {
+            return Ok(());
+        }
+        let path = self
+            .data_path
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(&spec.path));
+        let all = read_csv(&path, &ReadOptions::default())
+            .map_err(|e| format!("task {} reading its data: {e}", self.task))?;
+        if all.len() as u64 != spec.rows {
+            return Err(format!(
+                "task {}: {} has {} examples, the chief's data {} has {}: every task must read the same data set",
+                self.task,
+                path.display(),
+                all.len(),
+                spec.path,
+                spec.rows
+            ));
+        }
+        let (train, _test) = all
+            .split(spec.test_fraction, spec.seed)
+            .map_err(|e| e.to_string())?;
+        *lock(&self.data) = Some(Arc::new(TaskData {
+            train,
+            seed: spec.seed,
+        }));
+        Ok(())
+    }
+
+    fn graph(&self, handle: u32) -> Result<Arc<Registered>, String> {
+        lock(&self.graphs)
+            .get(&handle)
+            .cloned()
+            .ok_or_else(|| format!("task {}: no graph {handle} is registered", self.task))
+    }
+
+    /// The tensors this task feeds for `batch` of graph `handle`, in its feed order.
+    fn batch_feeds(&self, g: &Registered, batch: Option<&BatchRef>) -> Result<Vec<Tensor>, String> {
+        if g.feeds.is_empty() {
+            return Ok(Vec::new());
+        }
+        let b = batch.ok_or_else(|| {
+            format!(
+                "task {}: the step feeds this task but names no batch",
+                self.task
+            )
+        })?;
+        let data = lock(&self.data).clone().ok_or_else(|| {
+            format!(
+                "task {}: the graph feeds data but no data set was loaded",
+                self.task
+            )
+        })?;
+        let batch_size = usize::try_from(b.batch_size).map_err(|e| e.to_string())?;
+        let (x, y) = data
+            .train
+            .batch_part(
+                batch_size,
+                data.seed,
+                b.epoch,
+                b.index as usize,
+                b.part as usize,
+                b.parts as usize,
+            )
+            .map_err(|e| format!("task {}: {e}", self.task))?;
+        let start = (b.index as usize).saturating_mul(batch_size);
+        let whole = data.train.len().saturating_sub(start).min(batch_size);
+        let weight = y.num_elements() as f32 / whole.max(1) as f32;
+        Ok(g.feeds
+            .iter()
+            .map(|(_, source)| match source {
+                FeedSource::Features => x.clone(),
+                FeedSource::Labels => y.clone(),
+                FeedSource::BatchWeight => Tensor::scalar(weight),
+            })
+            .collect())
+    }
+
+    /// Runs one step of a registered graph, feeding this task's part of the named batch.
+    /// Blocks until the step finished here (run it off the async runtime).
+    pub fn run_step(&self, r: &RunStep) -> Result<StepDone, String> {
+        let g = self.graph(r.handle)?;
+        let feeds = self.batch_feeds(&g, r.batch.as_ref())?;
+        let (fetched, concurrent_updates) = self
+            .run_with_feeds(r.handle, r.step, feeds)
+            .map_err(|e| e.to_string())?;
+        Ok(StepDone {
+            fetched: fetched.iter().map(WireTensor::from_tensor).collect(),
+            concurrent_updates,
+        })
+    }
+
+    /// Runs one step of graph `handle` with explicit feed values (in its feed order); returns
+    /// the fetched values and how many variable updates other steps made here meanwhile.
+    pub fn run_with_feeds(
+        &self,
+        handle: u32,
+        step: u64,
+        feeds: Vec<Tensor>,
+    ) -> Result<(Vec<Tensor>, u64), ExecError> {
+        let g = self.graph(handle).map_err(ExecError::Setup)?;
+        if feeds.len() != g.feeds.len() {
+            return Err(ExecError::Setup(format!(
+                "graph {handle} takes {} feeds on task {}, got {}",
+                g.feeds.len(),
+                self.task,
+                feeds.len()
+            )));
+        }
+        let feeds: Vec<(Arc<RendezvousKey>, Tensor)> =
+            g.feeds.iter().map(|(k, _)| k.clone()).zip(feeds).collect();
+        let before = self.updates.load(Ordering::SeqCst);
+        lock(&self.running).insert(step);
+        let result = run_plans(&self.env, step, &g.plans, &feeds, &g.fetches);
+        lock(&self.running).remove(&step);
+        self.env.rendezvous.finish_step(step);
+        let fetched = result?;
+        let after = if g.updates_variables {
+            self.updates.fetch_add(1, Ordering::SeqCst)
+        } else {
+            self.updates.load(Ordering::SeqCst)
+        };
+        Ok((fetched, after - before))
+    }
+
+    /// Runs one step of graph `handle`, feeding each of its feeds the tensor `value` gives for
+    /// the feed's source (the chief's evaluation feeds whole held-out batches this way).
+    pub fn run_with_sources(
+        &self,
+        handle: u32,
+        step: u64,
+        value: impl Fn(FeedSource) -> Tensor,
+    ) -> Result<(Vec<Tensor>, u64), ExecError> {
+        let g = self.graph(handle).map_err(ExecError::Setup)?;
+        let feeds = g.feeds.iter().map(|(_, s)| value(*s)).collect();
+        self.run_with_feeds(handle, step, feeds)
+    }
+
+    /// Aborts `step` on this task: its pending Recvs fail with `reason`.
+    pub fn abort_step(&self, step: u64, reason: &str) {
+        self.env.rendezvous.abort_step(
+            step,
+            RendezvousError::Aborted {
+                step,
+                cause: reason.to_string(),
+            },
+        );
+    }
+
+    /// What the steps running now wait for: `(step, keys)`, for failure messages.
+    pub fn waiting_for(&self) -> Vec<(u64, Vec<RendezvousKey>)> {
+        let steps: Vec<u64> = lock(&self.running).iter().copied().collect();
+        steps
+            .into_iter()
+            .map(|s| (s, self.env.rendezvous.pending_recvs(s)))
+            .filter(|(_, keys)| !keys.is_empty())
+            .collect()
+    }
+
+    /// Every initialized variable of this task.
+    pub fn variables(&self) -> Vec<NamedTensor> {
+        let stores: Vec<Arc<VariableStore>> = lock(&self.stores).values().cloned().collect();
+        stores
+            .iter()
+            .flat_map(|s| s.snapshot())
+            .map(|(name, t)| NamedTensor {
+                name,
+                value: WireTensor::from_tensor(&t),
+            })
+            .collect()
+    }
+
+    /// The variables of this task's registered graphs: name → (device, dtype, dims).
+    pub fn variable_specs(&self) -> BTreeMap<String, VariableSpec> {
+        lock(&self.variables).clone()
+    }
+
+    /// Overwrites variables (restoring a checkpoint). Checks every value before writing any.
+    pub fn set_variables(&self, values: &[NamedTensor]) -> Result<(), String> {
+        let specs = self.variable_specs();
+        let mut checked = Vec::with_capacity(values.len());
+        for v in values {
+            let (device, dtype, dims) = specs.get(&v.name).ok_or_else(|| {
+                format!("task {} holds no variable named `{}`", self.task, v.name)
+            })?;
+            let t = v
+                .value
+                .to_tensor()
+                .map_err(|e| format!("variable `{}`: {e}", v.name))?;
+            if t.dtype() != *dtype || t.dims() != dims.as_slice() {
+                return Err(format!(
+                    "variable `{}` is {dtype}{dims:?}, the value is {}{:?}",
+                    v.name,
+                    t.dtype(),
+                    t.dims()
+                ));
+            }
+            checked.push((device.clone(), v.name.clone(), t));
+        }
+        for (device, name, t) in checked {
+            self.store(&device).cell(&name).write(t);
+        }
+        Ok(())
+    }
+}
