@@ -62,6 +62,7 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
             trace: args.trace.is_some(),
             data_path: args.data.clone(),
         },
+        transport: args.transport,
     };
     let task = dflow_executor::cluster::task_name(job, index);
     let is_chief = job == "worker" && index == 0;

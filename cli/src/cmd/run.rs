@@ -32,6 +32,9 @@ pub struct Args {
     /// must prove it knows it. Without it, the DFLOW_SECRET environment variable is used if set.
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+    /// Distributed: the transport between tasks (`tcp`).
+    #[arg(long, default_value = "tcp", value_parser = |s: &str| s.parse::<dflow_transport::TransportKind>())]
+    pub transport: dflow_transport::TransportKind,
     /// Distributed: seconds to wait for every other task to start.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout: u64,

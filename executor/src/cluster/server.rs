@@ -13,7 +13,7 @@ use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::format::parse_json;
 use dflow_graph::{DType, DeviceName, Graph, Tensor};
-use dflow_transport::tcp::TcpRendezvous;
+use dflow_transport::DataPlane;
 use dflow_transport::{RendezvousError, RendezvousKey};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -68,7 +68,7 @@ struct TaskData {
 #[derive(Debug)]
 pub struct TaskServer {
     task: String,
-    rendezvous: Arc<TcpRendezvous>,
+    rendezvous: Arc<dyn DataPlane>,
     env: StepEnv,
     stores: Mutex<BTreeMap<DeviceName, Arc<VariableStore>>>,
     /// Variable name → the device (of this task) that holds it.
@@ -90,7 +90,7 @@ impl TaskServer {
     /// A server for task `task` (`/job:J/replica:0/task:T`) moving tensors over `rendezvous`.
     pub fn new(
         task: &str,
-        rendezvous: Arc<TcpRendezvous>,
+        rendezvous: Arc<dyn DataPlane>,
         opts: &ServerOptions,
     ) -> Result<TaskServer, ExecError> {
         let threads = if opts.num_threads == 0 {
@@ -108,7 +108,7 @@ impl TaskServer {
         Ok(TaskServer {
             task: task.to_string(),
             env: StepEnv {
-                rendezvous: rendezvous.clone(),
+                rendezvous: rendezvous.clone().as_rendezvous(),
                 pool: Arc::new(pool),
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
@@ -171,7 +171,7 @@ impl TaskServer {
         }
         for s in &g.recv_slots {
             let key = Arc::new(RendezvousKey::parse(&s.key).map_err(|e| e.to_string())?);
-            if self.rendezvous.slots().peer_of(&key).is_some() {
+            if self.rendezvous.has_recv_slot(&key) {
                 continue; // shared with a graph registered earlier
             }
             let dtype: DType = s
@@ -180,8 +180,7 @@ impl TaskServer {
                 .map_err(|_| format!("slot {}: unknown dtype `{}`", s.slot, s.dtype))?;
             let dims = dims_usize(&s.dims)?;
             self.rendezvous
-                .register_recv(s.slot, &s.peer, key, dtype, &dims)
-                .map_err(|e| e.to_string())?;
+                .register_recv(s.slot, &s.peer, key, dtype, &dims)?;
         }
         for r in &g.send_routes {
             let key = Arc::new(RendezvousKey::parse(&r.key).map_err(|e| e.to_string())?);
