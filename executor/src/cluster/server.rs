@@ -112,6 +112,7 @@ impl TaskServer {
                 pool: Arc::new(pool),
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
+                collectives: None,
             },
             rendezvous,
             stores: Mutex::default(),
