@@ -388,7 +388,7 @@ mod tests {
                 ("offset", AttrValue::Int(4)),
                 ("shape", AttrValue::Shape(Shape::known(&[3]))),
             ],
-            &[flat.clone()],
+            std::slice::from_ref(&flat),
         )
         .unwrap()
         .remove(0);
