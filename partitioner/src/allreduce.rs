@@ -46,6 +46,9 @@ fn worker_device(node: &str, device: &str, task: usize) -> Result<String, Strate
     Ok(d.to_string())
 }
 
+/// A gradient tensor and its static dimensions, in a bucket.
+type GradientSlot = (String, Vec<usize>);
+
 fn fresh(taken: &mut HashSet<String>, base: &str) -> String {
     let mut name = base.to_string();
     let mut k = 1;
@@ -212,7 +215,7 @@ fn worker_graph(
     let mut taken: HashSet<String> = training.def.nodes.iter().map(|n| n.name.clone()).collect();
 
     // Buckets of gradients, last variables first, split by dtype and by the threshold.
-    let mut buckets: Vec<(DType, Vec<(String, Vec<usize>)>)> = Vec::new();
+    let mut buckets: Vec<(DType, Vec<GradientSlot>)> = Vec::new();
     let mut bucket_size = 0usize;
     for (var, grad) in training.gradients.iter().rev() {
         let r = InputRef::parse(grad).map_err(|message| StrategyError::UnknownTensor {
