@@ -400,9 +400,9 @@ mod tests {
         let nodes = &graphs[2].training.def.nodes;
         let packs: Vec<&NodeDef> = nodes.iter().filter(|n| n.op == "PackFlat").collect();
         assert_eq!(packs.len(), 4);
-        for k in 1..packs.len() {
+        for (k, pack) in packs.iter().enumerate().skip(1) {
             assert_eq!(
-                packs[k].inputs.last().unwrap(),
+                pack.inputs.last().unwrap(),
                 &format!("^allreduce/bucket_{}", k - 1)
             );
         }
