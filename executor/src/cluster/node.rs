@@ -385,6 +385,10 @@ fn handle(server: &TaskServer, req: Request) -> Result<Reply, String> {
         Request::RunStep(r) => server.run_step(&r).map(Reply::StepDone),
         Request::GetVariables => Ok(Reply::Variables(server.variables())),
         Request::SetVariables(v) => server.set_variables(&v).map(|()| Reply::VariablesSet),
+        Request::PrepareGroup { group } => server.prepare_group(&group).map(Reply::GroupAddress),
+        Request::JoinGroup { group, rank, addrs } => server
+            .join_group(&group, rank as usize, &addrs)
+            .map(|()| Reply::GroupJoined),
     }
 }
 

@@ -354,6 +354,23 @@ impl TaskServer {
         self.run_with_feeds(handle, step, feeds)
     }
 
+    /// Opens this task's listener for collective group `group`; returns its address.
+    pub fn prepare_group(&self, group: &str) -> Result<String, String> {
+        Err(format!(
+            "task {}: cannot prepare group `{group}`: collectives are not built in yet",
+            self.task
+        ))
+    }
+
+    /// Joins collective group `group` as `rank`, connecting to every rank's address.
+    pub fn join_group(&self, group: &str, rank: usize, addrs: &[String]) -> Result<(), String> {
+        let _ = (rank, addrs);
+        Err(format!(
+            "task {}: cannot join group `{group}`: collectives are not built in yet",
+            self.task
+        ))
+    }
+
     /// Aborts `step` on this task: its pending Recvs fail with `reason`.
     pub fn abort_step(&self, step: u64, reason: &str) {
         self.env.rendezvous.abort_step(
