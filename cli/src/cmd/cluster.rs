@@ -61,6 +61,8 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
             step_timeout: Duration::from_secs(args.timeout.max(1)),
             trace: args.trace.is_some(),
             data_path: args.data.clone(),
+            // Filled in from the cluster address and the secret when the task joins.
+            ..ServerOptions::default()
         },
         transport: args.transport,
     };
