@@ -8,6 +8,7 @@
 pub mod auth;
 pub mod local;
 pub mod plane;
+pub mod rdma;
 pub mod rendezvous;
 pub mod tcp;
 pub mod wire;
