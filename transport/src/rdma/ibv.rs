@@ -124,7 +124,7 @@ impl IbvVerbs {
             let name = unsafe { CStr::from_ptr(ffi::ibv_get_device_name(dev)) }
                 .to_string_lossy()
                 .into_owned();
-            if chosen.is_none() && config.device.as_deref().is_none_or(|d| d == name) {
+            if chosen.is_none() && config.device.as_deref().map_or(true, |d| d == name) {
                 chosen = Some((dev, name.clone()));
             }
             names.push(name);

@@ -10,6 +10,8 @@
 //! kind 1 Endpoint: qp_num u32, lid u16, gid [16], psn u32
 //! kind 2 SlotAd:   slot_id u32, len u64, addr u64, rkey u32, step_addr u64, step_rkey u32,
 //!                  key_len u16, key [key_len]   (key = `send;recv;tensor`)
+//! kind 3 Ready:    (nothing)
+//! kind 4 Abort:    step u64, reason_len u16, reason [reason_len] (UTF-8, at most MAX_REASON)
 //! ```
 
 use super::imm::MAX_SLOT_ID;
@@ -22,8 +24,11 @@ pub const VERSION: u8 = 1;
 /// Longest rendezvous key a SlotAd carries.
 pub const MAX_KEY_LEN: usize = 4096;
 
+/// Longest abort reason (longer ones are cut when encoding).
+pub const MAX_REASON: usize = 1024;
+
 /// Longest message (a SlotAd with the longest key).
-pub const MAX_MESSAGE: usize = 4 + 44 + 2 + MAX_KEY_LEN;
+pub const MAX_MESSAGE: usize = 4 + 36 + 2 + MAX_KEY_LEN;
 
 const MAGIC: [u8; 2] = *b"RD";
 
@@ -49,6 +54,15 @@ pub enum RdmaMessage {
     Endpoint(QpEndpoint),
     /// A receive slot the peer writes; it comes with one credit.
     SlotAd(SlotAd),
+    /// The sender's queue pair is connected to ours and has receives posted: write to it.
+    Ready,
+    /// The sender aborted a step.
+    Abort {
+        /// The step.
+        step: u64,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A message that does not decode.
@@ -83,6 +97,17 @@ impl RdmaMessage {
                 let n = key.len().min(MAX_KEY_LEN);
                 out.extend_from_slice(&(n as u16).to_le_bytes());
                 out.extend_from_slice(&key[..n]);
+            }
+            RdmaMessage::Ready => out.push(3),
+            RdmaMessage::Abort { step, reason } => {
+                out.push(4);
+                out.extend_from_slice(&step.to_le_bytes());
+                let mut n = reason.len().min(MAX_REASON);
+                while !reason.is_char_boundary(n) {
+                    n -= 1;
+                }
+                out.extend_from_slice(&(n as u16).to_le_bytes());
+                out.extend_from_slice(&reason.as_bytes()[..n]);
             }
         }
         out
@@ -153,6 +178,18 @@ impl RdmaMessage {
                     data,
                     step_word,
                 })
+            }
+            3 => RdmaMessage::Ready,
+            4 => {
+                let step = r.u64()?;
+                let n = r.u16()? as usize;
+                if n > MAX_REASON {
+                    return Err(BadMessage(format!(
+                        "abort reason of {n} bytes, more than {MAX_REASON}"
+                    )));
+                }
+                let reason = String::from_utf8_lossy(r.take(n)?).into_owned();
+                RdmaMessage::Abort { step, reason }
             }
             k => return Err(BadMessage(format!("unknown kind {k}"))),
         };
@@ -226,7 +263,11 @@ mod tests {
             gid: [7; 16],
             psn: 0x42,
         });
-        for m in [ep, ad()] {
+        let abort = RdmaMessage::Abort {
+            step: 9,
+            reason: "kernel failed".into(),
+        };
+        for m in [ep, ad(), RdmaMessage::Ready, abort] {
             assert_eq!(RdmaMessage::decode(&m.encode()), Ok(m));
         }
     }

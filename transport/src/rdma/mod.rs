@@ -6,6 +6,8 @@
 //! - `ibv` (feature `rdma`): the real verbs, through `ibverbs-sys` (rdma-core).
 //! - [`imm`], [`message`]: the immediate's bit layout and the control messages.
 //! - [`slots`], [`routes`], [`protocol`]: the receive side, the send side, and the driver.
+//! - [`plane`]: [`RdmaPlane`](plane::RdmaPlane), a [`DataPlane`](crate::DataPlane) that runs the
+//!   protocol over a device, with a TCP plane for connections and control messages.
 //!
 //! See docs/distributed.md ("RDMA") for the protocol and how to run it on RoCE/InfiniBand.
 
@@ -13,6 +15,7 @@
 pub mod ibv;
 pub mod imm;
 pub mod message;
+pub mod plane;
 pub mod protocol;
 pub mod routes;
 pub mod sim;
