@@ -6,6 +6,7 @@
 #![deny(unused_must_use)]
 
 pub mod auth;
+pub mod collective;
 pub mod local;
 pub mod plane;
 pub mod rdma;

@@ -45,11 +45,15 @@ impl Cluster {
         let addrs = |ports: &[u16]| -> Vec<String> {
             ports.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect()
         };
-        let json = format!(
-            "{{\"ps\": [{}], \"worker\": [{}]}}",
-            addrs(p).join(", "),
-            addrs(w).join(", ")
-        );
+        let json = if ps == 0 {
+            format!("{{\"worker\": [{}]}}", addrs(w).join(", "))
+        } else {
+            format!(
+                "{{\"ps\": [{}], \"worker\": [{}]}}",
+                addrs(p).join(", "),
+                addrs(w).join(", ")
+            )
+        };
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("cluster.json");
         std::fs::write(&file, json).unwrap();
@@ -274,6 +278,53 @@ pub fn digits_args(epochs: u32) -> Vec<String> {
         epochs.to_string(),
         "--quiet".into(),
     ]
+}
+
+/// Runs the digits training in one process (`--local`) and returns its `--losses-out` losses
+/// and its held-out accuracy.
+pub fn local_digits_run(epochs: u32, dir: &Path) -> (Vec<(u64, f64)>, f64) {
+    let losses = dir.join("local-losses.txt");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args([
+            "run",
+            "--local",
+            "examples/digits/digits.json",
+            "--data",
+            "examples/data/digits.csv.gz",
+            "--epochs",
+            &epochs.to_string(),
+            "--quiet",
+            "--losses-out",
+        ])
+        .arg(&losses)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let accuracy = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("held-out accuracy: "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy in:\n{stdout}"));
+    (read_losses(&losses), accuracy)
+}
+
+/// Asserts two loss curves are the same steps with losses equal within `tol` (relative).
+pub fn assert_same_losses(dist: &[(u64, f64)], local: &[(u64, f64)], tol: f64) -> f64 {
+    assert_eq!(dist.len(), local.len(), "same number of steps");
+    let mut worst = 0.0f64;
+    for ((s1, a), (s2, b)) in dist.iter().zip(local) {
+        assert_eq!(s1, s2);
+        let err = (a - b).abs() / b.abs().max(1e-3);
+        worst = worst.max(err);
+        assert!(err <= tol, "step {s1}: distributed loss {a}, local {b}");
+    }
+    worst
 }
 
 /// Parses a `--losses-out` file: `(step, loss)` per line.

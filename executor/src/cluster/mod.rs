@@ -5,13 +5,16 @@
 //! - [`server`]: a task's graphs, variables and steps.
 //! - [`node`]: joining the job (listen, connect to every task with a startup deadline), serving
 //!   the chief, and the chief's request client with its failure handling.
-//! - [`chief`]: worker 0's driver for parameter-server training, sync or async.
+//! - [`chief`]: worker 0's driver: parameter-server training (sync or async) and all-reduce
+//!   data parallelism.
+//! - [`collectives`]: the collective groups a task joined, offered to collective kernels.
 
 pub mod chief;
+pub mod collectives;
 pub mod node;
 pub mod protocol;
 pub mod server;
 
-pub use chief::{run_chief, ChiefConfig, ChiefReport};
+pub use chief::{run_chief, ChiefConfig, ChiefReport, Strategy};
 pub use node::{task_name, JobError, Node, NodeOptions, Rpc};
 pub use server::{ServerOptions, TaskServer};

@@ -182,7 +182,13 @@ impl Node {
         .map_err(|e| JobError::Setup(format!("task {task} cannot listen on {address}: {e}")))?;
         let events = rendezvous.subscribe();
         tracing::info!("{task} listening on {}", rendezvous.local_addr());
-        let server = Arc::new(TaskServer::new(&task, rendezvous.clone(), &opts.server)?);
+        let mut server_opts = opts.server.clone();
+        server_opts.host = address
+            .rsplit_once(':')
+            .map(|(h, _)| h.to_string())
+            .unwrap_or_else(|| "127.0.0.1".into());
+        server_opts.secret = opts.secret.clone();
+        let server = Arc::new(TaskServer::new(&task, rendezvous.clone(), &server_opts)?);
         let peers: Vec<(String, String)> = opts
             .cluster
             .jobs()
@@ -385,6 +391,10 @@ fn handle(server: &TaskServer, req: Request) -> Result<Reply, String> {
         Request::RunStep(r) => server.run_step(&r).map(Reply::StepDone),
         Request::GetVariables => Ok(Reply::Variables(server.variables())),
         Request::SetVariables(v) => server.set_variables(&v).map(|()| Reply::VariablesSet),
+        Request::PrepareGroup { group } => server.prepare_group(&group).map(Reply::GroupAddress),
+        Request::JoinGroup { group, rank, addrs } => server
+            .join_group(&group, rank as usize, &addrs)
+            .map(|()| Reply::GroupJoined),
     }
 }
 

@@ -1,6 +1,7 @@
 //! One task's side of a distributed job: the graphs the chief registered here, their variables,
 //! and the steps it asks this task to run.
 
+use super::collectives::CollectiveHub;
 use super::protocol::{
     dims_usize, BatchRef, DataSpec, FeedSource, NamedTensor, RegisterGraph, RunStep, StepDone,
     WireTensor,
@@ -32,6 +33,10 @@ pub struct ServerOptions {
     pub trace: bool,
     /// This task's copy of the data set; `None` uses the path the chief sends.
     pub data_path: Option<PathBuf>,
+    /// The host collective listeners bind to and advertise (this task's cluster host).
+    pub host: String,
+    /// The cluster secret collective connections must prove.
+    pub secret: Option<dflow_transport::auth::Secret>,
 }
 
 impl Default for ServerOptions {
@@ -41,6 +46,8 @@ impl Default for ServerOptions {
             step_timeout: Duration::from_secs(30),
             trace: false,
             data_path: None,
+            host: "127.0.0.1".into(),
+            secret: None,
         }
     }
 }
@@ -80,6 +87,8 @@ pub struct TaskServer {
     updates: AtomicU64,
     /// Steps running now (to say what a failure interrupted).
     running: Mutex<BTreeSet<u64>>,
+    /// The collective groups this task joined.
+    collectives: Arc<CollectiveHub>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -105,6 +114,11 @@ impl TaskServer {
             .thread_name(|i| format!("dflow-compute-{i}"))
             .build()
             .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
+        let collectives = Arc::new(CollectiveHub::new(
+            &opts.host,
+            opts.secret.clone(),
+            opts.step_timeout,
+        ));
         Ok(TaskServer {
             task: task.to_string(),
             env: StepEnv {
@@ -112,6 +126,7 @@ impl TaskServer {
                 pool: Arc::new(pool),
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
+                collectives: Some(collectives.clone()),
             },
             rendezvous,
             stores: Mutex::default(),
@@ -121,6 +136,7 @@ impl TaskServer {
             data_path: opts.data_path.clone(),
             updates: AtomicU64::new(0),
             running: Mutex::default(),
+            collectives,
         })
     }
 
@@ -351,6 +367,16 @@ impl TaskServer {
         let g = self.graph(handle).map_err(ExecError::Setup)?;
         let feeds = g.feeds.iter().map(|(_, s)| value(*s)).collect();
         self.run_with_feeds(handle, step, feeds)
+    }
+
+    /// Opens this task's listener for collective group `group`; returns its address.
+    pub fn prepare_group(&self, group: &str) -> Result<String, String> {
+        self.collectives.prepare(group)
+    }
+
+    /// Joins collective group `group` as `rank`, connecting to every rank's address.
+    pub fn join_group(&self, group: &str, rank: usize, addrs: &[String]) -> Result<(), String> {
+        self.collectives.join(group, rank, addrs)
     }
 
     /// Aborts `step` on this task: its pending Recvs fail with `reason`.

@@ -1,0 +1,65 @@
+//! All-reduce data parallelism with real `dflow` processes: workers only, no ps.
+
+mod support;
+
+use std::time::Duration;
+use support::*;
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// Trains digits on `workers` workers with `--strategy allreduce` and checks it against the
+/// one-process run with the same global batch: same losses (1e-5), same accuracy.
+fn allreduce_equals_one_process(workers: usize, epochs: u32, fusion_mb: &str) {
+    let _serial = serial();
+    let cluster = Cluster::new(0, workers);
+    let losses = cluster.path("losses.txt");
+    let losses_s = losses.to_string_lossy().into_owned();
+    let mut common: Vec<String> = digits_args(epochs);
+    common.extend(["--strategy".into(), "allreduce".into()]);
+    let common: Vec<&str> = common.iter().map(String::as_str).collect();
+    let mut tasks = Vec::new();
+    for i in 1..workers {
+        tasks.push(Task::start(&cluster, "worker", i, &common));
+    }
+    let mut chief_args = vec!["examples/digits/digits.json"];
+    chief_args.extend(common.iter().copied());
+    chief_args.extend([
+        "--losses-out",
+        &losses_s,
+        "--fusion-threshold-mb",
+        fusion_mb,
+    ]);
+    let chief = Task::start(&cluster, "worker", 0, &chief_args);
+    let chief = chief.wait(LIMIT);
+    chief.assert_success();
+    for t in tasks {
+        t.wait(Duration::from_secs(30)).assert_success();
+    }
+    assert!(
+        chief.stderr.contains("all-reduce data-parallel training"),
+        "{}",
+        chief.stderr
+    );
+    let (local, local_accuracy) = local_digits_run(epochs, cluster.dir.path());
+    let worst = assert_same_losses(&read_losses(&losses), &local, 1e-5);
+    eprintln!("{workers} workers: worst relative loss difference {worst:e}");
+    let accuracy = chief.held_out("accuracy");
+    assert!(
+        (accuracy - local_accuracy).abs() <= 0.003,
+        "accuracy {accuracy} vs one process {local_accuracy}"
+    );
+    if epochs >= 30 {
+        assert!(accuracy >= 0.93, "held-out accuracy {accuracy}");
+    }
+}
+
+#[test]
+fn two_workers_train_like_one_process_with_the_same_global_batch() {
+    allreduce_equals_one_process(2, 30, "25");
+}
+
+#[test]
+fn four_workers_with_one_bucket_per_gradient_train_like_one_process() {
+    // A tiny fusion threshold: four buckets a step, chained in the same order on every rank.
+    allreduce_equals_one_process(4, 5, "0.0001");
+}

@@ -1,0 +1,254 @@
+//! The collective groups a task joined, offered to collective kernels
+//! ([`dflow_graph::kernel::Collectives`]) over the transport's [`Communicator`]s.
+//!
+//! Joining is two requests from the chief: `PrepareGroup` binds a listener and returns its
+//! address; once every rank answered, `JoinGroup` gives each rank its number and every rank's
+//! address, and the ranks connect to each other.
+
+use dflow_graph::kernel::{CollectiveCall, Collectives, ReduceKind};
+use dflow_graph::{DType, Tensor};
+use dflow_transport::auth::Secret;
+use dflow_transport::collective::{
+    CommOptions, Communicator, ReduceOp, Scalar, TcpOptions, TcpRendezvous as CollectiveListener,
+};
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+/// The groups of one task.
+#[derive(Debug)]
+pub struct CollectiveHub {
+    /// The host this task's collective listeners bind to and advertise.
+    host: String,
+    secret: Option<Secret>,
+    timeout: Duration,
+    pending: Mutex<HashMap<String, CollectiveListener>>,
+    groups: Mutex<HashMap<String, Communicator>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn reduce_op(k: ReduceKind) -> ReduceOp {
+    match k {
+        ReduceKind::Sum => ReduceOp::Sum,
+        ReduceKind::Prod => ReduceOp::Prod,
+        ReduceKind::Min => ReduceOp::Min,
+        ReduceKind::Max => ReduceOp::Max,
+        ReduceKind::Avg => ReduceOp::Avg,
+    }
+}
+
+/// A fresh copy of `t` (the collectives write in place), as `T` elements.
+fn owned<T: Scalar + dflow_graph::tensor::Element>(t: &Tensor) -> Result<Vec<T>, String> {
+    Ok(t.as_slice::<T>().map_err(|e| e.to_string())?.to_vec())
+}
+
+fn tensor<T: Scalar + dflow_graph::tensor::Element>(
+    dims: &[usize],
+    v: &[T],
+) -> Result<Tensor, String> {
+    Tensor::from_slice(dims, v).map_err(|e| e.to_string())
+}
+
+/// Runs `$body` with `T` bound to the element type of `$dtype`.
+macro_rules! with_scalar {
+    ($dtype:expr, $op:literal, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            d => Err(format!(
+                "{}: dtype {d} is not supported by collectives (f32, f64, i32, i64, bf16)",
+                $op
+            )),
+        }
+    };
+}
+
+impl CollectiveHub {
+    /// A hub whose listeners bind to `host` (this task's cluster host), connections proving
+    /// `secret` when given, every call bounded by `timeout`.
+    pub fn new(host: &str, secret: Option<Secret>, timeout: Duration) -> CollectiveHub {
+        CollectiveHub {
+            host: host.to_string(),
+            secret,
+            timeout,
+            pending: Mutex::default(),
+            groups: Mutex::default(),
+        }
+    }
+
+    /// Binds a listener for `group`; returns the address to publish.
+    pub fn prepare(&self, group: &str) -> Result<String, String> {
+        let ip = self
+            .host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let listener = CollectiveListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| format!("group `{group}`: cannot listen on {}: {e}", self.host))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| format!("group `{group}`: {e}"))?
+            .port();
+        lock(&self.pending).insert(group.to_string(), listener);
+        Ok(format!("{}:{port}", self.host))
+    }
+
+    /// Connects to the other ranks of `group` as `rank` (blocking, bounded by the timeout).
+    pub fn join(&self, group: &str, rank: usize, addrs: &[String]) -> Result<(), String> {
+        let listener = lock(&self.pending)
+            .remove(group)
+            .ok_or_else(|| format!("group `{group}` was not prepared on this task"))?;
+        let resolved = addrs
+            .iter()
+            .map(|a| {
+                a.to_socket_addrs()
+                    .ok()
+                    .and_then(|mut it| it.next())
+                    .ok_or_else(|| format!("group `{group}`: cannot resolve rank address `{a}`"))
+            })
+            .collect::<Result<Vec<SocketAddr>, String>>()?;
+        let opts = TcpOptions {
+            connect_timeout: self.timeout,
+            secret: self.secret.clone(),
+            ..TcpOptions::default()
+        };
+        let pairs = listener
+            .connect(rank, &resolved, &opts)
+            .map_err(|e| format!("joining group `{group}` as rank {rank}: {e}"))?;
+        let comm = Communicator::new(
+            Box::new(pairs),
+            CommOptions {
+                timeout: self.timeout,
+                ..CommOptions::default()
+            },
+        );
+        lock(&self.groups).insert(group.to_string(), comm);
+        Ok(())
+    }
+
+    fn group(&self, group: &str) -> Result<Communicator, String> {
+        lock(&self.groups).get(group).cloned().ok_or_else(|| {
+            format!("this task has not joined collective group `{group}` (strategy allreduce joins `workers`)")
+        })
+    }
+}
+
+fn in_call(call: &CollectiveCall<'_>, e: impl std::fmt::Display) -> String {
+    format!(
+        "collective instance {} of group `{}` in step {}: {e}",
+        call.instance, call.group, call.step
+    )
+}
+
+impl Collectives for CollectiveHub {
+    fn rank_and_size(&self, group: &str) -> Result<(usize, usize), String> {
+        let c = self.group(group)?;
+        Ok((c.rank(), c.size()))
+    }
+
+    fn all_reduce(
+        &self,
+        call: &CollectiveCall<'_>,
+        input: &Tensor,
+        op: ReduceKind,
+    ) -> Result<Tensor, String> {
+        let c = self.group(call.group)?;
+        with_scalar!(input.dtype(), "CollectiveAllReduce", |T| {
+            let mut v = owned::<T>(input)?;
+            c.all_reduce(&mut v, reduce_op(op))
+                .map_err(|e| in_call(call, e))?;
+            tensor(input.dims(), &v)
+        })
+    }
+
+    fn all_gather(&self, call: &CollectiveCall<'_>, input: &Tensor) -> Result<Tensor, String> {
+        let c = self.group(call.group)?;
+        let mut dims = input.dims().to_vec();
+        let Some(d0) = dims.first_mut() else {
+            return Err("CollectiveAllGather: the input must have rank ≥ 1".into());
+        };
+        *d0 *= c.size();
+        with_scalar!(input.dtype(), "CollectiveAllGather", |T| {
+            let send = owned::<T>(input)?;
+            let mut recv = vec![<T as bytemuck::Zeroable>::zeroed(); send.len() * c.size()];
+            c.all_gather(&send, &mut recv)
+                .map_err(|e| in_call(call, e))?;
+            tensor(&dims, &recv)
+        })
+    }
+
+    fn reduce_scatter(
+        &self,
+        call: &CollectiveCall<'_>,
+        input: &Tensor,
+        op: ReduceKind,
+    ) -> Result<Tensor, String> {
+        let c = self.group(call.group)?;
+        let mut dims = input.dims().to_vec();
+        let n = c.size();
+        match dims.first_mut() {
+            Some(d0) if *d0 % n == 0 => *d0 /= n,
+            _ => {
+                return Err(format!(
+                    "CollectiveReduceScatter: dimension 0 of {:?} does not split into {n} parts",
+                    input.dims()
+                ))
+            }
+        }
+        with_scalar!(input.dtype(), "CollectiveReduceScatter", |T| {
+            let send = owned::<T>(input)?;
+            let mut recv = vec![<T as bytemuck::Zeroable>::zeroed(); send.len() / n];
+            c.reduce_scatter(&send, &mut recv, reduce_op(op))
+                .map_err(|e| in_call(call, e))?;
+            tensor(&dims, &recv)
+        })
+    }
+
+    fn broadcast(
+        &self,
+        call: &CollectiveCall<'_>,
+        input: &Tensor,
+        root: usize,
+    ) -> Result<Tensor, String> {
+        let c = self.group(call.group)?;
+        with_scalar!(input.dtype(), "CollectiveBroadcast", |T| {
+            let mut v = owned::<T>(input)?;
+            c.broadcast(&mut v, root).map_err(|e| in_call(call, e))?;
+            tensor(input.dims(), &v)
+        })
+    }
+
+    fn all_to_all(&self, call: &CollectiveCall<'_>, input: &Tensor) -> Result<Tensor, String> {
+        let c = self.group(call.group)?;
+        with_scalar!(input.dtype(), "CollectiveAllToAll", |T| {
+            let send = owned::<T>(input)?;
+            let mut recv = vec![<T as bytemuck::Zeroable>::zeroed(); send.len()];
+            c.all_to_all(&send, &mut recv)
+                .map_err(|e| in_call(call, e))?;
+            tensor(input.dims(), &recv)
+        })
+    }
+}
