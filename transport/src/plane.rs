@@ -90,11 +90,20 @@ pub enum TransportKind {
     /// TCP: persistent connections, payloads read straight into registered slots.
     #[default]
     Tcp,
+    /// RDMA verbs (feature `rdma`): tensors written into registered receive slots; control
+    /// messages over TCP. See [`crate::rdma`].
+    #[cfg(feature = "rdma")]
+    Rdma,
 }
 
 impl TransportKind {
     /// Every kind this build has, by name.
+    #[cfg(not(feature = "rdma"))]
     pub const ALL: &'static [(&'static str, TransportKind)] = &[("tcp", TransportKind::Tcp)];
+    /// Every kind this build has, by name.
+    #[cfg(feature = "rdma")]
+    pub const ALL: &'static [(&'static str, TransportKind)] =
+        &[("tcp", TransportKind::Tcp), ("rdma", TransportKind::Rdma)];
 
     /// The kind's name.
     pub fn name(self) -> &'static str {
@@ -143,6 +152,16 @@ pub async fn bind(
         TransportKind::Tcp => {
             let plane: Arc<dyn DataPlane> =
                 crate::tcp::TcpRendezvous::bind_with_secret(task, addr, config, secret).await?;
+            Ok(plane)
+        }
+        #[cfg(feature = "rdma")]
+        TransportKind::Rdma => {
+            // Device, port and GID index from DFLOW_RDMA_DEVICE/_PORT/_GID_INDEX.
+            let ibv = crate::rdma::ibv::IbvConfig::from_env().map_err(std::io::Error::other)?;
+            let verbs = crate::rdma::ibv::IbvVerbs::open(&ibv).map_err(std::io::Error::other)?;
+            let plane: Arc<dyn DataPlane> =
+                crate::rdma::plane::RdmaPlane::bind(task, addr, config, secret, Arc::new(verbs))
+                    .await?;
             Ok(plane)
         }
     }
