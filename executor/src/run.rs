@@ -5,6 +5,7 @@ use crate::error::ExecError;
 use crate::plan::ExecutionPlan;
 use crate::step::start_step;
 use crate::trace::Tracer;
+use dflow_graph::kernel::Collectives;
 use dflow_graph::Tensor;
 use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use std::sync::mpsc;
@@ -22,6 +23,8 @@ pub(crate) struct StepEnv {
     pub tracer: Option<Arc<Tracer>>,
     /// Longest the step may take before it is aborted.
     pub timeout: Duration,
+    /// The collective groups this process joined, for collective kernels.
+    pub collectives: Option<Arc<dyn Collectives>>,
 }
 
 enum Event {
@@ -58,6 +61,7 @@ pub(crate) fn run_plans(
             env.rendezvous.clone(),
             env.pool.clone(),
             env.tracer.clone(),
+            env.collectives.clone(),
             Box::new(move |r| {
                 let _ = tx.send(Event::DeviceDone(r));
             }),

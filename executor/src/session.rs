@@ -127,6 +127,7 @@ impl Session {
                 pool: Arc::new(pool),
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
+                collectives: None,
             },
         })
     }

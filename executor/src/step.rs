@@ -11,7 +11,7 @@
 use crate::error::ExecError;
 use crate::plan::{ExecutionPlan, NodeAction};
 use crate::trace::{TraceEvent, Tracer};
-use dflow_graph::kernel::KernelContext;
+use dflow_graph::kernel::{Collectives, KernelContext};
 use dflow_graph::Tensor;
 use dflow_transport::{Rendezvous, RendezvousError};
 use smallvec::SmallVec;
@@ -34,6 +34,7 @@ pub(crate) struct StepState {
     rendezvous: Arc<dyn Rendezvous>,
     pool: Arc<rayon::ThreadPool>,
     tracer: Option<Arc<Tracer>>,
+    collectives: Option<Arc<dyn Collectives>>,
 }
 
 /// Starts `step` of `plan`; returns immediately. `done` runs once when every node has finished
@@ -44,6 +45,7 @@ pub(crate) fn start_step(
     rendezvous: Arc<dyn Rendezvous>,
     pool: Arc<rayon::ThreadPool>,
     tracer: Option<Arc<Tracer>>,
+    collectives: Option<Arc<dyn Collectives>>,
     done: StepDone,
 ) {
     let n = plan.nodes.len();
@@ -67,6 +69,7 @@ pub(crate) fn start_step(
         rendezvous,
         pool,
         tracer,
+        collectives,
     });
     let roots = state.plan.roots.clone();
     for r in roots {
@@ -175,6 +178,7 @@ impl StepState {
                     variables: &node.variables,
                     step: self.step,
                     outputs: &mut outputs,
+                    collectives: self.collectives.as_deref(),
                 };
                 let result = kernel.compute(&mut ctx);
                 if let (Some(tr), Some(t0)) = (&self.tracer, t0) {

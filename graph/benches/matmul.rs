@@ -61,6 +61,7 @@ fn kernel_bench(
                 variables: &cell,
                 step: 0,
                 outputs: &mut outputs,
+                collectives: None,
             };
             kernel.compute(&mut ctx).unwrap();
             black_box(&outputs);

@@ -71,6 +71,9 @@ pub struct KernelContext<'a> {
     pub step: u64,
     /// Output values; the kernel sets each one.
     pub outputs: &'a mut [Option<Tensor>],
+    /// The collective operations of this process's groups (set by a distributed runtime that
+    /// joined collective groups; `None` elsewhere, and collective kernels then fail clearly).
+    pub collectives: Option<&'a dyn Collectives>,
 }
 
 impl KernelContext<'_> {
@@ -103,6 +106,104 @@ impl KernelContext<'_> {
             .map(|c| &**c)
             .ok_or_else(|| format!("no variable is bound to reference input {k} of this node"))
     }
+}
+
+/// How a collective combines the values of the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise product.
+    Prod,
+    /// Element-wise minimum.
+    Min,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise mean over the ranks.
+    Avg,
+}
+
+impl ReduceKind {
+    /// Parses `sum`, `prod`, `min`, `max`, `avg`.
+    pub fn parse(s: &str) -> Result<ReduceKind, String> {
+        Ok(match s {
+            "sum" => ReduceKind::Sum,
+            "prod" => ReduceKind::Prod,
+            "min" => ReduceKind::Min,
+            "max" => ReduceKind::Max,
+            "avg" | "mean" => ReduceKind::Avg,
+            _ => {
+                return Err(format!(
+                    "unknown reduction `{s}` (sum, prod, min, max, avg)"
+                ))
+            }
+        })
+    }
+
+    /// The name `parse` accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceKind::Sum => "sum",
+            ReduceKind::Prod => "prod",
+            ReduceKind::Min => "min",
+            ReduceKind::Max => "max",
+            ReduceKind::Avg => "avg",
+        }
+    }
+}
+
+/// Which collective call a kernel makes: the group (`group_key`), and the instance within it
+/// (`instance_key`, the same on every rank for the same op), in step `step`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveCall<'a> {
+    /// The group of ranks.
+    pub group: &'a str,
+    /// The op instance (ranks match their calls by it).
+    pub instance: i64,
+    /// The step id.
+    pub step: u64,
+    /// The calling node (for messages).
+    pub node: &'a str,
+}
+
+/// The collective operations a runtime offers kernels. Every rank of a group calls the same
+/// instances in the same order; implementations check that (fingerprints) and time out naming
+/// the ranks that did not join.
+pub trait Collectives: Send + Sync + fmt::Debug {
+    /// This process's rank in `group` and the group's size.
+    fn rank_and_size(&self, group: &str) -> Result<(usize, usize), String>;
+
+    /// Every rank gets the element-wise reduction of all ranks' `input` (same dtype and shape
+    /// everywhere).
+    fn all_reduce(
+        &self,
+        call: &CollectiveCall<'_>,
+        input: &Tensor,
+        op: ReduceKind,
+    ) -> Result<Tensor, String>;
+
+    /// Every rank gets the ranks' inputs concatenated along dimension 0, in rank order.
+    fn all_gather(&self, call: &CollectiveCall<'_>, input: &Tensor) -> Result<Tensor, String>;
+
+    /// Rank r gets part r (dimension 0 split in `size` equal parts) of the reduction.
+    fn reduce_scatter(
+        &self,
+        call: &CollectiveCall<'_>,
+        input: &Tensor,
+        op: ReduceKind,
+    ) -> Result<Tensor, String>;
+
+    /// Every rank gets `root`'s input.
+    fn broadcast(
+        &self,
+        call: &CollectiveCall<'_>,
+        input: &Tensor,
+        root: usize,
+    ) -> Result<Tensor, String>;
+
+    /// Part j (dimension 0 split in `size` equal parts) of rank i's input becomes part i of
+    /// rank j's output.
+    fn all_to_all(&self, call: &CollectiveCall<'_>, input: &Tensor) -> Result<Tensor, String>;
 }
 
 /// A compiled kernel for one node.

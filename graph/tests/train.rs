@@ -52,6 +52,7 @@ fn run(
         variables: vars,
         step: 0,
         outputs: &mut outputs,
+        collectives: None,
     })?;
     Ok(outputs)
 }
@@ -187,6 +188,7 @@ fn updates_reject_bad_state() {
             variables: &[Arc::new(VariableCell::default())],
             step: 0,
             outputs: &mut [],
+            collectives: None,
         })
         .unwrap_err();
     assert!(err.contains("not initialized"), "{err}");

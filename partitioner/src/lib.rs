@@ -24,6 +24,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![deny(unused_must_use)]
 
+pub mod allreduce;
 pub mod error;
 pub mod partition;
 pub mod place;

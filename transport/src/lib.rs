@@ -8,10 +8,12 @@
 pub mod auth;
 pub mod collective;
 pub mod local;
+pub mod plane;
 pub mod rendezvous;
 pub mod tcp;
 pub mod wire;
 
 pub use dflow_graph::Tensor;
 pub use local::LocalRendezvous;
+pub use plane::{DataPlane, PeerEvent, TransportKind};
 pub use rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};

@@ -22,6 +22,8 @@
 
 use crate::auth::{Acceptor, Connector, Secret};
 use crate::local::LocalRendezvous;
+pub use crate::plane::PeerEvent;
+use crate::plane::{BoxFuture, DataPlane};
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::wire::{
     decode_header_slice, encode_header, FrameKind, Header, WireError, HEADER_LEN,
@@ -104,26 +106,6 @@ pub enum TcpError {
         key: String,
         /// Why.
         msg: String,
-    },
-}
-
-/// What the data plane reports to the layer above it (the control plane) about its peers.
-#[derive(Debug)]
-pub enum PeerEvent {
-    /// A control-plane message ([`FrameKind::Message`]) from an authenticated connection.
-    Message {
-        /// The sending task, as its Hello named it.
-        peer: Arc<str>,
-        /// The encoded message.
-        body: Vec<u8>,
-    },
-    /// A peer's connection broke or closed, it stayed silent past the idle timeout, or it sent
-    /// a bad frame and was dropped.
-    Gone {
-        /// The task.
-        peer: Arc<str>,
-        /// What happened.
-        cause: String,
     },
 }
 
@@ -991,5 +973,64 @@ async fn read_frames(
                 })
             }
         }
+    }
+}
+
+impl DataPlane for TcpRendezvous {
+    fn task(&self) -> &str {
+        &self.name
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn register_recv(
+        &self,
+        slot_id: u32,
+        peer: &str,
+        key: Arc<RendezvousKey>,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Result<(), String> {
+        self.slots
+            .register(slot_id, peer, key, dtype, dims)
+            .map_err(|e| e.to_string())
+    }
+
+    fn has_recv_slot(&self, key: &RendezvousKey) -> bool {
+        self.slots.peer_of(key).is_some()
+    }
+
+    fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
+        TcpRendezvous::register_send(self, key, peer, slot_id)
+    }
+
+    fn connect(
+        self: Arc<Self>,
+        peer: String,
+        addr: SocketAddr,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        Box::pin(async move {
+            TcpRendezvous::connect(&self, &peer, addr)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        TcpRendezvous::send_message(self, peer, body)
+    }
+
+    fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
+        TcpRendezvous::subscribe(self)
+    }
+
+    fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(TcpRendezvous::close(self, within))
+    }
+
+    fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous> {
+        self
     }
 }

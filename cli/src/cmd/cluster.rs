@@ -8,7 +8,7 @@
 use super::progress::Progress;
 use super::run::Args;
 use anyhow::{bail, Context};
-use dflow_executor::cluster::{run_chief, ChiefConfig, Node, NodeOptions, ServerOptions};
+use dflow_executor::cluster::{run_chief, ChiefConfig, Node, NodeOptions, ServerOptions, Strategy};
 use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::ClusterSpec;
 use dflow_partitioner::strategy::PsMode;
@@ -62,6 +62,7 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
             trace: args.trace.is_some(),
             data_path: args.data.clone(),
         },
+        transport: args.transport,
     };
     let task = dflow_executor::cluster::task_name(job, index);
     let is_chief = job == "worker" && index == 0;
@@ -121,10 +122,25 @@ fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
     Ok(ChiefConfig {
         forward: def,
         spec,
-        mode: if args.r#async {
-            PsMode::Async
-        } else {
-            PsMode::Sync
+        strategy: match args.strategy.as_str() {
+            "allreduce" => {
+                if args.r#async {
+                    bail!(
+                        "--async is a parameter-server mode; --strategy allreduce is synchronous"
+                    );
+                }
+                if args.fusion_threshold_mb.is_nan() || args.fusion_threshold_mb <= 0.0 {
+                    bail!(
+                        "--fusion-threshold-mb must be positive, got {}",
+                        args.fusion_threshold_mb
+                    );
+                }
+                Strategy::AllReduce {
+                    bucket_bytes: (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
+                }
+            }
+            _ if args.r#async => Strategy::Ps(PsMode::Async),
+            _ => Strategy::Ps(PsMode::Sync),
         },
         placement: PlacementOptions::default(),
         data_path: data_path.clone(),
@@ -149,11 +165,17 @@ async fn chief(
 ) -> anyhow::Result<()> {
     let rpc = node.into_rpc();
     let workers = cluster.num_tasks("worker");
-    let mode = if args.r#async { "async" } else { "sync" };
-    eprintln!(
-        "chief: every task joined; {mode} parameter-server training with {workers} worker(s) and {} ps task(s)",
-        cluster.num_tasks("ps")
-    );
+    match cfg.strategy {
+        Strategy::AllReduce { bucket_bytes } => eprintln!(
+            "chief: every task joined; all-reduce data-parallel training with {workers} worker(s), buckets of {:.1} MiB",
+            bucket_bytes as f64 / (1u64 << 20) as f64
+        ),
+        Strategy::Ps(mode) => eprintln!(
+            "chief: every task joined; {} parameter-server training with {workers} worker(s) and {} ps task(s)",
+            if mode == PsMode::Async { "async" } else { "sync" },
+            cluster.num_tasks("ps")
+        ),
+    }
     let mut progress: Option<Progress> = None;
     let epochs = args.epochs;
     let quiet = args.quiet;

@@ -32,9 +32,19 @@ pub struct Args {
     /// must prove it knows it. Without it, the DFLOW_SECRET environment variable is used if set.
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+    /// Distributed: the transport between tasks (`tcp`).
+    #[arg(long, default_value = "tcp", value_parser = |s: &str| s.parse::<dflow_transport::TransportKind>())]
+    pub transport: dflow_transport::TransportKind,
     /// Distributed: seconds to wait for every other task to start.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout: u64,
+    /// Distributed training: `ps` (variables on the parameter servers) or `allreduce` (every
+    /// worker holds the model; gradients are all-reduced in fused buckets; no ps needed).
+    #[arg(long, default_value = "ps", value_parser = ["ps", "allreduce"])]
+    pub strategy: String,
+    /// Distributed all-reduce training: the fusion threshold, in MiB, of a gradient bucket.
+    #[arg(long, default_value_t = 25.0)]
+    pub fusion_threshold_mb: f64,
     /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
     /// step (the default).
     #[arg(long, conflicts_with = "async")]

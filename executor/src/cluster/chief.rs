@@ -13,7 +13,9 @@ use crate::data::Dataset;
 use crate::trainer::StepReport;
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{format::to_json, DType, DeviceName, Graph, GraphDef, Tensor};
+use dflow_partitioner::allreduce::{allreduce_training, GROUP};
 use dflow_partitioner::strategy::{ps_training, PsGraph, PsMode};
+use dflow_partitioner::Policy;
 use dflow_partitioner::{partition, place, PartitionOptions, Partitions, PlacementOptions};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -29,8 +31,8 @@ pub struct ChiefConfig {
     pub forward: GraphDef,
     /// The graph's `train` section.
     pub spec: TrainSpec,
-    /// Sync or async parameter-server training.
-    pub mode: PsMode,
+    /// How the workers train together.
+    pub strategy: Strategy,
     /// Placement policy (variables on the ps tasks).
     pub placement: PlacementOptions,
     /// The data file (sent to tasks started without `--data`).
@@ -55,6 +57,26 @@ pub struct ChiefConfig {
     pub save_every: u64,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
+}
+
+/// How the workers of a job train together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Variables on the ps tasks; sync (aggregated, applied once per step) or async.
+    Ps(PsMode),
+    /// Every worker holds the model; gradients are all-reduced in fused buckets of at most
+    /// `bucket_bytes`; no ps.
+    AllReduce {
+        /// Fusion threshold.
+        bucket_bytes: usize,
+    },
+}
+
+impl Strategy {
+    /// True when every step runs all workers in lockstep.
+    fn lockstep(self) -> bool {
+        !matches!(self, Strategy::Ps(PsMode::Async))
+    }
 }
 
 /// What a finished job did.
@@ -85,12 +107,12 @@ pub struct ChiefReport {
     pub checkpoint: Option<PathBuf>,
 }
 
-/// One run signature registered on the tasks.
+/// One step's worth of registered graphs: what to ask each task to run.
 #[derive(Debug)]
 struct Registered {
-    handle: u32,
-    /// Tasks with a partition, and whether (and as which part) each feeds data.
-    tasks: Vec<(String, Option<u32>)>,
+    /// Tasks with a partition: the graph handle to run there, and whether (and as which part
+    /// of the batch) it feeds data.
+    tasks: Vec<(String, u32, Option<u32>)>,
     /// The task whose reply carries the fetched values.
     fetch_task: Option<String>,
 }
@@ -234,16 +256,9 @@ fn registrations(
     }
     let tasks = regs
         .keys()
-        .map(|t| (t.clone(), feeding.get(t).copied()))
+        .map(|t| (t.clone(), handle, feeding.get(t).copied()))
         .collect();
-    Ok((
-        regs,
-        Registered {
-            handle,
-            tasks,
-            fetch_task,
-        },
-    ))
+    Ok((regs, Registered { tasks, fetch_task }))
 }
 
 fn scalar(t: &WireTensor) -> f64 {
@@ -259,8 +274,11 @@ struct Job {
     graphs: Vec<PsGraph>,
     train: Vec<Registered>,
     eval: Registered,
-    /// Variable → task, and the expected (name, dtype, dims) for checkpoints.
-    variable_tasks: BTreeMap<String, String>,
+    /// Variable → every task holding a copy (one under ps, every worker under all-reduce),
+    /// and the expected (name, dtype, dims) for checkpoints.
+    variable_tasks: BTreeMap<String, Vec<String>>,
+    /// Batch parts per lockstep step (the number of replicas).
+    parts: u32,
     variable_specs: Vec<(String, DType, Vec<usize>)>,
 }
 
@@ -279,15 +297,35 @@ async fn register_all(
     train_rows: u64,
 ) -> Result<Job, JobError> {
     let workers = cluster.num_tasks("worker");
-    let graphs = ps_training(
-        &cfg.forward,
-        &cfg.spec,
-        workers,
-        cfg.mode,
-        &cfg.features,
-        &cfg.labels,
-    )
-    .map_err(|e| JobError::Setup(e.to_string()))?;
+    let (graphs, placement) = match cfg.strategy {
+        Strategy::Ps(mode) => (
+            ps_training(
+                &cfg.forward,
+                &cfg.spec,
+                workers,
+                mode,
+                &cfg.features,
+                &cfg.labels,
+            ),
+            cfg.placement.clone(),
+        ),
+        Strategy::AllReduce { bucket_bytes } => (
+            allreduce_training(
+                &cfg.forward,
+                &cfg.spec,
+                workers,
+                &cfg.features,
+                &cfg.labels,
+                bucket_bytes,
+            ),
+            // Every node of a worker's graph stays on that worker: no device setter.
+            PlacementOptions {
+                policy: Policy::Explicit,
+                ..cfg.placement.clone()
+            },
+        ),
+    };
+    let graphs = graphs.map_err(|e| JobError::Setup(e.to_string()))?;
     let data = DataSpec {
         path: cfg.data_path.display().to_string(),
         test_fraction: cfg.test_fraction,
@@ -303,25 +341,29 @@ async fn register_all(
     for (i, g) in graphs.iter().enumerate() {
         let graph = Graph::from_def(&g.training.def)
             .map_err(|e| JobError::Setup(format!("the replicated training graph: {e}")))?;
-        let placed = place(&graph, cluster, &cfg.placement)
+        let placed = place(&graph, cluster, &placement)
             .map_err(|e| JobError::Setup(format!("placing the training graph: {e}")))?;
-        if i == 0 {
-            for idx in placed.graph.node_indices() {
-                let n = placed.graph.node(idx);
-                if n.op_def().is_variable {
-                    let task = placed.devices[idx.index()].task_name().unwrap_or_default();
-                    variable_tasks.insert(n.name.clone(), task);
+        for idx in placed.graph.node_indices() {
+            let n = placed.graph.node(idx);
+            if n.op_def().is_variable {
+                let task = placed.devices[idx.index()].task_name().unwrap_or_default();
+                let holders: &mut Vec<String> = variable_tasks.entry(n.name.clone()).or_default();
+                if !holders.contains(&task) {
+                    holders.push(task);
+                }
+                if i == 0 {
                     if let Some(dims) = n.outputs[0].shape.as_static() {
                         variable_specs.push((n.name.clone(), n.outputs[0].dtype, dims));
                     }
                 }
             }
-            variable_specs.sort();
         }
+        variable_specs.sort();
         let mut sources = HashMap::new();
         let mut feeds = Vec::new();
         for r in &g.replicas {
-            let part = if g.replicas.len() > 1 {
+            // Async workers each take whole batches; otherwise every replica feeds its part.
+            let part = if cfg.strategy.lockstep() {
                 r.worker as u32
             } else {
                 0
@@ -376,6 +418,13 @@ async fn register_all(
         }
     }
     let eval = eval.ok_or_else(|| JobError::Setup("no training graph was built".into()))?;
+    let parts = graphs.iter().map(|g| g.replicas.len() as u32).sum();
+    // Under all-reduce the workers' graphs run together: one step runs each on its worker.
+    if let Strategy::AllReduce { .. } = cfg.strategy {
+        let fetch_task = Some(rpc.task.clone());
+        let tasks = train.drain(..).flat_map(|r| r.tasks).collect();
+        train.push(Registered { tasks, fetch_task });
+    }
     // Register every task's graphs, all tasks at once.
     let mut set = tokio::task::JoinSet::new();
     for (task, regs) in all {
@@ -391,13 +440,57 @@ async fn register_all(
     while let Some(r) = set.join_next().await {
         r.map_err(|e| JobError::Setup(format!("registration task failed: {e}")))??;
     }
+    if let Strategy::AllReduce { .. } = cfg.strategy {
+        join_group(rpc, cluster).await?;
+    }
     Ok(Job {
         graphs,
         train,
         eval,
         variable_tasks,
+        parts,
         variable_specs,
     })
+}
+
+/// Makes every worker join collective group [`GROUP`] (rank = worker index).
+async fn join_group(rpc: &Rpc, cluster: &dflow_graph::ClusterSpec) -> Result<(), JobError> {
+    let workers: Vec<String> = cluster
+        .tasks("worker")
+        .map(|(i, _)| super::node::task_name("worker", i))
+        .collect();
+    let mut addrs = Vec::with_capacity(workers.len());
+    for w in &workers {
+        let what = format!("PrepareGroup `{GROUP}`");
+        let req = Request::PrepareGroup {
+            group: GROUP.to_string(),
+        };
+        match rpc.call(w, req, &what).await? {
+            Reply::GroupAddress(a) => addrs.push(a),
+            other => {
+                return Err(JobError::Setup(format!(
+                    "unexpected reply to PrepareGroup from {w}: {other:?}"
+                )))
+            }
+        }
+    }
+    let mut set = tokio::task::JoinSet::new();
+    for (rank, w) in workers.iter().enumerate() {
+        let (rpc, w, addrs) = (rpc.clone(), w.clone(), addrs.clone());
+        set.spawn(async move {
+            let req = Request::JoinGroup {
+                group: GROUP.to_string(),
+                rank: rank as u32,
+                addrs,
+            };
+            rpc.call(&w, req, &format!("JoinGroup `{GROUP}` as rank {rank}"))
+                .await
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.map_err(|e| JobError::Setup(format!("join task failed: {e}")))??;
+    }
+    Ok(())
 }
 
 /// Runs one step of `reg` on every task of it; returns the fetch task's reply values and the
@@ -409,11 +502,11 @@ async fn run_step(
     batch: Option<(u64, u64, u64, u32)>,
 ) -> Result<(Vec<WireTensor>, u64), JobError> {
     let mut set = tokio::task::JoinSet::new();
-    for (task, part) in &reg.tasks {
+    for (task, handle, part) in &reg.tasks {
         let rpc = rpc.clone();
         let task = task.clone();
         let run = RunStep {
-            handle: reg.handle,
+            handle: *handle,
             step,
             batch: part.and_then(|part| {
                 batch.map(|(epoch, index, batch_size, parts)| BatchRef {
@@ -473,7 +566,12 @@ async fn save(
     let Some(dir) = &cfg.checkpoint_dir else {
         return Ok(None);
     };
-    let tasks: BTreeSet<&String> = job.variable_tasks.values().collect();
+    // One copy of each variable: its first holder's.
+    let tasks: BTreeSet<&String> = job
+        .variable_tasks
+        .values()
+        .filter_map(|holders| holders.first())
+        .collect();
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     for task in tasks {
         match rpc
@@ -516,11 +614,12 @@ async fn restore(rpc: &Rpc, job: &Job, cfg: &ChiefConfig) -> Result<Option<u64>,
     let values = checkpoint::restore_into(&job.variable_specs, &ckpt).map_err(setup)?;
     let mut by_task: BTreeMap<String, Vec<NamedTensor>> = BTreeMap::new();
     for (name, value) in values {
-        let task = job.variable_tasks.get(&name).cloned().unwrap_or_default();
-        by_task.entry(task).or_default().push(NamedTensor {
-            name,
-            value: WireTensor::from_tensor(&value),
-        });
+        for task in job.variable_tasks.get(&name).into_iter().flatten() {
+            by_task.entry(task.clone()).or_default().push(NamedTensor {
+                name: name.clone(),
+                value: WireTensor::from_tensor(&value),
+            });
+        }
     }
     for (task, values) in by_task {
         rpc.call(
@@ -554,11 +653,11 @@ async fn evaluate(
         let step = ids.next();
         // Remote tasks (the ps) run their part; the chief feeds its own.
         let mut set = tokio::task::JoinSet::new();
-        for (task, _) in job.eval.tasks.iter().filter(|(t, _)| *t != rpc.task) {
+        for (task, handle, _) in job.eval.tasks.iter().filter(|(t, _, _)| *t != rpc.task) {
             let rpc = rpc.clone();
             let task = task.clone();
             let run = RunStep {
-                handle: job.eval.handle,
+                handle: *handle,
                 step,
                 batch: None,
             };
@@ -572,7 +671,13 @@ async fn evaluate(
             });
         }
         let server = rpc.server.clone();
-        let handle = job.eval.handle;
+        let handle = job
+            .eval
+            .tasks
+            .iter()
+            .find(|(t, _, _)| *t == rpc.task)
+            .map(|(_, h, _)| *h)
+            .ok_or_else(|| JobError::Setup("the chief has no evaluation graph".into()))?;
         let local = tokio::task::spawn_blocking(move || {
             server.run_with_sources(handle, step, |s| match s {
                 FeedSource::Features => x.clone(),
@@ -641,9 +746,9 @@ pub async fn run_chief(
         let start = index as usize * cfg.batch_size;
         train.len().saturating_sub(start).min(cfg.batch_size)
     };
-    match cfg.mode {
-        PsMode::Sync => {
-            let parts = job.graphs[0].replicas.len() as u32;
+    match cfg.strategy {
+        Strategy::Ps(PsMode::Sync) | Strategy::AllReduce { .. } => {
+            let parts = job.parts;
             for s in start_step..total {
                 let (epoch, index) = (s / spe, s % spe);
                 let step = ids.next();
@@ -665,7 +770,7 @@ pub async fn run_chief(
                 }
             }
         }
-        PsMode::Async => {
+        Strategy::Ps(PsMode::Async) => {
             // Each worker takes the next global batch when it is free: per-worker data
             // sharding with no straggler waiting for another.
             let next = Arc::new(AtomicU64::new(start_step));

@@ -12,6 +12,6 @@ pub mod node;
 pub mod protocol;
 pub mod server;
 
-pub use chief::{run_chief, ChiefConfig, ChiefReport};
+pub use chief::{run_chief, ChiefConfig, ChiefReport, Strategy};
 pub use node::{task_name, JobError, Node, NodeOptions, Rpc};
 pub use server::{ServerOptions, TaskServer};

@@ -7,7 +7,8 @@ use super::server::{ServerOptions, TaskServer};
 use crate::error::ExecError;
 use dflow_graph::ClusterSpec;
 use dflow_transport::auth::Secret;
-use dflow_transport::tcp::{PeerEvent, TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpConfig;
+use dflow_transport::{plane, DataPlane, PeerEvent, TransportKind};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -33,6 +34,8 @@ pub struct NodeOptions {
     pub startup_timeout: Duration,
     /// How the task server runs steps.
     pub server: ServerOptions,
+    /// The transport between tasks.
+    pub transport: TransportKind,
 }
 
 impl fmt::Debug for NodeOptions {
@@ -43,6 +46,7 @@ impl fmt::Debug for NodeOptions {
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field("timeout", &self.timeout)
             .field("startup_timeout", &self.startup_timeout)
+            .field("transport", &self.transport)
             .finish()
     }
 }
@@ -112,7 +116,7 @@ pub struct Node {
     /// Every other task.
     pub peers: Vec<String>,
     /// The data plane (and the control plane's transport).
-    pub rendezvous: Arc<TcpRendezvous>,
+    pub rendezvous: Arc<dyn DataPlane>,
     /// This task's server.
     pub server: Arc<TaskServer>,
     events: mpsc::UnboundedReceiver<PeerEvent>,
@@ -167,7 +171,8 @@ impl Node {
             heartbeat_interval: Some(opts.timeout / 4),
             ..TcpConfig::default()
         };
-        let rendezvous = TcpRendezvous::bind_with_secret(
+        let rendezvous = plane::bind(
+            opts.transport,
             &task,
             bind_addr(&address)?,
             config,
@@ -313,7 +318,7 @@ fn describe_waiting(server: &TaskServer) -> String {
 }
 
 async fn connect_all(
-    rv: &Arc<TcpRendezvous>,
+    rv: &Arc<dyn DataPlane>,
     peers: &[(String, String)],
     within: Duration,
 ) -> Result<(), JobError> {
@@ -337,7 +342,7 @@ async fn connect_all(
                 still.push(p);
                 continue;
             };
-            match rv.connect(name, sa).await {
+            match rv.clone().connect(name.clone(), sa).await {
                 Ok(()) => tracing::info!("connected to {name} at {addr}"),
                 Err(e) => {
                     last_error = e.to_string();
@@ -359,7 +364,7 @@ async fn connect_all(
         }
         if last_log.elapsed() >= Duration::from_secs(2) {
             tracing::info!("waiting for {} to start", names.join(", "));
-            eprintln!("{}: waiting for {} to start", rv.name(), names.join(", "));
+            eprintln!("{}: waiting for {} to start", rv.task(), names.join(", "));
             last_log = Instant::now();
         }
         tokio::time::sleep(pause).await;
@@ -380,6 +385,10 @@ fn handle(server: &TaskServer, req: Request) -> Result<Reply, String> {
         Request::RunStep(r) => server.run_step(&r).map(Reply::StepDone),
         Request::GetVariables => Ok(Reply::Variables(server.variables())),
         Request::SetVariables(v) => server.set_variables(&v).map(|()| Reply::VariablesSet),
+        Request::PrepareGroup { group } => server.prepare_group(&group).map(Reply::GroupAddress),
+        Request::JoinGroup { group, rank, addrs } => server
+            .join_group(&group, rank as usize, &addrs)
+            .map(|()| Reply::GroupJoined),
     }
 }
 
@@ -480,7 +489,7 @@ pub struct Rpc {
     /// Every other task.
     pub peers: Vec<String>,
     /// The data plane.
-    pub rendezvous: Arc<TcpRendezvous>,
+    pub rendezvous: Arc<dyn DataPlane>,
     /// The chief's own server.
     pub server: Arc<TaskServer>,
     inner: Arc<RpcInner>,

@@ -70,6 +70,20 @@ pub enum Request {
     /// Overwrite these variables (restoring a checkpoint); each must belong to a registered
     /// graph of this task.
     SetVariables(Vec<NamedTensor>),
+    /// Open a listener for collective group `group`; the reply is its address.
+    PrepareGroup {
+        /// The group key (`workers`).
+        group: String,
+    },
+    /// Connect to every other rank of `group` (their addresses, in rank order) as `rank`.
+    JoinGroup {
+        /// The group key.
+        group: String,
+        /// This task's rank.
+        rank: u32,
+        /// Every rank's address from `PrepareGroup`, in rank order.
+        addrs: Vec<String>,
+    },
 }
 
 /// The successful answers.
@@ -83,6 +97,10 @@ pub enum Reply {
     Variables(Vec<NamedTensor>),
     /// The variables were set.
     VariablesSet,
+    /// Where this task listens for its collective group.
+    GroupAddress(String),
+    /// This task joined the group.
+    GroupJoined,
 }
 
 /// The partitions of one run signature that live on the receiving task, and how its

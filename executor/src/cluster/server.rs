@@ -13,7 +13,7 @@ use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::format::parse_json;
 use dflow_graph::{DType, DeviceName, Graph, Tensor};
-use dflow_transport::tcp::TcpRendezvous;
+use dflow_transport::DataPlane;
 use dflow_transport::{RendezvousError, RendezvousKey};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -68,7 +68,7 @@ struct TaskData {
 #[derive(Debug)]
 pub struct TaskServer {
     task: String,
-    rendezvous: Arc<TcpRendezvous>,
+    rendezvous: Arc<dyn DataPlane>,
     env: StepEnv,
     stores: Mutex<BTreeMap<DeviceName, Arc<VariableStore>>>,
     /// Variable name → the device (of this task) that holds it.
@@ -90,7 +90,7 @@ impl TaskServer {
     /// A server for task `task` (`/job:J/replica:0/task:T`) moving tensors over `rendezvous`.
     pub fn new(
         task: &str,
-        rendezvous: Arc<TcpRendezvous>,
+        rendezvous: Arc<dyn DataPlane>,
         opts: &ServerOptions,
     ) -> Result<TaskServer, ExecError> {
         let threads = if opts.num_threads == 0 {
@@ -108,10 +108,11 @@ impl TaskServer {
         Ok(TaskServer {
             task: task.to_string(),
             env: StepEnv {
-                rendezvous: rendezvous.clone(),
+                rendezvous: rendezvous.clone().as_rendezvous(),
                 pool: Arc::new(pool),
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
+                collectives: None,
             },
             rendezvous,
             stores: Mutex::default(),
@@ -171,7 +172,7 @@ impl TaskServer {
         }
         for s in &g.recv_slots {
             let key = Arc::new(RendezvousKey::parse(&s.key).map_err(|e| e.to_string())?);
-            if self.rendezvous.slots().peer_of(&key).is_some() {
+            if self.rendezvous.has_recv_slot(&key) {
                 continue; // shared with a graph registered earlier
             }
             let dtype: DType = s
@@ -180,8 +181,7 @@ impl TaskServer {
                 .map_err(|_| format!("slot {}: unknown dtype `{}`", s.slot, s.dtype))?;
             let dims = dims_usize(&s.dims)?;
             self.rendezvous
-                .register_recv(s.slot, &s.peer, key, dtype, &dims)
-                .map_err(|e| e.to_string())?;
+                .register_recv(s.slot, &s.peer, key, dtype, &dims)?;
         }
         for r in &g.send_routes {
             let key = Arc::new(RendezvousKey::parse(&r.key).map_err(|e| e.to_string())?);
@@ -352,6 +352,23 @@ impl TaskServer {
         let g = self.graph(handle).map_err(ExecError::Setup)?;
         let feeds = g.feeds.iter().map(|(_, s)| value(*s)).collect();
         self.run_with_feeds(handle, step, feeds)
+    }
+
+    /// Opens this task's listener for collective group `group`; returns its address.
+    pub fn prepare_group(&self, group: &str) -> Result<String, String> {
+        Err(format!(
+            "task {}: cannot prepare group `{group}`: collectives are not built in yet",
+            self.task
+        ))
+    }
+
+    /// Joins collective group `group` as `rank`, connecting to every rank's address.
+    pub fn join_group(&self, group: &str, rank: usize, addrs: &[String]) -> Result<(), String> {
+        let _ = (rank, addrs);
+        Err(format!(
+            "task {}: cannot join group `{group}`: collectives are not built in yet",
+            self.task
+        ))
     }
 
     /// Aborts `step` on this task: its pending Recvs fail with `reason`.

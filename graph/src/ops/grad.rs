@@ -328,6 +328,7 @@ mod tests {
             variables: &vars,
             step: 0,
             outputs: &mut outputs,
+            collectives: None,
         })?;
         Ok(outputs.pop().flatten().unwrap())
     }

@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 pub mod array;
 pub mod broadcast;
+pub mod collective;
 pub mod elementwise;
 pub mod grad;
 pub mod init;
@@ -402,6 +403,7 @@ pub fn registry() -> &'static OpRegistry {
         array::register(&mut r);
         grad::register(&mut r);
         train::register(&mut r);
+        collective::register(&mut r);
         state::gradients::register_gradients(&mut r);
         math::gradients::register_gradients(&mut r);
         nn::gradients::register_gradients(&mut r);

@@ -104,6 +104,7 @@ pub fn run_kernel_with(
         variables,
         step: 0,
         outputs: &mut outputs,
+        collectives: None,
     };
     kernel.compute(&mut ctx)?;
     outputs

@@ -76,6 +76,7 @@ impl Eval {
                     variables: &cells,
                     step: 0,
                     outputs: &mut outputs,
+                    collectives: None,
                 })
                 .unwrap_or_else(|e| panic!("{}: {e}", node.name));
             for (k, t) in outputs.into_iter().enumerate() {

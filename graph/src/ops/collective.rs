@@ -1,0 +1,425 @@
+//! Collective ops: all-reduce, all-gather, reduce-scatter, broadcast and all-to-all over a group
+//! of ranks, plus the flat packing ops the all-reduce strategy fuses gradients with.
+//!
+//! A collective op names its group (`group_key`) and its instance (`instance_key`): every rank
+//! of the group runs a node with the same instance key, and the runtime matches the ranks'
+//! calls by it (checking dtype, shape and op: a mismatch fails on every rank). The kernels call
+//! the [`Collectives`](crate::kernel::Collectives) the runtime passes in
+//! [`KernelContext::collectives`]; outside a runtime that joined the group they fail with a
+//! message saying so. The ops are placed like any other op. They have no gradients: the
+//! all-reduce strategy inserts them after the backward pass.
+
+use super::*;
+use crate::kernel::{CollectiveCall, Kernel, KernelContext, KernelInit, ReduceKind};
+
+fn collective_attrs() -> [AttrDef; 2] {
+    [
+        attr("group_key", AttrType::String),
+        attr("instance_key", AttrType::Int),
+    ]
+}
+
+/// The shape of one of `size` equal parts of `t` along dimension 0.
+fn split_dim0(op: &str, t: &TensorType, size: i64) -> Result<Shape, String> {
+    if size < 1 {
+        return Err(format!("{op}: group_size must be at least 1, got {size}"));
+    }
+    let Some(dims) = t.shape.dims() else {
+        return Ok(Shape::unknown());
+    };
+    let Some(first) = dims.first() else {
+        return Err(format!("{op}: the input must have rank ≥ 1, got a scalar"));
+    };
+    let mut out = dims.to_vec();
+    if let Some(d0) = first {
+        if d0 % size as usize != 0 {
+            return Err(format!(
+                "{op}: dimension 0 ({d0}) does not split into group_size {size} equal parts"
+            ));
+        }
+        out[0] = Some(d0 / size as usize);
+    }
+    Ok(Shape::partial(out))
+}
+
+/// What every collective kernel knows from its node.
+#[derive(Debug)]
+struct Collective {
+    op: &'static str,
+    group: String,
+    instance: i64,
+    reduce: ReduceKind,
+    root: usize,
+}
+
+impl Collective {
+    fn new(op: &'static str, init: &KernelInit<'_>) -> Result<Collective, String> {
+        let string = |name: &str| match init.attr(name)? {
+            AttrValue::String(s) => Ok(s.clone()),
+            v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
+        };
+        let int = |name: &str| match init.attr(name) {
+            Ok(AttrValue::Int(v)) => Ok(Some(*v)),
+            Ok(v) => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+            Err(_) => Ok(None),
+        };
+        let reduce = match init.attrs.get("reduce") {
+            Some(AttrValue::String(s)) => ReduceKind::parse(s)?,
+            _ => ReduceKind::Sum,
+        };
+        let root = int("root")?.unwrap_or(0);
+        Ok(Collective {
+            op,
+            group: string("group_key")?,
+            instance: int("instance_key")?.unwrap_or(0),
+            reduce,
+            root: usize::try_from(root).map_err(|_| format!("root must be ≥ 0, got {root}"))?,
+        })
+    }
+
+    fn run(
+        &self,
+        ctx: &mut KernelContext<'_>,
+        f: impl FnOnce(
+            &dyn crate::kernel::Collectives,
+            &CollectiveCall<'_>,
+            &Tensor,
+        ) -> Result<Tensor, String>,
+    ) -> Result<(), String> {
+        let Some(c) = ctx.collectives else {
+            return Err(format!(
+                "{}: no collective runtime here: run the graph in a distributed job whose tasks joined group `{}`",
+                self.op, self.group
+            ));
+        };
+        let call = CollectiveCall {
+            group: &self.group,
+            instance: self.instance,
+            step: ctx.step,
+            node: ctx.node,
+        };
+        let out = f(c, &call, ctx.input(0)?)?;
+        ctx.set_output(0, out)
+    }
+}
+
+macro_rules! collective_kernel {
+    ($name:ident, $op:literal, |$c:ident, $call:ident, $x:ident, $k:ident| $body:expr) => {
+        #[derive(Debug)]
+        struct $name(Collective);
+
+        impl Kernel for $name {
+            fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+                let $k = &self.0;
+                $k.run(ctx, |$c, $call, $x| $body)
+            }
+        }
+
+        impl $name {
+            fn factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+                Ok(Box::new($name(Collective::new($op, init)?)))
+            }
+        }
+    };
+}
+
+collective_kernel!(AllReduceKernel, "CollectiveAllReduce", |c, call, x, k| c
+    .all_reduce(call, x, k.reduce));
+collective_kernel!(AllGatherKernel, "CollectiveAllGather", |c, call, x, _k| c
+    .all_gather(call, x));
+collective_kernel!(
+    ReduceScatterKernel,
+    "CollectiveReduceScatter",
+    |c, call, x, k| c.reduce_scatter(call, x, k.reduce)
+);
+collective_kernel!(BroadcastKernel, "CollectiveBroadcast", |c, call, x, k| c
+    .broadcast(call, x, k.root));
+collective_kernel!(AllToAllKernel, "CollectiveAllToAll", |c, call, x, _k| c
+    .all_to_all(call, x));
+
+fn reduce_attr() -> AttrDef {
+    attr_or("reduce", AttrType::String, AttrDefault::Str("sum"))
+}
+
+fn check_reduce(ctx: &InferCtx<'_>) -> Result<(), String> {
+    match ctx.attrs.get("reduce") {
+        Some(AttrValue::String(s)) => ReduceKind::parse(s).map(|_| ()),
+        _ => Ok(()),
+    }
+}
+
+pub(crate) fn register(r: &mut OpRegistry) {
+    let [g, i] = collective_attrs();
+    r.add(
+        OpDef::new(
+            "CollectiveAllReduce",
+            "Every rank of `group_key` gets the element-wise `reduce` (sum, prod, min, max, avg) \
+             of all ranks' input. In: input. Out: output, same type.",
+            |ctx| {
+                check_reduce(ctx)?;
+                same_as_input(ctx)
+            },
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i, reduce_attr()])
+        .kernel("CPU", AllReduceKernel::factory)
+        .stateful(),
+    );
+    r.add(
+        OpDef::new(
+            "CollectiveAllGather",
+            "Every rank gets the ranks' inputs concatenated along dimension 0 in rank order. In: \
+             input [d0, ...]. Out: output [group_size·d0, ...].",
+            |ctx| {
+                let t = ctx.input(0)?;
+                let n = ctx.int("group_size")?;
+                if n < 1 {
+                    return Err(format!("group_size must be at least 1, got {n}"));
+                }
+                let shape = match t.shape.dims() {
+                    None => Shape::unknown(),
+                    Some([]) => return Err("the input must have rank ≥ 1, got a scalar".into()),
+                    Some(dims) => {
+                        let mut out = dims.to_vec();
+                        out[0] = out[0].map(|d| d * n as usize);
+                        Shape::partial(out)
+                    }
+                };
+                Ok(vec![TensorType::new(t.dtype, shape)])
+            },
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i, attr("group_size", AttrType::Int)])
+        .kernel("CPU", AllGatherKernel::factory)
+        .stateful(),
+    );
+    r.add(
+        OpDef::new(
+            "CollectiveReduceScatter",
+            "Rank r gets part r (dimension 0 split into group_size equal parts) of the \
+             element-wise `reduce` of all ranks' input. In: input [group_size·k, ...]. Out: \
+             output [k, ...].",
+            |ctx| {
+                check_reduce(ctx)?;
+                let t = ctx.input(0)?;
+                let shape = split_dim0("CollectiveReduceScatter", t, ctx.int("group_size")?)?;
+                Ok(vec![TensorType::new(t.dtype, shape)])
+            },
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i, attr("group_size", AttrType::Int), reduce_attr()])
+        .kernel("CPU", ReduceScatterKernel::factory)
+        .stateful(),
+    );
+    r.add(
+        OpDef::new(
+            "CollectiveBroadcast",
+            "Every rank gets rank `root`'s input (the other ranks' inputs only give the type). \
+             In: input. Out: output, same type.",
+            |ctx| {
+                let root = ctx.int("root")?;
+                if root < 0 {
+                    return Err(format!("root must be ≥ 0, got {root}"));
+                }
+                same_as_input(ctx)
+            },
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i, attr_or("root", AttrType::Int, AttrDefault::Int(0))])
+        .kernel("CPU", BroadcastKernel::factory)
+        .stateful(),
+    );
+    r.add(
+        OpDef::new(
+            "CollectiveAllToAll",
+            "Part j (dimension 0 split into group_size equal parts) of rank i's input becomes \
+             part i of rank j's output. In: input [group_size·k, ...]. Out: output, same type.",
+            |ctx| {
+                let t = ctx.input(0)?;
+                split_dim0("CollectiveAllToAll", t, ctx.int("group_size")?)?;
+                same_as_input(ctx)
+            },
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i, attr("group_size", AttrType::Int)])
+        .kernel("CPU", AllToAllKernel::factory)
+        .stateful(),
+    );
+    r.add(
+        OpDef::new(
+            "PackFlat",
+            "Concatenates its inputs, flattened, into one vector (fuses tensors for one \
+             collective). In: inputs (variadic, same dtype, static shapes). Out: flat \
+             [total elements].",
+            |ctx| {
+                let first = ctx.input(0)?;
+                let mut total = 0usize;
+                for (k, t) in ctx.inputs.iter().enumerate() {
+                    if t.dtype != first.dtype {
+                        return Err(format!(
+                            "inputs[{k}] is {t} but inputs[0] is {first}; all inputs must share a dtype"
+                        ));
+                    }
+                    total += t.shape.num_elements().ok_or_else(|| {
+                        format!("inputs[{k}] has shape {}, which is not fully known", t.shape)
+                    })?;
+                }
+                Ok(vec![TensorType::new(first.dtype, Shape::known(&[total]))])
+            },
+        )
+        .inputs([variadic("inputs")])
+        .outputs([arg("flat")])
+        .kernel("CPU", |_| super::elementwise::stateless(pack_flat)),
+    );
+    r.add(
+        OpDef::new(
+            "FlatSlice",
+            "The elements [offset, offset + product(shape)) of a vector, as a tensor of `shape` \
+             (undoes PackFlat). In: flat [n]. Out: output of `shape`.",
+            |ctx| {
+                let t = ctx.input(0)?;
+                let shape = ctx.shape("shape")?;
+                let n = shape
+                    .num_elements()
+                    .ok_or_else(|| format!("attribute `shape` {shape} is not fully known"))?;
+                let offset = ctx.int("offset")?;
+                if offset < 0 {
+                    return Err(format!("offset must be ≥ 0, got {offset}"));
+                }
+                if let Some(len) = t.shape.num_elements() {
+                    if offset as usize + n > len {
+                        return Err(format!(
+                            "elements [{offset}, {}) are outside the input's {len}",
+                            offset as usize + n
+                        ));
+                    }
+                }
+                Ok(vec![TensorType::new(t.dtype, shape.clone())])
+            },
+        )
+        .inputs([arg("flat")])
+        .outputs([arg("output")])
+        .attrs([
+            attr("offset", AttrType::Int),
+            attr("shape", AttrType::Shape),
+        ])
+        .kernel("CPU", flat_slice_kernel),
+    );
+}
+
+fn pack_flat(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let first = ctx.input(0)?;
+    let dtype = first.dtype();
+    let total: usize = ctx.inputs.iter().map(|t| t.num_elements()).sum();
+    let mut bytes = Vec::with_capacity(total * dtype.size_of());
+    for (k, t) in ctx.inputs.iter().enumerate() {
+        if t.dtype() != dtype {
+            return Err(format!(
+                "inputs[{k}] is {}, inputs[0] is {dtype}",
+                t.dtype()
+            ));
+        }
+        bytes.extend_from_slice(t.as_bytes());
+    }
+    let out = Tensor::from_bytes(dtype, &[total], &bytes).map_err(|e| e.to_string())?;
+    ctx.set_output(0, out)
+}
+
+#[derive(Debug)]
+struct FlatSlice {
+    offset: usize,
+    dims: Vec<usize>,
+}
+
+fn flat_slice_kernel(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    let offset = match init.attr("offset")? {
+        AttrValue::Int(v) => usize::try_from(*v).map_err(|_| format!("offset {v} < 0"))?,
+        v => return Err(format!("attribute `offset` is {}, not int", v.ty())),
+    };
+    let dims = match init.attr("shape")? {
+        AttrValue::Shape(s) => s
+            .as_static()
+            .ok_or_else(|| format!("attribute `shape` {s} is not fully known"))?,
+        v => return Err(format!("attribute `shape` is {}, not shape", v.ty())),
+    };
+    Ok(Box::new(FlatSlice { offset, dims }))
+}
+
+impl Kernel for FlatSlice {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let flat = ctx.input(0)?;
+        let size = flat.dtype().size_of();
+        let n: usize = self.dims.iter().product();
+        let (start, end) = (self.offset * size, (self.offset + n) * size);
+        let bytes = flat.as_bytes().get(start..end).ok_or_else(|| {
+            format!(
+                "elements [{}, {}) are outside the input's {}",
+                self.offset,
+                self.offset + n,
+                flat.num_elements()
+            )
+        })?;
+        let out = Tensor::from_bytes(flat.dtype(), &self.dims, bytes).map_err(|e| e.to_string())?;
+        ctx.set_output(0, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ops::testing::run_kernel;
+    use crate::{AttrValue, Shape, Tensor};
+
+    #[test]
+    fn pack_then_slice_round_trips() {
+        let a = Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        let b = Tensor::from_slice(&[3], &[5.0f32, 6.0, 7.0]).unwrap();
+        let flat = run_kernel("PackFlat", &[], &[a.clone(), b.clone()])
+            .unwrap()
+            .remove(0);
+        assert_eq!(flat.dims(), &[7]);
+        let back = run_kernel(
+            "FlatSlice",
+            &[
+                ("offset", AttrValue::Int(4)),
+                ("shape", AttrValue::Shape(Shape::known(&[3]))),
+            ],
+            std::slice::from_ref(&flat),
+        )
+        .unwrap()
+        .remove(0);
+        assert_eq!(
+            back.as_slice::<f32>().unwrap(),
+            b.as_slice::<f32>().unwrap()
+        );
+        let err = run_kernel(
+            "FlatSlice",
+            &[
+                ("offset", AttrValue::Int(5)),
+                ("shape", AttrValue::Shape(Shape::known(&[3]))),
+            ],
+            &[flat],
+        )
+        .unwrap_err();
+        assert!(err.contains("outside"), "{err}");
+    }
+
+    #[test]
+    fn collectives_without_a_runtime_fail_naming_the_group() {
+        let x = Tensor::from_slice(&[2], &[1.0f32, 2.0]).unwrap();
+        let err = run_kernel(
+            "CollectiveAllReduce",
+            &[
+                ("group_key", AttrValue::String("workers".into())),
+                ("instance_key", AttrValue::Int(1)),
+            ],
+            &[x],
+        )
+        .unwrap_err();
+        assert!(err.contains("group `workers`"), "{err}");
+    }
+}

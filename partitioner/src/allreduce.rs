@@ -1,0 +1,437 @@
+//! All-reduce data parallelism as a graph rewrite: every worker holds the whole model and the
+//! gradients are summed across workers by collective all-reduces, fused into buckets.
+//!
+//! [`allreduce_training`] returns one graph per worker. Graph `i` is the forward graph with every
+//! node (variables included) on `/job:worker/task:{i}`, its loss weighted by a fed scalar
+//! `batch_weight` (the worker's share `n_i / n` of the global batch), and the training step of
+//! that weighted loss whose gradients, before they reach the update ops, go through
+//! `CollectiveAllReduce(sum)` over group [`GROUP`]: each worker applies `Σ_i n_i/n · ∇L_i`, the
+//! gradient of the mean loss over the global batch, so the workers stay identical and train
+//! like one process on the global batch.
+//!
+//! Fusion: the gradients are packed (`PackFlat`) into buckets of at most `bucket_bytes` (like
+//! Horovod's fusion threshold and DDP's buckets; default [`DEFAULT_BUCKET_BYTES`]), one
+//! all-reduce per bucket, then sliced back (`FlatSlice`). Buckets are filled in reverse variable
+//! order — the backward pass produces the last layers' gradients first — so the first bucket can
+//! be reduced while the backward pass is still running. The all-reduces are chained by control
+//! edges so every worker issues them in the same order; last comes the all-reduce of the
+//! weighted loss, giving every worker the global batch's mean loss (the fetched `loss`).
+//!
+//! Gradient clipping by global norm, when the spec asks for it, clips each worker's gradient
+//! before the sum (not the summed gradient).
+
+use crate::strategy::{EvalNames, PsGraph, ReplicaFeeds, StrategyError};
+use dflow_graph::train::{expand_training, TrainSpec};
+use dflow_graph::{AttrValue, DType, DeviceName, Graph, GraphDef, InputRef, NodeDef, Shape};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// The collective group of the workers.
+pub const GROUP: &str = "workers";
+
+/// Default fusion threshold: 25 MiB per bucket, as PyTorch DDP.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// The placeholder each worker feeds with its share of the global batch.
+pub const BATCH_WEIGHT: &str = "batch_weight";
+
+fn worker_device(node: &str, device: &str, task: usize) -> Result<String, StrategyError> {
+    let mut d = DeviceName::parse(device).map_err(|e| StrategyError::InvalidDevice {
+        node: node.to_string(),
+        device: device.to_string(),
+        message: e.to_string(),
+    })?;
+    d.job = Some("worker".into());
+    d.replica = None;
+    d.task = Some(task as u32);
+    Ok(d.to_string())
+}
+
+/// A gradient tensor and its static dimensions, in a bucket.
+type GradientSlot = (String, Vec<usize>);
+
+fn fresh(taken: &mut HashSet<String>, base: &str) -> String {
+    let mut name = base.to_string();
+    let mut k = 1;
+    while taken.contains(&name) {
+        name = format!("{base}_{k}");
+        k += 1;
+    }
+    taken.insert(name.clone());
+    name
+}
+
+fn node(name: &str, op: &str, inputs: Vec<String>, device: &str) -> NodeDef {
+    NodeDef {
+        name: name.to_string(),
+        op: op.to_string(),
+        inputs,
+        device: device.to_string(),
+        ..NodeDef::default()
+    }
+}
+
+/// The all-reduce training graphs, one per worker (see the module docs). `features` and
+/// `labels` name the placeholders each worker feeds with its part of every global batch.
+pub fn allreduce_training(
+    forward: &GraphDef,
+    spec: &TrainSpec,
+    workers: usize,
+    features: &str,
+    labels: &str,
+    bucket_bytes: usize,
+) -> Result<Vec<PsGraph>, StrategyError> {
+    if workers == 0 || u32::try_from(workers).is_err() {
+        return Err(StrategyError::WorkerCount(workers));
+    }
+    let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
+    for (role, name) in [("features", features), ("labels", labels)] {
+        match graph.find(name).map(|i| graph.node(i).op.as_str()) {
+            Some("Placeholder") => {}
+            Some(op) => {
+                return Err(StrategyError::NotAPlaceholder {
+                    role,
+                    name: name.to_string(),
+                    message: format!("the node is a {op}, not a Placeholder"),
+                })
+            }
+            None => {
+                return Err(StrategyError::NotAPlaceholder {
+                    role,
+                    name: name.to_string(),
+                    message: format!("no node named `{name}` in the graph"),
+                })
+            }
+        }
+    }
+    let loss_type = {
+        let r = InputRef::parse(&spec.loss).map_err(|message| StrategyError::UnknownTensor {
+            role: "loss",
+            name: spec.loss.clone(),
+            message,
+        })?;
+        let (producer, index) = match r {
+            InputRef::Data { node, index } => (node, index),
+            InputRef::Control(_) => {
+                return Err(StrategyError::UnknownTensor {
+                    role: "loss",
+                    name: spec.loss.clone(),
+                    message: "a control input is not a tensor".into(),
+                })
+            }
+        };
+        graph
+            .find(&producer)
+            .and_then(|i| graph.output_type(i, index))
+            .cloned()
+            .ok_or_else(|| StrategyError::UnknownTensor {
+                role: "loss",
+                name: spec.loss.clone(),
+                message: "no such tensor".into(),
+            })?
+    };
+    if !matches!(loss_type.dtype, DType::F32 | DType::F64) {
+        return Err(StrategyError::NotFloat {
+            role: "loss",
+            name: spec.loss.clone(),
+            dtype: loss_type.dtype,
+        });
+    }
+    if loss_type.shape.rank().is_some_and(|r| r != 0) {
+        return Err(StrategyError::NotScalar {
+            role: "loss",
+            name: spec.loss.clone(),
+            shape: loss_type.shape.clone(),
+        });
+    }
+    (0..workers)
+        .map(|i| {
+            worker_graph(
+                forward,
+                spec,
+                i,
+                features,
+                labels,
+                bucket_bytes,
+                loss_type.dtype,
+            )
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn worker_graph(
+    forward: &GraphDef,
+    spec: &TrainSpec,
+    worker: usize,
+    features: &str,
+    labels: &str,
+    bucket_bytes: usize,
+    loss_dtype: DType,
+) -> Result<PsGraph, StrategyError> {
+    let device = worker_device("", "", worker)?;
+    let mut def = forward.clone();
+    def.train = None;
+    for n in &mut def.nodes {
+        n.device = worker_device(&n.name, &n.device, worker)?;
+    }
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let weight = fresh(&mut taken, BATCH_WEIGHT);
+    let mut w = node(&weight, "Placeholder", vec![], &device);
+    w.attrs = BTreeMap::from([
+        ("dtype".to_string(), AttrValue::DType(DType::F32)),
+        ("shape".to_string(), AttrValue::Shape(Shape::scalar())),
+    ]);
+    def.nodes.push(w);
+    let mut weight_in = weight.clone();
+    if loss_dtype != DType::F32 {
+        let cast = fresh(&mut taken, &format!("{weight}/cast"));
+        let mut c = node(&cast, "Cast", vec![weight.clone()], &device);
+        c.attrs
+            .insert("DstT".to_string(), AttrValue::DType(loss_dtype));
+        def.nodes.push(c);
+        weight_in = cast;
+    }
+    let base = spec
+        .loss
+        .split(':')
+        .next()
+        .unwrap_or(&spec.loss)
+        .to_string();
+    let weighted = fresh(&mut taken, &format!("{base}/weighted"));
+    def.nodes.push(node(
+        &weighted,
+        "Mul",
+        vec![spec.loss.clone(), weight_in],
+        &device,
+    ));
+    let mut training = expand_training(
+        &def,
+        &TrainSpec {
+            loss: weighted.clone(),
+            ..spec.clone()
+        },
+    )?;
+    let typed = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    let mut taken: HashSet<String> = training.def.nodes.iter().map(|n| n.name.clone()).collect();
+
+    // Buckets of gradients, last variables first, split by dtype and by the threshold.
+    let mut buckets: Vec<(DType, Vec<GradientSlot>)> = Vec::new();
+    let mut bucket_size = 0usize;
+    for (var, grad) in training.gradients.iter().rev() {
+        let r = InputRef::parse(grad).map_err(|message| StrategyError::UnknownTensor {
+            role: "gradient",
+            name: grad.clone(),
+            message,
+        })?;
+        let InputRef::Data {
+            node: producer,
+            index,
+        } = r
+        else {
+            continue;
+        };
+        let ty = typed
+            .find(&producer)
+            .and_then(|i| typed.output_type(i, index))
+            .ok_or_else(|| StrategyError::UnknownTensor {
+                role: "gradient",
+                name: grad.clone(),
+                message: format!("the gradient of `{var}` is not in the graph"),
+            })?;
+        let dims = ty
+            .shape
+            .as_static()
+            .ok_or_else(|| StrategyError::NotScalar {
+                role: "gradient",
+                name: grad.clone(),
+                shape: ty.shape.clone(),
+            })?;
+        let bytes = dims.iter().product::<usize>() * ty.dtype.size_of();
+        let fits = buckets
+            .last()
+            .is_some_and(|(d, _)| *d == ty.dtype && bucket_size + bytes <= bucket_bytes.max(1));
+        if !fits {
+            buckets.push((ty.dtype, Vec::new()));
+            bucket_size = 0;
+        }
+        bucket_size += bytes;
+        if let Some((_, grads)) = buckets.last_mut() {
+            grads.push((grad.clone(), dims));
+        }
+    }
+
+    let mut reduced: HashMap<String, String> = HashMap::new();
+    let mut previous: Option<String> = None;
+    let mut instance = 1i64;
+    let mut added = Vec::new();
+    for (k, (_, grads)) in buckets.iter().enumerate() {
+        let pack = fresh(&mut taken, &format!("allreduce/bucket_{k}/pack"));
+        let mut inputs: Vec<String> = grads.iter().map(|(g, _)| g.clone()).collect();
+        if let Some(p) = &previous {
+            inputs.push(format!("^{p}"));
+        }
+        added.push(node(&pack, "PackFlat", inputs, &device));
+        let ar = fresh(&mut taken, &format!("allreduce/bucket_{k}"));
+        let mut n = node(&ar, "CollectiveAllReduce", vec![pack], &device);
+        n.attrs = BTreeMap::from([
+            ("group_key".to_string(), AttrValue::String(GROUP.into())),
+            ("instance_key".to_string(), AttrValue::Int(instance)),
+            ("reduce".to_string(), AttrValue::String("sum".into())),
+        ]);
+        instance += 1;
+        added.push(n);
+        let mut offset = 0i64;
+        for (j, (g, dims)) in grads.iter().enumerate() {
+            let slice = fresh(&mut taken, &format!("allreduce/bucket_{k}/grad_{j}"));
+            let mut s = node(&slice, "FlatSlice", vec![ar.clone()], &device);
+            s.attrs = BTreeMap::from([
+                ("offset".to_string(), AttrValue::Int(offset)),
+                ("shape".to_string(), AttrValue::Shape(Shape::known(dims))),
+            ]);
+            offset += dims.iter().product::<usize>() as i64;
+            added.push(s);
+            reduced.insert(g.clone(), slice);
+        }
+        previous = Some(ar);
+    }
+    // The update ops read the summed gradients.
+    for n in &mut training.def.nodes {
+        if n.op.starts_with("Apply") {
+            for input in &mut n.inputs {
+                if let Some(r) = reduced.get(input) {
+                    *input = r.clone();
+                }
+            }
+        }
+    }
+    // The global batch's mean loss, after the gradients (one order of collectives everywhere).
+    let global = fresh(&mut taken, &format!("{base}/global"));
+    let mut inputs = vec![weighted.clone()];
+    if let Some(p) = &previous {
+        inputs.push(format!("^{p}"));
+    }
+    let mut n = node(&global, "CollectiveAllReduce", inputs, &device);
+    n.attrs = BTreeMap::from([
+        ("group_key".to_string(), AttrValue::String(GROUP.into())),
+        ("instance_key".to_string(), AttrValue::Int(instance)),
+        ("reduce".to_string(), AttrValue::String("sum".into())),
+    ]);
+    added.push(n);
+    training.def.nodes.extend(added);
+    Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    training.loss = global;
+    Ok(PsGraph {
+        training,
+        replicas: vec![ReplicaFeeds {
+            worker,
+            features: features.to_string(),
+            labels: labels.to_string(),
+            weight: Some(weight),
+        }],
+        eval: EvalNames {
+            features: features.to_string(),
+            labels: labels.to_string(),
+            loss: spec.loss.clone(),
+            metrics: spec.metrics.clone(),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::train::{OptimizerKind, OptimizerSpec};
+
+    fn digits() -> (GraphDef, TrainSpec) {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/digits/digits.json"
+        ))
+        .unwrap();
+        let parsed = dflow_graph::format::parse_json(&text, None).unwrap();
+        let spec = parsed.def.train.clone().unwrap();
+        (parsed.def, spec)
+    }
+
+    #[test]
+    fn every_worker_holds_the_model_and_sums_gradients_in_ordered_buckets() {
+        let (def, spec) = digits();
+        let graphs = allreduce_training(&def, &spec, 2, "pixels", "labels", 1 << 20).unwrap();
+        assert_eq!(graphs.len(), 2);
+        for (i, g) in graphs.iter().enumerate() {
+            let want = format!("/job:worker/task:{i}");
+            for n in &g.training.def.nodes {
+                assert_eq!(n.device, want, "{} is on {}", n.name, n.device);
+            }
+            let ars: Vec<&NodeDef> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op == "CollectiveAllReduce")
+                .collect();
+            // One bucket of 1 MiB holds all four gradients; then the loss.
+            assert_eq!(
+                ars.len(),
+                2,
+                "{:?}",
+                ars.iter().map(|n| &n.name).collect::<Vec<_>>()
+            );
+            assert_eq!(ars[1].inputs[1], format!("^{}", ars[0].name));
+            for n in g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Apply"))
+            {
+                let grad = n.inputs.last().unwrap();
+                assert!(grad.starts_with("allreduce/bucket_0/grad_"), "{grad}");
+            }
+            assert_eq!(g.replicas[0].weight.as_deref(), Some(BATCH_WEIGHT));
+            assert_eq!(g.training.loss, ars[1].name);
+        }
+    }
+
+    #[test]
+    fn a_small_threshold_makes_one_bucket_per_gradient_chained_in_order() {
+        let (def, spec) = digits();
+        let graphs = allreduce_training(&def, &spec, 3, "pixels", "labels", 1).unwrap();
+        let nodes = &graphs[2].training.def.nodes;
+        let packs: Vec<&NodeDef> = nodes.iter().filter(|n| n.op == "PackFlat").collect();
+        assert_eq!(packs.len(), 4);
+        for (k, pack) in packs.iter().enumerate().skip(1) {
+            assert_eq!(
+                pack.inputs.last().unwrap(),
+                &format!("^allreduce/bucket_{}", k - 1)
+            );
+        }
+        // Reverse variable order: the last layer's bias first.
+        assert!(
+            packs[0].inputs[0].contains("logits"),
+            "{:?}",
+            packs[0].inputs
+        );
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let (def, spec) = digits();
+        assert!(matches!(
+            allreduce_training(&def, &spec, 0, "pixels", "labels", 1),
+            Err(StrategyError::WorkerCount(0))
+        ));
+        let err = allreduce_training(&def, &spec, 2, "nope", "labels", 1).unwrap_err();
+        assert!(err.to_string().contains("nope"), "{err}");
+        let bad = TrainSpec {
+            loss: "logits".into(),
+            optimizer: OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+            clip_global_norm: None,
+            metrics: vec![],
+        };
+        assert!(allreduce_training(&def, &bad, 2, "pixels", "labels", 1).is_err());
+    }
+}

@@ -1,0 +1,149 @@
+//! What the distributed runtime needs from a transport: a [`Rendezvous`] whose cross-task keys
+//! travel through receive slots registered once, plus control-plane messages and peer events
+//! on the same authenticated connections. TCP implements it ([`crate::tcp::TcpRendezvous`]);
+//! other backends (QUIC, shared memory, RDMA) implement the same trait and the runtime picks
+//! one per job with [`TransportKind`].
+
+use crate::rendezvous::{Rendezvous, RendezvousError, RendezvousKey};
+use dflow_graph::DType;
+use std::fmt;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// A boxed future, for the trait's async methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a data plane reports to the layer above it (the control plane) about its peers.
+#[derive(Debug)]
+pub enum PeerEvent {
+    /// A control-plane message from an authenticated connection.
+    Message {
+        /// The sending task, as its Hello named it.
+        peer: Arc<str>,
+        /// The encoded message.
+        body: Vec<u8>,
+    },
+    /// A peer's connection broke or closed, it stayed silent past the idle timeout, or it sent
+    /// a bad frame and was dropped.
+    Gone {
+        /// The task.
+        peer: Arc<str>,
+        /// What happened.
+        cause: String,
+    },
+}
+
+/// A transport for one task of a distributed job.
+pub trait DataPlane: Rendezvous {
+    /// This task's name.
+    fn task(&self) -> &str;
+
+    /// The address peers connect to.
+    fn local_addr(&self) -> SocketAddr;
+
+    /// Registers receive slot `slot_id`: `peer` sends `key`, a `dtype` tensor of shape `dims`;
+    /// the slot's buffer is allocated here, once.
+    fn register_recv(
+        &self,
+        slot_id: u32,
+        peer: &str,
+        key: Arc<RendezvousKey>,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Result<(), String>;
+
+    /// True when `key` already has a receive slot.
+    fn has_recv_slot(&self, key: &RendezvousKey) -> bool;
+
+    /// Routes `key` to slot `slot_id` of `peer`.
+    fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32);
+
+    /// Opens this task's connection to `peer` at `addr` (authenticating when the plane has a
+    /// secret).
+    fn connect(
+        self: Arc<Self>,
+        peer: String,
+        addr: SocketAddr,
+    ) -> BoxFuture<'static, Result<(), String>>;
+
+    /// Queues a control-plane message for `peer`; messages to one peer keep their order.
+    fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError>;
+
+    /// Delivers messages and peer failures to the returned receiver from now on.
+    fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent>;
+
+    /// Flushes what is queued (at most `within`), then closes every connection.
+    fn close(&self, within: Duration) -> BoxFuture<'_, ()>;
+
+    /// This plane as a plain rendezvous (for the step scheduler).
+    fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous>;
+}
+
+/// The transports a job can run on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// TCP: persistent connections, payloads read straight into registered slots.
+    #[default]
+    Tcp,
+}
+
+impl TransportKind {
+    /// Every kind this build has, by name.
+    pub const ALL: &'static [(&'static str, TransportKind)] = &[("tcp", TransportKind::Tcp)];
+
+    /// The kind's name.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, k)| *k == self)
+            .map(|(n, _)| *n)
+            .unwrap_or("?")
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| *n == s)
+            .map(|(_, k)| *k)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
+                format!(
+                    "unknown transport `{s}` (this build has: {}; shm, quic and rdma are not built yet)",
+                    known.join(", ")
+                )
+            })
+    }
+}
+
+/// Binds a data plane of `kind` for task `task` on `addr`, with `secret` required of every
+/// connection when given. Must run inside a tokio runtime.
+pub async fn bind(
+    kind: TransportKind,
+    task: &str,
+    addr: SocketAddr,
+    config: crate::tcp::TcpConfig,
+    secret: Option<crate::auth::Secret>,
+) -> std::io::Result<Arc<dyn DataPlane>> {
+    match kind {
+        TransportKind::Tcp => {
+            let plane: Arc<dyn DataPlane> =
+                crate::tcp::TcpRendezvous::bind_with_secret(task, addr, config, secret).await?;
+            Ok(plane)
+        }
+    }
+}
