@@ -45,6 +45,9 @@ pub struct Args {
     /// auto, ring or tree.
     #[arg(long, default_value = "auto")]
     pub algorithm: String,
+    /// Message size of the pipelined algorithms (default: the library's).
+    #[arg(long)]
+    pub chunk: Option<String>,
     /// Per-call timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
@@ -230,11 +233,15 @@ fn comm_options(args: &Args) -> anyhow::Result<CommOptions> {
         "tree" => Algorithm::Tree,
         a => bail!("unknown algorithm {a:?} (auto, ring, tree)"),
     };
-    Ok(CommOptions {
+    let mut o = CommOptions {
         timeout: Duration::from_secs_f64(args.timeout),
         algorithm,
         ..CommOptions::default()
-    })
+    };
+    if let Some(c) = &args.chunk {
+        o.chunk_bytes = parse_size(c)?;
+    }
+    Ok(o)
 }
 
 struct Plan {
@@ -307,7 +314,7 @@ impl Drop for Workers {
 }
 
 fn worker_args(args: &Args, rank: usize) -> Vec<String> {
-    vec![
+    let mut v = vec![
         "bench-collective".into(),
         "--op".into(),
         args.op.join(","),
@@ -327,7 +334,11 @@ fn worker_args(args: &Args, rank: usize) -> Vec<String> {
         args.timeout.to_string(),
         "--worker-rank".into(),
         rank.to_string(),
-    ]
+    ];
+    if let Some(c) = &args.chunk {
+        v.extend(["--chunk".to_string(), c.clone()]);
+    }
+    v
 }
 
 /// A worker: binds, prints its address, reads everyone's, connects, runs, and (rank 0)
