@@ -28,6 +28,8 @@ enum Command {
     Partition(cmd::partition::Args),
     /// Run a graph (`--local`: every task of the cluster in this process).
     Run(Box<cmd::run::Args>),
+    /// Measure collectives (all-reduce, all-gather, ...) over N ranks: time, algbw, busbw.
+    BenchCollective(cmd::bench_collective::Args),
     /// Work with Chrome traces written by `run --trace` (merge the per-task files of a job).
     Trace(cmd::trace::Args),
 }
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         Command::Partition(a) => cmd::partition::run(a),
         Command::Run(a) => cmd::run::run(*a),
         Command::Trace(a) => cmd::trace::run(a),
+        Command::BenchCollective(a) => cmd::bench_collective::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,4 +1,5 @@
 //! One module per subcommand.
+pub mod bench_collective;
 pub mod check;
 pub mod cluster;
 pub mod common;

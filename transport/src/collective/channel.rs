@@ -322,10 +322,20 @@ impl Channel {
         }
         let mut sent: SmallVec<[usize; 8]> = SmallVec::from_elem(0, sends.len());
         let mut got: SmallVec<[Option<usize>; 8]> = SmallVec::from_elem(Some(0), recvs.len());
+        // A send to a peer that closed its link: reported once the receives show whether the
+        // peer left an abort (its reason) before it went.
+        let mut lost_peer: Option<(usize, CollectiveError)> = None;
         loop {
             let mut done = true;
             for (s, off) in sends.iter().zip(sent.iter_mut()) {
-                done &= self.progress_send(call, s, off)?;
+                if lost_peer.is_some() {
+                    break;
+                }
+                match self.progress_send(call, s, off) {
+                    Ok(d) => done &= d,
+                    Err(e @ CollectiveError::PeerLost { .. }) => lost_peer = Some((s.peer, e)),
+                    Err(e) => return Err(e),
+                }
             }
             for (r, off) in recvs.iter_mut().zip(got.iter_mut()) {
                 if let Some(o) = off {
@@ -335,6 +345,20 @@ impl Channel {
                         done = false;
                     }
                 }
+            }
+            if let Some((g, e)) = lost_peer.take() {
+                if done
+                    || recvs
+                        .iter()
+                        .zip(&got)
+                        .all(|(r, o)| r.peer != g || o.is_none())
+                {
+                    if self.links[call.members[g]].pending.is_none() {
+                        self.next_header(call, g)?;
+                    }
+                    return Err(e);
+                }
+                lost_peer = Some((g, e));
             }
             if done {
                 for &glob in call.members.iter() {
@@ -468,7 +492,10 @@ impl Channel {
                 self.pairs
                     .try_write(glob, &[IoSlice::new(&s.data[*sent - HEADER_LEN..])])
             };
-            let n = r.map_err(|e| lost(call, s.peer, e))?;
+            let n = match r {
+                Ok(n) => n,
+                Err(e) => return Err(self.write_failed(call, s.peer, e)),
+            };
             if n == 0 {
                 break;
             }
@@ -476,6 +503,17 @@ impl Channel {
         }
         self.links[glob].tx_mid = *sent > 0 && *sent < total;
         Ok(*sent == total)
+    }
+
+    /// The error for a failed write to group rank `g`: an abort the peer left before it
+    /// closed explains more than the closed link, so it is read first.
+    fn write_failed(&mut self, call: &CallState, g: usize, e: LinkError) -> CollectiveError {
+        if self.links[call.members[g]].pending.is_none() {
+            if let Err(a @ CollectiveError::Aborted { .. }) = self.next_header(call, g) {
+                return a;
+            }
+        }
+        lost(call, g, e)
     }
 
     /// The next frame header from group rank `g`, handling control frames on the way; `None`

@@ -26,7 +26,7 @@ pub struct CommOptions {
     pub algorithm: Algorithm,
     /// `Auto` uses trees up to this many bytes per rank and rings/chains above (default 64 KiB).
     pub small_bytes: usize,
-    /// Message size of the pipelined algorithms (default 512 KiB).
+    /// Message size of the pipelined algorithms (default 1 MiB).
     pub chunk_bytes: usize,
 }
 
@@ -37,7 +37,7 @@ impl Default for CommOptions {
             stall_warning: Duration::from_secs(10),
             algorithm: Algorithm::Auto,
             small_bytes: 64 << 10,
-            chunk_bytes: 512 << 10,
+            chunk_bytes: 1 << 20,
         }
     }
 }

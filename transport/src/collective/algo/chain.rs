@@ -96,7 +96,6 @@ pub(crate) fn reduce<T: Scalar>(
             buf: bytemuck::cast_slice_mut(t),
         });
         ctx.exchange(sends.as_slice(), recvs.as_mut_slice())?;
-        drop(recvs);
         if let Some(c) = rc {
             let t = &tmp[..c.len()];
             if middle {
