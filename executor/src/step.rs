@@ -11,9 +11,9 @@
 use crate::error::ExecError;
 use crate::plan::{ExecutionPlan, NodeAction};
 use crate::trace::{TraceEvent, Tracer};
-use dflow_graph::kernel::{Collectives, KernelContext};
-use dflow_graph::Tensor;
-use dflow_transport::{Rendezvous, RendezvousError};
+use dflow_graph::kernel::{Collectives, KernelContext, OutputMemory};
+use dflow_graph::{DType, Tensor};
+use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -172,6 +172,11 @@ impl StepState {
                 let mut outputs: SmallVec<[Option<Tensor>; 2]> = SmallVec::new();
                 outputs.resize(node.num_outputs as usize, None);
                 let t0 = self.tracer.as_ref().map(|t| t.now_us());
+                let send_memory = SendMemory {
+                    rendezvous: &*self.rendezvous,
+                    keys: &node.output_sends,
+                    step: self.step,
+                };
                 let mut ctx = KernelContext {
                     node: &node.name,
                     inputs: &inputs,
@@ -179,6 +184,11 @@ impl StepState {
                     step: self.step,
                     outputs: &mut outputs,
                     collectives: self.collectives.as_deref(),
+                    output_memory: if node.output_sends.is_empty() {
+                        None
+                    } else {
+                        Some(&send_memory)
+                    },
                 };
                 let result = kernel.compute(&mut ctx);
                 if let (Some(tr), Some(t0)) = (&self.tracer, t0) {
@@ -267,6 +277,21 @@ impl StepState {
     #[allow(dead_code)]
     pub(crate) fn value(&self, slot: usize) -> Option<&Tensor> {
         self.values.get(slot).and_then(|v| v.get())
+    }
+}
+
+/// The memory of a kernel's outputs that feed Sends: where the rendezvous sends them from.
+#[derive(Debug)]
+struct SendMemory<'a> {
+    rendezvous: &'a dyn Rendezvous,
+    keys: &'a [Option<Arc<RendezvousKey>>],
+    step: u64,
+}
+
+impl OutputMemory for SendMemory<'_> {
+    fn allocate(&self, output: usize, dtype: DType, dims: &[usize]) -> Option<Tensor> {
+        let key = self.keys.get(output)?.as_ref()?;
+        self.rendezvous.send_buffer(key, self.step, dtype, dims)
     }
 }
 

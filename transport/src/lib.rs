@@ -10,6 +10,8 @@ pub mod collective;
 pub mod local;
 pub mod plane;
 pub mod rendezvous;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 pub mod wire;
 

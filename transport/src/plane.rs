@@ -90,11 +90,15 @@ pub enum TransportKind {
     /// TCP: persistent connections, payloads read straight into registered slots.
     #[default]
     Tcp,
+    /// Shared memory between tasks on one host (Linux): receive slots mapped by both tasks,
+    /// values written in place by their producers; a TCP side channel for messages.
+    Shm,
 }
 
 impl TransportKind {
     /// Every kind this build has, by name.
-    pub const ALL: &'static [(&'static str, TransportKind)] = &[("tcp", TransportKind::Tcp)];
+    pub const ALL: &'static [(&'static str, TransportKind)] =
+        &[("tcp", TransportKind::Tcp), ("shm", TransportKind::Shm)];
 
     /// The kind's name.
     pub fn name(self) -> &'static str {
@@ -123,7 +127,7 @@ impl FromStr for TransportKind {
             .ok_or_else(|| {
                 let known: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
                 format!(
-                    "unknown transport `{s}` (this build has: {}; shm, quic and rdma are not built yet)",
+                    "unknown transport `{s}` (this build has: {}; quic and rdma are not built yet)",
                     known.join(", ")
                 )
             })
@@ -145,5 +149,16 @@ pub async fn bind(
                 crate::tcp::TcpRendezvous::bind_with_secret(task, addr, config, secret).await?;
             Ok(plane)
         }
+        #[cfg(target_os = "linux")]
+        TransportKind::Shm => {
+            let plane: Arc<dyn DataPlane> =
+                crate::shm::ShmPlane::bind(task, addr, config, secret).await?;
+            Ok(plane)
+        }
+        #[cfg(not(target_os = "linux"))]
+        TransportKind::Shm => Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "the shm transport needs Linux",
+        )),
     }
 }
