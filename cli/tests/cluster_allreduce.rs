@@ -63,3 +63,27 @@ fn four_workers_with_one_bucket_per_gradient_train_like_one_process() {
     // A tiny fusion threshold: four buckets a step, chained in the same order on every rank.
     allreduce_equals_one_process(4, 5, "0.0001");
 }
+
+#[test]
+fn a_killed_worker_ends_the_all_reduce_job_naming_it() {
+    let _serial = serial();
+    let cluster = Cluster::new(0, 3);
+    let mut common: Vec<String> = digits_args(1000);
+    common.extend(
+        ["--strategy", "allreduce", "--timeout", "5"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    let common: Vec<&str> = common.iter().map(String::as_str).collect();
+    let w1 = Task::start(&cluster, "worker", 1, &common);
+    let w2 = Task::start(&cluster, "worker", 2, &common);
+    let mut chief_args = vec!["examples/digits/digits.json"];
+    chief_args.extend(common.iter().copied());
+    let chief = Task::start(&cluster, "worker", 0, &chief_args);
+    chief.wait_for_stderr(Duration::from_secs(60), |s| s.contains("epoch 1/1000"));
+    w2.kill();
+    let dead = "/job:worker/replica:0/task:2";
+    let limit = Duration::from_secs(20);
+    chief.wait(limit).assert_failure_naming(dead);
+    w1.wait(limit).assert_failure_naming(dead);
+}
