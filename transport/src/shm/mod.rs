@@ -852,6 +852,15 @@ impl DataPlane for ShmPlane {
             self.tcp.close(within).await;
             self.stop_consumers();
             self.unlink_created();
+            let s = self.stats();
+            tracing::info!(
+                "{}: shm transport: {} values sent in place, {} copied into their slot ({} bytes), {} received",
+                self.name,
+                s.zero_copy_sends,
+                s.copied_sends,
+                s.copied_bytes,
+                s.received
+            );
         })
     }
 
