@@ -391,7 +391,7 @@ mod shm_tests {
         };
         let copies = buffer_copies();
         for step in 1..=3 {
-            run_plans(&env, step, &[plan.clone()], &[], &[]).unwrap();
+            run_plans(&env, step, std::slice::from_ref(&plan), &[], &[]).unwrap();
             let got: Vec<Tensor> = keys
                 .iter()
                 .map(|k| {

@@ -102,7 +102,7 @@ pub enum RendezvousError {
         /// Milliseconds waited.
         waited_ms: u64,
         /// Who holds it.
-        cause: String,
+        cause: &'static str,
     },
     /// The peer task is unreachable or died.
     #[error("peer {peer} is gone: {cause}")]

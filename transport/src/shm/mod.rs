@@ -79,6 +79,9 @@ struct Counters {
     received: AtomicU64,
 }
 
+/// The sending peer and slot id of a received key.
+type RecvRoute = (Arc<str>, u32);
+
 /// A receive slot of this task.
 struct RecvSlot {
     peer: Arc<str>,
@@ -148,7 +151,8 @@ pub struct ShmPlane {
     slot_timeout: Duration,
     local: LocalRendezvous,
     recv: Mutex<HashMap<u32, RecvSlot>>,
-    recv_keys: Mutex<HashMap<Arc<RendezvousKey>, (Arc<str>, u32)>>,
+    /// Each receive slot's key → its sending peer and slot id.
+    recv_keys: Mutex<HashMap<Arc<RendezvousKey>, RecvRoute>>,
     routes: Mutex<HashMap<Arc<RendezvousKey>, Arc<SendRoute>>>,
     pairs: Mutex<HashMap<Arc<str>, Arc<SendPair>>>,
     consumers: Mutex<HashMap<Arc<str>, Consumer>>,
@@ -331,11 +335,11 @@ impl ShmPlane {
     ) -> Result<(), RendezvousError> {
         let t0 = Instant::now();
         let deadline = t0 + self.slot_timeout;
-        let busy = |cause: &str| RendezvousError::SlotBusy {
+        let busy = |cause: &'static str| RendezvousError::SlotBusy {
             key: key.clone(),
             peer: route.peer.to_string(),
             waited_ms: t0.elapsed().as_millis() as u64,
-            cause: cause.to_string(),
+            cause,
         };
         // This task's own view first: it is released by the end of the producer's step.
         while lock(&slot.view).strong_count() > 0 {
@@ -414,7 +418,7 @@ impl ShmPlane {
                 key: key.clone(),
                 peer: route.peer.to_string(),
                 waited_ms: t0.elapsed().as_millis() as u64,
-                cause: "its notification ring stayed full".into(),
+                cause: "its notification ring stayed full",
             },
             WaitError::Cancelled(cause) => RendezvousError::PeerGone {
                 peer: route.peer.to_string(),

@@ -175,6 +175,11 @@ impl Mapping {
         self.len
     }
 
+    /// Never true (an empty segment cannot be mapped); for symmetry with [`Mapping::len`].
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// True when `ptr` lies inside the mapping.
     pub fn contains(&self, ptr: *const u8) -> bool {
         let (start, p) = (self.ptr.as_ptr() as usize, ptr as usize);
