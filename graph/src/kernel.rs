@@ -23,8 +23,14 @@ impl VariableCell {
         self.value.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Replaces the value.
+    /// Replaces the value. A value viewing external memory (a transport's receive slot) is
+    /// copied first: a variable outlives steps, and must not keep a slot from its sender.
     pub fn write(&self, t: Tensor) {
+        let t = if t.buffer().is_external() {
+            Tensor::from_bytes(t.dtype(), t.dims(), t.as_bytes()).unwrap_or(t)
+        } else {
+            t
+        };
         *self.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
     }
 

@@ -124,7 +124,13 @@ const MODES: [&str; 2] = ["in place", "copied"];
 fn peer(o: &Opts, rt: &tokio::runtime::Runtime, lead: std::net::SocketAddr) -> Res<()> {
     let b = rt.block_on(ShmPlane::bind("b", "127.0.0.1:0".parse()?, config(), None))?;
     for (i, &size) in o.sizes.iter().enumerate() {
-        b.register_recv(i as u32, "a", key(&format!("data{i}")), DType::F32, &[size / 4])?;
+        b.register_recv(
+            i as u32,
+            "a",
+            key(&format!("data{i}")),
+            DType::F32,
+            &[size / 4],
+        )?;
     }
     b.register_recv(1000, "a", key("ping"), DType::F32, &[1])?;
     b.register_send(key("ack"), "a", 2000);
@@ -176,7 +182,12 @@ fn lead(o: &Opts, rt: &tokio::runtime::Runtime) -> Res<()> {
     a.register_recv(2001, "b", key("pong"), DType::F32, &[1])?;
     let sizes: Vec<String> = o.sizes.iter().map(|s| s.to_string()).collect();
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["--peer", &a.local_addr().to_string(), "--sizes", &sizes.join(",")])
+        .args([
+            "--peer",
+            &a.local_addr().to_string(),
+            "--sizes",
+            &sizes.join(","),
+        ])
         .args(["--iters", &o.iters.to_string(), "--rtt", &o.rtt.to_string()])
         .stdout(Stdio::piped())
         .spawn()?;
@@ -184,7 +195,9 @@ fn lead(o: &Opts, rt: &tokio::runtime::Runtime) -> Res<()> {
     BufReader::new(child.stdout.take().ok_or("no stdout")?).read_line(&mut line)?;
     rt.block_on(a.clone().connect("b".into(), line.trim().parse()?))?;
 
-    println!("| size | iterations | shm in place GB/s | shm copied GB/s | memcpy GB/s (same run) |");
+    println!(
+        "| size | iterations | shm in place GB/s | shm copied GB/s | memcpy GB/s (same run) |"
+    );
     println!("|---:|---:|---:|---:|---:|");
     let mut step = 0u64;
     for (i, &size) in o.sizes.iter().enumerate() {
