@@ -40,6 +40,9 @@ pub(crate) struct PlanNode {
     pub(crate) num_pending: u32,
     /// The variable this node owns, or the variables behind its reference inputs.
     pub(crate) variables: Vec<Arc<VariableCell>>,
+    /// For a kernel whose outputs feed Sends: per output, the key of the (first) Send it feeds,
+    /// so the kernel can write it where the transport sends it from. Empty otherwise.
+    pub(crate) output_sends: Vec<Option<Arc<RendezvousKey>>>,
 }
 
 /// A partition compiled for execution on one device.
@@ -50,6 +53,41 @@ pub struct ExecutionPlan {
     pub(crate) nodes: Vec<PlanNode>,
     pub(crate) roots: Vec<u32>,
     pub(crate) num_slots: usize,
+}
+
+/// Marks, on each kernel whose output feeds a Send, which key that output is sent under.
+fn link_sends_to_producers(nodes: &mut [PlanNode], num_slots: usize) {
+    let mut owner = vec![(u32::MAX, 0u32); num_slots];
+    for (i, n) in nodes.iter().enumerate() {
+        for k in 0..n.num_outputs {
+            owner[(n.output_base + k) as usize] = (i as u32, k);
+        }
+    }
+    let sends: Vec<(u32, Arc<RendezvousKey>)> = nodes
+        .iter()
+        .filter_map(|n| match (&n.action, n.inputs.first()) {
+            (NodeAction::Send(key), Some(&slot)) => Some((slot, key.clone())),
+            _ => None,
+        })
+        .collect();
+    for (slot, key) in sends {
+        let Some(&(node, out)) = owner.get(slot as usize) else {
+            continue;
+        };
+        let Some(p) = nodes.get_mut(node as usize) else {
+            continue;
+        };
+        if !matches!(p.action, NodeAction::Kernel(_)) {
+            continue;
+        }
+        if p.output_sends.is_empty() {
+            p.output_sends = vec![None; p.num_outputs as usize];
+        }
+        let entry = &mut p.output_sends[out as usize];
+        if entry.is_none() {
+            *entry = Some(key);
+        }
+    }
 }
 
 impl ExecutionPlan {
@@ -151,8 +189,10 @@ impl ExecutionPlan {
                 successors,
                 num_pending,
                 variables: cells,
+                output_sends: Vec::new(),
             });
         }
+        link_sends_to_producers(&mut nodes, num_slots as usize);
         let roots = nodes
             .iter()
             .enumerate()

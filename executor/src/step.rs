@@ -11,9 +11,9 @@
 use crate::error::ExecError;
 use crate::plan::{ExecutionPlan, NodeAction};
 use crate::trace::{TraceEvent, Tracer};
-use dflow_graph::kernel::{Collectives, KernelContext};
-use dflow_graph::Tensor;
-use dflow_transport::{Rendezvous, RendezvousError};
+use dflow_graph::kernel::{Collectives, KernelContext, OutputMemory};
+use dflow_graph::{DType, Tensor};
+use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -172,6 +172,11 @@ impl StepState {
                 let mut outputs: SmallVec<[Option<Tensor>; 2]> = SmallVec::new();
                 outputs.resize(node.num_outputs as usize, None);
                 let t0 = self.tracer.as_ref().map(|t| t.now_us());
+                let send_memory = SendMemory {
+                    rendezvous: &*self.rendezvous,
+                    keys: &node.output_sends,
+                    step: self.step,
+                };
                 let mut ctx = KernelContext {
                     node: &node.name,
                     inputs: &inputs,
@@ -179,6 +184,11 @@ impl StepState {
                     step: self.step,
                     outputs: &mut outputs,
                     collectives: self.collectives.as_deref(),
+                    output_memory: if node.output_sends.is_empty() {
+                        None
+                    } else {
+                        Some(&send_memory)
+                    },
                 };
                 let result = kernel.compute(&mut ctx);
                 if let (Some(tr), Some(t0)) = (&self.tracer, t0) {
@@ -270,6 +280,21 @@ impl StepState {
     }
 }
 
+/// The memory of a kernel's outputs that feed Sends: where the rendezvous sends them from.
+#[derive(Debug)]
+struct SendMemory<'a> {
+    rendezvous: &'a dyn Rendezvous,
+    keys: &'a [Option<Arc<RendezvousKey>>],
+    step: u64,
+}
+
+impl OutputMemory for SendMemory<'_> {
+    fn allocate(&self, output: usize, dtype: DType, dims: &[usize]) -> Option<Tensor> {
+        let key = self.keys.get(output)?.as_ref()?;
+        self.rendezvous.send_buffer(key, self.step, dtype, dims)
+    }
+}
+
 fn node_transfer_error(plan: &ExecutionPlan, n: u32, source: RendezvousError) -> ExecError {
     ExecError::Transfer {
         node: plan.nodes[n as usize].name.clone(),
@@ -281,4 +306,122 @@ fn node_transfer_error(plan: &ExecutionPlan, n: u32, source: RendezvousError) ->
 /// True for an error that only reports that the step was aborted elsewhere.
 pub(crate) fn is_abort_echo(e: &ExecError) -> bool {
     matches!(e, ExecError::Transfer { source, .. } if matches!(**source, RendezvousError::Aborted { .. }))
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod shm_tests {
+    use super::*;
+    use crate::plan::ExecutionPlan;
+    use crate::run::{run_plans, StepEnv};
+    use crate::variables::VariableStore;
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::tensor::buffer_copies;
+    use dflow_graph::DeviceName;
+    use dflow_transport::shm::ShmPlane;
+    use dflow_transport::tcp::TcpConfig;
+    use dflow_transport::DataPlane;
+    use std::time::Duration;
+
+    const WORKER: &str = "/job:worker/replica:0/task:0/device:CPU:0";
+    const PS: &str = "/job:ps/replica:0/task:0/device:CPU:0";
+
+    /// A MatMul whose product is sent to another task over shared memory writes the product
+    /// straight into the slot: the Recv output lies in the receiver's mapping, nothing is copied.
+    /// An Identity's output (a constant's buffer) is copied into its slot once, and counted.
+    #[test]
+    fn a_kernel_feeding_a_shm_send_writes_into_the_slot() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let local = "127.0.0.1:0".parse().unwrap();
+        let (ps, worker) = rt.block_on(async {
+            let c = TcpConfig::default();
+            let ps = ShmPlane::bind("ps:0", local, c, None).await.unwrap();
+            let worker = ShmPlane::bind("worker:0", local, c, None).await.unwrap();
+            worker
+                .clone()
+                .connect("ps:0".into(), ps.local_addr())
+                .await
+                .unwrap();
+            (ps, worker)
+        });
+        let mut b = GraphBuilder::new();
+        b.with_device(WORKER, |b| {
+            let a = b.constant(
+                "a",
+                Tensor::from_slice(&[2, 3], &[1f32, 2., 3., 4., 5., 6.]).unwrap(),
+            );
+            let w = b.constant(
+                "w",
+                Tensor::from_slice(&[3, 2], &[1f32, 0., 0., 1., 1., 1.]).unwrap(),
+            );
+            let m = b.matmul("m", &a, &w);
+            let id = b.unary("Identity", "id", &w);
+            for (node, name) in [(&m, "m:0"), (&id, "id:0")] {
+                b.op("Send", &format!("send_{}", &name[..name.len() - 2]))
+                    .input(node)
+                    .attr("tensor_name", name)
+                    .attr("send_device", WORKER)
+                    .attr("recv_device", PS)
+                    .finish();
+            }
+        });
+        let graph = b.build().unwrap();
+        let device = DeviceName::parse(WORKER).unwrap();
+        let plan =
+            Arc::new(ExecutionPlan::compile(&device, &graph, &VariableStore::default()).unwrap());
+        let keys: Vec<Arc<RendezvousKey>> = ["m:0", "id:0"]
+            .iter()
+            .map(|n| Arc::new(RendezvousKey::new(WORKER, PS, n)))
+            .collect();
+        for (slot, (k, dims)) in keys.iter().zip([[2usize, 2], [3, 2]]).enumerate() {
+            ps.register_recv(slot as u32, "worker:0", k.clone(), DType::F32, &dims)
+                .unwrap();
+            worker.register_send(k.clone(), "ps:0", slot as u32);
+        }
+        let env = StepEnv {
+            rendezvous: worker.clone().as_rendezvous(),
+            pool: Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(2)
+                    .build()
+                    .unwrap(),
+            ),
+            tracer: None,
+            timeout: Duration::from_secs(20),
+            collectives: None,
+        };
+        let copies = buffer_copies();
+        for step in 1..=3 {
+            run_plans(&env, step, std::slice::from_ref(&plan), &[], &[]).unwrap();
+            let got: Vec<Tensor> = keys
+                .iter()
+                .map(|k| {
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    ps.recv_async(k, step, Box::new(move |r| tx.send(r).unwrap()));
+                    rx.recv_timeout(Duration::from_secs(10)).unwrap().unwrap()
+                })
+                .collect();
+            assert_eq!(got[0].as_slice::<f32>().unwrap(), &[4., 5., 10., 11.]);
+            assert_eq!(got[1].as_slice::<f32>().unwrap(), &[1., 0., 0., 1., 1., 1.]);
+            for (k, t) in keys.iter().zip(&got) {
+                let p = t.data_ptr() as usize;
+                assert!(
+                    ps.recv_mapping(k).unwrap().contains(&p),
+                    "{k} aliases its slot"
+                );
+            }
+            worker.finish_step(step);
+            ps.finish_step(step);
+        }
+        let stats = worker.stats();
+        assert_eq!(
+            stats.zero_copy_sends, 3,
+            "MatMul wrote its product in the slot"
+        );
+        assert_eq!((stats.copied_sends, stats.copied_bytes), (3, 3 * 24));
+        assert_eq!(buffer_copies(), copies);
+        rt.block_on(async {
+            worker.close(Duration::from_secs(1)).await;
+            ps.close(Duration::from_secs(1)).await;
+        });
+    }
 }

@@ -62,6 +62,7 @@ fn kernel_bench(
                 step: 0,
                 outputs: &mut outputs,
                 collectives: None,
+                output_memory: None,
             };
             kernel.compute(&mut ctx).unwrap();
             black_box(&outputs);

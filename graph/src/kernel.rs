@@ -5,7 +5,7 @@
 //! [`Kernel::compute`] every step.
 
 use crate::ops::TensorType;
-use crate::{AttrValue, Tensor};
+use crate::{AttrValue, DType, Tensor};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Mutex;
@@ -23,8 +23,14 @@ impl VariableCell {
         self.value.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Replaces the value.
+    /// Replaces the value. A value viewing external memory (a transport's receive slot) is
+    /// copied first: a variable outlives steps, and must not keep a slot from its sender.
     pub fn write(&self, t: Tensor) {
+        let t = if t.buffer().is_external() {
+            Tensor::from_bytes(t.dtype(), t.dims(), t.as_bytes()).unwrap_or(t)
+        } else {
+            t
+        };
         *self.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
     }
 
@@ -74,6 +80,18 @@ pub struct KernelContext<'a> {
     /// The collective operations of this process's groups (set by a distributed runtime that
     /// joined collective groups; `None` elsewhere, and collective kernels then fail clearly).
     pub collectives: Option<&'a dyn Collectives>,
+    /// Memory the runtime provides for some outputs (e.g. the shared-memory slot an output is
+    /// sent from); see [`KernelContext::allocate_output`]. `None`: every output is allocated
+    /// normally.
+    pub output_memory: Option<&'a dyn OutputMemory>,
+}
+
+/// Memory for a kernel's outputs that the runtime provides, so an output that leaves the device
+/// is written where the transport reads it (zero copy).
+pub trait OutputMemory: Send + Sync + fmt::Debug {
+    /// A `dtype` tensor of shape `dims` for output `output`, or `None` to allocate normally. Its
+    /// contents are unspecified; the caller writes every element.
+    fn allocate(&self, output: usize, dtype: DType, dims: &[usize]) -> Option<Tensor>;
 }
 
 impl KernelContext<'_> {
@@ -82,6 +100,23 @@ impl KernelContext<'_> {
         self.inputs
             .get(i)
             .ok_or_else(|| format!("missing input {i}"))
+    }
+
+    /// A `dtype` tensor of shape `dims` meant to become output `i`: in the memory the runtime
+    /// provides for that output when it has some (its contents are then unspecified), else
+    /// zero-filled. The kernel must write every element before setting it as the output.
+    pub fn allocate_output(
+        &self,
+        i: usize,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Result<Tensor, String> {
+        if let Some(t) = self.output_memory.and_then(|m| m.allocate(i, dtype, dims)) {
+            if t.dtype() == dtype && t.dims() == dims {
+                return Ok(t);
+            }
+        }
+        Tensor::zeros(dtype, dims).map_err(|e| e.to_string())
     }
 
     /// Sets output `i`.

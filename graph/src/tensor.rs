@@ -10,6 +10,7 @@ use aligned_vec::{AVec, ConstAlign};
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -65,13 +66,50 @@ const INLINE_BYTES: usize = 64;
 #[repr(C, align(64))]
 struct InlineBytes([u8; INLINE_BYTES]);
 
-#[derive(Clone)]
 enum Storage {
     Inline { bytes: InlineBytes, len: usize },
     Heap(AVec<u8, ConstAlign<BUFFER_ALIGN>>),
+    External(ExternalBytes),
 }
 
-/// A 64-byte aligned byte buffer.
+/// Memory a [`Buffer`] views but does not own (a transport's shared mapping), kept valid by
+/// `owner`, which is dropped with the buffer (e.g. to hand a receive slot back to its sender).
+struct ExternalBytes {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// False for a view others read too (a received slot): a write copies to the heap first.
+    writable: bool,
+    _owner: Box<dyn Send + Sync>,
+}
+
+// SAFETY: `Buffer::from_external`'s contract makes the bytes valid for as long as `owner` lives
+// and reachable only through this buffer, so they may move between and be read from threads
+// like the heap bytes of the other variants (`&self` gives shared reads, `&mut self` the only
+// writes).
+unsafe impl Send for ExternalBytes {}
+// SAFETY: see `Send` above: shared access only reads.
+unsafe impl Sync for ExternalBytes {}
+
+impl Clone for Storage {
+    /// Clones own their bytes: a clone of external memory is a heap copy (copy-on-write).
+    fn clone(&self) -> Self {
+        match self {
+            Storage::Inline { bytes, len } => Storage::Inline {
+                bytes: *bytes,
+                len: *len,
+            },
+            Storage::Heap(v) => Storage::Heap(v.clone()),
+            Storage::External(e) => {
+                // SAFETY: valid for `len` bytes while `e` (and its owner) lives.
+                let bytes = unsafe { std::slice::from_raw_parts(e.ptr.as_ptr(), e.len) };
+                Buffer::from_bytes(bytes).storage
+            }
+        }
+    }
+}
+
+/// A 64-byte aligned byte buffer: owned (inline or on the heap), or a view of external memory
+/// such as a shared-memory transport slot ([`Buffer::from_external`]).
 #[derive(Clone)]
 pub struct Buffer {
     storage: Storage,
@@ -112,19 +150,67 @@ impl Buffer {
         }
     }
 
+    /// A buffer over `len` bytes at `ptr` that it does not own: `owner` keeps them valid and is
+    /// dropped when the buffer is (the last clone of the tensor sharing it). No byte is copied.
+    /// Returns `None` when `ptr` is not [`BUFFER_ALIGN`]-aligned or `len` exceeds
+    /// [`MAX_TENSOR_BYTES`]. A clone of the buffer (copy-on-write) copies to the heap, and so
+    /// does the first write to a buffer that is not `writable`.
+    ///
+    /// # Safety
+    ///
+    /// For as long as `owner` lives, `ptr..ptr+len` must be valid for reads (and for writes
+    /// when `writable`), and no one else may write those bytes or hold a mutable reference to
+    /// them. A shared-memory transport guarantees this with its slot protocol: the peer does not
+    /// write a slot before the buffer viewing it was dropped.
+    pub unsafe fn from_external(
+        ptr: NonNull<u8>,
+        len: usize,
+        writable: bool,
+        owner: Box<dyn Send + Sync>,
+    ) -> Option<Buffer> {
+        if ptr.as_ptr() as usize % BUFFER_ALIGN != 0 || len > MAX_TENSOR_BYTES {
+            return None;
+        }
+        Some(Buffer {
+            storage: Storage::External(ExternalBytes {
+                ptr,
+                len,
+                writable,
+                _owner: owner,
+            }),
+        })
+    }
+
+    /// True when the bytes live in external memory ([`Buffer::from_external`]).
+    pub fn is_external(&self) -> bool {
+        matches!(self.storage, Storage::External(_))
+    }
+
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
         match &self.storage {
             Storage::Inline { bytes, len } => &bytes.0[..*len],
             Storage::Heap(v) => v,
+            // SAFETY: `from_external`'s contract: valid for reads of `len` bytes while the
+            // owner (dropped only with `self`) lives, and nobody writes them meanwhile.
+            Storage::External(e) => unsafe { std::slice::from_raw_parts(e.ptr.as_ptr(), e.len) },
         }
     }
 
-    /// The bytes, writable.
+    /// The bytes, writable (a read-only external view is first copied to the heap, counted in
+    /// [`buffer_copies`]).
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        if matches!(&self.storage, Storage::External(e) if !e.writable) {
+            BUFFER_COPIES.fetch_add(1, Ordering::Relaxed);
+            self.storage = self.storage.clone();
+        }
         match &mut self.storage {
             Storage::Inline { bytes, len } => &mut bytes.0[..*len],
             Storage::Heap(v) => v,
+            // SAFETY: as in `as_bytes`, and `&mut self` makes this the only access.
+            Storage::External(e) => unsafe {
+                std::slice::from_raw_parts_mut(e.ptr.as_ptr(), e.len)
+            },
         }
     }
 
@@ -588,6 +674,61 @@ mod tests {
         assert!(buffer_copies() > before);
         assert_eq!(shared.as_slice::<i64>().unwrap(), &[5, 2]);
         assert_eq!(t.as_slice::<i64>().unwrap(), &[5, 7]);
+    }
+
+    /// Sets its flag when dropped (stands in for a transport's slot release).
+    struct Release(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Release {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn external_buffers_alias_and_release_their_memory() {
+        let mut mem: AVec<u8, ConstAlign<BUFFER_ALIGN>> = AVec::with_capacity(BUFFER_ALIGN, 16);
+        mem.resize(16, 0);
+        let base = NonNull::new(mem.as_mut_ptr()).unwrap();
+        let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // SAFETY: `mem` outlives the buffer (dropped at the end of the test) and is only
+        // accessed through it meanwhile.
+        let buf =
+            unsafe { Buffer::from_external(base, 16, true, Box::new(Release(released.clone()))) }
+                .unwrap();
+        assert!(buf.is_external());
+        let mut t = Tensor::from_shared(DType::F32, &[4], Arc::new(buf)).unwrap();
+        assert_eq!(t.data_ptr(), base.as_ptr() as *const u8);
+        let copies = buffer_copies();
+        t.as_mut_slice::<f32>().unwrap()[1] = 2.5; // unique: written in place
+        assert_eq!(buffer_copies(), copies);
+        // SAFETY: in bounds of `mem`, aligned for f32; nothing writes meanwhile.
+        assert_eq!(unsafe { base.as_ptr().add(4).cast::<f32>().read() }, 2.5);
+        // Copy-on-write of a shared external buffer copies to the heap; the view is untouched.
+        let shared = t.clone();
+        t.as_mut_slice::<f32>().unwrap()[0] = 7.0;
+        assert_eq!(buffer_copies(), copies + 1);
+        assert!(!t.buffer().is_external());
+        assert_eq!(shared.as_slice::<f32>().unwrap(), &[0.0, 2.5, 0.0, 0.0]);
+        assert!(!released.load(Ordering::SeqCst));
+        drop(shared);
+        assert!(
+            released.load(Ordering::SeqCst),
+            "dropping the last view releases the slot"
+        );
+        // SAFETY: misaligned pointers are refused before anything is viewed.
+        let odd = unsafe { Buffer::from_external(base.add(1), 4, true, Box::new(())) };
+        assert!(odd.is_none());
+        // A read-only view is copied before its first write, even when unique.
+        // SAFETY: as above; `t`'s view was released, so nothing else views `mem`.
+        let ro = unsafe { Buffer::from_external(base, 16, false, Box::new(())) }.unwrap();
+        let mut t = Tensor::from_shared(DType::F32, &[4], Arc::new(ro)).unwrap();
+        let copies = buffer_copies();
+        t.as_mut_slice::<f32>().unwrap()[1] = 9.0;
+        assert_eq!(buffer_copies(), copies + 1);
+        assert_ne!(t.data_ptr(), base.as_ptr() as *const u8);
+        // SAFETY: in bounds, aligned; nothing writes meanwhile.
+        assert_eq!(unsafe { base.as_ptr().add(4).cast::<f32>().read() }, 2.5);
+        drop(mem);
     }
 
     #[test]

@@ -53,6 +53,7 @@ fn run(
         step: 0,
         outputs: &mut outputs,
         collectives: None,
+        output_memory: None,
     })?;
     Ok(outputs)
 }
@@ -189,6 +190,7 @@ fn updates_reject_bad_state() {
             step: 0,
             outputs: &mut [],
             collectives: None,
+            output_memory: None,
         })
         .unwrap_err();
     assert!(err.contains("not initialized"), "{err}");

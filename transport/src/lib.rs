@@ -11,6 +11,8 @@ pub mod local;
 pub mod plane;
 pub mod rdma;
 pub mod rendezvous;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 pub mod wire;
 

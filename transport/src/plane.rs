@@ -94,16 +94,19 @@ pub enum TransportKind {
     /// messages over TCP. See [`crate::rdma`].
     #[cfg(feature = "rdma")]
     Rdma,
+    /// Shared memory between tasks on one host (Linux): receive slots mapped by both tasks,
+    /// values written in place by their producers; a TCP side channel for messages.
+    Shm,
 }
 
 impl TransportKind {
     /// Every kind this build has, by name.
-    #[cfg(not(feature = "rdma"))]
-    pub const ALL: &'static [(&'static str, TransportKind)] = &[("tcp", TransportKind::Tcp)];
-    /// Every kind this build has, by name.
-    #[cfg(feature = "rdma")]
-    pub const ALL: &'static [(&'static str, TransportKind)] =
-        &[("tcp", TransportKind::Tcp), ("rdma", TransportKind::Rdma)];
+    pub const ALL: &'static [(&'static str, TransportKind)] = &[
+        ("tcp", TransportKind::Tcp),
+        ("shm", TransportKind::Shm),
+        #[cfg(feature = "rdma")]
+        ("rdma", TransportKind::Rdma),
+    ];
 
     /// The kind's name.
     pub fn name(self) -> &'static str {
@@ -132,7 +135,7 @@ impl FromStr for TransportKind {
             .ok_or_else(|| {
                 let known: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
                 format!(
-                    "unknown transport `{s}` (this build has: {}; shm, quic and rdma are not built yet)",
+                    "unknown transport `{s}` (this build has: {}; rdma needs a build with `--features rdma`)",
                     known.join(", ")
                 )
             })
@@ -164,5 +167,16 @@ pub async fn bind(
                     .await?;
             Ok(plane)
         }
+        #[cfg(target_os = "linux")]
+        TransportKind::Shm => {
+            let plane: Arc<dyn DataPlane> =
+                crate::shm::ShmPlane::bind(task, addr, config, secret).await?;
+            Ok(plane)
+        }
+        #[cfg(not(target_os = "linux"))]
+        TransportKind::Shm => Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "the shm transport needs Linux",
+        )),
     }
 }

@@ -1,6 +1,6 @@
 //! The rendezvous interface: `Send` and `Recv` meet by key and step id.
 
-use dflow_graph::Tensor;
+use dflow_graph::{DType, Tensor};
 use std::fmt;
 use std::sync::Arc;
 
@@ -91,6 +91,19 @@ pub enum RendezvousError {
     /// A key string does not have the `send;recv;tensor` form.
     #[error("malformed rendezvous key {0:?} (expected `send_device;recv_device;tensor_name`)")]
     BadKey(String),
+    /// A sender's slot at the peer still held an earlier value past the timeout (its reader, or
+    /// this task, did not release it).
+    #[error("slot for tensor `{}` (key {key}) at peer {peer} stayed busy for {waited_ms} ms: {cause}", key.tensor_name)]
+    SlotBusy {
+        /// The key.
+        key: RendezvousKey,
+        /// The receiving task.
+        peer: String,
+        /// Milliseconds waited.
+        waited_ms: u64,
+        /// Who holds it.
+        cause: &'static str,
+    },
     /// The peer task is unreachable or died.
     #[error("peer {peer} is gone: {cause}")]
     PeerGone {
@@ -130,4 +143,19 @@ pub trait Rendezvous: Send + Sync + fmt::Debug {
 
     /// Keys with a Recv still waiting in `step` (for timeout messages).
     fn pending_recvs(&self, step: u64) -> Vec<RendezvousKey>;
+
+    /// Memory in which the producer of `key`'s value in `step` (a `dtype` tensor of shape
+    /// `dims`) may write it, so that [`Rendezvous::send`] of that very tensor moves no bytes
+    /// (a shared-memory slot). `None` (the default): the producer allocates as usual. The
+    /// contents are unspecified; the producer writes every element.
+    fn send_buffer(
+        &self,
+        key: &Arc<RendezvousKey>,
+        step: u64,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Option<Tensor> {
+        let _ = (key, step, dtype, dims);
+        None
+    }
 }

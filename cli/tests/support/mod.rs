@@ -179,6 +179,11 @@ impl Task {
         read(&self.stderr_file)
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn stdout(&self) -> String {
         read(&self.stdout_file)
     }

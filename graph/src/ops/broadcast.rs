@@ -30,7 +30,7 @@
 //! assert_eq!(z.as_slice::<f32>().unwrap(), &[11.0, 12.0, 13.0, 21.0, 22.0, 23.0]);
 //! ```
 
-use super::elementwise::{new_tensor, slice};
+use super::elementwise::{fresh, new_tensor_in, slice, Alloc};
 use crate::{Element, Shape, Tensor};
 
 /// The dimensions of the broadcast of runtime shapes `a` and `b`, or an error naming both.
@@ -86,9 +86,19 @@ pub fn binary_map<T: Element, O: Element>(
     y: &Tensor,
     f: impl Fn(T, T) -> O,
 ) -> Result<Tensor, String> {
+    binary_map_in(&fresh, x, y, f)
+}
+
+/// Like [`binary_map`], the output in memory from `alloc` (every element is written).
+pub fn binary_map_in<T: Element, O: Element>(
+    alloc: Alloc<'_>,
+    x: &Tensor,
+    y: &Tensor,
+    f: impl Fn(T, T) -> O,
+) -> Result<Tensor, String> {
     let (xs, ys) = (slice::<T>(x)?, slice::<T>(y)?);
     if x.dims() == y.dims() {
-        return new_tensor(x.dims(), |out: &mut [O]| {
+        return new_tensor_in(alloc, x.dims(), |out: &mut [O]| {
             for ((o, &a), &b) in out.iter_mut().zip(xs).zip(ys) {
                 *o = f(a, b);
             }
@@ -97,18 +107,18 @@ pub fn binary_map<T: Element, O: Element>(
     let dims = broadcast_dims(x.dims(), y.dims())?;
     let n: usize = dims.iter().product();
     if n == 0 {
-        return new_tensor(&dims, |_: &mut [O]| {});
+        return new_tensor_in(alloc, &dims, |_: &mut [O]| {});
     }
     if dims == x.dims() {
         if let [b] = ys {
-            return new_tensor(&dims, |out: &mut [O]| {
+            return new_tensor_in(alloc, &dims, |out: &mut [O]| {
                 for (o, &a) in out.iter_mut().zip(xs) {
                     *o = f(a, *b);
                 }
             });
         }
         if x.dims().ends_with(strip_ones(y.dims())) {
-            return new_tensor(&dims, |out: &mut [O]| {
+            return new_tensor_in(alloc, &dims, |out: &mut [O]| {
                 for (oc, xc) in out.chunks_mut(ys.len()).zip(xs.chunks(ys.len())) {
                     for ((o, &a), &b) in oc.iter_mut().zip(xc).zip(ys) {
                         *o = f(a, b);
@@ -119,14 +129,14 @@ pub fn binary_map<T: Element, O: Element>(
     }
     if dims == y.dims() {
         if let [a] = xs {
-            return new_tensor(&dims, |out: &mut [O]| {
+            return new_tensor_in(alloc, &dims, |out: &mut [O]| {
                 for (o, &b) in out.iter_mut().zip(ys) {
                     *o = f(*a, b);
                 }
             });
         }
         if y.dims().ends_with(strip_ones(x.dims())) {
-            return new_tensor(&dims, |out: &mut [O]| {
+            return new_tensor_in(alloc, &dims, |out: &mut [O]| {
                 for (oc, yc) in out.chunks_mut(xs.len()).zip(ys.chunks(xs.len())) {
                     for ((o, &a), &b) in oc.iter_mut().zip(xs).zip(yc) {
                         *o = f(a, b);
@@ -135,11 +145,12 @@ pub fn binary_map<T: Element, O: Element>(
             });
         }
     }
-    strided(xs, ys, x.dims(), y.dims(), &dims, f)
+    strided(alloc, xs, ys, x.dims(), y.dims(), &dims, f)
 }
 
 /// The general path: walks the output row by row, advancing each input by its broadcast strides.
 fn strided<T: Element, O: Element>(
+    alloc: Alloc<'_>,
     xs: &[T],
     ys: &[T],
     xd: &[usize],
@@ -152,7 +163,7 @@ fn strided<T: Element, O: Element>(
     // r ≥ 1 here: two rank-0 inputs have the same shape.
     let inner = dims[r - 1];
     let (ix, iy) = (sx[r - 1], sy[r - 1]);
-    new_tensor(dims, |out: &mut [O]| {
+    new_tensor_in(alloc, dims, |out: &mut [O]| {
         let mut idx = vec![0usize; r - 1];
         let (mut ox, mut oy) = (0usize, 0usize);
         for row in out.chunks_mut(inner) {

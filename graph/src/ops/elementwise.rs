@@ -16,21 +16,51 @@ pub fn slice<T: Element>(t: &Tensor) -> Result<&[T], String> {
     t.as_slice::<T>().map_err(|e| e.to_string())
 }
 
+/// Where a kernel's output is allocated: `|dtype, dims|` gives a tensor whose every element the
+/// kernel then writes. [`fresh`] allocates zero-filled memory; a kernel passes
+/// `|d, dims| ctx.allocate_output(0, d, dims)` to write straight into memory the runtime provides
+/// (a transport slot).
+pub type Alloc<'a> = &'a dyn Fn(DType, &[usize]) -> Result<Tensor, String>;
+
+/// A fresh zero-filled tensor (the default [`Alloc`]).
+pub fn fresh(dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
+    Tensor::zeros(dtype, dims).map_err(|e| e.to_string())
+}
+
 /// A new tensor of shape `dims` and dtype `T::DTYPE`, filled by `fill` (which receives the
 /// zero-initialised elements).
 pub fn new_tensor<T: Element>(
     dims: &[usize],
     fill: impl FnOnce(&mut [T]),
 ) -> Result<Tensor, String> {
-    let mut t = Tensor::zeros(T::DTYPE, dims).map_err(|e| e.to_string())?;
+    new_tensor_in(&fresh, dims, fill)
+}
+
+/// Like [`new_tensor`], in memory from `alloc`: `fill` must write every element (they may hold
+/// old values).
+pub fn new_tensor_in<T: Element>(
+    alloc: Alloc<'_>,
+    dims: &[usize],
+    fill: impl FnOnce(&mut [T]),
+) -> Result<Tensor, String> {
+    let mut t = alloc(T::DTYPE, dims)?;
     fill(t.as_mut_slice::<T>().map_err(|e| e.to_string())?);
     Ok(t)
 }
 
 /// `f` applied to every element of `x` (dtype `T`), giving a tensor of dtype `O`, same shape.
 pub fn map_unary<T: Element, O: Element>(x: &Tensor, f: impl Fn(T) -> O) -> Result<Tensor, String> {
+    map_unary_in(&fresh, x, f)
+}
+
+/// Like [`map_unary`], the output in memory from `alloc`.
+pub fn map_unary_in<T: Element, O: Element>(
+    alloc: Alloc<'_>,
+    x: &Tensor,
+    f: impl Fn(T) -> O,
+) -> Result<Tensor, String> {
     let xs = slice::<T>(x)?;
-    new_tensor(x.dims(), |out: &mut [O]| {
+    new_tensor_in(alloc, x.dims(), |out: &mut [O]| {
         for (o, &v) in out.iter_mut().zip(xs) {
             *o = f(v);
         }
@@ -192,13 +222,16 @@ impl_real!(f64);
 
 /// Applies a float expression elementwise: `float_unary!("Op", &x, |v| expr)`, where `expr` is
 /// written once and compiled for `f32` and `f64`; `bf16`/`f16` go through `f32`.
+/// `float_unary!(in alloc; "Op", &x, |v| expr)` writes `f32`/`f64` results in memory from
+/// `alloc` (an [`Alloc`]).
 macro_rules! float_unary {
-    ($op:expr, $x:expr, |$v:ident| $body:expr) => {{
+    (in $alloc:expr; $op:expr, $x:expr, |$v:ident| $body:expr) => {{
         use $crate::ops::elementwise as ew;
+        let alloc: ew::Alloc<'_> = $alloc;
         let x: &$crate::Tensor = $x;
         match x.dtype() {
-            $crate::DType::F32 => ew::map_unary(x, |$v: f32| -> f32 { $body }),
-            $crate::DType::F64 => ew::map_unary(x, |$v: f64| -> f64 { $body }),
+            $crate::DType::F32 => ew::map_unary_in(alloc, x, |$v: f32| -> f32 { $body }),
+            $crate::DType::F64 => ew::map_unary_in(alloc, x, |$v: f64| -> f64 { $body }),
             $crate::DType::BF16 | $crate::DType::F16 => {
                 let y = ew::map_unary(&ew::to_f32(x)?, |$v: f32| -> f32 { $body })?;
                 ew::from_f32(&y, x.dtype())
@@ -206,46 +239,56 @@ macro_rules! float_unary {
             d => Err(ew::unsupported($op, d)),
         }
     }};
+    ($op:expr, $x:expr, |$v:ident| $body:expr) => {
+        $crate::ops::elementwise::float_unary!(in &$crate::ops::elementwise::fresh; $op, $x, |$v| $body)
+    };
 }
 pub(crate) use float_unary;
+
+pub use crate::ops::broadcast::binary_map as binary_map_fresh;
 
 /// Applies a binary expression with broadcasting:
 /// `num_binary!("Op", &x, &y, float: |a, b| fexpr, int: |a, b| iexpr)`. The float expression is
 /// compiled for `f32`/`f64` (and used for `bf16`/`f16` through `f32`), the int one for
 /// `i32`/`i64`; `int: none` rejects integers.
 macro_rules! num_binary {
-    ($op:expr, $x:expr, $y:expr, float: |$a:ident, $b:ident| $fb:expr, int: |$ia:ident, $ib:ident| $ibody:expr) => {{
-        use $crate::ops::broadcast::binary_map;
+    (in $alloc:expr; $op:expr, $x:expr, $y:expr, float: |$a:ident, $b:ident| $fb:expr, int: |$ia:ident, $ib:ident| $ibody:expr) => {{
+        use $crate::ops::broadcast::binary_map_in;
         use $crate::ops::elementwise as ew;
+        let alloc: ew::Alloc<'_> = $alloc;
         let (x, y): (&$crate::Tensor, &$crate::Tensor) = ($x, $y);
         match ew::same_dtype($op, x, y)? {
-            $crate::DType::F32 => binary_map(x, y, |$a: f32, $b: f32| -> f32 { $fb }),
-            $crate::DType::F64 => binary_map(x, y, |$a: f64, $b: f64| -> f64 { $fb }),
-            $crate::DType::I32 => binary_map(x, y, |$ia: i32, $ib: i32| -> i32 { $ibody }),
-            $crate::DType::I64 => binary_map(x, y, |$ia: i64, $ib: i64| -> i64 { $ibody }),
+            $crate::DType::F32 => binary_map_in(alloc, x, y, |$a: f32, $b: f32| -> f32 { $fb }),
+            $crate::DType::F64 => binary_map_in(alloc, x, y, |$a: f64, $b: f64| -> f64 { $fb }),
+            $crate::DType::I32 => binary_map_in(alloc, x, y, |$ia: i32, $ib: i32| -> i32 { $ibody }),
+            $crate::DType::I64 => binary_map_in(alloc, x, y, |$ia: i64, $ib: i64| -> i64 { $ibody }),
             d @ ($crate::DType::BF16 | $crate::DType::F16) => {
                 let (x, y) = (ew::to_f32(x)?, ew::to_f32(y)?);
-                let z = binary_map(&x, &y, |$a: f32, $b: f32| -> f32 { $fb })?;
+                let z = ew::binary_map_fresh(&x, &y, |$a: f32, $b: f32| -> f32 { $fb })?;
                 ew::from_f32(&z, d)
             }
             d => Err(ew::unsupported($op, d)),
         }
     }};
-    ($op:expr, $x:expr, $y:expr, float: |$a:ident, $b:ident| $fb:expr, int: none) => {{
-        use $crate::ops::broadcast::binary_map;
+    (in $alloc:expr; $op:expr, $x:expr, $y:expr, float: |$a:ident, $b:ident| $fb:expr, int: none) => {{
+        use $crate::ops::broadcast::binary_map_in;
         use $crate::ops::elementwise as ew;
+        let alloc: ew::Alloc<'_> = $alloc;
         let (x, y): (&$crate::Tensor, &$crate::Tensor) = ($x, $y);
         match ew::same_dtype($op, x, y)? {
-            $crate::DType::F32 => binary_map(x, y, |$a: f32, $b: f32| -> f32 { $fb }),
-            $crate::DType::F64 => binary_map(x, y, |$a: f64, $b: f64| -> f64 { $fb }),
+            $crate::DType::F32 => binary_map_in(alloc, x, y, |$a: f32, $b: f32| -> f32 { $fb }),
+            $crate::DType::F64 => binary_map_in(alloc, x, y, |$a: f64, $b: f64| -> f64 { $fb }),
             d @ ($crate::DType::BF16 | $crate::DType::F16) => {
                 let (x, y) = (ew::to_f32(x)?, ew::to_f32(y)?);
-                let z = binary_map(&x, &y, |$a: f32, $b: f32| -> f32 { $fb })?;
+                let z = ew::binary_map_fresh(&x, &y, |$a: f32, $b: f32| -> f32 { $fb })?;
                 ew::from_f32(&z, d)
             }
             d => Err(ew::unsupported($op, d)),
         }
     }};
+    ($op:expr, $x:expr, $y:expr, float: $($rest:tt)*) => {
+        $crate::ops::elementwise::num_binary!(in &$crate::ops::elementwise::fresh; $op, $x, $y, float: $($rest)*)
+    };
 }
 pub(crate) use num_binary;
 

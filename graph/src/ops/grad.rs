@@ -329,6 +329,7 @@ mod tests {
             step: 0,
             outputs: &mut outputs,
             collectives: None,
+            output_memory: None,
         })?;
         Ok(outputs.pop().flatten().unwrap())
     }

@@ -6,8 +6,8 @@
 
 use super::broadcast::binary_map;
 use super::elementwise::{
-    attr_bool, attr_dtype, float_unary, from_f32, map_unary, num_binary, same_dtype, slice,
-    stateless, to_f32, unsupported,
+    attr_bool, attr_dtype, float_unary, fresh, from_f32, map_unary, num_binary, same_dtype, slice,
+    stateless, to_f32, unsupported, Alloc,
 };
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
@@ -137,7 +137,8 @@ fn add() -> OpDef {
 
 fn add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
-    let z = num_binary!("Add", x, y, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let z = num_binary!(in &out0; "Add", x, y, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
     ctx.set_output(0, z)
 }
 
@@ -158,7 +159,8 @@ fn sub() -> OpDef {
 
 fn sub_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
-    let z = num_binary!("Sub", x, y, float: |a, b| a - b, int: |a, b| a.wrapping_sub(b))?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let z = num_binary!(in &out0; "Sub", x, y, float: |a, b| a - b, int: |a, b| a.wrapping_sub(b))?;
     ctx.set_output(0, z)
 }
 
@@ -179,7 +181,8 @@ fn mul() -> OpDef {
 
 fn mul_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
-    let z = num_binary!("Mul", x, y, float: |a, b| a * b, int: |a, b| a.wrapping_mul(b))?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let z = num_binary!(in &out0; "Mul", x, y, float: |a, b| a * b, int: |a, b| a.wrapping_mul(b))?;
     ctx.set_output(0, z)
 }
 
@@ -214,7 +217,8 @@ fn div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             y.shape()
         ));
     }
-    let z = num_binary!("Div", x, y, float: |a, b| a / b, int: |a, b| a.wrapping_div(b))?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let z = num_binary!(in &out0; "Div", x, y, float: |a, b| a / b, int: |a, b| a.wrapping_div(b))?;
     ctx.set_output(0, z)
 }
 
@@ -242,7 +246,10 @@ fn neg_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let y = match x.dtype() {
         DType::I32 => map_unary(x, i32::wrapping_neg),
         DType::I64 => map_unary(x, i64::wrapping_neg),
-        _ => float_unary!("Neg", x, |v| -v),
+        _ => {
+            let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+            float_unary!(in &out0; "Neg", x, |v| -v)
+        }
     }?;
     ctx.set_output(0, y)
 }
@@ -308,13 +315,15 @@ fn mat_mul_into<T: ndarray::LinalgScalar>(
 }
 
 fn mat_mul_typed<T: Element + ndarray::LinalgScalar>(
+    alloc: Alloc<'_>,
     a: &Tensor,
     b: &Tensor,
     flags: (bool, bool),
     mn: (usize, usize),
 ) -> Result<Tensor, String> {
     let (ad, bd) = ((a.dims()[0], a.dims()[1]), (b.dims()[0], b.dims()[1]));
-    let mut out = Tensor::zeros(T::DTYPE, &[mn.0, mn.1]).map_err(|e| e.to_string())?;
+    // The product overwrites `out` (beta = 0), so memory with old values is fine.
+    let mut out = alloc(T::DTYPE, &[mn.0, mn.1])?;
     let o = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
     mat_mul_into(
         slice::<T>(a)?,
@@ -380,14 +389,18 @@ impl Kernel for MatMulKernel {
             ));
         }
         let flags = (ta, tb);
+        let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
         let out = match dtype {
-            DType::F32 => mat_mul_typed::<f32>(a, b, flags, (m, n)),
-            DType::F64 => mat_mul_typed::<f64>(a, b, flags, (m, n)),
+            DType::F32 => mat_mul_typed::<f32>(&out0, a, b, flags, (m, n)),
+            DType::F64 => mat_mul_typed::<f64>(&out0, a, b, flags, (m, n)),
             DType::I32 => mat_mul_wrapping::<i32>(a, b, flags, (m, n)),
             DType::I64 => mat_mul_wrapping::<i64>(a, b, flags, (m, n)),
             DType::BF16 | DType::F16 => {
                 let (a32, b32) = (to_f32(a)?, to_f32(b)?);
-                from_f32(&mat_mul_typed::<f32>(&a32, &b32, flags, (m, n))?, dtype)
+                from_f32(
+                    &mat_mul_typed::<f32>(&fresh, &a32, &b32, flags, (m, n))?,
+                    dtype,
+                )
             }
             d => Err(unsupported("MatMul", d)),
         }?;
@@ -558,28 +571,33 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             ));
         }
     }
-    fn sum<T: Element>(inputs: &[Tensor], add: impl Fn(T, T) -> T) -> Result<Tensor, String> {
-        let mut out = inputs[0].clone();
-        if inputs.len() > 1 {
-            let acc = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
-            for t in &inputs[1..] {
-                for (o, &v) in acc.iter_mut().zip(slice::<T>(t)?) {
-                    *o = add(*o, v);
-                }
+    /// The sum of two or more inputs, written into memory from `alloc`.
+    fn sum<T: Element>(
+        alloc: Alloc<'_>,
+        inputs: &[Tensor],
+        add: impl Fn(T, T) -> T,
+    ) -> Result<Tensor, String> {
+        let mut out = alloc(T::DTYPE, inputs[0].dims())?;
+        let acc = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
+        acc.copy_from_slice(slice::<T>(&inputs[0])?);
+        for t in &inputs[1..] {
+            for (o, &v) in acc.iter_mut().zip(slice::<T>(t)?) {
+                *o = add(*o, v);
             }
         }
         Ok(out)
     }
     let inputs = ctx.inputs;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
     let out = match first.dtype() {
         _ if inputs.len() == 1 => Ok(first.clone()),
-        DType::F32 => sum::<f32>(inputs, |a, b| a + b),
-        DType::F64 => sum::<f64>(inputs, |a, b| a + b),
-        DType::I32 => sum::<i32>(inputs, i32::wrapping_add),
-        DType::I64 => sum::<i64>(inputs, i64::wrapping_add),
+        DType::F32 => sum::<f32>(&out0, inputs, |a, b| a + b),
+        DType::F64 => sum::<f64>(&out0, inputs, |a, b| a + b),
+        DType::I32 => sum::<i32>(&out0, inputs, i32::wrapping_add),
+        DType::I64 => sum::<i64>(&out0, inputs, i64::wrapping_add),
         d @ (DType::BF16 | DType::F16) => {
             let wide = inputs.iter().map(to_f32).collect::<Result<Vec<_>, _>>()?;
-            from_f32(&sum::<f32>(&wide, |a, b| a + b)?, d)
+            from_f32(&sum::<f32>(&fresh, &wide, |a, b| a + b)?, d)
         }
         d => Err(unsupported("AddN", d)),
     }?;
@@ -625,7 +643,8 @@ fn square() -> OpDef {
 }
 
 fn square_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let y = float_unary!("Square", ctx.input(0)?, |v| v * v)?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let y = float_unary!(in &out0; "Square", ctx.input(0)?, |v| v * v)?;
     ctx.set_output(0, y)
 }
 
@@ -645,7 +664,8 @@ fn sqrt() -> OpDef {
 }
 
 fn sqrt_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let y = float_unary!("Sqrt", ctx.input(0)?, |v| v.sqrt())?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let y = float_unary!(in &out0; "Sqrt", ctx.input(0)?, |v| v.sqrt())?;
     ctx.set_output(0, y)
 }
 
@@ -665,7 +685,8 @@ fn exp() -> OpDef {
 }
 
 fn exp_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let y = float_unary!("Exp", ctx.input(0)?, |v| v.exp())?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let y = float_unary!(in &out0; "Exp", ctx.input(0)?, |v| v.exp())?;
     ctx.set_output(0, y)
 }
 
@@ -685,7 +706,8 @@ fn log() -> OpDef {
 }
 
 fn log_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let y = float_unary!("Log", ctx.input(0)?, |v| v.ln())?;
+    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let y = float_unary!(in &out0; "Log", ctx.input(0)?, |v| v.ln())?;
     ctx.set_output(0, y)
 }
 

@@ -105,6 +105,7 @@ pub fn run_kernel_with(
         step: 0,
         outputs: &mut outputs,
         collectives: None,
+        output_memory: None,
     };
     kernel.compute(&mut ctx)?;
     outputs

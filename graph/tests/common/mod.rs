@@ -77,6 +77,7 @@ impl Eval {
                     step: 0,
                     outputs: &mut outputs,
                     collectives: None,
+                    output_memory: None,
                 })
                 .unwrap_or_else(|e| panic!("{}: {e}", node.name));
             for (k, t) in outputs.into_iter().enumerate() {

@@ -1,0 +1,874 @@
+//! The shared-memory data plane, for tasks on one host: tensors cross without a copy.
+//!
+//! Each receive slot of a sender → receiver pair is a segment under `/dev/shm` that both map
+//! ([`segment`]). The sender creates it when it first needs the slot, tells the receiver its name
+//! over the side channel, and the receiver maps it and unlinks the name at once, so a crash of
+//! either task leaves no file behind. The producer of a sent value (a kernel, through
+//! [`Rendezvous::send_buffer`] and the executor's output allocation) writes straight into its
+//! view of the slot; `send` then only publishes it, and the receiver's Recv output is a
+//! read-only [`Buffer`] over its own view of the same pages. A value produced elsewhere is copied
+//! into the slot once by `send` (counted in [`ShmStats::copied_sends`]).
+//!
+//! Credits: a slot is `FREE`, `WRITING` (the sender owns it) or `FULL` (the receiver owns it
+//! until the last view of the received tensor is dropped). The sender writes a slot only when it
+//! is `FREE` and its own previous view of it is gone; it waits for that with a bounded spin, then
+//! a futex in the slot's page, and gives up after the plane's frame timeout with
+//! [`RendezvousError::SlotBusy`] naming the key and peer, or at once with
+//! [`RendezvousError::PeerGone`] when the peer dies. Notifications ride a per-pair ring in shared
+//! memory ([`slot::Ring`]) that one thread per sending peer consumes (spin, then futex); a slot's
+//! first delivery travels as a side-channel message right after its segment's name, which keeps
+//! the two ordered.
+//!
+//! The side channel is a [`TcpRendezvous`]: control-plane messages, peer liveness (heartbeats,
+//! closed connections), authentication with a cluster secret, and this plane's own small messages
+//! ([`message`]).
+//!
+//! Trust: a peer that maps a segment can write it at any time; like an authenticated TCP peer
+//! that sends wrong numbers, a misbehaving task of the same job can corrupt values, but the
+//! receiver never reads outside its mappings, checks every slot id and length it is given, and
+//! refuses segment names that are not this plane's.
+
+pub mod message;
+pub mod segment;
+pub mod slot;
+
+use crate::auth::Secret;
+use crate::local::LocalRendezvous;
+use crate::plane::{BoxFuture, DataPlane, PeerEvent};
+use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
+use crate::tcp::{TcpConfig, TcpRendezvous};
+use dflow_graph::tensor::Buffer;
+use dflow_graph::{DType, Tensor};
+use message::ShmMessage;
+use segment::{checked_path, new_name, shm_dir};
+use slot::{Ring, SlotMem, WaitError, FREE, FULL, WRITING};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // No callback runs under these locks; a poisoned lock means a bug elsewhere: keep going.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Counters of the values this plane sent and received.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShmStats {
+    /// Sends whose value was written in place by its producer: nothing copied.
+    pub zero_copy_sends: u64,
+    /// Sends whose value was copied into the slot once.
+    pub copied_sends: u64,
+    /// Bytes those copies moved.
+    pub copied_bytes: u64,
+    /// Values received (each a view of a slot).
+    pub received: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    zero_copy_sends: AtomicU64,
+    copied_sends: AtomicU64,
+    copied_bytes: AtomicU64,
+    received: AtomicU64,
+}
+
+/// The sending peer and slot id of a received key.
+type RecvRoute = (Arc<str>, u32);
+
+/// A receive slot of this task.
+struct RecvSlot {
+    peer: Arc<str>,
+    key: Arc<RendezvousKey>,
+    dtype: DType,
+    dims: Arc<[usize]>,
+    len: usize,
+    /// The sender's segment, once attached.
+    mem: Option<Arc<SlotMem>>,
+    /// True while a received view of the slot exists.
+    held: Arc<AtomicBool>,
+}
+
+/// A slot this task sends into.
+struct SendSlot {
+    mem: Arc<SlotMem>,
+    /// True once its first value went out (by message; later ones go through the ring).
+    delivered: AtomicBool,
+    /// This task's live view of the slot, if a producer still holds one.
+    view: Mutex<Weak<()>>,
+}
+
+/// Where a key goes.
+struct SendRoute {
+    peer: Arc<str>,
+    slot_id: u32,
+    slot: Mutex<Option<Arc<SendSlot>>>,
+}
+
+/// The ring towards one receiving peer, with its producer lock.
+struct SendPair {
+    ring: Mutex<Ring>,
+}
+
+/// The thread that consumes one sending peer's ring.
+struct Consumer {
+    ring: Arc<Ring>,
+    stop: Arc<AtomicBool>,
+}
+
+/// The receiver's view of a slot: releases the slot to the sender when the last clone of the
+/// received tensor is dropped.
+struct RecvView {
+    mem: Arc<SlotMem>,
+    held: Arc<AtomicBool>,
+}
+
+impl Drop for RecvView {
+    fn drop(&mut self) {
+        self.held.store(false, Ordering::SeqCst);
+        self.mem.release();
+    }
+}
+
+/// The sender's view of a slot, handed to the producer: keeps the mapping alive, and tells the
+/// plane (through `_token`) when the producer let go of it.
+struct SendView {
+    _mem: Arc<SlotMem>,
+    _token: Arc<()>,
+}
+
+/// A data plane over shared memory, with a TCP side channel (see the module docs).
+pub struct ShmPlane {
+    name: Arc<str>,
+    tcp: Arc<TcpRendezvous>,
+    /// How long a sender waits for a slot's credit or room in a ring.
+    slot_timeout: Duration,
+    local: LocalRendezvous,
+    recv: Mutex<HashMap<u32, RecvSlot>>,
+    /// Each receive slot's key → its sending peer and slot id.
+    recv_keys: Mutex<HashMap<Arc<RendezvousKey>, RecvRoute>>,
+    routes: Mutex<HashMap<Arc<RendezvousKey>, Arc<SendRoute>>>,
+    pairs: Mutex<HashMap<Arc<str>, Arc<SendPair>>>,
+    consumers: Mutex<HashMap<Arc<str>, Consumer>>,
+    /// Peers this task connected to (aborts go to them).
+    peers: Mutex<HashSet<Arc<str>>>,
+    gone: Mutex<HashMap<Arc<str>, String>>,
+    /// Steps with a Recv waiting on a peer's key (to abort them when it dies).
+    remote_steps: Mutex<BTreeSet<u64>>,
+    events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    /// Segments this task created, unlinked at close (the receiver unlinks them first normally).
+    created: Mutex<Vec<PathBuf>>,
+    counters: Counters,
+}
+
+impl fmt::Debug for ShmPlane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ShmPlane({} on {}, {} receive slots, {} routes)",
+            self.name,
+            self.tcp.local_addr(),
+            lock(&self.recv).len(),
+            lock(&self.routes).len()
+        )
+    }
+}
+
+impl ShmPlane {
+    /// Listens on `addr` for the side channel as task `name` (with `secret`, every side-channel
+    /// connection is authenticated). Removes segments that dead processes left behind. Must run
+    /// inside a tokio runtime.
+    pub async fn bind(
+        name: &str,
+        addr: SocketAddr,
+        config: TcpConfig,
+        secret: Option<Secret>,
+    ) -> io::Result<Arc<ShmPlane>> {
+        let swept = segment::sweep_dead();
+        if swept > 0 {
+            tracing::info!("{name}: removed {swept} shared-memory segments left by dead processes");
+        }
+        let tcp = TcpRendezvous::bind_with_secret(name, addr, config, secret).await?;
+        let events = tcp.subscribe();
+        let plane = Arc::new(ShmPlane {
+            name: name.into(),
+            tcp,
+            slot_timeout: config.frame_timeout,
+            local: LocalRendezvous::new(),
+            recv: Mutex::default(),
+            recv_keys: Mutex::default(),
+            routes: Mutex::default(),
+            pairs: Mutex::default(),
+            consumers: Mutex::default(),
+            peers: Mutex::default(),
+            gone: Mutex::default(),
+            remote_steps: Mutex::default(),
+            events: Mutex::default(),
+            created: Mutex::default(),
+            counters: Counters::default(),
+        });
+        tokio::spawn(pump(Arc::downgrade(&plane), events));
+        Ok(plane)
+    }
+
+    /// What was sent and received so far.
+    pub fn stats(&self) -> ShmStats {
+        let c = &self.counters;
+        ShmStats {
+            zero_copy_sends: c.zero_copy_sends.load(Ordering::Relaxed),
+            copied_sends: c.copied_sends.load(Ordering::Relaxed),
+            copied_bytes: c.copied_bytes.load(Ordering::Relaxed),
+            received: c.received.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The addresses of this task's mapping of the receive slot for `key`, once attached (for
+    /// zero-copy checks: a received tensor's bytes lie in it).
+    pub fn recv_mapping(&self, key: &RendezvousKey) -> Option<Range<usize>> {
+        let (_, slot) = lock(&self.recv_keys).get(key).cloned()?;
+        let recv = lock(&self.recv);
+        let m = recv.get(&slot)?.mem.as_ref()?.mapping();
+        let start = m.base().as_ptr() as usize;
+        Some(start..start + m.len())
+    }
+
+    /// The addresses of this task's mapping of the slot it sends `key` into, once created.
+    pub fn send_mapping(&self, key: &RendezvousKey) -> Option<Range<usize>> {
+        let route = lock(&self.routes).get(key).cloned()?;
+        let slot = lock(&route.slot).clone()?;
+        let m = slot.mem.mapping();
+        let start = m.base().as_ptr() as usize;
+        Some(start..start + m.len())
+    }
+
+    fn gone_cause(&self, peer: &str) -> Option<String> {
+        lock(&self.gone).get(peer).cloned()
+    }
+
+    fn emit(&self, event: PeerEvent) {
+        let sent = match lock(&self.events).as_ref() {
+            Some(tx) => tx.send(event).map_err(|e| e.0),
+            None => Err(event),
+        };
+        if let Err(PeerEvent::Message { peer, body }) = sent {
+            tracing::warn!(
+                "{}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
+                self.name,
+                body.len()
+            );
+        }
+    }
+
+    fn send_shm(&self, peer: &str, m: &ShmMessage) -> Result<(), RendezvousError> {
+        self.tcp.send_message(peer, m.encode())
+    }
+
+    /// The ring towards `peer`, created (and announced) on first use.
+    fn pair(&self, peer: &Arc<str>) -> Result<Arc<SendPair>, String> {
+        let mut pairs = lock(&self.pairs);
+        if let Some(p) = pairs.get(peer) {
+            return Ok(p.clone());
+        }
+        let name = new_name(&format!("{}-{peer}-ring", self.name));
+        let path = shm_dir().join(&name);
+        let ring = Ring::create(&path).map_err(|e| format!("creating {}: {e}", path.display()))?;
+        lock(&self.created).push(path);
+        self.send_shm(peer, &ShmMessage::AttachRing { name })
+            .map_err(|e| e.to_string())?;
+        let pair = Arc::new(SendPair {
+            ring: Mutex::new(ring),
+        });
+        pairs.insert(peer.clone(), pair.clone());
+        Ok(pair)
+    }
+
+    /// The slot `route` sends into, created (and announced) for `len` bytes on first use.
+    fn send_slot(&self, route: &SendRoute, len: usize) -> Result<Arc<SendSlot>, String> {
+        let mut guard = lock(&route.slot);
+        if let Some(s) = &*guard {
+            if s.mem.len() != len {
+                return Err(format!(
+                    "a {len}-byte value for slot {} whose values have {} bytes",
+                    route.slot_id,
+                    s.mem.len()
+                ));
+            }
+            return Ok(s.clone());
+        }
+        self.pair(&route.peer)?;
+        let name = new_name(&format!("{}-{}-s{}", self.name, route.peer, route.slot_id));
+        let path = shm_dir().join(&name);
+        let mem =
+            SlotMem::create(&path, len).map_err(|e| format!("creating {}: {e}", path.display()))?;
+        lock(&self.created).push(path);
+        self.send_shm(
+            &route.peer,
+            &ShmMessage::AttachSlot {
+                slot: route.slot_id,
+                len: len as u64,
+                name,
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        let slot = Arc::new(SendSlot {
+            mem: Arc::new(mem),
+            delivered: AtomicBool::new(false),
+            view: Mutex::new(Weak::new()),
+        });
+        *guard = Some(slot.clone());
+        Ok(slot)
+    }
+
+    /// Takes `slot` for writing (state `WRITING`): waits until the receiver released it and this
+    /// task's previous view of it is gone.
+    fn acquire(
+        &self,
+        key: &RendezvousKey,
+        route: &SendRoute,
+        slot: &SendSlot,
+    ) -> Result<(), RendezvousError> {
+        let t0 = Instant::now();
+        let deadline = t0 + self.slot_timeout;
+        let busy = |cause: &'static str| RendezvousError::SlotBusy {
+            key: key.clone(),
+            peer: route.peer.to_string(),
+            waited_ms: t0.elapsed().as_millis() as u64,
+            cause,
+        };
+        // This task's own view first: it is released by the end of the producer's step.
+        while lock(&slot.view).strong_count() > 0 {
+            if Instant::now() >= deadline {
+                return Err(busy("this task still holds the value it sent last"));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        let state = slot.mem.state();
+        loop {
+            let ready = slot.mem.wait(
+                |s| s != FULL,
+                deadline,
+                || match self.gone_cause(&route.peer) {
+                    Some(cause) => Err(cause),
+                    None => Ok(()),
+                },
+            );
+            match ready {
+                Ok(WRITING) => return Ok(()),
+                Ok(_) => {
+                    if state
+                        .compare_exchange(FREE, WRITING, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok()
+                    {
+                        return Ok(());
+                    }
+                }
+                Err(WaitError::Timeout) => {
+                    return Err(busy("the receiver has not released the previous value"))
+                }
+                Err(WaitError::Cancelled(cause)) => {
+                    return Err(RendezvousError::PeerGone {
+                        peer: route.peer.to_string(),
+                        cause,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Tells the receiver that `slot` holds the value of `step`.
+    fn notify(
+        &self,
+        key: &RendezvousKey,
+        route: &SendRoute,
+        slot: &SendSlot,
+        step: u64,
+    ) -> Result<(), RendezvousError> {
+        slot.mem.publish(step);
+        if !slot.delivered.swap(true, Ordering::SeqCst) {
+            return self.send_shm(
+                &route.peer,
+                &ShmMessage::Deliver {
+                    slot: route.slot_id,
+                    step,
+                },
+            );
+        }
+        let pair = lock(&self.pairs).get(&route.peer).cloned().ok_or_else(|| {
+            RendezvousError::PeerGone {
+                peer: route.peer.to_string(),
+                cause: "no ring towards it".into(),
+            }
+        })?;
+        let ring = lock(&pair.ring);
+        let t0 = Instant::now();
+        ring.push(route.slot_id, step, t0 + self.slot_timeout, || {
+            match self.gone_cause(&route.peer) {
+                Some(cause) => Err(cause),
+                None => Ok(()),
+            }
+        })
+        .map_err(|e| match e {
+            WaitError::Timeout => RendezvousError::SlotBusy {
+                key: key.clone(),
+                peer: route.peer.to_string(),
+                waited_ms: t0.elapsed().as_millis() as u64,
+                cause: "its notification ring stayed full",
+            },
+            WaitError::Cancelled(cause) => RendezvousError::PeerGone {
+                peer: route.peer.to_string(),
+                cause,
+            },
+        })
+    }
+
+    /// Hands the value in receive slot `slot_id` for `step` to its Recv, as a view of the slot.
+    fn deliver(&self, peer: &str, slot_id: u32, step: u64) -> Result<(), String> {
+        let (key, dtype, dims, mem, held) = {
+            let recv = lock(&self.recv);
+            let s = recv
+                .get(&slot_id)
+                .ok_or_else(|| format!("a value for unknown slot {slot_id}"))?;
+            if *s.peer != *peer {
+                return Err(format!(
+                    "a value for slot {slot_id} (key {}), which belongs to `{}`",
+                    s.key, s.peer
+                ));
+            }
+            let mem = s.mem.clone().ok_or_else(|| {
+                format!(
+                    "a value for slot {slot_id} (key {}) before its segment",
+                    s.key
+                )
+            })?;
+            (s.key.clone(), s.dtype, s.dims.clone(), mem, s.held.clone())
+        };
+        if mem.state().load(Ordering::SeqCst) != FULL {
+            return Err(format!(
+                "slot {slot_id} (key {key}) was announced for step {step} but holds no value"
+            ));
+        }
+        if held.swap(true, Ordering::SeqCst) {
+            return Err(format!(
+                "slot {slot_id} (key {key}) was announced for step {step} while this task still holds its previous value"
+            ));
+        }
+        let len = mem.len();
+        let view = RecvView {
+            mem: mem.clone(),
+            held,
+        };
+        // SAFETY: the slot is FULL: the sender published it and writes it again only after the
+        // view's owner (`RecvView`) is dropped and sets it FREE; the mapping stays alive inside
+        // the owner. The view is read-only, so this task never writes the shared bytes.
+        let buf = unsafe { Buffer::from_external(mem.data(), len, false, Box::new(view)) }
+            .ok_or_else(|| format!("slot {slot_id} (key {key}) is misaligned"))?;
+        let tensor = Tensor::from_shared(dtype, &dims, Arc::new(buf)).map_err(|e| e.to_string())?;
+        self.counters.received.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = self.local.send(&key, step, tensor) {
+            tracing::warn!("{}: value from `{peer}` not delivered: {e}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Handles one of this plane's side-channel messages from `peer`.
+    fn on_message(self: &Arc<Self>, peer: &Arc<str>, m: ShmMessage) -> Result<(), String> {
+        match m {
+            ShmMessage::AttachRing { name } => {
+                let path = checked_path(&name)?;
+                let ring = Ring::open(&path);
+                let _ = std::fs::remove_file(&path);
+                let ring = Arc::new(ring.map_err(|e| format!("ring segment {name}: {e}"))?);
+                let stop = Arc::new(AtomicBool::new(false));
+                let old = lock(&self.consumers).insert(
+                    peer.clone(),
+                    Consumer {
+                        ring: ring.clone(),
+                        stop: stop.clone(),
+                    },
+                );
+                if let Some(old) = old {
+                    old.stop.store(true, Ordering::SeqCst);
+                    old.ring.wake();
+                }
+                let (plane, peer2) = (Arc::downgrade(self), peer.clone());
+                std::thread::Builder::new()
+                    .name(format!("dflow-shm-rx-{peer}"))
+                    .spawn(move || consume(plane, peer2, ring, stop))
+                    .map_err(|e| format!("starting the ring consumer: {e}"))?;
+                Ok(())
+            }
+            ShmMessage::AttachSlot { slot, len, name } => {
+                let path = checked_path(&name)?;
+                let opened = {
+                    let recv = lock(&self.recv);
+                    match recv.get(&slot) {
+                        Some(s) if *s.peer == **peer && s.len as u64 == len => {
+                            SlotMem::open(&path, s.len)
+                        }
+                        Some(s) => Err(format!(
+                            "segment for slot {slot} (key {}) of {len} bytes from `{peer}`; the slot holds {} bytes from `{}`",
+                            s.key, s.len, s.peer
+                        )),
+                        None => Err(format!("segment for unknown slot {slot}")),
+                    }
+                };
+                let _ = std::fs::remove_file(&path);
+                let mem = Arc::new(opened?);
+                if let Some(s) = lock(&self.recv).get_mut(&slot) {
+                    s.mem = Some(mem);
+                }
+                Ok(())
+            }
+            ShmMessage::Deliver { slot, step } => self.deliver(peer, slot, step),
+            ShmMessage::Abort { step, reason } => {
+                self.local.abort_step(
+                    step,
+                    RendezvousError::Aborted {
+                        step,
+                        cause: format!("aborted by peer `{peer}`: {reason}"),
+                    },
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Marks `peer` dead: stops its ring's consumer and aborts every step waiting on its keys.
+    fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
+        lock(&self.gone).insert(peer.clone(), cause.to_string());
+        if let Some(c) = lock(&self.consumers).remove(peer) {
+            c.stop.store(true, Ordering::SeqCst);
+            c.ring.wake();
+        }
+        let err = RendezvousError::PeerGone {
+            peer: peer.to_string(),
+            cause: cause.to_string(),
+        };
+        let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
+        for step in steps {
+            let waits_on_peer = {
+                let keys = lock(&self.recv_keys);
+                self.local
+                    .pending_recvs(step)
+                    .iter()
+                    .any(|k| keys.get(k).is_some_and(|(p, _)| **p == **peer))
+            };
+            if waits_on_peer {
+                self.local.abort_step(step, err.clone());
+            }
+        }
+    }
+
+    fn stop_consumers(&self) {
+        for (_, c) in lock(&self.consumers).drain() {
+            c.stop.store(true, Ordering::SeqCst);
+            c.ring.wake();
+        }
+    }
+
+    fn unlink_created(&self) {
+        for path in lock(&self.created).drain(..) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Drop for ShmPlane {
+    fn drop(&mut self) {
+        self.stop_consumers();
+        self.unlink_created();
+    }
+}
+
+/// Forwards the side channel's events, taking this plane's own messages out.
+async fn pump(plane: Weak<ShmPlane>, mut events: mpsc::UnboundedReceiver<PeerEvent>) {
+    while let Some(event) = events.recv().await {
+        let Some(plane) = plane.upgrade() else { return };
+        match event {
+            PeerEvent::Message { peer, body } => match ShmMessage::decode(&body) {
+                None => plane.emit(PeerEvent::Message { peer, body }),
+                Some(decoded) => {
+                    if let Err(e) = decoded.and_then(|m| plane.on_message(&peer, m)) {
+                        tracing::error!(peer = %peer, "{}: shared-memory message from `{peer}` refused: {e}", plane.name);
+                    }
+                }
+            },
+            PeerEvent::Gone { peer, cause } => {
+                plane.peer_gone(&peer, &cause);
+                plane.emit(PeerEvent::Gone { peer, cause });
+            }
+        }
+    }
+}
+
+/// Consumes the ring of sending peer `peer` until stopped or the plane is gone.
+fn consume(plane: Weak<ShmPlane>, peer: Arc<str>, ring: Arc<Ring>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        match ring.pop() {
+            Ok(Some((slot, step))) => {
+                let Some(p) = plane.upgrade() else { return };
+                if let Err(e) = p.deliver(&peer, slot, step) {
+                    tracing::error!(peer = %peer, "{}: value from `{peer}` refused: {e}", p.name);
+                }
+            }
+            Ok(None) => ring.wait(slot::SPIN, Duration::from_millis(50)),
+            Err(e) => {
+                if let Some(p) = plane.upgrade() {
+                    tracing::error!(peer = %peer, "{}: dropping the ring of `{peer}`: {e}", p.name);
+                }
+                return;
+            }
+        }
+    }
+}
+
+impl Rendezvous for ShmPlane {
+    fn send(
+        &self,
+        key: &Arc<RendezvousKey>,
+        step: u64,
+        value: Tensor,
+    ) -> Result<(), RendezvousError> {
+        let route = lock(&self.routes).get(key).cloned();
+        let Some(route) = route else {
+            return self.local.send(key, step, value);
+        };
+        let gone = |cause: String| RendezvousError::PeerGone {
+            peer: route.peer.to_string(),
+            cause,
+        };
+        if let Some(cause) = self.gone_cause(&route.peer) {
+            return Err(gone(cause));
+        }
+        let len = value.byte_len();
+        let slot = self
+            .send_slot(&route, len)
+            .map_err(|e| RendezvousError::Aborted {
+                step,
+                cause: format!("sending {key} to `{}`: {e}", route.peer),
+            })?;
+        let in_place = value.buffer().is_external() && value.data_ptr() == slot.mem.data().as_ptr();
+        if in_place {
+            // The producer wrote into the slot: it holds WRITING since `send_buffer`.
+            drop(value);
+            self.counters
+                .zero_copy_sends
+                .fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.acquire(key, &route, &slot)?;
+            // SAFETY: this task holds the slot (WRITING) and no view of it exists on either side
+            // (the receiver released it, this task's last view is gone), so nothing else reads or
+            // writes these `len` bytes, which lie inside the live mapping.
+            unsafe {
+                std::ptr::copy_nonoverlapping(value.data_ptr(), slot.mem.data().as_ptr(), len);
+            }
+            self.counters.copied_sends.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .copied_bytes
+                .fetch_add(len as u64, Ordering::Relaxed);
+        }
+        self.notify(key, &route, &slot, step)
+    }
+
+    fn recv_async(&self, key: &Arc<RendezvousKey>, step: u64, done: RecvCallback) {
+        let peer = lock(&self.recv_keys).get(key).map(|(p, _)| p.clone());
+        let Some(peer) = peer else {
+            return self.local.recv_async(key, step, done);
+        };
+        if let Some(cause) = self.gone_cause(&peer) {
+            return done(Err(RendezvousError::PeerGone {
+                peer: peer.to_string(),
+                cause,
+            }));
+        }
+        lock(&self.remote_steps).insert(step);
+        self.local.recv_async(key, step, done);
+        // The peer may have died between the check and the registration.
+        if let Some(cause) = self.gone_cause(&peer) {
+            self.local.abort_step(
+                step,
+                RendezvousError::PeerGone {
+                    peer: peer.to_string(),
+                    cause,
+                },
+            );
+        }
+    }
+
+    fn abort_step(&self, step: u64, cause: RendezvousError) {
+        let mut reason = cause.to_string();
+        reason.truncate(1024);
+        let peers: Vec<Arc<str>> = lock(&self.peers).iter().cloned().collect();
+        for peer in peers {
+            let _ = self.send_shm(
+                &peer,
+                &ShmMessage::Abort {
+                    step,
+                    reason: reason.clone(),
+                },
+            );
+        }
+        self.local.abort_step(step, cause);
+    }
+
+    fn finish_step(&self, step: u64) {
+        lock(&self.remote_steps).remove(&step);
+        self.local.finish_step(step);
+    }
+
+    fn pending_recvs(&self, step: u64) -> Vec<RendezvousKey> {
+        self.local.pending_recvs(step)
+    }
+
+    fn send_buffer(
+        &self,
+        key: &Arc<RendezvousKey>,
+        _step: u64,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Option<Tensor> {
+        let route = lock(&self.routes).get(key).cloned()?;
+        if self.gone_cause(&route.peer).is_some() {
+            return None;
+        }
+        let len = dims
+            .iter()
+            .try_fold(dtype.size_of(), |acc, &d| acc.checked_mul(d))?;
+        let slot = match self.send_slot(&route, len) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("{}: no shared-memory slot for {key}: {e}", self.name);
+                return None;
+            }
+        };
+        // On failure the producer allocates normally and `send` reports the busy slot.
+        self.acquire(key, &route, &slot).ok()?;
+        let token = Arc::new(());
+        *lock(&slot.view) = Arc::downgrade(&token);
+        let view = SendView {
+            _mem: slot.mem.clone(),
+            _token: token,
+        };
+        // SAFETY: this task holds the slot (WRITING): the receiver neither reads nor writes it
+        // until `send` publishes it, and no other view of it exists here (`acquire` waited for
+        // the previous one to go). The mapping lives inside the owner.
+        let buf = unsafe { Buffer::from_external(slot.mem.data(), len, true, Box::new(view)) }?;
+        Tensor::from_shared(dtype, dims, Arc::new(buf)).ok()
+    }
+}
+
+impl DataPlane for ShmPlane {
+    fn task(&self) -> &str {
+        &self.name
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.tcp.local_addr()
+    }
+
+    fn register_recv(
+        &self,
+        slot_id: u32,
+        peer: &str,
+        key: Arc<RendezvousKey>,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Result<(), String> {
+        let err = |msg: String| format!("cannot register slot {slot_id} for key {key}: {msg}");
+        let len = dims
+            .iter()
+            .try_fold(dtype.size_of(), |a, &d| a.checked_mul(d))
+            .filter(|&l| l <= dflow_graph::tensor::MAX_TENSOR_BYTES)
+            .ok_or_else(|| err(format!("shape {dims:?} is too large")))?;
+        let mut recv = lock(&self.recv);
+        if let Some(s) = recv.get(&slot_id) {
+            return Err(err(format!("slot id already used by key {}", s.key)));
+        }
+        let mut keys = lock(&self.recv_keys);
+        if keys.contains_key(&key) {
+            return Err(err("key already has a slot".into()));
+        }
+        keys.insert(key.clone(), (peer.into(), slot_id));
+        recv.insert(
+            slot_id,
+            RecvSlot {
+                peer: peer.into(),
+                key,
+                dtype,
+                dims: dims.into(),
+                len,
+                mem: None,
+                held: Arc::new(AtomicBool::new(false)),
+            },
+        );
+        Ok(())
+    }
+
+    fn has_recv_slot(&self, key: &RendezvousKey) -> bool {
+        lock(&self.recv_keys).contains_key(key)
+    }
+
+    fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
+        lock(&self.routes).insert(
+            key,
+            Arc::new(SendRoute {
+                peer: peer.into(),
+                slot_id,
+                slot: Mutex::new(None),
+            }),
+        );
+    }
+
+    fn connect(
+        self: Arc<Self>,
+        peer: String,
+        addr: SocketAddr,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        Box::pin(async move {
+            TcpRendezvous::connect(&self.tcp, &peer, addr)
+                .await
+                .map_err(|e| e.to_string())?;
+            let peer: Arc<str> = peer.into();
+            lock(&self.gone).remove(&peer);
+            lock(&self.peers).insert(peer);
+            Ok(())
+        })
+    }
+
+    fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        self.tcp.send_message(peer, body)
+    }
+
+    fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *lock(&self.events) = Some(tx);
+        rx
+    }
+
+    fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.tcp.close(within).await;
+            self.stop_consumers();
+            self.unlink_created();
+            let s = self.stats();
+            tracing::info!(
+                "{}: shm transport: {} values sent in place, {} copied into their slot ({} bytes), {} received",
+                self.name,
+                s.zero_copy_sends,
+                s.copied_sends,
+                s.copied_bytes,
+                s.received
+            );
+        })
+    }
+
+    fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous> {
+        self
+    }
+}
