@@ -1,5 +1,6 @@
 //! One module per subcommand.
 pub mod bench_collective;
+pub mod bench_transfer;
 pub mod check;
 pub mod cluster;
 pub mod common;
