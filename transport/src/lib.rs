@@ -13,6 +13,8 @@ pub mod rdma;
 pub mod rendezvous;
 #[cfg(target_os = "linux")]
 pub mod shm;
+#[cfg(target_os = "linux")]
+pub mod sockopt;
 pub mod tcp;
 pub mod wire;
 

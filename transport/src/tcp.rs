@@ -469,6 +469,9 @@ impl TcpRendezvous {
             .map_err(|e| io_err("connect", e))?;
         let mut stream = stream;
         stream.set_nodelay(true).map_err(|e| io_err("connect", e))?;
+        // This side writes the payloads of this connection, so its congestion control counts.
+        #[cfg(target_os = "linux")]
+        crate::sockopt::tune_congestion(&stream, None);
         let (tx, rx) = mpsc::unbounded_channel();
         match &self.secret {
             Some(secret) => {
