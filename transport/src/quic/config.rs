@@ -1,0 +1,103 @@
+//! quinn's settings for a data plane: flow-control windows sized for tensors, idle timeout and
+//! keep-alives from the plane's [`TcpConfig`], large datagrams on loopback.
+
+use super::identity::QuicIdentity;
+use super::tls;
+use crate::tcp::TcpConfig;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{EndpointConfig, IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bytes a stream may have in flight unread by the receiver.
+pub const STREAM_WINDOW: u32 = 32 << 20;
+/// Bytes a connection may have in flight unread by the receiver.
+pub const CONNECTION_WINDOW: u32 = 64 << 20;
+/// Bytes a sender buffers unacknowledged.
+pub const SEND_WINDOW: u64 = 64 << 20;
+/// The largest UDP payload accepted (the QUIC maximum). Senders only use what their path
+/// carries: loopback connections start at [`LOOPBACK_MTU`], others discover theirs from 1200.
+pub const MAX_UDP_PAYLOAD: u16 = 65_527;
+/// The datagram size on loopback (its MTU is 64 KiB): far fewer packets per tensor.
+pub const LOOPBACK_MTU: u16 = 65_000;
+/// Kernel socket buffer sizes asked for (the kernel caps them at its `rmem_max`/`wmem_max`).
+pub const SOCKET_BUFFER: usize = 8 << 20;
+
+/// The connection-level settings for a connection to or from `peer`.
+pub fn transport(cfg: &TcpConfig, peer_is_loopback: bool) -> Result<TransportConfig, String> {
+    let mut t = TransportConfig::default();
+    // The frame reader enforces `idle_timeout` on the stream; quinn's own timer, a little
+    // longer, ends a connection whose peer vanished without a word (a killed process sends no
+    // CONNECTION_CLOSE over UDP).
+    let idle = cfg.idle_timeout + Duration::from_secs(1);
+    t.max_idle_timeout(Some(
+        IdleTimeout::try_from(idle)
+            .map_err(|_| format!("idle timeout {idle:?} is too long for QUIC"))?,
+    ));
+    t.keep_alive_interval(Some((cfg.idle_timeout / 4).max(Duration::from_millis(100))));
+    t.max_concurrent_bidi_streams(VarInt::from_u32(4));
+    t.max_concurrent_uni_streams(VarInt::from_u32(0));
+    t.stream_receive_window(VarInt::from_u32(STREAM_WINDOW));
+    t.receive_window(VarInt::from_u32(CONNECTION_WINDOW));
+    t.send_window(SEND_WINDOW);
+    if peer_is_loopback {
+        t.initial_mtu(LOOPBACK_MTU);
+        let mut mtu = MtuDiscoveryConfig::default();
+        mtu.upper_bound(MAX_UDP_PAYLOAD);
+        t.mtu_discovery_config(Some(mtu));
+    }
+    Ok(t)
+}
+
+/// The endpoint settings: datagrams up to [`MAX_UDP_PAYLOAD`] accepted.
+pub fn endpoint() -> Result<EndpointConfig, String> {
+    let mut e = EndpointConfig::default();
+    e.max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .map_err(|e| format!("max UDP payload: {e}"))?;
+    Ok(e)
+}
+
+/// The acceptor's quinn configuration for `id`.
+pub fn server(
+    id: &QuicIdentity,
+    cfg: &TcpConfig,
+    local: SocketAddr,
+) -> Result<quinn::ServerConfig, String> {
+    let crypto = QuicServerConfig::try_from(tls::server_config(id)?)
+        .map_err(|e| format!("QUIC needs TLS_AES_128_GCM_SHA256: {e}"))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(Arc::new(transport(cfg, local.ip().is_loopback())?));
+    server.migration(false);
+    Ok(server)
+}
+
+/// The connecting side's quinn configuration for a connection from `id` to `peer`.
+pub fn client(
+    crypto: &Arc<QuicClientConfig>,
+    cfg: &TcpConfig,
+    peer: SocketAddr,
+) -> Result<quinn::ClientConfig, String> {
+    let mut client = quinn::ClientConfig::new(crypto.clone());
+    client.transport_config(Arc::new(transport(cfg, peer.ip().is_loopback())?));
+    Ok(client)
+}
+
+/// The connecting side's TLS for `id`, built once per plane.
+pub fn client_crypto(id: &QuicIdentity) -> Result<Arc<QuicClientConfig>, String> {
+    let crypto = QuicClientConfig::try_from(tls::client_config(id)?)
+        .map_err(|e| format!("QUIC needs TLS_AES_128_GCM_SHA256: {e}"))?;
+    Ok(Arc::new(crypto))
+}
+
+/// Binds the UDP socket for `addr` with large kernel buffers.
+pub fn socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
+    let socket = std::net::UdpSocket::bind(addr)?;
+    #[cfg(target_os = "linux")]
+    {
+        let s = socket2::SockRef::from(&socket);
+        let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
+        let _ = s.set_send_buffer_size(SOCKET_BUFFER);
+    }
+    Ok(socket)
+}
