@@ -42,7 +42,9 @@ pub fn transport(cfg: &TcpConfig, peer_is_loopback: bool) -> Result<TransportCon
     t.receive_window(VarInt::from_u32(CONNECTION_WINDOW));
     t.send_window(SEND_WINDOW);
     if peer_is_loopback {
-        t.initial_mtu(LOOPBACK_MTU);
+        if std::env::var_os("DFLOW_QUIC_BIG_MTU").is_some() {
+            t.initial_mtu(LOOPBACK_MTU);
+        }
         let mut mtu = MtuDiscoveryConfig::default();
         mtu.upper_bound(MAX_UDP_PAYLOAD);
         t.mtu_discovery_config(Some(mtu));

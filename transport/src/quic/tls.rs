@@ -57,18 +57,28 @@ pub fn server_config(id: &QuicIdentity) -> Result<rustls::ServerConfig, String> 
 /// The connecting side's rustls configuration: TLS 1.3 only, the acceptor's certificate
 /// checked against the CA, this task's certificate presented.
 pub fn client_config(id: &QuicIdentity) -> Result<rustls::ClientConfig, String> {
+    client_config_from_parts(id.ca(), id.chain().to_vec(), id.key()).map_err(|e| {
+        format!(
+            "the certificate or key of {} ({}): {e}",
+            id.task(),
+            id.source()
+        )
+    })
+}
+
+/// A connecting configuration that trusts `ca` and presents `chain` with `key`, whatever
+/// signed them (tests: a certificate from another CA must be refused by the acceptor).
+pub fn client_config_from_parts(
+    ca: &CertificateDer<'static>,
+    chain: Vec<CertificateDer<'static>>,
+    key: rustls_pki_types::PrivateKeyDer<'static>,
+) -> Result<rustls::ClientConfig, String> {
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| format!("TLS 1.3 with the ring provider: {e}"))?
-        .with_root_certificates(roots(id.ca())?)
-        .with_client_auth_cert(id.chain().to_vec(), id.key())
-        .map_err(|e| {
-            format!(
-                "the certificate or key of {} ({}): {e}",
-                id.task(),
-                id.source()
-            )
-        })?;
+        .with_root_certificates(roots(ca)?)
+        .with_client_auth_cert(chain, key)
+        .map_err(|e| e.to_string())?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     Ok(cfg)
 }
