@@ -386,7 +386,13 @@ async fn truncated_oversized_and_garbage_frames_drop_the_peer() {
     assert!(cause.contains("unknown slot 99"), "{cause}");
     round(&ps, &worker, 64, 4).await;
 
-    let cause = bad_frame(&ps, &mut events, &ids[2], b"GET /index.html HTTP/1.1\r\nHost: example\r\n\r\n").await;
+    let cause = bad_frame(
+        &ps,
+        &mut events,
+        &ids[2],
+        b"GET /index.html HTTP/1.1\r\nHost: example\r\n\r\n",
+    )
+    .await;
     assert!(cause.contains("bad frame magic"), "{cause}");
     round(&ps, &worker, 64, 5).await;
 

@@ -15,12 +15,14 @@ pub const STREAM_WINDOW: u32 = 32 << 20;
 /// Bytes a connection may have in flight unread by the receiver.
 pub const CONNECTION_WINDOW: u32 = 64 << 20;
 /// Bytes a sender buffers unacknowledged.
-pub const SEND_WINDOW: u64 = 64 << 20;
+pub const SEND_WINDOW: u64 = 4 << 20;
 /// The largest UDP payload accepted (the QUIC maximum). Senders only use what their path
 /// carries: loopback connections start at [`LOOPBACK_MTU`], others discover theirs from 1200.
 pub const MAX_UDP_PAYLOAD: u16 = 65_527;
 /// The datagram size on loopback (its MTU is 64 KiB): far fewer packets per tensor.
 pub const LOOPBACK_MTU: u16 = 65_000;
+/// The smallest datagram size assumed on loopback.
+pub const LOOPBACK_MIN_MTU: u16 = 16_000;
 /// Kernel socket buffer sizes asked for (the kernel caps them at its `rmem_max`/`wmem_max`).
 pub const SOCKET_BUFFER: usize = 8 << 20;
 
@@ -42,11 +44,24 @@ pub fn transport(cfg: &TcpConfig, peer_is_loopback: bool) -> Result<TransportCon
     t.receive_window(VarInt::from_u32(CONNECTION_WINDOW));
     t.send_window(SEND_WINDOW);
     if peer_is_loopback {
-        if std::env::var_os("DFLOW_QUIC_BIG_MTU").is_some() {
-            t.initial_mtu(LOOPBACK_MTU);
-        }
+        t.initial_mtu(LOOPBACK_MTU);
+        // Loopback surely carries this much: a burst of losses (a full socket buffer) must not
+        // make black-hole detection fall back to 1200-byte datagrams. (Below 16 KiB: quinn pads
+        // handshake packets, whose length field has 14 bits, to this size.)
+        t.min_mtu(LOOPBACK_MIN_MTU);
+        // A GSO batch must fit in one 64 KiB IP packet: with datagrams this large, quinn's
+        // batches of several would be refused by the kernel (and silently lost).
+        t.enable_segmentation_offload(false);
+        // The default initial window (14 720 bytes) is smaller than one such datagram.
+        let mut cubic = quinn::congestion::CubicConfig::default();
+        cubic.initial_window(10 * u64::from(LOOPBACK_MTU));
+        t.congestion_controller_factory(Arc::new(cubic));
         let mut mtu = MtuDiscoveryConfig::default();
         mtu.upper_bound(MAX_UDP_PAYLOAD);
+        // A burst of losses (a full socket buffer, not a smaller path) can make black-hole
+        // detection fall back to 1200-byte datagrams: search again soon.
+        mtu.black_hole_cooldown(Duration::from_millis(500));
+        mtu.interval(Duration::from_secs(5));
         t.mtu_discovery_config(Some(mtu));
     }
     Ok(t)

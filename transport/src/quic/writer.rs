@@ -61,5 +61,16 @@ pub(crate) async fn writer(
     // Orderly end: everything queued reaches the peer before the connection closes.
     let _ = send.finish();
     let _ = tokio::time::timeout(timeout, send.stopped()).await;
+    let p = conn.stats().path;
+    tracing::debug!(
+        peer = %peer,
+        "connection to `{peer}`: {} packets sent, {} lost, {} congestion events, MTU {}, cwnd {}, RTT {:?}",
+        p.sent_packets,
+        p.lost_packets,
+        p.congestion_events,
+        p.current_mtu,
+        p.cwnd,
+        p.rtt
+    );
     conn.close(VarInt::from_u32(CLOSE_OK), b"done");
 }
