@@ -32,6 +32,8 @@ enum Command {
     BenchCollective(cmd::bench_collective::Args),
     /// Work with Chrome traces written by `run --trace` (merge the per-task files of a job).
     Trace(cmd::trace::Args),
+    /// Make a cluster CA and per-task certificates for `run --transport quic`.
+    Cert(cmd::cert::Args),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
         Command::Partition(a) => cmd::partition::run(a),
         Command::Run(a) => cmd::run::run(*a),
         Command::Trace(a) => cmd::trace::run(a),
+        Command::Cert(a) => cmd::cert::run(a),
         Command::BenchCollective(a) => cmd::bench_collective::run(a),
     };
     match result {

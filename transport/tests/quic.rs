@@ -457,3 +457,28 @@ fn cert_files_are_written_with_private_keys_0600_and_load_back() {
     let e = pki::issue_to_dir(dir.path(), "worker:1", 30).unwrap_err();
     assert!(e.to_string().contains("ca.key"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_binds_late_is_reached_quickly() {
+    let ids = cluster();
+    // Reserve a port, free it, and bind ps there 300 ms after worker:0 starts dialling.
+    let port = std::net::UdpSocket::bind(any_addr())
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let worker = quic("worker:0", &ids[1]).await;
+    let ps_id = ids[0].clone();
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        QuicPlane::bind("ps:0", addr, config(), None, ps_id)
+            .await
+            .unwrap()
+    });
+    let t0 = std::time::Instant::now();
+    QuicPlane::connect(&worker, "ps:0", addr).await.unwrap();
+    let took = t0.elapsed();
+    let _ps = late.await.unwrap();
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+}

@@ -44,6 +44,9 @@ pub fn transport(cfg: &TcpConfig, peer_is_loopback: bool) -> Result<TransportCon
     t.receive_window(VarInt::from_u32(CONNECTION_WINDOW));
     t.send_window(SEND_WINDOW);
     if peer_is_loopback {
+        // A peer not started yet drops the first Initial: retry after milliseconds, not the
+        // default 333 ms round trip's timeout.
+        t.initial_rtt(Duration::from_millis(10));
         t.initial_mtu(LOOPBACK_MTU);
         // Loopback surely carries this much: a burst of losses (a full socket buffer) must not
         // make black-hole detection fall back to 1200-byte datagrams. (Below 16 KiB: quinn pads

@@ -195,9 +195,22 @@ impl QuicPlane {
             .endpoint
             .connect_with(client, addr, &dns)
             .map_err(|e| QuicError::link(&label, "connect", e))?;
-        let conn = tokio::time::timeout(cfg.connect_timeout, connecting)
+        // A peer not started yet drops the first Initial and quinn's retries back off (30 ms,
+        // 90 ms, ... on loopback): give up sooner there and let the caller dial afresh.
+        let handshake_timeout = if addr.ip().is_loopback() {
+            cfg.connect_timeout.min(Duration::from_secs(1))
+        } else {
+            cfg.connect_timeout
+        };
+        let conn = tokio::time::timeout(handshake_timeout, connecting)
             .await
-            .map_err(|_| QuicError::link(&label, "connect", "timed out"))?
+            .map_err(|_| {
+                QuicError::link(
+                    &label,
+                    "connect",
+                    format!("no answer within {handshake_timeout:?} (is the task started?)"),
+                )
+            })?
             .map_err(|e| QuicError::link(&label, "connect", super::frames::describe_conn(&e)))?;
         let (mut send, mut recv) = tokio::time::timeout(cfg.frame_timeout, conn.open_bi())
             .await
