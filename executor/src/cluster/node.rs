@@ -328,9 +328,19 @@ fn describe_waiting(server: &TaskServer) -> String {
     format!("; was waiting for {}", parts.join("; "))
 }
 
-async fn connect_all<'a>(
+/// Remembers `error` for task `name`: its distinct errors, latest last, at most 3.
+fn note_error<'a>(errors: &mut HashMap<&'a str, Vec<String>>, name: &'a str, error: String) {
+    let seen = errors.entry(name).or_default();
+    seen.retain(|s| *s != error);
+    seen.push(error);
+    if seen.len() > 3 {
+        seen.remove(0);
+    }
+}
+
+async fn connect_all(
     rv: &Arc<dyn DataPlane>,
-    peers: &'a [(String, String)],
+    peers: &[(String, String)],
     within: Duration,
 ) -> Result<(), JobError> {
     let start = Instant::now();
@@ -338,14 +348,6 @@ async fn connect_all<'a>(
     // The distinct errors seen for each task, latest last (a refused certificate must not
     // hide behind a later timeout, nor behind another task's error).
     let mut last_errors: HashMap<&str, Vec<String>> = HashMap::new();
-    let mut note = |name: &'a str, e: String| {
-        let seen = last_errors.entry(name).or_default();
-        seen.retain(|s| *s != e);
-        seen.push(e);
-        if seen.len() > 3 {
-            seen.remove(0);
-        }
-    };
     let mut last_log = Instant::now();
     let mut pause = Duration::from_millis(50);
     loop {
@@ -355,7 +357,7 @@ async fn connect_all<'a>(
             let resolved = match tokio::net::lookup_host(addr.as_str()).await {
                 Ok(mut a) => a.next(),
                 Err(e) => {
-                    note(name, format!("{name} at {addr}: {e}"));
+                    note_error(&mut last_errors, name, format!("{name} at {addr}: {e}"));
                     None
                 }
             };
@@ -366,7 +368,7 @@ async fn connect_all<'a>(
             match rv.clone().connect(name.clone(), sa).await {
                 Ok(()) => tracing::info!("connected to {name} at {addr}"),
                 Err(e) => {
-                    note(name, e.to_string());
+                    note_error(&mut last_errors, name, e.to_string());
                     still.push(p);
                 }
             }
@@ -377,7 +379,6 @@ async fn connect_all<'a>(
         }
         let names: Vec<&str> = missing.iter().map(|(n, _)| n.as_str()).collect();
         if start.elapsed() >= within {
-            drop(note);
             let errors: Vec<String> = names
                 .iter()
                 .filter_map(|n| last_errors.get(n).map(|e| e.join(" / ")))
