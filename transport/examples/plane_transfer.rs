@@ -9,7 +9,7 @@
 //! The lead process spawns its peer (this same binary with `--peer`). For QUIC it makes a
 //! throw-away cluster CA and certificates for both tasks in a temporary directory and points
 //! `DFLOW_CERT_DIR` at it, exactly what a caller of `plane::bind` without an explicit identity
-//! does.
+//! does. The sender rotates four tensors; `--reuse` rewrites one tensor every iteration.
 
 use dflow_graph::{DType, Tensor};
 use dflow_transport::plane::{bind, DataPlane, TransportKind};
@@ -31,6 +31,8 @@ struct Opts {
     kinds: Vec<TransportKind>,
     sizes: Vec<usize>,
     iters: u32,
+    /// Rewrite one tensor every iteration (instead of rotating four).
+    reuse: bool,
     peer: Option<String>,
 }
 
@@ -54,6 +56,7 @@ fn opts() -> Res<Opts> {
         kinds: vec![TransportKind::Tcp, TransportKind::Quic],
         sizes: vec![4 << 20, 64 << 20],
         iters: 0,
+        reuse: false,
         peer: None,
     };
     let mut args = std::env::args().skip(1);
@@ -68,6 +71,7 @@ fn opts() -> Res<Opts> {
             }
             "--sizes" => o.sizes = val()?.split(',').map(parse_size).collect::<Res<_>>()?,
             "--iters" => o.iters = val()?.parse()?,
+            "--reuse" => o.reuse = true,
             "--peer" => o.peer = Some(val()?),
             _ => return Err(format!("unknown argument {a}").into()),
         }
@@ -202,7 +206,7 @@ fn lead(o: &Opts, rt: &tokio::runtime::Runtime) -> Res<()> {
                     t0 = Instant::now();
                 }
                 step += 1;
-                let heap = &mut pool[it as usize % 4];
+                let heap = &mut pool[if o.reuse { 0 } else { it as usize % 4 }];
                 {
                     let v = heap.as_mut_slice::<f32>()?;
                     let last = v.len() - 1;

@@ -52,6 +52,13 @@ pub fn transport(cfg: &TcpConfig, peer_is_loopback: bool) -> Result<TransportCon
         // make black-hole detection fall back to 1200-byte datagrams. (Below 16 KiB: quinn pads
         // handshake packets, whose length field has 14 bits, to this size.)
         t.min_mtu(LOOPBACK_MIN_MTU);
+        // Ask the receiver to acknowledge every packet at once: the send window frees sooner,
+        // and a sent tensor is released (quinn holds it until acknowledged) before its
+        // producer is likely to reuse it.
+        let mut ack = quinn::AckFrequencyConfig::default();
+        ack.ack_eliciting_threshold(VarInt::from_u32(0));
+        ack.max_ack_delay(Some(Duration::from_millis(1)));
+        t.ack_frequency_config(Some(ack));
         // A GSO batch must fit in one 64 KiB IP packet: with datagrams this large, quinn's
         // batches of several would be refused by the kernel (and silently lost).
         t.enable_segmentation_offload(false);
