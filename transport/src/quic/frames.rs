@@ -162,19 +162,22 @@ pub(crate) fn is_clean_end(e: &ConnectionError) -> bool {
     matches!(e, ConnectionError::ApplicationClosed(c) if c.error_code == quinn::VarInt::from_u32(0))
 }
 
+/// True for a QUIC error code that carries a TLS alert (RFC 9001 §4.8).
+fn is_tls_alert(code: u64) -> bool {
+    (0x100..=0x1ff).contains(&code)
+}
+
 /// A connection error in words, with TLS refusals spelled out.
 pub(crate) fn describe_conn(e: &ConnectionError) -> String {
     match e {
-        ConnectionError::ConnectionClosed(c) => {
-            let code = u64::from(c.error_code);
-            // 0x100..=0x1ff: a TLS alert (RFC 9001 §4.8).
-            if (0x100..=0x1ff).contains(&code) {
-                format!("the TLS handshake was refused ({c}); does this task have a certificate signed by the peer's cluster CA?")
-            } else {
-                format!("aborted by the peer: {c}")
-            }
-        }
-        ConnectionError::TransportError(t) => format!("{t}"),
+        ConnectionError::ConnectionClosed(c) if is_tls_alert(u64::from(c.error_code)) => format!(
+            "the peer refused the TLS handshake ({c}): it does not accept this task's certificate (another cluster CA?)"
+        ),
+        ConnectionError::ConnectionClosed(c) => format!("aborted by the peer: {c}"),
+        ConnectionError::TransportError(t) if is_tls_alert(u64::from(t.code)) => format!(
+            "{t} (the peer's certificate is missing, expired, from another cluster CA, or for another task)"
+        ),
+        ConnectionError::TransportError(t) => t.to_string(),
         ConnectionError::TimedOut => "no answer (QUIC idle timeout)".into(),
         other => other.to_string(),
     }

@@ -214,6 +214,16 @@ mod tests {
     use crate::quic::pki::Authority;
 
     #[test]
+    fn job_names_with_underscores_and_dashes_work() {
+        let ca = Authority::generate(1).unwrap();
+        for task in ["my_job:1", "/job:eval-set/replica:0/task:2"] {
+            let issued = ca.issue(task, 1).unwrap();
+            let (ca_der, chain, key) = ca.identity_parts(&issued).unwrap();
+            QuicIdentity::new(task, ca_der, chain, key, "t".into()).unwrap();
+        }
+    }
+
+    #[test]
     fn an_issued_certificate_names_its_task_only() {
         let ca = Authority::generate(1).unwrap();
         let issued = ca.issue("/job:worker/replica:0/task:1", 1).unwrap();

@@ -51,6 +51,9 @@ pub fn server_config(id: &QuicIdentity) -> Result<rustls::ServerConfig, String> 
             )
         })?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
+    // Every connection runs the full handshake with certificates: no resumption, no 0-RTT.
+    cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    cfg.send_tls13_tickets = 0;
     Ok(cfg)
 }
 
@@ -80,6 +83,7 @@ pub fn client_config_from_parts(
         .with_client_auth_cert(chain, key)
         .map_err(|e| e.to_string())?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
+    cfg.resumption = rustls::client::Resumption::disabled();
     Ok(cfg)
 }
 
