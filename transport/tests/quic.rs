@@ -289,7 +289,6 @@ async fn peers_without_a_valid_certificate_are_refused_and_the_good_pair_keeps_w
         .await
         .unwrap_err();
     assert!(e.to_string().contains("ps:0"), "{e}");
-    eprintln!("rogue: {e}");
     round(&ps, &worker, 256, 2).await;
 
     // 2. A client that trusts the cluster CA but presents another CA's certificate.
