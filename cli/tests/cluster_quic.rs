@@ -207,3 +207,37 @@ fn a_killed_worker_ends_a_quic_job_naming_it() {
         .assert_failure_naming(dead);
     ps.wait(Duration::from_secs(30)).assert_failure_naming(dead);
 }
+
+#[test]
+fn missing_or_foreign_certificates_fail_at_start_naming_the_file() {
+    let cluster = Cluster::new(1, 1);
+    // No certificates at all.
+    Task::start(&cluster, "ps", 0, &["--transport", "quic"])
+        .wait(Duration::from_secs(30))
+        .assert_failure_naming("--cert-dir");
+    // A directory with only worker 0's certificate: the ps names its missing file.
+    let dir = certs(&cluster.path("certs"), None, &["worker:0"]);
+    let d = dir.to_string_lossy().into_owned();
+    Task::start(
+        &cluster,
+        "ps",
+        0,
+        &["--transport", "quic", "--cert-dir", &d],
+    )
+    .wait(Duration::from_secs(30))
+    .assert_failure_naming("ps-0.crt");
+    // Worker 0's certificate given to the ps: refused, naming the file and the task.
+    let ps_args = [
+        "--transport",
+        "quic",
+        "--cert-dir",
+        &d,
+        "--cert",
+        &format!("{d}/worker-0.crt"),
+        "--key",
+        &format!("{d}/worker-0.key"),
+    ];
+    let ended = Task::start(&cluster, "ps", 0, &ps_args).wait(Duration::from_secs(30));
+    ended.assert_failure_naming("worker-0.crt");
+    ended.assert_failure_naming("ps-0.dflow");
+}
