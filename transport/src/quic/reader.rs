@@ -250,13 +250,17 @@ async fn read_frames(
                     .map_err(|msg| {
                         QuicError::protocol(label, format!("{msg} (step {})", h.step))
                     })?;
-                let read = match Arc::get_mut(&mut c.buf) {
-                    Some(b) => {
-                        tokio::time::timeout(cfg.frame_timeout, recv.read_exact(b.as_bytes_mut()))
-                            .await
-                    }
-                    None => Ok(Err(ReadExactError::FinishedEarly(0))),
+                let Some(b) = Arc::get_mut(&mut c.buf) else {
+                    // `checkout` hands out a uniquely owned buffer; never write a shared one.
+                    rv.slots.checkin(h.slot_id, c.buf);
+                    return Err(QuicError::protocol(
+                        label,
+                        format!("slot {} (key {}) has a shared buffer", h.slot_id, c.key),
+                    ));
                 };
+                let read =
+                    tokio::time::timeout(cfg.frame_timeout, recv.read_exact(b.as_bytes_mut()))
+                        .await;
                 let tensor = Tensor::from_shared(c.dtype, &c.dims, c.buf.clone());
                 rv.slots.checkin(h.slot_id, c.buf);
                 let what = || {
