@@ -23,8 +23,6 @@ pub const MAX_UDP_PAYLOAD: u16 = 65_527;
 pub const LOOPBACK_MTU: u16 = 65_000;
 /// The smallest datagram size assumed on loopback.
 pub const LOOPBACK_MIN_MTU: u16 = 16_000;
-/// Kernel socket buffer sizes asked for (the kernel caps them at its `rmem_max`/`wmem_max`).
-pub const SOCKET_BUFFER: usize = 8 << 20;
 
 /// The connection-level settings for a connection to or from `peer`.
 pub fn transport(cfg: &TcpConfig, peer_is_loopback: bool) -> Result<TransportConfig, String> {
@@ -115,16 +113,4 @@ pub fn client_crypto(id: &QuicIdentity) -> Result<Arc<QuicClientConfig>, String>
     let crypto = QuicClientConfig::try_from(tls::client_config(id)?)
         .map_err(|e| format!("QUIC needs TLS_AES_128_GCM_SHA256: {e}"))?;
     Ok(Arc::new(crypto))
-}
-
-/// Binds the UDP socket for `addr` with large kernel buffers.
-pub fn socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
-    let socket = std::net::UdpSocket::bind(addr)?;
-    #[cfg(target_os = "linux")]
-    {
-        let s = socket2::SockRef::from(&socket);
-        let _ = s.set_recv_buffer_size(SOCKET_BUFFER);
-        let _ = s.set_send_buffer_size(SOCKET_BUFFER);
-    }
-    Ok(socket)
 }

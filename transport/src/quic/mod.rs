@@ -33,6 +33,7 @@ pub mod pki;
 mod plane;
 mod reader;
 mod rendezvous;
+pub mod socket;
 pub mod tls;
 mod writer;
 

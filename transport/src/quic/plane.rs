@@ -119,13 +119,14 @@ impl QuicPlane {
         let setup = QuicError::Setup;
         let server = config::server(&identity, &config, addr).map_err(setup)?;
         let client_crypto = config::client_crypto(&identity).map_err(setup)?;
-        let socket = config::socket(addr)
+        let runtime = quinn::TokioRuntime;
+        let socket = super::socket::bind(addr, &runtime)
             .map_err(|e| QuicError::Setup(format!("task {name} cannot bind UDP {addr}: {e}")))?;
-        let endpoint = quinn::Endpoint::new(
+        let endpoint = quinn::Endpoint::new_with_abstract_socket(
             config::endpoint().map_err(setup)?,
             Some(server),
             socket,
-            Arc::new(quinn::TokioRuntime),
+            Arc::new(runtime),
         )
         .map_err(|e| QuicError::Setup(format!("task {name}: QUIC endpoint on {addr}: {e}")))?;
         let local_addr = endpoint
