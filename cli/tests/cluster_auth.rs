@@ -102,7 +102,10 @@ fn rogue_clients_are_rejected_and_training_goes_on() {
     s.write_all(&frame(FrameKind::Data, 1, 8)[..10]).unwrap();
     drop(s);
 
-    // 3. Authenticated, then a frame longer than its slot.
+    // 3. Authenticated, then a frame longer than its slot. The ps registers its slots when the
+    // chief registers the graphs, after "every task joined": wait for the first epoch, or the
+    // frame would be refused for naming an unknown slot instead.
+    chief.wait_for_stderr(Duration::from_secs(120), |s| s.contains("epoch 1/"));
     let mut s = authenticated(ps_port, &secret, "intruder-2");
     s.write_all(&frame(FrameKind::Data, 1, 1 << 40)).unwrap();
     assert!(
