@@ -114,6 +114,7 @@ fn main() -> Res<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    let mut made_certs = None;
     if o.peer.is_none() && std::env::var_os(CERT_DIR_ENV).is_none() {
         // Before any thread starts: the child inherits the variable.
         let dir = std::env::temp_dir().join(format!("dflow-plane-transfer-{}", std::process::id()));
@@ -122,15 +123,20 @@ fn main() -> Res<()> {
             pki::issue_to_dir(&dir, task, 1)?;
         }
         std::env::set_var(CERT_DIR_ENV, &dir);
+        made_certs = Some(dir);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    match &o.peer {
+    let result = match &o.peer {
         Some(addr) => peer(&o, &rt, addr),
         None => lead(&o, &rt),
+    };
+    if let Some(dir) = made_certs {
+        let _ = std::fs::remove_dir_all(dir);
     }
+    result
 }
 
 /// The receiving side: checks and acknowledges every value.
