@@ -36,6 +36,8 @@ enum Command {
     BenchCollective(cmd::bench_collective::Args),
     /// Work with Chrome traces written by `run --trace` (merge the per-task files of a job).
     Trace(cmd::trace::Args),
+    /// Make a cluster CA and per-task certificates for `run --transport quic`.
+    Cert(cmd::cert::Args),
 }
 
 /// `dflow bench ...`.
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
         Command::Bench(Bench::Collective(a)) | Command::BenchCollective(a) => {
             cmd::bench_collective::run(a)
         }
+        Command::Cert(a) => cmd::cert::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

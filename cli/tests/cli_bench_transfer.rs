@@ -40,8 +40,8 @@ fn two_processes_print_a_row_per_size(transport: &str, extra: &[&str]) {
     let sizes: Vec<&str> = rows.iter().map(|r| r[0]).collect();
     assert_eq!(sizes, ["8B", "4KiB", "1MiB"], "{stdout}");
     for r in &rows {
-        // size, iters, GB/s, rtt median, rtt p90, memcpy GB/s
-        assert_eq!(r.len(), 6, "{r:?}");
+        // size, iters, GB/s, rtt median, rtt p90, memcpy GB/s, copy-on-write copies
+        assert_eq!(r.len(), 7, "{r:?}");
         assert_eq!(r[1], "5", "{r:?}");
         let rtt: f64 = r[3].parse().unwrap_or(0.0);
         assert!(rtt > 0.0, "a round trip takes time: {r:?}");
@@ -67,6 +67,11 @@ fn tcp_from_the_producers_buffer_prints_a_row_per_size() {
 #[test]
 fn shm_prints_a_row_per_size() {
     two_processes_print_a_row_per_size("shm", &[]);
+}
+
+#[test]
+fn quic_with_throwaway_certificates_prints_a_row_per_size() {
+    two_processes_print_a_row_per_size("quic", &[]);
 }
 
 #[test]

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod collective;
 pub mod local;
 pub mod plane;
+pub mod quic;
 pub mod rdma;
 pub mod rendezvous;
 #[cfg(target_os = "linux")]

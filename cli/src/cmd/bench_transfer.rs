@@ -14,7 +14,13 @@
 //! The producer writes its tensor where the transport wants it: into the slot memory offered by
 //! [`dflow_transport::Rendezvous::send_buffer`] when there is some (shared memory: nothing is copied), otherwise
 //! into its own buffer, reused every step (TCP writes it to the socket from there). `--copy`
-//! forces the second way everywhere.
+//! forces the second way everywhere; the producer then cycles through a few buffers of its own,
+//! as a kernel gets a fresh output each step, so a transport that still holds the previous
+//! tensor (QUIC keeps it until its packets are acknowledged) does not force a copy-on-write.
+//! Copies the producer did make anyway are counted in the `cow` column.
+//!
+//! Over QUIC the lead makes a throwaway cluster CA and certificates for both processes in a
+//! temporary directory (removed at the end).
 
 use anyhow::{bail, Context};
 use dflow_graph::{DType, Tensor};
@@ -22,6 +28,7 @@ use dflow_transport::tcp::TcpConfig;
 use dflow_transport::{DataPlane, RendezvousKey, TransportKind};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -53,6 +60,9 @@ pub struct Args {
     /// Internal: run as the receiving peer of the lead listening at this address.
     #[arg(long, hide = true)]
     pub peer_of: Option<SocketAddr>,
+    /// Internal: the certificates of a QUIC run (made by the lead).
+    #[arg(long, hide = true)]
+    pub cert_dir: Option<PathBuf>,
 }
 
 /// Slot id of the 4-byte acknowledgement (the data slots are numbered by size index).
@@ -115,6 +125,53 @@ fn config(plan: &Plan) -> TcpConfig {
     }
 }
 
+/// A temporary directory holding a throwaway CA and both tasks' certificates; removed on drop.
+struct Certs(PathBuf);
+
+impl Certs {
+    fn make() -> anyhow::Result<Certs> {
+        let dir = std::env::temp_dir().join(format!("dflow-bench-certs-{}", std::process::id()));
+        let certs = Certs(dir);
+        let pki = |e: dflow_transport::quic::pki::PkiError| anyhow::anyhow!("{e}");
+        dflow_transport::quic::pki::init_ca(&certs.0, 1, true).map_err(pki)?;
+        for task in [LEAD, PEER] {
+            dflow_transport::quic::pki::issue_to_dir(&certs.0, task, 1).map_err(pki)?;
+        }
+        Ok(certs)
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Binds `task`'s plane on 127.0.0.1 (with its certificate from `certs` for QUIC).
+fn bind(
+    rt: &tokio::runtime::Runtime,
+    kind: TransportKind,
+    task: &str,
+    plan: &Plan,
+    certs: Option<&Path>,
+) -> anyhow::Result<Arc<dyn DataPlane>> {
+    let identity = match (kind, certs) {
+        (TransportKind::Quic, Some(dir)) => Some(
+            dflow_transport::quic::QuicIdentity::from_dir(task, dir)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        ),
+        _ => None,
+    };
+    Ok(rt.block_on(dflow_transport::plane::bind_with_identity(
+        kind,
+        task,
+        "127.0.0.1:0".parse()?,
+        config(plan),
+        None,
+        identity,
+    ))?)
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -142,39 +199,48 @@ fn recv(
     }
 }
 
-/// The producer's output for `step`: slot memory where the transport offers it, else `own`
-/// (reused every step), with `step` written at both ends.
+/// Buffers the producer cycles through when it writes into its own memory.
+const OWN_BUFFERS: usize = 3;
+
+/// The producer's output for `step`: slot memory where the transport offers it, else one of
+/// its `own` buffers (taken in turn), with `step` written at both ends.
 fn produce(
     plane: &dyn DataPlane,
     key: &Arc<RendezvousKey>,
     step: u64,
-    own: &mut Tensor,
+    own: &mut [Tensor],
     copy: bool,
 ) -> anyhow::Result<Tensor> {
-    let dims = own.dims().to_vec();
-    let mut t = match (copy, plane.send_buffer(key, step, DType::F32, &dims)) {
-        (false, Some(slot)) => slot,
-        // Unique again once the previous step's send dropped its clone: no copy-on-write.
-        _ => own.clone(),
-    };
+    let n = own.len();
+    let mine = &mut own[step as usize % n];
+    match (copy, plane.send_buffer(key, step, DType::F32, mine.dims())) {
+        (false, Some(mut slot)) => {
+            mark(&mut slot, step)?;
+            Ok(slot)
+        }
+        _ => {
+            // Written while unique (the transport dropped the clone it sent earlier), then
+            // shared with the transport: no copy unless it still held the buffer.
+            mark(mine, step)?;
+            Ok(mine.clone())
+        }
+    }
+}
+
+/// Writes `step` at both ends of `t` (the rest is whatever the producer computed).
+fn mark(t: &mut Tensor, step: u64) -> anyhow::Result<()> {
     let v = t.as_mut_slice::<f32>()?;
     let last = v.len() - 1;
     v[0] = step as f32;
     v[last] = step as f32;
-    Ok(t)
+    Ok(())
 }
 
 /// The receiving side: checks and acknowledges every tensor.
 fn run_peer(args: &Args, lead: SocketAddr) -> anyhow::Result<()> {
     let plan = plan(args)?;
     let rt = runtime()?;
-    let plane = rt.block_on(dflow_transport::plane::bind(
-        args.transport,
-        PEER,
-        "127.0.0.1:0".parse()?,
-        config(&plan),
-        None,
-    ))?;
+    let plane = bind(&rt, args.transport, PEER, &plan, args.cert_dir.as_deref())?;
     for (i, &size) in plan.sizes.iter().enumerate() {
         plane
             .register_recv(i as u32, LEAD, data_key(i), DType::F32, &[size / 4])
@@ -185,7 +251,7 @@ fn run_peer(args: &Args, lead: SocketAddr) -> anyhow::Result<()> {
     rt.block_on(plane.clone().connect(LEAD.into(), lead))
         .map_err(anyhow::Error::msg)?;
     println!("ADDR {}", plane.local_addr());
-    let mut ack_value = Tensor::zeros(DType::F32, &[1])?;
+    let mut ack_value = [Tensor::zeros(DType::F32, &[1])?];
     let mut step = 0u64;
     for (i, &n) in plan.iters.iter().enumerate() {
         let key = data_key(i);
@@ -221,7 +287,7 @@ impl Drop for PeerProcess {
     }
 }
 
-fn peer_args(args: &Args, lead: SocketAddr) -> Vec<String> {
+fn peer_args(args: &Args, lead: SocketAddr, certs: Option<&Path>) -> Vec<String> {
     let mut v = vec![
         "bench".to_string(),
         "transfer".into(),
@@ -241,6 +307,9 @@ fn peer_args(args: &Args, lead: SocketAddr) -> Vec<String> {
     if args.copy {
         v.push("--copy".into());
     }
+    if let Some(dir) = certs {
+        v.extend(["--cert-dir".into(), dir.display().to_string()]);
+    }
     v
 }
 
@@ -252,6 +321,8 @@ struct Row {
     median_us: f64,
     p90_us: f64,
     memcpy_gbps: f64,
+    /// Copy-on-write copies the producer made (its buffer was still shared).
+    cow: u64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -279,13 +350,12 @@ fn memcpy_gbps(bytes: usize, iters: u32) -> f64 {
 fn run_lead(args: &Args) -> anyhow::Result<Vec<Row>> {
     let plan = plan(args)?;
     let rt = runtime()?;
-    let plane = rt.block_on(dflow_transport::plane::bind(
-        args.transport,
-        LEAD,
-        "127.0.0.1:0".parse()?,
-        config(&plan),
-        None,
-    ))?;
+    let certs = match args.transport {
+        TransportKind::Quic => Some(Certs::make().context("making throwaway certificates")?),
+        _ => None,
+    };
+    let cert_dir = certs.as_ref().map(|c| c.0.as_path());
+    let plane = bind(&rt, args.transport, LEAD, &plan, cert_dir)?;
     for i in 0..plan.sizes.len() {
         plane.register_send(data_key(i), PEER, i as u32);
     }
@@ -297,7 +367,7 @@ fn run_lead(args: &Args) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut peer = PeerProcess(
         Command::new(exe)
-            .args(peer_args(args, plane.local_addr()))
+            .args(peer_args(args, plane.local_addr(), cert_dir))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -320,7 +390,12 @@ fn run_lead(args: &Args) -> anyhow::Result<Vec<Row>> {
     let mut step = 0u64;
     for (i, (&size, &n)) in plan.sizes.iter().zip(&plan.iters).enumerate() {
         let key = data_key(i);
-        let mut own = Tensor::zeros(DType::F32, &[size / 4])?;
+        // Real values in every page (an untouched zeroed buffer would be read from the
+        // kernel's one shared zero page, which is always in cache).
+        let mut own = (0..OWN_BUFFERS)
+            .map(|b| Tensor::from_slice(&[size / 4], &vec![b as f32 + 0.5; size / 4]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let copies_before = dflow_graph::tensor::buffer_copies();
         let mut times = Vec::with_capacity(n as usize);
         let mut t_start = Instant::now();
         for it in 0..plan.warmup + n {
@@ -339,6 +414,7 @@ fn run_lead(args: &Args) -> anyhow::Result<Vec<Row>> {
             }
         }
         let total = t_start.elapsed().as_secs_f64();
+        let cow = dflow_graph::tensor::buffer_copies() - copies_before;
         times.sort_by(f64::total_cmp);
         rows.push(Row {
             bytes: size,
@@ -347,6 +423,7 @@ fn run_lead(args: &Args) -> anyhow::Result<Vec<Row>> {
             median_us: percentile(&times, 0.5) * 1e6,
             p90_us: percentile(&times, 0.9) * 1e6,
             memcpy_gbps: memcpy_gbps(size, n),
+            cow,
         });
     }
     drop(peer.0.stdin.take()); // the peer may leave now
@@ -369,18 +446,19 @@ fn print_table(args: &Args, rows: &[Row]) {
         args.transport
     );
     println!(
-        "{:>10} {:>7} {:>10} {:>12} {:>12} {:>14}",
-        "size", "iters", "GB/s", "rtt_med_us", "rtt_p90_us", "memcpy_GB/s"
+        "{:>10} {:>7} {:>10} {:>12} {:>12} {:>14} {:>6}",
+        "size", "iters", "GB/s", "rtt_med_us", "rtt_p90_us", "memcpy_GB/s", "cow"
     );
     for r in rows {
         println!(
-            "{:>10} {:>7} {:>10.3} {:>12.1} {:>12.1} {:>14.3}",
+            "{:>10} {:>7} {:>10.3} {:>12.1} {:>12.1} {:>14.3} {:>6}",
             human(r.bytes).replace(' ', ""),
             r.iters,
             r.gbps,
             r.median_us,
             r.p90_us,
-            r.memcpy_gbps
+            r.memcpy_gbps,
+            r.cow
         );
     }
 }
