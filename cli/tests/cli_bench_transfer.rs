@@ -78,6 +78,7 @@ fn quic_with_throwaway_certificates_prints_a_row_per_size() {
 fn bad_sizes_and_transports_are_clear_errors() {
     for (args, expect) in [
         (&["--size", "6B"][..], "multiple of 4"),
+        (&["--size", "0B"][..], "multiple of 4"),
         (&["--size", "4XB"][..], "bad size unit"),
         (&["--transport", "carrier-pigeon"][..], "unknown transport"),
         (&["--timeout", "0"][..], "--timeout"),
