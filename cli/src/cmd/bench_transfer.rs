@@ -199,14 +199,14 @@ fn recv(
     while Instant::now() < poll_until {
         match rx.try_recv() {
             Ok(r) => {
-                return Ok(r.with_context(|| format!("receiving {key} (step {step}) from {from}"))?)
+                return r.with_context(|| format!("receiving {key} (step {step}) from {from}"))
             }
             Err(mpsc::TryRecvError::Empty) => std::thread::yield_now(),
             Err(mpsc::TryRecvError::Disconnected) => break,
         }
     }
     match rx.recv_timeout(timeout) {
-        Ok(r) => Ok(r.with_context(|| format!("receiving {key} (step {step}) from {from}"))?),
+        Ok(r) => r.with_context(|| format!("receiving {key} (step {step}) from {from}")),
         Err(_) => bail!(
             "waited {:.0} s for {key} (step {step}) from {from}",
             timeout.as_secs_f64()
