@@ -69,7 +69,8 @@ pub struct KernelContext<'a> {
     pub node: &'a str,
     /// Data input values, in slot order. For a reference input the value is the variable's
     /// current value (or empty before initialization); use [`KernelContext::variable`] to write.
-    pub inputs: &'a [Tensor],
+    /// Borrowed: the executor lends its value slots, no tensor is cloned to run a kernel.
+    pub inputs: &'a [&'a Tensor],
     /// The variable this node owns (`Variable`), or the variables behind its reference inputs,
     /// in input order.
     pub variables: &'a [std::sync::Arc<VariableCell>],
@@ -94,17 +95,20 @@ pub trait OutputMemory: Send + Sync + fmt::Debug {
     fn allocate(&self, output: usize, dtype: DType, dims: &[usize]) -> Option<Tensor>;
 }
 
-impl KernelContext<'_> {
+impl<'a> KernelContext<'a> {
     /// Input `i`.
-    pub fn input(&self, i: usize) -> Result<&Tensor, String> {
+    #[inline]
+    pub fn input(&self, i: usize) -> Result<&'a Tensor, String> {
         self.inputs
             .get(i)
+            .copied()
             .ok_or_else(|| format!("missing input {i}"))
     }
 
     /// A `dtype` tensor of shape `dims` meant to become output `i`: in the memory the runtime
     /// provides for that output when it has some (its contents are then unspecified), else
     /// zero-filled. The kernel must write every element before setting it as the output.
+    #[inline]
     pub fn allocate_output(
         &self,
         i: usize,
@@ -120,6 +124,7 @@ impl KernelContext<'_> {
     }
 
     /// Sets output `i`.
+    #[inline]
     pub fn set_output(&mut self, i: usize, t: Tensor) -> Result<(), String> {
         let slot = self
             .outputs
@@ -261,6 +266,7 @@ impl fmt::Debug for FnKernel {
 }
 
 impl Kernel for FnKernel {
+    #[inline]
     fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
         (self.0)(ctx)
     }

@@ -12,6 +12,7 @@ use crate::kernel::{FnKernel, Kernel, KernelContext, KernelInit};
 use crate::{DType, Element, Shape, Tensor};
 
 /// A typed view of `t`, with the tensor error as a message.
+#[inline]
 pub fn slice<T: Element>(t: &Tensor) -> Result<&[T], String> {
     t.as_slice::<T>().map_err(|e| e.to_string())
 }
@@ -23,6 +24,7 @@ pub fn slice<T: Element>(t: &Tensor) -> Result<&[T], String> {
 pub type Alloc<'a> = &'a dyn Fn(DType, &[usize]) -> Result<Tensor, String>;
 
 /// A fresh zero-filled tensor (the default [`Alloc`]).
+#[inline]
 pub fn fresh(dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
     Tensor::zeros(dtype, dims).map_err(|e| e.to_string())
 }
@@ -38,6 +40,7 @@ pub fn new_tensor<T: Element>(
 
 /// Like [`new_tensor`], in memory from `alloc`: `fill` must write every element (they may hold
 /// old values).
+#[inline]
 pub fn new_tensor_in<T: Element>(
     alloc: Alloc<'_>,
     dims: &[usize],

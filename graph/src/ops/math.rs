@@ -574,12 +574,12 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     /// The sum of two or more inputs, written into memory from `alloc`.
     fn sum<T: Element>(
         alloc: Alloc<'_>,
-        inputs: &[Tensor],
+        inputs: &[&Tensor],
         add: impl Fn(T, T) -> T,
     ) -> Result<Tensor, String> {
         let mut out = alloc(T::DTYPE, inputs[0].dims())?;
         let acc = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
-        acc.copy_from_slice(slice::<T>(&inputs[0])?);
+        acc.copy_from_slice(slice::<T>(inputs[0])?);
         for t in &inputs[1..] {
             for (o, &v) in acc.iter_mut().zip(slice::<T>(t)?) {
                 *o = add(*o, v);
@@ -596,7 +596,11 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         DType::I32 => sum::<i32>(&out0, inputs, i32::wrapping_add),
         DType::I64 => sum::<i64>(&out0, inputs, i64::wrapping_add),
         d @ (DType::BF16 | DType::F16) => {
-            let wide = inputs.iter().map(to_f32).collect::<Result<Vec<_>, _>>()?;
+            let wide = inputs
+                .iter()
+                .map(|t| to_f32(t))
+                .collect::<Result<Vec<_>, _>>()?;
+            let wide: Vec<&Tensor> = wide.iter().collect();
             from_f32(&sum::<f32>(&fresh, &wide, |a, b| a + b)?, d)
         }
         d => Err(unsupported("AddN", d)),
