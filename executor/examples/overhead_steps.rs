@@ -54,7 +54,11 @@ fn run(name: &str, graph: Graph, fetches: &[&str], targets: &[&str], steps: usiz
     }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
-    println!("{name}: median {:.3} ms/step, {:.4} µs/node", med * 1e3, med * 1e6 / n as f64);
+    println!(
+        "{name}: median {:.3} ms/step, {:.4} µs/node",
+        med * 1e3,
+        med * 1e6 / n as f64
+    );
 }
 
 fn main() {

@@ -111,7 +111,11 @@ pub(crate) fn start_step(
 struct Runner<'s> {
     state: &'s Arc<StepState>,
     /// Ready nodes to run here, the next on top.
-    stack: SmallVec<[u32; 32]>,
+    stack: Vec<u32>,
+    /// The inputs of the kernel being run (reused: no allocation per node).
+    inputs: Vec<&'s Tensor>,
+    /// The outputs of the kernel being run (reused).
+    outputs: Vec<Option<Tensor>>,
     /// Expensive nodes made ready by the node just finished, to dispatch.
     expensive: SmallVec<[u32; 4]>,
     /// Decrements of one successor's pending count not applied yet: (successor, count).
@@ -122,9 +126,13 @@ struct Runner<'s> {
 
 impl<'s> Runner<'s> {
     fn new(state: &'s Arc<StepState>, ready: &[u32]) -> Self {
+        let mut stack = Vec::with_capacity(SPLIT_AT);
+        stack.extend_from_slice(ready);
         Runner {
             state,
-            stack: SmallVec::from_slice(ready),
+            stack,
+            inputs: Vec::with_capacity(4),
+            outputs: Vec::with_capacity(2),
             expensive: SmallVec::new(),
             deferred: None,
             completed: 0,
@@ -142,19 +150,25 @@ impl<'s> Runner<'s> {
                     self.apply_deferred();
                     self.share_all();
                 }
-                if self.state.start_node(n) {
+                if self
+                    .state
+                    .start_node(n, &mut self.inputs, &mut self.outputs)
+                {
                     self.finish(n);
                 }
             }
             if !self.apply_deferred() {
                 break;
             }
-            self.dispatch_expensive();
+            if !self.expensive.is_empty() {
+                self.dispatch_expensive();
+            }
         }
         self.state.retire(self.completed);
     }
 
     /// Node `n` has finished: notifies its successors.
+    #[inline]
     fn finish(&mut self, n: u32) {
         self.completed += 1;
         let plan = &*self.state.plan;
@@ -176,7 +190,9 @@ impl<'s> Runner<'s> {
                 }
             }
         }
-        self.dispatch_expensive();
+        if !self.expensive.is_empty() {
+            self.dispatch_expensive();
+        }
     }
 
     /// Applies the held decrements; true when that made the successor ready.
@@ -194,6 +210,7 @@ impl<'s> Runner<'s> {
     }
 
     /// `s` is ready to run.
+    #[inline]
     fn ready(&mut self, s: u32) {
         if !self.state.plan.cheap[s as usize] {
             self.expensive.push(s);
@@ -209,9 +226,6 @@ impl<'s> Runner<'s> {
 
     /// Keeps one newly ready expensive node to run here if nothing else is, spawns the others.
     fn dispatch_expensive(&mut self) {
-        if self.expensive.is_empty() {
-            return;
-        }
         if self.stack.is_empty() {
             if let Some(e) = self.expensive.pop() {
                 self.stack.push(e);
@@ -245,8 +259,7 @@ impl StepState {
     /// Subtracts `completed` finished nodes from the step's count; the runner that brings it to
     /// zero reports the step's result.
     fn retire(&self, completed: usize) {
-        if completed == 0 || self.outstanding.fetch_sub(completed, Ordering::AcqRel) != completed
-        {
+        if completed == 0 || self.outstanding.fetch_sub(completed, Ordering::AcqRel) != completed {
             return;
         }
         let result = match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -258,8 +271,15 @@ impl StepState {
         }
     }
 
-    /// Executes node `n`. Returns false when completion is asynchronous (Recv).
-    fn start_node(self: &Arc<Self>, n: u32) -> bool {
+    /// Executes node `n`, with `inputs` and `outputs` as scratch space for a kernel's values.
+    /// Returns false when completion is asynchronous (Recv).
+    #[inline]
+    fn start_node<'s>(
+        self: &'s Arc<Self>,
+        n: u32,
+        inputs: &mut Vec<&'s Tensor>,
+        outputs: &mut Vec<Option<Tensor>>,
+    ) -> bool {
         let node = &self.plan.nodes[n as usize];
         let failed = self.failed.load(Ordering::Acquire);
         match &node.action {
@@ -321,16 +341,17 @@ impl StepState {
                 true
             }
             NodeAction::Kernel(kernel) => {
-                let slots = self.plan.input_slots(n);
-                let mut inputs: SmallVec<[&Tensor; 4]> = SmallVec::with_capacity(slots.len());
-                for &slot in slots {
+                inputs.clear();
+                for &slot in self.plan.input_slots(n) {
                     match self.values[slot as usize].get() {
                         Some(v) => inputs.push(v),
                         None => return true, // upstream skipped after a failure
                     }
                 }
-                let mut outputs: SmallVec<[Option<Tensor>; 2]> =
-                    SmallVec::from_elem(None, node.num_outputs as usize);
+                // Every entry is `None` here (taken below); only the length changes.
+                if outputs.len() != node.num_outputs as usize {
+                    outputs.resize_with(node.num_outputs as usize, || None);
+                }
                 let t0 = self.tracer.as_ref().map(|t| t.now_us());
                 let send_memory = SendMemory {
                     rendezvous: &*self.rendezvous,
@@ -339,10 +360,10 @@ impl StepState {
                 };
                 let mut ctx = KernelContext {
                     node: &node.name,
-                    inputs: &inputs,
+                    inputs,
                     variables: &node.variables,
                     step: self.step,
-                    outputs: &mut outputs,
+                    outputs,
                     collectives: self.collectives.as_deref(),
                     output_memory: if node.output_sends.is_empty() {
                         None
@@ -360,32 +381,34 @@ impl StepState {
                         None,
                     ));
                 }
+                let kernel_error = |message| ExecError::Kernel {
+                    node: node.name.clone(),
+                    op: node.op.to_string(),
+                    device: self.plan.device_label.clone(),
+                    message,
+                };
                 match result {
                     Ok(()) => {
                         let base = node.output_base as usize;
-                        for (i, o) in outputs.into_iter().enumerate() {
-                            match o {
+                        let mut missing = None;
+                        for (i, o) in outputs.iter_mut().enumerate() {
+                            match o.take() {
                                 Some(t) => {
                                     let _ = self.values[base + i].set(t);
                                 }
                                 None => {
-                                    self.fail(ExecError::Kernel {
-                                        node: node.name.clone(),
-                                        op: node.op.to_string(),
-                                        device: self.plan.device_label.clone(),
-                                        message: format!("kernel did not produce output {i}"),
-                                    });
-                                    break;
+                                    missing = missing.or(Some(i));
                                 }
                             }
                         }
+                        if let Some(i) = missing {
+                            self.fail(kernel_error(format!("kernel did not produce output {i}")));
+                        }
                     }
-                    Err(message) => self.fail(ExecError::Kernel {
-                        node: node.name.clone(),
-                        op: node.op.to_string(),
-                        device: self.plan.device_label.clone(),
-                        message,
-                    }),
+                    Err(message) => {
+                        outputs.iter_mut().for_each(|o| *o = None);
+                        self.fail(kernel_error(message));
+                    }
                 }
                 true
             }

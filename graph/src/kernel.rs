@@ -95,7 +95,68 @@ pub trait OutputMemory: Send + Sync + fmt::Debug {
     fn allocate(&self, output: usize, dtype: DType, dims: &[usize]) -> Option<Tensor>;
 }
 
+/// Where a kernel allocates one output: in memory the runtime provides for it (see
+/// [`OutputMemory`]), or fresh. Made by [`KernelContext::output_alloc`]; [`OutputAlloc::FRESH`]
+/// always allocates fresh memory.
+#[derive(Clone, Copy, Debug)]
+pub struct OutputAlloc<'a> {
+    memory: Option<&'a dyn OutputMemory>,
+    output: usize,
+}
+
+impl OutputAlloc<'_> {
+    /// Always allocates fresh, zero-filled memory.
+    pub const FRESH: OutputAlloc<'static> = OutputAlloc {
+        memory: None,
+        output: 0,
+    };
+
+    /// The memory the runtime provides for this output, when it has some of this dtype and
+    /// shape (its contents are unspecified).
+    #[inline]
+    pub fn provided(&self, dtype: DType, dims: &[usize]) -> Option<Tensor> {
+        let t = self.memory?.allocate(self.output, dtype, dims)?;
+        (t.dtype() == dtype && t.dims() == dims).then_some(t)
+    }
+
+    /// A `dtype` tensor of shape `dims`: the provided memory (contents unspecified) or fresh
+    /// zero-filled memory. The kernel must write every element.
+    #[inline]
+    pub fn tensor(&self, dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
+        match self.provided(dtype, dims) {
+            Some(t) => Ok(t),
+            None => Tensor::zeros(dtype, dims).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// A tensor of `T`s of shape `dims` whose elements `fill` writes (every one of them: they
+    /// may hold old values), in the provided memory or fresh.
+    #[inline]
+    pub fn filled<T: crate::Element>(
+        &self,
+        dims: &[usize],
+        fill: impl FnOnce(&mut [T]),
+    ) -> Result<Tensor, String> {
+        match self.provided(T::DTYPE, dims) {
+            Some(mut t) => {
+                fill(t.as_mut_slice::<T>().map_err(|e| e.to_string())?);
+                Ok(t)
+            }
+            None => Tensor::filled(dims, fill).map_err(|e| e.to_string()),
+        }
+    }
+}
+
 impl<'a> KernelContext<'a> {
+    /// Where output `i` is allocated (see [`KernelContext::allocate_output`]).
+    #[inline]
+    pub fn output_alloc(&self, i: usize) -> OutputAlloc<'a> {
+        OutputAlloc {
+            memory: self.output_memory,
+            output: i,
+        }
+    }
+
     /// Input `i`.
     #[inline]
     pub fn input(&self, i: usize) -> Result<&'a Tensor, String> {
@@ -115,12 +176,7 @@ impl<'a> KernelContext<'a> {
         dtype: DType,
         dims: &[usize],
     ) -> Result<Tensor, String> {
-        if let Some(t) = self.output_memory.and_then(|m| m.allocate(i, dtype, dims)) {
-            if t.dtype() == dtype && t.dims() == dims {
-                return Ok(t);
-            }
-        }
-        Tensor::zeros(dtype, dims).map_err(|e| e.to_string())
+        self.output_alloc(i).tensor(dtype, dims)
     }
 
     /// Sets output `i`.

@@ -292,6 +292,21 @@ pub struct Tensor {
 
 type Dims = smallvec::SmallVec<[usize; 4]>;
 
+/// `shape` as [`Dims`]: a copy into the inline array for rank ≤ 4 (the common case, cheaper
+/// than the generic `SmallVec::from_slice`).
+#[inline]
+fn dims_of(shape: &[usize]) -> Dims {
+    match shape.len() {
+        0 => Dims::new(),
+        n if n <= 4 => {
+            let mut a = [0usize; 4];
+            a[..n].copy_from_slice(shape);
+            Dims::from_buf_and_len(a, n)
+        }
+        _ => Dims::from_slice(shape),
+    }
+}
+
 #[inline]
 fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
     shape
@@ -311,8 +326,26 @@ impl Tensor {
         let len = byte_len(dtype, shape)?;
         Ok(Tensor {
             dtype,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf: Arc::new(Buffer::zeroed(len)),
+        })
+    }
+
+    /// A tensor of dtype `T`'s and shape `shape` whose elements `fill` writes (it receives them
+    /// zeroed). One allocation and no copy-on-write check: the cheapest way to make a new
+    /// tensor (kernel outputs use it).
+    #[inline]
+    pub fn filled<T: Element>(
+        shape: &[usize],
+        fill: impl FnOnce(&mut [T]),
+    ) -> Result<Tensor, TensorError> {
+        let len = byte_len(T::DTYPE, shape)?;
+        let mut buf = Buffer::zeroed(len);
+        fill(bytemuck::cast_slice_mut(buf.as_bytes_mut()));
+        Ok(Tensor {
+            dtype: T::DTYPE,
+            shape: dims_of(shape),
+            buf: Arc::new(buf),
         })
     }
 
@@ -329,7 +362,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype: T::DTYPE,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf: Arc::new(Buffer::from_bytes(bytemuck::cast_slice(values))),
         })
     }
@@ -355,7 +388,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf: Arc::new(Buffer::from_bytes(bytes)),
         })
     }
@@ -376,7 +409,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf,
         })
     }

@@ -30,7 +30,7 @@
 //! assert_eq!(z.as_slice::<f32>().unwrap(), &[11.0, 12.0, 13.0, 21.0, 22.0, 23.0]);
 //! ```
 
-use super::elementwise::{fresh, new_tensor_in, slice, Alloc};
+use super::elementwise::{new_tensor_in, slice, Alloc, FRESH};
 use crate::{Element, Shape, Tensor};
 
 /// The dimensions of the broadcast of runtime shapes `a` and `b`, or an error naming both.
@@ -86,7 +86,7 @@ pub fn binary_map<T: Element, O: Element>(
     y: &Tensor,
     f: impl Fn(T, T) -> O,
 ) -> Result<Tensor, String> {
-    binary_map_in(&fresh, x, y, f)
+    binary_map_in(&FRESH, x, y, f)
 }
 
 /// Like [`binary_map`], the output in memory from `alloc` (every element is written).
