@@ -1,8 +1,8 @@
 //! Runs the executor-overhead graphs of `benches/overhead.rs` for a fixed number of steps, for
 //! profilers (`perf record`, `valgrind --tool=callgrind`) that want a plain loop, not criterion.
 //!
-//! `cargo run --release -p dflow-executor --example overhead_steps -- chain|fanout|both [STEPS] [N]`
-//! prints the median µs per node over the steps.
+//! `cargo run --release -p dflow-executor --example overhead_steps -- chain|fanout|both [STEPS]
+//! [N] [THREADS]` prints the median µs per node over the steps (THREADS 0: one per core).
 
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::builder::GraphBuilder;
@@ -39,9 +39,20 @@ fn independent(n: usize) -> Graph {
     b.build().expect("valid fan-out")
 }
 
-fn run(name: &str, graph: Graph, fetches: &[&str], targets: &[&str], steps: usize, n: usize) {
+fn run(
+    name: &str,
+    graph: Graph,
+    (fetches, targets): (&[&str], &[&str]),
+    steps: usize,
+    n: usize,
+    threads: usize,
+) {
     let cluster = ClusterSpec::local(&[("worker", 1)]).expect("cluster");
-    let s = Session::new(graph, cluster, SessionOptions::default()).expect("session");
+    let opts = SessionOptions {
+        num_threads: threads,
+        ..SessionOptions::default()
+    };
+    let s = Session::new(graph, cluster, opts).expect("session");
     s.run(&[], fetches, targets).expect("warm-up");
     let mut times = Vec::with_capacity(steps);
     for _ in 0..steps {
@@ -66,10 +77,18 @@ fn main() {
     let which = args.get(1).map(String::as_str).unwrap_or("both");
     let steps = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(100);
     let n = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let threads = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(0);
     if which == "chain" || which == "both" {
-        run("chain", chain(n), &["out"], &[], steps, n);
+        run("chain", chain(n), (&["out"], &[]), steps, n, threads);
     }
     if which == "fanout" || which == "both" {
-        run("fanout", independent(n), &[], &["done"], steps, n);
+        run(
+            "fanout",
+            independent(n),
+            (&[], &["done"]),
+            steps,
+            n,
+            threads,
+        );
     }
 }

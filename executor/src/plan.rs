@@ -7,6 +7,7 @@
 //! enough to run in a batch with other ready nodes on one thread. A step copies the counts and
 //! runs.
 
+use crate::arena::Arena;
 use crate::error::ExecError;
 use crate::variables::VariableStore;
 use dflow_graph::kernel::{Kernel, KernelInit, VariableCell};
@@ -90,6 +91,8 @@ pub struct ExecutionPlan {
     /// `input_slots[input_start[n]..input_start[n + 1]]`: the value slot of each data input.
     input_start: Vec<u32>,
     input_slots: Vec<u32>,
+    /// The per-step arrays, recycled across steps.
+    pub(crate) arena: Arena,
 }
 
 /// Marks, on each kernel whose output feeds a Send, which key that output is sent under.
@@ -267,6 +270,7 @@ impl ExecutionPlan {
             successors,
             input_start,
             input_slots,
+            arena: Arena::default(),
         })
     }
 

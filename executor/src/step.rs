@@ -20,15 +20,17 @@
 //! pending `Recv` on every device with the cause; the remaining nodes are skipped and the step
 //! completes with the first error.
 
+use crate::arena::StepArrays;
 use crate::error::ExecError;
 use crate::plan::{ExecutionPlan, NodeAction};
+use crate::slots::ValueSlots;
 use crate::trace::{TraceEvent, Tracer};
 use dflow_graph::kernel::{Collectives, KernelContext, OutputMemory};
 use dflow_graph::{DType, Tensor};
 use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 /// Called once when the step finishes on this device.
 pub type StepDone = Box<dyn FnOnce(Result<(), ExecError>) + Send>;
@@ -48,7 +50,7 @@ pub(crate) struct StepState {
     plan: Arc<ExecutionPlan>,
     step: u64,
     pending: Box<[AtomicU32]>,
-    values: Box<[OnceLock<Tensor>]>,
+    values: ValueSlots,
     outstanding: AtomicUsize,
     failed: AtomicBool,
     error: Mutex<Option<ExecError>>,
@@ -77,13 +79,10 @@ pub(crate) fn start_step(
         done(Ok(()));
         return;
     }
+    let arrays = plan.arena.take(&plan.initial_pending, plan.num_slots);
     let state = Arc::new(StepState {
-        pending: plan
-            .initial_pending
-            .iter()
-            .map(|&c| AtomicU32::new(c))
-            .collect(),
-        values: (0..plan.num_slots).map(|_| OnceLock::new()).collect(),
+        pending: arrays.pending,
+        values: arrays.values,
         outstanding: AtomicUsize::new(n),
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
@@ -107,6 +106,16 @@ pub(crate) fn start_step(
     }
 }
 
+impl Drop for StepState {
+    /// Hands the step's arrays back to the plan (emptied) for a later step.
+    fn drop(&mut self) {
+        self.plan.arena.give_back(StepArrays {
+            pending: std::mem::take(&mut self.pending),
+            values: std::mem::replace(&mut self.values, ValueSlots::new(0)),
+        });
+    }
+}
+
 /// Runs ready nodes on one thread: its stack, the successors those make ready, and so on.
 struct Runner<'s> {
     state: &'s Arc<StepState>,
@@ -114,8 +123,6 @@ struct Runner<'s> {
     stack: Vec<u32>,
     /// The inputs of the kernel being run (reused: no allocation per node).
     inputs: Vec<&'s Tensor>,
-    /// The outputs of the kernel being run (reused).
-    outputs: Vec<Option<Tensor>>,
     /// Expensive nodes made ready by the node just finished, to dispatch.
     expensive: SmallVec<[u32; 4]>,
     /// Decrements of one successor's pending count not applied yet: (successor, count).
@@ -132,7 +139,6 @@ impl<'s> Runner<'s> {
             state,
             stack,
             inputs: Vec::with_capacity(4),
-            outputs: Vec::with_capacity(2),
             expensive: SmallVec::new(),
             deferred: None,
             completed: 0,
@@ -150,10 +156,7 @@ impl<'s> Runner<'s> {
                     self.apply_deferred();
                     self.share_all();
                 }
-                if self
-                    .state
-                    .start_node(n, &mut self.inputs, &mut self.outputs)
-                {
+                if self.state.start_node(n, &mut self.inputs) {
                     self.finish(n);
                 }
             }
@@ -271,15 +274,10 @@ impl StepState {
         }
     }
 
-    /// Executes node `n`, with `inputs` and `outputs` as scratch space for a kernel's values.
-    /// Returns false when completion is asynchronous (Recv).
+    /// Executes node `n` (once per step, after its predecessors), with `inputs` as scratch space
+    /// for a kernel's input list. Returns false when completion is asynchronous (Recv).
     #[inline]
-    fn start_node<'s>(
-        self: &'s Arc<Self>,
-        n: u32,
-        inputs: &mut Vec<&'s Tensor>,
-        outputs: &mut Vec<Option<Tensor>>,
-    ) -> bool {
+    fn start_node<'s>(self: &'s Arc<Self>, n: u32, inputs: &mut Vec<&'s Tensor>) -> bool {
         let node = &self.plan.nodes[n as usize];
         let failed = self.failed.load(Ordering::Acquire);
         match &node.action {
@@ -305,7 +303,12 @@ impl StepState {
                                         Some(t.byte_len()),
                                     ));
                                 }
-                                let _ = s.values[node.output_base as usize].set(t);
+                                // SAFETY: this callback runs once (FnOnce) for the Recv, the
+                                // producer of its slot; the completion that lets consumers
+                                // read it is handed to the pool below, after this write.
+                                unsafe {
+                                    s.values.outputs_mut(node.output_base as usize, 1)[0] = Some(t);
+                                }
                             }
                             Err(e) => s.fail(node_transfer_error(&s.plan, n, e)),
                         }
@@ -323,7 +326,8 @@ impl StepState {
             _ if failed => true,
             NodeAction::Send(key) => {
                 let slot = self.plan.input_slots(n).first();
-                if let Some(v) = slot.and_then(|&i| self.values[i as usize].get()) {
+                // SAFETY: a Send runs after its producer finished (slot protocol, rule 2).
+                if let Some(v) = slot.and_then(|&i| unsafe { self.values.get(i as usize) }) {
                     let t0 = self.tracer.as_ref().map(|t| t.now_us());
                     if let Err(e) = self.rendezvous.send(key, self.step, v.clone()) {
                         self.fail(node_transfer_error(&self.plan, n, e));
@@ -343,15 +347,17 @@ impl StepState {
             NodeAction::Kernel(kernel) => {
                 inputs.clear();
                 for &slot in self.plan.input_slots(n) {
-                    match self.values[slot as usize].get() {
+                    // SAFETY: this node runs after every producer of its inputs finished
+                    // (slot protocol, rule 2).
+                    match unsafe { self.values.get(slot as usize) } {
                         Some(v) => inputs.push(v),
                         None => return true, // upstream skipped after a failure
                     }
                 }
-                // Every entry is `None` here (taken below); only the length changes.
-                if outputs.len() != node.num_outputs as usize {
-                    outputs.resize_with(node.num_outputs as usize, || None);
-                }
+                let base = node.output_base as usize;
+                // SAFETY: this node produces these slots and runs once per step; its consumers
+                // read them only after it finished (slot protocol, rule 1).
+                let outputs = unsafe { self.values.outputs_mut(base, node.num_outputs as usize) };
                 let t0 = self.tracer.as_ref().map(|t| t.now_us());
                 let send_memory = SendMemory {
                     rendezvous: &*self.rendezvous,
@@ -389,26 +395,12 @@ impl StepState {
                 };
                 match result {
                     Ok(()) => {
-                        let base = node.output_base as usize;
-                        let mut missing = None;
-                        for (i, o) in outputs.iter_mut().enumerate() {
-                            match o.take() {
-                                Some(t) => {
-                                    let _ = self.values[base + i].set(t);
-                                }
-                                None => {
-                                    missing = missing.or(Some(i));
-                                }
-                            }
-                        }
-                        if let Some(i) = missing {
+                        if let Some(i) = outputs.iter().position(Option::is_none) {
                             self.fail(kernel_error(format!("kernel did not produce output {i}")));
                         }
                     }
-                    Err(message) => {
-                        outputs.iter_mut().for_each(|o| *o = None);
-                        self.fail(kernel_error(message));
-                    }
+                    // Outputs set before the error stay: nothing runs after a failure.
+                    Err(message) => self.fail(kernel_error(message)),
                 }
                 true
             }
@@ -436,12 +428,6 @@ impl StepState {
                 },
             );
         }
-    }
-
-    /// The value in `slot` (for fetching results of local nodes in tests).
-    #[allow(dead_code)]
-    pub(crate) fn value(&self, slot: usize) -> Option<&Tensor> {
-        self.values.get(slot).and_then(|v| v.get())
     }
 }
 
