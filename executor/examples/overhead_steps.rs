@@ -1,12 +1,12 @@
 //! Runs the executor-overhead graphs of `benches/overhead.rs` for a fixed number of steps, for
 //! profilers (`perf record`, `valgrind --tool=callgrind`) that want a plain loop, not criterion.
 //!
-//! `cargo run --release -p dflow-executor --example overhead_steps -- chain|fanout|both [STEPS]
+//! `cargo run --release -p dflow-executor --example overhead_steps -- chain|fanout|chainfed|both|all [STEPS]
 //! [N] [THREADS]` prints the median µs per node over the steps (THREADS 0: one per core).
 
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::builder::GraphBuilder;
-use dflow_graph::{ClusterSpec, Graph, Tensor};
+use dflow_graph::{ClusterSpec, DType, Graph, Tensor};
 use std::time::Instant;
 
 /// The same allocator as the `dflow` binary and the bench.
@@ -16,6 +16,19 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn chain(n: usize) -> Graph {
     let mut b = GraphBuilder::new();
     let one = b.constant("one", Tensor::scalar(1.0f32));
+    let mut prev = b.constant("start", Tensor::scalar(0.0f32));
+    for i in 0..n {
+        prev = b.binary("Add", &format!("add{i}"), &prev, &one);
+    }
+    b.unary("Identity", "out", &prev);
+    b.build().expect("valid chain")
+}
+
+/// The chain with its addend fed at each step (a Recv, not a constant): every add waits for two
+/// predecessors.
+fn chain_fed(n: usize) -> Graph {
+    let mut b = GraphBuilder::new();
+    let one = b.placeholder("one", DType::F32, &[]);
     let mut prev = b.constant("start", Tensor::scalar(0.0f32));
     for i in 0..n {
         prev = b.binary("Add", &format!("add{i}"), &prev, &one);
@@ -42,7 +55,7 @@ fn independent(n: usize) -> Graph {
 fn run(
     name: &str,
     graph: Graph,
-    (fetches, targets): (&[&str], &[&str]),
+    (feeds, fetches, targets): (&[(&str, Tensor)], &[&str], &[&str]),
     steps: usize,
     n: usize,
     threads: usize,
@@ -53,11 +66,11 @@ fn run(
         ..SessionOptions::default()
     };
     let s = Session::new(graph, cluster, opts).expect("session");
-    s.run(&[], fetches, targets).expect("warm-up");
+    s.run(feeds, fetches, targets).expect("warm-up");
     let mut times = Vec::with_capacity(steps);
     for _ in 0..steps {
         let t0 = Instant::now();
-        let out = s.run(&[], fetches, targets).expect("step");
+        let out = s.run(feeds, fetches, targets).expect("step");
         times.push(t0.elapsed().as_secs_f64());
         if let Some(t) = out.first() {
             assert_eq!(t.as_slice::<f32>().expect("f32"), &[n as f32]);
@@ -78,14 +91,25 @@ fn main() {
     let steps = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(100);
     let n = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(10_000);
     let threads = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(0);
-    if which == "chain" || which == "both" {
-        run("chain", chain(n), (&["out"], &[]), steps, n, threads);
+    if which == "chain" || which == "both" || which == "all" {
+        run("chain", chain(n), (&[], &["out"], &[]), steps, n, threads);
     }
-    if which == "fanout" || which == "both" {
+    if which == "fanout" || which == "both" || which == "all" {
         run(
             "fanout",
             independent(n),
-            (&[], &["done"]),
+            (&[], &[], &["done"]),
+            steps,
+            n,
+            threads,
+        );
+    }
+    if which == "chainfed" || which == "all" {
+        let feeds = [("one", Tensor::scalar(1.0f32))];
+        run(
+            "chainfed",
+            chain_fed(n),
+            (&feeds, &["out"], &[]),
             steps,
             n,
             threads,

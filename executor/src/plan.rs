@@ -6,13 +6,17 @@
 //! distinct successors, its initial count of distinct predecessors, and whether it is cheap
 //! enough to run in a batch with other ready nodes on one thread. A step copies the counts and
 //! runs.
+//!
+//! A `Const` without inputs or control inputs is evaluated here, once: its value is bound to
+//! its slot at the start of every step, it is not scheduled, and its consumers do not wait for
+//! it (a constant addend leaves a chain of adds with one predecessor per node).
 
 use crate::arena::Arena;
 use crate::error::ExecError;
 use crate::variables::VariableStore;
-use dflow_graph::kernel::{Kernel, KernelInit, VariableCell};
+use dflow_graph::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
 use dflow_graph::ops::{OpDef, TensorType};
-use dflow_graph::{AttrValue, DeviceName, Graph};
+use dflow_graph::{AttrValue, DeviceName, Graph, Tensor};
 use dflow_transport::RendezvousKey;
 use std::sync::Arc;
 
@@ -80,6 +84,10 @@ pub struct ExecutionPlan {
     pub(crate) nodes: Vec<PlanNode>,
     pub(crate) roots: Vec<u32>,
     pub(crate) num_slots: usize,
+    /// Values bound at compile time (constants): (slot, value), written at each step's start.
+    pub(crate) constants: Vec<(u32, Tensor)>,
+    /// Nodes that run each step (every node but the bound constants).
+    pub(crate) num_scheduled: usize,
     /// Per node, the number of distinct nodes it waits for (data and control edges): the
     /// pending counts every step starts from.
     pub(crate) initial_pending: Vec<u32>,
@@ -156,6 +164,8 @@ impl ExecutionPlan {
         let mut cheap = Vec::with_capacity(order.len());
         // The last node that listed each node as a successor (deduplicates parallel edges).
         let mut notified_by = vec![usize::MAX; order.len()];
+        let mut constants = Vec::new();
+        let mut is_constant = Vec::with_capacity(order.len());
         for &idx in &order {
             let node = graph.node(idx);
             let op = node.op_def();
@@ -210,6 +220,22 @@ impl ExecutionPlan {
                 }
             };
             cheap.push(is_cheap(op, &input_types, &node.outputs));
+            let bound = op.name == "Const"
+                && inputs.is_empty()
+                && graph.control_inputs(idx).is_empty()
+                && node.outputs.len() == 1;
+            is_constant.push(bound);
+            if bound {
+                let value = evaluate_constant(&action, &node.name).map_err(|message| {
+                    ExecError::KernelInit {
+                        node: node.name.clone(),
+                        op: node.op.clone(),
+                        device: device_label.clone(),
+                        message,
+                    }
+                })?;
+                constants.push((output_base[idx.index()], value));
+            }
             let cells = if op.is_variable {
                 vec![variables.cell(&node.name)]
             } else {
@@ -222,7 +248,8 @@ impl ExecutionPlan {
             };
             // One notification per distinct successor, however many edges lead there.
             let mut successors: Vec<u32> = Vec::new();
-            for (dst, _) in graph.out_edges(idx) {
+            // A bound constant notifies nobody: its consumers do not wait for it.
+            for (dst, _) in graph.out_edges(idx).into_iter().filter(|_| !bound) {
                 let seen = &mut notified_by[dst.index()];
                 if *seen != idx.index() {
                     *seen = idx.index();
@@ -254,8 +281,9 @@ impl ExecutionPlan {
             }
         }
         let roots = (0..nodes.len() as u32)
-            .filter(|&i| initial_pending[i as usize] == 0)
+            .filter(|&i| initial_pending[i as usize] == 0 && !is_constant[i as usize])
             .collect();
+        let num_scheduled = nodes.len() - constants.len();
         let (succ_start, successors) = flatten(&node_successors);
         let (input_start, input_slots) = flatten(&node_inputs);
         Ok(ExecutionPlan {
@@ -264,6 +292,8 @@ impl ExecutionPlan {
             nodes,
             roots,
             num_slots: num_slots as usize,
+            constants,
+            num_scheduled,
             initial_pending,
             cheap,
             succ_start,
@@ -320,4 +350,23 @@ fn flatten(lists: &[Vec<u32>]) -> (Vec<u32>, Vec<u32>) {
         start.push(flat.len() as u32);
     }
     (start, flat)
+}
+
+/// Runs a constant's kernel once, for its value.
+fn evaluate_constant(action: &NodeAction, name: &str) -> Result<Tensor, String> {
+    let NodeAction::Kernel(kernel) = action else {
+        return Err("a constant must be a kernel".into());
+    };
+    let mut outputs = [None];
+    kernel.compute(&mut KernelContext {
+        node: name,
+        inputs: &[],
+        variables: &[],
+        step: 0,
+        outputs: &mut outputs,
+        collectives: None,
+        output_memory: None,
+    })?;
+    let [value] = outputs;
+    value.ok_or_else(|| "the constant's kernel produced no value".to_string())
 }

@@ -47,6 +47,12 @@ impl ValueSlots {
         self.cells.len()
     }
 
+    /// Writes slot `k` (before the step starts: `&mut` is exclusive). Panics when `k` is out of
+    /// range.
+    pub(crate) fn set(&mut self, k: usize, value: Tensor) {
+        *self.cells[k].get_mut() = Some(value);
+    }
+
     /// Empties every slot (dropping the values: their memory and transport slots are released).
     pub(crate) fn clear(&mut self) {
         for c in self.cells.iter_mut() {

@@ -74,12 +74,15 @@ pub(crate) fn start_step(
     collectives: Option<Arc<dyn Collectives>>,
     done: StepDone,
 ) {
-    let n = plan.nodes.len();
+    let n = plan.num_scheduled;
     if n == 0 {
         done(Ok(()));
         return;
     }
-    let arrays = plan.arena.take(&plan.initial_pending, plan.num_slots);
+    let mut arrays = plan.arena.take(&plan.initial_pending, plan.num_slots);
+    for (slot, value) in &plan.constants {
+        arrays.values.set(*slot as usize, value.clone());
+    }
     let state = Arc::new(StepState {
         pending: arrays.pending,
         values: arrays.values,
