@@ -81,6 +81,8 @@ impl ValueSlots {
     /// The caller is the node that produces these slots, running: nothing else reads or writes
     /// them until it has finished and notified its successors, and it calls this once per step.
     #[inline]
+    // `&mut` from `&self` is the point of the cells: exclusivity is the caller's obligation.
+    #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn outputs_mut(&self, base: usize, n: usize) -> &mut [Option<Tensor>] {
         let cells = &self.cells[base..base + n];
         // SAFETY: `UnsafeCell<T>` has the layout of `T`, so the cells are `n` contiguous
