@@ -12,8 +12,12 @@
 //!   hands its other ready work to the pool, so a long (or blocking, like a collective) kernel
 //!   never holds other nodes back.
 //! - A node with one predecessor is ready when that one completes: no atomic. Decrements of one
-//!   successor by consecutive nodes (a fan-in) are coalesced into one atomic subtraction.
+//!   successor by consecutive nodes (a fan-in) are coalesced into one atomic subtraction, held
+//!   back for at most [`MAX_COALESCED`] nodes.
 //! - The count of nodes left in the step is decremented once per runner, not once per node.
+//! - Values live in plain cells ([`ValueSlots`]) whose hand-over the pending counts order;
+//!   the per-step arrays are recycled ([`crate::arena`]); constants are bound by the plan, not
+//!   run.
 //!
 //! A `Recv` never blocks a thread: it registers a callback with the rendezvous and the step
 //! continues elsewhere. An error anywhere aborts the step on the rendezvous, which wakes every
@@ -42,8 +46,9 @@ const SPLIT_AT: usize = 2 * CHUNK;
 /// Cheap ready nodes per pool task when a runner shares its work.
 const CHUNK: usize = 128;
 
-/// At most this many decrements of one successor are held back before they are applied.
-const MAX_COALESCED: u32 = 64;
+/// A decrement held back (to be coalesced with the next ones of the same successor) is applied
+/// at the latest once the runner has finished this many more nodes.
+const MAX_COALESCED: usize = 64;
 
 /// Everything one running step of one device needs.
 pub(crate) struct StepState {
@@ -119,6 +124,17 @@ impl Drop for StepState {
     }
 }
 
+/// Decrements of one successor's pending count held back by a runner.
+#[derive(Clone, Copy)]
+struct Deferred {
+    /// The successor.
+    node: u32,
+    /// How many of its predecessors finished here.
+    count: u32,
+    /// The runner's count of finished nodes when the first of them finished.
+    since: usize,
+}
+
 /// Runs ready nodes on one thread: its stack, the successors those make ready, and so on.
 struct Runner<'s> {
     state: &'s Arc<StepState>,
@@ -128,8 +144,8 @@ struct Runner<'s> {
     inputs: Vec<&'s Tensor>,
     /// Expensive nodes made ready by the node just finished, to dispatch.
     expensive: SmallVec<[u32; 4]>,
-    /// Decrements of one successor's pending count not applied yet: (successor, count).
-    deferred: Option<(u32, u32)>,
+    /// Decrements of one successor's pending count not applied yet.
+    deferred: Option<Deferred>,
     /// Nodes finished here, not yet subtracted from the step's outstanding count.
     completed: usize,
 }
@@ -184,17 +200,21 @@ impl<'s> Runner<'s> {
                 continue;
             }
             match &mut self.deferred {
-                Some((t, c)) if *t == s => {
-                    *c += 1;
-                    if *c >= MAX_COALESCED {
-                        self.apply_deferred();
-                    }
-                }
+                Some(d) if d.node == s => d.count += 1,
                 _ => {
                     self.apply_deferred();
-                    self.deferred = Some((s, 1));
+                    self.deferred = Some(Deferred {
+                        node: s,
+                        count: 1,
+                        since: self.completed,
+                    });
                 }
             }
+        }
+        // Bound how long a successor waits for the held decrements (e.g. behind a long chain of
+        // single-predecessor nodes that never touch them).
+        if matches!(self.deferred, Some(d) if self.completed - d.since >= MAX_COALESCED) {
+            self.apply_deferred();
         }
         if !self.expensive.is_empty() {
             self.dispatch_expensive();
@@ -203,7 +223,10 @@ impl<'s> Runner<'s> {
 
     /// Applies the held decrements; true when that made the successor ready.
     fn apply_deferred(&mut self) -> bool {
-        let Some((s, c)) = self.deferred.take() else {
+        let Some(Deferred {
+            node: s, count: c, ..
+        }) = self.deferred.take()
+        else {
             return false;
         };
         // AcqRel: publishes this thread's outputs to, and acquires the other predecessors'
