@@ -23,6 +23,7 @@
 
 use crate::def::{check_node_name, FORMAT_VERSION};
 use crate::error::{GraphError, GraphErrors};
+use crate::name_index::NameIndex;
 use crate::ops::{registry, InferCtx, OpDef, TensorType};
 use crate::{AttrValue, GraphDef, InputRef, NodeDef};
 use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
@@ -103,7 +104,7 @@ pub enum Edge {
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     g: DiGraph<Node, Edge>,
-    by_name: HashMap<String, NodeIndex>,
+    by_name: NameIndex,
 }
 
 /// Limit on reported errors per graph, so a hostile file cannot make the report unbounded.
@@ -121,23 +122,28 @@ impl Graph {
         }
 
         // 1. Names.
-        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(def.nodes.len());
+        let mut by_name = NameIndex::with_capacity(def.nodes.len());
         let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(def.nodes.len(), def.nodes.len());
-        let mut first_index: HashMap<&str, usize> = HashMap::with_capacity(def.nodes.len());
+        // The node of each entry of `def` (none for a duplicate), and the entry of each node.
+        let mut node_of_def: Vec<Option<NodeIndex>> = Vec::with_capacity(def.nodes.len());
+        let mut def_of_node: Vec<usize> = Vec::with_capacity(def.nodes.len());
         for (i, n) in def.nodes.iter().enumerate() {
             if let Err(message) = check_node_name(&n.name) {
                 errs.push(GraphError::InvalidName { index: i, message });
             }
-            if let Some(&first) = first_index.get(n.name.as_str()) {
+            let next = g.node_count() as u32;
+            if let Err(first) = by_name.insert(&n.name, next, |k| name_at(&g, k)) {
                 errs.push(GraphError::DuplicateName {
                     name: n.name.clone(),
-                    first,
+                    first: def_of_node[first as usize],
                     second: i,
                 });
+                node_of_def.push(None);
                 continue;
             }
-            first_index.insert(&n.name, i);
-            let idx = g.add_node(Node {
+            node_of_def.push(Some(NodeIndex::new(next as usize)));
+            def_of_node.push(i);
+            g.add_node(Node {
                 name: n.name.clone(),
                 op: n.op.clone(),
                 device: n.device.clone(),
@@ -145,7 +151,6 @@ impl Graph {
                 attrs: n.attrs.clone(),
                 outputs: vec![],
             });
-            by_name.insert(n.name.clone(), idx);
         }
 
         // 2. Ops and attributes.
@@ -173,13 +178,15 @@ impl Graph {
 
         // 3. Inputs and edges.
         let mut pending_edges = Vec::new();
+        let find = |name: &str| {
+            by_name
+                .get(name, |k| name_at(&g, k))
+                .map(|k| NodeIndex::new(k as usize))
+        };
         for (i, n) in def.nodes.iter().enumerate() {
-            let Some(&dst) = by_name.get(&n.name) else {
-                continue;
-            };
-            if first_index.get(n.name.as_str()) != Some(&i) {
+            let Some(dst) = node_of_def[i] else {
                 continue; // a duplicate; already reported
-            }
+            };
             let mut seen_control = false;
             let mut data_inputs = 0;
             for input in &n.inputs {
@@ -193,7 +200,7 @@ impl Graph {
                         continue;
                     }
                 };
-                let Some(&src) = by_name.get(src_name) else {
+                let Some(src) = find(src_name) else {
                     if index.is_some() {
                         data_inputs += 1; // still counts towards arity
                     }
@@ -202,7 +209,7 @@ impl Graph {
                         node: n.name.clone(),
                         input: input.clone(),
                         missing: src_name.to_string(),
-                        suggestion: nearest_name(src_name, &by_name),
+                        suggestion: nearest_name(src_name, &g),
                     });
                     continue;
                 };
@@ -231,7 +238,7 @@ impl Graph {
                 }
             }
             for target in &n.colocate_with {
-                if !by_name.contains_key(target) {
+                if find(target).is_none() {
                     errs.push(GraphError::UnknownColocation {
                         node: n.name.clone(),
                         target: target.clone(),
@@ -382,46 +389,44 @@ impl Graph {
     /// run: registered ops, unique names, edge endpoints and producer output slots in range, and
     /// no cycle.
     pub fn from_parts(
-        nodes: Vec<Node>,
-        edges: Vec<(u32, u32, Edge)>,
+        nodes: impl IntoIterator<Item = Node>,
+        edges: impl IntoIterator<Item = (u32, u32, Edge)>,
     ) -> Result<Graph, GraphErrors> {
+        let (nodes, edges) = (nodes.into_iter(), edges.into_iter());
         let mut errs = Vec::new();
-        let n = nodes.len();
-        let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(n, edges.len());
-        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(n);
+        let mut g: DiGraph<Node, Edge> =
+            DiGraph::with_capacity(nodes.size_hint().0, edges.size_hint().0);
+        let mut by_name = NameIndex::with_capacity(nodes.size_hint().0);
         // Runs of one op are common; look the op up only when it changes.
-        let mut last_op: Option<&str> = None;
-        for (i, node) in nodes.iter().enumerate() {
+        let mut last_op: Option<&'static str> = None;
+        for node in nodes {
+            let i = g.node_count();
             if last_op != Some(node.op.as_str()) {
-                if registry().get(&node.op).is_none() {
-                    errs.push(GraphError::UnknownOp {
+                match registry().get(&node.op) {
+                    None => errs.push(GraphError::UnknownOp {
                         node: node.name.clone(),
                         op: node.op.clone(),
                         suggestion: registry().suggest(&node.op),
-                    });
-                } else {
-                    last_op = Some(&node.op);
+                    }),
+                    Some(op) => last_op = Some(op.name),
                 }
             }
-            if let Some(&first) = by_name.get(node.name.as_str()) {
+            if let Err(first) = by_name.insert(&node.name, i as u32, |k| name_at(&g, k)) {
                 errs.push(GraphError::DuplicateName {
                     name: node.name.clone(),
-                    first: first.index(),
+                    first: first as usize,
                     second: i,
                 });
-            } else {
-                by_name.insert(node.name.clone(), NodeIndex::new(i));
             }
+            g.add_node(node);
         }
         if !errs.is_empty() {
             truncate(&mut errs);
             return Err(GraphErrors(errs));
         }
-        for node in nodes {
-            g.add_node(node);
-        }
+        let n = g.node_count();
         let mut indegree = vec![0u32; n];
-        for &(src, dst, e) in &edges {
+        for (src, dst, e) in edges {
             let (s, d) = (src as usize, dst as usize);
             if s >= n || d >= n {
                 errs.push(GraphError::InvalidInput {
@@ -552,7 +557,9 @@ impl Graph {
 
     /// Looks a node up by name.
     pub fn find(&self, name: &str) -> Option<NodeIndex> {
-        self.by_name.get(name).copied()
+        self.by_name
+            .get(name, |k| name_at(&self.g, k))
+            .map(|k| NodeIndex::new(k as usize))
     }
 
     /// The data inputs of `idx` in input-slot order: (producer, producer output).
@@ -696,14 +703,19 @@ fn check_device(n: &Node, errs: &mut Vec<GraphError>) -> bool {
     }
 }
 
-fn nearest_name(name: &str, by_name: &HashMap<String, NodeIndex>) -> Option<String> {
+/// The name of node `k`, or `""` past the end.
+fn name_at(g: &DiGraph<Node, Edge>, k: u32) -> &str {
+    g.node_weight(NodeIndex::new(k as usize))
+        .map_or("", |n| n.name.as_str())
+}
+
+fn nearest_name(name: &str, g: &DiGraph<Node, Edge>) -> Option<String> {
     // Bounded: suggestions only for graphs small enough that a linear scan is cheap.
-    if by_name.len() > 10_000 {
+    if g.node_count() > 10_000 {
         return None;
     }
-    by_name
-        .keys()
-        .map(|k| (strsim::jaro_winkler(name, k), k))
+    g.node_weights()
+        .map(|n| (strsim::jaro_winkler(name, &n.name), &n.name))
         .filter(|(s, _)| *s > 0.85)
         .max_by(|a, b| a.0.total_cmp(&b.0).then_with(|| b.1.cmp(a.1)))
         .map(|(_, k)| k.clone())

@@ -14,6 +14,7 @@ pub mod error;
 pub mod format;
 pub mod graph;
 pub mod kernel;
+mod name_index;
 pub mod ops;
 pub mod shape;
 pub mod tensor;

@@ -32,6 +32,9 @@ use petgraph::Direction;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+/// A hash map with a fast hasher, for keys the partitioner makes itself (never user text).
+type FastMap<K, V> = hashbrown::HashMap<K, V, hashbrown::DefaultHashBuilder>;
+
 /// What to compute: feeds, fetches and targets. All empty means the whole graph.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PartitionOptions {
@@ -147,7 +150,7 @@ fn parse_tensor(g: &Graph, what: &'static str, s: &str) -> Result<TensorRef, Par
 /// Generated node names: readable, deterministic, valid, and never equal to a graph node.
 struct Namer<'a> {
     graph: &'a Graph,
-    short: Vec<String>,
+    /// Suffixed names handed out after a clash (almost always empty).
     used: HashSet<String>,
 }
 
@@ -174,7 +177,8 @@ impl Namer<'_> {
         if name.len() > 200 {
             name = format!("{prefix}/pair_{pair}/{dir}/{device}");
         }
-        if self.graph.find(&name).is_none() && !self.used.contains(&name) {
+        if self.graph.find(&name).is_none() && (self.used.is_empty() || !self.used.contains(&name))
+        {
             return name;
         }
         // Rare: a user node already has this name. Suffix until free, and remember the result.
@@ -206,9 +210,21 @@ fn short_device(d: &DeviceName) -> String {
     s
 }
 
-/// A pair under construction.
+/// What a pair connects: two devices, or the client and a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PairKind {
+    /// A tensor or control edge crossing between two devices.
+    Remote,
+    /// A feed: the client sends, a Recv receives.
+    Feed,
+    /// A fetch: a Send sends, the client receives.
+    Fetch,
+}
+
+/// A pair under construction. Its type comes from its source (`source_type`).
 struct PairBuild {
     src: Source,
+    kind: PairKind,
     send_dev: u32,
     recv_dev: u32,
     send_node: String,
@@ -216,8 +232,6 @@ struct PairBuild {
     /// The Recv's position in its partition (`u32::MAX` for a fetch: the client receives).
     recv_local: u32,
     tensor_name: String,
-    dtype: DType,
-    shape: Shape,
 }
 
 /// Where an edge of a partition under construction starts.
@@ -229,19 +243,77 @@ enum EdgeSrc {
     Local(u32),
 }
 
-/// A partition under construction: typed nodes, and edges `(source, destination, edge)`
-/// grouped by destination in push order (the order [`Graph::from_def`] would add them).
+/// A node of a partition under construction. Only this small handle is kept while the pairs are
+/// worked out; the full [`Node`] is made once, straight into the partition's graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Item {
+    /// A node of the placed graph, by index there.
+    Orig(u32),
+    /// The Send of a pair, by index in the pair list.
+    Send(u32),
+    /// The Recv of a pair.
+    Recv(u32),
+    /// The empty constant that a control pair sends.
+    ControlValue(u32),
+}
+
+/// `src_output` of a [`PartEdge`] that is a control edge.
+const CONTROL: u32 = u32::MAX;
+
+/// An edge of a partition under construction, into the node at position `to`.
+#[derive(Clone, Copy, Debug)]
+struct PartEdge {
+    from: EdgeSrc,
+    to: u32,
+    /// The producer's output slot, or [`CONTROL`].
+    src_output: u32,
+    dst_input: u32,
+}
+
+impl PartEdge {
+    fn data(from: EdgeSrc, to: u32, src_output: usize, dst_input: usize) -> PartEdge {
+        PartEdge {
+            from,
+            to,
+            src_output: src_output as u32,
+            dst_input: dst_input as u32,
+        }
+    }
+
+    fn control(from: EdgeSrc, to: u32) -> PartEdge {
+        PartEdge {
+            from,
+            to,
+            src_output: CONTROL,
+            dst_input: 0,
+        }
+    }
+
+    fn edge(&self) -> Edge {
+        if self.src_output == CONTROL {
+            Edge::Control
+        } else {
+            Edge::Data {
+                src_output: self.src_output as usize,
+                dst_input: self.dst_input as usize,
+            }
+        }
+    }
+}
+
+/// A partition under construction: its nodes in order, and edges grouped by destination in push
+/// order (the order [`Graph::from_def`] would add them).
 #[derive(Default)]
 struct PartBuild {
-    nodes: Vec<Node>,
-    edges: Vec<(EdgeSrc, u32, Edge)>,
+    items: Vec<Item>,
+    edges: Vec<PartEdge>,
 }
 
 impl PartBuild {
     /// Appends a node and returns its position.
-    fn push(&mut self, node: Node) -> u32 {
-        self.nodes.push(node);
-        (self.nodes.len() - 1) as u32
+    fn push(&mut self, item: Item) -> u32 {
+        self.items.push(item);
+        (self.items.len() - 1) as u32
     }
 }
 
@@ -391,41 +463,38 @@ pub fn partition(
         keep
     };
 
-    // Build the per-device node lists.
+    // Work out the pairs and each partition's node order. Partitions hold small `Item`s here;
+    // the nodes themselves are made afterwards, straight into each partition's graph.
     let mut namer = Namer {
         graph: g,
-        short,
         used: HashSet::new(),
     };
-    let mut parts: Vec<PartBuild> = (0..all.len()).map(|_| PartBuild::default()).collect();
+    let mut kept_on = vec![0usize; all.len()];
+    for (i, &d) in dev.iter().enumerate() {
+        if keep[i] {
+            kept_on[d as usize] += 1;
+        }
+    }
+    let mut parts: Vec<PartBuild> = kept_on
+        .iter()
+        .map(|&k| PartBuild {
+            items: Vec::with_capacity(k + k / 4),
+            edges: Vec::new(),
+        })
+        .collect();
     let mut local_of: Vec<u32> = vec![u32::MAX; n];
     let mut pairs: Vec<PairBuild> = Vec::new();
-    let mut pair_of: HashMap<(Source, u32), u32> = HashMap::new();
+    let mut pair_of: FastMap<(Source, u32), u32> = FastMap::default();
     let mut data_in: Vec<(usize, NodeIndex, usize)> = Vec::new();
     let mut ctrl_in: Vec<(usize, NodeIndex)> = Vec::new();
     let mut data_from: Vec<(EdgeSrc, usize)> = Vec::new();
     let mut ctrl_from: Vec<EdgeSrc> = Vec::new();
-    let empty = Tensor::zeros(DType::F32, &[0]).ok();
 
-    // The device of a source, and its type.
+    // The device of a source.
     let source_dev = |src: Source| -> u32 {
         match src {
             Source::Data(u, _) | Source::Control(u) => dev[u as usize],
             Source::Feed(f) => dev[feeds[f as usize].node.index()],
-        }
-    };
-    let source_type = |src: Source| -> (DType, Shape) {
-        match src {
-            Source::Data(u, o) => {
-                let t = &g.node(NodeIndex::new(u as usize)).outputs[o as usize];
-                (t.dtype, t.shape.clone())
-            }
-            Source::Feed(f) => {
-                let t = feeds[f as usize];
-                let ty = &g.node(t.node).outputs[t.out];
-                (ty.dtype, ty.shape.clone())
-            }
-            Source::Control(_) => (DType::F32, Shape::known(&[0])),
         }
     };
     let feed_recv_names: Vec<String> = feeds
@@ -449,30 +518,20 @@ pub fn partition(
 
     // Feed pairs first, so feed Recvs lead their partitions.
     let mut feed_recv_local: Vec<u32> = Vec::with_capacity(feeds.len());
-    for (f, t) in feeds.iter().enumerate() {
+    for (f, (t, recv)) in feeds.iter().zip(feed_recv_names).enumerate() {
         let d = dev[t.node.index()];
-        let ty = &g.node(t.node).outputs[t.out];
-        let tn = tensor_name(Source::Feed(f as u32));
-        let local = parts[d as usize].push(recv_node(
-            feed_recv_names[f].clone(),
-            &tn,
-            &dev_str[client_id as usize],
-            &dev_str[d as usize],
-            true,
-            ty.dtype,
-            &ty.shape,
-        ));
+        let p = pairs.len() as u32;
+        let local = parts[d as usize].push(Item::Recv(p));
         feed_recv_local.push(local);
         pairs.push(PairBuild {
             src: Source::Feed(f as u32),
+            kind: PairKind::Feed,
             send_dev: client_id,
             recv_dev: d,
             send_node: String::new(),
-            recv_node: feed_recv_names[f].clone(),
+            recv_node: recv,
             recv_local: local,
-            tensor_name: tn,
-            dtype: ty.dtype,
-            shape: ty.shape.clone(),
+            tensor_name: tensor_name(Source::Feed(f as u32)),
         });
     }
     // Where `src` comes from on its own device: (node, output).
@@ -484,87 +543,56 @@ pub fn partition(
         }
     };
 
-    // Creates the pair carrying `src` to device `d` and returns its index.
+    // Creates the pair carrying `src` from device `sd` to device `d` and returns the position of
+    // its Recv on `d`.
     #[allow(clippy::too_many_arguments)]
     fn remote(
         src: Source,
         d: u32,
         sd: u32,
         pairs: &mut Vec<PairBuild>,
-        pair_of: &mut HashMap<(Source, u32), u32>,
+        pair_of: &mut FastMap<(Source, u32), u32>,
         parts: &mut [PartBuild],
         namer: &mut Namer<'_>,
         feeds: &[TensorRef],
-        dev_str: &[String],
-        (dtype, shape): (DType, Shape),
+        short: &[String],
         (local, out): (EdgeSrc, usize),
         tensor_name: String,
-        empty: &Option<Tensor>,
     ) -> u32 {
         let p = pairs.len();
         let tensor = namer.tensor_part(src, feeds);
-        let send = namer.name("send", &tensor, "to", &namer.short[d as usize].clone(), p);
-        let recv = namer.name(
-            "recv",
-            &tensor,
-            "from",
-            &namer.short[sd as usize].clone(),
-            p,
-        );
-        let (sdev, rdev) = (&dev_str[sd as usize], &dev_str[d as usize]);
+        let send = namer.name("send", &tensor, "to", &short[d as usize], p);
+        let recv = namer.name("recv", &tensor, "from", &short[sd as usize], p);
         let sender = &mut parts[sd as usize];
         let send_input = if let Source::Control(_) = src {
             // A control pair sends an empty constant that runs after the source.
-            let mut attrs = BTreeMap::new();
-            if let Some(t) = empty {
-                attrs.insert("value".into(), AttrValue::Tensor(t.clone()));
-            }
-            let c = sender.push(Node {
-                name: format!("{send}/value"),
-                op: "Const".into(),
-                device: sdev.clone(),
-                colocate_with: vec![],
-                attrs,
-                outputs: vec![TensorType::new(DType::F32, Shape::known(&[0]))],
-            });
-            sender.edges.push((local, c, Edge::Control));
+            let c = sender.push(Item::ControlValue(p as u32));
+            sender.edges.push(PartEdge::control(local, c));
             (EdgeSrc::Local(c), 0)
         } else {
             (local, out)
         };
-        let s = sender.push(send_node(send.clone(), &tensor_name, sdev, rdev, false));
-        sender.edges.push((
-            send_input.0,
-            s,
-            Edge::Data {
-                src_output: send_input.1,
-                dst_input: 0,
-            },
-        ));
-        let recv_local = parts[d as usize].push(recv_node(
-            recv.clone(),
-            &tensor_name,
-            sdev,
-            rdev,
-            false,
-            dtype,
-            &shape,
-        ));
+        let s = sender.push(Item::Send(p as u32));
+        sender
+            .edges
+            .push(PartEdge::data(send_input.0, s, send_input.1, 0));
+        let recv_local = parts[d as usize].push(Item::Recv(p as u32));
         pair_of.insert((src, d), p as u32);
         pairs.push(PairBuild {
             src,
+            kind: PairKind::Remote,
             send_dev: sd,
             recv_dev: d,
             send_node: send,
             recv_node: recv,
             recv_local,
             tensor_name,
-            dtype,
-            shape,
         });
         recv_local
     }
 
+    // The op of the previous node, to skip the registry lookup along runs of one op.
+    let mut op_cache: Option<&'static dflow_graph::OpDef> = None;
     for v in g.node_indices() {
         let vi = v.index();
         if !keep[vi] {
@@ -572,7 +600,10 @@ pub fn partition(
         }
         let d = dev[vi];
         let node = g.node(v);
-        let op = node.op_def();
+        let op = match op_cache {
+            Some(op) if op.name == node.op => op,
+            _ => *op_cache.insert(node.op_def()),
+        };
         data_in.clear();
         ctrl_in.clear();
         data_from.clear();
@@ -603,11 +634,9 @@ pub fn partition(
                         &mut parts,
                         &mut namer,
                         &feeds,
-                        &dev_str,
-                        source_type($src),
+                        &short,
                         local_ref($src),
                         tensor_name($src),
-                        &empty,
                     ),
                 }
             };
@@ -655,37 +684,14 @@ pub fn partition(
                 ctrl_from.push(from);
             }
         }
-        let colocate_with = node
-            .colocate_with
-            .iter()
-            .filter(|c| {
-                g.find(c)
-                    .is_some_and(|k| keep[k.index()] && dev[k.index()] == d)
-            })
-            .cloned()
-            .collect();
         let part = &mut parts[d as usize];
-        let local = part.push(Node {
-            name: node.name.clone(),
-            op: node.op.clone(),
-            device: dev_str[d as usize].clone(),
-            colocate_with,
-            attrs: node.attrs.clone(),
-            outputs: node.outputs.clone(),
-        });
+        let local = part.push(Item::Orig(vi as u32));
         local_of[vi] = local;
         for (k, &(from, out)) in data_from.iter().enumerate() {
-            part.edges.push((
-                from,
-                local,
-                Edge::Data {
-                    src_output: out,
-                    dst_input: k,
-                },
-            ));
+            part.edges.push(PartEdge::data(from, local, out, k));
         }
         for &from in &ctrl_from {
-            part.edges.push((from, local, Edge::Control));
+            part.edges.push(PartEdge::control(from, local));
         }
     }
 
@@ -702,113 +708,90 @@ pub fn partition(
             continue;
         }
         let sd = source_dev(src);
-        let (dtype, shape) = source_type(src);
         let p = pairs.len();
         let tensor = namer.tensor_part(src, &feeds);
         let send = namer.name("send", &tensor, "to", "client", p);
-        let tn = tensor_name(src);
         let part = &mut parts[sd as usize];
-        let s = part.push(send_node(
-            send.clone(),
-            &tn,
-            &dev_str[sd as usize],
-            &dev_str[client_id as usize],
-            true,
-        ));
+        let s = part.push(Item::Send(p as u32));
         let (from, out) = local_ref(src);
-        part.edges.push((
-            from,
-            s,
-            Edge::Data {
-                src_output: out,
-                dst_input: 0,
-            },
-        ));
+        part.edges.push(PartEdge::data(from, s, out, 0));
         pairs.push(PairBuild {
             src,
+            kind: PairKind::Fetch,
             send_dev: sd,
             recv_dev: client_id,
             send_node: send,
             recv_node: String::new(),
             recv_local: u32::MAX,
-            tensor_name: tn,
-            dtype,
-            shape,
+            tensor_name: tensor_name(src),
         });
         fetch_pair.insert(src, p as u32);
         fetch_pairs_in_order.push(p as u32);
     }
 
-    // Keys, client endpoints, the sorted pair list.
+    // Keys and client endpoints.
     let key_of = |p: &PairBuild| {
         format!(
             "{};{};{}",
             dev_str[p.send_dev as usize], dev_str[p.recv_dev as usize], p.tensor_name
         )
     };
+    let endpoint = |p: u32, device: fn(&PairBuild) -> u32| {
+        let p = &pairs[p as usize];
+        ClientEndpoint {
+            tensor: p.tensor_name.clone(),
+            device: all[device(p) as usize].clone(),
+            key: key_of(p),
+        }
+    };
     let feed_eps: Vec<ClientEndpoint> = feed_index
         .iter()
-        .map(|&f| {
-            let p = &pairs[f as usize];
-            ClientEndpoint {
-                tensor: p.tensor_name.clone(),
-                device: all[p.recv_dev as usize].clone(),
-                key: key_of(p),
-            }
-        })
+        .map(|&f| endpoint(f, |p| p.recv_dev))
         .collect();
     let fetch_eps: Vec<ClientEndpoint> = fetch_pairs_in_order
         .iter()
-        .map(|&i| {
-            let p = &pairs[i as usize];
-            ClientEndpoint {
-                tensor: p.tensor_name.clone(),
-                device: all[p.send_dev as usize].clone(),
-                key: key_of(p),
-            }
-        })
+        .map(|&p| endpoint(p, |p| p.send_dev))
         .collect();
-    let mut order: Vec<u32> = (0..pairs.len() as u32).collect();
-    order.sort_unstable_by(|&a, &b| {
-        let (pa, pb) = (&pairs[a as usize], &pairs[b as usize]);
-        (pa.send_dev, pa.recv_dev, &pa.tensor_name).cmp(&(
-            pb.send_dev,
-            pb.recv_dev,
-            &pb.tensor_name,
-        ))
-    });
-    let mut sorted = Vec::with_capacity(pairs.len());
-    let mut pairs_opt: Vec<Option<PairBuild>> = pairs.into_iter().map(Some).collect();
-    for &i in &order {
-        let Some(p) = pairs_opt[i as usize].take() else {
-            continue;
-        };
-        let bytes = p
-            .shape
-            .num_elements()
-            .and_then(|e| e.checked_mul(p.dtype.size_of()));
-        sorted.push(TransferPair {
+
+    // Make every partition's nodes and validate its structure, in parallel.
+    let ctx = NodeMaker {
+        g,
+        keep: &keep,
+        dev: &dev,
+        dev_str: &dev_str,
+        feeds: &feeds,
+        pairs: &pairs,
+        empty: Tensor::zeros(DType::F32, &[0]).ok(),
+    };
+    let built = build_graphs(parts, &local_of, &all, &ctx)?;
+    drop(ctx);
+    let mut partitions = BTreeMap::new();
+    for (d, graph) in built {
+        let device = all[d].clone();
+        partitions.insert(device.clone(), Partition { device, graph });
+    }
+
+    // The pair list, sorted by (send device, receive device, tensor name).
+    let sorted = sorted_pairs(pairs, |p| {
+        let ty = source_type(g, &feeds, p.src);
+        TransferPair {
             key: key_of(&p),
             send_device: dev_str[p.send_dev as usize].clone(),
             recv_device: dev_str[p.recv_dev as usize].clone(),
             is_control: matches!(p.src, Source::Control(_)),
             client_terminated: p.send_dev == client_id || p.recv_dev == client_id,
+            bytes: ty
+                .shape
+                .num_elements()
+                .and_then(|e| e.checked_mul(ty.dtype.size_of())),
             tensor_name: p.tensor_name,
             send_node: p.send_node,
             recv_node: p.recv_node,
-            dtype: p.dtype,
-            shape: p.shape,
-            bytes,
-        });
-    }
+            dtype: ty.dtype,
+            shape: ty.shape,
+        }
+    });
 
-    // Validate each partition.
-    let mut partitions = BTreeMap::new();
-    let built = build_graphs(parts, &local_of, &all)?;
-    for (d, graph) in built {
-        let device = all[d].clone();
-        partitions.insert(device.clone(), Partition { device, graph });
-    }
     let origins = if sorted.iter().any(|p| p.bytes.is_none()) {
         dynamic_origins(g)
     } else {
@@ -832,6 +815,128 @@ pub fn partition(
     })
 }
 
+/// Turns every pair into its [`TransferPair`] (in parallel) and sorts them by (send device,
+/// receive device, tensor name); device ids follow [`DeviceName`] order.
+fn sorted_pairs(
+    pairs: Vec<PairBuild>,
+    make: impl Fn(PairBuild) -> TransferPair + Sync,
+) -> Vec<TransferPair> {
+    use rayon::prelude::*;
+    let mut order: Vec<(u32, u32, u32)> = pairs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.send_dev, p.recv_dev, i as u32))
+        .collect();
+    // The tensor name decides within a device pair; the pair index breaks (impossible) ties, so
+    // the order never depends on the sort algorithm.
+    order.par_sort_unstable_by(|a, b| {
+        (a.0, a.1)
+            .cmp(&(b.0, b.1))
+            .then_with(|| {
+                pairs[a.2 as usize]
+                    .tensor_name
+                    .cmp(&pairs[b.2 as usize].tensor_name)
+            })
+            .then(a.2.cmp(&b.2))
+    });
+    let mut made: Vec<Option<TransferPair>> =
+        pairs.into_par_iter().map(|p| Some(make(p))).collect();
+    order
+        .iter()
+        .filter_map(|&(_, _, i)| made[i as usize].take())
+        .collect()
+}
+
+/// The type a pair carries: its source tensor's, or an empty f32 for a control pair.
+fn source_type(g: &Graph, feeds: &[TensorRef], src: Source) -> TensorType {
+    match src {
+        Source::Data(u, o) => g.node(NodeIndex::new(u as usize)).outputs[o as usize].clone(),
+        Source::Feed(f) => {
+            let t = feeds[f as usize];
+            g.node(t.node).outputs[t.out].clone()
+        }
+        Source::Control(_) => TensorType::new(DType::F32, Shape::known(&[0])),
+    }
+}
+
+/// Makes the full nodes of the partitions from their items; shared by the parallel builders.
+struct NodeMaker<'a> {
+    g: &'a Graph,
+    keep: &'a [bool],
+    dev: &'a [u32],
+    dev_str: &'a [String],
+    feeds: &'a [TensorRef],
+    pairs: &'a [PairBuild],
+    /// The value a control pair sends.
+    empty: Option<Tensor>,
+}
+
+impl NodeMaker<'_> {
+    /// The node `item` of the partition of device `d`.
+    fn node(&self, d: usize, item: Item) -> Node {
+        let pair = |p: u32| &self.pairs[p as usize];
+        match item {
+            Item::Orig(v) => {
+                let node = self.g.node(NodeIndex::new(v as usize));
+                let colocate_with = node
+                    .colocate_with
+                    .iter()
+                    .filter(|c| {
+                        self.g.find(c).is_some_and(|k| {
+                            self.keep[k.index()] && self.dev[k.index()] as usize == d
+                        })
+                    })
+                    .cloned()
+                    .collect();
+                Node {
+                    name: node.name.clone(),
+                    op: node.op.clone(),
+                    device: self.dev_str[d].clone(),
+                    colocate_with,
+                    attrs: node.attrs.clone(),
+                    outputs: node.outputs.clone(),
+                }
+            }
+            Item::Send(p) => {
+                let p = pair(p);
+                send_node(
+                    p.send_node.clone(),
+                    &p.tensor_name,
+                    &self.dev_str[p.send_dev as usize],
+                    &self.dev_str[p.recv_dev as usize],
+                    p.kind == PairKind::Fetch,
+                )
+            }
+            Item::Recv(p) => {
+                let p = pair(p);
+                recv_node(
+                    p.recv_node.clone(),
+                    &p.tensor_name,
+                    &self.dev_str[p.send_dev as usize],
+                    &self.dev_str[p.recv_dev as usize],
+                    p.kind == PairKind::Feed,
+                    source_type(self.g, self.feeds, p.src),
+                )
+            }
+            Item::ControlValue(p) => {
+                let p = pair(p);
+                let mut attrs = BTreeMap::new();
+                if let Some(t) = &self.empty {
+                    attrs.insert("value".into(), AttrValue::Tensor(t.clone()));
+                }
+                Node {
+                    name: format!("{}/value", p.send_node),
+                    op: "Const".into(),
+                    device: self.dev_str[p.send_dev as usize].clone(),
+                    colocate_with: vec![],
+                    attrs,
+                    outputs: vec![TensorType::new(DType::F32, Shape::known(&[0]))],
+                }
+            }
+        }
+    }
+}
+
 /// Builds the non-empty partitions into graphs, in device order. Every node and type comes from
 /// the validated input graph, so only structural checks run ([`Graph::from_parts`]); partitions
 /// are built in parallel.
@@ -839,33 +944,31 @@ fn build_graphs(
     parts: Vec<PartBuild>,
     local_of: &[u32],
     all: &[DeviceName],
+    maker: &NodeMaker<'_>,
 ) -> Result<Vec<(usize, Graph)>, PartitionError> {
     use rayon::prelude::*;
     let results: Vec<Option<Result<Graph, PartitionError>>> = parts
         .into_par_iter()
         .enumerate()
         .map(|(d, part)| {
-            if part.nodes.is_empty() {
+            if part.items.is_empty() {
                 return None;
             }
-            let edges = part
-                .edges
-                .into_iter()
-                .map(|(from, to, e)| {
-                    let src = match from {
-                        // A kept node on another device would be a bug; from_parts reports it.
-                        EdgeSrc::Orig(u) => local_of.get(u as usize).copied().unwrap_or(u32::MAX),
-                        EdgeSrc::Local(i) => i,
-                    };
-                    (src, to, e)
-                })
-                .collect();
-            Some(Graph::from_parts(part.nodes, edges).map_err(|e| {
-                PartitionError::InvalidPartition {
+            let nodes = part.items.iter().map(|&item| maker.node(d, item));
+            let edges = part.edges.iter().map(|e| {
+                let src = match e.from {
+                    // A kept node on another device would be a bug; from_parts reports it.
+                    EdgeSrc::Orig(u) => local_of.get(u as usize).copied().unwrap_or(u32::MAX),
+                    EdgeSrc::Local(i) => i,
+                };
+                (src, e.to, e.edge())
+            });
+            Some(
+                Graph::from_parts(nodes, edges).map_err(|e| PartitionError::InvalidPartition {
                     device: all[d].to_string(),
                     message: e.to_string(),
-                }
-            }))
+                }),
+            )
         })
         .collect();
     // The first error in device order, so the message is deterministic.
@@ -936,19 +1039,18 @@ fn recv_node(
     send_device: &str,
     recv_device: &str,
     client_terminated: bool,
-    dtype: DType,
-    shape: &Shape,
+    ty: TensorType,
 ) -> Node {
     let mut attrs = transfer_attrs(tensor_name, send_device, recv_device, client_terminated);
-    attrs.insert("dtype".into(), AttrValue::DType(dtype));
-    attrs.insert("shape".into(), AttrValue::Shape(shape.clone()));
+    attrs.insert("dtype".into(), AttrValue::DType(ty.dtype));
+    attrs.insert("shape".into(), AttrValue::Shape(ty.shape.clone()));
     Node {
         name,
         op: "Recv".into(),
         device: recv_device.into(),
         colocate_with: vec![],
         attrs,
-        outputs: vec![TensorType::new(dtype, shape.clone())],
+        outputs: vec![ty],
     }
 }
 
