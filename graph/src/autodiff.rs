@@ -470,7 +470,7 @@ pub fn gradients(
                 .iter()
                 .filter_map(|(s, o)| g.output_type(*s, *o).cloned())
                 .collect(),
-            output_types: node.outputs.clone(),
+            output_types: node.outputs.to_vec(),
         };
         let failed = |message: String| AutodiffError::GradientFailed {
             node: node.name.clone(),

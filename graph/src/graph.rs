@@ -25,11 +25,12 @@ use crate::def::{check_node_name, FORMAT_VERSION};
 use crate::error::{GraphError, GraphErrors};
 use crate::name_index::NameIndex;
 use crate::ops::{registry, InferCtx, OpDef, TensorType};
-use crate::{AttrValue, GraphDef, InputRef, NodeDef};
+use crate::{AttrValue, Attrs, GraphDef, InputRef, NodeDef};
 use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// A node of the validated graph.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,9 +44,9 @@ pub struct Node {
     /// Nodes this node must be colocated with.
     pub colocate_with: Vec<String>,
     /// Attributes as written in the source (defaults not filled in).
-    pub attrs: BTreeMap<String, AttrValue>,
-    /// Inferred type of each output.
-    pub outputs: Vec<TensorType>,
+    pub attrs: Attrs,
+    /// Inferred type of each output (shared: copies of a node, e.g. in partitions, share it).
+    pub outputs: Arc<[TensorType]>,
 }
 
 impl Node {
@@ -74,8 +75,8 @@ impl Node {
     }
 }
 
-fn resolve_attrs(op: &OpDef, attrs: &BTreeMap<String, AttrValue>) -> BTreeMap<String, AttrValue> {
-    let mut out = attrs.clone();
+fn resolve_attrs(op: &OpDef, attrs: &Attrs) -> BTreeMap<String, AttrValue> {
+    let mut out = attrs.to_map();
     for a in &op.attrs {
         if !out.contains_key(a.name) {
             if let Some(v) = a.default.value() {
@@ -148,8 +149,11 @@ impl Graph {
                 op: n.op.clone(),
                 device: n.device.clone(),
                 colocate_with: n.colocate_with.clone(),
-                attrs: n.attrs.clone(),
-                outputs: vec![],
+                // Attribute names the op declares are kept as its `&'static str`s.
+                attrs: Attrs::from_map_with(&n.attrs, |k| {
+                    registry().get(&n.op)?.attr(k).map(|a| a.name)
+                }),
+                outputs: Arc::from([]),
             });
         }
 
@@ -352,7 +356,7 @@ impl Graph {
             };
             match (op.infer)(&ctx) {
                 Ok(outs) if outs.len() == op.outputs.len() => {
-                    graph.g[idx].outputs = outs;
+                    graph.g[idx].outputs = outs.into();
                     typed[idx.index()] = true;
                 }
                 Ok(outs) => errs.push(GraphError::Shape {
@@ -397,18 +401,20 @@ impl Graph {
         let mut g: DiGraph<Node, Edge> =
             DiGraph::with_capacity(nodes.size_hint().0, edges.size_hint().0);
         let mut by_name = NameIndex::with_capacity(nodes.size_hint().0);
-        // Runs of one op are common; look the op up only when it changes.
-        let mut last_op: Option<&'static str> = None;
+        // A partition uses a handful of ops: look each up in the registry once.
+        let mut known_ops: Vec<&'static str> = Vec::new();
         for node in nodes {
             let i = g.node_count();
-            if last_op != Some(node.op.as_str()) {
+            if !known_ops.contains(&node.op.as_str()) {
                 match registry().get(&node.op) {
                     None => errs.push(GraphError::UnknownOp {
                         node: node.name.clone(),
                         op: node.op.clone(),
                         suggestion: registry().suggest(&node.op),
                     }),
-                    Some(op) => last_op = Some(op.name),
+                    // Bounded, so a graph of many ops does not make this quadratic.
+                    Some(op) if known_ops.len() < 32 => known_ops.push(op.name),
+                    Some(_) => {}
                 }
             }
             if let Err(first) = by_name.insert(&node.name, i as u32, |k| name_at(&g, k)) {
@@ -524,7 +530,7 @@ impl Graph {
                     inputs,
                     device: n.device.clone(),
                     colocate_with: n.colocate_with.clone(),
-                    attrs: n.attrs.clone(),
+                    attrs: n.attrs.to_map(),
                 }
             })
             .collect();
@@ -665,12 +671,12 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
             None => errs.push(GraphError::UnknownAttr {
                 node: n.name.clone(),
                 op: n.op.clone(),
-                attr: name.clone(),
+                attr: name.to_string(),
                 valid: op.attrs.iter().map(|a| a.name).collect(),
             }),
             Some(d) if d.ty != value.ty() => errs.push(GraphError::AttrType {
                 node: n.name.clone(),
-                attr: name.clone(),
+                attr: name.to_string(),
                 expected: d.ty,
                 found: value.ty(),
             }),

@@ -25,12 +25,15 @@ use crate::error::PartitionError;
 use crate::place::PlacedGraph;
 use crate::plan::{build_buffer_plan, BufferPlan};
 use dflow_graph::ops::transfer::CLIENT_DEVICE;
-use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, Node, Shape, Tensor, TensorType};
+use dflow_graph::{
+    AttrValue, Attrs, DType, DeviceName, Edge, Graph, Node, Shape, Tensor, TensorType,
+};
 use petgraph::graph::NodeIndex;
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 /// A hash map with a fast hasher, for keys the partitioner makes itself (never user text).
 type FastMap<K, V> = hashbrown::HashMap<K, V, hashbrown::DefaultHashBuilder>;
@@ -157,15 +160,17 @@ struct Namer<'a> {
 impl Namer<'_> {
     fn tensor_part(&self, src: Source, feeds: &[TensorRef]) -> String {
         match src {
-            Source::Data(n, o) => {
-                format!("{}_{o}", self.graph.node(NodeIndex::new(n as usize)).name)
-            }
+            Source::Data(n, o) => indexed(
+                &self.graph.node(NodeIndex::new(n as usize)).name,
+                "_",
+                o as usize,
+            ),
             Source::Feed(f) => {
                 let t = feeds[f as usize];
-                format!("{}_{}", self.graph.node(t.node).name, t.out)
+                indexed(&self.graph.node(t.node).name, "_", t.out)
             }
             Source::Control(n) => {
-                format!("{}_ctrl", self.graph.node(NodeIndex::new(n as usize)).name)
+                concat(&[&self.graph.node(NodeIndex::new(n as usize)).name, "_ctrl"])
             }
         }
     }
@@ -173,7 +178,7 @@ impl Namer<'_> {
     /// `{prefix}/{tensor}/{dir}/{device}`, falling back to a numbered name when too long or
     /// taken by a graph node.
     fn name(&mut self, prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) -> String {
-        let mut name = format!("{prefix}/{tensor}/{dir}/{device}");
+        let mut name = concat(&[prefix, "/", tensor, "/", dir, "/", device]);
         if name.len() > 200 {
             name = format!("{prefix}/pair_{pair}/{dir}/{device}");
         }
@@ -192,6 +197,33 @@ impl Namer<'_> {
             k += 1;
         }
     }
+}
+
+/// The strings of `parts` joined, in a string of exactly their size (`format!` grows its buffer
+/// as it goes, which shows when making a few hundred thousand names).
+fn concat(parts: &[&str]) -> String {
+    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        s.push_str(p);
+    }
+    s
+}
+
+/// `{name}{sep}{index}`, e.g. the tensor name `x:0`.
+fn indexed(name: &str, sep: &str, index: usize) -> String {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    let mut rest = index;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    let digits = std::str::from_utf8(&digits[start..]).unwrap_or_default();
+    concat(&[name, sep, digits])
 }
 
 /// Short, name-safe form of a device: `worker_0`, or `worker_0_gpu_1` off CPU:0.
@@ -507,12 +539,14 @@ pub fn partition(
         .collect();
     let tensor_name = |src: Source| -> String {
         match src {
-            Source::Data(u, o) => format!("{}:{o}", g.node(NodeIndex::new(u as usize)).name),
+            Source::Data(u, o) => {
+                indexed(&g.node(NodeIndex::new(u as usize)).name, ":", o as usize)
+            }
             Source::Feed(f) => {
                 let t = feeds[f as usize];
-                format!("{}:{}", g.node(t.node).name, t.out)
+                indexed(&g.node(t.node).name, ":", t.out)
             }
-            Source::Control(u) => format!("^{}", g.node(NodeIndex::new(u as usize)).name),
+            Source::Control(u) => concat(&["^", &g.node(NodeIndex::new(u as usize)).name]),
         }
     };
 
@@ -731,10 +765,13 @@ pub fn partition(
 
     // Keys and client endpoints.
     let key_of = |p: &PairBuild| {
-        format!(
-            "{};{};{}",
-            dev_str[p.send_dev as usize], dev_str[p.recv_dev as usize], p.tensor_name
-        )
+        concat(&[
+            &dev_str[p.send_dev as usize],
+            ";",
+            &dev_str[p.recv_dev as usize],
+            ";",
+            &p.tensor_name,
+        ])
     };
     let endpoint = |p: u32, device: fn(&PairBuild) -> u32| {
         let p = &pairs[p as usize];
@@ -761,7 +798,6 @@ pub fn partition(
         dev_str: &dev_str,
         feeds: &feeds,
         pairs: &pairs,
-        empty: Tensor::zeros(DType::F32, &[0]).ok(),
     };
     let built = build_graphs(parts, &local_of, &all, &ctx)?;
     drop(ctx);
@@ -867,13 +903,29 @@ struct NodeMaker<'a> {
     dev_str: &'a [String],
     feeds: &'a [TensorRef],
     pairs: &'a [PairBuild],
-    /// The value a control pair sends.
+}
+
+/// Values every control pair's nodes of one partition share. One set per partition, so that
+/// threads building different partitions never count references on the same allocation.
+struct PartShared {
+    /// The value a control pair sends: an empty f32 tensor.
     empty: Option<Tensor>,
+    /// Its type.
+    control_type: Arc<[TensorType]>,
+}
+
+impl PartShared {
+    fn new() -> PartShared {
+        PartShared {
+            empty: Tensor::zeros(DType::F32, &[0]).ok(),
+            control_type: Arc::from([TensorType::new(DType::F32, Shape::known(&[0]))]),
+        }
+    }
 }
 
 impl NodeMaker<'_> {
     /// The node `item` of the partition of device `d`.
-    fn node(&self, d: usize, item: Item) -> Node {
+    fn node(&self, d: usize, item: Item, local: &PartShared) -> Node {
         let pair = |p: u32| &self.pairs[p as usize];
         match item {
             Item::Orig(v) => {
@@ -909,28 +961,44 @@ impl NodeMaker<'_> {
             }
             Item::Recv(p) => {
                 let p = pair(p);
+                let outputs = match p.src {
+                    // A single-output source's type list is the Recv's: share it.
+                    Source::Data(u, 0) => {
+                        let outputs = &self.g.node(NodeIndex::new(u as usize)).outputs;
+                        if outputs.len() == 1 {
+                            outputs.clone()
+                        } else {
+                            Arc::from([outputs[0].clone()])
+                        }
+                    }
+                    Source::Control(_) => local.control_type.clone(),
+                    src => Arc::from([source_type(self.g, self.feeds, src)]),
+                };
                 recv_node(
                     p.recv_node.clone(),
                     &p.tensor_name,
                     &self.dev_str[p.send_dev as usize],
                     &self.dev_str[p.recv_dev as usize],
                     p.kind == PairKind::Feed,
-                    source_type(self.g, self.feeds, p.src),
+                    outputs,
                 )
             }
             Item::ControlValue(p) => {
                 let p = pair(p);
-                let mut attrs = BTreeMap::new();
-                if let Some(t) = &self.empty {
-                    attrs.insert("value".into(), AttrValue::Tensor(t.clone()));
+                let mut attrs = Attrs::with_capacity(1);
+                if let Some(t) = &local.empty {
+                    attrs.insert("value", AttrValue::Tensor(t.clone()));
                 }
+                let mut name = String::with_capacity(p.send_node.len() + 6);
+                name.push_str(&p.send_node);
+                name.push_str("/value");
                 Node {
-                    name: format!("{}/value", p.send_node),
+                    name,
                     op: "Const".into(),
                     device: self.dev_str[p.send_dev as usize].clone(),
                     colocate_with: vec![],
                     attrs,
-                    outputs: vec![TensorType::new(DType::F32, Shape::known(&[0]))],
+                    outputs: local.control_type.clone(),
                 }
             }
         }
@@ -954,7 +1022,8 @@ fn build_graphs(
             if part.items.is_empty() {
                 return None;
             }
-            let nodes = part.items.iter().map(|&item| maker.node(d, item));
+            let local = PartShared::new();
+            let nodes = part.items.iter().map(|&item| maker.node(d, item, &local));
             let edges = part.edges.iter().map(|e| {
                 let src = match e.from {
                     // A kept node on another device would be a bug; from_parts reports it.
@@ -998,19 +1067,20 @@ fn dynamic_origins(g: &Graph) -> Vec<Option<u32>> {
     origin
 }
 
-/// The rendezvous attrs shared by Send and Recv.
+/// The rendezvous attrs shared by Send and Recv, with room for `extra` more.
 fn transfer_attrs(
     tensor_name: &str,
     send_device: &str,
     recv_device: &str,
     client_terminated: bool,
-) -> BTreeMap<String, AttrValue> {
-    let mut attrs = BTreeMap::new();
-    attrs.insert("tensor_name".into(), AttrValue::String(tensor_name.into()));
-    attrs.insert("send_device".into(), AttrValue::String(send_device.into()));
-    attrs.insert("recv_device".into(), AttrValue::String(recv_device.into()));
+    extra: usize,
+) -> Attrs {
+    let mut attrs = Attrs::with_capacity(3 + usize::from(client_terminated) + extra);
+    attrs.insert("tensor_name", AttrValue::String(tensor_name.into()));
+    attrs.insert("send_device", AttrValue::String(send_device.into()));
+    attrs.insert("recv_device", AttrValue::String(recv_device.into()));
     if client_terminated {
-        attrs.insert("client_terminated".into(), AttrValue::Bool(true));
+        attrs.insert("client_terminated", AttrValue::Bool(true));
     }
     attrs
 }
@@ -1027,30 +1097,33 @@ fn send_node(
         op: "Send".into(),
         device: send_device.into(),
         colocate_with: vec![],
-        attrs: transfer_attrs(tensor_name, send_device, recv_device, client_terminated),
-        outputs: vec![],
+        attrs: transfer_attrs(tensor_name, send_device, recv_device, client_terminated, 0),
+        outputs: Arc::from([]),
     }
 }
 
-/// A Recv node; its one output has the type it receives (what Recv's shape rule would infer).
+/// A Recv node; its one output has the type it receives (what Recv's shape rule would infer),
+/// `outputs`.
 fn recv_node(
     name: String,
     tensor_name: &str,
     send_device: &str,
     recv_device: &str,
     client_terminated: bool,
-    ty: TensorType,
+    outputs: Arc<[TensorType]>,
 ) -> Node {
-    let mut attrs = transfer_attrs(tensor_name, send_device, recv_device, client_terminated);
-    attrs.insert("dtype".into(), AttrValue::DType(ty.dtype));
-    attrs.insert("shape".into(), AttrValue::Shape(ty.shape.clone()));
+    let mut attrs = transfer_attrs(tensor_name, send_device, recv_device, client_terminated, 2);
+    if let Some(ty) = outputs.first() {
+        attrs.insert("dtype", AttrValue::DType(ty.dtype));
+        attrs.insert("shape", AttrValue::Shape(ty.shape.clone()));
+    }
     Node {
         name,
         op: "Recv".into(),
         device: recv_device.into(),
         colocate_with: vec![],
         attrs,
-        outputs: vec![ty],
+        outputs,
     }
 }
 
@@ -1093,6 +1166,14 @@ mod tests {
         let some = partition(&placed, &opts).unwrap();
         assert!(some.pairs.iter().any(|p| p.client_terminated));
         assert_same_as_validated(&some);
+    }
+
+    #[test]
+    fn indexed_names() {
+        assert_eq!(indexed("x", ":", 0), "x:0");
+        assert_eq!(indexed("a/b", "_", 12345), "a/b_12345");
+        assert_eq!(indexed("y", ":", usize::MAX), format!("y:{}", usize::MAX));
+        assert_eq!(concat(&["a", "", "bc"]), "abc");
     }
 
     #[test]
