@@ -507,11 +507,13 @@ pub fn partition(
             kept_on[d as usize] += 1;
         }
     }
+    // Room for the kept nodes and their edges, and a quarter more for Send/Recv nodes.
+    let edges_per_node = g.num_edges().div_ceil(n.max(1));
     let mut parts: Vec<PartBuild> = kept_on
         .iter()
         .map(|&k| PartBuild {
             items: Vec::with_capacity(k + k / 4),
-            edges: Vec::new(),
+            edges: Vec::with_capacity((k + k / 4) * edges_per_node),
         })
         .collect();
     let mut local_of: Vec<u32> = vec![u32::MAX; n];
@@ -800,7 +802,6 @@ pub fn partition(
         pairs: &pairs,
     };
     let built = build_graphs(parts, &local_of, &all, &ctx)?;
-    drop(ctx);
     let mut partitions = BTreeMap::new();
     for (d, graph) in built {
         let device = all[d].clone();
@@ -1067,21 +1068,29 @@ fn dynamic_origins(g: &Graph) -> Vec<Option<u32>> {
     origin
 }
 
-/// The rendezvous attrs shared by Send and Recv, with room for `extra` more.
+/// The rendezvous attrs of a Send, or of a Recv when it is given the type it receives. Set in
+/// name order, so each lands at the end of the list.
 fn transfer_attrs(
     tensor_name: &str,
     send_device: &str,
     recv_device: &str,
     client_terminated: bool,
-    extra: usize,
+    received: Option<&TensorType>,
 ) -> Attrs {
-    let mut attrs = Attrs::with_capacity(3 + usize::from(client_terminated) + extra);
-    attrs.insert("tensor_name", AttrValue::String(tensor_name.into()));
-    attrs.insert("send_device", AttrValue::String(send_device.into()));
-    attrs.insert("recv_device", AttrValue::String(recv_device.into()));
+    let n = 3 + usize::from(client_terminated) + if received.is_some() { 2 } else { 0 };
+    let mut attrs = Attrs::with_capacity(n);
     if client_terminated {
         attrs.insert("client_terminated", AttrValue::Bool(true));
     }
+    if let Some(ty) = received {
+        attrs.insert("dtype", AttrValue::DType(ty.dtype));
+    }
+    attrs.insert("recv_device", AttrValue::String(recv_device.into()));
+    attrs.insert("send_device", AttrValue::String(send_device.into()));
+    if let Some(ty) = received {
+        attrs.insert("shape", AttrValue::Shape(ty.shape.clone()));
+    }
+    attrs.insert("tensor_name", AttrValue::String(tensor_name.into()));
     attrs
 }
 
@@ -1097,7 +1106,13 @@ fn send_node(
         op: "Send".into(),
         device: send_device.into(),
         colocate_with: vec![],
-        attrs: transfer_attrs(tensor_name, send_device, recv_device, client_terminated, 0),
+        attrs: transfer_attrs(
+            tensor_name,
+            send_device,
+            recv_device,
+            client_terminated,
+            None,
+        ),
         outputs: Arc::from([]),
     }
 }
@@ -1112,11 +1127,13 @@ fn recv_node(
     client_terminated: bool,
     outputs: Arc<[TensorType]>,
 ) -> Node {
-    let mut attrs = transfer_attrs(tensor_name, send_device, recv_device, client_terminated, 2);
-    if let Some(ty) = outputs.first() {
-        attrs.insert("dtype", AttrValue::DType(ty.dtype));
-        attrs.insert("shape", AttrValue::Shape(ty.shape.clone()));
-    }
+    let attrs = transfer_attrs(
+        tensor_name,
+        send_device,
+        recv_device,
+        client_terminated,
+        outputs.first(),
+    );
     Node {
         name,
         op: "Recv".into(),
