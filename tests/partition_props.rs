@@ -94,7 +94,7 @@ fn merged(p: &Partitions) -> HashMap<String, (Vec<String>, BTreeSet<String>)> {
                 "node {} lives in its partition's device",
                 n.name
             );
-            if matches!(n.op.as_str(), "Send" | "Recv") || n.name.ends_with("/value") {
+            if matches!(n.op, "Send" | "Recv") || n.name.ends_with("/value") {
                 continue;
             }
             let data = g

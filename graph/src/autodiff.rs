@@ -451,12 +451,12 @@ pub fn gradients(
         let op = node.op_def();
         let f = op.gradient.ok_or_else(|| AutodiffError::NoGradient {
             node: node.name.clone(),
-            op: node.op.clone(),
+            op: node.op.to_string(),
         })?;
         let all_inputs = g.inputs(idx);
         let fwd = ForwardNode {
             name: node.name.clone(),
-            op: node.op.clone(),
+            op: node.op.to_string(),
             device: node.device.clone(),
             attrs: node.resolved_attrs(),
             inputs: all_inputs
@@ -474,7 +474,7 @@ pub fn gradients(
         };
         let failed = |message: String| AutodiffError::GradientFailed {
             node: node.name.clone(),
-            op: node.op.clone(),
+            op: node.op.to_string(),
             message,
         };
         let dxs = f(&mut b, &fwd, &dys).map_err(failed)?;

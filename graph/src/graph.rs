@@ -37,8 +37,8 @@ use std::sync::Arc;
 pub struct Node {
     /// Unique name.
     pub name: String,
-    /// Op type.
-    pub op: String,
+    /// Op type: the registered op's name (empty only for an op that failed validation).
+    pub op: &'static str,
     /// Requested device as written (possibly partial, possibly empty).
     pub device: String,
     /// Nodes this node must be colocated with.
@@ -53,7 +53,7 @@ impl Node {
     /// The op's declaration (every node of a validated graph has a registered op).
     pub fn op_def(&self) -> &'static OpDef {
         // Validation guarantees the op exists; a missing op would be a bug in this crate.
-        registry().get(&self.op).unwrap_or_else(|| {
+        registry().get(self.op).unwrap_or_else(|| {
             panic!(
                 "validated node `{}` has unregistered op `{}`",
                 self.name, self.op
@@ -144,15 +144,15 @@ impl Graph {
             }
             node_of_def.push(Some(NodeIndex::new(next as usize)));
             def_of_node.push(i);
+            // An unknown op is reported below (by the def's name for it).
+            let op = registry().get(&n.op);
             g.add_node(Node {
                 name: n.name.clone(),
-                op: n.op.clone(),
+                op: op.map_or("", |op| op.name),
                 device: n.device.clone(),
                 colocate_with: n.colocate_with.clone(),
                 // Attribute names the op declares are kept as its `&'static str`s.
-                attrs: Attrs::from_map_with(&n.attrs, |k| {
-                    registry().get(&n.op)?.attr(k).map(|a| a.name)
-                }),
+                attrs: Attrs::from_map_with(&n.attrs, |k| op?.attr(k).map(|a| a.name)),
                 outputs: Arc::from([]),
             });
         }
@@ -163,12 +163,15 @@ impl Graph {
         let mut good_devices: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for idx in g.node_indices() {
             let n = &g[idx];
-            match registry().get(&n.op) {
-                None => errs.push(GraphError::UnknownOp {
-                    node: n.name.clone(),
-                    op: n.op.clone(),
-                    suggestion: registry().suggest(&n.op),
-                }),
+            match registry().get(n.op) {
+                None => {
+                    let op = &def.nodes[def_of_node[idx.index()]].op;
+                    errs.push(GraphError::UnknownOp {
+                        node: n.name.clone(),
+                        op: op.clone(),
+                        suggestion: registry().suggest(op),
+                    })
+                }
                 Some(op) => {
                     let before = errs.len();
                     check_attrs(n, op, &mut errs);
@@ -273,7 +276,7 @@ impl Graph {
         }
         for (src, dst, e) in pending_edges {
             if let Edge::Data { src_output, .. } = e {
-                if let Some(op) = registry().get(&g[src].op) {
+                if let Some(op) = registry().get(g[src].op) {
                     if src_output >= op.outputs.len() {
                         errs.push(GraphError::NoSuchOutput {
                             node: g[dst].name.clone(),
@@ -326,11 +329,11 @@ impl Graph {
                     if !producer.op_def().is_variable {
                         errs.push(GraphError::RefInput {
                             node: node.name.clone(),
-                            op: node.op.clone(),
+                            op: node.op.to_string(),
                             index: i,
                             arg: arg.name,
                             producer: producer.name.clone(),
-                            producer_op: producer.op.clone(),
+                            producer_op: producer.op.to_string(),
                         });
                         ref_ok = false;
                     }
@@ -361,7 +364,7 @@ impl Graph {
                 }
                 Ok(outs) => errs.push(GraphError::Shape {
                     node: node.name.clone(),
-                    op: node.op.clone(),
+                    op: node.op.to_string(),
                     message: format!(
                         "shape rule returned {} outputs, op declares {}",
                         outs.len(),
@@ -370,7 +373,7 @@ impl Graph {
                 }),
                 Err(message) => errs.push(GraphError::Shape {
                     node: node.name.clone(),
-                    op: node.op.clone(),
+                    op: node.op.to_string(),
                     message,
                 }),
             }
@@ -405,12 +408,12 @@ impl Graph {
         let mut known_ops: Vec<&'static str> = Vec::new();
         for node in nodes {
             let i = g.node_count();
-            if !known_ops.contains(&node.op.as_str()) {
-                match registry().get(&node.op) {
+            if !known_ops.contains(&node.op) {
+                match registry().get(node.op) {
                     None => errs.push(GraphError::UnknownOp {
                         node: node.name.clone(),
-                        op: node.op.clone(),
-                        suggestion: registry().suggest(&node.op),
+                        op: node.op.to_string(),
+                        suggestion: registry().suggest(node.op),
                     }),
                     // Bounded, so a graph of many ops does not make this quadratic.
                     Some(op) if known_ops.len() < 32 => known_ops.push(op.name),
@@ -526,7 +529,7 @@ impl Graph {
                 );
                 NodeDef {
                     name: n.name.clone(),
-                    op: n.op.clone(),
+                    op: n.op.to_string(),
                     inputs,
                     device: n.device.clone(),
                     colocate_with: n.colocate_with.clone(),
@@ -670,7 +673,7 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
         match op.attr(name) {
             None => errs.push(GraphError::UnknownAttr {
                 node: n.name.clone(),
-                op: n.op.clone(),
+                op: n.op.to_string(),
                 attr: name.to_string(),
                 valid: op.attrs.iter().map(|a| a.name).collect(),
             }),
@@ -687,7 +690,7 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
         if a.default.value().is_none() && !n.attrs.contains_key(a.name) {
             errs.push(GraphError::MissingAttr {
                 node: n.name.clone(),
-                op: n.op.clone(),
+                op: n.op.to_string(),
                 attr: a.name,
                 ty: a.ty,
             });

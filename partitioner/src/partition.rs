@@ -943,7 +943,7 @@ impl NodeMaker<'_> {
                     .collect();
                 Node {
                     name: node.name.clone(),
-                    op: node.op.clone(),
+                    op: node.op,
                     device: self.dev_str[d].clone(),
                     colocate_with,
                     attrs: node.attrs.clone(),
@@ -995,7 +995,7 @@ impl NodeMaker<'_> {
                 name.push_str("/value");
                 Node {
                     name,
-                    op: "Const".into(),
+                    op: "Const",
                     device: self.dev_str[p.send_dev as usize].clone(),
                     colocate_with: vec![],
                     attrs,
@@ -1103,7 +1103,7 @@ fn send_node(
 ) -> Node {
     Node {
         name,
-        op: "Send".into(),
+        op: "Send",
         device: send_device.into(),
         colocate_with: vec![],
         attrs: transfer_attrs(
@@ -1136,7 +1136,7 @@ fn recv_node(
     );
     Node {
         name,
-        op: "Recv".into(),
+        op: "Recv",
         device: recv_device.into(),
         colocate_with: vec![],
         attrs,
@@ -1219,7 +1219,7 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("cycle"), "{e}");
         let mut unknown = node(0);
-        unknown.op = "NoSuchOp".into();
+        unknown.op = "NoSuchOp";
         assert!(Graph::from_parts(vec![unknown], vec![]).is_err());
     }
 }
