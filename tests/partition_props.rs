@@ -90,7 +90,7 @@ fn merged(p: &Partitions) -> HashMap<String, (Vec<String>, BTreeSet<String>)> {
         for idx in g.node_indices() {
             let n = g.node(idx);
             assert_eq!(
-                n.device, d,
+                &*n.device, d,
                 "node {} lives in its partition's device",
                 n.name
             );

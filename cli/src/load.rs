@@ -260,7 +260,7 @@ impl Summary {
         for idx in graph.node_indices() {
             let n = graph.node(idx);
             *ops.entry(n.op.into()).or_default() += 1;
-            *devices.entry(n.device.clone()).or_default() += 1;
+            *devices.entry(n.device.to_string()).or_default() += 1;
             if n.op == "Placeholder" {
                 let ty = n
                     .outputs

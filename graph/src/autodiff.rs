@@ -457,7 +457,7 @@ pub fn gradients(
         let fwd = ForwardNode {
             name: node.name.clone(),
             op: node.op.to_string(),
-            device: node.device.clone(),
+            device: node.device.to_string(),
             attrs: node.resolved_attrs(),
             inputs: all_inputs
                 .iter()

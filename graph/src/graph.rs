@@ -39,8 +39,9 @@ pub struct Node {
     pub name: String,
     /// Op type: the registered op's name (empty only for an op that failed validation).
     pub op: &'static str,
-    /// Requested device as written (possibly partial, possibly empty).
-    pub device: String,
+    /// Requested device as written (possibly partial, possibly empty). Shared: nodes on one
+    /// device usually hold the same string.
+    pub device: Arc<str>,
     /// Nodes this node must be colocated with.
     pub colocate_with: Vec<String>,
     /// Attributes as written in the source (defaults not filled in).
@@ -128,6 +129,8 @@ impl Graph {
         // The node of each entry of `def` (none for a duplicate), and the entry of each node.
         let mut node_of_def: Vec<Option<NodeIndex>> = Vec::with_capacity(def.nodes.len());
         let mut def_of_node: Vec<usize> = Vec::with_capacity(def.nodes.len());
+        // Nodes name a handful of devices: one shared string each.
+        let mut devices: HashMap<&str, Arc<str>> = HashMap::new();
         for (i, n) in def.nodes.iter().enumerate() {
             if let Err(message) = check_node_name(&n.name) {
                 errs.push(GraphError::InvalidName { index: i, message });
@@ -149,7 +152,10 @@ impl Graph {
             g.add_node(Node {
                 name: n.name.clone(),
                 op: op.map_or("", |op| op.name),
-                device: n.device.clone(),
+                device: devices
+                    .entry(n.device.as_str())
+                    .or_insert_with(|| Arc::from(n.device.as_str()))
+                    .clone(),
                 colocate_with: n.colocate_with.clone(),
                 // Attribute names the op declares are kept as its `&'static str`s.
                 attrs: Attrs::from_map_with(&n.attrs, |k| op?.attr(k).map(|a| a.name)),
@@ -175,7 +181,7 @@ impl Graph {
                 Some(op) => {
                     let before = errs.len();
                     check_attrs(n, op, &mut errs);
-                    if !good_devices.contains(n.device.as_str()) && check_device(n, &mut errs) {
+                    if !good_devices.contains(&*n.device) && check_device(n, &mut errs) {
                         good_devices.insert(&n.device);
                     }
                     op_ok[idx.index()] = errs.len() == before;
@@ -531,7 +537,7 @@ impl Graph {
                     name: n.name.clone(),
                     op: n.op.to_string(),
                     inputs,
-                    device: n.device.clone(),
+                    device: n.device.to_string(),
                     colocate_with: n.colocate_with.clone(),
                     attrs: n.attrs.to_map(),
                 }

@@ -906,9 +906,11 @@ struct NodeMaker<'a> {
     pairs: &'a [PairBuild],
 }
 
-/// Values every control pair's nodes of one partition share. One set per partition, so that
-/// threads building different partitions never count references on the same allocation.
+/// Values the nodes of one partition share. One set per partition, so that threads building
+/// different partitions never count references on the same allocation.
 struct PartShared {
+    /// The partition's device: every node's `device`.
+    device: Arc<str>,
     /// The value a control pair sends: an empty f32 tensor.
     empty: Option<Tensor>,
     /// Its type.
@@ -916,8 +918,9 @@ struct PartShared {
 }
 
 impl PartShared {
-    fn new() -> PartShared {
+    fn new(device: &str) -> PartShared {
         PartShared {
+            device: Arc::from(device),
             empty: Tensor::zeros(DType::F32, &[0]).ok(),
             control_type: Arc::from([TensorType::new(DType::F32, Shape::known(&[0]))]),
         }
@@ -944,7 +947,7 @@ impl NodeMaker<'_> {
                 Node {
                     name: node.name.clone(),
                     op: node.op,
-                    device: self.dev_str[d].clone(),
+                    device: local.device.clone(),
                     colocate_with,
                     attrs: node.attrs.clone(),
                     outputs: node.outputs.clone(),
@@ -954,8 +957,8 @@ impl NodeMaker<'_> {
                 let p = pair(p);
                 send_node(
                     p.send_node.clone(),
+                    local.device.clone(),
                     &p.tensor_name,
-                    &self.dev_str[p.send_dev as usize],
                     &self.dev_str[p.recv_dev as usize],
                     p.kind == PairKind::Fetch,
                 )
@@ -977,9 +980,9 @@ impl NodeMaker<'_> {
                 };
                 recv_node(
                     p.recv_node.clone(),
+                    local.device.clone(),
                     &p.tensor_name,
                     &self.dev_str[p.send_dev as usize],
-                    &self.dev_str[p.recv_dev as usize],
                     p.kind == PairKind::Feed,
                     outputs,
                 )
@@ -996,7 +999,7 @@ impl NodeMaker<'_> {
                 Node {
                     name,
                     op: "Const",
-                    device: self.dev_str[p.send_dev as usize].clone(),
+                    device: local.device.clone(),
                     colocate_with: vec![],
                     attrs,
                     outputs: local.control_type.clone(),
@@ -1023,7 +1026,7 @@ fn build_graphs(
             if part.items.is_empty() {
                 return None;
             }
-            let local = PartShared::new();
+            let local = PartShared::new(&maker.dev_str[d]);
             let nodes = part.items.iter().map(|&item| maker.node(d, item, &local));
             let edges = part.edges.iter().map(|e| {
                 let src = match e.from {
@@ -1094,50 +1097,46 @@ fn transfer_attrs(
     attrs
 }
 
+/// A Send node on `device` (the sending device, shared).
 fn send_node(
     name: String,
+    device: Arc<str>,
     tensor_name: &str,
-    send_device: &str,
     recv_device: &str,
     client_terminated: bool,
 ) -> Node {
+    let attrs = transfer_attrs(tensor_name, &device, recv_device, client_terminated, None);
     Node {
         name,
         op: "Send",
-        device: send_device.into(),
+        device,
         colocate_with: vec![],
-        attrs: transfer_attrs(
-            tensor_name,
-            send_device,
-            recv_device,
-            client_terminated,
-            None,
-        ),
+        attrs,
         outputs: Arc::from([]),
     }
 }
 
-/// A Recv node; its one output has the type it receives (what Recv's shape rule would infer),
-/// `outputs`.
+/// A Recv node on `device` (the receiving device, shared); its one output has the type it
+/// receives (what Recv's shape rule would infer), `outputs`.
 fn recv_node(
     name: String,
+    device: Arc<str>,
     tensor_name: &str,
     send_device: &str,
-    recv_device: &str,
     client_terminated: bool,
     outputs: Arc<[TensorType]>,
 ) -> Node {
     let attrs = transfer_attrs(
         tensor_name,
         send_device,
-        recv_device,
+        &device,
         client_terminated,
         outputs.first(),
     );
     Node {
         name,
         op: "Recv",
-        device: recv_device.into(),
+        device,
         colocate_with: vec![],
         attrs,
         outputs,
