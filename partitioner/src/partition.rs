@@ -153,11 +153,45 @@ fn parse_tensor(g: &Graph, what: &'static str, s: &str) -> Result<TensorRef, Par
 /// Generated node names: readable, deterministic, valid, and never equal to a graph node.
 struct Namer<'a> {
     graph: &'a Graph,
+    /// The graph's node names that start like generated names (`send/`, `recv/`), found on
+    /// first use: one pass over the names beats a lookup in a large graph's name table per
+    /// generated name, and the set is almost always empty.
+    taken: Option<HashSet<&'a str>>,
     /// Suffixed names handed out after a clash (almost always empty).
     used: HashSet<String>,
 }
 
-impl Namer<'_> {
+/// How generated names start; see [`Namer::is_free`].
+const GENERATED_PREFIXES: [&str; 2] = ["send/", "recv/"];
+
+impl<'a> Namer<'a> {
+    fn new(graph: &'a Graph) -> Namer<'a> {
+        Namer {
+            graph,
+            taken: None,
+            used: HashSet::new(),
+        }
+    }
+
+    /// Whether `name` is neither a graph node's nor already handed out.
+    fn is_free(&mut self, name: &str) -> bool {
+        if !self.used.is_empty() && self.used.contains(name) {
+            return false;
+        }
+        if !GENERATED_PREFIXES.iter().any(|p| name.starts_with(p)) {
+            return self.graph.find(name).is_none();
+        }
+        let graph = self.graph;
+        let taken = self.taken.get_or_insert_with(|| {
+            graph
+                .node_indices()
+                .map(|v| graph.node(v).name.as_str())
+                .filter(|n| GENERATED_PREFIXES.iter().any(|p| n.starts_with(p)))
+                .collect()
+        });
+        !taken.contains(name)
+    }
+
     fn tensor_part(&self, src: Source, feeds: &[TensorRef]) -> String {
         match src {
             Source::Data(n, o) => indexed(
@@ -182,15 +216,14 @@ impl Namer<'_> {
         if name.len() > 200 {
             name = format!("{prefix}/pair_{pair}/{dir}/{device}");
         }
-        if self.graph.find(&name).is_none() && (self.used.is_empty() || !self.used.contains(&name))
-        {
+        if self.is_free(&name) {
             return name;
         }
         // Rare: a user node already has this name. Suffix until free, and remember the result.
         let mut k = 1;
         loop {
             let candidate = format!("{name}_{k}");
-            if self.graph.find(&candidate).is_none() && !self.used.contains(&candidate) {
+            if self.is_free(&candidate) {
                 self.used.insert(candidate.clone());
                 return candidate;
             }
@@ -367,7 +400,7 @@ pub fn partition(
     // Intern devices; ids follow DeviceName order, the client last-but-sorted among them.
     let client = DeviceName::parse(CLIENT_DEVICE).unwrap_or_default();
     let mut dev_raw = Vec::with_capacity(n);
-    let mut index: HashMap<&DeviceName, u32> = HashMap::new();
+    let mut index: FastMap<&DeviceName, u32> = FastMap::default();
     let mut uniq: Vec<&DeviceName> = Vec::new();
     let mut first_node: Vec<usize> = Vec::new();
     let mut last: Option<(&DeviceName, u32)> = None;
@@ -497,10 +530,7 @@ pub fn partition(
 
     // Work out the pairs and each partition's node order. Partitions hold small `Item`s here;
     // the nodes themselves are made afterwards, straight into each partition's graph.
-    let mut namer = Namer {
-        graph: g,
-        used: HashSet::new(),
-    };
+    let mut namer = Namer::new(g);
     let mut kept_on = vec![0usize; all.len()];
     for (i, &d) in dev.iter().enumerate() {
         if keep[i] {
@@ -878,10 +908,13 @@ fn sorted_pairs(
     });
     let mut made: Vec<Option<TransferPair>> =
         pairs.into_par_iter().map(|p| Some(make(p))).collect();
-    order
-        .iter()
-        .filter_map(|&(_, _, i)| made[i as usize].take())
-        .collect()
+    let mut sorted = Vec::with_capacity(made.len());
+    sorted.extend(
+        order
+            .iter()
+            .filter_map(|&(_, _, i)| made[i as usize].take()),
+    );
+    sorted
 }
 
 /// The type a pair carries: its source tensor's, or an empty f32 for a control pair.
