@@ -181,41 +181,32 @@ impl<'a> Namer<'a> {
         if !GENERATED_PREFIXES.iter().any(|p| name.starts_with(p)) {
             return self.graph.find(name).is_none();
         }
-        let graph = self.graph;
-        let taken = self.taken.get_or_insert_with(|| {
-            graph
-                .node_indices()
-                .map(|v| graph.node(v).name.as_str())
-                .filter(|n| GENERATED_PREFIXES.iter().any(|p| n.starts_with(p)))
-                .collect()
-        });
-        !taken.contains(name)
+        !self.taken().contains(name)
     }
 
-    fn tensor_part(&self, src: Source, feeds: &[TensorRef]) -> String {
-        match src {
-            Source::Data(n, o) => indexed(
-                &self.graph.node(NodeIndex::new(n as usize)).name,
-                "_",
-                o as usize,
-            ),
-            Source::Feed(f) => {
-                let t = feeds[f as usize];
-                indexed(&self.graph.node(t.node).name, "_", t.out)
-            }
-            Source::Control(n) => {
-                concat(&[&self.graph.node(NodeIndex::new(n as usize)).name, "_ctrl"])
-            }
-        }
+    fn taken(&mut self) -> &HashSet<&'a str> {
+        use rayon::prelude::*;
+        let graph = self.graph;
+        self.taken.get_or_insert_with(|| {
+            let taken: Vec<&str> = (0..graph.num_nodes())
+                .into_par_iter()
+                .map(|v| graph.node(NodeIndex::new(v)).name.as_str())
+                .filter(|n| GENERATED_PREFIXES.iter().any(|p| n.starts_with(p)))
+                .collect();
+            taken.into_iter().collect()
+        })
+    }
+
+    /// Whether some generated name could equal a graph node's (then names are handed out one
+    /// by one, in pair order; otherwise every name is its plain form).
+    fn clash_possible(&mut self) -> bool {
+        !self.taken().is_empty()
     }
 
     /// `{prefix}/{tensor}/{dir}/{device}`, falling back to a numbered name when too long or
     /// taken by a graph node.
     fn name(&mut self, prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) -> String {
-        let mut name = concat(&[prefix, "/", tensor, "/", dir, "/", device]);
-        if name.len() > 200 {
-            name = format!("{prefix}/pair_{pair}/{dir}/{device}");
-        }
+        let name = plain_name(prefix, tensor, dir, device, pair);
         if self.is_free(&name) {
             return name;
         }
@@ -230,6 +221,99 @@ impl<'a> Namer<'a> {
             k += 1;
         }
     }
+}
+
+/// `{prefix}/{tensor}/{dir}/{device}`, or `{prefix}/pair_{pair}/{dir}/{device}` when that would
+/// be longer than 200 bytes: a generated name before any clash is resolved.
+fn plain_name(prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) -> String {
+    let name = concat(&[prefix, "/", tensor, "/", dir, "/", device]);
+    if name.len() > 200 {
+        return format!("{prefix}/pair_{pair}/{dir}/{device}");
+    }
+    name
+}
+
+/// The tensor part of a generated name: the source tensor with `:` replaced by `_`, or
+/// `{node}_ctrl` for a control edge.
+fn tensor_part(g: &Graph, feeds: &[TensorRef], src: Source) -> String {
+    match src {
+        Source::Data(n, o) => indexed(&g.node(NodeIndex::new(n as usize)).name, "_", o as usize),
+        Source::Feed(f) => {
+            let t = feeds[f as usize];
+            indexed(&g.node(t.node).name, "_", t.out)
+        }
+        Source::Control(n) => concat(&[&g.node(NodeIndex::new(n as usize)).name, "_ctrl"]),
+    }
+}
+
+/// The tensor a pair carries: `node:out`, or `^node` for a control edge.
+fn tensor_name(g: &Graph, feeds: &[TensorRef], src: Source) -> String {
+    match src {
+        Source::Data(u, o) => indexed(&g.node(NodeIndex::new(u as usize)).name, ":", o as usize),
+        Source::Feed(f) => {
+            let t = feeds[f as usize];
+            indexed(&g.node(t.node).name, ":", t.out)
+        }
+        Source::Control(u) => concat(&["^", &g.node(NodeIndex::new(u as usize)).name]),
+    }
+}
+
+/// The names of a pair: its tensor, and its Send and Recv nodes (empty on the client's side).
+struct PairNames {
+    tensor_name: String,
+    send_node: String,
+    recv_node: String,
+}
+
+/// Names every pair. Each name is its plain form unless a graph node's name starts like a
+/// generated one; then names are handed out one by one in pair order (feeds, then pairs as
+/// the walk over the graph made them, then fetches), suffixing any clash.
+fn name_pairs(
+    g: &Graph,
+    feeds: &[TensorRef],
+    pairs: &[PairBuild],
+    short: &[String],
+) -> Vec<PairNames> {
+    use rayon::prelude::*;
+    // The names of `pair`, given how to name one node from (prefix, tensor, dir, device).
+    let names = |pair: &PairBuild, name: &mut dyn FnMut(&str, &str, &str, &str) -> String| {
+        let tensor = tensor_part(g, feeds, pair.src);
+        let (send_node, recv_node) = match pair.kind {
+            PairKind::Feed => (String::new(), name("recv", &tensor, "from", "client")),
+            PairKind::Fetch => (name("send", &tensor, "to", "client"), String::new()),
+            PairKind::Remote => {
+                let send = name("send", &tensor, "to", &short[pair.recv_dev as usize]);
+                let recv = name("recv", &tensor, "from", &short[pair.send_dev as usize]);
+                (send, recv)
+            }
+        };
+        PairNames {
+            tensor_name: tensor_name(g, feeds, pair.src),
+            send_node,
+            recv_node,
+        }
+    };
+    let mut namer = Namer::new(g);
+    if namer.clash_possible() {
+        return pairs
+            .iter()
+            .enumerate()
+            .map(|(p, pair)| {
+                names(pair, &mut |prefix, tensor, dir, device| {
+                    namer.name(prefix, tensor, dir, device, p)
+                })
+            })
+            .collect();
+    }
+    pairs
+        .par_iter()
+        .enumerate()
+        .map(|(p, pair)| {
+            names(pair, &mut |prefix, tensor, dir, device| {
+                plain_name(prefix, tensor, dir, device, p)
+            })
+        })
+        .collect()
 }
 
 /// The strings of `parts` joined, in a string of exactly their size (`format!` grows its buffer
@@ -286,17 +370,15 @@ enum PairKind {
     Fetch,
 }
 
-/// A pair under construction. Its type comes from its source (`source_type`).
+/// A pair under construction. Its type comes from its source (`source_type`), its names from
+/// `name_pairs`.
 struct PairBuild {
     src: Source,
     kind: PairKind,
     send_dev: u32,
     recv_dev: u32,
-    send_node: String,
-    recv_node: String,
     /// The Recv's position in its partition (`u32::MAX` for a fetch: the client receives).
     recv_local: u32,
-    tensor_name: String,
 }
 
 /// Where an edge of a partition under construction starts.
@@ -530,7 +612,6 @@ pub fn partition(
 
     // Work out the pairs and each partition's node order. Partitions hold small `Item`s here;
     // the nodes themselves are made afterwards, straight into each partition's graph.
-    let mut namer = Namer::new(g);
     let mut kept_on = vec![0usize; all.len()];
     for (i, &d) in dev.iter().enumerate() {
         if keep[i] {
@@ -561,30 +642,10 @@ pub fn partition(
             Source::Feed(f) => dev[feeds[f as usize].node.index()],
         }
     };
-    let feed_recv_names: Vec<String> = feeds
-        .iter()
-        .enumerate()
-        .map(|(f, _)| {
-            let tensor = namer.tensor_part(Source::Feed(f as u32), &feeds);
-            namer.name("recv", &tensor, "from", "client", f)
-        })
-        .collect();
-    let tensor_name = |src: Source| -> String {
-        match src {
-            Source::Data(u, o) => {
-                indexed(&g.node(NodeIndex::new(u as usize)).name, ":", o as usize)
-            }
-            Source::Feed(f) => {
-                let t = feeds[f as usize];
-                indexed(&g.node(t.node).name, ":", t.out)
-            }
-            Source::Control(u) => concat(&["^", &g.node(NodeIndex::new(u as usize)).name]),
-        }
-    };
 
     // Feed pairs first, so feed Recvs lead their partitions.
     let mut feed_recv_local: Vec<u32> = Vec::with_capacity(feeds.len());
-    for (f, (t, recv)) in feeds.iter().zip(feed_recv_names).enumerate() {
+    for (f, t) in feeds.iter().enumerate() {
         let d = dev[t.node.index()];
         let p = pairs.len() as u32;
         let local = parts[d as usize].push(Item::Recv(p));
@@ -594,10 +655,7 @@ pub fn partition(
             kind: PairKind::Feed,
             send_dev: client_id,
             recv_dev: d,
-            send_node: String::new(),
-            recv_node: recv,
             recv_local: local,
-            tensor_name: tensor_name(Source::Feed(f as u32)),
         });
     }
     // Where `src` comes from on its own device: (node, output).
@@ -611,7 +669,6 @@ pub fn partition(
 
     // Creates the pair carrying `src` from device `sd` to device `d` and returns the position of
     // its Recv on `d`.
-    #[allow(clippy::too_many_arguments)]
     fn remote(
         src: Source,
         d: u32,
@@ -619,16 +676,9 @@ pub fn partition(
         pairs: &mut Vec<PairBuild>,
         pair_of: &mut FastMap<(Source, u32), u32>,
         parts: &mut [PartBuild],
-        namer: &mut Namer<'_>,
-        feeds: &[TensorRef],
-        short: &[String],
         (local, out): (EdgeSrc, usize),
-        tensor_name: String,
     ) -> u32 {
         let p = pairs.len();
-        let tensor = namer.tensor_part(src, feeds);
-        let send = namer.name("send", &tensor, "to", &short[d as usize], p);
-        let recv = namer.name("recv", &tensor, "from", &short[sd as usize], p);
         let sender = &mut parts[sd as usize];
         let send_input = if let Source::Control(_) = src {
             // A control pair sends an empty constant that runs after the source.
@@ -649,10 +699,7 @@ pub fn partition(
             kind: PairKind::Remote,
             send_dev: sd,
             recv_dev: d,
-            send_node: send,
-            recv_node: recv,
             recv_local,
-            tensor_name,
         });
         recv_local
     }
@@ -698,11 +745,7 @@ pub fn partition(
                         &mut pairs,
                         &mut pair_of,
                         &mut parts,
-                        &mut namer,
-                        &feeds,
-                        &short,
                         local_ref($src),
-                        tensor_name($src),
                     ),
                 }
             };
@@ -713,7 +756,7 @@ pub fn partition(
                 Some(f) => {
                     if is_ref {
                         return Err(PartitionError::FeedIntoRef {
-                            tensor: tensor_name(Source::Feed(f)),
+                            tensor: tensor_name(g, &feeds, Source::Feed(f)),
                             consumer: node.name.clone(),
                         });
                     }
@@ -775,8 +818,6 @@ pub fn partition(
         }
         let sd = source_dev(src);
         let p = pairs.len();
-        let tensor = namer.tensor_part(src, &feeds);
-        let send = namer.name("send", &tensor, "to", "client", p);
         let part = &mut parts[sd as usize];
         let s = part.push(Item::Send(p as u32));
         let (from, out) = local_ref(src);
@@ -786,31 +827,29 @@ pub fn partition(
             kind: PairKind::Fetch,
             send_dev: sd,
             recv_dev: client_id,
-            send_node: send,
-            recv_node: String::new(),
             recv_local: u32::MAX,
-            tensor_name: tensor_name(src),
         });
         fetch_pair.insert(src, p as u32);
         fetch_pairs_in_order.push(p as u32);
     }
 
-    // Keys and client endpoints.
-    let key_of = |p: &PairBuild| {
+    // Names, keys and client endpoints.
+    let names = name_pairs(g, &feeds, &pairs, &short);
+    let key_of = |p: &PairBuild, tensor_name: &str| {
         concat(&[
             &dev_str[p.send_dev as usize],
             ";",
             &dev_str[p.recv_dev as usize],
             ";",
-            &p.tensor_name,
+            tensor_name,
         ])
     };
-    let endpoint = |p: u32, device: fn(&PairBuild) -> u32| {
-        let p = &pairs[p as usize];
+    let endpoint = |i: u32, device: fn(&PairBuild) -> u32| {
+        let (p, tensor) = (&pairs[i as usize], &names[i as usize].tensor_name);
         ClientEndpoint {
-            tensor: p.tensor_name.clone(),
+            tensor: tensor.clone(),
             device: all[device(p) as usize].clone(),
-            key: key_of(p),
+            key: key_of(p, tensor),
         }
     };
     let feed_eps: Vec<ClientEndpoint> = feed_index
@@ -830,6 +869,7 @@ pub fn partition(
         dev_str: &dev_str,
         feeds: &feeds,
         pairs: &pairs,
+        names: &names,
     };
     let built = build_graphs(parts, &local_of, &all, &ctx)?;
     let mut partitions = BTreeMap::new();
@@ -839,10 +879,10 @@ pub fn partition(
     }
 
     // The pair list, sorted by (send device, receive device, tensor name).
-    let sorted = sorted_pairs(pairs, |p| {
+    let sorted = sorted_pairs(pairs, names, |p, names| {
         let ty = source_type(g, &feeds, p.src);
         TransferPair {
-            key: key_of(&p),
+            key: key_of(&p, &names.tensor_name),
             send_device: dev_str[p.send_dev as usize].clone(),
             recv_device: dev_str[p.recv_dev as usize].clone(),
             is_control: matches!(p.src, Source::Control(_)),
@@ -851,9 +891,9 @@ pub fn partition(
                 .shape
                 .num_elements()
                 .and_then(|e| e.checked_mul(ty.dtype.size_of())),
-            tensor_name: p.tensor_name,
-            send_node: p.send_node,
-            recv_node: p.recv_node,
+            tensor_name: names.tensor_name,
+            send_node: names.send_node,
+            recv_node: names.recv_node,
             dtype: ty.dtype,
             shape: ty.shape,
         }
@@ -886,7 +926,8 @@ pub fn partition(
 /// receive device, tensor name); device ids follow [`DeviceName`] order.
 fn sorted_pairs(
     pairs: Vec<PairBuild>,
-    make: impl Fn(PairBuild) -> TransferPair + Sync,
+    names: Vec<PairNames>,
+    make: impl Fn(PairBuild, PairNames) -> TransferPair + Sync,
 ) -> Vec<TransferPair> {
     use rayon::prelude::*;
     let mut order: Vec<(u32, u32, u32)> = pairs
@@ -900,14 +941,17 @@ fn sorted_pairs(
         (a.0, a.1)
             .cmp(&(b.0, b.1))
             .then_with(|| {
-                pairs[a.2 as usize]
+                names[a.2 as usize]
                     .tensor_name
-                    .cmp(&pairs[b.2 as usize].tensor_name)
+                    .cmp(&names[b.2 as usize].tensor_name)
             })
             .then(a.2.cmp(&b.2))
     });
-    let mut made: Vec<Option<TransferPair>> =
-        pairs.into_par_iter().map(|p| Some(make(p))).collect();
+    let mut made: Vec<Option<TransferPair>> = pairs
+        .into_par_iter()
+        .zip(names)
+        .map(|(p, n)| Some(make(p, n)))
+        .collect();
     let mut sorted = Vec::with_capacity(made.len());
     sorted.extend(
         order
@@ -937,6 +981,7 @@ struct NodeMaker<'a> {
     dev_str: &'a [String],
     feeds: &'a [TensorRef],
     pairs: &'a [PairBuild],
+    names: &'a [PairNames],
 }
 
 /// Values the nodes of one partition share. One set per partition, so that threads building
@@ -963,7 +1008,7 @@ impl PartShared {
 impl NodeMaker<'_> {
     /// The node `item` of the partition of device `d`.
     fn node(&self, d: usize, item: Item, local: &PartShared) -> Node {
-        let pair = |p: u32| &self.pairs[p as usize];
+        let pair = |p: u32| (&self.pairs[p as usize], &self.names[p as usize]);
         match item {
             Item::Orig(v) => {
                 let node = self.g.node(NodeIndex::new(v as usize));
@@ -987,17 +1032,17 @@ impl NodeMaker<'_> {
                 }
             }
             Item::Send(p) => {
-                let p = pair(p);
+                let (p, names) = pair(p);
                 send_node(
-                    p.send_node.clone(),
+                    names.send_node.clone(),
                     local.device.clone(),
-                    &p.tensor_name,
+                    &names.tensor_name,
                     &self.dev_str[p.recv_dev as usize],
                     p.kind == PairKind::Fetch,
                 )
             }
             Item::Recv(p) => {
-                let p = pair(p);
+                let (p, names) = pair(p);
                 let outputs = match p.src {
                     // A single-output source's type list is the Recv's: share it.
                     Source::Data(u, 0) => {
@@ -1012,25 +1057,22 @@ impl NodeMaker<'_> {
                     src => Arc::from([source_type(self.g, self.feeds, src)]),
                 };
                 recv_node(
-                    p.recv_node.clone(),
+                    names.recv_node.clone(),
                     local.device.clone(),
-                    &p.tensor_name,
+                    &names.tensor_name,
                     &self.dev_str[p.send_dev as usize],
                     p.kind == PairKind::Feed,
                     outputs,
                 )
             }
             Item::ControlValue(p) => {
-                let p = pair(p);
+                let (_, names) = pair(p);
                 let mut attrs = Attrs::with_capacity(1);
                 if let Some(t) = &local.empty {
                     attrs.insert("value", AttrValue::Tensor(t.clone()));
                 }
-                let mut name = String::with_capacity(p.send_node.len() + 6);
-                name.push_str(&p.send_node);
-                name.push_str("/value");
                 Node {
-                    name,
+                    name: concat(&[&names.send_node, "/value"]),
                     op: "Const",
                     device: local.device.clone(),
                     colocate_with: vec![],
@@ -1215,6 +1257,43 @@ mod tests {
         let some = partition(&placed, &opts).unwrap();
         assert!(some.pairs.iter().any(|p| p.client_terminated));
         assert_same_as_validated(&some);
+    }
+
+    #[test]
+    fn generated_names_step_around_graph_nodes() {
+        use dflow_graph::builder::GraphBuilder;
+        let mut b = GraphBuilder::new();
+        let a = b.placeholder("a", DType::F32, &[2]);
+        let _c = b.op("Identity", "c").input(&a).finish();
+        // Nodes named like the pair's Send and Recv (and like the first suffixed Send name).
+        for name in [
+            "send/a_0/to/worker_1",
+            "send/a_0/to/worker_1_1",
+            "recv/a_0/from/worker_0",
+        ] {
+            b.placeholder(name, DType::F32, &[1]);
+        }
+        let graph = b.build().unwrap();
+        let (w0, w1) = (
+            DeviceName::full("worker", 0, "CPU", 0),
+            DeviceName::full("worker", 1, "CPU", 0),
+        );
+        let devices = graph
+            .node_indices()
+            .map(|v| {
+                if graph.node(v).name == "c" {
+                    w1.clone()
+                } else {
+                    w0.clone()
+                }
+            })
+            .collect();
+        let placed = PlacedGraph { graph, devices };
+        let p = partition(&placed, &PartitionOptions::default()).unwrap();
+        assert_eq!(p.pairs.len(), 1);
+        assert_eq!(p.pairs[0].send_node, "send/a_0/to/worker_1_2");
+        assert_eq!(p.pairs[0].recv_node, "recv/a_0/from/worker_0_1");
+        assert_same_as_validated(&p);
     }
 
     #[test]
