@@ -400,7 +400,8 @@ impl Graph {
     ///
     /// Attributes are not re-checked and types are not re-inferred. Only cheap structural checks
     /// run: registered ops, unique names, edge endpoints and producer output slots in range, and
-    /// no cycle.
+    /// no cycle. Nodes and edges may come from iterators (their size hints size the graph), so a
+    /// caller can make each node straight into the graph.
     pub fn from_parts(
         nodes: impl IntoIterator<Item = Node>,
         edges: impl IntoIterator<Item = (u32, u32, Edge)>,
