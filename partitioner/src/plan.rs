@@ -42,9 +42,24 @@ pub(crate) fn build_buffer_plan<'a>(
     devices: impl Iterator<Item = &'a DeviceName>,
     mut origin: impl FnMut(&TransferPair) -> Option<String>,
 ) -> BufferPlan {
+    use rayon::prelude::*;
     let client = dflow_graph::ops::transfer::CLIENT_DEVICE;
+    // Slots are numbered in key order over the static pairs; copying keys and shapes is the
+    // bulk of the work, done in parallel.
+    let statics: Vec<(&TransferPair, usize)> =
+        pairs.iter().filter_map(|p| Some((p, p.bytes?))).collect();
     let mut plan = BufferPlan {
-        slots: Vec::with_capacity(pairs.iter().filter(|p| p.bytes.is_some()).count()),
+        slots: statics
+            .par_iter()
+            .enumerate()
+            .map(|(slot, &(p, bytes))| SlotPlan {
+                key: p.key.clone(),
+                dtype: p.dtype,
+                shape: p.shape.clone(),
+                bytes,
+                slot,
+            })
+            .collect(),
         ..BufferPlan::default()
     };
     let mut per_device: BTreeMap<&str, usize> = BTreeMap::new();
@@ -58,13 +73,6 @@ pub(crate) fn build_buffer_plan<'a>(
     for p in pairs {
         match p.bytes {
             Some(bytes) => {
-                plan.slots.push(SlotPlan {
-                    key: p.key.clone(),
-                    dtype: p.dtype,
-                    shape: p.shape.clone(),
-                    bytes,
-                    slot: plan.slots.len(),
-                });
                 if p.recv_device != client {
                     match &mut run {
                         Some((d, sum)) if *d == p.recv_device => *sum = sum.saturating_add(bytes),

@@ -171,6 +171,7 @@ enum PairKind {
 
 /// A pair under construction. Its type comes from its source (`source_type`), its names from
 /// `name_pairs`.
+#[derive(Clone, Copy)]
 struct PairBuild {
     src: Source,
     kind: PairKind,
@@ -725,7 +726,7 @@ pub fn partition(
 /// receive device, tensor name); device ids follow [`DeviceName`] order.
 fn sorted_pairs(
     pairs: Vec<PairBuild>,
-    names: Vec<PairNames>,
+    mut names: Vec<PairNames>,
     make: impl Fn(PairBuild, PairNames) -> TransferPair + Sync,
 ) -> Vec<TransferPair> {
     use rayon::prelude::*;
@@ -746,18 +747,12 @@ fn sorted_pairs(
             })
             .then(a.2.cmp(&b.2))
     });
-    let mut made: Vec<Option<TransferPair>> = pairs
-        .into_par_iter()
-        .zip(names)
-        .map(|(p, n)| Some(make(p, n)))
+    // Put the (small) pairs and their names in order, then make the pairs in place.
+    let in_order: Vec<(PairBuild, PairNames)> = order
+        .iter()
+        .map(|&(_, _, i)| (pairs[i as usize], std::mem::take(&mut names[i as usize])))
         .collect();
-    let mut sorted = Vec::with_capacity(made.len());
-    sorted.extend(
-        order
-            .iter()
-            .filter_map(|&(_, _, i)| made[i as usize].take()),
-    );
-    sorted
+    in_order.into_par_iter().map(|(p, n)| make(p, n)).collect()
 }
 
 /// The type a pair carries: its source tensor's, or an empty f32 for a control pair.

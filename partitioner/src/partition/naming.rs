@@ -120,6 +120,7 @@ pub(super) fn tensor_name(g: &Graph, feeds: &[TensorRef], src: Source) -> String
 }
 
 /// The names of a pair: its tensor, and its Send and Recv nodes (empty on the client's side).
+#[derive(Default)]
 pub(super) struct PairNames {
     pub(super) tensor_name: String,
     pub(super) send_node: String,
