@@ -90,11 +90,11 @@ fn merged(p: &Partitions) -> HashMap<String, (Vec<String>, BTreeSet<String>)> {
         for idx in g.node_indices() {
             let n = g.node(idx);
             assert_eq!(
-                n.device, d,
+                &*n.device, d,
                 "node {} lives in its partition's device",
                 n.name
             );
-            if matches!(n.op.as_str(), "Send" | "Recv") || n.name.ends_with("/value") {
+            if matches!(n.op, "Send" | "Recv") || n.name.ends_with("/value") {
                 continue;
             }
             let data = g

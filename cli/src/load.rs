@@ -219,7 +219,7 @@ fn check_sizes(graph: &Graph) -> Vec<GraphError> {
                 .filter(|(_, t)| t.shape.is_static() && t.byte_size().is_none())
                 .map(|(i, t)| GraphError::Shape {
                     node: n.name.clone(),
-                    op: n.op.clone(),
+                    op: n.op.into(),
                     message: format!("output {i} is {t}: more bytes than this machine can address"),
                 })
         })
@@ -259,8 +259,8 @@ impl Summary {
         let mut placeholders = Vec::new();
         for idx in graph.node_indices() {
             let n = graph.node(idx);
-            *ops.entry(n.op.clone()).or_default() += 1;
-            *devices.entry(n.device.clone()).or_default() += 1;
+            *ops.entry(n.op.into()).or_default() += 1;
+            *devices.entry(n.device.to_string()).or_default() += 1;
             if n.op == "Placeholder" {
                 let ty = n
                     .outputs

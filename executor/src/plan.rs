@@ -175,7 +175,7 @@ impl ExecutionPlan {
                     Some(AttrValue::String(s)) => Ok(s.clone()),
                     _ => Err(ExecError::KernelInit {
                         node: node.name.clone(),
-                        op: node.op.clone(),
+                        op: node.op.into(),
                         device: device_label.clone(),
                         message: format!("missing string attribute `{k}`"),
                     }),
@@ -199,7 +199,7 @@ impl ExecutionPlan {
                         op.kernel_for(&device_type)
                             .ok_or_else(|| ExecError::NoKernel {
                                 node: node.name.clone(),
-                                op: node.op.clone(),
+                                op: node.op.into(),
                                 device: device_label.clone(),
                                 device_type: device_type.clone(),
                             })?;
@@ -213,7 +213,7 @@ impl ExecutionPlan {
                     };
                     NodeAction::Kernel(factory(&init).map_err(|message| ExecError::KernelInit {
                         node: node.name.clone(),
-                        op: node.op.clone(),
+                        op: node.op.into(),
                         device: device_label.clone(),
                         message,
                     })?)

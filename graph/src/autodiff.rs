@@ -451,13 +451,13 @@ pub fn gradients(
         let op = node.op_def();
         let f = op.gradient.ok_or_else(|| AutodiffError::NoGradient {
             node: node.name.clone(),
-            op: node.op.clone(),
+            op: node.op.to_string(),
         })?;
         let all_inputs = g.inputs(idx);
         let fwd = ForwardNode {
             name: node.name.clone(),
-            op: node.op.clone(),
-            device: node.device.clone(),
+            op: node.op.to_string(),
+            device: node.device.to_string(),
             attrs: node.resolved_attrs(),
             inputs: all_inputs
                 .iter()
@@ -470,11 +470,11 @@ pub fn gradients(
                 .iter()
                 .filter_map(|(s, o)| g.output_type(*s, *o).cloned())
                 .collect(),
-            output_types: node.outputs.clone(),
+            output_types: node.outputs.to_vec(),
         };
         let failed = |message: String| AutodiffError::GradientFailed {
             node: node.name.clone(),
-            op: node.op.clone(),
+            op: node.op.to_string(),
             message,
         };
         let dxs = f(&mut b, &fwd, &dys).map_err(failed)?;

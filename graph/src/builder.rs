@@ -9,7 +9,7 @@
 //! let y = b.op("Identity", "y").input(&x).device("/job:worker/task:0").finish();
 //! let _done = b.op("NoOp", "done").control_dep(&y).control_dep(&w).finish();
 //! let g = b.build().unwrap();
-//! assert_eq!(g.node(g.find("w").unwrap()).device, "/job:ps/task:0");
+//! assert_eq!(&*g.node(g.find("w").unwrap()).device, "/job:ps/task:0");
 //! ```
 
 use crate::def::FORMAT_VERSION;

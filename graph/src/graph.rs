@@ -23,35 +23,38 @@
 
 use crate::def::{check_node_name, FORMAT_VERSION};
 use crate::error::{GraphError, GraphErrors};
+use crate::name_index::NameIndex;
 use crate::ops::{registry, InferCtx, OpDef, TensorType};
-use crate::{AttrValue, GraphDef, InputRef, NodeDef};
+use crate::{AttrValue, Attrs, GraphDef, InputRef, NodeDef};
 use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// A node of the validated graph.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Node {
     /// Unique name.
     pub name: String,
-    /// Op type.
-    pub op: String,
-    /// Requested device as written (possibly partial, possibly empty).
-    pub device: String,
+    /// Op type: the registered op's name (empty only for an op that failed validation).
+    pub op: &'static str,
+    /// Requested device as written (possibly partial, possibly empty). Shared: nodes on one
+    /// device usually hold the same string.
+    pub device: Arc<str>,
     /// Nodes this node must be colocated with.
     pub colocate_with: Vec<String>,
     /// Attributes as written in the source (defaults not filled in).
-    pub attrs: BTreeMap<String, AttrValue>,
-    /// Inferred type of each output.
-    pub outputs: Vec<TensorType>,
+    pub attrs: Attrs,
+    /// Inferred type of each output (shared: copies of a node, e.g. in partitions, share it).
+    pub outputs: Arc<[TensorType]>,
 }
 
 impl Node {
     /// The op's declaration (every node of a validated graph has a registered op).
     pub fn op_def(&self) -> &'static OpDef {
         // Validation guarantees the op exists; a missing op would be a bug in this crate.
-        registry().get(&self.op).unwrap_or_else(|| {
+        registry().get(self.op).unwrap_or_else(|| {
             panic!(
                 "validated node `{}` has unregistered op `{}`",
                 self.name, self.op
@@ -73,8 +76,8 @@ impl Node {
     }
 }
 
-fn resolve_attrs(op: &OpDef, attrs: &BTreeMap<String, AttrValue>) -> BTreeMap<String, AttrValue> {
-    let mut out = attrs.clone();
+fn resolve_attrs(op: &OpDef, attrs: &Attrs) -> BTreeMap<String, AttrValue> {
+    let mut out = attrs.to_map();
     for a in &op.attrs {
         if !out.contains_key(a.name) {
             if let Some(v) = a.default.value() {
@@ -103,7 +106,7 @@ pub enum Edge {
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     g: DiGraph<Node, Edge>,
-    by_name: HashMap<String, NodeIndex>,
+    by_name: NameIndex,
 }
 
 /// Limit on reported errors per graph, so a hostile file cannot make the report unbounded.
@@ -121,31 +124,43 @@ impl Graph {
         }
 
         // 1. Names.
-        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(def.nodes.len());
+        let mut by_name = NameIndex::with_capacity(def.nodes.len());
         let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(def.nodes.len(), def.nodes.len());
-        let mut first_index: HashMap<&str, usize> = HashMap::with_capacity(def.nodes.len());
+        // The node of each entry of `def` (none for a duplicate), and the entry of each node.
+        let mut node_of_def: Vec<Option<NodeIndex>> = Vec::with_capacity(def.nodes.len());
+        let mut def_of_node: Vec<usize> = Vec::with_capacity(def.nodes.len());
+        // Nodes name a handful of devices: one shared string each.
+        let mut devices: HashMap<&str, Arc<str>> = HashMap::new();
         for (i, n) in def.nodes.iter().enumerate() {
             if let Err(message) = check_node_name(&n.name) {
                 errs.push(GraphError::InvalidName { index: i, message });
             }
-            if let Some(&first) = first_index.get(n.name.as_str()) {
+            let next = g.node_count() as u32;
+            if let Err(first) = by_name.insert(&n.name, next, |k| name_at(&g, k)) {
                 errs.push(GraphError::DuplicateName {
                     name: n.name.clone(),
-                    first,
+                    first: def_of_node[first as usize],
                     second: i,
                 });
+                node_of_def.push(None);
                 continue;
             }
-            first_index.insert(&n.name, i);
-            let idx = g.add_node(Node {
+            node_of_def.push(Some(NodeIndex::new(next as usize)));
+            def_of_node.push(i);
+            // An unknown op is reported below (by the def's name for it).
+            let op = registry().get(&n.op);
+            g.add_node(Node {
                 name: n.name.clone(),
-                op: n.op.clone(),
-                device: n.device.clone(),
+                op: op.map_or("", |op| op.name),
+                device: devices
+                    .entry(n.device.as_str())
+                    .or_insert_with(|| Arc::from(n.device.as_str()))
+                    .clone(),
                 colocate_with: n.colocate_with.clone(),
-                attrs: n.attrs.clone(),
-                outputs: vec![],
+                // Attribute names the op declares are kept as its `&'static str`s.
+                attrs: Attrs::from_map_with(&n.attrs, |k| op?.attr(k).map(|a| a.name)),
+                outputs: Arc::from([]),
             });
-            by_name.insert(n.name.clone(), idx);
         }
 
         // 2. Ops and attributes.
@@ -154,16 +169,19 @@ impl Graph {
         let mut good_devices: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for idx in g.node_indices() {
             let n = &g[idx];
-            match registry().get(&n.op) {
-                None => errs.push(GraphError::UnknownOp {
-                    node: n.name.clone(),
-                    op: n.op.clone(),
-                    suggestion: registry().suggest(&n.op),
-                }),
+            match registry().get(n.op) {
+                None => {
+                    let op = &def.nodes[def_of_node[idx.index()]].op;
+                    errs.push(GraphError::UnknownOp {
+                        node: n.name.clone(),
+                        op: op.clone(),
+                        suggestion: registry().suggest(op),
+                    })
+                }
                 Some(op) => {
                     let before = errs.len();
                     check_attrs(n, op, &mut errs);
-                    if !good_devices.contains(n.device.as_str()) && check_device(n, &mut errs) {
+                    if !good_devices.contains(&*n.device) && check_device(n, &mut errs) {
                         good_devices.insert(&n.device);
                     }
                     op_ok[idx.index()] = errs.len() == before;
@@ -173,13 +191,15 @@ impl Graph {
 
         // 3. Inputs and edges.
         let mut pending_edges = Vec::new();
+        let find = |name: &str| {
+            by_name
+                .get(name, |k| name_at(&g, k))
+                .map(|k| NodeIndex::new(k as usize))
+        };
         for (i, n) in def.nodes.iter().enumerate() {
-            let Some(&dst) = by_name.get(&n.name) else {
-                continue;
-            };
-            if first_index.get(n.name.as_str()) != Some(&i) {
+            let Some(dst) = node_of_def[i] else {
                 continue; // a duplicate; already reported
-            }
+            };
             let mut seen_control = false;
             let mut data_inputs = 0;
             for input in &n.inputs {
@@ -193,7 +213,7 @@ impl Graph {
                         continue;
                     }
                 };
-                let Some(&src) = by_name.get(src_name) else {
+                let Some(src) = find(src_name) else {
                     if index.is_some() {
                         data_inputs += 1; // still counts towards arity
                     }
@@ -202,7 +222,7 @@ impl Graph {
                         node: n.name.clone(),
                         input: input.clone(),
                         missing: src_name.to_string(),
-                        suggestion: nearest_name(src_name, &by_name),
+                        suggestion: nearest_name(src_name, &g),
                     });
                     continue;
                 };
@@ -231,7 +251,7 @@ impl Graph {
                 }
             }
             for target in &n.colocate_with {
-                if !by_name.contains_key(target) {
+                if find(target).is_none() {
                     errs.push(GraphError::UnknownColocation {
                         node: n.name.clone(),
                         target: target.clone(),
@@ -262,7 +282,7 @@ impl Graph {
         }
         for (src, dst, e) in pending_edges {
             if let Edge::Data { src_output, .. } = e {
-                if let Some(op) = registry().get(&g[src].op) {
+                if let Some(op) = registry().get(g[src].op) {
                     if src_output >= op.outputs.len() {
                         errs.push(GraphError::NoSuchOutput {
                             node: g[dst].name.clone(),
@@ -315,11 +335,11 @@ impl Graph {
                     if !producer.op_def().is_variable {
                         errs.push(GraphError::RefInput {
                             node: node.name.clone(),
-                            op: node.op.clone(),
+                            op: node.op.to_string(),
                             index: i,
                             arg: arg.name,
                             producer: producer.name.clone(),
-                            producer_op: producer.op.clone(),
+                            producer_op: producer.op.to_string(),
                         });
                         ref_ok = false;
                     }
@@ -345,12 +365,12 @@ impl Graph {
             };
             match (op.infer)(&ctx) {
                 Ok(outs) if outs.len() == op.outputs.len() => {
-                    graph.g[idx].outputs = outs;
+                    graph.g[idx].outputs = outs.into();
                     typed[idx.index()] = true;
                 }
                 Ok(outs) => errs.push(GraphError::Shape {
                     node: node.name.clone(),
-                    op: node.op.clone(),
+                    op: node.op.to_string(),
                     message: format!(
                         "shape rule returned {} outputs, op declares {}",
                         outs.len(),
@@ -359,7 +379,7 @@ impl Graph {
                 }),
                 Err(message) => errs.push(GraphError::Shape {
                     node: node.name.clone(),
-                    op: node.op.clone(),
+                    op: node.op.to_string(),
                     message,
                 }),
             }
@@ -380,48 +400,49 @@ impl Graph {
     ///
     /// Attributes are not re-checked and types are not re-inferred. Only cheap structural checks
     /// run: registered ops, unique names, edge endpoints and producer output slots in range, and
-    /// no cycle.
+    /// no cycle. Nodes and edges may come from iterators (their size hints size the graph), so a
+    /// caller can make each node straight into the graph.
     pub fn from_parts(
-        nodes: Vec<Node>,
-        edges: Vec<(u32, u32, Edge)>,
+        nodes: impl IntoIterator<Item = Node>,
+        edges: impl IntoIterator<Item = (u32, u32, Edge)>,
     ) -> Result<Graph, GraphErrors> {
+        let (nodes, edges) = (nodes.into_iter(), edges.into_iter());
         let mut errs = Vec::new();
-        let n = nodes.len();
-        let mut g: DiGraph<Node, Edge> = DiGraph::with_capacity(n, edges.len());
-        let mut by_name: HashMap<String, NodeIndex> = HashMap::with_capacity(n);
-        // Runs of one op are common; look the op up only when it changes.
-        let mut last_op: Option<&str> = None;
-        for (i, node) in nodes.iter().enumerate() {
-            if last_op != Some(node.op.as_str()) {
-                if registry().get(&node.op).is_none() {
-                    errs.push(GraphError::UnknownOp {
+        let mut g: DiGraph<Node, Edge> =
+            DiGraph::with_capacity(nodes.size_hint().0, edges.size_hint().0);
+        let mut by_name = NameIndex::with_capacity(nodes.size_hint().0);
+        // A partition uses a handful of ops: look each up in the registry once.
+        let mut known_ops: Vec<&'static str> = Vec::new();
+        for node in nodes {
+            let i = g.node_count();
+            if !known_ops.contains(&node.op) {
+                match registry().get(node.op) {
+                    None => errs.push(GraphError::UnknownOp {
                         node: node.name.clone(),
-                        op: node.op.clone(),
-                        suggestion: registry().suggest(&node.op),
-                    });
-                } else {
-                    last_op = Some(&node.op);
+                        op: node.op.to_string(),
+                        suggestion: registry().suggest(node.op),
+                    }),
+                    // Bounded, so a graph of many ops does not make this quadratic.
+                    Some(op) if known_ops.len() < 32 => known_ops.push(op.name),
+                    Some(_) => {}
                 }
             }
-            if let Some(&first) = by_name.get(node.name.as_str()) {
+            if let Err(first) = by_name.insert(&node.name, i as u32, |k| name_at(&g, k)) {
                 errs.push(GraphError::DuplicateName {
                     name: node.name.clone(),
-                    first: first.index(),
+                    first: first as usize,
                     second: i,
                 });
-            } else {
-                by_name.insert(node.name.clone(), NodeIndex::new(i));
             }
+            g.add_node(node);
         }
         if !errs.is_empty() {
             truncate(&mut errs);
             return Err(GraphErrors(errs));
         }
-        for node in nodes {
-            g.add_node(node);
-        }
+        let n = g.node_count();
         let mut indegree = vec![0u32; n];
-        for &(src, dst, e) in &edges {
+        for (src, dst, e) in edges {
             let (s, d) = (src as usize, dst as usize);
             if s >= n || d >= n {
                 errs.push(GraphError::InvalidInput {
@@ -515,11 +536,11 @@ impl Graph {
                 );
                 NodeDef {
                     name: n.name.clone(),
-                    op: n.op.clone(),
+                    op: n.op.to_string(),
                     inputs,
-                    device: n.device.clone(),
+                    device: n.device.to_string(),
                     colocate_with: n.colocate_with.clone(),
-                    attrs: n.attrs.clone(),
+                    attrs: n.attrs.to_map(),
                 }
             })
             .collect();
@@ -552,7 +573,9 @@ impl Graph {
 
     /// Looks a node up by name.
     pub fn find(&self, name: &str) -> Option<NodeIndex> {
-        self.by_name.get(name).copied()
+        self.by_name
+            .get(name, |k| name_at(&self.g, k))
+            .map(|k| NodeIndex::new(k as usize))
     }
 
     /// The data inputs of `idx` in input-slot order: (producer, producer output).
@@ -657,13 +680,13 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
         match op.attr(name) {
             None => errs.push(GraphError::UnknownAttr {
                 node: n.name.clone(),
-                op: n.op.clone(),
-                attr: name.clone(),
+                op: n.op.to_string(),
+                attr: name.to_string(),
                 valid: op.attrs.iter().map(|a| a.name).collect(),
             }),
             Some(d) if d.ty != value.ty() => errs.push(GraphError::AttrType {
                 node: n.name.clone(),
-                attr: name.clone(),
+                attr: name.to_string(),
                 expected: d.ty,
                 found: value.ty(),
             }),
@@ -674,7 +697,7 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
         if a.default.value().is_none() && !n.attrs.contains_key(a.name) {
             errs.push(GraphError::MissingAttr {
                 node: n.name.clone(),
-                op: n.op.clone(),
+                op: n.op.to_string(),
                 attr: a.name,
                 ty: a.ty,
             });
@@ -696,14 +719,19 @@ fn check_device(n: &Node, errs: &mut Vec<GraphError>) -> bool {
     }
 }
 
-fn nearest_name(name: &str, by_name: &HashMap<String, NodeIndex>) -> Option<String> {
+/// The name of node `k`, or `""` past the end.
+fn name_at(g: &DiGraph<Node, Edge>, k: u32) -> &str {
+    g.node_weight(NodeIndex::new(k as usize))
+        .map_or("", |n| n.name.as_str())
+}
+
+fn nearest_name(name: &str, g: &DiGraph<Node, Edge>) -> Option<String> {
     // Bounded: suggestions only for graphs small enough that a linear scan is cheap.
-    if by_name.len() > 10_000 {
+    if g.node_count() > 10_000 {
         return None;
     }
-    by_name
-        .keys()
-        .map(|k| (strsim::jaro_winkler(name, k), k))
+    g.node_weights()
+        .map(|n| (strsim::jaro_winkler(name, &n.name), &n.name))
         .filter(|(s, _)| *s > 0.85)
         .max_by(|a, b| a.0.total_cmp(&b.0).then_with(|| b.1.cmp(a.1)))
         .map(|(_, k)| k.clone())

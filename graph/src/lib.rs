@@ -4,6 +4,7 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
+mod attr_list;
 pub mod autodiff;
 pub mod builder;
 pub mod cluster;
@@ -14,6 +15,7 @@ pub mod error;
 pub mod format;
 pub mod graph;
 pub mod kernel;
+mod name_index;
 pub mod ops;
 pub mod shape;
 pub mod tensor;
@@ -21,6 +23,7 @@ pub mod tf_import;
 pub mod train;
 
 pub use attr::{AttrType, AttrValue};
+pub use attr_list::Attrs;
 pub use cluster::{ClusterSpec, TfConfig};
 pub use def::{GraphDef, InputRef, NodeDef};
 pub use device::DeviceName;

@@ -334,7 +334,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
         .filter(|n| n.op_def().is_variable && n.outputs[0].dtype.is_float())
         .map(|n| Trainable {
             name: n.name.clone(),
-            device: n.device.clone(),
+            device: n.device.to_string(),
             dtype: n.outputs[0].dtype,
             shape: n.outputs[0].shape.clone(),
         })

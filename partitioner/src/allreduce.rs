@@ -85,7 +85,7 @@ pub fn allreduce_training(
     }
     let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
     for (role, name) in [("features", features), ("labels", labels)] {
-        match graph.find(name).map(|i| graph.node(i).op.as_str()) {
+        match graph.find(name).map(|i| graph.node(i).op) {
             Some("Placeholder") => {}
             Some(op) => {
                 return Err(StrategyError::NotAPlaceholder {

@@ -142,7 +142,7 @@ pub fn place(
         let node = graph.node(idx);
         let spec = DeviceName::parse(&node.device).map_err(|e| PlacementError::InvalidDevice {
             node: node.name.clone(),
-            requested: node.device.clone(),
+            requested: node.device.to_string(),
             message: e.to_string(),
         })?;
         requested.push(spec);

@@ -42,22 +42,46 @@ pub(crate) fn build_buffer_plan<'a>(
     devices: impl Iterator<Item = &'a DeviceName>,
     mut origin: impl FnMut(&TransferPair) -> Option<String>,
 ) -> BufferPlan {
+    use rayon::prelude::*;
     let client = dflow_graph::ops::transfer::CLIENT_DEVICE;
-    let mut plan = BufferPlan::default();
+    // Slots are numbered in key order over the static pairs; copying keys and shapes is the
+    // bulk of the work, done in parallel.
+    let statics: Vec<(&TransferPair, usize)> =
+        pairs.iter().filter_map(|p| Some((p, p.bytes?))).collect();
+    let mut plan = BufferPlan {
+        slots: statics
+            .par_iter()
+            .enumerate()
+            .map(|(slot, &(p, bytes))| SlotPlan {
+                key: p.key.clone(),
+                dtype: p.dtype,
+                shape: p.shape.clone(),
+                bytes,
+                slot,
+            })
+            .collect(),
+        ..BufferPlan::default()
+    };
     let mut per_device: BTreeMap<&str, usize> = BTreeMap::new();
+    // Pairs come sorted by (send device, receive device): sum each run of one receiving device
+    // before adding it to the map.
+    let mut run: Option<(&str, usize)> = None;
+    fn add<'p>(per_device: &mut BTreeMap<&'p str, usize>, (d, bytes): (&'p str, usize)) {
+        let e = per_device.entry(d).or_insert(0);
+        *e = e.saturating_add(bytes);
+    }
     for p in pairs {
         match p.bytes {
             Some(bytes) => {
-                plan.slots.push(SlotPlan {
-                    key: p.key.clone(),
-                    dtype: p.dtype,
-                    shape: p.shape.clone(),
-                    bytes,
-                    slot: plan.slots.len(),
-                });
                 if p.recv_device != client {
-                    let e = per_device.entry(p.recv_device.as_str()).or_insert(0);
-                    *e = e.saturating_add(bytes);
+                    match &mut run {
+                        Some((d, sum)) if *d == p.recv_device => *sum = sum.saturating_add(bytes),
+                        _ => {
+                            if let Some(done) = run.replace((&p.recv_device, bytes)) {
+                                add(&mut per_device, done);
+                            }
+                        }
+                    }
                 }
             }
             None => {
@@ -85,6 +109,9 @@ pub(crate) fn build_buffer_plan<'a>(
                 plan.dynamic.push((p.key.clone(), reason));
             }
         }
+    }
+    if let Some(done) = run {
+        add(&mut per_device, done);
     }
     for d in devices {
         let bytes = per_device.get(d.to_string().as_str()).copied().unwrap_or(0);

@@ -244,7 +244,7 @@ pub fn render_dot(p: &Partitions) -> String {
         let _ = writeln!(out, "    label=\"{}\";", dot_escape(&d));
         for idx in g.node_indices() {
             let n = g.node(idx);
-            let style = match n.op.as_str() {
+            let style = match n.op {
                 "Send" | "Recv" => ", style=filled, fillcolor=lightgrey",
                 _ => "",
             };

@@ -369,7 +369,7 @@ fn check_placeholder(graph: &Graph, role: &'static str, name: &str) -> Result<()
     let idx = graph
         .find(name)
         .ok_or_else(|| err(format!("no node named `{name}` in the graph")))?;
-    match graph.node(idx).op.as_str() {
+    match graph.node(idx).op {
         "Placeholder" => Ok(()),
         op => Err(err(format!("the node is a {op}, not a Placeholder"))),
     }

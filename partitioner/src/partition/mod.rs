@@ -1,9 +1,13 @@
 //! Partitioning: a placed graph becomes one subgraph per device, joined by Send/Recv pairs.
 //!
-//! All naming decisions live in this module (`Namer`): generated nodes are
-//! `send/{tensor}/to/{device}` and `recv/{tensor}/from/{device}`, where `{tensor}` is the source
-//! tensor with `:` replaced by `_` (`x:0` → `x_0`, a control edge from `x` → `x_ctrl`) and
-//! `{device}` is the short device name (`worker_0`, `ps_1_gpu_0`, `client`).
+//! All naming decisions live in `naming`: generated nodes are `send/{tensor}/to/{device}` and
+//! `recv/{tensor}/from/{device}`, where `{tensor}` is the source tensor with `:` replaced by `_`
+//! (`x:0` → `x_0`, a control edge from `x` → `x_ctrl`) and `{device}` is the short device name
+//! (`worker_0`, `ps_1_gpu_0`, `client`).
+//!
+//! How: one walk over the graph in node order decides every pair and each partition's node
+//! order, keeping only small handles (`Item`s); then the pairs are named, and each partition's
+//! nodes are made straight into its graph (`build`), partitions in parallel.
 //!
 //! Choices worth knowing:
 //! - One pair per (source tensor, destination device), shared by all consumers there. Reference
@@ -21,16 +25,26 @@
 //! - Pairs are sorted by (send device, recv device, tensor name), devices in [`DeviceName`]
 //!   order (task 2 before task 10), which is the key's order up to numeric task ids.
 
+mod build;
+mod naming;
+#[cfg(test)]
+mod tests;
+
 use crate::error::PartitionError;
 use crate::place::PlacedGraph;
 use crate::plan::{build_buffer_plan, BufferPlan};
+use build::{build_graphs, NodeMaker};
 use dflow_graph::ops::transfer::CLIENT_DEVICE;
-use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, Node, Shape, Tensor, TensorType};
+use dflow_graph::{DType, DeviceName, Edge, Graph, Shape, TensorType};
+use naming::{concat, name_pairs, short_device, tensor_name, PairNames};
 use petgraph::graph::NodeIndex;
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
+
+/// A hash map with a fast hasher, for keys the partitioner makes itself (never user text).
+type FastMap<K, V> = hashbrown::HashMap<K, V, hashbrown::DefaultHashBuilder>;
 
 /// What to compute: feeds, fetches and targets. All empty means the whole graph.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -144,80 +158,27 @@ fn parse_tensor(g: &Graph, what: &'static str, s: &str) -> Result<TensorRef, Par
     Ok(TensorRef { node, out })
 }
 
-/// Generated node names: readable, deterministic, valid, and never equal to a graph node.
-struct Namer<'a> {
-    graph: &'a Graph,
-    short: Vec<String>,
-    used: HashSet<String>,
+/// What a pair connects: two devices, or the client and a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PairKind {
+    /// A tensor or control edge crossing between two devices.
+    Remote,
+    /// A feed: the client sends, a Recv receives.
+    Feed,
+    /// A fetch: a Send sends, the client receives.
+    Fetch,
 }
 
-impl Namer<'_> {
-    fn tensor_part(&self, src: Source, feeds: &[TensorRef]) -> String {
-        match src {
-            Source::Data(n, o) => {
-                format!("{}_{o}", self.graph.node(NodeIndex::new(n as usize)).name)
-            }
-            Source::Feed(f) => {
-                let t = feeds[f as usize];
-                format!("{}_{}", self.graph.node(t.node).name, t.out)
-            }
-            Source::Control(n) => {
-                format!("{}_ctrl", self.graph.node(NodeIndex::new(n as usize)).name)
-            }
-        }
-    }
-
-    /// `{prefix}/{tensor}/{dir}/{device}`, falling back to a numbered name when too long or
-    /// taken by a graph node.
-    fn name(&mut self, prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) -> String {
-        let mut name = format!("{prefix}/{tensor}/{dir}/{device}");
-        if name.len() > 200 {
-            name = format!("{prefix}/pair_{pair}/{dir}/{device}");
-        }
-        if self.graph.find(&name).is_none() && !self.used.contains(&name) {
-            return name;
-        }
-        // Rare: a user node already has this name. Suffix until free, and remember the result.
-        let mut k = 1;
-        loop {
-            let candidate = format!("{name}_{k}");
-            if self.graph.find(&candidate).is_none() && !self.used.contains(&candidate) {
-                self.used.insert(candidate.clone());
-                return candidate;
-            }
-            k += 1;
-        }
-    }
-}
-
-/// Short, name-safe form of a device: `worker_0`, or `worker_0_gpu_1` off CPU:0.
-fn short_device(d: &DeviceName) -> String {
-    let job = d.job.as_deref().unwrap_or("any");
-    let task = d.task.unwrap_or(0);
-    let mut s = format!("{job}_{task}");
-    let ty = d.device_type.as_deref().unwrap_or("CPU");
-    let id = d.device_id.unwrap_or(0);
-    if d.replica.is_some_and(|r| r != 0) {
-        s = format!("{job}_r{}_{task}", d.replica.unwrap_or(0));
-    }
-    if !(ty == "CPU" && id == 0) {
-        s.push_str(&format!("_{}_{id}", ty.to_ascii_lowercase()));
-    }
-    s
-}
-
-/// A pair under construction.
+/// A pair under construction. Its type comes from its source (`source_type`), its names from
+/// `name_pairs`.
+#[derive(Clone, Copy)]
 struct PairBuild {
     src: Source,
+    kind: PairKind,
     send_dev: u32,
     recv_dev: u32,
-    send_node: String,
-    recv_node: String,
     /// The Recv's position in its partition (`u32::MAX` for a fetch: the client receives).
     recv_local: u32,
-    tensor_name: String,
-    dtype: DType,
-    shape: Shape,
 }
 
 /// Where an edge of a partition under construction starts.
@@ -229,19 +190,77 @@ enum EdgeSrc {
     Local(u32),
 }
 
-/// A partition under construction: typed nodes, and edges `(source, destination, edge)`
-/// grouped by destination in push order (the order [`Graph::from_def`] would add them).
+/// A node of a partition under construction. Only this small handle is kept while the pairs are
+/// worked out; the full [`Node`] is made once, straight into the partition's graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Item {
+    /// A node of the placed graph, by index there.
+    Orig(u32),
+    /// The Send of a pair, by index in the pair list.
+    Send(u32),
+    /// The Recv of a pair.
+    Recv(u32),
+    /// The empty constant that a control pair sends.
+    ControlValue(u32),
+}
+
+/// `src_output` of a [`PartEdge`] that is a control edge.
+const CONTROL: u32 = u32::MAX;
+
+/// An edge of a partition under construction, into the node at position `to`.
+#[derive(Clone, Copy, Debug)]
+struct PartEdge {
+    from: EdgeSrc,
+    to: u32,
+    /// The producer's output slot, or [`CONTROL`].
+    src_output: u32,
+    dst_input: u32,
+}
+
+impl PartEdge {
+    fn data(from: EdgeSrc, to: u32, src_output: usize, dst_input: usize) -> PartEdge {
+        PartEdge {
+            from,
+            to,
+            src_output: src_output as u32,
+            dst_input: dst_input as u32,
+        }
+    }
+
+    fn control(from: EdgeSrc, to: u32) -> PartEdge {
+        PartEdge {
+            from,
+            to,
+            src_output: CONTROL,
+            dst_input: 0,
+        }
+    }
+
+    fn edge(&self) -> Edge {
+        if self.src_output == CONTROL {
+            Edge::Control
+        } else {
+            Edge::Data {
+                src_output: self.src_output as usize,
+                dst_input: self.dst_input as usize,
+            }
+        }
+    }
+}
+
+/// A partition under construction: its nodes in order, and edges grouped by destination in push
+/// order (the order [`Graph::from_def`] would add them).
 #[derive(Default)]
 struct PartBuild {
-    nodes: Vec<Node>,
-    edges: Vec<(EdgeSrc, u32, Edge)>,
+    items: Vec<Item>,
+    edges: Vec<PartEdge>,
 }
 
 impl PartBuild {
     /// Appends a node and returns its position.
-    fn push(&mut self, node: Node) -> u32 {
-        self.nodes.push(node);
-        (self.nodes.len() - 1) as u32
+    fn push(&mut self, item: Item) -> u32 {
+        self.items.push(item);
+        (self.items.len() - 1) as u32
     }
 }
 
@@ -263,7 +282,7 @@ pub fn partition(
     // Intern devices; ids follow DeviceName order, the client last-but-sorted among them.
     let client = DeviceName::parse(CLIENT_DEVICE).unwrap_or_default();
     let mut dev_raw = Vec::with_capacity(n);
-    let mut index: HashMap<&DeviceName, u32> = HashMap::new();
+    let mut index: FastMap<&DeviceName, u32> = FastMap::default();
     let mut uniq: Vec<&DeviceName> = Vec::new();
     let mut first_node: Vec<usize> = Vec::new();
     let mut last: Option<(&DeviceName, u32)> = None;
@@ -391,59 +410,36 @@ pub fn partition(
         keep
     };
 
-    // Build the per-device node lists.
-    let mut namer = Namer {
-        graph: g,
-        short,
-        used: HashSet::new(),
-    };
-    let mut parts: Vec<PartBuild> = (0..all.len()).map(|_| PartBuild::default()).collect();
+    // Work out the pairs and each partition's node order. Partitions hold small `Item`s here;
+    // the nodes themselves are made afterwards, straight into each partition's graph.
+    let mut kept_on = vec![0usize; all.len()];
+    for (i, &d) in dev.iter().enumerate() {
+        if keep[i] {
+            kept_on[d as usize] += 1;
+        }
+    }
+    // Room for the kept nodes and their edges, and a quarter more for Send/Recv nodes.
+    let edges_per_node = g.num_edges().div_ceil(n.max(1));
+    let mut parts: Vec<PartBuild> = kept_on
+        .iter()
+        .map(|&k| PartBuild {
+            items: Vec::with_capacity(k + k / 4),
+            edges: Vec::with_capacity((k + k / 4) * edges_per_node),
+        })
+        .collect();
     let mut local_of: Vec<u32> = vec![u32::MAX; n];
     let mut pairs: Vec<PairBuild> = Vec::new();
-    let mut pair_of: HashMap<(Source, u32), u32> = HashMap::new();
+    let mut pair_of: FastMap<(Source, u32), u32> = FastMap::default();
     let mut data_in: Vec<(usize, NodeIndex, usize)> = Vec::new();
     let mut ctrl_in: Vec<(usize, NodeIndex)> = Vec::new();
     let mut data_from: Vec<(EdgeSrc, usize)> = Vec::new();
     let mut ctrl_from: Vec<EdgeSrc> = Vec::new();
-    let empty = Tensor::zeros(DType::F32, &[0]).ok();
 
-    // The device of a source, and its type.
+    // The device of a source.
     let source_dev = |src: Source| -> u32 {
         match src {
             Source::Data(u, _) | Source::Control(u) => dev[u as usize],
             Source::Feed(f) => dev[feeds[f as usize].node.index()],
-        }
-    };
-    let source_type = |src: Source| -> (DType, Shape) {
-        match src {
-            Source::Data(u, o) => {
-                let t = &g.node(NodeIndex::new(u as usize)).outputs[o as usize];
-                (t.dtype, t.shape.clone())
-            }
-            Source::Feed(f) => {
-                let t = feeds[f as usize];
-                let ty = &g.node(t.node).outputs[t.out];
-                (ty.dtype, ty.shape.clone())
-            }
-            Source::Control(_) => (DType::F32, Shape::known(&[0])),
-        }
-    };
-    let feed_recv_names: Vec<String> = feeds
-        .iter()
-        .enumerate()
-        .map(|(f, _)| {
-            let tensor = namer.tensor_part(Source::Feed(f as u32), &feeds);
-            namer.name("recv", &tensor, "from", "client", f)
-        })
-        .collect();
-    let tensor_name = |src: Source| -> String {
-        match src {
-            Source::Data(u, o) => format!("{}:{o}", g.node(NodeIndex::new(u as usize)).name),
-            Source::Feed(f) => {
-                let t = feeds[f as usize];
-                format!("{}:{}", g.node(t.node).name, t.out)
-            }
-            Source::Control(u) => format!("^{}", g.node(NodeIndex::new(u as usize)).name),
         }
     };
 
@@ -451,28 +447,15 @@ pub fn partition(
     let mut feed_recv_local: Vec<u32> = Vec::with_capacity(feeds.len());
     for (f, t) in feeds.iter().enumerate() {
         let d = dev[t.node.index()];
-        let ty = &g.node(t.node).outputs[t.out];
-        let tn = tensor_name(Source::Feed(f as u32));
-        let local = parts[d as usize].push(recv_node(
-            feed_recv_names[f].clone(),
-            &tn,
-            &dev_str[client_id as usize],
-            &dev_str[d as usize],
-            true,
-            ty.dtype,
-            &ty.shape,
-        ));
+        let p = pairs.len() as u32;
+        let local = parts[d as usize].push(Item::Recv(p));
         feed_recv_local.push(local);
         pairs.push(PairBuild {
             src: Source::Feed(f as u32),
+            kind: PairKind::Feed,
             send_dev: client_id,
             recv_dev: d,
-            send_node: String::new(),
-            recv_node: feed_recv_names[f].clone(),
             recv_local: local,
-            tensor_name: tn,
-            dtype: ty.dtype,
-            shape: ty.shape.clone(),
         });
     }
     // Where `src` comes from on its own device: (node, output).
@@ -484,87 +467,45 @@ pub fn partition(
         }
     };
 
-    // Creates the pair carrying `src` to device `d` and returns its index.
-    #[allow(clippy::too_many_arguments)]
+    // Creates the pair carrying `src` from device `sd` to device `d` and returns the position of
+    // its Recv on `d`.
     fn remote(
         src: Source,
         d: u32,
         sd: u32,
         pairs: &mut Vec<PairBuild>,
-        pair_of: &mut HashMap<(Source, u32), u32>,
+        pair_of: &mut FastMap<(Source, u32), u32>,
         parts: &mut [PartBuild],
-        namer: &mut Namer<'_>,
-        feeds: &[TensorRef],
-        dev_str: &[String],
-        (dtype, shape): (DType, Shape),
         (local, out): (EdgeSrc, usize),
-        tensor_name: String,
-        empty: &Option<Tensor>,
     ) -> u32 {
         let p = pairs.len();
-        let tensor = namer.tensor_part(src, feeds);
-        let send = namer.name("send", &tensor, "to", &namer.short[d as usize].clone(), p);
-        let recv = namer.name(
-            "recv",
-            &tensor,
-            "from",
-            &namer.short[sd as usize].clone(),
-            p,
-        );
-        let (sdev, rdev) = (&dev_str[sd as usize], &dev_str[d as usize]);
         let sender = &mut parts[sd as usize];
         let send_input = if let Source::Control(_) = src {
             // A control pair sends an empty constant that runs after the source.
-            let mut attrs = BTreeMap::new();
-            if let Some(t) = empty {
-                attrs.insert("value".into(), AttrValue::Tensor(t.clone()));
-            }
-            let c = sender.push(Node {
-                name: format!("{send}/value"),
-                op: "Const".into(),
-                device: sdev.clone(),
-                colocate_with: vec![],
-                attrs,
-                outputs: vec![TensorType::new(DType::F32, Shape::known(&[0]))],
-            });
-            sender.edges.push((local, c, Edge::Control));
+            let c = sender.push(Item::ControlValue(p as u32));
+            sender.edges.push(PartEdge::control(local, c));
             (EdgeSrc::Local(c), 0)
         } else {
             (local, out)
         };
-        let s = sender.push(send_node(send.clone(), &tensor_name, sdev, rdev, false));
-        sender.edges.push((
-            send_input.0,
-            s,
-            Edge::Data {
-                src_output: send_input.1,
-                dst_input: 0,
-            },
-        ));
-        let recv_local = parts[d as usize].push(recv_node(
-            recv.clone(),
-            &tensor_name,
-            sdev,
-            rdev,
-            false,
-            dtype,
-            &shape,
-        ));
+        let s = sender.push(Item::Send(p as u32));
+        sender
+            .edges
+            .push(PartEdge::data(send_input.0, s, send_input.1, 0));
+        let recv_local = parts[d as usize].push(Item::Recv(p as u32));
         pair_of.insert((src, d), p as u32);
         pairs.push(PairBuild {
             src,
+            kind: PairKind::Remote,
             send_dev: sd,
             recv_dev: d,
-            send_node: send,
-            recv_node: recv,
             recv_local,
-            tensor_name,
-            dtype,
-            shape,
         });
         recv_local
     }
 
+    // The op of the previous node, to skip the registry lookup along runs of one op.
+    let mut op_cache: Option<&'static dflow_graph::OpDef> = None;
     for v in g.node_indices() {
         let vi = v.index();
         if !keep[vi] {
@@ -572,7 +513,10 @@ pub fn partition(
         }
         let d = dev[vi];
         let node = g.node(v);
-        let op = node.op_def();
+        let op = match op_cache {
+            Some(op) if op.name == node.op => op,
+            _ => *op_cache.insert(node.op_def()),
+        };
         data_in.clear();
         ctrl_in.clear();
         data_from.clear();
@@ -601,13 +545,7 @@ pub fn partition(
                         &mut pairs,
                         &mut pair_of,
                         &mut parts,
-                        &mut namer,
-                        &feeds,
-                        &dev_str,
-                        source_type($src),
                         local_ref($src),
-                        tensor_name($src),
-                        &empty,
                     ),
                 }
             };
@@ -618,7 +556,7 @@ pub fn partition(
                 Some(f) => {
                     if is_ref {
                         return Err(PartitionError::FeedIntoRef {
-                            tensor: tensor_name(Source::Feed(f)),
+                            tensor: tensor_name(g, &feeds, Source::Feed(f)),
                             consumer: node.name.clone(),
                         });
                     }
@@ -655,37 +593,14 @@ pub fn partition(
                 ctrl_from.push(from);
             }
         }
-        let colocate_with = node
-            .colocate_with
-            .iter()
-            .filter(|c| {
-                g.find(c)
-                    .is_some_and(|k| keep[k.index()] && dev[k.index()] == d)
-            })
-            .cloned()
-            .collect();
         let part = &mut parts[d as usize];
-        let local = part.push(Node {
-            name: node.name.clone(),
-            op: node.op.clone(),
-            device: dev_str[d as usize].clone(),
-            colocate_with,
-            attrs: node.attrs.clone(),
-            outputs: node.outputs.clone(),
-        });
+        let local = part.push(Item::Orig(vi as u32));
         local_of[vi] = local;
         for (k, &(from, out)) in data_from.iter().enumerate() {
-            part.edges.push((
-                from,
-                local,
-                Edge::Data {
-                    src_output: out,
-                    dst_input: k,
-                },
-            ));
+            part.edges.push(PartEdge::data(from, local, out, k));
         }
         for &from in &ctrl_from {
-            part.edges.push((from, local, Edge::Control));
+            part.edges.push(PartEdge::control(from, local));
         }
     }
 
@@ -702,113 +617,88 @@ pub fn partition(
             continue;
         }
         let sd = source_dev(src);
-        let (dtype, shape) = source_type(src);
         let p = pairs.len();
-        let tensor = namer.tensor_part(src, &feeds);
-        let send = namer.name("send", &tensor, "to", "client", p);
-        let tn = tensor_name(src);
         let part = &mut parts[sd as usize];
-        let s = part.push(send_node(
-            send.clone(),
-            &tn,
-            &dev_str[sd as usize],
-            &dev_str[client_id as usize],
-            true,
-        ));
+        let s = part.push(Item::Send(p as u32));
         let (from, out) = local_ref(src);
-        part.edges.push((
-            from,
-            s,
-            Edge::Data {
-                src_output: out,
-                dst_input: 0,
-            },
-        ));
+        part.edges.push(PartEdge::data(from, s, out, 0));
         pairs.push(PairBuild {
             src,
+            kind: PairKind::Fetch,
             send_dev: sd,
             recv_dev: client_id,
-            send_node: send,
-            recv_node: String::new(),
             recv_local: u32::MAX,
-            tensor_name: tn,
-            dtype,
-            shape,
         });
         fetch_pair.insert(src, p as u32);
         fetch_pairs_in_order.push(p as u32);
     }
 
-    // Keys, client endpoints, the sorted pair list.
-    let key_of = |p: &PairBuild| {
-        format!(
-            "{};{};{}",
-            dev_str[p.send_dev as usize], dev_str[p.recv_dev as usize], p.tensor_name
-        )
+    // Names, keys and client endpoints.
+    let names = name_pairs(g, &feeds, &pairs, &short);
+    let key_of = |p: &PairBuild, tensor_name: &str| {
+        concat(&[
+            &dev_str[p.send_dev as usize],
+            ";",
+            &dev_str[p.recv_dev as usize],
+            ";",
+            tensor_name,
+        ])
+    };
+    let endpoint = |i: u32, device: fn(&PairBuild) -> u32| {
+        let (p, tensor) = (&pairs[i as usize], &names[i as usize].tensor_name);
+        ClientEndpoint {
+            tensor: tensor.clone(),
+            device: all[device(p) as usize].clone(),
+            key: key_of(p, tensor),
+        }
     };
     let feed_eps: Vec<ClientEndpoint> = feed_index
         .iter()
-        .map(|&f| {
-            let p = &pairs[f as usize];
-            ClientEndpoint {
-                tensor: p.tensor_name.clone(),
-                device: all[p.recv_dev as usize].clone(),
-                key: key_of(p),
-            }
-        })
+        .map(|&f| endpoint(f, |p| p.recv_dev))
         .collect();
     let fetch_eps: Vec<ClientEndpoint> = fetch_pairs_in_order
         .iter()
-        .map(|&i| {
-            let p = &pairs[i as usize];
-            ClientEndpoint {
-                tensor: p.tensor_name.clone(),
-                device: all[p.send_dev as usize].clone(),
-                key: key_of(p),
-            }
-        })
+        .map(|&p| endpoint(p, |p| p.send_dev))
         .collect();
-    let mut order: Vec<u32> = (0..pairs.len() as u32).collect();
-    order.sort_unstable_by(|&a, &b| {
-        let (pa, pb) = (&pairs[a as usize], &pairs[b as usize]);
-        (pa.send_dev, pa.recv_dev, &pa.tensor_name).cmp(&(
-            pb.send_dev,
-            pb.recv_dev,
-            &pb.tensor_name,
-        ))
-    });
-    let mut sorted = Vec::with_capacity(pairs.len());
-    let mut pairs_opt: Vec<Option<PairBuild>> = pairs.into_iter().map(Some).collect();
-    for &i in &order {
-        let Some(p) = pairs_opt[i as usize].take() else {
-            continue;
-        };
-        let bytes = p
-            .shape
-            .num_elements()
-            .and_then(|e| e.checked_mul(p.dtype.size_of()));
-        sorted.push(TransferPair {
-            key: key_of(&p),
-            send_device: dev_str[p.send_dev as usize].clone(),
-            recv_device: dev_str[p.recv_dev as usize].clone(),
-            is_control: matches!(p.src, Source::Control(_)),
-            client_terminated: p.send_dev == client_id || p.recv_dev == client_id,
-            tensor_name: p.tensor_name,
-            send_node: p.send_node,
-            recv_node: p.recv_node,
-            dtype: p.dtype,
-            shape: p.shape,
-            bytes,
-        });
-    }
 
-    // Validate each partition.
+    // Make every partition's nodes and validate its structure, in parallel.
+    let ctx = NodeMaker {
+        g,
+        keep: &keep,
+        dev: &dev,
+        dev_str: &dev_str,
+        feeds: &feeds,
+        pairs: &pairs,
+        names: &names,
+    };
+    let built = build_graphs(parts, &local_of, &all, &ctx)?;
     let mut partitions = BTreeMap::new();
-    let built = build_graphs(parts, &local_of, &all)?;
     for (d, graph) in built {
         let device = all[d].clone();
         partitions.insert(device.clone(), Partition { device, graph });
     }
+
+    // The pair list, sorted by (send device, receive device, tensor name).
+    let sorted = sorted_pairs(pairs, names, |p, names| {
+        let ty = source_type(g, &feeds, p.src);
+        TransferPair {
+            key: key_of(&p, &names.tensor_name),
+            send_device: dev_str[p.send_dev as usize].clone(),
+            recv_device: dev_str[p.recv_dev as usize].clone(),
+            is_control: matches!(p.src, Source::Control(_)),
+            client_terminated: p.send_dev == client_id || p.recv_dev == client_id,
+            bytes: ty
+                .shape
+                .num_elements()
+                .and_then(|e| e.checked_mul(ty.dtype.size_of())),
+            tensor_name: names.tensor_name,
+            send_node: names.send_node,
+            recv_node: names.recv_node,
+            dtype: ty.dtype,
+            shape: ty.shape,
+        }
+    });
+
     let origins = if sorted.iter().any(|p| p.bytes.is_none()) {
         dynamic_origins(g)
     } else {
@@ -832,50 +722,49 @@ pub fn partition(
     })
 }
 
-/// Builds the non-empty partitions into graphs, in device order. Every node and type comes from
-/// the validated input graph, so only structural checks run ([`Graph::from_parts`]); partitions
-/// are built in parallel.
-fn build_graphs(
-    parts: Vec<PartBuild>,
-    local_of: &[u32],
-    all: &[DeviceName],
-) -> Result<Vec<(usize, Graph)>, PartitionError> {
+/// Turns every pair into its [`TransferPair`] (in parallel) and sorts them by (send device,
+/// receive device, tensor name); device ids follow [`DeviceName`] order.
+fn sorted_pairs(
+    pairs: Vec<PairBuild>,
+    mut names: Vec<PairNames>,
+    make: impl Fn(PairBuild, PairNames) -> TransferPair + Sync,
+) -> Vec<TransferPair> {
     use rayon::prelude::*;
-    let results: Vec<Option<Result<Graph, PartitionError>>> = parts
-        .into_par_iter()
+    let mut order: Vec<(u32, u32, u32)> = pairs
+        .iter()
         .enumerate()
-        .map(|(d, part)| {
-            if part.nodes.is_empty() {
-                return None;
-            }
-            let edges = part
-                .edges
-                .into_iter()
-                .map(|(from, to, e)| {
-                    let src = match from {
-                        // A kept node on another device would be a bug; from_parts reports it.
-                        EdgeSrc::Orig(u) => local_of.get(u as usize).copied().unwrap_or(u32::MAX),
-                        EdgeSrc::Local(i) => i,
-                    };
-                    (src, to, e)
-                })
-                .collect();
-            Some(Graph::from_parts(part.nodes, edges).map_err(|e| {
-                PartitionError::InvalidPartition {
-                    device: all[d].to_string(),
-                    message: e.to_string(),
-                }
-            }))
-        })
+        .map(|(i, p)| (p.send_dev, p.recv_dev, i as u32))
         .collect();
-    // The first error in device order, so the message is deterministic.
-    let mut out = Vec::new();
-    for (d, r) in results.into_iter().enumerate() {
-        if let Some(r) = r {
-            out.push((d, r?));
+    // The tensor name decides within a device pair; the pair index breaks (impossible) ties, so
+    // the order never depends on the sort algorithm.
+    order.par_sort_unstable_by(|a, b| {
+        (a.0, a.1)
+            .cmp(&(b.0, b.1))
+            .then_with(|| {
+                names[a.2 as usize]
+                    .tensor_name
+                    .cmp(&names[b.2 as usize].tensor_name)
+            })
+            .then(a.2.cmp(&b.2))
+    });
+    // Put the (small) pairs and their names in order, then make the pairs in place.
+    let in_order: Vec<(PairBuild, PairNames)> = order
+        .iter()
+        .map(|&(_, _, i)| (pairs[i as usize], std::mem::take(&mut names[i as usize])))
+        .collect();
+    in_order.into_par_iter().map(|(p, n)| make(p, n)).collect()
+}
+
+/// The type a pair carries: its source tensor's, or an empty f32 for a control pair.
+fn source_type(g: &Graph, feeds: &[TensorRef], src: Source) -> TensorType {
+    match src {
+        Source::Data(u, o) => g.node(NodeIndex::new(u as usize)).outputs[o as usize].clone(),
+        Source::Feed(f) => {
+            let t = feeds[f as usize];
+            g.node(t.node).outputs[t.out].clone()
         }
+        Source::Control(_) => TensorType::new(DType::F32, Shape::known(&[0])),
     }
-    Ok(out)
 }
 
 /// For each node, the first partially-shaped placeholder among its data ancestors (following
@@ -893,133 +782,4 @@ fn dynamic_origins(g: &Graph) -> Vec<Option<u32>> {
         };
     }
     origin
-}
-
-/// The rendezvous attrs shared by Send and Recv.
-fn transfer_attrs(
-    tensor_name: &str,
-    send_device: &str,
-    recv_device: &str,
-    client_terminated: bool,
-) -> BTreeMap<String, AttrValue> {
-    let mut attrs = BTreeMap::new();
-    attrs.insert("tensor_name".into(), AttrValue::String(tensor_name.into()));
-    attrs.insert("send_device".into(), AttrValue::String(send_device.into()));
-    attrs.insert("recv_device".into(), AttrValue::String(recv_device.into()));
-    if client_terminated {
-        attrs.insert("client_terminated".into(), AttrValue::Bool(true));
-    }
-    attrs
-}
-
-fn send_node(
-    name: String,
-    tensor_name: &str,
-    send_device: &str,
-    recv_device: &str,
-    client_terminated: bool,
-) -> Node {
-    Node {
-        name,
-        op: "Send".into(),
-        device: send_device.into(),
-        colocate_with: vec![],
-        attrs: transfer_attrs(tensor_name, send_device, recv_device, client_terminated),
-        outputs: vec![],
-    }
-}
-
-/// A Recv node; its one output has the type it receives (what Recv's shape rule would infer).
-fn recv_node(
-    name: String,
-    tensor_name: &str,
-    send_device: &str,
-    recv_device: &str,
-    client_terminated: bool,
-    dtype: DType,
-    shape: &Shape,
-) -> Node {
-    let mut attrs = transfer_attrs(tensor_name, send_device, recv_device, client_terminated);
-    attrs.insert("dtype".into(), AttrValue::DType(dtype));
-    attrs.insert("shape".into(), AttrValue::Shape(shape.clone()));
-    Node {
-        name,
-        op: "Recv".into(),
-        device: recv_device.into(),
-        colocate_with: vec![],
-        attrs,
-        outputs: vec![TensorType::new(dtype, shape.clone())],
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::synthetic;
-
-    /// Building partitions from parts must give exactly what validating them would.
-    fn assert_same_as_validated(p: &Partitions) {
-        for part in p.partitions.values() {
-            let def = part.graph.to_def();
-            let validated = Graph::from_def(&def).unwrap();
-            assert_eq!(validated.to_def(), def, "{}", part.device);
-            let (a, b) = (validated.petgraph(), part.graph.petgraph());
-            assert_eq!(a.node_count(), b.node_count());
-            assert_eq!(a.edge_count(), b.edge_count());
-            for v in validated.node_indices() {
-                assert_eq!(a[v], b[v], "{}", part.device);
-                assert_eq!(validated.out_edges(v), part.graph.out_edges(v));
-                assert_eq!(validated.control_inputs(v), part.graph.control_inputs(v));
-                assert_eq!(validated.inputs(v), part.graph.inputs(v));
-            }
-        }
-    }
-
-    #[test]
-    fn partitions_equal_their_validated_form() {
-        let placed = synthetic::layered(5000);
-        let all = partition(&placed, &PartitionOptions::default()).unwrap();
-        assert!(all.pairs.iter().any(|p| p.is_control));
-        assert_same_as_validated(&all);
-        let g = &placed.graph;
-        let name = |i: usize| g.node(NodeIndex::new(i)).name.clone();
-        let opts = PartitionOptions {
-            feeds: vec![format!("{}:0", name(40)), name(1030)],
-            fetches: vec![name(4000), format!("{}:0", name(4001)), name(1030)],
-            targets: vec![name(3000)],
-        };
-        let some = partition(&placed, &opts).unwrap();
-        assert!(some.pairs.iter().any(|p| p.client_terminated));
-        assert_same_as_validated(&some);
-    }
-
-    #[test]
-    fn from_parts_rejects_bad_structure() {
-        let placed = synthetic::layered(2048);
-        let g = &placed.graph;
-        let node = |i: usize| g.node(NodeIndex::new(i)).clone();
-        let data = Edge::Data {
-            src_output: 0,
-            dst_input: 0,
-        };
-        let e = Graph::from_parts(vec![node(0), node(0)], vec![]).unwrap_err();
-        assert!(e.to_string().contains("duplicate node name"), "{e}");
-        let e = Graph::from_parts(vec![node(0)], vec![(0, 5, data)]).unwrap_err();
-        assert!(e.to_string().contains("out of range"), "{e}");
-        let bad_slot = Edge::Data {
-            src_output: 3,
-            dst_input: 0,
-        };
-        let e = Graph::from_parts(vec![node(0), node(1)], vec![(0, 1, bad_slot)]).unwrap_err();
-        assert!(e.to_string().contains("output"), "{e}");
-        let e = Graph::from_parts(
-            vec![node(1024), node(1025), node(1026)],
-            vec![(0, 1, data), (1, 2, data), (2, 1, Edge::Control)],
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("cycle"), "{e}");
-        let mut unknown = node(0);
-        unknown.op = "NoSuchOp".into();
-        assert!(Graph::from_parts(vec![unknown], vec![]).is_err());
-    }
 }

@@ -1,0 +1,222 @@
+//! Names of the nodes and tensors partitioning generates.
+//!
+//! Generated nodes are `send/{tensor}/to/{device}` and `recv/{tensor}/from/{device}`, where
+//! `{tensor}` is the source tensor with `:` replaced by `_` (`x:0` → `x_0`, a control edge from
+//! `x` → `x_ctrl`) and `{device}` is the short device name (`worker_0`, `ps_1_gpu_0`, `client`).
+//! A name longer than 200 bytes becomes `{prefix}/pair_{n}/{dir}/{device}`; a name a graph node
+//! already has gets the first free `_{k}` suffix.
+
+use super::{PairBuild, PairKind, Source, TensorRef};
+use dflow_graph::{DeviceName, Graph};
+use petgraph::graph::NodeIndex;
+use std::collections::HashSet;
+
+/// Generated node names: readable, deterministic, valid, and never equal to a graph node.
+struct Namer<'a> {
+    graph: &'a Graph,
+    /// The graph's node names that start like generated names (`send/`, `recv/`), found on
+    /// first use: one pass over the names beats a lookup in a large graph's name table per
+    /// generated name, and the set is almost always empty.
+    taken: Option<HashSet<&'a str>>,
+    /// Suffixed names handed out after a clash (almost always empty).
+    used: HashSet<String>,
+}
+
+/// How generated names start; see [`Namer::is_free`].
+const GENERATED_PREFIXES: [&str; 2] = ["send/", "recv/"];
+
+impl<'a> Namer<'a> {
+    fn new(graph: &'a Graph) -> Namer<'a> {
+        Namer {
+            graph,
+            taken: None,
+            used: HashSet::new(),
+        }
+    }
+
+    /// Whether `name` is neither a graph node's nor already handed out.
+    fn is_free(&mut self, name: &str) -> bool {
+        if !self.used.is_empty() && self.used.contains(name) {
+            return false;
+        }
+        if !GENERATED_PREFIXES.iter().any(|p| name.starts_with(p)) {
+            return self.graph.find(name).is_none();
+        }
+        !self.taken().contains(name)
+    }
+
+    fn taken(&mut self) -> &HashSet<&'a str> {
+        use rayon::prelude::*;
+        let graph = self.graph;
+        self.taken.get_or_insert_with(|| {
+            let taken: Vec<&str> = (0..graph.num_nodes())
+                .into_par_iter()
+                .map(|v| graph.node(NodeIndex::new(v)).name.as_str())
+                .filter(|n| GENERATED_PREFIXES.iter().any(|p| n.starts_with(p)))
+                .collect();
+            taken.into_iter().collect()
+        })
+    }
+
+    /// Whether some generated name could equal a graph node's (then names are handed out one
+    /// by one, in pair order; otherwise every name is its plain form).
+    fn clash_possible(&mut self) -> bool {
+        !self.taken().is_empty()
+    }
+
+    /// `{prefix}/{tensor}/{dir}/{device}`, falling back to a numbered name when too long or
+    /// taken by a graph node.
+    fn name(&mut self, prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) -> String {
+        let name = plain_name(prefix, tensor, dir, device, pair);
+        if self.is_free(&name) {
+            return name;
+        }
+        // Rare: a user node already has this name. Suffix until free, and remember the result.
+        let mut k = 1;
+        loop {
+            let candidate = format!("{name}_{k}");
+            if self.is_free(&candidate) {
+                self.used.insert(candidate.clone());
+                return candidate;
+            }
+            k += 1;
+        }
+    }
+}
+
+/// `{prefix}/{tensor}/{dir}/{device}`, or `{prefix}/pair_{pair}/{dir}/{device}` when that would
+/// be longer than 200 bytes: a generated name before any clash is resolved.
+fn plain_name(prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) -> String {
+    let name = concat(&[prefix, "/", tensor, "/", dir, "/", device]);
+    if name.len() > 200 {
+        return format!("{prefix}/pair_{pair}/{dir}/{device}");
+    }
+    name
+}
+
+/// The tensor part of a generated name: the source tensor with `:` replaced by `_`, or
+/// `{node}_ctrl` for a control edge.
+fn tensor_part(g: &Graph, feeds: &[TensorRef], src: Source) -> String {
+    match src {
+        Source::Data(n, o) => indexed(&g.node(NodeIndex::new(n as usize)).name, "_", o as usize),
+        Source::Feed(f) => {
+            let t = feeds[f as usize];
+            indexed(&g.node(t.node).name, "_", t.out)
+        }
+        Source::Control(n) => concat(&[&g.node(NodeIndex::new(n as usize)).name, "_ctrl"]),
+    }
+}
+
+/// The tensor a pair carries: `node:out`, or `^node` for a control edge.
+pub(super) fn tensor_name(g: &Graph, feeds: &[TensorRef], src: Source) -> String {
+    match src {
+        Source::Data(u, o) => indexed(&g.node(NodeIndex::new(u as usize)).name, ":", o as usize),
+        Source::Feed(f) => {
+            let t = feeds[f as usize];
+            indexed(&g.node(t.node).name, ":", t.out)
+        }
+        Source::Control(u) => concat(&["^", &g.node(NodeIndex::new(u as usize)).name]),
+    }
+}
+
+/// The names of a pair: its tensor, and its Send and Recv nodes (empty on the client's side).
+#[derive(Default)]
+pub(super) struct PairNames {
+    pub(super) tensor_name: String,
+    pub(super) send_node: String,
+    pub(super) recv_node: String,
+}
+
+/// Names every pair. Each name is its plain form unless a graph node's name starts like a
+/// generated one; then names are handed out one by one in pair order (feeds, then pairs as
+/// the walk over the graph made them, then fetches), suffixing any clash.
+pub(super) fn name_pairs(
+    g: &Graph,
+    feeds: &[TensorRef],
+    pairs: &[PairBuild],
+    short: &[String],
+) -> Vec<PairNames> {
+    use rayon::prelude::*;
+    // The names of `pair`, given how to name one node from (prefix, tensor, dir, device).
+    let names = |pair: &PairBuild, name: &mut dyn FnMut(&str, &str, &str, &str) -> String| {
+        let tensor = tensor_part(g, feeds, pair.src);
+        let (send_node, recv_node) = match pair.kind {
+            PairKind::Feed => (String::new(), name("recv", &tensor, "from", "client")),
+            PairKind::Fetch => (name("send", &tensor, "to", "client"), String::new()),
+            PairKind::Remote => {
+                let send = name("send", &tensor, "to", &short[pair.recv_dev as usize]);
+                let recv = name("recv", &tensor, "from", &short[pair.send_dev as usize]);
+                (send, recv)
+            }
+        };
+        PairNames {
+            tensor_name: tensor_name(g, feeds, pair.src),
+            send_node,
+            recv_node,
+        }
+    };
+    let mut namer = Namer::new(g);
+    if namer.clash_possible() {
+        return pairs
+            .iter()
+            .enumerate()
+            .map(|(p, pair)| {
+                names(pair, &mut |prefix, tensor, dir, device| {
+                    namer.name(prefix, tensor, dir, device, p)
+                })
+            })
+            .collect();
+    }
+    pairs
+        .par_iter()
+        .enumerate()
+        .map(|(p, pair)| {
+            names(pair, &mut |prefix, tensor, dir, device| {
+                plain_name(prefix, tensor, dir, device, p)
+            })
+        })
+        .collect()
+}
+
+/// The strings of `parts` joined, in a string of exactly their size (`format!` grows its buffer
+/// as it goes, which shows when making a few hundred thousand names).
+pub(super) fn concat(parts: &[&str]) -> String {
+    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        s.push_str(p);
+    }
+    s
+}
+
+/// `{name}{sep}{index}`, e.g. the tensor name `x:0`.
+pub(super) fn indexed(name: &str, sep: &str, index: usize) -> String {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    let mut rest = index;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    let digits = std::str::from_utf8(&digits[start..]).unwrap_or_default();
+    concat(&[name, sep, digits])
+}
+
+/// Short, name-safe form of a device: `worker_0`, or `worker_0_gpu_1` off CPU:0.
+pub(super) fn short_device(d: &DeviceName) -> String {
+    let job = d.job.as_deref().unwrap_or("any");
+    let task = d.task.unwrap_or(0);
+    let mut s = format!("{job}_{task}");
+    let ty = d.device_type.as_deref().unwrap_or("CPU");
+    let id = d.device_id.unwrap_or(0);
+    if d.replica.is_some_and(|r| r != 0) {
+        s = format!("{job}_r{}_{task}", d.replica.unwrap_or(0));
+    }
+    if !(ty == "CPU" && id == 0) {
+        s.push_str(&format!("_{}_{id}", ty.to_ascii_lowercase()));
+    }
+    s
+}
