@@ -48,6 +48,9 @@ pub struct Args {
     /// Message size of the pipelined algorithms (default: the library's).
     #[arg(long)]
     pub chunk: Option<String>,
+    /// Busy-poll window of small calls in microseconds (default: the library's).
+    #[arg(long)]
+    pub spin_us: Option<u64>,
     /// Per-call timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
@@ -241,6 +244,9 @@ fn comm_options(args: &Args) -> anyhow::Result<CommOptions> {
     if let Some(c) = &args.chunk {
         o.chunk_bytes = parse_size(c)?;
     }
+    if let Some(us) = args.spin_us {
+        o.spin = Duration::from_micros(us);
+    }
     Ok(o)
 }
 
@@ -337,6 +343,9 @@ fn worker_args(args: &Args, rank: usize) -> Vec<String> {
     ];
     if let Some(c) = &args.chunk {
         v.extend(["--chunk".to_string(), c.clone()]);
+    }
+    if let Some(us) = args.spin_us {
+        v.extend(["--spin-us".to_string(), us.to_string()]);
     }
     v
 }
