@@ -30,7 +30,7 @@ pub struct CommOptions {
     pub chunk_bytes: usize,
     /// On calls up to `small_bytes`, a rank that waits polls its links (yielding the core
     /// between polls) for up to this long after the last progress before it sleeps: lower
-    /// latency for small collectives at the price of CPU (default 50 µs; zero sleeps at once).
+    /// latency for small collectives at the price of CPU (default 200 µs; zero sleeps at once).
     pub spin: Duration,
 }
 
@@ -42,7 +42,7 @@ impl Default for CommOptions {
             algorithm: Algorithm::Auto,
             small_bytes: 64 << 10,
             chunk_bytes: 1 << 20,
-            spin: Duration::from_micros(50),
+            spin: Duration::from_micros(200),
         }
     }
 }
