@@ -1,8 +1,10 @@
-//! Every collective at 1..=5 ranks, in-process and over TCP on 127.0.0.1, for sizes 0, 1, odd
-//! and large, every dtype and reduce op, against a reference computed here from the same inputs.
+//! Every collective at 1..=5 ranks, in-process, over TCP on 127.0.0.1 and over shared memory,
+//! for sizes 0, 1, odd and large, every dtype and reduce op, against a reference computed here
+//! from the same inputs. One test body ([`run_rank`]) is instantiated per backend and rank count.
 
 use dflow_transport::collective::{
-    block_range, loopback_group, Algorithm, CommOptions, Communicator, ReduceOp, Scalar, TcpOptions,
+    block_range, loopback_group, shm_group, Algorithm, CommOptions, Communicator, ReduceOp, Scalar,
+    ShmOptions, TcpOptions,
 };
 use half::bf16;
 use std::time::Duration;
@@ -288,43 +290,49 @@ fn tcp(n: usize) {
     );
 }
 
-#[test]
-fn in_process_1_rank() {
-    in_process(1);
+fn shm(n: usize) {
+    // Small rings, so that the large case wraps them and fills them many times.
+    let shm_opts = ShmOptions {
+        ring_bytes: 64 << 10,
+        ..ShmOptions::default()
+    };
+    let pairs = shm_group(n, &shm_opts).unwrap();
+    run_all(
+        pairs
+            .into_iter()
+            .map(|p| Communicator::new(Box::new(p), opts()))
+            .collect(),
+    );
 }
-#[test]
-fn in_process_2_ranks() {
-    in_process(2);
+
+/// One test per rank count for a backend function.
+macro_rules! per_rank_count {
+    ($backend:ident) => {
+        mod $backend {
+            #[test]
+            fn rank_1() {
+                super::$backend(1);
+            }
+            #[test]
+            fn ranks_2() {
+                super::$backend(2);
+            }
+            #[test]
+            fn ranks_3() {
+                super::$backend(3);
+            }
+            #[test]
+            fn ranks_4() {
+                super::$backend(4);
+            }
+            #[test]
+            fn ranks_5() {
+                super::$backend(5);
+            }
+        }
+    };
 }
-#[test]
-fn in_process_3_ranks() {
-    in_process(3);
-}
-#[test]
-fn in_process_4_ranks() {
-    in_process(4);
-}
-#[test]
-fn in_process_5_ranks() {
-    in_process(5);
-}
-#[test]
-fn tcp_1_rank() {
-    tcp(1);
-}
-#[test]
-fn tcp_2_ranks() {
-    tcp(2);
-}
-#[test]
-fn tcp_3_ranks() {
-    tcp(3);
-}
-#[test]
-fn tcp_4_ranks() {
-    tcp(4);
-}
-#[test]
-fn tcp_5_ranks() {
-    tcp(5);
-}
+
+per_rank_count!(in_process);
+per_rank_count!(tcp);
+per_rank_count!(shm);

@@ -450,7 +450,9 @@ mod tests {
 
     fn congestion(p: &TcpPairs, peer: usize) -> String {
         let s = p.streams[peer].as_ref().expect("a connection");
-        let cc = socket2::SockRef::from(s).tcp_congestion().expect("TCP_CONGESTION");
+        let cc = socket2::SockRef::from(s)
+            .tcp_congestion()
+            .expect("TCP_CONGESTION");
         String::from_utf8_lossy(&cc)
             .trim_end_matches('\0')
             .to_string()

@@ -33,7 +33,9 @@ struct Chain {
 enum SinkKind {
     Copy,
     /// `out op= chunk` (`avg`: then divide).
-    ReduceInPlace { avg: bool },
+    ReduceInPlace {
+        avg: bool,
+    },
     /// `out = in op chunk`.
     ReduceFromInput,
 }
