@@ -112,8 +112,10 @@ struct Link {
     rx: Box<[u8]>,
     rx_start: usize,
     rx_end: usize,
-    /// The next frame's header, its payload not yet read.
+    /// The next frame's header, its payload not yet (wholly) read.
     pending: Option<Header>,
+    /// Payload bytes of the pending frame not yet read.
+    payload_left: usize,
     /// Control frames (abort, joined) waiting for a frame boundary.
     ctrl: Vec<u8>,
     /// A data frame is partly written: control frames must wait.
@@ -131,6 +133,7 @@ impl Link {
             rx_start: 0,
             rx_end: 0,
             pending: None,
+            payload_left: 0,
             ctrl: Vec::new(),
             tx_mid: false,
             last_seen: None,
@@ -641,6 +644,8 @@ impl Channel {
                     l.rx_start += HEADER_LEN;
                     l.last_seen = Some((h.fp.group, h.fp.seq));
                     l.pending = Some(h);
+                    // Only read once `recv_header` checked the length against a buffer.
+                    l.payload_left = usize::try_from(h.len).unwrap_or(usize::MAX);
                 }
             }
         }
@@ -733,45 +738,69 @@ impl Channel {
         buf: &mut [u8],
         off: &mut usize,
     ) -> Result<bool> {
+        while *off < buf.len() {
+            let n = self.recv_some(call, g, &mut buf[*off..])?;
+            if n == 0 {
+                break;
+            }
+            *off += n;
+        }
+        if *off < buf.len() {
+            return Ok(false);
+        }
+        // An empty frame is complete at once.
+        let l = &mut self.links[call.members[g]];
+        if l.payload_left == 0 {
+            l.pending = None;
+        }
+        Ok(true)
+    }
+
+    /// Reads the next bytes of the accepted frame's payload into `dst` (at most what is left
+    /// of the frame); returns how many arrived (0: none yet). After the last byte the link
+    /// expects the next header.
+    pub(crate) fn recv_some(
+        &mut self,
+        call: &CallState,
+        g: usize,
+        dst: &mut [u8],
+    ) -> Result<usize> {
         let glob = call.members[g];
         let l = &mut self.links[glob];
-        let take = l.staged().min(buf.len() - *off);
-        buf[*off..*off + take].copy_from_slice(&l.rx[l.rx_start..l.rx_start + take]);
-        l.rx_start += take;
-        *off += take;
-        while *off < buf.len() {
-            let rem = buf.len() - *off;
-            if rem >= STAGING / 2 {
-                let n = self
-                    .pairs
-                    .try_read(glob, &mut buf[*off..])
-                    .map_err(|e| lost(call, g, e))?;
-                if n == 0 {
-                    break;
-                }
-                *off += n;
-            } else {
-                l.rx_start = 0;
-                l.rx_end = 0;
-                let n = self
-                    .pairs
-                    .try_read(glob, &mut l.rx[..])
-                    .map_err(|e| lost(call, g, e))?;
-                if n == 0 {
-                    break;
-                }
-                l.rx_end = n;
-                let take = n.min(rem);
-                buf[*off..*off + take].copy_from_slice(&l.rx[..take]);
-                l.rx_start = take;
-                *off += take;
+        let want = dst.len().min(l.payload_left);
+        if want == 0 {
+            if l.payload_left == 0 {
+                l.pending = None;
             }
+            return Ok(0);
         }
-        if *off == buf.len() {
+        let n = if l.staged() > 0 {
+            let take = l.staged().min(want);
+            dst[..take].copy_from_slice(&l.rx[l.rx_start..l.rx_start + take]);
+            l.rx_start += take;
+            take
+        } else if l.payload_left >= STAGING / 2 {
+            // Large remainder: straight into the destination.
+            self.pairs
+                .try_read(glob, &mut dst[..want])
+                .map_err(|e| lost(call, g, e))?
+        } else {
+            // The frame's tail: through staging, so that the next header comes with it.
+            l.rx_start = 0;
+            l.rx_end = self
+                .pairs
+                .try_read(glob, &mut l.rx[..])
+                .map_err(|e| lost(call, g, e))?;
+            let take = l.rx_end.min(want);
+            dst[..take].copy_from_slice(&l.rx[..take]);
+            l.rx_start = take;
+            take
+        };
+        l.payload_left -= n;
+        if l.payload_left == 0 {
             l.pending = None;
-            return Ok(true);
         }
-        Ok(false)
+        Ok(n)
     }
 }
 

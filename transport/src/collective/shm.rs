@@ -8,8 +8,9 @@
 //! Segments reuse the data plane's machinery ([`crate::shm::segment`]): names carry the
 //! creator's pid, a rank unlinks its own name once every peer has attached (so after set-up a
 //! crash leaves nothing under `/dev/shm`), and names left by processes that died during set-up
-//! are swept by the next rendezvous on the host. Waits spin briefly, then sleep on the futex in
-//! short naps; each nap checks that the peers' processes are alive, so a killed rank is seen as
+//! are swept by the next rendezvous on the host. Waits sleep on the futex at once (small calls
+//! poll above, in the channel; polling here measured slower for large ones) in short naps;
+//! each nap checks that the peers' processes are alive, so a killed rank is seen as
 //! a closed link within [`NAP`]. A dropped rank marks its rings closed.
 //!
 //! Trust: as with the data plane's segments, a process of the same job can write the rings at
@@ -47,8 +48,6 @@ const RING_HEADER: usize = 256;
 
 /// Longest futex sleep: peers' liveness and the caller's deadline are checked this often.
 pub const NAP: Duration = Duration::from_millis(10);
-/// How long `wait` polls the doorbell before it sleeps.
-const SPIN: Duration = Duration::from_micros(20);
 
 /// Settings of the shared-memory backend.
 #[derive(Debug, Clone)]
@@ -496,7 +495,6 @@ impl Pairs for ShmPairs {
     }
 
     fn wait(&mut self, until: Instant) -> std::result::Result<(), LinkError> {
-        let spin_until = Instant::now() + SPIN;
         loop {
             let now_bell = self.own.doorbell().load(Ordering::SeqCst);
             if now_bell != self.seen {
@@ -512,11 +510,6 @@ impl Pairs for ShmPairs {
             }
             if now >= until {
                 return Ok(());
-            }
-            if now < spin_until {
-                // A peer sharing this core gets it (see `Channel::idle`).
-                std::thread::yield_now();
-                continue;
             }
             let (bell, sleepers) = (self.own.doorbell(), self.own.u32_at(SLEEPERS_AT));
             sleepers.fetch_add(1, Ordering::SeqCst);

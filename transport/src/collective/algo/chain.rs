@@ -162,7 +162,10 @@ pub(crate) fn reduce<T: Scalar>(
             avg: op == ReduceOp::Avg,
         },
     };
-    let (acc, tmp) = scratch.take2::<T>(if middle { buf.len() } else { 0 }, ch.min(buf.len()));
+    let (acc, tmp) = scratch.take2::<T>(
+        if middle { buf.len() } else { 0 },
+        stream::tmp_elems::<T>(ch),
+    );
     let bufs = if middle {
         chain.sink = SinkKind::ReduceFromInput;
         Bufs {

@@ -137,8 +137,7 @@ pub(crate) fn reduce_scatter<T: Scalar>(
     let mut ring = Ring::new::<T>(ctx, send.len(), true, false);
     ring.from_input = true;
     ring.avg = op == ReduceOp::Avg;
-    let tmp_len = ring.ch.min(block_range(send.len(), n, 0).len());
-    let (work, tmp) = scratch.take2::<T>(send.len(), tmp_len);
+    let (work, tmp) = scratch.take2::<T>(send.len(), stream::tmp_elems::<T>(ring.ch));
     let bufs = Bufs {
         out: &mut *work,
         inp: send,
@@ -177,11 +176,10 @@ pub(crate) fn all_reduce<T: Scalar>(
     }
     let mut ring = Ring::new::<T>(ctx, buf.len(), true, true);
     ring.avg = op == ReduceOp::Avg;
-    let tmp_len = ring.ch.min(block_range(buf.len(), n, 0).len());
     let bufs = Bufs {
         out: buf,
         inp: &[],
-        tmp: scratch.take::<T>(tmp_len),
+        tmp: scratch.take::<T>(stream::tmp_elems::<T>(ring.ch)),
     };
     stream::run(ctx, &ring, bufs, op)
 }

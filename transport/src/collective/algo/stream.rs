@@ -75,13 +75,76 @@ pub(crate) trait Schedule {
     fn recv(&self, i: usize) -> RecvMsg;
 }
 
+/// Bytes of a received chunk staged at a time before they are reduced: small enough to stay
+/// in the core's cache between the copy in and the reduction.
+pub(crate) const WINDOW: usize = 128 << 10;
+
+/// Elements of the scratch a schedule with chunks of `chunk` elements needs.
+pub(crate) fn tmp_elems<T>(chunk: usize) -> usize {
+    (WINDOW / std::mem::size_of::<T>()).min(chunk).max(1)
+}
+
+/// A chunk being received and reduced window by window.
+struct Window {
+    dst: Range<usize>,
+    own: Option<Range<usize>>,
+    avg: bool,
+    ranks: usize,
+    op: ReduceOp,
+}
+
+impl Window {
+    /// Reads what arrived of the chunk into `tmp` and reduces every whole element into
+    /// `out[dst]`; `got` counts the chunk's bytes read. True once the chunk is done. A partial
+    /// element waits at the front of `tmp` (the first `got % size` bytes).
+    fn recv<T: Scalar>(
+        &self,
+        ctx: &mut Ctx<'_>,
+        peer: usize,
+        out: &mut [T],
+        inp: &[T],
+        tmp: &mut [T],
+        got: &mut usize,
+    ) -> Result<bool> {
+        let size = std::mem::size_of::<T>();
+        let total = self.dst.len() * size;
+        let cap = tmp.len() * size;
+        while *got < total {
+            let (done, part) = (*got / size, *got % size);
+            let want = (total - done * size).min(cap);
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut *tmp);
+            let n = ctx.ch.recv_some(&ctx.call, peer, &mut bytes[part..want])?;
+            if n == 0 {
+                return Ok(false);
+            }
+            *got += n;
+            let whole = (part + n) / size;
+            let d = &mut out[self.dst.start + done..self.dst.start + done + whole];
+            if let Some(own) = &self.own {
+                d.copy_from_slice(&inp[own.start + done..own.start + done + whole]);
+            }
+            T::reduce_into(d, &tmp[..whole], self.op);
+            if self.avg {
+                T::finish_avg(d, self.ranks);
+            }
+            let rest = (part + n) % size;
+            if rest > 0 {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut *tmp);
+                bytes.copy_within(whole * size..whole * size + rest, 0);
+            }
+        }
+        // An empty chunk: its (empty) frame must still be consumed.
+        ctx.ch.recv_payload(&ctx.call, peer, &mut [], &mut 0)
+    }
+}
+
 /// The buffers a schedule works on.
 pub(crate) struct Bufs<'a, T> {
     /// Destination of receives, source of [`Src::Out`] sends.
     pub out: &'a mut [T],
     /// Source of [`Src::In`] sends and of the own operand of out-of-place reductions.
     pub inp: &'a [T],
-    /// Scratch for chunks to be reduced: at least as long as the longest such chunk.
+    /// Scratch for chunks to be reduced: at least one element when any is (see [`WINDOW`]).
     pub tmp: &'a mut [T],
 }
 
@@ -111,23 +174,24 @@ pub(crate) fn run<T: Scalar>(
             let len = m.sink.len();
             if ctx.ch.recv_header(&ctx.call, m.peer, m.tag, len * size)? {
                 let before = got;
-                let buf: &mut [u8] = match &m.sink {
-                    Sink::Copy(r) => bytemuck::cast_slice_mut(&mut out[r.clone()]),
-                    Sink::Reduce { .. } => bytemuck::cast_slice_mut(&mut tmp[..len]),
+                let complete = match &m.sink {
+                    Sink::Copy(r) => {
+                        let buf = bytemuck::cast_slice_mut(&mut out[r.clone()]);
+                        ctx.ch.recv_payload(&ctx.call, m.peer, buf, &mut got)?
+                    }
+                    Sink::Reduce { dst, own, avg } => {
+                        let w = Window {
+                            dst: dst.clone(),
+                            own: own.clone(),
+                            avg: *avg,
+                            ranks,
+                            op,
+                        };
+                        w.recv(ctx, m.peer, out, inp, tmp, &mut got)?
+                    }
                 };
-                let complete = ctx.ch.recv_payload(&ctx.call, m.peer, buf, &mut got)?;
                 progressed |= got != before;
                 if complete {
-                    if let Sink::Reduce { dst, own, avg } = &m.sink {
-                        let d = &mut out[dst.clone()];
-                        if let Some(own) = own {
-                            d.copy_from_slice(&inp[own.clone()]);
-                        }
-                        T::reduce_into(d, &tmp[..len], op);
-                        if *avg {
-                            T::finish_avg(d, ranks);
-                        }
-                    }
                     progressed = true;
                     ri += 1;
                     got = 0;
