@@ -464,8 +464,13 @@ impl Pairs for ShmPairs {
         }
         let n = pos.wrapping_sub(head) as usize;
         if n > 0 {
-            ring.head().store(pos, Ordering::Release);
-            p.seg.ring_bell();
+            ring.head().store(pos, Ordering::SeqCst);
+            // The reader sleeps only after it found the ring empty: ring the bell when it had
+            // read everything before these bytes (both sides store, then load, SeqCst: one of
+            // them sees the other).
+            if ring.tail().load(Ordering::SeqCst) == head {
+                p.seg.ring_bell();
+            }
         }
         Ok(n)
     }
@@ -488,9 +493,13 @@ impl Pairs for ShmPairs {
         let n = used.min(buf.len());
         ring.get(tail, &mut buf[..n]);
         ring.tail()
-            .store(tail.wrapping_add(n as u64), Ordering::Release);
-        // Room for the writer.
-        self.peer(peer)?.seg.ring_bell();
+            .store(tail.wrapping_add(n as u64), Ordering::SeqCst);
+        // The writer sleeps for room only after it found the ring full: ring its bell when it
+        // had filled the ring as this read found it.
+        let full = ring.head().load(Ordering::SeqCst).wrapping_sub(tail) >= self.own.cap as u64;
+        if full {
+            self.peer(peer)?.seg.ring_bell();
+        }
         Ok(n)
     }
 
