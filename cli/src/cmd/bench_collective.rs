@@ -52,6 +52,10 @@ pub struct Args {
     /// Busy-poll window of small calls in microseconds (default: the library's).
     #[arg(long)]
     pub spin_us: Option<u64>,
+    /// Pin rank r's process to CPU r modulo the CPU count (through `taskset`), as `mpirun`
+    /// binds ranks to cores by default when they fit. Off by default.
+    #[arg(long)]
+    pub bind: bool,
     /// Per-call timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
@@ -419,14 +423,31 @@ fn parse_row(line: &str) -> anyhow::Result<Row> {
 fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut workers = Workers(Vec::new());
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     for r in 0..args.ranks {
-        let child = Command::new(&exe)
+        let mut cmd = if args.bind {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &(r % cpus).to_string()]).arg(&exe);
+            c
+        } else {
+            Command::new(&exe)
+        };
+        let child = cmd
             .args(worker_args(args, r))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .with_context(|| format!("starting rank {r}"))?;
+            .with_context(|| {
+                format!(
+                    "starting rank {r}{}",
+                    if args.bind {
+                        " (--bind needs taskset)"
+                    } else {
+                        ""
+                    }
+                )
+            })?;
         workers.0.push(child);
     }
     let mut readers = Vec::new();

@@ -582,3 +582,91 @@ pub fn shm_group(size: usize, opts: &ShmOptions) -> Result<Vec<ShmPairs>> {
             .collect()
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(ring_bytes: usize) -> (ShmPairs, ShmPairs) {
+        let o = ShmOptions {
+            ring_bytes,
+            ..ShmOptions::default()
+        };
+        let mut g = shm_group(2, &o).unwrap();
+        let b = g.pop().unwrap();
+        let a = g.pop().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn ring_wraps_fills_and_rejects_corrupt_positions() {
+        let (mut a, mut b) = pair(4096);
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 3000];
+        let mut sent = 0;
+        // Writes stop at a full ring; reads of any size see the bytes in order across wraps.
+        while got.len() < data.len() {
+            let n = a
+                .try_write(
+                    1,
+                    &[IoSlice::new(&data[sent..(sent + 1500).min(data.len())])],
+                )
+                .unwrap();
+            sent += n;
+            assert!(sent - got.len() <= 4096, "never more than the ring holds");
+            let m = b
+                .try_read(0, &mut buf[..(got.len() % 7) * 400 + 1])
+                .unwrap();
+            got.extend_from_slice(&buf[..m]);
+        }
+        assert_eq!(got, data);
+        assert_eq!(b.try_read(0, &mut buf).unwrap(), 0);
+        // A head beyond what the ring can hold is refused, not read.
+        let tail = b.own.ring(0).tail().load(Ordering::SeqCst);
+        b.own.ring(0).head().store(tail + 4097, Ordering::SeqCst);
+        assert!(matches!(b.try_read(0, &mut buf), Err(LinkError::Io(_))));
+        b.own.ring(0).head().store(tail, Ordering::SeqCst);
+        // A dropped end reads as closed once drained; writes to it fail.
+        a.try_write(1, &[IoSlice::new(b"last")]).unwrap();
+        drop(a);
+        assert_eq!(b.try_read(0, &mut buf).unwrap(), 4);
+        assert!(matches!(b.try_read(0, &mut buf), Err(LinkError::Closed)));
+        assert!(matches!(
+            b.try_write(0, &[IoSlice::new(b"x")]),
+            Err(LinkError::Closed)
+        ));
+    }
+
+    #[test]
+    fn wait_returns_on_data_and_at_the_deadline() {
+        let (mut a, mut b) = pair(4096);
+        // Nothing arrives: waits end at the deadline (an early return is allowed), not after.
+        let t = Instant::now();
+        let deadline = t + Duration::from_millis(30);
+        while Instant::now() < deadline {
+            b.wait(deadline).unwrap();
+        }
+        assert!(t.elapsed() < Duration::from_millis(500));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                a.try_write(1, &[IoSlice::new(b"ping")]).unwrap();
+            });
+            let t = Instant::now();
+            let mut buf = [0u8; 4];
+            while b.try_read(0, &mut buf).unwrap() == 0 {
+                b.wait(t + Duration::from_secs(10)).unwrap();
+            }
+            assert!(t.elapsed() < Duration::from_secs(5));
+            assert_eq!(&buf, b"ping");
+        });
+    }
+
+    #[test]
+    fn process_liveness_from_proc() {
+        let (alive, start) = process_state(std::process::id()).unwrap();
+        assert!(alive && start > 0);
+        assert_eq!(process_state(u32::MAX), Some((false, 0)));
+    }
+}

@@ -108,7 +108,7 @@ impl Window {
     ) -> Result<bool> {
         let size = std::mem::size_of::<T>();
         let total = self.dst.len() * size;
-        let cap = tmp.len() * size;
+        let cap = std::mem::size_of_val(tmp);
         while *got < total {
             let (done, part) = (*got / size, *got % size);
             let want = (total - done * size).min(cap);
