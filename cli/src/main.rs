@@ -28,10 +28,25 @@ enum Command {
     Partition(cmd::partition::Args),
     /// Run a graph (`--local`: every task of the cluster in this process).
     Run(Box<cmd::run::Args>),
-    /// Measure collectives (all-reduce, all-gather, ...) over N ranks: time, algbw, busbw.
+    /// Benchmarks: point-to-point transfers and collectives between real processes.
+    #[command(subcommand)]
+    Bench(Bench),
+    /// Same as `bench collective` (the name child ranks are started with).
+    #[command(hide = true)]
     BenchCollective(cmd::bench_collective::Args),
     /// Work with Chrome traces written by `run --trace` (merge the per-task files of a job).
     Trace(cmd::trace::Args),
+    /// Make a cluster CA and per-task certificates for `run --transport quic`.
+    Cert(cmd::cert::Args),
+}
+
+/// `dflow bench ...`.
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Send/Recv between two processes over a data plane: GB/s and round trip per size.
+    Transfer(cmd::bench_transfer::Args),
+    /// Collectives (all-reduce, all-gather, ...) over N ranks: time, algbw, busbw.
+    Collective(cmd::bench_collective::Args),
 }
 
 fn main() -> ExitCode {
@@ -49,7 +64,11 @@ fn main() -> ExitCode {
         Command::Partition(a) => cmd::partition::run(a),
         Command::Run(a) => cmd::run::run(*a),
         Command::Trace(a) => cmd::trace::run(a),
-        Command::BenchCollective(a) => cmd::bench_collective::run(a),
+        Command::Bench(Bench::Transfer(a)) => cmd::bench_transfer::run(a),
+        Command::Bench(Bench::Collective(a)) | Command::BenchCollective(a) => {
+            cmd::bench_collective::run(a)
+        }
+        Command::Cert(a) => cmd::cert::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

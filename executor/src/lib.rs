@@ -3,6 +3,7 @@
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+mod arena;
 pub mod checkpoint;
 pub mod cluster;
 pub mod data;
@@ -11,6 +12,7 @@ pub mod npy;
 pub mod plan;
 mod run;
 pub mod session;
+mod slots;
 mod step;
 pub mod trace;
 pub mod trainer;

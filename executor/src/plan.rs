@@ -1,13 +1,22 @@
 //! Compiling one partition into an [`ExecutionPlan`], once, and reusing it every step.
 //!
 //! The plan flattens the partition's graph: nodes in an array, each with its bound kernel (or
-//! its rendezvous key for Send/Recv), the output slots its inputs come from, its successors,
-//! and its initial count of pending inputs. A step only resets counters and runs.
+//! its rendezvous key for Send/Recv) and the output slots its inputs come from. The edges the
+//! scheduler walks every step live in flat arrays (compressed sparse rows): each node's
+//! distinct successors, its initial count of distinct predecessors, and whether it is cheap
+//! enough to run in a batch with other ready nodes on one thread. A step copies the counts and
+//! runs.
+//!
+//! A `Const` without inputs or control inputs is evaluated here, once: its value is bound to
+//! its slot at the start of every step, it is not scheduled, and its consumers do not wait for
+//! it (a constant addend leaves a chain of adds with one predecessor per node).
 
+use crate::arena::Arena;
 use crate::error::ExecError;
 use crate::variables::VariableStore;
-use dflow_graph::kernel::{Kernel, KernelInit, VariableCell};
-use dflow_graph::{AttrValue, DeviceName, Graph};
+use dflow_graph::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
+use dflow_graph::ops::{OpDef, TensorType};
+use dflow_graph::{AttrValue, DeviceName, Graph, Tensor};
 use dflow_transport::RendezvousKey;
 use std::sync::Arc;
 
@@ -28,21 +37,43 @@ pub(crate) struct PlanNode {
     pub(crate) name: String,
     pub(crate) op: &'static str,
     pub(crate) action: NodeAction,
-    /// For each data input, the value slot it reads.
-    pub(crate) inputs: Vec<u32>,
     /// First value slot of this node's outputs.
     pub(crate) output_base: u32,
     /// Number of outputs.
     pub(crate) num_outputs: u32,
-    /// Nodes to notify on completion, once per edge.
-    pub(crate) successors: Vec<u32>,
-    /// Incoming edges (data and control): the node runs when all have fired.
-    pub(crate) num_pending: u32,
     /// The variable this node owns, or the variables behind its reference inputs.
     pub(crate) variables: Vec<Arc<VariableCell>>,
     /// For a kernel whose outputs feed Sends: per output, the key of the (first) Send it feeds,
     /// so the kernel can write it where the transport sends it from. Empty otherwise.
     pub(crate) output_sends: Vec<Option<Arc<RendezvousKey>>>,
+}
+
+/// Ops whose kernels take constant time whatever the size of their tensors (they hand buffers
+/// over or register a callback): always cheap.
+const CONSTANT_TIME_OPS: &[&str] = &["NoOp", "Const", "Identity", "Recv", "Variable"];
+
+/// A node whose inputs and outputs hold at most this many elements in all is cheap: it may run
+/// in a batch with other cheap nodes on one thread instead of being handed to the pool alone.
+const CHEAP_ELEMENTS: usize = 1024;
+
+/// True when a node of `op` with these static types is cheap (see [`CHEAP_ELEMENTS`]). A
+/// collective blocks until its peers join, so it is never cheap: it must not hold back the nodes
+/// queued behind it on its thread.
+fn is_cheap(op: &OpDef, inputs: &[&TensorType], outputs: &[TensorType]) -> bool {
+    if op.name.starts_with("Collective") {
+        return false;
+    }
+    if CONSTANT_TIME_OPS.contains(&op.name) {
+        return true;
+    }
+    let mut total = 0usize;
+    for t in inputs.iter().copied().chain(outputs) {
+        match t.shape.num_elements() {
+            Some(n) => total = total.saturating_add(n),
+            None => return false,
+        }
+    }
+    total <= CHEAP_ELEMENTS
 }
 
 /// A partition compiled for execution on one device.
@@ -53,10 +84,27 @@ pub struct ExecutionPlan {
     pub(crate) nodes: Vec<PlanNode>,
     pub(crate) roots: Vec<u32>,
     pub(crate) num_slots: usize,
+    /// Values bound at compile time (constants): (slot, value), written at each step's start.
+    pub(crate) constants: Vec<(u32, Tensor)>,
+    /// Nodes that run each step (every node but the bound constants).
+    pub(crate) num_scheduled: usize,
+    /// Per node, the number of distinct nodes it waits for (data and control edges): the
+    /// pending counts every step starts from.
+    pub(crate) initial_pending: Vec<u32>,
+    /// Per node, whether it may run batched with other ready nodes (see [`is_cheap`]).
+    pub(crate) cheap: Vec<bool>,
+    /// `successors[succ_start[n]..succ_start[n + 1]]`: the distinct nodes `n` notifies.
+    succ_start: Vec<u32>,
+    successors: Vec<u32>,
+    /// `input_slots[input_start[n]..input_start[n + 1]]`: the value slot of each data input.
+    input_start: Vec<u32>,
+    input_slots: Vec<u32>,
+    /// The per-step arrays, recycled across steps.
+    pub(crate) arena: Arena,
 }
 
 /// Marks, on each kernel whose output feeds a Send, which key that output is sent under.
-fn link_sends_to_producers(nodes: &mut [PlanNode], num_slots: usize) {
+fn link_sends_to_producers(nodes: &mut [PlanNode], inputs: &[Vec<u32>], num_slots: usize) {
     let mut owner = vec![(u32::MAX, 0u32); num_slots];
     for (i, n) in nodes.iter().enumerate() {
         for k in 0..n.num_outputs {
@@ -65,7 +113,8 @@ fn link_sends_to_producers(nodes: &mut [PlanNode], num_slots: usize) {
     }
     let sends: Vec<(u32, Arc<RendezvousKey>)> = nodes
         .iter()
-        .filter_map(|n| match (&n.action, n.inputs.first()) {
+        .zip(inputs)
+        .filter_map(|(n, inputs)| match (&n.action, inputs.first()) {
             (NodeAction::Send(key), Some(&slot)) => Some((slot, key.clone())),
             _ => None,
         })
@@ -110,6 +159,13 @@ impl ExecutionPlan {
             num_slots += graph.node(idx).outputs.len() as u32;
         }
         let mut nodes = Vec::with_capacity(order.len());
+        let mut node_inputs: Vec<Vec<u32>> = Vec::with_capacity(order.len());
+        let mut node_successors: Vec<Vec<u32>> = Vec::with_capacity(order.len());
+        let mut cheap = Vec::with_capacity(order.len());
+        // The last node that listed each node as a successor (deduplicates parallel edges).
+        let mut notified_by = vec![usize::MAX; order.len()];
+        let mut constants = Vec::new();
+        let mut is_constant = Vec::with_capacity(order.len());
         for &idx in &order {
             let node = graph.node(idx);
             let op = node.op_def();
@@ -131,6 +187,10 @@ impl ExecutionPlan {
                 )))
             };
             let inputs = graph.inputs(idx);
+            let input_types: Vec<&TensorType> = inputs
+                .iter()
+                .map(|(src, out)| &graph.node(*src).outputs[*out])
+                .collect();
             let action = match op.name {
                 "Send" => NodeAction::Send(key_of()?),
                 "Recv" => NodeAction::Recv(key_of()?),
@@ -143,14 +203,12 @@ impl ExecutionPlan {
                                 device: device_label.clone(),
                                 device_type: device_type.clone(),
                             })?;
-                    let input_types: Vec<_> = inputs
-                        .iter()
-                        .map(|(src, out)| graph.node(*src).outputs[*out].clone())
-                        .collect();
+                    let owned_types: Vec<TensorType> =
+                        input_types.iter().map(|t| (*t).clone()).collect();
                     let init = KernelInit {
                         node: &node.name,
                         attrs: &attrs,
-                        input_types: &input_types,
+                        input_types: &owned_types,
                         output_types: &node.outputs,
                     };
                     NodeAction::Kernel(factory(&init).map_err(|message| ExecError::KernelInit {
@@ -161,6 +219,23 @@ impl ExecutionPlan {
                     })?)
                 }
             };
+            cheap.push(is_cheap(op, &input_types, &node.outputs));
+            let bound = op.name == "Const"
+                && inputs.is_empty()
+                && graph.control_inputs(idx).is_empty()
+                && node.outputs.len() == 1;
+            is_constant.push(bound);
+            if bound {
+                let value = evaluate_constant(&action, &node.name).map_err(|message| {
+                    ExecError::KernelInit {
+                        node: node.name.clone(),
+                        op: node.op.clone(),
+                        device: device_label.clone(),
+                        message,
+                    }
+                })?;
+                constants.push((output_base[idx.index()], value));
+            }
             let cells = if op.is_variable {
                 vec![variables.cell(&node.name)]
             } else {
@@ -171,41 +246,76 @@ impl ExecutionPlan {
                     .map(|(_, (src, _))| variables.cell(&graph.node(*src).name))
                     .collect()
             };
-            let mut successors = Vec::new();
-            for (dst, _) in graph.out_edges(idx) {
-                successors.push(dst.index() as u32);
+            // One notification per distinct successor, however many edges lead there.
+            let mut successors: Vec<u32> = Vec::new();
+            // A bound constant notifies nobody: its consumers do not wait for it.
+            for (dst, _) in graph.out_edges(idx).into_iter().filter(|_| !bound) {
+                let seen = &mut notified_by[dst.index()];
+                if *seen != idx.index() {
+                    *seen = idx.index();
+                    successors.push(dst.index() as u32);
+                }
             }
-            let num_pending = (inputs.len() + graph.control_inputs(idx).len()) as u32;
+            node_successors.push(successors);
+            node_inputs.push(
+                inputs
+                    .iter()
+                    .map(|(src, out)| output_base[src.index()] + *out as u32)
+                    .collect(),
+            );
             nodes.push(PlanNode {
                 name: node.name.clone(),
                 op: op.name,
                 action,
-                inputs: inputs
-                    .iter()
-                    .map(|(src, out)| output_base[src.index()] + *out as u32)
-                    .collect(),
                 output_base: output_base[idx.index()],
                 num_outputs: node.outputs.len() as u32,
-                successors,
-                num_pending,
                 variables: cells,
                 output_sends: Vec::new(),
             });
         }
-        link_sends_to_producers(&mut nodes, num_slots as usize);
-        let roots = nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, n)| n.num_pending == 0)
-            .map(|(i, _)| i as u32)
+        link_sends_to_producers(&mut nodes, &node_inputs, num_slots as usize);
+        let mut initial_pending = vec![0u32; nodes.len()];
+        for succ in &node_successors {
+            for &s in succ {
+                initial_pending[s as usize] += 1;
+            }
+        }
+        let roots = (0..nodes.len() as u32)
+            .filter(|&i| initial_pending[i as usize] == 0 && !is_constant[i as usize])
             .collect();
+        let num_scheduled = nodes.len() - constants.len();
+        let (succ_start, successors) = flatten(&node_successors);
+        let (input_start, input_slots) = flatten(&node_inputs);
         Ok(ExecutionPlan {
             device: device.clone(),
             device_label,
             nodes,
             roots,
             num_slots: num_slots as usize,
+            constants,
+            num_scheduled,
+            initial_pending,
+            cheap,
+            succ_start,
+            successors,
+            input_start,
+            input_slots,
+            arena: Arena::default(),
         })
+    }
+
+    /// The distinct nodes that node `n` notifies when it completes.
+    #[inline]
+    pub(crate) fn successors(&self, n: u32) -> &[u32] {
+        let n = n as usize;
+        &self.successors[self.succ_start[n] as usize..self.succ_start[n + 1] as usize]
+    }
+
+    /// The value slot of each data input of node `n`.
+    #[inline]
+    pub(crate) fn input_slots(&self, n: u32) -> &[u32] {
+        let n = n as usize;
+        &self.input_slots[self.input_start[n] as usize..self.input_start[n + 1] as usize]
     }
 
     /// The device this plan runs on.
@@ -228,4 +338,35 @@ impl ExecutionPlan {
             })
             .collect()
     }
+}
+
+/// Concatenates `lists` into one array and the offsets of each list (with a final end offset).
+fn flatten(lists: &[Vec<u32>]) -> (Vec<u32>, Vec<u32>) {
+    let mut start = Vec::with_capacity(lists.len() + 1);
+    let mut flat = Vec::with_capacity(lists.iter().map(Vec::len).sum());
+    start.push(0);
+    for l in lists {
+        flat.extend_from_slice(l);
+        start.push(flat.len() as u32);
+    }
+    (start, flat)
+}
+
+/// Runs a constant's kernel once, for its value.
+fn evaluate_constant(action: &NodeAction, name: &str) -> Result<Tensor, String> {
+    let NodeAction::Kernel(kernel) = action else {
+        return Err("a constant must be a kernel".into());
+    };
+    let mut outputs = [None];
+    kernel.compute(&mut KernelContext {
+        node: name,
+        inputs: &[],
+        variables: &[],
+        step: 0,
+        outputs: &mut outputs,
+        collectives: None,
+        output_memory: None,
+    })?;
+    let [value] = outputs;
+    value.ok_or_else(|| "the constant's kernel produced no value".to_string())
 }

@@ -1,38 +1,69 @@
 //! Running one step of an [`ExecutionPlan`]: the dataflow scheduler.
 //!
-//! Each node waits for a count of incoming edges. When a node finishes, it decrements its
-//! successors' counts; the first newly ready successor runs inline on the same thread (so a
-//! chain runs without a thread hand-off per node) and the others go to the compute pool. A
-//! `Recv` never blocks a thread: it registers a callback with the rendezvous and the step
+//! Each node waits for a count of distinct predecessors. A [`Runner`] (one per pool task) keeps a
+//! local stack of ready nodes and runs them one after the other; a node's newly ready successors
+//! go on that stack, so a chain runs on one thread without a hand-off or a queue per node.
+//!
+//! - *Cheap* nodes (small tensors, see [`ExecutionPlan`]) are batched: when a runner's stack
+//!   grows past [`SPLIT_AT`], a chunk of [`CHUNK`] nodes is handed to the pool as one task, so a
+//!   wide fan-out costs one spawn per chunk, not per node.
+//! - *Expensive* nodes run alone: each newly ready one is spawned on its own, except one, kept
+//!   inline when the runner has nothing else to do; before a runner starts an expensive node it
+//!   hands its other ready work to the pool, so a long (or blocking, like a collective) kernel
+//!   never holds other nodes back.
+//! - A node with one predecessor is ready when that one completes: no atomic. Decrements of one
+//!   successor by consecutive nodes (a fan-in) are coalesced into one atomic subtraction, held
+//!   back for at most [`MAX_COALESCED`] nodes.
+//! - The count of nodes left in the step is decremented once per runner, not once per node.
+//! - Values live in plain cells ([`ValueSlots`]) whose hand-over the pending counts order;
+//!   the per-step arrays are recycled ([`crate::arena`]); constants are bound by the plan, not
+//!   run.
+//!
+//! A `Recv` never blocks a thread: it registers a callback with the rendezvous and the step
 //! continues elsewhere. An error anywhere aborts the step on the rendezvous, which wakes every
 //! pending `Recv` on every device with the cause; the remaining nodes are skipped and the step
 //! completes with the first error.
 
+use crate::arena::StepArrays;
 use crate::error::ExecError;
 use crate::plan::{ExecutionPlan, NodeAction};
+use crate::slots::ValueSlots;
 use crate::trace::{TraceEvent, Tracer};
 use dflow_graph::kernel::{Collectives, KernelContext, OutputMemory};
 use dflow_graph::{DType, Tensor};
 use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 /// Called once when the step finishes on this device.
 pub type StepDone = Box<dyn FnOnce(Result<(), ExecError>) + Send>;
+
+/// A runner whose stack of ready cheap nodes reaches this size hands [`CHUNK`] of them to the
+/// pool (when the pool has more than one thread).
+const SPLIT_AT: usize = 2 * CHUNK;
+
+/// Cheap ready nodes per pool task when a runner shares its work.
+const CHUNK: usize = 128;
+
+/// A decrement held back (to be coalesced with the next ones of the same successor) is applied
+/// at the latest once the runner has finished this many more nodes.
+const MAX_COALESCED: usize = 64;
 
 /// Everything one running step of one device needs.
 pub(crate) struct StepState {
     plan: Arc<ExecutionPlan>,
     step: u64,
-    pending: Vec<AtomicU32>,
-    values: Vec<OnceLock<Tensor>>,
+    pending: Box<[AtomicU32]>,
+    values: ValueSlots,
     outstanding: AtomicUsize,
     failed: AtomicBool,
     error: Mutex<Option<ExecError>>,
     done: Mutex<Option<StepDone>>,
     rendezvous: Arc<dyn Rendezvous>,
     pool: Arc<rayon::ThreadPool>,
+    /// More than one compute thread: worth sharing batches of ready nodes.
+    share: bool,
     tracer: Option<Arc<Tracer>>,
     collectives: Option<Arc<dyn Collectives>>,
 }
@@ -48,22 +79,23 @@ pub(crate) fn start_step(
     collectives: Option<Arc<dyn Collectives>>,
     done: StepDone,
 ) {
-    let n = plan.nodes.len();
+    let n = plan.num_scheduled;
     if n == 0 {
         done(Ok(()));
         return;
     }
+    let mut arrays = plan.arena.take(&plan.initial_pending, plan.num_slots);
+    for (slot, value) in &plan.constants {
+        arrays.values.set(*slot as usize, value.clone());
+    }
     let state = Arc::new(StepState {
-        pending: plan
-            .nodes
-            .iter()
-            .map(|p| AtomicU32::new(p.num_pending))
-            .collect(),
-        values: (0..plan.num_slots).map(|_| OnceLock::new()).collect(),
+        pending: arrays.pending,
+        values: arrays.values,
         outstanding: AtomicUsize::new(n),
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
         done: Mutex::new(Some(done)),
+        share: pool.current_num_threads() > 1,
         plan,
         step,
         rendezvous,
@@ -71,34 +103,207 @@ pub(crate) fn start_step(
         tracer,
         collectives,
     });
-    let roots = state.plan.roots.clone();
-    for r in roots {
-        let s = state.clone();
-        state.pool.spawn(move || s.run_from(r));
+    let plan = state.plan.clone();
+    let (cheap, expensive): (Vec<u32>, Vec<u32>) =
+        plan.roots.iter().partition(|&&r| plan.cheap[r as usize]);
+    for chunk in cheap.chunks(CHUNK) {
+        state.spawn(chunk);
+    }
+    for r in expensive {
+        state.spawn(&[r]);
+    }
+}
+
+impl Drop for StepState {
+    /// Hands the step's arrays back to the plan (emptied) for a later step.
+    fn drop(&mut self) {
+        self.plan.arena.give_back(StepArrays {
+            pending: std::mem::take(&mut self.pending),
+            values: std::mem::replace(&mut self.values, ValueSlots::new(0)),
+        });
+    }
+}
+
+/// Decrements of one successor's pending count held back by a runner.
+#[derive(Clone, Copy)]
+struct Deferred {
+    /// The successor.
+    node: u32,
+    /// How many of its predecessors finished here.
+    count: u32,
+    /// The runner's count of finished nodes when the first of them finished.
+    since: usize,
+}
+
+/// Runs ready nodes on one thread: its stack, the successors those make ready, and so on.
+struct Runner<'s> {
+    state: &'s Arc<StepState>,
+    /// Ready nodes to run here, the next on top.
+    stack: Vec<u32>,
+    /// The inputs of the kernel being run (reused: no allocation per node).
+    inputs: Vec<&'s Tensor>,
+    /// Expensive nodes made ready by the node just finished, to dispatch.
+    expensive: SmallVec<[u32; 4]>,
+    /// Decrements of one successor's pending count not applied yet.
+    deferred: Option<Deferred>,
+    /// Nodes finished here, not yet subtracted from the step's outstanding count.
+    completed: usize,
+}
+
+impl<'s> Runner<'s> {
+    fn new(state: &'s Arc<StepState>, ready: &[u32]) -> Self {
+        let mut stack = Vec::with_capacity(SPLIT_AT);
+        stack.extend_from_slice(ready);
+        Runner {
+            state,
+            stack,
+            inputs: Vec::with_capacity(4),
+            expensive: SmallVec::new(),
+            deferred: None,
+            completed: 0,
+        }
+    }
+
+    /// Runs until no node is ready here, then retires the nodes finished.
+    fn run(mut self) {
+        let plan = &*self.state.plan;
+        loop {
+            while let Some(n) = self.stack.pop() {
+                if !plan.cheap[n as usize] {
+                    // Nothing waits on a long or blocking kernel: apply the held decrements
+                    // and hand whatever is ready to the pool first.
+                    self.apply_deferred();
+                    self.share_all();
+                }
+                if self.state.start_node(n, &mut self.inputs) {
+                    self.finish(n);
+                }
+            }
+            if !self.apply_deferred() {
+                break;
+            }
+            if !self.expensive.is_empty() {
+                self.dispatch_expensive();
+            }
+        }
+        self.state.retire(self.completed);
+    }
+
+    /// Node `n` has finished: notifies its successors.
+    #[inline]
+    fn finish(&mut self, n: u32) {
+        self.completed += 1;
+        let plan = &*self.state.plan;
+        for &s in plan.successors(n) {
+            if plan.initial_pending[s as usize] == 1 {
+                self.ready(s); // `n` was all it waited for
+                continue;
+            }
+            match &mut self.deferred {
+                Some(d) if d.node == s => d.count += 1,
+                _ => {
+                    self.apply_deferred();
+                    self.deferred = Some(Deferred {
+                        node: s,
+                        count: 1,
+                        since: self.completed,
+                    });
+                }
+            }
+        }
+        // Bound how long a successor waits for the held decrements (e.g. behind a long chain of
+        // single-predecessor nodes that never touch them).
+        if matches!(self.deferred, Some(d) if self.completed - d.since >= MAX_COALESCED) {
+            self.apply_deferred();
+        }
+        if !self.expensive.is_empty() {
+            self.dispatch_expensive();
+        }
+    }
+
+    /// Applies the held decrements; true when that made the successor ready.
+    fn apply_deferred(&mut self) -> bool {
+        let Some(Deferred {
+            node: s, count: c, ..
+        }) = self.deferred.take()
+        else {
+            return false;
+        };
+        // AcqRel: publishes this thread's outputs to, and acquires the other predecessors'
+        // outputs for, whoever runs `s`.
+        if self.state.pending[s as usize].fetch_sub(c, Ordering::AcqRel) == c {
+            self.ready(s);
+            return true;
+        }
+        false
+    }
+
+    /// `s` is ready to run.
+    #[inline]
+    fn ready(&mut self, s: u32) {
+        if !self.state.plan.cheap[s as usize] {
+            self.expensive.push(s);
+            return;
+        }
+        self.stack.push(s);
+        if self.state.share && self.stack.len() >= SPLIT_AT {
+            let at = self.stack.len() - CHUNK;
+            self.state.spawn(&self.stack[at..]);
+            self.stack.truncate(at);
+        }
+    }
+
+    /// Keeps one newly ready expensive node to run here if nothing else is, spawns the others.
+    fn dispatch_expensive(&mut self) {
+        if self.stack.is_empty() {
+            if let Some(e) = self.expensive.pop() {
+                self.stack.push(e);
+            }
+        }
+        for e in self.expensive.drain(..) {
+            self.state.spawn(&[e]);
+        }
+    }
+
+    /// Hands every ready node held here to the pool.
+    fn share_all(&mut self) {
+        for e in self.expensive.drain(..) {
+            self.state.spawn(&[e]);
+        }
+        for chunk in self.stack.chunks(CHUNK) {
+            self.state.spawn(chunk);
+        }
+        self.stack.clear();
     }
 }
 
 impl StepState {
-    /// Runs `first` and then, inline, one newly ready successor at a time.
-    fn run_from(self: &Arc<Self>, first: u32) {
-        let mut next = Some(first);
-        while let Some(n) = next.take() {
-            if !self.start_node(n) {
-                continue; // a Recv: completion arrives through its callback
-            }
-            let mut ready: SmallVec<[u32; 8]> = SmallVec::new();
-            self.complete(n, &mut ready);
-            let mut it = ready.into_iter();
-            next = it.next();
-            for other in it {
-                let s = self.clone();
-                self.pool.spawn(move || s.run_from(other));
-            }
+    /// Runs `ready` (and what they make ready) in a new pool task.
+    fn spawn(self: &Arc<Self>, ready: &[u32]) {
+        let work: SmallVec<[u32; 8]> = SmallVec::from_slice(ready);
+        let s = self.clone();
+        self.pool.spawn(move || Runner::new(&s, &work).run());
+    }
+
+    /// Subtracts `completed` finished nodes from the step's count; the runner that brings it to
+    /// zero reports the step's result.
+    fn retire(&self, completed: usize) {
+        if completed == 0 || self.outstanding.fetch_sub(completed, Ordering::AcqRel) != completed {
+            return;
+        }
+        let result = match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        if let Some(done) = self.done.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            done(result);
         }
     }
 
-    /// Executes node `n`. Returns false when completion is asynchronous (Recv).
-    fn start_node(self: &Arc<Self>, n: u32) -> bool {
+    /// Executes node `n` (once per step, after its predecessors), with `inputs` as scratch space
+    /// for a kernel's input list. Returns false when completion is asynchronous (Recv).
+    #[inline]
+    fn start_node<'s>(self: &'s Arc<Self>, n: u32, inputs: &mut Vec<&'s Tensor>) -> bool {
         let node = &self.plan.nodes[n as usize];
         let failed = self.failed.load(Ordering::Acquire);
         match &node.action {
@@ -124,19 +329,21 @@ impl StepState {
                                         Some(t.byte_len()),
                                     ));
                                 }
-                                let _ = s.values[node.output_base as usize].set(t);
+                                // SAFETY: this callback runs once (FnOnce) for the Recv, the
+                                // producer of its slot; the completion that lets consumers
+                                // read it is handed to the pool below, after this write.
+                                unsafe {
+                                    s.values.outputs_mut(node.output_base as usize, 1)[0] = Some(t);
+                                }
                             }
                             Err(e) => s.fail(node_transfer_error(&s.plan, n, e)),
                         }
                         // Continue on the pool: this callback may run on another device's thread.
                         let s2 = s.clone();
                         s.pool.spawn(move || {
-                            let mut ready: SmallVec<[u32; 8]> = SmallVec::new();
-                            s2.complete(n, &mut ready);
-                            for r in ready {
-                                let s3 = s2.clone();
-                                s2.pool.spawn(move || s3.run_from(r));
-                            }
+                            let mut runner = Runner::new(&s2, &[]);
+                            runner.finish(n);
+                            runner.run();
                         });
                     }),
                 );
@@ -144,7 +351,9 @@ impl StepState {
             }
             _ if failed => true,
             NodeAction::Send(key) => {
-                if let Some(v) = self.values[node.inputs[0] as usize].get() {
+                let slot = self.plan.input_slots(n).first();
+                // SAFETY: a Send runs after its producer finished (slot protocol, rule 2).
+                if let Some(v) = slot.and_then(|&i| unsafe { self.values.get(i as usize) }) {
                     let t0 = self.tracer.as_ref().map(|t| t.now_us());
                     if let Err(e) = self.rendezvous.send(key, self.step, v.clone()) {
                         self.fail(node_transfer_error(&self.plan, n, e));
@@ -162,15 +371,19 @@ impl StepState {
                 true
             }
             NodeAction::Kernel(kernel) => {
-                let mut inputs: SmallVec<[Tensor; 4]> = SmallVec::with_capacity(node.inputs.len());
-                for &slot in &node.inputs {
-                    match self.values[slot as usize].get() {
-                        Some(v) => inputs.push(v.clone()),
+                inputs.clear();
+                for &slot in self.plan.input_slots(n) {
+                    // SAFETY: this node runs after every producer of its inputs finished
+                    // (slot protocol, rule 2).
+                    match unsafe { self.values.get(slot as usize) } {
+                        Some(v) => inputs.push(v),
                         None => return true, // upstream skipped after a failure
                     }
                 }
-                let mut outputs: SmallVec<[Option<Tensor>; 2]> = SmallVec::new();
-                outputs.resize(node.num_outputs as usize, None);
+                let base = node.output_base as usize;
+                // SAFETY: this node produces these slots and runs once per step; its consumers
+                // read them only after it finished (slot protocol, rule 1).
+                let outputs = unsafe { self.values.outputs_mut(base, node.num_outputs as usize) };
                 let t0 = self.tracer.as_ref().map(|t| t.now_us());
                 let send_memory = SendMemory {
                     rendezvous: &*self.rendezvous,
@@ -179,10 +392,10 @@ impl StepState {
                 };
                 let mut ctx = KernelContext {
                     node: &node.name,
-                    inputs: &inputs,
+                    inputs,
                     variables: &node.variables,
                     step: self.step,
-                    outputs: &mut outputs,
+                    outputs,
                     collectives: self.collectives.as_deref(),
                     output_memory: if node.output_sends.is_empty() {
                         None
@@ -200,52 +413,22 @@ impl StepState {
                         None,
                     ));
                 }
+                let kernel_error = |message| ExecError::Kernel {
+                    node: node.name.clone(),
+                    op: node.op.to_string(),
+                    device: self.plan.device_label.clone(),
+                    message,
+                };
                 match result {
                     Ok(()) => {
-                        for (i, o) in outputs.into_iter().enumerate() {
-                            match o {
-                                Some(t) => {
-                                    let _ = self.values[node.output_base as usize + i].set(t);
-                                }
-                                None => {
-                                    self.fail(ExecError::Kernel {
-                                        node: node.name.clone(),
-                                        op: node.op.to_string(),
-                                        device: self.plan.device_label.clone(),
-                                        message: format!("kernel did not produce output {i}"),
-                                    });
-                                    break;
-                                }
-                            }
+                        if let Some(i) = outputs.iter().position(Option::is_none) {
+                            self.fail(kernel_error(format!("kernel did not produce output {i}")));
                         }
                     }
-                    Err(message) => self.fail(ExecError::Kernel {
-                        node: node.name.clone(),
-                        op: node.op.to_string(),
-                        device: self.plan.device_label.clone(),
-                        message,
-                    }),
+                    // Outputs set before the error stay: nothing runs after a failure.
+                    Err(message) => self.fail(kernel_error(message)),
                 }
                 true
-            }
-        }
-    }
-
-    /// Marks `n` finished: notifies successors (collecting the newly ready ones) and, if it was
-    /// the last node, reports the step's result.
-    fn complete(&self, n: u32, ready: &mut SmallVec<[u32; 8]>) {
-        for &s in &self.plan.nodes[n as usize].successors {
-            if self.pending[s as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
-                ready.push(s);
-            }
-        }
-        if self.outstanding.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let result = match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                Some(e) => Err(e),
-                None => Ok(()),
-            };
-            if let Some(done) = self.done.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                done(result);
             }
         }
     }
@@ -271,12 +454,6 @@ impl StepState {
                 },
             );
         }
-    }
-
-    /// The value in `slot` (for fetching results of local nodes in tests).
-    #[allow(dead_code)]
-    pub(crate) fn value(&self, slot: usize) -> Option<&Tensor> {
-        self.values.get(slot).and_then(|v| v.get())
     }
 }
 

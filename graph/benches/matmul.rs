@@ -54,6 +54,7 @@ fn kernel_bench(
     }
     g.bench_function(name, |b| {
         let mut outputs = vec![None];
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
         b.iter(|| {
             let mut ctx = KernelContext {
                 node: "bench",

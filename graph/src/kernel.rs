@@ -69,7 +69,8 @@ pub struct KernelContext<'a> {
     pub node: &'a str,
     /// Data input values, in slot order. For a reference input the value is the variable's
     /// current value (or empty before initialization); use [`KernelContext::variable`] to write.
-    pub inputs: &'a [Tensor],
+    /// Borrowed: the executor lends its value slots, no tensor is cloned to run a kernel.
+    pub inputs: &'a [&'a Tensor],
     /// The variable this node owns (`Variable`), or the variables behind its reference inputs,
     /// in input order.
     pub variables: &'a [std::sync::Arc<VariableCell>],
@@ -94,32 +95,92 @@ pub trait OutputMemory: Send + Sync + fmt::Debug {
     fn allocate(&self, output: usize, dtype: DType, dims: &[usize]) -> Option<Tensor>;
 }
 
-impl KernelContext<'_> {
+/// Where a kernel allocates one output: in memory the runtime provides for it (see
+/// [`OutputMemory`]), or fresh. Made by [`KernelContext::output_alloc`]; [`OutputAlloc::FRESH`]
+/// always allocates fresh memory.
+#[derive(Clone, Copy, Debug)]
+pub struct OutputAlloc<'a> {
+    memory: Option<&'a dyn OutputMemory>,
+    output: usize,
+}
+
+impl OutputAlloc<'_> {
+    /// Always allocates fresh, zero-filled memory.
+    pub const FRESH: OutputAlloc<'static> = OutputAlloc {
+        memory: None,
+        output: 0,
+    };
+
+    /// The memory the runtime provides for this output, when it has some of this dtype and
+    /// shape (its contents are unspecified).
+    #[inline]
+    pub fn provided(&self, dtype: DType, dims: &[usize]) -> Option<Tensor> {
+        let t = self.memory?.allocate(self.output, dtype, dims)?;
+        (t.dtype() == dtype && t.dims() == dims).then_some(t)
+    }
+
+    /// A `dtype` tensor of shape `dims`: the provided memory (contents unspecified) or fresh
+    /// zero-filled memory. The kernel must write every element.
+    #[inline]
+    pub fn tensor(&self, dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
+        match self.provided(dtype, dims) {
+            Some(t) => Ok(t),
+            None => Tensor::zeros(dtype, dims).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// A tensor of `T`s of shape `dims` whose elements `fill` writes (every one of them: they
+    /// may hold old values), in the provided memory or fresh.
+    #[inline]
+    pub fn filled<T: crate::Element>(
+        &self,
+        dims: &[usize],
+        fill: impl FnOnce(&mut [T]),
+    ) -> Result<Tensor, String> {
+        match self.provided(T::DTYPE, dims) {
+            Some(mut t) => {
+                fill(t.as_mut_slice::<T>().map_err(|e| e.to_string())?);
+                Ok(t)
+            }
+            None => Tensor::filled(dims, fill).map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl<'a> KernelContext<'a> {
+    /// Where output `i` is allocated (see [`KernelContext::allocate_output`]).
+    #[inline]
+    pub fn output_alloc(&self, i: usize) -> OutputAlloc<'a> {
+        OutputAlloc {
+            memory: self.output_memory,
+            output: i,
+        }
+    }
+
     /// Input `i`.
-    pub fn input(&self, i: usize) -> Result<&Tensor, String> {
+    #[inline]
+    pub fn input(&self, i: usize) -> Result<&'a Tensor, String> {
         self.inputs
             .get(i)
+            .copied()
             .ok_or_else(|| format!("missing input {i}"))
     }
 
     /// A `dtype` tensor of shape `dims` meant to become output `i`: in the memory the runtime
     /// provides for that output when it has some (its contents are then unspecified), else
     /// zero-filled. The kernel must write every element before setting it as the output.
+    #[inline]
     pub fn allocate_output(
         &self,
         i: usize,
         dtype: DType,
         dims: &[usize],
     ) -> Result<Tensor, String> {
-        if let Some(t) = self.output_memory.and_then(|m| m.allocate(i, dtype, dims)) {
-            if t.dtype() == dtype && t.dims() == dims {
-                return Ok(t);
-            }
-        }
-        Tensor::zeros(dtype, dims).map_err(|e| e.to_string())
+        self.output_alloc(i).tensor(dtype, dims)
     }
 
     /// Sets output `i`.
+    #[inline]
     pub fn set_output(&mut self, i: usize, t: Tensor) -> Result<(), String> {
         let slot = self
             .outputs
@@ -261,6 +322,7 @@ impl fmt::Debug for FnKernel {
 }
 
 impl Kernel for FnKernel {
+    #[inline]
     fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
         (self.0)(ctx)
     }

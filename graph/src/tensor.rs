@@ -1,4 +1,5 @@
-//! Dense tensors over a shared, 64-byte aligned buffer.
+//! Dense tensors over a shared, aligned buffer (64 bytes on the heap; tensors of at most 64
+//! bytes live inside the buffer itself, 16-byte aligned).
 //!
 //! A [`Tensor`] is cheap to clone: clones share the same [`Buffer`]. Handing a tensor from one
 //! partition to another in the same process therefore moves no bytes; [`Tensor::data_ptr`] lets
@@ -14,8 +15,16 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// Alignment of every tensor buffer in bytes (a cache line; enough for AVX-512 and RDMA).
+/// Alignment in bytes of every heap or external tensor buffer (a cache line; enough for AVX-512
+/// and RDMA). Tensors of at most 64 bytes live inside their [`Buffer`], aligned to
+/// [`INLINE_ALIGN`].
 pub const BUFFER_ALIGN: usize = 64;
+
+/// Alignment in bytes of the tiny tensors (at most 64 bytes) stored inside their [`Buffer`]:
+/// enough for every element type and 128-bit vector loads. Not a cache line, so the buffer is an
+/// ordinary allocation (a 64-byte aligned allocation takes the allocator's slow path, which cost
+/// the executor about a tenth of a scalar node).
+pub const INLINE_ALIGN: usize = 16;
 
 /// The largest tensor a single buffer may hold (bounds allocations driven by untrusted input).
 pub const MAX_TENSOR_BYTES: usize = 1 << 40;
@@ -63,8 +72,10 @@ pub enum TensorError {
 const INLINE_BYTES: usize = 64;
 
 #[derive(Clone, Copy)]
-#[repr(C, align(64))]
+#[repr(C, align(16))]
 struct InlineBytes([u8; INLINE_BYTES]);
+
+const _: () = assert!(std::mem::align_of::<InlineBytes>() == INLINE_ALIGN);
 
 enum Storage {
     Inline { bytes: InlineBytes, len: usize },
@@ -108,8 +119,9 @@ impl Clone for Storage {
     }
 }
 
-/// A 64-byte aligned byte buffer: owned (inline or on the heap), or a view of external memory
-/// such as a shared-memory transport slot ([`Buffer::from_external`]).
+/// An aligned byte buffer (see [`BUFFER_ALIGN`], [`INLINE_ALIGN`]): owned (inline or on the
+/// heap), or a view of external memory such as a shared-memory transport slot
+/// ([`Buffer::from_external`]).
 #[derive(Clone)]
 pub struct Buffer {
     storage: Storage,
@@ -117,6 +129,7 @@ pub struct Buffer {
 
 impl Buffer {
     /// A zero-filled buffer of `len` bytes.
+    #[inline]
     pub fn zeroed(len: usize) -> Self {
         if len <= INLINE_BYTES {
             return Buffer {
@@ -182,11 +195,13 @@ impl Buffer {
     }
 
     /// True when the bytes live in external memory ([`Buffer::from_external`]).
+    #[inline]
     pub fn is_external(&self) -> bool {
         matches!(self.storage, Storage::External(_))
     }
 
     /// The bytes.
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         match &self.storage {
             Storage::Inline { bytes, len } => &bytes.0[..*len],
@@ -199,6 +214,7 @@ impl Buffer {
 
     /// The bytes, writable (a read-only external view is first copied to the heap, counted in
     /// [`buffer_copies`]).
+    #[inline]
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
         if matches!(&self.storage, Storage::External(e) if !e.writable) {
             BUFFER_COPIES.fetch_add(1, Ordering::Relaxed);
@@ -215,6 +231,7 @@ impl Buffer {
     }
 
     /// Length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         self.as_bytes().len()
     }
@@ -275,6 +292,22 @@ pub struct Tensor {
 
 type Dims = smallvec::SmallVec<[usize; 4]>;
 
+/// `shape` as [`Dims`]: a copy into the inline array for rank ≤ 4 (the common case, cheaper
+/// than the generic `SmallVec::from_slice`).
+#[inline]
+fn dims_of(shape: &[usize]) -> Dims {
+    match shape.len() {
+        0 => Dims::new(),
+        n if n <= 4 => {
+            let mut a = [0usize; 4];
+            a[..n].copy_from_slice(shape);
+            Dims::from_buf_and_len(a, n)
+        }
+        _ => Dims::from_slice(shape),
+    }
+}
+
+#[inline]
 fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
     shape
         .iter()
@@ -288,12 +321,31 @@ fn byte_len(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
 
 impl Tensor {
     /// A zero-filled tensor.
+    #[inline]
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Tensor, TensorError> {
         let len = byte_len(dtype, shape)?;
         Ok(Tensor {
             dtype,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf: Arc::new(Buffer::zeroed(len)),
+        })
+    }
+
+    /// A tensor of dtype `T`'s and shape `shape` whose elements `fill` writes (it receives them
+    /// zeroed). One allocation and no copy-on-write check: the cheapest way to make a new
+    /// tensor (kernel outputs use it).
+    #[inline]
+    pub fn filled<T: Element>(
+        shape: &[usize],
+        fill: impl FnOnce(&mut [T]),
+    ) -> Result<Tensor, TensorError> {
+        let len = byte_len(T::DTYPE, shape)?;
+        let mut buf = Buffer::zeroed(len);
+        fill(bytemuck::cast_slice_mut(buf.as_bytes_mut()));
+        Ok(Tensor {
+            dtype: T::DTYPE,
+            shape: dims_of(shape),
+            buf: Arc::new(buf),
         })
     }
 
@@ -310,7 +362,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype: T::DTYPE,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf: Arc::new(Buffer::from_bytes(bytemuck::cast_slice(values))),
         })
     }
@@ -336,7 +388,7 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf: Arc::new(Buffer::from_bytes(bytes)),
         })
     }
@@ -357,17 +409,19 @@ impl Tensor {
         }
         Ok(Tensor {
             dtype,
-            shape: Dims::from_slice(shape),
+            shape: dims_of(shape),
             buf,
         })
     }
 
     /// The element type.
+    #[inline]
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
     /// The dimensions.
+    #[inline]
     pub fn dims(&self) -> &[usize] {
         &self.shape
     }
@@ -378,50 +432,58 @@ impl Tensor {
     }
 
     /// Rank (number of dimensions).
+    #[inline]
     pub fn rank(&self) -> usize {
         self.shape.len()
     }
 
     /// Number of elements.
+    #[inline]
     pub fn num_elements(&self) -> usize {
         self.buf.len() / self.dtype.size_of()
     }
 
     /// Size in bytes.
+    #[inline]
     pub fn byte_len(&self) -> usize {
         self.buf.len()
     }
 
     /// The raw bytes.
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         self.buf.as_bytes()
     }
 
     /// The shared buffer (for zero-copy hand-over).
+    #[inline]
     pub fn buffer(&self) -> &Arc<Buffer> {
         &self.buf
     }
 
     /// Address of the first byte: equal addresses mean the same memory (zero-copy proofs).
+    #[inline]
     pub fn data_ptr(&self) -> *const u8 {
         self.buf.as_bytes().as_ptr()
     }
 
     /// A typed read-only view.
+    #[inline]
     pub fn as_slice<T: Element>(&self) -> Result<&[T], TensorError> {
         self.check::<T>()?;
         Ok(bytemuck::cast_slice(self.buf.as_bytes()))
     }
 
     /// A typed writable view; copies the buffer first if it is shared (counted).
+    #[inline]
     pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T], TensorError> {
         self.check::<T>()?;
-        if Arc::get_mut(&mut self.buf).is_none() {
+        let before = Arc::as_ptr(&self.buf);
+        let buf = Arc::make_mut(&mut self.buf);
+        if !std::ptr::eq(before, buf) {
             BUFFER_COPIES.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(bytemuck::cast_slice_mut(
-            Arc::make_mut(&mut self.buf).as_bytes_mut(),
-        ))
+        Ok(bytemuck::cast_slice_mut(buf.as_bytes_mut()))
     }
 
     /// The same bytes under a new shape with the same element count (no copy).
@@ -458,6 +520,7 @@ impl Tensor {
         }
     }
 
+    #[inline]
     fn check<T: Element>(&self) -> Result<(), TensorError> {
         if self.dtype == T::DTYPE {
             Ok(())
@@ -655,8 +718,10 @@ mod tests {
 
     #[test]
     fn buffers_are_aligned_and_shared() {
+        let big = Tensor::zeros(DType::F32, &[17]).unwrap();
+        assert_eq!(big.data_ptr() as usize % BUFFER_ALIGN, 0);
         let t = Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
-        assert_eq!(t.data_ptr() as usize % BUFFER_ALIGN, 0);
+        assert_eq!(t.data_ptr() as usize % INLINE_ALIGN, 0);
         let u = t.clone();
         assert_eq!(t.data_ptr(), u.data_ptr());
         let r = t.reshaped(&[4]).unwrap();

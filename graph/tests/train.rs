@@ -46,6 +46,7 @@ fn run(
         output_types: &outs,
     })?;
     let mut outputs = vec![None; outs.len()];
+    let inputs: Vec<&Tensor> = inputs.iter().collect();
     kernel.compute(&mut KernelContext {
         node: "n",
         inputs: &inputs,
@@ -181,7 +182,8 @@ fn updates_reject_bad_state() {
         output_types: &[],
     })
     .unwrap();
-    let inputs = [vec1(&[0.0]), vec1(&[1.0])];
+    let (a, b) = (vec1(&[0.0]), vec1(&[1.0]));
+    let inputs = [&a, &b];
     let err = k
         .compute(&mut KernelContext {
             node: "n",

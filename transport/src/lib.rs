@@ -9,10 +9,13 @@ pub mod auth;
 pub mod collective;
 pub mod local;
 pub mod plane;
+pub mod quic;
 pub mod rdma;
 pub mod rendezvous;
 #[cfg(target_os = "linux")]
 pub mod shm;
+#[cfg(target_os = "linux")]
+pub mod sockopt;
 pub mod tcp;
 pub mod wire;
 

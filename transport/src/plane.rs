@@ -97,6 +97,9 @@ pub enum TransportKind {
     /// Shared memory between tasks on one host (Linux): receive slots mapped by both tasks,
     /// values written in place by their producers; a TCP side channel for messages.
     Shm,
+    /// QUIC (quinn): the TCP plane's frames over QUIC streams, TLS 1.3 with mutual
+    /// authentication against a cluster CA. See [`crate::quic`].
+    Quic,
 }
 
 impl TransportKind {
@@ -104,6 +107,7 @@ impl TransportKind {
     pub const ALL: &'static [(&'static str, TransportKind)] = &[
         ("tcp", TransportKind::Tcp),
         ("shm", TransportKind::Shm),
+        ("quic", TransportKind::Quic),
         #[cfg(feature = "rdma")]
         ("rdma", TransportKind::Rdma),
     ];
@@ -144,6 +148,9 @@ impl FromStr for TransportKind {
 
 /// Binds a data plane of `kind` for task `task` on `addr`, with `secret` required of every
 /// connection when given. Must run inside a tokio runtime.
+///
+/// A QUIC plane needs the task's certificate: here it is loaded from the directory named by
+/// `DFLOW_CERT_DIR` ([`crate::quic::CERT_DIR_ENV`]); [`bind_with_identity`] takes it directly.
 pub async fn bind(
     kind: TransportKind,
     task: &str,
@@ -151,7 +158,31 @@ pub async fn bind(
     config: crate::tcp::TcpConfig,
     secret: Option<crate::auth::Secret>,
 ) -> std::io::Result<Arc<dyn DataPlane>> {
+    bind_with_identity(kind, task, addr, config, secret, None).await
+}
+
+/// Like [`bind`]; a QUIC plane uses `identity` (this task's certificate, key and cluster CA)
+/// when given, else `DFLOW_CERT_DIR`. Other kinds ignore `identity`.
+pub async fn bind_with_identity(
+    kind: TransportKind,
+    task: &str,
+    addr: SocketAddr,
+    config: crate::tcp::TcpConfig,
+    secret: Option<crate::auth::Secret>,
+    identity: Option<crate::quic::QuicIdentity>,
+) -> std::io::Result<Arc<dyn DataPlane>> {
     match kind {
+        TransportKind::Quic => {
+            let identity = match identity {
+                Some(id) => id,
+                None => crate::quic::QuicIdentity::from_env(task).map_err(std::io::Error::other)?,
+            };
+            let plane: Arc<dyn DataPlane> =
+                crate::quic::QuicPlane::bind(task, addr, config, secret, identity)
+                    .await
+                    .map_err(std::io::Error::other)?;
+            Ok(plane)
+        }
         TransportKind::Tcp => {
             let plane: Arc<dyn DataPlane> =
                 crate::tcp::TcpRendezvous::bind_with_secret(task, addr, config, secret).await?;

@@ -120,11 +120,11 @@ struct Slot {
 }
 
 /// What a checked-out slot needs to become a tensor.
-struct Checkout {
-    key: Arc<RendezvousKey>,
-    dtype: DType,
-    dims: Arc<[usize]>,
-    buf: Arc<Buffer>,
+pub(crate) struct Checkout {
+    pub(crate) key: Arc<RendezvousKey>,
+    pub(crate) dtype: DType,
+    pub(crate) dims: Arc<[usize]>,
+    pub(crate) buf: Arc<Buffer>,
 }
 
 /// The receive slots of one process, each registered once with its preallocated buffer.
@@ -222,7 +222,7 @@ impl SlotTable {
     }
 
     /// Takes slot `slot_id`'s buffer (uniquely owned) for a frame of `len` bytes from `peer`.
-    fn checkout(&self, slot_id: u32, peer: &str, len: u64) -> Result<Checkout, String> {
+    pub(crate) fn checkout(&self, slot_id: u32, peer: &str, len: u64) -> Result<Checkout, String> {
         let mut slots = lock(&self.slots);
         let s = slots
             .get_mut(&slot_id)
@@ -258,7 +258,7 @@ impl SlotTable {
         })
     }
 
-    fn checkin(&self, slot_id: u32, buf: Arc<Buffer>) {
+    pub(crate) fn checkin(&self, slot_id: u32, buf: Arc<Buffer>) {
         if let Some(s) = lock(&self.slots).get_mut(&slot_id) {
             s.buf = Some(buf);
         }
@@ -469,6 +469,9 @@ impl TcpRendezvous {
             .map_err(|e| io_err("connect", e))?;
         let mut stream = stream;
         stream.set_nodelay(true).map_err(|e| io_err("connect", e))?;
+        // This side writes the payloads of this connection, so its congestion control counts.
+        #[cfg(target_os = "linux")]
+        crate::sockopt::tune_congestion(&stream, None);
         let (tx, rx) = mpsc::unbounded_channel();
         match &self.secret {
             Some(secret) => {

@@ -144,7 +144,8 @@ pub fn parse_size(s: &str) -> anyhow::Result<usize> {
     Ok(n * mult)
 }
 
-fn human(bytes: usize) -> String {
+/// `4 MiB`, `4 KiB`, `4 B`: a byte count in the largest unit that divides it.
+pub(crate) fn human(bytes: usize) -> String {
     match bytes {
         b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),

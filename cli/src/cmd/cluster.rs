@@ -14,7 +14,9 @@ use dflow_graph::ClusterSpec;
 use dflow_partitioner::strategy::PsMode;
 use dflow_partitioner::PlacementOptions;
 use dflow_transport::auth::{Secret, SECRET_ENV};
-use std::path::Path;
+use dflow_transport::quic::{pki, QuicIdentity, CERT_DIR_ENV};
+use dflow_transport::TransportKind;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The cluster secret from `--secret-file` or `DFLOW_SECRET`, if either is given.
@@ -26,6 +28,32 @@ fn secret(args: &Args) -> anyhow::Result<Option<Secret>> {
         return Ok(Some(Secret::from_env()?));
     }
     Ok(None)
+}
+
+/// This task's certificate for `--transport quic`: `--ca/--cert/--key`, each defaulting to
+/// its file in `--cert-dir` (or `DFLOW_CERT_DIR`).
+fn quic_identity(args: &Args, task: &str) -> anyhow::Result<QuicIdentity> {
+    let dir = args
+        .cert_dir
+        .clone()
+        .or_else(|| std::env::var_os(CERT_DIR_ENV).map(PathBuf::from));
+    let (dir_cert, dir_key) = match &dir {
+        Some(d) => {
+            let (c, k) = pki::task_files(d, task)?;
+            (Some(c), Some(k))
+        }
+        None => (None, None),
+    };
+    let pick = |flag: &Option<PathBuf>, from_dir: Option<PathBuf>| flag.clone().or(from_dir);
+    let ca = pick(&args.ca, dir.as_ref().map(|d| d.join(pki::CA_CERT)));
+    let (Some(ca), Some(cert), Some(key)) =
+        (ca, pick(&args.cert, dir_cert), pick(&args.key, dir_key))
+    else {
+        bail!(
+            "--transport quic needs this task's certificate: --cert-dir DIR (or {CERT_DIR_ENV}), made with `dflow cert init --dir DIR` and `dflow cert issue --dir DIR --cluster CLUSTER`; or all of --ca, --cert and --key"
+        );
+    };
+    Ok(QuicIdentity::from_files(task, &ca, &cert, &key)?)
 }
 
 /// Where this task writes its trace: `--trace t.json` becomes `t.worker-0.json`, so the files
@@ -49,6 +77,19 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
         .enable_all()
         .build()
         .context("starting the network runtime")?;
+    let task = dflow_executor::cluster::task_name(job, index);
+    let (transport, why) = args.transport.resolve(&cluster);
+    if let Some(why) = why {
+        eprintln!("{task}: --transport auto chose {why}");
+    }
+    let quic_identity = if transport == TransportKind::Quic {
+        Some(quic_identity(args, &task).with_context(|| format!("task {task}"))?)
+    } else {
+        if args.cert_dir.is_some() || args.ca.is_some() || args.cert.is_some() {
+            eprintln!("{task}: certificates are only used by --transport quic; this task runs {transport}");
+        }
+        None
+    };
     let opts = NodeOptions {
         cluster: cluster.clone(),
         job: job.to_string(),
@@ -64,9 +105,9 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
             // Filled in from the cluster address and the secret when the task joins.
             ..ServerOptions::default()
         },
-        transport: args.transport,
+        transport,
+        quic_identity,
     };
-    let task = dflow_executor::cluster::task_name(job, index);
     let is_chief = job == "worker" && index == 0;
     // The chief checks its inputs before joining, so a bad flag fails fast.
     let chief_cfg = if is_chief {

@@ -1,5 +1,7 @@
 //! One module per subcommand.
 pub mod bench_collective;
+pub mod bench_transfer;
+pub mod cert;
 pub mod check;
 pub mod cluster;
 pub mod common;
@@ -9,3 +11,4 @@ pub mod progress;
 pub mod run;
 pub mod trace;
 pub mod train;
+pub mod transport_choice;

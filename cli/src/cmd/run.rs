@@ -32,9 +32,24 @@ pub struct Args {
     /// must prove it knows it. Without it, the DFLOW_SECRET environment variable is used if set.
     #[arg(long, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
-    /// Distributed: the transport between tasks (`tcp`).
-    #[arg(long, default_value = "tcp", value_parser = |s: &str| s.parse::<dflow_transport::TransportKind>())]
-    pub transport: dflow_transport::TransportKind,
+    /// Distributed: the transport between tasks: `tcp`, `shm` (same host), `quic` (mutual TLS;
+    /// needs --cert-dir), `rdma` (feature build), or `auto` (`shm` when every task of the
+    /// cluster is on this host, else `tcp`).
+    #[arg(long, default_value = "tcp", value_parser = |s: &str| s.parse::<super::transport_choice::TransportChoice>())]
+    pub transport: super::transport_choice::TransportChoice,
+    /// Distributed, `--transport quic`: the directory `dflow cert` wrote (ca.crt and this task's
+    /// JOB-INDEX.crt/.key). Default: the DFLOW_CERT_DIR environment variable.
+    #[arg(long, value_name = "DIR")]
+    pub cert_dir: Option<PathBuf>,
+    /// Distributed, `--transport quic`: the cluster CA certificate (instead of DIR/ca.crt).
+    #[arg(long, value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+    /// Distributed, `--transport quic`: this task's certificate (instead of DIR/JOB-INDEX.crt).
+    #[arg(long, value_name = "FILE")]
+    pub cert: Option<PathBuf>,
+    /// Distributed, `--transport quic`: this task's private key (instead of DIR/JOB-INDEX.key).
+    #[arg(long, value_name = "FILE")]
+    pub key: Option<PathBuf>,
     /// Distributed: seconds to wait for every other task to start.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout: u64,

@@ -36,6 +36,9 @@ pub struct NodeOptions {
     pub server: ServerOptions,
     /// The transport between tasks.
     pub transport: TransportKind,
+    /// This task's certificate, key and cluster CA, for [`TransportKind::Quic`] (without it,
+    /// the plane loads them from `DFLOW_CERT_DIR`).
+    pub quic_identity: Option<dflow_transport::quic::QuicIdentity>,
 }
 
 impl fmt::Debug for NodeOptions {
@@ -47,6 +50,7 @@ impl fmt::Debug for NodeOptions {
             .field("timeout", &self.timeout)
             .field("startup_timeout", &self.startup_timeout)
             .field("transport", &self.transport)
+            .field("quic_identity", &self.quic_identity)
             .finish()
     }
 }
@@ -171,12 +175,13 @@ impl Node {
             heartbeat_interval: Some(opts.timeout / 4),
             ..TcpConfig::default()
         };
-        let rendezvous = plane::bind(
+        let rendezvous = plane::bind_with_identity(
             opts.transport,
             &task,
             bind_addr(&address)?,
             config,
             opts.secret.clone(),
+            opts.quic_identity.clone(),
         )
         .await
         .map_err(|e| JobError::Setup(format!("task {task} cannot listen on {address}: {e}")))?;
@@ -323,6 +328,16 @@ fn describe_waiting(server: &TaskServer) -> String {
     format!("; was waiting for {}", parts.join("; "))
 }
 
+/// Remembers `error` for task `name`: its distinct errors, latest last, at most 3.
+fn note_error<'a>(errors: &mut HashMap<&'a str, Vec<String>>, name: &'a str, error: String) {
+    let seen = errors.entry(name).or_default();
+    seen.retain(|s| *s != error);
+    seen.push(error);
+    if seen.len() > 3 {
+        seen.remove(0);
+    }
+}
+
 async fn connect_all(
     rv: &Arc<dyn DataPlane>,
     peers: &[(String, String)],
@@ -330,7 +345,9 @@ async fn connect_all(
 ) -> Result<(), JobError> {
     let start = Instant::now();
     let mut missing: Vec<&(String, String)> = peers.iter().collect();
-    let mut last_error = String::from("none yet");
+    // The distinct errors seen for each task, latest last (a refused certificate must not
+    // hide behind a later timeout, nor behind another task's error).
+    let mut last_errors: HashMap<&str, Vec<String>> = HashMap::new();
     let mut last_log = Instant::now();
     let mut pause = Duration::from_millis(50);
     loop {
@@ -340,7 +357,7 @@ async fn connect_all(
             let resolved = match tokio::net::lookup_host(addr.as_str()).await {
                 Ok(mut a) => a.next(),
                 Err(e) => {
-                    last_error = format!("{name} at {addr}: {e}");
+                    note_error(&mut last_errors, name, format!("{name} at {addr}: {e}"));
                     None
                 }
             };
@@ -351,7 +368,7 @@ async fn connect_all(
             match rv.clone().connect(name.clone(), sa).await {
                 Ok(()) => tracing::info!("connected to {name} at {addr}"),
                 Err(e) => {
-                    last_error = e.to_string();
+                    note_error(&mut last_errors, name, e.to_string());
                     still.push(p);
                 }
             }
@@ -362,10 +379,18 @@ async fn connect_all(
         }
         let names: Vec<&str> = missing.iter().map(|(n, _)| n.as_str()).collect();
         if start.elapsed() >= within {
+            let errors: Vec<String> = names
+                .iter()
+                .filter_map(|n| last_errors.get(n).map(|e| e.join(" / ")))
+                .collect();
             return Err(JobError::Startup {
                 secs: within.as_secs(),
                 tasks: names.join(", "),
-                last_error,
+                last_error: if errors.is_empty() {
+                    "none yet".into()
+                } else {
+                    errors.join("; ")
+                },
             });
         }
         if last_log.elapsed() >= Duration::from_secs(2) {

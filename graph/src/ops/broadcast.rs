@@ -30,7 +30,7 @@
 //! assert_eq!(z.as_slice::<f32>().unwrap(), &[11.0, 12.0, 13.0, 21.0, 22.0, 23.0]);
 //! ```
 
-use super::elementwise::{fresh, new_tensor_in, slice, Alloc};
+use super::elementwise::{new_tensor_in, slice, Alloc, FRESH};
 use crate::{Element, Shape, Tensor};
 
 /// The dimensions of the broadcast of runtime shapes `a` and `b`, or an error naming both.
@@ -86,10 +86,14 @@ pub fn binary_map<T: Element, O: Element>(
     y: &Tensor,
     f: impl Fn(T, T) -> O,
 ) -> Result<Tensor, String> {
-    binary_map_in(&fresh, x, y, f)
+    binary_map_in(&FRESH, x, y, f)
 }
 
 /// Like [`binary_map`], the output in memory from `alloc` (every element is written).
+///
+/// The same-shape path is inlined into the kernel (the common case, and for small tensors the
+/// call and the moves of its result were a visible part of a node's cost); broadcasting is not.
+#[inline]
 pub fn binary_map_in<T: Element, O: Element>(
     alloc: Alloc<'_>,
     x: &Tensor,
@@ -97,13 +101,25 @@ pub fn binary_map_in<T: Element, O: Element>(
     f: impl Fn(T, T) -> O,
 ) -> Result<Tensor, String> {
     let (xs, ys) = (slice::<T>(x)?, slice::<T>(y)?);
-    if x.dims() == y.dims() {
+    // Scalars first: comparing two empty slices still calls `memcmp`.
+    if (x.rank() == 0 && y.rank() == 0) || x.dims() == y.dims() {
         return new_tensor_in(alloc, x.dims(), |out: &mut [O]| {
             for ((o, &a), &b) in out.iter_mut().zip(xs).zip(ys) {
                 *o = f(a, b);
             }
         });
     }
+    broadcast_map_in(alloc, x, y, (xs, ys), f)
+}
+
+/// [`binary_map_in`] for inputs of different shapes.
+fn broadcast_map_in<T: Element, O: Element>(
+    alloc: Alloc<'_>,
+    x: &Tensor,
+    y: &Tensor,
+    (xs, ys): (&[T], &[T]),
+    f: impl Fn(T, T) -> O,
+) -> Result<Tensor, String> {
     let dims = broadcast_dims(x.dims(), y.dims())?;
     let n: usize = dims.iter().product();
     if n == 0 {

@@ -4,25 +4,29 @@
 //! (one `match`, then a monomorphised loop: no per-element dynamic dispatch). `bf16` and `f16`
 //! are computed by converting to `f32`, computing, and converting back.
 //!
-//! Outputs are allocated with [`Tensor::zeros`] and filled through [`Tensor::as_mut_slice`]: one
-//! allocation of the output buffer, no copy (building a `Vec` and calling
+//! Outputs are made with [`Tensor::filled`] (or written into memory the runtime provides, see
+//! [`OutputAlloc`]): one allocation of the output buffer, no copy (building a `Vec` and calling
 //! [`Tensor::from_slice`] allocates twice and copies; see `benches/matmul.rs`, group `alloc`).
 
-use crate::kernel::{FnKernel, Kernel, KernelContext, KernelInit};
+use crate::kernel::{FnKernel, Kernel, KernelContext, KernelInit, OutputAlloc};
 use crate::{DType, Element, Shape, Tensor};
 
 /// A typed view of `t`, with the tensor error as a message.
+#[inline]
 pub fn slice<T: Element>(t: &Tensor) -> Result<&[T], String> {
     t.as_slice::<T>().map_err(|e| e.to_string())
 }
 
-/// Where a kernel's output is allocated: `|dtype, dims|` gives a tensor whose every element the
-/// kernel then writes. [`fresh`] allocates zero-filled memory; a kernel passes
-/// `|d, dims| ctx.allocate_output(0, d, dims)` to write straight into memory the runtime provides
-/// (a transport slot).
-pub type Alloc<'a> = &'a dyn Fn(DType, &[usize]) -> Result<Tensor, String>;
+/// Where a kernel's output is allocated (see [`OutputAlloc`]): [`FRESH`] allocates zero-filled
+/// memory; a kernel passes `&ctx.output_alloc(0)` to write straight into memory the runtime
+/// provides (a transport slot).
+pub type Alloc<'a> = &'a OutputAlloc<'a>;
 
-/// A fresh zero-filled tensor (the default [`Alloc`]).
+/// Fresh memory (the default [`Alloc`]).
+pub const FRESH: OutputAlloc<'static> = OutputAlloc::FRESH;
+
+/// A fresh zero-filled tensor.
+#[inline]
 pub fn fresh(dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
     Tensor::zeros(dtype, dims).map_err(|e| e.to_string())
 }
@@ -33,24 +37,23 @@ pub fn new_tensor<T: Element>(
     dims: &[usize],
     fill: impl FnOnce(&mut [T]),
 ) -> Result<Tensor, String> {
-    new_tensor_in(&fresh, dims, fill)
+    new_tensor_in(&FRESH, dims, fill)
 }
 
 /// Like [`new_tensor`], in memory from `alloc`: `fill` must write every element (they may hold
 /// old values).
+#[inline]
 pub fn new_tensor_in<T: Element>(
     alloc: Alloc<'_>,
     dims: &[usize],
     fill: impl FnOnce(&mut [T]),
 ) -> Result<Tensor, String> {
-    let mut t = alloc(T::DTYPE, dims)?;
-    fill(t.as_mut_slice::<T>().map_err(|e| e.to_string())?);
-    Ok(t)
+    alloc.filled(dims, fill)
 }
 
 /// `f` applied to every element of `x` (dtype `T`), giving a tensor of dtype `O`, same shape.
 pub fn map_unary<T: Element, O: Element>(x: &Tensor, f: impl Fn(T) -> O) -> Result<Tensor, String> {
-    map_unary_in(&fresh, x, f)
+    map_unary_in(&FRESH, x, f)
 }
 
 /// Like [`map_unary`], the output in memory from `alloc`.
@@ -240,7 +243,7 @@ macro_rules! float_unary {
         }
     }};
     ($op:expr, $x:expr, |$v:ident| $body:expr) => {
-        $crate::ops::elementwise::float_unary!(in &$crate::ops::elementwise::fresh; $op, $x, |$v| $body)
+        $crate::ops::elementwise::float_unary!(in &$crate::ops::elementwise::FRESH; $op, $x, |$v| $body)
     };
 }
 pub(crate) use float_unary;
@@ -287,7 +290,7 @@ macro_rules! num_binary {
         }
     }};
     ($op:expr, $x:expr, $y:expr, float: $($rest:tt)*) => {
-        $crate::ops::elementwise::num_binary!(in &$crate::ops::elementwise::fresh; $op, $x, $y, float: $($rest)*)
+        $crate::ops::elementwise::num_binary!(in &$crate::ops::elementwise::FRESH; $op, $x, $y, float: $($rest)*)
     };
 }
 pub(crate) use num_binary;

@@ -322,9 +322,10 @@ mod tests {
         })?;
         let mut outputs = vec![None];
         let vars: Vec<Arc<VariableCell>> = vec![];
+        let inputs: Vec<&Tensor> = inputs.iter().collect();
         k.compute(&mut KernelContext {
             node: "n",
-            inputs,
+            inputs: &inputs,
             variables: &vars,
             step: 0,
             outputs: &mut outputs,

@@ -6,8 +6,8 @@
 
 use super::broadcast::binary_map;
 use super::elementwise::{
-    attr_bool, attr_dtype, float_unary, fresh, from_f32, map_unary, num_binary, same_dtype, slice,
-    stateless, to_f32, unsupported, Alloc,
+    attr_bool, attr_dtype, float_unary, from_f32, map_unary, num_binary, same_dtype, slice,
+    stateless, to_f32, unsupported, Alloc, FRESH,
 };
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
@@ -137,7 +137,7 @@ fn add() -> OpDef {
 
 fn add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Add", x, y, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
     ctx.set_output(0, z)
 }
@@ -159,7 +159,7 @@ fn sub() -> OpDef {
 
 fn sub_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Sub", x, y, float: |a, b| a - b, int: |a, b| a.wrapping_sub(b))?;
     ctx.set_output(0, z)
 }
@@ -181,7 +181,7 @@ fn mul() -> OpDef {
 
 fn mul_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Mul", x, y, float: |a, b| a * b, int: |a, b| a.wrapping_mul(b))?;
     ctx.set_output(0, z)
 }
@@ -217,7 +217,7 @@ fn div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             y.shape()
         ));
     }
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Div", x, y, float: |a, b| a / b, int: |a, b| a.wrapping_div(b))?;
     ctx.set_output(0, z)
 }
@@ -247,7 +247,7 @@ fn neg_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         DType::I32 => map_unary(x, i32::wrapping_neg),
         DType::I64 => map_unary(x, i64::wrapping_neg),
         _ => {
-            let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+            let out0 = ctx.output_alloc(0);
             float_unary!(in &out0; "Neg", x, |v| -v)
         }
     }?;
@@ -323,7 +323,7 @@ fn mat_mul_typed<T: Element + ndarray::LinalgScalar>(
 ) -> Result<Tensor, String> {
     let (ad, bd) = ((a.dims()[0], a.dims()[1]), (b.dims()[0], b.dims()[1]));
     // The product overwrites `out` (beta = 0), so memory with old values is fine.
-    let mut out = alloc(T::DTYPE, &[mn.0, mn.1])?;
+    let mut out = alloc.tensor(T::DTYPE, &[mn.0, mn.1])?;
     let o = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
     mat_mul_into(
         slice::<T>(a)?,
@@ -389,7 +389,7 @@ impl Kernel for MatMulKernel {
             ));
         }
         let flags = (ta, tb);
-        let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+        let out0 = ctx.output_alloc(0);
         let out = match dtype {
             DType::F32 => mat_mul_typed::<f32>(&out0, a, b, flags, (m, n)),
             DType::F64 => mat_mul_typed::<f64>(&out0, a, b, flags, (m, n)),
@@ -398,7 +398,7 @@ impl Kernel for MatMulKernel {
             DType::BF16 | DType::F16 => {
                 let (a32, b32) = (to_f32(a)?, to_f32(b)?);
                 from_f32(
-                    &mat_mul_typed::<f32>(&fresh, &a32, &b32, flags, (m, n))?,
+                    &mat_mul_typed::<f32>(&FRESH, &a32, &b32, flags, (m, n))?,
                     dtype,
                 )
             }
@@ -574,12 +574,12 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     /// The sum of two or more inputs, written into memory from `alloc`.
     fn sum<T: Element>(
         alloc: Alloc<'_>,
-        inputs: &[Tensor],
+        inputs: &[&Tensor],
         add: impl Fn(T, T) -> T,
     ) -> Result<Tensor, String> {
-        let mut out = alloc(T::DTYPE, inputs[0].dims())?;
+        let mut out = alloc.tensor(T::DTYPE, inputs[0].dims())?;
         let acc = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
-        acc.copy_from_slice(slice::<T>(&inputs[0])?);
+        acc.copy_from_slice(slice::<T>(inputs[0])?);
         for t in &inputs[1..] {
             for (o, &v) in acc.iter_mut().zip(slice::<T>(t)?) {
                 *o = add(*o, v);
@@ -588,7 +588,7 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         Ok(out)
     }
     let inputs = ctx.inputs;
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let out = match first.dtype() {
         _ if inputs.len() == 1 => Ok(first.clone()),
         DType::F32 => sum::<f32>(&out0, inputs, |a, b| a + b),
@@ -596,8 +596,12 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         DType::I32 => sum::<i32>(&out0, inputs, i32::wrapping_add),
         DType::I64 => sum::<i64>(&out0, inputs, i64::wrapping_add),
         d @ (DType::BF16 | DType::F16) => {
-            let wide = inputs.iter().map(to_f32).collect::<Result<Vec<_>, _>>()?;
-            from_f32(&sum::<f32>(&fresh, &wide, |a, b| a + b)?, d)
+            let wide = inputs
+                .iter()
+                .map(|t| to_f32(t))
+                .collect::<Result<Vec<_>, _>>()?;
+            let wide: Vec<&Tensor> = wide.iter().collect();
+            from_f32(&sum::<f32>(&FRESH, &wide, |a, b| a + b)?, d)
         }
         d => Err(unsupported("AddN", d)),
     }?;
@@ -643,7 +647,7 @@ fn square() -> OpDef {
 }
 
 fn square_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Square", ctx.input(0)?, |v| v * v)?;
     ctx.set_output(0, y)
 }
@@ -664,7 +668,7 @@ fn sqrt() -> OpDef {
 }
 
 fn sqrt_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Sqrt", ctx.input(0)?, |v| v.sqrt())?;
     ctx.set_output(0, y)
 }
@@ -685,7 +689,7 @@ fn exp() -> OpDef {
 }
 
 fn exp_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Exp", ctx.input(0)?, |v| v.exp())?;
     ctx.set_output(0, y)
 }
@@ -706,7 +710,7 @@ fn log() -> OpDef {
 }
 
 fn log_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Log", ctx.input(0)?, |v| v.ln())?;
     ctx.set_output(0, y)
 }

@@ -91,7 +91,7 @@ fn bias_add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             value.shape()
         ));
     }
-    let out0 = |d: DType, dims: &[usize]| ctx.allocate_output(0, d, dims);
+    let out0 = ctx.output_alloc(0);
     let out = num_binary!(in &out0; "BiasAdd", value, bias, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
     ctx.set_output(0, out)
 }

@@ -98,9 +98,10 @@ pub fn run_kernel_with(
     let kernel = build_kernel(op, node, &attrs, input_types)?;
     let n_out = registry().get(op).map_or(0, |d| d.outputs.len());
     let mut outputs = vec![None; n_out];
+    let inputs: Vec<&Tensor> = inputs.iter().collect();
     let mut ctx = KernelContext {
         node,
-        inputs,
+        inputs: &inputs,
         variables,
         step: 0,
         outputs: &mut outputs,

@@ -67,7 +67,7 @@ impl Eval {
                     cells.push(self.cell(src));
                 }
             }
-            let input_values: Vec<Tensor> = inputs.iter().map(|k| values[k].clone()).collect();
+            let input_values: Vec<&Tensor> = inputs.iter().map(|k| &values[k]).collect();
             let mut outputs = vec![None; node.outputs.len()];
             kernel
                 .compute(&mut KernelContext {

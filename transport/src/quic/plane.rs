@@ -1,0 +1,400 @@
+//! [`QuicPlane`]: the state of one task's QUIC data plane, binding, connecting and closing.
+
+use super::config;
+use super::frames::{recv_control, send_control, Body, QuicError};
+use super::identity::QuicIdentity;
+use super::names::task_dns_name;
+use crate::auth::{Connector, Secret};
+use crate::local::LocalRendezvous;
+use crate::plane::PeerEvent;
+use crate::rendezvous::{Rendezvous, RendezvousError, RendezvousKey};
+use crate::tcp::{SlotTable, TcpConfig};
+use crate::wire::{encode_header, FrameKind, Header, HEADER_LEN, MAX_CONTROL_PAYLOAD};
+use quinn::crypto::rustls::QuicClientConfig;
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // No callback runs under these locks; a poisoned lock means a bug elsewhere: keep going.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A frame queued for a peer's writer.
+pub(crate) struct Outgoing {
+    pub(crate) head: [u8; HEADER_LEN],
+    pub(crate) body: Body,
+}
+
+/// Where an outgoing key goes: the peer and its slot id.
+pub(crate) type Route = (Arc<str>, u32);
+
+#[derive(Default)]
+pub(crate) struct Peers {
+    /// Writer queues of outgoing connections.
+    pub(crate) writers: HashMap<Arc<str>, mpsc::UnboundedSender<Outgoing>>,
+    /// Peers known dead, with the cause.
+    pub(crate) gone: HashMap<Arc<str>, String>,
+}
+
+/// Counts of what the acceptor refused, for logs and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuicStats {
+    /// Connections that failed the TLS handshake (no certificate, another CA's, expired...).
+    pub refused_tls: u64,
+    /// Connections whose certificate did not name the task their Hello claimed, or that failed
+    /// the cluster-secret handshake.
+    pub refused_identity: u64,
+    /// Peers dropped for a bad frame (truncated, oversized, unknown slot, garbage).
+    pub dropped_bad_frames: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) refused_tls: AtomicU64,
+    pub(crate) refused_identity: AtomicU64,
+    pub(crate) dropped_bad_frames: AtomicU64,
+}
+
+/// A data plane over QUIC (quinn): one UDP endpoint per task that both accepts and connects;
+/// TLS 1.3 with mutual authentication against the cluster CA; per direction one connection and
+/// one stream carrying [`crate::wire`] frames, exactly as the TCP plane's connections do.
+pub struct QuicPlane {
+    pub(crate) name: Arc<str>,
+    pub(crate) addr: SocketAddr,
+    pub(crate) config: TcpConfig,
+    pub(crate) endpoint: quinn::Endpoint,
+    pub(crate) client_crypto: Arc<QuicClientConfig>,
+    pub(crate) local: LocalRendezvous,
+    pub(crate) slots: SlotTable,
+    pub(crate) routes: Mutex<HashMap<Arc<RendezvousKey>, Route>>,
+    pub(crate) peers: Mutex<Peers>,
+    /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
+    pub(crate) remote_steps: Mutex<BTreeSet<u64>>,
+    pub(crate) shutdown: watch::Sender<bool>,
+    /// With a cluster secret, the HMAC handshake of [`crate::auth`] runs after TLS as well.
+    pub(crate) secret: Option<Secret>,
+    pub(crate) events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    pub(crate) writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    pub(crate) closing: AtomicBool,
+    pub(crate) counters: Counters,
+}
+
+impl fmt::Debug for QuicPlane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "QuicPlane({} on {}, {:?})",
+            self.name, self.addr, self.slots
+        )
+    }
+}
+
+impl QuicPlane {
+    /// Listens on UDP `addr` (port 0 picks one) as task `name` with `identity`'s certificate;
+    /// with `secret`, connections also run the cluster-secret handshake. Must run inside a
+    /// tokio runtime.
+    pub async fn bind(
+        name: &str,
+        addr: SocketAddr,
+        config: TcpConfig,
+        secret: Option<Secret>,
+        identity: QuicIdentity,
+    ) -> Result<Arc<Self>, QuicError> {
+        if identity.task() != name {
+            // The certificate must name this task: load it for this name.
+            let dns = task_dns_name(name).map_err(|e| QuicError::Setup(e.to_string()))?;
+            if dns != identity.dns_name() {
+                return Err(QuicError::Setup(format!(
+                    "task {name} was given the certificate of {} ({})",
+                    identity.task(),
+                    identity.source()
+                )));
+            }
+        }
+        let setup = QuicError::Setup;
+        let server = config::server(&identity, &config, addr).map_err(setup)?;
+        let client_crypto = config::client_crypto(&identity).map_err(setup)?;
+        let runtime = quinn::TokioRuntime;
+        let socket = super::socket::bind(addr, &runtime)
+            .map_err(|e| QuicError::Setup(format!("task {name} cannot bind UDP {addr}: {e}")))?;
+        let endpoint = quinn::Endpoint::new_with_abstract_socket(
+            config::endpoint().map_err(setup)?,
+            Some(server),
+            socket,
+            Arc::new(runtime),
+        )
+        .map_err(|e| QuicError::Setup(format!("task {name}: QUIC endpoint on {addr}: {e}")))?;
+        let local_addr = endpoint
+            .local_addr()
+            .map_err(|e| QuicError::Setup(format!("task {name}: {e}")))?;
+        let (shutdown, _) = watch::channel(false);
+        let plane = Arc::new(QuicPlane {
+            name: name.into(),
+            addr: local_addr,
+            config,
+            endpoint,
+            client_crypto,
+            local: LocalRendezvous::new(),
+            slots: SlotTable::default(),
+            routes: Mutex::default(),
+            peers: Mutex::default(),
+            remote_steps: Mutex::default(),
+            shutdown,
+            secret,
+            events: Mutex::default(),
+            writer_tasks: Mutex::default(),
+            closing: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
+        tokio::spawn(super::reader::accept_loop(Arc::downgrade(&plane)));
+        Ok(plane)
+    }
+
+    /// The address peers connect to (UDP).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This task's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The receive slots.
+    pub fn slots(&self) -> &SlotTable {
+        &self.slots
+    }
+
+    /// What the acceptor refused so far.
+    pub fn stats(&self) -> QuicStats {
+        QuicStats {
+            refused_tls: self.counters.refused_tls.load(Ordering::Relaxed),
+            refused_identity: self.counters.refused_identity.load(Ordering::Relaxed),
+            dropped_bad_frames: self.counters.dropped_bad_frames.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Routes `key` to slot `slot_id` of `peer`.
+    pub fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
+        lock(&self.routes).insert(key, (peer.into(), slot_id));
+    }
+
+    /// Opens the connection to `peer` at `addr`: QUIC + TLS (the peer's certificate must name
+    /// `peer` and chain to the cluster CA; this task presents its own), one stream, a Hello
+    /// (or the cluster-secret handshake), and the peer's acknowledgement.
+    pub async fn connect(self: &Arc<Self>, peer: &str, addr: SocketAddr) -> Result<(), QuicError> {
+        let cfg = self.config;
+        let label = format!("{peer} ({addr})");
+        let dns = task_dns_name(peer).map_err(|e| QuicError::Setup(e.to_string()))?;
+        let client = config::client(&self.client_crypto, &cfg, addr).map_err(QuicError::Setup)?;
+        let connecting = self
+            .endpoint
+            .connect_with(client, addr, &dns)
+            .map_err(|e| QuicError::link(&label, "connect", e))?;
+        // A peer not started yet drops the first Initial and quinn's retries back off (30 ms,
+        // 90 ms, ... on loopback): give up sooner there and let the caller dial afresh.
+        let handshake_timeout = if addr.ip().is_loopback() {
+            cfg.connect_timeout.min(Duration::from_secs(1))
+        } else {
+            cfg.connect_timeout
+        };
+        let conn = tokio::time::timeout(handshake_timeout, connecting)
+            .await
+            .map_err(|_| {
+                QuicError::link(
+                    &label,
+                    "connect",
+                    format!("no answer within {handshake_timeout:?} (is the task started?)"),
+                )
+            })?
+            .map_err(|e| QuicError::link(&label, "connect", super::frames::describe_conn(&e)))?;
+        let (mut send, mut recv) = tokio::time::timeout(cfg.frame_timeout, conn.open_bi())
+            .await
+            .map_err(|_| QuicError::link(&label, "opening a stream", "timed out"))?
+            .map_err(|e| {
+                QuicError::link(&label, "opening a stream", super::frames::describe_conn(&e))
+            })?;
+        let t = cfg.frame_timeout;
+        match &self.secret {
+            Some(secret) => {
+                let (connector, hello) = Connector::hello(secret, &self.name);
+                send_control(&mut send, FrameKind::Hello, &hello, t, &label).await?;
+                let challenge = recv_control(&mut recv, FrameKind::Challenge, t, &label).await?;
+                let (_, proof) = connector
+                    .answer(&challenge, &label)
+                    .map_err(|e| QuicError::protocol(&label, e.to_string()))?;
+                send_control(&mut send, FrameKind::Proof, &proof, t, &label).await?;
+            }
+            None => {
+                send_control(&mut send, FrameKind::Hello, self.name.as_bytes(), t, &label).await?
+            }
+        }
+        // The acceptor answers with its own Hello once it accepted this task: a refusal (a
+        // certificate it does not trust) surfaces here, not at the first tensor.
+        let ack = recv_control(&mut recv, FrameKind::Hello, t, &label).await?;
+        if ack != peer.as_bytes() {
+            return Err(QuicError::protocol(
+                &label,
+                format!(
+                    "answered as `{}`, not as the task dialled",
+                    String::from_utf8_lossy(&ack)
+                ),
+            ));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let peer: Arc<str> = peer.into();
+        {
+            let mut peers = lock(&self.peers);
+            peers.gone.remove(&peer);
+            peers.writers.insert(peer.clone(), tx);
+        }
+        let task = tokio::spawn(super::writer::writer(
+            Arc::downgrade(self),
+            peer,
+            conn,
+            send,
+            recv,
+            rx,
+        ));
+        let mut tasks = lock(&self.writer_tasks);
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task);
+        Ok(())
+    }
+
+    /// Ends every outgoing connection after the frames already queued on it are delivered (or
+    /// `within` passed), then stops accepting and reading.
+    pub async fn close(&self, within: Duration) {
+        self.closing.store(true, Ordering::SeqCst);
+        lock(&self.peers).writers.clear();
+        let tasks: Vec<_> = lock(&self.writer_tasks).drain(..).collect();
+        let _ = tokio::time::timeout(within, async {
+            for t in tasks {
+                let _ = t.await;
+            }
+        })
+        .await;
+        let _ = self.shutdown.send(true);
+        self.endpoint.close(quinn::VarInt::from_u32(0), b"closed");
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.endpoint.wait_idle()).await;
+    }
+
+    /// Delivers control-plane messages and peer failures to the returned receiver from now on
+    /// (a later call replaces an earlier subscriber).
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *lock(&self.events) = Some(tx);
+        rx
+    }
+
+    pub(crate) fn emit(&self, event: PeerEvent) {
+        let sent = match lock(&self.events).as_ref() {
+            Some(tx) => tx.send(event).map_err(|e| e.0),
+            None => Err(event),
+        };
+        if let Err(PeerEvent::Message { peer, body }) = sent {
+            tracing::warn!(
+                "{}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
+                self.name,
+                body.len()
+            );
+        }
+    }
+
+    /// True when an outgoing connection to `peer` is open.
+    pub fn is_connected(&self, peer: &str) -> bool {
+        lock(&self.peers).writers.contains_key(peer)
+    }
+
+    /// Queues a frame for `peer`'s writer.
+    pub(crate) fn queue(&self, peer: &str, out: Outgoing) -> Result<(), RendezvousError> {
+        let gone = |cause: String| RendezvousError::PeerGone {
+            peer: peer.to_string(),
+            cause,
+        };
+        let peers = lock(&self.peers);
+        if let Some(cause) = peers.gone.get(peer) {
+            return Err(gone(cause.clone()));
+        }
+        let tx = peers
+            .writers
+            .get(peer)
+            .ok_or_else(|| gone("not connected".into()))?;
+        tx.send(out).map_err(|_| gone("connection closed".into()))
+    }
+
+    /// Queues a control-plane message for `peer`; messages to one peer arrive in order, after
+    /// every Data frame queued before them.
+    pub fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        let head = encode_header(&Header {
+            kind: FrameKind::Message,
+            flags: 0,
+            slot_id: 0,
+            step: 0,
+            payload_len: body.len() as u64,
+        });
+        self.queue(
+            peer,
+            Outgoing {
+                head,
+                body: Body::Bytes(body),
+            },
+        )
+    }
+
+    /// Tells every connected peer that `step` is aborted.
+    pub(crate) fn broadcast_abort(&self, step: u64, reason: &str) {
+        let mut reason = reason.as_bytes().to_vec();
+        reason.truncate(MAX_CONTROL_PAYLOAD as usize);
+        let head = encode_header(&Header {
+            kind: FrameKind::Abort,
+            flags: 0,
+            slot_id: 0,
+            step,
+            payload_len: reason.len() as u64,
+        });
+        for tx in lock(&self.peers).writers.values() {
+            let _ = tx.send(Outgoing {
+                head,
+                body: Body::Bytes(reason.clone()),
+            });
+        }
+    }
+
+    /// Marks `peer` dead and aborts every step with a Recv waiting on one of its keys.
+    pub(crate) fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
+        {
+            let mut peers = lock(&self.peers);
+            peers.writers.remove(peer);
+            peers.gone.insert(peer.clone(), cause.to_string());
+        }
+        let err = RendezvousError::PeerGone {
+            peer: peer.to_string(),
+            cause: cause.to_string(),
+        };
+        self.emit(PeerEvent::Gone {
+            peer: peer.clone(),
+            cause: cause.to_string(),
+        });
+        let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
+        for step in steps {
+            let waits_on_peer = self
+                .local
+                .pending_recvs(step)
+                .iter()
+                .any(|k| self.slots.peer_of(k).as_deref() == Some(&**peer));
+            if waits_on_peer {
+                self.local.abort_step(step, err.clone());
+            }
+        }
+    }
+
+    pub(crate) fn gone_cause(&self, peer: &str) -> Option<String> {
+        lock(&self.peers).gone.get(peer).cloned()
+    }
+}
