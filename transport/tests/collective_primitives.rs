@@ -1,10 +1,13 @@
-//! Every collective at 1..=5 ranks, in-process and over TCP on 127.0.0.1, for sizes 0, 1, odd
-//! and large, every dtype and reduce op, against a reference computed here from the same inputs.
+//! Every collective at 1..=5 ranks, in-process, over TCP on 127.0.0.1 and over shared memory,
+//! for sizes 0, 1, odd and large, every dtype and reduce op, against a reference computed here
+//! from the same inputs. One test body ([`run_rank`]) is instantiated per backend and rank count.
 
 use dflow_transport::collective::{
-    block_range, loopback_group, Algorithm, CommOptions, Communicator, ReduceOp, Scalar, TcpOptions,
+    block_range, loopback_group, shm_group, Algorithm, CommOptions, Communicator, InProcPairs,
+    LinkError, Pairs, ReduceOp, Scalar, ShmOptions, TcpOptions,
 };
 use half::bf16;
+use std::io::IoSlice;
 use std::time::Duration;
 
 /// Elements per rank of the "large" case; with 16 KiB chunks it spans many pipelined chunks.
@@ -288,43 +291,123 @@ fn tcp(n: usize) {
     );
 }
 
-#[test]
-fn in_process_1_rank() {
-    in_process(1);
+fn shm(n: usize) {
+    // Small rings, so that the large case wraps them and fills them many times.
+    let shm_opts = ShmOptions {
+        ring_bytes: 64 << 10,
+        ..ShmOptions::default()
+    };
+    let pairs = shm_group(n, &shm_opts).unwrap();
+    run_all(
+        pairs
+            .into_iter()
+            .map(|p| Communicator::new(Box::new(p), opts()))
+            .collect(),
+    );
 }
-#[test]
-fn in_process_2_ranks() {
-    in_process(2);
+
+/// One test per rank count for a backend function.
+macro_rules! per_rank_count {
+    ($backend:ident) => {
+        mod $backend {
+            #[test]
+            fn rank_1() {
+                super::$backend(1);
+            }
+            #[test]
+            fn ranks_2() {
+                super::$backend(2);
+            }
+            #[test]
+            fn ranks_3() {
+                super::$backend(3);
+            }
+            #[test]
+            fn ranks_4() {
+                super::$backend(4);
+            }
+            #[test]
+            fn ranks_5() {
+                super::$backend(5);
+            }
+        }
+    };
 }
-#[test]
-fn in_process_3_ranks() {
-    in_process(3);
+
+per_rank_count!(in_process);
+per_rank_count!(tcp);
+per_rank_count!(shm);
+
+/// Links that move at most 5 bytes per call, so that elements arrive split across reads.
+struct Dribble(InProcPairs);
+
+impl Pairs for Dribble {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn try_write(&mut self, peer: usize, bufs: &[IoSlice<'_>]) -> Result<usize, LinkError> {
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &b[..]);
+        self.0
+            .try_write(peer, &[IoSlice::new(&first[..first.len().min(5)])])
+    }
+    fn try_read(&mut self, peer: usize, buf: &mut [u8]) -> Result<usize, LinkError> {
+        let n = buf.len().min(5);
+        self.0.try_read(peer, &mut buf[..n])
+    }
+    fn wait(&mut self, until: std::time::Instant) -> Result<(), LinkError> {
+        self.0.wait(until)
+    }
+    fn describe(&self, peer: usize) -> String {
+        self.0.describe(peer)
+    }
 }
-#[test]
-fn in_process_4_ranks() {
-    in_process(4);
+
+fn reductions<T: Elem>(c: &Communicator, lens: &[usize]) {
+    let (n, r) = (c.size(), c.rank());
+    for &len in lens {
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let what = format!("{} len {len} {op}", std::any::type_name::<T>());
+            let mut buf = input::<T>(r, len, 9);
+            c.all_reduce(&mut buf, op).unwrap();
+            assert_close(&buf, &reference::<T>(n, len, 9, op), &what);
+            let own = block_range(len, n, r);
+            let mut recv = vec![T::zeroed(); own.len()];
+            c.reduce_scatter(&input::<T>(r, len, 9), &mut recv, op)
+                .unwrap();
+            assert_close(&recv, &reference::<T>(n, len, 9, op)[own], &what);
+            let mut buf = input::<T>(r, len, 9);
+            c.reduce(&mut buf, op, 1).unwrap();
+            if r == 1 {
+                assert_close(&buf, &reference::<T>(n, len, 9, op), &what);
+            }
+        }
+    }
 }
+
 #[test]
-fn in_process_5_ranks() {
-    in_process(5);
-}
-#[test]
-fn tcp_1_rank() {
-    tcp(1);
-}
-#[test]
-fn tcp_2_ranks() {
-    tcp(2);
-}
-#[test]
-fn tcp_3_ranks() {
-    tcp(3);
-}
-#[test]
-fn tcp_4_ranks() {
-    tcp(4);
-}
-#[test]
-fn tcp_5_ranks() {
-    tcp(5);
+fn elements_split_across_reads_are_reduced_whole() {
+    let o = CommOptions {
+        algorithm: Algorithm::Ring,
+        chunk_bytes: 40,
+        ..opts()
+    };
+    let comms: Vec<Communicator> = InProcPairs::group(3)
+        .into_iter()
+        .map(|p| Communicator::new(Box::new(Dribble(p)), o.clone()))
+        .collect();
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || {
+                reductions::<f64>(&c, &[1, 7, 301]);
+                reductions::<bf16>(&c, &[1, 7, 301]);
+                reductions::<i32>(&c, &[5, 301]);
+            });
+        }
+    });
 }

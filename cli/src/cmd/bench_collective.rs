@@ -1,6 +1,6 @@
 //! `dflow bench-collective`: collective throughput and latency over N ranks, with the
-//! nccl-tests bandwidth formulas. Over TCP each rank is a child process (this binary with the
-//! hidden `--worker-rank`); in-process, each rank is a thread.
+//! nccl-tests bandwidth formulas. Over TCP and shared memory each rank is a child process (this
+//! binary with the hidden `--worker-rank`); in-process, each rank is a thread.
 //!
 //! Methodology (the same as `../shared/bench/gloo_collectives.py`): per size, `--warmup`
 //! untimed calls, then `--iters` times: barrier, time one call. An iteration's time is the
@@ -12,8 +12,8 @@
 
 use anyhow::{bail, Context};
 use dflow_transport::collective::{
-    block_range, Algorithm, CollectiveError, CommOptions, Communicator, ReduceOp, TcpOptions,
-    TcpRendezvous,
+    block_range, Algorithm, CollectiveError, CommOptions, Communicator, Pairs, ReduceOp,
+    ShmOptions, ShmRendezvous, TcpOptions, TcpRendezvous,
 };
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -33,7 +33,8 @@ pub struct Args {
     /// Sizes in bytes, comma separated (suffixes B, KiB, MiB, GiB).
     #[arg(long, default_value = "4B,4MiB,64MiB", value_delimiter = ',')]
     pub size: Vec<String>,
-    /// `tcp` (one process per rank, 127.0.0.1) or `inproc` (threads of this process).
+    /// `tcp` (one process per rank, 127.0.0.1), `shm` (one process per rank, shared memory) or
+    /// `inproc` (threads of this process).
     #[arg(long, default_value = "tcp")]
     pub transport: String,
     /// Timed iterations per size.
@@ -48,6 +49,13 @@ pub struct Args {
     /// Message size of the pipelined algorithms (default: the library's).
     #[arg(long)]
     pub chunk: Option<String>,
+    /// Busy-poll window of small calls in microseconds (default: the library's).
+    #[arg(long)]
+    pub spin_us: Option<u64>,
+    /// Pin rank r's process to CPU r modulo the CPU count (through `taskset`), as `mpirun`
+    /// binds ranks to cores by default when they fit. Off by default.
+    #[arg(long)]
+    pub bind: bool,
     /// Per-call timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
@@ -242,6 +250,9 @@ fn comm_options(args: &Args) -> anyhow::Result<CommOptions> {
     if let Some(c) = &args.chunk {
         o.chunk_bytes = parse_size(c)?;
     }
+    if let Some(us) = args.spin_us {
+        o.spin = Duration::from_micros(us);
+    }
     Ok(o)
 }
 
@@ -324,7 +335,7 @@ fn worker_args(args: &Args, rank: usize) -> Vec<String> {
         "--size".into(),
         args.size.join(","),
         "--transport".into(),
-        "tcp".into(),
+        args.transport.clone(),
         "--iters".into(),
         args.iters.to_string(),
         "--warmup".into(),
@@ -339,27 +350,44 @@ fn worker_args(args: &Args, rank: usize) -> Vec<String> {
     if let Some(c) = &args.chunk {
         v.extend(["--chunk".to_string(), c.clone()]);
     }
+    if let Some(us) = args.spin_us {
+        v.extend(["--spin-us".to_string(), us.to_string()]);
+    }
     v
 }
 
-/// A worker: binds, prints its address, reads everyone's, connects, runs, and (rank 0)
-/// prints the rows as `ROW` lines for the parent.
+/// A worker: binds (TCP) or creates its segment (shm), prints its address, reads everyone's,
+/// connects, runs, and (rank 0) prints the rows as `ROW` lines for the parent.
 fn run_worker(args: &Args, rank: usize) -> anyhow::Result<()> {
     let plan = plan(args)?;
-    let l = TcpRendezvous::bind("127.0.0.1:0")?;
-    println!("ADDR {}", l.local_addr()?);
-    std::io::stdout().flush()?;
-    let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line)?;
-    let addrs: Vec<SocketAddr> = line
-        .split_whitespace()
-        .map(|a| {
-            a.parse()
-                .with_context(|| format!("bad address {a:?} from the parent"))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let pairs = l.connect(rank, &addrs, &TcpOptions::default())?;
-    let c = Communicator::new(Box::new(pairs), comm_options(args)?);
+    let read_list = || -> anyhow::Result<Vec<String>> {
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line)?;
+        Ok(line.split_whitespace().map(str::to_string).collect())
+    };
+    let pairs: Box<dyn Pairs> = match args.transport.as_str() {
+        "shm" => {
+            let opts = ShmOptions::default();
+            let rv = ShmRendezvous::create(rank, args.ranks, &opts)?;
+            println!("ADDR {}", rv.name());
+            std::io::stdout().flush()?;
+            Box::new(rv.connect(&read_list()?, &opts)?)
+        }
+        _ => {
+            let l = TcpRendezvous::bind("127.0.0.1:0")?;
+            println!("ADDR {}", l.local_addr()?);
+            std::io::stdout().flush()?;
+            let addrs: Vec<SocketAddr> = read_list()?
+                .iter()
+                .map(|a| {
+                    a.parse()
+                        .with_context(|| format!("bad address {a:?} from the parent"))
+                })
+                .collect::<anyhow::Result<_>>()?;
+            Box::new(l.connect(rank, &addrs, &TcpOptions::default())?)
+        }
+    };
+    let c = Communicator::new(pairs, comm_options(args)?);
     let rows = run_rank(&c, &plan, args)?;
     if rank == 0 {
         for r in rows {
@@ -392,17 +420,35 @@ fn parse_row(line: &str) -> anyhow::Result<Row> {
     })
 }
 
-fn run_tcp(args: &Args) -> anyhow::Result<Vec<Row>> {
+/// Runs every rank as a child process (TCP or shared memory).
+fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut workers = Workers(Vec::new());
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     for r in 0..args.ranks {
-        let child = Command::new(&exe)
+        let mut cmd = if args.bind {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &(r % cpus).to_string()]).arg(&exe);
+            c
+        } else {
+            Command::new(&exe)
+        };
+        let child = cmd
             .args(worker_args(args, r))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .with_context(|| format!("starting rank {r}"))?;
+            .with_context(|| {
+                format!(
+                    "starting rank {r}{}",
+                    if args.bind {
+                        " (--bind needs taskset)"
+                    } else {
+                        ""
+                    }
+                )
+            })?;
         workers.0.push(child);
     }
     let mut readers = Vec::new();
@@ -469,9 +515,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     plan(&args)?;
     let rows = match args.transport.as_str() {
-        "tcp" => run_tcp(&args)?,
+        "tcp" | "shm" => run_procs(&args)?,
         "inproc" => run_inproc(&args)?,
-        t => bail!("unknown transport {t:?} (tcp, inproc)"),
+        t => bail!("unknown transport {t:?} (tcp, shm, inproc)"),
     };
     print_table(&rows, args.ranks, &args.transport);
     Ok(())

@@ -53,6 +53,8 @@ pub struct CallState {
     stall_warning: Duration,
     announced: bool,
     warned: bool,
+    /// How long to poll without sleeping after the last progress (small calls).
+    spin: Duration,
 }
 
 impl CallState {
@@ -74,7 +76,15 @@ impl CallState {
             stall_warning,
             announced: false,
             warned: false,
+            spin: Duration::ZERO,
         }
+    }
+
+    /// Polls the links for up to `spin` after the last progress before sleeping: trades CPU
+    /// for latency on small calls (default zero: sleep at once).
+    pub fn with_spin(mut self, spin: Duration) -> CallState {
+        self.spin = spin;
+        self
     }
 
     /// The call's fingerprint.
@@ -102,8 +112,10 @@ struct Link {
     rx: Box<[u8]>,
     rx_start: usize,
     rx_end: usize,
-    /// The next frame's header, its payload not yet read.
+    /// The next frame's header, its payload not yet (wholly) read.
     pending: Option<Header>,
+    /// Payload bytes of the pending frame not yet read.
+    payload_left: usize,
     /// Control frames (abort, joined) waiting for a frame boundary.
     ctrl: Vec<u8>,
     /// A data frame is partly written: control frames must wait.
@@ -121,6 +133,7 @@ impl Link {
             rx_start: 0,
             rx_end: 0,
             pending: None,
+            payload_left: 0,
             ctrl: Vec::new(),
             tx_mid: false,
             last_seen: None,
@@ -325,24 +338,31 @@ impl Channel {
         // A send to a peer that closed its link: reported once the receives show whether the
         // peer left an abort (its reason) before it went.
         let mut lost_peer: Option<(usize, CollectiveError)> = None;
+        let mut last_progress = Instant::now();
         loop {
             let mut done = true;
+            let mut progressed = false;
             for (s, off) in sends.iter().zip(sent.iter_mut()) {
                 if lost_peer.is_some() {
                     break;
                 }
+                let before = *off;
                 match self.progress_send(call, s, off) {
                     Ok(d) => done &= d,
                     Err(e @ CollectiveError::PeerLost { .. }) => lost_peer = Some((s.peer, e)),
                     Err(e) => return Err(e),
                 }
+                progressed |= *off != before;
             }
             for (r, off) in recvs.iter_mut().zip(got.iter_mut()) {
                 if let Some(o) = off {
+                    let before = *o;
                     if self.progress_recv(call, r, o)? {
                         *off = None;
+                        progressed = true;
                     } else {
                         done = false;
+                        progressed |= *o != before;
                     }
                 }
             }
@@ -361,65 +381,119 @@ impl Channel {
                 lost_peer = Some((g, e));
             }
             if done {
-                for &glob in call.members.iter() {
-                    if glob != self.rank() {
-                        self.flush_ctrl(glob)
-                            .map_err(|e| lost(call, group_rank(call, glob), e))?;
-                    }
-                }
-                return Ok(());
+                return self.finish(call);
             }
-            let now = Instant::now();
-            let elapsed = now - call.started;
-            if elapsed >= WATCH_AFTER {
-                self.watch(call, recvs, &got)?;
+            if progressed {
+                last_progress = Instant::now();
+                // Every link was driven until it would block or its operation was done: go on
+                // while bytes move, re-checking the deadline.
+                self.check_deadline(call)?;
+                continue;
             }
-            if !call.announced && elapsed >= call.stall_warning / 2 {
-                call.announced = true;
-                let fp = call.fp;
-                for (g, &glob) in call.members.clone().iter().enumerate() {
-                    if g != call.me {
-                        self.queue_ctrl(glob, FrameKind::Joined, &fp, &[]);
-                    }
-                }
-            }
-            if !call.warned && elapsed >= call.stall_warning {
-                call.warned = true;
-                tracing::warn!(
-                    collective = %call.fp,
-                    rank = call.me,
-                    waiting_s = elapsed.as_secs_f64(),
-                    missing = ?self.missing(call),
-                    "collective stalled: ranks listed as missing have not joined it"
-                );
-            }
-            if now >= call.deadline() {
-                return Err(CollectiveError::Timeout {
-                    call: call.fp.call(),
-                    rank: call.me,
-                    after: call.timeout,
-                    missing: self.missing(call),
-                    gone: call
-                        .members
+            self.idle(
+                call,
+                |g| {
+                    recvs
                         .iter()
-                        .enumerate()
-                        .filter(|&(g, &glob)| g != call.me && self.links[glob].closed)
-                        .map(|(g, _)| g)
-                        .collect(),
-                });
+                        .zip(&got)
+                        .any(|(r, o)| r.peer == g && o.is_some())
+                },
+                last_progress,
+            )?;
+        }
+    }
+
+    /// Ends a call on this rank: flushes control frames still queued for its peers.
+    pub(crate) fn finish(&mut self, call: &CallState) -> Result<()> {
+        for &glob in call.members.iter() {
+            if glob != self.rank() {
+                self.flush_ctrl(glob)
+                    .map_err(|e| lost(call, group_rank(call, glob), e))?;
             }
-            let mut wake = call.deadline();
-            for t in [
-                call.started + WATCH_AFTER,
-                call.started + call.stall_warning / 2,
-                call.started + call.stall_warning,
-            ] {
-                if t > now {
-                    wake = wake.min(t);
+        }
+        Ok(())
+    }
+
+    fn timeout_error(&self, call: &CallState) -> CollectiveError {
+        CollectiveError::Timeout {
+            call: call.fp.call(),
+            rank: call.me,
+            after: call.timeout,
+            missing: self.missing(call),
+            gone: call
+                .members
+                .iter()
+                .enumerate()
+                .filter(|&(g, &glob)| g != call.me && self.links[glob].closed)
+                .map(|(g, _)| g)
+                .collect(),
+        }
+    }
+
+    /// Fails with [`CollectiveError::Timeout`] once the call's deadline passed.
+    pub(crate) fn check_deadline(&self, call: &CallState) -> Result<()> {
+        if Instant::now() >= call.deadline() {
+            return Err(self.timeout_error(call));
+        }
+        Ok(())
+    }
+
+    /// Called when a pass over a call's operations moved nothing (every link would block, or
+    /// waits on another): watches idle links for control frames, announces and reports
+    /// stalls, enforces the deadline, then polls again (within the call's spin after
+    /// `last_progress`) or sleeps until a link may move. `busy(g)` is true for group ranks
+    /// with a receive in progress (their frames are read by it, not by the watch).
+    pub(crate) fn idle(
+        &mut self,
+        call: &mut CallState,
+        busy: impl Fn(usize) -> bool,
+        last_progress: Instant,
+    ) -> Result<()> {
+        let now = Instant::now();
+        let elapsed = now - call.started;
+        if elapsed >= WATCH_AFTER {
+            self.watch(call, &busy)?;
+        }
+        if !call.announced && elapsed >= call.stall_warning / 2 {
+            call.announced = true;
+            let fp = call.fp;
+            for (g, &glob) in call.members.clone().iter().enumerate() {
+                if g != call.me {
+                    self.queue_ctrl(glob, FrameKind::Joined, &fp, &[]);
                 }
             }
-            self.pairs.wait(wake).map_err(|e| lost(call, call.me, e))?;
         }
+        if !call.warned && elapsed >= call.stall_warning {
+            call.warned = true;
+            tracing::warn!(
+                collective = %call.fp,
+                rank = call.me,
+                waiting_s = elapsed.as_secs_f64(),
+                missing = ?self.missing(call),
+                "collective stalled: ranks listed as missing have not joined it"
+            );
+        }
+        if now >= call.deadline() {
+            return Err(self.timeout_error(call));
+        }
+        if now < last_progress + call.spin {
+            // Poll again, yielding the core in between: a peer that shares this core runs at
+            // once, as a sleep and a wake-up would let it, but without their latency. (A pure
+            // pause loop measured far worse here: ranks woken on one core starve each other.)
+            std::thread::yield_now();
+            return Ok(());
+        }
+        let mut wake = call.deadline();
+        for t in [
+            call.started + WATCH_AFTER,
+            call.started + call.stall_warning / 2,
+            call.started + call.stall_warning,
+        ] {
+            if t > now {
+                wake = wake.min(t);
+            }
+        }
+        self.pairs.wait(wake).map_err(|e| lost(call, call.me, e))
     }
 
     /// Group ranks that sent nothing for this call.
@@ -434,18 +508,9 @@ impl Channel {
 
     /// Reads headers from links without an active receive: control frames (abort, joined)
     /// take effect; a data header waits for its receive.
-    fn watch(
-        &mut self,
-        call: &CallState,
-        recvs: &[RecvOp<'_>],
-        got: &[Option<usize>],
-    ) -> Result<()> {
+    fn watch(&mut self, call: &CallState, busy: &impl Fn(usize) -> bool) -> Result<()> {
         for g in 0..call.members.len() {
-            let busy = recvs
-                .iter()
-                .zip(got)
-                .any(|(r, o)| r.peer == g && o.is_some());
-            if g == call.me || busy {
+            if g == call.me || busy(g) {
                 continue;
             }
             let glob = call.members[g];
@@ -472,29 +537,43 @@ impl Channel {
         s: &SendOp<'_>,
         sent: &mut usize,
     ) -> Result<bool> {
-        let total = HEADER_LEN + s.data.len();
-        let glob = call.members[s.peer];
-        if *sent == 0 && !self.flush_ctrl(glob).map_err(|e| lost(call, s.peer, e))? {
+        self.send_frame(call, s.peer, s.tag, s.data, sent)
+    }
+
+    /// Writes the data frame `tag` carrying `data` to group rank `g` as far as the link takes
+    /// it now; `sent` counts the frame's bytes written so far (header included). True once the
+    /// whole frame is written.
+    pub(crate) fn send_frame(
+        &mut self,
+        call: &CallState,
+        g: usize,
+        tag: u64,
+        data: &[u8],
+        sent: &mut usize,
+    ) -> Result<bool> {
+        let total = HEADER_LEN + data.len();
+        let glob = call.members[g];
+        if *sent == 0 && !self.flush_ctrl(glob).map_err(|e| lost(call, g, e))? {
             return Ok(false);
         }
         let hdr = Header {
             kind: FrameKind::Data,
             fp: call.fp,
-            tag: s.tag,
-            len: s.data.len() as u64,
+            tag,
+            len: data.len() as u64,
         }
         .encode();
         while *sent < total {
             let r = if *sent < HEADER_LEN {
                 self.pairs
-                    .try_write(glob, &[IoSlice::new(&hdr[*sent..]), IoSlice::new(s.data)])
+                    .try_write(glob, &[IoSlice::new(&hdr[*sent..]), IoSlice::new(data)])
             } else {
                 self.pairs
-                    .try_write(glob, &[IoSlice::new(&s.data[*sent - HEADER_LEN..])])
+                    .try_write(glob, &[IoSlice::new(&data[*sent - HEADER_LEN..])])
             };
             let n = match r {
                 Ok(n) => n,
-                Err(e) => return Err(self.write_failed(call, s.peer, e)),
+                Err(e) => return Err(self.write_failed(call, g, e)),
             };
             if n == 0 {
                 break;
@@ -565,6 +644,8 @@ impl Channel {
                     l.rx_start += HEADER_LEN;
                     l.last_seen = Some((h.fp.group, h.fp.seq));
                     l.pending = Some(h);
+                    // Only read once `recv_header` checked the length against a buffer.
+                    l.payload_left = usize::try_from(h.len).unwrap_or(usize::MAX);
                 }
             }
         }
@@ -612,64 +693,114 @@ impl Channel {
         r: &mut RecvOp<'_>,
         off: &mut usize,
     ) -> Result<bool> {
-        let Some(h) = self.next_header(call, r.peer)? else {
+        if !self.recv_header(call, r.peer, r.tag, r.buf.len())? {
+            return Ok(false);
+        }
+        self.recv_payload(call, r.peer, r.buf, off)
+    }
+
+    /// True once the header of the next data frame from group rank `g` is here and matches
+    /// this call, `tag` and `len` payload bytes (a mismatch is an error); false while it has
+    /// not arrived.
+    pub(crate) fn recv_header(
+        &mut self,
+        call: &CallState,
+        g: usize,
+        tag: u64,
+        len: usize,
+    ) -> Result<bool> {
+        let Some(h) = self.next_header(call, g)? else {
             return Ok(false);
         };
         if h.fp != call.fp {
-            return Err(self.mismatch(call, r.peer, h.fp));
+            return Err(self.mismatch(call, g, h.fp));
         }
-        if h.tag != r.tag || h.len != r.buf.len() as u64 {
+        if h.tag != tag || h.len != len as u64 {
             return Err(CollectiveError::Protocol {
                 call: call.fp.call(),
-                peer: r.peer,
+                peer: g,
                 problem: format!(
-                    "frame with tag {} and {} bytes where tag {} and {} bytes were expected",
-                    h.tag,
-                    h.len,
-                    r.tag,
-                    r.buf.len()
+                    "frame with tag {} and {} bytes where tag {tag} and {len} bytes were expected",
+                    h.tag, h.len,
                 ),
             });
         }
-        let glob = call.members[r.peer];
-        let l = &mut self.links[glob];
-        let take = l.staged().min(r.buf.len() - *off);
-        r.buf[*off..*off + take].copy_from_slice(&l.rx[l.rx_start..l.rx_start + take]);
-        l.rx_start += take;
-        *off += take;
-        while *off < r.buf.len() {
-            let rem = r.buf.len() - *off;
-            if rem >= STAGING / 2 {
-                let n = self
-                    .pairs
-                    .try_read(glob, &mut r.buf[*off..])
-                    .map_err(|e| lost(call, r.peer, e))?;
-                if n == 0 {
-                    break;
-                }
-                *off += n;
-            } else {
-                l.rx_start = 0;
-                l.rx_end = 0;
-                let n = self
-                    .pairs
-                    .try_read(glob, &mut l.rx[..])
-                    .map_err(|e| lost(call, r.peer, e))?;
-                if n == 0 {
-                    break;
-                }
-                l.rx_end = n;
-                let take = n.min(rem);
-                r.buf[*off..*off + take].copy_from_slice(&l.rx[..take]);
-                l.rx_start = take;
-                *off += take;
+        Ok(true)
+    }
+
+    /// Reads the payload of the frame whose header [`Channel::recv_header`] accepted into
+    /// `buf` (its whole length) from byte `*off` on, as far as it has arrived. True once
+    /// complete: the link then expects the next header.
+    pub(crate) fn recv_payload(
+        &mut self,
+        call: &CallState,
+        g: usize,
+        buf: &mut [u8],
+        off: &mut usize,
+    ) -> Result<bool> {
+        while *off < buf.len() {
+            let n = self.recv_some(call, g, &mut buf[*off..])?;
+            if n == 0 {
+                break;
             }
+            *off += n;
         }
-        if *off == r.buf.len() {
+        if *off < buf.len() {
+            return Ok(false);
+        }
+        // An empty frame is complete at once.
+        let l = &mut self.links[call.members[g]];
+        if l.payload_left == 0 {
             l.pending = None;
-            return Ok(true);
         }
-        Ok(false)
+        Ok(true)
+    }
+
+    /// Reads the next bytes of the accepted frame's payload into `dst` (at most what is left
+    /// of the frame); returns how many arrived (0: none yet). After the last byte the link
+    /// expects the next header.
+    pub(crate) fn recv_some(
+        &mut self,
+        call: &CallState,
+        g: usize,
+        dst: &mut [u8],
+    ) -> Result<usize> {
+        let glob = call.members[g];
+        let l = &mut self.links[glob];
+        let want = dst.len().min(l.payload_left);
+        if want == 0 {
+            if l.payload_left == 0 {
+                l.pending = None;
+            }
+            return Ok(0);
+        }
+        let n = if l.staged() > 0 {
+            let take = l.staged().min(want);
+            dst[..take].copy_from_slice(&l.rx[l.rx_start..l.rx_start + take]);
+            l.rx_start += take;
+            take
+        } else if l.payload_left >= STAGING / 2 {
+            // Large remainder: straight into the destination.
+            self.pairs
+                .try_read(glob, &mut dst[..want])
+                .map_err(|e| lost(call, g, e))?
+        } else {
+            // The frame's tail: through staging, so that the next header comes with it.
+            l.rx_start = 0;
+            l.rx_end = self
+                .pairs
+                .try_read(glob, &mut l.rx[..])
+                .map_err(|e| lost(call, g, e))?;
+            let take = l.rx_end.min(want);
+            dst[..take].copy_from_slice(&l.rx[..take]);
+            l.rx_start = take;
+            take
+        };
+        l.payload_left -= n;
+        if l.payload_left == 0 {
+            l.pending = None;
+        }
+        Ok(n)
     }
 }
 

@@ -3,8 +3,8 @@
 //!
 //! The layers, bottom up:
 //! - [`Pairs`]: a non-blocking byte stream between every pair of ranks. Backends:
-//!   [`InProcPairs`] (threads of one process) and [`TcpPairs`] (one TCP connection per pair);
-//!   a shared-memory backend implements the same trait.
+//!   [`InProcPairs`] (threads of one process), [`TcpPairs`] (one TCP connection per pair) and
+//!   [`ShmPairs`] (processes of one host: a byte ring per pair in shared memory).
 //! - [`Channel`]: frames with a fixed 48-byte header (fingerprint, tag, length) received
 //!   straight into the caller's buffer; `send`/`recv_into` and [`Channel::exchange`], which
 //!   drives many sends and receives at once. It checks fingerprints, spreads aborts, announces
@@ -41,6 +41,8 @@ mod inproc;
 mod pairs;
 mod partition;
 mod scalar;
+#[cfg(target_os = "linux")]
+mod shm;
 mod tcp;
 
 pub use algo::Algorithm;
@@ -53,4 +55,6 @@ pub use inproc::InProcPairs;
 pub use pairs::{LinkError, Pairs};
 pub use partition::block_range;
 pub use scalar::{ReduceOp, Scalar};
+#[cfg(target_os = "linux")]
+pub use shm::{shm_group, ShmOptions, ShmPairs, ShmRendezvous};
 pub use tcp::{loopback_group, TcpOptions, TcpPairs, TcpRendezvous};

@@ -11,21 +11,6 @@ pub fn block_range(len: usize, parts: usize, i: usize) -> Range<usize> {
     start..start + base + usize::from(i < rem)
 }
 
-/// Splits `buf` into a shared view of `read` and a mutable view of `write` (disjoint ranges).
-pub(crate) fn split_disjoint<T>(
-    buf: &mut [T],
-    read: Range<usize>,
-    write: Range<usize>,
-) -> (&[T], &mut [T]) {
-    if read.start >= write.end {
-        let (lo, hi) = buf.split_at_mut(read.start);
-        (&hi[..read.len()], &mut lo[write])
-    } else {
-        let (lo, hi) = buf.split_at_mut(write.start);
-        (&lo[read], &mut hi[..write.len()])
-    }
-}
-
 /// The `c`-th chunk of `range` when it is cut into chunks of `chunk` elements.
 pub(crate) fn chunk_of(range: &Range<usize>, chunk: usize, c: usize) -> Range<usize> {
     let start = (range.start + c * chunk).min(range.end);
@@ -55,16 +40,5 @@ mod tests {
                 assert_eq!(next, len);
             }
         }
-    }
-
-    #[test]
-    fn disjoint_views() {
-        let mut v = [0, 1, 2, 3, 4, 5];
-        let (r, w) = split_disjoint(&mut v, 4..6, 0..2);
-        assert_eq!(r, [4, 5]);
-        w.copy_from_slice(&[9, 9]);
-        let (r, w) = split_disjoint(&mut v, 0..2, 3..4);
-        assert_eq!(r, [9, 9]);
-        assert_eq!(w, [3]);
     }
 }

@@ -28,7 +28,17 @@ pub struct TcpOptions {
     pub socket_buffer: Option<usize>,
     /// When set, every connection proves both ends know the secret before use.
     pub secret: Option<Secret>,
+    /// TCP congestion control of every connection (`TCP_CONGESTION`, e.g. `cubic`). `None`
+    /// (the default) picks `reno` for connections within this host (a loopback address, or
+    /// the same address at both ends) and leaves the system's default elsewhere: on a
+    /// loss-free local link congestion control has nothing to do, and the pacing of BBR (a
+    /// common default) halved 4 MiB all-reduce throughput over 127.0.0.1 here.
+    pub congestion: Option<String>,
 }
+
+/// Congestion control for connections within one host: the one every Linux allows
+/// unprivileged processes, and without pacing.
+const HOST_CONGESTION: &str = "reno";
 
 impl Default for TcpOptions {
     fn default() -> TcpOptions {
@@ -36,6 +46,7 @@ impl Default for TcpOptions {
             connect_timeout: Duration::from_secs(30),
             socket_buffer: Some(4 << 20),
             secret: None,
+            congestion: None,
         }
     }
 }
@@ -141,6 +152,20 @@ impl TcpRendezvous {
 
 fn tune(s: &TcpStream, opts: &TcpOptions) {
     let _ = s.set_nodelay(true);
+    let within_host = match (s.local_addr(), s.peer_addr()) {
+        (Ok(l), Ok(p)) => p.ip().is_loopback() || p.ip() == l.ip(),
+        _ => false,
+    };
+    let cc = match &opts.congestion {
+        Some(cc) => Some(cc.as_str()),
+        None if within_host => Some(HOST_CONGESTION),
+        None => None,
+    };
+    if let Some(cc) = cc {
+        if let Err(e) = socket2::SockRef::from(s).set_tcp_congestion(cc.as_bytes()) {
+            tracing::debug!(congestion = cc, error = %e, "cannot set TCP congestion control");
+        }
+    }
     if let Some(b) = opts.socket_buffer {
         let sock = socket2::SockRef::from(s);
         let _ = sock.set_send_buffer_size(b);
@@ -417,4 +442,33 @@ pub fn loopback_group(size: usize, opts: &TcpOptions) -> Result<Vec<TcpPairs>> {
             })
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn congestion(p: &TcpPairs, peer: usize) -> String {
+        let s = p.streams[peer].as_ref().expect("a connection");
+        let cc = socket2::SockRef::from(s)
+            .tcp_congestion()
+            .expect("TCP_CONGESTION");
+        String::from_utf8_lossy(&cc)
+            .trim_end_matches('\0')
+            .to_string()
+    }
+
+    #[test]
+    fn loopback_links_avoid_paced_congestion_control() {
+        let group = loopback_group(2, &TcpOptions::default()).unwrap();
+        assert_eq!(congestion(&group[0], 1), HOST_CONGESTION);
+        assert_eq!(congestion(&group[1], 0), HOST_CONGESTION);
+        // An explicit choice wins (every Linux allows reno; bbr may not be built).
+        let opts = TcpOptions {
+            congestion: Some("reno".into()),
+            ..TcpOptions::default()
+        };
+        let group = loopback_group(2, &opts).unwrap();
+        assert_eq!(congestion(&group[0], 1), "reno");
+    }
 }

@@ -48,12 +48,13 @@ fn timespec(d: Duration) -> futex::Timespec {
 }
 
 /// Sleeps while `word` holds `expected`, at most `d` (wakes, timeouts and signals all return).
-fn futex_wait(word: &AtomicU32, expected: u32, d: Duration) {
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, d: Duration) {
     // Shared (not PRIVATE): the word lives in memory mapped by two processes.
     let _ = futex::wait(word, futex::Flags::empty(), expected, Some(&timespec(d)));
 }
 
-fn futex_wake_all(word: &AtomicU32) {
+/// Wakes every sleeper on `word` (a shared futex).
+pub(crate) fn futex_wake_all(word: &AtomicU32) {
     let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
 }
 

@@ -1,61 +1,137 @@
 //! Pipelined chains for large rooted collectives: the buffer is cut into chunks that flow
-//! rank to rank, so every link carries the whole buffer once and the pipeline fills in one
-//! chunk time per hop.
+//! rank to rank through [`stream`](super::stream), so every link carries the whole buffer once
+//! and a chunk is forwarded as soon as it arrived (and, for reduce, was combined).
 
-use super::super::channel::{RecvOp, SendOp};
 use super::super::error::Result;
-use super::super::partition::{chunk_of, chunks, split_disjoint};
+use super::super::partition::{chunk_of, chunks};
 use super::super::scalar::{ReduceOp, Scalar};
+use super::stream::{self, Bufs, RecvMsg, Schedule, SendMsg, Sink, Src};
 use super::{tag, Ctx, Scratch};
+use std::ops::Range;
 
-/// Broadcast along root, root+1, ..., root+n-1: each rank receives chunk c while it forwards
-/// chunk c-1.
+/// One rank's part of a chain: `k` chunks of `ch` elements received from `from` (when
+/// `recv`), each sent on to `to` (when `send`) after it arrived (`forward`) or from the
+/// start.
+struct Chain {
+    len: usize,
+    ch: usize,
+    k: usize,
+    from: usize,
+    to: usize,
+    send: bool,
+    recv: bool,
+    /// Sends wait for the matching receive (middle ranks).
+    forward: bool,
+    /// Sends read the input buffer (the first rank of a reduce chain).
+    send_input: bool,
+    phase: u64,
+    /// How received chunks are kept.
+    sink: SinkKind,
+}
+
+#[derive(Clone, Copy)]
+enum SinkKind {
+    Copy,
+    /// `out op= chunk` (`avg`: then divide).
+    ReduceInPlace {
+        avg: bool,
+    },
+    /// `out = in op chunk`.
+    ReduceFromInput,
+}
+
+impl Chain {
+    fn chunk(&self, c: usize) -> Range<usize> {
+        chunk_of(&(0..self.len), self.ch, c)
+    }
+}
+
+impl Schedule for Chain {
+    fn sends(&self) -> usize {
+        if self.send {
+            self.k
+        } else {
+            0
+        }
+    }
+
+    fn send(&self, c: usize) -> SendMsg {
+        let range = self.chunk(c);
+        SendMsg {
+            peer: self.to,
+            tag: tag(self.phase, 0, c),
+            src: if self.send_input {
+                Src::In(range)
+            } else {
+                Src::Out(range)
+            },
+            after: self.forward.then_some(c),
+        }
+    }
+
+    fn recvs(&self) -> usize {
+        if self.recv {
+            self.k
+        } else {
+            0
+        }
+    }
+
+    fn recv(&self, c: usize) -> RecvMsg {
+        let dst = self.chunk(c);
+        RecvMsg {
+            peer: self.from,
+            tag: tag(self.phase, 0, c),
+            sink: match self.sink {
+                SinkKind::Copy => Sink::Copy(dst),
+                SinkKind::ReduceInPlace { avg } => Sink::Reduce {
+                    dst,
+                    own: None,
+                    avg,
+                },
+                SinkKind::ReduceFromInput => Sink::Reduce {
+                    own: Some(dst.clone()),
+                    dst,
+                    avg: false,
+                },
+            },
+        }
+    }
+}
+
+/// Broadcast along root, root+1, ..., root+n-1: each rank forwards chunk c as soon as it
+/// arrived, while the next chunks arrive.
 pub(crate) fn broadcast<T: Scalar>(ctx: &mut Ctx<'_>, buf: &mut [T], root: usize) -> Result<()> {
     let (n, r) = (ctx.size(), ctx.rank());
     if n == 1 {
         return Ok(());
     }
     let vr = (r + n - root) % n;
-    let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
     let ch = ctx.chunk_elems::<T>();
-    let all = 0..buf.len();
-    let k = chunks(buf.len(), ch);
-    let has_next = vr + 1 < n;
-    for i in 0..=k {
-        let recv_c = (vr > 0 && i < k).then_some(i);
-        let send_c = if vr == 0 {
-            (i < k).then_some(i)
-        } else {
-            (has_next && i >= 1).then(|| i - 1)
-        };
-        match (send_c, recv_c) {
-            (Some(s), Some(c)) => {
-                let (data, into) =
-                    split_disjoint(buf, chunk_of(&all, ch, s), chunk_of(&all, ch, c));
-                ctx.exchange(
-                    &[SendOp {
-                        peer: next,
-                        tag: tag(6, 0, s),
-                        data: bytemuck::cast_slice(data),
-                    }],
-                    &mut [RecvOp {
-                        peer: prev,
-                        tag: tag(6, 0, c),
-                        buf: bytemuck::cast_slice_mut(into),
-                    }],
-                )?;
-            }
-            (Some(s), None) => ctx.send(next, tag(6, 0, s), &buf[chunk_of(&all, ch, s)])?,
-            (None, Some(c)) => ctx.recv(prev, tag(6, 0, c), &mut buf[chunk_of(&all, ch, c)])?,
-            (None, None) => {}
-        }
-    }
-    Ok(())
+    let chain = Chain {
+        len: buf.len(),
+        ch,
+        k: chunks(buf.len(), ch),
+        from: (r + n - 1) % n,
+        to: (r + 1) % n,
+        send: vr + 1 < n,
+        recv: vr > 0,
+        forward: vr > 0,
+        send_input: false,
+        phase: 6,
+        sink: SinkKind::Copy,
+    };
+    let bufs = Bufs {
+        out: buf,
+        inp: &[],
+        tmp: &mut [],
+    };
+    stream::run(ctx, &chain, bufs, ReduceOp::Sum)
 }
 
 /// Reduce along root+n-1, ..., root+1, root: each rank receives the partial chunk c from its
-/// successor, adds its own, and passes it on while the next chunk arrives. Non-root buffers are
-/// left unchanged.
+/// successor, combines its own, and passes it on while the next chunks arrive. Non-root
+/// buffers are left unchanged.
 pub(crate) fn reduce<T: Scalar>(
     ctx: &mut Ctx<'_>,
     scratch: &mut Scratch,
@@ -68,46 +144,47 @@ pub(crate) fn reduce<T: Scalar>(
         return Ok(());
     }
     let vr = (r + n - root) % n;
-    let (from, to) = ((r + 1) % n, (r + n - 1) % n);
     let ch = ctx.chunk_elems::<T>();
-    let all = 0..buf.len();
-    let k = chunks(buf.len(), ch);
     let is_tail = vr == n - 1;
     let middle = vr > 0 && !is_tail;
-    let (acc, tmp) = scratch.take2::<T>(if middle { buf.len() } else { 0 }, ch.min(buf.len()));
-    for i in 0..=k {
-        let recv_c = (!is_tail && i < k).then_some(i);
-        let send_c = if is_tail {
-            (i < k).then_some(i)
-        } else {
-            (vr > 0 && i >= 1).then(|| i - 1)
-        };
-        let src: &[T] = if middle { acc } else { buf };
-        let sends = send_c.map(|s| SendOp {
-            peer: to,
-            tag: tag(7, 0, s),
-            data: bytemuck::cast_slice(&src[chunk_of(&all, ch, s)]),
-        });
-        let rc = recv_c.map(|c| chunk_of(&all, ch, c));
-        let t = &mut tmp[..rc.as_ref().map_or(0, |c| c.len())];
-        let mut recvs = rc.as_ref().map(|_| RecvOp {
-            peer: from,
-            tag: tag(7, 0, i),
-            buf: bytemuck::cast_slice_mut(t),
-        });
-        ctx.exchange(sends.as_slice(), recvs.as_mut_slice())?;
-        if let Some(c) = rc {
-            let t = &tmp[..c.len()];
-            if middle {
-                acc[c.clone()].copy_from_slice(&buf[c.clone()]);
-                T::reduce_into(&mut acc[c], t, op);
-            } else {
-                T::reduce_into(&mut buf[c], t, op);
-            }
+    let mut chain = Chain {
+        len: buf.len(),
+        ch,
+        k: chunks(buf.len(), ch),
+        from: (r + 1) % n,
+        to: (r + n - 1) % n,
+        send: vr > 0,
+        recv: !is_tail,
+        forward: middle,
+        send_input: is_tail,
+        phase: 7,
+        sink: SinkKind::ReduceInPlace {
+            avg: op == ReduceOp::Avg,
+        },
+    };
+    let (acc, tmp) = scratch.take2::<T>(
+        if middle { buf.len() } else { 0 },
+        stream::tmp_elems::<T>(ch),
+    );
+    let bufs = if middle {
+        chain.sink = SinkKind::ReduceFromInput;
+        Bufs {
+            out: acc,
+            inp: buf,
+            tmp,
         }
-    }
-    if vr == 0 && op == ReduceOp::Avg {
-        T::finish_avg(buf, n);
-    }
-    Ok(())
+    } else if is_tail {
+        Bufs {
+            out: &mut [],
+            inp: buf,
+            tmp,
+        }
+    } else {
+        Bufs {
+            out: buf,
+            inp: &[],
+            tmp,
+        }
+    };
+    stream::run(ctx, &chain, bufs, op)
 }

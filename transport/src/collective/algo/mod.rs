@@ -6,6 +6,7 @@
 pub(crate) mod chain;
 pub(crate) mod direct;
 pub(crate) mod ring;
+pub(crate) mod stream;
 pub(crate) mod tree;
 
 use super::channel::{CallState, Channel, RecvOp, SendOp};
