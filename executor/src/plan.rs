@@ -229,7 +229,7 @@ impl ExecutionPlan {
                 let value = evaluate_constant(&action, &node.name).map_err(|message| {
                     ExecError::KernelInit {
                         node: node.name.clone(),
-                        op: node.op.clone(),
+                        op: node.op.to_string(),
                         device: device_label.clone(),
                         message,
                     }
