@@ -10,16 +10,32 @@ const LIMIT: Duration = Duration::from_secs(240);
 /// Trains digits on `workers` workers with `--strategy allreduce` and checks it against the
 /// one-process run with the same global batch: same losses (1e-5), same accuracy.
 fn allreduce_equals_one_process(workers: usize, epochs: u32, fusion_mb: &str) {
+    allreduce_over(workers, epochs, fusion_mb, "tcp");
+}
+
+/// As [`allreduce_equals_one_process`], every task on `--transport transport`; returns the
+/// tasks' stderr (with the executor's info logs) and pids.
+fn allreduce_over(
+    workers: usize,
+    epochs: u32,
+    fusion_mb: &str,
+    transport: &str,
+) -> (String, Vec<u32>) {
     let _serial = serial();
     let cluster = Cluster::new(0, workers);
     let losses = cluster.path("losses.txt");
     let losses_s = losses.to_string_lossy().into_owned();
     let mut common: Vec<String> = digits_args(epochs);
     common.extend(["--strategy".into(), "allreduce".into()]);
+    common.extend(["--transport".into(), transport.into()]);
     let common: Vec<&str> = common.iter().map(String::as_str).collect();
+    let env = [(
+        "DFLOW_LOG",
+        "warn,dflow_executor::cluster::collectives=info",
+    )];
     let mut tasks = Vec::new();
     for i in 1..workers {
-        tasks.push(Task::start(&cluster, "worker", i, &common));
+        tasks.push(Task::start_with_env(&cluster, "worker", i, &common, &env));
     }
     let mut chief_args = vec!["examples/digits/digits.json"];
     chief_args.extend(common.iter().copied());
@@ -29,11 +45,16 @@ fn allreduce_equals_one_process(workers: usize, epochs: u32, fusion_mb: &str) {
         "--fusion-threshold-mb",
         fusion_mb,
     ]);
-    let chief = Task::start(&cluster, "worker", 0, &chief_args);
+    let chief = Task::start_with_env(&cluster, "worker", 0, &chief_args, &env);
+    let mut pids = vec![chief.pid()];
+    pids.extend(tasks.iter().map(|t| t.pid()));
     let chief = chief.wait(LIMIT);
     chief.assert_success();
+    let mut logs = chief.stderr.clone();
     for t in tasks {
-        t.wait(Duration::from_secs(30)).assert_success();
+        let t = t.wait(Duration::from_secs(30));
+        t.assert_success();
+        logs.push_str(&t.stderr);
     }
     assert!(
         chief.stderr.contains("all-reduce data-parallel training"),
@@ -51,6 +72,7 @@ fn allreduce_equals_one_process(workers: usize, epochs: u32, fusion_mb: &str) {
     if epochs >= 30 {
         assert!(accuracy >= 0.93, "held-out accuracy {accuracy}");
     }
+    (logs, pids)
 }
 
 #[test]
@@ -62,6 +84,31 @@ fn two_workers_train_like_one_process_with_the_same_global_batch() {
 fn four_workers_with_one_bucket_per_gradient_train_like_one_process() {
     // A tiny fusion threshold: four buckets a step, chained in the same order on every rank.
     allreduce_equals_one_process(4, 5, "0.0001");
+}
+
+#[test]
+fn workers_over_shared_memory_join_their_group_over_it_and_leave_nothing() {
+    let (logs, pids) = allreduce_over(3, 3, "25", "shm");
+    let joined = logs
+        .lines()
+        .filter(|l| l.contains("joined collective group") && l.contains("over shared memory"))
+        .count();
+    assert_eq!(
+        joined, 3,
+        "every rank's group runs over shared memory: {logs}"
+    );
+    let residue: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    pids.iter()
+                        .any(|p| n.starts_with(&format!("dflow-shm-{p}-")))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(residue, Vec::<String>::new());
 }
 
 #[test]

@@ -289,3 +289,51 @@ fn killed_process_fails_the_others_and_leaves_nothing() {
     }
     assert!(names.iter().all(|n| !shm_dir().join(n).exists()));
 }
+
+#[test]
+fn reserved_names_connect_whoever_creates_first() {
+    // Names published before the ranks know their rank and group size (as the runtime's
+    // collective groups do); rank 1 creates its segment late and rank 0 waits for it.
+    let o = ShmOptions {
+        connect_timeout: Duration::from_secs(10),
+        ..ShmOptions::default()
+    };
+    let names: Vec<String> = (0..2)
+        .map(|_| ShmRendezvous::reserve_name("workers"))
+        .collect();
+    let comms: Vec<Communicator> = std::thread::scope(|s| {
+        let joins: Vec<_> = (0..2)
+            .map(|r| {
+                let (names, o) = (&names, &o);
+                s.spawn(move || {
+                    if r == 1 {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    let rv = ShmRendezvous::create_named(&names[r], r, 2, o).unwrap();
+                    Communicator::new(Box::new(rv.connect(names, o).unwrap()), opts(10_000))
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let results = on_ranks(comms, |c| {
+        let mut x = vec![c.rank() as f32 + 1.0; 1000];
+        c.all_reduce(&mut x, ReduceOp::Sum).map(|()| x[999])
+    });
+    for (r, _) in results {
+        assert_eq!(r.unwrap(), 3.0);
+    }
+    assert!(names.iter().all(|n| !shm_dir().join(n).exists()));
+    // A name nobody creates: set-up gives up at its timeout, naming the rank.
+    let o = ShmOptions {
+        connect_timeout: Duration::from_millis(200),
+        ..ShmOptions::default()
+    };
+    let names = [
+        ShmRendezvous::reserve_name("g"),
+        ShmRendezvous::reserve_name("g"),
+    ];
+    let rv = ShmRendezvous::create_named(&names[0], 0, 2, &o).unwrap();
+    let e = rv.connect(&names, &o).unwrap_err().to_string();
+    assert!(e.contains("rank 1"), "{e}");
+}

@@ -15,7 +15,7 @@ use dflow_transport::collective::{
     block_range, Algorithm, CollectiveError, CommOptions, Communicator, Pairs, ReduceOp,
     ShmOptions, ShmRendezvous, TcpOptions, TcpRendezvous,
 };
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -387,6 +387,17 @@ fn run_worker(args: &Args, rank: usize) -> anyhow::Result<()> {
             Box::new(l.connect(rank, &addrs, &TcpOptions::default())?)
         }
     };
+    // The parent holds our stdin open until we exit: end with it (no stray ranks burning CPU
+    // after the parent was killed).
+    std::thread::spawn(|| {
+        let mut b = [0u8; 64];
+        loop {
+            match std::io::stdin().read(&mut b) {
+                Ok(0) | Err(_) => std::process::exit(3),
+                Ok(_) => {}
+            }
+        }
+    });
     let c = Communicator::new(pairs, comm_options(args)?);
     let rows = run_rank(&c, &plan, args)?;
     if rank == 0 {
@@ -465,11 +476,14 @@ fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
         readers.push(reader);
     }
     let list = addrs.join(" ") + "\n";
+    // Kept open until the workers exit: a worker ends when its stdin closes (see run_worker).
+    let mut stdins = Vec::new();
     for (r, w) in workers.0.iter_mut().enumerate() {
         let mut stdin = w.stdin.take().context("worker stdin")?;
         stdin
             .write_all(list.as_bytes())
             .with_context(|| format!("sending addresses to rank {r}"))?;
+        stdins.push(stdin);
     }
     let mut rows = Vec::new();
     let mut first = readers.swap_remove(0);
@@ -485,6 +499,7 @@ fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
             bail!("rank {r} failed ({status}); its error is above");
         }
     }
+    drop(stdins);
     Ok(rows)
 }
 

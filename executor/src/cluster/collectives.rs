@@ -3,13 +3,16 @@
 //!
 //! Joining is two requests from the chief: `PrepareGroup` binds a listener and returns its
 //! address; once every rank answered, `JoinGroup` gives each rank its number and every rank's
-//! address, and the ranks connect to each other.
+//! address, and the ranks connect to each other. With [`CollectiveHub::shared_memory`] (tasks
+//! of one host, `--transport shm`) the "address" is the name of a shared-memory segment the
+//! rank creates when it joins, and the group runs over [`ShmPairs`](dflow_transport::collective::ShmPairs).
 
 use dflow_graph::kernel::{CollectiveCall, Collectives, ReduceKind};
 use dflow_graph::{DType, Tensor};
 use dflow_transport::auth::Secret;
 use dflow_transport::collective::{
-    CommOptions, Communicator, ReduceOp, Scalar, TcpOptions, TcpRendezvous as CollectiveListener,
+    CommOptions, Communicator, Pairs, ReduceOp, Scalar, ShmOptions, ShmRendezvous, TcpOptions,
+    TcpRendezvous as CollectiveListener,
 };
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
@@ -23,8 +26,17 @@ pub struct CollectiveHub {
     host: String,
     secret: Option<Secret>,
     timeout: Duration,
-    pending: Mutex<HashMap<String, CollectiveListener>>,
+    /// Groups run over shared memory instead of TCP.
+    shm: bool,
+    pending: Mutex<HashMap<String, Pending>>,
     groups: Mutex<HashMap<String, Communicator>>,
+}
+
+/// A prepared group: its TCP listener, or the shared-memory segment name it published.
+#[derive(Debug)]
+enum Pending {
+    Tcp(CollectiveListener),
+    Shm(String),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -93,13 +105,27 @@ impl CollectiveHub {
             host: host.to_string(),
             secret,
             timeout,
+            shm: false,
             pending: Mutex::default(),
             groups: Mutex::default(),
         }
     }
 
-    /// Binds a listener for `group`; returns the address to publish.
+    /// The same hub with its groups over shared memory (`on`: every rank is a process of this
+    /// host) instead of TCP.
+    pub fn shared_memory(mut self, on: bool) -> CollectiveHub {
+        self.shm = on;
+        self
+    }
+
+    /// Binds a listener for `group` (or picks its shared-memory segment name); returns the
+    /// address to publish.
     pub fn prepare(&self, group: &str) -> Result<String, String> {
+        if self.shm {
+            let name = ShmRendezvous::reserve_name(group);
+            lock(&self.pending).insert(group.to_string(), Pending::Shm(name.clone()));
+            return Ok(name);
+        }
         let ip = self
             .host
             .trim_start_matches('[')
@@ -112,15 +138,63 @@ impl CollectiveHub {
             .local_addr()
             .map_err(|e| format!("group `{group}`: {e}"))?
             .port();
-        lock(&self.pending).insert(group.to_string(), listener);
+        lock(&self.pending).insert(group.to_string(), Pending::Tcp(listener));
         Ok(format!("{}:{port}", self.host))
     }
 
     /// Connects to the other ranks of `group` as `rank` (blocking, bounded by the timeout).
     pub fn join(&self, group: &str, rank: usize, addrs: &[String]) -> Result<(), String> {
-        let listener = lock(&self.pending)
+        let pending = lock(&self.pending)
             .remove(group)
             .ok_or_else(|| format!("group `{group}` was not prepared on this task"))?;
+        let (pairs, over): (Box<dyn Pairs>, &str) = match pending {
+            Pending::Shm(name) => (
+                Box::new(self.join_shm(group, rank, &name, addrs)?),
+                "shared memory",
+            ),
+            Pending::Tcp(listener) => (
+                Box::new(self.join_tcp(group, rank, listener, addrs)?),
+                "TCP",
+            ),
+        };
+        tracing::info!(
+            "joined collective group `{group}` as rank {rank} of {} over {over}",
+            addrs.len()
+        );
+        let comm = Communicator::new(
+            pairs,
+            CommOptions {
+                timeout: self.timeout,
+                ..CommOptions::default()
+            },
+        );
+        lock(&self.groups).insert(group.to_string(), comm);
+        Ok(())
+    }
+
+    fn join_shm(
+        &self,
+        group: &str,
+        rank: usize,
+        name: &str,
+        names: &[String],
+    ) -> Result<dflow_transport::collective::ShmPairs, String> {
+        let opts = ShmOptions {
+            connect_timeout: self.timeout,
+            ..ShmOptions::default()
+        };
+        ShmRendezvous::create_named(name, rank, names.len(), &opts)
+            .and_then(|rv| rv.connect(names, &opts))
+            .map_err(|e| format!("joining group `{group}` as rank {rank} over shared memory: {e}"))
+    }
+
+    fn join_tcp(
+        &self,
+        group: &str,
+        rank: usize,
+        listener: CollectiveListener,
+        addrs: &[String],
+    ) -> Result<dflow_transport::collective::TcpPairs, String> {
         let resolved = addrs
             .iter()
             .map(|a| {
@@ -135,18 +209,9 @@ impl CollectiveHub {
             secret: self.secret.clone(),
             ..TcpOptions::default()
         };
-        let pairs = listener
+        listener
             .connect(rank, &resolved, &opts)
-            .map_err(|e| format!("joining group `{group}` as rank {rank}: {e}"))?;
-        let comm = Communicator::new(
-            Box::new(pairs),
-            CommOptions {
-                timeout: self.timeout,
-                ..CommOptions::default()
-            },
-        );
-        lock(&self.groups).insert(group.to_string(), comm);
-        Ok(())
+            .map_err(|e| format!("joining group `{group}` as rank {rank}: {e}"))
     }
 
     fn group(&self, group: &str) -> Result<Communicator, String> {

@@ -193,6 +193,9 @@ impl Node {
             .map(|(h, _)| h.to_string())
             .unwrap_or_else(|| "127.0.0.1".into());
         server_opts.secret = opts.secret.clone();
+        // Shared memory for the data plane means every task is on this host: collective groups
+        // use it too.
+        server_opts.shm_collectives = opts.transport == TransportKind::Shm;
         let server = Arc::new(TaskServer::new(&task, rendezvous.clone(), &server_opts)?);
         let peers: Vec<(String, String)> = opts
             .cluster

@@ -37,6 +37,9 @@ pub struct ServerOptions {
     pub host: String,
     /// The cluster secret collective connections must prove.
     pub secret: Option<dflow_transport::auth::Secret>,
+    /// Collective groups run over shared memory (every task on this host, `--transport shm`)
+    /// instead of TCP.
+    pub shm_collectives: bool,
 }
 
 impl Default for ServerOptions {
@@ -48,6 +51,7 @@ impl Default for ServerOptions {
             data_path: None,
             host: "127.0.0.1".into(),
             secret: None,
+            shm_collectives: false,
         }
     }
 }
@@ -114,11 +118,10 @@ impl TaskServer {
             .thread_name(|i| format!("dflow-compute-{i}"))
             .build()
             .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
-        let collectives = Arc::new(CollectiveHub::new(
-            &opts.host,
-            opts.secret.clone(),
-            opts.step_timeout,
-        ));
+        let collectives = Arc::new(
+            CollectiveHub::new(&opts.host, opts.secret.clone(), opts.step_timeout)
+                .shared_memory(opts.shm_collectives),
+        );
         Ok(TaskServer {
             task: task.to_string(),
             env: StepEnv {

@@ -19,7 +19,7 @@
 
 use super::error::{CollectiveError, Result};
 use super::pairs::{LinkError, Pairs};
-use crate::shm::segment::{checked_path, new_name, shm_dir, sweep_dead, Mapping};
+use crate::shm::segment::{checked_path, new_name, sweep_dead, Mapping};
 use crate::shm::slot::{futex_wait, futex_wake_all};
 use std::io::{self, IoSlice};
 use std::path::PathBuf;
@@ -244,6 +244,23 @@ impl ShmRendezvous {
     /// Creates rank `rank`'s segment for a group of `size` ranks; [`ShmRendezvous::name`] is
     /// what the other ranks need to connect. Removes segments dead processes left behind.
     pub fn create(rank: usize, size: usize, opts: &ShmOptions) -> Result<ShmRendezvous> {
+        Self::create_named(&new_name(&format!("coll-r{rank}")), rank, size, opts)
+    }
+
+    /// A fresh segment name for a group called `group`, to be published before the rank and
+    /// the group's size are known; [`ShmRendezvous::create_named`] creates it later. Peers
+    /// that connect first wait for it (within their connect timeout).
+    pub fn reserve_name(group: &str) -> String {
+        new_name(&format!("coll-{group}"))
+    }
+
+    /// As [`ShmRendezvous::create`], under `name` (from [`ShmRendezvous::reserve_name`]).
+    pub fn create_named(
+        name: &str,
+        rank: usize,
+        size: usize,
+        opts: &ShmOptions,
+    ) -> Result<ShmRendezvous> {
         let setup = |problem: String| CollectiveError::Setup { rank, problem };
         if rank >= size {
             return Err(setup(format!("rank {rank} is not in a group of {size}")));
@@ -258,8 +275,8 @@ impl ShmRendezvous {
         if swept > 0 {
             tracing::info!("removed {swept} shared-memory segments left by dead processes");
         }
-        let name = new_name(&format!("coll-r{rank}"));
-        let path = shm_dir().join(&name);
+        let name = name.to_string();
+        let path = checked_path(&name).map_err(setup)?;
         let map = Mapping::create(&path, segment_len(size, cap).max(HEADER))
             .map_err(|e| setup(format!("creating {}: {e}", path.display())))?;
         let seg = Segment { map, rank, cap };
@@ -302,8 +319,20 @@ impl ShmRendezvous {
                 peers.push(None);
                 continue;
             }
-            let seg = open_peer(peer, name, size, cap)
-                .map_err(|e| setup(format!("attaching rank {peer}'s segment {name:?}: {e}")))?;
+            // A peer that has not created its segment yet is waited for.
+            let seg = loop {
+                match open_peer(peer, name, size, cap) {
+                    Ok(seg) => break seg,
+                    Err(Open::NotYet(_)) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(Open::NotYet(e) | Open::Bad(e)) => {
+                        return Err(setup(format!(
+                            "attaching rank {peer}'s segment {name:?}: {e}"
+                        )))
+                    }
+                }
+            };
             seg.ring(rank).attached().store(1, Ordering::SeqCst);
             seg.ring_bell();
             let pid = seg.u32_at(PID_AT).load(Ordering::Relaxed);
@@ -344,15 +373,32 @@ impl ShmRendezvous {
     }
 }
 
+/// Why a peer's segment could not be attached.
+enum Open {
+    /// It does not exist or is not initialized yet (its creator may still be on its way).
+    NotYet(String),
+    /// It is not what was expected.
+    Bad(String),
+}
+
 fn open_peer(
     peer: usize,
     name: &str,
     size: usize,
     cap: usize,
-) -> std::result::Result<Segment, String> {
-    let path = checked_path(name)?;
-    let map =
-        Mapping::open(&path, segment_len(size, cap).max(HEADER)).map_err(|e| e.to_string())?;
+) -> std::result::Result<Segment, Open> {
+    let path = checked_path(name).map_err(Open::Bad)?;
+    let len = segment_len(size, cap).max(HEADER);
+    match std::fs::metadata(&path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Open::NotYet(e.to_string())),
+        // Created, not sized yet.
+        Ok(m) if m.len() == 0 => return Err(Open::NotYet("the segment is empty".into())),
+        _ => {}
+    }
+    let map = Mapping::open(&path, len).map_err(|e| match e.kind() {
+        io::ErrorKind::NotFound => Open::NotYet(e.to_string()),
+        _ => Open::Bad(e.to_string()),
+    })?;
     let seg = Segment {
         map,
         rank: peer,
@@ -367,10 +413,15 @@ fn open_peer(
         seg.u32_at(RANK_AT).load(Ordering::Relaxed) as usize,
         seg.u64_at(CAP_AT).load(Ordering::Relaxed),
     );
-    if magic != MAGIC || version != VERSION || s != size || r != peer || c != cap as u64 {
-        return Err(format!(
-            "not rank {peer}'s collective segment for {size} ranks with {cap}-byte rings (magic {magic:#x}, version {version}, rank {r} of {s}, rings of {c} bytes)"
+    if magic == 0 {
+        return Err(Open::NotYet(
+            "the segment's header is not written yet".into(),
         ));
+    }
+    if magic != MAGIC || version != VERSION || s != size || r != peer || c != cap as u64 {
+        return Err(Open::Bad(format!(
+            "not rank {peer}'s collective segment for {size} ranks with {cap}-byte rings (magic {magic:#x}, version {version}, rank {r} of {s}, rings of {c} bytes)"
+        )));
     }
     Ok(seg)
 }

@@ -29,16 +29,11 @@ pub struct TcpOptions {
     /// When set, every connection proves both ends know the secret before use.
     pub secret: Option<Secret>,
     /// TCP congestion control of every connection (`TCP_CONGESTION`, e.g. `cubic`). `None`
-    /// (the default) picks `reno` for connections within this host (a loopback address, or
-    /// the same address at both ends) and leaves the system's default elsewhere: on a
-    /// loss-free local link congestion control has nothing to do, and the pacing of BBR (a
-    /// common default) halved 4 MiB all-reduce throughput over 127.0.0.1 here.
+    /// (the default) picks [`crate::sockopt::HOST_CONGESTION`] for connections within this
+    /// host and leaves the system's default elsewhere (see [`crate::sockopt::tune_congestion`]):
+    /// over 127.0.0.1 BBR's pacing halved 4 MiB all-reduce throughput here.
     pub congestion: Option<String>,
 }
-
-/// Congestion control for connections within one host: the one every Linux allows
-/// unprivileged processes, and without pacing.
-const HOST_CONGESTION: &str = "reno";
 
 impl Default for TcpOptions {
     fn default() -> TcpOptions {
@@ -152,20 +147,7 @@ impl TcpRendezvous {
 
 fn tune(s: &TcpStream, opts: &TcpOptions) {
     let _ = s.set_nodelay(true);
-    let within_host = match (s.local_addr(), s.peer_addr()) {
-        (Ok(l), Ok(p)) => p.ip().is_loopback() || p.ip() == l.ip(),
-        _ => false,
-    };
-    let cc = match &opts.congestion {
-        Some(cc) => Some(cc.as_str()),
-        None if within_host => Some(HOST_CONGESTION),
-        None => None,
-    };
-    if let Some(cc) = cc {
-        if let Err(e) = socket2::SockRef::from(s).set_tcp_congestion(cc.as_bytes()) {
-            tracing::debug!(congestion = cc, error = %e, "cannot set TCP congestion control");
-        }
-    }
+    crate::sockopt::tune_congestion(s, opts.congestion.as_deref());
     if let Some(b) = opts.socket_buffer {
         let sock = socket2::SockRef::from(s);
         let _ = sock.set_send_buffer_size(b);
@@ -450,19 +432,14 @@ mod tests {
 
     fn congestion(p: &TcpPairs, peer: usize) -> String {
         let s = p.streams[peer].as_ref().expect("a connection");
-        let cc = socket2::SockRef::from(s)
-            .tcp_congestion()
-            .expect("TCP_CONGESTION");
-        String::from_utf8_lossy(&cc)
-            .trim_end_matches('\0')
-            .to_string()
+        crate::sockopt::congestion(s).expect("TCP_CONGESTION")
     }
 
     #[test]
     fn loopback_links_avoid_paced_congestion_control() {
         let group = loopback_group(2, &TcpOptions::default()).unwrap();
-        assert_eq!(congestion(&group[0], 1), HOST_CONGESTION);
-        assert_eq!(congestion(&group[1], 0), HOST_CONGESTION);
+        assert_eq!(congestion(&group[0], 1), crate::sockopt::HOST_CONGESTION);
+        assert_eq!(congestion(&group[1], 0), crate::sockopt::HOST_CONGESTION);
         // An explicit choice wins (every Linux allows reno; bbr may not be built).
         let opts = TcpOptions {
             congestion: Some("reno".into()),
