@@ -31,8 +31,11 @@ struct PartShared {
     /// Output type lists of the input graph (shared by many of its nodes) and this
     /// partition's copy of each: a node takes the local copy, so the threads do not all count
     /// references on the input graph's few lists.
-    type_lists: Vec<(Arc<[TensorType]>, Arc<[TensorType]>)>,
+    type_lists: Vec<(TypeList, TypeList)>,
 }
+
+/// A node's output types.
+type TypeList = Arc<[TensorType]>;
 
 /// How many distinct output type lists a partition keeps local copies of.
 const LOCAL_TYPE_LISTS: usize = 16;
