@@ -317,6 +317,9 @@ impl Graph {
         let mut typed = vec![false; graph.g.node_count()];
         // Nodes without attrs of one op all resolve to the op's defaults: build that map once.
         let mut defaults: HashMap<&str, BTreeMap<String, AttrValue>> = HashMap::new();
+        // Most nodes have one of a few output type lists: keep one shared copy of each.
+        let mut type_lists: std::collections::HashSet<Arc<[TensorType]>> =
+            std::collections::HashSet::new();
         for idx in order {
             if !op_ok[idx.index()] {
                 continue;
@@ -365,7 +368,14 @@ impl Graph {
             };
             match (op.infer)(&ctx) {
                 Ok(outs) if outs.len() == op.outputs.len() => {
-                    graph.g[idx].outputs = outs.into();
+                    graph.g[idx].outputs = match type_lists.get(&outs[..]) {
+                        Some(shared) => shared.clone(),
+                        None => {
+                            let shared: Arc<[TensorType]> = outs.into();
+                            type_lists.insert(shared.clone());
+                            shared
+                        }
+                    };
                     typed[idx.index()] = true;
                 }
                 Ok(outs) => errs.push(GraphError::Shape {

@@ -28,7 +28,17 @@ struct PartShared {
     empty: Option<Tensor>,
     /// Its type.
     control_type: Arc<[TensorType]>,
+    /// Output type lists of the input graph (shared by many of its nodes) and this
+    /// partition's copy of each: a node takes the local copy, so the threads do not all count
+    /// references on the input graph's few lists.
+    type_lists: Vec<(TypeList, TypeList)>,
 }
+
+/// A node's output types.
+type TypeList = Arc<[TensorType]>;
+
+/// How many distinct output type lists a partition keeps local copies of.
+const LOCAL_TYPE_LISTS: usize = 16;
 
 impl PartShared {
     fn new(device: &str) -> PartShared {
@@ -36,13 +46,31 @@ impl PartShared {
             device: Arc::from(device),
             empty: Tensor::zeros(DType::F32, &[0]).ok(),
             control_type: Arc::from([TensorType::new(DType::F32, Shape::known(&[0]))]),
+            type_lists: Vec::new(),
         }
+    }
+
+    /// A list equal to `outputs`, from this partition's copies where it has one.
+    fn outputs(&mut self, outputs: &Arc<[TensorType]>) -> Arc<[TensorType]> {
+        if let Some((_, local)) = self
+            .type_lists
+            .iter()
+            .find(|(shared, _)| Arc::ptr_eq(shared, outputs))
+        {
+            return local.clone();
+        }
+        if self.type_lists.len() == LOCAL_TYPE_LISTS {
+            return outputs.clone();
+        }
+        let local: Arc<[TensorType]> = Arc::from(&outputs[..]);
+        self.type_lists.push((outputs.clone(), local.clone()));
+        local
     }
 }
 
 impl NodeMaker<'_> {
     /// The node `item` of the partition of device `d`.
-    fn node(&self, d: usize, item: Item, local: &PartShared) -> Node {
+    fn node(&self, d: usize, item: Item, local: &mut PartShared) -> Node {
         let pair = |p: u32| (&self.pairs[p as usize], &self.names[p as usize]);
         match item {
             Item::Orig(v) => {
@@ -63,7 +91,7 @@ impl NodeMaker<'_> {
                     device: local.device.clone(),
                     colocate_with,
                     attrs: node.attrs.clone(),
-                    outputs: node.outputs.clone(),
+                    outputs: local.outputs(&node.outputs),
                 }
             }
             Item::Send(p) => {
@@ -83,7 +111,7 @@ impl NodeMaker<'_> {
                     Source::Data(u, 0) => {
                         let outputs = &self.g.node(NodeIndex::new(u as usize)).outputs;
                         if outputs.len() == 1 {
-                            outputs.clone()
+                            local.outputs(outputs)
                         } else {
                             Arc::from([outputs[0].clone()])
                         }
@@ -136,8 +164,11 @@ pub(super) fn build_graphs(
             if part.items.is_empty() {
                 return None;
             }
-            let local = PartShared::new(&maker.dev_str[d]);
-            let nodes = part.items.iter().map(|&item| maker.node(d, item, &local));
+            let mut local = PartShared::new(&maker.dev_str[d]);
+            let nodes = part
+                .items
+                .iter()
+                .map(|&item| maker.node(d, item, &mut local));
             let edges = part.edges.iter().map(|e| {
                 let src = match e.from {
                     // A kept node on another device would be a bug; from_parts reports it.
