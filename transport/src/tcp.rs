@@ -148,6 +148,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl SlotTable {
+    /// Aborts, with `err`, every step of `steps` in which `local` has a Recv waiting on a key
+    /// that `peer` sends (the peer is gone, so those Recvs would only time out).
+    pub(crate) fn abort_steps_waiting_on(
+        &self,
+        local: &LocalRendezvous,
+        steps: Vec<u64>,
+        peer: &str,
+        err: &RendezvousError,
+    ) {
+        for step in steps {
+            let waits_on_peer = local
+                .pending_recvs(step)
+                .iter()
+                .any(|k| self.peer_of(k).as_deref() == Some(peer));
+            if waits_on_peer {
+                local.abort_step(step, err.clone());
+            }
+        }
+    }
+
     /// Registers slot `slot_id`: `peer` sends `key`, a `dtype` tensor of shape `dims`. The
     /// receive buffer is allocated here, once.
     pub fn register(
@@ -613,16 +633,8 @@ impl TcpRendezvous {
             cause: cause.to_string(),
         });
         let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
-        for step in steps {
-            let waits_on_peer = self
-                .local
-                .pending_recvs(step)
-                .iter()
-                .any(|k| self.slots.peer_of(k).as_deref() == Some(&**peer));
-            if waits_on_peer {
-                self.local.abort_step(step, err.clone());
-            }
-        }
+        self.slots
+            .abort_steps_waiting_on(&self.local, steps, peer, &err);
     }
 
     fn gone_cause(&self, peer: &str) -> Option<String> {

@@ -141,7 +141,8 @@ pub fn parse_size(s: &str) -> anyhow::Result<usize> {
         "G" | "GiB" => 1 << 30,
         u => bail!("bad size unit {u:?} in {s:?} (B, KiB, MiB, GiB)"),
     };
-    Ok(n * mult)
+    n.checked_mul(mult)
+        .with_context(|| format!("size {s:?} does not fit in {} bytes", usize::MAX))
 }
 
 /// `4 MiB`, `4 KiB`, `4 B`: a byte count in the largest unit that divides it.
@@ -548,6 +549,7 @@ mod tests {
         assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert!(parse_size("4XB").is_err());
+        assert!(parse_size("18446744073709551615GiB").is_err());
         assert_eq!(Op::AllReduce.bus_factor(4), 1.5);
         assert_eq!(Op::AllGather.bus_factor(4), 0.75);
         assert_eq!(Op::Broadcast.bus_factor(4), 1.0);

@@ -7,7 +7,7 @@ use super::names::task_dns_name;
 use crate::auth::{Connector, Secret};
 use crate::local::LocalRendezvous;
 use crate::plane::PeerEvent;
-use crate::rendezvous::{Rendezvous, RendezvousError, RendezvousKey};
+use crate::rendezvous::{RendezvousError, RendezvousKey};
 use crate::tcp::{SlotTable, TcpConfig};
 use crate::wire::{encode_header, FrameKind, Header, HEADER_LEN, MAX_CONTROL_PAYLOAD};
 use quinn::crypto::rustls::QuicClientConfig;
@@ -382,16 +382,8 @@ impl QuicPlane {
             cause: cause.to_string(),
         });
         let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
-        for step in steps {
-            let waits_on_peer = self
-                .local
-                .pending_recvs(step)
-                .iter()
-                .any(|k| self.slots.peer_of(k).as_deref() == Some(&**peer));
-            if waits_on_peer {
-                self.local.abort_step(step, err.clone());
-            }
-        }
+        self.slots
+            .abort_steps_waiting_on(&self.local, steps, peer, &err);
     }
 
     pub(crate) fn gone_cause(&self, peer: &str) -> Option<String> {
