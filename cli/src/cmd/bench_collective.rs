@@ -52,16 +52,68 @@ pub struct Args {
     /// Busy-poll window of small calls in microseconds (default: the library's).
     #[arg(long)]
     pub spin_us: Option<u64>,
-    /// Pin rank r's process to CPU r modulo the CPU count (through `taskset`), as `mpirun`
-    /// binds ranks to cores by default when they fit. Off by default.
-    #[arg(long)]
-    pub bind: bool,
+    /// Pin each rank's process to one CPU (rank r on the r-th CPU this process may use, modulo
+    /// their count): `auto` pins when the ranks fit on the CPUs and leaves them free otherwise,
+    /// which is what `mpirun` does by default (bind to core for up to as many ranks as cores,
+    /// no binding when oversubscribed), so the default compares like with like; `core` always
+    /// pins (`--bind` alone means `core`), `none` never does. Not used by `inproc`.
+    #[arg(long, value_enum, default_value_t = Bind::Auto, num_args = 0..=1, default_missing_value = "core")]
+    pub bind: Bind,
     /// Per-call timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
     /// Internal: run as this rank (set by the parent process).
     #[arg(long, hide = true)]
     pub worker_rank: Option<usize>,
+    /// Internal: the CPU this rank pins itself to (set by the parent process).
+    #[arg(long, hide = true)]
+    pub pin_cpu: Option<usize>,
+}
+
+/// Whether the ranks' processes are pinned to CPUs (`--bind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bind {
+    /// Pin when the ranks fit on the CPUs (as `mpirun` does by default).
+    Auto,
+    /// Always pin, rank r on CPU r modulo the CPU count.
+    Core,
+    /// Never pin.
+    None,
+}
+
+impl Bind {
+    fn name(self) -> &'static str {
+        match self {
+            Bind::Auto => "auto",
+            Bind::Core => "core",
+            Bind::None => "none",
+        }
+    }
+}
+
+/// The CPUs this process may run on, in ascending order.
+fn allowed_cpus() -> anyhow::Result<Vec<usize>> {
+    let set = rustix::thread::sched_getaffinity(None).context("reading this process's CPU set")?;
+    Ok((0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|&c| set.is_set(c))
+        .collect())
+}
+
+/// The CPU of each rank under `bind`, or `None` when the ranks run unpinned.
+fn rank_cpus(bind: Bind, ranks: usize, cpus: &[usize]) -> Option<Vec<usize>> {
+    let pin = match bind {
+        Bind::Core => true,
+        Bind::Auto => ranks <= cpus.len(),
+        Bind::None => false,
+    };
+    (pin && !cpus.is_empty()).then(|| (0..ranks).map(|r| cpus[r % cpus.len()]).collect())
+}
+
+/// Pins the calling process (all of its threads created afterwards) to `cpu`.
+fn pin_to_cpu(cpu: usize) -> anyhow::Result<()> {
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    rustix::thread::sched_setaffinity(None, &set).with_context(|| format!("pinning to CPU {cpu}"))
 }
 
 /// The collectives this command measures.
@@ -326,7 +378,7 @@ impl Drop for Workers {
     }
 }
 
-fn worker_args(args: &Args, rank: usize) -> Vec<String> {
+fn worker_args(args: &Args, rank: usize, cpu: Option<usize>) -> Vec<String> {
     let mut v = vec![
         "bench-collective".into(),
         "--op".into(),
@@ -354,12 +406,18 @@ fn worker_args(args: &Args, rank: usize) -> Vec<String> {
     if let Some(us) = args.spin_us {
         v.extend(["--spin-us".to_string(), us.to_string()]);
     }
+    if let Some(cpu) = cpu {
+        v.extend(["--pin-cpu".to_string(), cpu.to_string()]);
+    }
     v
 }
 
 /// A worker: binds (TCP) or creates its segment (shm), prints its address, reads everyone's,
 /// connects, runs, and (rank 0) prints the rows as `ROW` lines for the parent.
 fn run_worker(args: &Args, rank: usize) -> anyhow::Result<()> {
+    if let Some(cpu) = args.pin_cpu {
+        pin_to_cpu(cpu)?;
+    }
     let plan = plan(args)?;
     let read_list = || -> anyhow::Result<Vec<String>> {
         let mut line = String::new();
@@ -436,31 +494,21 @@ fn parse_row(line: &str) -> anyhow::Result<Row> {
 fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut workers = Workers(Vec::new());
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpus = rank_cpus(args.bind, args.ranks, &allowed_cpus()?);
+    let bind = args.bind.name();
+    match &cpus {
+        Some(c) => eprintln!("# ranks pinned to CPUs {c:?} (--bind {bind})"),
+        None => eprintln!("# ranks not pinned (--bind {bind})"),
+    }
     for r in 0..args.ranks {
-        let mut cmd = if args.bind {
-            let mut c = Command::new("taskset");
-            c.args(["-c", &(r % cpus).to_string()]).arg(&exe);
-            c
-        } else {
-            Command::new(&exe)
-        };
-        let child = cmd
-            .args(worker_args(args, r))
+        let cpu = cpus.as_ref().map(|c| c[r]);
+        let child = Command::new(&exe)
+            .args(worker_args(args, r, cpu))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .with_context(|| {
-                format!(
-                    "starting rank {r}{}",
-                    if args.bind {
-                        " (--bind needs taskset)"
-                    } else {
-                        ""
-                    }
-                )
-            })?;
+            .with_context(|| format!("starting rank {r}"))?;
         workers.0.push(child);
     }
     let mut readers = Vec::new();
@@ -554,5 +602,16 @@ mod tests {
         assert_eq!(Op::AllGather.bus_factor(4), 0.75);
         assert_eq!(Op::Broadcast.bus_factor(4), 1.0);
         assert_eq!(Op::AllToAll.bus_factor(2), 0.5);
+    }
+
+    #[test]
+    fn binding_follows_mpirun_by_default() {
+        let cpus = [0, 1];
+        assert_eq!(rank_cpus(Bind::Auto, 2, &cpus), Some(vec![0, 1]));
+        assert_eq!(rank_cpus(Bind::Auto, 4, &cpus), None);
+        assert_eq!(rank_cpus(Bind::Core, 4, &cpus), Some(vec![0, 1, 0, 1]));
+        assert_eq!(rank_cpus(Bind::None, 2, &cpus), None);
+        assert_eq!(rank_cpus(Bind::Core, 3, &[2, 5]), Some(vec![2, 5, 2]));
+        assert!(!allowed_cpus().unwrap().is_empty());
     }
 }
