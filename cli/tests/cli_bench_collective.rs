@@ -57,6 +57,49 @@ fn two_processes_print_a_row_per_op_and_size() {
         }
     }
     assert!(stdout.contains("busbw_GB/s"), "{stdout}");
+    // Two ranks fit when this process may use two CPUs: pinned like mpirun unless told
+    // otherwise (`available_parallelism` is at most the affinity mask's size; with a CPU quota
+    // below 2 it says less than the mask and either line is right).
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = stderr.contains("# ranks pinned to CPUs [");
+    let unpinned = stderr.contains("# ranks not pinned (--bind auto)");
+    assert!(
+        if cpus >= 2 {
+            pinned
+        } else {
+            pinned || unpinned
+        },
+        "{stderr}"
+    );
+}
+
+#[test]
+fn binding_can_be_turned_off() {
+    let out = Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args([
+            "bench",
+            "collective",
+            "--ranks",
+            "2",
+            "--size",
+            "4B",
+            "--iters",
+            "2",
+            "--warmup",
+            "0",
+            "--bind",
+            "none",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("# ranks not pinned (--bind none)"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("all_reduce"));
 }
 
 #[test]
