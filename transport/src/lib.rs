@@ -11,6 +11,7 @@ pub mod local;
 pub mod plane;
 pub mod quic;
 pub mod rdma;
+mod remote_waits;
 pub mod rendezvous;
 #[cfg(target_os = "linux")]
 pub mod shm;

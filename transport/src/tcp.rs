@@ -24,6 +24,7 @@ use crate::auth::{Acceptor, Connector, Secret};
 use crate::local::LocalRendezvous;
 pub use crate::plane::PeerEvent;
 use crate::plane::{BoxFuture, DataPlane};
+use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::wire::{
     decode_header_slice, encode_header, FrameKind, Header, WireError, HEADER_LEN,
@@ -31,7 +32,7 @@ use crate::wire::{
 };
 use dflow_graph::tensor::Buffer;
 use dflow_graph::{DType, Tensor};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
@@ -148,26 +149,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl SlotTable {
-    /// Aborts, with `err`, every step of `steps` in which `local` has a Recv waiting on a key
-    /// that `peer` sends (the peer is gone, so those Recvs would only time out).
-    pub(crate) fn abort_steps_waiting_on(
-        &self,
-        local: &LocalRendezvous,
-        steps: Vec<u64>,
-        peer: &str,
-        err: &RendezvousError,
-    ) {
-        for step in steps {
-            let waits_on_peer = local
-                .pending_recvs(step)
-                .iter()
-                .any(|k| self.peer_of(k).as_deref() == Some(peer));
-            if waits_on_peer {
-                local.abort_step(step, err.clone());
-            }
-        }
-    }
-
     /// Registers slot `slot_id`: `peer` sends `key`, a `dtype` tensor of shape `dims`. The
     /// receive buffer is allocated here, once.
     pub fn register(
@@ -384,7 +365,7 @@ pub struct TcpRendezvous {
     routes: Mutex<HashMap<Arc<RendezvousKey>, Route>>,
     peers: Mutex<Peers>,
     /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
-    remote_steps: Mutex<BTreeSet<u64>>,
+    remote_waits: RemoteWaits,
     shutdown: watch::Sender<bool>,
     /// With a cluster secret, every connection runs the [`crate::auth`] handshake first and a
     /// peer that cannot prove it knows the secret is dropped.
@@ -432,7 +413,7 @@ impl TcpRendezvous {
             slots: SlotTable::default(),
             routes: Mutex::default(),
             peers: Mutex::default(),
-            remote_steps: Mutex::default(),
+            remote_waits: RemoteWaits::default(),
             shutdown,
             secret,
             events: Mutex::default(),
@@ -632,9 +613,9 @@ impl TcpRendezvous {
             peer: peer.clone(),
             cause: cause.to_string(),
         });
-        let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
-        self.slots
-            .abort_steps_waiting_on(&self.local, steps, peer, &err);
+        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
+            self.slots.peer_of(k).as_deref() == Some(&**peer)
+        });
     }
 
     fn gone_cause(&self, peer: &str) -> Option<String> {
@@ -677,24 +658,14 @@ impl Rendezvous for TcpRendezvous {
         let Some(peer) = self.slots.peer_of(key) else {
             return self.local.recv_async(key, step, done);
         };
-        if let Some(cause) = self.gone_cause(&peer) {
-            return done(Err(RendezvousError::PeerGone {
-                peer: peer.to_string(),
-                cause,
-            }));
-        }
-        lock(&self.remote_steps).insert(step);
-        self.local.recv_async(key, step, done);
-        // The peer may have died between the check and the registration.
-        if let Some(cause) = self.gone_cause(&peer) {
-            self.local.abort_step(
-                step,
-                RendezvousError::PeerGone {
-                    peer: peer.to_string(),
-                    cause,
-                },
-            );
-        }
+        self.remote_waits.recv(
+            &self.local,
+            &peer,
+            || self.gone_cause(&peer),
+            key,
+            step,
+            done,
+        );
     }
 
     fn abort_step(&self, step: u64, cause: RendezvousError) {
@@ -718,7 +689,7 @@ impl Rendezvous for TcpRendezvous {
     }
 
     fn finish_step(&self, step: u64) {
-        lock(&self.remote_steps).remove(&step);
+        self.remote_waits.finish(step);
         self.local.finish_step(step);
     }
 

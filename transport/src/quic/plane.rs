@@ -7,11 +7,12 @@ use super::names::task_dns_name;
 use crate::auth::{Connector, Secret};
 use crate::local::LocalRendezvous;
 use crate::plane::PeerEvent;
+use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RendezvousError, RendezvousKey};
 use crate::tcp::{SlotTable, TcpConfig};
 use crate::wire::{encode_header, FrameKind, Header, HEADER_LEN, MAX_CONTROL_PAYLOAD};
 use quinn::crypto::rustls::QuicClientConfig;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -74,7 +75,7 @@ pub struct QuicPlane {
     pub(crate) routes: Mutex<HashMap<Arc<RendezvousKey>, Route>>,
     pub(crate) peers: Mutex<Peers>,
     /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
-    pub(crate) remote_steps: Mutex<BTreeSet<u64>>,
+    pub(crate) remote_waits: RemoteWaits,
     pub(crate) shutdown: watch::Sender<bool>,
     /// With a cluster secret, the HMAC handshake of [`crate::auth`] runs after TLS as well.
     pub(crate) secret: Option<Secret>,
@@ -143,7 +144,7 @@ impl QuicPlane {
             slots: SlotTable::default(),
             routes: Mutex::default(),
             peers: Mutex::default(),
-            remote_steps: Mutex::default(),
+            remote_waits: RemoteWaits::default(),
             shutdown,
             secret,
             events: Mutex::default(),
@@ -381,9 +382,9 @@ impl QuicPlane {
             peer: peer.clone(),
             cause: cause.to_string(),
         });
-        let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
-        self.slots
-            .abort_steps_waiting_on(&self.local, steps, peer, &err);
+        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
+            self.slots.peer_of(k).as_deref() == Some(&**peer)
+        });
     }
 
     pub(crate) fn gone_cause(&self, peer: &str) -> Option<String> {

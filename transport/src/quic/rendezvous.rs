@@ -37,24 +37,14 @@ impl Rendezvous for QuicPlane {
         let Some(peer) = self.slots.peer_of(key) else {
             return self.local.recv_async(key, step, done);
         };
-        if let Some(cause) = self.gone_cause(&peer) {
-            return done(Err(RendezvousError::PeerGone {
-                peer: peer.to_string(),
-                cause,
-            }));
-        }
-        lock(&self.remote_steps).insert(step);
-        self.local.recv_async(key, step, done);
-        // The peer may have died between the check and the registration.
-        if let Some(cause) = self.gone_cause(&peer) {
-            self.local.abort_step(
-                step,
-                RendezvousError::PeerGone {
-                    peer: peer.to_string(),
-                    cause,
-                },
-            );
-        }
+        self.remote_waits.recv(
+            &self.local,
+            &peer,
+            || self.gone_cause(&peer),
+            key,
+            step,
+            done,
+        );
     }
 
     fn abort_step(&self, step: u64, cause: RendezvousError) {
@@ -63,7 +53,7 @@ impl Rendezvous for QuicPlane {
     }
 
     fn finish_step(&self, step: u64) {
-        lock(&self.remote_steps).remove(&step);
+        self.remote_waits.finish(step);
         self.local.finish_step(step);
     }
 

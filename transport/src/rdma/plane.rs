@@ -12,9 +12,10 @@ use super::protocol::{Event, Protocol};
 use super::verbs::Verbs;
 use crate::local::LocalRendezvous;
 use crate::plane::{BoxFuture, DataPlane, PeerEvent};
+use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use dflow_graph::{DType, Tensor};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,7 +48,7 @@ pub struct RdmaPlane {
     local: LocalRendezvous,
     links: Mutex<Links>,
     events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
-    remote_steps: Mutex<BTreeSet<u64>>,
+    remote_waits: RemoteWaits,
     gone: Mutex<HashMap<Arc<str>, String>>,
     stop: Arc<AtomicBool>,
 }
@@ -89,7 +90,7 @@ impl RdmaPlane {
             local: LocalRendezvous::new(),
             links: Mutex::default(),
             events: Mutex::default(),
-            remote_steps: Mutex::default(),
+            remote_waits: RemoteWaits::default(),
             gone: Mutex::default(),
             stop: stop.clone(),
         });
@@ -181,17 +182,9 @@ impl RdmaPlane {
             peer: peer.to_string(),
             cause: cause.to_string(),
         };
-        let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
-        for step in steps {
-            let waits = self
-                .local
-                .pending_recvs(step)
-                .iter()
-                .any(|k| self.proto.recv_peer(k).as_deref() == Some(&**peer));
-            if waits {
-                self.local.abort_step(step, err.clone());
-            }
-        }
+        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
+            self.proto.recv_peer(k).as_deref() == Some(&**peer)
+        });
     }
 
     fn gone_cause(&self, peer: &str) -> Option<String> {
@@ -298,23 +291,14 @@ impl Rendezvous for RdmaPlane {
         let Some(peer) = self.proto.recv_peer(key) else {
             return self.local.recv_async(key, step, done);
         };
-        if let Some(cause) = self.gone_cause(&peer) {
-            return done(Err(RendezvousError::PeerGone {
-                peer: peer.to_string(),
-                cause,
-            }));
-        }
-        lock(&self.remote_steps).insert(step);
-        self.local.recv_async(key, step, done);
-        if let Some(cause) = self.gone_cause(&peer) {
-            self.local.abort_step(
-                step,
-                RendezvousError::PeerGone {
-                    peer: peer.to_string(),
-                    cause,
-                },
-            );
-        }
+        self.remote_waits.recv(
+            &self.local,
+            &peer,
+            || self.gone_cause(&peer),
+            key,
+            step,
+            done,
+        );
     }
 
     fn abort_step(&self, step: u64, cause: RendezvousError) {
@@ -331,7 +315,7 @@ impl Rendezvous for RdmaPlane {
     }
 
     fn finish_step(&self, step: u64) {
-        lock(&self.remote_steps).remove(&step);
+        self.remote_waits.finish(step);
         self.local.finish_step(step);
         // Readers of this step are done: return their slots' credits now.
         let events = self.proto.pump();
