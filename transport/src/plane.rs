@@ -38,6 +38,44 @@ pub enum PeerEvent {
     },
 }
 
+/// A data plane's subscriber for [`PeerEvent`]s (see [`DataPlane::subscribe`]): the planes
+/// share this instead of each keeping its own sender.
+#[derive(Debug, Default)]
+pub(crate) struct PeerEvents {
+    tx: std::sync::Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+}
+
+impl PeerEvents {
+    fn tx(&self) -> std::sync::MutexGuard<'_, Option<mpsc::UnboundedSender<PeerEvent>>> {
+        // Only a store and a clone-free send run under this lock: a poisoned one is consistent.
+        self.tx.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Delivers events to the returned receiver from now on (a later call replaces an earlier
+    /// subscriber).
+    pub(crate) fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        *self.tx() = Some(tx);
+        rx
+    }
+
+    /// Hands `event` to the subscriber. Without one (or after it went away) a message is
+    /// dropped with a log line naming `plane` (this task) and the sender; a peer failure is
+    /// dropped silently (nobody waits on it).
+    pub(crate) fn emit(&self, plane: &str, event: PeerEvent) {
+        let sent = match self.tx().as_ref() {
+            Some(tx) => tx.send(event).map_err(|e| e.0),
+            None => Err(event),
+        };
+        if let Err(PeerEvent::Message { peer, body }) = sent {
+            tracing::warn!(
+                "{plane}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
+                body.len()
+            );
+        }
+    }
+}
+
 /// A transport for one task of a distributed job.
 pub trait DataPlane: Rendezvous {
     /// This task's name.

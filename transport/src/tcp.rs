@@ -23,7 +23,7 @@
 use crate::auth::{Acceptor, Connector, Secret};
 use crate::local::LocalRendezvous;
 pub use crate::plane::PeerEvent;
-use crate::plane::{BoxFuture, DataPlane};
+use crate::plane::{BoxFuture, DataPlane, PeerEvents};
 use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::wire::{
@@ -371,7 +371,7 @@ pub struct TcpRendezvous {
     /// peer that cannot prove it knows the secret is dropped.
     secret: Option<Secret>,
     /// Where messages and peer failures go (see [`TcpRendezvous::subscribe`]).
-    events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    events: PeerEvents,
     /// The writer tasks of outgoing connections, awaited by [`TcpRendezvous::close`].
     writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Set by [`TcpRendezvous::close`]: peers closing their connections now is expected.
@@ -416,7 +416,7 @@ impl TcpRendezvous {
             remote_waits: RemoteWaits::default(),
             shutdown,
             secret,
-            events: Mutex::default(),
+            events: PeerEvents::default(),
             writer_tasks: Mutex::default(),
             closing: Default::default(),
         });
@@ -538,23 +538,11 @@ impl TcpRendezvous {
     /// (a later call replaces an earlier subscriber). Without a subscriber, messages are dropped
     /// with a log line.
     pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        *lock(&self.events) = Some(tx);
-        rx
+        self.events.subscribe()
     }
 
     fn emit(&self, event: PeerEvent) {
-        let sent = match lock(&self.events).as_ref() {
-            Some(tx) => tx.send(event).map_err(|e| e.0),
-            None => Err(event),
-        };
-        if let Err(PeerEvent::Message { peer, body }) = sent {
-            tracing::warn!(
-                "{}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
-                self.name,
-                body.len()
-            );
-        }
+        self.events.emit(&self.name, event);
     }
 
     /// True when an outgoing connection to `peer` is open.

@@ -6,7 +6,7 @@ use super::identity::QuicIdentity;
 use super::names::task_dns_name;
 use crate::auth::{Connector, Secret};
 use crate::local::LocalRendezvous;
-use crate::plane::PeerEvent;
+use crate::plane::{PeerEvent, PeerEvents};
 use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RendezvousError, RendezvousKey};
 use crate::tcp::{SlotTable, TcpConfig};
@@ -79,7 +79,7 @@ pub struct QuicPlane {
     pub(crate) shutdown: watch::Sender<bool>,
     /// With a cluster secret, the HMAC handshake of [`crate::auth`] runs after TLS as well.
     pub(crate) secret: Option<Secret>,
-    pub(crate) events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    pub(crate) events: PeerEvents,
     pub(crate) writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     pub(crate) closing: AtomicBool,
     pub(crate) counters: Counters,
@@ -147,7 +147,7 @@ impl QuicPlane {
             remote_waits: RemoteWaits::default(),
             shutdown,
             secret,
-            events: Mutex::default(),
+            events: PeerEvents::default(),
             writer_tasks: Mutex::default(),
             closing: AtomicBool::new(false),
             counters: Counters::default(),
@@ -288,23 +288,11 @@ impl QuicPlane {
     /// Delivers control-plane messages and peer failures to the returned receiver from now on
     /// (a later call replaces an earlier subscriber).
     pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        *lock(&self.events) = Some(tx);
-        rx
+        self.events.subscribe()
     }
 
     pub(crate) fn emit(&self, event: PeerEvent) {
-        let sent = match lock(&self.events).as_ref() {
-            Some(tx) => tx.send(event).map_err(|e| e.0),
-            None => Err(event),
-        };
-        if let Err(PeerEvent::Message { peer, body }) = sent {
-            tracing::warn!(
-                "{}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
-                self.name,
-                body.len()
-            );
-        }
+        self.events.emit(&self.name, event);
     }
 
     /// True when an outgoing connection to `peer` is open.

@@ -11,7 +11,7 @@ use super::message::{RdmaMessage, SlotAd};
 use super::protocol::{Event, Protocol};
 use super::verbs::Verbs;
 use crate::local::LocalRendezvous;
-use crate::plane::{BoxFuture, DataPlane, PeerEvent};
+use crate::plane::{BoxFuture, DataPlane, PeerEvent, PeerEvents};
 use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use dflow_graph::{DType, Tensor};
@@ -47,7 +47,7 @@ pub struct RdmaPlane {
     proto: Protocol,
     local: LocalRendezvous,
     links: Mutex<Links>,
-    events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    events: PeerEvents,
     remote_waits: RemoteWaits,
     gone: Mutex<HashMap<Arc<str>, String>>,
     stop: Arc<AtomicBool>,
@@ -89,7 +89,7 @@ impl RdmaPlane {
             proto: Protocol::new(verbs),
             local: LocalRendezvous::new(),
             links: Mutex::default(),
-            events: Mutex::default(),
+            events: PeerEvents::default(),
             remote_waits: RemoteWaits::default(),
             gone: Mutex::default(),
             stop: stop.clone(),
@@ -129,9 +129,7 @@ impl RdmaPlane {
     }
 
     fn emit(&self, event: PeerEvent) {
-        if let Some(tx) = lock(&self.events).as_ref() {
-            let _ = tx.send(event);
-        }
+        self.events.emit(&self.name, event);
     }
 
     fn handle(&self, events: Vec<Event>) {
@@ -409,9 +407,7 @@ impl DataPlane for RdmaPlane {
     }
 
     fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        *lock(&self.events) = Some(tx);
-        rx
+        self.events.subscribe()
     }
 
     fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
