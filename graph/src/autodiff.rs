@@ -309,19 +309,7 @@ fn resolve(g: &Graph, role: &'static str, name: &str) -> Result<TensorId, Autodi
         name: name.to_string(),
         message,
     };
-    let (node, index) = match InputRef::parse(name).map_err(unknown)? {
-        InputRef::Data { node, index } => (node, index),
-        InputRef::Control(_) => return Err(unknown("a control input is not a tensor".into())),
-    };
-    let idx = g
-        .find(&node)
-        .ok_or_else(|| unknown(format!("no node named `{node}`")))?;
-    let ty = g.output_type(idx, index).ok_or_else(|| {
-        unknown(format!(
-            "node `{node}` has {} outputs",
-            g.node(idx).outputs.len()
-        ))
-    })?;
+    let (idx, index, ty) = g.resolve_tensor(name).map_err(unknown)?;
     if !ty.dtype.is_float() {
         return Err(AutodiffError::NotFloat {
             role,

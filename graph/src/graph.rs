@@ -639,6 +639,23 @@ impl Graph {
         self.g[idx].outputs.get(out)
     }
 
+    /// The data tensor `name` (`node:out`, or `node` for output 0): its producer, the output
+    /// index and its type. The error says in words what is wrong with the name (a control
+    /// input `^node`, no such node, too few outputs), for the caller to put in context.
+    pub fn resolve_tensor(&self, name: &str) -> Result<(NodeIndex, usize, &TensorType), String> {
+        let (node, index) = match InputRef::parse(name)? {
+            InputRef::Data { node, index } => (node, index),
+            InputRef::Control(_) => return Err("a control input is not a tensor".into()),
+        };
+        let idx = self
+            .find(&node)
+            .ok_or_else(|| format!("no node named `{node}`"))?;
+        let ty = self
+            .output_type(idx, index)
+            .ok_or_else(|| format!("node `{node}` has {} outputs", self.g[idx].outputs.len()))?;
+        Ok((idx, index, ty))
+    }
+
     /// The underlying petgraph graph (read-only).
     pub fn petgraph(&self) -> &DiGraph<Node, Edge> {
         &self.g

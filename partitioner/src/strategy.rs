@@ -528,19 +528,8 @@ fn weighted_sum(
         name: tensor.to_string(),
         message,
     };
-    let (producer, index) = match InputRef::parse(tensor).map_err(unknown)? {
-        InputRef::Data { node, index } => (node, index),
-        InputRef::Control(_) => return Err(unknown("a control input is not a tensor".into())),
-    };
-    let idx = graph
-        .find(&producer)
-        .ok_or_else(|| unknown(format!("no node named `{producer}`")))?;
-    let ty = graph.output_type(idx, index).ok_or_else(|| {
-        unknown(format!(
-            "node `{producer}` has {} outputs",
-            graph.node(idx).outputs.len()
-        ))
-    })?;
+    let (idx, index, ty) = graph.resolve_tensor(tensor).map_err(unknown)?;
+    let producer = graph.node(idx).name.clone();
     if facts.variables.contains(&producer) {
         return Ok(tensor.to_string());
     }
