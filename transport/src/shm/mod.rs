@@ -617,7 +617,7 @@ fn consume(plane: Weak<ShmPlane>, peer: Arc<str>, ring: Arc<Ring>, stop: Arc<Ato
                     tracing::error!(peer = %peer, "{}: value from `{peer}` refused: {e}", p.name);
                 }
             }
-            Ok(None) => ring.wait(slot::SPIN, Duration::from_millis(50)),
+            Ok(None) => ring.wait(slot::SPIN, Duration::from_millis(50), &stop),
             Err(e) => {
                 if let Some(p) = plane.upgrade() {
                     tracing::error!(peer = %peer, "{}: dropping the ring of `{peer}`: {e}", p.name);
