@@ -7,7 +7,7 @@ use dflow_graph::tensor::buffer_copies;
 use dflow_graph::{DType, Tensor};
 use dflow_transport::shm::{segment, ShmPlane};
 use dflow_transport::tcp::TcpConfig;
-use dflow_transport::{DataPlane, Rendezvous, RendezvousError, RendezvousKey};
+use dflow_transport::{DataPlane, PeerEvent, Rendezvous, RendezvousError, RendezvousKey};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
@@ -187,4 +187,70 @@ async fn a_held_slot_is_never_overwritten_and_a_dead_peer_fails_the_wait() {
     };
     assert!(err.to_string().contains("psc:0"), "{err}");
     drop(pending);
+}
+
+/// Values the sender delivered through the ring right before it closed are all received, even
+/// though the receiver learns of the close (side channel) independently of the ring's
+/// notifications, and registers its Recvs only after that. Several keys make several
+/// notifications wait in the ring at the close; rounds make the close overtake them often.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_sent_right_before_the_sender_closes_are_received() {
+    const KEYS: u32 = 16;
+    const ROUNDS: u32 = 20;
+    let value = |i: u32, step: u64| -> Vec<f32> { vec![(i * 100) as f32 + step as f32; 4] };
+    for round in 0..ROUNDS {
+        let tag = format!("d{round}");
+        let keys: Vec<_> = (1..=KEYS).map(|i| key(&format!("c{i}:0"))).collect();
+        let (ps, worker) = pair(&tag, &keys[0], &[4]).await;
+        let (ps_name, worker_name) = (format!("ps{tag}:0"), format!("worker{tag}:0"));
+        for (i, k) in (1..).zip(&keys).skip(1) {
+            ps.register_recv(i, &worker_name, k.clone(), DType::F32, &[4])
+                .unwrap();
+            worker.register_send(k.clone(), &ps_name, i);
+        }
+        let mut events = ps.subscribe();
+        // Step 1 announces each slot (side channel), step 2 goes through the ring: both are
+        // received and released before step 3.
+        for step in 1..=2u64 {
+            for (i, k) in (1..).zip(&keys) {
+                let v = value(i, step);
+                worker
+                    .send(k, step, Tensor::from_slice(&[4], &v).unwrap())
+                    .unwrap();
+                assert_eq!(
+                    recv(&ps, k, step).unwrap().as_slice::<f32>().unwrap(),
+                    &v[..]
+                );
+            }
+            ps.finish_step(step);
+        }
+        // Step 3: one ring notification per key, then the sender closes at once.
+        for (i, k) in (1..).zip(&keys) {
+            worker
+                .send(k, 3, Tensor::from_slice(&[4], &value(i, 3)).unwrap())
+                .unwrap();
+        }
+        worker.close(Duration::from_secs(1)).await;
+        drop(worker);
+        let gone = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(e) = events.recv().await {
+                if let PeerEvent::Gone { peer, .. } = e {
+                    if *peer == *worker_name {
+                        return true;
+                    }
+                }
+            }
+            false
+        })
+        .await;
+        assert_eq!(gone, Ok(true), "round {round}: the receiver sees the close");
+        for (i, k) in (1..).zip(&keys) {
+            match recv(&ps, k, 3) {
+                Ok(t) => assert_eq!(t.as_slice::<f32>().unwrap(), &value(i, 3)[..]),
+                Err(e) => panic!("round {round}: the value of {k} sent before the close: {e}"),
+            }
+        }
+        assert_eq!(ps.stats().received, 3 * KEYS as u64);
+        ps.close(Duration::from_secs(1)).await;
+    }
 }

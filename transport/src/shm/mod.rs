@@ -19,6 +19,14 @@
 //! first delivery travels as a side-channel message right after its segment's name, which keeps
 //! the two ordered.
 //!
+//! A peer's death or close arrives on the side channel, not through its ring, so it may overtake
+//! notifications the peer pushed just before: their values are complete (a slot is `FULL` before
+//! its notification is pushed) and must not be lost. So before this plane marks a peer gone, it
+//! stops the ring's consumer, waits for its thread to exit (the ring keeps one consumer), and
+//! delivers what is left in the ring itself; only then does it fail the Recvs still waiting on
+//! that peer. A Recv registered after that still gets a value delivered before. Replacing a
+//! peer's ring and [`DataPlane::close`] drain the old rings the same way.
+//!
 //! The side channel is a [`TcpRendezvous`]: control-plane messages, peer liveness (heartbeats,
 //! closed connections), authentication with a cluster secret, and this plane's own small messages
 //! ([`message`]).
@@ -49,6 +57,7 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -120,7 +129,19 @@ struct SendPair {
 struct Consumer {
     ring: Arc<Ring>,
     stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+    /// Disconnected when the thread exits (it holds the only sender): a bounded wait for that.
+    exited: std::sync::mpsc::Receiver<()>,
 }
+
+/// Longest sleep of a ring consumer between checks of its `stop` flag (a wake ends it sooner).
+const CONSUMER_NAP: Duration = Duration::from_millis(50);
+
+/// How long retiring a ring's consumer waits for its thread to exit. Told to stop and woken, it
+/// exits at once, or after the delivery it is in the middle of, whose Recv callback only hands
+/// the value on (the executor's callbacks queue work); the bound only keeps a callback that
+/// blocks from stalling the caller (the side channel's event pump, or `close`) for long.
+const CONSUMER_EXIT_WAIT: Duration = Duration::from_secs(2);
 
 /// The receiver's view of a slot: releases the slot to the sender when the last clone of the
 /// received tensor is dropped.
@@ -484,23 +505,45 @@ impl ShmPlane {
                 let ring = Ring::open(&path);
                 let _ = std::fs::remove_file(&path);
                 let ring = Arc::new(ring.map_err(|e| format!("ring segment {name}: {e}"))?);
-                let stop = Arc::new(AtomicBool::new(false));
-                let old = lock(&self.consumers).insert(
-                    peer.clone(),
-                    Consumer {
-                        ring: ring.clone(),
-                        stop: stop.clone(),
-                    },
-                );
+                // The peer's notifications in its old ring, if any, precede everything in the new
+                // one: deliver them before a consumer of the new ring starts.
+                let old = lock(&self.consumers).remove(peer);
                 if let Some(old) = old {
                     old.stop.store(true, Ordering::SeqCst);
                     old.ring.wake();
+                    self.retire(peer, old);
                 }
-                let (plane, peer2) = (Arc::downgrade(self), peer.clone());
-                std::thread::Builder::new()
+                let stop = Arc::new(AtomicBool::new(false));
+                let (exited_tx, exited) = std::sync::mpsc::channel::<()>();
+                let (plane, peer2, ring2, stop2) = (
+                    Arc::downgrade(self),
+                    peer.clone(),
+                    ring.clone(),
+                    stop.clone(),
+                );
+                let thread = std::thread::Builder::new()
                     .name(format!("dflow-shm-rx-{peer}"))
-                    .spawn(move || consume(plane, peer2, ring, stop))
+                    .spawn(move || {
+                        let _exited = exited_tx;
+                        consume(plane, peer2, ring2, stop2)
+                    })
                     .map_err(|e| format!("starting the ring consumer: {e}"))?;
+                let replaced = lock(&self.consumers).insert(
+                    peer.clone(),
+                    Consumer {
+                        ring,
+                        stop,
+                        thread,
+                        exited,
+                    },
+                );
+                // Only this task's event pump attaches rings, so nothing came in between; if
+                // something did, it is retired like the old one.
+                if let Some(other) = replaced {
+                    other.stop.store(true, Ordering::SeqCst);
+                    other.ring.wake();
+                    self.retire(peer, other);
+                }
                 Ok(())
             }
             ShmMessage::AttachSlot { slot, len, name } => {
@@ -539,13 +582,24 @@ impl ShmPlane {
         }
     }
 
-    /// Marks `peer` dead: stops its ring's consumer and aborts every step waiting on its keys.
+    /// Marks `peer` dead: stops its ring's consumer, delivers what the peer notified before it
+    /// went, then aborts every step still waiting on its keys.
+    ///
+    /// Runs in the event pump (a tokio task) and blocks it while the consumer thread exits and
+    /// the ring drains: a wake-up and at most [`slot::RING_CAP`] deliveries, with the wait for
+    /// the thread bounded by [`CONSUMER_EXIT_WAIT`]. Blocking here rather than handing the work
+    /// to another task keeps the side channel's order: every value the peer sent is delivered
+    /// before it is marked gone, before `Gone` is passed on, and before the pump's next event.
     fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
-        lock(&self.gone).insert(peer.clone(), cause.to_string());
-        if let Some(c) = lock(&self.consumers).remove(peer) {
+        let consumer = lock(&self.consumers).remove(peer);
+        if let Some(c) = consumer {
             c.stop.store(true, Ordering::SeqCst);
             c.ring.wake();
+            self.retire(peer, c);
         }
+        // Set only now: a Recv that sees `peer` gone finds every value it delivered (see
+        // `recv_async`).
+        lock(&self.gone).insert(peer.clone(), cause.to_string());
         let err = RendezvousError::PeerGone {
             peer: peer.to_string(),
             cause: cause.to_string(),
@@ -565,6 +619,64 @@ impl ShmPlane {
         }
     }
 
+    /// Waits (bounded) for the thread of `c`, already told to stop and woken, to exit, then
+    /// delivers what is left in its ring on this thread: nothing the peer pushed before the
+    /// consumer stopped is lost, and the ring never has two consumers.
+    fn retire(&self, peer: &Arc<str>, c: Consumer) {
+        if c.thread.thread().id() == std::thread::current().id() {
+            // Called from a Recv callback on the consumer itself: it is the ring's only
+            // consumer, and stops when that callback returns.
+            self.drain(peer, &c.ring);
+            return;
+        }
+        if let Err(RecvTimeoutError::Timeout) = c.exited.recv_timeout(CONSUMER_EXIT_WAIT) {
+            tracing::error!(
+                peer = %peer,
+                "{}: the consumer of the ring of `{peer}` did not stop within {CONSUMER_EXIT_WAIT:?} (a Recv callback blocks?); values it did not deliver yet are dropped",
+                self.name
+            );
+            return;
+        }
+        if c.thread.join().is_err() {
+            tracing::error!(peer = %peer, "{}: the consumer of the ring of `{peer}` panicked", self.name);
+        }
+        self.drain(peer, &c.ring);
+    }
+
+    /// Delivers the entries left in `peer`'s ring (its consumer has exited). Takes at most the
+    /// ring's capacity, so a peer that keeps pushing cannot keep this thread here.
+    fn drain(&self, peer: &Arc<str>, ring: &Ring) {
+        for _ in 0..slot::RING_CAP {
+            match ring.pop() {
+                Ok(Some((slot, step))) => {
+                    if let Err(e) = self.deliver(peer, slot, step) {
+                        tracing::error!(peer = %peer, "{}: value from `{peer}` refused: {e}", self.name);
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::error!(peer = %peer, "{}: dropping the ring of `{peer}`: {e}", self.name);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Stops every ring consumer: tells them all first, then retires each (see `retire`).
+    fn retire_consumers(&self) {
+        let all: Vec<(Arc<str>, Consumer)> = lock(&self.consumers).drain().collect();
+        for (_, c) in &all {
+            c.stop.store(true, Ordering::SeqCst);
+            c.ring.wake();
+        }
+        for (peer, c) in all {
+            self.retire(&peer, c);
+        }
+    }
+
+    /// Tells every ring consumer to stop, without waiting: for `Drop`, which may run on a
+    /// consumer thread (the last reference to the plane can be the one it upgraded), and after
+    /// which nothing could receive a value anyway.
     fn stop_consumers(&self) {
         for (_, c) in lock(&self.consumers).drain() {
             c.stop.store(true, Ordering::SeqCst);
@@ -607,7 +719,9 @@ async fn pump(plane: Weak<ShmPlane>, mut events: mpsc::UnboundedReceiver<PeerEve
     }
 }
 
-/// Consumes the ring of sending peer `peer` until stopped or the plane is gone.
+/// Consumes the ring of sending peer `peer` until stopped or the plane is gone. Checks `stop`
+/// after every entry and every wait, and waits at most [`CONSUMER_NAP`] (a wake ends the wait at
+/// once), so a stopped consumer exits promptly; whoever stopped it delivers what it left.
 fn consume(plane: Weak<ShmPlane>, peer: Arc<str>, ring: Arc<Ring>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::SeqCst) {
         match ring.pop() {
@@ -617,7 +731,7 @@ fn consume(plane: Weak<ShmPlane>, peer: Arc<str>, ring: Arc<Ring>, stop: Arc<Ato
                     tracing::error!(peer = %peer, "{}: value from `{peer}` refused: {e}", p.name);
                 }
             }
-            Ok(None) => ring.wait(slot::SPIN, Duration::from_millis(50)),
+            Ok(None) => ring.wait(slot::SPIN, CONSUMER_NAP, &stop),
             Err(e) => {
                 if let Some(p) = plane.upgrade() {
                     tracing::error!(peer = %peer, "{}: dropping the ring of `{peer}`: {e}", p.name);
@@ -681,23 +795,22 @@ impl Rendezvous for ShmPlane {
         let Some(peer) = peer else {
             return self.local.recv_async(key, step, done);
         };
-        if let Some(cause) = self.gone_cause(&peer) {
-            return done(Err(RendezvousError::PeerGone {
-                peer: peer.to_string(),
-                cause,
-            }));
-        }
         lock(&self.remote_steps).insert(step);
         self.local.recv_async(key, step, done);
-        // The peer may have died between the check and the registration.
+        // A gone peer's values are all delivered by the time it is marked gone (`peer_gone`):
+        // one already here completed the Recv above; if it still waits (the peer was gone
+        // already, or went since), nothing will come and its step fails. `peer_gone` aborts the
+        // steps it saw waiting; this covers a registration it did not see.
         if let Some(cause) = self.gone_cause(&peer) {
-            self.local.abort_step(
-                step,
-                RendezvousError::PeerGone {
-                    peer: peer.to_string(),
-                    cause,
-                },
-            );
+            if self.local.pending_recvs(step).iter().any(|k| k == &**key) {
+                self.local.abort_step(
+                    step,
+                    RendezvousError::PeerGone {
+                        peer: peer.to_string(),
+                        cause,
+                    },
+                );
+            }
         }
     }
 
@@ -854,7 +967,8 @@ impl DataPlane for ShmPlane {
     fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             self.tcp.close(within).await;
-            self.stop_consumers();
+            // Values peers notified before the close are delivered, not dropped with the rings.
+            self.retire_consumers();
             self.unlink_created();
             let s = self.stats();
             tracing::info!(

@@ -11,7 +11,7 @@ use rustix::thread::futex;
 use std::io;
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The sender may write the slot.
@@ -284,12 +284,14 @@ impl Ring {
         Ok(Some(entry))
     }
 
-    /// Waits for an entry: spins for `spin`, then sleeps on the doorbell at most `nap`.
-    pub fn wait(&self, spin: Duration, nap: Duration) {
+    /// Waits for an entry: spins for `spin`, then sleeps on the doorbell at most `nap`. Returns
+    /// early once `stop` is set: a consumer told to stop (set `stop`, then [`Ring::wake`]) never
+    /// sleeps out its nap, even when the wake comes just before it goes to sleep.
+    pub fn wait(&self, spin: Duration, nap: Duration, stop: &AtomicBool) {
         let until = Instant::now() + spin;
         let tail = self.tail().load(Ordering::Relaxed);
         while Instant::now() < until {
-            if self.head().load(Ordering::Acquire) != tail {
+            if self.head().load(Ordering::Acquire) != tail || stop.load(Ordering::SeqCst) {
                 return;
             }
             std::thread::yield_now();
@@ -297,13 +299,16 @@ impl Ring {
         let sleeping = self.map.atomic_u32(SLEEPING_AT);
         sleeping.store(1, Ordering::SeqCst);
         let seq = self.seq().load(Ordering::SeqCst);
-        if self.head().load(Ordering::SeqCst) == tail {
+        // `stop` is read after `seq`: a wake after this read changes `seq` and the futex returns
+        // at once; a wake before it comes after its `stop` store, which this load then sees.
+        if self.head().load(Ordering::SeqCst) == tail && !stop.load(Ordering::SeqCst) {
             futex_wait(self.seq(), seq, nap);
         }
         sleeping.store(0, Ordering::SeqCst);
     }
 
-    /// Wakes a consumer sleeping in [`Ring::wait`] (to make it notice it should stop).
+    /// Wakes a consumer sleeping in [`Ring::wait`] (to make it notice it should stop: set its
+    /// `stop` flag first).
     pub fn wake(&self) {
         self.seq().fetch_add(1, Ordering::SeqCst);
         futex_wake_all(self.seq());
@@ -350,6 +355,7 @@ mod tests {
         let consumer = Ring::open(&rp).unwrap();
         std::fs::remove_file(&rp).unwrap();
         assert_eq!(consumer.pop().unwrap(), None);
+        let no_stop = AtomicBool::new(false);
         std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(30));
@@ -358,10 +364,29 @@ mod tests {
             let got = loop {
                 match consumer.pop().unwrap() {
                     Some(e) => break e,
-                    None => consumer.wait(SPIN, Duration::from_millis(500)),
+                    None => consumer.wait(SPIN, Duration::from_millis(500), &no_stop),
                 }
             };
             assert_eq!(got, (3, 11));
+        });
+        // A stopped consumer does not sleep out its nap: neither when told before it sleeps
+        // nor while it sleeps.
+        let stop = AtomicBool::new(true);
+        let t0 = Instant::now();
+        consumer.wait(SPIN, Duration::from_secs(5), &stop);
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        stop.store(false, Ordering::SeqCst);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                stop.store(true, Ordering::SeqCst);
+                consumer.wake();
+            });
+            let t0 = Instant::now();
+            while !stop.load(Ordering::SeqCst) {
+                consumer.wait(SPIN, Duration::from_secs(5), &stop);
+                assert!(t0.elapsed() < Duration::from_secs(2));
+            }
         });
         // A full ring makes the producer wait (and time out here).
         for i in 0..RING_CAP {
