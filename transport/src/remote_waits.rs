@@ -20,11 +20,13 @@ impl RemoteWaits {
         self.steps.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers with `local` a Recv of `key` for `step`, a key that `peer` sends. Fails it at
-    /// once when the peer is already gone (`gone_cause` says why, `None` while it is alive);
-    /// otherwise records the step (so [`RemoteWaits::abort_waiting_on`] finds it) and
-    /// registers it, then checks again: the peer may have died between the check and the
-    /// registration, and its death's abort would then have missed this Recv.
+    /// Registers with `local` a Recv of `key` for `step`, a key that `peer` sends, and records
+    /// the step (so [`RemoteWaits::abort_waiting_on`] finds it). A plane marks a peer gone only
+    /// after delivering every value that peer sent, so a value already here completes the
+    /// Recv even when the peer has left since (a sender that sends and closes at once); when
+    /// the peer is gone (`gone_cause` says why, `None` while it is alive) and the Recv still
+    /// waits, nothing will come and the step fails. Checked after registering: a death
+    /// between a check and the registration would otherwise miss this Recv.
     pub(crate) fn recv(
         &self,
         local: &LocalRendezvous,
@@ -38,13 +40,12 @@ impl RemoteWaits {
             peer: peer.to_string(),
             cause,
         };
-        if let Some(cause) = gone_cause() {
-            return done(Err(gone(cause)));
-        }
         self.steps().insert(step);
         local.recv_async(key, step, done);
         if let Some(cause) = gone_cause() {
-            local.abort_step(step, gone(cause));
+            if local.pending_recvs(step).iter().any(|k| k == &**key) {
+                local.abort_step(step, gone(cause));
+            }
         }
     }
 
@@ -109,6 +110,23 @@ mod tests {
             matches!(&err, RendezvousError::PeerGone { peer, cause } if peer == "ps0" && cause == "reset"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_value_that_arrived_before_its_sender_left_is_still_received() {
+        let (local, waits) = (LocalRendezvous::new(), RemoteWaits::default());
+        local.send(&key("x:0"), 3, Tensor::scalar(2.5f32)).unwrap();
+        let (done, rx) = waiter();
+        waits.recv(
+            &local,
+            "ps0",
+            || Some("closed".into()),
+            &key("x:0"),
+            3,
+            done,
+        );
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+        assert_eq!(got.as_slice::<f32>().unwrap(), &[2.5]);
     }
 
     #[test]

@@ -326,3 +326,33 @@ async fn sends_to_a_dead_peer_fail_with_peer_gone() {
         other => panic!("expected PeerGone, got {other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_sent_right_before_the_sender_closes_is_still_received() {
+    let (ps, worker, k) = pair(16).await;
+    let mut events = ps.subscribe();
+    worker.send(&k, 1, values(16, 1)).unwrap();
+    worker.close(Duration::from_secs(1)).await;
+    drop(worker);
+    // The receiver learns of the close only after the frame before it: once it has, the value
+    // is here, and a Recv registered now still gets it.
+    let gone = tokio::time::timeout(WAIT, async {
+        while let Some(e) = events.recv().await {
+            if let dflow_transport::PeerEvent::Gone { peer, .. } = e {
+                return Some(peer);
+            }
+        }
+        None
+    })
+    .await
+    .expect("the close is seen in time");
+    assert_eq!(gone.as_deref(), Some("worker:0"));
+    let got = wait(recv(&ps, &k, 1)).await.unwrap();
+    assert_eq!(
+        got.as_slice::<f32>().unwrap(),
+        values(16, 1).as_slice::<f32>().unwrap()
+    );
+    // Nothing else will come from it: the next step's Recv fails at once, naming the peer.
+    let e = wait(recv(&ps, &k, 2)).await.unwrap_err();
+    assert!(e.to_string().contains("peer worker:0 is gone"), "{e}");
+}

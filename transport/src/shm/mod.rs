@@ -42,7 +42,8 @@ pub mod slot;
 
 use crate::auth::Secret;
 use crate::local::LocalRendezvous;
-use crate::plane::{BoxFuture, DataPlane, PeerEvent};
+use crate::plane::{BoxFuture, DataPlane, PeerEvent, PeerEvents};
+use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::tcp::{TcpConfig, TcpRendezvous};
 use dflow_graph::tensor::Buffer;
@@ -50,7 +51,7 @@ use dflow_graph::{DType, Tensor};
 use message::ShmMessage;
 use segment::{checked_path, new_name, shm_dir};
 use slot::{Ring, SlotMem, WaitError, FREE, FULL, WRITING};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
@@ -181,8 +182,8 @@ pub struct ShmPlane {
     peers: Mutex<HashSet<Arc<str>>>,
     gone: Mutex<HashMap<Arc<str>, String>>,
     /// Steps with a Recv waiting on a peer's key (to abort them when it dies).
-    remote_steps: Mutex<BTreeSet<u64>>,
-    events: Mutex<Option<mpsc::UnboundedSender<PeerEvent>>>,
+    remote_waits: RemoteWaits,
+    events: PeerEvents,
     /// Segments this task created, unlinked at close (the receiver unlinks them first normally).
     created: Mutex<Vec<PathBuf>>,
     counters: Counters,
@@ -229,8 +230,8 @@ impl ShmPlane {
             consumers: Mutex::default(),
             peers: Mutex::default(),
             gone: Mutex::default(),
-            remote_steps: Mutex::default(),
-            events: Mutex::default(),
+            remote_waits: RemoteWaits::default(),
+            events: PeerEvents::default(),
             created: Mutex::default(),
             counters: Counters::default(),
         });
@@ -273,17 +274,7 @@ impl ShmPlane {
     }
 
     fn emit(&self, event: PeerEvent) {
-        let sent = match lock(&self.events).as_ref() {
-            Some(tx) => tx.send(event).map_err(|e| e.0),
-            None => Err(event),
-        };
-        if let Err(PeerEvent::Message { peer, body }) = sent {
-            tracing::warn!(
-                "{}: dropped a {}-byte message from `{peer}`: nobody listens for messages",
-                self.name,
-                body.len()
-            );
-        }
+        self.events.emit(&self.name, event);
     }
 
     fn send_shm(&self, peer: &str, m: &ShmMessage) -> Result<(), RendezvousError> {
@@ -604,19 +595,11 @@ impl ShmPlane {
             peer: peer.to_string(),
             cause: cause.to_string(),
         };
-        let steps: Vec<u64> = lock(&self.remote_steps).iter().copied().collect();
-        for step in steps {
-            let waits_on_peer = {
-                let keys = lock(&self.recv_keys);
-                self.local
-                    .pending_recvs(step)
-                    .iter()
-                    .any(|k| keys.get(k).is_some_and(|(p, _)| **p == **peer))
-            };
-            if waits_on_peer {
-                self.local.abort_step(step, err.clone());
-            }
-        }
+        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
+            lock(&self.recv_keys)
+                .get(k)
+                .is_some_and(|(p, _)| **p == **peer)
+        });
     }
 
     /// Waits (bounded) for the thread of `c`, already told to stop and woken, to exit, then
@@ -795,23 +778,15 @@ impl Rendezvous for ShmPlane {
         let Some(peer) = peer else {
             return self.local.recv_async(key, step, done);
         };
-        lock(&self.remote_steps).insert(step);
-        self.local.recv_async(key, step, done);
-        // A gone peer's values are all delivered by the time it is marked gone (`peer_gone`):
-        // one already here completed the Recv above; if it still waits (the peer was gone
-        // already, or went since), nothing will come and its step fails. `peer_gone` aborts the
-        // steps it saw waiting; this covers a registration it did not see.
-        if let Some(cause) = self.gone_cause(&peer) {
-            if self.local.pending_recvs(step).iter().any(|k| k == &**key) {
-                self.local.abort_step(
-                    step,
-                    RendezvousError::PeerGone {
-                        peer: peer.to_string(),
-                        cause,
-                    },
-                );
-            }
-        }
+        // A gone peer's values are all delivered by the time it is marked gone (`peer_gone`).
+        self.remote_waits.recv(
+            &self.local,
+            &peer,
+            || self.gone_cause(&peer),
+            key,
+            step,
+            done,
+        );
     }
 
     fn abort_step(&self, step: u64, cause: RendezvousError) {
@@ -831,7 +806,7 @@ impl Rendezvous for ShmPlane {
     }
 
     fn finish_step(&self, step: u64) {
-        lock(&self.remote_steps).remove(&step);
+        self.remote_waits.finish(step);
         self.local.finish_step(step);
     }
 
@@ -959,9 +934,7 @@ impl DataPlane for ShmPlane {
     }
 
     fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        *lock(&self.events) = Some(tx);
-        rx
+        self.events.subscribe()
     }
 
     fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
