@@ -3,6 +3,7 @@
 //! timeouts and aborts live above it in [`super::Channel`], so the in-process, TCP and a later
 //! shared-memory backend share all of that.
 
+use super::error::{CollectiveError, Result};
 use std::io::{self, IoSlice};
 use std::time::Instant;
 
@@ -36,4 +37,36 @@ pub trait Pairs: Send {
     fn wait(&mut self, until: Instant) -> Result<(), LinkError>;
     /// Describes the link to `peer` for messages (an address, or "in-process").
     fn describe(&self, peer: usize) -> String;
+}
+
+/// Runs `connect(rank, item)` for every rank's item on a thread of its own (each blocks until
+/// its peers connect too) and returns the results in rank order: how the in-process groups of
+/// the TCP and shared-memory backends (tests, single-process benchmarks) connect. A thread
+/// that panics is a setup error of its rank.
+pub(crate) fn connect_on_threads<T: Send, P: Send>(
+    items: Vec<T>,
+    connect: impl Fn(usize, T) -> Result<P> + Sync,
+) -> Result<Vec<P>> {
+    std::thread::scope(|s| {
+        let joins: Vec<_> = items
+            .into_iter()
+            .enumerate()
+            .map(|(r, item)| {
+                let connect = &connect;
+                s.spawn(move || connect(r, item))
+            })
+            .collect();
+        joins
+            .into_iter()
+            .enumerate()
+            .map(|(r, j)| {
+                j.join().unwrap_or_else(|_| {
+                    Err(CollectiveError::Setup {
+                        rank: r,
+                        problem: "connect thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    })
 }

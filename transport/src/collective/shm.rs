@@ -18,7 +18,7 @@
 //! link error, never an access outside the mapping.
 
 use super::error::{CollectiveError, Result};
-use super::pairs::{LinkError, Pairs};
+use super::pairs::{connect_on_threads, LinkError, Pairs};
 use crate::shm::segment::{checked_path, new_name, sweep_dead, Mapping};
 use crate::shm::slot::{futex_wait, futex_wake_all};
 use std::io::{self, IoSlice};
@@ -611,27 +611,7 @@ pub fn shm_group(size: usize, opts: &ShmOptions) -> Result<Vec<ShmPairs>> {
         .map(|r| ShmRendezvous::create(r, size, opts))
         .collect::<Result<Vec<_>>>()?;
     let names: Vec<String> = rvs.iter().map(|r| r.name().to_string()).collect();
-    std::thread::scope(|s| {
-        let joins: Vec<_> = rvs
-            .into_iter()
-            .map(|rv| {
-                let names = &names;
-                s.spawn(move || rv.connect(names, opts))
-            })
-            .collect();
-        joins
-            .into_iter()
-            .enumerate()
-            .map(|(r, j)| {
-                j.join().unwrap_or_else(|_| {
-                    Err(CollectiveError::Setup {
-                        rank: r,
-                        problem: "connect thread panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    })
+    connect_on_threads(rvs, |_, rv| rv.connect(&names, opts))
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! authenticated with the cluster secret ([`crate::auth`]) before it carries any frame.
 
 use super::error::{CollectiveError, Result};
-use super::pairs::{LinkError, Pairs};
+use super::pairs::{connect_on_threads, LinkError, Pairs};
 use crate::auth::{Acceptor, Connector, Secret};
 use mio::net::TcpStream as MioStream;
 use mio::{Events, Interest, Poll, Token};
@@ -402,28 +402,7 @@ pub fn loopback_group(size: usize, opts: &TcpOptions) -> Result<Vec<TcpPairs>> {
         addrs.push(l.local_addr().map_err(setup(r))?);
         listeners.push(l);
     }
-    std::thread::scope(|s| {
-        let joins: Vec<_> = listeners
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                let addrs = &addrs;
-                s.spawn(move || l.connect(r, addrs, opts))
-            })
-            .collect();
-        joins
-            .into_iter()
-            .enumerate()
-            .map(|(r, j)| {
-                j.join().unwrap_or_else(|_| {
-                    Err(CollectiveError::Setup {
-                        rank: r,
-                        problem: "connect thread panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    })
+    connect_on_threads(listeners, |r, l| l.connect(r, &addrs, opts))
 }
 
 #[cfg(test)]
