@@ -12,6 +12,20 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The pool kernels run on: `num_threads` threads, or one per CPU this process may use when 0.
+pub(crate) fn compute_pool(num_threads: usize) -> Result<rayon::ThreadPool, ExecError> {
+    let threads = if num_threads == 0 {
+        std::thread::available_parallelism().map_or(2, |n| n.get())
+    } else {
+        num_threads
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("dflow-compute-{i}"))
+        .build()
+        .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))
+}
+
 /// What a step runs on and how long it may take.
 #[derive(Clone, Debug)]
 pub(crate) struct StepEnv {

@@ -17,7 +17,7 @@
 
 use crate::error::ExecError;
 use crate::plan::ExecutionPlan;
-use crate::run::{run_plans, StepEnv};
+use crate::run::{compute_pool, run_plans, StepEnv};
 use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::{ClusterSpec, DeviceName, Graph, Shape, Tensor};
@@ -102,18 +102,7 @@ impl Session {
     ) -> Result<Session, ExecError> {
         let placed = place(&graph, &cluster, &opts.placement)
             .map_err(|e| ExecError::Setup(e.to_string()))?;
-        let threads = if opts.num_threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2)
-        } else {
-            opts.num_threads
-        };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("dflow-compute-{i}"))
-            .build()
-            .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
+        let pool = compute_pool(opts.num_threads)?;
         let rendezvous = Arc::new(LocalRendezvous::new());
         Ok(Session {
             placed,

@@ -9,7 +9,7 @@ use super::protocol::{
 use crate::data::{read_csv, Dataset, ReadOptions};
 use crate::error::ExecError;
 use crate::plan::ExecutionPlan;
-use crate::run::{run_plans, StepEnv};
+use crate::run::{compute_pool, run_plans, StepEnv};
 use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::format::parse_json;
@@ -106,18 +106,7 @@ impl TaskServer {
         rendezvous: Arc<dyn DataPlane>,
         opts: &ServerOptions,
     ) -> Result<TaskServer, ExecError> {
-        let threads = if opts.num_threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(2)
-        } else {
-            opts.num_threads
-        };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("dflow-compute-{i}"))
-            .build()
-            .map_err(|e| ExecError::Setup(format!("cannot start compute pool: {e}")))?;
+        let pool = compute_pool(opts.num_threads)?;
         let collectives = Arc::new(
             CollectiveHub::new(&opts.host, opts.secret.clone(), opts.step_timeout)
                 .shared_memory(opts.shm_collectives),
