@@ -647,7 +647,7 @@ pub fn partition(
     let endpoint = |i: u32, device: fn(&PairBuild) -> u32| {
         let (p, tensor) = (&pairs[i as usize], &names[i as usize].tensor_name);
         ClientEndpoint {
-            tensor: tensor.clone(),
+            tensor: tensor.to_string(),
             device: all[device(p) as usize].clone(),
             key: key_of(p, tensor),
         }
@@ -691,7 +691,7 @@ pub fn partition(
                 .shape
                 .num_elements()
                 .and_then(|e| e.checked_mul(ty.dtype.size_of())),
-            tensor_name: names.tensor_name,
+            tensor_name: names.tensor_name.to_string(),
             send_node: names.send_node,
             recv_node: names.recv_node,
             dtype: ty.dtype,
