@@ -165,11 +165,11 @@ pub(super) fn name_pairs(
         push_tensor_part(scratch, g, feeds, pair.src);
         let tensor = scratch.as_str();
         let (send_node, recv_node) = match pair.kind {
-            PairKind::Feed => (String::new(), name("recv", &tensor, "from", "client")),
-            PairKind::Fetch => (name("send", &tensor, "to", "client"), String::new()),
+            PairKind::Feed => (String::new(), name("recv", tensor, "from", "client")),
+            PairKind::Fetch => (name("send", tensor, "to", "client"), String::new()),
             PairKind::Remote => {
-                let send = name("send", &tensor, "to", &short[pair.recv_dev as usize]);
-                let recv = name("recv", &tensor, "from", &short[pair.send_dev as usize]);
+                let send = name("send", tensor, "to", &short[pair.recv_dev as usize]);
+                let recv = name("recv", tensor, "from", &short[pair.send_dev as usize]);
                 (send, recv)
             }
         };
