@@ -35,8 +35,9 @@ fn main() {
         }
     };
     let s = region.change();
-    let held = (s.bytes_allocated + s.bytes_reallocated.max(0) as usize)
-        .saturating_sub(s.bytes_deallocated);
+    // Reallocations count the (signed) change in size.
+    let held =
+        s.bytes_allocated as i128 + s.bytes_reallocated as i128 - s.bytes_deallocated as i128;
     println!(
         "nodes {} pairs {}: allocations {} (reallocations {}), bytes asked {}, result holds {} bytes",
         placed.graph.num_nodes(),
