@@ -122,7 +122,7 @@ fn assert_ps_training(program: &Program, p: &Partitions, slots: &[&str]) {
     let mut values_sent = Vec::new();
     for pair in p.pairs.iter().filter(|x| !x.client_terminated) {
         let (from_ps, to_ps) = (on_ps(&pair.send_device), on_ps(&pair.recv_device));
-        let tensor = pair.tensor_name.as_str();
+        let tensor = &*pair.tensor_name;
         if pair.is_control {
             // Only "the update ran" signals cross (and Adam's step count), towards the train op.
             assert!(from_ps && !to_ps, "{pair:?}");

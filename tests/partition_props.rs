@@ -78,8 +78,8 @@ fn merged(p: &Partitions) -> HashMap<String, (Vec<String>, BTreeSet<String>)> {
         .filter(|t| !t.recv_node.is_empty())
         .map(|t| {
             (
-                (t.recv_device.clone(), t.recv_node.clone()),
-                t.tensor_name.clone(),
+                (t.recv_device.to_string(), t.recv_node.clone()),
+                t.tensor_name.to_string(),
             )
         })
         .collect();
@@ -165,11 +165,11 @@ proptest! {
             }
         }
         let got: Vec<(String, String)> =
-            p.pairs.iter().map(|t| (t.tensor_name.clone(), t.recv_device.clone())).collect();
+            p.pairs.iter().map(|t| (t.tensor_name.to_string(), t.recv_device.to_string())).collect();
         let got_set: BTreeSet<_> = got.iter().cloned().collect();
         prop_assert_eq!(got.len(), got_set.len(), "one pair per (tensor, destination)");
         prop_assert_eq!(got_set, expected);
-        let keys: BTreeSet<&str> = p.pairs.iter().map(|t| t.key.as_str()).collect();
+        let keys: BTreeSet<&str> = p.pairs.iter().map(|t| &*t.key).collect();
         prop_assert_eq!(keys.len(), p.pairs.len());
         let mut sorted = p.pairs.clone();
         sorted.sort_by(|a, b| a.key.cmp(&b.key));

@@ -134,7 +134,7 @@ fn control_dependency_across_devices() {
     );
     assert!(p.pairs[0].is_control);
     assert_eq!(p.pairs[0].bytes, Some(0));
-    assert_eq!(p.pairs[0].tensor_name, "^init");
+    assert_eq!(&*p.pairs[0].tensor_name, "^init");
     snap("control_dependency_across_devices", &p);
 }
 

@@ -265,14 +265,7 @@ mod with_partitioner {
             .pairs
             .iter()
             .filter(|p| !p.client_terminated)
-            .map(|p| {
-                Transfer::new(
-                    &p.tensor_name.to_string(),
-                    &p.send_device.to_string(),
-                    &p.recv_device.to_string(),
-                )
-                .unwrap()
-            })
+            .map(|p| Transfer::new(&p.tensor_name, &p.send_device, &p.recv_device).unwrap())
             .collect()
     }
 

@@ -172,7 +172,7 @@ impl ExecutionPlan {
             let attrs = node.resolved_attrs();
             let key_of = || -> Result<Arc<RendezvousKey>, ExecError> {
                 let get = |k: &str| match attrs.get(k) {
-                    Some(AttrValue::String(s)) => Ok(s.clone()),
+                    Some(AttrValue::String(s)) => Ok(s.to_string()),
                     _ => Err(ExecError::KernelInit {
                         node: node.name.clone(),
                         op: node.op.into(),

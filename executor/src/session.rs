@@ -212,7 +212,7 @@ impl Session {
         let pair_types: HashMap<&str, (dflow_graph::DType, Shape)> = partitions
             .pairs
             .iter()
-            .map(|p| (p.key.as_str(), (p.dtype, p.shape.clone())))
+            .map(|p| (&*p.key, (p.dtype, p.shape.clone())))
             .collect();
         let mut feed_keys = Vec::new();
         for (name, ep) in sig.0.iter().zip(&partitions.feeds) {

@@ -4,6 +4,7 @@ use crate::{DType, Shape, Tensor};
 use serde::{Serialize, Serializer};
 use serde_json::Value;
 use std::fmt;
+use std::sync::Arc;
 
 /// The type of an attribute, as an op declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -53,14 +54,16 @@ pub enum AttrValue {
     Float(f64),
     /// A boolean.
     Bool(bool),
-    /// A string.
-    String(String),
+    /// A string. Shared: copies of a node (e.g. the Send/Recv nodes of many pairs naming one
+    /// device) hold one string, and cloning never copies it.
+    String(Arc<str>),
     /// A dtype.
     DType(DType),
     /// A shape.
     Shape(Shape),
-    /// A tensor constant.
-    Tensor(Tensor),
+    /// A tensor constant. Behind a pointer, so that the other variants (every attribute of
+    /// every node) do not pay for the tensor's size; shared, as the tensor's data already is.
+    Tensor(Arc<Tensor>),
     /// A list of integers.
     IntList(Vec<i64>),
     /// A list of strings.
@@ -101,7 +104,7 @@ impl AttrValue {
             AttrType::Int => AttrValue::Int(v.as_i64().ok_or_else(err)?),
             AttrType::Float => AttrValue::Float(v.as_f64().ok_or_else(err)?),
             AttrType::Bool => AttrValue::Bool(v.as_bool().ok_or_else(err)?),
-            AttrType::String => AttrValue::String(v.as_str().ok_or_else(err)?.to_string()),
+            AttrType::String => AttrValue::String(v.as_str().ok_or_else(err)?.into()),
             AttrType::DType => {
                 let s = v.as_str().ok_or_else(err)?;
                 AttrValue::DType(
@@ -113,10 +116,10 @@ impl AttrValue {
                 serde_json::from_value::<Shape>(v.clone())
                     .map_err(|e| format!("{}: {e}", err()))?,
             ),
-            AttrType::Tensor => AttrValue::Tensor(
+            AttrType::Tensor => AttrValue::Tensor(Arc::new(
                 serde_json::from_value::<Tensor>(v.clone())
                     .map_err(|e| format!("invalid tensor: {e}"))?,
-            ),
+            )),
             AttrType::IntList => AttrValue::IntList(
                 v.as_array()
                     .ok_or_else(err)?
@@ -156,7 +159,7 @@ impl Serialize for AttrValue {
             AttrValue::String(x) => s.serialize_str(x),
             AttrValue::DType(d) => d.serialize(s),
             AttrValue::Shape(x) => x.serialize(s),
-            AttrValue::Tensor(t) => t.serialize(s),
+            AttrValue::Tensor(t) => (**t).serialize(s),
             AttrValue::IntList(v) => v.serialize(s),
             AttrValue::StringList(v) => v.serialize(s),
         }
@@ -180,7 +183,7 @@ impl From<bool> for AttrValue {
 }
 impl From<&str> for AttrValue {
     fn from(v: &str) -> Self {
-        AttrValue::String(v.to_string())
+        AttrValue::String(v.into())
     }
 }
 impl From<DType> for AttrValue {
@@ -195,7 +198,7 @@ impl From<Shape> for AttrValue {
 }
 impl From<Tensor> for AttrValue {
     fn from(v: Tensor) -> Self {
-        AttrValue::Tensor(v)
+        AttrValue::Tensor(Arc::new(v))
     }
 }
 impl From<Vec<i64>> for AttrValue {

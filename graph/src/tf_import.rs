@@ -658,7 +658,7 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
                     "value".into(),
-                    AttrValue::Tensor(tensor_attr(v).map_err(wrap("value"))?),
+                    AttrValue::Tensor(tensor_attr(v).map_err(wrap("value"))?.into()),
                 );
             }
             "Placeholder" => {
@@ -1098,7 +1098,7 @@ mod tests {
             {"name": "c", "op": "Const", "attr": {"value": {"tensor": tensor}}}
         ]}))?;
         match node(&def, "c").attrs.get("value") {
-            Some(AttrValue::Tensor(t)) => Ok(t.clone()),
+            Some(AttrValue::Tensor(t)) => Ok((**t).clone()),
             other => panic!("value is {other:?}"),
         }
     }

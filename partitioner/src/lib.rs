@@ -17,7 +17,7 @@
 //! assert_eq!(parts.partitions.len(), 2);
 //! // `w` lives on ps and is read by `y` on the worker: one pair of 4*2*4 bytes.
 //! assert_eq!(parts.pairs.len(), 1);
-//! assert_eq!(parts.pairs[0].tensor_name, "w:0");
+//! assert_eq!(&*parts.pairs[0].tensor_name, "w:0");
 //! assert_eq!(parts.pairs[0].bytes, Some(32));
 //! assert!(render_text(&parts).contains("send/w_0/to/worker_0"));
 //! ```

@@ -8,12 +8,13 @@ use crate::partition::TransferPair;
 use dflow_graph::{DType, DeviceName, Shape};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// One preallocated receive slot.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlotPlan {
-    /// The pair's rendezvous key.
-    pub key: String,
+    /// The pair's rendezvous key (shared with the pair's).
+    pub key: Arc<str>,
     /// Element type.
     pub dtype: DType,
     /// The static shape.
@@ -73,11 +74,11 @@ pub(crate) fn build_buffer_plan<'a>(
     for p in pairs {
         match p.bytes {
             Some(bytes) => {
-                if p.recv_device != client {
+                if *p.recv_device != *client {
                     match &mut run {
-                        Some((d, sum)) if *d == p.recv_device => *sum = sum.saturating_add(bytes),
+                        Some((d, sum)) if **d == *p.recv_device => *sum = sum.saturating_add(bytes),
                         _ => {
-                            if let Some(done) = run.replace((&p.recv_device, bytes)) {
+                            if let Some(done) = run.replace((&*p.recv_device, bytes)) {
                                 add(&mut per_device, done);
                             }
                         }
@@ -106,7 +107,7 @@ pub(crate) fn build_buffer_plan<'a>(
                         reason.push_str(&format!(": from placeholder {ph}"));
                     }
                 }
-                plan.dynamic.push((p.key.clone(), reason));
+                plan.dynamic.push((p.key.to_string(), reason));
             }
         }
     }

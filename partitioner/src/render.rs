@@ -59,8 +59,7 @@ fn node_line(g: &Graph, idx: petgraph::graph::NodeIndex) -> String {
 
 /// One block per device (its nodes, each Send/Recv with key and bytes), then a summary.
 pub fn render_text(p: &Partitions) -> String {
-    let by_key: HashMap<&str, &TransferPair> =
-        p.pairs.iter().map(|t| (t.key.as_str(), t)).collect();
+    let by_key: HashMap<&str, &TransferPair> = p.pairs.iter().map(|t| (&*t.key, t)).collect();
     let mut out = String::new();
     for (device, part) in &p.partitions {
         let g = &part.graph;
@@ -133,7 +132,7 @@ pub fn render_device_text(p: &Partitions, device: &DeviceName) -> Option<String>
             .iter()
             .filter(|t| {
                 let d = device.to_string();
-                t.send_device == d || t.recv_device == d
+                *t.send_device == *d || *t.recv_device == *d
             })
             .cloned()
             .collect(),
@@ -276,12 +275,12 @@ pub fn render_dot(p: &Partitions) -> String {
         out.push_str("  \"client\" [shape=ellipse];\n");
     }
     for t in &p.pairs {
-        let from = if t.send_device == CLIENT_DEVICE {
+        let from = if &*t.send_device == CLIENT_DEVICE {
             "\"client\"".to_string()
         } else {
             id(&t.send_device, &t.send_node)
         };
-        let to = if t.recv_device == CLIENT_DEVICE {
+        let to = if &*t.recv_device == CLIENT_DEVICE {
             "\"client\"".to_string()
         } else {
             id(&t.recv_device, &t.recv_node)

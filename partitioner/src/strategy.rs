@@ -976,7 +976,7 @@ mod tests {
             op: "Const".into(),
             attrs: BTreeMap::from([(
                 "value".to_string(),
-                AttrValue::Tensor(dflow_graph::Tensor::scalar(3i64)),
+                AttrValue::Tensor(dflow_graph::Tensor::scalar(3i64).into()),
             )]),
             ..NodeDef::default()
         });

@@ -206,7 +206,7 @@ fn registrations(
             .push(RecvSlot {
                 slot,
                 peer: send_task.clone(),
-                key: pair.key.clone(),
+                key: pair.key.to_string(),
                 dtype: pair.dtype.name().to_string(),
                 dims: dims.iter().map(|&d| d as u64).collect(),
             });
@@ -214,7 +214,7 @@ fn registrations(
             .or_insert_with(blank)
             .send_routes
             .push(SendRoute {
-                key: pair.key.clone(),
+                key: pair.key.to_string(),
                 peer: recv_task,
                 slot,
             });

@@ -641,7 +641,7 @@ fn attr_value(ty: AttrType) -> BoxedStrategy<AttrValue> {
             .prop_map(AttrValue::Float)
             .boxed(),
         AttrType::Bool => any::<bool>().prop_map(AttrValue::Bool).boxed(),
-        AttrType::String => text.prop_map(AttrValue::String).boxed(),
+        AttrType::String => text.prop_map(|s| AttrValue::String(s.into())).boxed(),
         AttrType::DType => proptest::sample::select(DType::ALL.to_vec())
             .prop_map(AttrValue::DType)
             .boxed(),
@@ -676,7 +676,7 @@ fn attr_value(ty: AttrType) -> BoxedStrategy<AttrValue> {
                 .prop_filter("not nan", |x| !x.is_nan())
                 .prop_map(|x| Tensor::from_slice(&[1], &[half::bf16::from_f32(x)]).unwrap()),
         ]
-        .prop_map(AttrValue::Tensor)
+        .prop_map(|t| AttrValue::Tensor(t.into()))
         .boxed(),
         AttrType::IntList => proptest::collection::vec(any::<i64>(), 0..4)
             .prop_map(AttrValue::IntList)

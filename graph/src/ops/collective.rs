@@ -55,7 +55,7 @@ struct Collective {
 impl Collective {
     fn new(op: &'static str, init: &KernelInit<'_>) -> Result<Collective, String> {
         let string = |name: &str| match init.attr(name)? {
-            AttrValue::String(s) => Ok(s.clone()),
+            AttrValue::String(s) => Ok(s.to_string()),
             v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
         };
         let int = |name: &str| match init.attr(name) {

@@ -93,7 +93,7 @@ impl AttrDefault {
             AttrDefault::Int(i) => AttrValue::Int(i),
             AttrDefault::Float(x) => AttrValue::Float(x),
             AttrDefault::Bool(b) => AttrValue::Bool(b),
-            AttrDefault::Str(s) => AttrValue::String(s.to_string()),
+            AttrDefault::Str(s) => AttrValue::String(s.into()),
             AttrDefault::DType(d) => AttrValue::DType(d),
             AttrDefault::Ints(v) => AttrValue::IntList(v.to_vec()),
             AttrDefault::EmptyStrings => AttrValue::StringList(vec![]),

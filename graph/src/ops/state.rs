@@ -87,7 +87,7 @@ struct ConstKernel(Tensor);
 
 fn const_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
     match init.attr("value")? {
-        AttrValue::Tensor(t) => Ok(Box::new(ConstKernel(t.clone()))),
+        AttrValue::Tensor(t) => Ok(Box::new(ConstKernel((**t).clone()))),
         v => Err(format!("attribute `value` is {}, not tensor", v.ty())),
     }
 }

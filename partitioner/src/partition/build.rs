@@ -24,8 +24,11 @@ pub(super) struct NodeMaker<'a> {
 struct PartShared {
     /// The partition's device: every node's `device`.
     device: Arc<str>,
+    /// This partition's copy of every device's full name (by device id), for the
+    /// `send_device`/`recv_device` attrs of its Send/Recv nodes.
+    devices: Vec<Arc<str>>,
     /// The value a control pair sends: an empty f32 tensor.
-    empty: Option<Tensor>,
+    empty: Option<Arc<Tensor>>,
     /// Its type.
     control_type: Arc<[TensorType]>,
     /// Output type lists of the input graph (shared by many of its nodes) and this
@@ -41,10 +44,13 @@ type TypeList = Arc<[TensorType]>;
 const LOCAL_TYPE_LISTS: usize = 16;
 
 impl PartShared {
-    fn new(device: &str) -> PartShared {
+    /// The shared values of the partition of device `d`, given every device's full name.
+    fn new(dev_str: &[String], d: usize) -> PartShared {
+        let devices: Vec<Arc<str>> = dev_str.iter().map(|s| Arc::from(s.as_str())).collect();
         PartShared {
-            device: Arc::from(device),
-            empty: Tensor::zeros(DType::F32, &[0]).ok(),
+            device: devices[d].clone(),
+            devices,
+            empty: Tensor::zeros(DType::F32, &[0]).ok().map(Arc::new),
             control_type: Arc::from([TensorType::new(DType::F32, Shape::known(&[0]))]),
             type_lists: Vec::new(),
         }
@@ -99,8 +105,8 @@ impl NodeMaker<'_> {
                 send_node(
                     names.send_node.clone(),
                     local.device.clone(),
-                    &names.tensor_name,
-                    &self.dev_str[p.recv_dev as usize],
+                    names.tensor_name.clone(),
+                    local.devices[p.recv_dev as usize].clone(),
                     p.kind == PairKind::Fetch,
                 )
             }
@@ -122,8 +128,8 @@ impl NodeMaker<'_> {
                 recv_node(
                     names.recv_node.clone(),
                     local.device.clone(),
-                    &names.tensor_name,
-                    &self.dev_str[p.send_dev as usize],
+                    names.tensor_name.clone(),
+                    local.devices[p.send_dev as usize].clone(),
                     p.kind == PairKind::Feed,
                     outputs,
                 )
@@ -164,7 +170,7 @@ pub(super) fn build_graphs(
             if part.items.is_empty() {
                 return None;
             }
-            let mut local = PartShared::new(&maker.dev_str[d]);
+            let mut local = PartShared::new(maker.dev_str, d);
             let nodes = part
                 .items
                 .iter()
@@ -196,11 +202,11 @@ pub(super) fn build_graphs(
 }
 
 /// The rendezvous attrs of a Send, or of a Recv when it is given the type it receives. Set in
-/// name order, so each lands at the end of the list.
+/// name order, so each lands at the end of the list. The strings are shared, not copied.
 fn transfer_attrs(
-    tensor_name: &str,
-    send_device: &str,
-    recv_device: &str,
+    tensor_name: Arc<str>,
+    send_device: Arc<str>,
+    recv_device: Arc<str>,
     client_terminated: bool,
     received: Option<&TensorType>,
 ) -> Attrs {
@@ -212,12 +218,12 @@ fn transfer_attrs(
     if let Some(ty) = received {
         attrs.insert("dtype", AttrValue::DType(ty.dtype));
     }
-    attrs.insert("recv_device", AttrValue::String(recv_device.into()));
-    attrs.insert("send_device", AttrValue::String(send_device.into()));
+    attrs.insert("recv_device", AttrValue::String(recv_device));
+    attrs.insert("send_device", AttrValue::String(send_device));
     if let Some(ty) = received {
         attrs.insert("shape", AttrValue::Shape(ty.shape.clone()));
     }
-    attrs.insert("tensor_name", AttrValue::String(tensor_name.into()));
+    attrs.insert("tensor_name", AttrValue::String(tensor_name));
     attrs
 }
 
@@ -225,11 +231,17 @@ fn transfer_attrs(
 fn send_node(
     name: String,
     device: Arc<str>,
-    tensor_name: &str,
-    recv_device: &str,
+    tensor_name: Arc<str>,
+    recv_device: Arc<str>,
     client_terminated: bool,
 ) -> Node {
-    let attrs = transfer_attrs(tensor_name, &device, recv_device, client_terminated, None);
+    let attrs = transfer_attrs(
+        tensor_name,
+        device.clone(),
+        recv_device,
+        client_terminated,
+        None,
+    );
     Node {
         name,
         op: "Send",
@@ -245,15 +257,15 @@ fn send_node(
 fn recv_node(
     name: String,
     device: Arc<str>,
-    tensor_name: &str,
-    send_device: &str,
+    tensor_name: Arc<str>,
+    send_device: Arc<str>,
     client_terminated: bool,
     outputs: Arc<[TensorType]>,
 ) -> Node {
     let attrs = transfer_attrs(
         tensor_name,
         send_device,
-        &device,
+        device.clone(),
         client_terminated,
         outputs.first(),
     );

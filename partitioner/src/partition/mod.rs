@@ -42,6 +42,7 @@ use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// A hash map with a fast hasher, for keys the partitioner makes itself (never user text).
 type FastMap<K, V> = hashbrown::HashMap<K, V, hashbrown::DefaultHashBuilder>;
@@ -82,16 +83,20 @@ pub struct Partition {
 }
 
 /// One Send/Recv pair: a tensor crossing from one device to another.
+///
+/// The strings are shared (and serialized as plain strings): the key with the buffer plan's
+/// slot, the tensor name with the pair's Send and Recv nodes, each device name with every pair
+/// that names the device.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferPair {
     /// The rendezvous key `send_device;recv_device;tensor_name`.
-    pub key: String,
+    pub key: Arc<str>,
     /// The source tensor `node:out`, or `^node` for a control pair.
-    pub tensor_name: String,
+    pub tensor_name: Arc<str>,
     /// Full name of the sending device ([`CLIENT_DEVICE`] for a feed).
-    pub send_device: String,
+    pub send_device: Arc<str>,
     /// Full name of the receiving device ([`CLIENT_DEVICE`] for a fetch).
-    pub recv_device: String,
+    pub recv_device: Arc<str>,
     /// The Send node (empty for a feed: the client sends).
     pub send_node: String,
     /// The Recv node (empty for a fetch: the client receives).
@@ -647,7 +652,7 @@ pub fn partition(
     let endpoint = |i: u32, device: fn(&PairBuild) -> u32| {
         let (p, tensor) = (&pairs[i as usize], &names[i as usize].tensor_name);
         ClientEndpoint {
-            tensor: tensor.clone(),
+            tensor: tensor.to_string(),
             device: all[device(p) as usize].clone(),
             key: key_of(p, tensor),
         }
@@ -678,13 +683,20 @@ pub fn partition(
         partitions.insert(device.clone(), Partition { device, graph });
     }
 
-    // The pair list, sorted by (send device, receive device, tensor name).
-    let sorted = sorted_pairs(pairs, names, |p, names| {
+    // The pair list, sorted by (send device, receive device, tensor name). Device names are
+    // shared; each key is made in the thread's scratch string, then copied once.
+    let dev_arc: Vec<Arc<str>> = dev_str.iter().map(|s| Arc::from(s.as_str())).collect();
+    let sorted = sorted_pairs(pairs, names, |p, names, scratch| {
         let ty = source_type(g, &feeds, p.src);
+        scratch.clear();
+        let (send, recv) = (&dev_str[p.send_dev as usize], &dev_str[p.recv_dev as usize]);
+        for part in [send.as_str(), ";", recv, ";", &names.tensor_name] {
+            scratch.push_str(part);
+        }
         TransferPair {
-            key: key_of(&p, &names.tensor_name),
-            send_device: dev_str[p.send_dev as usize].clone(),
-            recv_device: dev_str[p.recv_dev as usize].clone(),
+            key: Arc::from(scratch.as_str()),
+            send_device: dev_arc[p.send_dev as usize].clone(),
+            recv_device: dev_arc[p.recv_dev as usize].clone(),
             is_control: matches!(p.src, Source::Control(_)),
             client_terminated: p.send_dev == client_id || p.recv_dev == client_id,
             bytes: ty
@@ -708,7 +720,7 @@ pub fn partition(
         let name = p
             .tensor_name
             .rsplit_once(':')
-            .map_or(p.tensor_name.as_str(), |(n, _)| n);
+            .map_or(&*p.tensor_name, |(n, _)| n);
         let v = g.find(name)?;
         let o = origins.get(v.index()).copied().flatten()?;
         Some(g.node(NodeIndex::new(o as usize)).name.clone())
@@ -723,11 +735,12 @@ pub fn partition(
 }
 
 /// Turns every pair into its [`TransferPair`] (in parallel) and sorts them by (send device,
-/// receive device, tensor name); device ids follow [`DeviceName`] order.
+/// receive device, tensor name); device ids follow [`DeviceName`] order. `make` is given a
+/// scratch string of its thread.
 fn sorted_pairs(
     pairs: Vec<PairBuild>,
     mut names: Vec<PairNames>,
-    make: impl Fn(PairBuild, PairNames) -> TransferPair + Sync,
+    make: impl Fn(PairBuild, PairNames, &mut String) -> TransferPair + Sync,
 ) -> Vec<TransferPair> {
     use rayon::prelude::*;
     let mut order: Vec<(u32, u32, u32)> = pairs
@@ -752,7 +765,10 @@ fn sorted_pairs(
         .iter()
         .map(|&(_, _, i)| (pairs[i as usize], std::mem::take(&mut names[i as usize])))
         .collect();
-    in_order.into_par_iter().map(|(p, n)| make(p, n)).collect()
+    in_order
+        .into_par_iter()
+        .map_init(String::new, |scratch, (p, n)| make(p, n, scratch))
+        .collect()
 }
 
 /// The type a pair carries: its source tensor's, or an empty f32 for a control pair.

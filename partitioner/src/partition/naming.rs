@@ -10,6 +10,7 @@ use super::{PairBuild, PairKind, Source, TensorRef};
 use dflow_graph::{DeviceName, Graph};
 use petgraph::graph::NodeIndex;
 use std::collections::HashSet;
+use std::sync::Arc;
 
 /// Generated node names: readable, deterministic, valid, and never equal to a graph node.
 struct Namer<'a> {
@@ -94,35 +95,53 @@ fn plain_name(prefix: &str, tensor: &str, dir: &str, device: &str, pair: usize) 
     name
 }
 
-/// The tensor part of a generated name: the source tensor with `:` replaced by `_`, or
-/// `{node}_ctrl` for a control edge.
-fn tensor_part(g: &Graph, feeds: &[TensorRef], src: Source) -> String {
+/// The source node and output of `src` (output 0 for a control edge).
+fn source_output<'g>(g: &'g Graph, feeds: &[TensorRef], src: Source) -> (&'g str, usize) {
     match src {
-        Source::Data(n, o) => indexed(&g.node(NodeIndex::new(n as usize)).name, "_", o as usize),
+        Source::Data(n, o) => (&g.node(NodeIndex::new(n as usize)).name, o as usize),
         Source::Feed(f) => {
             let t = feeds[f as usize];
-            indexed(&g.node(t.node).name, "_", t.out)
+            (&g.node(t.node).name, t.out)
         }
-        Source::Control(n) => concat(&[&g.node(NodeIndex::new(n as usize)).name, "_ctrl"]),
+        Source::Control(n) => (&g.node(NodeIndex::new(n as usize)).name, 0),
+    }
+}
+
+/// Appends the tensor part of a generated name to `buf`: the source tensor with `:` replaced
+/// by `_`, or `{node}_ctrl` for a control edge.
+fn push_tensor_part(buf: &mut String, g: &Graph, feeds: &[TensorRef], src: Source) {
+    let (node, out) = source_output(g, feeds, src);
+    buf.push_str(node);
+    match src {
+        Source::Control(_) => buf.push_str("_ctrl"),
+        _ => push_indexed(buf, "_", out),
+    }
+}
+
+/// Appends the tensor a pair carries to `buf`: `node:out`, or `^node` for a control edge.
+fn push_tensor_name(buf: &mut String, g: &Graph, feeds: &[TensorRef], src: Source) {
+    let (node, out) = source_output(g, feeds, src);
+    if let Source::Control(_) = src {
+        buf.push('^');
+        buf.push_str(node);
+    } else {
+        buf.push_str(node);
+        push_indexed(buf, ":", out);
     }
 }
 
 /// The tensor a pair carries: `node:out`, or `^node` for a control edge.
 pub(super) fn tensor_name(g: &Graph, feeds: &[TensorRef], src: Source) -> String {
-    match src {
-        Source::Data(u, o) => indexed(&g.node(NodeIndex::new(u as usize)).name, ":", o as usize),
-        Source::Feed(f) => {
-            let t = feeds[f as usize];
-            indexed(&g.node(t.node).name, ":", t.out)
-        }
-        Source::Control(u) => concat(&["^", &g.node(NodeIndex::new(u as usize)).name]),
-    }
+    let mut s = String::new();
+    push_tensor_name(&mut s, g, feeds, src);
+    s
 }
 
 /// The names of a pair: its tensor, and its Send and Recv nodes (empty on the client's side).
+/// The tensor name is shared by the pair's Send and Recv nodes (their `tensor_name` attr).
 #[derive(Default)]
 pub(super) struct PairNames {
-    pub(super) tensor_name: String,
+    pub(super) tensor_name: Arc<str>,
     pub(super) send_node: String,
     pub(super) recv_node: String,
 }
@@ -137,31 +156,39 @@ pub(super) fn name_pairs(
     short: &[String],
 ) -> Vec<PairNames> {
     use rayon::prelude::*;
-    // The names of `pair`, given how to name one node from (prefix, tensor, dir, device).
-    let names = |pair: &PairBuild, name: &mut dyn FnMut(&str, &str, &str, &str) -> String| {
-        let tensor = tensor_part(g, feeds, pair.src);
+    // The names of `pair`, given how to name one node from (prefix, tensor, dir, device), made
+    // in `scratch` (reused, so the parts cost no allocation of their own).
+    let names = |pair: &PairBuild,
+                 scratch: &mut String,
+                 name: &mut dyn FnMut(&str, &str, &str, &str) -> String| {
+        scratch.clear();
+        push_tensor_part(scratch, g, feeds, pair.src);
+        let tensor = scratch.as_str();
         let (send_node, recv_node) = match pair.kind {
-            PairKind::Feed => (String::new(), name("recv", &tensor, "from", "client")),
-            PairKind::Fetch => (name("send", &tensor, "to", "client"), String::new()),
+            PairKind::Feed => (String::new(), name("recv", tensor, "from", "client")),
+            PairKind::Fetch => (name("send", tensor, "to", "client"), String::new()),
             PairKind::Remote => {
-                let send = name("send", &tensor, "to", &short[pair.recv_dev as usize]);
-                let recv = name("recv", &tensor, "from", &short[pair.send_dev as usize]);
+                let send = name("send", tensor, "to", &short[pair.recv_dev as usize]);
+                let recv = name("recv", tensor, "from", &short[pair.send_dev as usize]);
                 (send, recv)
             }
         };
+        scratch.clear();
+        push_tensor_name(scratch, g, feeds, pair.src);
         PairNames {
-            tensor_name: tensor_name(g, feeds, pair.src),
+            tensor_name: Arc::from(scratch.as_str()),
             send_node,
             recv_node,
         }
     };
     let mut namer = Namer::new(g);
     if namer.clash_possible() {
+        let mut scratch = String::new();
         return pairs
             .iter()
             .enumerate()
             .map(|(p, pair)| {
-                names(pair, &mut |prefix, tensor, dir, device| {
+                names(pair, &mut scratch, &mut |prefix, tensor, dir, device| {
                     namer.name(prefix, tensor, dir, device, p)
                 })
             })
@@ -170,8 +197,8 @@ pub(super) fn name_pairs(
     pairs
         .par_iter()
         .enumerate()
-        .map(|(p, pair)| {
-            names(pair, &mut |prefix, tensor, dir, device| {
+        .map_init(String::new, |scratch, (p, pair)| {
+            names(pair, scratch, &mut |prefix, tensor, dir, device| {
                 plain_name(prefix, tensor, dir, device, p)
             })
         })
@@ -188,8 +215,8 @@ pub(super) fn concat(parts: &[&str]) -> String {
     s
 }
 
-/// `{name}{sep}{index}`, e.g. the tensor name `x:0`.
-pub(super) fn indexed(name: &str, sep: &str, index: usize) -> String {
+/// Appends `{sep}{index}` to `buf`, e.g. the `:0` of the tensor name `x:0`.
+pub(super) fn push_indexed(buf: &mut String, sep: &str, index: usize) {
     let mut digits = [0u8; 20];
     let mut start = digits.len();
     let mut rest = index;
@@ -201,8 +228,8 @@ pub(super) fn indexed(name: &str, sep: &str, index: usize) -> String {
             break;
         }
     }
-    let digits = std::str::from_utf8(&digits[start..]).unwrap_or_default();
-    concat(&[name, sep, digits])
+    buf.push_str(sep);
+    buf.push_str(std::str::from_utf8(&digits[start..]).unwrap_or_default());
 }
 
 /// Short, name-safe form of a device: `worker_0`, or `worker_0_gpu_1` off CPU:0.

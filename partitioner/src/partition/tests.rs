@@ -1,6 +1,6 @@
 //! Partitioning's own tests: partitions equal their validated form, structure checks, names.
 
-use super::naming::{concat, indexed};
+use super::naming::{concat, push_indexed};
 use super::*;
 use crate::synthetic;
 
@@ -79,6 +79,11 @@ fn generated_names_step_around_graph_nodes() {
 
 #[test]
 fn indexed_names() {
+    let indexed = |name: &str, sep: &str, index: usize| {
+        let mut s = name.to_string();
+        push_indexed(&mut s, sep, index);
+        s
+    };
     assert_eq!(indexed("x", ":", 0), "x:0");
     assert_eq!(indexed("a/b", "_", 12345), "a/b_12345");
     assert_eq!(indexed("y", ":", usize::MAX), format!("y:{}", usize::MAX));
