@@ -60,17 +60,16 @@ fn two_processes_print_a_row_per_op_and_size() {
     // Two ranks fit when this process may use two CPUs: pinned like mpirun unless told
     // otherwise (`available_parallelism` is at most the affinity mask's size; with a CPU quota
     // below 2 it says less than the mask and either line is right).
-    let stderr = String::from_utf8_lossy(&out.stderr);
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let pinned = stderr.contains("# ranks pinned to CPUs [");
-    let unpinned = stderr.contains("# ranks not pinned (--bind auto)");
+    let pinned = stdout.contains("\n# ranks pinned to CPUs [");
+    let unpinned = stdout.contains("\n# ranks not pinned (--bind auto)");
     assert!(
         if cpus >= 2 {
             pinned
         } else {
             pinned || unpinned
         },
-        "{stderr}"
+        "{stdout}"
     );
 }
 
@@ -93,13 +92,17 @@ fn binding_can_be_turned_off() {
         ])
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stderr.contains("# ranks not pinned (--bind none)"),
-        "{stderr}"
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("all_reduce"));
+    assert!(
+        stdout.contains("\n# ranks not pinned (--bind none)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("all_reduce"), "{stdout}");
 }
 
 #[test]

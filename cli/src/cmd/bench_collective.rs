@@ -344,8 +344,9 @@ fn run_rank(c: &Communicator, plan: &Plan, args: &Args) -> anyhow::Result<Vec<Ro
     Ok(rows)
 }
 
-fn print_table(rows: &[Row], n: usize, transport: &str) {
+fn print_table(rows: &[Row], n: usize, transport: &str, placement: &str) {
     println!("# dflow collectives: {n} ranks, {transport}, f32, sum; time = median over iterations of the slowest rank");
+    println!("# {placement}");
     println!(
         "{:<15} {:>5} {:>10} {:>11} {:>12} {:>12} {:>12} {:>12}",
         "op", "ranks", "size", "count", "time_us", "min_us", "algbw_GB/s", "busbw_GB/s"
@@ -495,15 +496,15 @@ fn parse_row(line: &str) -> anyhow::Result<Row> {
 }
 
 /// Runs every rank as a child process (TCP or shared memory).
-fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
+fn run_procs(args: &Args) -> anyhow::Result<(Vec<Row>, String)> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut workers = Workers(Vec::new());
     let cpus = rank_cpus(args.bind, args.ranks, &allowed_cpus()?);
     let bind = args.bind.name();
-    match &cpus {
-        Some(c) => eprintln!("# ranks pinned to CPUs {c:?} (--bind {bind})"),
-        None => eprintln!("# ranks not pinned (--bind {bind})"),
-    }
+    let placement = match &cpus {
+        Some(c) => format!("ranks pinned to CPUs {c:?} (--bind {bind})"),
+        None => format!("ranks not pinned (--bind {bind})"),
+    };
     for r in 0..args.ranks {
         let cpu = cpus.as_ref().map(|c| c[r]);
         let child = Command::new(&exe)
@@ -553,7 +554,7 @@ fn run_procs(args: &Args) -> anyhow::Result<Vec<Row>> {
         }
     }
     drop(stdins);
-    Ok(rows)
+    Ok((rows, placement))
 }
 
 fn run_inproc(args: &Args) -> anyhow::Result<Vec<Row>> {
@@ -582,12 +583,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return run_worker(&args, rank);
     }
     plan(&args)?;
-    let rows = match args.transport.as_str() {
+    let (rows, placement) = match args.transport.as_str() {
         "tcp" | "shm" => run_procs(&args)?,
-        "inproc" => run_inproc(&args)?,
+        "inproc" => (
+            run_inproc(&args)?,
+            "ranks are threads of this process".into(),
+        ),
         t => bail!("unknown transport {t:?} (tcp, shm, inproc)"),
     };
-    print_table(&rows, args.ranks, &args.transport);
+    print_table(&rows, args.ranks, &args.transport, &placement);
     Ok(())
 }
 
