@@ -44,15 +44,9 @@ fn start_long_job(cluster: &Cluster, ckpt: &Path) -> (Task, Task, Task) {
     chief_args.extend(args);
     chief_args.extend(["--checkpoint-dir", &ckpt_s, "--save-every", "20"]);
     let chief = Task::start(cluster, "worker", 0, &chief_args);
-    let start = Instant::now();
-    while newest_checkpoint_step(ckpt).is_none() {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no checkpoint appeared; chief stderr:\n{}",
-            chief.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    chief.wait_until(Duration::from_secs(120), "a checkpoint", || {
+        newest_checkpoint_step(ckpt).is_some()
+    });
     (ps, worker1, chief)
 }
 

@@ -7,7 +7,7 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use support::*;
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -190,15 +190,9 @@ fn a_killed_worker_ends_a_quic_job_naming_it() {
     chief_args.extend(args);
     chief_args.extend(["--checkpoint-dir", &ckpt_s, "--save-every", "20"]);
     let chief = Task::start(&cluster, "worker", 0, &chief_args);
-    let start = Instant::now();
-    while std::fs::read_dir(&ckpt).map_or(true, |mut d| d.next().is_none()) {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no checkpoint appeared; chief stderr:\n{}",
-            chief.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    chief.wait_until(Duration::from_secs(120), "a checkpoint", || {
+        std::fs::read_dir(&ckpt).is_ok_and(|mut d| d.next().is_some())
+    });
     // SIGKILL: over UDP nothing tells the others; the idle timeout (3 s) does.
     worker1.kill();
     let dead = "/job:worker/replica:0/task:1";

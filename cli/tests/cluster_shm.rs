@@ -6,7 +6,7 @@
 mod support;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use support::*;
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -104,15 +104,9 @@ fn a_killed_task_leaves_no_shm_segments() {
     let chief = Task::start(&cluster, "worker", 0, &chief_args);
     let pids = [chief.pid(), worker1.pid(), ps.pid()];
     // Train until the first checkpoint (20 steps over shm), then kill a worker.
-    let start = Instant::now();
-    while std::fs::read_dir(&ckpt).map_or(true, |mut d| d.next().is_none()) {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "no checkpoint appeared; chief stderr:\n{}",
-            chief.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    chief.wait_until(Duration::from_secs(120), "a checkpoint", || {
+        std::fs::read_dir(&ckpt).is_ok_and(|mut d| d.next().is_some())
+    });
     worker1.kill();
     let dead = "/job:worker/replica:0/task:1";
     chief

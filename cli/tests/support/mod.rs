@@ -221,15 +221,21 @@ impl Task {
 
     /// Waits until `pred` holds for the task's stderr, at most `limit`.
     pub fn wait_for_stderr(&self, limit: Duration, pred: impl Fn(&str) -> bool) {
+        self.wait_until(limit, "the expected output", || pred(&self.stderr()));
+    }
+
+    /// Waits until `done()` holds, polling every 20 ms for at most `limit`; panics naming
+    /// `what` with this task's stderr otherwise.
+    pub fn wait_until(&self, limit: Duration, what: &str, done: impl Fn() -> bool) {
         let start = Instant::now();
         while start.elapsed() < limit {
-            if pred(&self.stderr()) {
+            if done() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!(
-            "{}: the expected output did not appear within {limit:?}; stderr:\n{}",
+            "{}: {what} did not appear within {limit:?}; stderr:\n{}",
             self.name,
             self.stderr()
         );
