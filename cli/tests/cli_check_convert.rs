@@ -1,29 +1,9 @@
 //! `dflow check` and `dflow convert`, driven through the real binary.
 
 use dflow::graph::format::{parse_dsl, parse_json};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn dflow(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dflow"))
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap()
-}
-
-fn stdout(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "dflow failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout.clone()).unwrap()
-}
+mod support;
+use support::{dflow, repo, scratch, stdout};
 
 /// Every example graph, as (JSON, DSL) paths relative to the repository.
 const EXAMPLES: &[(&str, &str)] = &[
@@ -37,14 +17,6 @@ const EXAMPLES: &[(&str, &str)] = &[
         "examples/digits/digits.dflow",
     ),
 ];
-
-/// A fresh scratch directory under the target dir.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 #[test]
 fn check_summarizes_the_mlp() {

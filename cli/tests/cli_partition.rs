@@ -1,29 +1,10 @@
 //! `dflow partition`, driven through the real binary: the three output formats, `-o DIR`, a
 //! TensorFlow GraphDef, and bad clusters / devices (a clear error, never a panic).
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn dflow(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dflow"))
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap()
-}
-
-fn stdout(o: &Output) -> String {
-    assert!(
-        o.status.success(),
-        "dflow failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout.clone()).unwrap()
-}
+mod support;
+use support::{dflow, scratch, stdout};
 
 /// Runs a command that must fail; returns its stderr after checking it is an error, not a panic.
 fn failure(o: &Output) -> String {
@@ -33,14 +14,6 @@ fn failure(o: &Output) -> String {
     assert!(err.starts_with("error: "), "{err}");
     assert!(o.stdout.is_empty());
     err
-}
-
-/// A fresh scratch directory under the target dir.
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }
 
 const MLP: &str = "examples/mlp/mlp.json";

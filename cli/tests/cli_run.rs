@@ -1,27 +1,8 @@
 //! `dflow run --local` driven through the real binary: fetches are printed, traces written, and a
 //! hostile feed file is a clear, single-cause error.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn dflow(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dflow"))
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
+mod support;
+use support::{dflow, scratch};
 
 const MLP: [&str; 5] = [
     "run",

@@ -1,4 +1,5 @@
-//! Starting real `dflow` processes as the tasks of a job on 127.0.0.1, bounded in time.
+//! Running the real `dflow` binary from tests: one-shot commands (`dflow`, `stdout`, `scratch`)
+//! and the tasks of a job started as processes on 127.0.0.1, bounded in time.
 #![allow(dead_code)] // each test binary uses a different part
 
 use std::io::Read;
@@ -17,6 +18,33 @@ pub fn serial() -> MutexGuard<'static, ()> {
 
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Runs `dflow ARGS` from the repository root and returns its output.
+pub fn dflow(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+/// The stdout of a run that must have succeeded (its stderr in the panic otherwise).
+pub fn stdout(o: &std::process::Output) -> String {
+    assert!(
+        o.status.success(),
+        "dflow failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+/// A fresh scratch directory `NAME-PID` under the target dir.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 /// `n` ports that were free a moment ago.
