@@ -1,10 +1,11 @@
 //! Failures: mismatched collectives fail fast on every rank with both fingerprints; a skipped
 //! collective stalls, is reported, and times out naming the missing rank; a dropped or killed
-//! rank makes the others fail within the timeout naming it; hostile bytes are rejected.
+//! rank makes the others fail within the timeout naming it; hostile bytes are rejected. Each
+//! scenario runs in process, over TCP and over shared memory.
 
 use dflow_transport::collective::{
-    loopback_group, Channel, CollectiveError, CommOptions, Communicator, InProcPairs, Pairs,
-    ReduceOp, TcpOptions, TcpRendezvous, HEADER_LEN,
+    loopback_group, Channel, CollectiveError, Communicator, InProcPairs, Pairs, ReduceOp,
+    TcpOptions, TcpRendezvous, HEADER_LEN,
 };
 use std::io::IoSlice;
 use std::net::SocketAddr;
@@ -12,50 +13,12 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-fn opts(timeout_ms: u64) -> CommOptions {
-    CommOptions {
-        timeout: Duration::from_millis(timeout_ms),
-        stall_warning: Duration::from_millis(timeout_ms / 4),
-        ..CommOptions::default()
-    }
-}
+mod support;
+use support::{comms, on_ranks, opts, Backend};
 
-fn comms(tcp: bool, n: usize, o: CommOptions) -> Vec<Communicator> {
-    if tcp {
-        loopback_group(n, &TcpOptions::default())
-            .unwrap()
-            .into_iter()
-            .map(|p| Communicator::new(Box::new(p), o.clone()))
-            .collect()
-    } else {
-        Communicator::in_process(n, o)
-    }
-}
-
-/// Runs `f` on every rank; returns each rank's result and how long it took.
-fn on_ranks<R: Send>(
-    comms: Vec<Communicator>,
-    f: impl Fn(Communicator) -> R + Sync,
-) -> Vec<(R, Duration)> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let joins: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let t = Instant::now();
-                    let r = f(c);
-                    (r, t.elapsed())
-                })
-            })
-            .collect();
-        joins.into_iter().map(|j| j.join().unwrap()).collect()
-    })
-}
-
-fn mismatched_shapes(tcp: bool) {
+fn mismatched_shapes(backend: Backend) {
     // Long timeout: failing fast means well under it.
-    let results = on_ranks(comms(tcp, 3, opts(20_000)), |c| {
+    let results = on_ranks(comms(backend, 3, opts(20_000)), |c| {
         let mut x = vec![1.0f32; if c.rank() == 2 { 5 } else { 4 }];
         c.all_reduce(&mut x, ReduceOp::Sum)
     });
@@ -77,16 +40,22 @@ fn mismatched_shapes(tcp: bool) {
 
 #[test]
 fn mismatched_shapes_fail_on_every_rank_in_process() {
-    mismatched_shapes(false);
+    mismatched_shapes(Backend::InProcess);
 }
 
 #[test]
 fn mismatched_shapes_fail_on_every_rank_over_tcp() {
-    mismatched_shapes(true);
+    mismatched_shapes(Backend::Tcp);
 }
 
-fn skipped_collective(tcp: bool) {
-    let results = on_ranks(comms(tcp, 4, opts(20_000)), |c| {
+#[cfg(target_os = "linux")]
+#[test]
+fn mismatched_shapes_fail_on_every_rank_over_shm() {
+    mismatched_shapes(Backend::Shm);
+}
+
+fn skipped_collective(backend: Backend) {
+    let results = on_ranks(comms(backend, 4, opts(20_000)), |c| {
         if c.rank() != 1 {
             let mut x = vec![1i64; 100];
             c.all_reduce(&mut x, ReduceOp::Max)?;
@@ -112,12 +81,18 @@ fn skipped_collective(tcp: bool) {
 
 #[test]
 fn skipped_collective_fails_on_every_rank_in_process() {
-    skipped_collective(false);
+    skipped_collective(Backend::InProcess);
 }
 
 #[test]
 fn skipped_collective_fails_on_every_rank_over_tcp() {
-    skipped_collective(true);
+    skipped_collective(Backend::Tcp);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn skipped_collective_fails_on_every_rank_over_shm() {
+    skipped_collective(Backend::Shm);
 }
 
 /// A `tracing` writer into a shared buffer.
@@ -137,7 +112,7 @@ impl std::io::Write for Captured {
 #[test]
 fn absent_rank_is_reported_as_stalled_then_times_out() {
     let logs = Captured::default();
-    let results = on_ranks(comms(false, 3, opts(1_200)), |c| {
+    let results = on_ranks(comms(Backend::InProcess, 3, opts(1_200)), |c| {
         let logs = logs.clone();
         let sub = tracing_subscriber::fmt()
             .with_writer(move || logs.clone())
@@ -178,8 +153,8 @@ fn absent_rank_is_reported_as_stalled_then_times_out() {
     assert!(text.contains("missing=[2]"), "{text}");
 }
 
-fn dropped_rank(tcp: bool) {
-    let results = on_ranks(comms(tcp, 3, opts(10_000)), |c| {
+fn dropped_rank(backend: Backend) {
+    let results = on_ranks(comms(backend, 3, opts(10_000)), |c| {
         let mut x = vec![1i32; 1000];
         c.all_reduce(&mut x, ReduceOp::Sum)?;
         if c.rank() == 2 {
@@ -200,12 +175,18 @@ fn dropped_rank(tcp: bool) {
 
 #[test]
 fn dropped_rank_fails_the_others_in_process() {
-    dropped_rank(false);
+    dropped_rank(Backend::InProcess);
 }
 
 #[test]
 fn dropped_rank_fails_the_others_over_tcp() {
-    dropped_rank(true);
+    dropped_rank(Backend::Tcp);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn dropped_rank_fails_the_others_over_shm() {
+    dropped_rank(Backend::Shm);
 }
 
 /// Entry point of the child processes of `killed_process_fails_the_others` (a no-op when the
