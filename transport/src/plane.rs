@@ -122,6 +122,85 @@ pub trait DataPlane: Rendezvous {
     fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous>;
 }
 
+/// Implements [`DataPlane`] for a plane whose receive slots are a [`crate::tcp::SlotTable`]
+/// (field `slots`) and which has the fields `name` and `addr` and inherent `register_send`,
+/// `connect`, `send_message`, `subscribe` and `close` methods: the TCP and QUIC planes, whose
+/// trait impls were otherwise the same forty lines.
+macro_rules! slot_table_data_plane {
+    ($plane:ty) => {
+        impl $crate::plane::DataPlane for $plane {
+            fn task(&self) -> &str {
+                &self.name
+            }
+
+            fn local_addr(&self) -> std::net::SocketAddr {
+                self.addr
+            }
+
+            fn register_recv(
+                &self,
+                slot_id: u32,
+                peer: &str,
+                key: std::sync::Arc<$crate::rendezvous::RendezvousKey>,
+                dtype: dflow_graph::DType,
+                dims: &[usize],
+            ) -> Result<(), String> {
+                self.slots
+                    .register(slot_id, peer, key, dtype, dims)
+                    .map_err(|e| e.to_string())
+            }
+
+            fn has_recv_slot(&self, key: &$crate::rendezvous::RendezvousKey) -> bool {
+                self.slots.peer_of(key).is_some()
+            }
+
+            fn register_send(
+                &self,
+                key: std::sync::Arc<$crate::rendezvous::RendezvousKey>,
+                peer: &str,
+                slot_id: u32,
+            ) {
+                <$plane>::register_send(self, key, peer, slot_id)
+            }
+
+            fn connect(
+                self: std::sync::Arc<Self>,
+                peer: String,
+                addr: std::net::SocketAddr,
+            ) -> $crate::plane::BoxFuture<'static, Result<(), String>> {
+                Box::pin(async move {
+                    <$plane>::connect(&self, &peer, addr)
+                        .await
+                        .map_err(|e| e.to_string())
+                })
+            }
+
+            fn send_message(
+                &self,
+                peer: &str,
+                body: Vec<u8>,
+            ) -> Result<(), $crate::rendezvous::RendezvousError> {
+                <$plane>::send_message(self, peer, body)
+            }
+
+            fn subscribe(&self) -> tokio::sync::mpsc::UnboundedReceiver<$crate::plane::PeerEvent> {
+                <$plane>::subscribe(self)
+            }
+
+            fn close(&self, within: std::time::Duration) -> $crate::plane::BoxFuture<'_, ()> {
+                Box::pin(<$plane>::close(self, within))
+            }
+
+            fn as_rendezvous(
+                self: std::sync::Arc<Self>,
+            ) -> std::sync::Arc<dyn $crate::rendezvous::Rendezvous> {
+                self
+            }
+        }
+    };
+}
+pub(crate) use slot_table_data_plane;
+
 /// The transports a job can run on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {

@@ -23,12 +23,12 @@
 use crate::auth::{Acceptor, Connector, Secret};
 use crate::local::LocalRendezvous;
 pub use crate::plane::PeerEvent;
-use crate::plane::{BoxFuture, DataPlane, PeerEvents};
+use crate::plane::PeerEvents;
 use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::wire::{
-    decode_header_slice, encode_header, FrameKind, Header, WireError, HEADER_LEN,
-    MAX_CONTROL_PAYLOAD,
+    decode_header_slice, encode_header, heartbeat_header, next_or_heartbeat, FrameKind, Header,
+    WireError, HEADER_LEN, MAX_CONTROL_PAYLOAD,
 };
 use dflow_graph::tensor::Buffer;
 use dflow_graph::{DType, Tensor};
@@ -696,25 +696,11 @@ async fn writer(
         Some(rv) => (rv.config.frame_timeout, rv.config.heartbeat_interval),
         None => return,
     };
-    let beat = encode_header(&Header {
-        kind: FrameKind::Heartbeat,
-        flags: 0,
-        slot_id: 0,
-        step: 0,
-        payload_len: 0,
-    });
-    loop {
-        let next = match heartbeat {
-            Some(every) => match tokio::time::timeout(every, rx.recv()).await {
-                Ok(next) => next,
-                Err(_) => Some(Outgoing {
-                    head: beat,
-                    body: Body::Bytes(Vec::new()),
-                }),
-            },
-            None => rx.recv().await,
-        };
-        let Some(out) = next else { break };
+    let beat = || Outgoing {
+        head: heartbeat_header(),
+        body: Body::Bytes(Vec::new()),
+    };
+    while let Some(out) = next_or_heartbeat(&mut rx, heartbeat, beat).await {
         let body: &[u8] = match &out.body {
             Body::Tensor(t) => t.as_bytes(),
             Body::Bytes(b) => b,
@@ -950,61 +936,4 @@ async fn read_frames(
     }
 }
 
-impl DataPlane for TcpRendezvous {
-    fn task(&self) -> &str {
-        &self.name
-    }
-
-    fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    fn register_recv(
-        &self,
-        slot_id: u32,
-        peer: &str,
-        key: Arc<RendezvousKey>,
-        dtype: DType,
-        dims: &[usize],
-    ) -> Result<(), String> {
-        self.slots
-            .register(slot_id, peer, key, dtype, dims)
-            .map_err(|e| e.to_string())
-    }
-
-    fn has_recv_slot(&self, key: &RendezvousKey) -> bool {
-        self.slots.peer_of(key).is_some()
-    }
-
-    fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
-        TcpRendezvous::register_send(self, key, peer, slot_id)
-    }
-
-    fn connect(
-        self: Arc<Self>,
-        peer: String,
-        addr: SocketAddr,
-    ) -> BoxFuture<'static, Result<(), String>> {
-        Box::pin(async move {
-            TcpRendezvous::connect(&self, &peer, addr)
-                .await
-                .map_err(|e| e.to_string())
-        })
-    }
-
-    fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
-        TcpRendezvous::send_message(self, peer, body)
-    }
-
-    fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        TcpRendezvous::subscribe(self)
-    }
-
-    fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
-        Box::pin(TcpRendezvous::close(self, within))
-    }
-
-    fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous> {
-        self
-    }
-}
+crate::plane::slot_table_data_plane!(TcpRendezvous);

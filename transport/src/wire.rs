@@ -261,6 +261,33 @@ pub fn decode_header_slice(b: &[u8], max_payload: u64) -> Result<Header, WireErr
     decode_header(a, max_payload)
 }
 
+/// The header of a heartbeat frame (no payload).
+pub fn heartbeat_header() -> [u8; HEADER_LEN] {
+    encode_header(&Header {
+        kind: FrameKind::Heartbeat,
+        flags: 0,
+        slot_id: 0,
+        step: 0,
+        payload_len: 0,
+    })
+}
+
+/// What a connection's writer sends next: the next queued frame, or `beat()` when nothing was
+/// queued for `heartbeat` (with heartbeats on); `None` once the queue is closed.
+pub(crate) async fn next_or_heartbeat<T>(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<T>,
+    heartbeat: Option<std::time::Duration>,
+    beat: impl FnOnce() -> T,
+) -> Option<T> {
+    match heartbeat {
+        Some(every) => match tokio::time::timeout(every, rx.recv()).await {
+            Ok(next) => next,
+            Err(_) => Some(beat()),
+        },
+        None => rx.recv().await,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

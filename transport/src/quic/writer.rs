@@ -3,7 +3,7 @@
 
 use super::frames::{describe_write, write_frame, Body};
 use super::plane::{Outgoing, QuicPlane};
-use crate::wire::{encode_header, FrameKind, Header};
+use crate::wire::{heartbeat_header, next_or_heartbeat};
 use quinn::{Connection, RecvStream, SendStream, VarInt};
 use std::sync::{Arc, Weak};
 use tokio::sync::mpsc;
@@ -26,25 +26,11 @@ pub(crate) async fn writer(
         Some(rv) => (rv.config.frame_timeout, rv.config.heartbeat_interval),
         None => return,
     };
-    let beat = encode_header(&Header {
-        kind: FrameKind::Heartbeat,
-        flags: 0,
-        slot_id: 0,
-        step: 0,
-        payload_len: 0,
-    });
-    loop {
-        let next = match heartbeat {
-            Some(every) => match tokio::time::timeout(every, rx.recv()).await {
-                Ok(next) => next,
-                Err(_) => Some(Outgoing {
-                    head: beat,
-                    body: Body::Bytes(Vec::new()),
-                }),
-            },
-            None => rx.recv().await,
-        };
-        let Some(out) = next else { break };
+    let beat = || Outgoing {
+        head: heartbeat_header(),
+        body: Body::Bytes(Vec::new()),
+    };
+    while let Some(out) = next_or_heartbeat(&mut rx, heartbeat, beat).await {
         let res = tokio::time::timeout(timeout, write_frame(&mut send, out.head, out.body)).await;
         let err = match res {
             Ok(Ok(())) => continue,
