@@ -27,8 +27,8 @@ use crate::plane::PeerEvents;
 use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
 use crate::wire::{
-    decode_header_slice, encode_header, heartbeat_header, next_or_heartbeat, FrameKind, Header,
-    WireError, HEADER_LEN, MAX_CONTROL_PAYLOAD,
+    decode_header_slice, encode_header, heartbeat_header, next_or_heartbeat, Body, FrameKind,
+    Header, Outgoing, WireError, HEADER_LEN, MAX_CONTROL_PAYLOAD,
 };
 use dflow_graph::tensor::Buffer;
 use dflow_graph::{DType, Tensor};
@@ -330,16 +330,6 @@ async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> io::Resul
         got += n;
     }
     Ok(got)
-}
-
-enum Body {
-    Tensor(Tensor),
-    Bytes(Vec<u8>),
-}
-
-struct Outgoing {
-    head: [u8; HEADER_LEN],
-    body: Body,
 }
 
 /// Where an outgoing key goes: the peer and its slot id.

@@ -261,6 +261,20 @@ pub fn decode_header_slice(b: &[u8], max_payload: u64) -> Result<Header, WireErr
     decode_header(a, max_payload)
 }
 
+/// A frame's payload, as queued for a connection's writer (TCP and QUIC).
+pub(crate) enum Body {
+    /// A tensor, sent from its own memory.
+    Tensor(dflow_graph::Tensor),
+    /// Bytes (messages, abort reasons, handshake frames).
+    Bytes(Vec<u8>),
+}
+
+/// A frame queued for a peer's writer: its encoded header and its payload.
+pub(crate) struct Outgoing {
+    pub(crate) head: [u8; HEADER_LEN],
+    pub(crate) body: Body,
+}
+
 /// The header of a heartbeat frame (no payload).
 pub fn heartbeat_header() -> [u8; HEADER_LEN] {
     encode_header(&Header {

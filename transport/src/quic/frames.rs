@@ -2,7 +2,7 @@
 //! is handed to quinn as a [`Bytes`] that owns the tensor (no copy on the sending side); the
 //! receiving side reads it straight into the slot's buffer.
 
-use crate::wire::{decode_header, encode_header, FrameKind, Header, WireError, HEADER_LEN};
+use crate::wire::{decode_header, encode_header, Body, FrameKind, Header, WireError, HEADER_LEN};
 use bytes::Bytes;
 use dflow_graph::Tensor;
 use quinn::{ConnectionError, ReadError, ReadExactError, RecvStream, SendStream, WriteError};
@@ -61,14 +61,6 @@ impl AsRef<[u8]> for TensorBytes {
     fn as_ref(&self) -> &[u8] {
         self.0.as_bytes()
     }
-}
-
-/// A frame's payload.
-pub(crate) enum Body {
-    /// A tensor, sent from its own memory.
-    Tensor(Tensor),
-    /// Bytes (messages, abort reasons, handshake frames).
-    Bytes(Vec<u8>),
 }
 
 impl Body {

@@ -1,7 +1,7 @@
 //! [`QuicPlane`]: the state of one task's QUIC data plane, binding, connecting and closing.
 
 use super::config;
-use super::frames::{recv_control, send_control, Body, QuicError};
+use super::frames::{recv_control, send_control, QuicError};
 use super::identity::QuicIdentity;
 use super::names::task_dns_name;
 use crate::auth::{Connector, Secret};
@@ -10,7 +10,7 @@ use crate::plane::{PeerEvent, PeerEvents};
 use crate::remote_waits::RemoteWaits;
 use crate::rendezvous::{RendezvousError, RendezvousKey};
 use crate::tcp::{SlotTable, TcpConfig};
-use crate::wire::{encode_header, FrameKind, Header, HEADER_LEN, MAX_CONTROL_PAYLOAD};
+use crate::wire::{encode_header, Body, FrameKind, Header, Outgoing, MAX_CONTROL_PAYLOAD};
 use quinn::crypto::rustls::QuicClientConfig;
 use std::collections::HashMap;
 use std::fmt;
@@ -23,12 +23,6 @@ use tokio::sync::{mpsc, watch};
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // No callback runs under these locks; a poisoned lock means a bug elsewhere: keep going.
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A frame queued for a peer's writer.
-pub(crate) struct Outgoing {
-    pub(crate) head: [u8; HEADER_LEN],
-    pub(crate) body: Body,
 }
 
 /// Where an outgoing key goes: the peer and its slot id.

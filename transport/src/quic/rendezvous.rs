@@ -1,10 +1,9 @@
 //! [`Rendezvous`] and [`DataPlane`](crate::plane::DataPlane) (through `slot_table_data_plane!`) for [`QuicPlane`]: local keys meet in a local rendezvous,
 //! keys with a route go to their peer's slot, received frames meet their Recv locally.
 
-use super::frames::Body;
-use super::plane::{lock, Outgoing, QuicPlane};
+use super::plane::{lock, QuicPlane};
 use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
-use crate::wire::{encode_header, Header};
+use crate::wire::{encode_header, Body, Header, Outgoing};
 use dflow_graph::Tensor;
 use std::sync::Arc;
 

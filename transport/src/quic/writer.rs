@@ -1,9 +1,9 @@
 //! The writer of one outgoing connection: frames in the order they were queued, a Heartbeat
 //! when idle, and an orderly end (stream finished, data acknowledged, connection closed).
 
-use super::frames::{describe_write, write_frame, Body};
-use super::plane::{Outgoing, QuicPlane};
-use crate::wire::{heartbeat_header, next_or_heartbeat};
+use super::frames::{describe_write, write_frame};
+use super::plane::QuicPlane;
+use crate::wire::{heartbeat_header, next_or_heartbeat, Body, Outgoing};
 use quinn::{Connection, RecvStream, SendStream, VarInt};
 use std::sync::{Arc, Weak};
 use tokio::sync::mpsc;
