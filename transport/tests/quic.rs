@@ -16,6 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
+mod support;
+use support::{recv, wait_within};
+
 const WAIT: Duration = Duration::from_secs(10);
 
 fn any_addr() -> SocketAddr {
@@ -45,29 +48,10 @@ fn values(n: usize, step: u64) -> Tensor {
     Tensor::from_slice(&[n], &v).unwrap()
 }
 
-fn recv(
-    r: &dyn Rendezvous,
-    k: &Arc<RendezvousKey>,
-    step: u64,
-) -> oneshot::Receiver<Result<Tensor, RendezvousError>> {
-    let (tx, rx) = oneshot::channel();
-    r.recv_async(
-        k,
-        step,
-        Box::new(move |v| {
-            let _ = tx.send(v);
-        }),
-    );
-    rx
-}
-
 async fn wait(
     rx: oneshot::Receiver<Result<Tensor, RendezvousError>>,
 ) -> Result<Tensor, RendezvousError> {
-    tokio::time::timeout(WAIT, rx)
-        .await
-        .expect("recv completes in time")
-        .expect("callback ran")
+    wait_within(rx, WAIT).await
 }
 
 /// Identities for `ps:0`, `worker:0`, `worker:1` under one CA.

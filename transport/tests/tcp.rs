@@ -11,6 +11,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
+mod support;
+use support::wait_within;
+
 const WAIT: Duration = Duration::from_secs(5);
 
 fn key(name: &str) -> Arc<RendezvousKey> {
@@ -30,24 +33,13 @@ fn recv(
     k: &Arc<RendezvousKey>,
     step: u64,
 ) -> oneshot::Receiver<Result<Tensor, RendezvousError>> {
-    let (tx, rx) = oneshot::channel();
-    r.recv_async(
-        k,
-        step,
-        Box::new(move |v| {
-            let _ = tx.send(v);
-        }),
-    );
-    rx
+    support::recv(r, k, step)
 }
 
 async fn wait(
     rx: oneshot::Receiver<Result<Tensor, RendezvousError>>,
 ) -> Result<Tensor, RendezvousError> {
-    tokio::time::timeout(WAIT, rx)
-        .await
-        .expect("recv completes in time")
-        .expect("callback ran")
+    wait_within(rx, WAIT).await
 }
 
 /// A worker that sends `x:0` ([n] f32, slot 1) to a ps.

@@ -67,3 +67,33 @@ pub fn on_ranks<R: Send>(
         joins.into_iter().map(|j| j.join().unwrap()).collect()
     })
 }
+
+/// Registers a Recv of `key` for `step` on `r`; the returned receiver gets its outcome.
+pub fn recv(
+    r: &dyn dflow_transport::Rendezvous,
+    key: &std::sync::Arc<dflow_transport::RendezvousKey>,
+    step: u64,
+) -> tokio::sync::oneshot::Receiver<Result<dflow_graph::Tensor, dflow_transport::RendezvousError>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    r.recv_async(
+        key,
+        step,
+        Box::new(move |v| {
+            let _ = tx.send(v);
+        }),
+    );
+    rx
+}
+
+/// The outcome of a Recv from [`recv`], waiting at most `limit`.
+pub async fn wait_within(
+    rx: tokio::sync::oneshot::Receiver<
+        Result<dflow_graph::Tensor, dflow_transport::RendezvousError>,
+    >,
+    limit: Duration,
+) -> Result<dflow_graph::Tensor, dflow_transport::RendezvousError> {
+    tokio::time::timeout(limit, rx)
+        .await
+        .expect("recv completes in time")
+        .expect("callback ran")
+}
