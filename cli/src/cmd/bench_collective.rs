@@ -111,6 +111,12 @@ fn rank_cpus(bind: Bind, ranks: usize, cpus: &[usize]) -> Option<Vec<usize>> {
 
 /// Pins the calling process (all of its threads created afterwards) to `cpu`.
 fn pin_to_cpu(cpu: usize) -> anyhow::Result<()> {
+    if cpu >= rustix::thread::CpuSet::MAX_CPU {
+        bail!(
+            "CPU {cpu} is out of range (this system names at most {} CPUs)",
+            rustix::thread::CpuSet::MAX_CPU
+        );
+    }
     let mut set = rustix::thread::CpuSet::new();
     set.set(cpu);
     rustix::thread::sched_setaffinity(None, &set).with_context(|| format!("pinning to CPU {cpu}"))
@@ -621,5 +627,11 @@ mod tests {
         assert_eq!(rank_cpus(Bind::None, 2, &cpus), None);
         assert_eq!(rank_cpus(Bind::Core, 3, &[2, 5]), Some(vec![2, 5, 2]));
         assert!(!allowed_cpus().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_impossible_cpu_is_an_error_not_a_panic() {
+        let e = pin_to_cpu(usize::MAX).unwrap_err().to_string();
+        assert!(e.contains("out of range"), "{e}");
     }
 }
