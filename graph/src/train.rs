@@ -16,6 +16,8 @@
 //! let y = b.binary("Mul", "y", &x, &w);
 //! let _loss = b.op("Sum", "loss").input(&y).finish();
 //! let spec = TrainSpec {
+//!     lr_schedule: None,
+//!     data: None,
 //!     loss: "loss".into(),
 //!     optimizer: OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 },
 //!     clip_global_norm: None,
@@ -43,6 +45,93 @@ pub struct TrainSpec {
     pub clip_global_norm: Option<f64>,
     /// Tensors to report each step besides the loss (e.g. `accuracy`).
     pub metrics: Vec<String>,
+    /// A learning-rate schedule (linear warm-up, cosine decay); `None`: the optimizer's lr
+    /// every step.
+    pub lr_schedule: Option<LrSchedule>,
+    /// How `dflow run --data FILE` reads its file for this graph; `None`: a CSV of features
+    /// with the label in the last column.
+    pub data: Option<DataSpec>,
+}
+
+impl TrainSpec {
+    /// A spec with no clipping, metrics, schedule or data section.
+    pub fn new(loss: impl Into<String>, optimizer: OptimizerSpec) -> Self {
+        TrainSpec {
+            loss: loss.into(),
+            optimizer,
+            clip_global_norm: None,
+            metrics: vec![],
+            lr_schedule: None,
+            data: None,
+        }
+    }
+}
+
+/// nanoGPT's learning-rate schedule: linear warm-up over `warmup_steps`, then cosine decay to
+/// `min_lr` at `decay_steps`, then `min_lr`. With `decay_steps` 0 the lr stays at its base
+/// value after the warm-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    /// Steps of linear warm-up.
+    pub warmup_steps: u64,
+    /// The step at which the cosine decay reaches `min_lr` (0: no decay).
+    pub decay_steps: u64,
+    /// The floor of the decay.
+    pub min_lr: f64,
+}
+
+impl LrSchedule {
+    /// The learning rate of step `it` (the number of steps already taken), as nanoGPT's
+    /// `get_lr(it)`: `lr·(it+1)/(warmup+1)` during the warm-up, then
+    /// `min_lr + ½(1 + cos(π·r))·(lr − min_lr)` with `r = (it − warmup)/(decay − warmup)`, and
+    /// `min_lr` after `decay_steps`.
+    pub fn lr_at(&self, lr: f64, it: u64) -> f64 {
+        lr_at(lr, it, self.warmup_steps, self.decay_steps, self.min_lr)
+    }
+
+    /// The schedule's attributes on an update op (see [`lr_at`]).
+    pub fn attrs(&self) -> Vec<(&'static str, AttrValue)> {
+        vec![
+            ("warmup_steps", AttrValue::Int(self.warmup_steps as i64)),
+            ("decay_steps", AttrValue::Int(self.decay_steps as i64)),
+            ("min_lr", AttrValue::Float(self.min_lr)),
+        ]
+    }
+}
+
+/// [`LrSchedule::lr_at`] on plain numbers (what the update kernels call with their attributes).
+pub fn lr_at(lr: f64, it: u64, warmup_steps: u64, decay_steps: u64, min_lr: f64) -> f64 {
+    if it < warmup_steps {
+        return lr * (it + 1) as f64 / (warmup_steps + 1) as f64;
+    }
+    if decay_steps == 0 {
+        return lr;
+    }
+    if it > decay_steps {
+        return min_lr;
+    }
+    let span = decay_steps.saturating_sub(warmup_steps).max(1) as f64;
+    let ratio = (it - warmup_steps) as f64 / span;
+    let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+    min_lr + coeff * (lr - min_lr)
+}
+
+/// How a data file feeds the graph's placeholders.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataSpec {
+    /// A character-level text: random windows of `block_size + 1` characters; the first
+    /// `block_size` feed `inputs`, the last `block_size` (shifted by one) feed `targets`, both
+    /// `i64 [batch, block_size]`. The last `val_fraction` of the text is held out.
+    CharWindows {
+        /// Characters per example (the model's context length).
+        block_size: usize,
+        /// The placeholder fed with the input characters.
+        inputs: String,
+        /// The placeholder fed with the next characters.
+        targets: String,
+        /// Fraction of the text (its end) held out for validation.
+        val_fraction: f64,
+    },
 }
 
 /// An optimizer and its learning rate.
@@ -75,6 +164,19 @@ pub enum OptimizerKind {
         /// Default 1e-7.
         epsilon: f64,
     },
+    /// AdamW (`ApplyAdamW`, PyTorch's `torch.optim.AdamW`): Adam with bias-corrected moments
+    /// and weight decay decoupled from the gradient, applied to variables of rank >= 2 only
+    /// (matrices and embeddings; not biases or norm gains, as GPT-2 and nanoGPT do).
+    AdamW {
+        /// Default 0.9.
+        beta1: f64,
+        /// Default 0.999.
+        beta2: f64,
+        /// Default 1e-8.
+        epsilon: f64,
+        /// Default 0.01.
+        weight_decay: f64,
+    },
 }
 
 impl OptimizerKind {
@@ -84,6 +186,7 @@ impl OptimizerKind {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::Momentum { .. } => "momentum",
             OptimizerKind::Adam { .. } => "adam",
+            OptimizerKind::AdamW { .. } => "adamw",
         }
     }
 
@@ -104,6 +207,21 @@ impl OptimizerKind {
         }
     }
 
+    /// AdamW with PyTorch's defaults.
+    pub fn adamw() -> Self {
+        OptimizerKind::AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+
+    /// Whether the update op reads the shared step counter (`adam/t`).
+    pub fn counts_steps(&self) -> bool {
+        matches!(self, OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. })
+    }
+
     /// The hyperparameters as (name, value) pairs, for writers and messages.
     pub fn params(&self) -> Vec<(&'static str, AttrValue)> {
         match *self {
@@ -120,6 +238,17 @@ impl OptimizerKind {
                 ("beta1", AttrValue::Float(beta1)),
                 ("beta2", AttrValue::Float(beta2)),
                 ("epsilon", AttrValue::Float(epsilon)),
+            ],
+            OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+            } => vec![
+                ("beta1", AttrValue::Float(beta1)),
+                ("beta2", AttrValue::Float(beta2)),
+                ("epsilon", AttrValue::Float(epsilon)),
+                ("weight_decay", AttrValue::Float(weight_decay)),
             ],
         }
     }
@@ -161,6 +290,61 @@ impl TrainSpec {
                 if !(epsilon.is_finite() && epsilon > 0.0) {
                     return Err(format!("adam epsilon must be positive, got {epsilon}"));
                 }
+            }
+            OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+            } => {
+                for (name, b) in [("beta1", beta1), ("beta2", beta2)] {
+                    if !(0.0..1.0).contains(&b) {
+                        return Err(format!("adamw {name} must be in [0, 1), got {b}"));
+                    }
+                }
+                if !(epsilon.is_finite() && epsilon > 0.0) {
+                    return Err(format!("adamw epsilon must be positive, got {epsilon}"));
+                }
+                if !(weight_decay.is_finite() && weight_decay >= 0.0) {
+                    return Err(format!(
+                        "adamw weight_decay must be >= 0 and finite, got {weight_decay}"
+                    ));
+                }
+            }
+        }
+        if let Some(s) = &self.lr_schedule {
+            if !self.optimizer.kind.counts_steps() {
+                return Err(format!(
+                    "lr_schedule needs an optimizer that counts steps (adam or adamw), not {}",
+                    self.optimizer.kind.name()
+                ));
+            }
+            if !(s.min_lr.is_finite() && s.min_lr >= 0.0 && s.min_lr <= lr) {
+                return Err(format!(
+                    "lr_schedule min_lr must be in [0, lr = {lr}], got {}",
+                    s.min_lr
+                ));
+            }
+            if s.decay_steps != 0 && s.decay_steps <= s.warmup_steps {
+                return Err(format!(
+                    "lr_schedule decay_steps ({}) must be 0 (no decay) or larger than warmup_steps ({})",
+                    s.decay_steps, s.warmup_steps
+                ));
+            }
+        }
+        if let Some(DataSpec::CharWindows {
+            block_size,
+            val_fraction,
+            ..
+        }) = &self.data
+        {
+            if *block_size == 0 {
+                return Err("data block_size must be at least 1".into());
+            }
+            if !(0.0..1.0).contains(val_fraction) {
+                return Err(format!(
+                    "data val_fraction must be in [0, 1), got {val_fraction}"
+                ));
             }
         }
         Ok(())
@@ -392,7 +576,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
     };
     let mut updates = Vec::with_capacity(vars.len());
     let step_counter = match spec.optimizer.kind {
-        OptimizerKind::Adam { .. } => {
+        OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => {
             let first = &vars[0];
             Some(a.add(
                 "adam/t".to_string(),
@@ -458,7 +642,38 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
                     ],
                 )
             }
+            OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+            } => {
+                let m = slot(&mut a, "adam_m")?;
+                let s = slot(&mut a, "adam_v")?;
+                let t = step_counter.clone().unwrap_or_default();
+                // Decay matrices and embeddings only (rank >= 2), as GPT-2 and nanoGPT do.
+                let decay = if v.shape.rank().is_some_and(|r| r >= 2) {
+                    weight_decay
+                } else {
+                    0.0
+                };
+                (
+                    "ApplyAdamW",
+                    vec![v.name.clone(), m, s, t, grad.clone()],
+                    vec![
+                        ("lr", lr.clone()),
+                        ("beta1", AttrValue::Float(beta1)),
+                        ("beta2", AttrValue::Float(beta2)),
+                        ("epsilon", AttrValue::Float(epsilon)),
+                        ("weight_decay", AttrValue::Float(decay)),
+                    ],
+                )
+            }
         };
+        let mut attrs = attrs;
+        if let Some(schedule) = &spec.lr_schedule {
+            attrs.extend(schedule.attrs());
+        }
         updates.push(a.add(name, op, inputs, &v.device, Some(&v.name), attrs)?);
     }
     if let Some(t) = &step_counter {
@@ -516,14 +731,15 @@ fn optimizer_from_json(v: &serde_json::Value) -> Result<OptimizerSpec, String> {
     let ty = obj
         .get("type")
         .and_then(serde_json::Value::as_str)
-        .ok_or("train.optimizer needs a \"type\": \"sgd\", \"momentum\" or \"adam\"")?;
+        .ok_or("train.optimizer needs a \"type\": \"sgd\", \"momentum\", \"adam\" or \"adamw\"")?;
     let mut kind = match ty {
         "sgd" => OptimizerKind::Sgd,
         "momentum" => OptimizerKind::momentum(),
         "adam" => OptimizerKind::adam(),
+        "adamw" => OptimizerKind::adamw(),
         other => {
             return Err(format!(
-                "unknown optimizer {other:?} (expected \"sgd\", \"momentum\" or \"adam\")"
+                "unknown optimizer {other:?} (expected \"sgd\", \"momentum\", \"adam\" or \"adamw\")"
             ))
         }
     };
@@ -544,6 +760,12 @@ fn optimizer_from_json(v: &serde_json::Value) -> Result<OptimizerSpec, String> {
             (OptimizerKind::Adam { beta1, .. }, "beta1") => *beta1 = number(v, &what)?,
             (OptimizerKind::Adam { beta2, .. }, "beta2") => *beta2 = number(v, &what)?,
             (OptimizerKind::Adam { epsilon, .. }, "epsilon") => *epsilon = number(v, &what)?,
+            (OptimizerKind::AdamW { beta1, .. }, "beta1") => *beta1 = number(v, &what)?,
+            (OptimizerKind::AdamW { beta2, .. }, "beta2") => *beta2 = number(v, &what)?,
+            (OptimizerKind::AdamW { epsilon, .. }, "epsilon") => *epsilon = number(v, &what)?,
+            (OptimizerKind::AdamW { weight_decay, .. }, "weight_decay") => {
+                *weight_decay = number(v, &what)?
+            }
             (kind, _) => {
                 let known: Vec<&str> = kind.params().iter().map(|(n, _)| *n).collect();
                 return Err(format!(
@@ -564,6 +786,7 @@ pub(crate) fn spec_from_fields(
 ) -> Result<TrainSpec, Vec<(usize, String)>> {
     let mut errs = vec![];
     let (mut loss, mut optimizer, mut clip, mut metrics) = (None, None, None, vec![]);
+    let (mut lr_schedule, mut data) = (None, None);
     let mut seen = HashSet::new();
     for (k, at, v) in fields {
         if !seen.insert(k.clone()) {
@@ -601,8 +824,11 @@ pub(crate) fn spec_from_fields(
                     "train.metrics must be a list of tensor names, found {v}"
                 )),
             },
+            "lr_schedule" => schedule_from_json(&v).map(|x| lr_schedule = Some(x)),
+            "data" => data_from_json(&v).map(|x| data = Some(x)),
             other => Err(format!(
-                "unknown field train.{other} (train has loss, optimizer, clip_global_norm, metrics)"
+                "unknown field train.{other} (train has {})",
+                TRAIN_FIELDS.join(", ")
             )),
         };
         if let Err(m) = r {
@@ -623,9 +849,138 @@ pub(crate) fn spec_from_fields(
         optimizer,
         clip_global_norm: clip,
         metrics,
+        lr_schedule,
+        data,
     };
     spec.check().map_err(|m| vec![(pos, m)])?;
     Ok(spec)
+}
+
+/// The fields a train section may have, in the order writers write them.
+pub(crate) const TRAIN_FIELDS: [&str; 6] = [
+    "loss",
+    "optimizer",
+    "clip_global_norm",
+    "metrics",
+    "lr_schedule",
+    "data",
+];
+
+/// Reads `{"type": NAME, key: value, ...}` into its keys, refusing keys not in `known`.
+fn typed_object<'a>(
+    v: &'a serde_json::Value,
+    what: &str,
+    example: &str,
+    types: &[&str],
+) -> Result<(&'a str, &'a serde_json::Map<String, serde_json::Value>), String> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| format!("train.{what} must be an object like {example}, found {v}"))?;
+    let ty = obj
+        .get("type")
+        .and_then(serde_json::Value::as_str)
+        .ok_or_else(|| format!("train.{what} needs a \"type\": one of {types:?}"))?;
+    if !types.contains(&ty) {
+        return Err(format!(
+            "unknown train.{what} type {ty:?} (expected one of {types:?})"
+        ));
+    }
+    Ok((ty, obj))
+}
+
+fn whole_number(v: &serde_json::Value, what: &str) -> Result<u64, String> {
+    v.as_u64()
+        .ok_or_else(|| format!("{what} must be a whole number >= 0, found {v}"))
+}
+
+fn schedule_from_json(v: &serde_json::Value) -> Result<LrSchedule, String> {
+    let example = r#"{"type": "cosine", "warmup_steps": 100, "decay_steps": 2000, "min_lr": 0.0001}"#;
+    let (_, obj) = typed_object(v, "lr_schedule", example, &["cosine"])?;
+    let mut s = LrSchedule {
+        warmup_steps: 0,
+        decay_steps: 0,
+        min_lr: 0.0,
+    };
+    for (k, v) in obj {
+        let what = format!("train.lr_schedule.{k}");
+        match k.as_str() {
+            "type" => {}
+            "warmup_steps" => s.warmup_steps = whole_number(v, &what)?,
+            "decay_steps" => s.decay_steps = whole_number(v, &what)?,
+            "min_lr" => s.min_lr = number(v, &what)?,
+            _ => {
+                return Err(format!(
+                    "train.lr_schedule has no field {k:?} (it takes warmup_steps, decay_steps, min_lr)"
+                ))
+            }
+        }
+    }
+    Ok(s)
+}
+
+fn data_from_json(v: &serde_json::Value) -> Result<DataSpec, String> {
+    let example = r#"{"type": "char_windows", "block_size": 64, "inputs": "idx", "targets": "targets"}"#;
+    let (_, obj) = typed_object(v, "data", example, &["char_windows"])?;
+    let (mut block_size, mut inputs, mut targets, mut val_fraction) = (None, None, None, 0.1);
+    for (k, v) in obj {
+        let what = format!("train.data.{k}");
+        let name = |v: &serde_json::Value| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| format!("{what} must be a placeholder name, found {v}"))
+        };
+        match k.as_str() {
+            "type" => {}
+            "block_size" => block_size = Some(whole_number(v, &what)? as usize),
+            "inputs" => inputs = Some(name(v)?),
+            "targets" => targets = Some(name(v)?),
+            "val_fraction" => val_fraction = number(v, &what)?,
+            _ => {
+                return Err(format!(
+                    "train.data has no field {k:?} (char_windows takes block_size, inputs, targets, val_fraction)"
+                ))
+            }
+        }
+    }
+    match (block_size, inputs, targets) {
+        (Some(block_size), Some(inputs), Some(targets)) => Ok(DataSpec::CharWindows {
+            block_size,
+            inputs,
+            targets,
+            val_fraction,
+        }),
+        _ => Err(format!(
+            "train.data char_windows needs block_size, inputs and targets, like {example}"
+        )),
+    }
+}
+
+/// The schedule as a JSON object: `{"type": "cosine", "warmup_steps": ..., ...}`.
+pub(crate) fn schedule_to_json(s: &LrSchedule) -> serde_json::Value {
+    serde_json::json!({
+        "type": "cosine",
+        "warmup_steps": s.warmup_steps,
+        "decay_steps": s.decay_steps,
+        "min_lr": s.min_lr,
+    })
+}
+
+/// The data section as a JSON object: `{"type": "char_windows", ...}`.
+pub(crate) fn data_to_json(d: &DataSpec) -> serde_json::Value {
+    match d {
+        DataSpec::CharWindows {
+            block_size,
+            inputs,
+            targets,
+            val_fraction,
+        } => serde_json::json!({
+            "type": "char_windows",
+            "block_size": block_size,
+            "inputs": inputs,
+            "targets": targets,
+            "val_fraction": val_fraction,
+        }),
+    }
 }
 
 /// The optimizer as a JSON object: `{"type": "adam", "lr": 0.01, "beta1": 0.9, ...}`.

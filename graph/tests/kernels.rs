@@ -132,7 +132,7 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
         let tested_here = ["Const", "Placeholder", "Variable", "NoOp"].contains(&op.name)
             // Gradient-helper and optimizer ops: tested in ops/grad.rs, tests/train.rs, tests/autodiff.rs.
             || (op.name.ends_with("Like") && op.name != "ZerosLike" && op.name != "OnesLike")
-            || ["ReduceToShapeOf", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam"]
+            || ["ReduceToShapeOf", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam", "ApplyAdamW"]
                 .contains(&op.name)
             || ["IncrementStep", "GlobalNormScale"].contains(&op.name)
             // Collectives need a runtime (tested in the transport and multi-process tests);

@@ -424,6 +424,8 @@ mod tests {
         let err = allreduce_training(&def, &spec, 2, "nope", "labels", 1).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
         let bad = TrainSpec {
+            lr_schedule: None,
+            data: None,
             loss: "logits".into(),
             optimizer: OptimizerSpec {
                 kind: OptimizerKind::Sgd,

@@ -28,6 +28,8 @@
 //! let sq = b.binary("Mul", "sq", &d, &d);
 //! b.op("Mean", "loss").input(&sq).finish();
 //! let spec = TrainSpec {
+//!     lr_schedule: None,
+//!     data: None,
 //!     loss: "loss".into(),
 //!     optimizer: OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 },
 //!     clip_global_norm: None,
@@ -581,6 +583,8 @@ mod tests {
 
     fn spec(loss: &str, metrics: &[&str]) -> TrainSpec {
         TrainSpec {
+            lr_schedule: None,
+            data: None,
             loss: loss.into(),
             optimizer: OptimizerSpec {
                 kind: OptimizerKind::Sgd,
