@@ -594,11 +594,11 @@ fn train_section_reads_in_both_formats() {
 
 #[test]
 fn train_section_errors_point_at_the_value() {
-    let bad = TRAIN_JSON.replace("\"adam\"", "\"adamw\"");
+    let bad = TRAIN_JSON.replace("\"adam\"", "\"adamax\"");
     let e = parse_json(&bad, None).unwrap_err();
     assert_eq!(e.0.len(), 1, "{e}");
     assert!(
-        e.0[0].message.contains("unknown optimizer \"adamw\""),
+        e.0[0].message.contains("unknown optimizer \"adamax\""),
         "{e}"
     );
     assert_eq!(e.0[0].line, 3, "{e}");
