@@ -166,6 +166,47 @@ pub fn attr_ints(init: &KernelInit<'_>, name: &str) -> Result<Vec<i64>, String> 
     }
 }
 
+/// An int attribute.
+pub fn attr_int(init: &KernelInit<'_>, name: &str) -> Result<i64, String> {
+    match init.attr(name)? {
+        crate::AttrValue::Int(v) => Ok(*v),
+        v => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+    }
+}
+
+/// A float attribute.
+pub fn attr_float(init: &KernelInit<'_>, name: &str) -> Result<f64, String> {
+    match init.attr(name)? {
+        crate::AttrValue::Float(v) => Ok(*v),
+        v => Err(format!("attribute `{name}` is {}, not float", v.ty())),
+    }
+}
+
+/// A string attribute.
+pub fn attr_str(init: &KernelInit<'_>, name: &str) -> Result<String, String> {
+    match init.attr(name)? {
+        crate::AttrValue::String(v) => Ok(v.to_string()),
+        v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
+    }
+}
+
+/// Calls `$f::<T>(args)` with `T` the element type of `$dtype` (every dtype), for kernels that
+/// only move elements (Transpose, Split, Concat, Gather).
+macro_rules! dispatch_any {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            $crate::DType::F32 => $f::<f32>($($arg),*),
+            $crate::DType::F64 => $f::<f64>($($arg),*),
+            $crate::DType::I32 => $f::<i32>($($arg),*),
+            $crate::DType::I64 => $f::<i64>($($arg),*),
+            $crate::DType::Bool => $f::<u8>($($arg),*),
+            $crate::DType::BF16 => $f::<half::bf16>($($arg),*),
+            $crate::DType::F16 => $f::<half::f16>($($arg),*),
+        }
+    };
+}
+pub(crate) use dispatch_any;
+
 /// A dtype attribute.
 pub fn attr_dtype(init: &KernelInit<'_>, name: &str) -> Result<DType, String> {
     match init.attr(name)? {
