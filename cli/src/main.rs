@@ -28,6 +28,8 @@ enum Command {
     Partition(cmd::partition::Args),
     /// Run a graph (`--local`: every task of the cluster in this process).
     Run(Box<cmd::run::Args>),
+    /// Sample text from a character-level language model's checkpoint (`run --data TEXT`).
+    Generate(cmd::generate::Args),
     /// Benchmarks: point-to-point transfers and collectives between real processes.
     #[command(subcommand)]
     Bench(Bench),
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
         Command::Convert(a) => cmd::convert::run(a),
         Command::Partition(a) => cmd::partition::run(a),
         Command::Run(a) => cmd::run::run(*a),
+        Command::Generate(a) => cmd::generate::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Bench(Bench::Transfer(a)) => cmd::bench_transfer::run(a),
         Command::Bench(Bench::Collective(a)) | Command::BenchCollective(a) => {

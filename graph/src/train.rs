@@ -219,7 +219,10 @@ impl OptimizerKind {
 
     /// Whether the update op reads the shared step counter (`adam/t`).
     pub fn counts_steps(&self) -> bool {
-        matches!(self, OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. })
+        matches!(
+            self,
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
+        )
     }
 
     /// The hyperparameters as (name, value) pairs, for writers and messages.
@@ -364,6 +367,8 @@ pub struct TrainingGraph {
     pub metrics: Vec<String>,
     /// (variable, its gradient tensor) for every trainable variable, in file order.
     pub gradients: Vec<(String, String)>,
+    /// How the spec says `--data` is read (see [`TrainSpec::data`]).
+    pub data: Option<DataSpec>,
 }
 
 /// Why [`expand_training`] failed.
@@ -709,6 +714,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
         loss: spec.loss.clone(),
         metrics: spec.metrics.clone(),
         gradients: vars.into_iter().map(|v| v.name).zip(grads).collect(),
+        data: spec.data.clone(),
     })
 }
 
@@ -737,11 +743,9 @@ fn optimizer_from_json(v: &serde_json::Value) -> Result<OptimizerSpec, String> {
         "momentum" => OptimizerKind::momentum(),
         "adam" => OptimizerKind::adam(),
         "adamw" => OptimizerKind::adamw(),
-        other => {
-            return Err(format!(
-                "unknown optimizer {other:?} (expected \"sgd\", \"momentum\", \"adam\" or \"adamw\")"
-            ))
-        }
+        other => return Err(format!(
+            "unknown optimizer {other:?} (expected \"sgd\", \"momentum\", \"adam\" or \"adamw\")"
+        )),
     };
     let lr = obj
         .get("lr")
@@ -894,7 +898,8 @@ fn whole_number(v: &serde_json::Value, what: &str) -> Result<u64, String> {
 }
 
 fn schedule_from_json(v: &serde_json::Value) -> Result<LrSchedule, String> {
-    let example = r#"{"type": "cosine", "warmup_steps": 100, "decay_steps": 2000, "min_lr": 0.0001}"#;
+    let example =
+        r#"{"type": "cosine", "warmup_steps": 100, "decay_steps": 2000, "min_lr": 0.0001}"#;
     let (_, obj) = typed_object(v, "lr_schedule", example, &["cosine"])?;
     let mut s = LrSchedule {
         warmup_steps: 0,
@@ -908,18 +913,17 @@ fn schedule_from_json(v: &serde_json::Value) -> Result<LrSchedule, String> {
             "warmup_steps" => s.warmup_steps = whole_number(v, &what)?,
             "decay_steps" => s.decay_steps = whole_number(v, &what)?,
             "min_lr" => s.min_lr = number(v, &what)?,
-            _ => {
-                return Err(format!(
-                    "train.lr_schedule has no field {k:?} (it takes warmup_steps, decay_steps, min_lr)"
-                ))
-            }
+            _ => return Err(format!(
+                "train.lr_schedule has no field {k:?} (it takes warmup_steps, decay_steps, min_lr)"
+            )),
         }
     }
     Ok(s)
 }
 
 fn data_from_json(v: &serde_json::Value) -> Result<DataSpec, String> {
-    let example = r#"{"type": "char_windows", "block_size": 64, "inputs": "idx", "targets": "targets"}"#;
+    let example =
+        r#"{"type": "char_windows", "block_size": 64, "inputs": "idx", "targets": "targets"}"#;
     let (_, obj) = typed_object(v, "data", example, &["char_windows"])?;
     let (mut block_size, mut inputs, mut targets, mut val_fraction) = (None, None, None, 0.1);
     for (k, v) in obj {

@@ -169,7 +169,13 @@ fn adamw_two_steps_match_pytorch_formula() {
     ]; // beta1 0.9, beta2 0.999, epsilon 1e-8
        // torch.optim.AdamW's single-tensor update, evaluated in Python floats.
     let steps = [
-        (0i64, 0.5, 0.890000002, 0.04999999999999999, 0.0002500000000000002),
+        (
+            0i64,
+            0.5,
+            0.890000002,
+            0.04999999999999999,
+            0.0002500000000000002,
+        ),
         (
             1,
             -0.25,
@@ -267,7 +273,10 @@ fn adamw_decays_matrices_only_and_schedules_every_update() {
     let mut sgd = spec_sgd();
     sgd.lr_schedule = spec.lr_schedule;
     let e = expand_training(&mlp(), &sgd).unwrap_err().to_string();
-    assert!(e.contains("lr_schedule needs an optimizer that counts steps"), "{e}");
+    assert!(
+        e.contains("lr_schedule needs an optimizer that counts steps"),
+        "{e}"
+    );
 }
 
 fn spec_sgd() -> TrainSpec {

@@ -79,9 +79,20 @@ pub struct Args {
     /// Run a node for its effect (repeatable).
     #[arg(long = "target", value_name = "NODE")]
     pub targets: Vec<String>,
-    /// Number of steps to run.
-    #[arg(long, default_value_t = 1)]
-    pub steps: u64,
+    /// Number of steps to run (default 1). Training on a text (a graph whose `train.data` reads
+    /// character windows) counts optimizer steps, default: the lr schedule's decay_steps, else 2000.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Training on a text: compute the validation loss every N steps (0: only at the end).
+    #[arg(long, default_value_t = 250)]
+    pub eval_every: u64,
+    /// Training on a text: batches of the validation split each validation loss averages.
+    #[arg(long, default_value_t = 20)]
+    pub eval_batches: u64,
+    /// Training: load these variables (a safetensors file, names as the graph's variables)
+    /// before step 1. Ignored when resuming from --checkpoint-dir.
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub init_from: Option<PathBuf>,
     /// Write a Chrome trace (open in Perfetto or chrome://tracing).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
@@ -166,7 +177,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--data trains the graph, but the graph file has no `train` section (see docs/graph-format.md)",
         )?;
         let session = Session::new(program.graph, cluster, opts)?;
-        super::train::train(&args, data, &training, &session)?;
+        match &training.data {
+            Some(spec) => super::train_text::train_text(&args, data, spec, &training, &session)?,
+            None => super::train::train(&args, data, &training, &session)?,
+        }
         return write_trace(&args, &session);
     }
     let graph = program.graph;
@@ -179,7 +193,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let fetch_refs: Vec<&str> = args.fetches.iter().map(String::as_str).collect();
     let target_refs: Vec<&str> = args.targets.iter().map(String::as_str).collect();
     let mut last = Vec::new();
-    for _ in 0..args.steps.max(1) {
+    for _ in 0..args.steps.unwrap_or(1).max(1) {
         last = session.run(&feed_refs, &fetch_refs, &target_refs)?;
     }
     for (name, t) in args.fetches.iter().zip(&last) {

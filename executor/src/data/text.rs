@@ -318,6 +318,55 @@ impl CharWindows {
     }
 }
 
+/// [`CharWindows`] as the steps of a training run: `steps` steps, step `k` feeding batch `k`'s
+/// inputs and targets to the named placeholders (or this worker's part of it).
+#[derive(Clone, Debug)]
+pub struct CharWindowSteps {
+    windows: CharWindows,
+    steps: u64,
+    inputs: String,
+    targets: String,
+    part: (usize, usize),
+}
+
+impl CharWindowSteps {
+    /// `steps` steps of `windows`, feeding `inputs` and `targets`.
+    pub fn new(windows: CharWindows, steps: u64, inputs: &str, targets: &str) -> Self {
+        CharWindowSteps {
+            windows,
+            steps,
+            inputs: inputs.to_string(),
+            targets: targets.to_string(),
+            part: (0, 1),
+        }
+    }
+
+    /// Feed only part `part` of `parts` of every step's batch (data parallelism).
+    pub fn part(mut self, part: usize, parts: usize) -> Self {
+        self.part = (part, parts);
+        self
+    }
+}
+
+impl crate::trainer::StepData for CharWindowSteps {
+    fn total_steps(&self) -> u64 {
+        self.steps
+    }
+
+    fn epoch(&self, _step: u64) -> u64 {
+        0
+    }
+
+    fn feeds(
+        &mut self,
+        step: u64,
+    ) -> std::result::Result<(Vec<(String, Tensor)>, usize), crate::trainer::TrainError> {
+        let (x, y) = self.windows.batch_part(step, self.part.0, self.part.1)?;
+        let n = x.dims().first().copied().unwrap_or(0);
+        Ok((vec![(self.inputs.clone(), x), (self.targets.clone(), y)], n))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,7 +443,10 @@ mod tests {
         std::io::Write::write_all(&mut enc, &vec![b'a'; 1 << 20]).unwrap();
         enc.finish().unwrap();
         let e = read_text_limited(&path, 1000).unwrap_err().to_string();
-        assert!(e.contains("larger than 1000 bytes once decompressed"), "{e}");
+        assert!(
+            e.contains("larger than 1000 bytes once decompressed"),
+            "{e}"
+        );
         assert_eq!(read_text_limited(&path, 1 << 20).unwrap().len(), 1 << 20);
     }
 }

@@ -56,7 +56,11 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("initializer", AttrType::String, AttrDefault::Str("zeros")),
             attr_or("init_value", AttrType::Float, AttrDefault::Float(0.0)),
             attr_or("seed", AttrType::Int, AttrDefault::Int(0)),
-            attr_or("stddev", AttrType::Float, AttrDefault::Float(super::init::DEFAULT_STDDEV)),
+            attr_or(
+                "stddev",
+                AttrType::Float,
+                AttrDefault::Float(super::init::DEFAULT_STDDEV),
+            ),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -147,7 +151,11 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
     };
     let stddev = match init.attr("stddev")? {
         AttrValue::Float(x) if x.is_finite() && *x >= 0.0 => *x,
-        v => return Err(format!("attribute `stddev` must be a float >= 0, got {v:?}")),
+        v => {
+            return Err(format!(
+                "attribute `stddev` must be a float >= 0, got {v:?}"
+            ))
+        }
     };
     Ok(Box::new(VariableKernel {
         node: init.node.to_string(),

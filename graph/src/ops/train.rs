@@ -307,8 +307,18 @@ impl ScheduledLr {
 
     /// The learning rate after `t` steps.
     fn at(&self, t: f64) -> f64 {
-        let it = if t.is_finite() && t > 0.0 { t as u64 } else { 0 };
-        crate::train::lr_at(self.lr, it, self.warmup_steps, self.decay_steps, self.min_lr)
+        let it = if t.is_finite() && t > 0.0 {
+            t as u64
+        } else {
+            0
+        };
+        crate::train::lr_at(
+            self.lr,
+            it,
+            self.warmup_steps,
+            self.decay_steps,
+            self.min_lr,
+        )
     }
 }
 
