@@ -743,9 +743,11 @@ fn optimizer_from_json(v: &serde_json::Value) -> Result<OptimizerSpec, String> {
         "momentum" => OptimizerKind::momentum(),
         "adam" => OptimizerKind::adam(),
         "adamw" => OptimizerKind::adamw(),
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "unknown optimizer {other:?} (expected \"sgd\", \"momentum\", \"adam\" or \"adamw\")"
-        )),
+        ))
+        }
     };
     let lr = obj
         .get("lr")
@@ -913,9 +915,11 @@ fn schedule_from_json(v: &serde_json::Value) -> Result<LrSchedule, String> {
             "warmup_steps" => s.warmup_steps = whole_number(v, &what)?,
             "decay_steps" => s.decay_steps = whole_number(v, &what)?,
             "min_lr" => s.min_lr = number(v, &what)?,
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "train.lr_schedule has no field {k:?} (it takes warmup_steps, decay_steps, min_lr)"
-            )),
+            ))
+            }
         }
     }
     Ok(s)
