@@ -6,6 +6,7 @@ pub mod check;
 pub mod cluster;
 pub mod common;
 pub mod convert;
+pub mod launch;
 pub mod partition;
 pub mod progress;
 pub mod run;
