@@ -72,6 +72,16 @@ pub enum JobError {
         /// What the last connection attempt said.
         last_error: String,
     },
+    /// A bounded wait before the job formed (registration) ended without what it waited for.
+    #[error("gave up after {secs} s waiting for {what} (last error: {last_error})")]
+    Waiting {
+        /// Seconds waited.
+        secs: u64,
+        /// Whom or what it waited for.
+        what: String,
+        /// What the last attempt said.
+        last_error: String,
+    },
     /// A task died or became unreachable.
     #[error("task {task} is gone ({cause}){waiting}")]
     PeerGone {

@@ -156,9 +156,9 @@ pub async fn gather(
             format!("ranks {}", ranks.join(", "))
         };
         if left.is_zero() {
-            return Err(JobError::Startup {
+            return Err(JobError::Waiting {
                 secs: within.as_secs(),
-                tasks: format!("{} (of {world}) to register at {at}", missing()),
+                what: format!("{} (of {world}) to register at {at}", missing()),
                 last_error,
             });
         }
@@ -329,9 +329,9 @@ pub async fn connect(
             Err(_) => "connecting timed out after 5 s".to_string(),
         };
         if start.elapsed() >= within {
-            return Err(JobError::Startup {
+            return Err(JobError::Waiting {
                 secs: within.as_secs(),
-                tasks: format!("rank 0 to accept registrations at {master}"),
+                what: format!("rank 0 to accept registrations at {master}"),
                 last_error,
             });
         }
@@ -411,9 +411,9 @@ pub async fn register(
     };
     match tokio::time::timeout(within, exchange).await {
         Ok(r) => r,
-        Err(_) => Err(JobError::Startup {
+        Err(_) => Err(JobError::Waiting {
             secs: within.as_secs(),
-            tasks: format!(
+            what: format!(
                 "rank 0 at {master} to send the cluster (the other ranks have not all registered)"
             ),
             last_error: "none".into(),
