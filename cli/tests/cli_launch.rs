@@ -40,10 +40,17 @@ fn collect(from: impl std::io::Read + Send + 'static) -> Arc<Mutex<String>> {
 
 impl Launch {
     fn start(args: &[&str]) -> Launch {
+        Launch::start_with_env(args, &[])
+    }
+
+    fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Launch {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflow"));
         cmd.arg("launch").args(args).current_dir(repo());
         for var in LAUNCHER_VARS {
             cmd.env_remove(var);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
         }
         let mut child = cmd
             .stdin(Stdio::null())
@@ -152,9 +159,11 @@ fn launch_runs_the_readme_parameter_server_job() {
 }
 
 #[test]
-fn launch_runs_the_readme_all_reduce_job() {
+fn launch_runs_the_readme_all_reduce_job_with_a_cluster_secret() {
     let _serial = serial();
-    let run = Launch::start(&[
+    // The tasks inherit DFLOW_SECRET: registration and the data plane are authenticated.
+    let secret = [("DFLOW_SECRET", "launch-test-secret-0123456789")];
+    let args = [
         "--nproc",
         "2",
         "--transport",
@@ -165,7 +174,8 @@ fn launch_runs_the_readme_all_reduce_job() {
         "--data",
         "examples/data/digits.csv.gz",
         "--quiet",
-    ]);
+    ];
+    let run = Launch::start_with_env(&args, &secret);
     let (code, stdout, stderr) = run.wait(LIMIT);
     assert_eq!(code, Some(0), "{stderr}");
     let acc = accuracy(&stdout);

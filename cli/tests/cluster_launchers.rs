@@ -173,3 +173,35 @@ fn a_tf_config_chief_task_is_the_chief() {
         evaluator.stderr
     );
 }
+
+#[test]
+fn a_rank_that_never_starts_is_named_within_the_startup_timeout() {
+    let _serial = serial();
+    let dir = scratch("missing-rank");
+    let port = free_ports(1)[0].to_string();
+    let args = command(&["--startup-timeout", "2"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // WORLD_SIZE 3, but rank 2 is never started.
+    let tasks: Vec<Task> = (0..2)
+        .map(|rank| {
+            let rank = rank.to_string();
+            Task::start_with_identity(
+                &dir,
+                &format!("rank-{rank}"),
+                &args,
+                &[
+                    ("RANK", &rank),
+                    ("WORLD_SIZE", "3"),
+                    ("MASTER_ADDR", "127.0.0.1"),
+                    ("MASTER_PORT", &port),
+                ],
+            )
+        })
+        .collect();
+    let ended: Vec<Ended> = tasks
+        .into_iter()
+        .map(|t| t.wait(Duration::from_secs(30)))
+        .collect();
+    ended[0].assert_failure_naming("waiting for ranks 2 (of 3) to register");
+    ended[1].assert_failure_naming("rank 0");
+}

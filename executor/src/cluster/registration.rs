@@ -15,7 +15,8 @@
 //!
 //! Every wait is bounded by the startup timeout and names whom it waits for; every message is
 //! length-checked before memory is taken; a rank that registers twice (restarted by its
-//! launcher) replaces its earlier registration.
+//! launcher) replaces its earlier registration; one that does not fit (another world size,
+//! another role) is refused with the reason and rank 0 keeps waiting.
 
 use super::node::JobError;
 use dflow_graph::ClusterSpec;
@@ -193,8 +194,12 @@ pub async fn gather(
             got = rx.recv() => match got {
                 Some(Ok((reg, mut stream))) => {
                     if let Err(problem) = check(&reg, world, expected) {
+                        // Refuse it and keep waiting: a stale process of an earlier job must
+                        // not end this one; a misconfigured rank learns why at once.
                         let _ = send_answer(&mut stream, &Answer::Refused(problem.clone())).await;
-                        return Err(setup(format!("registration at {at}: {problem}")));
+                        eprintln!("rank 0: refused a registration: {problem}");
+                        last_error = problem;
+                        continue;
                     }
                     eprintln!("rank 0: rank {} registered as /job:{}/task:{} at {}", reg.rank, reg.job, reg.index, reg.address);
                     if let Some((old, _)) = joined.insert(reg.rank, (reg, stream)) {
@@ -549,7 +554,9 @@ mod tests {
                 e.to_string().contains("rank 0 expects /job:ps/task:0"),
                 "{e}"
             );
+            // Rank 0 kept waiting for a rank that fits, and names the refusal when it gives up.
             let e = master.await.unwrap().unwrap_err().to_string();
+            assert!(e.contains("waiting for ranks 1, 2 (of 3)"), "{e}");
             assert!(e.contains("expects /job:ps/task:0"), "{e}");
         });
     }
