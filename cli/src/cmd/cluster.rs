@@ -244,20 +244,24 @@ async fn register_and_join(
     let master_address = master.address();
     if ranked.rank == 0 {
         let listener = registration::listen(bind_addr(&master_address)?).await?;
-        let bind = std::net::SocketAddr::new(bind_addr(&master_address)?.ip(), 0);
-        let listening = Node::listen(opts, bind, &master.host).await?;
-        let own = me(host_port(&master.host, listening.local_addr().port()));
         eprintln!(
             "rank 0: accepting registrations of {} rank(s) at {master_address}",
             ranked.world_size - 1
         );
-        let (world, num_ps) = (ranked.world_size, num_ps);
+        let world = ranked.world_size;
         // Roles were checked by `role` for this rank; the same rule holds for every rank.
         let expected = move |rank: u32| {
             role(rank, world, num_ps).unwrap_or_else(|_| ("worker".to_string(), rank))
         };
-        let cluster =
-            registration::gather(listener, own, &expected, opts.secret.clone(), within).await?;
+        let gathered =
+            registration::collect(listener, world, &expected, opts.secret.clone(), within).await?;
+        // Bound after the others registered: a loopback MASTER_ADDR is replaced by the address
+        // they reached rank 0 at, for the data plane and the collective listeners alike.
+        let host = gathered.advertised_host(&master.host);
+        let bind = std::net::SocketAddr::new(bind_addr(&host_port(&host, 0))?.ip(), 0);
+        let listening = Node::listen(opts, bind, &host).await?;
+        let own = me(host_port(&host, listening.local_addr().port()));
+        let cluster = gathered.answer(own).await?;
         eprintln!(
             "rank 0: every rank registered; the cluster is {}",
             cluster.to_json_value()

@@ -125,9 +125,8 @@ pub async fn listen(addr: SocketAddr) -> Result<TcpListener, JobError> {
         .map_err(|e| setup(format!("rank 0 cannot accept registrations on {addr}: {e}")))
 }
 
-/// Rank 0: waits (at most `within`) until ranks `1..world_size` have registered, checks each
-/// against `expected(rank)` (the job and index that rank must have), and answers every rank
-/// with the cluster. Returns the cluster.
+/// Rank 0: [`collect`]s the registrations, then answers every rank with the cluster that
+/// includes `own`. Returns the cluster.
 pub async fn gather(
     listener: TcpListener,
     own: Registration,
@@ -135,8 +134,29 @@ pub async fn gather(
     secret: Option<Secret>,
     within: Duration,
 ) -> Result<ClusterSpec, JobError> {
+    collect(listener, own.world_size, expected, secret, within)
+        .await?
+        .answer(own)
+        .await
+}
+
+/// The other ranks' registrations, their connections held open for the answer.
+#[derive(Debug)]
+pub struct Gathered {
+    joined: BTreeMap<u32, (Registration, TcpStream)>,
+}
+
+/// Rank 0: waits (at most `within`) until ranks `1..world_size` have registered, checking
+/// each against `expected(rank)` (the job and index that rank must have). Rank 0 then binds
+/// its own data plane (see [`Gathered::advertised_host`]) and calls [`Gathered::answer`].
+pub async fn collect(
+    listener: TcpListener,
+    world: u32,
+    expected: &(dyn Fn(u32) -> (String, u32) + Sync),
+    secret: Option<Secret>,
+    within: Duration,
+) -> Result<Gathered, JobError> {
     let start = Instant::now();
-    let world = own.world_size;
     let at = listener
         .local_addr()
         .map(|a| a.to_string())
@@ -215,33 +235,70 @@ pub async fn gather(
             _ = tokio::time::sleep(tick) => {}
         }
     }
-    let mut jobs: BTreeMap<String, BTreeMap<u32, String>> = BTreeMap::new();
-    for reg in std::iter::once(&own).chain(joined.values().map(|(r, _)| r)) {
-        jobs.entry(reg.job.clone())
-            .or_default()
-            .insert(reg.index, reg.address.clone());
+    Ok(Gathered { joined })
+}
+
+impl Gathered {
+    /// The host rank 0 advertises: `configured` (its `MASTER_ADDR`), unless that is a loopback
+    /// name (some launchers give rank 0 `MASTER_ADDR=localhost`) and the others reached rank 0
+    /// at another address (the local end of their connections): then that address.
+    pub fn advertised_host(&self, configured: &str) -> String {
+        advertised_host(
+            configured,
+            self.joined
+                .values()
+                .filter_map(|(_, s)| s.local_addr().ok())
+                .map(|a| a.ip()),
+        )
     }
-    let cluster = match ClusterSpec::new(jobs) {
-        Ok(c) => c,
-        Err(e) => {
-            let why = format!("the registered tasks do not form a cluster: {e}");
-            for (_, stream) in joined.values_mut() {
-                let _ = send_answer(stream, &Answer::Refused(why.clone())).await;
+
+    /// Builds the cluster of `own` and every registered rank and sends it to each.
+    pub async fn answer(mut self, own: Registration) -> Result<ClusterSpec, JobError> {
+        let mut jobs: BTreeMap<String, BTreeMap<u32, String>> = BTreeMap::new();
+        for reg in std::iter::once(&own).chain(self.joined.values().map(|(r, _)| r)) {
+            jobs.entry(reg.job.clone())
+                .or_default()
+                .insert(reg.index, reg.address.clone());
+        }
+        let cluster = match ClusterSpec::new(jobs) {
+            Ok(c) => c,
+            Err(e) => {
+                let why = format!("the registered tasks do not form a cluster: {e}");
+                for (_, stream) in self.joined.values_mut() {
+                    let _ = send_answer(stream, &Answer::Refused(why.clone())).await;
+                }
+                return Err(setup(why));
             }
-            return Err(setup(why));
+        };
+        let answer = Answer::Cluster(cluster.clone());
+        for (rank, (_, stream)) in self.joined.iter_mut() {
+            if let Err(e) = send_answer(stream, &answer).await {
+                return Err(JobError::PeerGone {
+                    task: format!("rank {rank}"),
+                    cause: format!("sending it the cluster: {e}"),
+                    waiting: String::new(),
+                });
+            }
         }
-    };
-    let answer = Answer::Cluster(cluster.clone());
-    for (rank, (_, stream)) in joined.iter_mut() {
-        if let Err(e) = send_answer(stream, &answer).await {
-            return Err(JobError::PeerGone {
-                task: format!("rank {rank}"),
-                cause: format!("sending it the cluster: {e}"),
-                waiting: String::new(),
-            });
-        }
+        Ok(cluster)
     }
-    Ok(cluster)
+}
+
+/// See [`Gathered::advertised_host`]; `reached_at` are the local ends of the connections.
+fn advertised_host(configured: &str, mut reached_at: impl Iterator<Item = IpAddr>) -> String {
+    let host = configured.trim_start_matches('[').trim_end_matches(']');
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if !loopback {
+        return configured.to_string();
+    }
+    match reached_at.find(|ip| !ip.is_loopback() && !ip.is_unspecified()) {
+        Some(ip) => {
+            eprintln!("rank 0: advertising {ip} instead of {configured} (the other ranks reached rank 0 there)");
+            ip.to_string()
+        }
+        None => configured.to_string(),
+    }
 }
 
 fn check(
@@ -468,6 +525,25 @@ mod tests {
             .enable_all()
             .build()
             .unwrap()
+    }
+
+    #[test]
+    fn rank_0_given_localhost_advertises_where_the_others_reached_it() {
+        let local: IpAddr = "127.0.0.1".parse().unwrap();
+        let pod: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(
+            advertised_host("localhost", [local].into_iter()),
+            "localhost"
+        );
+        assert_eq!(
+            advertised_host("localhost", [local, pod].into_iter()),
+            "10.1.2.3"
+        );
+        assert_eq!(advertised_host("127.0.0.1", [pod].into_iter()), "10.1.2.3");
+        assert_eq!(
+            advertised_host("digits-master-0", [pod].into_iter()),
+            "digits-master-0"
+        );
     }
 
     #[test]
