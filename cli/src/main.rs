@@ -40,6 +40,9 @@ enum Command {
     Trace(cmd::trace::Args),
     /// Make a cluster CA and per-task certificates for `run --transport quic`.
     Cert(cmd::cert::Args),
+    /// Start every task of a job on this machine (`--ps P --workers W` or `--nproc N`), each
+    /// with its identity in the environment, as a cluster launcher would.
+    Launch(cmd::launch::Args),
 }
 
 /// `dflow bench ...`.
@@ -72,6 +75,8 @@ fn main() -> ExitCode {
             cmd::bench_collective::run(a)
         }
         Command::Cert(a) => cmd::cert::run(a),
+        // Exits with the failed task's code, not 1.
+        Command::Launch(a) => return cmd::launch::main(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod common;
 pub mod convert;
 pub mod generate;
+pub mod launch;
 pub mod partition;
 pub mod progress;
 pub mod run;

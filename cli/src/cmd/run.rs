@@ -1,8 +1,9 @@
 //! `dflow run`: run a graph. `--local` starts every task of the cluster inside this process;
-//! `--job J --index I` (or `TF_CONFIG`) runs one task of a distributed job (see
+//! `--job J --index I` (or the launcher's environment, [`dflow::identity`]) runs one task of a distributed job (see
 //! [`super::cluster`]).
 
 use anyhow::{bail, Context};
+use dflow::identity::{self, Place, ProcessEnv, Source};
 use dflow_executor::npy::{read_npy, write_npy};
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::{ClusterSpec, Tensor};
@@ -19,7 +20,9 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["job", "index"])]
     pub local: bool,
     /// Distributed: this process's job in the cluster (`ps` or `worker`; worker 0 is the chief).
-    /// Without --job and --local, the task comes from the TF_CONFIG environment variable.
+    /// Without --job and --local, the task comes from the environment: TF_CONFIG, then
+    /// torchrun/PyTorchJob (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Slurm, MPI (see
+    /// docs/launchers.md).
     #[arg(long, requires = "cluster")]
     pub job: Option<String>,
     /// Distributed: this process's index in its job.
@@ -55,8 +58,13 @@ pub struct Args {
     pub startup_timeout: u64,
     /// Distributed training: `ps` (variables on the parameter servers) or `allreduce` (every
     /// worker holds the model; gradients are all-reduced in fused buckets; no ps needed).
-    #[arg(long, default_value = "ps", value_parser = ["ps", "allreduce"])]
-    pub strategy: String,
+    /// Default: `ps` when the job has a ps task, else `allreduce`.
+    #[arg(long, value_parser = ["ps", "allreduce"])]
+    pub strategy: Option<String>,
+    /// Distributed, identity from rank variables (RANK/WORLD_SIZE, Slurm, MPI): the last N
+    /// ranks are parameter servers; the others are workers in rank order (rank 0 is the chief).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub num_ps: u32,
     /// Distributed all-reduce training: the fusion threshold, in MiB, of a gradient bucket.
     #[arg(long, default_value_t = 25.0)]
     pub fusion_threshold_mb: f64,
@@ -143,13 +151,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let path = args.cluster.as_ref().context("--job needs --cluster")?;
             let cluster = ClusterSpec::from_file(path)?;
             let job = job.clone();
+            eprintln!(
+                "dflow: identity from {}: /job:{job}/task:{}",
+                Source::Flags,
+                args.index
+            );
             return super::cluster::run_task(&args, cluster, &job, args.index);
         }
-        if std::env::var_os(dflow_graph::cluster::TF_CONFIG_VAR).is_some() {
-            let tf = dflow_graph::TfConfig::from_env()?;
-            return super::cluster::run_task(&args, tf.cluster, &tf.task_type, tf.task_index);
-        }
-        bail!("say where to run: --local (every task in this process), --job J --index I --cluster FILE (one task of a distributed job), or set TF_CONFIG");
+        let Some(identity) = identity::from_env(&ProcessEnv)? else {
+            bail!("say where to run: --local (every task in this process), --job J --index I --cluster FILE (one task of a distributed job), or start under a launcher that sets TF_CONFIG, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun, PyTorchJob, `dflow launch`), Slurm's srun or mpirun (see docs/launchers.md)");
+        };
+        eprintln!("dflow: {}", identity.describe());
+        return match identity.place {
+            Place::Task {
+                cluster,
+                job,
+                index,
+            } => super::cluster::run_task(&args, cluster, &job, index),
+            Place::Evaluator => Ok(()),
+            Place::Ranked(ranked) => super::cluster::run_ranked(&args, ranked),
+        };
     }
     let Some(graph_path) = &args.graph else {
         bail!("--local needs the graph file");
