@@ -4,7 +4,7 @@
 use dflow_graph::{DType, Tensor};
 use dflow_transport::rdma::plane::RdmaPlane;
 use dflow_transport::rdma::sim::SimFabric;
-use dflow_transport::tcp::TcpConfig;
+use dflow_transport::TcpConfig;
 use dflow_transport::{DataPlane, PeerEvent, Rendezvous, RendezvousError, RendezvousKey};
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,8 +1,9 @@
 //! The TCP data plane between two endpoints on 127.0.0.1 (ephemeral ports, bounded in time).
 
 use dflow_graph::{DType, Tensor};
-use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpPlane;
 use dflow_transport::wire::{encode_header, FrameKind, Header};
+use dflow_transport::TcpConfig;
 use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ fn any_addr() -> SocketAddr {
 }
 
 fn recv(
-    r: &TcpRendezvous,
+    r: &TcpPlane,
     k: &Arc<RendezvousKey>,
     step: u64,
 ) -> oneshot::Receiver<Result<Tensor, RendezvousError>> {
@@ -43,11 +44,11 @@ async fn wait(
 }
 
 /// A worker that sends `x:0` ([n] f32, slot 1) to a ps.
-async fn pair(n: usize) -> (Arc<TcpRendezvous>, Arc<TcpRendezvous>, Arc<RendezvousKey>) {
-    let ps = TcpRendezvous::bind("ps:0", any_addr(), TcpConfig::default())
+async fn pair(n: usize) -> (Arc<TcpPlane>, Arc<TcpPlane>, Arc<RendezvousKey>) {
+    let ps = TcpPlane::bind("ps:0", any_addr(), TcpConfig::default())
         .await
         .unwrap();
-    let worker = TcpRendezvous::bind("worker:0", any_addr(), TcpConfig::default())
+    let worker = TcpPlane::bind("worker:0", any_addr(), TcpConfig::default())
         .await
         .unwrap();
     let k = key("x:0");
@@ -255,9 +256,7 @@ async fn a_peer_that_stalls_mid_frame_is_dropped_after_the_frame_timeout() {
         frame_timeout: Duration::from_millis(200),
         ..TcpConfig::default()
     };
-    let ps = TcpRendezvous::bind("ps:0", any_addr(), config)
-        .await
-        .unwrap();
+    let ps = TcpPlane::bind("ps:0", any_addr(), config).await.unwrap();
     let k = key("x:0");
     ps.register_recv(1, "worker:slow", k.clone(), DType::F32, &[64])
         .unwrap();
