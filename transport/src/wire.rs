@@ -16,7 +16,13 @@
 //! [`decode_header`] validates everything, the length included, before the caller allocates or
 //! reads anything further.
 
+use crate::plane::lock;
+use crate::rendezvous::RendezvousError;
+use dflow_graph::Tensor;
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc::UnboundedSender;
 
 /// The magic number: the bytes `DFLW` read as a little-endian `u32`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DFLW");
@@ -265,7 +271,7 @@ pub fn decode_header_slice(b: &[u8], max_payload: u64) -> Result<Header, WireErr
 #[derive(Clone)]
 pub(crate) enum Body {
     /// A tensor, sent from its own memory.
-    Tensor(dflow_graph::Tensor),
+    Tensor(Tensor),
     /// Bytes (messages, abort reasons, handshake frames).
     Bytes(Vec<u8>),
 }
@@ -310,7 +316,7 @@ impl Outgoing {
     }
 
     /// The Data frame carrying `value` into slot `slot_id` for `step`, from the tensor's memory.
-    pub(crate) fn data(slot_id: u32, step: u64, value: dflow_graph::Tensor) -> Outgoing {
+    pub(crate) fn data(slot_id: u32, step: u64, value: Tensor) -> Outgoing {
         Outgoing {
             head: encode_header(&Header::data(slot_id, step, value.byte_len() as u64)),
             body: Body::Tensor(value),
@@ -321,34 +327,17 @@ impl Outgoing {
 /// The writer queues of one plane's outgoing connections, one per peer (TCP and QUIC).
 #[derive(Default)]
 pub(crate) struct Writers {
-    queues: std::sync::Mutex<
-        std::collections::HashMap<
-            std::sync::Arc<str>,
-            tokio::sync::mpsc::UnboundedSender<Outgoing>,
-        >,
-    >,
+    queues: Mutex<HashMap<Arc<str>, UnboundedSender<Outgoing>>>,
 }
 
 impl Writers {
-    fn queues(
-        &self,
-    ) -> std::sync::MutexGuard<
-        '_,
-        std::collections::HashMap<
-            std::sync::Arc<str>,
-            tokio::sync::mpsc::UnboundedSender<Outgoing>,
-        >,
-    > {
-        crate::plane::lock(&self.queues)
-    }
-
     /// Queues `out` for `peer`'s writer.
-    pub(crate) fn queue(&self, peer: &str, out: Outgoing) -> Result<(), crate::RendezvousError> {
-        let gone = |cause: &str| crate::RendezvousError::PeerGone {
+    pub(crate) fn queue(&self, peer: &str, out: Outgoing) -> Result<(), RendezvousError> {
+        let gone = |cause: &str| RendezvousError::PeerGone {
             peer: peer.to_string(),
             cause: cause.to_string(),
         };
-        self.queues()
+        lock(&self.queues)
             .get(peer)
             .ok_or_else(|| gone("not connected"))?
             .send(out)
@@ -357,33 +346,29 @@ impl Writers {
 
     /// Queues `out` for every connected peer (best effort).
     pub(crate) fn broadcast(&self, out: &Outgoing) {
-        for tx in self.queues().values() {
+        for tx in lock(&self.queues).values() {
             let _ = tx.send(out.clone());
         }
     }
 
     /// The queue of a new connection to `peer` (replacing an older one).
-    pub(crate) fn insert(
-        &self,
-        peer: std::sync::Arc<str>,
-        tx: tokio::sync::mpsc::UnboundedSender<Outgoing>,
-    ) {
-        self.queues().insert(peer, tx);
+    pub(crate) fn insert(&self, peer: Arc<str>, tx: UnboundedSender<Outgoing>) {
+        lock(&self.queues).insert(peer, tx);
     }
 
     /// Drops the queue to `peer`: its writer ends once the frames queued before are written.
     pub(crate) fn remove(&self, peer: &str) {
-        self.queues().remove(peer);
+        lock(&self.queues).remove(peer);
     }
 
     /// Drops every queue.
     pub(crate) fn clear(&self) {
-        self.queues().clear();
+        lock(&self.queues).clear();
     }
 
     /// True while a connection to `peer` is open.
     pub(crate) fn contains(&self, peer: &str) -> bool {
-        self.queues().contains_key(peer)
+        lock(&self.queues).contains_key(peer)
     }
 }
 
