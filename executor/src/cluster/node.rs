@@ -7,7 +7,7 @@ use super::server::{ServerOptions, TaskServer};
 use crate::error::ExecError;
 use dflow_graph::ClusterSpec;
 use dflow_transport::auth::Secret;
-use dflow_transport::tcp::TcpConfig;
+use dflow_transport::TcpConfig;
 use dflow_transport::{plane, DataPlane, PeerEvent, TransportKind};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
