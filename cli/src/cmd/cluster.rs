@@ -8,11 +8,11 @@
 use super::progress::Progress;
 use super::run::Args;
 use anyhow::{bail, Context};
-use dflow_executor::cluster::{run_chief, ChiefConfig, Node, NodeOptions, ServerOptions, Strategy};
+use dflow_executor::cluster::{run_chief, ChiefConfig, Node, NodeOptions, ServerOptions};
 use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::ClusterSpec;
-use dflow_partitioner::strategy::PsMode;
 use dflow_partitioner::PlacementOptions;
+use dflow_partitioner::StrategyOptions;
 use dflow_transport::auth::{Secret, SECRET_ENV};
 use dflow_transport::quic::{pki, QuicIdentity, CERT_DIR_ENV};
 use dflow_transport::TransportKind;
@@ -145,6 +145,21 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
     })
 }
 
+/// The strategy `--strategy`, `--async` and `--fusion-threshold-mb` ask for.
+pub(super) fn strategy(args: &Args) -> anyhow::Result<Box<dyn dflow_partitioner::Strategy>> {
+    if args.fusion_threshold_mb.is_nan() || args.fusion_threshold_mb <= 0.0 {
+        bail!(
+            "--fusion-threshold-mb must be positive, got {}",
+            args.fusion_threshold_mb
+        );
+    }
+    let options = StrategyOptions {
+        asynchronous: args.r#async,
+        bucket_bytes: (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
+    };
+    Ok(args.strategy.build(&options)?)
+}
+
 fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
     let Some(path) = &args.graph else {
         bail!("the chief (worker 0) needs the graph file: dflow run --job worker --index 0 --cluster CLUSTER GRAPH --data DATA");
@@ -165,26 +180,7 @@ fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
     Ok(ChiefConfig {
         forward: def,
         spec,
-        strategy: match args.strategy.as_str() {
-            "allreduce" => {
-                if args.r#async {
-                    bail!(
-                        "--async is a parameter-server mode; --strategy allreduce is synchronous"
-                    );
-                }
-                if args.fusion_threshold_mb.is_nan() || args.fusion_threshold_mb <= 0.0 {
-                    bail!(
-                        "--fusion-threshold-mb must be positive, got {}",
-                        args.fusion_threshold_mb
-                    );
-                }
-                Strategy::AllReduce {
-                    bucket_bytes: (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
-                }
-            }
-            _ if args.r#async => Strategy::Ps(PsMode::Async),
-            _ => Strategy::Ps(PsMode::Sync),
-        },
+        strategy: strategy(args)?.into(),
         placement: PlacementOptions::default(),
         data_path: data_path.clone(),
         data,
@@ -208,17 +204,11 @@ async fn chief(
 ) -> anyhow::Result<()> {
     let rpc = node.into_rpc();
     let workers = cluster.num_tasks("worker");
-    match cfg.strategy {
-        Strategy::AllReduce { bucket_bytes } => eprintln!(
-            "chief: every task joined; all-reduce data-parallel training with {workers} worker(s), buckets of {:.1} MiB",
-            bucket_bytes as f64 / (1u64 << 20) as f64
-        ),
-        Strategy::Ps(mode) => eprintln!(
-            "chief: every task joined; {} parameter-server training with {workers} worker(s) and {} ps task(s)",
-            if mode == PsMode::Async { "async" } else { "sync" },
-            cluster.num_tasks("ps")
-        ),
-    }
+    eprintln!(
+        "chief: every task joined; {} with {workers} worker(s) and {} ps task(s)",
+        cfg.strategy.describe(),
+        cluster.num_tasks("ps")
+    );
     let mut progress: Option<Progress> = None;
     let epochs = args.epochs;
     let quiet = args.quiet;

@@ -53,10 +53,9 @@ pub struct Args {
     /// Distributed: seconds to wait for every other task to start.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout: u64,
-    /// Distributed training: `ps` (variables on the parameter servers) or `allreduce` (every
-    /// worker holds the model; gradients are all-reduced in fused buckets; no ps needed).
-    #[arg(long, default_value = "ps", value_parser = ["ps", "allreduce"])]
-    pub strategy: String,
+    /// Distributed training: how the workers train together.
+    #[arg(long, default_value = "ps", value_parser = super::common::strategy_parser())]
+    pub strategy: dflow_partitioner::StrategyKind,
     /// Distributed all-reduce training: the fusion threshold, in MiB, of a gradient bucket.
     #[arg(long, default_value_t = 25.0)]
     pub fusion_threshold_mb: f64,
