@@ -12,7 +12,6 @@ use dflow_executor::cluster::{run_chief, ChiefConfig, Node, NodeOptions, ServerO
 use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::ClusterSpec;
 use dflow_partitioner::PlacementOptions;
-use dflow_partitioner::StrategyOptions;
 use dflow_transport::auth::{Secret, SECRET_ENV};
 use dflow_transport::quic::{pki, QuicIdentity, CERT_DIR_ENV};
 use dflow_transport::TransportKind;
@@ -145,21 +144,6 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
     })
 }
 
-/// The strategy `--strategy`, `--async` and `--fusion-threshold-mb` ask for.
-pub(super) fn strategy(args: &Args) -> anyhow::Result<Box<dyn dflow_partitioner::Strategy>> {
-    if args.fusion_threshold_mb.is_nan() || args.fusion_threshold_mb <= 0.0 {
-        bail!(
-            "--fusion-threshold-mb must be positive, got {}",
-            args.fusion_threshold_mb
-        );
-    }
-    let options = StrategyOptions {
-        asynchronous: args.r#async,
-        bucket_bytes: (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
-    };
-    Ok(args.strategy.build(&options)?)
-}
-
 fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
     let Some(path) = &args.graph else {
         bail!("the chief (worker 0) needs the graph file: dflow run --job worker --index 0 --cluster CLUSTER GRAPH --data DATA");
@@ -180,7 +164,12 @@ fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
     Ok(ChiefConfig {
         forward: def,
         spec,
-        strategy: strategy(args)?.into(),
+        strategy: super::common::build_strategy(
+            args.strategy,
+            args.r#async,
+            args.fusion_threshold_mb,
+        )?
+        .into(),
         placement: PlacementOptions::default(),
         data_path: data_path.clone(),
         data,
