@@ -197,7 +197,8 @@ pub struct JobPlan {
     pub strategy: String,
     /// How the training signatures are stepped.
     pub schedule: Schedule,
-    /// Parts of the global batch per lockstep step (the number of replicas).
+    /// Parts each batch is split into: the number of replicas in lockstep, 1 when every worker
+    /// takes whole batches.
     pub batch_parts: u32,
     /// Training signatures first (in worker order), then the evaluation signature.
     pub signatures: Vec<Signature>,
@@ -419,7 +420,11 @@ impl JobPlan {
         Ok(JobPlan {
             strategy,
             schedule,
-            batch_parts: graphs.iter().map(|g| g.replicas.len() as u32).sum(),
+            batch_parts: if lockstep {
+                graphs.iter().map(|g| g.replicas.len() as u32).sum()
+            } else {
+                1
+            },
             signatures,
             groups,
             buffer_plan,
