@@ -74,8 +74,7 @@ pub mod prelude {
     pub use dflow_graph::train::{OptimizerKind, OptimizerSpec, TrainSpec};
     pub use dflow_graph::{ClusterSpec, DType, DeviceName, Graph, Shape, Tensor};
     pub use dflow_partitioner::{
-        partition, place, render_dot, render_job_text, render_json, render_text, JobInput,
-        JobPlan, PartitionOptions, Partitions, PlacementOptions, Strategy, StrategyKind,
-        StrategyOptions,
+        partition, place, render_dot, render_job_text, render_json, render_text, JobInput, JobPlan,
+        PartitionOptions, Partitions, PlacementOptions, Strategy, StrategyKind, StrategyOptions,
     };
 }
