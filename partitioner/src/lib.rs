@@ -36,7 +36,7 @@ pub mod render;
 pub mod strategy;
 pub mod synthetic;
 
-pub use error::{LoadError, PartitionError, PlacementError};
+pub use error::{PartitionError, PartitionsJsonError, PlacementError};
 pub use job::{render_job_text, JobPlan, JobPlanError, Schedule, Signature, SignatureKind};
 pub use partition::{
     partition, ClientEndpoint, Partition, PartitionOptions, Partitions, TransferPair,

@@ -3,7 +3,7 @@
 //! [`super::cluster`]).
 
 use anyhow::{bail, Context};
-use dflow_executor::npy::{read_npy, write_npy};
+use dflow_executor::npy;
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::{ClusterSpec, Tensor};
 use std::path::PathBuf;
@@ -152,7 +152,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (name, file) = f
             .split_once('=')
             .with_context(|| format!("--feed {f:?}: expected NAME=FILE.npy"))?;
-        let t = read_npy(file.as_ref()).with_context(|| format!("--feed {name}"))?;
+        let t = npy::read_tensor(file.as_ref()).with_context(|| format!("--feed {name}"))?;
         feeds.push((name.to_string(), t));
     }
     let opts = SessionOptions {
@@ -188,7 +188,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (name, t) in args.fetches.iter().zip(&last) {
             let file = dir.join(format!("{}.npy", name.replace(['/', ':'], "_")));
-            write_npy(&file, t)?;
+            npy::write_tensor(&file, t)?;
         }
     }
     write_trace(&args, &session)

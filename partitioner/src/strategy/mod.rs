@@ -59,7 +59,7 @@ pub use ps::{ps_training, ParameterServer, PsMode};
 
 use crate::error::{PartitionError, PlacementError};
 use crate::place::PlacementOptions;
-use dflow_graph::train::{TrainError, TrainSpec, TrainingGraph};
+use dflow_graph::train::{ExpandError, TrainSpec, TrainingGraph};
 use dflow_graph::{ClusterSpec, DType, Graph, GraphErrors, Shape};
 use std::fmt;
 use std::str::FromStr;
@@ -327,7 +327,7 @@ pub enum StrategyError {
     },
     /// Adding the training step failed.
     #[error(transparent)]
-    Train(#[from] TrainError),
+    Train(#[from] ExpandError),
     /// The strategy's options do not fit it (e.g. `async` for a synchronous strategy).
     #[error("strategy `{strategy}`: {message}")]
     Options {
