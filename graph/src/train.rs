@@ -373,7 +373,7 @@ pub struct TrainingGraph {
 
 /// Why [`expand_training`] failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum TrainError {
+pub enum ExpandError {
     /// The spec's values are out of range.
     #[error("train spec: {0}")]
     InvalidSpec(String),
@@ -401,8 +401,8 @@ pub enum TrainError {
     InvalidResult(GraphErrors),
 }
 
-fn find_tensor(g: &Graph, role: &'static str, name: &str) -> Result<(), TrainError> {
-    let unknown = |message: String| TrainError::UnknownTensor {
+fn find_tensor(g: &Graph, role: &'static str, name: &str) -> Result<(), ExpandError> {
+    let unknown = |message: String| ExpandError::UnknownTensor {
         role,
         name: name.to_string(),
         message,
@@ -440,9 +440,9 @@ impl Adder {
         device: &str,
         colocate_with: Option<&str>,
         attrs: Vec<(&str, AttrValue)>,
-    ) -> Result<String, TrainError> {
+    ) -> Result<String, ExpandError> {
         if !self.taken.insert(name.clone()) {
-            return Err(TrainError::NameTaken(name));
+            return Err(ExpandError::NameTaken(name));
         }
         self.nodes.push(NodeDef {
             name: name.clone(),
@@ -479,8 +479,8 @@ fn tensor_name(o: &Output) -> String {
 /// `Variable` the loss depends on, optional clipping by global norm, optimizer slots (zeros,
 /// colocated with their variable) and one update op per variable (`train/<var>/update`,
 /// colocated with it), and a `NoOp` named `train` (made unique) that runs them all.
-pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph, TrainError> {
-    spec.check().map_err(TrainError::InvalidSpec)?;
+pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph, ExpandError> {
+    spec.check().map_err(ExpandError::InvalidSpec)?;
     let g = Graph::from_def(def).map_err(AutodiffError::InvalidGraph)?;
     find_tensor(&g, "loss", &spec.loss)?;
     for m in &spec.metrics {
@@ -489,7 +489,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
     let loss_node = match InputRef::parse(&spec.loss) {
         Ok(r) => r.node().to_string(),
         Err(message) => {
-            return Err(TrainError::UnknownTensor {
+            return Err(ExpandError::UnknownTensor {
                 role: "loss",
                 name: spec.loss.clone(),
                 message,
@@ -498,7 +498,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
     };
     let loss_idx = g
         .find(&loss_node)
-        .ok_or_else(|| TrainError::UnknownTensor {
+        .ok_or_else(|| ExpandError::UnknownTensor {
             role: "loss",
             name: spec.loss.clone(),
             message: format!("no node named `{loss_node}`"),
@@ -529,7 +529,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
         })
         .collect();
     if vars.is_empty() {
-        return Err(TrainError::NothingToTrain(spec.loss.clone()));
+        return Err(ExpandError::NothingToTrain(spec.loss.clone()));
     }
     let loss_device = g.node(loss_idx).device.clone();
 
@@ -707,7 +707,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
 
     out.nodes.extend(a.nodes);
     out.train = None;
-    Graph::from_def(&out).map_err(TrainError::InvalidResult)?;
+    Graph::from_def(&out).map_err(ExpandError::InvalidResult)?;
     Ok(TrainingGraph {
         def: out,
         train_op,

@@ -2,7 +2,7 @@
 
 use dflow_graph::kernel::{KernelContext, KernelInit, VariableCell};
 use dflow_graph::ops::{registry, InferCtx, TensorType};
-use dflow_graph::train::{expand_training, OptimizerKind, OptimizerSpec, TrainError, TrainSpec};
+use dflow_graph::train::{expand_training, ExpandError, OptimizerKind, OptimizerSpec, TrainSpec};
 use dflow_graph::{AttrValue, DType, GraphDef, InputRef, Shape, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -473,7 +473,7 @@ fn expansion_errors_name_the_problem() {
     s.loss = "los".into();
     let e = expand_training(&def, &s).unwrap_err();
     assert!(
-        matches!(e, TrainError::UnknownTensor { role: "loss", .. }),
+        matches!(e, ExpandError::UnknownTensor { role: "loss", .. }),
         "{e}"
     );
     let mut s = spec(OptimizerKind::Sgd);
@@ -484,7 +484,7 @@ fn expansion_errors_name_the_problem() {
     s.optimizer.lr = -1.0;
     assert!(matches!(
         expand_training(&def, &s),
-        Err(TrainError::InvalidSpec(_))
+        Err(ExpandError::InvalidSpec(_))
     ));
     // The accuracy reaches the variables only through ArgMax (integer): nothing to train.
     let mut s = spec(OptimizerKind::Sgd);
@@ -500,7 +500,7 @@ fn expansion_errors_name_the_problem() {
     n.name = "w1/momentum".into();
     taken.nodes.push(n);
     let e = expand_training(&taken, &spec(OptimizerKind::momentum())).unwrap_err();
-    assert_eq!(e, TrainError::NameTaken("w1/momentum".into()));
+    assert_eq!(e, ExpandError::NameTaken("w1/momentum".into()));
 }
 
 /// A fixed batch for the MLP example: 16 examples of 64 features, labels 0..10.

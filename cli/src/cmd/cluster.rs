@@ -12,11 +12,10 @@ use anyhow::{bail, Context};
 use dflow::identity::Ranked;
 use dflow_executor::cluster::registration::{self, Registration};
 use dflow_executor::cluster::{
-    bind_addr, run_chief, ChiefConfig, Node, NodeOptions, ServerOptions, Strategy,
+    bind_addr, run_chief, ChiefConfig, Node, NodeOptions, ServerOptions,
 };
 use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::ClusterSpec;
-use dflow_partitioner::strategy::PsMode;
 use dflow_partitioner::PlacementOptions;
 use dflow_transport::auth::{Secret, SECRET_ENV};
 use dflow_transport::quic::{pki, QuicIdentity, CERT_DIR_ENV};
@@ -301,30 +300,12 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
     Ok(ChiefConfig {
         forward: def,
         spec,
-        strategy: match args
-            .strategy
-            .as_deref()
-            .unwrap_or(if has_ps { "ps" } else { "allreduce" })
-        {
-            "allreduce" => {
-                if args.r#async {
-                    bail!(
-                        "--async is a parameter-server mode; --strategy allreduce is synchronous"
-                    );
-                }
-                if args.fusion_threshold_mb.is_nan() || args.fusion_threshold_mb <= 0.0 {
-                    bail!(
-                        "--fusion-threshold-mb must be positive, got {}",
-                        args.fusion_threshold_mb
-                    );
-                }
-                Strategy::AllReduce {
-                    bucket_bytes: (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
-                }
-            }
-            _ if args.r#async => Strategy::Ps(PsMode::Async),
-            _ => Strategy::Ps(PsMode::Sync),
-        },
+        strategy: super::common::build_strategy(
+            default_strategy(args.strategy, has_ps)?,
+            args.r#async,
+            args.fusion_threshold_mb,
+        )?
+        .into(),
         placement: PlacementOptions::default(),
         data_path: data_path.clone(),
         data,
@@ -348,17 +329,11 @@ async fn chief(
 ) -> anyhow::Result<()> {
     let rpc = node.into_rpc();
     let workers = cluster.num_tasks("worker");
-    match cfg.strategy {
-        Strategy::AllReduce { bucket_bytes } => eprintln!(
-            "chief: every task joined; all-reduce data-parallel training with {workers} worker(s), buckets of {:.1} MiB",
-            bucket_bytes as f64 / (1u64 << 20) as f64
-        ),
-        Strategy::Ps(mode) => eprintln!(
-            "chief: every task joined; {} parameter-server training with {workers} worker(s) and {} ps task(s)",
-            if mode == PsMode::Async { "async" } else { "sync" },
-            cluster.num_tasks("ps")
-        ),
-    }
+    eprintln!(
+        "chief: every task joined; {} with {workers} worker(s) and {} ps task(s)",
+        cfg.strategy.describe(),
+        cluster.num_tasks("ps")
+    );
     let mut progress: Option<Progress> = None;
     let epochs = args.epochs;
     let quiet = args.quiet;
@@ -411,4 +386,19 @@ async fn chief(
         std::fs::write(dir, text).with_context(|| format!("writing {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// `--strategy`, or by default `ps` when the job has a ps task and `allreduce` when it has none.
+fn default_strategy(
+    given: Option<dflow_partitioner::StrategyKind>,
+    has_ps: bool,
+) -> anyhow::Result<dflow_partitioner::StrategyKind> {
+    match given {
+        Some(kind) => Ok(kind),
+        None => {
+            let name = if has_ps { "ps" } else { "allreduce" };
+            name.parse()
+                .map_err(|e| anyhow::anyhow!("the default strategy {name}: {e}"))
+        }
+    }
 }

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context};
 use dflow::identity::{self, Place, ProcessEnv, Source};
-use dflow_executor::npy::{read_npy, write_npy};
+use dflow_executor::npy;
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::{ClusterSpec, Tensor};
 use std::path::PathBuf;
@@ -56,11 +56,10 @@ pub struct Args {
     /// Distributed: seconds to wait for every other task to start.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout: u64,
-    /// Distributed training: `ps` (variables on the parameter servers) or `allreduce` (every
-    /// worker holds the model; gradients are all-reduced in fused buckets; no ps needed).
-    /// Default: `ps` when the job has a ps task, else `allreduce`.
-    #[arg(long, value_parser = ["ps", "allreduce"])]
-    pub strategy: Option<String>,
+    /// Distributed training: how the workers train together. Default: `ps` when the job has a
+    /// ps task, else `allreduce`.
+    #[arg(long, value_parser = super::common::strategy_parser())]
+    pub strategy: Option<dflow_partitioner::StrategyKind>,
     /// Distributed, identity from rank variables (RANK/WORLD_SIZE, Slurm, MPI): the last N
     /// ranks are parameter servers; the others are workers in rank order (rank 0 is the chief).
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -185,7 +184,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (name, file) = f
             .split_once('=')
             .with_context(|| format!("--feed {f:?}: expected NAME=FILE.npy"))?;
-        let t = read_npy(file.as_ref()).with_context(|| format!("--feed {name}"))?;
+        let t = npy::read_tensor(file.as_ref()).with_context(|| format!("--feed {name}"))?;
         feeds.push((name.to_string(), t));
     }
     let opts = SessionOptions {
@@ -224,7 +223,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (name, t) in args.fetches.iter().zip(&last) {
             let file = dir.join(format!("{}.npy", name.replace(['/', ':'], "_")));
-            write_npy(&file, t)?;
+            npy::write_tensor(&file, t)?;
         }
     }
     write_trace(&args, &session)

@@ -6,8 +6,8 @@
 //! - [`node`]: joining the job (listen, connect to every task with a startup deadline), serving
 //!   the chief, and the chief's request client with its failure handling.
 //! - [`registration`]: learning the cluster from rank 0 when a launcher names only its address.
-//! - [`chief`]: worker 0's driver: parameter-server training (sync or async) and all-reduce
-//!   data parallelism.
+//! - [`chief`]: worker 0's driver: plans the job with its strategy, registers the plan on
+//!   every task, and steps it.
 //! - [`collectives`]: the collective groups a task joined, offered to collective kernels.
 
 pub mod chief;
@@ -17,6 +17,6 @@ pub mod protocol;
 pub mod registration;
 pub mod server;
 
-pub use chief::{run_chief, ChiefConfig, ChiefReport, Strategy};
+pub use chief::{plan_job, run_chief, task_registrations, ChiefConfig, ChiefReport};
 pub use node::{bind_addr, task_name, JobError, Listening, Node, NodeOptions, Rpc};
 pub use server::{ServerOptions, TaskServer};
