@@ -90,12 +90,6 @@ fn session(cfg: &GptConfig) -> (Session, TrainingGraph) {
     (s, training)
 }
 
-fn assert_close(what: &str, got: &Tensor, want: &Tensor) {
-    if let Err(e) = check_close(what, got, want) {
-        panic!("{e}");
-    }
-}
-
 fn check_close(what: &str, got: &Tensor, want: &Tensor) -> Result<(), String> {
     if got.dims() != want.dims() {
         return Err(format!(

@@ -36,12 +36,7 @@
 //! let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
 //!
 //! // 2. Plan: synchronous parameter-server training over both workers.
-//! let train = TrainSpec {
-//!     loss: "loss".into(),
-//!     optimizer: OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 },
-//!     clip_global_norm: None,
-//!     metrics: vec![],
-//! };
+//! let train = TrainSpec::new("loss", OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 });
 //! let strategy = "ps".parse::<StrategyKind>().unwrap().build(&StrategyOptions::default()).unwrap();
 //! let plan = strategy.plan(&JobInput::new(&graph, &train, &cluster, "x", "y")).unwrap();
 //!

@@ -35,15 +35,13 @@ fn my_model_partitions_as_reviewed() {
 #[test]
 fn my_training_job_plans_as_reviewed() {
     let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
-    let train = TrainSpec {
-        loss: "loss".into(),
-        optimizer: OptimizerSpec {
+    let train = TrainSpec::new(
+        "loss",
+        OptimizerSpec {
             kind: OptimizerKind::Sgd,
             lr: 0.05,
         },
-        clip_global_norm: None,
-        metrics: vec![],
-    };
+    );
     let strategy = "ps"
         .parse::<StrategyKind>()
         .unwrap()

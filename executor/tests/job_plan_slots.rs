@@ -10,7 +10,8 @@ use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{ClusterSpec, Graph};
 use dflow_partitioner::{JobInput, JobPlan, StrategyKind, StrategyOptions};
-use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpPlane;
+use dflow_transport::TcpConfig;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -55,7 +56,7 @@ fn servers(
     regs.keys()
         .map(|task| {
             let plane = rt
-                .block_on(TcpRendezvous::bind(
+                .block_on(TcpPlane::bind(
                     task,
                     "127.0.0.1:0".parse().unwrap(),
                     TcpConfig::default(),

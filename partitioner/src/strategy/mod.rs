@@ -30,12 +30,7 @@
 //! let sq = b.binary("Mul", "sq", &d, &d);
 //! b.op("Mean", "loss").input(&sq).finish();
 //! let graph = b.build().unwrap();
-//! let train = TrainSpec {
-//!     loss: "loss".into(),
-//!     optimizer: OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 },
-//!     clip_global_norm: None,
-//!     metrics: vec![],
-//! };
+//! let train = TrainSpec::new("loss", OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 });
 //! let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
 //!
 //! let kind: StrategyKind = "ps".parse().unwrap();
