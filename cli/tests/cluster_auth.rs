@@ -104,9 +104,11 @@ fn rogue_clients_are_rejected_and_training_goes_on() {
     s.write_all(&frame(FrameKind::Data, 1, 8)[..10]).unwrap();
     drop(s);
 
-    // 3. Authenticated, then a frame longer than its slot.
+    // 3. Authenticated, then a frame longer than its slot: a real slot of the ps, read off the
+    // job plan that `dflow partition --strategy ps` prints for this cluster.
+    let slot = ps_gradient_slot(&cluster);
     let mut s = authenticated(ps_port, &secret, "intruder-2");
-    s.write_all(&frame(FrameKind::Data, 1, 1 << 40)).unwrap();
+    s.write_all(&frame(FrameKind::Data, slot, 1 << 40)).unwrap();
     assert!(
         closed_by_peer(&mut s),
         "an oversized frame did not drop the connection"
@@ -123,4 +125,25 @@ fn rogue_clients_are_rejected_and_training_goes_on() {
     assert!(ps.stderr.contains("intruder-1"), "{}", ps.stderr);
     assert!(ps.stderr.contains("intruder-2"), "{}", ps.stderr);
     assert!(ps.stderr.contains("at most"), "{}", ps.stderr);
+}
+
+/// The global id of a slot the ps registers: the first gradient worker 0 sends it, from the job
+/// plan's text rendering (`slot  N  BYTES B  from SENDER  KEY`).
+fn ps_gradient_slot(cluster: &Cluster) -> u32 {
+    let file = cluster.file.to_string_lossy().into_owned();
+    let out = dflow(&[
+        "partition",
+        "examples/digits/digits.json",
+        "--cluster",
+        &file,
+        "--strategy",
+        "ps",
+    ]);
+    let text = stdout(&out);
+    text.lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("slot ") && l.contains("from /job:worker/replica:0/task:0"))
+        .find(|l| l.contains("/job:ps/replica:0/task:0/device:CPU:0;gradients/"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or_else(|| panic!("no gradient slot of the ps in the plan:\n{text}"))
 }
