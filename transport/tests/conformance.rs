@@ -357,7 +357,7 @@ async fn unrouted_keys_meet_locally(backend: Backend) {
 }
 
 /// An abort fails the pending Recv of that step on the other side with its cause, in either
-/// direction, and leaves the other steps alone.
+/// direction (a long cause is cut, not a panic), and leaves the other steps alone.
 async fn abort(backend: Backend) {
     let p = Pair::new(backend).await;
     let pending = recv(&*p.receiver, &x(0), 4);
@@ -385,6 +385,21 @@ async fn abort(backend: Backend) {
     let e = wait_within(pending, WAIT).await.unwrap_err();
     assert!(
         matches!(&e, RendezvousError::Aborted { step: 6, cause } if cause.contains("node `n` failed")),
+        "{e}"
+    );
+    // A long cause that is not ASCII is cut at a character boundary on the way, never a panic.
+    let long = format!("x{}", "€".repeat(2000));
+    let pending = recv(&*p.receiver, &x(0), 8);
+    p.sender.abort_step(
+        8,
+        RendezvousError::Aborted {
+            step: 8,
+            cause: long.clone(),
+        },
+    );
+    let e = wait_within(pending, WAIT).await.unwrap_err();
+    assert!(
+        matches!(&e, RendezvousError::Aborted { step: 8, cause } if cause.contains("x€€€")),
         "{e}"
     );
     // Step 5 was not aborted: its values still flow.

@@ -64,7 +64,8 @@ pub trait Link: fmt::Debug + Send + Sync + Sized + 'static {
 
     /// Stops using `peer` before the plane marks it gone: drops its outgoing connection, and
     /// delivers every value it sent that is already here (a Recv registered after the peer is
-    /// marked gone must still find them). Runs once per death.
+    /// marked gone must still find them). Not called for a peer already marked gone; two
+    /// reports of one death racing each other may both call it, so it must be idempotent.
     fn forget_peer(plane: &Plane<Self>, peer: &Arc<str>, cause: &str);
 
     /// See [`Rendezvous::send_buffer`] (the default: none).
@@ -334,5 +335,168 @@ impl<L: Link> DataPlane for Plane<L> {
 
     fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous> {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A link that routes `x:0` to `peer` and receives `y:0` from it, and records what the
+    /// plane asks of it.
+    #[derive(Debug, Default)]
+    struct FakeLink {
+        sent: AtomicUsize,
+        aborts: Mutex<Vec<(u64, String)>>,
+        forgotten: AtomicUsize,
+    }
+
+    fn x() -> Arc<RendezvousKey> {
+        Arc::new(RendezvousKey::new("/job:a/cpu:0", "/job:b/cpu:0", "x:0"))
+    }
+
+    fn y() -> Arc<RendezvousKey> {
+        Arc::new(RendezvousKey::new("/job:b/cpu:0", "/job:a/cpu:0", "y:0"))
+    }
+
+    impl Link for FakeLink {
+        type Route = ();
+
+        fn route(&self, key: &RendezvousKey) -> Option<(Arc<str>, ())> {
+            (key.tensor_name == "x:0").then(|| ("peer".into(), ()))
+        }
+
+        fn sender_of(&self, key: &RendezvousKey) -> Option<Arc<str>> {
+            (key.tensor_name == "y:0").then(|| "peer".into())
+        }
+
+        fn send_to(
+            plane: &Plane<Self>,
+            _: &Arc<RendezvousKey>,
+            _: u64,
+            _: &Arc<str>,
+            _: (),
+            _: Tensor,
+        ) -> Result<(), RendezvousError> {
+            plane.link.sent.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        fn tell_abort(plane: &Plane<Self>, step: u64, reason: &str) {
+            lock(&plane.link.aborts).push((step, reason.to_string()));
+        }
+
+        fn forget_peer(plane: &Plane<Self>, _: &Arc<str>, _: &str) {
+            plane.link.forgotten.fetch_add(1, Ordering::SeqCst);
+        }
+
+        fn local_addr(&self) -> SocketAddr {
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        }
+
+        fn register_recv(
+            _: &Plane<Self>,
+            _: u32,
+            _: &str,
+            _: Arc<RendezvousKey>,
+            _: DType,
+            _: &[usize],
+        ) -> Result<(), String> {
+            Ok(())
+        }
+
+        fn register_send(_: &Plane<Self>, _: Arc<RendezvousKey>, _: &str, _: u32) {}
+
+        fn connect(
+            _: Arc<Plane<Self>>,
+            _: String,
+            _: SocketAddr,
+        ) -> BoxFuture<'static, Result<(), String>> {
+            Box::pin(async { Ok(()) })
+        }
+
+        fn send_message(_: &Plane<Self>, _: &str, _: Vec<u8>) -> Result<(), RendezvousError> {
+            Ok(())
+        }
+
+        fn close(_: &Plane<Self>, _: Duration) -> BoxFuture<'_, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    fn outcome() -> (
+        RecvCallback,
+        std::sync::mpsc::Receiver<Result<Tensor, RendezvousError>>,
+    ) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        (
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+            rx,
+        )
+    }
+
+    #[test]
+    fn routed_keys_go_to_the_link_and_others_meet_locally() {
+        let plane = Plane::with_link("me", FakeLink::default());
+        plane.send(&x(), 1, Tensor::scalar(1.0f32)).unwrap();
+        assert_eq!(plane.link.sent.load(Ordering::SeqCst), 1);
+        let here = Arc::new(RendezvousKey::new("/job:a/cpu:0", "/job:a/cpu:1", "l:0"));
+        let (done, rx) = outcome();
+        plane.recv_async(&here, 1, done);
+        plane.send(&here, 1, Tensor::scalar(2.0f32)).unwrap();
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap().unwrap();
+        assert_eq!(got.as_slice::<f32>().unwrap(), &[2.0]);
+        assert_eq!(plane.link.sent.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_death_is_reported_once_fails_its_waits_and_stops_sends() {
+        let plane = Plane::with_link("me", FakeLink::default());
+        let mut events = plane.subscribe();
+        let (done, rx) = outcome();
+        plane.recv_async(&y(), 3, done);
+        plane.peer_gone(&"peer".into(), "reset");
+        plane.peer_gone(&"peer".into(), "write failed");
+        let err = rx
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            matches!(&err, RendezvousError::PeerGone { peer, cause } if peer == "peer" && cause == "reset"),
+            "{err}"
+        );
+        assert!(matches!(events.try_recv(), Ok(PeerEvent::Gone { cause, .. }) if cause == "reset"));
+        assert!(events.try_recv().is_err(), "one death, one report");
+        assert_eq!(plane.link.forgotten.load(Ordering::SeqCst), 1);
+        // Sends to it fail here, without reaching the link.
+        let e = plane.send(&x(), 4, Tensor::scalar(1.0f32)).unwrap_err();
+        assert!(matches!(e, RendezvousError::PeerGone { .. }), "{e}");
+        assert_eq!(plane.link.sent.load(Ordering::SeqCst), 0);
+        // Connected again: alive.
+        plane.revive("peer");
+        plane.send(&x(), 5, Tensor::scalar(1.0f32)).unwrap();
+        assert_eq!(plane.link.sent.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn an_abort_is_told_to_the_link_and_fails_the_step_here() {
+        let plane = Plane::with_link("me", FakeLink::default());
+        let (done, rx) = outcome();
+        plane.recv_async(&y(), 7, done);
+        plane.abort_step(
+            7,
+            RendezvousError::Aborted {
+                step: 7,
+                cause: "node `m` failed".into(),
+            },
+        );
+        assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap().is_err());
+        let aborts = lock(&plane.link.aborts).clone();
+        assert_eq!(aborts.len(), 1);
+        assert_eq!(aborts[0].0, 7);
+        assert!(aborts[0].1.contains("node `m` failed"), "{aborts:?}");
     }
 }
