@@ -153,7 +153,8 @@ fn layer_norm_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
     ])
 }
 
-/// The runtime check shared by the two kernels: x [..., C] with C ≥ 1... and [C] parameters.
+/// The run-time check shared by the two kernels: x has rank ≥ 1 and every parameter is [C] of
+/// x's dtype, C = x's last dimension (returned).
 fn check_rows(op: &str, x: &Tensor, params: &[(&str, &Tensor)]) -> Result<usize, String> {
     let Some(&c) = x.dims().last() else {
         return Err(format!(
