@@ -121,7 +121,7 @@ pub fn matmul<T: GemmScalar>(
     threads: Threads,
 ) -> Result<(), String> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if b.rows != k || out.len() != m * n || !a.in_bounds() || !b.in_bounds() {
+    if b.rows != k || m.checked_mul(n) != Some(out.len()) || !a.in_bounds() || !b.in_bounds() {
         return Err(format!(
             "GEMM: operands do not fit: a is {}x{} (offset {}, {} elements), b is {}x{} (offset {}, \
              {} elements), out has {} elements",
