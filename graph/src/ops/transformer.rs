@@ -19,6 +19,7 @@ use super::grad::{dispatch_real, Real};
 use super::math::require_same;
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
+use rayon::prelude::*;
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(layer_norm());
@@ -415,39 +416,86 @@ fn gelu() -> OpDef {
     })
 }
 
-/// GELU of `x` (computed in f64).
-fn gelu_f(kind: GeluKind, x: f64) -> f64 {
+/// Float types the GELU kernels compute in directly (no widening: the kernels are hot in a GPT).
+trait GeluFloat: Real + Send + Sync {
+    fn exp(self) -> Self;
+    fn erf(self) -> Self;
+}
+
+impl GeluFloat for f32 {
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+}
+
+impl GeluFloat for f64 {
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+}
+
+/// tanh through one `exp` (cheaper than the library tanh; saturates correctly: exp overflowing
+/// to ∞ gives 1, underflowing to 0 gives −1).
+fn fast_tanh<T: GeluFloat>(u: T) -> T {
+    let one = T::from_f64(1.0);
+    one - T::from_f64(2.0) / ((u + u).exp() + one)
+}
+
+/// GELU of `x`.
+fn gelu_f<T: GeluFloat>(kind: GeluKind, x: T) -> T {
+    let half = T::from_f64(0.5);
+    let one = T::from_f64(1.0);
     match kind {
-        GeluKind::Tanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh()),
-        GeluKind::Erf => 0.5 * x * (1.0 + libm::erf(x * FRAC_1_SQRT_2)),
+        GeluKind::Tanh => {
+            let u = T::from_f64(SQRT_2_OVER_PI) * (x + T::from_f64(0.044715) * x * x * x);
+            half * x * (one + fast_tanh(u))
+        }
+        GeluKind::Erf => half * x * (one + (x * T::from_f64(FRAC_1_SQRT_2)).erf()),
     }
 }
 
 /// d GELU / dx at `x`.
-fn gelu_df(kind: GeluKind, x: f64) -> f64 {
+fn gelu_df<T: GeluFloat>(kind: GeluKind, x: T) -> T {
+    let half = T::from_f64(0.5);
+    let one = T::from_f64(1.0);
     match kind {
         GeluKind::Tanh => {
-            let t = (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh();
-            0.5 * (1.0 + t)
-                + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
+            let s = T::from_f64(SQRT_2_OVER_PI);
+            let c = T::from_f64(0.044715);
+            let t = fast_tanh(s * (x + c * x * x * x));
+            half * (one + t) + half * x * (one - t * t) * s * (one + T::from_f64(3.0) * c * x * x)
         }
         GeluKind::Erf => {
-            0.5 * (1.0 + libm::erf(x * FRAC_1_SQRT_2)) + x * (-0.5 * x * x).exp() * FRAC_1_SQRT_2PI
+            half * (one + (x * T::from_f64(FRAC_1_SQRT_2)).erf())
+                + x * (T::from_f64(-0.5) * x * x).exp() * T::from_f64(FRAC_1_SQRT_2PI)
         }
     }
 }
+
+/// Elements per task when an elementwise kernel splits its work over the current rayon pool.
+const PAR_CHUNK: usize = 1 << 14;
 
 #[derive(Debug)]
 struct GeluKernel {
     kind: GeluKind,
 }
 
-fn gelu_typed<T: Real>(ins: &[&Tensor], kind: GeluKind) -> Result<Vec<Tensor>, String> {
+fn gelu_typed<T: GeluFloat>(ins: &[&Tensor], kind: GeluKind) -> Result<Vec<Tensor>, String> {
     let xs = slice::<T>(ins[0])?;
     let y = Tensor::filled(ins[0].dims(), |o: &mut [T]| {
-        for (o, &v) in o.iter_mut().zip(xs) {
-            *o = T::from_f64(gelu_f(kind, v.to_f64()));
-        }
+        o.par_chunks_mut(PAR_CHUNK)
+            .zip(xs.par_chunks(PAR_CHUNK))
+            .for_each(|(o, x)| {
+                for (o, &v) in o.iter_mut().zip(x) {
+                    *o = gelu_f(kind, v);
+                }
+            });
     })
     .map_err(|e| e.to_string())?;
     Ok(vec![y])
@@ -505,12 +553,17 @@ struct GeluGradKernel {
     kind: GeluKind,
 }
 
-fn gelu_grad_typed<T: Real>(ins: &[&Tensor], kind: GeluKind) -> Result<Vec<Tensor>, String> {
+fn gelu_grad_typed<T: GeluFloat>(ins: &[&Tensor], kind: GeluKind) -> Result<Vec<Tensor>, String> {
     let (dys, xs) = (slice::<T>(ins[0])?, slice::<T>(ins[1])?);
     let dx = Tensor::filled(ins[1].dims(), |o: &mut [T]| {
-        for ((o, &d), &v) in o.iter_mut().zip(dys).zip(xs) {
-            *o = T::from_f64(d.to_f64() * gelu_df(kind, v.to_f64()));
-        }
+        o.par_chunks_mut(PAR_CHUNK)
+            .zip(dys.par_chunks(PAR_CHUNK))
+            .zip(xs.par_chunks(PAR_CHUNK))
+            .for_each(|((o, d), x)| {
+                for ((o, &d), &v) in o.iter_mut().zip(d).zip(x) {
+                    *o = d * gelu_df(kind, v);
+                }
+            });
     })
     .map_err(|e| e.to_string())?;
     Ok(vec![dx])
@@ -655,15 +708,32 @@ mod tests {
     #[test]
     fn gelu_derivatives_match_finite_differences() {
         for kind in [GeluKind::Tanh, GeluKind::Erf] {
-            for &x in &[-3.0, -1.0, -0.1, 0.0, 0.3, 2.5] {
+            for &x in &[-3.0f64, -1.0, -0.1, 0.0, 0.3, 2.5] {
                 let h = 1e-6;
                 let fd = (gelu_f(kind, x + h) - gelu_f(kind, x - h)) / (2.0 * h);
                 assert!((fd - gelu_df(kind, x)).abs() < 1e-8, "{kind:?} at {x}");
+                // f32 agrees with f64 to f32 precision.
+                let (y32, y64) = (gelu_f(kind, x as f32) as f64, gelu_f(kind, x));
+                assert!(
+                    (y32 - y64).abs() < 1e-6 * (1.0 + y64.abs()),
+                    "{kind:?} f32 at {x}"
+                );
+                let (d32, d64) = (gelu_df(kind, x as f32) as f64, gelu_df(kind, x));
+                assert!(
+                    (d32 - d64).abs() < 1e-6 * (1.0 + d64.abs()),
+                    "{kind:?} f32' at {x}"
+                );
             }
         }
         // Known values: GELU(1) exact = 0.841344746..., tanh form = 0.841191990...
-        assert!((gelu_f(GeluKind::Erf, 1.0) - 0.841_344_746_068_542_9).abs() < 1e-12);
-        assert!((gelu_f(GeluKind::Tanh, 1.0) - 0.841_191_990_607_477_2).abs() < 1e-9);
+        assert!((gelu_f(GeluKind::Erf, 1.0f64) - 0.841_344_746_068_542_9).abs() < 1e-12);
+        assert!((gelu_f(GeluKind::Tanh, 1.0f64) - 0.841_191_990_607_477_2).abs() < 1e-9);
+        // Saturation: no NaN from the exp-based tanh at large |x|.
+        for x in [-100.0f32, -30.0, 30.0, 100.0] {
+            let y = gelu_f(GeluKind::Tanh, x);
+            assert!(y.is_finite() && (y - x.max(0.0)).abs() < 1e-3, "{x}: {y}");
+            assert!(gelu_df(GeluKind::Tanh, x).is_finite());
+        }
     }
 }
 
