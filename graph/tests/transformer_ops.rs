@@ -1313,3 +1313,78 @@ fn a_consumer_of_a_missing_split_output_is_rejected() {
     );
     assert_eq!(out[0].to_f64_vec(), vec![3., 4., 7., 8.]);
 }
+
+#[test]
+fn row_kernels_split_over_tasks_match_naive_results() {
+    // Big enough that the kernels split rows over several pool tasks (16384 elements each).
+    let mut seed = 51;
+    let (rows, c) = (4000usize, 7usize);
+    let x = t64(&mut seed, &[rows, c]);
+    let (g, b) = (t64(&mut seed, &[c]), t64(&mut seed, &[c]));
+    let ln = run_kernel("LayerNorm", &[], &[x.clone(), g.clone(), b.clone()]).unwrap();
+    let (xv, gv, bv) = (x.to_f64_vec(), g.to_f64_vec(), b.to_f64_vec());
+    let (mut want, mut xhat, mut rstd) = (vec![], vec![], vec![]);
+    for row in xv.chunks(c) {
+        let mu = row.iter().sum::<f64>() / c as f64;
+        let var = row.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / c as f64;
+        let r = 1.0 / (var + 1e-5).sqrt();
+        xhat.extend(row.iter().map(|v| (v - mu) * r));
+        want.extend(
+            row.iter()
+                .zip(&gv)
+                .zip(&bv)
+                .map(|((v, g), b)| (v - mu) * r * g + b),
+        );
+        rstd.push(r);
+    }
+    assert_close(&ln[0].to_f64_vec(), &want, 1e-12, "LayerNorm y");
+    // LayerNormGrad: dgamma/dbeta sum over every task's rows.
+    let dy = t64(&mut seed, &[rows, c]);
+    let grads = run_kernel(
+        "LayerNormGrad",
+        &[],
+        &[dy.clone(), x, g, ln[1].clone(), ln[2].clone()],
+    )
+    .unwrap();
+    let dyv = dy.to_f64_vec();
+    let (mut dgamma, mut dbeta, mut dx) = (vec![0.0; c], vec![0.0; c], vec![]);
+    for r in 0..rows {
+        let (d, xh) = (&dyv[r * c..(r + 1) * c], &xhat[r * c..(r + 1) * c]);
+        let gj: Vec<f64> = d.iter().zip(&gv).map(|(d, g)| d * g).collect();
+        let a = gj.iter().sum::<f64>() / c as f64;
+        let bb = gj.iter().zip(xh).map(|(g, x)| g * x).sum::<f64>() / c as f64;
+        for j in 0..c {
+            dgamma[j] += d[j] * xh[j];
+            dbeta[j] += d[j];
+            dx.push(rstd[r] * (gj[j] - a - xh[j] * bb));
+        }
+    }
+    assert_close(&grads[0].to_f64_vec(), &dx, 1e-10, "dx");
+    assert_close(&grads[1].to_f64_vec(), &dgamma, 1e-10, "dgamma");
+    assert_close(&grads[2].to_f64_vec(), &dbeta, 1e-10, "dbeta");
+    // Causal softmax whose tasks start in the middle of a [T, S] block.
+    let (t, s) = (64usize, 100usize);
+    let x = tensor(&mut seed, &[3, t, s], -3.0, 3.0);
+    let y = run_kernel(
+        "Softmax",
+        &[("causal", true.into())],
+        std::slice::from_ref(&x),
+    )
+    .unwrap();
+    let want = naive_softmax(&x.to_f64_vec(), t, s, true);
+    assert_close(&y[0].to_f64_vec(), &want, 1e-12, "causal softmax");
+    let dy = t64(&mut seed, &[3, t, s]);
+    let dx = run_kernel("SoftmaxGrad", &[], &[dy.clone(), y[0].clone()]).unwrap();
+    let (d, yv) = (dy.to_f64_vec(), y[0].to_f64_vec());
+    let mut want = vec![];
+    for (dr, yr) in d.chunks(s).zip(yv.chunks(s)) {
+        let sum: f64 = dr.iter().zip(yr).map(|(a, b)| a * b).sum();
+        want.extend(dr.iter().zip(yr).map(|(a, b)| b * (a - sum)));
+    }
+    assert_close(&dx[0].to_f64_vec(), &want, 1e-12, "SoftmaxGrad");
+    // Gelu over several tasks.
+    let x = tensor(&mut seed, &[40_000], -4.0, 4.0);
+    let y = run_kernel("Gelu", &[], std::slice::from_ref(&x)).unwrap();
+    let want: Vec<f64> = x.to_f64_vec().iter().map(|&v| gelu_ref(v, true)).collect();
+    assert_close(&y[0].to_f64_vec(), &want, 1e-12, "Gelu");
+}

@@ -14,7 +14,9 @@
 //!   mask), and a run is reproducible. Two Dropout nodes with the same seed and shape share their
 //!   mask: give each its own seed.
 
-use super::elementwise::{attr_float, attr_int, attr_str, from_f32, same_shape, slice, to_f32};
+use super::elementwise::{
+    attr_float, attr_int, attr_str, from_f32, rows_per_task, same_shape, slice, to_f32, PAR_CHUNK,
+};
 use super::grad::{dispatch_real, Real};
 use super::math::require_same;
 use super::*;
@@ -198,24 +200,31 @@ fn layer_norm_typed<T: Real>(ins: &[&Tensor], epsilon: f64) -> Result<Vec<Tensor
             mut_slice::<T>(&mut mean)?,
             mut_slice::<T>(&mut rstd)?,
         );
-        for (((row, out), m), r) in xs.chunks(c).zip(ys.chunks_mut(c)).zip(ms).zip(rs) {
-            let mu = row.iter().map(|v| v.to_f64()).sum::<f64>() / c as f64;
-            let var = row
-                .iter()
-                .map(|v| {
-                    let d = v.to_f64() - mu;
-                    d * d
-                })
-                .sum::<f64>()
-                / c as f64;
-            let inv = 1.0 / (var + epsilon).sqrt();
-            let (mu_t, inv_t) = (T::from_f64(mu), T::from_f64(inv));
-            for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gs).zip(bs) {
-                *o = (v - mu_t) * inv_t * g + b;
-            }
-            *m = mu_t;
-            *r = inv_t;
-        }
+        let per = rows_per_task(c);
+        ys.par_chunks_mut(per * c)
+            .zip(xs.par_chunks(per * c))
+            .zip(ms.par_chunks_mut(per))
+            .zip(rs.par_chunks_mut(per))
+            .for_each(|(((ys, xs), ms), rs)| {
+                for (((row, out), m), r) in xs.chunks(c).zip(ys.chunks_mut(c)).zip(ms).zip(rs) {
+                    let mu = row.iter().map(|v| v.to_f64()).sum::<f64>() / c as f64;
+                    let var = row
+                        .iter()
+                        .map(|v| {
+                            let d = v.to_f64() - mu;
+                            d * d
+                        })
+                        .sum::<f64>()
+                        / c as f64;
+                    let inv = 1.0 / (var + epsilon).sqrt();
+                    let (mu_t, inv_t) = (T::from_f64(mu), T::from_f64(inv));
+                    for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gs).zip(bs) {
+                        *o = (v - mu_t) * inv_t * g + b;
+                    }
+                    *m = mu_t;
+                    *r = inv_t;
+                }
+            });
     }
     Ok(vec![y, mean, rstd])
 }
@@ -293,29 +302,48 @@ fn layer_norm_grad_typed<T: Real>(ins: &[&Tensor]) -> Result<Vec<Tensor>, String
     let mut dbeta = vec![0.0f64; c];
     if c > 0 {
         let dxs = mut_slice::<T>(&mut dx)?;
-        let mut xhat = vec![0.0f64; c];
-        let mut g = vec![0.0f64; c];
-        for ((((dyr, xr), dxr), &m), &r) in dys
-            .chunks(c)
-            .zip(xs.chunks(c))
-            .zip(dxs.chunks_mut(c))
-            .zip(ms)
-            .zip(rs)
-        {
-            let (m, r) = (m.to_f64(), r.to_f64());
-            let (mut sum_g, mut sum_gx) = (0.0, 0.0);
+        let per = rows_per_task(c);
+        // Per task: dx of its rows, and its partial sums of dgamma and dbeta (added in task
+        // order below, so the result does not depend on the thread count).
+        let partials: Vec<(Vec<f64>, Vec<f64>)> = dxs
+            .par_chunks_mut(per * c)
+            .zip(dys.par_chunks(per * c))
+            .zip(xs.par_chunks(per * c))
+            .zip(ms.par_chunks(per))
+            .zip(rs.par_chunks(per))
+            .map(|((((dxs, dys), xs), ms), rs)| {
+                let (mut dg, mut db) = (vec![0.0f64; c], vec![0.0f64; c]);
+                let (mut xhat, mut g) = (vec![0.0f64; c], vec![0.0f64; c]);
+                for ((((dyr, xr), dxr), &m), &r) in dys
+                    .chunks(c)
+                    .zip(xs.chunks(c))
+                    .zip(dxs.chunks_mut(c))
+                    .zip(ms)
+                    .zip(rs)
+                {
+                    let (m, r) = (m.to_f64(), r.to_f64());
+                    let (mut sum_g, mut sum_gx) = (0.0, 0.0);
+                    for j in 0..c {
+                        let d = dyr[j].to_f64();
+                        xhat[j] = (xr[j].to_f64() - m) * r;
+                        g[j] = d * gs[j].to_f64();
+                        sum_g += g[j];
+                        sum_gx += g[j] * xhat[j];
+                        dg[j] += d * xhat[j];
+                        db[j] += d;
+                    }
+                    let (a, b) = (sum_g / c as f64, sum_gx / c as f64);
+                    for j in 0..c {
+                        dxr[j] = T::from_f64(r * (g[j] - a - xhat[j] * b));
+                    }
+                }
+                (dg, db)
+            })
+            .collect();
+        for (dg, db) in partials {
             for j in 0..c {
-                let d = dyr[j].to_f64();
-                xhat[j] = (xr[j].to_f64() - m) * r;
-                g[j] = d * gs[j].to_f64();
-                sum_g += g[j];
-                sum_gx += g[j] * xhat[j];
-                dgamma[j] += d * xhat[j];
-                dbeta[j] += d;
-            }
-            let (a, b) = (sum_g / c as f64, sum_gx / c as f64);
-            for j in 0..c {
-                dxr[j] = T::from_f64(r * (g[j] - a - xhat[j] * b));
+                dgamma[j] += dg[j];
+                dbeta[j] += db[j];
             }
         }
     }
@@ -477,9 +505,6 @@ fn gelu_df<T: GeluFloat>(kind: GeluKind, x: T) -> T {
         }
     }
 }
-
-/// Elements per task when an elementwise kernel splits its work over the current rayon pool.
-const PAR_CHUNK: usize = 1 << 14;
 
 #[derive(Debug)]
 struct GeluKernel {
