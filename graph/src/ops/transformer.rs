@@ -13,6 +13,11 @@
 //!   gradient is the same op applied to the incoming gradient (same attrs, same step: the same
 //!   mask), and a run is reproducible. Two Dropout nodes with the same seed and shape share their
 //!   mask: give each its own seed.
+//!
+//! LayerNorm, LayerNormGrad, Gelu and GeluGrad split their rows (elements) over the current rayon
+//! pool, the executor's compute pool, in tasks of about [`PAR_CHUNK`] elements; LayerNormGrad
+//! sums its per-task dgamma/dbeta partials in task order, so results do not depend on the thread
+//! count.
 
 use super::elementwise::{
     attr_float, attr_int, attr_str, from_f32, rows_per_task, same_shape, slice, to_f32, PAR_CHUNK,
