@@ -1388,3 +1388,124 @@ fn row_kernels_split_over_tasks_match_naive_results() {
     let want: Vec<f64> = x.to_f64_vec().iter().map(|&v| gelu_ref(v, true)).collect();
     assert_close(&y[0].to_f64_vec(), &want, 1e-12, "Gelu");
 }
+
+/// A one-block GPT in miniature, end to end through autodiff: token and position embeddings
+/// (Gather, broadcast Add), LayerNorm, the fused QKV projection (BatchMatMul on [B, T, C]·[C, 3C])
+/// and Split, heads (Reshape, Transpose), scaled causal attention (BatchMatMul with adj_y, Mul by
+/// a scalar, causal Softmax), the output projection with nn.Linear's [out, in] layout (adj_y), a
+/// residual, Gelu, and an LM head tied to the token embedding (wte used twice), with the mean
+/// cross-entropy as the loss. Every parameter's gradient against finite differences.
+#[test]
+fn tiny_gpt_block_gradients() {
+    let (b, t, c, h, v) = (2usize, 3usize, 4usize, 2usize, 5usize);
+    let hd = c / h;
+    let mut cs = Case::new();
+    let idx = cs.b.placeholder("idx", DType::I64, &[b as i64, t as i64]);
+    let pos = cs.b.placeholder("pos", DType::I64, &[t as i64]);
+    let targets = cs.b.placeholder("targets", DType::I64, &[(b * t) as i64]);
+    cs.eval.feeds.insert(
+        "idx".into(),
+        Tensor::from_slice(&[b, t], &[0i64, 4, 4, 2, 1, 0]).unwrap(),
+    );
+    cs.eval.feeds.insert(
+        "pos".into(),
+        Tensor::from_slice(&[t], &[0i64, 1, 2]).unwrap(),
+    );
+    cs.eval.feeds.insert(
+        "targets".into(),
+        Tensor::from_slice(&[b * t], &[4i64, 4, 2, 1, 0, 3]).unwrap(),
+    );
+    let wte = cs.variable("wte", &[v, c]);
+    let wpe = cs.variable("wpe", &[t, c]);
+    let gamma = cs.variable("gamma", &[c]);
+    let beta = cs.variable("beta", &[c]);
+    let w_attn = cs.variable("w_attn", &[c, 3 * c]);
+    let w_proj = cs.variable("w_proj", &[c, c]);
+    let g = &mut cs.b;
+    let tok = g.op("Gather", "tok").input(&wte).input(&idx).finish();
+    let pe = g.op("Gather", "pe").input(&wpe).input(&pos).finish();
+    let x = g.binary("Add", "x", &tok, &pe);
+    let ln = g
+        .op("LayerNorm", "ln")
+        .input(&x)
+        .input(&gamma)
+        .input(&beta)
+        .finish();
+    let qkv = g
+        .op("BatchMatMul", "qkv")
+        .input(&ln)
+        .input(&w_attn)
+        .finish();
+    let split = g
+        .op("Split", "split")
+        .input(&qkv)
+        .attr("axis", -1i64)
+        .attr("num_split", 3i64)
+        .finish();
+    let heads = |g: &mut GraphBuilder, k: usize, name: &str| {
+        let r = g
+            .op("Reshape", &format!("{name}_r"))
+            .input(split.out(k))
+            .attr("shape", vec![b as i64, t as i64, h as i64, hd as i64])
+            .finish();
+        g.op("Transpose", name)
+            .input(&r)
+            .attr("perm", vec![0i64, 2, 1, 3])
+            .finish()
+    };
+    let (q, k, vv) = (heads(g, 0, "q"), heads(g, 1, "k"), heads(g, 2, "v"));
+    let att = g
+        .op("BatchMatMul", "att")
+        .input(&q)
+        .input(&k)
+        .attr("adj_y", true)
+        .finish();
+    let scale = g.constant("scale", Tensor::scalar(1.0 / (hd as f64).sqrt()));
+    let scaled = g.binary("Mul", "scaled", &att, &scale);
+    let p = g
+        .op("Softmax", "p")
+        .input(&scaled)
+        .attr("causal", true)
+        .finish();
+    let o = g.op("BatchMatMul", "o").input(&p).input(&vv).finish();
+    let o = g
+        .op("Transpose", "o_t")
+        .input(&o)
+        .attr("perm", vec![0i64, 2, 1, 3])
+        .finish();
+    let o = g
+        .op("Reshape", "o_r")
+        .input(&o)
+        .attr("shape", vec![b as i64, t as i64, c as i64])
+        .finish();
+    let proj = g
+        .op("BatchMatMul", "proj")
+        .input(&o)
+        .input(&w_proj)
+        .attr("adj_y", true)
+        .finish();
+    let res = g.binary("Add", "res", &x, &proj);
+    let act = g.unary("Gelu", "act", &res);
+    let logits = g
+        .op("BatchMatMul", "logits")
+        .input(&act)
+        .input(&wte)
+        .attr("adj_y", true)
+        .finish();
+    let flat = g
+        .op("Reshape", "flat")
+        .input(&logits)
+        .attr("shape", vec![-1i64, v as i64])
+        .finish();
+    let xent = g
+        .op("SparseSoftmaxCrossEntropyWithLogits", "xent")
+        .input(&flat)
+        .input(&targets)
+        .finish();
+    let loss = g.op("Mean", "loss").input(&xent).finish();
+    cs.check(
+        &loss,
+        &[],
+        &["wte", "wpe", "gamma", "beta", "w_attn", "w_proj"],
+    );
+}
