@@ -149,6 +149,7 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
                 "Split",
                 "Concat",
                 "Slice",
+                "SliceGrad",
                 "LayerNorm",
                 "LayerNormGrad",
                 "Gelu",

@@ -773,6 +773,29 @@ fn split_concat_and_slice_kernels_match_naive_indexing() {
 }
 
 #[test]
+fn slice_gradient_and_slice_grad_errors() {
+    let mut c = Case::new();
+    let x = c.input("x", &[-1, 5, 3], &[2, 5, 3], -1.0, 1.0);
+    let y =
+        c.b.op("Slice", "y")
+            .input(&x)
+            .attr("begin", ints(&[1, 2, 0]))
+            .attr("size", ints(&[-1, 2, 3]))
+            .finish();
+    c.check(&y, &[1, 2, 3], &["x"]);
+    let e = run_kernel(
+        "SliceGrad",
+        &[("begin", ints(&[0, 4]))],
+        &[
+            Tensor::zeros(DType::F32, &[2, 2]).unwrap(),
+            Tensor::zeros(DType::F32, &[2, 5]).unwrap(),
+        ],
+    )
+    .unwrap_err();
+    assert!(e.contains("does not fit"), "{e}");
+}
+
+#[test]
 fn layout_gradients() {
     let mut c = Case::new();
     let x = c.input("x", &[2, 3, 4], &[2, 3, 4], -1.0, 1.0);
