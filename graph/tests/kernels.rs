@@ -138,7 +138,26 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // Collectives need a runtime (tested in the transport and multi-process tests);
             // the packing ops are tested in ops/collective.rs.
             || op.name.starts_with("Collective")
-            || ["PackFlat", "FlatSlice"].contains(&op.name);
+            || ["PackFlat", "FlatSlice"].contains(&op.name)
+            // The transformer ops: tested against naive references in tests/transformer_ops.rs.
+            || [
+                "Gather",
+                "GatherGrad",
+                "SparseRowsToDense",
+                "BatchMatMul",
+                "Transpose",
+                "Split",
+                "Concat",
+                "Slice",
+                "SliceGrad",
+                "LayerNorm",
+                "LayerNormGrad",
+                "Gelu",
+                "GeluGrad",
+                "SoftmaxGrad",
+                "Dropout",
+            ]
+            .contains(&op.name);
         assert!(
             covered.contains(op.name) || tested_here,
             "{} has no fixtures",

@@ -130,7 +130,9 @@ fn batch_offsets(big: &[usize], small: &[usize]) -> Vec<usize> {
     out
 }
 
-/// The product for one float type; `dims` = (m, k, n), `x_mat`/`y_mat` = stored (rows, cols).
+/// One BatchMatMul call, checked: the operands, the adj flags, the output dims, each batch
+/// element's operand offsets (in matrices), the stored (rows, cols) of one matrix of x and of y,
+/// and the product's (m, k, n).
 struct Plan<'a> {
     x: &'a Tensor,
     y: &'a Tensor,
@@ -155,17 +157,9 @@ fn run_plan<T: Element + GemmScalar>(p: &Plan<'_>) -> Result<Tensor, String> {
     // A right operand without batch dims and an untransposed left one: one product of the
     // flattened left operand ([batch·M, K] · [K, N]).
     if p.y.rank() == 2 && !p.adj.0 {
-        let rows = p.x.num_elements() / k.max(1);
-        let (rows, xv) = if k == 0 {
-            (
-                dst.len() / n,
-                MatView::row_major(xs, 0, (dst.len() / n, 0), false),
-            )
-        } else {
-            (rows, MatView::row_major(xs, 0, (rows, k), false))
-        };
+        let rows = dst.len() / n;
+        let xv = MatView::row_major(xs, 0, (rows, k), false);
         let yv = MatView::row_major(ys, 0, p.y_mat, p.adj.1);
-        debug_assert_eq!(rows * n, dst.len());
         return matmul(xv, yv, dst, Threads::Pool).map(|()| out);
     }
     let item = |b: usize, chunk: &mut [T], threads: Threads| {

@@ -25,6 +25,15 @@ pub type Alloc<'a> = &'a OutputAlloc<'a>;
 /// Fresh memory (the default [`Alloc`]).
 pub const FRESH: OutputAlloc<'static> = OutputAlloc::FRESH;
 
+/// Elements per task when a kernel splits its work over the current rayon pool (the compute
+/// pool inside the executor): below this a kernel runs as one task.
+pub const PAR_CHUNK: usize = 1 << 14;
+
+/// Rows of `c` elements per parallel task (at least one).
+pub fn rows_per_task(c: usize) -> usize {
+    (PAR_CHUNK / c.max(1)).max(1)
+}
+
 /// A fresh zero-filled tensor.
 #[inline]
 pub fn fresh(dtype: DType, dims: &[usize]) -> Result<Tensor, String> {

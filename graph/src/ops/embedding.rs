@@ -4,7 +4,7 @@
 //!
 //! The gradient of `Gather(params, indices)` w.r.t. `params` is built as two adjacent nodes:
 //!
-//! 1. `gradients/<gather>/sparse` = `GatherGrad(indices, dy)`: output 0 `indices` (i64 [N], the
+//! 1. `gradients/<gather>/sparse` = `GatherGrad(indices, dy)`: output 0 `indices` (i64 `[N]`, the
 //!    flattened indices, N = number of index elements) and output 1 `values` ([N, d1..], `dy`'s
 //!    rows; a reshape of `dy`, no copy). Together they are the gradient in sparse form: row
 //!    `indices[n]` of d params gets `values[n]` added.

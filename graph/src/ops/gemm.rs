@@ -108,6 +108,9 @@ pub enum Threads {
     Pool,
     /// Always on the calling thread (e.g. inside a parallel loop over batch elements).
     Caller,
+    /// Split over the current rayon pool whatever the size (benchmarks measure the
+    /// [`PARALLEL_MIN_FLOPS`] cutoff with it).
+    PoolAlways,
 }
 
 /// `out = a · b` (`out` row-major `m × n`, contiguous, overwritten; old contents ignored).
@@ -118,7 +121,7 @@ pub fn matmul<T: GemmScalar>(
     threads: Threads,
 ) -> Result<(), String> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if b.rows != k || out.len() != m * n || !a.in_bounds() || !b.in_bounds() {
+    if b.rows != k || m.checked_mul(n) != Some(out.len()) || !a.in_bounds() || !b.in_bounds() {
         return Err(format!(
             "GEMM: operands do not fit: a is {}x{} (offset {}, {} elements), b is {}x{} (offset {}, \
              {} elements), out has {} elements",
@@ -141,10 +144,12 @@ pub fn matmul<T: GemmScalar>(
         return Ok(());
     }
     let flops = m.saturating_mul(n).saturating_mul(k);
-    let parallelism = if threads == Threads::Pool
-        && flops >= PARALLEL_MIN_FLOPS
-        && rayon::current_num_threads() > 1
-    {
+    let split = match threads {
+        Threads::Pool => flops >= PARALLEL_MIN_FLOPS,
+        Threads::PoolAlways => true,
+        Threads::Caller => false,
+    };
+    let parallelism = if split && rayon::current_num_threads() > 1 {
         // 0: as many threads as the current pool has.
         Parallelism::Rayon(0)
     } else {
@@ -227,7 +232,7 @@ mod tests {
                     let a = MatView::row_major(&av, 3, a_dims, ta);
                     let b = MatView::row_major(&bv, 5, b_dims, tb);
                     let want = naive(&a, &b);
-                    for threads in [Threads::Pool, Threads::Caller] {
+                    for threads in [Threads::Pool, Threads::Caller, Threads::PoolAlways] {
                         let mut out = vec![f64::NAN; m * n];
                         matmul(a, b, &mut out, threads).unwrap();
                         for (g, w) in out.iter().zip(&want) {

@@ -6,13 +6,14 @@
 //! `data_format` attribute is not declared. Each op lives in its own delimited block below.
 
 use super::elementwise::{
-    attr_bool, float_unary, from_f32, new_tensor, num_binary, same_shape, slice, stateless, to_f32,
-    unsupported, Real,
+    attr_bool, float_unary, from_f32, new_tensor, num_binary, rows_per_task, same_shape, slice,
+    stateless, to_f32, unsupported, Real,
 };
 use super::math::{require_numeric, require_same, unary_float};
 use super::*;
 use crate::kernel::KernelContext;
 use crate::Element;
+use rayon::prelude::*;
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(bias_add());
@@ -225,30 +226,37 @@ fn softmax_rows<T: Real>(x: &Tensor, causal: bool) -> Result<Tensor, String> {
     let c = dims.last().copied().unwrap_or(0);
     let t = if causal { dims[dims.len() - 2] } else { 0 };
     let xs = slice::<T>(x)?;
+    let per = rows_per_task(c);
     new_tensor(x.dims(), |out: &mut [T]| {
         if c == 0 {
             return;
         }
-        for (row, (o, r)) in out.chunks_mut(c).zip(xs.chunks(c)).enumerate() {
-            let visible = if causal {
-                // j <= i + (S - T)  <=>  j < i + 1 + S - T.
-                ((row % t) + 1 + c).saturating_sub(t).min(c)
-            } else {
-                c
-            };
-            let (o, r) = (&mut o[..visible], &r[..visible]);
-            let m = r
-                .iter()
-                .fold(T::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-            let mut s = T::ZERO;
-            for (o, &v) in o.iter_mut().zip(r) {
-                *o = (v - m).exp();
-                s = s + *o;
-            }
-            for o in o.iter_mut() {
-                *o = *o / s;
-            }
-        }
+        out.par_chunks_mut(per * c)
+            .zip(xs.par_chunks(per * c))
+            .enumerate()
+            .for_each(|(task, (out, xs))| {
+                for (k, (o, r)) in out.chunks_mut(c).zip(xs.chunks(c)).enumerate() {
+                    let row = task * per + k;
+                    let visible = if causal {
+                        // j <= i + (S - T)  <=>  j < i + 1 + S - T.
+                        ((row % t) + 1 + c).saturating_sub(t).min(c)
+                    } else {
+                        c
+                    };
+                    let (o, r) = (&mut o[..visible], &r[..visible]);
+                    let m = r
+                        .iter()
+                        .fold(T::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+                    let mut s = T::ZERO;
+                    for (o, &v) in o.iter_mut().zip(r) {
+                        *o = (v - m).exp();
+                        s = s + *o;
+                    }
+                    for o in o.iter_mut() {
+                        *o = *o / s;
+                    }
+                }
+            });
     })
 }
 
@@ -307,16 +315,22 @@ fn softmax_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     fn rows<T: Real>(dy: &Tensor, y: &Tensor) -> Result<Tensor, String> {
         let c = y.dims().last().copied().unwrap_or(0);
         let (ds, ys) = (slice::<T>(dy)?, slice::<T>(y)?);
+        let n = rows_per_task(c) * c.max(1);
         new_tensor(y.dims(), |out: &mut [T]| {
             if c == 0 {
                 return;
             }
-            for ((o, d), yr) in out.chunks_mut(c).zip(ds.chunks(c)).zip(ys.chunks(c)) {
-                let s = d.iter().zip(yr).fold(T::ZERO, |s, (&a, &b)| s + a * b);
-                for ((o, &a), &b) in o.iter_mut().zip(d).zip(yr) {
-                    *o = b * (a - s);
-                }
-            }
+            out.par_chunks_mut(n)
+                .zip(ds.par_chunks(n))
+                .zip(ys.par_chunks(n))
+                .for_each(|((out, ds), ys)| {
+                    for ((o, d), yr) in out.chunks_mut(c).zip(ds.chunks(c)).zip(ys.chunks(c)) {
+                        let s = d.iter().zip(yr).fold(T::ZERO, |s, (&a, &b)| s + a * b);
+                        for ((o, &a), &b) in o.iter_mut().zip(d).zip(yr) {
+                            *o = b * (a - s);
+                        }
+                    }
+                });
         })
     }
     let dx = match y.dtype() {

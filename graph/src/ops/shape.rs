@@ -1,11 +1,12 @@
-//! Layout ops: Transpose, Split, Concat, Slice.
+//! Layout ops: Transpose, Split, Concat, Slice, and SliceGrad (the gradient of Slice).
 //!
 //! They only move elements, so their kernels handle every dtype. Gradients (block at the end):
 //! Transpose ↦ Transpose by the inverse permutation; Split ↦ Concat of the output gradients (a
 //! missing one is `ZerosLike` of that output); Concat ↦ one `Slice` of the incoming gradient per
 //! input (`begin` = the input's offset along `axis`, `size` = its static length there, `-1`
 //! elsewhere; the last input's slice runs to the end, so only the other inputs need a static
-//! length along `axis`). Slice itself has no gradient yet (only autodiff emits it).
+//! length along `axis`); Slice ↦ `SliceGrad` (the gradient written into zeros of the input's
+//! shape at `begin`).
 
 use super::elementwise::{attr_int, attr_ints, dispatch_any, slice};
 use super::math::require_same;
@@ -19,6 +20,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
     r.add(split());
     r.add(concat());
     r.add(slice_op());
+    r.add(slice_grad());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -536,6 +538,112 @@ impl Kernel for SliceKernel {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// SliceGrad
+// ---------------------------------------------------------------------------------------------
+
+fn slice_grad() -> OpDef {
+    OpDef::new(
+        "SliceGrad",
+        "The gradient of Slice: output = zeros of like's run-time shape with dy written at \
+         begin. In: dy (float), like (the Slice's input; only its shape is read). Out: output, \
+         dy's dtype and like's shape. Attrs: begin (list(int), required; the Slice's begin).",
+        |ctx| {
+            let (dy, like) = (ctx.input(0)?, ctx.input(1)?);
+            require_float("SliceGrad: dy", dy)?;
+            let begin = ctx.ints("begin")?;
+            if let (Some(r), Some(l)) = (dy.shape.rank(), like.shape.rank()) {
+                if r != l || begin.len() != r {
+                    return Err(format!(
+                        "SliceGrad: dy {} and like {} must have the rank of begin {begin:?}",
+                        dy.shape, like.shape
+                    ));
+                }
+            }
+            Ok(vec![TensorType::new(dy.dtype, like.shape.clone())])
+        },
+    )
+    .inputs([arg("dy"), arg("like")])
+    .outputs([arg("output")])
+    .attrs([attr("begin", AttrType::IntList)])
+    .kernel("CPU", |init| {
+        Ok(Box::new(SliceGradKernel {
+            begin: attr_ints(init, "begin")?,
+        }))
+    })
+}
+
+#[derive(Debug)]
+struct SliceGradKernel {
+    begin: Vec<i64>,
+}
+
+/// Zeros of `dims` with `dy` written as the block starting at `begin` (checked by the caller).
+fn scatter_block<T: Element>(
+    dy: &Tensor,
+    dims: &[usize],
+    begin: &[usize],
+) -> Result<Tensor, String> {
+    let src = slice::<T>(dy)?;
+    let st = strides(dims);
+    let offset: usize = begin.iter().zip(&st).map(|(b, s)| b * s).sum();
+    let mut out = Tensor::zeros(T::DTYPE, dims).map_err(|e| e.to_string())?;
+    let dst = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
+    let dd = dy.dims();
+    if src.is_empty() {
+        return Ok(out);
+    }
+    let r = dd.len();
+    if r == 0 {
+        dst[offset] = src[0];
+        return Ok(out);
+    }
+    let inner = dd[r - 1];
+    let mut idx = vec![0usize; r - 1];
+    let mut base = offset;
+    for row in src.chunks(inner) {
+        dst[base..base + inner].copy_from_slice(row);
+        for d in (0..r - 1).rev() {
+            idx[d] += 1;
+            base += st[d];
+            if idx[d] < dd[d] {
+                break;
+            }
+            base -= st[d] * dd[d];
+            idx[d] = 0;
+        }
+    }
+    Ok(out)
+}
+
+impl Kernel for SliceGradKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let (dy, like) = (ctx.input(0)?, ctx.input(1)?);
+        let dims = like.dims();
+        let bad = || {
+            format!(
+                "SliceGrad: dy {} does not fit in like {} at begin {:?}",
+                dy.shape(),
+                like.shape(),
+                self.begin
+            )
+        };
+        if dy.rank() != dims.len() || self.begin.len() != dims.len() {
+            return Err(bad());
+        }
+        let mut begin = Vec::with_capacity(dims.len());
+        for ((&b, &d), &n) in self.begin.iter().zip(dims).zip(dy.dims()) {
+            let b = usize::try_from(b).map_err(|_| bad())?;
+            if b.checked_add(n).map_or(true, |e| e > d) {
+                return Err(bad());
+            }
+            begin.push(b);
+        }
+        let out = dispatch_any!(dy.dtype(), scatter_block(dy, dims, &begin))?;
+        ctx.set_output(0, out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,6 +678,14 @@ pub(crate) mod gradients {
         r.set_gradient("Transpose", transpose_grad);
         r.set_gradient("Split", split_grad);
         r.set_gradient("Concat", concat_grad);
+        r.set_gradient("Slice", |b, f, dys| {
+            Ok(vec![Some(b.op(
+                "SliceGrad",
+                "dx",
+                &[only_dy(dys)?, f.input(0)?],
+                &[("begin", AttrValue::IntList(f.ints_attr("begin")?))],
+            ))])
+        });
     }
 
     fn int_attr(f: &ForwardNode, name: &str) -> Result<i64, String> {
