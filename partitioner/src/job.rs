@@ -15,7 +15,7 @@ use crate::partition::{partition, PartitionOptions, Partitions, TransferPair};
 use crate::place::{place, PlacementOptions};
 use crate::plan::{build_buffer_plan, BufferPlan, SlotPlan};
 use crate::strategy::{JobInput, ReplicaGraph, StrategyError};
-use dflow_graph::{DType, DeviceName, Graph, Shape};
+use dflow_graph::{DType, DeviceName, Shape};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -337,8 +337,7 @@ impl JobPlan {
         let mut eval = None;
         let mut variables: BTreeMap<String, VariablePlan> = BTreeMap::new();
         for (i, g) in graphs.iter().enumerate() {
-            let graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
-            let placed = place(&graph, input.cluster, placement)?;
+            let placed = place(&g.graph, input.cluster, placement)?;
             for idx in placed.graph.node_indices() {
                 let n = placed.graph.node(idx);
                 let Some(out) = n.outputs.first().filter(|_| n.op_def().is_variable) else {
@@ -573,7 +572,7 @@ mod tests {
     use crate::strategy::{JobInput, StrategyKind, StrategyOptions};
     use dflow_graph::builder::GraphBuilder;
     use dflow_graph::train::{OptimizerKind, OptimizerSpec, TrainSpec};
-    use dflow_graph::{ClusterSpec, DType};
+    use dflow_graph::{ClusterSpec, DType, Graph};
 
     fn spec() -> TrainSpec {
         TrainSpec {
