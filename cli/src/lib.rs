@@ -11,8 +11,8 @@
 //!    [`StrategyKind`](partitioner::StrategyKind)) rewrites the graph for the cluster and
 //!    places and partitions it into a [`JobPlan`](partitioner::JobPlan): per run signature the
 //!    per-device subgraphs joined by Send/Recv pairs, and one buffer slot per pair between
-//!    tasks. Without a training strategy, [`place`](partitioner::place) and
-//!    [`partition`](partitioner::partition) do the placing and partitioning of any graph.
+//!    tasks. Without a training strategy, [`place`](fn@partitioner::place) and
+//!    [`partition`](fn@partitioner::partition) do the placing and partitioning of any graph.
 //! 3. **Snapshot**: the renderings ([`render_text`](partitioner::render_text),
 //!    [`render_job_text`](partitioner::render_job_text)) are deterministic, so a test can pin
 //!    them with `insta::assert_snapshot!` and review every change to the partitioning (see the

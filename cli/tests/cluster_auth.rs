@@ -21,6 +21,23 @@ fn frame(kind: FrameKind, slot_id: u32, payload_len: u64) -> [u8; HEADER_LEN] {
     })
 }
 
+/// The first receive slot the job plan of this test's job (digits, sync ps, 1 ps, 2 workers)
+/// gives the ps: slot ids are the plan's global ids.
+fn ps_slot() -> u32 {
+    use dflow::prelude::*;
+    let loaded = load_graph(&repo().join("examples/digits/digits.json")).unwrap();
+    let train = loaded.parsed.def.train.clone().unwrap();
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    let strategy = "ps"
+        .parse::<StrategyKind>()
+        .unwrap()
+        .build(&StrategyOptions::default())
+        .unwrap();
+    let input = JobInput::new(&loaded.graph, &train, &cluster, "pixels", "labels");
+    let plan = strategy.plan(&input).unwrap();
+    plan.recv_slots("/job:ps/replica:0/task:0")[0].slot.slot as u32
+}
+
 fn connect(port: u16) -> TcpStream {
     let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -104,11 +121,10 @@ fn rogue_clients_are_rejected_and_training_goes_on() {
     s.write_all(&frame(FrameKind::Data, 1, 8)[..10]).unwrap();
     drop(s);
 
-    // 3. Authenticated, then a frame longer than its slot: a real slot of the ps, read off the
-    // job plan that `dflow partition --strategy ps` prints for this cluster.
-    let slot = ps_gradient_slot(&cluster);
+    // 3. Authenticated, then a frame longer than its slot (one the job plan gives the ps).
     let mut s = authenticated(ps_port, &secret, "intruder-2");
-    s.write_all(&frame(FrameKind::Data, slot, 1 << 40)).unwrap();
+    s.write_all(&frame(FrameKind::Data, ps_slot(), 1 << 40))
+        .unwrap();
     assert!(
         closed_by_peer(&mut s),
         "an oversized frame did not drop the connection"
@@ -125,25 +141,4 @@ fn rogue_clients_are_rejected_and_training_goes_on() {
     assert!(ps.stderr.contains("intruder-1"), "{}", ps.stderr);
     assert!(ps.stderr.contains("intruder-2"), "{}", ps.stderr);
     assert!(ps.stderr.contains("at most"), "{}", ps.stderr);
-}
-
-/// The global id of a slot the ps registers: the first gradient worker 0 sends it, from the job
-/// plan's text rendering (`slot  N  BYTES B  from SENDER  KEY`).
-fn ps_gradient_slot(cluster: &Cluster) -> u32 {
-    let file = cluster.file.to_string_lossy().into_owned();
-    let out = dflow(&[
-        "partition",
-        "examples/digits/digits.json",
-        "--cluster",
-        &file,
-        "--strategy",
-        "ps",
-    ]);
-    let text = stdout(&out);
-    text.lines()
-        .map(str::trim)
-        .filter(|l| l.starts_with("slot ") && l.contains("from /job:worker/replica:0/task:0"))
-        .find(|l| l.contains("/job:ps/replica:0/task:0/device:CPU:0;gradients/"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap_or_else(|| panic!("no gradient slot of the ps in the plan:\n{text}"))
 }

@@ -29,7 +29,7 @@
 //! assert_eq!(t.gradients[0].0, "w");
 //! ```
 
-use crate::autodiff::{free_scope, gradients, AutodiffError};
+use crate::autodiff::{free_scope, gradients_of, AutodiffError};
 use crate::builder::Output;
 use crate::{AttrValue, DType, Graph, GraphDef, GraphErrors, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashSet};
@@ -482,9 +482,29 @@ fn tensor_name(o: &Output) -> String {
 pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph, ExpandError> {
     spec.check().map_err(ExpandError::InvalidSpec)?;
     let g = Graph::from_def(def).map_err(AutodiffError::InvalidGraph)?;
-    find_tensor(&g, "loss", &spec.loss)?;
+    expand(&g, def, spec).map(|(t, _)| t)
+}
+
+/// [`expand_training`], also returning the validated training graph, so a caller that goes on
+/// to place it need not parse and validate it again.
+pub fn expand_training_graph(
+    def: &GraphDef,
+    spec: &TrainSpec,
+) -> Result<(TrainingGraph, Graph), ExpandError> {
+    spec.check().map_err(ExpandError::InvalidSpec)?;
+    let g = Graph::from_def(def).map_err(AutodiffError::InvalidGraph)?;
+    expand(&g, def, spec)
+}
+
+/// The expansion of `g` (whose definition is `def`): the training graph and its validated form.
+fn expand(
+    g: &Graph,
+    def: &GraphDef,
+    spec: &TrainSpec,
+) -> Result<(TrainingGraph, Graph), ExpandError> {
+    find_tensor(g, "loss", &spec.loss)?;
     for m in &spec.metrics {
-        find_tensor(&g, "metric", m)?;
+        find_tensor(g, "metric", m)?;
     }
     let loss_node = match InputRef::parse(&spec.loss) {
         Ok(r) => r.node().to_string(),
@@ -510,7 +530,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
     while let Some(i) = stack.pop() {
         if !std::mem::replace(&mut seen[i.index()], true) {
             stack.extend(
-                crate::autodiff::data_inputs(&g, i)
+                crate::autodiff::data_inputs(g, i)
                     .into_iter()
                     .map(|(_, s, _)| s),
             );
@@ -534,7 +554,7 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
     let loss_device = g.node(loss_idx).device.clone();
 
     let names: Vec<&str> = vars.iter().map(|v| v.name.as_str()).collect();
-    let (mut out, grads) = gradients(def, &spec.loss, &names)?;
+    let (mut out, grads) = gradients_of(g, def, &spec.loss, &names)?;
     let mut grads: Vec<String> = grads.iter().map(tensor_name).collect();
     let mut a = Adder {
         taken: out.nodes.iter().map(|n| n.name.clone()).collect(),
@@ -707,15 +727,16 @@ pub fn expand_training(def: &GraphDef, spec: &TrainSpec) -> Result<TrainingGraph
 
     out.nodes.extend(a.nodes);
     out.train = None;
-    Graph::from_def(&out).map_err(ExpandError::InvalidResult)?;
-    Ok(TrainingGraph {
+    let graph = Graph::from_def(&out).map_err(ExpandError::InvalidResult)?;
+    let training = TrainingGraph {
         def: out,
         train_op,
         loss: spec.loss.clone(),
         metrics: spec.metrics.clone(),
         gradients: vars.into_iter().map(|v| v.name).zip(grads).collect(),
         data: spec.data.clone(),
-    })
+    };
+    Ok((training, graph))
 }
 
 // ---------------------------------------------------------------------------------------------

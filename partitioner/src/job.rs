@@ -15,7 +15,7 @@ use crate::partition::{partition, PartitionOptions, Partitions, TransferPair};
 use crate::place::{place, PlacementOptions};
 use crate::plan::{build_buffer_plan, BufferPlan, SlotPlan};
 use crate::strategy::{JobInput, ReplicaGraph, StrategyError};
-use dflow_graph::{DType, DeviceName, Graph, Shape};
+use dflow_graph::{DType, DeviceName, Shape};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -337,8 +337,7 @@ impl JobPlan {
         let mut eval = None;
         let mut variables: BTreeMap<String, VariablePlan> = BTreeMap::new();
         for (i, g) in graphs.iter().enumerate() {
-            let graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
-            let placed = place(&graph, input.cluster, placement)?;
+            let placed = place(&g.graph, input.cluster, placement)?;
             for idx in placed.graph.node_indices() {
                 let n = placed.graph.node(idx);
                 let Some(out) = n.outputs.first().filter(|_| n.op_def().is_variable) else {
@@ -565,4 +564,107 @@ pub fn render_job_text(plan: &JobPlan) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy::{JobInput, StrategyKind, StrategyOptions};
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::train::{OptimizerKind, OptimizerSpec, TrainSpec};
+    use dflow_graph::{ClusterSpec, DType, Graph};
+
+    fn spec() -> TrainSpec {
+        TrainSpec {
+            loss: "loss".into(),
+            optimizer: OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+            clip_global_norm: None,
+            metrics: vec![],
+        }
+    }
+
+    /// `loss = mean((x @ w - y)^2)`, `x` with `batch` rows; with `ps_reads_activation`, a node
+    /// pinned to the ps reads the worker's activation `p` and the loss depends on it.
+    fn model(batch: i64, ps_reads_activation: bool) -> Graph {
+        let mut b = GraphBuilder::new();
+        let w = b.with_device("/job:ps/task:0", |b| {
+            b.variable("w", DType::F32, &[3, 1], "zeros")
+        });
+        let x = b.placeholder("x", DType::F32, &[batch, 3]);
+        let y = b.placeholder("y", DType::F32, &[batch, 1]);
+        let mut p = b.matmul("p", &x, &w);
+        if ps_reads_activation {
+            p = b.with_device("/job:ps/task:0", |b| b.unary("Neg", "on_ps", &p));
+        }
+        let d = b.binary("Sub", "d", &p, &y);
+        let sq = b.binary("Mul", "sq", &d, &d);
+        b.op("Mean", "loss").input(&sq).finish();
+        b.build().unwrap()
+    }
+
+    fn plan(graph: &Graph, workers: u32) -> Result<JobPlan, StrategyError> {
+        let cluster = ClusterSpec::local(&[("ps", 1), ("worker", workers)]).unwrap();
+        let strategy = "ps"
+            .parse::<StrategyKind>()
+            .unwrap()
+            .build(&StrategyOptions::default())
+            .unwrap();
+        strategy.plan(&JobInput::new(graph, &spec(), &cluster, "x", "y"))
+    }
+
+    #[test]
+    fn slots_are_global_in_key_order_and_split_by_task() {
+        let plan = plan(&model(4, false), 2).unwrap();
+        let slots = &plan.buffer_plan.slots;
+        assert!(slots.windows(2).all(|w| w[0].key < w[1].key));
+        assert!(slots.iter().enumerate().all(|(i, s)| s.slot == i));
+        let tasks = plan.tasks().unwrap();
+        assert_eq!(tasks.len(), 3);
+        // Every slot is received by one task and sent by another.
+        let received: usize = tasks.iter().map(|t| plan.recv_slots(t).len()).sum();
+        let sent: usize = tasks.iter().map(|t| plan.send_routes(t).len()).sum();
+        assert_eq!((received, sent), (slots.len(), slots.len()));
+        for t in &tasks {
+            for s in plan.recv_slots(t) {
+                assert_ne!(s.peer, t.as_str());
+                assert!(s.slot.key.contains(&format!(";{t}/device:")));
+            }
+        }
+        // The eval signature shares the training signature's keys: no second slot for `w`.
+        let w_to_worker0 = slots
+            .iter()
+            .filter(|s| s.key.ends_with(";w:0") && s.key.contains(";/job:worker/replica:0/task:0/"))
+            .count();
+        assert_eq!(w_to_worker0, 1);
+    }
+
+    #[test]
+    fn a_dynamic_shape_between_tasks_is_refused_naming_the_pair() {
+        // Variables and gradients are static even with a dynamic batch: the plan builds.
+        assert!(plan(&model(-1, false), 2).is_ok());
+        let e = plan(&model(-1, true), 1).unwrap_err();
+        let StrategyError::Plan(JobPlanError::DynamicCrossTask { key, tensor, .. }) = &e else {
+            panic!("{e}");
+        };
+        // The first in key order: the gradient flowing back from the ps to the worker.
+        assert_eq!(tensor, "gradients/replica_0/on_ps/dx:0");
+        assert!(e.to_string().contains(&format!("pair {key}")), "{e}");
+    }
+
+    #[test]
+    fn task_prefixes() {
+        assert_eq!(
+            task_prefix("/job:ps/replica:0/task:3/device:CPU:0"),
+            Some("/job:ps/replica:0/task:3")
+        );
+        assert_eq!(
+            task_prefix("/job:ps/replica:0/task:3"),
+            Some("/job:ps/replica:0/task:3")
+        );
+        assert_eq!(task_prefix("/job:ps"), None);
+        assert_eq!(task_name("worker", 2), "/job:worker/replica:0/task:2");
+    }
 }

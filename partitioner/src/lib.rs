@@ -2,7 +2,8 @@
 //! per-device subgraphs joined by Send/Recv pairs, the static buffer plan, the job plan that
 //! ties them together, and deterministic renderings (text, JSON, Graphviz DOT).
 //!
-//! The stages, in order: [`strategy`] → [`place`] → [`partition`] → [`plan`] → [`job`].
+//! The stages, in order: [`strategy`] → [`place`](mod@place) → [`partition`](mod@partition) →
+//! [`plan`] → [`job`].
 //!
 //! ```
 //! use dflow_graph::{builder::GraphBuilder, ClusterSpec, DType};

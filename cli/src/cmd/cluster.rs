@@ -285,8 +285,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
         bail!("the chief (worker 0) needs the graph file: dflow run --job worker --index 0 --cluster CLUSTER GRAPH --data DATA");
     };
     let loaded = super::common::load(path)?;
-    let def = loaded.parsed.def;
-    let Some(spec) = def.train.clone() else {
+    let Some(spec) = loaded.parsed.def.train.clone() else {
         bail!(
             "{}: distributed runs train the graph, but it has no `train` section (see docs/graph-format.md)",
             path.display()
@@ -298,7 +297,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
     let data = read_csv(data_path, &ReadOptions::default())
         .with_context(|| format!("reading {}", data_path.display()))?;
     Ok(ChiefConfig {
-        forward: def,
+        forward: loaded.graph,
         spec,
         strategy: super::common::build_strategy(
             default_strategy(args.strategy, has_ps)?,

@@ -13,7 +13,7 @@ use crate::checkpoint;
 use crate::data::Dataset;
 use crate::trainer::StepReport;
 use dflow_graph::train::TrainSpec;
-use dflow_graph::{format::to_json, ClusterSpec, DType, Graph, GraphDef, Tensor};
+use dflow_graph::{format::to_json, ClusterSpec, DType, Graph, Tensor};
 use dflow_partitioner::job::{CollectiveGroup, FeedRole};
 use dflow_partitioner::{JobInput, JobPlan, PlacementOptions, Schedule, SignatureKind, Strategy};
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,8 +26,8 @@ use tokio::sync::mpsc;
 /// What the chief trains and how.
 #[derive(Debug, Clone)]
 pub struct ChiefConfig {
-    /// The forward graph (with its Variables), before the training expansion.
-    pub forward: GraphDef,
+    /// The forward graph (with its Variables), validated, before the training expansion.
+    pub forward: Graph,
     /// The graph's `train` section.
     pub spec: TrainSpec,
     /// How the workers train together: it plans the job (see [`JobPlan`]).
@@ -253,10 +253,8 @@ impl Ids {
 
 /// Plans the job with the configured strategy (see [`JobPlan`]).
 pub fn plan_job(cfg: &ChiefConfig, cluster: &ClusterSpec) -> Result<JobPlan, JobError> {
-    let graph = Graph::from_def(&cfg.forward)
-        .map_err(|e| setup(format!("the forward graph is invalid: {e}")))?;
     let input = JobInput {
-        graph: &graph,
+        graph: &cfg.forward,
         train: &cfg.spec,
         cluster,
         features: &cfg.features,

@@ -305,7 +305,7 @@ impl TaskServer {
                 .dtype
                 .parse()
                 .map_err(|_| pair(format!("slot {}: unknown dtype `{}`", s.slot, s.dtype)))?;
-            let dims = dims_usize(&s.dims)?;
+            let dims = dims_usize(&s.dims).map_err(pair)?;
             let size = dims
                 .iter()
                 .try_fold(dtype.size_of(), |a, &d| a.checked_mul(d))

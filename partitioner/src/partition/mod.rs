@@ -99,9 +99,9 @@ pub struct TransferPair {
     pub key: Arc<str>,
     /// The source tensor `node:out`, or `^node` for a control pair.
     pub tensor_name: Arc<str>,
-    /// Full name of the sending device ([`CLIENT_DEVICE`] for a feed).
+    /// Full name of the sending device ([`CLIENT_DEVICE`](dflow_graph::ops::transfer::CLIENT_DEVICE) for a feed).
     pub send_device: Arc<str>,
-    /// Full name of the receiving device ([`CLIENT_DEVICE`] for a fetch).
+    /// Full name of the receiving device ([`CLIENT_DEVICE`](dflow_graph::ops::transfer::CLIENT_DEVICE) for a fetch).
     pub recv_device: Arc<str>,
     /// The Send node (empty for a feed: the client sends).
     pub send_node: String,

@@ -25,7 +25,7 @@ use super::{
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::place::{PlacementOptions, Policy};
-use dflow_graph::train::{expand_training, TrainSpec};
+use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, DType, DeviceName, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -302,14 +302,13 @@ fn worker_graph(
         vec![spec.loss.clone(), weight_in],
         &device,
     ));
-    let mut training = expand_training(
+    let (mut training, typed) = expand_training_graph(
         &def,
         &TrainSpec {
             loss: weighted.clone(),
             ..spec.clone()
         },
     )?;
-    let typed = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     let mut taken: HashSet<String> = training.def.nodes.iter().map(|n| n.name.clone()).collect();
 
     // Buckets of gradients, last variables first, split by dtype and by the threshold.
@@ -416,10 +415,11 @@ fn worker_graph(
     ]);
     added.push(n);
     training.def.nodes.extend(added);
-    Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.loss = global;
     Ok(ReplicaGraph {
         training,
+        graph,
         replicas: vec![ReplicaFeeds {
             worker,
             features: features.to_string(),

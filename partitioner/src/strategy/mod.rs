@@ -243,10 +243,12 @@ pub struct EvalNames {
 }
 
 /// One training graph of a data-parallel rewrite (a replica set of workers) and how to drive it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct ReplicaGraph {
     /// The graph with its training step; `loss` and `metrics` name the global-batch values.
     pub training: TrainingGraph,
+    /// `training.def`, validated (placement takes it as is).
+    pub graph: Graph,
     /// What each worker driving this graph feeds, one entry per replica in the graph.
     pub replicas: Vec<ReplicaFeeds>,
     /// What to feed and fetch to evaluate the model.

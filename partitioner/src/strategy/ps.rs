@@ -51,7 +51,7 @@ use super::{
     EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
 };
 use crate::job::Schedule;
-use dflow_graph::train::{expand_training, TrainSpec};
+use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, GraphDef, InputRef, NodeDef, Shape};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
@@ -170,8 +170,10 @@ pub(crate) fn ps_graphs(
     match mode {
         PsMode::Sync => {
             let summed = replicate(forward, graph, &facts, spec, workers)?;
+            let (training, graph) = expand_training_graph(&summed.def, &summed.spec)?;
             Ok(vec![ReplicaGraph {
-                training: expand_training(&summed.def, &summed.spec)?,
+                training,
+                graph,
                 replicas: (0..workers)
                     .map(|i| ReplicaFeeds {
                         worker: i,
@@ -201,8 +203,10 @@ pub(crate) fn ps_graphs(
                         node.device = worker_device(&node.name, &node.device, i)?;
                     }
                 }
+                let (training, graph) = expand_training_graph(&def, spec)?;
                 Ok(ReplicaGraph {
-                    training: expand_training(&def, spec)?,
+                    training,
+                    graph,
                     replicas: vec![ReplicaFeeds {
                         worker: i,
                         features: features.to_string(),
