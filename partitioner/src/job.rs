@@ -575,15 +575,13 @@ mod tests {
     use dflow_graph::{ClusterSpec, DType, Graph};
 
     fn spec() -> TrainSpec {
-        TrainSpec {
-            loss: "loss".into(),
-            optimizer: OptimizerSpec {
+        TrainSpec::new(
+            "loss",
+            OptimizerSpec {
                 kind: OptimizerKind::Sgd,
                 lr: 0.1,
             },
-            clip_global_norm: None,
-            metrics: vec![],
-        }
+        )
     }
 
     /// `loss = mean((x @ w - y)^2)`, `x` with `batch` rows; with `ps_reads_activation`, a node
