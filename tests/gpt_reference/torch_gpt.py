@@ -16,6 +16,10 @@ Two uses:
   bench     python torch_gpt.py bench --data examples/data/shakespeare.txt.gz [--threads 2]
             nanoGPT's shakespeare_char CPU configuration for --iters steps: tokens/s, the final
             validation loss, peak RSS (the peer figures in BENCHMARKS.md).
+  load      python torch_gpt.py load CKPT.safetensors --data examples/data/shakespeare.txt.gz
+            Loads a dflow checkpoint of examples/gpt/gpt.json into this module (strict: every
+            parameter, nothing else but optimizer state) and prints its validation loss: the
+            interop check that dflow's names and layouts are PyTorch's.
 
 Environment: the peers' venv (../shared/bench/setup.sh makes it: numpy, torch, safetensors).
 """
@@ -256,6 +260,37 @@ def bench(args):
                       "val_loss": round(v, 4), "peak_rss_mib": round(rss), "torch": torch.__version__}))
 
 
+def load(args):
+    from safetensors.torch import load_file
+    torch.set_num_threads(args.threads)
+    tensors = load_file(args.checkpoint)
+    with gzip.open(args.data, "rt") if args.data.endswith(".gz") else open(args.data) as f:
+        text = f.read()
+    chars = sorted(set(text))
+    model = GPT(Config(vocab_size=len(chars)))
+    wanted = set(model.state_dict().keys())
+    params = {k: v for k, v in tensors.items() if k in wanted}
+    if "lm_head.weight" not in params:  # tied: stored once
+        params["lm_head.weight"] = params["transformer.wte.weight"]
+    model.load_state_dict(params, strict=True)
+    others = sorted(k for k in tensors if k not in wanted)
+    assert all(k.endswith(("/adam_m", "/adam_v")) or k == "adam/t" for k in others), others
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    val = data[len(data) - int(len(data) * 0.1):]
+    T, B = 64, 12
+    g = torch.Generator().manual_seed(1234)
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            ix = torch.randint(len(val) - T, (B,), generator=g)
+            x = torch.stack([val[i:i + T] for i in ix])
+            y = torch.stack([val[i + 1:i + 1 + T] for i in ix])
+            total += model(x, y)[1].item()
+    print(json.dumps({"loaded": len(params), "optimizer_state": len(others),
+                      "val_loss": round(total / args.eval_batches, 4)}))
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -268,8 +303,13 @@ def main():
     b.add_argument("--batch-size", type=int, default=12)
     b.add_argument("--eval-batches", type=int, default=200)
     b.add_argument("--seed", type=int, default=1337)
+    ld = sub.add_parser("load")
+    ld.add_argument("checkpoint")
+    ld.add_argument("--data", required=True)
+    ld.add_argument("--threads", type=int, default=2)
+    ld.add_argument("--eval-batches", type=int, default=200)
     a = p.parse_args()
-    fixtures(a.out_dir) if a.cmd == "fixtures" else bench(a)
+    {"fixtures": lambda: fixtures(a.out_dir), "bench": lambda: bench(a), "load": lambda: load(a)}[a.cmd]()
 
 
 if __name__ == "__main__":
