@@ -56,12 +56,22 @@ use crate::def::{InputRef, FORMAT_VERSION};
 use crate::{AttrValue, DType, GraphDef, NodeDef, Shape, Tensor};
 use base64::Engine as _;
 use serde_json::{Map, Value};
+use std::cell::Cell;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 
-/// The largest constant tensor the importer materializes (bytes), so a small file cannot ask
-/// for a huge allocation through a broadcast scalar.
+/// The largest constant tensor the importer materializes (bytes). Values written in full
+/// (`tensorContent`, or a value list as long as the tensor) are bounded by the file's size anyway.
 const MAX_TENSOR_BYTES: usize = 1 << 30;
+
+/// How many bytes of repeated-value constants one import may expand, over all its constants.
+///
+/// TensorFlow may write a constant as a short value list whose last value repeats to fill the
+/// shape (`{"tensorShape": [268435455], "floatVal": [1]}`): a few bytes of file that stand for a
+/// gigabyte. dflow keeps constants expanded, so the importer charges each such expansion against
+/// this budget *before* allocating and refuses the GraphDef beyond it, naming the constant.
+/// Constants whose values are written in full are not charged.
+pub const MAX_EXPANDED_CONST_BYTES: usize = 64 << 20;
 
 /// Why a TensorFlow GraphDef could not be imported.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -335,6 +345,8 @@ struct Importer<'r, 'a> {
     dropped: Vec<bool>,
     /// (consumer, input slot) edges folded into an attribute.
     folded: BTreeSet<(usize, usize)>,
+    /// Bytes of repeated-value constants this import may still expand.
+    budget: Cell<usize>,
 }
 
 impl<'r, 'a> Importer<'r, 'a> {
@@ -360,6 +372,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             consumers,
             dropped: vec![false; nodes.len()],
             folded: BTreeSet::new(),
+            budget: Cell::new(MAX_EXPANDED_CONST_BYTES),
         })
     }
 
@@ -511,7 +524,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             let n = &self.nodes[i];
             ops.insert(n.op.as_str());
             if n.op == "Const" {
-                if let Some(Ok(t)) = n.attrs.get("value").map(tensor_attr) {
+                if let Some(Ok(t)) = n.attrs.get("value").map(|v| tensor_attr(v, &side_budget())) {
                     if t.num_elements() == 1 && t.dtype().is_float() {
                         scalars.extend(t.to_f64_vec());
                     }
@@ -591,8 +604,8 @@ impl<'r, 'a> Importer<'r, 'a> {
             .attrs
             .get("value")
             .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
-        let t =
-            tensor_attr(value).map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        let t = tensor_attr(value, &side_budget())
+            .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
         let ints = match t.dtype() {
             DType::I32 => t
                 .as_slice::<i32>()
@@ -658,7 +671,7 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
                     "value".into(),
-                    AttrValue::Tensor(tensor_attr(v).map_err(wrap("value"))?.into()),
+                    AttrValue::Tensor(tensor_attr(v, &self.budget).map_err(wrap("value"))?.into()),
                 );
             }
             "Placeholder" => {
@@ -763,7 +776,7 @@ fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<&'stati
     if value_node.op != "Const" {
         return None;
     }
-    let t = tensor_attr(value_node.attrs.get("value")?).ok()?;
+    let t = tensor_attr(value_node.attrs.get("value")?, &side_budget()).ok()?;
     let values = t.to_f64_vec();
     if values.iter().all(|&x| x == 0.0) {
         Some("zeros")
@@ -904,12 +917,19 @@ fn shape_proto(v: &Value) -> Result<Shape, String> {
     Shape::from_signed(&dims)
 }
 
-fn tensor_attr(v: &Value) -> Result<Tensor, String> {
-    tensor_proto(v.get("tensor").ok_or("missing `tensor`")?)
+fn tensor_attr(v: &Value, budget: &Cell<usize>) -> Result<Tensor, String> {
+    tensor_proto(v.get("tensor").ok_or("missing `tensor`")?, budget)
 }
 
-/// A TensorProto: dtype, shape, and the values in `tensorContent` or a typed list.
-fn tensor_proto(v: &Value) -> Result<Tensor, String> {
+/// A fresh expansion budget for reading one constant on the side (initializer classification,
+/// folded operands): each such read is dropped right after, so it gets the full budget.
+fn side_budget() -> Cell<usize> {
+    Cell::new(MAX_EXPANDED_CONST_BYTES)
+}
+
+/// A TensorProto: dtype, shape, and the values in `tensorContent` or a typed list. A list shorter
+/// than the tensor is expanded only within `budget` (bytes, decremented).
+fn tensor_proto(v: &Value, budget: &Cell<usize>) -> Result<Tensor, String> {
     let dtype = dtype_name(v.get("dtype").ok_or("tensor has no `dtype`")?)?;
     let shape = match field(v, "tensorShape", "tensor_shape") {
         None => Shape::scalar(),
@@ -949,21 +969,21 @@ fn tensor_proto(v: &Value) -> Result<Tensor, String> {
             let vals = parse_all(list("floatVal", "float_val")?, |x| {
                 float_value(x).map(|f| f as f32)
             })?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::F64 => {
             let vals = parse_all(list("doubleVal", "double_val")?, float_value)?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::I32 => {
             let vals = parse_all(list("intVal", "int_val")?, |x| {
                 i32::try_from(int_value(x)?).map_err(|_| "int32 value out of range".to_string())
             })?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::I64 => {
             let vals = parse_all(list("int64Val", "int64_val")?, int_value)?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::Bool => {
             let vals = parse_all(list("boolVal", "bool_val")?, |x| {
@@ -971,13 +991,13 @@ fn tensor_proto(v: &Value) -> Result<Tensor, String> {
                     .map(u8::from)
                     .ok_or_else(|| format!("expected a bool, found {}", kind(x)))
             })?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::F16 | DType::BF16 => {
             let bits = parse_all(list("halfVal", "half_val")?, |x| {
                 u16::try_from(int_value(x)?).map_err(|_| "halfVal entry out of range".to_string())
             })?;
-            let bits = fill(bits, n)?;
+            let bits = fill(bits, n, dtype, &shape, budget)?;
             if dtype == DType::F16 {
                 let v: Vec<half::f16> = bits.into_iter().map(half::f16::from_bits).collect();
                 Tensor::from_slice(&dims, &v)
@@ -995,17 +1015,60 @@ fn parse_all<T>(vals: &[Value], f: impl Fn(&Value) -> Result<T, String>) -> Resu
 }
 
 /// TensorFlow's rule for typed value lists: an empty list means all zeros, a shorter list is
-/// padded with its last value (a single value broadcasts).
-fn fill<T: Copy + Default>(mut vals: Vec<T>, n: usize) -> Result<Vec<T>, String> {
+/// padded with its last value (a single value broadcasts). Padding is charged against `budget`
+/// before anything is allocated.
+fn fill<T: Copy + Default>(
+    mut vals: Vec<T>,
+    n: usize,
+    dtype: DType,
+    shape: &Shape,
+    budget: &Cell<usize>,
+) -> Result<Vec<T>, String> {
     if vals.len() > n {
         return Err(format!(
             "{} values given for a tensor of {n} elements",
             vals.len()
         ));
     }
+    if vals.len() < n {
+        // `n * size_of` was checked against MAX_TENSOR_BYTES by the caller.
+        let bytes = n.saturating_mul(dtype.size_of());
+        if bytes > budget.get() {
+            return Err(format!(
+                "{dtype}{shape} is written as {} value(s) repeated to {n} elements ({}); \
+                 expanding it would pass the importer's limit of {} for repeated-value \
+                 constants in one GraphDef (dflow_graph::tf_import::MAX_EXPANDED_CONST_BYTES). \
+                 Write the values in full (`tensorContent`) or build the tensor at run time \
+                 (e.g. `tf.fill`)",
+                vals.len(),
+                human_bytes(bytes),
+                human_bytes(MAX_EXPANDED_CONST_BYTES),
+            ));
+        }
+        budget.set(budget.get() - bytes);
+    }
     let last = vals.last().copied().unwrap_or_default();
     vals.resize(n, last);
     Ok(vals)
+}
+
+/// `1.0 GiB`, `64 MiB`, `12 B`: a byte count for messages.
+fn human_bytes(n: usize) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{v} {}", UNITS[unit])
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
 }
 
 fn from_le_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor, String> {
@@ -1238,6 +1301,31 @@ mod tests {
         assert_eq!(t.dims(), [0]);
         let t = const_tensor(json!({"dtype": "DT_HALF", "halfVal": [15360]})).unwrap();
         assert_eq!(t.as_slice::<half::f16>().unwrap(), [half::f16::ONE]);
+    }
+
+    #[test]
+    fn repeated_value_expansion_is_budgeted_over_the_whole_graphdef() {
+        let big = |name: &str| {
+            // 40 MiB of f32 from one value: the first fits the 64 MiB budget, the second not.
+            json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {
+                "dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "10485760"}]},
+                "floatVal": [2.0]}}}})
+        };
+        let one = import(json!({"node": [big("a")]})).unwrap();
+        assert_eq!(one.nodes.len(), 1);
+        let e = import(json!({"node": [big("a"), big("b")]}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`b`") && e.contains("40 MiB") && e.contains("limit of 64 MiB"),
+            "{e}"
+        );
+        // Values written in full are not charged.
+        let full = json!({"name": "f", "op": "Const", "attr": {"value": {"tensor": {
+            "dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "2"}]}, "floatVal": [1.0, 2.0]}}}});
+        assert!(import(json!({"node": [big("a"), full]})).is_ok());
+        assert_eq!(human_bytes(1 << 30), "1 GiB");
+        assert_eq!(human_bytes(1_073_741_820), "1024.0 MiB");
     }
 
     #[test]

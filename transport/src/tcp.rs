@@ -58,8 +58,15 @@ pub struct TcpConfig {
     /// Send a Heartbeat frame on an outgoing connection after it was idle this long, so the
     /// peer's `idle_timeout` only fires when this task is really gone or stuck (`None`: never).
     pub heartbeat_interval: Option<Duration>,
-    /// Longest control-plane [`FrameKind::Message`] accepted, checked before allocating.
+    /// Longest control-plane [`FrameKind::Message`] accepted, checked before allocating; the
+    /// body's memory then grows only as its bytes arrive.
     pub max_message: u64,
+    /// Most incoming connections one peer name may hold open at once; a further one is refused
+    /// (a task opens one connection to each peer, and one more while it reconnects).
+    pub max_connections_per_peer: usize,
+    /// Most incoming connections that may be in their handshake (before a Hello, or before the
+    /// secret's proof) at once; a further one is closed at once.
+    pub max_handshaking: usize,
 }
 
 impl Default for TcpConfig {
@@ -70,6 +77,8 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(10),
             heartbeat_interval: None,
             max_message: 256 << 20,
+            max_connections_per_peer: 4,
+            max_handshaking: 64,
         }
     }
 }
@@ -341,6 +350,33 @@ struct Peers {
     writers: HashMap<Arc<str>, mpsc::UnboundedSender<Outgoing>>,
     /// Peers known dead, with the cause.
     gone: HashMap<Arc<str>, String>,
+    /// Open incoming connections per announced peer name.
+    incoming: HashMap<Arc<str>, usize>,
+    /// Incoming connections still in their handshake.
+    handshaking: usize,
+}
+
+/// One slot of a connection counter in [`Peers`], released on drop.
+struct Admitted<'a> {
+    rv: &'a TcpRendezvous,
+    peer: Option<Arc<str>>,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let mut peers = lock(&self.rv.peers);
+        match self.peer.take() {
+            Some(p) => {
+                if let Some(n) = peers.incoming.get_mut(&p) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        peers.incoming.remove(&p);
+                    }
+                }
+            }
+            None => peers.handshaking = peers.handshaking.saturating_sub(1),
+        }
+    }
 }
 
 /// The rendezvous over TCP: local keys meet in a [`LocalRendezvous`]; keys with a registered
@@ -783,6 +819,22 @@ async fn read_frames(
     let timed = |peer: &str, what: &str| io_err(peer, what, io::ErrorKind::TimedOut.into());
     let mut head = [0u8; HEADER_LEN];
 
+    // At most `max_handshaking` connections may be unauthenticated at once.
+    let handshake_slot = {
+        let mut peers = lock(&rv.peers);
+        if peers.handshaking >= cfg.max_handshaking {
+            return Err(TcpError::Protocol {
+                peer: addr_s,
+                msg: format!(
+                    "{} connections are already in their handshake (the limit); refusing this one",
+                    cfg.max_handshaking
+                ),
+            });
+        }
+        peers.handshaking += 1;
+        Admitted { rv, peer: None }
+    };
+
     // Hello: the peer's task name, authenticated when this task has a cluster secret.
     let name = match &rv.secret {
         Some(secret) => {
@@ -831,6 +883,26 @@ async fn read_frames(
         }
     };
     let peer: Arc<str> = name.into();
+    drop(handshake_slot);
+    let _peer_slot = {
+        let mut peers = lock(&rv.peers);
+        let open = peers.incoming.entry(peer.clone()).or_default();
+        if *open >= cfg.max_connections_per_peer {
+            return Err(TcpError::Protocol {
+                peer: format!("{peer} ({addr})"),
+                msg: format!(
+                    "peer `{peer}` already has {} connections open to this task (the limit); \
+                     refusing another: is a second process running as `{peer}`?",
+                    cfg.max_connections_per_peer
+                ),
+            });
+        }
+        *open += 1;
+        Admitted {
+            rv,
+            peer: Some(peer.clone()),
+        }
+    };
     *peer_out = Some(peer.clone());
     lock(&rv.peers).gone.remove(&peer);
     let label = format!("{peer} ({addr})");
@@ -902,11 +974,13 @@ async fn read_frames(
                 );
             }
             FrameKind::Message => {
-                let mut body = vec![0u8; h.payload_len as usize];
-                tokio::time::timeout(cfg.frame_timeout, stream.read_exact(&mut body))
-                    .await
-                    .map_err(|_| timed(&label, "reading a message"))?
-                    .map_err(|e| io_err(&label, "reading a message", e))?;
+                let body = tokio::time::timeout(
+                    cfg.frame_timeout,
+                    crate::wire::read_claimed(stream, h.payload_len),
+                )
+                .await
+                .map_err(|_| timed(&label, "reading a message"))?
+                .map_err(|e| io_err(&label, "reading a message", e))?;
                 rv.emit(PeerEvent::Message {
                     peer: peer.clone(),
                     body,
