@@ -292,6 +292,12 @@ impl Summary {
     }
 }
 
+/// The width to pad a column of names to: the longest, but at most 60 (a longer name just pushes
+/// its row out; `format!`'s width must also stay below 65,536).
+fn column_width(lens: impl Iterator<Item = usize>) -> usize {
+    lens.max().unwrap_or(0).min(60)
+}
+
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "nodes:        {}", thousands(self.nodes))?;
@@ -302,7 +308,7 @@ impl fmt::Display for Summary {
             thousands(self.data_edges),
             thousands(self.control_edges)
         )?;
-        let width = self.ops.iter().map(|(o, _)| o.len()).max().unwrap_or(0);
+        let width = column_width(self.ops.iter().map(|(o, _)| o.len()));
         writeln!(f, "ops:          {}", self.ops.len())?;
         for (op, n) in &self.ops {
             writeln!(f, "  {op:<width$}  {n}")?;
@@ -314,12 +320,7 @@ impl fmt::Display for Summary {
                 d.to_string()
             }
         };
-        let width = self
-            .devices
-            .iter()
-            .map(|(d, _)| shown(d).len())
-            .max()
-            .unwrap_or(0);
+        let width = column_width(self.devices.iter().map(|(d, _)| shown(d).len()));
         writeln!(f, "devices:      {}", self.devices.len())?;
         for (d, n) in &self.devices {
             writeln!(f, "  {:<width$}  {n}", shown(d))?;
@@ -331,12 +332,7 @@ impl fmt::Display for Summary {
             thousands(self.parameters),
             human_bytes(self.parameter_bytes)
         )?;
-        let width = self
-            .placeholders
-            .iter()
-            .map(|(p, _)| p.len())
-            .max()
-            .unwrap_or(0);
+        let width = column_width(self.placeholders.iter().map(|(p, _)| p.len()));
         write!(f, "placeholders: {}", self.placeholders.len())?;
         for (p, ty) in &self.placeholders {
             write!(f, "\n  {p:<width$}  {ty}")?;
