@@ -285,13 +285,16 @@ fn is_variable_op(op: &str) -> bool {
     matches!(op, "VariableV2" | "Variable" | "VarHandleOp")
 }
 
-/// Ops with a constant operand that dflow takes as an attribute: (operand index, dflow attr).
-fn folded_operand(op: &str) -> Option<(usize, &'static str)> {
+/// Ops with constant operands that dflow takes as attributes: (operand index, dflow attr).
+fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
     match op {
-        "ArgMax" => Some((1, "axis")),
-        "Sum" | "Mean" | "Max" => Some((1, "axes")),
-        "Reshape" => Some((1, "shape")),
-        _ => None,
+        "ArgMax" => &[(1, "axis")],
+        "Sum" | "Mean" | "Max" => &[(1, "axes")],
+        "Reshape" => &[(1, "shape")],
+        // TensorFlow's optimizer applies take their hyper-parameters as (constant) inputs.
+        "ApplyGradientDescent" | "ResourceApplyGradientDescent" => &[(1, "lr")],
+        "ApplyMomentum" | "ResourceApplyMomentum" => &[(2, "lr"), (4, "momentum")],
+        _ => &[],
     }
 }
 
@@ -329,6 +332,14 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "Log" => "Log",
         "ZerosLike" => "ZerosLike",
         "OnesLike" => "OnesLike",
+        // Gradient ops with TensorFlow's operand order.
+        "ReluGrad" => "ReluGrad",
+        "BiasAddGrad" => "BiasAddGrad",
+        "SigmoidGrad" => "SigmoidGrad",
+        "TanhGrad" => "TanhGrad",
+        // Optimizer applies (ref and resource variables alike; constant hyper-parameters folded).
+        "ApplyGradientDescent" | "ResourceApplyGradientDescent" => "ApplyGradientDescent",
+        "ApplyMomentum" | "ResourceApplyMomentum" => "ApplyMomentum",
         _ => return None,
     })
 }
@@ -431,10 +442,9 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let readers = &self.consumers[n.index];
                 let only_feeds_dropped =
                     !readers.is_empty() && readers.iter().all(|&c| self.dropped[c]);
-                let waits_on_dropped = n.op == "NoOp"
-                    && !n.inputs.is_empty()
-                    && n.inputs.iter().all(|r| self.dropped[self.producer(r)]);
-                if only_feeds_dropped || waits_on_dropped {
+                // A NoOp waiting only on initializers (`init`) stays, without those inputs: dflow
+                // initializes variables when a session starts, and `--target init` still runs.
+                if only_feeds_dropped {
                     self.dropped[n.index] = true;
                     changed = true;
                 }
@@ -488,8 +498,8 @@ impl<'r, 'a> Importer<'r, 'a> {
         }
     }
 
-    /// The initializer kind of each variable that has a recognisable dropped `Assign`.
-    fn initializer_kinds(&self) -> HashMap<usize, &'static str> {
+    /// What the dropped initializing `Assign` of each variable assigns.
+    fn initializer_kinds(&self) -> HashMap<usize, InitValue> {
         let mut kinds = HashMap::new();
         for n in self.nodes {
             if !matches!(n.op.as_str(), "Assign" | "AssignVariableOp") || !self.dropped[n.index] {
@@ -500,14 +510,15 @@ impl<'r, 'a> Importer<'r, 'a> {
             };
             let var = self.producer(var);
             let value = self.producer(value);
-            if let Some(kind) = self.classify_initializer(var, value) {
-                kinds.insert(var, kind);
-            }
+            let kind = self
+                .classify_initializer(var, value)
+                .unwrap_or(InitValue::Unknown);
+            kinds.insert(var, kind);
         }
         kinds
     }
 
-    fn classify_initializer(&self, var: usize, value: usize) -> Option<&'static str> {
+    fn classify_initializer(&self, var: usize, value: usize) -> Option<InitValue> {
         let v = &self.nodes[value];
         if let Some(kind) = constant_fill_kind(self, v) {
             return Some(kind);
@@ -539,17 +550,17 @@ impl<'r, 'a> Importer<'r, 'a> {
                     .iter()
                     .any(|s| (s.abs() - l).abs() <= 1e-6 * l.max(1e-12))
             });
-            return Some(if is_glorot {
+            return Some(InitValue::Named(if is_glorot {
                 "glorot_uniform"
             } else {
                 "random_uniform"
-            });
+            }));
         }
         if ops.contains("TruncatedNormal") {
-            return Some("truncated_normal");
+            return Some(InitValue::Named("truncated_normal"));
         }
         if ops.contains("RandomStandardNormal") {
-            return Some("random_normal");
+            return Some(InitValue::Named("random_normal"));
         }
         None
     }
@@ -561,19 +572,18 @@ impl<'r, 'a> Importer<'r, 'a> {
             if self.dropped[n.index] {
                 continue;
             }
-            let Some((slot, _)) = folded_operand(&n.op) else {
-                continue;
-            };
-            let Some(r @ InputRef::Data { .. }) = n.inputs.get(slot) else {
-                return Err(n.err(format!("expected a constant operand at input {slot}")));
-            };
-            let src = self.producer(r);
-            if self.nodes[src].op != "Const" {
-                return Err(n.err(format!(
-                    "operand `{r}` must be a Const: dflow takes it as a static attribute"
-                )));
+            for &(slot, _) in folded_operands(&n.op) {
+                let Some(r @ InputRef::Data { .. }) = n.inputs.get(slot) else {
+                    return Err(n.err(format!("expected a constant operand at input {slot}")));
+                };
+                let src = self.producer(r);
+                if self.nodes[src].op != "Const" {
+                    return Err(n.err(format!(
+                        "operand `{r}` must be a Const: dflow takes it as a static attribute"
+                    )));
+                }
+                self.folded.insert((n.index, slot));
             }
-            self.folded.insert((n.index, slot));
         }
         for n in self.nodes {
             if n.op != "Const" || self.dropped[n.index] {
@@ -621,10 +631,33 @@ impl<'r, 'a> Importer<'r, 'a> {
         ints.map_err(|e| n.err(e.to_string()))
     }
 
+    /// The scalar float value of the constant operand at `slot` (a folded hyper-parameter).
+    fn folded_float(&self, n: &RawNode<'_>, slot: usize) -> Result<f64, TfImportError> {
+        let src = n
+            .inputs
+            .get(slot)
+            .map(|r| &self.nodes[self.producer(r)])
+            .ok_or_else(|| n.err(format!("missing input {slot}")))?;
+        let value = src
+            .attrs
+            .get("value")
+            .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
+        let t = tensor_attr(value, &side_budget())
+            .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        match t.to_f64_vec()[..] {
+            [v] => Ok(v),
+            ref vals => Err(n.err(format!(
+                "operand Const `{}` must be a scalar, found {} values",
+                src.name,
+                vals.len()
+            ))),
+        }
+    }
+
     fn convert(
         &self,
         n: &RawNode<'_>,
-        initializers: &HashMap<usize, &'static str>,
+        initializers: &HashMap<usize, InitValue>,
     ) -> Result<NodeDef, TfImportError> {
         let op = dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?;
         let mut out = NodeDef {
@@ -698,8 +731,35 @@ impl<'r, 'a> Importer<'r, 'a> {
                     "shape".into(),
                     AttrValue::Shape(shape_attr(s).map_err(wrap("shape"))?),
                 );
-                let kind = initializers.get(&n.index).copied().unwrap_or("zeros");
-                a.insert("initializer".into(), AttrValue::String(kind.into()));
+                // No initializer in the graph at all (values restored elsewhere): zeros.
+                let cannot = |why: &str| {
+                    n.err(format!(
+                        "variable `{}`: its initializer {why}, which dflow cannot carry over \
+                         (dflow variables start from a named initializer or one repeated value); \
+                         re-export it with a scalar `tf.constant_initializer` or a random \
+                         initializer, or leave it out of the graph",
+                        n.name
+                    ))
+                };
+                match initializers
+                    .get(&n.index)
+                    .copied()
+                    .unwrap_or(InitValue::Named("zeros"))
+                {
+                    InitValue::Named(kind) => {
+                        a.insert("initializer".into(), AttrValue::String(kind.into()));
+                    }
+                    InitValue::Constant(v) => {
+                        a.insert("initializer".into(), AttrValue::String("constant".into()));
+                        a.insert("init_value".into(), AttrValue::Float(v));
+                    }
+                    InitValue::Varied => {
+                        return Err(cannot("assigns a constant tensor of differing values"))
+                    }
+                    InitValue::Unknown => {
+                        return Err(cannot("is computed by ops the importer does not recognise"))
+                    }
+                }
             }
             "MatMul" => {
                 for name in ["transpose_a", "transpose_b"] {
@@ -760,14 +820,52 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let shape = self.folded_ints(n, 1)?;
                 a.insert("shape".into(), AttrValue::IntList(shape));
             }
+            "ApplyGradientDescent" | "ResourceApplyGradientDescent" => {
+                a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 1)?));
+            }
+            "ApplyMomentum" | "ResourceApplyMomentum" => {
+                a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
+                a.insert(
+                    "momentum".into(),
+                    AttrValue::Float(self.folded_float(n, 4)?),
+                );
+                if let Some(v) = get("use_nesterov") {
+                    a.insert(
+                        "use_nesterov".into(),
+                        AttrValue::Bool(bool_attr(v).map_err(wrap("use_nesterov"))?),
+                    );
+                }
+            }
             _ => {}
+        }
+        // TensorFlow places a read without a device with its variable; so does dflow.
+        if n.op == "ReadVariableOp" && out.device.is_empty() {
+            if let Some(var) = n.inputs.first().map(|r| r.node().to_string()) {
+                if !out.colocate_with.contains(&var) {
+                    out.colocate_with.push(var);
+                }
+            }
         }
         Ok(out)
     }
 }
 
-/// `zeros` / `ones` when `n` is a Const, or a Fill of a Const, whose values are all 0 or all 1.
-fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<&'static str> {
+/// What a variable's initializer assigns, as far as dflow can carry it over.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum InitValue {
+    /// One of dflow's named initializers (`zeros`, `glorot_uniform`, ...).
+    Named(&'static str),
+    /// One value repeated (`constant` with `init_value`).
+    Constant(f64),
+    /// A constant tensor of differing values: dflow variables cannot start from it.
+    Varied,
+    /// An initializer subgraph the importer does not recognise.
+    Unknown,
+}
+
+/// The value of `n` when it is a Const, or a Fill of a Const: one repeated value (`zeros`,
+/// `ones`, `constant`) or [`InitValue::Varied`].
+fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<InitValue> {
     let value_node = match n.op.as_str() {
         "Const" => n,
         "Fill" => &imp.nodes[imp.producer(n.inputs.get(1)?)],
@@ -778,13 +876,16 @@ fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<&'stati
     }
     let t = tensor_attr(value_node.attrs.get("value")?, &side_budget()).ok()?;
     let values = t.to_f64_vec();
-    if values.iter().all(|&x| x == 0.0) {
-        Some("zeros")
-    } else if values.iter().all(|&x| x == 1.0) {
-        Some("ones")
+    let first = values.first().copied().unwrap_or(0.0);
+    Some(if !values.iter().all(|&x| x == first) {
+        InitValue::Varied
+    } else if first == 0.0 {
+        InitValue::Named("zeros")
+    } else if first == 1.0 {
+        InitValue::Named("ones")
     } else {
-        None
-    }
+        InitValue::Constant(first)
+    })
 }
 
 /// TensorFlow's Glorot-uniform limit √(6 / (fan_in + fan_out)) for a variable's shape.
@@ -1182,6 +1283,7 @@ mod tests {
                 "b2/read",
                 "h",
                 "h_pre",
+                "init",
                 "logits",
                 "logits_mm",
                 "prediction",
@@ -1206,7 +1308,12 @@ mod tests {
         assert_eq!(init("w1"), AttrValue::from("glorot_uniform"));
         assert_eq!(init("b1"), AttrValue::from("zeros"));
         assert_eq!(init("w2"), AttrValue::from("truncated_normal"));
-        assert_eq!(init("b2"), AttrValue::from("zeros")); // constant(0.1): not recognised
+        // constant(0.1): one repeated value (once silently zeros).
+        assert_eq!(init("b2"), AttrValue::from("constant"));
+        match node(&def, "b2").attrs["init_value"] {
+            AttrValue::Float(v) => assert!((v - 0.1).abs() < 1e-7, "{v}"),
+            ref other => panic!("init_value is {other:?}"),
+        }
 
         let read = node(&def, "w1/read");
         assert_eq!(
@@ -1499,7 +1606,12 @@ mod tests {
         ]}))
         .unwrap();
         let names: Vec<_> = def.nodes.iter().map(|n| n.name.as_str()).collect();
-        assert_eq!(names, ["v", "u", "v/read", "y"]);
+        assert_eq!(names, ["v", "u", "init", "v/read", "y"]);
+        assert!(
+            node(&def, "init").inputs.is_empty(),
+            "init keeps no dropped inputs"
+        );
+        assert_eq!(node(&def, "v/read").colocate_with, ["v"]);
         assert_eq!(
             node(&def, "v").attrs["initializer"],
             AttrValue::from("random_normal")
@@ -1509,13 +1621,86 @@ mod tests {
             AttrValue::from("ones")
         );
         assert_eq!(node(&def, "u").colocate_with, ["v"]);
-        assert_eq!(
-            node(&def, "y").inputs,
-            ["v/read", "u"],
-            "^init is dropped with init"
-        );
+        assert_eq!(node(&def, "y").inputs, ["v/read", "u", "^init"]);
         assert_eq!(node(&def, "v/read").op, "Identity");
         Graph::from_def(&def).unwrap();
+    }
+
+    fn f32_const(name: &str, dims: &[i64], vals: &[f32]) -> Value {
+        let dims: Vec<Value> = dims
+            .iter()
+            .map(|d| json!({"size": d.to_string()}))
+            .collect();
+        json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+            "tensorShape": {"dim": dims}, "floatVal": vals}}}})
+    }
+
+    fn variable(name: &str, op: &str, dims: &[i64]) -> Value {
+        let dims: Vec<Value> = dims
+            .iter()
+            .map(|d| json!({"size": d.to_string()}))
+            .collect();
+        json!({"name": name, "op": op, "device": "/job:ps/task:0",
+               "attr": {"dtype": f32_type(), "shape": {"shape": {"dim": dims}}}})
+    }
+
+    #[test]
+    fn optimizer_applies_fold_their_hyper_parameters() {
+        let def = import(json!({"node": [
+            variable("w", "VarHandleOp", &[2]),
+            variable("v", "VariableV2", &[2]),
+            variable("v/Momentum", "VariableV2", &[2]),
+            f32_const("lr", &[], &[0.5]),
+            f32_const("mom", &[], &[0.9]),
+            f32_const("g", &[2], &[1.0, 2.0]),
+            {"name": "w/read", "op": "ReadVariableOp", "input": ["w"], "attr": {"dtype": f32_type()}},
+            {"name": "relu_grad", "op": "ReluGrad", "input": ["g", "w/read"]},
+            {"name": "sgd", "op": "ResourceApplyGradientDescent", "input": ["w", "lr", "relu_grad"]},
+            {"name": "momentum", "op": "ApplyMomentum", "input": ["v", "v/Momentum", "lr", "g", "mom"],
+             "attr": {"use_nesterov": {"b": true}}},
+            {"name": "train", "op": "NoOp", "input": ["^sgd", "^momentum"]}
+        ]}))
+        .unwrap();
+        let sgd = node(&def, "sgd");
+        assert_eq!(sgd.op, "ApplyGradientDescent");
+        assert_eq!(sgd.inputs, ["w", "relu_grad"]);
+        assert_eq!(sgd.attrs["lr"], AttrValue::Float(0.5));
+        let m = node(&def, "momentum");
+        assert_eq!(m.inputs, ["v", "v/Momentum", "g"]);
+        assert_eq!(m.attrs["lr"], AttrValue::Float(0.5));
+        assert!(matches!(m.attrs["momentum"], AttrValue::Float(x) if (x - 0.9).abs() < 1e-6));
+        assert_eq!(m.attrs["use_nesterov"], AttrValue::Bool(true));
+        // The hyper-parameter constants are gone; the gradient constant stays.
+        assert!(def.nodes.iter().all(|n| n.name != "lr" && n.name != "mom"));
+        // A read without a device goes with its variable.
+        assert_eq!(node(&def, "w/read").colocate_with, ["w"]);
+        Graph::from_def(&def).unwrap();
+    }
+
+    #[test]
+    fn initial_values_are_carried_over_or_refused_naming_the_variable() {
+        let with_init = |value: Value| {
+            import(json!({"node": [
+                variable("w", "VariableV2", &[3]),
+                value,
+                {"name": "w/Assign", "op": "Assign", "input": ["w", "w/Initializer/value"]},
+                {"name": "init", "op": "NoOp", "input": ["^w/Assign"]}
+            ]}))
+        };
+        let def = with_init(f32_const("w/Initializer/value", &[3], &[0.25])).unwrap();
+        assert_eq!(
+            node(&def, "w").attrs["initializer"],
+            AttrValue::from("constant")
+        );
+        assert_eq!(node(&def, "w").attrs["init_value"], AttrValue::Float(0.25));
+        assert!(node(&def, "init").inputs.is_empty());
+        let e = with_init(f32_const("w/Initializer/value", &[3], &[0.25, -1.0, 2.0]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("variable `w`") && e.contains("differing values"),
+            "{e}"
+        );
     }
 
     #[test]

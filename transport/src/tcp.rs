@@ -20,7 +20,7 @@
 //! slot, longer than its slot, garbage) is dropped with a logged error naming it, and every step
 //! with a Recv waiting on one of its keys is aborted with [`RendezvousError::PeerGone`].
 
-use crate::auth::{Acceptor, Connector, Secret};
+use crate::auth::{Acceptor, AuthError, Connector, Secret, SECRET_ENV};
 use crate::local::LocalRendezvous;
 pub use crate::plane::PeerEvent;
 use crate::plane::PeerEvents;
@@ -317,6 +317,15 @@ async fn recv_control<R: AsyncRead + Unpin>(r: &mut R, kind: FrameKind) -> io::R
     r.read_exact(&mut head).await?;
     let h = crate::wire::decode_header(&head, 0)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if h.kind == FrameKind::Abort && kind != FrameKind::Abort {
+        // The peer refuses the handshake and says why (see `refuse`).
+        let mut reason = vec![0u8; h.payload_len as usize];
+        r.read_exact(&mut reason).await?;
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("refused: {}", String::from_utf8_lossy(&reason)),
+        ));
+    }
     if h.kind != kind {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -326,6 +335,41 @@ async fn recv_control<R: AsyncRead + Unpin>(r: &mut R, kind: FrameKind) -> io::R
     let mut body = vec![0u8; h.payload_len as usize];
     r.read_exact(&mut body).await?;
     Ok(body)
+}
+
+/// Refuses a connection in its handshake: sends the peer an Abort frame with `reason` (which its
+/// side reports) before the connection is dropped. Best effort, bounded by a short timeout.
+async fn refuse(stream: &mut TcpStream, reason: &str) {
+    let mut body = reason.as_bytes().to_vec();
+    body.truncate(MAX_CONTROL_PAYLOAD as usize);
+    let head = encode_header(&Header {
+        kind: FrameKind::Abort,
+        flags: 0,
+        slot_id: 0,
+        step: u64::MAX,
+        payload_len: body.len() as u64,
+    });
+    let _ = tokio::time::timeout(
+        Duration::from_millis(500),
+        write_frame(stream, &head, &body),
+    )
+    .await;
+}
+
+/// Reads an Abort frame the peer of an outgoing connection sent to refuse it (see `refuse`),
+/// without blocking: its reason, or `None` when what is there is not one.
+fn refusal(stream: &TcpStream) -> Option<String> {
+    let mut buf = [0u8; HEADER_LEN + MAX_CONTROL_PAYLOAD as usize];
+    let mut got = 0;
+    while got < buf.len() {
+        match stream.try_read(&mut buf[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    let h = decode_header_slice(&buf[..got], 0).ok()?;
+    let body = buf.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize)?;
+    (h.kind == FrameKind::Abort).then(|| String::from_utf8_lossy(body).into_owned())
 }
 
 /// Reads until `buf` is full or EOF; returns the bytes read.
@@ -354,7 +398,13 @@ struct Peers {
     incoming: HashMap<Arc<str>, usize>,
     /// Incoming connections still in their handshake.
     handshaking: usize,
+    /// Per remote IP: when a refused handshake was last logged as an error, and how many were
+    /// refused quietly since (a peer that retries every 0.5 s is reported every 30 s).
+    refusals: HashMap<std::net::IpAddr, (std::time::Instant, u32)>,
 }
+
+/// How often the same address's refused handshakes are logged as errors.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// One slot of a connection counter in [`Peers`], released on drop.
 struct Admitted<'a> {
@@ -726,7 +776,28 @@ async fn writer(
         head: heartbeat_header(),
         body: Body::Bytes(Vec::new()),
     };
-    while let Some(out) = next_or_heartbeat(&mut rx, heartbeat, beat).await {
+    // Peers never write on a connection this task opened, except to refuse it in the handshake
+    // (an Abort with the reason, see `refuse`): watch for that until the first EOF.
+    let mut watch_refusal = true;
+    loop {
+        let next = tokio::select! {
+            out = next_or_heartbeat(&mut rx, heartbeat, beat) => out,
+            ready = stream.readable(), if watch_refusal => {
+                match (ready, refusal(&stream)) {
+                    (Ok(()), Some(reason)) => {
+                        tracing::error!(peer = %peer, "peer `{peer}` refused this task's connection: {reason}");
+                        if let Some(rv) = rv.upgrade() {
+                            rv.peer_gone(&peer, &format!("refused this task's connection: {reason}"));
+                        }
+                        return;
+                    }
+                    // EOF, or bytes that are no refusal: later writes tell what happened.
+                    _ => watch_refusal = false,
+                }
+                continue;
+            }
+        };
+        let Some(out) = next else { break };
         let body: &[u8] = match &out.body {
             Body::Tensor(t) => t.as_bytes(),
             Body::Bytes(b) => b,
@@ -793,6 +864,40 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
             tracing::debug!(peer = %label, "{}: peer `{label}` closed the connection", rv.name);
             "closed the connection".to_string()
         }
+        Err(e) if peer.is_none() => {
+            // Refused in the handshake: the same peer retrying must not flood the log.
+            let quiet = {
+                let mut peers = lock(&rv.peers);
+                let now = std::time::Instant::now();
+                match peers.refusals.get_mut(&addr.ip()) {
+                    Some((last, n)) if now.duration_since(*last) < REFUSAL_LOG_EVERY => {
+                        *n += 1;
+                        None
+                    }
+                    Some((last, n)) => {
+                        let since = *n;
+                        (*last, *n) = (now, 0);
+                        Some(since)
+                    }
+                    None => {
+                        peers.refusals.insert(addr.ip(), (now, 0));
+                        Some(0)
+                    }
+                }
+            };
+            match quiet {
+                Some(0) => {
+                    tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name)
+                }
+                Some(n) => {
+                    tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e} ({n} more refused from {} in the last {}s)", rv.name, addr.ip(), REFUSAL_LOG_EVERY.as_secs())
+                }
+                None => {
+                    tracing::debug!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name)
+                }
+            }
+            return;
+        }
         Err(e) => {
             tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name);
             e.to_string()
@@ -838,19 +943,47 @@ async fn read_frames(
     // Hello: the peer's task name, authenticated when this task has a cluster secret.
     let name = match &rv.secret {
         Some(secret) => {
+            // What to tell a peer that is refused (its own view of the problem).
+            let mut tell_peer: Option<String> = None;
             let handshake = async {
                 let hello = recv_control(stream, FrameKind::Hello).await?;
                 let (acceptor, challenge) = Acceptor::challenge(secret, &rv.name, &hello, &addr_s)
-                    .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
+                    .map_err(|e| {
+                        if let AuthError::NoSecret { .. } = e {
+                            tell_peer = Some(format!(
+                                "task `{}` requires the job's cluster secret and this task sent \
+                                 none: start this task with the same --secret-file (or \
+                                 {SECRET_ENV}) as the others",
+                                rv.name
+                            ));
+                        }
+                        io::Error::new(io::ErrorKind::PermissionDenied, e)
+                    })?;
                 send_control(stream, FrameKind::Challenge, &challenge).await?;
-                let proof = recv_control(stream, FrameKind::Proof).await?;
+                let proof = match recv_control(stream, FrameKind::Proof).await {
+                    // The connector checks this task's proof first and hangs up when it fails.
+                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::PermissionDenied,
+                            format!(
+                                "the peer hung up instead of answering this task's challenge: it \
+                                 found this task's proof wrong, so its cluster secret differs \
+                                 from this task's; start every task with the same --secret-file \
+                                 (or {SECRET_ENV})"
+                            ),
+                        ))
+                    }
+                    r => r?,
+                };
                 acceptor
                     .verify(&proof, &addr_s)
                     .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))
             };
-            tokio::time::timeout(cfg.frame_timeout, handshake)
-                .await
-                .map_err(|_| timed(&addr_s, "authenticating"))?
+            let res = tokio::time::timeout(cfg.frame_timeout, handshake).await;
+            if let Some(reason) = &tell_peer {
+                refuse(stream, reason).await;
+            }
+            res.map_err(|_| timed(&addr_s, "authenticating"))?
                 .map_err(|e| io_err(&addr_s, "authenticating", e))?
         }
         None => {
@@ -876,6 +1009,26 @@ async fn read_frames(
                 .await
                 .map_err(|_| timed(&addr_s, "reading Hello"))?
                 .map_err(|e| io_err(&addr_s, "reading Hello", e))?;
+            // An authenticating peer's Hello starts with the handshake version, not a name.
+            if name.first() == Some(&crate::auth::AUTH_VERSION) {
+                refuse(
+                    stream,
+                    &format!(
+                        "task `{}` was started without a cluster secret, but this task \
+                         authenticates with one: start every task with the same --secret-file \
+                         (or {SECRET_ENV}), or none",
+                        rv.name
+                    ),
+                )
+                .await;
+                return Err(TcpError::Protocol {
+                    peer: addr_s,
+                    msg: format!(
+                        "the peer authenticates with a cluster secret, but this task was started \
+                         without one: start it with the job's --secret-file (or {SECRET_ENV})"
+                    ),
+                });
+            }
             String::from_utf8(name).map_err(|_| TcpError::Protocol {
                 peer: addr_s.clone(),
                 msg: "Hello name is not UTF-8".into(),
