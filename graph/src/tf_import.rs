@@ -33,18 +33,33 @@
 //!   because an empty `axes` means "all axes" in dflow.
 //! - **Variable initialization is dropped**: every `Assign`/`AssignVariableOp` into a
 //!   variable of a value computed from constants alone (an assignment that reads a placeholder
-//!   or a variable is a real update: it stays, and is reported as unsupported),
+//!   or a variable is a real update: it stays, as dflow's `Assign`),
 //!   `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
-//!   `/Initializer/`, every node all of whose consumers are dropped (the random ops and constants
-//!   feeding an initializer), and every `NoOp` all of whose inputs are dropped (`init`). The
+//!   `/Initializer/`, and every node all of whose consumers are dropped (the random ops and
+//!   constants feeding an initializer). The
 //!   variable's `initializer` attribute records what TensorFlow would have done when it is
 //!   recognisable: `glorot_uniform` (a `RandomUniform` whose limit is √(6 / (fan_in + fan_out))),
 //!   `random_uniform` (any other `RandomUniform`), `truncated_normal`, `random_normal`, `zeros`
-//!   and `ones` (a constant or `Fill` of all 0 or all 1). **Anything else is recorded as
-//!   `zeros`**, including a constant of other values; seeds are not carried over (dflow's random
-//!   streams differ from TensorFlow's anyway).
+//!   and `ones` (a constant or `Fill` of all 0 or all 1); seeds are not carried over (dflow's
+//!   random streams differ from TensorFlow's anyway). A variable with no initializer in the graph
+//!   starts at zeros.
+//!   A `Const` (or `Fill` of one) of a single repeated value becomes `zeros`, `ones` or
+//!   `constant` with `init_value`; a constant tensor of differing values, or an initializer
+//!   built from ops the importer does not recognise, is an error naming the variable (dflow
+//!   cannot start a variable from it). The `init` NoOp itself stays, without inputs, so
+//!   `--target init` runs (dflow initializes variables when a session starts).
+//! - **Training ops**: TensorFlow's optimizer applies (`ApplyGradientDescent`,
+//!   `ResourceApplyGradientDescent`, `ApplyMomentum`, `ResourceApplyMomentum`) become dflow's,
+//!   their constant hyper-parameter inputs (`alpha`/`lr`, `momentum`) folded into attributes;
+//!   `AssignAdd(VariableOp)`, `AssignSub(VariableOp)` and `Assign`/`AssignVariableOp` updates
+//!   become `AssignAdd`, `AssignSub` and `Assign` ([`crate::ops::tf_compat`]); `ReluGrad`,
+//!   `BiasAddGrad`, `SigmoidGrad` and `TanhGrad` keep their names and operand order. A
+//!   `ReadVariableOp` without a device is colocated with its variable, as TensorFlow places it.
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
-//!   they belong to the dropped initializer subgraph.
+//!   they belong to the dropped initializer subgraph. The dynamic-shape ops `tf.gradients`
+//!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
+//!   `GatherV2`, `ExpandDims`, `BroadcastGradientArgs`) and `ResourceApplyAdam` (whose
+//!   `beta_power` inputs differ from dflow's `ApplyAdam`) are not supported yet.
 //!
 //! Protobuf JSON quirks handled: int64 values as JSON strings, `bytes` fields (string attrs,
 //! `_class`) in base64, omitted default values (`{}` is a dimension of size 0, a missing `b` is
@@ -340,6 +355,10 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         // Optimizer applies (ref and resource variables alike; constant hyper-parameters folded).
         "ApplyGradientDescent" | "ResourceApplyGradientDescent" => "ApplyGradientDescent",
         "ApplyMomentum" | "ResourceApplyMomentum" => "ApplyMomentum",
+        // Variable updates (an `Assign` from constants alone is an initializer, dropped before).
+        "AssignAddVariableOp" | "AssignAdd" => "AssignAdd",
+        "AssignSubVariableOp" | "AssignSub" => "AssignSub",
+        "AssignVariableOp" | "Assign" => "Assign",
         _ => return None,
     })
 }
@@ -838,11 +857,26 @@ impl<'r, 'a> Importer<'r, 'a> {
             }
             _ => {}
         }
-        // TensorFlow places a read without a device with its variable; so does dflow.
-        if n.op == "ReadVariableOp" && out.device.is_empty() {
-            if let Some(var) = n.inputs.first().map(|r| r.node().to_string()) {
-                if !out.colocate_with.contains(&var) {
-                    out.colocate_with.push(var);
+        // TensorFlow's placer puts every op that reads or updates a variable through its handle
+        // or reference (ReadVariableOp, the applies, the assigns) with the variable, ignoring
+        // a different requested device; so does dflow.
+        let takes_variable = n.op == "ReadVariableOp"
+            || matches!(
+                out.op.as_str(),
+                "ApplyGradientDescent" | "ApplyMomentum" | "AssignAdd" | "AssignSub" | "Assign"
+            );
+        if takes_variable {
+            if let Some(var) = n
+                .inputs
+                .first()
+                .map(|r| &self.nodes[self.producer(r)])
+                .filter(|v| is_variable_op(&v.op))
+            {
+                if out.device != var.device {
+                    out.device.clear();
+                }
+                if !out.colocate_with.contains(&var.name) {
+                    out.colocate_with.push(var.name.clone());
                 }
             }
         }
@@ -1714,10 +1748,16 @@ mod tests {
             {"name": "one", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
                 "floatVal": [1]}}}},
             {"name": "w_plus_1", "op": "AddV2", "input": ["w", "one"]},
-            {"name": "update", "op": "Assign", "input": ["w", "w_plus_1"]}
+            {"name": "update", "op": "Assign", "input": ["w", "w_plus_1"]},
+            {"name": "bump", "op": "AssignAddVariableOp", "input": ["w", "w_plus_1"]}
         ]}))
-        .unwrap_err();
-        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Assign (update)");
+        .unwrap();
+        let names: Vec<_> = e.nodes.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names, ["w", "one", "w_plus_1", "update", "bump"]);
+        assert_eq!(node(&e, "update").op, "Assign");
+        assert_eq!(node(&e, "update").inputs, ["w", "w_plus_1"]);
+        assert_eq!(node(&e, "bump").op, "AssignAdd");
+        Graph::from_def(&e).unwrap();
     }
 
     #[test]

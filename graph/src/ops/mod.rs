@@ -20,6 +20,7 @@ pub mod nn;
 pub mod reduce;
 pub mod state;
 pub mod testing;
+pub mod tf_compat;
 pub mod train;
 pub mod transfer;
 
@@ -403,6 +404,7 @@ pub fn registry() -> &'static OpRegistry {
         array::register(&mut r);
         grad::register(&mut r);
         train::register(&mut r);
+        tf_compat::register(&mut r);
         collective::register(&mut r);
         state::gradients::register_gradients(&mut r);
         math::gradients::register_gradients(&mut r);
