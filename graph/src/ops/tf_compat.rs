@@ -101,7 +101,7 @@ fn add_into<T: Real>(cell: &VariableCell, value: &Tensor, sign: f64) -> Result<(
         }
         let w = t.as_mut_slice::<T>().map_err(|e| format!("var: {e}"))?;
         for (w, &v) in w.iter_mut().zip(v) {
-            *w = *w + sign * v;
+            *w += sign * v;
         }
         Ok(())
     })
