@@ -309,6 +309,10 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
         // TensorFlow's optimizer applies take their hyper-parameters as (constant) inputs.
         "ApplyGradientDescent" | "ResourceApplyGradientDescent" => &[(1, "lr")],
         "ApplyMomentum" | "ResourceApplyMomentum" => &[(2, "lr"), (4, "momentum")],
+        "Fill" => &[(0, "shape")],
+        "GatherV2" => &[(2, "axis")],
+        "Prod" => &[(1, "axes")],
+        "ExpandDims" => &[(1, "axis")],
         _ => &[],
     }
 }
@@ -359,6 +363,14 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "AssignAddVariableOp" | "AssignAdd" => "AssignAdd",
         "AssignSubVariableOp" | "AssignSub" => "AssignSub",
         "AssignVariableOp" | "Assign" => "Assign",
+        // The run-time shape ops `tf.gradients` emits ([`crate::ops::tf_compat`]).
+        "Shape" => "Shape",
+        "Fill" => "Fill",
+        "Tile" => "Tile",
+        "GatherV2" => "GatherV2",
+        "Prod" => "Prod",
+        "ExpandDims" => "ExpandDims",
+        "FloorMod" => "FloorMod",
         _ => return None,
     })
 }
@@ -821,7 +833,39 @@ impl<'r, 'a> Importer<'r, 'a> {
                     );
                 }
             }
-            "Sum" | "Mean" | "Max" => {
+            "Shape" => {
+                if let Some(v) = get("out_type") {
+                    a.insert(
+                        "out_type".into(),
+                        AttrValue::DType(dtype_attr(v).map_err(wrap("out_type"))?),
+                    );
+                }
+            }
+            "Fill" => {
+                let shape = self.folded_ints(n, 0)?;
+                a.insert("shape".into(), AttrValue::IntList(shape));
+            }
+            "GatherV2" => {
+                let axis = self.folded_ints(n, 2)?;
+                let [axis] = axis[..] else {
+                    return Err(n.err(format!("axis must be one integer, found {axis:?}")));
+                };
+                if let Some(b) = get("batch_dims").map(|v| v.get("i").map_or(Ok(0), int_value)) {
+                    let b = b.map_err(wrap("batch_dims"))?;
+                    if b != 0 {
+                        return Err(n.err(format!("batch_dims {b} is not supported (only 0)")));
+                    }
+                }
+                a.insert("axis".into(), AttrValue::Int(axis));
+            }
+            "ExpandDims" => {
+                let axis = self.folded_ints(n, 1)?;
+                let [axis] = axis[..] else {
+                    return Err(n.err(format!("dim must be one integer, found {axis:?}")));
+                };
+                a.insert("axis".into(), AttrValue::Int(axis));
+            }
+            "Sum" | "Mean" | "Max" | "Prod" => {
                 let axes = self.folded_ints(n, 1)?;
                 if axes.is_empty() {
                     out.op = "Identity".into();

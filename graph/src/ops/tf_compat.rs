@@ -6,14 +6,16 @@
 //! Like the optimizer applies, they take the variable as a reference input, so they are placed
 //! with it, and have no outputs: a step depends on them through control edges.
 
+use super::elementwise::stateless;
 use super::grad::{dispatch_real, Real};
 use super::*;
-use crate::kernel::{Kernel, KernelContext, VariableCell};
+use crate::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
 
 pub(crate) fn register(r: &mut OpRegistry) {
     for mode in [Mode::Add, Mode::Sub, Mode::Set] {
         r.add(update_op(mode));
     }
+    register_shape_ops(r);
 }
 
 /// What an update does with the value.
@@ -131,4 +133,577 @@ impl Kernel for UpdateKernel {
             }),
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime shape ops TensorFlow's gradients emit: Shape, Fill, Tile, GatherV2, Prod, ExpandDims,
+// FloorMod. Their output shapes depend on tensor values, so the shape rules know ranks only.
+// ---------------------------------------------------------------------------------------------
+
+/// The largest tensor a runtime shape op builds from dims it read from another tensor (bytes):
+/// a bad value fails the step instead of taking the machine's memory.
+pub const MAX_RUNTIME_SHAPE_BYTES: usize = 1 << 32;
+
+pub(crate) fn register_shape_ops(r: &mut OpRegistry) {
+    r.add(shape_op());
+    r.add(fill_op());
+    r.add(tile_op());
+    r.add(gather_op());
+    r.add(prod_op());
+    r.add(expand_dims_op());
+    r.add(floor_mod_op());
+}
+
+/// The values of an int32/int64 tensor.
+fn int_values(t: &Tensor, what: &str) -> Result<Vec<i64>, String> {
+    match t.dtype() {
+        DType::I32 => Ok(t
+            .as_slice::<i32>()
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|&v| i64::from(v))
+            .collect()),
+        DType::I64 => Ok(t.as_slice::<i64>().map_err(|e| e.to_string())?.to_vec()),
+        d => Err(format!("{what} must be int32 or int64, found {d}")),
+    }
+}
+
+/// Dims read from a tensor: each ≥ 0, the tensor within [`MAX_RUNTIME_SHAPE_BYTES`].
+fn checked_dims(values: &[i64], dtype: DType, what: &str) -> Result<Vec<usize>, String> {
+    let dims = values
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| format!("{what}: dimension {d} is negative")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bytes = dims
+        .iter()
+        .try_fold(dtype.size_of(), |a, &d| a.checked_mul(d))
+        .filter(|&b| b <= MAX_RUNTIME_SHAPE_BYTES);
+    if bytes.is_none() {
+        return Err(format!(
+            "{what}: a {dtype} tensor of shape {dims:?} is larger than {MAX_RUNTIME_SHAPE_BYTES} bytes"
+        ));
+    }
+    Ok(dims)
+}
+
+fn from_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor, String> {
+    Tensor::from_bytes(dtype, dims, bytes).map_err(|e| e.to_string())
+}
+
+/// A rank-`n` shape of unknown dims, or unknown when `n` is.
+fn rank_only(n: Option<usize>) -> Shape {
+    n.map_or_else(Shape::unknown, |n| Shape::partial(vec![None; n]))
+}
+
+fn shape_op() -> OpDef {
+    OpDef::new(
+        "Shape",
+        "y = the dims of x, at run time (TensorFlow's Shape). In: x (any dtype). Out: y \
+         (out_type, int32 or int64, default int32; shape [rank of x]).",
+        |ctx| {
+            let x = ctx.input(0)?;
+            let out = ctx.dtype("out_type")?;
+            if !matches!(out, DType::I32 | DType::I64) {
+                return Err(format!(
+                    "Shape: out_type must be int32 or int64, found {out}"
+                ));
+            }
+            Ok(vec![TensorType::new(
+                out,
+                Shape::partial(vec![x.shape.rank()]),
+            )])
+        },
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+    .attrs([attr_or(
+        "out_type",
+        AttrType::DType,
+        AttrDefault::DType(DType::I32),
+    )])
+    .kernel("CPU", ShapeKernel::build)
+}
+
+#[derive(Debug)]
+struct ShapeKernel {
+    out: DType,
+}
+
+impl ShapeKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        let out = init.output_types.first().map_or(DType::I32, |t| t.dtype);
+        Ok(Box::new(ShapeKernel { out }))
+    }
+}
+
+impl Kernel for ShapeKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let out = if self.out == DType::I64 {
+            let v: Vec<i64> = x.dims().iter().map(|&d| d as i64).collect();
+            Tensor::from_slice(&[v.len()], &v)
+        } else {
+            let v = x
+                .dims()
+                .iter()
+                .map(|&d| i32::try_from(d).map_err(|_| format!("dimension {d} exceeds int32")))
+                .collect::<Result<Vec<i32>, _>>()?;
+            Tensor::from_slice(&[v.len()], &v)
+        };
+        ctx.set_output(0, out.map_err(|e| e.to_string())?)
+    }
+}
+
+/// An int attribute from a kernel's attributes.
+fn int_attr(init: &KernelInit<'_>, name: &str) -> Result<i64, String> {
+    match init.attr(name)? {
+        AttrValue::Int(v) => Ok(*v),
+        v => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+    }
+}
+
+/// `axis` of a rank-`rank` tensor, negative counting from the end.
+fn resolve_axis(axis: i64, rank: usize, what: &str) -> Result<usize, String> {
+    let r = i64::try_from(rank).map_err(|_| "rank too large".to_string())?;
+    let a = if axis < 0 { axis + r } else { axis };
+    usize::try_from(a)
+        .ok()
+        .filter(|&a| a < rank)
+        .ok_or_else(|| format!("{what}: axis {axis} is out of range for rank {rank}"))
+}
+
+fn fill_op() -> OpDef {
+    OpDef::new(
+        "Fill",
+        "y = value repeated to `shape` (TensorFlow's Fill with constant dims). In: value (a \
+         scalar, any dtype). Out: y. Attrs: shape (list(int), required).",
+        |ctx| {
+            let v = ctx.input(0)?;
+            if v.shape.rank().is_some_and(|r| r != 0) {
+                return Err(format!("Fill: value must be a scalar, found {v}"));
+            }
+            let dims = ctx
+                .ints("shape")?
+                .iter()
+                .map(|&d| {
+                    usize::try_from(d).map_err(|_| format!("Fill: dimension {d} is negative"))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(vec![TensorType::new(v.dtype, Shape::known(&dims))])
+        },
+    )
+    .inputs([arg("value")])
+    .outputs([arg("y")])
+    .attrs([attr("shape", AttrType::IntList)])
+    .kernel("CPU", FillKernel::build)
+}
+
+#[derive(Debug)]
+struct FillKernel {
+    shape: Vec<i64>,
+}
+
+impl FillKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        match init.attr("shape")? {
+            AttrValue::IntList(v) => Ok(Box::new(FillKernel { shape: v.clone() })),
+            v => Err(format!("attribute `shape` is {}, not list(int)", v.ty())),
+        }
+    }
+}
+
+impl Kernel for FillKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let v = ctx.input(0)?;
+        let dims = checked_dims(&self.shape, v.dtype(), "Fill")?;
+        let n: usize = dims.iter().product();
+        let bytes = v.as_bytes().repeat(n);
+        ctx.set_output(0, from_bytes(v.dtype(), &dims, &bytes)?)
+    }
+}
+
+fn tile_op() -> OpDef {
+    OpDef::new(
+        "Tile",
+        "y = x repeated multiples[i] times along dimension i (TensorFlow's Tile). In: x (any \
+         dtype), multiples (int32 or int64, shape [rank of x]). Out: y, x's dtype and rank.",
+        |ctx| {
+            let (x, m) = (ctx.input(0)?, ctx.input(1)?);
+            if !matches!(m.dtype, DType::I32 | DType::I64) {
+                return Err(format!("Tile: multiples must be int32 or int64, found {m}"));
+            }
+            Ok(vec![TensorType::new(x.dtype, rank_only(x.shape.rank()))])
+        },
+    )
+    .inputs([arg("x"), arg("multiples")])
+    .outputs([arg("y")])
+    .kernel("CPU", |_| stateless(tile_kernel))
+}
+
+fn tile_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?;
+    let m = int_values(ctx.input(1)?, "Tile: multiples")?;
+    if m.len() != x.rank() {
+        return Err(format!(
+            "Tile: multiples has {} entries but x has rank {}",
+            m.len(),
+            x.rank()
+        ));
+    }
+    let out_dims_i: Vec<i64> = x
+        .dims()
+        .iter()
+        .zip(&m)
+        .map(|(&d, &k)| (d as i64).saturating_mul(k))
+        .collect();
+    let out_dims = checked_dims(&out_dims_i, x.dtype(), "Tile")?;
+    let size = x.dtype().size_of();
+    let src = x.as_bytes();
+    let n: usize = out_dims.iter().product();
+    let mut out = vec![0u8; n * size];
+    // Row-major walk over the output: each output index maps to index mod input dim.
+    let rank = out_dims.len();
+    let mut idx = vec![0usize; rank];
+    let in_strides = strides(x.dims());
+    for o in 0..n {
+        let i: usize = (0..rank)
+            .map(|d| (idx[d] % x.dims()[d].max(1)) * in_strides[d])
+            .sum();
+        out[o * size..(o + 1) * size].copy_from_slice(&src[i * size..(i + 1) * size]);
+        for d in (0..rank).rev() {
+            idx[d] += 1;
+            if idx[d] < out_dims[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    ctx.set_output(0, from_bytes(x.dtype(), &out_dims, &out)?)
+}
+
+/// Row-major strides (in elements) of `dims`.
+fn strides(dims: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; dims.len()];
+    for d in (0..dims.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * dims[d + 1];
+    }
+    s
+}
+
+fn gather_op() -> OpDef {
+    OpDef::new(
+        "GatherV2",
+        "y = params gathered at indices along `axis` (TensorFlow's GatherV2, batch_dims 0). In: \
+         params (any dtype), indices (int32 or int64). Out: y, shape params[:axis] + \
+         indices.shape + params[axis+1:]. Attrs: axis (int, default 0).",
+        |ctx| {
+            let (p, i) = (ctx.input(0)?, ctx.input(1)?);
+            if !matches!(i.dtype, DType::I32 | DType::I64) {
+                return Err(format!(
+                    "GatherV2: indices must be int32 or int64, found {i}"
+                ));
+            }
+            let shape = match (p.shape.dims(), i.shape.dims()) {
+                (Some(pd), Some(id)) => {
+                    let axis = resolve_axis(ctx.int("axis")?, pd.len(), "GatherV2")?;
+                    let mut dims = pd[..axis].to_vec();
+                    dims.extend_from_slice(id);
+                    dims.extend_from_slice(&pd[axis + 1..]);
+                    Shape::partial(dims)
+                }
+                _ => Shape::unknown(),
+            };
+            Ok(vec![TensorType::new(p.dtype, shape)])
+        },
+    )
+    .inputs([arg("params"), arg("indices")])
+    .outputs([arg("y")])
+    .attrs([attr_or("axis", AttrType::Int, AttrDefault::Int(0))])
+    .kernel("CPU", GatherKernel::build)
+}
+
+#[derive(Debug)]
+struct GatherKernel {
+    axis: i64,
+}
+
+impl GatherKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(GatherKernel {
+            axis: int_attr(init, "axis")?,
+        }))
+    }
+}
+
+impl Kernel for GatherKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let p = ctx.input(0)?;
+        let indices_t = ctx.input(1)?;
+        let indices = int_values(indices_t, "GatherV2: indices")?;
+        let axis = resolve_axis(self.axis, p.rank(), "GatherV2")?;
+        let pd = p.dims();
+        let outer: usize = pd[..axis].iter().product();
+        let inner: usize = pd[axis + 1..].iter().product();
+        let size = p.dtype().size_of();
+        let chunk = inner * size;
+        let src = p.as_bytes();
+        let mut out = Vec::with_capacity(outer * indices.len() * chunk);
+        for o in 0..outer {
+            for &ix in &indices {
+                let ix = usize::try_from(ix)
+                    .ok()
+                    .filter(|&i| i < pd[axis])
+                    .ok_or_else(|| {
+                        format!("GatherV2: index {ix} is out of range 0..{}", pd[axis])
+                    })?;
+                let start = (o * pd[axis] + ix) * chunk;
+                out.extend_from_slice(&src[start..start + chunk]);
+            }
+        }
+        let mut dims = pd[..axis].to_vec();
+        dims.extend_from_slice(indices_t.dims());
+        dims.extend_from_slice(&pd[axis + 1..]);
+        ctx.set_output(0, from_bytes(p.dtype(), &dims, &out)?)
+    }
+}
+
+fn prod_op() -> OpDef {
+    OpDef::new(
+        "Prod",
+        "y = the product of x over `axes` (TensorFlow's Prod; empty axes: all). In: x (int32, \
+         int64, f32, f64). Out: y, x's dtype. Attrs: axes (list(int), default all), keep_dims \
+         (bool, default false).",
+        |ctx| {
+            let x = ctx.input(0)?;
+            if !matches!(x.dtype, DType::I32 | DType::I64 | DType::F32 | DType::F64) {
+                return Err(format!(
+                    "Prod: x must be int32, int64, f32 or f64, found {x}"
+                ));
+            }
+            let keep = ctx.bool("keep_dims")?;
+            let shape = match x.shape.dims() {
+                Some(dims) => {
+                    let axes = reduced_axes(ctx.ints("axes")?, dims.len())?;
+                    let kept: Vec<Option<usize>> = dims
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, &d)| match (axes.contains(&i), keep) {
+                            (true, true) => Some(Some(1)),
+                            (true, false) => None,
+                            (false, _) => Some(d),
+                        })
+                        .collect();
+                    Shape::partial(kept)
+                }
+                None => Shape::unknown(),
+            };
+            Ok(vec![TensorType::new(x.dtype, shape)])
+        },
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+    .attrs([
+        attr_or("axes", AttrType::IntList, AttrDefault::Ints(&[])),
+        attr_or("keep_dims", AttrType::Bool, AttrDefault::Bool(false)),
+    ])
+    .kernel("CPU", ProdKernel::build)
+}
+
+/// The axes a reduction covers (empty: all), resolved and deduplicated.
+fn reduced_axes(axes: &[i64], rank: usize) -> Result<Vec<usize>, String> {
+    if axes.is_empty() {
+        return Ok((0..rank).collect());
+    }
+    let mut out = axes
+        .iter()
+        .map(|&a| resolve_axis(a, rank, "Prod"))
+        .collect::<Result<Vec<_>, _>>()?;
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+#[derive(Debug)]
+struct ProdKernel {
+    axes: Vec<i64>,
+    keep: bool,
+}
+
+impl ProdKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        let axes = match init.attr("axes")? {
+            AttrValue::IntList(v) => v.clone(),
+            v => return Err(format!("attribute `axes` is {}, not list(int)", v.ty())),
+        };
+        let keep = match init.attr("keep_dims")? {
+            AttrValue::Bool(b) => *b,
+            v => return Err(format!("attribute `keep_dims` is {}, not bool", v.ty())),
+        };
+        Ok(Box::new(ProdKernel { axes, keep }))
+    }
+}
+
+impl Kernel for ProdKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let dims = x.dims();
+        let axes = reduced_axes(&self.axes, dims.len())?;
+        let out_full: Vec<usize> = dims
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+            .collect();
+        let n_out: usize = out_full.iter().product();
+        let mut acc = vec![1.0f64; n_out];
+        let (in_s, out_s) = (strides(dims), strides(&out_full));
+        for (flat, v) in x.to_f64_vec().into_iter().enumerate() {
+            let o: usize = (0..dims.len())
+                .map(|d| {
+                    let i = (flat / in_s[d]) % dims[d].max(1);
+                    if axes.contains(&d) {
+                        0
+                    } else {
+                        i * out_s[d]
+                    }
+                })
+                .sum();
+            acc[o] *= v;
+        }
+        let out_dims: Vec<usize> = if self.keep {
+            out_full
+        } else {
+            dims.iter()
+                .enumerate()
+                .filter(|(i, _)| !axes.contains(i))
+                .map(|(_, &d)| d)
+                .collect()
+        };
+        let t = match x.dtype() {
+            DType::I32 => {
+                let v: Vec<i32> = acc.iter().map(|&a| a as i32).collect();
+                Tensor::from_slice(&out_dims, &v)
+            }
+            DType::I64 => {
+                let v: Vec<i64> = acc.iter().map(|&a| a as i64).collect();
+                Tensor::from_slice(&out_dims, &v)
+            }
+            DType::F32 => {
+                let v: Vec<f32> = acc.iter().map(|&a| a as f32).collect();
+                Tensor::from_slice(&out_dims, &v)
+            }
+            DType::F64 => Tensor::from_slice(&out_dims, &acc),
+            d => return Err(format!("Prod: unsupported dtype {d}")),
+        };
+        ctx.set_output(0, t.map_err(|e| e.to_string())?)
+    }
+}
+
+fn expand_dims_op() -> OpDef {
+    OpDef::new(
+        "ExpandDims",
+        "y = x with a dimension of size 1 inserted at `axis` (TensorFlow's ExpandDims; negative \
+         counts from the end of the output). In: x (any dtype). Out: y. Attrs: axis (int).",
+        |ctx| {
+            let x = ctx.input(0)?;
+            let shape = match x.shape.dims() {
+                Some(d) => {
+                    let at = resolve_axis(ctx.int("axis")?, d.len() + 1, "ExpandDims")?;
+                    let mut dims = d.to_vec();
+                    dims.insert(at, Some(1));
+                    Shape::partial(dims)
+                }
+                None => Shape::unknown(),
+            };
+            Ok(vec![TensorType::new(x.dtype, shape)])
+        },
+    )
+    .inputs([arg("x")])
+    .outputs([arg("y")])
+    .attrs([attr("axis", AttrType::Int)])
+    .kernel("CPU", ExpandDimsKernel::build)
+}
+
+#[derive(Debug)]
+struct ExpandDimsKernel {
+    axis: i64,
+}
+
+impl ExpandDimsKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(ExpandDimsKernel {
+            axis: int_attr(init, "axis")?,
+        }))
+    }
+}
+
+impl Kernel for ExpandDimsKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let at = resolve_axis(self.axis, x.rank() + 1, "ExpandDims")?;
+        let mut dims = x.dims().to_vec();
+        dims.insert(at, 1);
+        let y = x.reshaped(&dims).map_err(|e| e.to_string())?;
+        ctx.set_output(0, y)
+    }
+}
+
+fn floor_mod_op() -> OpDef {
+    OpDef::new(
+        "FloorMod",
+        "z = x mod y with the sign of y (TensorFlow's FloorMod), element-wise; one side may be a \
+         scalar. In: x, y (int32 or int64, one dtype). Out: z.",
+        |ctx| {
+            let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+            if x.dtype != y.dtype || !matches!(x.dtype, DType::I32 | DType::I64) {
+                return Err(format!(
+                    "FloorMod: x and y must be int32 or int64 of one dtype, found {x} and {y}"
+                ));
+            }
+            let shape = if y.shape.rank() == Some(0) {
+                x.shape.clone()
+            } else {
+                y.shape.clone()
+            };
+            Ok(vec![TensorType::new(x.dtype, shape)])
+        },
+    )
+    .inputs([arg("x"), arg("y")])
+    .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(floor_mod_kernel))
+}
+
+fn floor_mod_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    let (xv, yv) = (int_values(x, "FloorMod: x")?, int_values(y, "FloorMod: y")?);
+    let (n, dims) = if xv.len() >= yv.len() {
+        (xv.len(), x.dims().to_vec())
+    } else {
+        (yv.len(), y.dims().to_vec())
+    };
+    let pick = |v: &[i64], i: usize| -> Result<i64, String> {
+        match v.len() {
+            1 => Ok(v[0]),
+            l if l == n => Ok(v[i]),
+            _ => Err(format!(
+                "FloorMod: shapes {:?} and {:?} do not match",
+                x.dims(),
+                y.dims()
+            )),
+        }
+    };
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let (a, b) = (pick(&xv, i)?, pick(&yv, i)?);
+        if b == 0 {
+            return Err("FloorMod: division by zero".into());
+        }
+        out.push(a.rem_euclid(b) + if b < 0 && a.rem_euclid(b) != 0 { b } else { 0 });
+    }
+    let t = if x.dtype() == DType::I32 {
+        let v: Vec<i32> = out.iter().map(|&v| v as i32).collect();
+        Tensor::from_slice(&dims, &v)
+    } else {
+        Tensor::from_slice(&dims, &out)
+    };
+    ctx.set_output(0, t.map_err(|e| e.to_string())?)
 }
