@@ -138,7 +138,10 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // Collectives need a runtime (tested in the transport and multi-process tests);
             // the packing ops are tested in ops/collective.rs.
             || op.name.starts_with("Collective")
-            || ["PackFlat", "FlatSlice"].contains(&op.name);
+            || ["PackFlat", "FlatSlice"].contains(&op.name)
+            // TensorFlow-compat ops: unit tests in ops/tf_compat.rs, and end to end against
+            // TensorFlow itself in tests/tf_training_import.rs.
+            || dflow_graph::ops::tf_compat::OPS.contains(&op.name);
         assert!(
             covered.contains(op.name) || tested_here,
             "{} has no fixtures",

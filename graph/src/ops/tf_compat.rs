@@ -11,6 +11,20 @@ use super::grad::{dispatch_real, Real};
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
 
+/// The ops this module registers.
+pub const OPS: [&str; 10] = [
+    "AssignAdd",
+    "AssignSub",
+    "Assign",
+    "Shape",
+    "Fill",
+    "Tile",
+    "GatherV2",
+    "Prod",
+    "ExpandDims",
+    "FloorMod",
+];
+
 pub(crate) fn register(r: &mut OpRegistry) {
     for mode in [Mode::Add, Mode::Sub, Mode::Set] {
         r.add(update_op(mode));
@@ -706,4 +720,188 @@ fn floor_mod_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         Tensor::from_slice(&dims, &out)
     };
     ctx.set_output(0, t.map_err(|e| e.to_string())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::math::{infer, tt};
+    use super::super::testing::{run_kernel, run_kernel_with};
+    use super::*;
+    use std::sync::Arc;
+    use DType::*;
+
+    fn ints(t: &Tensor) -> Vec<i64> {
+        int_values(t, "t").unwrap()
+    }
+
+    fn run1(op: &str, attrs: &[(&str, AttrValue)], inputs: &[Tensor]) -> Tensor {
+        run_kernel(op, attrs, inputs)
+            .unwrap_or_else(|e| panic!("{op}: {e}"))
+            .remove(0)
+    }
+
+    #[test]
+    fn ops_lists_what_is_registered() {
+        for op in OPS {
+            assert!(registry().get(op).is_some(), "{op}");
+        }
+    }
+
+    #[test]
+    fn shape_and_fill() {
+        let x = Tensor::zeros(F32, &[2, 3]).unwrap();
+        assert_eq!(ints(&run1("Shape", &[], std::slice::from_ref(&x))), [2, 3]);
+        let s64 = run1("Shape", &[("out_type", AttrValue::DType(I64))], &[x]);
+        assert_eq!(s64.dtype(), I64);
+        assert_eq!(
+            infer("Shape", &[tt(F32, &[-1, 3])], &[]),
+            Ok(vec![tt(I32, &[2])])
+        );
+        let f = run1(
+            "Fill",
+            &[("shape", AttrValue::IntList(vec![2, 2]))],
+            &[Tensor::scalar(1.5f32)],
+        );
+        assert_eq!(f.as_slice::<f32>().unwrap(), [1.5; 4]);
+        let e = run_kernel(
+            "Fill",
+            &[("shape", AttrValue::IntList(vec![1 << 40, 1 << 40]))],
+            &[Tensor::scalar(1.5f32)],
+        )
+        .unwrap_err();
+        assert!(e.contains("larger than"), "{e}");
+    }
+
+    #[test]
+    fn tile_repeats_along_each_dimension() {
+        let x = Tensor::from_slice(&[2, 2], &[1i32, 2, 3, 4]).unwrap();
+        let m = Tensor::from_slice(&[2], &[2i32, 3]).unwrap();
+        let y = run1("Tile", &[], &[x, m]);
+        assert_eq!(y.dims(), [4, 6]);
+        assert_eq!(
+            ints(&y),
+            [1, 2, 1, 2, 1, 2, 3, 4, 3, 4, 3, 4, 1, 2, 1, 2, 1, 2, 3, 4, 3, 4, 3, 4]
+        );
+        let bad = Tensor::from_slice(&[1], &[2i32]).unwrap();
+        let x = Tensor::zeros(F32, &[2, 2]).unwrap();
+        assert!(run_kernel("Tile", &[], &[x.clone(), bad]).is_err());
+        let huge = Tensor::from_slice(&[2], &[1i64 << 40, 1 << 40]).unwrap();
+        assert!(run_kernel("Tile", &[], &[x, huge])
+            .unwrap_err()
+            .contains("larger than"));
+    }
+
+    #[test]
+    fn gather_takes_slices_along_the_axis() {
+        let p = Tensor::from_slice(&[2, 3], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let i = Tensor::from_slice(&[2], &[2i32, 0]).unwrap();
+        let y = run1(
+            "GatherV2",
+            &[("axis", AttrValue::Int(1))],
+            &[p.clone(), i.clone()],
+        );
+        assert_eq!(y.dims(), [2, 2]);
+        assert_eq!(y.as_slice::<f32>().unwrap(), [3.0, 1.0, 6.0, 4.0]);
+        let y = run1("GatherV2", &[], &[p.clone(), Tensor::scalar(1i32)]);
+        assert_eq!(
+            (y.dims(), y.as_slice::<f32>().unwrap()),
+            (&[3][..], &[4.0, 5.0, 6.0][..])
+        );
+        let out_of_range = Tensor::from_slice(&[1], &[7i32]).unwrap();
+        assert!(run_kernel("GatherV2", &[], &[p, out_of_range])
+            .unwrap_err()
+            .contains("out of range"));
+    }
+
+    #[test]
+    fn prod_reduces_like_tensorflow() {
+        let x = Tensor::from_slice(&[2, 3], &[1i32, 2, 3, 4, 5, 6]).unwrap();
+        let axes = |a: &[i64]| ("axes", AttrValue::IntList(a.to_vec()));
+        assert_eq!(
+            ints(&run1("Prod", &[axes(&[0])], std::slice::from_ref(&x))),
+            [4, 10, 18]
+        );
+        assert_eq!(
+            ints(&run1("Prod", &[axes(&[1])], std::slice::from_ref(&x))),
+            [6, 120]
+        );
+        assert_eq!(ints(&run1("Prod", &[], std::slice::from_ref(&x))), [720]);
+        let kept = run1(
+            "Prod",
+            &[axes(&[-1]), ("keep_dims", AttrValue::Bool(true))],
+            &[x],
+        );
+        assert_eq!(kept.dims(), [2, 1]);
+        assert_eq!(
+            infer("Prod", &[tt(I32, &[-1, 3])], &[axes(&[0])]),
+            Ok(vec![tt(I32, &[3])])
+        );
+    }
+
+    #[test]
+    fn expand_dims_and_floor_mod() {
+        let x = Tensor::from_slice(&[3], &[1.0f32, 2.0, 3.0]).unwrap();
+        let y = run1("ExpandDims", &[("axis", AttrValue::Int(-1))], &[x]);
+        assert_eq!(y.dims(), [3, 1]);
+        assert_eq!(
+            infer(
+                "ExpandDims",
+                &[tt(F32, &[-1])],
+                &[("axis", AttrValue::Int(0))]
+            ),
+            Ok(vec![tt(F32, &[1, -1])])
+        );
+        let a = Tensor::from_slice(&[4], &[7i32, -7, 7, -7]).unwrap();
+        let b = Tensor::from_slice(&[4], &[3i32, 3, -3, -3]).unwrap();
+        // TensorFlow: floormod(7,3)=1, (-7,3)=2, (7,-3)=-2, (-7,-3)=-1.
+        assert_eq!(
+            ints(&run1("FloorMod", &[], &[a.clone(), b])),
+            [1, 2, -2, -1]
+        );
+        assert_eq!(
+            ints(&run1("FloorMod", &[], &[a, Tensor::scalar(3i32)])),
+            [1, 2, 1, 2]
+        );
+        let e = run_kernel(
+            "FloorMod",
+            &[],
+            &[Tensor::scalar(1i32), Tensor::scalar(0i32)],
+        );
+        assert!(e.unwrap_err().contains("division by zero"));
+    }
+
+    #[test]
+    fn assign_updates_change_the_variable() {
+        let cell = Arc::new(VariableCell::default());
+        cell.update(|s| *s = Some(Tensor::from_slice(&[2], &[1.0f32, 2.0]).unwrap()));
+        let v = Tensor::from_slice(&[2], &[0.5f32, 0.5]).unwrap();
+        let ty = [tt(F32, &[2]), tt(F32, &[2])];
+        let current = || cell.update(|s| s.clone()).unwrap();
+        for (op, want) in [
+            ("AssignAdd", [1.5, 2.5]),
+            ("AssignSub", [1.0, 2.0]),
+            ("Assign", [0.5, 0.5]),
+        ] {
+            run_kernel_with(
+                op,
+                "n",
+                &[],
+                &ty,
+                &[current(), v.clone()],
+                std::slice::from_ref(&cell),
+            )
+            .unwrap_or_else(|e| panic!("{op}: {e}"));
+            assert_eq!(current().as_slice::<f32>().unwrap(), want, "{op}");
+        }
+        let wrong = Tensor::from_slice(&[3], &[1.0f32, 1.0, 1.0]).unwrap();
+        let e = run_kernel_with(
+            "AssignAdd",
+            "n",
+            &[],
+            &[tt(F32, &[2]), tt(F32, &[3])],
+            &[current(), wrong],
+            std::slice::from_ref(&cell),
+        );
+        assert!(e.is_err());
+    }
 }
