@@ -1,12 +1,15 @@
 //! TensorFlow 1.x training graphs exported by `fixtures/tf/make_tf_training_graphs.py` (with
 //! TensorFlow's own values for one step): imported, one step's fetched loss and the variables
-//! after it equal TensorFlow's within 1e-5; Adam, not imported yet, fails with one error that
+//! after it equal TensorFlow's within 1e-5, and dflow's Send/Recv pairs equal TensorFlow's by
+//! (source tensor, send device, recv device); Adam, not imported yet, fails with one error that
 //! names every node using it.
 
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::tf_import::import_graphdef_json;
-use dflow_graph::{ClusterSpec, Graph, Tensor};
+use dflow_graph::{ClusterSpec, DeviceName, Graph, Tensor};
+use dflow_partitioner::{partition, place, PartitionOptions, PlacementOptions};
 use serde_json::Value;
+use std::collections::BTreeSet;
 
 fn fixture(variant: &str) -> (String, Value) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tf");
@@ -148,4 +151,99 @@ fn adam_is_reported_with_every_node_that_uses_it() {
          train/update_b1/ResourceApplyAdam, train/update_w2/ResourceApplyAdam, \
          train/update_b2/ResourceApplyAdam)"
     );
+}
+
+/// A device with TensorFlow's implicit parts filled in (`replica:0`, `device:CPU:0`).
+fn normalize_device(d: &str) -> String {
+    let mut dev = DeviceName::parse(d).unwrap_or_else(|e| panic!("{d}: {e}"));
+    dev.replica.get_or_insert(0);
+    let ty = dev.device_type.take().unwrap_or_else(|| "CPU".into());
+    dev.device_type = Some(ty.to_ascii_uppercase());
+    dev.device_id.get_or_insert(0);
+    dev.to_string()
+}
+
+/// `node:i` (`node` means output 0).
+fn tensor_name(t: &str) -> String {
+    match t.rsplit_once(':') {
+        Some((_, i)) if i.parse::<usize>().is_ok() => t.to_string(),
+        _ => format!("{t}:0"),
+    }
+}
+
+/// dflow's device-to-device transfers for one training step (feeds, loss fetched, train run)
+/// against TensorFlow's, as (source tensor, send device, recv device). Left out of TensorFlow's:
+/// its client plumbing (a feed forwarded from the master task, `_recv_<feed>`; a fetch sent to the
+/// master task, worker 0) and the constants the importer folds into attributes (a learning rate).
+fn pairs_match_tensorflow(variant: &str) {
+    let (text, tf) = fixture(variant);
+    let def = import_graphdef_json(&text).unwrap();
+    let kept: BTreeSet<&str> = def.nodes.iter().map(|n| n.name.as_str()).collect();
+    let graph = Graph::from_def(&def).unwrap();
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    let placed = place(&graph, &cluster, &PlacementOptions::default()).unwrap();
+    let loss = tf["loss"].as_str().unwrap().to_string();
+    let feeds: Vec<String> = tf["feeds"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| format!("{k}:0"))
+        .collect();
+    let parts = partition(
+        &placed,
+        &PartitionOptions {
+            feeds,
+            fetches: vec![loss.clone()],
+            targets: vec![tf["train"].as_str().unwrap().to_string()],
+        },
+    )
+    .unwrap();
+    let dflow: BTreeSet<(String, String, String)> = parts
+        .pairs
+        .iter()
+        .filter(|p| !p.client_terminated)
+        .map(|p| {
+            (
+                tensor_name(&p.tensor_name),
+                normalize_device(&p.send_device),
+                normalize_device(&p.recv_device),
+            )
+        })
+        .collect();
+    let master = normalize_device("/job:worker/task:0");
+    let tf_pairs: BTreeSet<(String, String, String)> = tf["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let f = |k: &str| p[k].as_str().unwrap().to_string();
+            (
+                tensor_name(&f("src_tensor")),
+                normalize_device(&f("send_device")),
+                normalize_device(&f("recv_device")),
+            )
+        })
+        .filter(|(t, _, r)| {
+            let node = t.rsplit_once(':').map_or(t.as_str(), |(n, _)| n);
+            !node.starts_with("_recv_") && !(t == &loss && r == &master) && kept.contains(node)
+        })
+        .collect();
+    assert!(tf_pairs.len() >= 2, "{variant}: {tf_pairs:?}");
+    assert_eq!(
+        dflow, tf_pairs,
+        "{variant}: dflow's pairs (left) differ from TensorFlow's (right)"
+    );
+}
+
+#[test]
+fn send_recv_pairs_match_tensorflow() {
+    for variant in [
+        "counter",
+        "mlp_resource_sgd",
+        "mlp_ref_sgd",
+        "mlp_resource_momentum",
+        "sync_2workers",
+    ] {
+        pairs_match_tensorflow(variant);
+    }
 }
