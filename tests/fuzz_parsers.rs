@@ -3,7 +3,8 @@
 //! user or peer bytes: the JSON and DSL graph formats (then validation and `dflow check`'s
 //! summary), the TensorFlow GraphDef importer, the wire-frame header decoder and the
 //! authentication handshake, and a live TCP endpoint. A panic fails the test; proptest shrinks
-//! the mutation list and records the seed in `tests/proptest-regressions/`.
+//! the mutation list to a minimal one and prints it (the runs are deterministic per seed; add a
+//! failing input to the corpus as a regression seed).
 //!
 //! The number of cases per target is `DFLOW_FUZZ_CASES` (default 256, a few seconds each in a
 //! debug build). For a longer run:

@@ -524,8 +524,15 @@ impl From<LoadError> for ProgramError {
 /// ```
 pub fn load_program(path: &Path) -> Result<Program, ProgramError> {
     let shown = path.display().to_string();
-    // An unreadable file is reported by `load_graph` below, with its path.
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // An unreadable or oversized file is reported by `load_graph` below, with its path and the
+    // limit; it is not read here.
+    let within_limit =
+        std::fs::metadata(path).is_ok_and(|m| m.len() <= dflow_graph::format::MAX_FILE_BYTES);
+    let text = if within_limit {
+        std::fs::read_to_string(path).unwrap_or_default()
+    } else {
+        String::new()
+    };
     if dflow_graph::tf_import::looks_like_tf_graphdef(&text) {
         let def = dflow_graph::tf_import::import_graphdef_json(&text).map_err(|error| {
             ProgramError::TfImport {
