@@ -367,8 +367,10 @@ fn refusal(stream: &TcpStream) -> Option<String> {
             Ok(n) => got += n,
         }
     }
-    let h = decode_header_slice(&buf[..got], 0).ok()?;
-    let body = buf.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize)?;
+    let got = &buf[..got];
+    let h = decode_header_slice(got, 0).ok()?;
+    // A refusal cut short (not all arrived yet) is not reported; later writes fail as before.
+    let body = got.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize)?;
     (h.kind == FrameKind::Abort).then(|| String::from_utf8_lossy(body).into_owned())
 }
 
