@@ -1,8 +1,7 @@
 //! TensorFlow 1.x training graphs exported by `fixtures/tf/make_tf_training_graphs.py` (with
 //! TensorFlow's own values for one step): imported, one step's fetched loss and the variables
 //! after it equal TensorFlow's within 1e-5, and dflow's Send/Recv pairs equal TensorFlow's by
-//! (source tensor, send device, recv device); Adam, not imported yet, fails with one error that
-//! names every node using it.
+//! (source tensor, send device, recv device).
 
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::tf_import::import_graphdef_json;
@@ -139,18 +138,11 @@ fn two_worker_sync_graph_steps_like_tensorflow() {
     one_step_like_tensorflow("sync_2workers");
 }
 
-/// Adam: TensorFlow's ResourceApplyAdam takes beta1^t and beta2^t as inputs where dflow's
-/// ApplyAdam takes the step count, so it is not imported yet; the error names every use.
+/// Adam: TensorFlow's `ResourceApplyAdam` reads `beta1^t` and `beta2^t` from variables the
+/// optimizer updates after the applies; imported as `ApplyAdamWithPowers`.
 #[test]
-fn adam_is_reported_with_every_node_that_uses_it() {
-    let (text, _) = fixture("mlp_resource_adam");
-    let e = import_graphdef_json(&text).unwrap_err().to_string();
-    assert_eq!(
-        e,
-        "unsupported TensorFlow ops: ResourceApplyAdam (train/update_w1/ResourceApplyAdam, \
-         train/update_b1/ResourceApplyAdam, train/update_w2/ResourceApplyAdam, \
-         train/update_b2/ResourceApplyAdam)"
-    );
+fn mlp_adam_steps_like_tensorflow() {
+    one_step_like_tensorflow("mlp_resource_adam");
 }
 
 /// A device with TensorFlow's implicit parts filled in (`replica:0`, `device:CPU:0`).
@@ -243,6 +235,7 @@ fn send_recv_pairs_match_tensorflow() {
         "mlp_resource_sgd",
         "mlp_ref_sgd",
         "mlp_resource_momentum",
+        "mlp_resource_adam",
         "sync_2workers",
     ] {
         pairs_match_tensorflow(variant);

@@ -49,17 +49,19 @@
 //!   cannot start a variable from it). The `init` NoOp itself stays, without inputs, so
 //!   `--target init` runs (dflow initializes variables when a session starts).
 //! - **Training ops**: TensorFlow's optimizer applies (`ApplyGradientDescent`,
-//!   `ResourceApplyGradientDescent`, `ApplyMomentum`, `ResourceApplyMomentum`) become dflow's,
-//!   their constant hyper-parameter inputs (`alpha`/`lr`, `momentum`) folded into attributes;
+//!   `ResourceApplyGradientDescent`, `ApplyMomentum`, `ResourceApplyMomentum`, `ApplyAdam`,
+//!   `ResourceApplyAdam`) become dflow's (`ApplyAdamWithPowers` for Adam, which reads
+//!   `beta1^t`/`beta2^t` as TensorFlow's does), their constant hyper-parameter inputs (`lr`,
+//!   `momentum`, `beta1`, `beta2`, `epsilon`) folded into attributes;
 //!   `AssignAdd(VariableOp)`, `AssignSub(VariableOp)` and `Assign`/`AssignVariableOp` updates
 //!   become `AssignAdd`, `AssignSub` and `Assign` ([`crate::ops::tf_compat`]); `ReluGrad`,
 //!   `BiasAddGrad`, `SigmoidGrad` and `TanhGrad` keep their names and operand order. A
 //!   `ReadVariableOp` without a device is colocated with its variable, as TensorFlow places it.
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
-//!   they belong to the dropped initializer subgraph. The dynamic-shape ops `tf.gradients`
+//!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
-//!   `GatherV2`, `ExpandDims`, `BroadcastGradientArgs`) and `ResourceApplyAdam` (whose
-//!   `beta_power` inputs differ from dflow's `ApplyAdam`) are not supported yet.
+//!   `GatherV2`, `ExpandDims`) are imported ([`crate::ops::tf_compat`]); the
+//!   `BroadcastGradientArgs` of a broadcasting `Add`/`Mul` gradient is not yet.
 //!
 //! Protobuf JSON quirks handled: int64 values as JSON strings, `bytes` fields (string attrs,
 //! `_class`) in base64, omitted default values (`{}` is a dimension of size 0, a missing `b` is
@@ -309,6 +311,9 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
         // TensorFlow's optimizer applies take their hyper-parameters as (constant) inputs.
         "ApplyGradientDescent" | "ResourceApplyGradientDescent" => &[(1, "lr")],
         "ApplyMomentum" | "ResourceApplyMomentum" => &[(2, "lr"), (4, "momentum")],
+        "ApplyAdam" | "ResourceApplyAdam" => {
+            &[(5, "lr"), (6, "beta1"), (7, "beta2"), (8, "epsilon")]
+        }
         "Fill" => &[(0, "shape")],
         "GatherV2" => &[(2, "axis")],
         "Prod" => &[(1, "axes")],
@@ -359,6 +364,7 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         // Optimizer applies (ref and resource variables alike; constant hyper-parameters folded).
         "ApplyGradientDescent" | "ResourceApplyGradientDescent" => "ApplyGradientDescent",
         "ApplyMomentum" | "ResourceApplyMomentum" => "ApplyMomentum",
+        "ApplyAdam" | "ResourceApplyAdam" => "ApplyAdamWithPowers",
         // Variable updates (an `Assign` from constants alone is an initializer, dropped before).
         "AssignAddVariableOp" | "AssignAdd" => "AssignAdd",
         "AssignSubVariableOp" | "AssignSub" => "AssignSub",
@@ -886,6 +892,19 @@ impl<'r, 'a> Importer<'r, 'a> {
             "ApplyGradientDescent" | "ResourceApplyGradientDescent" => {
                 a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 1)?));
             }
+            "ApplyAdam" | "ResourceApplyAdam" => {
+                for (slot, name) in [(5, "lr"), (6, "beta1"), (7, "beta2"), (8, "epsilon")] {
+                    a.insert(name.into(), AttrValue::Float(self.folded_float(n, slot)?));
+                }
+                if get("use_nesterov")
+                    .map(bool_attr)
+                    .transpose()
+                    .map_err(wrap("use_nesterov"))?
+                    == Some(true)
+                {
+                    return Err(n.err("use_nesterov is not supported for Adam"));
+                }
+            }
             "ApplyMomentum" | "ResourceApplyMomentum" => {
                 a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
                 a.insert(
@@ -907,7 +926,12 @@ impl<'r, 'a> Importer<'r, 'a> {
         let takes_variable = n.op == "ReadVariableOp"
             || matches!(
                 out.op.as_str(),
-                "ApplyGradientDescent" | "ApplyMomentum" | "AssignAdd" | "AssignSub" | "Assign"
+                "ApplyGradientDescent"
+                    | "ApplyMomentum"
+                    | "ApplyAdamWithPowers"
+                    | "AssignAdd"
+                    | "AssignSub"
+                    | "Assign"
             );
         if takes_variable {
             if let Some(var) = n
@@ -1651,13 +1675,13 @@ mod tests {
         let e = import(json!({"node": [
             placeholder("x", &[2]),
             {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
-            {"name": "b", "op": "ApplyAdam", "input": ["x"]},
+            {"name": "b", "op": "BroadcastGradientArgs", "input": ["x", "x"]},
             {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
         ]}))
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported TensorFlow ops: Conv2D (a, c), ApplyAdam (b)"
+            "unsupported TensorFlow ops: Conv2D (a, c), BroadcastGradientArgs (b)"
         );
     }
 

@@ -12,7 +12,8 @@ use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
 
 /// The ops this module registers.
-pub const OPS: [&str; 10] = [
+pub const OPS: [&str; 11] = [
+    "ApplyAdamWithPowers",
     "AssignAdd",
     "AssignSub",
     "Assign",
@@ -30,6 +31,152 @@ pub(crate) fn register(r: &mut OpRegistry) {
         r.add(update_op(mode));
     }
     register_shape_ops(r);
+    r.add(adam_with_powers_op());
+}
+
+// ---------------------------------------------------------------------------------------------
+// ApplyAdamWithPowers: TensorFlow's ApplyAdam / ResourceApplyAdam
+// ---------------------------------------------------------------------------------------------
+
+fn adam_with_powers_op() -> OpDef {
+    OpDef::new(
+        "ApplyAdamWithPowers",
+        "Adam as TensorFlow's ApplyAdam computes it from beta1^t and beta2^t: lr_t = lr * \
+         sqrt(1 - beta2_power) / (1 - beta1_power); m += (grad - m) * (1 - beta1); v += (grad² \
+         - v) * (1 - beta2); var -= lr_t * m / (sqrt(v) + epsilon). In: var, m, v (references to \
+         float Variables of one type), beta1_power, beta2_power (scalars of var's type), grad \
+         (var's type). No outputs. Attrs: lr, beta1, beta2, epsilon (float, required).",
+        |ctx| {
+            let var = ctx.input(0)?;
+            require_float("ApplyAdamWithPowers: var", var)?;
+            for (i, name) in [(1, "m"), (2, "v"), (5, "grad")] {
+                let t = ctx.input(i)?;
+                if t.dtype != var.dtype || !t.shape.is_compatible_with(&var.shape) {
+                    return Err(format!(
+                        "ApplyAdamWithPowers: var is {var} but {name} is {t}; they must match"
+                    ));
+                }
+            }
+            for (i, name) in [(3, "beta1_power"), (4, "beta2_power")] {
+                let t = ctx.input(i)?;
+                if t.dtype != var.dtype || t.shape.rank().is_some_and(|r| r != 0) {
+                    return Err(format!(
+                        "ApplyAdamWithPowers: {name} must be a scalar of var's type, got {t}"
+                    ));
+                }
+            }
+            Ok(vec![])
+        },
+    )
+    .inputs([
+        ref_arg("var"),
+        ref_arg("m"),
+        ref_arg("v"),
+        arg("beta1_power"),
+        arg("beta2_power"),
+        arg("grad"),
+    ])
+    .attrs([
+        attr("lr", AttrType::Float),
+        attr("beta1", AttrType::Float),
+        attr("beta2", AttrType::Float),
+        attr("epsilon", AttrType::Float),
+    ])
+    .stateful()
+    .kernel("CPU", AdamPowersKernel::build)
+}
+
+#[derive(Debug)]
+struct AdamPowersKernel {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    epsilon: f64,
+}
+
+fn float_attr(init: &KernelInit<'_>, name: &str) -> Result<f64, String> {
+    match init.attr(name)? {
+        AttrValue::Float(x) => Ok(*x),
+        v => Err(format!("attribute `{name}` is {}, not float", v.ty())),
+    }
+}
+
+impl AdamPowersKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(AdamPowersKernel {
+            lr: float_attr(init, "lr")?,
+            beta1: float_attr(init, "beta1")?,
+            beta2: float_attr(init, "beta2")?,
+            epsilon: float_attr(init, "epsilon")?,
+        }))
+    }
+}
+
+/// Runs `f` on the elements of the initialized variable in `cell`, which must have shape `dims`.
+fn with_elements<T: Real, R>(
+    cell: &VariableCell,
+    what: &str,
+    dims: &[usize],
+    f: impl FnOnce(&mut [T]) -> Result<R, String>,
+) -> Result<R, String> {
+    cell.update(|slot| {
+        let t = slot
+            .as_mut()
+            .ok_or_else(|| format!("{what} is not initialized"))?;
+        if t.dims() != dims {
+            return Err(format!(
+                "{what} has shape {:?} but the gradient has shape {dims:?}",
+                t.dims()
+            ));
+        }
+        f(t.as_mut_slice::<T>().map_err(|e| format!("{what}: {e}"))?)
+    })
+}
+
+fn adam_powers<T: Real>(
+    k: &AdamPowersKernel,
+    cells: [&VariableCell; 3],
+    powers: (f64, f64),
+    g: &Tensor,
+) -> Result<(), String> {
+    let gs = g.as_slice::<T>().map_err(|e| format!("grad: {e}"))?;
+    let lr_t = k.lr * (1.0 - powers.1).sqrt() / (1.0 - powers.0);
+    let (lr_t, eps) = (T::from_f64(lr_t), T::from_f64(k.epsilon));
+    let (one_b1, one_b2) = (T::from_f64(1.0 - k.beta1), T::from_f64(1.0 - k.beta2));
+    let [var, m, v] = cells;
+    with_elements::<T, _>(m, "m", g.dims(), |ms| {
+        with_elements::<T, _>(v, "v", g.dims(), |vs| {
+            with_elements::<T, _>(var, "var", g.dims(), |ws| {
+                for (((w, m), v), &g) in ws.iter_mut().zip(ms.iter_mut()).zip(vs.iter_mut()).zip(gs)
+                {
+                    *m += (g - *m) * one_b1;
+                    *v += (g * g - *v) * one_b2;
+                    *w = *w - lr_t * *m / (v.sqrt() + eps);
+                }
+                Ok(())
+            })
+        })
+    })
+}
+
+impl Kernel for AdamPowersKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let scalar = |i: usize, what: &str| -> Result<f64, String> {
+            let t = ctx.input(i)?;
+            match t.to_f64_vec()[..] {
+                [x] => Ok(x),
+                _ => Err(format!("{what} must be a scalar, got shape {:?}", t.dims())),
+            }
+        };
+        let powers = (scalar(3, "beta1_power")?, scalar(4, "beta2_power")?);
+        let g = ctx.input(5)?;
+        let cells = [
+            ctx.variable_at(0)?,
+            ctx.variable_at(1)?,
+            ctx.variable_at(2)?,
+        ];
+        dispatch_real!(g.dtype(), adam_powers(self, cells, powers, g))
+    }
 }
 
 /// What an update does with the value.
@@ -868,6 +1015,48 @@ mod tests {
             &[Tensor::scalar(1i32), Tensor::scalar(0i32)],
         );
         assert!(e.unwrap_err().contains("division by zero"));
+    }
+
+    #[test]
+    fn adam_with_powers_follows_tensorflow() {
+        let cells: Vec<Arc<VariableCell>> = [1.0f64, 0.1, 0.01]
+            .iter()
+            .map(|&x| {
+                let c = Arc::new(VariableCell::default());
+                c.update(|s| *s = Some(Tensor::from_slice(&[1], &[x]).unwrap()));
+                c
+            })
+            .collect();
+        let (b1p, b2p, g) = (0.9f64, 0.999f64, 0.5f64);
+        let attrs = [
+            ("lr", AttrValue::Float(0.1)),
+            ("beta1", AttrValue::Float(0.9)),
+            ("beta2", AttrValue::Float(0.999)),
+            ("epsilon", AttrValue::Float(1e-7)),
+        ];
+        let read = |c: &Arc<VariableCell>| c.update(|s| s.clone()).unwrap();
+        let inputs = [
+            read(&cells[0]),
+            read(&cells[1]),
+            read(&cells[2]),
+            Tensor::scalar(b1p),
+            Tensor::scalar(b2p),
+            Tensor::from_slice(&[1], &[g]).unwrap(),
+        ];
+        let types: Vec<TensorType> = inputs
+            .iter()
+            .map(|t| TensorType::new(t.dtype(), t.shape()))
+            .collect();
+        run_kernel_with("ApplyAdamWithPowers", "n", &attrs, &types, &inputs, &cells).unwrap();
+        // TensorFlow's ApplyAdam, by hand.
+        let m = 0.1 + (g - 0.1) * 0.1;
+        let v = 0.01 + (g * g - 0.01) * 0.001;
+        let lr_t = 0.1 * (1.0 - b2p).sqrt() / (1.0 - b1p);
+        let w = 1.0 - lr_t * m / (v.sqrt() + 1e-7);
+        for (c, want) in cells.iter().zip([w, m, v]) {
+            let got = read(c).as_slice::<f64>().unwrap()[0];
+            assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+        }
     }
 
     #[test]
