@@ -59,3 +59,14 @@ pub fn mlp() -> Result<Graph, GraphErrors> {
     });
     b.build()
 }
+
+/// The bundled character-level GPT (`examples/gpt/gpt.json` and `gpt.dflow`): nanoGPT's
+/// `shakespeare_char` CPU configuration built with [`dflow::graph::layers::gpt`], as the JSON
+/// and DSL texts of the graph with its training section.
+pub fn gpt_files() -> Result<(String, String), String> {
+    let model = dflow::graph::layers::gpt(&dflow::graph::layers::GptConfig::default())?;
+    Ok((
+        dflow::graph::format::to_json(&model.def),
+        dflow::graph::format::to_dsl(&model.def),
+    ))
+}

@@ -62,5 +62,6 @@ pub fn config(training: &TrainingGraph, epochs: u64) -> TrainConfig {
         checkpoint_dir: None,
         save_every: 0,
         keep_checkpoints: 3,
+        checkpoint_metadata: Default::default(),
     }
 }

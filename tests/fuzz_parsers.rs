@@ -231,7 +231,8 @@ proptest! {
 /// in its reader task would only be logged, so a hook counts them) nor stop serving.
 #[test]
 fn tcp_endpoint_survives_mutated_streams() {
-    use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+    use dflow_transport::tcp::TcpPlane;
+    use dflow_transport::TcpConfig;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
@@ -268,7 +269,7 @@ fn tcp_endpoint_survives_mutated_streams() {
             frame_timeout: Duration::from_millis(200),
             ..TcpConfig::default()
         };
-        let ps = TcpRendezvous::bind("ps:0", "127.0.0.1:0".parse().unwrap(), config)
+        let ps = TcpPlane::bind("ps:0", "127.0.0.1:0".parse().unwrap(), config)
             .await
             .unwrap();
         let key = Arc::new(dflow_transport::RendezvousKey::new(

@@ -5,8 +5,9 @@
 
 use dflow_executor::data::{read_csv, DataError, ReadOptions, MAX_LINE_BYTES};
 use dflow_tests::peak_alloc::PeakAlloc;
-use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpPlane;
 use dflow_transport::wire::{encode_header, FrameKind, Header};
+use dflow_transport::TcpConfig;
 use flate2::write::GzEncoder;
 use flate2::Compression;
 use std::io::Write as _;
@@ -159,10 +160,9 @@ fn claimed_message_lengths_do_not_reserve_memory() {
             .build()
             .unwrap();
         rt.block_on(async {
-            let ps =
-                TcpRendezvous::bind("ps:0", "127.0.0.1:0".parse().unwrap(), TcpConfig::default())
-                    .await
-                    .unwrap();
+            let ps = TcpPlane::bind("ps:0", "127.0.0.1:0".parse().unwrap(), TcpConfig::default())
+                .await
+                .unwrap();
             let before = ALLOC.live();
             let mut conns = Vec::new();
             for i in 0..10 {
@@ -195,7 +195,7 @@ fn claimed_message_lengths_do_not_reserve_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_per_peer_name_are_limited() {
     let config = TcpConfig::default();
-    let ps = TcpRendezvous::bind("ps:0", "127.0.0.1:0".parse().unwrap(), config)
+    let ps = TcpPlane::bind("ps:0", "127.0.0.1:0".parse().unwrap(), config)
         .await
         .unwrap();
     let mut conns = Vec::new();

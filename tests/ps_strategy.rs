@@ -6,7 +6,7 @@ use dflow::executor::data::Dataset;
 use dflow::executor::{Session, SessionOptions};
 use dflow::graph::train::{expand_training, TrainSpec, TrainingGraph};
 use dflow::graph::{ClusterSpec, DeviceName, Graph, GraphDef, Tensor};
-use dflow::partitioner::strategy::{ps_training, PsGraph, PsMode};
+use dflow::partitioner::strategy::{ps_training, PsMode, ReplicaGraph};
 use dflow_tests::digits_setup::{data, repo, SEED};
 use std::collections::BTreeMap;
 
@@ -68,7 +68,7 @@ impl Plain {
 /// Synchronous training over two in-graph replicas.
 struct Sync {
     session: Session,
-    graph: PsGraph,
+    graph: ReplicaGraph,
 }
 
 impl Sync {

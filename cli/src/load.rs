@@ -13,7 +13,7 @@
 
 use dflow_graph::format::{FormatError, MAX_ERRORS};
 use dflow_graph::tf_import::TfImportError;
-use dflow_graph::train::{expand_training, TrainError, TrainingGraph};
+use dflow_graph::train::{expand_training, ExpandError, TrainingGraph};
 use dflow_graph::{Format, FormatErrors, Graph, GraphError, GraphErrors, ParsedGraph};
 use std::collections::HashMap;
 use std::fmt;
@@ -472,7 +472,7 @@ pub enum ProgramError {
         /// The file, as shown in messages.
         path: String,
         /// What the expansion said.
-        error: TrainError,
+        error: ExpandError,
     },
     /// The expanded training graph does not validate (a bug in the expansion, if it happens).
     TrainInvalid {

@@ -28,6 +28,8 @@ enum Command {
     Partition(cmd::partition::Args),
     /// Run a graph (`--local`: every task of the cluster in this process).
     Run(Box<cmd::run::Args>),
+    /// Sample text from a character-level language model's checkpoint (`run --data TEXT`).
+    Generate(cmd::generate::Args),
     /// Benchmarks: point-to-point transfers and collectives between real processes.
     #[command(subcommand)]
     Bench(Bench),
@@ -38,6 +40,9 @@ enum Command {
     Trace(cmd::trace::Args),
     /// Make a cluster CA and per-task certificates for `run --transport quic`.
     Cert(cmd::cert::Args),
+    /// Start every task of a job on this machine (`--ps P --workers W` or `--nproc N`), each
+    /// with its identity in the environment, as a cluster launcher would.
+    Launch(cmd::launch::Args),
 }
 
 /// `dflow bench ...`.
@@ -69,12 +74,15 @@ fn main() -> ExitCode {
         Command::Convert(a) => cmd::convert::run(a),
         Command::Partition(a) => cmd::partition::run(a),
         Command::Run(a) => cmd::run::run(*a),
+        Command::Generate(a) => cmd::generate::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Bench(Bench::Transfer(a)) => cmd::bench_transfer::run(a),
         Command::Bench(Bench::Collective(a)) | Command::BenchCollective(a) => {
             cmd::bench_collective::run(a)
         }
         Command::Cert(a) => cmd::cert::run(a),
+        // Exits with the failed task's code, not 1.
+        Command::Launch(a) => return cmd::launch::main(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

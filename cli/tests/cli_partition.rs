@@ -265,3 +265,71 @@ fn unknown_device_or_job_is_a_clear_error() {
     ]));
     assert!(err.contains("nosuch.json"), "{err}");
 }
+
+#[test]
+fn strategy_prints_the_job_plan_that_runs() {
+    let out = stdout(&dflow(&[
+        "partition",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster-2workers.json",
+        "--strategy",
+        "ps",
+    ]));
+    assert!(
+        out.starts_with("job plan: sync parameter-server training\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("buffer plan: 22 slot(s) between tasks"),
+        "{out}"
+    );
+    assert!(out.contains(&format!(
+        "slot   6       8192 B  from /job:ps/replica:0/task:0  {PS};{WORKER};w1:0"
+    )));
+    let out = stdout(&dflow(&[
+        "partition",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster-allreduce.json",
+        "--strategy",
+        "allreduce",
+        "--fusion-threshold-mb",
+        "0.001",
+    ]));
+    assert!(
+        out.contains(
+            "collective group workers: /job:worker/replica:0/task:0, /job:worker/replica:0/task:1"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("buffer plan: 0 slot(s)"), "{out}");
+}
+
+#[test]
+fn strategy_help_lists_every_strategy_and_unknown_ones_are_refused() {
+    let help = stdout(&dflow(&["partition", "--help"]));
+    assert!(
+        help.contains("ps:") && help.contains("allreduce:"),
+        "{help}"
+    );
+    let o = partition(&["--strategy", "pipeline"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "a usage error: {err}");
+    assert!(
+        err.contains("'pipeline'") && err.contains("[possible values: ps, allreduce]"),
+        "{err}"
+    );
+    let err = failure(&partition(&["--strategy", "ps"]));
+    assert!(err.contains("no `train` section"), "{err}");
+    let err = failure(&dflow(&[
+        "partition",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster-allreduce.json",
+        "--strategy",
+        "allreduce",
+        "--async",
+    ]));
+    assert!(err.contains("synchronous"), "{err}");
+}

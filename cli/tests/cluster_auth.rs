@@ -21,6 +21,23 @@ fn frame(kind: FrameKind, slot_id: u32, payload_len: u64) -> [u8; HEADER_LEN] {
     })
 }
 
+/// The first receive slot the job plan of this test's job (digits, sync ps, 1 ps, 2 workers)
+/// gives the ps: slot ids are the plan's global ids.
+fn ps_slot() -> u32 {
+    use dflow::prelude::*;
+    let loaded = load_graph(&repo().join("examples/digits/digits.json")).unwrap();
+    let train = loaded.parsed.def.train.clone().unwrap();
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    let strategy = "ps"
+        .parse::<StrategyKind>()
+        .unwrap()
+        .build(&StrategyOptions::default())
+        .unwrap();
+    let input = JobInput::new(&loaded.graph, &train, &cluster, "pixels", "labels");
+    let plan = strategy.plan(&input).unwrap();
+    plan.recv_slots("/job:ps/replica:0/task:0")[0].slot.slot as u32
+}
+
 fn connect(port: u16) -> TcpStream {
     let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -104,9 +121,10 @@ fn rogue_clients_are_rejected_and_training_goes_on() {
     s.write_all(&frame(FrameKind::Data, 1, 8)[..10]).unwrap();
     drop(s);
 
-    // 3. Authenticated, then a frame longer than its slot.
+    // 3. Authenticated, then a frame longer than its slot (one the job plan gives the ps).
     let mut s = authenticated(ps_port, &secret, "intruder-2");
-    s.write_all(&frame(FrameKind::Data, 1, 1 << 40)).unwrap();
+    s.write_all(&frame(FrameKind::Data, ps_slot(), 1 << 40))
+        .unwrap();
     assert!(
         closed_by_peer(&mut s),
         "an oversized frame did not drop the connection"

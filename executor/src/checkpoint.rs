@@ -403,16 +403,7 @@ pub fn keep_last(dir: &Path, n: usize) -> Result<Vec<PathBuf>> {
 /// missing or malformed `dflow_step`, unsupported `dflow_format_version`, unsupported dtype, or a
 /// bool tensor holding something other than 0 or 1.
 pub fn load(path: &Path) -> Result<Checkpoint> {
-    let bytes = fs::read(path).map_err(io_err(path, "reading"))?;
-    check_length(path, &bytes)?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| classify(path, &bytes, e))?;
-    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| classify(path, &bytes, e))?;
-    let metadata: BTreeMap<String, String> = header
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
+    let (tensors, metadata) = load_tensors(path)?;
     let meta_err = |key, problem: String| CheckpointError::Metadata {
         path: path.to_path_buf(),
         key,
@@ -439,16 +430,33 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
             .map_err(|_| meta_err(STEP_KEY, format!("{s:?} is not a step number")))?,
         None => return Err(meta_err(STEP_KEY, "missing".into())),
     };
-    let mut tensors = BTreeMap::new();
-    for (name, view) in st.iter() {
-        tensors.insert(name.to_string(), to_tensor(path, name, &view)?);
-    }
     Ok(Checkpoint {
         path: path.to_path_buf(),
         step,
         tensors,
         metadata,
     })
+}
+
+/// Every tensor and the metadata of any safetensors file (one written by PyTorch's
+/// `safetensors.torch.save_file`, say), with the same checks on the bytes as [`load`] but no
+/// dflow metadata required.
+pub fn load_tensors(path: &Path) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, String>)> {
+    let bytes = fs::read(path).map_err(io_err(path, "reading"))?;
+    check_length(path, &bytes)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| classify(path, &bytes, e))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| classify(path, &bytes, e))?;
+    let metadata: BTreeMap<String, String> = header
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let mut tensors = BTreeMap::new();
+    for (name, view) in st.iter() {
+        tensors.insert(name.to_string(), to_tensor(path, name, &view)?);
+    }
+    Ok((tensors, metadata))
 }
 
 /// Reports a short file as truncated before the parser calls it something vaguer.

@@ -35,7 +35,7 @@ pub enum NpyError {
 }
 
 /// Reads a `.npy` file (C order) into a tensor.
-pub fn read_npy(path: &Path) -> Result<Tensor, NpyError> {
+pub fn read_tensor(path: &Path) -> Result<Tensor, NpyError> {
     let p = path.display().to_string();
     let io = |source| NpyError::Io {
         path: p.clone(),
@@ -88,7 +88,7 @@ pub fn read_npy(path: &Path) -> Result<Tensor, NpyError> {
 }
 
 /// Writes a tensor as a `.npy` file (bf16 is written as f32: numpy has no bf16).
-pub fn write_npy(path: &Path, t: &Tensor) -> Result<(), NpyError> {
+pub fn write_tensor(path: &Path, t: &Tensor) -> Result<(), NpyError> {
     use npyz::WriterBuilder;
     let p = path.display().to_string();
     let io = |source| NpyError::Io {
@@ -156,8 +156,8 @@ mod tests {
         ];
         for (i, t) in cases.iter().enumerate() {
             let p = dir.join(format!("t{i}.npy"));
-            write_npy(&p, t).unwrap();
-            assert_eq!(&read_npy(&p).unwrap(), t);
+            write_tensor(&p, t).unwrap();
+            assert_eq!(&read_tensor(&p).unwrap(), t);
         }
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -168,9 +168,11 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("bad.npy");
         std::fs::write(&p, b"\x93NUMPY\x01\x00garbage").unwrap();
-        let e = read_npy(&p).unwrap_err().to_string();
+        let e = read_tensor(&p).unwrap_err().to_string();
         assert!(e.contains("bad.npy"), "{e}");
-        let e = read_npy(&dir.join("missing.npy")).unwrap_err().to_string();
+        let e = read_tensor(&dir.join("missing.npy"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("missing.npy"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -495,8 +495,8 @@ mod shm_tests {
     use dflow_graph::tensor::buffer_copies;
     use dflow_graph::DeviceName;
     use dflow_transport::shm::ShmPlane;
-    use dflow_transport::tcp::TcpConfig;
     use dflow_transport::DataPlane;
+    use dflow_transport::TcpConfig;
     use std::time::Duration;
 
     const WORKER: &str = "/job:worker/replica:0/task:0/device:CPU:0";

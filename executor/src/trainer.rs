@@ -1,10 +1,16 @@
 //! The training loop: feed batches, run the training step, report progress, save and restore
 //! checkpoints so a restarted run continues exactly where it stopped.
+//!
+//! [`fit_steps`] is the one loop. What it feeds at each step comes from a [`StepData`]: epochs
+//! of a shuffled [`Dataset`] ([`EpochBatches`], what [`fit`] uses) or any source whose step `k`
+//! batch depends only on `k`, such as character windows of a text
+//! ([`CharWindowSteps`](crate::data::text::CharWindowSteps)).
 
 use crate::checkpoint::{self, CheckpointError};
 use crate::data::{DataError, Dataset};
 use crate::error::ExecError;
 use crate::session::Session;
+use dflow_graph::Tensor;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -32,6 +38,8 @@ pub struct TrainConfig {
     pub save_every: u64,
     /// Checkpoints kept on disk.
     pub keep_checkpoints: usize,
+    /// Extra metadata written into every checkpoint (e.g. a language model's vocabulary).
+    pub checkpoint_metadata: BTreeMap<String, String>,
 }
 
 impl Default for TrainConfig {
@@ -47,6 +55,7 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             save_every: 0,
             keep_checkpoints: 3,
+            checkpoint_metadata: BTreeMap::new(),
         }
     }
 }
@@ -124,16 +133,184 @@ pub fn save_checkpoint(
     step: u64,
     keep: usize,
 ) -> Result<PathBuf, TrainError> {
+    save_checkpoint_with(session, dir, step, keep, &BTreeMap::new())
+}
+
+/// [`save_checkpoint`] with extra metadata.
+pub fn save_checkpoint_with(
+    session: &Session,
+    dir: &std::path::Path,
+    step: u64,
+    keep: usize,
+    metadata: &BTreeMap<String, String>,
+) -> Result<PathBuf, TrainError> {
     let tensors: Vec<(String, dflow_graph::Tensor)> = session
         .variables()
         .into_iter()
         .map(|(_, n, t)| (n, t))
         .collect();
-    let path = checkpoint::save(dir, step, &tensors, &BTreeMap::new())?;
+    let path = checkpoint::save(dir, step, &tensors, metadata)?;
     if keep > 0 {
         checkpoint::keep_last(dir, keep)?;
     }
     Ok(path)
+}
+
+/// Loads `variables` (the trainable ones; optimizer slots keep their initial values) from a
+/// safetensors file of whole tensors by name, before training starts. `aliases` lists
+/// `(variable, other name)` pairs a file may use instead (a tied tensor is stored once, under
+/// either name). Every problem (a variable missing from the file, a wrong dtype or shape, a
+/// tensor in the file that no variable takes) is reported in one error naming the file.
+pub fn load_variables(
+    session: &Session,
+    path: &std::path::Path,
+    variables: &[String],
+    aliases: &[(&str, &str)],
+) -> Result<usize, TrainError> {
+    let (mut tensors, _) = checkpoint::load_tensors(path)?;
+    let specs: BTreeMap<String, (dflow_graph::DType, Vec<usize>)> = session
+        .variable_specs()
+        .into_iter()
+        .map(|(n, d, s)| (n, (d, s)))
+        .collect();
+    let mut problems = Vec::new();
+    let mut loads = Vec::new();
+    for name in variables {
+        let alias = aliases
+            .iter()
+            .find(|(var, _)| var == name)
+            .map(|(_, other)| *other);
+        let found = tensors
+            .remove(name.as_str())
+            .or_else(|| alias.and_then(|a| tensors.remove(a)));
+        let Some(value) = found else {
+            problems.push(format!("`{name}` is missing"));
+            continue;
+        };
+        match specs.get(name) {
+            Some((dtype, dims)) if value.dtype() == *dtype && value.dims() == dims.as_slice() => {
+                loads.push((name.clone(), value))
+            }
+            Some((dtype, dims)) => problems.push(format!(
+                "`{name}` is {}{:?} in the file but {dtype}{dims:?} in the graph",
+                value.dtype(),
+                value.dims()
+            )),
+            None => problems.push(format!("`{name}` is not a variable of the graph")),
+        }
+    }
+    // A tied tensor stored under both names is fine when the second copy is the same.
+    for (var, other) in aliases {
+        if let (Some(extra), Some((_, loaded))) =
+            (tensors.get(*other), loads.iter().find(|(n, _)| n == var))
+        {
+            if extra.as_bytes() == loaded.as_bytes() {
+                tensors.remove(*other);
+            }
+        }
+    }
+    for name in tensors.keys() {
+        problems.push(format!("`{name}` in the file is no variable of the graph"));
+    }
+    if !problems.is_empty() {
+        return Err(TrainError::Config(format!(
+            "{}: cannot initialize the model from it: {}",
+            path.display(),
+            problems.join("; ")
+        )));
+    }
+    let n = loads.len();
+    for (name, value) in loads {
+        session.assign_variable(&name, value)?;
+    }
+    Ok(n)
+}
+
+/// What a training step feeds, step by step. Step `k` (0-based, counted over the whole run,
+/// across restores) must not depend on which steps ran before it in this process, so a run
+/// resumed at step `k` continues exactly as an uninterrupted one.
+pub trait StepData {
+    /// The number of steps of the whole run.
+    fn total_steps(&self) -> u64;
+    /// The epoch of step `step` (for reports; 0 for sources without epochs).
+    fn epoch(&self, step: u64) -> u64;
+    /// The feeds of step `step` (placeholder name, value) and the number of examples in them.
+    fn feeds(&mut self, step: u64) -> Result<(Vec<(String, Tensor)>, usize), TrainError>;
+}
+
+/// Epochs of a [`Dataset`] in shuffled batches: step `k` is batch `k mod steps_per_epoch` of
+/// epoch `k / steps_per_epoch` (each epoch shuffled with its own seed).
+#[derive(Debug)]
+pub struct EpochBatches<'a> {
+    data: &'a Dataset,
+    features: String,
+    labels: String,
+    batch_size: usize,
+    seed: u64,
+    epochs: u64,
+    steps_per_epoch: u64,
+    /// The epoch being read and the next step it yields.
+    current: Option<(u64, u64, crate::data::Batches)>,
+}
+
+impl<'a> EpochBatches<'a> {
+    /// `cfg.epochs` epochs of `data` in batches of `cfg.batch_size`, shuffled with `cfg.shuffle_seed`.
+    pub fn new(data: &'a Dataset, cfg: &TrainConfig) -> Result<Self, TrainError> {
+        if data.is_empty() {
+            return Err(TrainError::Config("the training set is empty".into()));
+        }
+        if cfg.batch_size == 0 {
+            return Err(TrainError::Config("batch size must be at least 1".into()));
+        }
+        Ok(EpochBatches {
+            data,
+            features: cfg.features.clone(),
+            labels: cfg.labels.clone(),
+            batch_size: cfg.batch_size,
+            seed: cfg.shuffle_seed,
+            epochs: cfg.epochs,
+            steps_per_epoch: data.num_batches(cfg.batch_size, false) as u64,
+            current: None,
+        })
+    }
+}
+
+impl StepData for EpochBatches<'_> {
+    fn total_steps(&self) -> u64 {
+        self.steps_per_epoch * self.epochs
+    }
+
+    fn epoch(&self, step: u64) -> u64 {
+        step / self.steps_per_epoch.max(1)
+    }
+
+    fn feeds(&mut self, step: u64) -> Result<(Vec<(String, Tensor)>, usize), TrainError> {
+        let epoch = self.epoch(step);
+        let in_epoch = step % self.steps_per_epoch.max(1);
+        let reusable =
+            matches!(&self.current, Some((e, next, _)) if *e == epoch && *next == in_epoch);
+        if !reusable {
+            let mut batches = self
+                .data
+                .batches(self.batch_size, Some(self.seed), epoch, false)?;
+            for _ in 0..in_epoch {
+                batches.next();
+            }
+            self.current = Some((epoch, in_epoch, batches));
+        }
+        let Some((_, next, batches)) = self.current.as_mut() else {
+            return Err(TrainError::Config("no batches".into()));
+        };
+        *next += 1;
+        let (x, y) = batches.next().ok_or_else(|| {
+            TrainError::Config(format!("epoch {epoch} has no batch {in_epoch}"))
+        })??;
+        let n = y.num_elements();
+        Ok((
+            vec![(self.features.clone(), x), (self.labels.clone(), y)],
+            n,
+        ))
+    }
 }
 
 /// Trains on `data`, calling `on_step` after every step. With a checkpoint directory holding a
@@ -143,16 +320,23 @@ pub fn fit(
     session: &Session,
     cfg: &TrainConfig,
     data: &Dataset,
+    on_step: impl FnMut(&StepReport),
+) -> Result<FitSummary, TrainError> {
+    let mut source = EpochBatches::new(data, cfg)?;
+    fit_steps(session, cfg, &mut source, on_step)
+}
+
+/// The training loop: runs `cfg.train_op` on the feeds of every step of `data` (fetching
+/// `cfg.loss`), calling `on_step` after each, saving checkpoints every `cfg.save_every` steps
+/// and at the end. With a checkpoint directory holding a checkpoint, training resumes at its
+/// step (`data` gives that step's batch, so the losses equal an uninterrupted run's).
+pub fn fit_steps(
+    session: &Session,
+    cfg: &TrainConfig,
+    data: &mut dyn StepData,
     mut on_step: impl FnMut(&StepReport),
 ) -> Result<FitSummary, TrainError> {
-    if data.is_empty() {
-        return Err(TrainError::Config("the training set is empty".into()));
-    }
-    if cfg.batch_size == 0 {
-        return Err(TrainError::Config("batch size must be at least 1".into()));
-    }
-    let steps_per_epoch = data.num_batches(cfg.batch_size, false) as u64;
-    let total_steps = steps_per_epoch * cfg.epochs;
+    let total_steps = data.total_steps();
     let resumed_from = match &cfg.checkpoint_dir {
         Some(dir) => restore_latest(session, dir)?,
         None => None,
@@ -164,42 +348,44 @@ pub fn fit(
     let start = Instant::now();
     let fetches = [cfg.loss.as_str()];
     let targets = [cfg.train_op.as_str()];
+    let save = |step: u64| match &cfg.checkpoint_dir {
+        Some(dir) => save_checkpoint_with(
+            session,
+            dir,
+            step,
+            cfg.keep_checkpoints,
+            &cfg.checkpoint_metadata,
+        )
+        .map(Some),
+        None => Ok(None),
+    };
     while step < total_steps {
-        let epoch = step / steps_per_epoch;
-        let skip = (step % steps_per_epoch) as usize;
-        for batch in data
-            .batches(cfg.batch_size, Some(cfg.shuffle_seed), epoch, false)?
-            .skip(skip)
-        {
-            let (x, y) = batch?;
-            let n = y.num_elements();
-            let out = session.run(
-                &[(cfg.features.as_str(), x), (cfg.labels.as_str(), y)],
-                &fetches,
-                &targets,
-            )?;
-            step += 1;
-            let loss = out.first().map(scalar).unwrap_or(f64::NAN);
-            losses.push(loss);
-            examples += n as u64;
-            on_step(&StepReport {
-                step,
-                total_steps,
-                epoch,
-                loss,
-                examples: n,
-            });
-            if let Some(dir) = &cfg.checkpoint_dir {
-                if cfg.save_every > 0 && step % cfg.save_every == 0 {
-                    last_ckpt = Some(save_checkpoint(session, dir, step, cfg.keep_checkpoints)?);
-                }
-            }
+        let epoch = data.epoch(step);
+        let (feeds, n) = data.feeds(step)?;
+        let feed_refs: Vec<(&str, Tensor)> = feeds
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.clone()))
+            .collect();
+        let out = session.run(&feed_refs, &fetches, &targets)?;
+        step += 1;
+        let loss = out.first().map(scalar).unwrap_or(f64::NAN);
+        losses.push(loss);
+        examples += n as u64;
+        on_step(&StepReport {
+            step,
+            total_steps,
+            epoch,
+            loss,
+            examples: n,
+        });
+        if cfg.save_every > 0 && step % cfg.save_every == 0 {
+            last_ckpt = save(step)?.or(last_ckpt);
         }
     }
-    if let Some(dir) = &cfg.checkpoint_dir {
-        if last_ckpt.is_none() || cfg.save_every == 0 || step % cfg.save_every != 0 {
-            last_ckpt = Some(save_checkpoint(session, dir, step, cfg.keep_checkpoints)?);
-        }
+    if cfg.checkpoint_dir.is_some()
+        && (last_ckpt.is_none() || cfg.save_every == 0 || step % cfg.save_every != 0)
+    {
+        last_ckpt = save(step)?;
     }
     Ok(FitSummary {
         resumed_from,

@@ -363,17 +363,30 @@ pub fn gradients(
     wrt: &[&str],
 ) -> Result<(GraphDef, Vec<Output>), AutodiffError> {
     let g = Graph::from_def(def).map_err(AutodiffError::InvalidGraph)?;
-    let loss_id = resolve(&g, "loss", loss)?;
+    let (out, grads) = gradients_of(&g, def, loss, wrt)?;
+    Graph::from_def(&out).map_err(AutodiffError::InvalidBackward)?;
+    Ok((out, grads))
+}
+
+/// [`gradients`] of the validated `g`, whose definition is `def`; the extended graph is not
+/// validated here (the caller validates what it builds on top of it once).
+pub(crate) fn gradients_of(
+    g: &Graph,
+    def: &GraphDef,
+    loss: &str,
+    wrt: &[&str],
+) -> Result<(GraphDef, Vec<Output>), AutodiffError> {
+    let loss_id = resolve(g, "loss", loss)?;
     let wrt_ids = wrt
         .iter()
-        .map(|w| resolve(&g, "wrt", w))
+        .map(|w| resolve(g, "wrt", w))
         .collect::<Result<Vec<_>, _>>()?;
 
     // Nodes on a differentiable path from some wrt tensor to the loss.
     let n = g.num_nodes();
     let mut consumers: Vec<Vec<NodeIndex>> = vec![vec![]; n];
     for idx in g.node_indices() {
-        for (_, src, _) in data_inputs(&g, idx) {
+        for (_, src, _) in data_inputs(g, idx) {
             consumers[src.index()].push(idx);
         }
     }
@@ -388,7 +401,7 @@ pub fn gradients(
     let mut stack = vec![loss_id.0];
     while let Some(i) = stack.pop() {
         if !std::mem::replace(&mut to_loss[i.index()], true) {
-            stack.extend(data_inputs(&g, i).into_iter().map(|(_, s, _)| s));
+            stack.extend(data_inputs(g, i).into_iter().map(|(_, s, _)| s));
         }
     }
     let on_path = |i: NodeIndex| from_wrt[i.index()] && to_loss[i.index()];
@@ -432,7 +445,7 @@ pub fn gradients(
             }
             dys.push(dy);
         }
-        let inputs = data_inputs(&g, idx);
+        let inputs = data_inputs(g, idx);
         if dys.iter().all(Option::is_none) || !inputs.iter().any(|(_, s, _)| on_path(*s)) {
             continue;
         }
@@ -498,6 +511,5 @@ pub fn gradients(
     }
     let mut out = def.clone();
     out.nodes.extend(b.nodes);
-    Graph::from_def(&out).map_err(AutodiffError::InvalidBackward)?;
     Ok((out, grads))
 }

@@ -282,7 +282,11 @@ impl Graph {
         }
         for (src, dst, e) in pending_edges {
             if let Edge::Data { src_output, .. } = e {
-                if let Some(op) = registry().get(g[src].op) {
+                // An op with a repeated last output is checked after inference (step 5).
+                if let Some(op) = registry()
+                    .get(g[src].op)
+                    .filter(|o| !o.has_variadic_output())
+                {
                     if src_output >= op.outputs.len() {
                         errs.push(GraphError::NoSuchOutput {
                             node: g[dst].name.clone(),
@@ -347,7 +351,20 @@ impl Graph {
                         ref_ok = false;
                     }
                 }
-                input_types.push(producer.outputs[*out].clone());
+                match producer.outputs.get(*out) {
+                    Some(t) => input_types.push(t.clone()),
+                    None => {
+                        // Only reachable for a producer with a repeated output (see step 3).
+                        errs.push(GraphError::NoSuchOutput {
+                            node: node.name.clone(),
+                            input: format!("{}:{out}", producer.name),
+                            index: *out,
+                            producer: producer.name.clone(),
+                            outputs: producer.outputs.len(),
+                        });
+                        ref_ok = false;
+                    }
+                }
             }
             if !ref_ok {
                 continue;
@@ -367,7 +384,7 @@ impl Graph {
                 attrs,
             };
             match (op.infer)(&ctx) {
-                Ok(outs) if outs.len() == op.outputs.len() => {
+                Ok(outs) if op.output_count_ok(outs.len()) => {
                     graph.g[idx].outputs = match type_lists.get(&outs[..]) {
                         Some(shared) => shared.clone(),
                         None => {
@@ -382,8 +399,13 @@ impl Graph {
                     node: node.name.clone(),
                     op: node.op.to_string(),
                     message: format!(
-                        "shape rule returned {} outputs, op declares {}",
+                        "shape rule returned {} outputs, op declares {}{}",
                         outs.len(),
+                        if op.has_variadic_output() {
+                            "at least "
+                        } else {
+                            ""
+                        },
                         op.outputs.len()
                     ),
                 }),

@@ -15,6 +15,7 @@ pub mod error;
 pub mod format;
 pub mod graph;
 pub mod kernel;
+pub mod layers;
 mod name_index;
 pub mod ops;
 pub mod shape;

@@ -132,7 +132,7 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
         let tested_here = ["Const", "Placeholder", "Variable", "NoOp"].contains(&op.name)
             // Gradient-helper and optimizer ops: tested in ops/grad.rs, tests/train.rs, tests/autodiff.rs.
             || (op.name.ends_with("Like") && op.name != "ZerosLike" && op.name != "OnesLike")
-            || ["ReduceToShapeOf", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam"]
+            || ["ReduceToShapeOf", "ApplyGradientDescent", "ApplyMomentum", "ApplyAdam", "ApplyAdamW"]
                 .contains(&op.name)
             || ["IncrementStep", "GlobalNormScale"].contains(&op.name)
             // Collectives need a runtime (tested in the transport and multi-process tests);
@@ -141,7 +141,26 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             || ["PackFlat", "FlatSlice"].contains(&op.name)
             // TensorFlow-compat ops: unit tests in ops/tf_compat.rs, and end to end against
             // TensorFlow itself in tests/tf_training_import.rs.
-            || dflow_graph::ops::tf_compat::OPS.contains(&op.name);
+            || dflow_graph::ops::tf_compat::OPS.contains(&op.name)
+            // The transformer ops: tested against naive references in tests/transformer_ops.rs.
+            || [
+                "Gather",
+                "GatherGrad",
+                "SparseRowsToDense",
+                "BatchMatMul",
+                "Transpose",
+                "Split",
+                "Concat",
+                "Slice",
+                "SliceGrad",
+                "LayerNorm",
+                "LayerNormGrad",
+                "Gelu",
+                "GeluGrad",
+                "SoftmaxGrad",
+                "Dropout",
+            ]
+            .contains(&op.name);
         assert!(
             covered.contains(op.name) || tested_here,
             "{} has no fixtures",

@@ -2,7 +2,7 @@
 
 use dflow_graph::kernel::{KernelContext, KernelInit, VariableCell};
 use dflow_graph::ops::{registry, InferCtx, TensorType};
-use dflow_graph::train::{expand_training, OptimizerKind, OptimizerSpec, TrainError, TrainSpec};
+use dflow_graph::train::{expand_training, ExpandError, OptimizerKind, OptimizerSpec, TrainSpec};
 use dflow_graph::{AttrValue, DType, GraphDef, InputRef, Shape, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -161,6 +161,129 @@ fn adam_two_steps_match_tensorflow_formula() {
 }
 
 #[test]
+fn adamw_two_steps_match_pytorch_formula() {
+    let (w, m, v) = (cell(&[1.0]), cell(&[0.0]), cell(&[0.0]));
+    let attrs = [
+        ("lr", AttrValue::Float(0.1)),
+        ("weight_decay", AttrValue::Float(0.1)),
+    ]; // beta1 0.9, beta2 0.999, epsilon 1e-8
+       // torch.optim.AdamW's single-tensor update, evaluated in Python floats.
+    let steps = [
+        (
+            0i64,
+            0.5,
+            0.890000002,
+            0.04999999999999999,
+            0.0002500000000000002,
+        ),
+        (
+            1,
+            -0.25,
+            0.8544662986878463,
+            0.019999999999999997,
+            0.0003122500000000003,
+        ),
+    ];
+    for (t, g, ew, em, ev) in steps {
+        run(
+            "ApplyAdamW",
+            &attrs,
+            &[w.clone(), m.clone(), v.clone()],
+            &[Tensor::scalar(t), vec1(&[g])],
+        )
+        .unwrap();
+        close(&value(&w), &[ew]);
+        close(&value(&m), &[em]);
+        close(&value(&v), &[ev]);
+    }
+}
+
+#[test]
+fn lr_schedule_matches_nanogpt_get_lr() {
+    use dflow_graph::train::LrSchedule;
+    let s = LrSchedule {
+        warmup_steps: 100,
+        decay_steps: 2000,
+        min_lr: 1e-4,
+    };
+    // nanoGPT's get_lr(it) with learning_rate 1e-3, evaluated in Python floats.
+    let want = [
+        (0, 9.900990099009901e-06),
+        (99, 0.0009900990099009901),
+        (100, 0.001),
+        (1050, 0.00055),
+        (2000, 0.0001),
+        (2001, 0.0001),
+        (5000, 0.0001),
+    ];
+    for (it, lr) in want {
+        let got = s.lr_at(1e-3, it);
+        assert!((got - lr).abs() <= 1e-15, "step {it}: {got} vs {lr}");
+    }
+    // The update kernel reads the same schedule at its step count: at t = 0 with warm-up 1 the
+    // lr is halved, so SGD-like first Adam steps move half as far.
+    let step = |schedule: &[(&str, AttrValue)]| {
+        let (w, m, v) = (cell(&[1.0]), cell(&[0.0]), cell(&[0.0]));
+        let mut attrs = vec![("lr", AttrValue::Float(0.1))];
+        attrs.extend(schedule.iter().cloned());
+        run(
+            "ApplyAdamW",
+            &attrs,
+            &[w.clone(), m, v],
+            &[Tensor::scalar(0i64), vec1(&[0.5])],
+        )
+        .unwrap();
+        1.0 - value(&w)[0]
+    };
+    let full = step(&[]);
+    let warm = step(&[("warmup_steps", AttrValue::Int(1))]);
+    assert!((warm - full / 2.0).abs() < 1e-9, "{warm} vs {full}");
+}
+
+#[test]
+fn adamw_decays_matrices_only_and_schedules_every_update() {
+    use dflow_graph::train::LrSchedule;
+    let mut spec = spec(OptimizerKind::adamw());
+    spec.lr_schedule = Some(LrSchedule {
+        warmup_steps: 10,
+        decay_steps: 100,
+        min_lr: 0.0,
+    });
+    let t = expand_training(&mlp(), &spec).unwrap();
+    let updates: Vec<_> = t
+        .def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "ApplyAdamW")
+        .collect();
+    assert!(!updates.is_empty());
+    for u in updates {
+        let var = t.def.nodes.iter().find(|n| n.name == u.inputs[0]).unwrap();
+        let rank = match var.attrs.get("shape") {
+            Some(AttrValue::Shape(s)) => s.rank().unwrap(),
+            other => panic!("{other:?}"),
+        };
+        let decay = u.attrs.get("weight_decay");
+        let want = if rank >= 2 { 0.01 } else { 0.0 };
+        assert_eq!(decay, Some(&AttrValue::Float(want)), "{}", u.name);
+        assert_eq!(u.attrs.get("warmup_steps"), Some(&AttrValue::Int(10)));
+        assert_eq!(u.attrs.get("decay_steps"), Some(&AttrValue::Int(100)));
+    }
+    // A schedule needs a step counter.
+    let mut sgd = spec_sgd();
+    sgd.lr_schedule = spec.lr_schedule;
+    let e = expand_training(&mlp(), &sgd).unwrap_err().to_string();
+    assert!(
+        e.contains("lr_schedule needs an optimizer that counts steps"),
+        "{e}"
+    );
+}
+
+fn spec_sgd() -> TrainSpec {
+    spec(OptimizerKind::Sgd)
+}
+
+#[test]
 fn updates_reject_bad_state() {
     let lr = [("lr", AttrValue::Float(0.1))];
     let err = run(
@@ -228,6 +351,8 @@ fn mlp() -> GraphDef {
 
 fn spec(kind: OptimizerKind) -> TrainSpec {
     TrainSpec {
+        lr_schedule: None,
+        data: None,
         loss: "loss".into(),
         optimizer: OptimizerSpec { kind, lr: 0.01 },
         clip_global_norm: None,
@@ -348,7 +473,7 @@ fn expansion_errors_name_the_problem() {
     s.loss = "los".into();
     let e = expand_training(&def, &s).unwrap_err();
     assert!(
-        matches!(e, TrainError::UnknownTensor { role: "loss", .. }),
+        matches!(e, ExpandError::UnknownTensor { role: "loss", .. }),
         "{e}"
     );
     let mut s = spec(OptimizerKind::Sgd);
@@ -359,7 +484,7 @@ fn expansion_errors_name_the_problem() {
     s.optimizer.lr = -1.0;
     assert!(matches!(
         expand_training(&def, &s),
-        Err(TrainError::InvalidSpec(_))
+        Err(ExpandError::InvalidSpec(_))
     ));
     // The accuracy reaches the variables only through ArgMax (integer): nothing to train.
     let mut s = spec(OptimizerKind::Sgd);
@@ -375,7 +500,7 @@ fn expansion_errors_name_the_problem() {
     n.name = "w1/momentum".into();
     taken.nodes.push(n);
     let e = expand_training(&taken, &spec(OptimizerKind::momentum())).unwrap_err();
-    assert_eq!(e, TrainError::NameTaken("w1/momentum".into()));
+    assert_eq!(e, ExpandError::NameTaken("w1/momentum".into()));
 }
 
 /// A fixed batch for the MLP example: 16 examples of 64 features, labels 0..10.

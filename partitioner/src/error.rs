@@ -140,7 +140,7 @@ pub enum PartitionError {
 
 /// Why a JSON rendering of partitions could not be loaded back.
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
+pub enum PartitionsJsonError {
     /// Not JSON of the expected shape.
     #[error("invalid partitions JSON: {0}")]
     Json(#[from] serde_json::Error),

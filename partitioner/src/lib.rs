@@ -1,5 +1,9 @@
-//! dflow's partitioner: placement, partitioning into per-device subgraphs joined by Send/Recv
-//! pairs, the static buffer plan, and deterministic renderings (text, JSON, Graphviz DOT).
+//! dflow's partitioner: strategies (graph rewrites for a cluster), placement, partitioning into
+//! per-device subgraphs joined by Send/Recv pairs, the static buffer plan, the job plan that
+//! ties them together, and deterministic renderings (text, JSON, Graphviz DOT).
+//!
+//! The stages, in order: [`strategy`] → [`place`](mod@place) → [`partition`](mod@partition) →
+//! [`plan`] → [`job`].
 //!
 //! ```
 //! use dflow_graph::{builder::GraphBuilder, ClusterSpec, DType};
@@ -24,8 +28,8 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![deny(unused_must_use)]
 
-pub mod allreduce;
 pub mod error;
+pub mod job;
 pub mod partition;
 pub mod place;
 pub mod plan;
@@ -33,11 +37,15 @@ pub mod render;
 pub mod strategy;
 pub mod synthetic;
 
-pub use error::{LoadError, PartitionError, PlacementError};
+pub use error::{PartitionError, PartitionsJsonError, PlacementError};
+pub use job::{render_job_text, JobPlan, JobPlanError, Schedule, Signature, SignatureKind};
 pub use partition::{
     partition, ClientEndpoint, Partition, PartitionOptions, Partitions, TransferPair,
 };
 pub use place::{place, PlacedGraph, PlacementOptions, Policy, PsStrategy};
 pub use plan::{BufferPlan, SlotPlan};
 pub use render::{load_json, render_dot, render_json, render_text};
-pub use strategy::{ps_training, PsGraph, PsMode, StrategyError};
+pub use strategy::{
+    ps_training, JobInput, PsMode, ReplicaGraph, Strategy, StrategyError, StrategyKind,
+    StrategyOptions,
+};

@@ -120,3 +120,55 @@ pub(crate) fn build_buffer_plan<'a>(
     }
     plan
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(send: &str, recv: &str, tensor: &str, shape: Shape) -> TransferPair {
+        let bytes = shape.num_elements().map(|n| n * 4);
+        TransferPair {
+            key: format!("{send};{recv};{tensor}").into(),
+            tensor_name: tensor.into(),
+            send_device: send.into(),
+            recv_device: recv.into(),
+            send_node: String::new(),
+            recv_node: String::new(),
+            dtype: DType::F32,
+            shape,
+            bytes,
+            is_control: false,
+            client_terminated: false,
+        }
+    }
+
+    #[test]
+    fn static_pairs_get_slots_in_order_and_dynamic_ones_a_reason() {
+        let a = DeviceName::full("worker", 0, "CPU", 0);
+        let b = DeviceName::full("worker", 1, "CPU", 0);
+        let (sa, sb) = (a.to_string(), b.to_string());
+        let pairs = [
+            pair(&sa, &sb, "x:0", Shape::known(&[2, 3])),
+            pair(&sa, &sb, "y:0", Shape::partial(vec![None, Some(3)])),
+            pair(&sb, &sa, "z:0", Shape::known(&[5])),
+        ];
+        let plan = build_buffer_plan(&pairs, [&a, &b].into_iter(), |p| {
+            (&*p.tensor_name == "y:0").then(|| "images".to_string())
+        });
+        let slots: Vec<(usize, &str, usize)> = plan
+            .slots
+            .iter()
+            .map(|s| (s.slot, &*s.key, s.bytes))
+            .collect();
+        assert_eq!(slots, [(0, &*pairs[0].key, 24), (1, &*pairs[2].key, 20)]);
+        assert_eq!(
+            plan.dynamic,
+            [(
+                pairs[1].key.to_string(),
+                "dimension 0 unknown: batch size of placeholder images".to_string()
+            )]
+        );
+        assert_eq!(plan.bytes_received_per_step[&b], 24);
+        assert_eq!(plan.bytes_received_per_step[&a], 20);
+    }
+}

@@ -1,7 +1,7 @@
 //! Deterministic renderings of [`Partitions`]: text for people, JSON for the executor (and
 //! [`load_json`] to read it back), Graphviz DOT for pictures.
 
-use crate::error::LoadError;
+use crate::error::PartitionsJsonError;
 use crate::partition::{ClientEndpoint, Partition, Partitions, TransferPair};
 use crate::plan::BufferPlan;
 use dflow_graph::ops::transfer::CLIENT_DEVICE;
@@ -196,11 +196,11 @@ pub fn render_json(p: &Partitions) -> String {
 }
 
 /// Reads [`render_json`] output back, validating every partition's graph.
-pub fn load_json(text: &str) -> Result<Partitions, LoadError> {
+pub fn load_json(text: &str) -> Result<Partitions, PartitionsJsonError> {
     let doc: JsonPartitions = serde_json::from_str(text)?;
     let mut partitions = BTreeMap::new();
     for jp in doc.partitions {
-        let err = |message: String| LoadError::Graph {
+        let err = |message: String| PartitionsJsonError::Graph {
             device: jp.device.to_string(),
             message,
         };

@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod collective;
+pub mod config;
 pub mod local;
 pub mod plane;
 pub mod quic;
@@ -15,12 +16,14 @@ mod remote_waits;
 pub mod rendezvous;
 #[cfg(target_os = "linux")]
 pub mod shm;
+pub mod slots;
 #[cfg(target_os = "linux")]
 pub mod sockopt;
 pub mod tcp;
 pub mod wire;
 
+pub use config::TcpConfig;
 pub use dflow_graph::Tensor;
 pub use local::LocalRendezvous;
-pub use plane::{DataPlane, PeerEvent, TransportKind};
+pub use plane::{DataPlane, Link, PeerEvent, Plane, TransportKind};
 pub use rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};

@@ -1,16 +1,16 @@
 //! A minimal TCP data plane: tensors between tasks, read straight into receive slots registered
 //! once.
 //!
-//! Each process owns one [`TcpRendezvous`]. It listens on one address; every peer that sends to
+//! Each process owns one [`TcpPlane`]. It listens on one address; every peer that sends to
 //! it opens one persistent connection, introduces itself with a Hello frame (its task name), and
 //! then sends [`wire`](crate::wire) frames. A receive slot (slot id → key, dtype, shape, and a
-//! preallocated [`Buffer`]) is registered once with [`TcpRendezvous::register_recv`]; a Data frame
+//! preallocated [`Buffer`](dflow_graph::tensor::Buffer)) is registered once with [`TcpPlane::register_recv`]; a Data frame
 //! is checked against its slot (known id, right peer, exact length) before a byte of payload is
 //! read, and the payload is then read directly into the slot's buffer.
 //!
 //! The received tensor aliases the slot buffer (no copy). The next frame for that slot is read
 //! in place only if the reader has released the previous tensor; otherwise the slot gets a fresh
-//! buffer (counted by [`SlotTable::reallocations`]), so a tensor a reader still holds is never
+//! buffer (counted by [`SlotTable::reallocations`](crate::slots::SlotTable::reallocations)), so a tensor a reader still holds is never
 //! torn. TODO(credits): the credit protocol ([`FrameKind::Credit`]: the receiver sends a Credit
 //! for a slot once its reader dropped the tensor, and the sender does not write that slot again
 //! before it has one) will keep the slot allocation-free even when a reader is slow, and bound how
@@ -21,67 +21,29 @@
 //! with a Recv waiting on one of its keys is aborted with [`RendezvousError::PeerGone`].
 
 use crate::auth::{Acceptor, AuthError, Connector, Secret, SECRET_ENV};
-use crate::local::LocalRendezvous;
+use crate::config::TcpConfig;
 pub use crate::plane::PeerEvent;
-use crate::plane::PeerEvents;
-use crate::remote_waits::RemoteWaits;
-use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
+use crate::plane::{lock, BoxFuture, Link, Plane};
+use crate::rendezvous::{RendezvousError, RendezvousKey};
+use crate::slots::SlotTable;
 use crate::wire::{
     decode_header_slice, encode_header, heartbeat_header, next_or_heartbeat, Body, FrameKind,
-    Header, Outgoing, WireError, HEADER_LEN, MAX_CONTROL_PAYLOAD,
+    Header, Outgoing, WireError, Writers, HEADER_LEN, MAX_CONTROL_PAYLOAD,
 };
-use dflow_graph::tensor::Buffer;
 use dflow_graph::{DType, Tensor};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 
 /// Longest task name a Hello frame may carry.
 pub const MAX_PEER_NAME: usize = 256;
-
-/// Timeouts of the data plane.
-#[derive(Clone, Copy, Debug)]
-pub struct TcpConfig {
-    /// How long a connection may stay silent between frames before it is dropped.
-    pub idle_timeout: Duration,
-    /// How long the rest of a frame (payload, Hello) and each write may take.
-    pub frame_timeout: Duration,
-    /// How long `connect` tries.
-    pub connect_timeout: Duration,
-    /// Send a Heartbeat frame on an outgoing connection after it was idle this long, so the
-    /// peer's `idle_timeout` only fires when this task is really gone or stuck (`None`: never).
-    pub heartbeat_interval: Option<Duration>,
-    /// Longest control-plane [`FrameKind::Message`] accepted, checked before allocating; the
-    /// body's memory then grows only as its bytes arrive.
-    pub max_message: u64,
-    /// Most incoming connections one peer name may hold open at once; a further one is refused
-    /// (a task opens one connection to each peer, and one more while it reconnects).
-    pub max_connections_per_peer: usize,
-    /// Most incoming connections that may be in their handshake (before a Hello, or before the
-    /// secret's proof) at once; a further one is closed at once.
-    pub max_handshaking: usize,
-}
-
-impl Default for TcpConfig {
-    fn default() -> Self {
-        TcpConfig {
-            idle_timeout: Duration::from_secs(300),
-            frame_timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(10),
-            heartbeat_interval: None,
-            max_message: 256 << 20,
-            max_connections_per_peer: 4,
-            max_handshaking: 64,
-        }
-    }
-}
 
 /// A data-plane failure, naming the peer.
 #[derive(Debug, thiserror::Error)]
@@ -117,162 +79,6 @@ pub enum TcpError {
         /// Why.
         msg: String,
     },
-}
-
-struct Slot {
-    peer: Arc<str>,
-    key: Arc<RendezvousKey>,
-    dtype: DType,
-    dims: Arc<[usize]>,
-    len: usize,
-    /// `None` while a frame is being read into it.
-    buf: Option<Arc<Buffer>>,
-}
-
-/// What a checked-out slot needs to become a tensor.
-pub(crate) struct Checkout {
-    pub(crate) key: Arc<RendezvousKey>,
-    pub(crate) dtype: DType,
-    pub(crate) dims: Arc<[usize]>,
-    pub(crate) buf: Arc<Buffer>,
-}
-
-/// The receive slots of one process, each registered once with its preallocated buffer.
-#[derive(Default)]
-pub struct SlotTable {
-    slots: Mutex<HashMap<u32, Slot>>,
-    by_key: Mutex<HashMap<Arc<RendezvousKey>, Arc<str>>>,
-    max_len: AtomicU64,
-    reallocs: AtomicU64,
-}
-
-impl fmt::Debug for SlotTable {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SlotTable({} slots)", lock(&self.slots).len())
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // No callback runs under these locks; a poisoned lock means a bug elsewhere: keep going.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl SlotTable {
-    /// Registers slot `slot_id`: `peer` sends `key`, a `dtype` tensor of shape `dims`. The
-    /// receive buffer is allocated here, once.
-    pub fn register(
-        &self,
-        slot_id: u32,
-        peer: &str,
-        key: Arc<RendezvousKey>,
-        dtype: DType,
-        dims: &[usize],
-    ) -> Result<(), TcpError> {
-        let err = |msg: String| TcpError::Register {
-            slot_id,
-            key: key.to_string(),
-            msg,
-        };
-        let zeros = Tensor::zeros(dtype, dims).map_err(|e| err(e.to_string()))?;
-        let buf = zeros.buffer().clone();
-        drop(zeros);
-        let mut slots = lock(&self.slots);
-        if let Some(s) = slots.get(&slot_id) {
-            return Err(err(format!("slot id already used by key {}", s.key)));
-        }
-        let mut by_key = lock(&self.by_key);
-        if by_key.contains_key(&key) {
-            return Err(err("key already has a slot".into()));
-        }
-        by_key.insert(key.clone(), peer.into());
-        let len = buf.len();
-        self.max_len.fetch_max(len as u64, Ordering::Relaxed);
-        slots.insert(
-            slot_id,
-            Slot {
-                peer: peer.into(),
-                key,
-                dtype,
-                dims: dims.into(),
-                len,
-                buf: Some(buf),
-            },
-        );
-        Ok(())
-    }
-
-    /// Number of registered slots.
-    pub fn len(&self) -> usize {
-        lock(&self.slots).len()
-    }
-
-    /// True when no slot is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The largest registered slot in bytes (the bound for any Data frame).
-    pub fn max_payload(&self) -> u64 {
-        self.max_len.load(Ordering::Relaxed)
-    }
-
-    /// The byte length of slot `slot_id`, if registered.
-    pub fn slot_len(&self, slot_id: u32) -> Option<u64> {
-        lock(&self.slots).get(&slot_id).map(|s| s.len as u64)
-    }
-
-    /// How often a slot got a fresh buffer because its reader still held the previous tensor.
-    pub fn reallocations(&self) -> u64 {
-        self.reallocs.load(Ordering::Relaxed)
-    }
-
-    /// The peer that sends `key`, if it has a slot.
-    pub fn peer_of(&self, key: &RendezvousKey) -> Option<Arc<str>> {
-        lock(&self.by_key).get(key).cloned()
-    }
-
-    /// Takes slot `slot_id`'s buffer (uniquely owned) for a frame of `len` bytes from `peer`.
-    pub(crate) fn checkout(&self, slot_id: u32, peer: &str, len: u64) -> Result<Checkout, String> {
-        let mut slots = lock(&self.slots);
-        let s = slots
-            .get_mut(&slot_id)
-            .ok_or_else(|| format!("Data frame for unknown slot {slot_id}"))?;
-        if *s.peer != *peer {
-            return Err(format!(
-                "Data frame for slot {slot_id} (key {}), which belongs to peer `{}`",
-                s.key, s.peer
-            ));
-        }
-        if len != s.len as u64 {
-            return Err(format!(
-                "Data frame for slot {slot_id} (key {}) has {len} bytes; the slot holds {}",
-                s.key, s.len
-            ));
-        }
-        let mut buf = s.buf.take().ok_or_else(|| {
-            format!(
-                "slot {slot_id} (key {}) is already being written by another connection",
-                s.key
-            )
-        })?;
-        if Arc::get_mut(&mut buf).is_none() {
-            // The reader still holds the last tensor: never write under it.
-            self.reallocs.fetch_add(1, Ordering::Relaxed);
-            buf = Arc::new(Buffer::zeroed(s.len));
-        }
-        Ok(Checkout {
-            key: s.key.clone(),
-            dtype: s.dtype,
-            dims: s.dims.clone(),
-            buf,
-        })
-    }
-
-    pub(crate) fn checkin(&self, slot_id: u32, buf: Arc<Buffer>) {
-        if let Some(s) = lock(&self.slots).get_mut(&slot_id) {
-            s.buf = Some(buf);
-        }
-    }
 }
 
 /// Writes `head` then `body` with vectored writes, from the caller's memory.
@@ -340,18 +146,14 @@ async fn recv_control<R: AsyncRead + Unpin>(r: &mut R, kind: FrameKind) -> io::R
 /// Refuses a connection in its handshake: sends the peer an Abort frame with `reason` (which its
 /// side reports) before the connection is dropped. Best effort, bounded by a short timeout.
 async fn refuse(stream: &mut TcpStream, reason: &str) {
-    let mut body = reason.as_bytes().to_vec();
-    body.truncate(MAX_CONTROL_PAYLOAD as usize);
-    let head = encode_header(&Header {
-        kind: FrameKind::Abort,
-        flags: 0,
-        slot_id: 0,
-        step: u64::MAX,
-        payload_len: body.len() as u64,
-    });
+    let out = Outgoing::abort(u64::MAX, reason);
+    let body: &[u8] = match &out.body {
+        Body::Tensor(t) => t.as_bytes(),
+        Body::Bytes(b) => b,
+    };
     let _ = tokio::time::timeout(
         Duration::from_millis(500),
-        write_frame(stream, &head, &body),
+        write_frame(stream, &out.head, body),
     )
     .await;
 }
@@ -390,90 +192,86 @@ async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> io::Resul
 /// Where an outgoing key goes: the peer and its slot id.
 type Route = (Arc<str>, u32);
 
+/// How often the same address's refused handshakes are logged as errors.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Who may hold incoming connections: the counts behind [`TcpConfig::max_handshaking`] and
+/// [`TcpConfig::max_connections_per_peer`], and the throttle of refusal logs.
 #[derive(Default)]
-struct Peers {
-    /// Writer queues of outgoing connections.
-    writers: HashMap<Arc<str>, mpsc::UnboundedSender<Outgoing>>,
-    /// Peers known dead, with the cause.
-    gone: HashMap<Arc<str>, String>,
+struct Admission {
     /// Open incoming connections per announced peer name.
     incoming: HashMap<Arc<str>, usize>,
     /// Incoming connections still in their handshake.
     handshaking: usize,
     /// Per remote IP: when a refused handshake was last logged as an error, and how many were
     /// refused quietly since (a peer that retries every 0.5 s is reported every 30 s).
-    refusals: HashMap<std::net::IpAddr, (std::time::Instant, u32)>,
+    refusals: HashMap<std::net::IpAddr, (Instant, u32)>,
 }
 
-/// How often the same address's refused handshakes are logged as errors.
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(30);
-
-/// One slot of a connection counter in [`Peers`], released on drop.
+/// One slot of a connection counter in [`Admission`], released on drop.
 struct Admitted<'a> {
-    rv: &'a TcpRendezvous,
+    link: &'a TcpLink,
     peer: Option<Arc<str>>,
 }
 
 impl Drop for Admitted<'_> {
     fn drop(&mut self) {
-        let mut peers = lock(&self.rv.peers);
+        let mut adm = lock(&self.link.admission);
         match self.peer.take() {
             Some(p) => {
-                if let Some(n) = peers.incoming.get_mut(&p) {
+                if let Some(n) = adm.incoming.get_mut(&p) {
                     *n = n.saturating_sub(1);
                     if *n == 0 {
-                        peers.incoming.remove(&p);
+                        adm.incoming.remove(&p);
                     }
                 }
             }
-            None => peers.handshaking = peers.handshaking.saturating_sub(1),
+            None => adm.handshaking = adm.handshaking.saturating_sub(1),
         }
     }
 }
 
-/// The rendezvous over TCP: local keys meet in a [`LocalRendezvous`]; keys with a registered
-/// route go to their peer's slot; frames from peers land in registered slots and meet their Recv
-/// in the same local rendezvous.
-pub struct TcpRendezvous {
-    name: Arc<str>,
+/// The TCP data plane: a [`Plane`] over a [`TcpLink`]. Local keys meet in the plane's local
+/// rendezvous; keys with a registered route go to their peer's slot as Data frames; frames from
+/// peers land in registered slots and meet their Recv in the same local rendezvous.
+pub type TcpPlane = Plane<TcpLink>;
+
+/// What the TCP plane does its own way (see [`Link`]): one listening socket, one outgoing
+/// connection per peer with a writer task draining its queue, and readers that take each Data
+/// frame's payload straight into its registered slot.
+pub struct TcpLink {
     addr: SocketAddr,
-    config: TcpConfig,
-    local: LocalRendezvous,
+    pub(crate) config: TcpConfig,
     slots: SlotTable,
     routes: Mutex<HashMap<Arc<RendezvousKey>, Route>>,
-    peers: Mutex<Peers>,
-    /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
-    remote_waits: RemoteWaits,
+    /// Writer queues of outgoing connections.
+    writers: Writers,
     shutdown: watch::Sender<bool>,
     /// With a cluster secret, every connection runs the [`crate::auth`] handshake first and a
     /// peer that cannot prove it knows the secret is dropped.
     secret: Option<Secret>,
-    /// Where messages and peer failures go (see [`TcpRendezvous::subscribe`]).
-    events: PeerEvents,
-    /// The writer tasks of outgoing connections, awaited by [`TcpRendezvous::close`].
+    /// The writer tasks of outgoing connections, awaited by [`TcpPlane::close`].
     writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    /// Set by [`TcpRendezvous::close`]: peers closing their connections now is expected.
+    /// Set by [`TcpPlane::close`]: peers closing their connections now is expected.
     closing: std::sync::atomic::AtomicBool,
+    /// Incoming connections admitted per peer and in their handshake (see [`Admission`]).
+    admission: Mutex<Admission>,
 }
 
-impl fmt::Debug for TcpRendezvous {
+impl fmt::Debug for TcpLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "TcpRendezvous({} on {}, {:?})",
-            self.name, self.addr, self.slots
-        )
+        write!(f, "TcpLink(on {}, {:?})", self.addr, self.slots)
     }
 }
 
-impl TcpRendezvous {
+impl TcpPlane {
     /// Listens on `addr` (port 0 picks one) as task `name`, without authentication. Must run
     /// inside a tokio runtime.
     pub async fn bind(name: &str, addr: SocketAddr, config: TcpConfig) -> io::Result<Arc<Self>> {
         Self::bind_with_secret(name, addr, config, None).await
     }
 
-    /// Like [`TcpRendezvous::bind`]; with `secret`, every connection in either direction must
+    /// Like [`TcpPlane::bind`]; with `secret`, every connection in either direction must
     /// pass the HMAC challenge-response of [`crate::auth`] before any data frame.
     pub async fn bind_with_secret(
         name: &str,
@@ -483,38 +281,26 @@ impl TcpRendezvous {
     ) -> io::Result<Arc<Self>> {
         let listener = TcpListener::bind(addr).await?;
         let (shutdown, _) = watch::channel(false);
-        let rv = Arc::new(TcpRendezvous {
-            name: name.into(),
+        let link = TcpLink {
             addr: listener.local_addr()?,
             config,
-            local: LocalRendezvous::new(),
             slots: SlotTable::default(),
             routes: Mutex::default(),
-            peers: Mutex::default(),
-            remote_waits: RemoteWaits::default(),
+            writers: Writers::default(),
             shutdown,
             secret,
-            events: PeerEvents::default(),
             writer_tasks: Mutex::default(),
             closing: Default::default(),
-        });
+            admission: Mutex::default(),
+        };
+        let rv = Arc::new(Plane::with_link(name, link));
         tokio::spawn(accept_loop(Arc::downgrade(&rv), listener));
         Ok(rv)
     }
 
-    /// The address peers connect to.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// This task's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// The receive slots.
     pub fn slots(&self) -> &SlotTable {
-        &self.slots
+        &self.link.slots
     }
 
     /// Registers a receive slot: `peer` will send `key` (a `dtype` tensor of shape `dims`) as
@@ -527,22 +313,23 @@ impl TcpRendezvous {
         dtype: DType,
         dims: &[usize],
     ) -> Result<(), TcpError> {
-        self.slots.register(slot_id, peer, key, dtype, dims)
+        self.link.slots.register(slot_id, peer, key, dtype, dims)
     }
 
-    /// Routes `key` to slot `slot_id` of `peer` (connected with [`TcpRendezvous::connect`]).
+    /// Routes `key` to slot `slot_id` of `peer` (connected with [`TcpPlane::connect`]).
     pub fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
-        lock(&self.routes).insert(key, (peer.into(), slot_id));
+        lock(&self.link.routes).insert(key, (peer.into(), slot_id));
     }
 
     /// Opens the connection to `peer` at `addr` and introduces this task.
     pub async fn connect(self: &Arc<Self>, peer: &str, addr: SocketAddr) -> Result<(), TcpError> {
+        let config = self.link.config;
         let io_err = |what: &str, source| TcpError::Io {
             peer: peer.to_string(),
             what: what.to_string(),
             source,
         };
-        let stream = tokio::time::timeout(self.config.connect_timeout, TcpStream::connect(addr))
+        let stream = tokio::time::timeout(config.connect_timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| io_err("connect", io::ErrorKind::TimedOut.into()))?
             .map_err(|e| io_err("connect", e))?;
@@ -552,9 +339,9 @@ impl TcpRendezvous {
         #[cfg(target_os = "linux")]
         crate::sockopt::tune_congestion(&stream, None);
         let (tx, rx) = mpsc::unbounded_channel();
-        match &self.secret {
+        match &self.link.secret {
             Some(secret) => {
-                let t = self.config.frame_timeout;
+                let t = config.frame_timeout;
                 let handshake = async {
                     let (conn, hello) = Connector::hello(secret, &self.name);
                     send_control(&mut stream, FrameKind::Hello, &hello).await?;
@@ -584,13 +371,10 @@ impl TcpRendezvous {
             }
         }
         let peer: Arc<str> = peer.into();
-        {
-            let mut peers = lock(&self.peers);
-            peers.gone.remove(&peer);
-            peers.writers.insert(peer.clone(), tx);
-        }
+        self.revive(&peer);
+        self.link.writers.insert(peer.clone(), tx);
         let task = tokio::spawn(writer(Arc::downgrade(self), peer, stream, rx));
-        let mut tasks = lock(&self.writer_tasks);
+        let mut tasks = lock(&self.link.writer_tasks);
         tasks.retain(|t| !t.is_finished());
         tasks.push(task);
         Ok(())
@@ -600,178 +384,127 @@ impl TcpRendezvous {
     /// `within` passed), then stops accepting and reading. For a clean exit: a message queued
     /// just before is delivered.
     pub async fn close(&self, within: Duration) {
-        self.closing.store(true, Ordering::SeqCst);
-        lock(&self.peers).writers.clear();
-        let tasks: Vec<_> = lock(&self.writer_tasks).drain(..).collect();
+        self.link.closing.store(true, Ordering::SeqCst);
+        self.link.writers.clear();
+        let tasks: Vec<_> = lock(&self.link.writer_tasks).drain(..).collect();
         let _ = tokio::time::timeout(within, async {
             for t in tasks {
                 let _ = t.await;
             }
         })
         .await;
-        let _ = self.shutdown.send(true);
-    }
-
-    /// Delivers control-plane messages and peer failures to the returned receiver from now on
-    /// (a later call replaces an earlier subscriber). Without a subscriber, messages are dropped
-    /// with a log line.
-    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        self.events.subscribe()
-    }
-
-    fn emit(&self, event: PeerEvent) {
-        self.events.emit(&self.name, event);
+        let _ = self.link.shutdown.send(true);
     }
 
     /// True when an outgoing connection to `peer` is open.
     pub fn is_connected(&self, peer: &str) -> bool {
-        lock(&self.peers).writers.contains_key(peer)
+        self.link.writers.contains(peer)
     }
 
-    /// Queues a control-plane message for `peer` (connected with [`TcpRendezvous::connect`]).
+    /// Queues a control-plane message for `peer` (connected with [`TcpPlane::connect`]).
     /// Messages to one peer arrive in the order they were queued, after every Data frame queued
     /// before them.
     pub fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
-        let gone = |cause: String| RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause,
-        };
-        let peers = lock(&self.peers);
-        if let Some(cause) = peers.gone.get(peer) {
-            return Err(gone(cause.clone()));
+        if let Some(cause) = self.gone_cause(peer) {
+            return Err(RendezvousError::PeerGone {
+                peer: peer.to_string(),
+                cause,
+            });
         }
-        let tx = peers
-            .writers
-            .get(peer)
-            .ok_or_else(|| gone("not connected".into()))?;
-        let head = encode_header(&Header {
-            kind: FrameKind::Message,
-            flags: 0,
-            slot_id: 0,
-            step: 0,
-            payload_len: body.len() as u64,
-        });
-        tx.send(Outgoing {
-            head,
-            body: Body::Bytes(body),
-        })
-        .map_err(|_| gone("connection closed".into()))
+        self.link.writers.queue(peer, Outgoing::message(body))
     }
 
     /// Stops accepting and reading; connections close.
     pub fn shutdown(&self) {
-        let _ = self.shutdown.send(true);
-        lock(&self.peers).writers.clear();
-    }
-
-    /// Marks `peer` dead and aborts every step with a Recv waiting on one of its keys.
-    fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
-        {
-            let mut peers = lock(&self.peers);
-            peers.writers.remove(peer);
-            peers.gone.insert(peer.clone(), cause.to_string());
-        }
-        let err = RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause: cause.to_string(),
-        };
-        self.emit(PeerEvent::Gone {
-            peer: peer.clone(),
-            cause: cause.to_string(),
-        });
-        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
-            self.slots.peer_of(k).as_deref() == Some(&**peer)
-        });
-    }
-
-    fn gone_cause(&self, peer: &str) -> Option<String> {
-        lock(&self.peers).gone.get(peer).cloned()
+        let _ = self.link.shutdown.send(true);
+        self.link.writers.clear();
     }
 }
 
-impl Rendezvous for TcpRendezvous {
-    fn send(
-        &self,
-        key: &Arc<RendezvousKey>,
+impl Link for TcpLink {
+    type Route = u32;
+
+    fn route(&self, key: &RendezvousKey) -> Option<(Arc<str>, u32)> {
+        lock(&self.routes).get(key).cloned()
+    }
+
+    fn sender_of(&self, key: &RendezvousKey) -> Option<Arc<str>> {
+        self.slots.peer_of(key)
+    }
+
+    fn send_to(
+        plane: &TcpPlane,
+        _key: &Arc<RendezvousKey>,
         step: u64,
+        peer: &Arc<str>,
+        slot_id: u32,
         value: Tensor,
     ) -> Result<(), RendezvousError> {
-        let route = lock(&self.routes).get(key).cloned();
-        let Some((peer, slot_id)) = route else {
-            return self.local.send(key, step, value);
-        };
-        let gone = |cause: String| RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause,
-        };
-        let peers = lock(&self.peers);
-        if let Some(cause) = peers.gone.get(&peer) {
-            return Err(gone(cause.clone()));
-        }
-        let tx = peers
+        plane
+            .link
             .writers
-            .get(&peer)
-            .ok_or_else(|| gone("not connected".into()))?;
-        let head = encode_header(&Header::data(slot_id, step, value.byte_len() as u64));
-        tx.send(Outgoing {
-            head,
-            body: Body::Tensor(value),
+            .queue(peer, Outgoing::data(slot_id, step, value))
+    }
+
+    fn tell_abort(plane: &TcpPlane, step: u64, reason: &str) {
+        plane.link.writers.broadcast(&Outgoing::abort(step, reason));
+    }
+
+    fn forget_peer(plane: &TcpPlane, peer: &Arc<str>, _cause: &str) {
+        plane.link.writers.remove(peer);
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn register_recv(
+        plane: &TcpPlane,
+        slot_id: u32,
+        peer: &str,
+        key: Arc<RendezvousKey>,
+        dtype: DType,
+        dims: &[usize],
+    ) -> Result<(), String> {
+        TcpPlane::register_recv(plane, slot_id, peer, key, dtype, dims).map_err(|e| e.to_string())
+    }
+
+    fn register_send(plane: &TcpPlane, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
+        TcpPlane::register_send(plane, key, peer, slot_id)
+    }
+
+    fn connect(
+        plane: Arc<TcpPlane>,
+        peer: String,
+        addr: SocketAddr,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        Box::pin(async move {
+            TcpPlane::connect(&plane, &peer, addr)
+                .await
+                .map_err(|e| e.to_string())
         })
-        .map_err(|_| gone("connection closed".into()))
     }
 
-    fn recv_async(&self, key: &Arc<RendezvousKey>, step: u64, done: RecvCallback) {
-        let Some(peer) = self.slots.peer_of(key) else {
-            return self.local.recv_async(key, step, done);
-        };
-        self.remote_waits.recv(
-            &self.local,
-            &peer,
-            || self.gone_cause(&peer),
-            key,
-            step,
-            done,
-        );
+    fn send_message(plane: &TcpPlane, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        TcpPlane::send_message(plane, peer, body)
     }
 
-    fn abort_step(&self, step: u64, cause: RendezvousError) {
-        let reason = cause.to_string();
-        let mut reason = reason.into_bytes();
-        reason.truncate(MAX_CONTROL_PAYLOAD as usize);
-        let head = encode_header(&Header {
-            kind: FrameKind::Abort,
-            flags: 0,
-            slot_id: 0,
-            step,
-            payload_len: reason.len() as u64,
-        });
-        for tx in lock(&self.peers).writers.values() {
-            let _ = tx.send(Outgoing {
-                head,
-                body: Body::Bytes(reason.clone()),
-            });
-        }
-        self.local.abort_step(step, cause);
-    }
-
-    fn finish_step(&self, step: u64) {
-        self.remote_waits.finish(step);
-        self.local.finish_step(step);
-    }
-
-    fn pending_recvs(&self, step: u64) -> Vec<RendezvousKey> {
-        self.local.pending_recvs(step)
+    fn close(plane: &TcpPlane, within: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(TcpPlane::close(plane, within))
     }
 }
 
 async fn writer(
-    rv: Weak<TcpRendezvous>,
+    rv: Weak<TcpPlane>,
     peer: Arc<str>,
     mut stream: TcpStream,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let (timeout, heartbeat) = match rv.upgrade() {
-        Some(rv) => (rv.config.frame_timeout, rv.config.heartbeat_interval),
+        Some(rv) => (
+            rv.link.config.frame_timeout,
+            rv.link.config.heartbeat_interval,
+        ),
         None => return,
     };
     let beat = || Outgoing {
@@ -819,9 +552,9 @@ async fn writer(
     let _ = stream.shutdown().await;
 }
 
-async fn accept_loop(rv: Weak<TcpRendezvous>, listener: TcpListener) {
+async fn accept_loop(rv: Weak<TcpPlane>, listener: TcpListener) {
     let mut shutdown = match rv.upgrade() {
-        Some(rv) => rv.shutdown.subscribe(),
+        Some(rv) => rv.link.shutdown.subscribe(),
         None => return,
     };
     loop {
@@ -841,8 +574,8 @@ async fn accept_loop(rv: Weak<TcpRendezvous>, listener: TcpListener) {
 }
 
 /// Reads one incoming connection until it closes or misbehaves.
-async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) {
-    let mut shutdown = rv.shutdown.subscribe();
+async fn serve(rv: Arc<TcpPlane>, mut stream: TcpStream, addr: SocketAddr) {
+    let mut shutdown = rv.link.shutdown.subscribe();
     let mut peer: Option<Arc<str>> = None;
     let res = tokio::select! {
         r = read_frames(&rv, &mut stream, addr, &mut peer) => r,
@@ -853,7 +586,7 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
         None => addr.to_string(),
     };
     let cause = match res {
-        Ok(()) if rv.closing.load(Ordering::SeqCst) => {
+        Ok(()) if rv.link.closing.load(Ordering::SeqCst) => {
             tracing::debug!(
                 "{}: peer `{label}` closed its connection as this task closes",
                 rv.name
@@ -868,26 +601,7 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
         }
         Err(e) if peer.is_none() => {
             // Refused in the handshake: the same peer retrying must not flood the log.
-            let quiet = {
-                let mut peers = lock(&rv.peers);
-                let now = std::time::Instant::now();
-                match peers.refusals.get_mut(&addr.ip()) {
-                    Some((last, n)) if now.duration_since(*last) < REFUSAL_LOG_EVERY => {
-                        *n += 1;
-                        None
-                    }
-                    Some((last, n)) => {
-                        let since = *n;
-                        (*last, *n) = (now, 0);
-                        Some(since)
-                    }
-                    None => {
-                        peers.refusals.insert(addr.ip(), (now, 0));
-                        Some(0)
-                    }
-                }
-            };
-            match quiet {
+            match quiet_refusals(&rv.link, addr.ip()) {
                 Some(0) => {
                     tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name)
                 }
@@ -910,13 +624,36 @@ async fn serve(rv: Arc<TcpRendezvous>, mut stream: TcpStream, addr: SocketAddr) 
     }
 }
 
+/// Counts a refused handshake from `ip`: `Some(n)` when it is to be logged as an error (`n`
+/// refusals from that address were kept quiet since the last one logged), `None` when it is
+/// within [`REFUSAL_LOG_EVERY`] of the last one logged.
+fn quiet_refusals(link: &TcpLink, ip: std::net::IpAddr) -> Option<u32> {
+    let mut adm = lock(&link.admission);
+    let now = Instant::now();
+    match adm.refusals.get_mut(&ip) {
+        Some((last, n)) if now.duration_since(*last) < REFUSAL_LOG_EVERY => {
+            *n += 1;
+            None
+        }
+        Some((last, n)) => {
+            let since = *n;
+            (*last, *n) = (now, 0);
+            Some(since)
+        }
+        None => {
+            adm.refusals.insert(ip, (now, 0));
+            Some(0)
+        }
+    }
+}
+
 async fn read_frames(
-    rv: &TcpRendezvous,
+    rv: &TcpPlane,
     stream: &mut TcpStream,
     addr: SocketAddr,
     peer_out: &mut Option<Arc<str>>,
 ) -> Result<(), TcpError> {
-    let cfg = rv.config;
+    let cfg = rv.link.config;
     let addr_s = addr.to_string();
     let io_err = |peer: &str, what: &str, source: io::Error| TcpError::Io {
         peer: peer.to_string(),
@@ -928,8 +665,8 @@ async fn read_frames(
 
     // At most `max_handshaking` connections may be unauthenticated at once.
     let handshake_slot = {
-        let mut peers = lock(&rv.peers);
-        if peers.handshaking >= cfg.max_handshaking {
+        let mut adm = lock(&rv.link.admission);
+        if adm.handshaking >= cfg.max_handshaking {
             return Err(TcpError::Protocol {
                 peer: addr_s,
                 msg: format!(
@@ -938,12 +675,15 @@ async fn read_frames(
                 ),
             });
         }
-        peers.handshaking += 1;
-        Admitted { rv, peer: None }
+        adm.handshaking += 1;
+        Admitted {
+            link: &rv.link,
+            peer: None,
+        }
     };
 
     // Hello: the peer's task name, authenticated when this task has a cluster secret.
-    let name = match &rv.secret {
+    let name = match &rv.link.secret {
         Some(secret) => {
             // What to tell a peer that is refused (its own view of the problem).
             let mut tell_peer: Option<String> = None;
@@ -1039,9 +779,10 @@ async fn read_frames(
     };
     let peer: Arc<str> = name.into();
     drop(handshake_slot);
+    // At most `max_connections_per_peer` connections per announced name.
     let _peer_slot = {
-        let mut peers = lock(&rv.peers);
-        let open = peers.incoming.entry(peer.clone()).or_default();
+        let mut adm = lock(&rv.link.admission);
+        let open = adm.incoming.entry(peer.clone()).or_default();
         if *open >= cfg.max_connections_per_peer {
             return Err(TcpError::Protocol {
                 peer: format!("{peer} ({addr})"),
@@ -1054,12 +795,12 @@ async fn read_frames(
         }
         *open += 1;
         Admitted {
-            rv,
+            link: &rv.link,
             peer: Some(peer.clone()),
         }
     };
     *peer_out = Some(peer.clone());
-    lock(&rv.peers).gone.remove(&peer);
+    rv.revive(&peer);
     let label = format!("{peer} ({addr})");
 
     loop {
@@ -1076,12 +817,13 @@ async fn read_frames(
         let bound = if head[6] == FrameKind::Message as u8 {
             cfg.max_message
         } else {
-            rv.slots.slot_len(slot_id).unwrap_or(u64::MAX)
+            rv.link.slots.slot_len(slot_id).unwrap_or(u64::MAX)
         };
         let h = decode_header_slice(&head[..got], bound).map_err(|e| e.with_peer(&label))?;
         match h.kind {
             FrameKind::Data => {
                 let mut c = rv
+                    .link
                     .slots
                     .checkout(h.slot_id, &peer, h.payload_len)
                     .map_err(|msg| TcpError::Protocol {
@@ -1096,7 +838,7 @@ async fn read_frames(
                     None => Ok(Err(io::Error::other("slot buffer is shared"))),
                 };
                 let tensor = Tensor::from_shared(c.dtype, &c.dims, c.buf.clone());
-                rv.slots.checkin(h.slot_id, c.buf);
+                rv.link.slots.checkin(h.slot_id, c.buf);
                 let what = || {
                     format!(
                         "reading {} payload bytes of slot {} (key {}, step {})",
@@ -1109,9 +851,7 @@ async fn read_frames(
                     peer: label.clone(),
                     msg: e.to_string(),
                 })?;
-                if let Err(e) = rv.local.send(&c.key, h.step, tensor) {
-                    tracing::warn!(peer = %label, "{}: frame from peer `{label}` not delivered: {e}", rv.name);
-                }
+                rv.deliver(&peer, &c.key, h.step, tensor);
             }
             FrameKind::Abort => {
                 let mut reason = vec![0u8; h.payload_len as usize];
@@ -1119,14 +859,7 @@ async fn read_frames(
                     .await
                     .map_err(|_| timed(&label, "reading an Abort"))?
                     .map_err(|e| io_err(&label, "reading an Abort", e))?;
-                let reason = String::from_utf8_lossy(&reason);
-                rv.local.abort_step(
-                    h.step,
-                    RendezvousError::Aborted {
-                        step: h.step,
-                        cause: format!("aborted by peer `{peer}`: {reason}"),
-                    },
-                );
+                rv.aborted_by_peer(&peer, h.step, &String::from_utf8_lossy(&reason));
             }
             FrameKind::Message => {
                 let body = tokio::time::timeout(
@@ -1154,5 +887,3 @@ async fn read_frames(
         }
     }
 }
-
-crate::plane::slot_table_data_plane!(TcpRendezvous);

@@ -16,7 +16,13 @@
 //! [`decode_header`] validates everything, the length included, before the caller allocates or
 //! reads anything further.
 
+use crate::plane::lock;
+use crate::rendezvous::RendezvousError;
+use dflow_graph::Tensor;
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc::UnboundedSender;
 
 /// The magic number: the bytes `DFLW` read as a little-endian `u32`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DFLW");
@@ -262,17 +268,108 @@ pub fn decode_header_slice(b: &[u8], max_payload: u64) -> Result<Header, WireErr
 }
 
 /// A frame's payload, as queued for a connection's writer (TCP and QUIC).
+#[derive(Clone)]
 pub(crate) enum Body {
     /// A tensor, sent from its own memory.
-    Tensor(dflow_graph::Tensor),
+    Tensor(Tensor),
     /// Bytes (messages, abort reasons, handshake frames).
     Bytes(Vec<u8>),
 }
 
 /// A frame queued for a peer's writer: its encoded header and its payload.
+#[derive(Clone)]
 pub(crate) struct Outgoing {
     pub(crate) head: [u8; HEADER_LEN],
     pub(crate) body: Body,
+}
+
+impl Outgoing {
+    /// The Abort frame telling a peer that `step` failed because of `reason` (cut to
+    /// [`MAX_CONTROL_PAYLOAD`]).
+    pub(crate) fn abort(step: u64, reason: &str) -> Outgoing {
+        let mut reason = reason.as_bytes().to_vec();
+        reason.truncate(MAX_CONTROL_PAYLOAD as usize);
+        Outgoing {
+            head: encode_header(&Header {
+                kind: FrameKind::Abort,
+                flags: 0,
+                slot_id: 0,
+                step,
+                payload_len: reason.len() as u64,
+            }),
+            body: Body::Bytes(reason),
+        }
+    }
+
+    /// The frame carrying control-plane message `body`.
+    pub(crate) fn message(body: Vec<u8>) -> Outgoing {
+        Outgoing {
+            head: encode_header(&Header {
+                kind: FrameKind::Message,
+                flags: 0,
+                slot_id: 0,
+                step: 0,
+                payload_len: body.len() as u64,
+            }),
+            body: Body::Bytes(body),
+        }
+    }
+
+    /// The Data frame carrying `value` into slot `slot_id` for `step`, from the tensor's memory.
+    pub(crate) fn data(slot_id: u32, step: u64, value: Tensor) -> Outgoing {
+        Outgoing {
+            head: encode_header(&Header::data(slot_id, step, value.byte_len() as u64)),
+            body: Body::Tensor(value),
+        }
+    }
+}
+
+/// The writer queues of one plane's outgoing connections, one per peer (TCP and QUIC).
+#[derive(Default)]
+pub(crate) struct Writers {
+    queues: Mutex<HashMap<Arc<str>, UnboundedSender<Outgoing>>>,
+}
+
+impl Writers {
+    /// Queues `out` for `peer`'s writer.
+    pub(crate) fn queue(&self, peer: &str, out: Outgoing) -> Result<(), RendezvousError> {
+        let gone = |cause: &str| RendezvousError::PeerGone {
+            peer: peer.to_string(),
+            cause: cause.to_string(),
+        };
+        lock(&self.queues)
+            .get(peer)
+            .ok_or_else(|| gone("not connected"))?
+            .send(out)
+            .map_err(|_| gone("connection closed"))
+    }
+
+    /// Queues `out` for every connected peer (best effort).
+    pub(crate) fn broadcast(&self, out: &Outgoing) {
+        for tx in lock(&self.queues).values() {
+            let _ = tx.send(out.clone());
+        }
+    }
+
+    /// The queue of a new connection to `peer` (replacing an older one).
+    pub(crate) fn insert(&self, peer: Arc<str>, tx: UnboundedSender<Outgoing>) {
+        lock(&self.queues).insert(peer, tx);
+    }
+
+    /// Drops the queue to `peer`: its writer ends once the frames queued before are written.
+    pub(crate) fn remove(&self, peer: &str) {
+        lock(&self.queues).remove(peer);
+    }
+
+    /// Drops every queue.
+    pub(crate) fn clear(&self) {
+        lock(&self.queues).clear();
+    }
+
+    /// True while a connection to `peer` is open.
+    pub(crate) fn contains(&self, peer: &str) -> bool {
+        lock(&self.queues).contains_key(peer)
+    }
 }
 
 /// Reads a payload of `len` bytes whose length a peer claimed (already checked against its

@@ -5,7 +5,7 @@
 
 use dflow_transport::collective::{
     loopback_group, Channel, CollectiveError, Communicator, InProcPairs, Pairs, ReduceOp,
-    TcpOptions, TcpRendezvous, HEADER_LEN,
+    TcpGroupListener, TcpOptions, HEADER_LEN,
 };
 use std::io::IoSlice;
 use std::net::SocketAddr;
@@ -201,7 +201,7 @@ fn child_rank_main() {
     };
     let rank: usize = rank.parse().unwrap();
     let addrs: Vec<SocketAddr> = addrs.split(',').map(|a| a.parse().unwrap()).collect();
-    let l = TcpRendezvous::bind(addrs[rank]).unwrap();
+    let l = TcpGroupListener::bind(addrs[rank]).unwrap();
     let p = l.connect(rank, &addrs, &TcpOptions::default()).unwrap();
     let c = Communicator::new(Box::new(p), opts(30_000));
     let mut x = vec![1.0f32; 4096];
@@ -248,7 +248,7 @@ fn killed_process_fails_the_others() {
         })
         .collect();
     let mut guard = scopeguard(&mut children);
-    let l = TcpRendezvous::bind(addrs[0]).unwrap();
+    let l = TcpGroupListener::bind(addrs[0]).unwrap();
     let p = l.connect(0, &addrs, &TcpOptions::default()).unwrap();
     let c = Communicator::new(Box::new(p), opts(30_000));
     let mut x = vec![1.0f32; 4096];
@@ -406,8 +406,8 @@ fn tcp_with_a_secret_connects_and_a_wrong_secret_is_refused() {
         assert_eq!(r.unwrap(), vec![3, 3, 3]);
     }
 
-    let l0 = TcpRendezvous::bind("127.0.0.1:0").unwrap();
-    let l1 = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let l0 = TcpGroupListener::bind("127.0.0.1:0").unwrap();
+    let l1 = TcpGroupListener::bind("127.0.0.1:0").unwrap();
     let addrs = [l0.local_addr().unwrap(), l1.local_addr().unwrap()];
     let bad = TcpOptions {
         secret: Some(Secret::new(b"0123456789abcdef-evil", "test").unwrap()),

@@ -6,7 +6,7 @@
 use dflow_graph::tensor::buffer_copies;
 use dflow_graph::{DType, Tensor};
 use dflow_transport::shm::{segment, ShmPlane};
-use dflow_transport::tcp::TcpConfig;
+use dflow_transport::TcpConfig;
 use dflow_transport::{DataPlane, PeerEvent, Rendezvous, RendezvousError, RendezvousKey};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;

@@ -5,7 +5,8 @@
 //! makes those boxes before the measured region, so the region holds only the data plane.
 
 use dflow_graph::{DType, Tensor};
-use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpPlane;
+use dflow_transport::TcpConfig;
 use dflow_transport::{RecvCallback, Rendezvous, RendezvousKey};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
@@ -20,10 +21,10 @@ const N: usize = 1 << 18; // 1 MiB of f32
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steady_state_steps_allocate_nothing_on_the_data_plane() {
-    let ps = TcpRendezvous::bind("ps:0", "127.0.0.1:0".parse().unwrap(), TcpConfig::default())
+    let ps = TcpPlane::bind("ps:0", "127.0.0.1:0".parse().unwrap(), TcpConfig::default())
         .await
         .unwrap();
-    let worker = TcpRendezvous::bind(
+    let worker = TcpPlane::bind(
         "worker:0",
         "127.0.0.1:0".parse().unwrap(),
         TcpConfig::default(),

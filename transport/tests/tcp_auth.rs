@@ -3,7 +3,8 @@
 
 use dflow_graph::{DType, Tensor};
 use dflow_transport::auth::Secret;
-use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpPlane;
+use dflow_transport::TcpConfig;
 use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -37,15 +38,15 @@ fn config() -> TcpConfig {
     }
 }
 
-async fn endpoint(name: &str, s: Option<Secret>) -> Arc<TcpRendezvous> {
-    TcpRendezvous::bind_with_secret(name, any_addr(), config(), s)
+async fn endpoint(name: &str, s: Option<Secret>) -> Arc<TcpPlane> {
+    TcpPlane::bind_with_secret(name, any_addr(), config(), s)
         .await
         .unwrap()
 }
 
 async fn transfer(
-    ps: &TcpRendezvous,
-    worker: &TcpRendezvous,
+    ps: &TcpPlane,
+    worker: &TcpPlane,
     k: &Arc<RendezvousKey>,
     step: u64,
 ) -> Result<Tensor, RendezvousError> {

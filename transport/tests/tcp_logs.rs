@@ -1,7 +1,8 @@
 //! A dropped peer is logged with an error that names it.
 
-use dflow_transport::tcp::{TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::TcpPlane;
 use dflow_transport::wire::{encode_header, FrameKind, Header};
+use dflow_transport::TcpConfig;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,7 +34,7 @@ async fn a_bad_frame_is_logged_naming_the_peer() {
     )
     .unwrap();
 
-    let ps = TcpRendezvous::bind("ps:0", "127.0.0.1:0".parse().unwrap(), TcpConfig::default())
+    let ps = TcpPlane::bind("ps:0", "127.0.0.1:0".parse().unwrap(), TcpConfig::default())
         .await
         .unwrap();
     ps.register_recv(

@@ -1,8 +1,9 @@
 //! Control-plane messages, heartbeats and peer-failure events on the TCP data plane
 //! (127.0.0.1, ephemeral ports, bounded in time).
 
-use dflow_transport::tcp::{PeerEvent, TcpConfig, TcpRendezvous};
+use dflow_transport::tcp::{PeerEvent, TcpPlane};
 use dflow_transport::wire::{encode_header, FrameKind, Header};
+use dflow_transport::TcpConfig;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,14 +24,9 @@ async fn next(rx: &mut UnboundedReceiver<PeerEvent>) -> PeerEvent {
         .expect("the rendezvous is alive")
 }
 
-async fn endpoints(
-    sender: TcpConfig,
-    receiver: TcpConfig,
-) -> (Arc<TcpRendezvous>, Arc<TcpRendezvous>) {
-    let a = TcpRendezvous::bind("a", any_addr(), sender).await.unwrap();
-    let b = TcpRendezvous::bind("b", any_addr(), receiver)
-        .await
-        .unwrap();
+async fn endpoints(sender: TcpConfig, receiver: TcpConfig) -> (Arc<TcpPlane>, Arc<TcpPlane>) {
+    let a = TcpPlane::bind("a", any_addr(), sender).await.unwrap();
+    let b = TcpPlane::bind("b", any_addr(), receiver).await.unwrap();
     a.connect("b", b.local_addr()).await.unwrap();
     (a, b)
 }
@@ -63,7 +59,7 @@ async fn a_message_over_the_limit_drops_the_connection_before_allocating() {
         max_message: 1024,
         ..TcpConfig::default()
     };
-    let b = TcpRendezvous::bind("b", any_addr(), small).await.unwrap();
+    let b = TcpPlane::bind("b", any_addr(), small).await.unwrap();
     let mut events = b.subscribe();
     let mut raw = TcpStream::connect(b.local_addr()).await.unwrap();
     let hello = Header {

@@ -13,7 +13,7 @@
 use anyhow::{bail, Context};
 use dflow_transport::collective::{
     block_range, Algorithm, CollectiveError, CommOptions, Communicator, Pairs, ReduceOp,
-    ShmOptions, ShmRendezvous, TcpOptions, TcpRendezvous,
+    ShmOptions, ShmRendezvous, TcpGroupListener, TcpOptions,
 };
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
@@ -444,7 +444,7 @@ fn run_worker(args: &Args, rank: usize) -> anyhow::Result<()> {
             Box::new(rv.connect(&read_list()?, &opts)?)
         }
         _ => {
-            let l = TcpRendezvous::bind("127.0.0.1:0")?;
+            let l = TcpGroupListener::bind("127.0.0.1:0")?;
             println!("ADDR {}", l.local_addr()?);
             std::io::stdout().flush()?;
             let addrs: Vec<SocketAddr> = read_list()?

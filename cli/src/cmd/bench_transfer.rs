@@ -24,7 +24,7 @@
 
 use anyhow::{bail, Context};
 use dflow_graph::{DType, Tensor};
-use dflow_transport::tcp::TcpConfig;
+use dflow_transport::TcpConfig;
 use dflow_transport::{DataPlane, RendezvousKey, TransportKind};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -48,6 +48,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             } => {
                 format!("adam (beta1 {beta1}, beta2 {beta2}, epsilon {epsilon})")
             }
+            OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+            } => format!(
+                "adamw (beta1 {beta1}, beta2 {beta2}, epsilon {epsilon}, weight_decay {weight_decay})"
+            ),
         };
         println!(
             "train:        loss {}, {optimizer}, lr {}",
@@ -58,6 +66,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         if !t.metrics.is_empty() {
             println!("  metrics {}", t.metrics.join(", "));
+        }
+        if let Some(s) = &t.lr_schedule {
+            println!(
+                "  lr_schedule cosine: warmup {} steps, decay to {} at step {}",
+                s.warmup_steps, s.min_lr, s.decay_steps
+            );
+        }
+        if let Some(dflow_graph::train::DataSpec::CharWindows {
+            block_size,
+            inputs,
+            targets,
+            val_fraction,
+        }) = &t.data
+        {
+            println!(
+                "  data: character windows of {block_size} + 1 into {inputs}/{targets}, last {val_fraction} held out"
+            );
         }
     }
     Ok(())

@@ -7,11 +7,15 @@
 
 use super::progress::Progress;
 use super::run::Args;
+use super::transport_choice::TransportChoice;
 use anyhow::{bail, Context};
-use dflow_executor::cluster::{run_chief, ChiefConfig, Node, NodeOptions, ServerOptions, Strategy};
+use dflow::identity::Ranked;
+use dflow_executor::cluster::registration::{self, Registration};
+use dflow_executor::cluster::{
+    bind_addr, run_chief, ChiefConfig, Node, NodeOptions, ServerOptions,
+};
 use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::ClusterSpec;
-use dflow_partitioner::strategy::PsMode;
 use dflow_partitioner::PlacementOptions;
 use dflow_transport::auth::{Secret, SECRET_ENV};
 use dflow_transport::quic::{pki, QuicIdentity, CERT_DIR_ENV};
@@ -70,15 +74,58 @@ fn trace_path(path: &Path, job: &str, index: u32) -> std::path::PathBuf {
     path.with_file_name(format!("{stem}.{job}-{index}.{ext}"))
 }
 
+/// How this task learns the cluster.
+enum Membership {
+    /// From flags or `TF_CONFIG`.
+    Known(ClusterSpec),
+    /// From rank 0, by registration.
+    Register(Ranked),
+}
+
 /// Runs this process as task `index` of `job` in `cluster`.
 pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> anyhow::Result<()> {
+    run_member(args, job, index, Membership::Known(cluster))
+}
+
+/// Runs this process as rank `ranked.rank`: the last `--num-ps` ranks are parameter servers,
+/// the others workers in rank order (rank 0 is worker 0, the chief). The cluster comes from
+/// registration with rank 0.
+pub fn run_ranked(args: &Args, ranked: Ranked) -> anyhow::Result<()> {
+    let (job, index) = role(ranked.rank, ranked.world_size, args.num_ps)?;
+    run_member(args, &job, index, Membership::Register(ranked))
+}
+
+/// The job and index of `rank` when the last `num_ps` of `world_size` ranks are ps tasks.
+pub fn role(rank: u32, world_size: u32, num_ps: u32) -> anyhow::Result<(String, u32)> {
+    if num_ps >= world_size {
+        bail!("--num-ps {num_ps} leaves no worker among {world_size} ranks; rank 0 must be a worker (the chief)");
+    }
+    let workers = world_size - num_ps;
+    Ok(if rank < workers {
+        ("worker".to_string(), rank)
+    } else {
+        ("ps".to_string(), rank - workers)
+    })
+}
+
+fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the network runtime")?;
     let task = dflow_executor::cluster::task_name(job, index);
-    let (transport, why) = args.transport.resolve(&cluster);
+    let (transport, why) = match &membership {
+        Membership::Known(cluster) => args.transport.resolve(cluster),
+        // Each rank knows only rank 0's host, so `auto` cannot see where the others are.
+        Membership::Register(_) => match args.transport {
+            TransportChoice::Auto => (
+                TransportKind::Tcp,
+                Some("tcp (the other ranks' hosts are unknown before registration)".to_string()),
+            ),
+            other => other.resolve(&ClusterSpec::local(&[("worker", 1)])?),
+        },
+    };
     if let Some(why) = why {
         eprintln!("{task}: --transport auto chose {why}");
     }
@@ -90,8 +137,12 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
         }
         None
     };
+    let placeholder = ClusterSpec::local(&[("worker", 1)])?;
     let opts = NodeOptions {
-        cluster: cluster.clone(),
+        cluster: match &membership {
+            Membership::Known(c) => c.clone(),
+            Membership::Register(_) => placeholder,
+        },
         job: job.to_string(),
         index,
         secret: secret(args)?,
@@ -109,16 +160,28 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
         quic_identity,
     };
     let is_chief = job == "worker" && index == 0;
+    let has_ps = match &membership {
+        Membership::Known(c) => c.num_tasks("ps") > 0,
+        Membership::Register(_) => args.num_ps > 0,
+    };
     // The chief checks its inputs before joining, so a bad flag fails fast.
     let chief_cfg = if is_chief {
-        Some(chief_config(args)?)
+        Some(chief_config(args, has_ps)?)
     } else {
         None
     };
     runtime.block_on(async move {
-        let node = Node::start(&opts)
-            .await
-            .with_context(|| format!("task {task}"))?;
+        let (node, cluster) = match membership {
+            Membership::Known(cluster) => {
+                let node = Node::start(&opts)
+                    .await
+                    .with_context(|| format!("task {task}"))?;
+                (node, cluster)
+            }
+            Membership::Register(ranked) => register_and_join(&opts, &ranked, args.num_ps)
+                .await
+                .with_context(|| format!("task {task} (rank {})", ranked.rank))?,
+        };
         let server = node.server.clone();
         let result = match chief_cfg {
             None => {
@@ -145,13 +208,84 @@ pub fn run_task(args: &Args, cluster: ClusterSpec, job: &str, index: u32) -> any
     })
 }
 
-fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
+/// `host:port`, with an IPv6 host in brackets.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Binds this task's data plane, learns the cluster from rank 0 (rank 0 gathers it) and
+/// connects to every task.
+async fn register_and_join(
+    opts: &NodeOptions,
+    ranked: &Ranked,
+    num_ps: u32,
+) -> anyhow::Result<(Node, ClusterSpec)> {
+    let within = opts.startup_timeout;
+    let me = |address: String| Registration {
+        rank: ranked.rank,
+        world_size: ranked.world_size,
+        job: opts.job.clone(),
+        index: opts.index,
+        address,
+    };
+    let Some(master) = &ranked.master else {
+        // One process: nobody to register with.
+        let listening = Node::listen(opts, "127.0.0.1:0".parse()?, "127.0.0.1").await?;
+        let address = listening.local_addr().to_string();
+        let cluster =
+            ClusterSpec::new([(opts.job.clone(), [(opts.index, address)].into())].into())?;
+        return Ok((listening.join(&cluster).await?, cluster));
+    };
+    let master_address = master.address();
+    if ranked.rank == 0 {
+        let listener = registration::listen(bind_addr(&master_address)?).await?;
+        eprintln!(
+            "rank 0: accepting registrations of {} rank(s) at {master_address}",
+            ranked.world_size - 1
+        );
+        let world = ranked.world_size;
+        // Roles were checked by `role` for this rank; the same rule holds for every rank.
+        let expected = move |rank: u32| {
+            role(rank, world, num_ps).unwrap_or_else(|_| ("worker".to_string(), rank))
+        };
+        let gathered =
+            registration::collect(listener, world, &expected, opts.secret.clone(), within).await?;
+        // Bound after the others registered: a loopback MASTER_ADDR is replaced by the address
+        // they reached rank 0 at, for the data plane and the collective listeners alike.
+        let host = gathered.advertised_host(&master.host);
+        let bind = std::net::SocketAddr::new(bind_addr(&host_port(&host, 0))?.ip(), 0);
+        let listening = Node::listen(opts, bind, &host).await?;
+        let own = me(host_port(&host, listening.local_addr().port()));
+        let cluster = gathered.answer(own).await?;
+        eprintln!(
+            "rank 0: every rank registered; the cluster is {}",
+            cluster.to_json_value()
+        );
+        return Ok((listening.join(&cluster).await?, cluster));
+    }
+    let (stream, ip) = registration::connect(&master_address, ranked.rank, within).await?;
+    let listening = Node::listen(opts, std::net::SocketAddr::new(ip, 0), &ip.to_string()).await?;
+    let address = std::net::SocketAddr::new(ip, listening.local_addr().port()).to_string();
+    let cluster = registration::register(stream, &me(address), opts.secret.clone(), within).await?;
+    eprintln!(
+        "rank {}: registered with rank 0 at {master_address}",
+        ranked.rank
+    );
+    Ok((listening.join(&cluster).await?, cluster))
+}
+
+/// The chief's configuration; without `--strategy`, parameter-server training when the job
+/// has a ps and all-reduce otherwise.
+fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
     let Some(path) = &args.graph else {
         bail!("the chief (worker 0) needs the graph file: dflow run --job worker --index 0 --cluster CLUSTER GRAPH --data DATA");
     };
     let loaded = super::common::load(path)?;
-    let def = loaded.parsed.def;
-    let Some(spec) = def.train.clone() else {
+    let Some(spec) = loaded.parsed.def.train.clone() else {
         bail!(
             "{}: distributed runs train the graph, but it has no `train` section (see docs/graph-format.md)",
             path.display()
@@ -163,28 +297,14 @@ fn chief_config(args: &Args) -> anyhow::Result<ChiefConfig> {
     let data = read_csv(data_path, &ReadOptions::default())
         .with_context(|| format!("reading {}", data_path.display()))?;
     Ok(ChiefConfig {
-        forward: def,
+        forward: loaded.graph,
         spec,
-        strategy: match args.strategy.as_str() {
-            "allreduce" => {
-                if args.r#async {
-                    bail!(
-                        "--async is a parameter-server mode; --strategy allreduce is synchronous"
-                    );
-                }
-                if args.fusion_threshold_mb.is_nan() || args.fusion_threshold_mb <= 0.0 {
-                    bail!(
-                        "--fusion-threshold-mb must be positive, got {}",
-                        args.fusion_threshold_mb
-                    );
-                }
-                Strategy::AllReduce {
-                    bucket_bytes: (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
-                }
-            }
-            _ if args.r#async => Strategy::Ps(PsMode::Async),
-            _ => Strategy::Ps(PsMode::Sync),
-        },
+        strategy: super::common::build_strategy(
+            default_strategy(args.strategy, has_ps)?,
+            args.r#async,
+            args.fusion_threshold_mb,
+        )?
+        .into(),
         placement: PlacementOptions::default(),
         data_path: data_path.clone(),
         data,
@@ -208,17 +328,11 @@ async fn chief(
 ) -> anyhow::Result<()> {
     let rpc = node.into_rpc();
     let workers = cluster.num_tasks("worker");
-    match cfg.strategy {
-        Strategy::AllReduce { bucket_bytes } => eprintln!(
-            "chief: every task joined; all-reduce data-parallel training with {workers} worker(s), buckets of {:.1} MiB",
-            bucket_bytes as f64 / (1u64 << 20) as f64
-        ),
-        Strategy::Ps(mode) => eprintln!(
-            "chief: every task joined; {} parameter-server training with {workers} worker(s) and {} ps task(s)",
-            if mode == PsMode::Async { "async" } else { "sync" },
-            cluster.num_tasks("ps")
-        ),
-    }
+    eprintln!(
+        "chief: every task joined; {} with {workers} worker(s) and {} ps task(s)",
+        cfg.strategy.describe(),
+        cluster.num_tasks("ps")
+    );
     let mut progress: Option<Progress> = None;
     let epochs = args.epochs;
     let quiet = args.quiet;
@@ -271,4 +385,19 @@ async fn chief(
         std::fs::write(dir, text).with_context(|| format!("writing {}", dir.display()))?;
     }
     Ok(())
+}
+
+/// `--strategy`, or by default `ps` when the job has a ps task and `allreduce` when it has none.
+fn default_strategy(
+    given: Option<dflow_partitioner::StrategyKind>,
+    has_ps: bool,
+) -> anyhow::Result<dflow_partitioner::StrategyKind> {
+    match given {
+        Some(kind) => Ok(kind),
+        None => {
+            let name = if has_ps { "ps" } else { "allreduce" };
+            name.parse()
+                .map_err(|e| anyhow::anyhow!("the default strategy {name}: {e}"))
+        }
+    }
 }

@@ -3,8 +3,8 @@
 use anyhow::Context as _;
 use dflow_graph::{ClusterSpec, DeviceName};
 use dflow_partitioner::{
-    partition, place, render_dot, render_json, render_text, PartitionOptions, Partitions,
-    PlacementOptions, Policy, PsStrategy,
+    partition, place, render_dot, render_job_text, render_json, render_text, JobInput,
+    PartitionOptions, Partitions, PlacementOptions, Policy, PsStrategy,
 };
 use std::path::PathBuf;
 
@@ -60,6 +60,55 @@ pub struct Args {
     /// Fall back to an existing device type when a requested one does not exist.
     #[arg(long)]
     pub soft_placement: bool,
+    /// Plan the distributed training job of the graph's `train` section with this strategy and
+    /// print its job plan (the plan `dflow run` executes): signatures, feeds, collective groups
+    /// and every task's slots.
+    #[arg(long, value_parser = super::common::strategy_parser())]
+    pub strategy: Option<dflow_partitioner::StrategyKind>,
+    /// With --strategy: the placeholder fed with features.
+    #[arg(long, default_value = "pixels", requires = "strategy")]
+    pub features: String,
+    /// With --strategy: the placeholder fed with labels.
+    #[arg(long, default_value = "labels", requires = "strategy")]
+    pub labels: String,
+    /// With --strategy ps: asynchronous updates.
+    #[arg(long = "async", requires = "strategy")]
+    pub r#async: bool,
+    /// With --strategy allreduce: the fusion threshold, in MiB, of a gradient bucket.
+    #[arg(long, default_value_t = 25.0, requires = "strategy")]
+    pub fusion_threshold_mb: f64,
+}
+
+/// `dflow partition --strategy S`: the job plan of the graph's training job.
+fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()> {
+    if args.format != Format::Text || args.out_dir.is_some() {
+        anyhow::bail!("--strategy prints the job plan as text: drop --format and -o");
+    }
+    let loaded = super::common::load(&args.graph)?;
+    let Some(train) = loaded.parsed.def.train.clone() else {
+        anyhow::bail!(
+            "{}: --strategy plans a training job, but the graph has no `train` section (see docs/graph-format.md)",
+            args.graph.display()
+        );
+    };
+    let cluster = ClusterSpec::from_file(&args.cluster)?;
+    let strategy = super::common::build_strategy(kind, args.r#async, args.fusion_threshold_mb)?;
+    let placement = PlacementOptions {
+        default_device: DeviceName::parse(&args.default_device).context("--default-device")?,
+        allow_soft_placement: args.soft_placement,
+        ..PlacementOptions::default()
+    };
+    let input = JobInput {
+        graph: &loaded.graph,
+        train: &train,
+        cluster: &cluster,
+        features: &args.features,
+        labels: &args.labels,
+        placement: &placement,
+    };
+    let plan = strategy.plan(&input).context("planning the job failed")?;
+    print!("{}", render_job_text(&plan));
+    Ok(())
 }
 
 fn render(p: &Partitions, format: Format) -> String {
@@ -87,6 +136,9 @@ fn file_stem(d: &DeviceName) -> String {
 
 /// Runs `dflow partition`.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(kind) = args.strategy {
+        return plan(&args, kind);
+    }
     let graph = super::common::load_program(&args.graph)?.graph;
     let cluster = ClusterSpec::from_file(&args.cluster)?;
     let default_device = DeviceName::parse(&args.default_device).context("--default-device")?;

@@ -1,9 +1,10 @@
 //! `dflow run`: run a graph. `--local` starts every task of the cluster inside this process;
-//! `--job J --index I` (or `TF_CONFIG`) runs one task of a distributed job (see
+//! `--job J --index I` (or the launcher's environment, [`dflow::identity`]) runs one task of a distributed job (see
 //! [`super::cluster`]).
 
 use anyhow::{bail, Context};
-use dflow_executor::npy::{read_npy, write_npy};
+use dflow::identity::{self, Place, ProcessEnv, Source};
+use dflow_executor::npy;
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::{ClusterSpec, Tensor};
 use std::path::PathBuf;
@@ -19,7 +20,9 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["job", "index"])]
     pub local: bool,
     /// Distributed: this process's job in the cluster (`ps` or `worker`; worker 0 is the chief).
-    /// Without --job and --local, the task comes from the TF_CONFIG environment variable.
+    /// Without --job and --local, the task comes from the environment: TF_CONFIG, then
+    /// torchrun/PyTorchJob (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Slurm, MPI (see
+    /// docs/launchers.md).
     #[arg(long, requires = "cluster")]
     pub job: Option<String>,
     /// Distributed: this process's index in its job.
@@ -53,10 +56,14 @@ pub struct Args {
     /// Distributed: seconds to wait for every other task to start.
     #[arg(long, default_value_t = 60)]
     pub startup_timeout: u64,
-    /// Distributed training: `ps` (variables on the parameter servers) or `allreduce` (every
-    /// worker holds the model; gradients are all-reduced in fused buckets; no ps needed).
-    #[arg(long, default_value = "ps", value_parser = ["ps", "allreduce"])]
-    pub strategy: String,
+    /// Distributed training: how the workers train together. Default: `ps` when the job has a
+    /// ps task, else `allreduce`.
+    #[arg(long, value_parser = super::common::strategy_parser())]
+    pub strategy: Option<dflow_partitioner::StrategyKind>,
+    /// Distributed, identity from rank variables (RANK/WORLD_SIZE, Slurm, MPI): the last N
+    /// ranks are parameter servers; the others are workers in rank order (rank 0 is the chief).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub num_ps: u32,
     /// Distributed all-reduce training: the fusion threshold, in MiB, of a gradient bucket.
     #[arg(long, default_value_t = 25.0)]
     pub fusion_threshold_mb: f64,
@@ -79,9 +86,20 @@ pub struct Args {
     /// Run a node for its effect (repeatable).
     #[arg(long = "target", value_name = "NODE")]
     pub targets: Vec<String>,
-    /// Number of steps to run.
-    #[arg(long, default_value_t = 1)]
-    pub steps: u64,
+    /// Number of steps to run (default 1). Training on a text (a graph whose `train.data` reads
+    /// character windows) counts optimizer steps, default: the lr schedule's decay_steps, else 2000.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Training on a text: compute the validation loss every N steps (0: only at the end).
+    #[arg(long, default_value_t = 250)]
+    pub eval_every: u64,
+    /// Training on a text: batches of the validation split each validation loss averages.
+    #[arg(long, default_value_t = 20)]
+    pub eval_batches: u64,
+    /// Training: load these variables (a safetensors file, names as the graph's variables)
+    /// before step 1. Ignored when resuming from --checkpoint-dir.
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub init_from: Option<PathBuf>,
     /// Write a Chrome trace (open in Perfetto or chrome://tracing).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
@@ -132,13 +150,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let path = args.cluster.as_ref().context("--job needs --cluster")?;
             let cluster = ClusterSpec::from_file(path)?;
             let job = job.clone();
+            eprintln!(
+                "dflow: identity from {}: /job:{job}/task:{}",
+                Source::Flags,
+                args.index
+            );
             return super::cluster::run_task(&args, cluster, &job, args.index);
         }
-        if std::env::var_os(dflow_graph::cluster::TF_CONFIG_VAR).is_some() {
-            let tf = dflow_graph::TfConfig::from_env()?;
-            return super::cluster::run_task(&args, tf.cluster, &tf.task_type, tf.task_index);
-        }
-        bail!("say where to run: --local (every task in this process), --job J --index I --cluster FILE (one task of a distributed job), or set TF_CONFIG");
+        let Some(identity) = identity::from_env(&ProcessEnv)? else {
+            bail!("say where to run: --local (every task in this process), --job J --index I --cluster FILE (one task of a distributed job), or start under a launcher that sets TF_CONFIG, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun, PyTorchJob, `dflow launch`), Slurm's srun or mpirun (see docs/launchers.md)");
+        };
+        eprintln!("dflow: {}", identity.describe());
+        return match identity.place {
+            Place::Task {
+                cluster,
+                job,
+                index,
+            } => super::cluster::run_task(&args, cluster, &job, index),
+            Place::Evaluator => Ok(()),
+            Place::Ranked(ranked) => super::cluster::run_ranked(&args, ranked),
+        };
     }
     let Some(graph_path) = &args.graph else {
         bail!("--local needs the graph file");
@@ -153,7 +184,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (name, file) = f
             .split_once('=')
             .with_context(|| format!("--feed {f:?}: expected NAME=FILE.npy"))?;
-        let t = read_npy(file.as_ref()).with_context(|| format!("--feed {name}"))?;
+        let t = npy::read_tensor(file.as_ref()).with_context(|| format!("--feed {name}"))?;
         feeds.push((name.to_string(), t));
     }
     let opts = SessionOptions {
@@ -166,7 +197,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--data trains the graph, but the graph file has no `train` section (see docs/graph-format.md)",
         )?;
         let session = Session::new(program.graph, cluster, opts)?;
-        super::train::train(&args, data, &training, &session)?;
+        match &training.data {
+            Some(spec) => super::train_text::train_text(&args, data, spec, &training, &session)?,
+            None => super::train::train(&args, data, &training, &session)?,
+        }
         return write_trace(&args, &session);
     }
     if args.fetches.is_empty() && args.targets.is_empty() {
@@ -191,7 +225,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let fetch_refs: Vec<&str> = args.fetches.iter().map(String::as_str).collect();
     let target_refs: Vec<&str> = args.targets.iter().map(String::as_str).collect();
     let mut last = Vec::new();
-    for _ in 0..args.steps.max(1) {
+    for _ in 0..args.steps.unwrap_or(1).max(1) {
         last = session.run(&feed_refs, &fetch_refs, &target_refs)?;
     }
     for (name, t) in args.fetches.iter().zip(&last) {
@@ -201,7 +235,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (name, t) in args.fetches.iter().zip(&last) {
             let file = dir.join(format!("{}.npy", name.replace(['/', ':'], "_")));
-            write_npy(&file, t)?;
+            npy::write_tensor(&file, t)?;
         }
     }
     write_trace(&args, &session)

@@ -30,6 +30,7 @@ pub fn train(
         checkpoint_dir: args.checkpoint_dir.clone(),
         save_every: args.save_every,
         keep_checkpoints: 3,
+        checkpoint_metadata: Default::default(),
     };
     let steps_per_epoch = train_set.num_batches(args.batch_size, false) as u64;
     eprintln!(
@@ -56,14 +57,7 @@ pub fn train(
         summary.examples as f64 / summary.elapsed.as_secs_f64().max(1e-9)
     );
     if let Some(path) = &args.losses_out {
-        let first = summary.resumed_from.unwrap_or(0);
-        let text: String = summary
-            .losses
-            .iter()
-            .enumerate()
-            .map(|(i, l)| format!("{} {l:.9}\n", first + i as u64 + 1))
-            .collect();
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        write_losses(path, summary.resumed_from.unwrap_or(0), &summary.losses)?;
     }
     if test_set.is_empty() {
         println!(
@@ -79,4 +73,15 @@ pub fn train(
         println!("held-out {metric}: {value:.4}");
     }
     Ok(())
+}
+
+/// Writes `step loss` lines, the steps numbered from `first + 1` (a resumed run continues the
+/// numbers of the run it resumed).
+pub fn write_losses(path: &Path, first: u64, losses: &[f64]) -> anyhow::Result<()> {
+    let text: String = losses
+        .iter()
+        .enumerate()
+        .map(|(i, l)| format!("{} {l:.9}\n", first + i as u64 + 1))
+        .collect();
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }

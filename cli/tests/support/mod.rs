@@ -98,6 +98,25 @@ impl Cluster {
     }
 }
 
+/// Every variable a launcher gives a task its identity with (and the cluster secret).
+pub const LAUNCHER_VARS: &[&str] = &[
+    "TF_CONFIG",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PET_NNODES",
+    "PET_NODE_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "DFLOW_SECRET",
+];
+
 /// A running task; killed when dropped.
 pub struct Task {
     pub name: String,
@@ -197,6 +216,37 @@ impl Task {
             .unwrap();
         Task {
             name,
+            child,
+            stderr_file,
+            stdout_file,
+        }
+    }
+
+    /// Starts `dflow ARGS` from the repository root with its identity given only by `env`
+    /// (every launcher's identity variable is removed first); output goes to DIR/NAME.*.
+    pub fn start_with_identity(
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Task {
+        let stdout_file = dir.join(format!("{name}.stdout"));
+        let stderr_file = dir.join(format!("{name}.stderr"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflow"));
+        cmd.args(args).current_dir(repo()).stdin(Stdio::null());
+        for var in LAUNCHER_VARS {
+            cmd.env_remove(var);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .stdout(std::fs::File::create(&stdout_file).unwrap())
+            .stderr(std::fs::File::create(&stderr_file).unwrap())
+            .spawn()
+            .unwrap();
+        Task {
+            name: name.to_string(),
             child,
             stderr_file,
             stdout_file,

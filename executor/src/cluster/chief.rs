@@ -1,6 +1,7 @@
-//! The chief (worker 0) of a parameter-server job: it builds the replicated training graph(s),
-//! places and partitions them, registers every task's partitions once, restores the newest
-//! checkpoint, drives the steps (sync: all workers in lockstep; async: each worker on its own),
+//! The chief (worker 0) of a distributed training job: its strategy plans the job (a
+//! [`JobPlan`]: partitions, feeds, collective groups, the global buffer plan), it registers
+//! every task's partitions and exactly the plan's slots once, restores the newest checkpoint,
+//! drives the steps (lockstep or each worker on its own, as the plan's [`Schedule`] says),
 //! saves checkpoints, evaluates, and ends the job.
 
 use super::node::{JobError, Rpc};
@@ -12,12 +13,10 @@ use crate::checkpoint;
 use crate::data::Dataset;
 use crate::trainer::StepReport;
 use dflow_graph::train::TrainSpec;
-use dflow_graph::{format::to_json, DType, DeviceName, Graph, GraphDef, Tensor};
-use dflow_partitioner::allreduce::{allreduce_training, GROUP};
-use dflow_partitioner::strategy::{ps_training, PsGraph, PsMode};
-use dflow_partitioner::Policy;
-use dflow_partitioner::{partition, place, PartitionOptions, Partitions, PlacementOptions};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use dflow_graph::{format::to_json, ClusterSpec, DType, Graph, Tensor};
+use dflow_partitioner::job::{CollectiveGroup, FeedRole};
+use dflow_partitioner::{JobInput, JobPlan, PlacementOptions, Schedule, SignatureKind, Strategy};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -27,13 +26,13 @@ use tokio::sync::mpsc;
 /// What the chief trains and how.
 #[derive(Debug, Clone)]
 pub struct ChiefConfig {
-    /// The forward graph (with its Variables), before the training expansion.
-    pub forward: GraphDef,
+    /// The forward graph (with its Variables), validated, before the training expansion.
+    pub forward: Graph,
     /// The graph's `train` section.
     pub spec: TrainSpec,
-    /// How the workers train together.
-    pub strategy: Strategy,
-    /// Placement policy (variables on the ps tasks).
+    /// How the workers train together: it plans the job (see [`JobPlan`]).
+    pub strategy: Arc<dyn Strategy>,
+    /// Placement options (strategies may override the policy).
     pub placement: PlacementOptions,
     /// The data file (sent to tasks started without `--data`).
     pub data_path: PathBuf,
@@ -57,26 +56,6 @@ pub struct ChiefConfig {
     pub save_every: u64,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
-}
-
-/// How the workers of a job train together.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
-    /// Variables on the ps tasks; sync (aggregated, applied once per step) or async.
-    Ps(PsMode),
-    /// Every worker holds the model; gradients are all-reduced in fused buckets of at most
-    /// `bucket_bytes`; no ps.
-    AllReduce {
-        /// Fusion threshold.
-        bucket_bytes: usize,
-    },
-}
-
-impl Strategy {
-    /// True when every step runs all workers in lockstep.
-    fn lockstep(self) -> bool {
-        !matches!(self, Strategy::Ps(PsMode::Async))
-    }
 }
 
 /// What a finished job did.
@@ -117,148 +96,132 @@ struct Registered {
     fetch_task: Option<String>,
 }
 
-/// Assigns receive-slot ids and keeps them stable across signatures.
-#[derive(Debug, Default)]
-struct Slots {
-    by_key: HashMap<String, u32>,
-    next: HashMap<String, u32>,
+fn setup(e: impl std::fmt::Display) -> JobError {
+    JobError::Setup(e.to_string())
 }
 
-impl Slots {
-    fn id(&mut self, recv_task: &str, key: &str) -> u32 {
-        if let Some(&id) = self.by_key.get(key) {
-            return id;
-        }
-        let next = self.next.entry(recv_task.to_string()).or_insert(1);
-        let id = *next;
-        *next += 1;
-        self.by_key.insert(key.to_string(), id);
-        id
+fn feed_source(role: FeedRole) -> FeedSource {
+    match role {
+        FeedRole::Features => FeedSource::Features,
+        FeedRole::Labels => FeedSource::Labels,
+        FeedRole::BatchWeight => FeedSource::BatchWeight,
     }
 }
 
-fn task_of(device: &str) -> Result<String, JobError> {
-    DeviceName::parse(device)
-        .ok()
-        .and_then(|d| d.task_name())
-        .ok_or_else(|| JobError::Setup(format!("device `{device}` names no task")))
-}
-
-fn tensor_name(name: &str) -> String {
-    if name.contains(':') {
-        name.to_string()
-    } else {
-        format!("{name}:0")
-    }
-}
-
-/// Turns one signature's partitions into a RegisterGraph per task.
-#[allow(clippy::too_many_arguments)]
-fn registrations(
-    handle: u32,
-    parts: &Partitions,
-    slots: &mut Slots,
-    feed_sources: &HashMap<String, (FeedSource, u32)>,
+/// What the chief asks each task to register for `plan`: per task, one [`RegisterGraph`] per
+/// signature it has a partition of, in handle order. Receive slots and send routes are the
+/// plan's ([`JobPlan::recv_slots`], [`JobPlan::send_routes`]): a signature lists the slots of
+/// the cross-task pairs it uses, with the plan's global ids and byte sizes.
+pub fn task_registrations(
+    plan: &JobPlan,
     data: &DataSpec,
-    updates_variables: bool,
-) -> Result<(BTreeMap<String, RegisterGraph>, Registered), JobError> {
-    let mut regs: BTreeMap<String, RegisterGraph> = BTreeMap::new();
-    let blank = || RegisterGraph {
-        handle,
-        partitions: vec![],
-        recv_slots: vec![],
-        send_routes: vec![],
-        feeds: vec![],
-        fetches: vec![],
-        data: None,
-        updates_variables,
-    };
-    for (device, p) in &parts.partitions {
-        let task = device
-            .task_name()
-            .ok_or_else(|| JobError::Setup(format!("device {device} names no task")))?;
-        regs.entry(task)
-            .or_insert_with(blank)
-            .partitions
-            .push(PartitionDef {
-                device: device.to_string(),
-                graph_json: to_json(&p.graph.to_def()),
-            });
-    }
-    for pair in parts.pairs.iter().filter(|p| !p.client_terminated) {
-        let send_task = task_of(&pair.send_device)?;
-        let recv_task = task_of(&pair.recv_device)?;
-        if send_task == recv_task {
-            continue;
+) -> Result<BTreeMap<String, Vec<RegisterGraph>>, JobError> {
+    Ok(registrations(plan, data)?.0)
+}
+
+type Registrations = (
+    BTreeMap<String, Vec<RegisterGraph>>,
+    Vec<Registered>,
+    Registered,
+);
+
+fn registrations(plan: &JobPlan, data: &DataSpec) -> Result<Registrations, JobError> {
+    let mut all: BTreeMap<String, Vec<RegisterGraph>> = BTreeMap::new();
+    let mut train = Vec::new();
+    let mut eval = None;
+    for s in &plan.signatures {
+        let mut regs: BTreeMap<String, RegisterGraph> = BTreeMap::new();
+        let blank = || RegisterGraph {
+            handle: s.handle,
+            partitions: vec![],
+            recv_slots: vec![],
+            send_routes: vec![],
+            feeds: vec![],
+            fetches: vec![],
+            data: None,
+            updates_variables: s.kind == SignatureKind::Train,
+        };
+        for (device, p) in &s.partitions.partitions {
+            let task = device
+                .task_name()
+                .ok_or_else(|| setup(format!("device {device} names no task")))?;
+            regs.entry(task)
+                .or_insert_with(blank)
+                .partitions
+                .push(PartitionDef {
+                    device: device.to_string(),
+                    graph_json: to_json(&p.graph.to_def()),
+                });
         }
-        let dims = pair.shape.as_static().ok_or_else(|| {
-            JobError::Setup(format!(
-                "tensor `{}` crosses from {} to {} with shape {}, which is not fully known; \
-                 tensors between tasks need static shapes (their receive buffers are allocated \
-                 once)",
-                pair.tensor_name, pair.send_device, pair.recv_device, pair.shape
-            ))
-        })?;
-        let slot = slots.id(&recv_task, &pair.key);
-        regs.entry(recv_task.clone())
-            .or_insert_with(blank)
-            .recv_slots
-            .push(RecvSlot {
-                slot,
-                peer: send_task.clone(),
-                key: pair.key.to_string(),
-                dtype: pair.dtype.name().to_string(),
-                dims: dims.iter().map(|&d| d as u64).collect(),
-            });
-        regs.entry(send_task)
-            .or_insert_with(blank)
-            .send_routes
-            .push(SendRoute {
-                key: pair.key.to_string(),
-                peer: recv_task,
-                slot,
-            });
-    }
-    let mut feeding: BTreeMap<String, u32> = BTreeMap::new();
-    for ep in &parts.feeds {
-        let task = ep
-            .device
-            .task_name()
-            .ok_or_else(|| JobError::Setup(format!("feed {} has no task", ep.tensor)))?;
-        let (source, part) = feed_sources
-            .get(&tensor_name(&ep.tensor))
-            .ok_or_else(|| JobError::Setup(format!("no data source for feed `{}`", ep.tensor)))?;
-        feeding.insert(task.clone(), *part);
-        let r = regs.entry(task).or_insert_with(blank);
-        r.feeds.push(FeedBinding {
-            key: ep.key.clone(),
-            source: *source,
-        });
-        r.data = Some(data.clone());
-    }
-    let mut fetch_task = None;
-    for ep in &parts.fetches {
-        let task = ep
-            .device
-            .task_name()
-            .ok_or_else(|| JobError::Setup(format!("fetch {} has no task", ep.tensor)))?;
-        if fetch_task.as_ref().is_some_and(|t| *t != task) {
-            return Err(JobError::Setup(format!(
-                "the fetches of one step live on two tasks ({} and {task}); fetch them from one",
-                fetch_task.unwrap_or_default()
-            )));
+        let keys: BTreeSet<&str> = s.partitions.pairs.iter().map(|p| &*p.key).collect();
+        for (task, reg) in regs.iter_mut() {
+            for ts in plan.recv_slots(task) {
+                if !keys.contains(&*ts.slot.key) {
+                    continue;
+                }
+                let slot = u32::try_from(ts.slot.slot).map_err(setup)?;
+                let dims = ts.slot.shape.as_static().ok_or_else(|| {
+                    setup(format!(
+                        "pair {}: the plan's slot has no static shape",
+                        ts.slot.key
+                    ))
+                })?;
+                reg.recv_slots.push(RecvSlot {
+                    slot,
+                    peer: ts.peer.to_string(),
+                    key: ts.slot.key.to_string(),
+                    dtype: ts.slot.dtype.name().to_string(),
+                    dims: dims.iter().map(|&d| d as u64).collect(),
+                    bytes: ts.slot.bytes as u64,
+                });
+            }
+            for ts in plan.send_routes(task) {
+                if keys.contains(&*ts.slot.key) {
+                    reg.send_routes.push(SendRoute {
+                        key: ts.slot.key.to_string(),
+                        peer: ts.peer.to_string(),
+                        slot: u32::try_from(ts.slot.slot).map_err(setup)?,
+                    });
+                }
+            }
         }
-        regs.entry(task.clone())
-            .or_insert_with(blank)
-            .fetches
-            .push(ep.key.clone());
-        fetch_task = Some(task);
+        let mut feeding: BTreeMap<String, u32> = BTreeMap::new();
+        for f in &s.feeds {
+            feeding.insert(f.task.clone(), f.part);
+            let r = regs.entry(f.task.clone()).or_insert_with(blank);
+            r.feeds.push(FeedBinding {
+                key: f.key.clone(),
+                source: feed_source(f.role),
+            });
+            r.data = Some(data.clone());
+        }
+        for ep in &s.partitions.fetches {
+            let task = ep
+                .device
+                .task_name()
+                .ok_or_else(|| setup(format!("fetch {} has no task", ep.tensor)))?;
+            regs.entry(task)
+                .or_insert_with(blank)
+                .fetches
+                .push(ep.key.clone());
+        }
+        let registered = Registered {
+            tasks: regs
+                .keys()
+                .map(|t| (t.clone(), s.handle, feeding.get(t).copied()))
+                .collect(),
+            fetch_task: s.fetch_task.clone(),
+        };
+        for (task, r) in regs {
+            all.entry(task).or_default().push(r);
+        }
+        match s.kind {
+            SignatureKind::Train => train.push(registered),
+            SignatureKind::Eval => eval = Some(registered),
+        }
     }
-    let tasks = regs
-        .keys()
-        .map(|t| (t.clone(), handle, feeding.get(t).copied()))
-        .collect();
-    Ok((regs, Registered { tasks, fetch_task }))
+    let eval = eval.ok_or_else(|| setup("the plan has no evaluation signature"))?;
+    Ok((all, train, eval))
 }
 
 fn scalar(t: &WireTensor) -> f64 {
@@ -268,17 +231,15 @@ fn scalar(t: &WireTensor) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// The chief's plan: every signature registered, the variables and where they live.
+/// The chief's job: the plan, every signature registered, the variables and where they live.
 #[derive(Debug)]
 struct Job {
-    graphs: Vec<PsGraph>,
+    plan: JobPlan,
     train: Vec<Registered>,
     eval: Registered,
-    /// Variable → every task holding a copy (one under ps, every worker under all-reduce),
-    /// and the expected (name, dtype, dims) for checkpoints.
+    /// Variable → every task holding a copy (one under ps, every worker under all-reduce).
     variable_tasks: BTreeMap<String, Vec<String>>,
-    /// Batch parts per lockstep step (the number of replicas).
-    parts: u32,
+    /// The expected (name, dtype, dims) of the variables, for checkpoints.
     variable_specs: Vec<(String, DType, Vec<usize>)>,
 }
 
@@ -290,137 +251,41 @@ impl Ids {
     }
 }
 
+/// Plans the job with the configured strategy (see [`JobPlan`]).
+pub fn plan_job(cfg: &ChiefConfig, cluster: &ClusterSpec) -> Result<JobPlan, JobError> {
+    let input = JobInput {
+        graph: &cfg.forward,
+        train: &cfg.spec,
+        cluster,
+        features: &cfg.features,
+        labels: &cfg.labels,
+        placement: &cfg.placement,
+    };
+    cfg.strategy.plan(&input).map_err(setup)
+}
+
 async fn register_all(
     rpc: &Rpc,
     cfg: &ChiefConfig,
-    cluster: &dflow_graph::ClusterSpec,
+    cluster: &ClusterSpec,
     train_rows: u64,
 ) -> Result<Job, JobError> {
-    let workers = cluster.num_tasks("worker");
-    let (graphs, placement) = match cfg.strategy {
-        Strategy::Ps(mode) => (
-            ps_training(
-                &cfg.forward,
-                &cfg.spec,
-                workers,
-                mode,
-                &cfg.features,
-                &cfg.labels,
-            ),
-            cfg.placement.clone(),
-        ),
-        Strategy::AllReduce { bucket_bytes } => (
-            allreduce_training(
-                &cfg.forward,
-                &cfg.spec,
-                workers,
-                &cfg.features,
-                &cfg.labels,
-                bucket_bytes,
-            ),
-            // Every node of a worker's graph stays on that worker: no device setter.
-            PlacementOptions {
-                policy: Policy::Explicit,
-                ..cfg.placement.clone()
-            },
-        ),
-    };
-    let graphs = graphs.map_err(|e| JobError::Setup(e.to_string()))?;
+    let plan = plan_job(cfg, cluster)?;
     let data = DataSpec {
         path: cfg.data_path.display().to_string(),
         test_fraction: cfg.test_fraction,
         seed: cfg.seed,
         rows: train_rows,
     };
-    let mut slots = Slots::default();
-    let mut all: BTreeMap<String, Vec<RegisterGraph>> = BTreeMap::new();
-    let mut train = Vec::new();
-    let mut eval = None;
-    let mut variable_tasks = BTreeMap::new();
-    let mut variable_specs = Vec::new();
-    for (i, g) in graphs.iter().enumerate() {
-        let graph = Graph::from_def(&g.training.def)
-            .map_err(|e| JobError::Setup(format!("the replicated training graph: {e}")))?;
-        let placed = place(&graph, cluster, &placement)
-            .map_err(|e| JobError::Setup(format!("placing the training graph: {e}")))?;
-        for idx in placed.graph.node_indices() {
-            let n = placed.graph.node(idx);
-            if n.op_def().is_variable {
-                let task = placed.devices[idx.index()].task_name().unwrap_or_default();
-                let holders: &mut Vec<String> = variable_tasks.entry(n.name.clone()).or_default();
-                if !holders.contains(&task) {
-                    holders.push(task);
-                }
-                if i == 0 {
-                    if let Some(dims) = n.outputs[0].shape.as_static() {
-                        variable_specs.push((n.name.clone(), n.outputs[0].dtype, dims));
-                    }
-                }
-            }
-        }
-        variable_specs.sort();
-        let mut sources = HashMap::new();
-        let mut feeds = Vec::new();
-        for r in &g.replicas {
-            // Async workers each take whole batches; otherwise every replica feeds its part.
-            let part = if cfg.strategy.lockstep() {
-                r.worker as u32
-            } else {
-                0
-            };
-            sources.insert(tensor_name(&r.features), (FeedSource::Features, part));
-            sources.insert(tensor_name(&r.labels), (FeedSource::Labels, part));
-            feeds.push(r.features.clone());
-            feeds.push(r.labels.clone());
-            if let Some(w) = &r.weight {
-                sources.insert(tensor_name(w), (FeedSource::BatchWeight, part));
-                feeds.push(w.clone());
-            }
-        }
-        let opts = PartitionOptions {
-            feeds: feeds.iter().map(|f| tensor_name(f)).collect(),
-            fetches: vec![tensor_name(&g.training.loss)],
-            targets: vec![g.training.train_op.clone()],
-        };
-        let parts = partition(&placed, &opts)
-            .map_err(|e| JobError::Setup(format!("partitioning the training graph: {e}")))?;
-        let handle = (2 * i + 1) as u32;
-        let (regs, registered) = registrations(handle, &parts, &mut slots, &sources, &data, true)?;
-        for (task, r) in regs {
-            all.entry(task).or_default().push(r);
-        }
-        train.push(registered);
-        if i == 0 {
-            let mut sources = HashMap::new();
-            sources.insert(tensor_name(&g.eval.features), (FeedSource::Features, 0));
-            sources.insert(tensor_name(&g.eval.labels), (FeedSource::Labels, 0));
-            let mut fetches = vec![tensor_name(&g.eval.loss)];
-            fetches.extend(g.eval.metrics.iter().map(|m| tensor_name(m)));
-            let opts = PartitionOptions {
-                feeds: vec![tensor_name(&g.eval.features), tensor_name(&g.eval.labels)],
-                fetches,
-                targets: vec![],
-            };
-            let parts = partition(&placed, &opts)
-                .map_err(|e| JobError::Setup(format!("partitioning the evaluation graph: {e}")))?;
-            let (regs, registered) =
-                registrations(handle + 1, &parts, &mut slots, &sources, &data, false)?;
-            if registered.fetch_task.as_deref() != Some(rpc.task.as_str()) {
-                return Err(JobError::Setup(format!(
-                    "evaluation fetches live on {:?}, not on the chief",
-                    registered.fetch_task
-                )));
-            }
-            for (task, r) in regs {
-                all.entry(task).or_default().push(r);
-            }
-            eval = Some(registered);
-        }
+    let (all, mut train, eval) = registrations(&plan, &data)?;
+    if eval.fetch_task.as_deref() != Some(rpc.task.as_str()) {
+        return Err(setup(format!(
+            "evaluation fetches live on {:?}, not on the chief",
+            eval.fetch_task
+        )));
     }
-    let eval = eval.ok_or_else(|| JobError::Setup("no training graph was built".into()))?;
-    let parts = graphs.iter().map(|g| g.replicas.len() as u32).sum();
-    // Under all-reduce the workers' graphs run together: one step runs each on its worker.
-    if let Strategy::AllReduce { .. } = cfg.strategy {
+    // A lockstep step runs every training signature together (all-reduce: one per worker).
+    if plan.schedule == Schedule::Lockstep && train.len() > 1 {
         let fetch_task = Some(rpc.task.clone());
         let tasks = train.drain(..).flat_map(|r| r.tasks).collect();
         train.push(Registered { tasks, fetch_task });
@@ -438,57 +303,63 @@ async fn register_all(
         });
     }
     while let Some(r) = set.join_next().await {
-        r.map_err(|e| JobError::Setup(format!("registration task failed: {e}")))??;
+        r.map_err(|e| setup(format!("registration task failed: {e}")))??;
     }
-    if let Strategy::AllReduce { .. } = cfg.strategy {
-        join_group(rpc, cluster).await?;
+    for g in &plan.groups {
+        join_group(rpc, g).await?;
     }
+    let variable_tasks = plan
+        .variables
+        .iter()
+        .map(|v| (v.name.clone(), v.holders.clone()))
+        .collect();
+    let variable_specs = plan
+        .variables
+        .iter()
+        .map(|v| (v.name.clone(), v.dtype, v.dims.clone()))
+        .collect();
     Ok(Job {
-        graphs,
+        plan,
         train,
         eval,
         variable_tasks,
-        parts,
         variable_specs,
     })
 }
 
-/// Makes every worker join collective group [`GROUP`] (rank = worker index).
-async fn join_group(rpc: &Rpc, cluster: &dflow_graph::ClusterSpec) -> Result<(), JobError> {
-    let workers: Vec<String> = cluster
-        .tasks("worker")
-        .map(|(i, _)| super::node::task_name("worker", i))
-        .collect();
-    let mut addrs = Vec::with_capacity(workers.len());
-    for w in &workers {
-        let what = format!("PrepareGroup `{GROUP}`");
+/// Makes every member of collective group `g` join it (rank = position in `g.members`).
+async fn join_group(rpc: &Rpc, g: &CollectiveGroup) -> Result<(), JobError> {
+    let group = &g.key;
+    let mut addrs = Vec::with_capacity(g.members.len());
+    for w in &g.members {
+        let what = format!("PrepareGroup `{group}`");
         let req = Request::PrepareGroup {
-            group: GROUP.to_string(),
+            group: group.clone(),
         };
         match rpc.call(w, req, &what).await? {
             Reply::GroupAddress(a) => addrs.push(a),
             other => {
-                return Err(JobError::Setup(format!(
+                return Err(setup(format!(
                     "unexpected reply to PrepareGroup from {w}: {other:?}"
                 )))
             }
         }
     }
     let mut set = tokio::task::JoinSet::new();
-    for (rank, w) in workers.iter().enumerate() {
-        let (rpc, w, addrs) = (rpc.clone(), w.clone(), addrs.clone());
+    for (rank, w) in g.members.iter().enumerate() {
+        let (rpc, w, addrs, group) = (rpc.clone(), w.clone(), addrs.clone(), group.clone());
         set.spawn(async move {
+            let what = format!("JoinGroup `{group}` as rank {rank}");
             let req = Request::JoinGroup {
-                group: GROUP.to_string(),
+                group,
                 rank: rank as u32,
                 addrs,
             };
-            rpc.call(&w, req, &format!("JoinGroup `{GROUP}` as rank {rank}"))
-                .await
+            rpc.call(&w, req, &what).await
         });
     }
     while let Some(r) = set.join_next().await {
-        r.map_err(|e| JobError::Setup(format!("join task failed: {e}")))??;
+        r.map_err(|e| setup(format!("join task failed: {e}")))??;
     }
     Ok(())
 }
@@ -639,10 +510,7 @@ async fn evaluate(
     test: &Dataset,
     ids: &Ids,
 ) -> Result<Vec<(String, f64)>, JobError> {
-    let g = &job.graphs[0];
-    let mut names = vec![g.training.loss.clone()];
-    names.extend(g.training.metrics.iter().cloned());
-    let mut sums = vec![0.0; names.len()];
+    let mut sums = vec![0.0; job.plan.report_names.len()];
     let mut count = 0usize;
     let batches = test
         .batches(cfg.batch_size.max(1), None, 0, false)
@@ -703,10 +571,11 @@ async fn evaluate(
         count += n;
     }
     // Report under the user's names (`loss`, `accuracy`), not the replica's.
-    let mut user_names = vec![cfg.spec.loss.clone()];
-    user_names.extend(cfg.spec.metrics.iter().cloned());
-    Ok(user_names
-        .into_iter()
+    Ok(job
+        .plan
+        .report_names
+        .iter()
+        .cloned()
         .zip(sums)
         .map(|(name, s)| (name, s / count.max(1) as f64))
         .collect())
@@ -717,7 +586,7 @@ async fn evaluate(
 /// down: the caller tells the tasks how it ended.
 pub async fn run_chief(
     rpc: &Rpc,
-    cluster: &dflow_graph::ClusterSpec,
+    cluster: &ClusterSpec,
     cfg: &ChiefConfig,
     mut on_step: impl FnMut(&StepReport),
 ) -> Result<ChiefReport, JobError> {
@@ -746,9 +615,9 @@ pub async fn run_chief(
         let start = index as usize * cfg.batch_size;
         train.len().saturating_sub(start).min(cfg.batch_size)
     };
-    match cfg.strategy {
-        Strategy::Ps(PsMode::Sync) | Strategy::AllReduce { .. } => {
-            let parts = job.parts;
+    match job.plan.schedule {
+        Schedule::Lockstep => {
+            let parts = job.plan.batch_parts;
             for s in start_step..total {
                 let (epoch, index) = (s / spe, s % spe);
                 let step = ids.next();
@@ -770,7 +639,7 @@ pub async fn run_chief(
                 }
             }
         }
-        Strategy::Ps(PsMode::Async) => {
+        Schedule::Independent => {
             // Each worker takes the next global batch when it is free: per-worker data
             // sharding with no straggler waiting for another.
             let next = Arc::new(AtomicU64::new(start_step));

@@ -11,8 +11,8 @@ use dflow_graph::kernel::{CollectiveCall, Collectives, ReduceKind};
 use dflow_graph::{DType, Tensor};
 use dflow_transport::auth::Secret;
 use dflow_transport::collective::{
-    CommOptions, Communicator, Pairs, ReduceOp, Scalar, ShmOptions, ShmRendezvous, TcpOptions,
-    TcpRendezvous as CollectiveListener,
+    CommOptions, Communicator, Pairs, ReduceOp, Scalar, ShmOptions, ShmRendezvous,
+    TcpGroupListener as CollectiveListener, TcpOptions,
 };
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};

@@ -7,7 +7,7 @@ use super::server::{ServerOptions, TaskServer};
 use crate::error::ExecError;
 use dflow_graph::ClusterSpec;
 use dflow_transport::auth::Secret;
-use dflow_transport::tcp::TcpConfig;
+use dflow_transport::TcpConfig;
 use dflow_transport::{plane, DataPlane, PeerEvent, TransportKind};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -72,6 +72,16 @@ pub enum JobError {
         /// What the last connection attempt said.
         last_error: String,
     },
+    /// A bounded wait before the job formed (registration) ended without what it waited for.
+    #[error("gave up after {secs} s waiting for {what} (last error: {last_error})")]
+    Waiting {
+        /// Seconds waited.
+        secs: u64,
+        /// Whom or what it waited for.
+        what: String,
+        /// What the last attempt said.
+        last_error: String,
+    },
     /// A task died or became unreachable.
     #[error("task {task} is gone ({cause}){waiting}")]
     PeerGone {
@@ -127,12 +137,75 @@ pub struct Node {
     timeout: Duration,
 }
 
+/// A task bound to its address that has not connected to the others yet (see [`Node::listen`]).
+pub struct Listening {
+    task: String,
+    rendezvous: Arc<dyn DataPlane>,
+    server: Arc<TaskServer>,
+    events: mpsc::UnboundedReceiver<PeerEvent>,
+    timeout: Duration,
+    startup_timeout: Duration,
+}
+
+impl fmt::Debug for Listening {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Listening")
+            .field("task", &self.task)
+            .field("local_addr", &self.rendezvous.local_addr())
+            .finish()
+    }
+}
+
+impl Listening {
+    /// The address the data plane listens on (the real port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.rendezvous.local_addr()
+    }
+
+    /// Connects to every other task of `cluster`, retrying until the startup timeout.
+    pub async fn join(self, cluster: &ClusterSpec) -> Result<Node, JobError> {
+        if cluster.num_tasks("worker") == 0 {
+            return Err(JobError::Setup(
+                "the cluster has no `worker` job: worker 0 is the chief".into(),
+            ));
+        }
+        let task = self.task;
+        let peers: Vec<(String, String)> = cluster
+            .jobs()
+            .flat_map(|job| {
+                cluster
+                    .tasks(job)
+                    .map(move |(i, addr)| (task_name(job, i), addr.to_string()))
+            })
+            .filter(|(name, _)| *name != task)
+            .collect();
+        if peers.len() + 1 != cluster.task_names().len() {
+            return Err(JobError::Setup(format!(
+                "task {task} is not in the cluster (tasks: {})",
+                cluster.task_names().join(", ")
+            )));
+        }
+        connect_all(&self.rendezvous, &peers, self.startup_timeout).await?;
+        Ok(Node {
+            chief: task_name("worker", 0),
+            peers: peers.into_iter().map(|(n, _)| n).collect(),
+            task,
+            rendezvous: self.rendezvous,
+            server: self.server,
+            events: self.events,
+            timeout: self.timeout,
+        })
+    }
+}
+
 /// `/job:J/replica:0/task:I`.
 pub fn task_name(job: &str, index: u32) -> String {
     format!("/job:{job}/replica:0/task:{index}")
 }
 
-fn bind_addr(address: &str) -> Result<SocketAddr, JobError> {
+/// The socket address to bind for a cluster address: an IP literal as given, a host name on
+/// every interface.
+pub fn bind_addr(address: &str) -> Result<SocketAddr, JobError> {
     let (host, port) = address
         .rsplit_once(':')
         .ok_or_else(|| JobError::Setup(format!("address `{address}` has no port")))?;
@@ -163,11 +236,25 @@ impl Node {
                 ))
             })?
             .to_string();
-        if opts.cluster.num_tasks("worker") == 0 {
-            return Err(JobError::Setup(
-                "the cluster has no `worker` job: worker 0 is the chief".into(),
-            ));
-        }
+        let host = address
+            .rsplit_once(':')
+            .map(|(h, _)| h.to_string())
+            .unwrap_or_else(|| "127.0.0.1".into());
+        Node::listen(opts, bind_addr(&address)?, &host)
+            .await?
+            .join(&opts.cluster)
+            .await
+    }
+
+    /// Binds this task's data plane at `bind` (port 0: any free port) without knowing the
+    /// cluster yet; `host` is the name the other tasks reach it by. [`Listening::join`]
+    /// connects once the cluster is known (registration learns it after binding).
+    pub async fn listen(
+        opts: &NodeOptions,
+        bind: SocketAddr,
+        host: &str,
+    ) -> Result<Listening, JobError> {
+        let task = task_name(&opts.job, opts.index);
         let config = TcpConfig {
             idle_timeout: opts.timeout,
             frame_timeout: opts.timeout,
@@ -178,44 +265,29 @@ impl Node {
         let rendezvous = plane::bind_with_identity(
             opts.transport,
             &task,
-            bind_addr(&address)?,
+            bind,
             config,
             opts.secret.clone(),
             opts.quic_identity.clone(),
         )
         .await
-        .map_err(|e| JobError::Setup(format!("task {task} cannot listen on {address}: {e}")))?;
+        .map_err(|e| JobError::Setup(format!("task {task} cannot listen on {bind}: {e}")))?;
         let events = rendezvous.subscribe();
         tracing::info!("{task} listening on {}", rendezvous.local_addr());
         let mut server_opts = opts.server.clone();
-        server_opts.host = address
-            .rsplit_once(':')
-            .map(|(h, _)| h.to_string())
-            .unwrap_or_else(|| "127.0.0.1".into());
+        server_opts.host = host.to_string();
         server_opts.secret = opts.secret.clone();
         // Shared memory for the data plane means every task is on this host: collective groups
         // use it too.
         server_opts.shm_collectives = opts.transport == TransportKind::Shm;
         let server = Arc::new(TaskServer::new(&task, rendezvous.clone(), &server_opts)?);
-        let peers: Vec<(String, String)> = opts
-            .cluster
-            .jobs()
-            .flat_map(|job| {
-                opts.cluster
-                    .tasks(job)
-                    .map(move |(i, addr)| (task_name(job, i), addr.to_string()))
-            })
-            .filter(|(name, _)| *name != task)
-            .collect();
-        connect_all(&rendezvous, &peers, opts.startup_timeout).await?;
-        Ok(Node {
-            chief: task_name("worker", 0),
-            peers: peers.into_iter().map(|(n, _)| n).collect(),
+        Ok(Listening {
             task,
             rendezvous,
             server,
             events,
             timeout: opts.timeout,
+            startup_timeout: opts.startup_timeout,
         })
     }
 

@@ -24,7 +24,8 @@ use dflow_graph::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// The version this build speaks; a message of another version is rejected with both numbers.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version 2: receive slots carry the job plan's byte size.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// One control-plane message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -137,7 +138,7 @@ pub struct PartitionDef {
 /// A receive slot: `peer` sends `key` as slot `slot`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RecvSlot {
-    /// Slot id, unique on the receiving task.
+    /// The job plan's global slot id of the pair.
     pub slot: u32,
     /// The sending task.
     pub peer: String,
@@ -147,6 +148,9 @@ pub struct RecvSlot {
     pub dtype: String,
     /// Static shape.
     pub dims: Vec<u64>,
+    /// Bytes per step, as the job plan sized the slot (checked against dtype and dims, and
+    /// against the partition's Recv).
+    pub bytes: u64,
 }
 
 /// An outgoing route: `key` goes to slot `slot` of `peer`.
@@ -344,6 +348,7 @@ mod tests {
                     key: "a;b;g:0".into(),
                     dtype: "f32".into(),
                     dims: vec![64, 32],
+                    bytes: 64 * 32 * 4,
                 }],
                 send_routes: vec![],
                 feeds: vec![FeedBinding {

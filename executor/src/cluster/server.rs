@@ -13,7 +13,7 @@ use crate::run::{compute_pool, run_plans, StepEnv};
 use crate::trace::Tracer;
 use crate::variables::VariableStore;
 use dflow_graph::format::parse_json;
-use dflow_graph::{DType, DeviceName, Graph, Tensor};
+use dflow_graph::{AttrValue, DType, DeviceName, Graph, Tensor};
 use dflow_transport::DataPlane;
 use dflow_transport::{RendezvousError, RendezvousKey};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -93,6 +93,67 @@ pub struct TaskServer {
     running: Mutex<BTreeSet<u64>>,
     /// The collective groups this task joined.
     collectives: Arc<CollectiveHub>,
+    /// The receive slots registered on the data plane, by key.
+    slots: Mutex<BTreeMap<String, RegisteredSlot>>,
+    /// The send routes registered on the data plane: key → (receiving task, slot).
+    routes: Mutex<BTreeMap<String, (String, u32)>>,
+}
+
+/// A receive slot a task registered on its data plane, as the job plan gave it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisteredSlot {
+    /// The plan's global slot id.
+    pub slot: u32,
+    /// The pair's rendezvous key.
+    pub key: String,
+    /// The sending task.
+    pub peer: String,
+    /// Bytes per step.
+    pub bytes: usize,
+}
+
+/// The Send and Recv nodes of a partition whose pair crosses to another task:
+/// `(key, node, bytes per step)`.
+#[derive(Debug, Default)]
+struct CrossTaskEnds {
+    recvs: Vec<(String, String, Option<usize>)>,
+    sends: Vec<(String, String)>,
+}
+
+impl CrossTaskEnds {
+    fn add(&mut self, graph: &Graph, task: &str) {
+        let task_of = |d: &str| DeviceName::parse(d).ok().and_then(|d| d.task_name());
+        for idx in graph.node_indices() {
+            let node = graph.node(idx);
+            if node.op != "Send" && node.op != "Recv" {
+                continue;
+            }
+            let attrs = node.resolved_attrs();
+            let text = |k: &str| match attrs.get(k) {
+                Some(AttrValue::String(s)) => s.to_string(),
+                _ => String::new(),
+            };
+            if matches!(attrs.get("client_terminated"), Some(AttrValue::Bool(true))) {
+                continue;
+            }
+            let (send, recv) = (text("send_device"), text("recv_device"));
+            let (send_task, recv_task) = (task_of(&send), task_of(&recv));
+            if send_task == recv_task {
+                continue;
+            }
+            let key = format!("{send};{recv};{}", text("tensor_name"));
+            if node.op == "Recv" && recv_task.as_deref() == Some(task) {
+                let bytes = node.outputs.first().and_then(|t| {
+                    t.shape
+                        .num_elements()
+                        .and_then(|n| n.checked_mul(t.dtype.size_of()))
+                });
+                self.recvs.push((key, node.name.clone(), bytes));
+            } else if node.op == "Send" && send_task.as_deref() == Some(task) {
+                self.sends.push((key, node.name.clone()));
+            }
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -129,6 +190,8 @@ impl TaskServer {
             updates: AtomicU64::new(0),
             running: Mutex::default(),
             collectives,
+            slots: Mutex::default(),
+            routes: Mutex::default(),
         })
     }
 
@@ -154,6 +217,7 @@ impl TaskServer {
     pub fn register(&self, g: &RegisterGraph) -> Result<(), String> {
         let mut plans = Vec::with_capacity(g.partitions.len());
         let mut variables = Vec::new();
+        let mut ends = CrossTaskEnds::default();
         for p in &g.partitions {
             let device = DeviceName::parse(&p.device)
                 .map_err(|e| format!("partition device `{}`: {e}", p.device))?;
@@ -161,6 +225,7 @@ impl TaskServer {
                 .map_err(|e| format!("partition for {}: {e}", p.device))?;
             let graph = Graph::from_def(&parsed.def)
                 .map_err(|e| format!("partition for {} is invalid: {e}", p.device))?;
+            ends.add(&graph, &self.task);
             for idx in graph.node_indices() {
                 let node = graph.node(idx);
                 if node.op_def().is_variable {
@@ -177,22 +242,22 @@ impl TaskServer {
                 .map_err(|e| format!("compiling the partition for {}: {e}", p.device))?;
             plans.push(Arc::new(plan));
         }
-        for s in &g.recv_slots {
+        let slots = self.check_slots(g, &ends)?;
+        self.check_routes(g, &ends)?;
+        for (s, dtype, dims) in slots {
             let key = Arc::new(RendezvousKey::parse(&s.key).map_err(|e| e.to_string())?);
-            if self.rendezvous.has_recv_slot(&key) {
-                continue; // shared with a graph registered earlier
-            }
-            let dtype: DType = s
-                .dtype
-                .parse()
-                .map_err(|_| format!("slot {}: unknown dtype `{}`", s.slot, s.dtype))?;
-            let dims = dims_usize(&s.dims)?;
             self.rendezvous
-                .register_recv(s.slot, &s.peer, key, dtype, &dims)?;
+                .register_recv(s.slot, &s.peer, key, dtype, &dims)
+                .map_err(|e| format!("pair {}: registering slot {}: {e}", s.key, s.slot))?;
+            lock(&self.slots).insert(s.key.clone(), s);
         }
         for r in &g.send_routes {
+            if lock(&self.routes).contains_key(&r.key) {
+                continue; // routed by a graph registered earlier
+            }
             let key = Arc::new(RendezvousKey::parse(&r.key).map_err(|e| e.to_string())?);
             self.rendezvous.register_send(key, &r.peer, r.slot);
+            lock(&self.routes).insert(r.key.clone(), (r.peer.clone(), r.slot));
         }
         let feeds = g
             .feeds
@@ -220,6 +285,131 @@ impl TaskServer {
             }),
         );
         Ok(())
+    }
+
+    /// Checks `g`'s receive slots against its partitions and the slots registered before: the
+    /// sizes agree (plan, dtype × dims, the Recv's output), every listed slot has a Recv here,
+    /// every cross-task Recv has a slot, and a key keeps its slot id. Returns the new slots to
+    /// register. Every error names the pair.
+    fn check_slots(
+        &self,
+        g: &RegisterGraph,
+        ends: &CrossTaskEnds,
+    ) -> Result<Vec<(RegisteredSlot, DType, Vec<usize>)>, String> {
+        let registered = lock(&self.slots).clone();
+        let mut new = Vec::new();
+        let mut listed = BTreeSet::new();
+        for s in &g.recv_slots {
+            let pair = |msg: String| format!("task {}: pair {}: {msg}", self.task, s.key);
+            let dtype: DType = s
+                .dtype
+                .parse()
+                .map_err(|_| pair(format!("slot {}: unknown dtype `{}`", s.slot, s.dtype)))?;
+            let dims = dims_usize(&s.dims).map_err(pair)?;
+            let size = dims
+                .iter()
+                .try_fold(dtype.size_of(), |a, &d| a.checked_mul(d))
+                .ok_or_else(|| pair(format!("slot {}: {dtype}{dims:?} overflows", s.slot)))?;
+            let bytes = usize::try_from(s.bytes).map_err(|e| pair(e.to_string()))?;
+            if size != bytes {
+                return Err(pair(format!(
+                    "the plan sizes slot {} at {bytes} bytes, but {dtype}{dims:?} is {size} bytes",
+                    s.slot
+                )));
+            }
+            let Some((_, node, recv_bytes)) = ends.recvs.iter().find(|(k, _, _)| *k == s.key)
+            else {
+                return Err(pair(format!(
+                    "the plan gives this task slot {}, but none of its partitions receives the pair",
+                    s.slot
+                )));
+            };
+            if *recv_bytes != Some(bytes) {
+                return Err(pair(format!(
+                    "Recv `{node}` takes {recv_bytes:?} bytes, the plan's slot {} has {bytes}",
+                    s.slot
+                )));
+            }
+            listed.insert(s.key.as_str());
+            let slot = RegisteredSlot {
+                slot: s.slot,
+                key: s.key.clone(),
+                peer: s.peer.clone(),
+                bytes,
+            };
+            match registered.get(&s.key) {
+                Some(old) if *old != slot => {
+                    return Err(pair(format!(
+                        "registered earlier as slot {} ({} bytes from {}), the plan now says slot {} ({bytes} bytes from {})",
+                        old.slot, old.bytes, old.peer, s.slot, s.peer
+                    )))
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(other) = registered.values().find(|o| o.slot == s.slot) {
+                        return Err(pair(format!(
+                            "slot {} is already pair {}'s",
+                            s.slot, other.key
+                        )));
+                    }
+                    new.push((slot, dtype, dims));
+                }
+            }
+        }
+        for (key, node, _) in &ends.recvs {
+            if !listed.contains(key.as_str()) && !registered.contains_key(key) {
+                return Err(format!(
+                    "task {}: pair {key}: Recv `{node}` receives from another task, but the plan lists no slot for it",
+                    self.task
+                ));
+            }
+        }
+        Ok(new)
+    }
+
+    /// Checks `g`'s send routes against its partitions' cross-task Sends (both ways).
+    fn check_routes(&self, g: &RegisterGraph, ends: &CrossTaskEnds) -> Result<(), String> {
+        let routed = lock(&self.routes).clone();
+        for r in &g.send_routes {
+            if !ends.sends.iter().any(|(k, _)| *k == r.key) {
+                return Err(format!(
+                    "task {}: pair {}: the plan routes it to slot {} of {}, but none of this task's partitions sends it",
+                    self.task, r.key, r.slot, r.peer
+                ));
+            }
+            if let Some((peer, slot)) = routed.get(&r.key) {
+                if (peer, *slot) != (&r.peer, r.slot) {
+                    return Err(format!(
+                        "task {}: pair {}: routed earlier to slot {slot} of {peer}, the plan now says slot {} of {}",
+                        self.task, r.key, r.slot, r.peer
+                    ));
+                }
+            }
+        }
+        for (key, node) in &ends.sends {
+            if !routed.contains_key(key) && !g.send_routes.iter().any(|r| r.key == *key) {
+                return Err(format!(
+                    "task {}: pair {key}: Send `{node}` sends to another task, but the plan lists no route for it",
+                    self.task
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The receive slots this task registered on its data plane, in slot order.
+    pub fn registered_slots(&self) -> Vec<RegisteredSlot> {
+        let mut v: Vec<RegisteredSlot> = lock(&self.slots).values().cloned().collect();
+        v.sort_by_key(|s| s.slot);
+        v
+    }
+
+    /// The send routes this task registered: `(key, receiving task, slot)`, in key order.
+    pub fn registered_routes(&self) -> Vec<(String, String, u32)> {
+        lock(&self.routes)
+            .iter()
+            .map(|(k, (p, s))| (k.clone(), p.clone(), *s))
+            .collect()
     }
 
     fn load_data(&self, spec: &DataSpec) -> Result<(), String> {

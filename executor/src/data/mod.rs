@@ -26,6 +26,7 @@
 mod csv;
 mod npy;
 mod safetensors;
+pub mod text;
 
 pub use self::csv::read_csv;
 pub use self::npy::read_npy;

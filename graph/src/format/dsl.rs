@@ -581,7 +581,7 @@ fn train_block(i: &mut Input<'_>) -> ModalResult<(usize, Vec<SpecField>)> {
         let Some(k) = opt(ident).parse_next(i)? else {
             return expected(
                 i,
-                &["train field (loss, optimizer, clip_global_norm, metrics)"],
+                &["train field (loss, optimizer, clip_global_norm, metrics, lr_schedule, data)"],
             );
         };
         token(i, ":")?;
@@ -589,7 +589,7 @@ fn train_block(i: &mut Input<'_>) -> ModalResult<(usize, Vec<SpecField>)> {
         let at = i.location();
         let v = match k {
             "loss" => tensor_ref(i)?,
-            "optimizer" => optimizer(i)?,
+            "optimizer" | "lr_schedule" | "data" => optimizer(i)?,
             "metrics" => {
                 token(i, "[")?;
                 let mut items = vec![];
@@ -766,7 +766,32 @@ fn write_train(out: &mut String, t: &crate::train::TrainSpec) {
         }
         out.push(']');
     }
+    if let Some(schedule) = &t.lr_schedule {
+        out.push_str(", lr_schedule: ");
+        write_call(out, &crate::train::schedule_to_json(schedule));
+    }
+    if let Some(data) = &t.data {
+        out.push_str(", data: ");
+        write_call(out, &crate::train::data_to_json(data));
+    }
     out.push_str(" }\n");
+}
+
+/// `{"type": NAME, k: v, ...}` as `NAME(k: v, ...)` (the form `optimizer` parses).
+fn write_call(out: &mut String, v: &Value) {
+    let Some(obj) = v.as_object() else {
+        return write_value(out, v);
+    };
+    let name = obj.get("type").and_then(Value::as_str).unwrap_or_default();
+    let _ = write!(out, "{name}(");
+    for (i, (k, v)) in obj.iter().filter(|(k, _)| *k != "type").enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        let _ = write!(out, "{k}: ");
+        write_value(out, v);
+    }
+    out.push(')');
 }
 
 fn write_string(out: &mut String, s: &str) {

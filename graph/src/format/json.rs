@@ -684,6 +684,14 @@ pub fn to_json(def: &GraphDef) -> String {
             out.push_str(",\n    \"metrics\": ");
             write_string_list(&mut out, &t.metrics);
         }
+        if let Some(schedule) = &t.lr_schedule {
+            out.push_str(",\n    \"lr_schedule\": ");
+            write_inline(&mut out, &crate::train::schedule_to_json(schedule));
+        }
+        if let Some(data) = &t.data {
+            out.push_str(",\n    \"data\": ");
+            write_inline(&mut out, &crate::train::data_to_json(data));
+        }
         out.push_str("\n  }");
     }
     out.push_str("\n}\n");

@@ -1,7 +1,7 @@
 use super::*;
 use crate::def::FORMAT_VERSION;
 use crate::ops::AttrDefault;
-use crate::train::{OptimizerKind, OptimizerSpec, TrainSpec};
+use crate::train::{DataSpec, LrSchedule, OptimizerKind, OptimizerSpec, TrainSpec};
 use crate::{DType, Shape, Tensor};
 use proptest::prelude::*;
 
@@ -551,6 +551,8 @@ const TRAIN_JSON: &str = r#"{"format": "dflow-graph", "version": 1, "nodes": [
 #[test]
 fn train_section_reads_in_both_formats() {
     let want = TrainSpec {
+        lr_schedule: None,
+        data: None,
         loss: "x".into(),
         optimizer: OptimizerSpec {
             kind: OptimizerKind::Adam {
@@ -592,11 +594,11 @@ fn train_section_reads_in_both_formats() {
 
 #[test]
 fn train_section_errors_point_at_the_value() {
-    let bad = TRAIN_JSON.replace("\"adam\"", "\"adamw\"");
+    let bad = TRAIN_JSON.replace("\"adam\"", "\"adamax\"");
     let e = parse_json(&bad, None).unwrap_err();
     assert_eq!(e.0.len(), 1, "{e}");
     assert!(
-        e.0[0].message.contains("unknown optimizer \"adamw\""),
+        e.0[0].message.contains("unknown optimizer \"adamax\""),
         "{e}"
     );
     assert_eq!(e.0[0].line, 3, "{e}");
@@ -742,7 +744,22 @@ fn train_strategy() -> impl Strategy<Value = Option<TrainSpec>> {
                 epsilon,
             }
         }),
+        (0.0f64..1.0, 0.0f64..1.0, positive(), 0.0f64..1.0).prop_map(
+            |(beta1, beta2, epsilon, weight_decay)| OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                epsilon,
+                weight_decay,
+            }
+        ),
     ];
+    let schedule = (0u64..200, 0u64..5000, 0.0f64..1.0);
+    let data = proptest::option::of((
+        1usize..512,
+        tensor_name_strategy(),
+        tensor_name_strategy(),
+        0.0f64..0.5,
+    ));
     proptest::option::of(
         (
             tensor_name_strategy(),
@@ -750,13 +767,34 @@ fn train_strategy() -> impl Strategy<Value = Option<TrainSpec>> {
             positive(),
             proptest::option::of(positive()),
             proptest::collection::vec(tensor_name_strategy(), 0..3),
+            schedule,
+            data,
         )
-            .prop_map(|(loss, kind, lr, clip_global_norm, metrics)| TrainSpec {
-                loss,
-                optimizer: OptimizerSpec { kind, lr },
-                clip_global_norm,
-                metrics,
-            }),
+            .prop_map(
+                |(loss, kind, lr, clip_global_norm, metrics, (warmup, decay, min_frac), data)| {
+                    // A schedule needs a step-counting optimizer and decay > warmup (or 0).
+                    let lr_schedule = kind.counts_steps().then_some(LrSchedule {
+                        warmup_steps: warmup,
+                        decay_steps: if decay > warmup { decay } else { 0 },
+                        min_lr: lr * min_frac,
+                    });
+                    TrainSpec {
+                        loss,
+                        optimizer: OptimizerSpec { kind, lr },
+                        clip_global_norm,
+                        metrics,
+                        lr_schedule,
+                        data: data.map(|(block_size, inputs, targets, val_fraction)| {
+                            DataSpec::CharWindows {
+                                block_size,
+                                inputs,
+                                targets,
+                                val_fraction,
+                            }
+                        }),
+                    }
+                },
+            ),
     )
 }
 

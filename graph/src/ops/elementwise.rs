@@ -25,6 +25,15 @@ pub type Alloc<'a> = &'a OutputAlloc<'a>;
 /// Fresh memory (the default [`Alloc`]).
 pub const FRESH: OutputAlloc<'static> = OutputAlloc::FRESH;
 
+/// Elements per task when a kernel splits its work over the current rayon pool (the compute
+/// pool inside the executor): below this a kernel runs as one task.
+pub const PAR_CHUNK: usize = 1 << 14;
+
+/// Rows of `c` elements per parallel task (at least one).
+pub fn rows_per_task(c: usize) -> usize {
+    (PAR_CHUNK / c.max(1)).max(1)
+}
+
 /// A fresh zero-filled tensor.
 #[inline]
 pub fn fresh(dtype: DType, dims: &[usize]) -> Result<Tensor, String> {
@@ -165,6 +174,47 @@ pub fn attr_ints(init: &KernelInit<'_>, name: &str) -> Result<Vec<i64>, String> 
         v => Err(format!("attribute `{name}` is {}, not list(int)", v.ty())),
     }
 }
+
+/// An int attribute.
+pub fn attr_int(init: &KernelInit<'_>, name: &str) -> Result<i64, String> {
+    match init.attr(name)? {
+        crate::AttrValue::Int(v) => Ok(*v),
+        v => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+    }
+}
+
+/// A float attribute.
+pub fn attr_float(init: &KernelInit<'_>, name: &str) -> Result<f64, String> {
+    match init.attr(name)? {
+        crate::AttrValue::Float(v) => Ok(*v),
+        v => Err(format!("attribute `{name}` is {}, not float", v.ty())),
+    }
+}
+
+/// A string attribute.
+pub fn attr_str(init: &KernelInit<'_>, name: &str) -> Result<String, String> {
+    match init.attr(name)? {
+        crate::AttrValue::String(v) => Ok(v.to_string()),
+        v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
+    }
+}
+
+/// Calls `$f::<T>(args)` with `T` the element type of `$dtype` (every dtype), for kernels that
+/// only move elements (Transpose, Split, Concat, Gather).
+macro_rules! dispatch_any {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            $crate::DType::F32 => $f::<f32>($($arg),*),
+            $crate::DType::F64 => $f::<f64>($($arg),*),
+            $crate::DType::I32 => $f::<i32>($($arg),*),
+            $crate::DType::I64 => $f::<i64>($($arg),*),
+            $crate::DType::Bool => $f::<u8>($($arg),*),
+            $crate::DType::BF16 => $f::<half::bf16>($($arg),*),
+            $crate::DType::F16 => $f::<half::f16>($($arg),*),
+        }
+    };
+}
+pub(crate) use dispatch_any;
 
 /// A dtype attribute.
 pub fn attr_dtype(init: &KernelInit<'_>, name: &str) -> Result<DType, String> {

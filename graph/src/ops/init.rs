@@ -6,7 +6,7 @@
 //! | `ones`           | 1 (any dtype; `true` for bool)                                    |
 //! | `constant`       | the `init_value` attribute (any dtype: truncated for ints, ≠ 0 for bool) |
 //! | `uniform`        | U[−0.05, 0.05) (Keras `RandomUniform` default)                    |
-//! | `normal`         | N(0, 0.05²) (Keras `RandomNormal` default)                        |
+//! | `normal`         | N(0, σ²), σ the `stddev` attribute (default 0.05, Keras `RandomNormal`'s) |
 //! | `glorot_uniform` | U[−l, l), l = √(6 / (fan_in + fan_out))                           |
 //! | `glorot_normal`  | N(0, σ²) truncated at ±2σ, σ = √(2 / (fan_in + fan_out)) / 0.8796…|
 //! | `he_uniform`     | U[−l, l), l = √(6 / fan_in)                                       |
@@ -153,6 +153,23 @@ pub fn initial_value(
     node: &str,
     constant: f64,
 ) -> Result<Tensor, String> {
+    initial_value_with_stddev(init, dtype, dims, seed, node, constant, DEFAULT_STDDEV)
+}
+
+/// The default standard deviation of the `normal` initializer (Keras `RandomNormal`'s).
+pub const DEFAULT_STDDEV: f64 = 0.05;
+
+/// [`initial_value`] with the standard deviation of the `normal` initializer (GPT-2 and nanoGPT
+/// draw their weights from N(0, 0.02²)).
+pub fn initial_value_with_stddev(
+    init: Initializer,
+    dtype: DType,
+    dims: &[usize],
+    seed: i64,
+    node: &str,
+    constant: f64,
+    stddev: f64,
+) -> Result<Tensor, String> {
     enum Dist {
         Uniform(f64),
         Normal(f64),
@@ -164,7 +181,7 @@ pub fn initial_value(
         Initializer::Ones => return ones(dtype, dims),
         Initializer::Constant => return filled(dtype, dims, constant),
         Initializer::Uniform => Dist::Uniform(0.05),
-        Initializer::Normal => Dist::Normal(0.05),
+        Initializer::Normal => Dist::Normal(stddev),
         Initializer::GlorotUniform => Dist::Uniform((6.0 / (fan_in + fan_out)).sqrt()),
         Initializer::GlorotNormal => {
             Dist::Truncated((2.0 / (fan_in + fan_out)).sqrt() / TRUNCATED_STD)
@@ -260,6 +277,27 @@ mod tests {
         assert!(v.iter().all(|x| x.abs() <= 2.0 * s + 1e-12));
         let var = v.iter().map(|x| x * x).sum::<f64>() / v.len() as f64;
         assert!((var / (2.0 / 100.0) - 1.0).abs() < 0.1, "{var}");
+    }
+
+    #[test]
+    fn normal_draws_with_the_given_stddev() {
+        let t = initial_value_with_stddev(
+            Initializer::Normal,
+            DType::F64,
+            &[200, 100],
+            1,
+            "w",
+            0.0,
+            0.02,
+        )
+        .unwrap();
+        let v = t.to_f64_vec();
+        let var = v.iter().map(|x| x * x).sum::<f64>() / v.len() as f64;
+        assert!((var.sqrt() / 0.02 - 1.0).abs() < 0.02, "{}", var.sqrt());
+        // The default is Keras's 0.05, and the draws are the same numbers scaled.
+        let d = initial_value(Initializer::Normal, DType::F64, &[200, 100], 1, "w", 0.0).unwrap();
+        let scaled = d.to_f64_vec()[0] * 0.02 / DEFAULT_STDDEV;
+        assert!((scaled - v[0]).abs() < 1e-15);
     }
 
     #[test]

@@ -275,9 +275,10 @@ fn mat_mul() -> OpDef {
     .kernel("CPU", mat_mul_factory)
 }
 
-/// MatMul's kernel: the transpose flags are read once. `f32`/`f64` run on `matrixmultiply`
-/// (through `ndarray`, single-threaded; transposes are stride changes, never copies); `i32`/`i64`
-/// use `ndarray`'s generic product with wrapping arithmetic; `bf16`/`f16` compute in `f32`.
+/// MatMul's kernel: the transpose flags are read once. `f32`/`f64` run on [`super::gemm`]
+/// (SIMD, split over the current rayon pool for large products; transposes are stride changes,
+/// never copies); `i32`/`i64` use `ndarray`'s generic product with wrapping arithmetic;
+/// `bf16`/`f16` compute in `f32`.
 #[derive(Debug)]
 struct MatMulKernel {
     transpose_a: bool,
@@ -314,27 +315,21 @@ fn mat_mul_into<T: ndarray::LinalgScalar>(
     Ok(())
 }
 
-fn mat_mul_typed<T: Element + ndarray::LinalgScalar>(
+fn mat_mul_typed<T: Element + super::gemm::GemmScalar>(
     alloc: Alloc<'_>,
     a: &Tensor,
     b: &Tensor,
     flags: (bool, bool),
     mn: (usize, usize),
 ) -> Result<Tensor, String> {
+    use super::gemm::{matmul, MatView, Threads};
     let (ad, bd) = ((a.dims()[0], a.dims()[1]), (b.dims()[0], b.dims()[1]));
-    // The product overwrites `out` (beta = 0), so memory with old values is fine.
+    // The product overwrites `out`, so memory with old values is fine.
     let mut out = alloc.tensor(T::DTYPE, &[mn.0, mn.1])?;
     let o = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
-    mat_mul_into(
-        slice::<T>(a)?,
-        ad,
-        flags.0,
-        slice::<T>(b)?,
-        bd,
-        flags.1,
-        o,
-        mn,
-    )?;
+    let av = MatView::row_major(slice::<T>(a)?, 0, ad, flags.0);
+    let bv = MatView::row_major(slice::<T>(b)?, 0, bd, flags.1);
+    matmul(av, bv, o, Threads::Pool).map_err(|e| format!("MatMul: {e}"))?;
     Ok(out)
 }
 

@@ -10,19 +10,24 @@ use std::fmt;
 use std::sync::OnceLock;
 
 pub mod array;
+pub mod batch_matmul;
 pub mod broadcast;
 pub mod collective;
 pub mod elementwise;
+pub mod embedding;
+pub mod gemm;
 pub mod grad;
 pub mod init;
 pub mod math;
 pub mod nn;
 pub mod reduce;
+pub mod shape;
 pub mod state;
 pub mod testing;
 pub mod tf_compat;
 pub mod train;
 pub mod transfer;
+pub mod transformer;
 
 /// One input or output of an op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +38,9 @@ pub struct ArgDef {
     /// Reference edges force colocation and never become Send/Recv pairs.
     pub is_ref: bool,
     /// Repeated: the op takes any number (≥ 1) of inputs here. Only the last input may be repeated.
+    /// On an output: the shape rule decides how many outputs the node has (≥ 1 here, e.g. from
+    /// an attribute such as `Split`'s `num_split`); only the last output may be repeated, and
+    /// consumers' output indices are checked against the inferred count.
     pub variadic: bool,
 }
 
@@ -228,6 +236,14 @@ impl InferCtx<'_> {
         }
     }
 
+    /// A string attribute.
+    pub fn string(&self, name: &str) -> Result<&str, String> {
+        match self.attr(name)? {
+            AttrValue::String(v) => Ok(v),
+            v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
+        }
+    }
+
     /// An int-list attribute.
     pub fn ints(&self, name: &str) -> Result<&[i64], String> {
         match self.attr(name)? {
@@ -347,6 +363,21 @@ impl OpDef {
     pub fn is_variadic(&self) -> bool {
         self.inputs.last().is_some_and(|a| a.variadic)
     }
+
+    /// True when the last output is repeated (the shape rule decides the output count).
+    pub fn has_variadic_output(&self) -> bool {
+        self.outputs.last().is_some_and(|a| a.variadic)
+    }
+
+    /// Whether a shape rule's `n` outputs fit the declaration: exactly the declared count, or,
+    /// with a repeated last output, at least that many.
+    pub fn output_count_ok(&self, n: usize) -> bool {
+        if self.has_variadic_output() {
+            n >= self.outputs.len()
+        } else {
+            n == self.outputs.len()
+        }
+    }
 }
 
 /// All known ops, by name.
@@ -406,11 +437,19 @@ pub fn registry() -> &'static OpRegistry {
         train::register(&mut r);
         tf_compat::register(&mut r);
         collective::register(&mut r);
+        shape::register(&mut r);
+        embedding::register(&mut r);
+        batch_matmul::register(&mut r);
+        transformer::register(&mut r);
         state::gradients::register_gradients(&mut r);
         math::gradients::register_gradients(&mut r);
         nn::gradients::register_gradients(&mut r);
         reduce::gradients::register_gradients(&mut r);
         array::gradients::register_gradients(&mut r);
+        shape::gradients::register_gradients(&mut r);
+        embedding::gradients::register_gradients(&mut r);
+        batch_matmul::gradients::register_gradients(&mut r);
+        transformer::gradients::register_gradients(&mut r);
         r
     })
 }
@@ -449,6 +488,13 @@ mod tests {
                 assert!(
                     !a.variadic || i + 1 == op.inputs.len(),
                     "{}: only the last input may repeat",
+                    op.name
+                );
+            }
+            for (i, a) in op.outputs.iter().enumerate() {
+                assert!(
+                    !a.variadic || i + 1 == op.outputs.len(),
+                    "{}: only the last output may repeat",
                     op.name
                 );
             }

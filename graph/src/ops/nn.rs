@@ -1,17 +1,19 @@
-//! Neural-network ops: BiasAdd, Relu, Sigmoid, Tanh, Softmax, SparseSoftmaxCrossEntropyWithLogits,
-//! and the gradient helpers autodiff emits: ReluGrad, SigmoidGrad, TanhGrad, BiasAddGrad.
+//! Neural-network ops: BiasAdd, Relu, Sigmoid, Tanh, Softmax (optionally causal),
+//! SparseSoftmaxCrossEntropyWithLogits, and the gradient helpers autodiff emits: ReluGrad,
+//! SigmoidGrad, TanhGrad, BiasAddGrad, SoftmaxGrad.
 //!
 //! Only the NHWC layout exists (the channel/bias dimension is the last one), so TensorFlow's
 //! `data_format` attribute is not declared. Each op lives in its own delimited block below.
 
 use super::elementwise::{
-    float_unary, from_f32, new_tensor, num_binary, same_shape, slice, stateless, to_f32,
-    unsupported, Real,
+    attr_bool, float_unary, from_f32, new_tensor, num_binary, rows_per_task, same_shape, slice,
+    stateless, to_f32, unsupported, Real,
 };
 use super::math::{require_numeric, require_same, unary_float};
 use super::*;
 use crate::kernel::KernelContext;
 use crate::Element;
+use rayon::prelude::*;
 
 pub(crate) fn register(r: &mut OpRegistry) {
     r.add(bias_add());
@@ -19,6 +21,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
     r.add(sigmoid());
     r.add(tanh());
     r.add(softmax());
+    r.add(softmax_grad());
     r.add(sparse_softmax_cross_entropy_with_logits());
     r.add(relu_grad());
     r.add(sigmoid_grad());
@@ -189,56 +192,154 @@ fn softmax() -> OpDef {
     OpDef::new(
         "Softmax",
         "softmax = exp(logits) / sum(exp(logits)) over the last dimension. In: logits (rank >= 1, \
-         float). Out: softmax, same type.",
+         float; rank >= 2 when causal). Out: softmax, same type. Attrs: causal (bool, default \
+         false): over the last two dims [.., T, S], element (i, j) with j > i + (S - T) is \
+         excluded (probability exactly 0; a row with nothing left is all 0).",
         |ctx| {
             let logits = ctx.input(0)?;
             require_float("Softmax: logits", logits)?;
-            require_min_rank("Softmax", "logits", logits, 1)?;
+            let causal = ctx.bool("causal")?;
+            require_min_rank("Softmax", "logits", logits, if causal { 2 } else { 1 })?;
             Ok(vec![logits.clone()])
         },
     )
     .inputs([arg("logits")])
     .outputs([arg("softmax")])
-    .kernel("CPU", |_| stateless(softmax_kernel))
+    .attrs([attr_or("causal", AttrType::Bool, AttrDefault::Bool(false))])
+    .kernel("CPU", |init| {
+        Ok(Box::new(SoftmaxKernel {
+            causal: attr_bool(init, "causal")?,
+        }))
+    })
 }
 
-/// Softmax over the last axis, stable: each row is shifted by its maximum before `exp`.
-fn softmax_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
-    let x = ctx.input(0)?;
-    let Some(&c) = x.dims().last() else {
+#[derive(Debug)]
+struct SoftmaxKernel {
+    causal: bool,
+}
+
+/// Softmax over the last axis, stable: each row is shifted by its maximum before `exp`. With
+/// `causal`, row r of a [.., T, S] input sees only its first `(r mod T) + 1 + S − T` entries
+/// (clamped to [0, S]); the rest are 0.
+fn softmax_rows<T: Real>(x: &Tensor, causal: bool) -> Result<Tensor, String> {
+    let dims = x.dims();
+    let c = dims.last().copied().unwrap_or(0);
+    let t = if causal { dims[dims.len() - 2] } else { 0 };
+    let xs = slice::<T>(x)?;
+    let per = rows_per_task(c);
+    new_tensor(x.dims(), |out: &mut [T]| {
+        if c == 0 {
+            return;
+        }
+        out.par_chunks_mut(per * c)
+            .zip(xs.par_chunks(per * c))
+            .enumerate()
+            .for_each(|(task, (out, xs))| {
+                for (k, (o, r)) in out.chunks_mut(c).zip(xs.chunks(c)).enumerate() {
+                    let row = task * per + k;
+                    let visible = if causal {
+                        // j <= i + (S - T)  <=>  j < i + 1 + S - T.
+                        ((row % t) + 1 + c).saturating_sub(t).min(c)
+                    } else {
+                        c
+                    };
+                    let (o, r) = (&mut o[..visible], &r[..visible]);
+                    let m = r
+                        .iter()
+                        .fold(T::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+                    let mut s = T::ZERO;
+                    for (o, &v) in o.iter_mut().zip(r) {
+                        *o = (v - m).exp();
+                        s = s + *o;
+                    }
+                    for o in o.iter_mut() {
+                        *o = *o / s;
+                    }
+                }
+            });
+    })
+}
+
+impl crate::kernel::Kernel for SoftmaxKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let min_rank = if self.causal { 2 } else { 1 };
+        if x.rank() < min_rank {
+            return Err(format!(
+                "Softmax: logits must have rank >= {min_rank}, got shape {}",
+                x.shape()
+            ));
+        }
+        let causal = self.causal;
+        let y = match x.dtype() {
+            DType::F32 => softmax_rows::<f32>(x, causal),
+            DType::F64 => softmax_rows::<f64>(x, causal),
+            d @ (DType::BF16 | DType::F16) => {
+                from_f32(&softmax_rows::<f32>(&to_f32(x)?, causal)?, d)
+            }
+            d => Err(unsupported("Softmax", d)),
+        }?;
+        ctx.set_output(0, y)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SoftmaxGrad
+// ---------------------------------------------------------------------------------------------
+
+fn softmax_grad() -> OpDef {
+    OpDef::new(
+        "SoftmaxGrad",
+        "dx = y * (dy - sum(dy * y, last axis)), the gradient of Softmax given its output y \
+         (masked entries of a causal softmax have y = 0 and get 0). In: dy, y (same float dtype \
+         and shape). Out: dx.",
+        |ctx| grad_pair("SoftmaxGrad", ("dy", "y"), ctx),
+    )
+    .inputs([arg("dy"), arg("y")])
+    .outputs([arg("dx")])
+    .kernel("CPU", |_| stateless(softmax_grad_kernel))
+}
+
+fn softmax_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (dy, y) = (ctx.input(0)?, ctx.input(1)?);
+    same_shape("SoftmaxGrad", ("dy", dy), ("y", y))?;
+    if dy.dtype() != y.dtype() || y.rank() == 0 {
         return Err(format!(
-            "Softmax: logits must have rank >= 1, got shape {}",
-            x.shape()
+            "SoftmaxGrad: dy {}{} and y {}{} must share a float dtype and have rank >= 1",
+            dy.dtype(),
+            dy.shape(),
+            y.dtype(),
+            y.shape()
         ));
-    };
-    fn rows<T: Real>(x: &Tensor, c: usize) -> Result<Tensor, String> {
-        let xs = slice::<T>(x)?;
-        new_tensor(x.dims(), |out: &mut [T]| {
+    }
+    fn rows<T: Real>(dy: &Tensor, y: &Tensor) -> Result<Tensor, String> {
+        let c = y.dims().last().copied().unwrap_or(0);
+        let (ds, ys) = (slice::<T>(dy)?, slice::<T>(y)?);
+        let n = rows_per_task(c) * c.max(1);
+        new_tensor(y.dims(), |out: &mut [T]| {
             if c == 0 {
                 return;
             }
-            for (o, r) in out.chunks_mut(c).zip(xs.chunks(c)) {
-                let m = r
-                    .iter()
-                    .fold(T::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-                let mut s = T::ZERO;
-                for (o, &v) in o.iter_mut().zip(r) {
-                    *o = (v - m).exp();
-                    s = s + *o;
-                }
-                for o in o.iter_mut() {
-                    *o = *o / s;
-                }
-            }
+            out.par_chunks_mut(n)
+                .zip(ds.par_chunks(n))
+                .zip(ys.par_chunks(n))
+                .for_each(|((out, ds), ys)| {
+                    for ((o, d), yr) in out.chunks_mut(c).zip(ds.chunks(c)).zip(ys.chunks(c)) {
+                        let s = d.iter().zip(yr).fold(T::ZERO, |s, (&a, &b)| s + a * b);
+                        for ((o, &a), &b) in o.iter_mut().zip(d).zip(yr) {
+                            *o = b * (a - s);
+                        }
+                    }
+                });
         })
     }
-    let y = match x.dtype() {
-        DType::F32 => rows::<f32>(x, c),
-        DType::F64 => rows::<f64>(x, c),
-        d @ (DType::BF16 | DType::F16) => from_f32(&rows::<f32>(&to_f32(x)?, c)?, d),
-        d => Err(unsupported("Softmax", d)),
+    let dx = match y.dtype() {
+        DType::F32 => rows::<f32>(dy, y),
+        DType::F64 => rows::<f64>(dy, y),
+        d @ (DType::BF16 | DType::F16) => from_f32(&rows::<f32>(&to_f32(dy)?, &to_f32(y)?)?, d),
+        d => Err(unsupported("SoftmaxGrad", d)),
     }?;
-    ctx.set_output(0, y)
+    ctx.set_output(0, dx)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -666,22 +767,10 @@ pub(crate) mod gradients {
         r.set_gradient("SparseSoftmaxCrossEntropyWithLogits", sparse_xent_grad);
     }
 
+    /// The fused SoftmaxGrad: y * (dy - Σ_last(dy * y)); also right for a causal softmax.
     fn softmax_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
-        // dx = (dy - Σ_last(dy * y)) * y
         let dy = only_dy(dys)?;
-        let y = f.output(0);
-        let dy_y = b.binary("Mul", "dy_y", dy, &y);
-        let sum = b.op(
-            "Sum",
-            "sum_dy_y",
-            &[&dy_y],
-            &[
-                ("axes", AttrValue::IntList(vec![-1])),
-                ("keep_dims", AttrValue::Bool(true)),
-            ],
-        );
-        let diff = b.binary("Sub", "dy_minus_sum", dy, &sum);
-        Ok(vec![Some(b.binary("Mul", "dx", &diff, &y))])
+        Ok(vec![Some(b.binary("SoftmaxGrad", "dx", dy, &f.output(0)))])
     }
 
     fn sparse_xent_grad(

@@ -1,7 +1,7 @@
 //! Sources, sinks and state: Const, Placeholder, Variable, Identity, NoOp.
 
 use super::elementwise::stateless;
-use super::init::{initial_value, Initializer};
+use super::init::{initial_value_with_stddev, Initializer};
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
@@ -56,6 +56,11 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("initializer", AttrType::String, AttrDefault::Str("zeros")),
             attr_or("init_value", AttrType::Float, AttrDefault::Float(0.0)),
             attr_or("seed", AttrType::Int, AttrDefault::Int(0)),
+            attr_or(
+                "stddev",
+                AttrType::Float,
+                AttrDefault::Float(super::init::DEFAULT_STDDEV),
+            ),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -118,6 +123,7 @@ struct VariableKernel {
     initializer: Initializer,
     seed: i64,
     init_value: f64,
+    stddev: f64,
 }
 
 fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
@@ -143,6 +149,14 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         AttrValue::Float(x) => *x,
         v => return Err(format!("attribute `init_value` is {}, not float", v.ty())),
     };
+    let stddev = match init.attr("stddev")? {
+        AttrValue::Float(x) if x.is_finite() && *x >= 0.0 => *x,
+        v => {
+            return Err(format!(
+                "attribute `stddev` must be a float >= 0, got {v:?}"
+            ))
+        }
+    };
     Ok(Box::new(VariableKernel {
         node: init.node.to_string(),
         dtype,
@@ -150,6 +164,7 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         initializer,
         seed,
         init_value,
+        stddev,
     }))
 }
 
@@ -159,13 +174,14 @@ impl Kernel for VariableKernel {
             if let Some(t) = v {
                 return Ok(t.clone());
             }
-            let t = initial_value(
+            let t = initial_value_with_stddev(
                 self.initializer,
                 self.dtype,
                 &self.dims,
                 self.seed,
                 &self.node,
                 self.init_value,
+                self.stddev,
             )?;
             *v = Some(t.clone());
             Ok(t)

@@ -96,7 +96,8 @@ pub fn run_kernel_with(
 ) -> Result<Vec<Tensor>, String> {
     let attrs = attrs_with_defaults(op, attrs)?;
     let kernel = build_kernel(op, node, &attrs, input_types)?;
-    let n_out = registry().get(op).map_or(0, |d| d.outputs.len());
+    // The shape rule decides the output count (ops with a repeated output, like Split).
+    let n_out = output_count(op, node, &attrs, input_types)?;
     let mut outputs = vec![None; n_out];
     let inputs: Vec<&Tensor> = inputs.iter().collect();
     let mut ctx = KernelContext {
@@ -114,4 +115,23 @@ pub fn run_kernel_with(
         .enumerate()
         .map(|(i, t)| t.ok_or_else(|| format!("{op}: kernel did not set output {i}")))
         .collect()
+}
+
+/// How many outputs node `node` of op `op` has: what its shape rule returns.
+fn output_count(
+    op: &str,
+    node: &str,
+    attrs: &BTreeMap<String, AttrValue>,
+    input_types: &[TensorType],
+) -> Result<usize, String> {
+    let def = registry()
+        .get(op)
+        .ok_or_else(|| format!("unknown op `{op}`"))?;
+    let outs = (def.infer)(&InferCtx {
+        node,
+        inputs: input_types,
+        attrs,
+    })
+    .map_err(|e| format!("shape rule: {e}"))?;
+    Ok(outs.len())
 }

@@ -1,5 +1,9 @@
-//! Optimizer ops: ApplyGradientDescent, ApplyMomentum, ApplyAdam, IncrementStep, and
-//! GlobalNormScale for clipping by global norm, with their CPU kernels.
+//! Optimizer ops: ApplyGradientDescent, ApplyMomentum, ApplyAdam, ApplyAdamW, IncrementStep,
+//! and GlobalNormScale for clipping by global norm, with their CPU kernels.
+//!
+//! ApplyAdam and ApplyAdamW take an optional learning-rate schedule as attributes
+//! (`warmup_steps`, `decay_steps`, `min_lr`; see [`crate::train::lr_at`]), evaluated at the step
+//! count `t` they read, so a schedule costs no extra op or transfer.
 //!
 //! The update ops take their variable (and its optimizer slots) as reference inputs, so they are
 //! placed with the variable — on ps in the parameter-server pattern — and only the gradient
@@ -19,6 +23,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
     r.add(apply_gradient_descent());
     r.add(apply_momentum());
     r.add(apply_adam());
+    r.add(apply_adam_w());
     r.add(increment_step());
     r.add(global_norm_scale());
 }
@@ -262,14 +267,64 @@ fn apply_adam() -> OpDef {
         attr_or("beta1", AttrType::Float, AttrDefault::Float(0.9)),
         attr_or("beta2", AttrType::Float, AttrDefault::Float(0.999)),
         attr_or("epsilon", AttrType::Float, AttrDefault::Float(1e-7)),
+        SCHEDULE_ATTRS[0],
+        SCHEDULE_ATTRS[1],
+        SCHEDULE_ATTRS[2],
     ])
     .stateful()
     .kernel("CPU", AdamKernel::build)
 }
 
+/// The learning-rate schedule attributes of the Adam family (defaults: no schedule).
+const SCHEDULE_ATTRS: [AttrDef; 3] = [
+    attr_or("warmup_steps", AttrType::Int, AttrDefault::Int(0)),
+    attr_or("decay_steps", AttrType::Int, AttrDefault::Int(0)),
+    attr_or("min_lr", AttrType::Float, AttrDefault::Float(0.0)),
+];
+
+/// A base learning rate and its schedule, read from an update op's attributes.
+#[derive(Debug, Clone, Copy)]
+struct ScheduledLr {
+    lr: f64,
+    warmup_steps: u64,
+    decay_steps: u64,
+    min_lr: f64,
+}
+
+impl ScheduledLr {
+    fn from_attrs(init: &KernelInit<'_>) -> Result<Self, String> {
+        let steps = |name: &str| match init.attr(name)? {
+            AttrValue::Int(v) if *v >= 0 => Ok(*v as u64),
+            v => Err(format!("attribute `{name}` must be an int >= 0, got {v:?}")),
+        };
+        Ok(ScheduledLr {
+            lr: float_attr(init, "lr")?,
+            warmup_steps: steps("warmup_steps")?,
+            decay_steps: steps("decay_steps")?,
+            min_lr: float_attr(init, "min_lr")?,
+        })
+    }
+
+    /// The learning rate after `t` steps.
+    fn at(&self, t: f64) -> f64 {
+        let it = if t.is_finite() && t > 0.0 {
+            t as u64
+        } else {
+            0
+        };
+        crate::train::lr_at(
+            self.lr,
+            it,
+            self.warmup_steps,
+            self.decay_steps,
+            self.min_lr,
+        )
+    }
+}
+
 #[derive(Debug)]
 struct AdamKernel {
-    lr: f64,
+    lr: ScheduledLr,
     beta1: f64,
     beta2: f64,
     epsilon: f64,
@@ -278,7 +333,7 @@ struct AdamKernel {
 impl AdamKernel {
     fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         Ok(Box::new(AdamKernel {
-            lr: float_attr(init, "lr")?,
+            lr: ScheduledLr::from_attrs(init)?,
             beta1: float_attr(init, "beta1")?,
             beta2: float_attr(init, "beta2")?,
             epsilon: float_attr(init, "epsilon")?,
@@ -302,7 +357,7 @@ fn adam<T: Real>(
 ) -> Result<(), String> {
     let gs = grad_slice::<T>(g)?;
     let n = step + 1.0;
-    let lr_t = k.lr * (1.0 - k.beta2.powf(n)).sqrt() / (1.0 - k.beta1.powf(n));
+    let lr_t = k.lr.at(step) * (1.0 - k.beta2.powf(n)).sqrt() / (1.0 - k.beta1.powf(n));
     let (lr_t, eps) = (T::from_f64(lr_t), T::from_f64(k.epsilon));
     let (one_b1, one_b2) = (T::from_f64(1.0 - k.beta1), T::from_f64(1.0 - k.beta2));
     let [var, m, v] = cells;
@@ -331,6 +386,127 @@ impl Kernel for AdamKernel {
             ctx.variable_at(2)?,
         ];
         dispatch_real!(g.dtype(), adam(self, cells, step, g))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ApplyAdamW
+// ---------------------------------------------------------------------------------------------
+
+fn apply_adam_w() -> OpDef {
+    OpDef::new(
+        "ApplyAdamW",
+        "AdamW (PyTorch's torch.optim.AdamW) at step n = t + 1 with lr = the scheduled lr of \
+         step t: var *= 1 - lr * weight_decay; m = beta1 m + (1 - beta1) grad; v = beta2 v + \
+         (1 - beta2) grad²; var -= lr * (m / (1 - beta1^n)) / (sqrt(v / (1 - beta2^n)) + \
+         epsilon). In: var, m, v (references to float Variables of one type), t (scalar: steps \
+         taken so far), grad (var's type). No outputs. Attrs: lr (float, required), beta1 \
+         (0.9), beta2 (0.999), epsilon (1e-8), weight_decay (0.01), warmup_steps (0), \
+         decay_steps (0), min_lr (0).",
+        |ctx| {
+            let var = ctx.input(0)?;
+            update_infer(
+                "ApplyAdamW",
+                var,
+                &[
+                    ("m", ctx.input(1)?),
+                    ("v", ctx.input(2)?),
+                    ("grad", ctx.input(4)?),
+                ],
+            )?;
+            let t = ctx.input(3)?;
+            if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
+                return Err(format!("ApplyAdamW: t must be a numeric scalar, got {t}"));
+            }
+            Ok(vec![])
+        },
+    )
+    .inputs([
+        ref_arg("var"),
+        ref_arg("m"),
+        ref_arg("v"),
+        arg("t"),
+        arg("grad"),
+    ])
+    .attrs([
+        attr("lr", AttrType::Float),
+        attr_or("beta1", AttrType::Float, AttrDefault::Float(0.9)),
+        attr_or("beta2", AttrType::Float, AttrDefault::Float(0.999)),
+        attr_or("epsilon", AttrType::Float, AttrDefault::Float(1e-8)),
+        attr_or("weight_decay", AttrType::Float, AttrDefault::Float(0.01)),
+        SCHEDULE_ATTRS[0],
+        SCHEDULE_ATTRS[1],
+        SCHEDULE_ATTRS[2],
+    ])
+    .stateful()
+    .kernel("CPU", AdamWKernel::build)
+}
+
+#[derive(Debug)]
+struct AdamWKernel {
+    adam: AdamKernel,
+    weight_decay: f64,
+}
+
+impl AdamWKernel {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(AdamWKernel {
+            adam: AdamKernel {
+                lr: ScheduledLr::from_attrs(init)?,
+                beta1: float_attr(init, "beta1")?,
+                beta2: float_attr(init, "beta2")?,
+                epsilon: float_attr(init, "epsilon")?,
+            },
+            weight_decay: float_attr(init, "weight_decay")?,
+        }))
+    }
+}
+
+fn adam_w<T: Real>(
+    k: &AdamWKernel,
+    cells: [&VariableCell; 3],
+    step: f64,
+    g: &Tensor,
+) -> Result<(), String> {
+    let gs = grad_slice::<T>(g)?;
+    let a = &k.adam;
+    let n = step + 1.0;
+    let lr = a.lr.at(step);
+    // The same arithmetic as torch.optim.AdamW (single-tensor path): decay, moments, then
+    // var -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
+    let decay = T::from_f64(1.0 - lr * k.weight_decay);
+    let step_size = T::from_f64(lr / (1.0 - a.beta1.powf(n)));
+    let bc2_sqrt = T::from_f64((1.0 - a.beta2.powf(n)).sqrt());
+    let eps = T::from_f64(a.epsilon);
+    let (b1, b2) = (T::from_f64(a.beta1), T::from_f64(a.beta2));
+    let (one_b1, one_b2) = (T::from_f64(1.0 - a.beta1), T::from_f64(1.0 - a.beta2));
+    let [var, m, v] = cells;
+    with_slice::<T, _>(m, "m", g.dims(), |ms| {
+        with_slice::<T, _>(v, "v", g.dims(), |vs| {
+            with_slice::<T, _>(var, "var", g.dims(), |ws| {
+                for (((w, m), v), &g) in ws.iter_mut().zip(ms.iter_mut()).zip(vs.iter_mut()).zip(gs)
+                {
+                    *w = *w * decay;
+                    *m = b1 * *m + one_b1 * g;
+                    *v = b2 * *v + one_b2 * g * g;
+                    *w = *w - step_size * *m / (v.sqrt() / bc2_sqrt + eps);
+                }
+                Ok(())
+            })
+        })
+    })
+}
+
+impl Kernel for AdamWKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let step = scalar_value(ctx.input(3)?, "t")?;
+        let g = ctx.input(4)?;
+        let cells = [
+            ctx.variable_at(0)?,
+            ctx.variable_at(1)?,
+            ctx.variable_at(2)?,
+        ];
+        dispatch_real!(g.dtype(), adam_w(self, cells, step, g))
     }
 }
 

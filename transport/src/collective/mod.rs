@@ -57,4 +57,4 @@ pub use partition::block_range;
 pub use scalar::{ReduceOp, Scalar};
 #[cfg(target_os = "linux")]
 pub use shm::{shm_group, ShmOptions, ShmPairs, ShmRendezvous};
-pub use tcp::{loopback_group, TcpOptions, TcpPairs, TcpRendezvous};
+pub use tcp::{loopback_group, TcpGroupListener, TcpOptions, TcpPairs};

@@ -48,14 +48,14 @@ impl Default for TcpOptions {
 
 /// A rank's listening socket, bound before the ranks exchange addresses.
 #[derive(Debug)]
-pub struct TcpRendezvous {
+pub struct TcpGroupListener {
     listener: TcpListener,
 }
 
-impl TcpRendezvous {
-    /// Binds the listening socket (port 0 picks a free port; see [`TcpRendezvous::local_addr`]).
-    pub fn bind(addr: impl ToSocketAddrs) -> io::Result<TcpRendezvous> {
-        Ok(TcpRendezvous {
+impl TcpGroupListener {
+    /// Binds the listening socket (port 0 picks a free port; see [`TcpGroupListener::local_addr`]).
+    pub fn bind(addr: impl ToSocketAddrs) -> io::Result<TcpGroupListener> {
+        Ok(TcpGroupListener {
             listener: TcpListener::bind(addr)?,
         })
     }
@@ -398,7 +398,7 @@ pub fn loopback_group(size: usize, opts: &TcpOptions) -> Result<Vec<TcpPairs>> {
     let mut listeners = Vec::with_capacity(size);
     let mut addrs = Vec::with_capacity(size);
     for r in 0..size {
-        let l = TcpRendezvous::bind("127.0.0.1:0").map_err(setup(r))?;
+        let l = TcpGroupListener::bind("127.0.0.1:0").map_err(setup(r))?;
         addrs.push(l.local_addr().map_err(setup(r))?);
         listeners.push(l);
     }

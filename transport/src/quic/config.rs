@@ -3,7 +3,7 @@
 
 use super::identity::QuicIdentity;
 use super::tls;
-use crate::tcp::TcpConfig;
+use crate::config::TcpConfig;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{EndpointConfig, IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 use std::net::SocketAddr;

@@ -28,15 +28,15 @@
 pub mod config;
 pub mod frames;
 pub mod identity;
+mod link;
 pub mod names;
 pub mod pki;
 mod plane;
 mod reader;
-mod rendezvous;
 pub mod socket;
 pub mod tls;
 mod writer;
 
 pub use frames::QuicError;
 pub use identity::{QuicIdentity, CERT_DIR_ENV};
-pub use plane::{QuicPlane, QuicStats};
+pub use plane::{QuicLink, QuicPlane, QuicStats};

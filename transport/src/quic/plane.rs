@@ -1,40 +1,27 @@
-//! [`QuicPlane`]: the state of one task's QUIC data plane, binding, connecting and closing.
+//! [`QuicPlane`]: the state of one task's QUIC data plane ([`QuicLink`]), binding, connecting
+//! and closing.
 
 use super::config;
 use super::frames::{recv_control, send_control, QuicError};
 use super::identity::QuicIdentity;
 use super::names::task_dns_name;
 use crate::auth::{Connector, Secret};
-use crate::local::LocalRendezvous;
-use crate::plane::{PeerEvent, PeerEvents};
-use crate::remote_waits::RemoteWaits;
+use crate::config::TcpConfig;
+use crate::plane::{lock, Plane};
 use crate::rendezvous::{RendezvousError, RendezvousKey};
-use crate::tcp::{SlotTable, TcpConfig};
-use crate::wire::{encode_header, Body, FrameKind, Header, Outgoing, MAX_CONTROL_PAYLOAD};
+use crate::slots::SlotTable;
+use crate::wire::{FrameKind, Outgoing, Writers};
 use quinn::crypto::rustls::QuicClientConfig;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // No callback runs under these locks; a poisoned lock means a bug elsewhere: keep going.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Where an outgoing key goes: the peer and its slot id.
-pub(crate) type Route = (Arc<str>, u32);
-
-#[derive(Default)]
-pub(crate) struct Peers {
-    /// Writer queues of outgoing connections.
-    pub(crate) writers: HashMap<Arc<str>, mpsc::UnboundedSender<Outgoing>>,
-    /// Peers known dead, with the cause.
-    pub(crate) gone: HashMap<Arc<str>, String>,
-}
+type Route = (Arc<str>, u32);
 
 /// Counts of what the acceptor refused, for logs and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,35 +44,31 @@ pub(crate) struct Counters {
 
 /// A data plane over QUIC (quinn): one UDP endpoint per task that both accepts and connects;
 /// TLS 1.3 with mutual authentication against the cluster CA; per direction one connection and
-/// one stream carrying [`crate::wire`] frames, exactly as the TCP plane's connections do.
-pub struct QuicPlane {
-    pub(crate) name: Arc<str>,
+/// one stream carrying [`crate::wire`] frames, exactly as the TCP plane's connections do. A
+/// [`Plane`] over a [`QuicLink`].
+pub type QuicPlane = Plane<QuicLink>;
+
+/// What the QUIC plane does its own way (see [`Link`]).
+pub struct QuicLink {
     pub(crate) addr: SocketAddr,
     pub(crate) config: TcpConfig,
     pub(crate) endpoint: quinn::Endpoint,
     pub(crate) client_crypto: Arc<QuicClientConfig>,
-    pub(crate) local: LocalRendezvous,
     pub(crate) slots: SlotTable,
     pub(crate) routes: Mutex<HashMap<Arc<RendezvousKey>, Route>>,
-    pub(crate) peers: Mutex<Peers>,
-    /// Steps with a Recv waiting on a remote key (to abort them when its peer dies).
-    pub(crate) remote_waits: RemoteWaits,
+    /// Writer queues of outgoing connections.
+    pub(crate) writers: Writers,
     pub(crate) shutdown: watch::Sender<bool>,
     /// With a cluster secret, the HMAC handshake of [`crate::auth`] runs after TLS as well.
     pub(crate) secret: Option<Secret>,
-    pub(crate) events: PeerEvents,
     pub(crate) writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     pub(crate) closing: AtomicBool,
     pub(crate) counters: Counters,
 }
 
-impl fmt::Debug for QuicPlane {
+impl fmt::Debug for QuicLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "QuicPlane({} on {}, {:?})",
-            self.name, self.addr, self.slots
-        )
+        write!(f, "QuicLink(on {}, {:?})", self.addr, self.slots)
     }
 }
 
@@ -128,66 +111,59 @@ impl QuicPlane {
             .local_addr()
             .map_err(|e| QuicError::Setup(format!("task {name}: {e}")))?;
         let (shutdown, _) = watch::channel(false);
-        let plane = Arc::new(QuicPlane {
-            name: name.into(),
+        let link = QuicLink {
             addr: local_addr,
             config,
             endpoint,
             client_crypto,
-            local: LocalRendezvous::new(),
             slots: SlotTable::default(),
             routes: Mutex::default(),
-            peers: Mutex::default(),
-            remote_waits: RemoteWaits::default(),
+            writers: Writers::default(),
             shutdown,
             secret,
-            events: PeerEvents::default(),
             writer_tasks: Mutex::default(),
             closing: AtomicBool::new(false),
             counters: Counters::default(),
-        });
+        };
+        let plane = Arc::new(Plane::with_link(name, link));
         tokio::spawn(super::reader::accept_loop(Arc::downgrade(&plane)));
         Ok(plane)
     }
 
-    /// The address peers connect to (UDP).
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// This task's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// The receive slots.
     pub fn slots(&self) -> &SlotTable {
-        &self.slots
+        &self.link.slots
     }
 
     /// What the acceptor refused so far.
     pub fn stats(&self) -> QuicStats {
         QuicStats {
-            refused_tls: self.counters.refused_tls.load(Ordering::Relaxed),
-            refused_identity: self.counters.refused_identity.load(Ordering::Relaxed),
-            dropped_bad_frames: self.counters.dropped_bad_frames.load(Ordering::Relaxed),
+            refused_tls: self.link.counters.refused_tls.load(Ordering::Relaxed),
+            refused_identity: self.link.counters.refused_identity.load(Ordering::Relaxed),
+            dropped_bad_frames: self
+                .link
+                .counters
+                .dropped_bad_frames
+                .load(Ordering::Relaxed),
         }
     }
 
     /// Routes `key` to slot `slot_id` of `peer`.
     pub fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
-        lock(&self.routes).insert(key, (peer.into(), slot_id));
+        lock(&self.link.routes).insert(key, (peer.into(), slot_id));
     }
 
     /// Opens the connection to `peer` at `addr`: QUIC + TLS (the peer's certificate must name
     /// `peer` and chain to the cluster CA; this task presents its own), one stream, a Hello
     /// (or the cluster-secret handshake), and the peer's acknowledgement.
     pub async fn connect(self: &Arc<Self>, peer: &str, addr: SocketAddr) -> Result<(), QuicError> {
-        let cfg = self.config;
+        let cfg = self.link.config;
         let label = format!("{peer} ({addr})");
         let dns = task_dns_name(peer).map_err(|e| QuicError::Setup(e.to_string()))?;
-        let client = config::client(&self.client_crypto, &cfg, addr).map_err(QuicError::Setup)?;
+        let client =
+            config::client(&self.link.client_crypto, &cfg, addr).map_err(QuicError::Setup)?;
         let connecting = self
+            .link
             .endpoint
             .connect_with(client, addr, &dns)
             .map_err(|e| QuicError::link(&label, "connect", e))?;
@@ -215,7 +191,7 @@ impl QuicPlane {
                 QuicError::link(&label, "opening a stream", super::frames::describe_conn(&e))
             })?;
         let t = cfg.frame_timeout;
-        match &self.secret {
+        match &self.link.secret {
             Some(secret) => {
                 let (connector, hello) = Connector::hello(secret, &self.name);
                 send_control(&mut send, FrameKind::Hello, &hello, t, &label).await?;
@@ -243,11 +219,8 @@ impl QuicPlane {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let peer: Arc<str> = peer.into();
-        {
-            let mut peers = lock(&self.peers);
-            peers.gone.remove(&peer);
-            peers.writers.insert(peer.clone(), tx);
-        }
+        self.revive(&peer);
+        self.link.writers.insert(peer.clone(), tx);
         let task = tokio::spawn(super::writer::writer(
             Arc::downgrade(self),
             peer,
@@ -256,7 +229,7 @@ impl QuicPlane {
             recv,
             rx,
         ));
-        let mut tasks = lock(&self.writer_tasks);
+        let mut tasks = lock(&self.link.writer_tasks);
         tasks.retain(|t| !t.is_finished());
         tasks.push(task);
         Ok(())
@@ -265,111 +238,37 @@ impl QuicPlane {
     /// Ends every outgoing connection after the frames already queued on it are delivered (or
     /// `within` passed), then stops accepting and reading.
     pub async fn close(&self, within: Duration) {
-        self.closing.store(true, Ordering::SeqCst);
-        lock(&self.peers).writers.clear();
-        let tasks: Vec<_> = lock(&self.writer_tasks).drain(..).collect();
+        self.link.closing.store(true, Ordering::SeqCst);
+        self.link.writers.clear();
+        let tasks: Vec<_> = lock(&self.link.writer_tasks).drain(..).collect();
         let _ = tokio::time::timeout(within, async {
             for t in tasks {
                 let _ = t.await;
             }
         })
         .await;
-        let _ = self.shutdown.send(true);
-        self.endpoint.close(quinn::VarInt::from_u32(0), b"closed");
-        let _ = tokio::time::timeout(Duration::from_millis(200), self.endpoint.wait_idle()).await;
-    }
-
-    /// Delivers control-plane messages and peer failures to the returned receiver from now on
-    /// (a later call replaces an earlier subscriber).
-    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        self.events.subscribe()
-    }
-
-    pub(crate) fn emit(&self, event: PeerEvent) {
-        self.events.emit(&self.name, event);
+        let _ = self.link.shutdown.send(true);
+        self.link
+            .endpoint
+            .close(quinn::VarInt::from_u32(0), b"closed");
+        let _ =
+            tokio::time::timeout(Duration::from_millis(200), self.link.endpoint.wait_idle()).await;
     }
 
     /// True when an outgoing connection to `peer` is open.
     pub fn is_connected(&self, peer: &str) -> bool {
-        lock(&self.peers).writers.contains_key(peer)
-    }
-
-    /// Queues a frame for `peer`'s writer.
-    pub(crate) fn queue(&self, peer: &str, out: Outgoing) -> Result<(), RendezvousError> {
-        let gone = |cause: String| RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause,
-        };
-        let peers = lock(&self.peers);
-        if let Some(cause) = peers.gone.get(peer) {
-            return Err(gone(cause.clone()));
-        }
-        let tx = peers
-            .writers
-            .get(peer)
-            .ok_or_else(|| gone("not connected".into()))?;
-        tx.send(out).map_err(|_| gone("connection closed".into()))
+        self.link.writers.contains(peer)
     }
 
     /// Queues a control-plane message for `peer`; messages to one peer arrive in order, after
     /// every Data frame queued before them.
     pub fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
-        let head = encode_header(&Header {
-            kind: FrameKind::Message,
-            flags: 0,
-            slot_id: 0,
-            step: 0,
-            payload_len: body.len() as u64,
-        });
-        self.queue(
-            peer,
-            Outgoing {
-                head,
-                body: Body::Bytes(body),
-            },
-        )
-    }
-
-    /// Tells every connected peer that `step` is aborted.
-    pub(crate) fn broadcast_abort(&self, step: u64, reason: &str) {
-        let mut reason = reason.as_bytes().to_vec();
-        reason.truncate(MAX_CONTROL_PAYLOAD as usize);
-        let head = encode_header(&Header {
-            kind: FrameKind::Abort,
-            flags: 0,
-            slot_id: 0,
-            step,
-            payload_len: reason.len() as u64,
-        });
-        for tx in lock(&self.peers).writers.values() {
-            let _ = tx.send(Outgoing {
-                head,
-                body: Body::Bytes(reason.clone()),
+        if let Some(cause) = self.gone_cause(peer) {
+            return Err(RendezvousError::PeerGone {
+                peer: peer.to_string(),
+                cause,
             });
         }
-    }
-
-    /// Marks `peer` dead and aborts every step with a Recv waiting on one of its keys.
-    pub(crate) fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
-        {
-            let mut peers = lock(&self.peers);
-            peers.writers.remove(peer);
-            peers.gone.insert(peer.clone(), cause.to_string());
-        }
-        let err = RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause: cause.to_string(),
-        };
-        self.emit(PeerEvent::Gone {
-            peer: peer.clone(),
-            cause: cause.to_string(),
-        });
-        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
-            self.slots.peer_of(k).as_deref() == Some(&**peer)
-        });
-    }
-
-    pub(crate) fn gone_cause(&self, peer: &str) -> Option<String> {
-        lock(&self.peers).gone.get(peer).cloned()
+        self.link.writers.queue(peer, Outgoing::message(body))
     }
 }

@@ -5,11 +5,11 @@
 use super::frames::{
     describe_conn, describe_read, is_clean_end, recv_control, send_control, QuicError,
 };
-use super::plane::{lock, QuicPlane};
+use super::plane::QuicPlane;
 use super::writer::CLOSE_ERROR;
 use crate::auth::Acceptor;
 use crate::plane::PeerEvent;
-use crate::rendezvous::{Rendezvous, RendezvousError};
+
 use crate::tcp::MAX_PEER_NAME;
 use crate::wire::{decode_header, FrameKind, WireError, HEADER_LEN};
 use dflow_graph::Tensor;
@@ -20,7 +20,7 @@ use std::sync::{Arc, Weak};
 
 pub(crate) async fn accept_loop(rv: Weak<QuicPlane>) {
     let (endpoint, mut shutdown) = match rv.upgrade() {
-        Some(rv) => (rv.endpoint.clone(), rv.shutdown.subscribe()),
+        Some(rv) => (rv.link.endpoint.clone(), rv.link.shutdown.subscribe()),
         None => return,
     };
     loop {
@@ -46,7 +46,7 @@ enum End {
 
 async fn serve(rv: Arc<QuicPlane>, incoming: quinn::Incoming) {
     let addr = incoming.remote_address();
-    let mut shutdown = rv.shutdown.subscribe();
+    let mut shutdown = rv.link.shutdown.subscribe();
     let mut peer: Option<Arc<str>> = None;
     let mut conn: Option<Connection> = None;
     let end = tokio::select! {
@@ -58,7 +58,7 @@ async fn serve(rv: Arc<QuicPlane>, incoming: quinn::Incoming) {
         None => addr.to_string(),
     };
     let cause = match end {
-        End::Clean if rv.closing.load(Ordering::SeqCst) => {
+        End::Clean if rv.link.closing.load(Ordering::SeqCst) => {
             tracing::debug!(
                 "{}: peer `{label}` closed its connection as this task closes",
                 rv.name
@@ -78,7 +78,8 @@ async fn serve(rv: Arc<QuicPlane>, incoming: quinn::Incoming) {
         }
         End::Failed(e) => {
             if matches!(e, QuicError::Wire(_) | QuicError::Protocol { .. }) {
-                rv.counters
+                rv.link
+                    .counters
                     .dropped_bad_frames
                     .fetch_add(1, Ordering::Relaxed);
             }
@@ -103,12 +104,12 @@ async fn handle(
     peer_out: &mut Option<Arc<str>>,
     conn_out: &mut Option<Connection>,
 ) -> End {
-    let cfg = rv.config;
+    let cfg = rv.link.config;
     let addr_s = addr.to_string();
     let conn = match tokio::time::timeout(cfg.frame_timeout, incoming).await {
         Err(_) => return End::Refused("the TLS handshake timed out".into()),
         Ok(Err(e)) => {
-            rv.counters.refused_tls.fetch_add(1, Ordering::Relaxed);
+            rv.link.counters.refused_tls.fetch_add(1, Ordering::Relaxed);
             return End::Refused(format!("TLS handshake failed: {}", describe_conn(&e)));
         }
         Ok(Ok(c)) => c,
@@ -123,13 +124,16 @@ async fn handle(
     let name = match hello(rv, &conn, &mut send, &mut recv, &addr_s).await {
         Ok(name) => name,
         Err(why) => {
-            rv.counters.refused_identity.fetch_add(1, Ordering::Relaxed);
+            rv.link
+                .counters
+                .refused_identity
+                .fetch_add(1, Ordering::Relaxed);
             return End::Refused(why);
         }
     };
     let peer: Arc<str> = name.into();
     *peer_out = Some(peer.clone());
-    lock(&rv.peers).gone.remove(&peer);
+    rv.revive(&peer);
     let label = format!("{peer} ({addr})");
     // Keep the stream's sending half until the end: dropping it would finish it early.
     let _send = send;
@@ -148,8 +152,8 @@ async fn hello(
     recv: &mut RecvStream,
     addr: &str,
 ) -> Result<String, String> {
-    let t = rv.config.frame_timeout;
-    let name = match &rv.secret {
+    let t = rv.link.config.frame_timeout;
+    let name = match &rv.link.secret {
         Some(secret) => {
             let hello = recv_control(recv, FrameKind::Hello, t, addr)
                 .await
@@ -192,7 +196,7 @@ async fn read_frames(
     peer: &Arc<str>,
     label: &str,
 ) -> Result<(), QuicError> {
-    let cfg = rv.config;
+    let cfg = rv.link.config;
     let mut head = [0u8; HEADER_LEN];
     loop {
         match tokio::time::timeout(cfg.idle_timeout, recv.read_exact(&mut head)).await {
@@ -232,7 +236,7 @@ async fn read_frames(
         let bound = if head[6] == FrameKind::Message as u8 {
             cfg.max_message
         } else {
-            rv.slots.slot_len(slot_id).unwrap_or(u64::MAX)
+            rv.link.slots.slot_len(slot_id).unwrap_or(u64::MAX)
         };
         let h = decode_header(&head, bound).map_err(|e| e.with_peer(label))?;
         let timed = |what: &str| {
@@ -245,6 +249,7 @@ async fn read_frames(
         match h.kind {
             FrameKind::Data => {
                 let mut c = rv
+                    .link
                     .slots
                     .checkout(h.slot_id, peer, h.payload_len)
                     .map_err(|msg| {
@@ -252,7 +257,7 @@ async fn read_frames(
                     })?;
                 let Some(b) = Arc::get_mut(&mut c.buf) else {
                     // `checkout` hands out a uniquely owned buffer; never write a shared one.
-                    rv.slots.checkin(h.slot_id, c.buf);
+                    rv.link.slots.checkin(h.slot_id, c.buf);
                     return Err(QuicError::protocol(
                         label,
                         format!("slot {} (key {}) has a shared buffer", h.slot_id, c.key),
@@ -262,7 +267,7 @@ async fn read_frames(
                     tokio::time::timeout(cfg.frame_timeout, recv.read_exact(b.as_bytes_mut()))
                         .await;
                 let tensor = Tensor::from_shared(c.dtype, &c.dims, c.buf.clone());
-                rv.slots.checkin(h.slot_id, c.buf);
+                rv.link.slots.checkin(h.slot_id, c.buf);
                 let what = || {
                     format!(
                         "reading {} payload bytes of slot {} (key {}, step {})",
@@ -281,9 +286,7 @@ async fn read_frames(
                     Err(e) => return Err(QuicError::link(label, &what(), describe_read(&e))),
                 }
                 let tensor = tensor.map_err(|e| QuicError::protocol(label, e.to_string()))?;
-                if let Err(e) = rv.local.send(&c.key, h.step, tensor) {
-                    tracing::warn!(peer = %label, "{}: frame from peer `{label}` not delivered: {e}", rv.name);
-                }
+                rv.deliver(peer, &c.key, h.step, tensor);
             }
             FrameKind::Abort => {
                 let mut reason = vec![0u8; h.payload_len as usize];
@@ -291,14 +294,7 @@ async fn read_frames(
                     .await
                     .map_err(|_| timed("reading an Abort"))?
                     .map_err(|e| QuicError::link(label, "reading an Abort", describe_read(&e)))?;
-                let reason = String::from_utf8_lossy(&reason);
-                rv.local.abort_step(
-                    h.step,
-                    RendezvousError::Aborted {
-                        step: h.step,
-                        cause: format!("aborted by peer `{peer}`: {reason}"),
-                    },
-                );
+                rv.aborted_by_peer(peer, h.step, &String::from_utf8_lossy(&reason));
             }
             FrameKind::Message => {
                 let mut body = vec![0u8; h.payload_len as usize];

@@ -23,7 +23,10 @@ pub(crate) async fn writer(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let (timeout, heartbeat) = match rv.upgrade() {
-        Some(rv) => (rv.config.frame_timeout, rv.config.heartbeat_interval),
+        Some(rv) => (
+            rv.link.config.frame_timeout,
+            rv.link.config.heartbeat_interval,
+        ),
         None => return,
     };
     let beat = || Outgoing {

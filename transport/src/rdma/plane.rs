@@ -10,16 +10,14 @@
 use super::message::{RdmaMessage, SlotAd};
 use super::protocol::{Event, Protocol};
 use super::verbs::Verbs;
-use crate::local::LocalRendezvous;
-use crate::plane::{BoxFuture, DataPlane, PeerEvent, PeerEvents};
-use crate::remote_waits::RemoteWaits;
-use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
+use crate::plane::{lock, BoxFuture, DataPlane, Link, PeerEvent, Plane};
+use crate::rendezvous::{Rendezvous, RendezvousError, RendezvousKey};
 use dflow_graph::{DType, Tensor};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -40,34 +38,28 @@ struct Links {
     unsent_ads: HashMap<Arc<str>, Vec<SlotAd>>,
 }
 
-/// The RDMA data plane of one task.
-pub struct RdmaPlane {
-    name: Arc<str>,
+/// The RDMA data plane of one task: a [`Plane`] over an [`RdmaLink`].
+pub type RdmaPlane = Plane<RdmaLink>;
+
+/// What the RDMA plane does its own way (see [`Link`]): the [`Protocol`] over the verbs, and
+/// the control plane that carries connections and messages.
+pub struct RdmaLink {
     control: Arc<dyn DataPlane>,
     proto: Protocol,
-    local: LocalRendezvous,
     links: Mutex<Links>,
-    events: PeerEvents,
-    remote_waits: RemoteWaits,
-    gone: Mutex<HashMap<Arc<str>, String>>,
     stop: Arc<AtomicBool>,
 }
 
-impl fmt::Debug for RdmaPlane {
+impl fmt::Debug for RdmaLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "RdmaPlane({}, {:?})", self.name, self.proto)
+        write!(f, "RdmaLink({:?})", self.proto)
     }
 }
 
-impl Drop for RdmaPlane {
+impl Drop for RdmaLink {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // No callback runs under these locks; poisoning means a bug elsewhere: keep going.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn tagged(tag: u8, body: &[u8]) -> Vec<u8> {
@@ -83,17 +75,14 @@ impl RdmaPlane {
     pub fn new(control: Arc<dyn DataPlane>, verbs: Arc<dyn Verbs>) -> Arc<Self> {
         let rx = control.subscribe();
         let stop = Arc::new(AtomicBool::new(false));
-        let plane = Arc::new(RdmaPlane {
-            name: control.task().into(),
+        let name: Arc<str> = control.task().into();
+        let link = RdmaLink {
             control,
             proto: Protocol::new(verbs),
-            local: LocalRendezvous::new(),
             links: Mutex::default(),
-            events: PeerEvents::default(),
-            remote_waits: RemoteWaits::default(),
-            gone: Mutex::default(),
             stop: stop.clone(),
-        });
+        };
+        let plane = Arc::new(Plane::with_link(&name, link));
         tokio::spawn(control_loop(Arc::downgrade(&plane), rx));
         let weak = Arc::downgrade(&plane);
         let spawned = std::thread::Builder::new()
@@ -109,37 +98,31 @@ impl RdmaPlane {
     pub async fn bind(
         task: &str,
         addr: SocketAddr,
-        config: crate::tcp::TcpConfig,
+        config: crate::config::TcpConfig,
         secret: Option<crate::auth::Secret>,
         verbs: Arc<dyn Verbs>,
     ) -> std::io::Result<Arc<Self>> {
         let control: Arc<dyn DataPlane> =
-            crate::tcp::TcpRendezvous::bind_with_secret(task, addr, config, secret).await?;
+            crate::tcp::TcpPlane::bind_with_secret(task, addr, config, secret).await?;
         Ok(Self::new(control, verbs))
     }
 
     /// The protocol state (for tests and diagnostics).
     pub fn protocol(&self) -> &Protocol {
-        &self.proto
+        &self.link.proto
     }
 
     fn send_rdma(&self, peer: &str, msg: &RdmaMessage) -> Result<(), RendezvousError> {
-        self.control
+        self.link
+            .control
             .send_message(peer, tagged(TAG_RDMA, &msg.encode()))
-    }
-
-    fn emit(&self, event: PeerEvent) {
-        self.events.emit(&self.name, event);
     }
 
     fn handle(&self, events: Vec<Event>) {
         for e in events {
             match e {
-                Event::Delivered(d) => {
-                    if let Err(e) = self.local.send(&d.key, d.step, d.tensor) {
-                        tracing::warn!("{}: tensor {} not delivered: {e}", self.name, d.key);
-                    }
-                }
+                // The sending device names the peer in a log line.
+                Event::Delivered(d) => self.deliver(&d.key.send_device, &d.key, d.step, d.tensor),
                 Event::StepFailed { step, error } => {
                     let cause = RendezvousError::Aborted {
                         step,
@@ -163,36 +146,10 @@ impl RdmaPlane {
         }
     }
 
-    /// Marks `peer` dead and aborts every step with a Recv waiting on one of its keys.
-    fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
-        if lock(&self.gone)
-            .insert(peer.clone(), cause.to_string())
-            .is_some()
-        {
-            return;
-        }
-        self.proto.fail_peer(peer, cause);
-        self.emit(PeerEvent::Gone {
-            peer: peer.clone(),
-            cause: cause.to_string(),
-        });
-        let err = RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause: cause.to_string(),
-        };
-        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
-            self.proto.recv_peer(k).as_deref() == Some(&**peer)
-        });
-    }
-
-    fn gone_cause(&self, peer: &str) -> Option<String> {
-        lock(&self.gone).get(peer).cloned()
-    }
-
     fn on_rdma(&self, peer: &Arc<str>, msg: RdmaMessage) {
         let res = match msg {
-            RdmaMessage::Endpoint(ep) => self.proto.connect(peer, &ep).map(|()| {
-                let mut links = lock(&self.links);
+            RdmaMessage::Endpoint(ep) => self.link.proto.connect(peer, &ep).map(|()| {
+                let mut links = lock(&self.link.links);
                 if links.connected.contains(peer) {
                     if let Err(e) = self.send_rdma(peer, &RdmaMessage::Ready) {
                         tracing::warn!("{}: cannot tell `{peer}` Ready: {e}", self.name);
@@ -202,20 +159,14 @@ impl RdmaPlane {
                 }
             }),
             RdmaMessage::Ready => {
-                let events = self.proto.on_ready(peer);
+                let events = self.link.proto.on_ready(peer);
                 self.handle(events);
                 Ok(())
             }
-            RdmaMessage::SlotAd(ad) => self.proto.on_slot_ad(peer, ad).map(|e| self.handle(e)),
+            RdmaMessage::SlotAd(ad) => self.link.proto.on_slot_ad(peer, ad).map(|e| self.handle(e)),
             RdmaMessage::Abort { step, reason } => {
-                self.proto.drop_step(step);
-                self.local.abort_step(
-                    step,
-                    RendezvousError::Aborted {
-                        step,
-                        cause: format!("aborted by peer `{peer}`: {reason}"),
-                    },
-                );
+                self.link.proto.drop_step(step);
+                self.aborted_by_peer(peer, step, &reason);
                 Ok(())
             }
         };
@@ -255,28 +206,31 @@ async fn control_loop(plane: Weak<RdmaPlane>, mut rx: mpsc::UnboundedReceiver<Pe
 fn progress_loop(plane: Weak<RdmaPlane>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::SeqCst) {
         let Some(plane) = plane.upgrade() else { return };
-        let events = plane.proto.progress(POLL_TIMEOUT);
+        let events = plane.link.proto.progress(POLL_TIMEOUT);
         plane.handle(events);
     }
 }
 
-impl Rendezvous for RdmaPlane {
-    fn send(
-        &self,
+impl Link for RdmaLink {
+    type Route = ();
+
+    fn route(&self, key: &RendezvousKey) -> Option<(Arc<str>, ())> {
+        self.proto.send_peer(key).map(|peer| (peer, ()))
+    }
+
+    fn sender_of(&self, key: &RendezvousKey) -> Option<Arc<str>> {
+        self.proto.recv_peer(key)
+    }
+
+    fn send_to(
+        plane: &RdmaPlane,
         key: &Arc<RendezvousKey>,
         step: u64,
+        _peer: &Arc<str>,
+        _route: (),
         value: Tensor,
     ) -> Result<(), RendezvousError> {
-        let Some(peer) = self.proto.send_peer(key) else {
-            return self.local.send(key, step, value);
-        };
-        if let Some(cause) = self.gone_cause(&peer) {
-            return Err(RendezvousError::PeerGone {
-                peer: peer.to_string(),
-                cause,
-            });
-        }
-        match self.proto.send(key, step, value) {
+        match plane.link.proto.send(key, step, value) {
             Ok(_) => Ok(()),
             Err(e) => Err(RendezvousError::Aborted {
                 step,
@@ -285,49 +239,26 @@ impl Rendezvous for RdmaPlane {
         }
     }
 
-    fn recv_async(&self, key: &Arc<RendezvousKey>, step: u64, done: RecvCallback) {
-        let Some(peer) = self.proto.recv_peer(key) else {
-            return self.local.recv_async(key, step, done);
-        };
-        self.remote_waits.recv(
-            &self.local,
-            &peer,
-            || self.gone_cause(&peer),
-            key,
-            step,
-            done,
-        );
-    }
-
-    fn abort_step(&self, step: u64, cause: RendezvousError) {
-        self.proto.drop_step(step);
+    fn tell_abort(plane: &RdmaPlane, step: u64, reason: &str) {
+        plane.link.proto.drop_step(step);
         let msg = RdmaMessage::Abort {
             step,
-            reason: cause.to_string(),
+            reason: reason.to_string(),
         };
-        let peers: Vec<Arc<str>> = lock(&self.links).connected.iter().cloned().collect();
+        let peers: Vec<Arc<str>> = lock(&plane.link.links).connected.iter().cloned().collect();
         for p in peers {
-            let _ = self.send_rdma(&p, &msg);
+            let _ = plane.send_rdma(&p, &msg);
         }
-        self.local.abort_step(step, cause);
     }
 
-    fn finish_step(&self, step: u64) {
-        self.remote_waits.finish(step);
-        self.local.finish_step(step);
+    fn step_finished(plane: &RdmaPlane, _step: u64) {
         // Readers of this step are done: return their slots' credits now.
-        let events = self.proto.pump();
-        self.handle(events);
+        let events = plane.link.proto.pump();
+        plane.handle(events);
     }
 
-    fn pending_recvs(&self, step: u64) -> Vec<RendezvousKey> {
-        self.local.pending_recvs(step)
-    }
-}
-
-impl DataPlane for RdmaPlane {
-    fn task(&self) -> &str {
-        &self.name
+    fn forget_peer(plane: &RdmaPlane, peer: &Arc<str>, cause: &str) {
+        plane.link.proto.fail_peer(peer, cause);
     }
 
     fn local_addr(&self) -> SocketAddr {
@@ -335,20 +266,22 @@ impl DataPlane for RdmaPlane {
     }
 
     fn register_recv(
-        &self,
+        plane: &RdmaPlane,
         slot_id: u32,
         peer: &str,
         key: Arc<RendezvousKey>,
         dtype: DType,
         dims: &[usize],
     ) -> Result<(), String> {
-        let ad = self
+        let ad = plane
+            .link
             .proto
             .register_recv(slot_id, peer, key, dtype, dims)
             .map_err(|e| e.to_string())?;
-        let mut links = lock(&self.links);
+        let mut links = lock(&plane.link.links);
         if links.connected.contains(peer) {
-            self.send_rdma(peer, &RdmaMessage::SlotAd(ad))
+            plane
+                .send_rdma(peer, &RdmaMessage::SlotAd(ad))
                 .map_err(|e| e.to_string())?;
         } else {
             links.unsent_ads.entry(peer.into()).or_default().push(ad);
@@ -356,32 +289,34 @@ impl DataPlane for RdmaPlane {
         Ok(())
     }
 
-    fn has_recv_slot(&self, key: &RendezvousKey) -> bool {
-        self.proto.recv_peer(key).is_some()
-    }
-
-    fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
-        if let Err(e) = self.proto.register_send(key, peer, slot_id) {
+    fn register_send(plane: &RdmaPlane, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
+        if let Err(e) = plane.link.proto.register_send(key, peer, slot_id) {
             // Sends on this route then wait forever; fail the peer so they fail loudly instead.
-            tracing::error!("{}: rdma: {e}", self.name);
-            self.peer_gone(&Arc::from(peer), &e.to_string());
+            tracing::error!("{}: rdma: {e}", plane.name);
+            plane.peer_gone(&Arc::from(peer), &e.to_string());
         }
     }
 
     fn connect(
-        self: Arc<Self>,
+        plane: Arc<RdmaPlane>,
         peer: String,
         addr: SocketAddr,
     ) -> BoxFuture<'static, Result<(), String>> {
         Box::pin(async move {
-            self.control.clone().connect(peer.clone(), addr).await?;
-            let ep = self
+            plane
+                .link
+                .control
+                .clone()
+                .connect(peer.clone(), addr)
+                .await?;
+            let ep = plane
+                .link
                 .proto
                 .local_endpoint(&peer)
                 .map_err(|e| e.to_string())?;
             let peer: Arc<str> = peer.into();
-            lock(&self.gone).remove(&peer);
-            let mut links = lock(&self.links);
+            plane.revive(&peer);
+            let mut links = lock(&plane.link.links);
             links.connected.insert(peer.clone());
             let mut msgs = vec![RdmaMessage::Endpoint(ep)];
             if links.pending_ready.remove(&peer) {
@@ -396,28 +331,23 @@ impl DataPlane for RdmaPlane {
                     .map(RdmaMessage::SlotAd),
             );
             for m in &msgs {
-                self.send_rdma(&peer, m).map_err(|e| e.to_string())?;
+                plane.send_rdma(&peer, m).map_err(|e| e.to_string())?;
             }
             Ok(())
         })
     }
 
-    fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
-        self.control.send_message(peer, tagged(TAG_RUNTIME, &body))
+    fn send_message(plane: &RdmaPlane, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        plane
+            .link
+            .control
+            .send_message(peer, tagged(TAG_RUNTIME, &body))
     }
 
-    fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        self.events.subscribe()
-    }
-
-    fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
+    fn close(plane: &RdmaPlane, within: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            self.control.close(within).await;
-            self.stop.store(true, Ordering::SeqCst);
+            plane.link.control.close(within).await;
+            plane.link.stop.store(true, Ordering::SeqCst);
         })
-    }
-
-    fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous> {
-        self
     }
 }

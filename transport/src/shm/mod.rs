@@ -4,7 +4,7 @@
 //! ([`segment`]). The sender creates it when it first needs the slot, tells the receiver its name
 //! over the side channel, and the receiver maps it and unlinks the name at once, so a crash of
 //! either task leaves no file behind. The producer of a sent value (a kernel, through
-//! [`Rendezvous::send_buffer`] and the executor's output allocation) writes straight into its
+//! [`Rendezvous::send_buffer`](crate::Rendezvous::send_buffer) and the executor's output allocation) writes straight into its
 //! view of the slot; `send` then only publishes it, and the receiver's Recv output is a
 //! read-only [`Buffer`] over its own view of the same pages. A value produced elsewhere is copied
 //! into the slot once by `send` (counted in [`ShmStats::copied_sends`]).
@@ -25,9 +25,9 @@
 //! stops the ring's consumer, waits for its thread to exit (the ring keeps one consumer), and
 //! delivers what is left in the ring itself; only then does it fail the Recvs still waiting on
 //! that peer. A Recv registered after that still gets a value delivered before. Replacing a
-//! peer's ring and [`DataPlane::close`] drain the old rings the same way.
+//! peer's ring and [`DataPlane::close`](crate::DataPlane::close) drain the old rings the same way.
 //!
-//! The side channel is a [`TcpRendezvous`]: control-plane messages, peer liveness (heartbeats,
+//! The side channel is a [`TcpPlane`]: control-plane messages, peer liveness (heartbeats,
 //! closed connections), authentication with a cluster secret, and this plane's own small messages
 //! ([`message`]).
 //!
@@ -41,11 +41,10 @@ pub mod segment;
 pub mod slot;
 
 use crate::auth::Secret;
-use crate::local::LocalRendezvous;
-use crate::plane::{BoxFuture, DataPlane, PeerEvent, PeerEvents};
-use crate::remote_waits::RemoteWaits;
-use crate::rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};
-use crate::tcp::{TcpConfig, TcpRendezvous};
+use crate::config::TcpConfig;
+use crate::plane::{lock, BoxFuture, Link, PeerEvent, Plane};
+use crate::rendezvous::{RendezvousError, RendezvousKey};
+use crate::tcp::TcpPlane;
 use dflow_graph::tensor::Buffer;
 use dflow_graph::{DType, Tensor};
 use message::ShmMessage;
@@ -59,14 +58,9 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // No callback runs under these locks; a poisoned lock means a bug elsewhere: keep going.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Counters of the values this plane sent and received.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -114,11 +108,17 @@ struct SendSlot {
     view: Mutex<Weak<()>>,
 }
 
-/// Where a key goes.
-struct SendRoute {
+/// Where a key goes: the receiving peer, its slot id, and the shared-memory slot once created.
+pub struct SendRoute {
     peer: Arc<str>,
     slot_id: u32,
     slot: Mutex<Option<Arc<SendSlot>>>,
+}
+
+impl fmt::Debug for SendRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SendRoute(to `{}`, slot {})", self.peer, self.slot_id)
+    }
 }
 
 /// The ring towards one receiving peer, with its producer lock.
@@ -165,13 +165,16 @@ struct SendView {
     _token: Arc<()>,
 }
 
-/// A data plane over shared memory, with a TCP side channel (see the module docs).
-pub struct ShmPlane {
-    name: Arc<str>,
-    tcp: Arc<TcpRendezvous>,
+/// A data plane over shared memory, with a TCP side channel (see the module docs): a [`Plane`]
+/// over a [`ShmLink`].
+pub type ShmPlane = Plane<ShmLink>;
+
+/// What the shared-memory plane does its own way (see [`Link`]): slots in shared segments,
+/// notification rings and their consumers, and the TCP side channel.
+pub struct ShmLink {
+    tcp: Arc<TcpPlane>,
     /// How long a sender waits for a slot's credit or room in a ring.
     slot_timeout: Duration,
-    local: LocalRendezvous,
     recv: Mutex<HashMap<u32, RecvSlot>>,
     /// Each receive slot's key → its sending peer and slot id.
     recv_keys: Mutex<HashMap<Arc<RendezvousKey>, RecvRoute>>,
@@ -180,21 +183,16 @@ pub struct ShmPlane {
     consumers: Mutex<HashMap<Arc<str>, Consumer>>,
     /// Peers this task connected to (aborts go to them).
     peers: Mutex<HashSet<Arc<str>>>,
-    gone: Mutex<HashMap<Arc<str>, String>>,
-    /// Steps with a Recv waiting on a peer's key (to abort them when it dies).
-    remote_waits: RemoteWaits,
-    events: PeerEvents,
     /// Segments this task created, unlinked at close (the receiver unlinks them first normally).
     created: Mutex<Vec<PathBuf>>,
     counters: Counters,
 }
 
-impl fmt::Debug for ShmPlane {
+impl fmt::Debug for ShmLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "ShmPlane({} on {}, {} receive slots, {} routes)",
-            self.name,
+            "ShmLink(on {}, {} receive slots, {} routes)",
             self.tcp.local_addr(),
             lock(&self.recv).len(),
             lock(&self.routes).len()
@@ -216,32 +214,28 @@ impl ShmPlane {
         if swept > 0 {
             tracing::info!("{name}: removed {swept} shared-memory segments left by dead processes");
         }
-        let tcp = TcpRendezvous::bind_with_secret(name, addr, config, secret).await?;
+        let tcp = TcpPlane::bind_with_secret(name, addr, config, secret).await?;
         let events = tcp.subscribe();
-        let plane = Arc::new(ShmPlane {
-            name: name.into(),
+        let link = ShmLink {
             tcp,
             slot_timeout: config.frame_timeout,
-            local: LocalRendezvous::new(),
             recv: Mutex::default(),
             recv_keys: Mutex::default(),
             routes: Mutex::default(),
             pairs: Mutex::default(),
             consumers: Mutex::default(),
             peers: Mutex::default(),
-            gone: Mutex::default(),
-            remote_waits: RemoteWaits::default(),
-            events: PeerEvents::default(),
             created: Mutex::default(),
             counters: Counters::default(),
-        });
+        };
+        let plane = Arc::new(Plane::with_link(name, link));
         tokio::spawn(pump(Arc::downgrade(&plane), events));
         Ok(plane)
     }
 
     /// What was sent and received so far.
     pub fn stats(&self) -> ShmStats {
-        let c = &self.counters;
+        let c = &self.link.counters;
         ShmStats {
             zero_copy_sends: c.zero_copy_sends.load(Ordering::Relaxed),
             copied_sends: c.copied_sends.load(Ordering::Relaxed),
@@ -253,8 +247,8 @@ impl ShmPlane {
     /// The addresses of this task's mapping of the receive slot for `key`, once attached (for
     /// zero-copy checks: a received tensor's bytes lie in it).
     pub fn recv_mapping(&self, key: &RendezvousKey) -> Option<Range<usize>> {
-        let (_, slot) = lock(&self.recv_keys).get(key).cloned()?;
-        let recv = lock(&self.recv);
+        let (_, slot) = lock(&self.link.recv_keys).get(key).cloned()?;
+        let recv = lock(&self.link.recv);
         let m = recv.get(&slot)?.mem.as_ref()?.mapping();
         let start = m.base().as_ptr() as usize;
         Some(start..start + m.len())
@@ -262,35 +256,27 @@ impl ShmPlane {
 
     /// The addresses of this task's mapping of the slot it sends `key` into, once created.
     pub fn send_mapping(&self, key: &RendezvousKey) -> Option<Range<usize>> {
-        let route = lock(&self.routes).get(key).cloned()?;
+        let route = lock(&self.link.routes).get(key).cloned()?;
         let slot = lock(&route.slot).clone()?;
         let m = slot.mem.mapping();
         let start = m.base().as_ptr() as usize;
         Some(start..start + m.len())
     }
 
-    fn gone_cause(&self, peer: &str) -> Option<String> {
-        lock(&self.gone).get(peer).cloned()
-    }
-
-    fn emit(&self, event: PeerEvent) {
-        self.events.emit(&self.name, event);
-    }
-
     fn send_shm(&self, peer: &str, m: &ShmMessage) -> Result<(), RendezvousError> {
-        self.tcp.send_message(peer, m.encode())
+        self.link.tcp.send_message(peer, m.encode())
     }
 
     /// The ring towards `peer`, created (and announced) on first use.
     fn pair(&self, peer: &Arc<str>) -> Result<Arc<SendPair>, String> {
-        let mut pairs = lock(&self.pairs);
+        let mut pairs = lock(&self.link.pairs);
         if let Some(p) = pairs.get(peer) {
             return Ok(p.clone());
         }
         let name = new_name(&format!("{}-{peer}-ring", self.name));
         let path = shm_dir().join(&name);
         let ring = Ring::create(&path).map_err(|e| format!("creating {}: {e}", path.display()))?;
-        lock(&self.created).push(path);
+        lock(&self.link.created).push(path);
         self.send_shm(peer, &ShmMessage::AttachRing { name })
             .map_err(|e| e.to_string())?;
         let pair = Arc::new(SendPair {
@@ -318,7 +304,7 @@ impl ShmPlane {
         let path = shm_dir().join(&name);
         let mem =
             SlotMem::create(&path, len).map_err(|e| format!("creating {}: {e}", path.display()))?;
-        lock(&self.created).push(path);
+        lock(&self.link.created).push(path);
         self.send_shm(
             &route.peer,
             &ShmMessage::AttachSlot {
@@ -346,7 +332,7 @@ impl ShmPlane {
         slot: &SendSlot,
     ) -> Result<(), RendezvousError> {
         let t0 = Instant::now();
-        let deadline = t0 + self.slot_timeout;
+        let deadline = t0 + self.link.slot_timeout;
         let busy = |cause: &'static str| RendezvousError::SlotBusy {
             key: key.clone(),
             peer: route.peer.to_string(),
@@ -411,20 +397,24 @@ impl ShmPlane {
                 },
             );
         }
-        let pair = lock(&self.pairs).get(&route.peer).cloned().ok_or_else(|| {
-            RendezvousError::PeerGone {
+        let pair = lock(&self.link.pairs)
+            .get(&route.peer)
+            .cloned()
+            .ok_or_else(|| RendezvousError::PeerGone {
                 peer: route.peer.to_string(),
                 cause: "no ring towards it".into(),
-            }
-        })?;
+            })?;
         let ring = lock(&pair.ring);
         let t0 = Instant::now();
-        ring.push(route.slot_id, step, t0 + self.slot_timeout, || {
-            match self.gone_cause(&route.peer) {
+        ring.push(
+            route.slot_id,
+            step,
+            t0 + self.link.slot_timeout,
+            || match self.gone_cause(&route.peer) {
                 Some(cause) => Err(cause),
                 None => Ok(()),
-            }
-        })
+            },
+        )
         .map_err(|e| match e {
             WaitError::Timeout => RendezvousError::SlotBusy {
                 key: key.clone(),
@@ -440,9 +430,9 @@ impl ShmPlane {
     }
 
     /// Hands the value in receive slot `slot_id` for `step` to its Recv, as a view of the slot.
-    fn deliver(&self, peer: &str, slot_id: u32, step: u64) -> Result<(), String> {
+    fn deliver_slot(&self, peer: &str, slot_id: u32, step: u64) -> Result<(), String> {
         let (key, dtype, dims, mem, held) = {
-            let recv = lock(&self.recv);
+            let recv = lock(&self.link.recv);
             let s = recv
                 .get(&slot_id)
                 .ok_or_else(|| format!("a value for unknown slot {slot_id}"))?;
@@ -481,10 +471,8 @@ impl ShmPlane {
         let buf = unsafe { Buffer::from_external(mem.data(), len, false, Box::new(view)) }
             .ok_or_else(|| format!("slot {slot_id} (key {key}) is misaligned"))?;
         let tensor = Tensor::from_shared(dtype, &dims, Arc::new(buf)).map_err(|e| e.to_string())?;
-        self.counters.received.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = self.local.send(&key, step, tensor) {
-            tracing::warn!("{}: value from `{peer}` not delivered: {e}", self.name);
-        }
+        self.link.counters.received.fetch_add(1, Ordering::Relaxed);
+        self.deliver(peer, &key, step, tensor);
         Ok(())
     }
 
@@ -498,7 +486,7 @@ impl ShmPlane {
                 let ring = Arc::new(ring.map_err(|e| format!("ring segment {name}: {e}"))?);
                 // The peer's notifications in its old ring, if any, precede everything in the new
                 // one: deliver them before a consumer of the new ring starts.
-                let old = lock(&self.consumers).remove(peer);
+                let old = lock(&self.link.consumers).remove(peer);
                 if let Some(old) = old {
                     old.stop.store(true, Ordering::SeqCst);
                     old.ring.wake();
@@ -519,7 +507,7 @@ impl ShmPlane {
                         consume(plane, peer2, ring2, stop2)
                     })
                     .map_err(|e| format!("starting the ring consumer: {e}"))?;
-                let replaced = lock(&self.consumers).insert(
+                let replaced = lock(&self.link.consumers).insert(
                     peer.clone(),
                     Consumer {
                         ring,
@@ -540,7 +528,7 @@ impl ShmPlane {
             ShmMessage::AttachSlot { slot, len, name } => {
                 let path = checked_path(&name)?;
                 let opened = {
-                    let recv = lock(&self.recv);
+                    let recv = lock(&self.link.recv);
                     match recv.get(&slot) {
                         Some(s) if *s.peer == **peer && s.len as u64 == len => {
                             SlotMem::open(&path, s.len)
@@ -554,52 +542,34 @@ impl ShmPlane {
                 };
                 let _ = std::fs::remove_file(&path);
                 let mem = Arc::new(opened?);
-                if let Some(s) = lock(&self.recv).get_mut(&slot) {
+                if let Some(s) = lock(&self.link.recv).get_mut(&slot) {
                     s.mem = Some(mem);
                 }
                 Ok(())
             }
-            ShmMessage::Deliver { slot, step } => self.deliver(peer, slot, step),
+            ShmMessage::Deliver { slot, step } => self.deliver_slot(peer, slot, step),
             ShmMessage::Abort { step, reason } => {
-                self.local.abort_step(
-                    step,
-                    RendezvousError::Aborted {
-                        step,
-                        cause: format!("aborted by peer `{peer}`: {reason}"),
-                    },
-                );
+                self.aborted_by_peer(peer, step, &reason);
                 Ok(())
             }
         }
     }
 
-    /// Marks `peer` dead: stops its ring's consumer, delivers what the peer notified before it
-    /// went, then aborts every step still waiting on its keys.
+    /// Stops `peer`'s ring consumer and delivers what the peer notified before it went (the
+    /// link's part of marking it gone: [`Link::forget_peer`]).
     ///
     /// Runs in the event pump (a tokio task) and blocks it while the consumer thread exits and
     /// the ring drains: a wake-up and at most [`slot::RING_CAP`] deliveries, with the wait for
     /// the thread bounded by [`CONSUMER_EXIT_WAIT`]. Blocking here rather than handing the work
     /// to another task keeps the side channel's order: every value the peer sent is delivered
     /// before it is marked gone, before `Gone` is passed on, and before the pump's next event.
-    fn peer_gone(&self, peer: &Arc<str>, cause: &str) {
-        let consumer = lock(&self.consumers).remove(peer);
+    fn stop_consumer(&self, peer: &Arc<str>) {
+        let consumer = lock(&self.link.consumers).remove(peer);
         if let Some(c) = consumer {
             c.stop.store(true, Ordering::SeqCst);
             c.ring.wake();
             self.retire(peer, c);
         }
-        // Set only now: a Recv that sees `peer` gone finds every value it delivered (see
-        // `recv_async`).
-        lock(&self.gone).insert(peer.clone(), cause.to_string());
-        let err = RendezvousError::PeerGone {
-            peer: peer.to_string(),
-            cause: cause.to_string(),
-        };
-        self.remote_waits.abort_waiting_on(&self.local, &err, |k| {
-            lock(&self.recv_keys)
-                .get(k)
-                .is_some_and(|(p, _)| **p == **peer)
-        });
     }
 
     /// Waits (bounded) for the thread of `c`, already told to stop and woken, to exit, then
@@ -632,7 +602,7 @@ impl ShmPlane {
         for _ in 0..slot::RING_CAP {
             match ring.pop() {
                 Ok(Some((slot, step))) => {
-                    if let Err(e) = self.deliver(peer, slot, step) {
+                    if let Err(e) = self.deliver_slot(peer, slot, step) {
                         tracing::error!(peer = %peer, "{}: value from `{peer}` refused: {e}", self.name);
                     }
                 }
@@ -647,7 +617,7 @@ impl ShmPlane {
 
     /// Stops every ring consumer: tells them all first, then retires each (see `retire`).
     fn retire_consumers(&self) {
-        let all: Vec<(Arc<str>, Consumer)> = lock(&self.consumers).drain().collect();
+        let all: Vec<(Arc<str>, Consumer)> = lock(&self.link.consumers).drain().collect();
         for (_, c) in &all {
             c.stop.store(true, Ordering::SeqCst);
             c.ring.wake();
@@ -656,7 +626,9 @@ impl ShmPlane {
             self.retire(&peer, c);
         }
     }
+}
 
+impl ShmLink {
     /// Tells every ring consumer to stop, without waiting: for `Drop`, which may run on a
     /// consumer thread (the last reference to the plane can be the one it upgraded), and after
     /// which nothing could receive a value anyway.
@@ -674,7 +646,7 @@ impl ShmPlane {
     }
 }
 
-impl Drop for ShmPlane {
+impl Drop for ShmLink {
     fn drop(&mut self) {
         self.stop_consumers();
         self.unlink_created();
@@ -694,10 +666,7 @@ async fn pump(plane: Weak<ShmPlane>, mut events: mpsc::UnboundedReceiver<PeerEve
                     }
                 }
             },
-            PeerEvent::Gone { peer, cause } => {
-                plane.peer_gone(&peer, &cause);
-                plane.emit(PeerEvent::Gone { peer, cause });
-            }
+            PeerEvent::Gone { peer, cause } => plane.peer_gone(&peer, &cause),
         }
     }
 }
@@ -710,7 +679,7 @@ fn consume(plane: Weak<ShmPlane>, peer: Arc<str>, ring: Arc<Ring>, stop: Arc<Ato
         match ring.pop() {
             Ok(Some((slot, step))) => {
                 let Some(p) = plane.upgrade() else { return };
-                if let Err(e) = p.deliver(&peer, slot, step) {
+                if let Err(e) = p.deliver_slot(&peer, slot, step) {
                     tracing::error!(peer = %peer, "{}: value from `{peer}` refused: {e}", p.name);
                 }
             }
@@ -725,26 +694,29 @@ fn consume(plane: Weak<ShmPlane>, peer: Arc<str>, ring: Arc<Ring>, stop: Arc<Ato
     }
 }
 
-impl Rendezvous for ShmPlane {
-    fn send(
-        &self,
+impl Link for ShmLink {
+    type Route = Arc<SendRoute>;
+
+    fn route(&self, key: &RendezvousKey) -> Option<(Arc<str>, Arc<SendRoute>)> {
+        lock(&self.routes)
+            .get(key)
+            .map(|r| (r.peer.clone(), r.clone()))
+    }
+
+    fn sender_of(&self, key: &RendezvousKey) -> Option<Arc<str>> {
+        lock(&self.recv_keys).get(key).map(|(p, _)| p.clone())
+    }
+
+    fn send_to(
+        plane: &ShmPlane,
         key: &Arc<RendezvousKey>,
         step: u64,
+        _peer: &Arc<str>,
+        route: Arc<SendRoute>,
         value: Tensor,
     ) -> Result<(), RendezvousError> {
-        let route = lock(&self.routes).get(key).cloned();
-        let Some(route) = route else {
-            return self.local.send(key, step, value);
-        };
-        let gone = |cause: String| RendezvousError::PeerGone {
-            peer: route.peer.to_string(),
-            cause,
-        };
-        if let Some(cause) = self.gone_cause(&route.peer) {
-            return Err(gone(cause));
-        }
         let len = value.byte_len();
-        let slot = self
+        let slot = plane
             .send_slot(&route, len)
             .map_err(|e| RendezvousError::Aborted {
                 step,
@@ -754,89 +726,79 @@ impl Rendezvous for ShmPlane {
         if in_place {
             // The producer wrote into the slot: it holds WRITING since `send_buffer`.
             drop(value);
-            self.counters
+            plane
+                .link
+                .counters
                 .zero_copy_sends
                 .fetch_add(1, Ordering::Relaxed);
         } else {
-            self.acquire(key, &route, &slot)?;
+            plane.acquire(key, &route, &slot)?;
             // SAFETY: this task holds the slot (WRITING) and no view of it exists on either side
             // (the receiver released it, this task's last view is gone), so nothing else reads or
             // writes these `len` bytes, which lie inside the live mapping.
             unsafe {
                 std::ptr::copy_nonoverlapping(value.data_ptr(), slot.mem.data().as_ptr(), len);
             }
-            self.counters.copied_sends.fetch_add(1, Ordering::Relaxed);
-            self.counters
+            plane
+                .link
+                .counters
+                .copied_sends
+                .fetch_add(1, Ordering::Relaxed);
+            plane
+                .link
+                .counters
                 .copied_bytes
                 .fetch_add(len as u64, Ordering::Relaxed);
         }
-        self.notify(key, &route, &slot, step)
+        plane.notify(key, &route, &slot, step)
     }
 
-    fn recv_async(&self, key: &Arc<RendezvousKey>, step: u64, done: RecvCallback) {
-        let peer = lock(&self.recv_keys).get(key).map(|(p, _)| p.clone());
-        let Some(peer) = peer else {
-            return self.local.recv_async(key, step, done);
-        };
-        // A gone peer's values are all delivered by the time it is marked gone (`peer_gone`).
-        self.remote_waits.recv(
-            &self.local,
-            &peer,
-            || self.gone_cause(&peer),
-            key,
-            step,
-            done,
-        );
-    }
-
-    fn abort_step(&self, step: u64, cause: RendezvousError) {
-        let mut reason = cause.to_string();
-        reason.truncate(1024);
-        let peers: Vec<Arc<str>> = lock(&self.peers).iter().cloned().collect();
+    fn tell_abort(plane: &ShmPlane, step: u64, reason: &str) {
+        // At most 1 KiB, cut at a character boundary.
+        let mut end = reason.len().min(1024);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let reason = &reason[..end];
+        let peers: Vec<Arc<str>> = lock(&plane.link.peers).iter().cloned().collect();
         for peer in peers {
-            let _ = self.send_shm(
+            let _ = plane.send_shm(
                 &peer,
                 &ShmMessage::Abort {
                     step,
-                    reason: reason.clone(),
+                    reason: reason.to_string(),
                 },
             );
         }
-        self.local.abort_step(step, cause);
     }
 
-    fn finish_step(&self, step: u64) {
-        self.remote_waits.finish(step);
-        self.local.finish_step(step);
-    }
-
-    fn pending_recvs(&self, step: u64) -> Vec<RendezvousKey> {
-        self.local.pending_recvs(step)
+    fn forget_peer(plane: &ShmPlane, peer: &Arc<str>, _cause: &str) {
+        plane.stop_consumer(peer);
     }
 
     fn send_buffer(
-        &self,
+        plane: &ShmPlane,
         key: &Arc<RendezvousKey>,
         _step: u64,
         dtype: DType,
         dims: &[usize],
     ) -> Option<Tensor> {
-        let route = lock(&self.routes).get(key).cloned()?;
-        if self.gone_cause(&route.peer).is_some() {
+        let route = lock(&plane.link.routes).get(key).cloned()?;
+        if plane.gone_cause(&route.peer).is_some() {
             return None;
         }
         let len = dims
             .iter()
             .try_fold(dtype.size_of(), |acc, &d| acc.checked_mul(d))?;
-        let slot = match self.send_slot(&route, len) {
+        let slot = match plane.send_slot(&route, len) {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!("{}: no shared-memory slot for {key}: {e}", self.name);
+                tracing::warn!("{}: no shared-memory slot for {key}: {e}", plane.name);
                 return None;
             }
         };
         // On failure the producer allocates normally and `send` reports the busy slot.
-        self.acquire(key, &route, &slot).ok()?;
+        plane.acquire(key, &route, &slot).ok()?;
         let token = Arc::new(());
         *lock(&slot.view) = Arc::downgrade(&token);
         let view = SendView {
@@ -849,19 +811,13 @@ impl Rendezvous for ShmPlane {
         let buf = unsafe { Buffer::from_external(slot.mem.data(), len, true, Box::new(view)) }?;
         Tensor::from_shared(dtype, dims, Arc::new(buf)).ok()
     }
-}
-
-impl DataPlane for ShmPlane {
-    fn task(&self) -> &str {
-        &self.name
-    }
 
     fn local_addr(&self) -> SocketAddr {
         self.tcp.local_addr()
     }
 
     fn register_recv(
-        &self,
+        plane: &ShmPlane,
         slot_id: u32,
         peer: &str,
         key: Arc<RendezvousKey>,
@@ -874,11 +830,11 @@ impl DataPlane for ShmPlane {
             .try_fold(dtype.size_of(), |a, &d| a.checked_mul(d))
             .filter(|&l| l <= dflow_graph::tensor::MAX_TENSOR_BYTES)
             .ok_or_else(|| err(format!("shape {dims:?} is too large")))?;
-        let mut recv = lock(&self.recv);
+        let mut recv = lock(&plane.link.recv);
         if let Some(s) = recv.get(&slot_id) {
             return Err(err(format!("slot id already used by key {}", s.key)));
         }
-        let mut keys = lock(&self.recv_keys);
+        let mut keys = lock(&plane.link.recv_keys);
         if keys.contains_key(&key) {
             return Err(err("key already has a slot".into()));
         }
@@ -898,12 +854,8 @@ impl DataPlane for ShmPlane {
         Ok(())
     }
 
-    fn has_recv_slot(&self, key: &RendezvousKey) -> bool {
-        lock(&self.recv_keys).contains_key(key)
-    }
-
-    fn register_send(&self, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
-        lock(&self.routes).insert(
+    fn register_send(plane: &ShmPlane, key: Arc<RendezvousKey>, peer: &str, slot_id: u32) {
+        lock(&plane.link.routes).insert(
             key,
             Arc::new(SendRoute {
                 peer: peer.into(),
@@ -914,48 +866,39 @@ impl DataPlane for ShmPlane {
     }
 
     fn connect(
-        self: Arc<Self>,
+        plane: Arc<ShmPlane>,
         peer: String,
         addr: SocketAddr,
     ) -> BoxFuture<'static, Result<(), String>> {
         Box::pin(async move {
-            TcpRendezvous::connect(&self.tcp, &peer, addr)
+            TcpPlane::connect(&plane.link.tcp, &peer, addr)
                 .await
                 .map_err(|e| e.to_string())?;
-            let peer: Arc<str> = peer.into();
-            lock(&self.gone).remove(&peer);
-            lock(&self.peers).insert(peer);
+            plane.revive(&peer);
+            lock(&plane.link.peers).insert(peer.into());
             Ok(())
         })
     }
 
-    fn send_message(&self, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
-        self.tcp.send_message(peer, body)
+    fn send_message(plane: &ShmPlane, peer: &str, body: Vec<u8>) -> Result<(), RendezvousError> {
+        plane.link.tcp.send_message(peer, body)
     }
 
-    fn subscribe(&self) -> mpsc::UnboundedReceiver<PeerEvent> {
-        self.events.subscribe()
-    }
-
-    fn close(&self, within: Duration) -> BoxFuture<'_, ()> {
+    fn close(plane: &ShmPlane, within: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            self.tcp.close(within).await;
+            plane.link.tcp.close(within).await;
             // Values peers notified before the close are delivered, not dropped with the rings.
-            self.retire_consumers();
-            self.unlink_created();
-            let s = self.stats();
+            plane.retire_consumers();
+            plane.link.unlink_created();
+            let s = plane.stats();
             tracing::info!(
                 "{}: shm transport: {} values sent in place, {} copied into their slot ({} bytes), {} received",
-                self.name,
+                plane.name,
                 s.zero_copy_sends,
                 s.copied_sends,
                 s.copied_bytes,
                 s.received
             );
         })
-    }
-
-    fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous> {
-        self
     }
 }

@@ -1,8 +1,12 @@
 //! What the distributed runtime needs from a transport: a [`Rendezvous`] whose cross-task keys
 //! travel through receive slots registered once, plus control-plane messages and peer events
-//! on the same authenticated connections. TCP implements it ([`crate::tcp::TcpRendezvous`]);
-//! other backends (QUIC, shared memory, RDMA) implement the same trait and the runtime picks
-//! one per job with [`TransportKind`].
+//! on the same authenticated connections ([`DataPlane`]). Every backend is the one generic
+//! [`Plane`] over its own [`Link`] (TCP: [`crate::tcp::TcpPlane`]; QUIC, shared memory and
+//! RDMA likewise), and the runtime picks one per job with [`TransportKind`].
+
+mod core;
+
+pub use self::core::{Link, Plane};
 
 use crate::rendezvous::{Rendezvous, RendezvousError, RendezvousKey};
 use dflow_graph::DType;
@@ -11,7 +15,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -36,6 +40,12 @@ pub enum PeerEvent {
         /// What happened.
         cause: String,
     },
+}
+
+/// Locks `m`, going on after a poisoned lock: the planes run no callback under their locks, so
+/// a poisoned one means a bug elsewhere and its data is still consistent.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A data plane's subscriber for [`PeerEvent`]s (see [`DataPlane::subscribe`]): the planes
@@ -122,85 +132,6 @@ pub trait DataPlane: Rendezvous {
     fn as_rendezvous(self: Arc<Self>) -> Arc<dyn Rendezvous>;
 }
 
-/// Implements [`DataPlane`] for a plane whose receive slots are a [`crate::tcp::SlotTable`]
-/// (field `slots`) and which has the fields `name` and `addr` and inherent `register_send`,
-/// `connect`, `send_message`, `subscribe` and `close` methods: the TCP and QUIC planes, whose
-/// trait impls were otherwise the same forty lines.
-macro_rules! slot_table_data_plane {
-    ($plane:ty) => {
-        impl $crate::plane::DataPlane for $plane {
-            fn task(&self) -> &str {
-                &self.name
-            }
-
-            fn local_addr(&self) -> std::net::SocketAddr {
-                self.addr
-            }
-
-            fn register_recv(
-                &self,
-                slot_id: u32,
-                peer: &str,
-                key: std::sync::Arc<$crate::rendezvous::RendezvousKey>,
-                dtype: dflow_graph::DType,
-                dims: &[usize],
-            ) -> Result<(), String> {
-                self.slots
-                    .register(slot_id, peer, key, dtype, dims)
-                    .map_err(|e| e.to_string())
-            }
-
-            fn has_recv_slot(&self, key: &$crate::rendezvous::RendezvousKey) -> bool {
-                self.slots.peer_of(key).is_some()
-            }
-
-            fn register_send(
-                &self,
-                key: std::sync::Arc<$crate::rendezvous::RendezvousKey>,
-                peer: &str,
-                slot_id: u32,
-            ) {
-                <$plane>::register_send(self, key, peer, slot_id)
-            }
-
-            fn connect(
-                self: std::sync::Arc<Self>,
-                peer: String,
-                addr: std::net::SocketAddr,
-            ) -> $crate::plane::BoxFuture<'static, Result<(), String>> {
-                Box::pin(async move {
-                    <$plane>::connect(&self, &peer, addr)
-                        .await
-                        .map_err(|e| e.to_string())
-                })
-            }
-
-            fn send_message(
-                &self,
-                peer: &str,
-                body: Vec<u8>,
-            ) -> Result<(), $crate::rendezvous::RendezvousError> {
-                <$plane>::send_message(self, peer, body)
-            }
-
-            fn subscribe(&self) -> tokio::sync::mpsc::UnboundedReceiver<$crate::plane::PeerEvent> {
-                <$plane>::subscribe(self)
-            }
-
-            fn close(&self, within: std::time::Duration) -> $crate::plane::BoxFuture<'_, ()> {
-                Box::pin(<$plane>::close(self, within))
-            }
-
-            fn as_rendezvous(
-                self: std::sync::Arc<Self>,
-            ) -> std::sync::Arc<dyn $crate::rendezvous::Rendezvous> {
-                self
-            }
-        }
-    };
-}
-pub(crate) use slot_table_data_plane;
-
 /// The transports a job can run on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {
@@ -272,7 +203,7 @@ pub async fn bind(
     kind: TransportKind,
     task: &str,
     addr: SocketAddr,
-    config: crate::tcp::TcpConfig,
+    config: crate::config::TcpConfig,
     secret: Option<crate::auth::Secret>,
 ) -> std::io::Result<Arc<dyn DataPlane>> {
     bind_with_identity(kind, task, addr, config, secret, None).await
@@ -284,7 +215,7 @@ pub async fn bind_with_identity(
     kind: TransportKind,
     task: &str,
     addr: SocketAddr,
-    config: crate::tcp::TcpConfig,
+    config: crate::config::TcpConfig,
     secret: Option<crate::auth::Secret>,
     identity: Option<crate::quic::QuicIdentity>,
 ) -> std::io::Result<Arc<dyn DataPlane>> {
@@ -302,7 +233,7 @@ pub async fn bind_with_identity(
         }
         TransportKind::Tcp => {
             let plane: Arc<dyn DataPlane> =
-                crate::tcp::TcpRendezvous::bind_with_secret(task, addr, config, secret).await?;
+                crate::tcp::TcpPlane::bind_with_secret(task, addr, config, secret).await?;
             Ok(plane)
         }
         #[cfg(feature = "rdma")]

@@ -20,8 +20,12 @@
 //! Gradient clipping by global norm, when the spec asks for it, clips each worker's gradient
 //! before the sum (not the summed gradient).
 
-use crate::strategy::{EvalNames, PsGraph, ReplicaFeeds, StrategyError};
-use dflow_graph::train::{expand_training, TrainSpec};
+use super::{
+    EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
+};
+use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::place::{PlacementOptions, Policy};
+use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, DType, DeviceName, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -70,6 +74,79 @@ fn node(name: &str, op: &str, inputs: Vec<String>, device: &str) -> NodeDef {
     }
 }
 
+/// All-reduce data parallelism: every worker holds the model, gradients are summed by
+/// collective all-reduces in buckets of at most `bucket_bytes`; no ps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllReduce {
+    /// Fusion threshold.
+    pub bucket_bytes: usize,
+}
+
+/// `--strategy allreduce`.
+pub(super) static REGISTRATION: Registration = Registration {
+    name: "allreduce",
+    about: "every worker holds the model; gradients all-reduced in fused buckets; no ps",
+    build: |opts| {
+        if opts.asynchronous {
+            return Err(StrategyError::Options {
+                strategy: "allreduce",
+                message: "all-reduce is synchronous; --async is a parameter-server mode (use --strategy ps)".into(),
+            });
+        }
+        Ok(Box::new(AllReduce {
+            bucket_bytes: opts.bucket_bytes,
+        }))
+    },
+};
+
+impl Strategy for AllReduce {
+    fn name(&self) -> &'static str {
+        REGISTRATION.name
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "all-reduce data-parallel training, buckets of {:.1} MiB",
+            self.bucket_bytes as f64 / (1u64 << 20) as f64
+        )
+    }
+
+    fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
+        let forward = input.graph.to_def();
+        let workers = input.workers();
+        let graphs = allreduce_graphs(
+            input.graph,
+            &forward,
+            input.train,
+            workers,
+            input.features,
+            input.labels,
+            self.bucket_bytes,
+        )?;
+        // Every node of a worker's graph stays on that worker: no device setter.
+        let placement = PlacementOptions {
+            policy: Policy::Explicit,
+            ..input.placement.clone()
+        };
+        let group = CollectiveGroup {
+            key: GROUP.to_string(),
+            members: input
+                .cluster
+                .tasks("worker")
+                .map(|(i, _)| task_name("worker", i))
+                .collect(),
+        };
+        JobPlan::build(
+            self.describe(),
+            input,
+            graphs,
+            &placement,
+            Schedule::Lockstep,
+            vec![group],
+        )
+    }
+}
+
 /// The all-reduce training graphs, one per worker (see the module docs). `features` and
 /// `labels` name the placeholders each worker feeds with its part of every global batch.
 pub fn allreduce_training(
@@ -79,11 +156,32 @@ pub fn allreduce_training(
     features: &str,
     labels: &str,
     bucket_bytes: usize,
-) -> Result<Vec<PsGraph>, StrategyError> {
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
+    let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
+    allreduce_graphs(
+        &graph,
+        forward,
+        spec,
+        workers,
+        features,
+        labels,
+        bucket_bytes,
+    )
+}
+
+/// [`allreduce_training`] of an already validated `graph`, whose definition is `forward`.
+pub(crate) fn allreduce_graphs(
+    graph: &Graph,
+    forward: &GraphDef,
+    spec: &TrainSpec,
+    workers: usize,
+    features: &str,
+    labels: &str,
+    bucket_bytes: usize,
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
     if workers == 0 || u32::try_from(workers).is_err() {
         return Err(StrategyError::WorkerCount(workers));
     }
-    let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
     for (role, name) in [("features", features), ("labels", labels)] {
         match graph.find(name).map(|i| graph.node(i).op) {
             Some("Placeholder") => {}
@@ -167,7 +265,7 @@ fn worker_graph(
     labels: &str,
     bucket_bytes: usize,
     loss_dtype: DType,
-) -> Result<PsGraph, StrategyError> {
+) -> Result<ReplicaGraph, StrategyError> {
     let device = worker_device("", "", worker)?;
     let mut def = forward.clone();
     def.train = None;
@@ -204,14 +302,13 @@ fn worker_graph(
         vec![spec.loss.clone(), weight_in],
         &device,
     ));
-    let mut training = expand_training(
+    let (mut training, typed) = expand_training_graph(
         &def,
         &TrainSpec {
             loss: weighted.clone(),
             ..spec.clone()
         },
     )?;
-    let typed = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     let mut taken: HashSet<String> = training.def.nodes.iter().map(|n| n.name.clone()).collect();
 
     // Buckets of gradients, last variables first, split by dtype and by the threshold.
@@ -318,10 +415,11 @@ fn worker_graph(
     ]);
     added.push(n);
     training.def.nodes.extend(added);
-    Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.loss = global;
-    Ok(PsGraph {
+    Ok(ReplicaGraph {
         training,
+        graph,
         replicas: vec![ReplicaFeeds {
             worker,
             features: features.to_string(),
@@ -424,6 +522,8 @@ mod tests {
         let err = allreduce_training(&def, &spec, 2, "nope", "labels", 1).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
         let bad = TrainSpec {
+            lr_schedule: None,
+            data: None,
             loss: "logits".into(),
             optimizer: OptimizerSpec {
                 kind: OptimizerKind::Sgd,

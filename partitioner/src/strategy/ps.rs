@@ -28,6 +28,8 @@
 //! let sq = b.binary("Mul", "sq", &d, &d);
 //! b.op("Mean", "loss").input(&sq).finish();
 //! let spec = TrainSpec {
+//!     lr_schedule: None,
+//!     data: None,
 //!     loss: "loss".into(),
 //!     optimizer: OptimizerSpec { kind: OptimizerKind::Sgd, lr: 0.1 },
 //!     clip_global_norm: None,
@@ -45,10 +47,12 @@
 //! assert_eq!(node("train/w/update").device, "/job:ps/task:0");
 //! ```
 
-use dflow_graph::train::{expand_training, TrainError, TrainSpec, TrainingGraph};
-use dflow_graph::{
-    AttrValue, DType, DeviceName, Edge, Graph, GraphDef, GraphErrors, InputRef, NodeDef, Shape,
+use super::{
+    EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
 };
+use crate::job::Schedule;
+use dflow_graph::train::{expand_training_graph, TrainSpec};
+use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, GraphDef, InputRef, NodeDef, Shape};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -64,114 +68,65 @@ pub enum PsMode {
     Async,
 }
 
-/// Which placeholders worker `worker` feeds with its part of each batch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReplicaFeeds {
-    /// The worker task index.
-    pub worker: usize,
-    /// The features placeholder of this worker's replica.
-    pub features: String,
-    /// The labels placeholder of this worker's replica.
-    pub labels: String,
-    /// Sync only: a scalar f32 placeholder fed with `n_i / n`, the worker's rows over the rows
-    /// of the global batch, so that the summed loss is the global batch's mean.
-    pub weight: Option<String>,
+/// Parameter-server data parallelism: variables on the `ps` tasks, one replica of the model
+/// per worker; [`PsMode`] says whether the updates are aggregated (sync) or not (async).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParameterServer {
+    /// Sync or async updates.
+    pub mode: PsMode,
 }
 
-/// Names to feed and fetch for evaluation on worker 0: whole batches, no weight.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EvalNames {
-    /// The features placeholder.
-    pub features: String,
-    /// The labels placeholder.
-    pub labels: String,
-    /// The (unweighted) loss tensor.
-    pub loss: String,
-    /// The (unweighted) metric tensors, in the spec's order.
-    pub metrics: Vec<String>,
-}
+/// `--strategy ps`.
+pub(super) static REGISTRATION: Registration = Registration {
+    name: "ps",
+    about: "variables on the parameter servers; sync (default) or --async updates",
+    build: |opts| {
+        Ok(Box::new(ParameterServer {
+            mode: if opts.asynchronous {
+                PsMode::Async
+            } else {
+                PsMode::Sync
+            },
+        }))
+    },
+};
 
-/// One training graph of a strategy and how to drive it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PsGraph {
-    /// The graph with its training step; `loss` and `metrics` name the global-batch values.
-    pub training: TrainingGraph,
-    /// What each worker driving this graph feeds, one entry per replica in the graph.
-    pub replicas: Vec<ReplicaFeeds>,
-    /// What to feed and fetch to evaluate the model.
-    pub eval: EvalNames,
-}
+impl Strategy for ParameterServer {
+    fn name(&self) -> &'static str {
+        REGISTRATION.name
+    }
 
-/// Why [`ps_training`] could not build the strategy's graphs.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum StrategyError {
-    /// The worker count is zero or does not fit a task index.
-    #[error("a parameter-server strategy needs 1 to {} workers, got {0}", u32::MAX)]
-    WorkerCount(usize),
-    /// The forward graph does not validate.
-    #[error("the forward graph is invalid:\n{0}")]
-    InvalidGraph(GraphErrors),
-    /// The features or labels name is not a placeholder of the graph.
-    #[error("{role} placeholder `{name}`: {message}")]
-    NotAPlaceholder {
-        /// `features` or `labels`.
-        role: &'static str,
-        /// The name as given.
-        name: String,
-        /// What is wrong, e.g. `no node named ...`.
-        message: String,
-    },
-    /// The loss or a metric does not name a tensor of the graph.
-    #[error("{role} `{name}` is not a tensor of the graph: {message}")]
-    UnknownTensor {
-        /// `loss` or `metric`.
-        role: &'static str,
-        /// The name as given.
-        name: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// The loss or a metric is not f32 or f64, so it cannot be weighted by a batch share.
-    #[error("{role} `{name}` is {dtype}; a replicated {role} must be f32 or f64 to be weighted by the replica's share of the batch")]
-    NotFloat {
-        /// `loss` or `metric`.
-        role: &'static str,
-        /// The name as given.
-        name: String,
-        /// Its dtype.
-        dtype: DType,
-    },
-    /// The loss or a metric is not a scalar, so the replicas' values cannot be averaged.
-    #[error("{role} `{name}` has shape {shape}; a replicated {role} must be a scalar (e.g. a Mean over the batch)")]
-    NotScalar {
-        /// `loss` or `metric`.
-        role: &'static str,
-        /// The name as given.
-        name: String,
-        /// Its inferred shape.
-        shape: Shape,
-    },
-    /// A node's device string does not parse.
-    #[error("node `{node}`: invalid device \"{device}\": {message}")]
-    InvalidDevice {
-        /// The node.
-        node: String,
-        /// The device as written.
-        device: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// A replica's node would take the name of a shared variable.
-    #[error("cannot replicate node `{node}` as `{name}`: a variable already has that name")]
-    NameTaken {
-        /// The original node.
-        node: String,
-        /// The replica's name for it.
-        name: String,
-    },
-    /// Adding the training step failed.
-    #[error(transparent)]
-    Train(#[from] TrainError),
+    fn describe(&self) -> String {
+        match self.mode {
+            PsMode::Sync => "sync parameter-server training".into(),
+            PsMode::Async => "async parameter-server training".into(),
+        }
+    }
+
+    fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
+        let forward = input.graph.to_def();
+        let graphs = ps_graphs(
+            input.graph,
+            &forward,
+            input.train,
+            input.workers(),
+            self.mode,
+            input.features,
+            input.labels,
+        )?;
+        let schedule = match self.mode {
+            PsMode::Sync => Schedule::Lockstep,
+            PsMode::Async => Schedule::Independent,
+        };
+        JobPlan::build(
+            self.describe(),
+            input,
+            graphs,
+            input.placement,
+            schedule,
+            Vec::new(),
+        )
+    }
 }
 
 /// Builds the training graph(s) of a parameter-server strategy over `workers` worker tasks.
@@ -181,7 +136,7 @@ pub enum StrategyError {
 /// request are kept); nodes on other jobs and nodes colocated with a variable (explicitly or by a
 /// reference input) keep their request. Variables are never copied.
 ///
-/// [`PsMode::Sync`] returns one [`PsGraph`] with a replica per worker (see the module docs);
+/// [`PsMode::Sync`] returns one [`ReplicaGraph`] with a replica per worker (see the module docs);
 /// [`PsMode::Async`] returns one per worker, graph `i` retargeted to task `i` with its names
 /// unchanged. `forward.train` is ignored: `spec` says what to train.
 pub fn ps_training(
@@ -191,19 +146,34 @@ pub fn ps_training(
     mode: PsMode,
     features: &str,
     labels: &str,
-) -> Result<Vec<PsGraph>, StrategyError> {
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
+    let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
+    ps_graphs(&graph, forward, spec, workers, mode, features, labels)
+}
+
+/// [`ps_training`] of an already validated `graph`, whose definition is `forward`.
+pub(crate) fn ps_graphs(
+    graph: &Graph,
+    forward: &GraphDef,
+    spec: &TrainSpec,
+    workers: usize,
+    mode: PsMode,
+    features: &str,
+    labels: &str,
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
     if workers == 0 || u32::try_from(workers).is_err() {
         return Err(StrategyError::WorkerCount(workers));
     }
-    let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
-    check_placeholder(&graph, "features", features)?;
-    check_placeholder(&graph, "labels", labels)?;
-    let facts = NodeFacts::of(&graph);
+    check_placeholder(graph, "features", features)?;
+    check_placeholder(graph, "labels", labels)?;
+    let facts = NodeFacts::of(graph);
     match mode {
         PsMode::Sync => {
-            let summed = replicate(forward, &graph, &facts, spec, workers)?;
-            Ok(vec![PsGraph {
-                training: expand_training(&summed.def, &summed.spec)?,
+            let summed = replicate(forward, graph, &facts, spec, workers)?;
+            let (training, graph) = expand_training_graph(&summed.def, &summed.spec)?;
+            Ok(vec![ReplicaGraph {
+                training,
+                graph,
                 replicas: (0..workers)
                     .map(|i| ReplicaFeeds {
                         worker: i,
@@ -233,8 +203,10 @@ pub fn ps_training(
                         node.device = worker_device(&node.name, &node.device, i)?;
                     }
                 }
-                Ok(PsGraph {
-                    training: expand_training(&def, spec)?,
+                let (training, graph) = expand_training_graph(&def, spec)?;
+                Ok(ReplicaGraph {
+                    training,
+                    graph,
                     replicas: vec![ReplicaFeeds {
                         worker: i,
                         features: features.to_string(),
@@ -581,6 +553,8 @@ mod tests {
 
     fn spec(loss: &str, metrics: &[&str]) -> TrainSpec {
         TrainSpec {
+            lr_schedule: None,
+            data: None,
             loss: loss.into(),
             optimizer: OptimizerSpec {
                 kind: OptimizerKind::Sgd,
@@ -621,7 +595,7 @@ mod tests {
             .unwrap_or_else(|| panic!("no node `{name}`"))
     }
 
-    fn sync(def: &GraphDef, workers: usize) -> PsGraph {
+    fn sync(def: &GraphDef, workers: usize) -> ReplicaGraph {
         let mut g = ps_training(
             def,
             &spec("loss", &["mse"]),

@@ -1,0 +1,28 @@
+//! Builds the character-level GPT with the layer library and writes it as
+//! `examples/gpt/gpt.json` and `examples/gpt/gpt.dflow` (what `dflow run` trains).
+//!
+//! Run: `cargo run -p dflow-examples --example build_gpt [-- OUT_DIR]`. The committed files are
+//! checked against this program's output by `tests/gpt_files.rs`, so they never drift.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = std::env::args()
+        .nth(1)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/gpt").into());
+    let (json, dsl) = dflow_examples::gpt_files()?;
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("gpt.json"), json)?;
+    std::fs::write(dir.join("gpt.dflow"), dsl)?;
+    let cfg = dflow::graph::layers::GptConfig::default();
+    println!(
+        "wrote {}/gpt.json and gpt.dflow: {} layers, {} heads, {} channels, context {}, vocabulary {}, {} parameters",
+        dir.display(),
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd,
+        cfg.block_size,
+        cfg.vocab_size,
+        cfg.num_params()
+    );
+    Ok(())
+}

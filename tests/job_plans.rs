@@ -1,0 +1,46 @@
+//! Snapshot tests of the job plans `dflow partition --strategy S` prints (and `dflow run`
+//! executes) for the digits training graph: every registered strategy on a cluster it fits.
+
+use dflow::load::load_graph;
+use dflow_graph::ClusterSpec;
+use dflow_partitioner::{render_job_text, JobInput, StrategyKind, StrategyOptions};
+use std::path::PathBuf;
+
+fn digits_plan(strategy: &str, cluster: ClusterSpec, options: &StrategyOptions) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/digits/digits.json");
+    let loaded = load_graph(&path).unwrap();
+    let train = loaded.parsed.def.train.clone().unwrap();
+    let strategy = strategy
+        .parse::<StrategyKind>()
+        .unwrap()
+        .build(options)
+        .unwrap();
+    let input = JobInput::new(&loaded.graph, &train, &cluster, "pixels", "labels");
+    render_job_text(&strategy.plan(&input).unwrap())
+}
+
+#[test]
+fn digits_sync_ps_on_two_workers() {
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    insta::assert_snapshot!(digits_plan("ps", cluster, &StrategyOptions::default()));
+}
+
+#[test]
+fn digits_async_ps_on_two_workers() {
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    let options = StrategyOptions {
+        asynchronous: true,
+        ..StrategyOptions::default()
+    };
+    insta::assert_snapshot!(digits_plan("ps", cluster, &options));
+}
+
+#[test]
+fn digits_allreduce_on_two_workers() {
+    let cluster = ClusterSpec::local(&[("worker", 2)]).unwrap();
+    insta::assert_snapshot!(digits_plan(
+        "allreduce",
+        cluster,
+        &StrategyOptions::default()
+    ));
+}
