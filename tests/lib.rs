@@ -1,3 +1,4 @@
 //! Shared helpers for integration tests.
 
 pub mod digits_setup;
+pub mod peak_alloc;

@@ -26,8 +26,11 @@ pub struct LoadedGraph {
     pub graph: Graph,
     /// The graph exactly as written in the file, with node positions.
     pub parsed: ParsedGraph,
-    /// The file's format.
+    /// The file's format (`Json` for an imported TensorFlow GraphDef).
     pub format: Format,
+    /// The file was a TensorFlow GraphDef (protobuf JSON), imported; `parsed` holds the imported
+    /// graph, without file positions.
+    pub tf_graphdef: bool,
 }
 
 /// Why a graph file could not be loaded.
@@ -103,6 +106,9 @@ impl std::error::Error for LoadError {}
 /// Reads, parses and validates a graph file. The format comes from the extension (`.json`,
 /// `.dflow`), else from the content.
 pub fn load_graph(path: &Path) -> Result<LoadedGraph, LoadError> {
+    if let Some(loaded) = load_tf_graphdef(path)? {
+        return Ok(loaded);
+    }
     let parsed = dflow_graph::load_file(path).map_err(LoadError::Format)?;
     // The file was readable and valid UTF-8 a moment ago; re-reading it only serves format
     // detection and snippets, so a failure here just loses those.
@@ -121,6 +127,7 @@ pub fn load_graph(path: &Path) -> Result<LoadedGraph, LoadError> {
             graph,
             parsed,
             format,
+            tf_graphdef: false,
         }),
         Err(errors) => {
             let shown = path.display().to_string();
@@ -132,6 +139,67 @@ pub fn load_graph(path: &Path) -> Result<LoadedGraph, LoadError> {
             })
         }
     }
+}
+
+/// Imports `path` when it is a TensorFlow GraphDef in protobuf JSON (`None` when it is not), so
+/// `check` and `convert` read the same files as `partition` and `run`.
+fn load_tf_graphdef(path: &Path) -> Result<Option<LoadedGraph>, LoadError> {
+    let shown = path.display().to_string();
+    let whole_file = |message: String| {
+        LoadError::Format(FormatErrors(vec![FormatError {
+            path: Some(shown.clone()),
+            line: 0,
+            column: 0,
+            message,
+            snippet: String::new(),
+        }]))
+    };
+    // Unreadable or oversized files are reported by `load_file`, with its limits.
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(None);
+    };
+    if meta.len() > dflow_graph::format::MAX_FILE_BYTES {
+        return Ok(None);
+    }
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(None);
+    };
+    if !dflow_graph::tf_import::looks_like_tf_graphdef(&text) {
+        return Ok(None);
+    }
+    let def = dflow_graph::tf_import::import_graphdef_json(&text)
+        .map_err(|e| whole_file(format!("importing a TensorFlow GraphDef: {e}")))?;
+    let graph = Graph::from_def(&def).map_err(|errors| LoadError::Invalid {
+        path: shown.clone(),
+        rendered: errors
+            .errors()
+            .iter()
+            .map(|e| format!("{shown}: imported TensorFlow graph: {e}"))
+            .collect(),
+        errors,
+    })?;
+    let too_big = check_sizes(&graph);
+    if !too_big.is_empty() {
+        let errors = GraphErrors(too_big);
+        return Err(LoadError::Invalid {
+            path: shown.clone(),
+            rendered: errors
+                .errors()
+                .iter()
+                .map(|e| format!("{shown}: {e}"))
+                .collect(),
+            errors,
+        });
+    }
+    Ok(Some(LoadedGraph {
+        graph,
+        parsed: ParsedGraph {
+            def,
+            node_positions: vec![],
+        },
+        format: Format::Json,
+        tf_graphdef: true,
+    }))
 }
 
 /// Renders validation errors with the position (and source line) of the node each one is about.
@@ -292,6 +360,12 @@ impl Summary {
     }
 }
 
+/// The width to pad a column of names to: the longest, but at most 60 (a longer name just pushes
+/// its row out; `format!`'s width must also stay below 65,536).
+fn column_width(lens: impl Iterator<Item = usize>) -> usize {
+    lens.max().unwrap_or(0).min(60)
+}
+
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "nodes:        {}", thousands(self.nodes))?;
@@ -302,7 +376,7 @@ impl fmt::Display for Summary {
             thousands(self.data_edges),
             thousands(self.control_edges)
         )?;
-        let width = self.ops.iter().map(|(o, _)| o.len()).max().unwrap_or(0);
+        let width = column_width(self.ops.iter().map(|(o, _)| o.len()));
         writeln!(f, "ops:          {}", self.ops.len())?;
         for (op, n) in &self.ops {
             writeln!(f, "  {op:<width$}  {n}")?;
@@ -314,12 +388,7 @@ impl fmt::Display for Summary {
                 d.to_string()
             }
         };
-        let width = self
-            .devices
-            .iter()
-            .map(|(d, _)| shown(d).len())
-            .max()
-            .unwrap_or(0);
+        let width = column_width(self.devices.iter().map(|(d, _)| shown(d).len()));
         writeln!(f, "devices:      {}", self.devices.len())?;
         for (d, n) in &self.devices {
             writeln!(f, "  {:<width$}  {n}", shown(d))?;
@@ -331,12 +400,7 @@ impl fmt::Display for Summary {
             thousands(self.parameters),
             human_bytes(self.parameter_bytes)
         )?;
-        let width = self
-            .placeholders
-            .iter()
-            .map(|(p, _)| p.len())
-            .max()
-            .unwrap_or(0);
+        let width = column_width(self.placeholders.iter().map(|(p, _)| p.len()));
         write!(f, "placeholders: {}", self.placeholders.len())?;
         for (p, ty) in &self.placeholders {
             write!(f, "\n  {p:<width$}  {ty}")?;
@@ -460,8 +524,15 @@ impl From<LoadError> for ProgramError {
 /// ```
 pub fn load_program(path: &Path) -> Result<Program, ProgramError> {
     let shown = path.display().to_string();
-    // An unreadable file is reported by `load_graph` below, with its path.
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    // An unreadable or oversized file is reported by `load_graph` below, with its path and the
+    // limit; it is not read here.
+    let within_limit =
+        std::fs::metadata(path).is_ok_and(|m| m.len() <= dflow_graph::format::MAX_FILE_BYTES);
+    let text = if within_limit {
+        std::fs::read_to_string(path).unwrap_or_default()
+    } else {
+        String::new()
+    };
     if dflow_graph::tf_import::looks_like_tf_graphdef(&text) {
         let def = dflow_graph::tf_import::import_graphdef_json(&text).map_err(|error| {
             ProgramError::TfImport {

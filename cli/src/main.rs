@@ -62,6 +62,12 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: a log file or pipe gets plain text (and `NO_COLOR` is
+        // honoured).
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none(),
+        )
         .init();
     let result = match cli.command {
         Command::Check(a) => cmd::check::run(a),

@@ -110,13 +110,23 @@ fn a_resumed_run_continues_the_uninterrupted_one_and_generate_samples_from_it() 
     stdout(&train(
         &graph,
         "6",
-        &["--checkpoint-dir", &ckpt_s, "--losses-out", &part.to_string_lossy()],
+        &[
+            "--checkpoint-dir",
+            &ckpt_s,
+            "--losses-out",
+            &part.to_string_lossy(),
+        ],
     ));
     let rest = dir.join("rest.txt");
     let out = train(
         &graph,
         "12",
-        &["--checkpoint-dir", &ckpt_s, "--losses-out", &rest.to_string_lossy()],
+        &[
+            "--checkpoint-dir",
+            &ckpt_s,
+            "--losses-out",
+            &rest.to_string_lossy(),
+        ],
     );
     stdout(&out);
     assert!(
@@ -137,21 +147,43 @@ fn a_resumed_run_continues_the_uninterrupted_one_and_generate_samples_from_it() 
     let g = graph.to_string_lossy().into_owned();
     let sample = |seed: &str| {
         stdout(&dflow(&[
-            "generate", &g, "--checkpoint-dir", &ckpt_s, "--prompt", "ROMEO:", "--chars", "40",
-            "--seed", seed,
+            "generate",
+            &g,
+            "--checkpoint-dir",
+            &ckpt_s,
+            "--prompt",
+            "ROMEO:",
+            "--chars",
+            "40",
+            "--seed",
+            seed,
         ]))
     };
     let a = sample("1");
     assert!(a.starts_with("ROMEO:"), "{a}");
-    assert_eq!(a.trim_end_matches('\n').chars().count(), "ROMEO:".len() + 40, "{a:?}");
+    assert_eq!(
+        a.trim_end_matches('\n').chars().count(),
+        "ROMEO:".len() + 40,
+        "{a:?}"
+    );
     assert_eq!(a, sample("1"));
     assert_ne!(a, sample("2"));
     let bad = dflow(&[
-        "generate", &g, "--checkpoint-dir", &ckpt_s, "--prompt", "héllo", "--chars", "5",
+        "generate",
+        &g,
+        "--checkpoint-dir",
+        &ckpt_s,
+        "--prompt",
+        "héllo",
+        "--chars",
+        "5",
     ]);
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
-    assert!(err.contains("'é' at byte 1 is not in the model's vocabulary"), "{err}");
+    assert!(
+        err.contains("'é' at byte 1 is not in the model's vocabulary"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! Parse time of a 100k-node graph in each format, and parse + validation time of a realistic
-//! 100k-node model (`cargo bench -p dflow-graph --bench parse`).
+//! Parse time of a 100k-node graph in each format, parse + validation time of a realistic
+//! 100k-node model, and a chain written on one line (as `json.dump` writes it) at 10k, 40k and
+//! 200k nodes, whose time must grow linearly (`cargo bench -p dflow-graph --bench parse`).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use dflow_graph::format::{parse_dsl, parse_json, to_dsl, to_json};
@@ -212,5 +213,47 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// `x -> n0 -> n1 -> ...`: a Placeholder and `n` Relus, as JSON on one line.
+fn one_line_chain(n: usize) -> String {
+    let mut nodes = vec![NodeDef {
+        name: "x".into(),
+        op: "Placeholder".into(),
+        ..NodeDef::default()
+    }];
+    nodes[0].attrs.insert("dtype".into(), DType::F32.into());
+    for i in 0..n {
+        nodes.push(NodeDef {
+            name: format!("n{i}"),
+            op: "Relu".into(),
+            inputs: vec![if i == 0 {
+                "x".into()
+            } else {
+                format!("n{}", i - 1)
+            }],
+            ..NodeDef::default()
+        });
+    }
+    let g = GraphDef {
+        version: 1,
+        nodes,
+        train: None,
+    };
+    // Newlines only separate tokens in `to_json`'s output (strings escape theirs).
+    to_json(&g).replace('\n', "")
+}
+
+fn bench_one_line(c: &mut Criterion) {
+    let mut group = c.benchmark_group("one_line_chain");
+    group.sample_size(10);
+    for n in [10_000, 40_000, 200_000] {
+        let text = one_line_chain(n);
+        assert_eq!(text.lines().count(), 1);
+        group.bench_function(format!("parse_validate_{n}"), |b| {
+            b.iter(|| parse_json(&text, None).map(|p| Graph::from_def(&p.def)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_one_line);
 criterion_main!(benches);

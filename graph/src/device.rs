@@ -52,9 +52,18 @@ pub struct DeviceName {
     pub device_id: Option<u32>,
 }
 
+/// Longest device string accepted (bytes); TensorFlow's longest real names are under 100.
+pub const MAX_DEVICE_LEN: usize = 1024;
+
 /// What is wrong with a device string; wrapped in [`DeviceError::Parse`] with the input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ParseProblem {
+    /// Longer than [`MAX_DEVICE_LEN`].
+    #[error("{len} bytes long; a device name is at most {MAX_DEVICE_LEN} (`/job:NAME/task:N`)")]
+    TooLong {
+        /// The length in bytes.
+        len: usize,
+    },
     /// Two slashes in a row, or a trailing slash.
     #[error("empty part (doubled or trailing \"/\")")]
     EmptyPart,
@@ -182,6 +191,14 @@ fn parse_device_type(text: &str) -> Result<Option<String>, ParseProblem> {
     Ok(Some(text.to_ascii_uppercase()))
 }
 
+/// `text` cut to its first `max` chars plus `…` when longer (for messages).
+fn elide(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
+}
+
 impl DeviceName {
     /// The full name `/job:JOB/replica:0/task:TASK/device:TYPE:ID`.
     ///
@@ -199,8 +216,13 @@ impl DeviceName {
 
     /// Parses a device name in any of the forms listed on [`DeviceName`].
     pub fn parse(text: &str) -> Result<DeviceName, DeviceError> {
-        Self::parse_parts(text).map_err(|problem| DeviceError::Parse {
-            input: text.to_string(),
+        let parsed = if text.len() > MAX_DEVICE_LEN {
+            Err(ParseProblem::TooLong { len: text.len() })
+        } else {
+            Self::parse_parts(text)
+        };
+        parsed.map_err(|problem| DeviceError::Parse {
+            input: elide(text, 80),
             problem,
         })
     }
@@ -554,6 +576,9 @@ mod tests {
         assert!(err("//job:ps").contains("empty part"));
         assert!(err("/").contains("empty part"));
         assert!(err("/worker").contains("part \"worker\" is not of the form key:value"));
+        let long = format!("/job:{}", "w".repeat(70_000));
+        let e = err(&long);
+        assert!(e.contains("70005 bytes long") && e.len() < 300, "{e}");
         assert!(err(" /job:ps").contains("part \" \" is not of the form key:value"));
         assert_eq!(p("/task:4294967295").task, Some(u32::MAX));
         assert!(

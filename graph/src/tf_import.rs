@@ -33,18 +33,35 @@
 //!   because an empty `axes` means "all axes" in dflow.
 //! - **Variable initialization is dropped**: every `Assign`/`AssignVariableOp` into a
 //!   variable of a value computed from constants alone (an assignment that reads a placeholder
-//!   or a variable is a real update: it stays, and is reported as unsupported),
+//!   or a variable is a real update: it stays, as dflow's `Assign`),
 //!   `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
-//!   `/Initializer/`, every node all of whose consumers are dropped (the random ops and constants
-//!   feeding an initializer), and every `NoOp` all of whose inputs are dropped (`init`). The
+//!   `/Initializer/`, and every node all of whose consumers are dropped (the random ops and
+//!   constants feeding an initializer). The
 //!   variable's `initializer` attribute records what TensorFlow would have done when it is
 //!   recognisable: `glorot_uniform` (a `RandomUniform` whose limit is √(6 / (fan_in + fan_out))),
 //!   `random_uniform` (any other `RandomUniform`), `truncated_normal`, `random_normal`, `zeros`
-//!   and `ones` (a constant or `Fill` of all 0 or all 1). **Anything else is recorded as
-//!   `zeros`**, including a constant of other values; seeds are not carried over (dflow's random
-//!   streams differ from TensorFlow's anyway).
+//!   and `ones` (a constant or `Fill` of all 0 or all 1); seeds are not carried over (dflow's
+//!   random streams differ from TensorFlow's anyway). A variable with no initializer in the graph
+//!   starts at zeros.
+//!   A `Const` (or `Fill` of one) of a single repeated value becomes `zeros`, `ones` or
+//!   `constant` with `init_value`; a constant tensor of differing values, or an initializer
+//!   built from ops the importer does not recognise, is an error naming the variable (dflow
+//!   cannot start a variable from it). The `init` NoOp itself stays, without inputs, so
+//!   `--target init` runs (dflow initializes variables when a session starts).
+//! - **Training ops**: TensorFlow's optimizer applies (`ApplyGradientDescent`,
+//!   `ResourceApplyGradientDescent`, `ApplyMomentum`, `ResourceApplyMomentum`, `ApplyAdam`,
+//!   `ResourceApplyAdam`) become dflow's (`ApplyAdamWithPowers` for Adam, which reads
+//!   `beta1^t`/`beta2^t` as TensorFlow's does), their constant hyper-parameter inputs (`lr`,
+//!   `momentum`, `beta1`, `beta2`, `epsilon`) folded into attributes;
+//!   `AssignAdd(VariableOp)`, `AssignSub(VariableOp)` and `Assign`/`AssignVariableOp` updates
+//!   become `AssignAdd`, `AssignSub` and `Assign` ([`crate::ops::tf_compat`]); `ReluGrad`,
+//!   `BiasAddGrad`, `SigmoidGrad` and `TanhGrad` keep their names and operand order. A
+//!   `ReadVariableOp` without a device is colocated with its variable, as TensorFlow places it.
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
-//!   they belong to the dropped initializer subgraph.
+//!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
+//!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
+//!   `GatherV2`, `ExpandDims`) are imported ([`crate::ops::tf_compat`]); the
+//!   `BroadcastGradientArgs` of a broadcasting `Add`/`Mul` gradient is not yet.
 //!
 //! Protobuf JSON quirks handled: int64 values as JSON strings, `bytes` fields (string attrs,
 //! `_class`) in base64, omitted default values (`{}` is a dimension of size 0, a missing `b` is
@@ -56,12 +73,22 @@ use crate::def::{InputRef, FORMAT_VERSION};
 use crate::{AttrValue, DType, GraphDef, NodeDef, Shape, Tensor};
 use base64::Engine as _;
 use serde_json::{Map, Value};
+use std::cell::Cell;
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 
-/// The largest constant tensor the importer materializes (bytes), so a small file cannot ask
-/// for a huge allocation through a broadcast scalar.
+/// The largest constant tensor the importer materializes (bytes). Values written in full
+/// (`tensorContent`, or a value list as long as the tensor) are bounded by the file's size anyway.
 const MAX_TENSOR_BYTES: usize = 1 << 30;
+
+/// How many bytes of repeated-value constants one import may expand, over all its constants.
+///
+/// TensorFlow may write a constant as a short value list whose last value repeats to fill the
+/// shape (`{"tensorShape": [268435455], "floatVal": [1]}`): a few bytes of file that stand for a
+/// gigabyte. dflow keeps constants expanded, so the importer charges each such expansion against
+/// this budget *before* allocating and refuses the GraphDef beyond it, naming the constant.
+/// Constants whose values are written in full are not charged.
+pub const MAX_EXPANDED_CONST_BYTES: usize = 64 << 20;
 
 /// Why a TensorFlow GraphDef could not be imported.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -275,13 +302,23 @@ fn is_variable_op(op: &str) -> bool {
     matches!(op, "VariableV2" | "Variable" | "VarHandleOp")
 }
 
-/// Ops with a constant operand that dflow takes as an attribute: (operand index, dflow attr).
-fn folded_operand(op: &str) -> Option<(usize, &'static str)> {
+/// Ops with constant operands that dflow takes as attributes: (operand index, dflow attr).
+fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
     match op {
-        "ArgMax" => Some((1, "axis")),
-        "Sum" | "Mean" | "Max" => Some((1, "axes")),
-        "Reshape" => Some((1, "shape")),
-        _ => None,
+        "ArgMax" => &[(1, "axis")],
+        "Sum" | "Mean" | "Max" => &[(1, "axes")],
+        "Reshape" => &[(1, "shape")],
+        // TensorFlow's optimizer applies take their hyper-parameters as (constant) inputs.
+        "ApplyGradientDescent" | "ResourceApplyGradientDescent" => &[(1, "lr")],
+        "ApplyMomentum" | "ResourceApplyMomentum" => &[(2, "lr"), (4, "momentum")],
+        "ApplyAdam" | "ResourceApplyAdam" => {
+            &[(5, "lr"), (6, "beta1"), (7, "beta2"), (8, "epsilon")]
+        }
+        "Fill" => &[(0, "shape")],
+        "GatherV2" => &[(2, "axis")],
+        "Prod" => &[(1, "axes")],
+        "ExpandDims" => &[(1, "axis")],
+        _ => &[],
     }
 }
 
@@ -319,6 +356,27 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "Log" => "Log",
         "ZerosLike" => "ZerosLike",
         "OnesLike" => "OnesLike",
+        // Gradient ops with TensorFlow's operand order.
+        "ReluGrad" => "ReluGrad",
+        "BiasAddGrad" => "BiasAddGrad",
+        "SigmoidGrad" => "SigmoidGrad",
+        "TanhGrad" => "TanhGrad",
+        // Optimizer applies (ref and resource variables alike; constant hyper-parameters folded).
+        "ApplyGradientDescent" | "ResourceApplyGradientDescent" => "ApplyGradientDescent",
+        "ApplyMomentum" | "ResourceApplyMomentum" => "ApplyMomentum",
+        "ApplyAdam" | "ResourceApplyAdam" => "ApplyAdamWithPowers",
+        // Variable updates (an `Assign` from constants alone is an initializer, dropped before).
+        "AssignAddVariableOp" | "AssignAdd" => "AssignAdd",
+        "AssignSubVariableOp" | "AssignSub" => "AssignSub",
+        "AssignVariableOp" | "Assign" => "Assign",
+        // The run-time shape ops `tf.gradients` emits ([`crate::ops::tf_compat`]).
+        "Shape" => "Shape",
+        "Fill" => "Fill",
+        "Tile" => "Tile",
+        "GatherV2" => "GatherV2",
+        "Prod" => "Prod",
+        "ExpandDims" => "ExpandDims",
+        "FloorMod" => "FloorMod",
         _ => return None,
     })
 }
@@ -335,6 +393,8 @@ struct Importer<'r, 'a> {
     dropped: Vec<bool>,
     /// (consumer, input slot) edges folded into an attribute.
     folded: BTreeSet<(usize, usize)>,
+    /// Bytes of repeated-value constants this import may still expand.
+    budget: Cell<usize>,
 }
 
 impl<'r, 'a> Importer<'r, 'a> {
@@ -360,6 +420,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             consumers,
             dropped: vec![false; nodes.len()],
             folded: BTreeSet::new(),
+            budget: Cell::new(MAX_EXPANDED_CONST_BYTES),
         })
     }
 
@@ -418,10 +479,9 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let readers = &self.consumers[n.index];
                 let only_feeds_dropped =
                     !readers.is_empty() && readers.iter().all(|&c| self.dropped[c]);
-                let waits_on_dropped = n.op == "NoOp"
-                    && !n.inputs.is_empty()
-                    && n.inputs.iter().all(|r| self.dropped[self.producer(r)]);
-                if only_feeds_dropped || waits_on_dropped {
+                // A NoOp waiting only on initializers (`init`) stays, without those inputs: dflow
+                // initializes variables when a session starts, and `--target init` still runs.
+                if only_feeds_dropped {
                     self.dropped[n.index] = true;
                     changed = true;
                 }
@@ -475,8 +535,8 @@ impl<'r, 'a> Importer<'r, 'a> {
         }
     }
 
-    /// The initializer kind of each variable that has a recognisable dropped `Assign`.
-    fn initializer_kinds(&self) -> HashMap<usize, &'static str> {
+    /// What the dropped initializing `Assign` of each variable assigns.
+    fn initializer_kinds(&self) -> HashMap<usize, InitValue> {
         let mut kinds = HashMap::new();
         for n in self.nodes {
             if !matches!(n.op.as_str(), "Assign" | "AssignVariableOp") || !self.dropped[n.index] {
@@ -487,14 +547,15 @@ impl<'r, 'a> Importer<'r, 'a> {
             };
             let var = self.producer(var);
             let value = self.producer(value);
-            if let Some(kind) = self.classify_initializer(var, value) {
-                kinds.insert(var, kind);
-            }
+            let kind = self
+                .classify_initializer(var, value)
+                .unwrap_or(InitValue::Unknown);
+            kinds.insert(var, kind);
         }
         kinds
     }
 
-    fn classify_initializer(&self, var: usize, value: usize) -> Option<&'static str> {
+    fn classify_initializer(&self, var: usize, value: usize) -> Option<InitValue> {
         let v = &self.nodes[value];
         if let Some(kind) = constant_fill_kind(self, v) {
             return Some(kind);
@@ -511,7 +572,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             let n = &self.nodes[i];
             ops.insert(n.op.as_str());
             if n.op == "Const" {
-                if let Some(Ok(t)) = n.attrs.get("value").map(tensor_attr) {
+                if let Some(Ok(t)) = n.attrs.get("value").map(|v| tensor_attr(v, &side_budget())) {
                     if t.num_elements() == 1 && t.dtype().is_float() {
                         scalars.extend(t.to_f64_vec());
                     }
@@ -526,17 +587,17 @@ impl<'r, 'a> Importer<'r, 'a> {
                     .iter()
                     .any(|s| (s.abs() - l).abs() <= 1e-6 * l.max(1e-12))
             });
-            return Some(if is_glorot {
+            return Some(InitValue::Named(if is_glorot {
                 "glorot_uniform"
             } else {
                 "random_uniform"
-            });
+            }));
         }
         if ops.contains("TruncatedNormal") {
-            return Some("truncated_normal");
+            return Some(InitValue::Named("truncated_normal"));
         }
         if ops.contains("RandomStandardNormal") {
-            return Some("random_normal");
+            return Some(InitValue::Named("random_normal"));
         }
         None
     }
@@ -548,19 +609,18 @@ impl<'r, 'a> Importer<'r, 'a> {
             if self.dropped[n.index] {
                 continue;
             }
-            let Some((slot, _)) = folded_operand(&n.op) else {
-                continue;
-            };
-            let Some(r @ InputRef::Data { .. }) = n.inputs.get(slot) else {
-                return Err(n.err(format!("expected a constant operand at input {slot}")));
-            };
-            let src = self.producer(r);
-            if self.nodes[src].op != "Const" {
-                return Err(n.err(format!(
-                    "operand `{r}` must be a Const: dflow takes it as a static attribute"
-                )));
+            for &(slot, _) in folded_operands(&n.op) {
+                let Some(r @ InputRef::Data { .. }) = n.inputs.get(slot) else {
+                    return Err(n.err(format!("expected a constant operand at input {slot}")));
+                };
+                let src = self.producer(r);
+                if self.nodes[src].op != "Const" {
+                    return Err(n.err(format!(
+                        "operand `{r}` must be a Const: dflow takes it as a static attribute"
+                    )));
+                }
+                self.folded.insert((n.index, slot));
             }
-            self.folded.insert((n.index, slot));
         }
         for n in self.nodes {
             if n.op != "Const" || self.dropped[n.index] {
@@ -591,8 +651,8 @@ impl<'r, 'a> Importer<'r, 'a> {
             .attrs
             .get("value")
             .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
-        let t =
-            tensor_attr(value).map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        let t = tensor_attr(value, &side_budget())
+            .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
         let ints = match t.dtype() {
             DType::I32 => t
                 .as_slice::<i32>()
@@ -608,10 +668,33 @@ impl<'r, 'a> Importer<'r, 'a> {
         ints.map_err(|e| n.err(e.to_string()))
     }
 
+    /// The scalar float value of the constant operand at `slot` (a folded hyper-parameter).
+    fn folded_float(&self, n: &RawNode<'_>, slot: usize) -> Result<f64, TfImportError> {
+        let src = n
+            .inputs
+            .get(slot)
+            .map(|r| &self.nodes[self.producer(r)])
+            .ok_or_else(|| n.err(format!("missing input {slot}")))?;
+        let value = src
+            .attrs
+            .get("value")
+            .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
+        let t = tensor_attr(value, &side_budget())
+            .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        match t.to_f64_vec()[..] {
+            [v] => Ok(v),
+            ref vals => Err(n.err(format!(
+                "operand Const `{}` must be a scalar, found {} values",
+                src.name,
+                vals.len()
+            ))),
+        }
+    }
+
     fn convert(
         &self,
         n: &RawNode<'_>,
-        initializers: &HashMap<usize, &'static str>,
+        initializers: &HashMap<usize, InitValue>,
     ) -> Result<NodeDef, TfImportError> {
         let op = dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?;
         let mut out = NodeDef {
@@ -658,7 +741,7 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
                     "value".into(),
-                    AttrValue::Tensor(tensor_attr(v).map_err(wrap("value"))?.into()),
+                    AttrValue::Tensor(tensor_attr(v, &self.budget).map_err(wrap("value"))?.into()),
                 );
             }
             "Placeholder" => {
@@ -685,8 +768,35 @@ impl<'r, 'a> Importer<'r, 'a> {
                     "shape".into(),
                     AttrValue::Shape(shape_attr(s).map_err(wrap("shape"))?),
                 );
-                let kind = initializers.get(&n.index).copied().unwrap_or("zeros");
-                a.insert("initializer".into(), AttrValue::String(kind.into()));
+                // No initializer in the graph at all (values restored elsewhere): zeros.
+                let cannot = |why: &str| {
+                    n.err(format!(
+                        "variable `{}`: its initializer {why}, which dflow cannot carry over \
+                         (dflow variables start from a named initializer or one repeated value); \
+                         re-export it with a scalar `tf.constant_initializer` or a random \
+                         initializer, or leave it out of the graph",
+                        n.name
+                    ))
+                };
+                match initializers
+                    .get(&n.index)
+                    .copied()
+                    .unwrap_or(InitValue::Named("zeros"))
+                {
+                    InitValue::Named(kind) => {
+                        a.insert("initializer".into(), AttrValue::String(kind.into()));
+                    }
+                    InitValue::Constant(v) => {
+                        a.insert("initializer".into(), AttrValue::String("constant".into()));
+                        a.insert("init_value".into(), AttrValue::Float(v));
+                    }
+                    InitValue::Varied => {
+                        return Err(cannot("assigns a constant tensor of differing values"))
+                    }
+                    InitValue::Unknown => {
+                        return Err(cannot("is computed by ops the importer does not recognise"))
+                    }
+                }
             }
             "MatMul" => {
                 for name in ["transpose_a", "transpose_b"] {
@@ -729,7 +839,39 @@ impl<'r, 'a> Importer<'r, 'a> {
                     );
                 }
             }
-            "Sum" | "Mean" | "Max" => {
+            "Shape" => {
+                if let Some(v) = get("out_type") {
+                    a.insert(
+                        "out_type".into(),
+                        AttrValue::DType(dtype_attr(v).map_err(wrap("out_type"))?),
+                    );
+                }
+            }
+            "Fill" => {
+                let shape = self.folded_ints(n, 0)?;
+                a.insert("shape".into(), AttrValue::IntList(shape));
+            }
+            "GatherV2" => {
+                let axis = self.folded_ints(n, 2)?;
+                let [axis] = axis[..] else {
+                    return Err(n.err(format!("axis must be one integer, found {axis:?}")));
+                };
+                if let Some(b) = get("batch_dims").map(|v| v.get("i").map_or(Ok(0), int_value)) {
+                    let b = b.map_err(wrap("batch_dims"))?;
+                    if b != 0 {
+                        return Err(n.err(format!("batch_dims {b} is not supported (only 0)")));
+                    }
+                }
+                a.insert("axis".into(), AttrValue::Int(axis));
+            }
+            "ExpandDims" => {
+                let axis = self.folded_ints(n, 1)?;
+                let [axis] = axis[..] else {
+                    return Err(n.err(format!("dim must be one integer, found {axis:?}")));
+                };
+                a.insert("axis".into(), AttrValue::Int(axis));
+            }
+            "Sum" | "Mean" | "Max" | "Prod" => {
                 let axes = self.folded_ints(n, 1)?;
                 if axes.is_empty() {
                     out.op = "Identity".into();
@@ -747,14 +889,85 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let shape = self.folded_ints(n, 1)?;
                 a.insert("shape".into(), AttrValue::IntList(shape));
             }
+            "ApplyGradientDescent" | "ResourceApplyGradientDescent" => {
+                a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 1)?));
+            }
+            "ApplyAdam" | "ResourceApplyAdam" => {
+                for (slot, name) in [(5, "lr"), (6, "beta1"), (7, "beta2"), (8, "epsilon")] {
+                    a.insert(name.into(), AttrValue::Float(self.folded_float(n, slot)?));
+                }
+                if get("use_nesterov")
+                    .map(bool_attr)
+                    .transpose()
+                    .map_err(wrap("use_nesterov"))?
+                    == Some(true)
+                {
+                    return Err(n.err("use_nesterov is not supported for Adam"));
+                }
+            }
+            "ApplyMomentum" | "ResourceApplyMomentum" => {
+                a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
+                a.insert(
+                    "momentum".into(),
+                    AttrValue::Float(self.folded_float(n, 4)?),
+                );
+                if let Some(v) = get("use_nesterov") {
+                    a.insert(
+                        "use_nesterov".into(),
+                        AttrValue::Bool(bool_attr(v).map_err(wrap("use_nesterov"))?),
+                    );
+                }
+            }
             _ => {}
+        }
+        // TensorFlow's placer puts every op that reads or updates a variable through its handle
+        // or reference (ReadVariableOp, the applies, the assigns) with the variable, ignoring
+        // a different requested device; so does dflow.
+        let takes_variable = n.op == "ReadVariableOp"
+            || matches!(
+                out.op.as_str(),
+                "ApplyGradientDescent"
+                    | "ApplyMomentum"
+                    | "ApplyAdamWithPowers"
+                    | "AssignAdd"
+                    | "AssignSub"
+                    | "Assign"
+            );
+        if takes_variable {
+            if let Some(var) = n
+                .inputs
+                .first()
+                .map(|r| &self.nodes[self.producer(r)])
+                .filter(|v| is_variable_op(&v.op))
+            {
+                if out.device != var.device {
+                    out.device.clear();
+                }
+                if !out.colocate_with.contains(&var.name) {
+                    out.colocate_with.push(var.name.clone());
+                }
+            }
         }
         Ok(out)
     }
 }
 
-/// `zeros` / `ones` when `n` is a Const, or a Fill of a Const, whose values are all 0 or all 1.
-fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<&'static str> {
+/// What a variable's initializer assigns, as far as dflow can carry it over.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum InitValue {
+    /// One of dflow's named initializers (`zeros`, `glorot_uniform`, ...).
+    Named(&'static str),
+    /// One value repeated (`constant` with `init_value`).
+    Constant(f64),
+    /// A constant tensor of differing values: dflow variables cannot start from it.
+    Varied,
+    /// An initializer subgraph the importer does not recognise.
+    Unknown,
+}
+
+/// The value of `n` when it is a Const, or a Fill of a Const: one repeated value (`zeros`,
+/// `ones`, `constant`) or [`InitValue::Varied`].
+fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<InitValue> {
     let value_node = match n.op.as_str() {
         "Const" => n,
         "Fill" => &imp.nodes[imp.producer(n.inputs.get(1)?)],
@@ -763,15 +976,18 @@ fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<&'stati
     if value_node.op != "Const" {
         return None;
     }
-    let t = tensor_attr(value_node.attrs.get("value")?).ok()?;
+    let t = tensor_attr(value_node.attrs.get("value")?, &side_budget()).ok()?;
     let values = t.to_f64_vec();
-    if values.iter().all(|&x| x == 0.0) {
-        Some("zeros")
-    } else if values.iter().all(|&x| x == 1.0) {
-        Some("ones")
+    let first = values.first().copied().unwrap_or(0.0);
+    Some(if !values.iter().all(|&x| x == first) {
+        InitValue::Varied
+    } else if first == 0.0 {
+        InitValue::Named("zeros")
+    } else if first == 1.0 {
+        InitValue::Named("ones")
     } else {
-        None
-    }
+        InitValue::Constant(first)
+    })
 }
 
 /// TensorFlow's Glorot-uniform limit √(6 / (fan_in + fan_out)) for a variable's shape.
@@ -904,12 +1120,19 @@ fn shape_proto(v: &Value) -> Result<Shape, String> {
     Shape::from_signed(&dims)
 }
 
-fn tensor_attr(v: &Value) -> Result<Tensor, String> {
-    tensor_proto(v.get("tensor").ok_or("missing `tensor`")?)
+fn tensor_attr(v: &Value, budget: &Cell<usize>) -> Result<Tensor, String> {
+    tensor_proto(v.get("tensor").ok_or("missing `tensor`")?, budget)
 }
 
-/// A TensorProto: dtype, shape, and the values in `tensorContent` or a typed list.
-fn tensor_proto(v: &Value) -> Result<Tensor, String> {
+/// A fresh expansion budget for reading one constant on the side (initializer classification,
+/// folded operands): each such read is dropped right after, so it gets the full budget.
+fn side_budget() -> Cell<usize> {
+    Cell::new(MAX_EXPANDED_CONST_BYTES)
+}
+
+/// A TensorProto: dtype, shape, and the values in `tensorContent` or a typed list. A list shorter
+/// than the tensor is expanded only within `budget` (bytes, decremented).
+fn tensor_proto(v: &Value, budget: &Cell<usize>) -> Result<Tensor, String> {
     let dtype = dtype_name(v.get("dtype").ok_or("tensor has no `dtype`")?)?;
     let shape = match field(v, "tensorShape", "tensor_shape") {
         None => Shape::scalar(),
@@ -949,21 +1172,21 @@ fn tensor_proto(v: &Value) -> Result<Tensor, String> {
             let vals = parse_all(list("floatVal", "float_val")?, |x| {
                 float_value(x).map(|f| f as f32)
             })?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::F64 => {
             let vals = parse_all(list("doubleVal", "double_val")?, float_value)?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::I32 => {
             let vals = parse_all(list("intVal", "int_val")?, |x| {
                 i32::try_from(int_value(x)?).map_err(|_| "int32 value out of range".to_string())
             })?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::I64 => {
             let vals = parse_all(list("int64Val", "int64_val")?, int_value)?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::Bool => {
             let vals = parse_all(list("boolVal", "bool_val")?, |x| {
@@ -971,13 +1194,13 @@ fn tensor_proto(v: &Value) -> Result<Tensor, String> {
                     .map(u8::from)
                     .ok_or_else(|| format!("expected a bool, found {}", kind(x)))
             })?;
-            Tensor::from_slice(&dims, &fill(vals, n)?)
+            Tensor::from_slice(&dims, &fill(vals, n, dtype, &shape, budget)?)
         }
         DType::F16 | DType::BF16 => {
             let bits = parse_all(list("halfVal", "half_val")?, |x| {
                 u16::try_from(int_value(x)?).map_err(|_| "halfVal entry out of range".to_string())
             })?;
-            let bits = fill(bits, n)?;
+            let bits = fill(bits, n, dtype, &shape, budget)?;
             if dtype == DType::F16 {
                 let v: Vec<half::f16> = bits.into_iter().map(half::f16::from_bits).collect();
                 Tensor::from_slice(&dims, &v)
@@ -995,17 +1218,60 @@ fn parse_all<T>(vals: &[Value], f: impl Fn(&Value) -> Result<T, String>) -> Resu
 }
 
 /// TensorFlow's rule for typed value lists: an empty list means all zeros, a shorter list is
-/// padded with its last value (a single value broadcasts).
-fn fill<T: Copy + Default>(mut vals: Vec<T>, n: usize) -> Result<Vec<T>, String> {
+/// padded with its last value (a single value broadcasts). Padding is charged against `budget`
+/// before anything is allocated.
+fn fill<T: Copy + Default>(
+    mut vals: Vec<T>,
+    n: usize,
+    dtype: DType,
+    shape: &Shape,
+    budget: &Cell<usize>,
+) -> Result<Vec<T>, String> {
     if vals.len() > n {
         return Err(format!(
             "{} values given for a tensor of {n} elements",
             vals.len()
         ));
     }
+    if vals.len() < n {
+        // `n * size_of` was checked against MAX_TENSOR_BYTES by the caller.
+        let bytes = n.saturating_mul(dtype.size_of());
+        if bytes > budget.get() {
+            return Err(format!(
+                "{dtype}{shape} is written as {} value(s) repeated to {n} elements ({}); \
+                 expanding it would pass the importer's limit of {} for repeated-value \
+                 constants in one GraphDef (dflow_graph::tf_import::MAX_EXPANDED_CONST_BYTES). \
+                 Write the values in full (`tensorContent`) or build the tensor at run time \
+                 (e.g. `tf.fill`)",
+                vals.len(),
+                human_bytes(bytes),
+                human_bytes(MAX_EXPANDED_CONST_BYTES),
+            ));
+        }
+        budget.set(budget.get() - bytes);
+    }
     let last = vals.last().copied().unwrap_or_default();
     vals.resize(n, last);
     Ok(vals)
+}
+
+/// `1.0 GiB`, `64 MiB`, `12 B`: a byte count for messages.
+fn human_bytes(n: usize) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{v} {}", UNITS[unit])
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
 }
 
 fn from_le_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor, String> {
@@ -1119,6 +1385,7 @@ mod tests {
                 "b2/read",
                 "h",
                 "h_pre",
+                "init",
                 "logits",
                 "logits_mm",
                 "prediction",
@@ -1143,7 +1410,12 @@ mod tests {
         assert_eq!(init("w1"), AttrValue::from("glorot_uniform"));
         assert_eq!(init("b1"), AttrValue::from("zeros"));
         assert_eq!(init("w2"), AttrValue::from("truncated_normal"));
-        assert_eq!(init("b2"), AttrValue::from("zeros")); // constant(0.1): not recognised
+        // constant(0.1): one repeated value (once silently zeros).
+        assert_eq!(init("b2"), AttrValue::from("constant"));
+        match node(&def, "b2").attrs["init_value"] {
+            AttrValue::Float(v) => assert!((v - 0.1).abs() < 1e-7, "{v}"),
+            ref other => panic!("init_value is {other:?}"),
+        }
 
         let read = node(&def, "w1/read");
         assert_eq!(
@@ -1238,6 +1510,31 @@ mod tests {
         assert_eq!(t.dims(), [0]);
         let t = const_tensor(json!({"dtype": "DT_HALF", "halfVal": [15360]})).unwrap();
         assert_eq!(t.as_slice::<half::f16>().unwrap(), [half::f16::ONE]);
+    }
+
+    #[test]
+    fn repeated_value_expansion_is_budgeted_over_the_whole_graphdef() {
+        let big = |name: &str| {
+            // 40 MiB of f32 from one value: the first fits the 64 MiB budget, the second not.
+            json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {
+                "dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "10485760"}]},
+                "floatVal": [2.0]}}}})
+        };
+        let one = import(json!({"node": [big("a")]})).unwrap();
+        assert_eq!(one.nodes.len(), 1);
+        let e = import(json!({"node": [big("a"), big("b")]}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`b`") && e.contains("40 MiB") && e.contains("limit of 64 MiB"),
+            "{e}"
+        );
+        // Values written in full are not charged.
+        let full = json!({"name": "f", "op": "Const", "attr": {"value": {"tensor": {
+            "dtype": "DT_FLOAT", "tensorShape": {"dim": [{"size": "2"}]}, "floatVal": [1.0, 2.0]}}}});
+        assert!(import(json!({"node": [big("a"), full]})).is_ok());
+        assert_eq!(human_bytes(1 << 30), "1 GiB");
+        assert_eq!(human_bytes(1_073_741_820), "1024.0 MiB");
     }
 
     #[test]
@@ -1378,13 +1675,13 @@ mod tests {
         let e = import(json!({"node": [
             placeholder("x", &[2]),
             {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
-            {"name": "b", "op": "ApplyAdam", "input": ["x"]},
+            {"name": "b", "op": "BroadcastGradientArgs", "input": ["x", "x"]},
             {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
         ]}))
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported TensorFlow ops: Conv2D (a, c), ApplyAdam (b)"
+            "unsupported TensorFlow ops: Conv2D (a, c), BroadcastGradientArgs (b)"
         );
     }
 
@@ -1411,7 +1708,12 @@ mod tests {
         ]}))
         .unwrap();
         let names: Vec<_> = def.nodes.iter().map(|n| n.name.as_str()).collect();
-        assert_eq!(names, ["v", "u", "v/read", "y"]);
+        assert_eq!(names, ["v", "u", "init", "v/read", "y"]);
+        assert!(
+            node(&def, "init").inputs.is_empty(),
+            "init keeps no dropped inputs"
+        );
+        assert_eq!(node(&def, "v/read").colocate_with, ["v"]);
         assert_eq!(
             node(&def, "v").attrs["initializer"],
             AttrValue::from("random_normal")
@@ -1421,13 +1723,86 @@ mod tests {
             AttrValue::from("ones")
         );
         assert_eq!(node(&def, "u").colocate_with, ["v"]);
-        assert_eq!(
-            node(&def, "y").inputs,
-            ["v/read", "u"],
-            "^init is dropped with init"
-        );
+        assert_eq!(node(&def, "y").inputs, ["v/read", "u", "^init"]);
         assert_eq!(node(&def, "v/read").op, "Identity");
         Graph::from_def(&def).unwrap();
+    }
+
+    fn f32_const(name: &str, dims: &[i64], vals: &[f32]) -> Value {
+        let dims: Vec<Value> = dims
+            .iter()
+            .map(|d| json!({"size": d.to_string()}))
+            .collect();
+        json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+            "tensorShape": {"dim": dims}, "floatVal": vals}}}})
+    }
+
+    fn variable(name: &str, op: &str, dims: &[i64]) -> Value {
+        let dims: Vec<Value> = dims
+            .iter()
+            .map(|d| json!({"size": d.to_string()}))
+            .collect();
+        json!({"name": name, "op": op, "device": "/job:ps/task:0",
+               "attr": {"dtype": f32_type(), "shape": {"shape": {"dim": dims}}}})
+    }
+
+    #[test]
+    fn optimizer_applies_fold_their_hyper_parameters() {
+        let def = import(json!({"node": [
+            variable("w", "VarHandleOp", &[2]),
+            variable("v", "VariableV2", &[2]),
+            variable("v/Momentum", "VariableV2", &[2]),
+            f32_const("lr", &[], &[0.5]),
+            f32_const("mom", &[], &[0.9]),
+            f32_const("g", &[2], &[1.0, 2.0]),
+            {"name": "w/read", "op": "ReadVariableOp", "input": ["w"], "attr": {"dtype": f32_type()}},
+            {"name": "relu_grad", "op": "ReluGrad", "input": ["g", "w/read"]},
+            {"name": "sgd", "op": "ResourceApplyGradientDescent", "input": ["w", "lr", "relu_grad"]},
+            {"name": "momentum", "op": "ApplyMomentum", "input": ["v", "v/Momentum", "lr", "g", "mom"],
+             "attr": {"use_nesterov": {"b": true}}},
+            {"name": "train", "op": "NoOp", "input": ["^sgd", "^momentum"]}
+        ]}))
+        .unwrap();
+        let sgd = node(&def, "sgd");
+        assert_eq!(sgd.op, "ApplyGradientDescent");
+        assert_eq!(sgd.inputs, ["w", "relu_grad"]);
+        assert_eq!(sgd.attrs["lr"], AttrValue::Float(0.5));
+        let m = node(&def, "momentum");
+        assert_eq!(m.inputs, ["v", "v/Momentum", "g"]);
+        assert_eq!(m.attrs["lr"], AttrValue::Float(0.5));
+        assert!(matches!(m.attrs["momentum"], AttrValue::Float(x) if (x - 0.9).abs() < 1e-6));
+        assert_eq!(m.attrs["use_nesterov"], AttrValue::Bool(true));
+        // The hyper-parameter constants are gone; the gradient constant stays.
+        assert!(def.nodes.iter().all(|n| n.name != "lr" && n.name != "mom"));
+        // A read without a device goes with its variable.
+        assert_eq!(node(&def, "w/read").colocate_with, ["w"]);
+        Graph::from_def(&def).unwrap();
+    }
+
+    #[test]
+    fn initial_values_are_carried_over_or_refused_naming_the_variable() {
+        let with_init = |value: Value| {
+            import(json!({"node": [
+                variable("w", "VariableV2", &[3]),
+                value,
+                {"name": "w/Assign", "op": "Assign", "input": ["w", "w/Initializer/value"]},
+                {"name": "init", "op": "NoOp", "input": ["^w/Assign"]}
+            ]}))
+        };
+        let def = with_init(f32_const("w/Initializer/value", &[3], &[0.25])).unwrap();
+        assert_eq!(
+            node(&def, "w").attrs["initializer"],
+            AttrValue::from("constant")
+        );
+        assert_eq!(node(&def, "w").attrs["init_value"], AttrValue::Float(0.25));
+        assert!(node(&def, "init").inputs.is_empty());
+        let e = with_init(f32_const("w/Initializer/value", &[3], &[0.25, -1.0, 2.0]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("variable `w`") && e.contains("differing values"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1441,10 +1816,16 @@ mod tests {
             {"name": "one", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
                 "floatVal": [1]}}}},
             {"name": "w_plus_1", "op": "AddV2", "input": ["w", "one"]},
-            {"name": "update", "op": "Assign", "input": ["w", "w_plus_1"]}
+            {"name": "update", "op": "Assign", "input": ["w", "w_plus_1"]},
+            {"name": "bump", "op": "AssignAddVariableOp", "input": ["w", "w_plus_1"]}
         ]}))
-        .unwrap_err();
-        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Assign (update)");
+        .unwrap();
+        let names: Vec<_> = e.nodes.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names, ["w", "one", "w_plus_1", "update", "bump"]);
+        assert_eq!(node(&e, "update").op, "Assign");
+        assert_eq!(node(&e, "update").inputs, ["w", "w_plus_1"]);
+        assert_eq!(node(&e, "bump").op, "AssignAdd");
+        Graph::from_def(&e).unwrap();
     }
 
     #[test]

@@ -139,6 +139,9 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // the packing ops are tested in ops/collective.rs.
             || op.name.starts_with("Collective")
             || ["PackFlat", "FlatSlice"].contains(&op.name)
+            // TensorFlow-compat ops: unit tests in ops/tf_compat.rs, and end to end against
+            // TensorFlow itself in tests/tf_training_import.rs.
+            || dflow_graph::ops::tf_compat::OPS.contains(&op.name)
             // The transformer ops: tested against naive references in tests/transformer_ops.rs.
             || [
                 "Gather",

@@ -61,10 +61,24 @@ pub enum AuthError {
         problem: String,
     },
     /// The peer's proof does not verify: it does not know the cluster secret.
-    #[error("peer {peer} failed authentication: it does not know the cluster secret")]
+    #[error(
+        "peer {peer} failed authentication: its cluster secret differs from this task's; start \
+         every task with the same --secret-file (or {SECRET_ENV})"
+    )]
     BadProof {
         /// The peer.
         peer: String,
+    },
+    /// The peer sent a plain Hello (its task name): it was started without the cluster secret.
+    #[error(
+        "peer {peer} (task `{task}`) connected without authenticating, but this job requires the \
+         cluster secret: start that task with the same --secret-file (or {SECRET_ENV}) as this one"
+    )]
+    NoSecret {
+        /// The peer's address.
+        peer: String,
+        /// The task name it announced.
+        task: String,
     },
 }
 
@@ -272,6 +286,15 @@ impl Acceptor {
         };
         let version = r.take(1, "version")?[0];
         if version != AUTH_VERSION {
+            // A task without the secret sends its name as a plain Hello (`/job:...`).
+            if let Ok(task) = std::str::from_utf8(hello) {
+                if !task.is_empty() && !task.chars().any(char::is_control) {
+                    return Err(AuthError::NoSecret {
+                        peer: peer.to_string(),
+                        task: task.chars().take(MAX_TASK_NAME).collect(),
+                    });
+                }
+            }
             return Err(r.err(format!(
                 "handshake version {version} (this dflow speaks {AUTH_VERSION})"
             )));
@@ -357,7 +380,7 @@ mod tests {
             &secret("0123456789abcdef-two"),
         );
         let e = a.unwrap_err();
-        assert_eq!(e.to_string(), "peer /job:ps/task:0 (127.0.0.1:2222) failed authentication: it does not know the cluster secret");
+        assert_eq!(e.to_string(), "peer /job:ps/task:0 (127.0.0.1:2222) failed authentication: its cluster secret differs from this task's; start every task with the same --secret-file (or DFLOW_SECRET)");
     }
 
     #[test]
@@ -374,6 +397,19 @@ mod tests {
             acc2.verify(&recorded, "peer"),
             Err(AuthError::BadProof { .. })
         ));
+    }
+
+    #[test]
+    fn a_plain_hello_is_named_as_a_task_without_the_secret() {
+        let s = secret("0123456789abcdef-cluster");
+        let e = Acceptor::challenge(&s, "ps", b"/job:worker/replica:0/task:1", "10.0.0.1:1")
+            .unwrap_err();
+        assert!(matches!(e, AuthError::NoSecret { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(
+            e.contains("task `/job:worker/replica:0/task:1`") && e.contains("--secret-file"),
+            "{e}"
+        );
     }
 
     #[test]

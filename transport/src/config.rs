@@ -15,8 +15,15 @@ pub struct TcpConfig {
     /// Send a Heartbeat frame on an outgoing connection after it was idle this long, so the
     /// peer's `idle_timeout` only fires when this task is really gone or stuck (`None`: never).
     pub heartbeat_interval: Option<Duration>,
-    /// Longest control-plane [`FrameKind::Message`](crate::wire::FrameKind::Message) accepted, checked before allocating.
+    /// Longest control-plane [`FrameKind::Message`](crate::wire::FrameKind::Message) accepted, checked before allocating; the
+    /// body's memory then grows only as its bytes arrive.
     pub max_message: u64,
+    /// Most incoming connections one peer name may hold open at once; a further one is refused
+    /// (a task opens one connection to each peer, and one more while it reconnects).
+    pub max_connections_per_peer: usize,
+    /// Most incoming connections that may be in their handshake (before a Hello, or before the
+    /// secret's proof) at once; a further one is closed at once.
+    pub max_handshaking: usize,
 }
 
 impl Default for TcpConfig {
@@ -27,6 +34,8 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(10),
             heartbeat_interval: None,
             max_message: 256 << 20,
+            max_connections_per_peer: 4,
+            max_handshaking: 64,
         }
     }
 }

@@ -20,7 +20,7 @@
 //! slot, longer than its slot, garbage) is dropped with a logged error naming it, and every step
 //! with a Recv waiting on one of its keys is aborted with [`RendezvousError::PeerGone`].
 
-use crate::auth::{Acceptor, Connector, Secret};
+use crate::auth::{Acceptor, AuthError, Connector, Secret, SECRET_ENV};
 use crate::config::TcpConfig;
 pub use crate::plane::PeerEvent;
 use crate::plane::{lock, BoxFuture, Link, Plane};
@@ -28,7 +28,7 @@ use crate::rendezvous::{RendezvousError, RendezvousKey};
 use crate::slots::SlotTable;
 use crate::wire::{
     decode_header_slice, encode_header, heartbeat_header, next_or_heartbeat, Body, FrameKind,
-    Header, Outgoing, WireError, Writers, HEADER_LEN,
+    Header, Outgoing, WireError, Writers, HEADER_LEN, MAX_CONTROL_PAYLOAD,
 };
 use dflow_graph::{DType, Tensor};
 use std::collections::HashMap;
@@ -37,7 +37,7 @@ use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
@@ -123,6 +123,15 @@ async fn recv_control<R: AsyncRead + Unpin>(r: &mut R, kind: FrameKind) -> io::R
     r.read_exact(&mut head).await?;
     let h = crate::wire::decode_header(&head, 0)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    if h.kind == FrameKind::Abort && kind != FrameKind::Abort {
+        // The peer refuses the handshake and says why (see `refuse`).
+        let mut reason = vec![0u8; h.payload_len as usize];
+        r.read_exact(&mut reason).await?;
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("refused: {}", String::from_utf8_lossy(&reason)),
+        ));
+    }
     if h.kind != kind {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
@@ -132,6 +141,39 @@ async fn recv_control<R: AsyncRead + Unpin>(r: &mut R, kind: FrameKind) -> io::R
     let mut body = vec![0u8; h.payload_len as usize];
     r.read_exact(&mut body).await?;
     Ok(body)
+}
+
+/// Refuses a connection in its handshake: sends the peer an Abort frame with `reason` (which its
+/// side reports) before the connection is dropped. Best effort, bounded by a short timeout.
+async fn refuse(stream: &mut TcpStream, reason: &str) {
+    let out = Outgoing::abort(u64::MAX, reason);
+    let body: &[u8] = match &out.body {
+        Body::Tensor(t) => t.as_bytes(),
+        Body::Bytes(b) => b,
+    };
+    let _ = tokio::time::timeout(
+        Duration::from_millis(500),
+        write_frame(stream, &out.head, body),
+    )
+    .await;
+}
+
+/// Reads an Abort frame the peer of an outgoing connection sent to refuse it (see `refuse`),
+/// without blocking: its reason, or `None` when what is there is not one.
+fn refusal(stream: &TcpStream) -> Option<String> {
+    let mut buf = [0u8; HEADER_LEN + MAX_CONTROL_PAYLOAD as usize];
+    let mut got = 0;
+    while got < buf.len() {
+        match stream.try_read(&mut buf[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    let got = &buf[..got];
+    let h = decode_header_slice(got, 0).ok()?;
+    // A refusal cut short (not all arrived yet) is not reported; later writes fail as before.
+    let body = got.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize)?;
+    (h.kind == FrameKind::Abort).then(|| String::from_utf8_lossy(body).into_owned())
 }
 
 /// Reads until `buf` is full or EOF; returns the bytes read.
@@ -149,6 +191,45 @@ async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> io::Resul
 
 /// Where an outgoing key goes: the peer and its slot id.
 type Route = (Arc<str>, u32);
+
+/// How often the same address's refused handshakes are logged as errors.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Who may hold incoming connections: the counts behind [`TcpConfig::max_handshaking`] and
+/// [`TcpConfig::max_connections_per_peer`], and the throttle of refusal logs.
+#[derive(Default)]
+struct Admission {
+    /// Open incoming connections per announced peer name.
+    incoming: HashMap<Arc<str>, usize>,
+    /// Incoming connections still in their handshake.
+    handshaking: usize,
+    /// Per remote IP: when a refused handshake was last logged as an error, and how many were
+    /// refused quietly since (a peer that retries every 0.5 s is reported every 30 s).
+    refusals: HashMap<std::net::IpAddr, (Instant, u32)>,
+}
+
+/// One slot of a connection counter in [`Admission`], released on drop.
+struct Admitted<'a> {
+    link: &'a TcpLink,
+    peer: Option<Arc<str>>,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        let mut adm = lock(&self.link.admission);
+        match self.peer.take() {
+            Some(p) => {
+                if let Some(n) = adm.incoming.get_mut(&p) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        adm.incoming.remove(&p);
+                    }
+                }
+            }
+            None => adm.handshaking = adm.handshaking.saturating_sub(1),
+        }
+    }
+}
 
 /// The TCP data plane: a [`Plane`] over a [`TcpLink`]. Local keys meet in the plane's local
 /// rendezvous; keys with a registered route go to their peer's slot as Data frames; frames from
@@ -173,6 +254,8 @@ pub struct TcpLink {
     writer_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Set by [`TcpPlane::close`]: peers closing their connections now is expected.
     closing: std::sync::atomic::AtomicBool,
+    /// Incoming connections admitted per peer and in their handshake (see [`Admission`]).
+    admission: Mutex<Admission>,
 }
 
 impl fmt::Debug for TcpLink {
@@ -208,6 +291,7 @@ impl TcpPlane {
             secret,
             writer_tasks: Mutex::default(),
             closing: Default::default(),
+            admission: Mutex::default(),
         };
         let rv = Arc::new(Plane::with_link(name, link));
         tokio::spawn(accept_loop(Arc::downgrade(&rv), listener));
@@ -427,7 +511,28 @@ async fn writer(
         head: heartbeat_header(),
         body: Body::Bytes(Vec::new()),
     };
-    while let Some(out) = next_or_heartbeat(&mut rx, heartbeat, beat).await {
+    // Peers never write on a connection this task opened, except to refuse it in the handshake
+    // (an Abort with the reason, see `refuse`): watch for that until the first EOF.
+    let mut watch_refusal = true;
+    loop {
+        let next = tokio::select! {
+            out = next_or_heartbeat(&mut rx, heartbeat, beat) => out,
+            ready = stream.readable(), if watch_refusal => {
+                match (ready, refusal(&stream)) {
+                    (Ok(()), Some(reason)) => {
+                        tracing::error!(peer = %peer, "peer `{peer}` refused this task's connection: {reason}");
+                        if let Some(rv) = rv.upgrade() {
+                            rv.peer_gone(&peer, &format!("refused this task's connection: {reason}"));
+                        }
+                        return;
+                    }
+                    // EOF, or bytes that are no refusal: later writes tell what happened.
+                    _ => watch_refusal = false,
+                }
+                continue;
+            }
+        };
+        let Some(out) = next else { break };
         let body: &[u8] = match &out.body {
             Body::Tensor(t) => t.as_bytes(),
             Body::Bytes(b) => b,
@@ -494,6 +599,21 @@ async fn serve(rv: Arc<TcpPlane>, mut stream: TcpStream, addr: SocketAddr) {
             tracing::debug!(peer = %label, "{}: peer `{label}` closed the connection", rv.name);
             "closed the connection".to_string()
         }
+        Err(e) if peer.is_none() => {
+            // Refused in the handshake: the same peer retrying must not flood the log.
+            match quiet_refusals(&rv.link, addr.ip()) {
+                Some(0) => {
+                    tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name)
+                }
+                Some(n) => {
+                    tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e} ({n} more refused from {} in the last {}s)", rv.name, addr.ip(), REFUSAL_LOG_EVERY.as_secs())
+                }
+                None => {
+                    tracing::debug!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name)
+                }
+            }
+            return;
+        }
         Err(e) => {
             tracing::error!(peer = %label, "{}: dropping connection from peer `{label}`: {e}", rv.name);
             e.to_string()
@@ -501,6 +621,29 @@ async fn serve(rv: Arc<TcpPlane>, mut stream: TcpStream, addr: SocketAddr) {
     };
     if let Some(p) = peer {
         rv.peer_gone(&p, &cause);
+    }
+}
+
+/// Counts a refused handshake from `ip`: `Some(n)` when it is to be logged as an error (`n`
+/// refusals from that address were kept quiet since the last one logged), `None` when it is
+/// within [`REFUSAL_LOG_EVERY`] of the last one logged.
+fn quiet_refusals(link: &TcpLink, ip: std::net::IpAddr) -> Option<u32> {
+    let mut adm = lock(&link.admission);
+    let now = Instant::now();
+    match adm.refusals.get_mut(&ip) {
+        Some((last, n)) if now.duration_since(*last) < REFUSAL_LOG_EVERY => {
+            *n += 1;
+            None
+        }
+        Some((last, n)) => {
+            let since = *n;
+            (*last, *n) = (now, 0);
+            Some(since)
+        }
+        None => {
+            adm.refusals.insert(ip, (now, 0));
+            Some(0)
+        }
     }
 }
 
@@ -520,22 +663,69 @@ async fn read_frames(
     let timed = |peer: &str, what: &str| io_err(peer, what, io::ErrorKind::TimedOut.into());
     let mut head = [0u8; HEADER_LEN];
 
+    // At most `max_handshaking` connections may be unauthenticated at once.
+    let handshake_slot = {
+        let mut adm = lock(&rv.link.admission);
+        if adm.handshaking >= cfg.max_handshaking {
+            return Err(TcpError::Protocol {
+                peer: addr_s,
+                msg: format!(
+                    "{} connections are already in their handshake (the limit); refusing this one",
+                    cfg.max_handshaking
+                ),
+            });
+        }
+        adm.handshaking += 1;
+        Admitted {
+            link: &rv.link,
+            peer: None,
+        }
+    };
+
     // Hello: the peer's task name, authenticated when this task has a cluster secret.
     let name = match &rv.link.secret {
         Some(secret) => {
+            // What to tell a peer that is refused (its own view of the problem).
+            let mut tell_peer: Option<String> = None;
             let handshake = async {
                 let hello = recv_control(stream, FrameKind::Hello).await?;
                 let (acceptor, challenge) = Acceptor::challenge(secret, &rv.name, &hello, &addr_s)
-                    .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
+                    .map_err(|e| {
+                        if let AuthError::NoSecret { .. } = e {
+                            tell_peer = Some(format!(
+                                "task `{}` requires the job's cluster secret and this task sent \
+                                 none: start this task with the same --secret-file (or \
+                                 {SECRET_ENV}) as the others",
+                                rv.name
+                            ));
+                        }
+                        io::Error::new(io::ErrorKind::PermissionDenied, e)
+                    })?;
                 send_control(stream, FrameKind::Challenge, &challenge).await?;
-                let proof = recv_control(stream, FrameKind::Proof).await?;
+                let proof = match recv_control(stream, FrameKind::Proof).await {
+                    // The connector checks this task's proof first and hangs up when it fails.
+                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::PermissionDenied,
+                            format!(
+                                "the peer hung up instead of answering this task's challenge: it \
+                                 found this task's proof wrong, so its cluster secret differs \
+                                 from this task's; start every task with the same --secret-file \
+                                 (or {SECRET_ENV})"
+                            ),
+                        ))
+                    }
+                    r => r?,
+                };
                 acceptor
                     .verify(&proof, &addr_s)
                     .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))
             };
-            tokio::time::timeout(cfg.frame_timeout, handshake)
-                .await
-                .map_err(|_| timed(&addr_s, "authenticating"))?
+            let res = tokio::time::timeout(cfg.frame_timeout, handshake).await;
+            if let Some(reason) = &tell_peer {
+                refuse(stream, reason).await;
+            }
+            res.map_err(|_| timed(&addr_s, "authenticating"))?
                 .map_err(|e| io_err(&addr_s, "authenticating", e))?
         }
         None => {
@@ -561,6 +751,26 @@ async fn read_frames(
                 .await
                 .map_err(|_| timed(&addr_s, "reading Hello"))?
                 .map_err(|e| io_err(&addr_s, "reading Hello", e))?;
+            // An authenticating peer's Hello starts with the handshake version, not a name.
+            if name.first() == Some(&crate::auth::AUTH_VERSION) {
+                refuse(
+                    stream,
+                    &format!(
+                        "task `{}` was started without a cluster secret, but this task \
+                         authenticates with one: start every task with the same --secret-file \
+                         (or {SECRET_ENV}), or none",
+                        rv.name
+                    ),
+                )
+                .await;
+                return Err(TcpError::Protocol {
+                    peer: addr_s,
+                    msg: format!(
+                        "the peer authenticates with a cluster secret, but this task was started \
+                         without one: start it with the job's --secret-file (or {SECRET_ENV})"
+                    ),
+                });
+            }
             String::from_utf8(name).map_err(|_| TcpError::Protocol {
                 peer: addr_s.clone(),
                 msg: "Hello name is not UTF-8".into(),
@@ -568,6 +778,27 @@ async fn read_frames(
         }
     };
     let peer: Arc<str> = name.into();
+    drop(handshake_slot);
+    // At most `max_connections_per_peer` connections per announced name.
+    let _peer_slot = {
+        let mut adm = lock(&rv.link.admission);
+        let open = adm.incoming.entry(peer.clone()).or_default();
+        if *open >= cfg.max_connections_per_peer {
+            return Err(TcpError::Protocol {
+                peer: format!("{peer} ({addr})"),
+                msg: format!(
+                    "peer `{peer}` already has {} connections open to this task (the limit); \
+                     refusing another: is a second process running as `{peer}`?",
+                    cfg.max_connections_per_peer
+                ),
+            });
+        }
+        *open += 1;
+        Admitted {
+            link: &rv.link,
+            peer: Some(peer.clone()),
+        }
+    };
     *peer_out = Some(peer.clone());
     rv.revive(&peer);
     let label = format!("{peer} ({addr})");
@@ -631,11 +862,13 @@ async fn read_frames(
                 rv.aborted_by_peer(&peer, h.step, &String::from_utf8_lossy(&reason));
             }
             FrameKind::Message => {
-                let mut body = vec![0u8; h.payload_len as usize];
-                tokio::time::timeout(cfg.frame_timeout, stream.read_exact(&mut body))
-                    .await
-                    .map_err(|_| timed(&label, "reading a message"))?
-                    .map_err(|e| io_err(&label, "reading a message", e))?;
+                let body = tokio::time::timeout(
+                    cfg.frame_timeout,
+                    crate::wire::read_claimed(stream, h.payload_len),
+                )
+                .await
+                .map_err(|_| timed(&label, "reading a message"))?
+                .map_err(|e| io_err(&label, "reading a message", e))?;
                 rv.emit(PeerEvent::Message {
                     peer: peer.clone(),
                     body,

@@ -372,6 +372,26 @@ impl Writers {
     }
 }
 
+/// Reads a payload of `len` bytes whose length a peer claimed (already checked against its
+/// limit), growing the buffer only as bytes arrive: a peer that claims a large message and sends
+/// little makes this task hold little, and what it held is freed when the connection drops.
+pub(crate) async fn read_claimed<R>(r: &mut R, len: u64) -> std::io::Result<Vec<u8>>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt as _;
+    const FIRST_CHUNK: u64 = 64 << 10;
+    let mut body = Vec::with_capacity(usize::try_from(len.min(FIRST_CHUNK)).unwrap_or(0));
+    let got = (&mut *r).take(len).read_to_end(&mut body).await?;
+    if (got as u64) < len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("the peer closed the connection after {got} of {len} payload bytes"),
+        ));
+    }
+    Ok(body)
+}
+
 /// The header of a heartbeat frame (no payload).
 pub fn heartbeat_header() -> [u8; HEADER_LEN] {
     encode_header(&Header {

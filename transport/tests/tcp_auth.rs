@@ -96,7 +96,7 @@ async fn a_peer_with_another_secret_cannot_connect() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("authenticating") && e.contains("does not know the cluster secret"),
+        e.contains("authenticating") && e.contains("its cluster secret differs"),
         "{e}"
     );
 }

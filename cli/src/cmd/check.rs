@@ -9,7 +9,8 @@ use std::path::PathBuf;
 /// Arguments of `dflow check`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The graph file (`.json` or `.dflow`; detected from the content otherwise).
+    /// The graph file: dflow JSON, the dflow DSL, or a TensorFlow GraphDef in protobuf JSON
+    /// (detected from the extension and content).
     #[arg(required_unless_present = "ops")]
     file: Option<PathBuf>,
     /// List the registered ops instead of checking a file.
@@ -28,7 +29,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let loaded = common::load(&path)?;
     println!("file:         {}", path.display());
-    println!("format:       {}", format_name(loaded.format));
+    if loaded.tf_graphdef {
+        println!("format:       tensorflow graphdef (imported)");
+    } else {
+        println!("format:       {}", format_name(loaded.format));
+    }
     println!("{}", Summary::of(&loaded.graph));
     if let Some(t) = &loaded.parsed.def.train {
         let optimizer = match &t.optimizer.kind {

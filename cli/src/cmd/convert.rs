@@ -18,7 +18,8 @@ pub enum To {
 /// Arguments of `dflow convert`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The graph file to convert (`.json` or `.dflow`; detected from the content otherwise).
+    /// The graph file to convert: dflow JSON, the dflow DSL, or a TensorFlow GraphDef in protobuf
+    /// JSON (imported first; detected from the extension and content).
     file: PathBuf,
     /// The format to write.
     #[arg(long, value_enum)]

@@ -31,7 +31,7 @@ pub enum PsStrategyArg {
 /// Arguments of `dflow partition`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The graph file (dflow graph JSON).
+    /// The graph file: dflow JSON, the dflow DSL, or a TensorFlow GraphDef in protobuf JSON.
     pub graph: PathBuf,
     /// The cluster spec (TF cluster JSON).
     #[arg(long)]

@@ -203,10 +203,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return write_trace(&args, &session);
     }
-    let graph = program.graph;
     if args.fetches.is_empty() && args.targets.is_empty() {
-        bail!("nothing to run: give at least one --fetch or --target");
+        if let Some(t) = &program.training {
+            bail!(
+                "nothing to run: {} is a training graph; give --data FILE (CSV, optionally \
+                 gzip) to train it, or --fetch NAME / --target NAME to run single nodes (its \
+                 loss is `{}`)",
+                graph_path.display(),
+                t.loss
+            );
+        }
+        bail!(
+            "nothing to run: give at least one --fetch NAME[:OUTPUT] (a tensor to print) or \
+             --target NAME (a node to run, e.g. an update or `init`)"
+        );
     }
+    let graph = program.graph;
     let session = Session::new(graph, cluster, opts)?;
     let feed_refs: Vec<(&str, Tensor)> =
         feeds.iter().map(|(n, t)| (n.as_str(), t.clone())).collect();

@@ -469,8 +469,25 @@ async fn connect_all(
             });
         }
         if last_log.elapsed() >= Duration::from_secs(2) {
-            tracing::info!("waiting for {} to start", names.join(", "));
-            eprintln!("{}: waiting for {} to start", rv.task(), names.join(", "));
+            // A refused handshake (a different or missing cluster secret) will not fix itself:
+            // say so instead of only waiting.
+            let refused: Vec<&str> = names
+                .iter()
+                .filter_map(|n| last_errors.get(n).and_then(|e| e.last()))
+                .filter(|e| e.contains("secret"))
+                .map(String::as_str)
+                .collect();
+            let why = if refused.is_empty() {
+                String::new()
+            } else {
+                format!(" (last error: {})", refused.join("; "))
+            };
+            tracing::info!("waiting for {} to start{why}", names.join(", "));
+            eprintln!(
+                "{}: waiting for {} to start{why}",
+                rv.task(),
+                names.join(", ")
+            );
             last_log = Instant::now();
         }
         tokio::time::sleep(pause).await;

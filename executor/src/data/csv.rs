@@ -1,9 +1,9 @@
 //! CSV reader: comma-separated numbers, plain or gzip-compressed (told apart by the magic bytes).
 
-use super::{check_label, DataError, Dataset, ReadOptions, Result};
+use super::{check_label, DataError, Dataset, ReadOptions, Result, MAX_LINE_BYTES};
 use flate2::bufread::MultiGzDecoder;
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
@@ -15,7 +15,9 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// The file may be gzip-compressed (recognised by its magic bytes, whatever its name). It is read
 /// once, line by line, straight into the data set's storage. Blank lines are skipped; fields may
 /// be surrounded by spaces; quoting is not supported (the files are numeric). Labels must be
-/// whole numbers (`3` or `3.0`). Errors name the file, line and column.
+/// whole numbers (`3` or `3.0`). Errors name the file, line and column. The text (decompressed)
+/// is bounded by [`ReadOptions::max_text_bytes`] and each line by [`MAX_LINE_BYTES`], checked as
+/// it streams in, so memory stays bounded whatever the file claims.
 pub fn read_csv(path: impl AsRef<Path>, options: &ReadOptions) -> Result<Dataset> {
     let path = path.as_ref();
     let io_err = |source| DataError::Io {
@@ -41,9 +43,11 @@ fn parse(mut reader: impl BufRead, path: &Path, options: &ReadOptions) -> Result
     let mut header_pending = options.has_header;
     let mut raw = Vec::new();
     let mut line_no = 0usize;
+    let mut total = 0u64;
     loop {
         raw.clear();
-        let n = reader
+        let n = (&mut reader)
+            .take(MAX_LINE_BYTES as u64 + 1)
             .read_until(b'\n', &mut raw)
             .map_err(|source| DataError::Io {
                 file: file(),
@@ -53,6 +57,28 @@ fn parse(mut reader: impl BufRead, path: &Path, options: &ReadOptions) -> Result
             break;
         }
         line_no += 1;
+        total += n as u64;
+        if raw.len() > MAX_LINE_BYTES {
+            return Err(DataError::TooLarge {
+                file: file(),
+                what: format!("line {line_no}"),
+                limit: MAX_LINE_BYTES as u64,
+                hint: "is this a CSV file of numbers? Rows are lines of comma-separated values"
+                    .into(),
+            });
+        }
+        if total > options.max_text_bytes {
+            return Err(DataError::TooLarge {
+                file: file(),
+                what: "the text (after decompression)".into(),
+                limit: options.max_text_bytes,
+                hint: format!(
+                    "if the file is genuine, raise the limit with the environment variable \
+                     {}=<bytes>",
+                    super::MAX_DATA_BYTES_ENV
+                ),
+            });
+        }
         let text = String::from_utf8_lossy(&raw);
         let line = text.trim();
         if line.is_empty() {
@@ -73,6 +99,12 @@ fn parse(mut reader: impl BufRead, path: &Path, options: &ReadOptions) -> Result
                         columns,
                     },
                 )?;
+                if columns < 2 {
+                    return Err(DataError::NoFeatures {
+                        file: file(),
+                        line: line_no,
+                    });
+                }
                 let l = (columns, resolved);
                 layout = Some(l);
                 l

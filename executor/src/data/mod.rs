@@ -128,6 +128,31 @@ pub enum DataError {
         /// What is wrong.
         message: String,
     },
+    /// A text file, once decompressed, is larger than [`ReadOptions::max_text_bytes`], or one of
+    /// its lines is longer than [`MAX_LINE_BYTES`] (a gzip bomb, or not a CSV file).
+    #[error("{}: {what} is larger than the limit of {limit} bytes; {hint}", file.display())]
+    TooLarge {
+        /// The file.
+        file: PathBuf,
+        /// What passed the limit (`the decompressed text`, `line 1`).
+        what: String,
+        /// The limit in bytes.
+        limit: u64,
+        /// What to do about it.
+        hint: String,
+    },
+    /// CSV rows hold a label and nothing else.
+    #[error(
+        "{}: line {line} has a single column (the label) and no features; a data row is \
+         `feature,feature,...,label` separated by commas",
+        file.display()
+    )]
+    NoFeatures {
+        /// The file.
+        file: PathBuf,
+        /// The first data line (1-based).
+        line: usize,
+    },
     /// Features and labels disagree on the number of examples.
     #[error("{features} has {feature_rows} examples but {labels} has {label_rows} labels")]
     RowCountMismatch {
@@ -163,7 +188,21 @@ pub struct ReadOptions {
     pub num_classes: Option<usize>,
     /// CSV only: skip the first non-blank line (column names).
     pub has_header: bool,
+    /// CSV only: most bytes of text read (after decompression), so a small gzip bomb cannot
+    /// take the machine's memory. Default [`DEFAULT_MAX_TEXT_BYTES`], or the value of the
+    /// environment variable [`MAX_DATA_BYTES_ENV`] when it is set to a number.
+    pub max_text_bytes: u64,
 }
+
+/// Default [`ReadOptions::max_text_bytes`]: 2 GiB of decompressed CSV text.
+pub const DEFAULT_MAX_TEXT_BYTES: u64 = 2 << 30;
+
+/// Longest CSV line accepted (bytes); a longer one is refused before it is held in memory.
+/// Rows of even a million features fit.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// The environment variable that overrides [`DEFAULT_MAX_TEXT_BYTES`] (a number of bytes).
+pub const MAX_DATA_BYTES_ENV: &str = "DFLOW_MAX_DATA_BYTES";
 
 impl Default for ReadOptions {
     fn default() -> Self {
@@ -172,6 +211,10 @@ impl Default for ReadOptions {
             feature_scale: 1.0,
             num_classes: None,
             has_header: false,
+            max_text_bytes: std::env::var(MAX_DATA_BYTES_ENV)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(DEFAULT_MAX_TEXT_BYTES),
         }
     }
 }
@@ -192,6 +235,12 @@ impl ReadOptions {
     /// Sets [`ReadOptions::num_classes`].
     pub fn num_classes(mut self, n: usize) -> Self {
         self.num_classes = Some(n);
+        self
+    }
+
+    /// Sets [`ReadOptions::max_text_bytes`].
+    pub fn max_text_bytes(mut self, bytes: u64) -> Self {
+        self.max_text_bytes = bytes;
         self
     }
 

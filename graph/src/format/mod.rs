@@ -194,6 +194,10 @@ pub(crate) struct Source<'a> {
     pub(crate) text: &'a str,
     path: Option<&'a str>,
     line_starts: Vec<usize>,
+    /// The last position computed: (byte offset, 0-based line, 0-based column in chars). The
+    /// parsers ask for positions in file order, so counting on from here keeps a long line
+    /// (a whole graph written by `json.dump`) linear instead of recounting from its start.
+    cursor: std::cell::Cell<(usize, usize, usize)>,
 }
 
 impl<'a> Source<'a> {
@@ -209,6 +213,7 @@ impl<'a> Source<'a> {
             text,
             path,
             line_starts,
+            cursor: std::cell::Cell::new((0, 0, 0)),
         }
     }
 
@@ -217,10 +222,18 @@ impl<'a> Source<'a> {
         let offset = offset.min(self.text.len());
         let line = self.line_starts.partition_point(|&s| s <= offset) - 1;
         let start = self.line_starts[line];
-        let col = self
-            .text
-            .get(start..offset)
-            .map_or(offset - start, |s| s.chars().count());
+        let (at, at_line, at_col) = self.cursor.get();
+        let (from, base) = if at_line == line && (start..=offset).contains(&at) {
+            (at, at_col)
+        } else {
+            (start, 0)
+        };
+        let col = base
+            + self
+                .text
+                .get(from..offset)
+                .map_or(offset - from, |s| s.chars().count());
+        self.cursor.set((offset, line, col));
         (line + 1, col + 1)
     }
 

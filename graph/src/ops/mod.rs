@@ -24,6 +24,7 @@ pub mod reduce;
 pub mod shape;
 pub mod state;
 pub mod testing;
+pub mod tf_compat;
 pub mod train;
 pub mod transfer;
 pub mod transformer;
@@ -434,6 +435,7 @@ pub fn registry() -> &'static OpRegistry {
         array::register(&mut r);
         grad::register(&mut r);
         train::register(&mut r);
+        tf_compat::register(&mut r);
         collective::register(&mut r);
         shape::register(&mut r);
         embedding::register(&mut r);

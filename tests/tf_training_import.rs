@@ -1,0 +1,243 @@
+//! TensorFlow 1.x training graphs exported by `fixtures/tf/make_tf_training_graphs.py` (with
+//! TensorFlow's own values for one step): imported, one step's fetched loss and the variables
+//! after it equal TensorFlow's within 1e-5, and dflow's Send/Recv pairs equal TensorFlow's by
+//! (source tensor, send device, recv device).
+
+use dflow_executor::{Session, SessionOptions};
+use dflow_graph::tf_import::import_graphdef_json;
+use dflow_graph::{ClusterSpec, DeviceName, Graph, Tensor};
+use dflow_partitioner::{partition, place, PartitionOptions, PlacementOptions};
+use serde_json::Value;
+use std::collections::BTreeSet;
+
+fn fixture(variant: &str) -> (String, Value) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tf");
+    let graph = std::fs::read_to_string(dir.join(format!("train_{variant}.graphdef.json")))
+        .unwrap_or_else(|e| panic!("{variant}: {e}"));
+    let step = std::fs::read_to_string(dir.join(format!("train_{variant}.tf_step.json")))
+        .unwrap_or_else(|e| panic!("{variant}: {e}"));
+    (graph, serde_json::from_str(&step).unwrap())
+}
+
+fn session(graph: Graph) -> Session {
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    Session::new(graph, cluster, SessionOptions::default()).unwrap()
+}
+
+fn variable(session: &Session, name: &str) -> Vec<f64> {
+    session
+        .variables()
+        .into_iter()
+        .find(|(_, n, _)| n == name)
+        .unwrap_or_else(|| panic!("no variable {name}"))
+        .2
+        .to_f64_vec()
+}
+
+fn close(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5)
+}
+
+/// `counter.assign_add(1.0)` on a resource variable: imported, `init` runnable, one step gives
+/// TensorFlow's value.
+#[test]
+fn assign_add_counter_steps_like_tensorflow() {
+    let (text, tf) = fixture("counter");
+    let def = import_graphdef_json(&text).unwrap();
+    let s = session(Graph::from_def(&def).unwrap());
+    s.run(&[], &[], &["init"]).unwrap();
+    let before = tf["variables_before"]["counter"].as_f64().unwrap();
+    let loss = s.run(&[], &["loss"], &[]).unwrap();
+    assert!(close(&loss[0].to_f64_vec(), &[before]), "{loss:?}");
+    let train = tf["train"].as_str().unwrap();
+    s.run(&[], &[], &[train]).unwrap();
+    let after = tf["variables_after"]["counter"].as_f64().unwrap();
+    assert!(close(&variable(&s, "counter"), &[after]));
+}
+
+/// A fed tensor from the fixture: `x*` are f32 matrices, `y*` int64 labels.
+fn feed(name: &str, v: &Value) -> Tensor {
+    let rows = v.as_array().unwrap();
+    if name.starts_with('y') {
+        let labels: Vec<i64> = rows.iter().map(|l| l.as_i64().unwrap()).collect();
+        return Tensor::from_slice(&[labels.len()], &labels).unwrap();
+    }
+    let cols = rows[0].as_array().unwrap().len();
+    let flat: Vec<f32> = rows
+        .iter()
+        .flat_map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+        })
+        .collect();
+    Tensor::from_slice(&[rows.len(), cols], &flat).unwrap()
+}
+
+fn flat(v: &Value) -> Vec<f64> {
+    match v {
+        Value::Array(a) => a.iter().flat_map(flat).collect(),
+        other => vec![other.as_f64().unwrap()],
+    }
+}
+
+/// One training step of an imported MLP: the fetched loss and every variable afterwards equal
+/// TensorFlow's within 1e-5.
+fn one_step_like_tensorflow(variant: &str) {
+    let (text, tf) = fixture(variant);
+    let def = import_graphdef_json(&text).unwrap_or_else(|e| panic!("{variant}: {e}"));
+    let s = session(Graph::from_def(&def).unwrap());
+    // The initial values come from the graph's initializers: a wrong one shows in the values
+    // after the step.
+    s.run(&[], &[], &["init"]).unwrap();
+    let feeds: Vec<(String, Tensor)> = tf["feeds"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), feed(k, v)))
+        .collect();
+    let feed_refs: Vec<(&str, Tensor)> =
+        feeds.iter().map(|(k, t)| (k.as_str(), t.clone())).collect();
+    let loss = tf["loss"].as_str().unwrap();
+    let train = tf["train"].as_str().unwrap();
+    let out = s.run(&feed_refs, &[loss], &[train]).unwrap();
+    let want = tf["step_loss"].as_f64().unwrap();
+    assert!(
+        close(&out[0].to_f64_vec(), &[want]),
+        "{variant}: loss {:?}, TensorFlow {want}",
+        out[0].to_f64_vec()
+    );
+    for (name, want) in tf["variables_after"].as_object().unwrap() {
+        let got = variable(&s, name);
+        assert!(
+            close(&got, &flat(want)),
+            "{variant}: {name} after one step: {got:?}\nTensorFlow: {:?}",
+            flat(want)
+        );
+    }
+}
+
+#[test]
+fn mlp_resource_variables_sgd_step_like_tensorflow() {
+    one_step_like_tensorflow("mlp_resource_sgd");
+}
+
+#[test]
+fn mlp_ref_variables_sgd_step_like_tensorflow() {
+    one_step_like_tensorflow("mlp_ref_sgd");
+}
+
+#[test]
+fn mlp_momentum_steps_like_tensorflow() {
+    one_step_like_tensorflow("mlp_resource_momentum");
+}
+
+#[test]
+fn two_worker_sync_graph_steps_like_tensorflow() {
+    one_step_like_tensorflow("sync_2workers");
+}
+
+/// Adam: TensorFlow's `ResourceApplyAdam` reads `beta1^t` and `beta2^t` from variables the
+/// optimizer updates after the applies; imported as `ApplyAdamWithPowers`.
+#[test]
+fn mlp_adam_steps_like_tensorflow() {
+    one_step_like_tensorflow("mlp_resource_adam");
+}
+
+/// A device with TensorFlow's implicit parts filled in (`replica:0`, `device:CPU:0`).
+fn normalize_device(d: &str) -> String {
+    let mut dev = DeviceName::parse(d).unwrap_or_else(|e| panic!("{d}: {e}"));
+    dev.replica.get_or_insert(0);
+    let ty = dev.device_type.take().unwrap_or_else(|| "CPU".into());
+    dev.device_type = Some(ty.to_ascii_uppercase());
+    dev.device_id.get_or_insert(0);
+    dev.to_string()
+}
+
+/// `node:i` (`node` means output 0).
+fn tensor_name(t: &str) -> String {
+    match t.rsplit_once(':') {
+        Some((_, i)) if i.parse::<usize>().is_ok() => t.to_string(),
+        _ => format!("{t}:0"),
+    }
+}
+
+/// dflow's device-to-device transfers for one training step (feeds, loss fetched, train run)
+/// against TensorFlow's, as (source tensor, send device, recv device). Left out of TensorFlow's:
+/// its client plumbing (a feed forwarded from the master task, `_recv_<feed>`; a fetch sent to the
+/// master task, worker 0) and the constants the importer folds into attributes (a learning rate).
+fn pairs_match_tensorflow(variant: &str) {
+    let (text, tf) = fixture(variant);
+    let def = import_graphdef_json(&text).unwrap();
+    let kept: BTreeSet<&str> = def.nodes.iter().map(|n| n.name.as_str()).collect();
+    let graph = Graph::from_def(&def).unwrap();
+    let cluster = ClusterSpec::local(&[("ps", 1), ("worker", 2)]).unwrap();
+    let placed = place(&graph, &cluster, &PlacementOptions::default()).unwrap();
+    let loss = tf["loss"].as_str().unwrap().to_string();
+    let feeds: Vec<String> = tf["feeds"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| format!("{k}:0"))
+        .collect();
+    let parts = partition(
+        &placed,
+        &PartitionOptions {
+            feeds,
+            fetches: vec![loss.clone()],
+            targets: vec![tf["train"].as_str().unwrap().to_string()],
+        },
+    )
+    .unwrap();
+    let dflow: BTreeSet<(String, String, String)> = parts
+        .pairs
+        .iter()
+        .filter(|p| !p.client_terminated)
+        .map(|p| {
+            (
+                tensor_name(&p.tensor_name),
+                normalize_device(&p.send_device),
+                normalize_device(&p.recv_device),
+            )
+        })
+        .collect();
+    let master = normalize_device("/job:worker/task:0");
+    let tf_pairs: BTreeSet<(String, String, String)> = tf["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let f = |k: &str| p[k].as_str().unwrap().to_string();
+            (
+                tensor_name(&f("src_tensor")),
+                normalize_device(&f("send_device")),
+                normalize_device(&f("recv_device")),
+            )
+        })
+        .filter(|(t, _, r)| {
+            let node = t.rsplit_once(':').map_or(t.as_str(), |(n, _)| n);
+            let client_plumbing = node.starts_with("_recv_") || (t == &loss && r == &master);
+            !client_plumbing && kept.contains(node)
+        })
+        .collect();
+    assert!(tf_pairs.len() >= 2, "{variant}: {tf_pairs:?}");
+    assert_eq!(
+        dflow, tf_pairs,
+        "{variant}: dflow's pairs (left) differ from TensorFlow's (right)"
+    );
+}
+
+#[test]
+fn send_recv_pairs_match_tensorflow() {
+    for variant in [
+        "counter",
+        "mlp_resource_sgd",
+        "mlp_ref_sgd",
+        "mlp_resource_momentum",
+        "mlp_resource_adam",
+        "sync_2workers",
+    ] {
+        pairs_match_tensorflow(variant);
+    }
+}
