@@ -51,8 +51,12 @@ fn torchrun_variables_alone_train_digits_with_all_reduce_like_one_process() {
         assert!(e.stderr.contains("identity from torchrun"), "{}", e.stderr);
     }
     assert!(
-        ended[0].stderr.contains("all-reduce data-parallel training")
-            && ended[0].stderr.contains("with 2 worker(s) and 0 ps task(s)"),
+        ended[0]
+            .stderr
+            .contains("all-reduce data-parallel training")
+            && ended[0]
+                .stderr
+                .contains("with 2 worker(s) and 0 ps task(s)"),
         "no ps: all-reduce\n{}",
         ended[0].stderr
     );
