@@ -16,6 +16,18 @@ use gemm::Parallelism;
 /// Products with fewer multiply-adds (`m·n·k`) than this run on the calling thread.
 pub const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
+/// The cutoff in effect: [`PARALLEL_MIN_FLOPS`], or the environment variable
+/// `DFLOW_GEMM_PARALLEL_MIN_FLOPS` when it holds a number (read once; for tuning).
+pub fn parallel_min_flops() -> usize {
+    static CUTOFF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CUTOFF.get_or_init(|| {
+        std::env::var("DFLOW_GEMM_PARALLEL_MIN_FLOPS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(PARALLEL_MIN_FLOPS)
+    })
+}
+
 /// Element types the GEMM supports.
 pub trait GemmScalar: Copy + Send + Sync + 'static {
     /// 0.
@@ -145,7 +157,7 @@ pub fn matmul<T: GemmScalar>(
     }
     let flops = m.saturating_mul(n).saturating_mul(k);
     let split = match threads {
-        Threads::Pool => flops >= PARALLEL_MIN_FLOPS,
+        Threads::Pool => flops >= parallel_min_flops(),
         Threads::PoolAlways => true,
         Threads::Caller => false,
     };
