@@ -284,30 +284,14 @@ impl TrainSpec {
                 beta1,
                 beta2,
                 epsilon,
-            } => {
-                for (name, b) in [("beta1", beta1), ("beta2", beta2)] {
-                    if !(0.0..1.0).contains(&b) {
-                        return Err(format!("adam {name} must be in [0, 1), got {b}"));
-                    }
-                }
-                if !(epsilon.is_finite() && epsilon > 0.0) {
-                    return Err(format!("adam epsilon must be positive, got {epsilon}"));
-                }
-            }
+            } => check_adam("adam", beta1, beta2, epsilon)?,
             OptimizerKind::AdamW {
                 beta1,
                 beta2,
                 epsilon,
                 weight_decay,
             } => {
-                for (name, b) in [("beta1", beta1), ("beta2", beta2)] {
-                    if !(0.0..1.0).contains(&b) {
-                        return Err(format!("adamw {name} must be in [0, 1), got {b}"));
-                    }
-                }
-                if !(epsilon.is_finite() && epsilon > 0.0) {
-                    return Err(format!("adamw epsilon must be positive, got {epsilon}"));
-                }
+                check_adam("adamw", beta1, beta2, epsilon)?;
                 if !(weight_decay.is_finite() && weight_decay >= 0.0) {
                     return Err(format!(
                         "adamw weight_decay must be >= 0 and finite, got {weight_decay}"
@@ -352,6 +336,19 @@ impl TrainSpec {
         }
         Ok(())
     }
+}
+
+/// Checks the moments' decay rates (in [0, 1)) and epsilon (> 0) of an Adam-family optimizer.
+fn check_adam(name: &str, beta1: f64, beta2: f64, epsilon: f64) -> Result<(), String> {
+    for (what, b) in [("beta1", beta1), ("beta2", beta2)] {
+        if !(0.0..1.0).contains(&b) {
+            return Err(format!("{name} {what} must be in [0, 1), got {b}"));
+        }
+    }
+    if !(epsilon.is_finite() && epsilon > 0.0) {
+        return Err(format!("{name} epsilon must be positive, got {epsilon}"));
+    }
+    Ok(())
 }
 
 /// A graph with its training step added.

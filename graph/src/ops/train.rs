@@ -237,31 +237,9 @@ fn apply_adam() -> OpDef {
          var -= lr_n * m / (sqrt(v) + epsilon). In: var, m, v (references to float Variables of \
          one type), t (scalar: steps taken so far, i32/i64/f32/f64), grad (var's type). No \
          outputs. Attrs: lr (float, required), beta1 (0.9), beta2 (0.999), epsilon (1e-7).",
-        |ctx| {
-            let var = ctx.input(0)?;
-            update_infer(
-                "ApplyAdam",
-                var,
-                &[
-                    ("m", ctx.input(1)?),
-                    ("v", ctx.input(2)?),
-                    ("grad", ctx.input(4)?),
-                ],
-            )?;
-            let t = ctx.input(3)?;
-            if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
-                return Err(format!("ApplyAdam: t must be a numeric scalar, got {t}"));
-            }
-            Ok(vec![])
-        },
+        |ctx| adam_family_infer("ApplyAdam", ctx),
     )
-    .inputs([
-        ref_arg("var"),
-        ref_arg("m"),
-        ref_arg("v"),
-        arg("t"),
-        arg("grad"),
-    ])
+    .inputs(ADAM_FAMILY_INPUTS)
     .attrs([
         attr("lr", AttrType::Float),
         attr_or("beta1", AttrType::Float, AttrDefault::Float(0.9)),
@@ -273,6 +251,35 @@ fn apply_adam() -> OpDef {
     ])
     .stateful()
     .kernel("CPU", AdamKernel::build)
+}
+
+/// The inputs of ApplyAdam and ApplyAdamW: the variable and its two slots (references), the
+/// step count, the gradient.
+const ADAM_FAMILY_INPUTS: [ArgDef; 5] = [
+    ref_arg("var"),
+    ref_arg("m"),
+    ref_arg("v"),
+    arg("t"),
+    arg("grad"),
+];
+
+/// Shape rule of ApplyAdam and ApplyAdamW: var, m, v and grad agree; t is a numeric scalar.
+fn adam_family_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let var = ctx.input(0)?;
+    update_infer(
+        op,
+        var,
+        &[
+            ("m", ctx.input(1)?),
+            ("v", ctx.input(2)?),
+            ("grad", ctx.input(4)?),
+        ],
+    )?;
+    let t = ctx.input(3)?;
+    if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
+        return Err(format!("{op}: t must be a numeric scalar, got {t}"));
+    }
+    Ok(vec![])
 }
 
 /// The learning-rate schedule attributes of the Adam family (defaults: no schedule).
@@ -331,13 +338,17 @@ struct AdamKernel {
 }
 
 impl AdamKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
-        Ok(Box::new(AdamKernel {
+    fn from_attrs(init: &KernelInit<'_>) -> Result<Self, String> {
+        Ok(AdamKernel {
             lr: ScheduledLr::from_attrs(init)?,
             beta1: float_attr(init, "beta1")?,
             beta2: float_attr(init, "beta2")?,
             epsilon: float_attr(init, "epsilon")?,
-        }))
+        })
+    }
+
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+        Ok(Box::new(Self::from_attrs(init)?))
     }
 }
 
@@ -403,31 +414,9 @@ fn apply_adam_w() -> OpDef {
          taken so far), grad (var's type). No outputs. Attrs: lr (float, required), beta1 \
          (0.9), beta2 (0.999), epsilon (1e-8), weight_decay (0.01), warmup_steps (0), \
          decay_steps (0), min_lr (0).",
-        |ctx| {
-            let var = ctx.input(0)?;
-            update_infer(
-                "ApplyAdamW",
-                var,
-                &[
-                    ("m", ctx.input(1)?),
-                    ("v", ctx.input(2)?),
-                    ("grad", ctx.input(4)?),
-                ],
-            )?;
-            let t = ctx.input(3)?;
-            if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
-                return Err(format!("ApplyAdamW: t must be a numeric scalar, got {t}"));
-            }
-            Ok(vec![])
-        },
+        |ctx| adam_family_infer("ApplyAdamW", ctx),
     )
-    .inputs([
-        ref_arg("var"),
-        ref_arg("m"),
-        ref_arg("v"),
-        arg("t"),
-        arg("grad"),
-    ])
+    .inputs(ADAM_FAMILY_INPUTS)
     .attrs([
         attr("lr", AttrType::Float),
         attr_or("beta1", AttrType::Float, AttrDefault::Float(0.9)),
@@ -451,12 +440,7 @@ struct AdamWKernel {
 impl AdamWKernel {
     fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         Ok(Box::new(AdamWKernel {
-            adam: AdamKernel {
-                lr: ScheduledLr::from_attrs(init)?,
-                beta1: float_attr(init, "beta1")?,
-                beta2: float_attr(init, "beta2")?,
-                epsilon: float_attr(init, "epsilon")?,
-            },
+            adam: AdamKernel::from_attrs(init)?,
             weight_decay: float_attr(init, "weight_decay")?,
         }))
     }
