@@ -207,6 +207,7 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
             );
         }
         if result.is_ok() {
+            eprintln!("{task}: sent {}", server.traffic());
             eprintln!("{task}: done");
         }
         result
@@ -283,7 +284,7 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
         }
         let mut chief_node = None;
         let mut servers = tokio::task::JoinSet::new();
-        let mut tracers = Vec::new();
+        let mut tracers = Vec::new(); // every task's server: traces and traffic
         while let Some(joined) = joins.join_next().await {
             let (job, index, node) = joined.context("a task's join panicked")?;
             let task = dflow_executor::cluster::task_name(&job, index);
@@ -304,6 +305,12 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
             let served = served.context("a task panicked")?;
             if let (Ok(()), Err(e)) = (&result, served) {
                 return Err(e);
+            }
+        }
+        if result.is_ok() {
+            for (job, index, server) in &tracers {
+                let task = dflow_executor::cluster::task_name(job, *index);
+                eprintln!("{task}: sent {}", server.traffic());
             }
         }
         if let Some(path) = &args.trace {
