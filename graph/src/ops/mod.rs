@@ -95,13 +95,16 @@ pub enum AttrDefault {
     EmptyStrings,
     /// Default shape: unknown rank.
     UnknownShape,
+    /// Optional without a default: an absent attribute means "not given" (the op's shape rule
+    /// and kernel look it up with `attrs.get`).
+    Unset,
 }
 
 impl AttrDefault {
-    /// The default as a value, or `None` when required.
+    /// The default as a value, or `None` when required or [`AttrDefault::Unset`].
     pub fn value(self) -> Option<AttrValue> {
         Some(match self {
-            AttrDefault::Required => return None,
+            AttrDefault::Required | AttrDefault::Unset => return None,
             AttrDefault::Int(i) => AttrValue::Int(i),
             AttrDefault::Float(x) => AttrValue::Float(x),
             AttrDefault::Bool(b) => AttrValue::Bool(b),
