@@ -36,18 +36,24 @@
 //!   or a variable is a real update: it stays, as dflow's `Assign`),
 //!   `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
 //!   `/Initializer/`, and every node all of whose consumers are dropped (the random ops and
-//!   constants feeding an initializer). The
-//!   variable's `initializer` attribute records what TensorFlow would have done when it is
-//!   recognisable: `glorot_uniform` (a `RandomUniform` whose limit is √(6 / (fan_in + fan_out))),
-//!   `random_uniform` (any other `RandomUniform`), `truncated_normal`, `random_normal`, `zeros`
-//!   and `ones` (a constant or `Fill` of all 0 or all 1); seeds are not carried over (dflow's
-//!   random streams differ from TensorFlow's anyway). A variable with no initializer in the graph
-//!   starts at zeros.
-//!   A `Const` (or `Fill` of one) of a single repeated value becomes `zeros`, `ones` or
-//!   `constant` with `init_value`; a constant tensor of differing values, or an initializer
-//!   built from ops the importer does not recognise, is an error naming the variable (dflow
-//!   cannot start a variable from it). The `init` NoOp itself stays, without inputs, so
-//!   `--target init` runs (dflow initializes variables when a session starts).
+//!   constants feeding an initializer). The variable starts from exactly the values
+//!   TensorFlow's initializer assigns:
+//!   - a `Const` (or `Fill` of one) of a single repeated value becomes `zeros`, `ones` or
+//!     `constant` with `init_value` (a broadcast-encoded constant is not expanded);
+//!   - a `Const` of differing values (`tensorContent` or a value list) is carried over as the
+//!     Variable's `initial_value` tensor;
+//!   - a float32 `RandomStandardNormal`, `RandomUniform` or `TruncatedNormal` of the variable's
+//!     shape, multiplied and offset by scalars computed from constants (`random_normal`,
+//!     `truncated_normal`, `random_uniform`, Glorot and other variance-scaling initializers)
+//!     becomes `tf_random_normal`, `tf_random_uniform` or `tf_truncated_normal` with the op's
+//!     `seed`/`seed2`, `init_scale` and `init_value`: dflow draws TensorFlow's own values
+//!     ([`crate::tf_random`]) when the session starts. Without seeds (TensorFlow then draws
+//!     differently every run) the seeds come from the variable's name;
+//!   - not float32, a Glorot-uniform draw becomes dflow's `glorot_uniform` (other values).
+//!
+//!   Anything else is an error naming the variable. A variable with no initializer in the
+//!   graph starts at zeros. The `init` NoOp itself stays, without inputs, so `--target init`
+//!   runs (dflow initializes variables when a session starts).
 //! - **Training ops**: TensorFlow's optimizer applies (`ApplyGradientDescent`,
 //!   `ResourceApplyGradientDescent`, `ApplyMomentum`, `ResourceApplyMomentum`, `ApplyAdam`,
 //!   `ResourceApplyAdam`) become dflow's (`ApplyAdamWithPowers` for Adam, which reads
@@ -581,10 +587,14 @@ impl<'r, 'a> Importer<'r, 'a> {
 
     fn classify_initializer(&self, var: usize, value: usize) -> Option<InitValue> {
         let v = &self.nodes[value];
-        if let Some(kind) = constant_fill_kind(self, v) {
+        if let Some(kind) = self.constant_initial_value(v) {
             return Some(kind);
         }
-        // Walk the dropped ancestors of the value.
+        if let Some(kind) = self.tf_random_initial_value(&self.nodes[var], v) {
+            return Some(kind);
+        }
+        // Not float32 (TensorFlow's draws are reproduced for float32 only): a Glorot-uniform
+        // draw still becomes dflow's `glorot_uniform` (same distribution, other values).
         let mut stack = vec![value];
         let mut seen = BTreeSet::new();
         let mut ops = BTreeSet::new();
@@ -604,26 +614,148 @@ impl<'r, 'a> Importer<'r, 'a> {
             }
             stack.extend(n.inputs.iter().map(|r| self.producer(r)));
         }
-        if ops.contains("RandomUniform") {
-            let limit = glorot_limit(&self.nodes[var]);
-            let is_glorot = limit.is_some_and(|l| {
+        let limit = glorot_limit(&self.nodes[var]);
+        let is_glorot = ops.contains("RandomUniform")
+            && limit.is_some_and(|l| {
                 scalars
                     .iter()
                     .any(|s| (s.abs() - l).abs() <= 1e-6 * l.max(1e-12))
             });
-            return Some(InitValue::Named(if is_glorot {
-                "glorot_uniform"
+        is_glorot.then_some(InitValue::Named("glorot_uniform"))
+    }
+
+    /// The value of `n` when it is a Const, or a Fill of a Const: one repeated value (`zeros`,
+    /// `ones`, `constant`, found without expanding a broadcast-encoded constant) or the exact
+    /// tensor ([`InitValue::Tensor`]; an expansion is charged to the import's budget).
+    fn constant_initial_value(&self, n: &RawNode<'_>) -> Option<InitValue> {
+        let (value_node, fill) = match n.op.as_str() {
+            "Const" => (n, false),
+            "Fill" => (&self.nodes[self.producer(n.inputs.get(1)?)], true),
+            _ => return None,
+        };
+        if value_node.op != "Const" {
+            return None;
+        }
+        let value = value_node.attrs.get("value")?;
+        let uniform = match value.get("tensor").and_then(uniform_value) {
+            Some(v) => Some(v),
+            None => {
+                let t = tensor_attr(value, &self.budget).ok()?;
+                let values = t.to_f64_vec();
+                let first = values.first().copied().unwrap_or(0.0);
+                if values.iter().all(|&x| x.to_bits() == first.to_bits()) {
+                    Some(first)
+                } else if fill {
+                    return None; // Fill's value must be a scalar
+                } else {
+                    return Some(InitValue::Tensor(std::sync::Arc::new(t)));
+                }
+            }
+        };
+        uniform.map(|v| {
+            if v == 0.0 && v.is_sign_positive() {
+                InitValue::Named("zeros")
+            } else if v == 1.0 {
+                InitValue::Named("ones")
             } else {
-                "random_uniform"
-            }));
+                InitValue::Constant(v)
+            }
+        })
+    }
+
+    /// A float32 variable initialized by `rnd × scale + offset`, `rnd` a TensorFlow random op
+    /// (`RandomStandardNormal`, `RandomUniform`, `TruncatedNormal`) of the variable's shape and
+    /// `scale`, `offset` scalar constants (TensorFlow's `random_normal`, `truncated_normal`,
+    /// `random_uniform` and variance-scaling initializers build exactly this): TensorFlow's
+    /// draw, reproduced. An op without seeds (TensorFlow draws a fresh seed each run) gets
+    /// seeds from the variable's name, so dflow's values are reproducible.
+    fn tf_random_initial_value(&self, var: &RawNode<'_>, value: &RawNode<'_>) -> Option<InitValue> {
+        let split = |n: &RawNode<'_>| -> Option<(usize, f32)> {
+            let (a, b) = (
+                self.producer(n.inputs.first()?),
+                self.producer(n.inputs.get(1)?),
+            );
+            match (self.scalar_f32(a, 0), self.scalar_f32(b, 0)) {
+                (_, Some(s)) => Some((a, s)),
+                (Some(s), None) => Some((b, s)),
+                (None, None) => None,
+            }
+        };
+        let mut node = value;
+        let mut offset = 0.0f32;
+        if matches!(node.op.as_str(), "Add" | "AddV2") {
+            let (rest, s) = split(node)?;
+            (node, offset) = (&self.nodes[rest], s);
         }
-        if ops.contains("TruncatedNormal") {
-            return Some(InitValue::Named("truncated_normal"));
+        let mut scale = 1.0f32;
+        if node.op == "Mul" {
+            let (rest, s) = split(node)?;
+            (node, scale) = (&self.nodes[rest], s);
         }
-        if ops.contains("RandomStandardNormal") {
-            return Some(InitValue::Named("random_normal"));
+        let init = match node.op.as_str() {
+            "RandomStandardNormal" => "tf_random_normal",
+            "RandomUniform" => "tf_random_uniform",
+            "TruncatedNormal" => "tf_truncated_normal",
+            _ => return None,
+        };
+        let f32_type = |v: Option<&Value>| v.and_then(|v| dtype_attr(v).ok()) == Some(DType::F32);
+        if !f32_type(node.attrs.get("dtype")) || !f32_type(var.attrs.get("dtype")) {
+            return None;
         }
-        None
+        let var_dims = shape_attr(var.attrs.get("shape")?).ok()?.as_static()?;
+        let dims = self.folded_ints(node, 0).ok()?;
+        if dims.len() != var_dims.len() || dims.iter().zip(&var_dims).any(|(&a, &b)| a != b as i64)
+        {
+            return None;
+        }
+        let seed_attr = |name: &str| {
+            node.attrs
+                .get(name)
+                .and_then(|v| v.get("i"))
+                .map_or(Ok(0), int_value)
+        };
+        let (mut seed, seed2) = (seed_attr("seed").ok()?, seed_attr("seed2").ok()?);
+        if seed == 0 && seed2 == 0 {
+            seed = i64::from(fnv1a32(&var.name)) + 1;
+        }
+        Some(InitValue::TfRandom {
+            init,
+            seed,
+            seed2,
+            scale: f64::from(scale),
+            offset: f64::from(offset),
+        })
+    }
+
+    /// The float32 value of a scalar computed from constants (`Const`; `Add`, `AddV2`, `Sub`,
+    /// `Mul`, `RealDiv`, `Neg` of such), in float32 as TensorFlow computes it.
+    fn scalar_f32(&self, i: usize, depth: usize) -> Option<f32> {
+        let n = &self.nodes[i];
+        if depth > 8 {
+            return None;
+        }
+        let arg = |k: usize| self.scalar_f32(self.producer(n.inputs.get(k)?), depth + 1);
+        // f32 arithmetic on f32 values: one rounding per op, like TensorFlow's kernels.
+        Some(match n.op.as_str() {
+            "Const" => {
+                let t = n
+                    .attrs
+                    .get("value")
+                    .map(|v| tensor_attr(v, &side_budget()))?
+                    .ok()?;
+                if t.dtype() != DType::F32 || t.num_elements() != 1 {
+                    return None;
+                }
+                *t.as_slice::<f32>().ok()?.first()?
+            }
+            "Identity" => arg(0)?,
+            "Neg" => -arg(0)?,
+            "Add" | "AddV2" => arg(0)? + arg(1)?,
+            "Sub" => arg(0)? - arg(1)?,
+            "Mul" => arg(0)? * arg(1)?,
+            "RealDiv" | "Div" => arg(0)? / arg(1)?,
+            _ => return None,
+        })
     }
 
     /// Turns constant operands into attributes (recorded in `self.folded`), dropping constants
@@ -798,15 +930,16 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let cannot = |why: &str| {
                     n.err(format!(
                         "variable `{}`: its initializer {why}, which dflow cannot carry over \
-                         (dflow variables start from a named initializer or one repeated value); \
-                         re-export it with a scalar `tf.constant_initializer` or a random \
-                         initializer, or leave it out of the graph",
+                         (dflow carries over constants, and float32 random_normal, \
+                         truncated_normal and random_uniform draws scaled and offset by \
+                         constants); re-export it with such an initializer, or leave it out of \
+                         the graph",
                         n.name
                     ))
                 };
                 match initializers
                     .get(&n.index)
-                    .copied()
+                    .cloned()
                     .unwrap_or(InitValue::Named("zeros"))
                 {
                     InitValue::Named(kind) => {
@@ -816,8 +949,21 @@ impl<'r, 'a> Importer<'r, 'a> {
                         a.insert("initializer".into(), AttrValue::String("constant".into()));
                         a.insert("init_value".into(), AttrValue::Float(v));
                     }
-                    InitValue::Varied => {
-                        return Err(cannot("assigns a constant tensor of differing values"))
+                    InitValue::Tensor(t) => {
+                        a.insert("initial_value".into(), AttrValue::Tensor(t));
+                    }
+                    InitValue::TfRandom {
+                        init,
+                        seed,
+                        seed2,
+                        scale,
+                        offset,
+                    } => {
+                        a.insert("initializer".into(), AttrValue::String(init.into()));
+                        a.insert("seed".into(), AttrValue::Int(seed));
+                        a.insert("seed2".into(), AttrValue::Int(seed2));
+                        a.insert("init_scale".into(), AttrValue::Float(scale));
+                        a.insert("init_value".into(), AttrValue::Float(offset));
                     }
                     InitValue::Unknown => {
                         return Err(cannot("is computed by ops the importer does not recognise"))
@@ -979,40 +1125,68 @@ impl<'r, 'a> Importer<'r, 'a> {
 }
 
 /// What a variable's initializer assigns, as far as dflow can carry it over.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 enum InitValue {
     /// One of dflow's named initializers (`zeros`, `glorot_uniform`, ...).
     Named(&'static str),
     /// One value repeated (`constant` with `init_value`).
     Constant(f64),
-    /// A constant tensor of differing values: dflow variables cannot start from it.
-    Varied,
+    /// A constant tensor of differing values, carried over exactly (`initial_value`).
+    Tensor(std::sync::Arc<Tensor>),
+    /// TensorFlow's random draw × `scale` + `offset` (a `tf_*` initializer).
+    TfRandom {
+        init: &'static str,
+        seed: i64,
+        seed2: i64,
+        scale: f64,
+        offset: f64,
+    },
     /// An initializer subgraph the importer does not recognise.
     Unknown,
 }
 
-/// The value of `n` when it is a Const, or a Fill of a Const: one repeated value (`zeros`,
-/// `ones`, `constant`) or [`InitValue::Varied`].
-fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<InitValue> {
-    let value_node = match n.op.as_str() {
-        "Const" => n,
-        "Fill" => &imp.nodes[imp.producer(n.inputs.get(1)?)],
-        _ => return None,
-    };
-    if value_node.op != "Const" {
+/// The one value a TensorProto's typed list repeats to its whole shape (an empty list: 0),
+/// found without expanding it; `None` when the values are written in `tensorContent`, differ,
+/// or are of another kind.
+fn uniform_value(t: &Value) -> Option<f64> {
+    if field(t, "tensorContent", "tensor_content").is_some() {
         return None;
     }
-    let t = tensor_attr(value_node.attrs.get("value")?, &side_budget()).ok()?;
-    let values = t.to_f64_vec();
+    let lists = [
+        ("floatVal", "float_val"),
+        ("doubleVal", "double_val"),
+        ("intVal", "int_val"),
+        ("int64Val", "int64_val"),
+    ];
+    let mut values = Vec::new();
+    for (camel, snake) in lists {
+        match field(t, camel, snake) {
+            None => {}
+            Some(Value::Array(a)) => {
+                for v in a {
+                    values.push(float_value(v).ok()?);
+                }
+            }
+            Some(_) => return None,
+        }
+    }
+    if ["halfVal", "half_val", "boolVal", "bool_val"]
+        .iter()
+        .any(|k| t.get(*k).is_some())
+    {
+        return None;
+    }
     let first = values.first().copied().unwrap_or(0.0);
-    Some(if !values.iter().all(|&x| x == first) {
-        InitValue::Varied
-    } else if first == 0.0 {
-        InitValue::Named("zeros")
-    } else if first == 1.0 {
-        InitValue::Named("ones")
-    } else {
-        InitValue::Constant(first)
+    values
+        .iter()
+        .all(|v| v.to_bits() == first.to_bits())
+        .then_some(first)
+}
+
+/// 32-bit FNV-1a of a name (seeds for unseeded TensorFlow random initializers).
+fn fnv1a32(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     })
 }
 
@@ -1334,14 +1508,16 @@ fn from_le_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor, S
     t.map_err(|e| e.to_string())
 }
 
-/// Initializer kinds the importer can record, for documentation and tests.
-pub const INITIALIZER_KINDS: [&str; 6] = [
+/// Initializer kinds the importer can record (besides an exact `initial_value`), for
+/// documentation and tests.
+pub const INITIALIZER_KINDS: [&str; 7] = [
     "zeros",
     "ones",
+    "constant",
     "glorot_uniform",
-    "random_uniform",
-    "truncated_normal",
-    "random_normal",
+    "tf_random_normal",
+    "tf_random_uniform",
+    "tf_truncated_normal",
 ];
 
 #[cfg(test)]
@@ -1433,9 +1609,23 @@ mod tests {
         assert_eq!(w1.device, "/job:ps/task:0");
         assert_eq!(w1.attrs["shape"], AttrValue::Shape(Shape::known(&[64, 32])));
         let init = |n: &str| node(&def, n).attrs["initializer"].clone();
-        assert_eq!(init("w1"), AttrValue::from("glorot_uniform"));
+        // Seeded random initializers: TensorFlow's draws, reproduced (RandomUniform × (max -
+        // min) + min; TruncatedNormal × stddev + mean).
+        assert_eq!(init("w1"), AttrValue::from("tf_random_uniform"));
+        assert_eq!(w1.attrs["seed"], AttrValue::Int(7));
+        assert_eq!(w1.attrs["seed2"], AttrValue::Int(1));
+        let limit = (6.0f64 / (64.0 + 32.0)).sqrt();
+        match (&w1.attrs["init_scale"], &w1.attrs["init_value"]) {
+            (AttrValue::Float(s), AttrValue::Float(o)) => {
+                assert!(
+                    (s - 2.0 * limit).abs() < 1e-6 && (o + limit).abs() < 1e-6,
+                    "{s} {o}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
         assert_eq!(init("b1"), AttrValue::from("zeros"));
-        assert_eq!(init("w2"), AttrValue::from("truncated_normal"));
+        assert_eq!(init("w2"), AttrValue::from("tf_truncated_normal"));
         // constant(0.1): one repeated value (once silently zeros).
         assert_eq!(init("b2"), AttrValue::from("constant"));
         match node(&def, "b2").attrs["init_value"] {
@@ -1781,7 +1971,7 @@ mod tests {
             {"name": "v/Initializer/random_normal/shape", "op": "Const", "attr": {"value":
                 {"tensor": {"dtype": "DT_INT32", "tensorShape": {"dim": [{"size": "1"}]}, "intVal": [3]}}}},
             {"name": "v/Initializer/random_normal/RandomStandardNormal", "op": "RandomStandardNormal",
-             "input": ["v/Initializer/random_normal/shape"]},
+             "input": ["v/Initializer/random_normal/shape"], "attr": {"dtype": f32_type()}},
             {"name": "v", "op": "VarHandleOp", "device": "/job:ps/task:0",
              "attr": {"dtype": f32_type(), "shape": {"shape": {"dim": [{"size": "3"}]}}}},
             {"name": "v/Assign", "op": "AssignVariableOp",
@@ -1806,7 +1996,7 @@ mod tests {
         assert_eq!(node(&def, "v/read").colocate_with, ["v"]);
         assert_eq!(
             node(&def, "v").attrs["initializer"],
-            AttrValue::from("random_normal")
+            AttrValue::from("tf_random_normal")
         );
         assert_eq!(
             node(&def, "u").attrs["initializer"],
@@ -1886,13 +2076,96 @@ mod tests {
         );
         assert_eq!(node(&def, "w").attrs["init_value"], AttrValue::Float(0.25));
         assert!(node(&def, "init").inputs.is_empty());
-        let e = with_init(f32_const("w/Initializer/value", &[3], &[0.25, -1.0, 2.0]))
-            .unwrap_err()
-            .to_string();
+        // Differing values are carried over exactly, and the variable starts from them.
+        let def = with_init(f32_const("w/Initializer/value", &[3], &[0.25, -1.0, 2.0])).unwrap();
+        let w = node(&def, "w");
+        assert!(!w.attrs.contains_key("initializer"));
+        match &w.attrs["initial_value"] {
+            AttrValue::Tensor(t) => assert_eq!(t.as_slice::<f32>().unwrap(), [0.25, -1.0, 2.0]),
+            other => panic!("{other:?}"),
+        }
+        Graph::from_def(&def).unwrap();
+        // A broadcast-encoded zeros of a huge variable stays compact (not expanded).
+        let big = import(json!({"node": [
+            variable("e", "VariableV2", &[1 << 20, 1 << 10]),
+            {"name": "e/Initializer/zeros", "op": "Const", "attr": {"value": {"tensor": {
+                "dtype": "DT_FLOAT", "floatVal": [0],
+                "tensorShape": {"dim": [{"size": "1048576"}, {"size": "1024"}]}}}}},
+            {"name": "e/Assign", "op": "Assign", "input": ["e", "e/Initializer/zeros"]}
+        ]}))
+        .unwrap();
+        assert_eq!(
+            node(&big, "e").attrs["initializer"],
+            AttrValue::from("zeros")
+        );
+        // A value computed by ops the importer does not evaluate is an error naming the
+        // variable.
+        let e = import(json!({"node": [
+            variable("w", "VariableV2", &[3]),
+            f32_const("a", &[3], &[1.0, 2.0, 3.0]),
+            {"name": "w/Initializer/value", "op": "Exp", "input": ["a"]},
+            {"name": "w/Assign", "op": "Assign", "input": ["w", "w/Initializer/value"]}
+        ]}))
+        .unwrap_err()
+        .to_string();
         assert!(
-            e.contains("variable `w`") && e.contains("differing values"),
+            e.contains("variable `w`") && e.contains("does not recognise"),
             "{e}"
         );
+    }
+
+    /// TensorFlow's seeded random initializers are reproduced: a variable imported with one
+    /// starts from TensorFlow's values (references: TensorFlow 2.21,
+    /// `RandomStandardNormal(shape=[10], seed=87654321, seed2=7)`, then × 0.5 + 1).
+    #[test]
+    fn seeded_random_initializers_start_from_tensorflows_values() {
+        use crate::ops::testing::run_kernel_with;
+        let def = import(json!({"node": [
+            variable("w", "VarHandleOp", &[2, 5]),
+            {"name": "w/Initializer/random_normal/shape", "op": "Const", "attr": {"value":
+                {"tensor": {"dtype": "DT_INT32", "tensorShape": {"dim": [{"size": "2"}]},
+                            "intVal": [2, 5]}}}},
+            {"name": "w/Initializer/random_normal/RandomStandardNormal",
+             "op": "RandomStandardNormal", "input": ["w/Initializer/random_normal/shape"],
+             "attr": {"dtype": f32_type(), "seed": {"i": "87654321"}, "seed2": {"i": "7"}}},
+            f32_const("w/Initializer/random_normal/stddev", &[], &[0.5]),
+            f32_const("w/Initializer/random_normal/mean", &[], &[1.0]),
+            {"name": "w/Initializer/random_normal/mul", "op": "Mul", "input": [
+                "w/Initializer/random_normal/RandomStandardNormal",
+                "w/Initializer/random_normal/stddev"]},
+            {"name": "w/Initializer/random_normal", "op": "AddV2", "input": [
+                "w/Initializer/random_normal/mul", "w/Initializer/random_normal/mean"]},
+            {"name": "w/Assign", "op": "AssignVariableOp",
+             "input": ["w", "w/Initializer/random_normal"]}
+        ]}))
+        .unwrap();
+        let w = node(&def, "w");
+        let attrs: Vec<(&str, AttrValue)> = w
+            .attrs
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let cell = [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let t = run_kernel_with("Variable", "w", &attrs, &[], &[], &cell)
+            .unwrap()
+            .remove(0);
+        let tf = [
+            -0.046945683658123016f64,
+            -1.2039023637771606,
+            1.1668351888656616,
+            1.1706204414367676,
+            -0.3200702369213104,
+            -0.19035114347934723,
+            -1.4242879152297974,
+            0.9578679203987122,
+            -0.22877390682697296,
+            -0.6875477433204651,
+        ];
+        let got = t.to_f64_vec();
+        assert_eq!(t.dims(), [2, 5]);
+        for (g, v) in got.iter().zip(tf) {
+            assert!((g - (v * 0.5 + 1.0)).abs() < 1e-6, "{got:?}");
+        }
     }
 
     #[test]

@@ -88,7 +88,10 @@ pub fn standard_normal_f32(seed: u64, seed2: u64, n: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
         let b = gen.next_block();
-        for v in box_muller(b[0], b[1]).into_iter().chain(box_muller(b[2], b[3])) {
+        for v in box_muller(b[0], b[1])
+            .into_iter()
+            .chain(box_muller(b[2], b[3]))
+        {
             if out.len() < n {
                 out.push(v);
             }
@@ -161,7 +164,10 @@ mod tests {
     fn close(got: &[f32], want: &[f64]) {
         assert_eq!(got.len(), want.len());
         for (g, w) in got.iter().zip(want) {
-            assert!((f64::from(*g) - w).abs() < 1e-6, "{got:?}\nTensorFlow: {want:?}");
+            assert!(
+                (f64::from(*g) - w).abs() < 1e-6,
+                "{got:?}\nTensorFlow: {want:?}"
+            );
         }
     }
 

@@ -3,7 +3,7 @@
 //! inputs order them behind: the sharded-optimizer rewrite reads a variable after its update).
 
 use super::elementwise::stateless;
-use super::init::{initial_value_with_stddev, Initializer};
+use super::init::{initial_value_with_stddev, tf_random_value, Initializer};
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
@@ -82,6 +82,8 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("shard_offset", AttrType::Int, AttrDefault::Int(0)),
             attr_or("shard_name", AttrType::String, AttrDefault::Str("")),
             attr_or("initial_value", AttrType::Tensor, AttrDefault::Unset),
+            attr_or("seed2", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("init_scale", AttrType::Float, AttrDefault::Float(1.0)),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -247,7 +249,10 @@ fn check_initial_value<'a>(
             t.dtype(),
             t.dims()
         )),
-        Some(v) => Err(format!("attribute `initial_value` is {}, not tensor", v.ty())),
+        Some(v) => Err(format!(
+            "attribute `initial_value` is {}, not tensor",
+            v.ty()
+        )),
     }
 }
 
@@ -267,6 +272,9 @@ struct VariableKernel {
     shard: Option<(Vec<usize>, usize)>,
     /// The exact starting value (the whole variable's, for a shard), when given.
     initial_value: Option<Tensor>,
+    /// The `tf_*` initializers' second seed and scale.
+    seed2: i64,
+    init_scale: f64,
 }
 
 fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
@@ -306,7 +314,8 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         init.attrs.get("shard_offset"),
     )?;
     let whole = shard.as_ref().map_or(dims.as_slice(), |(whole, _)| whole);
-    let initial_value = check_initial_value(init.attrs.get("initial_value"), dtype, whole)?.cloned();
+    let initial_value =
+        check_initial_value(init.attrs.get("initial_value"), dtype, whole)?.cloned();
     // A shard draws its values under the whole variable's name (the random stream's key).
     let node = match init.attrs.get("shard_name") {
         Some(AttrValue::String(s)) if shard.is_some() && !s.is_empty() => s.to_string(),
@@ -322,6 +331,14 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         init_value,
         stddev,
         initial_value,
+        seed2: match init.attr("seed2")? {
+            AttrValue::Int(s) => *s,
+            v => return Err(format!("attribute `seed2` is {}, not int", v.ty())),
+        },
+        init_scale: match init.attr("init_scale")? {
+            AttrValue::Float(x) => *x,
+            v => return Err(format!("attribute `init_scale` is {}, not float", v.ty())),
+        },
     }))
 }
 
@@ -337,6 +354,14 @@ impl Kernel for VariableKernel {
             };
             let mut t = match &self.initial_value {
                 Some(t) => t.clone(),
+                None if self.initializer.is_tensorflow() => tf_random_value(
+                    self.initializer,
+                    self.dtype,
+                    dims,
+                    (self.seed, self.seed2),
+                    self.init_scale,
+                    self.init_value,
+                )?,
                 None => initial_value_with_stddev(
                     self.initializer,
                     self.dtype,
@@ -432,7 +457,10 @@ pub(crate) mod gradients {
                 ("dtype", AttrValue::DType(DType::F32)),
                 ("shape", AttrValue::Shape(Shape::known(&[2, 2]))),
                 ("initializer", AttrValue::String("normal".into())),
-                ("initial_value", AttrValue::Tensor(std::sync::Arc::new(v.clone()))),
+                (
+                    "initial_value",
+                    AttrValue::Tensor(std::sync::Arc::new(v.clone())),
+                ),
             ]
         };
         let cell = [std::sync::Arc::new(crate::kernel::VariableCell::default())];
