@@ -143,23 +143,12 @@ pub struct UnsupportedOp {
 
 struct UnsupportedList<'a>(&'a [UnsupportedOp]);
 
-/// What to do about shapes and reduction axes TensorFlow computes at run time (dflow takes
-/// them as static attributes).
-const STATIC_SHAPES_HINT: &str = "Where tf.gradients computed it (the Shape, \
-     BroadcastGradientArgs, Sum and Reshape of a broadcasting Add, Sub, Mul or Div's gradient), \
-     give the graph's placeholders fully static shapes (a fixed batch size) before building the \
-     gradients: TensorFlow then emits constant reduction axes and shapes, which dflow imports";
-
-/// What a user can do about an unsupported op, for the ops where there is something to say.
-fn unsupported_hint(op: &str) -> Option<String> {
-    match op {
-        "BroadcastGradientArgs" => Some(format!(
-            "BroadcastGradientArgs computes reduction axes at run time, which dflow does not \
-             support. {STATIC_SHAPES_HINT}"
-        )),
-        _ => None,
-    }
-}
+/// What to do about an operand TensorFlow computes at run time where dflow needs a constant
+/// (dflow computes `Sum` axes and `Reshape` shapes at run time, other ops' as attributes).
+const STATIC_SHAPES_HINT: &str = "dflow computes the axes of Sum and the shape of Reshape at \
+     run time, but this operand must be constant. If tf.gradients computed it from a run-time \
+     shape, give the graph's placeholders fully static shapes (a fixed batch size) before \
+     building the gradients: TensorFlow then emits constants, which dflow imports";
 
 impl fmt::Display for UnsupportedList<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -168,9 +157,6 @@ impl fmt::Display for UnsupportedList<'_> {
                 f.write_str(", ")?;
             }
             write!(f, "{} ({})", u.op, u.nodes.join(", "))?;
-        }
-        for hint in self.0.iter().filter_map(|u| unsupported_hint(&u.op)) {
-            write!(f, ". {hint}")?;
         }
         Ok(())
     }
@@ -352,6 +338,16 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
     }
 }
 
+/// Ops whose folded operand may instead be computed at run time: (TensorFlow op, operand, the
+/// dflow op that reads it as a tensor).
+fn runtime_operand_op(op: &str) -> Option<(usize, &'static str)> {
+    match op {
+        "Sum" => Some((1, "DynamicSum")),
+        "Reshape" => Some((1, "DynamicReshape")),
+        _ => None,
+    }
+}
+
 /// The dflow op for a TensorFlow op, when there is one.
 fn dflow_op(op: &str) -> Option<&'static str> {
     Some(match op {
@@ -407,6 +403,10 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "Prod" => "Prod",
         "ExpandDims" => "ExpandDims",
         "FloorMod" => "FloorMod",
+        // Run-time reduction axes of broadcasting gradients ([`crate::ops::tf_dynamic`]).
+        "BroadcastGradientArgs" => "BroadcastGradientArgs",
+        "Maximum" => "Maximum",
+        "FloorDiv" => "FloorDiv",
         _ => return None,
     })
 }
@@ -423,6 +423,9 @@ struct Importer<'r, 'a> {
     dropped: Vec<bool>,
     /// (consumer, input slot) edges folded into an attribute.
     folded: BTreeSet<(usize, usize)>,
+    /// Nodes whose foldable operand is computed at run time: they become the dflow op of
+    /// [`runtime_operand_op`].
+    runtime_operand: BTreeSet<usize>,
     /// Bytes of repeated-value constants this import may still expand.
     budget: Cell<usize>,
 }
@@ -450,6 +453,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             consumers,
             dropped: vec![false; nodes.len()],
             folded: BTreeSet::new(),
+            runtime_operand: BTreeSet::new(),
             budget: Cell::new(MAX_EXPANDED_CONST_BYTES),
         })
     }
@@ -770,6 +774,12 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err(format!("expected a constant operand at input {slot}")));
                 };
                 let src = self.producer(r);
+                if self.nodes[src].op != "Const"
+                    && runtime_operand_op(&n.op).is_some_and(|(s, _)| s == slot)
+                {
+                    self.runtime_operand.insert(n.index);
+                    continue;
+                }
                 if self.nodes[src].op != "Const" {
                     return Err(n.err(format!(
                         "operand `{r}` (a `{}`) must be a Const: dflow takes it as a static \
@@ -1042,6 +1052,18 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err(format!("dim must be one integer, found {axis:?}")));
                 };
                 a.insert("axis".into(), AttrValue::Int(axis));
+            }
+            _ if self.runtime_operand.contains(&n.index) => {
+                // Sum over axes / Reshape to a shape computed at run time.
+                if let Some((_, dynamic)) = runtime_operand_op(&n.op) {
+                    out.op = dynamic.to_string();
+                }
+                if let Some(v) = get("keep_dims") {
+                    a.insert(
+                        "keep_dims".into(),
+                        AttrValue::Bool(bool_attr(v).map_err(wrap("keep_dims"))?),
+                    );
+                }
             }
             "Sum" | "Mean" | "Max" | "Prod" => {
                 let axes = self.folded_ints(n, 1)?;
@@ -1892,19 +1914,13 @@ mod tests {
         let e = import(json!({"node": [
             placeholder("x", &[2]),
             {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
-            {"name": "b", "op": "BroadcastGradientArgs", "input": ["x", "x"]},
+            {"name": "b", "op": "StridedSlice", "input": ["x", "x"]},
             {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
         ]}))
         .unwrap_err();
-        let e = e.to_string();
-        assert!(
-            e.starts_with("unsupported TensorFlow ops: Conv2D (a, c), BroadcastGradientArgs (b). "),
-            "{e}"
-        );
-        // BroadcastGradientArgs says what to do; Conv2D has nothing to add.
-        assert!(
-            e.contains("fully static shapes (a fixed batch size)") && !e.contains("Conv2D is"),
-            "{e}"
+        assert_eq!(
+            e.to_string(),
+            "unsupported TensorFlow ops: Conv2D (a, c), StridedSlice (b)"
         );
         let e = import(json!({"node": [
             placeholder("x", &[2]),
@@ -1916,45 +1932,71 @@ mod tests {
 
     /// The gradient of a broadcasting `Add` as tf.gradients writes it when the batch size is
     /// not fixed: `Shape` of each operand, `BroadcastGradientArgs`, then `Sum` over the
-    /// run-time axes and `Reshape` to the run-time shape. Refused, naming the nodes and saying
-    /// how to export a graph that imports.
+    /// run-time axes and `Reshape` to the run-time shape. Imported as run-time ops, it gives the
+    /// reduced gradient for any fed batch size.
     #[test]
-    fn a_broadcast_gradient_with_run_time_shapes_is_refused_with_what_to_do() {
-        let graph = |with_args: bool| {
-            let mut nodes = vec![
-                placeholder("x", &[-1, 3]),
-                placeholder("g", &[-1, 3]),
-                json!({"name": "b", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
-                    "tensorShape": {"dim": [{"size": "3"}]}, "floatVal": [0.5]}}}}),
-                json!({"name": "grad/Shape", "op": "Shape", "input": ["x"]}),
-                json!({"name": "grad/Shape_1", "op": "Shape", "input": ["b"]}),
-            ];
-            if with_args {
-                nodes.push(
-                    json!({"name": "grad/BroadcastGradientArgs", "op": "BroadcastGradientArgs",
-                    "input": ["grad/Shape", "grad/Shape_1"]}),
-                );
-                nodes.push(json!({"name": "grad/Sum_1", "op": "Sum",
-                    "input": ["g", "grad/BroadcastGradientArgs:1"]}));
-            } else {
-                nodes
-                    .push(json!({"name": "grad/Sum_1", "op": "Sum", "input": ["g", "grad/Shape"]}));
-            }
-            nodes.push(json!({"name": "grad/Reshape_1", "op": "Reshape",
-                "input": ["grad/Sum_1", "grad/Shape_1"]}));
-            json!({ "node": nodes })
-        };
-        let e = import(graph(true)).unwrap_err().to_string();
-        assert!(
-            e.contains("BroadcastGradientArgs (grad/BroadcastGradientArgs)")
-                && e.contains("give the graph's placeholders fully static shapes"),
-            "{e}"
+    fn a_broadcast_gradient_with_run_time_shapes_runs_like_tensorflow() {
+        use crate::ops::testing::run_kernel;
+        let def = import(json!({"node": [
+            placeholder("x", &[-1, 3]),
+            placeholder("g", &[-1, 3]),
+            {"name": "b", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+                "tensorShape": {"dim": [{"size": "3"}]}, "floatVal": [0.5]}}}},
+            {"name": "grad/Shape", "op": "Shape", "input": ["x"]},
+            {"name": "grad/Shape_1", "op": "Shape", "input": ["b"]},
+            {"name": "grad/BroadcastGradientArgs", "op": "BroadcastGradientArgs",
+             "input": ["grad/Shape", "grad/Shape_1"]},
+            {"name": "grad/Sum_1", "op": "Sum", "input": ["g", "grad/BroadcastGradientArgs:1"],
+             "attr": {"keep_dims": {"b": false}}},
+            {"name": "grad/Reshape_1", "op": "Reshape", "input": ["grad/Sum_1", "grad/Shape_1"]}
+        ]}))
+        .unwrap();
+        let ops: Vec<_> = def.nodes.iter().map(|n| n.op.as_str()).collect();
+        assert_eq!(
+            ops,
+            [
+                "Placeholder",
+                "Placeholder",
+                "Const",
+                "Shape",
+                "Shape",
+                "BroadcastGradientArgs",
+                "DynamicSum",
+                "DynamicReshape"
+            ]
         );
-        // Without BroadcastGradientArgs, the first reduction whose axes are computed at run
-        // time is named, with its operand and the same advice.
-        let e = import(graph(false)).unwrap_err();
+        assert_eq!(
+            node(&def, "grad/Sum_1").inputs,
+            ["g", "grad/BroadcastGradientArgs:1"]
+        );
+        let g = Graph::from_def(&def).unwrap();
+        let out = |n: &str| g.node(g.find(n).unwrap()).outputs[0].to_string();
+        assert_eq!(out("grad/Reshape_1"), "f32[?]");
+        // The chain's kernels, on a batch of 2: the gradient of b sums over the batch.
+        let shape = |dims: &[i32]| Tensor::from_slice(&[dims.len()], dims).unwrap();
+        let r = run_kernel("BroadcastGradientArgs", &[], &[shape(&[2, 3]), shape(&[3])]).unwrap();
+        let gv = Tensor::from_slice(&[2, 3], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let s = run_kernel("DynamicSum", &[], &[gv, r[1].clone()])
+            .unwrap()
+            .remove(0);
+        let db = run_kernel("DynamicReshape", &[], &[s, shape(&[3])])
+            .unwrap()
+            .remove(0);
+        assert_eq!(db.as_slice::<f32>().unwrap(), [5.0, 7.0, 9.0]);
+    }
+
+    /// An operand dflow needs as a constant (a reduction other than Sum, a Fill's dims), computed
+    /// at run time: the node and its operand are named, with what to do.
+    #[test]
+    fn a_run_time_operand_where_a_constant_is_needed_is_refused_with_what_to_do() {
+        let e = import(json!({"node": [
+            placeholder("x", &[-1, 3]),
+            {"name": "grad/Shape", "op": "Shape", "input": ["x"]},
+            {"name": "grad/Mean", "op": "Mean", "input": ["x", "grad/Shape"]}
+        ]}))
+        .unwrap_err();
         assert!(
-            matches!(&e, TfImportError::Node { node, .. } if node == "grad/Sum_1"),
+            matches!(&e, TfImportError::Node { node, .. } if node == "grad/Mean"),
             "{e}"
         );
         let e = e.to_string();

@@ -28,6 +28,8 @@ pub mod sparse_train;
 pub mod state;
 pub mod testing;
 pub mod tf_compat;
+pub mod tf_dynamic;
+pub mod tf_math;
 pub mod train;
 pub mod transfer;
 pub mod transformer;
@@ -447,6 +449,12 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("MoeCombineGrad", "a gradient op"),
     ("MoeAuxLossGrad", "a gradient op"),
     ("ReshapeLike", "a gradient op"),
+    ("DynamicSumGrad", "a gradient op"),
+    ("MaximumGrad", "a gradient op"),
+    (
+        "FloorDiv",
+        "piecewise constant: TensorFlow's gradient is None for both inputs",
+    ),
     ("BroadcastLike", "a gradient op"),
     (
         "CollectiveAllReduce",
@@ -549,6 +557,8 @@ pub fn registry() -> &'static OpRegistry {
         grad::register(&mut r);
         train::register(&mut r);
         tf_compat::register(&mut r);
+        tf_dynamic::register(&mut r);
+        tf_math::register(&mut r);
         collective::register(&mut r);
         shape::register(&mut r);
         embedding::register(&mut r);
@@ -569,6 +579,8 @@ pub fn registry() -> &'static OpRegistry {
         moe::gradients::register_gradients(&mut r);
         collective::gradients::register_gradients(&mut r);
         sparse_embedding::gradients::register_gradients(&mut r);
+        tf_dynamic::gradients::register_gradients(&mut r);
+        tf_math::gradients::register_gradients(&mut r);
         let problems = r.check_gradients(NO_GRADIENT);
         // The registry is built from this crate's code only: a problem here is a bug in it,
         // reported by the first test that touches an op.
