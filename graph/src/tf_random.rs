@@ -82,53 +82,44 @@ fn box_muller(x0: u32, x1: u32) -> [f32; 2] {
     [v1.sin() * u2, v1.cos() * u2]
 }
 
-/// The values of a float32 `RandomStandardNormal` with attributes `seed`, `seed2`.
-pub fn standard_normal_f32(seed: u64, seed2: u64, n: usize) -> Vec<f32> {
+/// Fills `out` with the values of a float32 `RandomStandardNormal` with attributes `seed`,
+/// `seed2`.
+pub fn fill_standard_normal_f32(seed: u64, seed2: u64, out: &mut [f32]) {
     let mut gen = Philox::new(seed, seed2);
-    let mut out = Vec::with_capacity(n);
-    while out.len() < n {
+    for group in out.chunks_mut(4) {
         let b = gen.next_block();
-        for v in box_muller(b[0], b[1])
+        let values = box_muller(b[0], b[1])
             .into_iter()
-            .chain(box_muller(b[2], b[3]))
-        {
-            if out.len() < n {
-                out.push(v);
-            }
+            .chain(box_muller(b[2], b[3]));
+        for (o, v) in group.iter_mut().zip(values) {
+            *o = v;
         }
     }
-    out
 }
 
-/// The values of a float32 `RandomUniform` (in [0, 1)) with attributes `seed`, `seed2`.
-pub fn uniform_f32(seed: u64, seed2: u64, n: usize) -> Vec<f32> {
+/// Fills `out` with the values of a float32 `RandomUniform` (in [0, 1)) with attributes
+/// `seed`, `seed2`.
+pub fn fill_uniform_f32(seed: u64, seed2: u64, out: &mut [f32]) {
     let mut gen = Philox::new(seed, seed2);
-    let mut out = Vec::with_capacity(n);
-    while out.len() < n {
-        for x in gen.next_block() {
-            if out.len() < n {
-                out.push(uint32_to_float(x));
-            }
+    for group in out.chunks_mut(4) {
+        for (o, x) in group.iter_mut().zip(gen.next_block()) {
+            *o = uint32_to_float(x);
         }
     }
-    out
 }
 
 /// Blocks TensorFlow reserves for each group of 4 truncated-normal values.
 const TRUNCATED_BLOCKS_PER_GROUP: u64 = 256;
 
-/// The values of a float32 `TruncatedNormal` (standard normal values with |v| < 2; others
-/// redrawn) with attributes `seed`, `seed2`. `None` if a group would need more than the
-/// blocks TensorFlow reserves for it (TensorFlow then reads into the next group's; the chance
-/// is below 10^-300).
-pub fn truncated_normal_f32(seed: u64, seed2: u64, n: usize) -> Option<Vec<f32>> {
+/// Fills `out` with the values of a float32 `TruncatedNormal` (standard normal values with
+/// |v| < 2; others redrawn) with attributes `seed`, `seed2`. `None` if a group would need more
+/// than the blocks TensorFlow reserves for it (TensorFlow then reads into the next group's; the
+/// chance is below 10^-300).
+pub fn fill_truncated_normal_f32(seed: u64, seed2: u64, out: &mut [f32]) -> Option<()> {
     let base = Philox::new(seed, seed2);
-    let mut out = Vec::with_capacity(n);
-    let mut group = 0u64;
-    while out.len() < n {
+    for (group, values) in out.chunks_mut(4).enumerate() {
         let mut gen = base.clone();
-        gen.skip(group * TRUNCATED_BLOCKS_PER_GROUP);
-        let want = (n - out.len()).min(4);
+        gen.skip(group as u64 * TRUNCATED_BLOCKS_PER_GROUP);
         let mut got = 0;
         // One sample pair takes half a block; the group may use its reserved blocks.
         let mut pending: Vec<u32> = Vec::with_capacity(4);
@@ -145,21 +136,38 @@ pub fn truncated_normal_f32(seed: u64, seed2: u64, n: usize) -> Option<Vec<f32>>
             let (x0, x1) = (pending.pop()?, pending.pop()?);
             for v in box_muller(x0, x1) {
                 if v.abs() < 2.0 && got < 4 {
-                    if got < want {
-                        out.push(v);
+                    if let Some(o) = values.get_mut(got) {
+                        *o = v;
                     }
                     got += 1;
                 }
             }
         }
-        group += 1;
     }
-    Some(out)
+    Some(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn standard_normal_f32(seed: u64, seed2: u64, n: usize) -> Vec<f32> {
+        let mut v = vec![0.0; n];
+        fill_standard_normal_f32(seed, seed2, &mut v);
+        v
+    }
+
+    fn uniform_f32(seed: u64, seed2: u64, n: usize) -> Vec<f32> {
+        let mut v = vec![0.0; n];
+        fill_uniform_f32(seed, seed2, &mut v);
+        v
+    }
+
+    fn truncated_normal_f32(seed: u64, seed2: u64, n: usize) -> Option<Vec<f32>> {
+        let mut v = vec![0.0; n];
+        fill_truncated_normal_f32(seed, seed2, &mut v)?;
+        Some(v)
+    }
 
     fn close(got: &[f32], want: &[f64]) {
         assert_eq!(got.len(), want.len());

@@ -284,21 +284,29 @@ pub fn tf_random_value(
             "initializer `{init}` reproduces TensorFlow's float32 draws, but the variable is {dtype}"
         ));
     }
-    let n: usize = dims.iter().product();
+    use crate::tf_random::{fill_standard_normal_f32, fill_truncated_normal_f32, fill_uniform_f32};
     let (seed, seed2) = (seed as u64, seed2 as u64);
-    let draw = match init {
-        Initializer::TfRandomNormal => crate::tf_random::standard_normal_f32(seed, seed2, n),
-        Initializer::TfRandomUniform => crate::tf_random::uniform_f32(seed, seed2, n),
-        Initializer::TfTruncatedNormal => crate::tf_random::truncated_normal_f32(seed, seed2, n)
-            .ok_or("TensorFlow's truncated normal ran out of its reserved samples")?,
-        other => return Err(format!("initializer `{other}` is not a TensorFlow draw")),
-    };
-    let (scale, offset) = (scale as f32, offset as f32);
-    new_tensor(dims, |o: &mut [f32]| {
-        for (o, &v) in o.iter_mut().zip(&draw) {
-            *o = v * scale + offset;
+    let mut drawn = Ok(());
+    // The tensor first (its size checked), then TensorFlow's draw into it.
+    let t = new_tensor(dims, |o: &mut [f32]| {
+        match init {
+            Initializer::TfRandomNormal => fill_standard_normal_f32(seed, seed2, o),
+            Initializer::TfRandomUniform => fill_uniform_f32(seed, seed2, o),
+            Initializer::TfTruncatedNormal => {
+                if fill_truncated_normal_f32(seed, seed2, o).is_none() {
+                    drawn = Err(
+                        "TensorFlow's truncated normal ran out of its reserved samples".to_string(),
+                    );
+                }
+            }
+            other => drawn = Err(format!("initializer `{other}` is not a TensorFlow draw")),
         }
-    })
+        let (scale, offset) = (scale as f32, offset as f32);
+        for v in o.iter_mut() {
+            *v = *v * scale + offset;
+        }
+    })?;
+    drawn.map(|()| t)
 }
 
 /// A tensor with every element `value` (cast like `Cast`: truncated for ints, `value != 0` for bool).
