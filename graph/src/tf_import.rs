@@ -66,11 +66,16 @@
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
 //!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
-//!   `GatherV2`, `ExpandDims`) are imported ([`crate::ops::tf_compat`]); the
-//!   `BroadcastGradientArgs` of a broadcasting `Add`/`Mul` gradient, and reductions or reshapes
-//!   whose axes or shape are computed at run time, are refused with the node named and what to
-//!   do: fix the batch size (fully static placeholder shapes) before TensorFlow builds the
-//!   gradients, and it emits constant axes and shapes instead.
+//!   `GatherV2`, `ExpandDims`) are imported ([`crate::ops::tf_compat`]), and so is the chain
+//!   it emits for a broadcasting `Add`/`Sub`/`Mul`/`Div` when shapes are not static
+//!   ([`crate::ops::tf_dynamic`]): `BroadcastGradientArgs` keeps its name, a `Sum` whose axes
+//!   are computed becomes `DynamicSum`, a `Reshape` to `Shape(y)` becomes `ReshapeLike(t, y)`
+//!   (y's static shape, when it has one, stays known: tensors between tasks need one) and any
+//!   other `Reshape` to a computed shape `DynamicReshape`. `Maximum` and `FloorDiv` (TF 1.x's
+//!   `_safe_shape_div`) keep their names ([`crate::ops::tf_math`]). Other ops whose folded
+//!   operand is computed at run time (`Mean`, `Max`, `Prod`, `Fill`, ...) are refused with the
+//!   node named and what to do: fix the batch size (fully static placeholder shapes) before
+//!   TensorFlow builds the gradients, and it emits constants instead.
 //!
 //! Protobuf JSON quirks handled: int64 values as JSON strings, `bytes` fields (string attrs,
 //! `_class`) in base64, omitted default values (`{}` is a dimension of size 0, a missing `b` is
@@ -731,6 +736,23 @@ impl<'r, 'a> Importer<'r, 'a> {
         })
     }
 
+    /// For a `Reshape` whose shape operand is output 0 of a `Shape` node: that node's input.
+    fn shape_source(&self, n: &RawNode<'_>) -> Option<&InputRef> {
+        if n.op != "Reshape" {
+            return None;
+        }
+        let r @ InputRef::Data { index: 0, .. } = n.inputs.get(1)? else {
+            return None;
+        };
+        let s = &self.nodes[self.producer(r)];
+        if s.op != "Shape" || self.dropped[s.index] {
+            return None;
+        }
+        s.inputs
+            .first()
+            .filter(|y| matches!(y, InputRef::Data { .. }))
+    }
+
     /// The float32 value of a scalar computed from constants (`Const`; `Add`, `AddV2`, `Sub`,
     /// `Mul`, `RealDiv`, `Neg` of such), in float32 as TensorFlow computes it.
     fn scalar_f32(&self, i: usize, depth: usize) -> Option<f32> {
@@ -1057,6 +1079,14 @@ impl<'r, 'a> Importer<'r, 'a> {
                 // Sum over axes / Reshape to a shape computed at run time.
                 if let Some((_, dynamic)) = runtime_operand_op(&n.op) {
                     out.op = dynamic.to_string();
+                }
+                // `Reshape(t, Shape(y))` (how tf.gradients reshapes a gradient back to its
+                // operand) reshapes to y's run-time shape: dflow's ReshapeLike(t, y), whose
+                // type is y's, so a gradient of a static operand stays static (a tensor
+                // between tasks needs a static shape).
+                if let Some(y) = self.shape_source(n) {
+                    out.op = "ReshapeLike".into();
+                    out.inputs[1] = y.to_string();
                 }
                 if let Some(v) = get("keep_dims") {
                     a.insert(
@@ -1962,7 +1992,7 @@ mod tests {
                 "Shape",
                 "BroadcastGradientArgs",
                 "DynamicSum",
-                "DynamicReshape"
+                "ReshapeLike"
             ]
         );
         assert_eq!(
@@ -1971,7 +2001,9 @@ mod tests {
         );
         let g = Graph::from_def(&def).unwrap();
         let out = |n: &str| g.node(g.find(n).unwrap()).outputs[0].to_string();
-        assert_eq!(out("grad/Reshape_1"), "f32[?]");
+        // Reshape(t, Shape(b)) is ReshapeLike(t, b): b's static shape is kept.
+        assert_eq!(node(&def, "grad/Reshape_1").inputs, ["grad/Sum_1", "b"]);
+        assert_eq!(out("grad/Reshape_1"), "f32[3]");
         // The chain's kernels, on a batch of 2: the gradient of b sums over the batch.
         let shape = |dims: &[i32]| Tensor::from_slice(&[dims.len()], dims).unwrap();
         let r = run_kernel("BroadcastGradientArgs", &[], &[shape(&[2, 3]), shape(&[3])]).unwrap();
