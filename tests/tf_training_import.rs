@@ -162,17 +162,31 @@ fn broadcasting_ops_with_an_unknown_batch_step_like_tensorflow() {
 /// MLPs with an unknown batch size (`x @ w + b`, per-example loss weights, a mean over
 /// max(batch, 1)): BroadcastGradientArgs and Maximum at run time, weights initialized by
 /// seeded `random_normal` and biases by constant lists, on resource and reference variables
-/// with GradientDescent, Momentum and Adam. Initial values, loss and variables after the step
-/// equal TensorFlow's.
+/// with GradientDescent, Momentum and Adam; and with penalties reduced over some axes
+/// (`dyn_reductions`: TensorFlow 2's BroadcastTo, DynamicStitch and Range). Initial values,
+/// loss and variables after the step equal TensorFlow's.
 #[test]
 fn dynamic_batch_mlps_step_like_tensorflow() {
-    for variant in ["dyn_resource_sgd", "dyn_ref_momentum", "dyn_resource_adam"] {
+    for variant in [
+        "dyn_resource_sgd",
+        "dyn_ref_momentum",
+        "dyn_resource_adam",
+        "dyn_reductions",
+    ] {
         let (_, tf) = fixture(variant);
         let ops = tf["ops"].as_array().unwrap();
         for needed in ["BroadcastGradientArgs", "Maximum", "RandomStandardNormal"] {
             assert!(ops.iter().any(|o| o == needed), "{variant}: no {needed}");
         }
         one_step_like_tensorflow(variant);
+    }
+    let (_, tf) = fixture("dyn_reductions");
+    let ops = tf["ops"].as_array().unwrap();
+    for needed in ["BroadcastTo", "DynamicStitch", "Range"] {
+        assert!(
+            ops.iter().any(|o| o == needed),
+            "dyn_reductions: no {needed}"
+        );
     }
 }
 

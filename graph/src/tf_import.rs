@@ -71,8 +71,11 @@
 //!   ([`crate::ops::tf_dynamic`]): `BroadcastGradientArgs` keeps its name, a `Sum` whose axes
 //!   are computed becomes `DynamicSum`, a `Reshape` to `Shape(y)` becomes `ReshapeLike(t, y)`
 //!   (y's static shape, when it has one, stays known: tensors between tasks need one) and any
-//!   other `Reshape` to a computed shape `DynamicReshape`. `Maximum` and `FloorDiv` (TF 1.x's
-//!   `_safe_shape_div`) keep their names ([`crate::ops::tf_math`]). Other ops whose folded
+//!   other `Reshape` to a computed shape `DynamicReshape`. For a reduction over some axes of a
+//!   tensor whose shape is not static, TensorFlow 2 emits `BroadcastTo` and `DynamicStitch`
+//!   (kept) and a `Range` of constants (computed at import into a `Const`, so it folds like
+//!   one). `Maximum` and `FloorDiv` (TF 1.x's `_safe_shape_div`) keep their names
+//!   ([`crate::ops::tf_math`]). Other ops whose folded
 //!   operand is computed at run time (`Mean`, `Max`, `Prod`, `Fill`, ...) are refused with the
 //!   node named and what to do: fix the batch size (fully static placeholder shapes) before
 //!   TensorFlow builds the gradients, and it emits constants instead.
@@ -410,6 +413,8 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "FloorMod" => "FloorMod",
         // Run-time reduction axes of broadcasting gradients ([`crate::ops::tf_dynamic`]).
         "BroadcastGradientArgs" => "BroadcastGradientArgs",
+        "BroadcastTo" => "BroadcastTo",
+        "DynamicStitch" => "DynamicStitch",
         "Maximum" => "Maximum",
         "FloorDiv" => "FloorDiv",
         _ => return None,
@@ -431,6 +436,9 @@ struct Importer<'r, 'a> {
     /// Nodes whose foldable operand is computed at run time: they become the dflow op of
     /// [`runtime_operand_op`].
     runtime_operand: BTreeSet<usize>,
+    /// Nodes computed from constants at import (a `Range` of constant scalars): they become
+    /// `Const`s and can be folded like one.
+    computed: HashMap<usize, Tensor>,
     /// Bytes of repeated-value constants this import may still expand.
     budget: Cell<usize>,
 }
@@ -459,6 +467,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             dropped: vec![false; nodes.len()],
             folded: BTreeSet::new(),
             runtime_operand: BTreeSet::new(),
+            computed: HashMap::new(),
             budget: Cell::new(MAX_EXPANDED_CONST_BYTES),
         })
     }
@@ -470,6 +479,7 @@ impl<'r, 'a> Importer<'r, 'a> {
 
     fn run(mut self) -> Result<GraphDef, TfImportError> {
         self.drop_initializers();
+        self.compute_constant_ranges();
         self.check_supported()?;
         let initializers = self.initializer_kinds();
         self.fold_constant_operands()?;
@@ -553,10 +563,51 @@ impl<'r, 'a> Importer<'r, 'a> {
         true
     }
 
+    /// Evaluates every `Range` whose start, limit and delta are constant int scalars (the axes
+    /// TensorFlow 2's reduction gradients build: `range(rank)`), so it is folded like a `Const`.
+    fn compute_constant_ranges(&mut self) {
+        for n in self.nodes {
+            if n.op != "Range" || self.dropped[n.index] || n.inputs.len() < 3 {
+                continue;
+            }
+            let scalar = |r: &InputRef| -> Option<(DType, i64)> {
+                let src = &self.nodes[self.producer(r)];
+                if !matches!(r, InputRef::Data { index: 0, .. }) || src.op != "Const" {
+                    return None;
+                }
+                let t = tensor_attr(src.attrs.get("value")?, &side_budget()).ok()?;
+                let v = match t.dtype() {
+                    DType::I32 => i64::from(*t.as_slice::<i32>().ok()?.first()?),
+                    DType::I64 => *t.as_slice::<i64>().ok()?.first()?,
+                    _ => return None,
+                };
+                (t.num_elements() == 1).then_some((t.dtype(), v))
+            };
+            let vals: Option<Vec<(DType, i64)>> = n.inputs[..3].iter().map(scalar).collect();
+            let Some([(dtype, start), (d1, limit), (d2, delta)]) =
+                vals.as_deref().map(|v| [v[0], v[1], v[2]])
+            else {
+                continue;
+            };
+            if d1 != dtype || d2 != dtype {
+                continue;
+            }
+            if let Some(t) = constant_range(dtype, start, limit, delta) {
+                self.computed.insert(n.index, t);
+                for slot in 0..3 {
+                    self.folded.insert((n.index, slot));
+                }
+            }
+        }
+    }
+
     fn check_supported(&self) -> Result<(), TfImportError> {
         let mut unsupported: Vec<UnsupportedOp> = Vec::new();
         for n in self.nodes {
-            if self.dropped[n.index] || dflow_op(&n.op).is_some() {
+            if self.dropped[n.index]
+                || dflow_op(&n.op).is_some()
+                || self.computed.contains_key(&n.index)
+            {
                 continue;
             }
             match unsupported.iter_mut().find(|u| u.op == n.op) {
@@ -796,13 +847,12 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err(format!("expected a constant operand at input {slot}")));
                 };
                 let src = self.producer(r);
-                if self.nodes[src].op != "Const"
-                    && runtime_operand_op(&n.op).is_some_and(|(s, _)| s == slot)
-                {
+                let constant = self.nodes[src].op == "Const" || self.computed.contains_key(&src);
+                if !constant && runtime_operand_op(&n.op).is_some_and(|(s, _)| s == slot) {
                     self.runtime_operand.insert(n.index);
                     continue;
                 }
-                if self.nodes[src].op != "Const" {
+                if !constant {
                     return Err(n.err(format!(
                         "operand `{r}` (a `{}`) must be a Const: dflow takes it as a static \
                          attribute and does not compute it at run time. {STATIC_SHAPES_HINT}",
@@ -813,7 +863,8 @@ impl<'r, 'a> Importer<'r, 'a> {
             }
         }
         for n in self.nodes {
-            if n.op != "Const" || self.dropped[n.index] {
+            let constant = n.op == "Const" || self.computed.contains_key(&n.index);
+            if !constant || self.dropped[n.index] {
                 continue;
             }
             let readers = &self.consumers[n.index];
@@ -837,12 +888,17 @@ impl<'r, 'a> Importer<'r, 'a> {
             .get(slot)
             .map(|r| &self.nodes[self.producer(r)])
             .ok_or_else(|| n.err(format!("missing input {slot}")))?;
-        let value = src
-            .attrs
-            .get("value")
-            .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
-        let t = tensor_attr(value, &side_budget())
-            .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        let t = match self.computed.get(&src.index) {
+            Some(t) => t.clone(),
+            None => {
+                let value = src
+                    .attrs
+                    .get("value")
+                    .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
+                tensor_attr(value, &side_budget())
+                    .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?
+            }
+        };
         let ints = match t.dtype() {
             DType::I32 => t
                 .as_slice::<i32>()
@@ -886,7 +942,11 @@ impl<'r, 'a> Importer<'r, 'a> {
         n: &RawNode<'_>,
         initializers: &HashMap<usize, InitValue>,
     ) -> Result<NodeDef, TfImportError> {
-        let op = dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?;
+        let op = if self.computed.contains_key(&n.index) {
+            "Const"
+        } else {
+            dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?
+        };
         let mut out = NodeDef {
             name: n.name.clone(),
             op: op.to_string(),
@@ -927,6 +987,11 @@ impl<'r, 'a> Importer<'r, 'a> {
         let get = |name: &str| n.attrs.get(name);
         let wrap = |name: &'static str| move |m: String| n.err(format!("attr `{name}`: {m}"));
         match n.op.as_str() {
+            "Range" => {
+                if let Some(t) = self.computed.get(&n.index) {
+                    a.insert("value".into(), AttrValue::Tensor(t.clone().into()));
+                }
+            }
             "Const" => {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
@@ -1233,6 +1298,32 @@ fn uniform_value(t: &Value) -> Option<f64> {
         .iter()
         .all(|v| v.to_bits() == first.to_bits())
         .then_some(first)
+}
+
+/// The most elements a `Range` computed at import may have.
+const MAX_CONSTANT_RANGE: i64 = 1 << 16;
+
+/// TensorFlow's `Range(start, limit, delta)` for ints: `start, start + delta, ...` up to
+/// (excluding) `limit`; `None` for a zero delta, an empty-direction mismatch TensorFlow rejects,
+/// or more than [`MAX_CONSTANT_RANGE`] elements (left to the unsupported-op report).
+fn constant_range(dtype: DType, start: i64, limit: i64, delta: i64) -> Option<Tensor> {
+    if delta == 0 || (delta > 0 && start > limit) || (delta < 0 && start < limit) {
+        return None;
+    }
+    let span = limit.checked_sub(start)?;
+    let n = (span.checked_add(delta.checked_sub(delta.signum())?)?).checked_div(delta)?;
+    if !(0..=MAX_CONSTANT_RANGE).contains(&n) {
+        return None;
+    }
+    let values: Vec<i64> = (0..n).map(|i| start + i * delta).collect();
+    let len = values.len();
+    match dtype {
+        DType::I32 => {
+            let v: Option<Vec<i32>> = values.iter().map(|&x| i32::try_from(x).ok()).collect();
+            Tensor::from_slice(&[len], &v?).ok()
+        }
+        _ => Tensor::from_slice(&[len], &values).ok(),
+    }
 }
 
 /// 32-bit FNV-1a of a name (seeds for unseeded TensorFlow random initializers).
@@ -2015,6 +2106,55 @@ mod tests {
             .unwrap()
             .remove(0);
         assert_eq!(db.as_slice::<f32>().unwrap(), [5.0, 7.0, 9.0]);
+    }
+
+    /// A `Range` of constant scalars (TensorFlow 2's `range(rank)` in reduction gradients) is
+    /// computed at import: a `Const`, foldable into a `Prod`'s axes.
+    #[test]
+    fn constant_ranges_are_computed_at_import() {
+        let scalar = |name: &str, v: i32| {
+            json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_INT32",
+                "tensorShape": {}, "intVal": [v]}}}})
+        };
+        let def = import(json!({"node": [
+            placeholder("x", &[-1, 3]),
+            scalar("start", 0), scalar("limit", 2), scalar("delta", 1),
+            {"name": "range", "op": "Range", "input": ["start", "limit", "delta"]},
+            {"name": "p", "op": "Prod", "input": ["x", "range"]},
+            scalar("down", -2),
+            {"name": "back", "op": "Range", "input": ["limit", "start", "down"]},
+            {"name": "use_back", "op": "Identity", "input": ["back"]}
+        ]}))
+        .unwrap();
+        assert_eq!(
+            node(&def, "p").attrs["axes"],
+            AttrValue::IntList(vec![0, 1])
+        );
+        let back = node(&def, "back");
+        assert_eq!((back.op.as_str(), back.inputs.len()), ("Const", 0));
+        match &back.attrs["value"] {
+            AttrValue::Tensor(t) => assert_eq!(t.as_slice::<i32>().unwrap(), [2]),
+            other => panic!("{other:?}"),
+        }
+        assert!(def
+            .nodes
+            .iter()
+            .all(|n| n.name != "range" && n.name != "delta"));
+        Graph::from_def(&def).unwrap();
+        assert_eq!(
+            constant_range(DType::I64, 5, 0, -2).unwrap().to_f64_vec(),
+            [5.0, 3.0, 1.0]
+        );
+        assert!(constant_range(DType::I64, 0, 5, 0).is_none());
+        assert!(constant_range(DType::I64, 0, 1 << 40, 1).is_none());
+        // A Range of run-time values is reported as unsupported.
+        let e = import(json!({"node": [
+            {"name": "n", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"}}},
+            scalar("start", 0), scalar("delta", 1),
+            {"name": "r", "op": "Range", "input": ["start", "n", "delta"]}
+        ]}))
+        .unwrap_err();
+        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Range (r)");
     }
 
     /// An operand dflow needs as a constant (a reduction other than Sum, a Fill's dims), computed

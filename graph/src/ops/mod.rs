@@ -450,6 +450,10 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("MoeAuxLossGrad", "a gradient op"),
     ("ReshapeLike", "a gradient op"),
     ("DynamicSumGrad", "a gradient op"),
+    (
+        "DynamicStitch",
+        "not yet (TensorFlow's gradients use it on shapes, not on values)",
+    ),
     ("MaximumGrad", "a gradient op"),
     (
         "FloorDiv",

@@ -20,11 +20,13 @@ use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
 /// The ops this module registers.
-pub const OPS: [&str; 4] = [
+pub const OPS: [&str; 6] = [
     "BroadcastGradientArgs",
     "DynamicSum",
     "DynamicSumGrad",
     "DynamicReshape",
+    "BroadcastTo",
+    "DynamicStitch",
 ];
 
 pub(crate) fn register(r: &mut OpRegistry) {
@@ -32,6 +34,8 @@ pub(crate) fn register(r: &mut OpRegistry) {
     r.add(dynamic_sum());
     r.add(dynamic_sum_grad());
     r.add(dynamic_reshape());
+    r.add(broadcast_to_op());
+    r.add(dynamic_stitch());
 }
 
 /// The values of an int32/int64 tensor of rank ≤ 1.
@@ -317,6 +321,152 @@ fn dynamic_reshape_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     ctx.set_output(0, x.reshaped(&dims).map_err(|e| e.to_string())?)
 }
 
+// ---------------------------------------------------------------------------------------------
+// BroadcastTo
+// ---------------------------------------------------------------------------------------------
+
+fn broadcast_to_op() -> OpDef {
+    OpDef::new(
+        "BroadcastTo",
+        "output = input broadcast (NumPy rules) to the dims held in the tensor `shape` \
+         (TensorFlow's BroadcastTo, which TensorFlow 2's gradients of reductions emit). In: \
+         input (any dtype), shape (int32 or int64 vector). Out: output, input's dtype, rank the \
+         length of `shape`.",
+        |ctx| {
+            let (x, shape) = (ctx.input(0)?, ctx.input(1)?);
+            require_int_vector("BroadcastTo", "shape", shape)?;
+            let rank = match shape.shape.dims() {
+                Some([n]) => *n,
+                Some([]) => Some(0),
+                _ => None,
+            };
+            let out = rank.map_or_else(Shape::unknown, |r| Shape::partial(vec![None; r]));
+            Ok(vec![TensorType::new(x.dtype, out)])
+        },
+    )
+    .inputs([arg("input"), arg("shape")])
+    .outputs([arg("output")])
+    .kernel("CPU", |_| stateless(broadcast_to_kernel))
+}
+
+fn broadcast_to_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?;
+    let target = int_vector(ctx.input(1)?, "BroadcastTo: shape")?;
+    let dims = super::tf_compat::checked_dims(&target, x.dtype(), "BroadcastTo")?;
+    let y = broadcast_to(x, &dims).map_err(|e| format!("BroadcastTo: {e}"))?;
+    ctx.set_output(0, y)
+}
+
+// ---------------------------------------------------------------------------------------------
+// DynamicStitch
+// ---------------------------------------------------------------------------------------------
+
+fn dynamic_stitch() -> OpDef {
+    OpDef::new(
+        "DynamicStitch",
+        "merged[indices[m][i]] = data[m][i] (TensorFlow's DynamicStitch; later m win; merged has \
+         max index + 1 rows, each of data's trailing shape). In: indices_and_data: N int32 \
+         index tensors then N data tensors of one dtype (2N inputs, data[m]'s shape \
+         indices[m]'s shape + a common trailing shape). Out: merged.",
+        |ctx| {
+            let n = ctx.inputs.len();
+            if n < 2 || n % 2 != 0 {
+                return Err(format!(
+                    "DynamicStitch: needs N index tensors then N data tensors, got {n} inputs"
+                ));
+            }
+            let (indices, data) = ctx.inputs.split_at(n / 2);
+            for (i, t) in indices.iter().enumerate() {
+                if !matches!(t.dtype, DType::I32 | DType::I64) {
+                    return Err(format!(
+                        "DynamicStitch: indices[{i}] must be int32, found {t}"
+                    ));
+                }
+            }
+            if let Some(t) = data.iter().find(|t| t.dtype != data[0].dtype) {
+                return Err(format!(
+                    "DynamicStitch: data tensors must share one dtype, found {} and {t}",
+                    data[0]
+                ));
+            }
+            // merged: [?] + the trailing dims of data[0] past its indices' rank.
+            let shape = match (indices[0].shape.rank(), data[0].shape.dims()) {
+                (Some(r), Some(d)) if d.len() >= r => {
+                    let mut dims = vec![None];
+                    dims.extend_from_slice(&d[r..]);
+                    Shape::partial(dims)
+                }
+                _ => Shape::unknown(),
+            };
+            Ok(vec![TensorType::new(data[0].dtype, shape)])
+        },
+    )
+    .inputs([variadic("indices_and_data")])
+    .outputs([arg("merged")])
+    .kernel("CPU", |_| stateless(dynamic_stitch_kernel))
+}
+
+fn dynamic_stitch_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let n = ctx.inputs.len();
+    if n < 2 || n % 2 != 0 {
+        return Err(format!("DynamicStitch: got {n} inputs, not 2N"));
+    }
+    let half = n / 2;
+    let mut rows: Vec<(usize, &[u8])> = Vec::new();
+    let mut row_dims: Option<Vec<usize>> = None;
+    let data0 = ctx.input(half)?;
+    let (dtype, size) = (data0.dtype(), data0.dtype().size_of());
+    for m in 0..half {
+        let (idx, data) = (ctx.input(m)?, ctx.input(half + m)?);
+        if data.dtype() != dtype {
+            return Err(format!(
+                "DynamicStitch: data[{m}] is {}, not {dtype}",
+                data.dtype()
+            ));
+        }
+        let ix = super::tf_compat::int_values(idx, "DynamicStitch: indices")?;
+        let lead = idx.rank();
+        if data.rank() < lead || data.dims()[..lead] != *idx.dims() {
+            return Err(format!(
+                "DynamicStitch: data[{m}] of shape {:?} does not start with indices[{m}]'s shape {:?}",
+                data.dims(),
+                idx.dims()
+            ));
+        }
+        let trailing = data.dims()[lead..].to_vec();
+        match &row_dims {
+            Some(d) if *d != trailing => {
+                return Err(format!(
+                    "DynamicStitch: data[{m}] rows have shape {trailing:?}, others {d:?}"
+                ))
+            }
+            _ => row_dims = Some(trailing.clone()),
+        }
+        let row = trailing.iter().product::<usize>() * size;
+        let bytes = data.as_bytes();
+        for (i, &k) in ix.iter().enumerate() {
+            let k =
+                usize::try_from(k).map_err(|_| format!("DynamicStitch: index {k} is negative"))?;
+            rows.push((k, &bytes[i * row..(i + 1) * row]));
+        }
+    }
+    let trailing = row_dims.unwrap_or_default();
+    let rows_out = rows.iter().map(|&(k, _)| k + 1).max().unwrap_or(0);
+    let mut dims = vec![rows_out];
+    dims.extend_from_slice(&trailing);
+    let dims_i: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+    super::tf_compat::checked_dims(&dims_i, dtype, "DynamicStitch")?;
+    let row = trailing.iter().product::<usize>() * size;
+    let mut out = vec![0u8; rows_out * row];
+    for (k, src) in rows {
+        out[k * row..(k + 1) * row].copy_from_slice(src);
+    }
+    ctx.set_output(
+        0,
+        Tensor::from_bytes(dtype, &dims, &out).map_err(|e| e.to_string())?,
+    )
+}
+
 // ---- gradients ----
 
 /// Gradients of this family's ops (see [`crate::autodiff`]).
@@ -337,6 +487,10 @@ pub(crate) mod gradients {
         });
         r.set_gradient("DynamicReshape", |b, f, dys| {
             let dx = b.binary("ReshapeLike", "dx", only_dy(dys)?, f.input(0)?);
+            Ok(vec![Some(dx), None])
+        });
+        r.set_gradient("BroadcastTo", |b, f, dys| {
+            let dx = b.binary("ReduceToShapeOf", "dx", only_dy(dys)?, f.input(0)?);
             Ok(vec![Some(dx), None])
         });
     }
@@ -504,6 +658,72 @@ mod tests {
         assert!(e.contains("more than one -1"), "{e}");
         assert_eq!(
             infer("DynamicReshape", &[tt(F32, &[-1, 3]), tt(I32, &[2])], &[]),
+            Ok(vec![tt(F32, &[-1, -1])])
+        );
+    }
+
+    /// TensorFlow's `reduced_shape` ([2, 3, 5, 7] reduced over axes [1, 2], keepdims): the
+    /// DynamicStitch of range(4) and the axes, over the shape and ones (TensorFlow's own
+    /// example: [2, 1, 1, 7]); and stitching rows, later tensors winning.
+    #[test]
+    fn dynamic_stitch_merges_like_tensorflow() {
+        let out = run_kernel(
+            "DynamicStitch",
+            &[],
+            &[
+                v32(&[0, 1, 2, 3]),
+                v32(&[1, 2]),
+                v32(&[2, 3, 5, 7]),
+                v32(&[1, 1]),
+            ],
+        )
+        .unwrap()
+        .remove(0);
+        assert_eq!(ints(&out), [2, 1, 1, 7]);
+        // Rows: data[0] is [2, 2] at indices [0, 2]; data[1] is [1, 2] at index [2] (wins).
+        let d0 = Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        let d1 = Tensor::from_slice(&[1, 2], &[9.0f32, 8.0]).unwrap();
+        let out = run_kernel("DynamicStitch", &[], &[v32(&[0, 2]), v32(&[2]), d0, d1])
+            .unwrap()
+            .remove(0);
+        assert_eq!(out.dims(), [3, 2]);
+        assert_eq!(
+            out.as_slice::<f32>().unwrap(),
+            [1.0, 2.0, 0.0, 0.0, 9.0, 8.0]
+        );
+        let e = run_kernel("DynamicStitch", &[], &[v32(&[-1]), v32(&[5])]).unwrap_err();
+        assert!(e.contains("negative"), "{e}");
+        let e = run_kernel("DynamicStitch", &[], &[v32(&[0, 1]), v32(&[5])]).unwrap_err();
+        assert!(e.contains("does not start with"), "{e}");
+        assert!(infer("DynamicStitch", &[tt(I32, &[2])], &[]).is_err());
+        assert_eq!(
+            infer(
+                "DynamicStitch",
+                &[tt(I32, &[4]), tt(I32, &[-1]), tt(I32, &[4]), tt(I32, &[-1])],
+                &[]
+            ),
+            Ok(vec![tt(I32, &[-1])])
+        );
+    }
+
+    #[test]
+    fn broadcast_to_takes_its_shape_at_run_time() {
+        let x = Tensor::from_slice(&[2, 1], &[1.0f32, 2.0]).unwrap();
+        let y = run_kernel("BroadcastTo", &[], &[x.clone(), v32(&[2, 3])])
+            .unwrap()
+            .remove(0);
+        assert_eq!(y.dims(), [2, 3]);
+        assert_eq!(y.as_slice::<f32>().unwrap(), [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]);
+        let y = run_kernel("BroadcastTo", &[], &[x.clone(), v32(&[4, 2, 2])])
+            .unwrap()
+            .remove(0);
+        assert_eq!(y.dims(), [4, 2, 2]);
+        let e = run_kernel("BroadcastTo", &[], &[x.clone(), v32(&[3, 3])]).unwrap_err();
+        assert!(e.contains("BroadcastTo"), "{e}");
+        let e = run_kernel("BroadcastTo", &[], &[x, v32(&[1 << 30, 1 << 30])]).unwrap_err();
+        assert!(e.contains("larger than"), "{e}");
+        assert_eq!(
+            infer("BroadcastTo", &[tt(F32, &[-1, 1]), tt(I32, &[2])], &[]),
             Ok(vec![tt(F32, &[-1, -1])])
         );
     }
