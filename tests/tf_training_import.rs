@@ -163,8 +163,9 @@ fn broadcasting_ops_with_an_unknown_batch_step_like_tensorflow() {
 /// max(batch, 1)): BroadcastGradientArgs and Maximum at run time, weights initialized by
 /// seeded `random_normal` and biases by constant lists, on resource and reference variables
 /// with GradientDescent, Momentum and Adam; and with penalties reduced over some axes
-/// (`dyn_reductions`: TensorFlow 2's BroadcastTo, DynamicStitch and Range). Initial values,
-/// loss and variables after the step equal TensorFlow's.
+/// (`dyn_reductions`: TensorFlow 2's BroadcastTo, DynamicStitch and Range) and with a sum whose
+/// gradient is TF 1.x's (`dyn_tf1_sum_grad`: DynamicStitch, FloorDiv, Maximum, Tile). Initial
+/// values, loss and variables after the step equal TensorFlow's.
 #[test]
 fn dynamic_batch_mlps_step_like_tensorflow() {
     for variant in [
@@ -172,6 +173,7 @@ fn dynamic_batch_mlps_step_like_tensorflow() {
         "dyn_ref_momentum",
         "dyn_resource_adam",
         "dyn_reductions",
+        "dyn_tf1_sum_grad",
     ] {
         let (_, tf) = fixture(variant);
         let ops = tf["ops"].as_array().unwrap();
@@ -180,13 +182,15 @@ fn dynamic_batch_mlps_step_like_tensorflow() {
         }
         one_step_like_tensorflow(variant);
     }
-    let (_, tf) = fixture("dyn_reductions");
-    let ops = tf["ops"].as_array().unwrap();
-    for needed in ["BroadcastTo", "DynamicStitch", "Range"] {
-        assert!(
-            ops.iter().any(|o| o == needed),
-            "dyn_reductions: no {needed}"
-        );
+    for (variant, needed) in [
+        ("dyn_reductions", ["BroadcastTo", "DynamicStitch", "Range"]),
+        ("dyn_tf1_sum_grad", ["FloorDiv", "DynamicStitch", "Tile"]),
+    ] {
+        let (_, tf) = fixture(variant);
+        let ops = tf["ops"].as_array().unwrap();
+        for op in needed {
+            assert!(ops.iter().any(|o| o == op), "{variant}: no {op}");
+        }
     }
 }
 
