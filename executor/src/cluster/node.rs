@@ -793,6 +793,12 @@ impl Rpc {
         Ok(())
     }
 
+    /// Forgets that `task` said it is ready (it could not be taken in): it is not offered by
+    /// [`Rpc::joining`] again until it says so anew.
+    pub fn forget_ready(&self, task: &str) {
+        lock(&self.inner.ready).remove(task);
+    }
+
     /// Sends `req` to `task` and waits for its reply, at most the job timeout (`extra` added
     /// for requests that take longer, e.g. registering large graphs).
     pub async fn call(&self, task: &str, req: Request, what: &str) -> Result<Reply, JobError> {

@@ -1020,4 +1020,55 @@ mod tests {
             ["loss/replica_0_1", "loss/replica_1"]
         );
     }
+
+    #[test]
+    fn a_cluster_with_a_gap_in_its_worker_indices_places_replica_i_on_the_ith_task() {
+        // An elastic job's survivors: workers 0 and 2 (worker 1 died).
+        let def = model();
+        let graph = Graph::from_def(&def).unwrap();
+        let train = spec("loss", &["mse"]);
+        let jobs = BTreeMap::from([
+            (
+                "ps".to_string(),
+                BTreeMap::from([(0, "127.0.0.1:1999".to_string())]),
+            ),
+            (
+                "worker".to_string(),
+                BTreeMap::from([
+                    (0, "127.0.0.1:2000".to_string()),
+                    (2, "127.0.0.1:2002".to_string()),
+                ]),
+            ),
+        ]);
+        let cluster = dflow_graph::ClusterSpec::new(jobs).unwrap();
+        let input = JobInput::new(&graph, &train, &cluster, "x", "y");
+        let plan = ParameterServer { mode: PsMode::Sync }.plan(&input).unwrap();
+        assert_eq!(plan.batch_parts, 2, "the batch is split in two parts");
+        let mut parts: Vec<(String, u32)> = plan
+            .train_signatures()
+            .flat_map(|s| s.feeds.iter().map(|f| (f.task.clone(), f.part)))
+            .collect();
+        parts.sort();
+        parts.dedup();
+        assert_eq!(
+            parts,
+            [
+                ("/job:worker/replica:0/task:0".to_string(), 0),
+                ("/job:worker/replica:0/task:2".to_string(), 1)
+            ]
+        );
+        for s in &plan.signatures {
+            for device in s.partitions.partitions.keys() {
+                assert!(
+                    !(device.job.as_deref() == Some("worker") && device.task == Some(1)),
+                    "nothing on the dead worker: {device}"
+                );
+            }
+        }
+        // The variables stay on the ps.
+        assert!(plan
+            .variables
+            .iter()
+            .all(|v| v.holders == ["/job:ps/replica:0/task:0"]));
+    }
 }

@@ -123,6 +123,11 @@ pub(super) async fn lockstep(
                             continue;
                         }
                     };
+                    if joined.is_empty() {
+                        // Nobody could be taken in: the same job goes on from the commit (the
+                        // state it holds).
+                        break job;
+                    }
                     let mut names: BTreeSet<String> = cluster.task_names().into_iter().collect();
                     names.extend(joined.iter().cloned());
                     cluster = subset(all, &names)?;
@@ -179,8 +184,9 @@ pub(super) async fn lockstep(
 /// Takes the workers `tasks` (ready, not in the job) into it before step `step`: commits the
 /// state after the steps before it (a checkpoint in `dir`, unless the newest one is that
 /// step's), has the chief and every other task of `cluster` connect to each newcomer. Returns
-/// the newcomers taken in (one that cannot be reached is left out with a warning; it may say
-/// Ready again). An error is a member's failure (the caller goes on as after any failure).
+/// the newcomers taken in: one that cannot be reached, by the chief or by a member, is left
+/// out with a warning (it is offered again once it says Ready anew). An error is a member's
+/// failure (the caller goes on as after any failure).
 #[allow(clippy::too_many_arguments)]
 async fn admit(
     rpc: &Rpc,
@@ -209,11 +215,17 @@ async fn admit(
         let Some(address) = addresses.get(task) else {
             continue;
         };
+        let left_out = |why: String| {
+            rpc.drop_tasks(std::slice::from_ref(task));
+            rpc.forget_ready(task);
+            tracing::warn!("{why}");
+            eprintln!("elastic: {task} said it is ready, but it cannot join the job: {why}");
+        };
         if let Err(e) = rpc.admit(task, address).await {
-            tracing::warn!("{e}");
-            eprintln!("elastic: {task} said it is ready, but the chief cannot take it in: {e}");
+            left_out(e.to_string());
             continue;
         }
+        let mut reached = true;
         for member in cluster.task_names() {
             if member == rpc.task {
                 continue;
@@ -225,22 +237,33 @@ async fn admit(
             match rpc.call(&member, req, &format!("Connect to {task}")).await {
                 Ok(Reply::Connected) => {}
                 Ok(other) => {
+                    rpc.drop_tasks(std::slice::from_ref(task));
                     return Err(setup(format!(
                         "unexpected reply to Connect from {member}: {other:?}"
-                    )))
+                    )));
                 }
-                // The newcomer went away again: it is a member now, so the caller drops it.
+                // The member cannot reach the newcomer.
                 Err(JobError::Remote { message, .. }) => {
-                    return Err(JobError::PeerGone {
-                        task: task.clone(),
-                        cause: message,
-                        waiting: format!("; {member} was connecting to it"),
-                    })
+                    left_out(format!("{member} cannot connect to it: {message}"));
+                    reached = false;
+                    break;
                 }
-                Err(e) => return Err(e),
+                // The newcomer died (it is a member now), or a member did.
+                Err(e) => {
+                    let newcomer = matches!(&e, JobError::PeerGone { task: t, .. } if t == task);
+                    rpc.drop_tasks(std::slice::from_ref(task));
+                    if newcomer {
+                        left_out(e.to_string());
+                        reached = false;
+                        break;
+                    }
+                    return Err(e);
+                }
             }
         }
-        joined.push(task.clone());
+        if reached {
+            joined.push(task.clone());
+        }
     }
     Ok(joined)
 }
