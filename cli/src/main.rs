@@ -54,6 +54,8 @@ enum Bench {
     Transfer(cmd::bench_transfer::Args),
     /// Collectives (all-reduce, all-gather, ...) over N ranks: time, algbw, busbw.
     Collective(cmd::bench_collective::Args),
+    /// Measure this machine (MatMul FLOP/s, shm and TCP links) into a `dflow plan --profile`.
+    Calibrate(cmd::bench_calibrate::Args),
 }
 
 fn main() -> ExitCode {
@@ -80,6 +82,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => cmd::generate::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Bench(Bench::Transfer(a)) => cmd::bench_transfer::run(a),
+        Command::Bench(Bench::Calibrate(a)) => cmd::bench_calibrate::run(a),
         Command::Bench(Bench::Collective(a)) | Command::BenchCollective(a) => {
             cmd::bench_collective::run(a)
         }
