@@ -115,14 +115,14 @@ pub(super) async fn lockstep(
         job = loop {
             let (message, committed) = match change {
                 Change::Join { step, tasks } => {
-                    let joined = match admit(rpc, cfg, &job, all, &cluster, dir, step, &tasks).await
-                    {
-                        Ok(joined) => joined,
-                        Err(e) => {
-                            change = Change::Failure(e);
-                            continue;
-                        }
-                    };
+                    let (joined, committed) =
+                        match admit(rpc, cfg, &job, all, &cluster, dir, step, &tasks).await {
+                            Ok(admitted) => admitted,
+                            Err(e) => {
+                                change = Change::Failure(e);
+                                continue;
+                            }
+                        };
                     if joined.is_empty() {
                         // Nobody could be taken in: the same job goes on from the commit (the
                         // state it holds).
@@ -132,13 +132,17 @@ pub(super) async fn lockstep(
                     names.extend(joined.iter().cloned());
                     cluster = subset(all, &names)?;
                     restarts += 1;
+                    let from = match committed {
+                        Some(step) => format!("the checkpoint at step {step}"),
+                        None => "the state before the first step".to_string(),
+                    };
                     let message = format!(
-                        "elastic restart {restarts}: {} joined; going on with {} workers [{}] from the checkpoint at step {step}",
+                        "elastic restart {restarts}: {} joined; going on with {} workers [{}] from {from}",
                         joined.join(", "),
                         cluster.num_tasks("worker"),
                         workers(&cluster).join(", ")
                     );
-                    (message, Some(step))
+                    (message, committed)
                 }
                 Change::Failure(error) => {
                     // Any other failure (the chief's own, a ps, a bad plan) ends the job.
@@ -183,10 +187,12 @@ pub(super) async fn lockstep(
 
 /// Takes the workers `tasks` (ready, not in the job) into it before step `step`: commits the
 /// state after the steps before it (a checkpoint in `dir`, unless the newest one is that
-/// step's), has the chief and every other task of `cluster` connect to each newcomer. Returns
-/// the newcomers taken in: one that cannot be reached, by the chief or by a member, is left
-/// out with a warning (it is offered again once it says Ready anew). An error is a member's
-/// failure (the caller goes on as after any failure).
+/// step's; before the first step with no checkpoint the commit is the initial state, which the
+/// variables do not hold yet: they initialize on their first step), has the chief and every
+/// other task of `cluster` connect to each newcomer. Returns the newcomers taken in and the
+/// committed step (`None`: the initial state): a newcomer that cannot be reached, by the
+/// chief or by a member, is left out with a warning (it is offered again once it says Ready
+/// anew). An error is a member's failure (the caller goes on as after any failure).
 #[allow(clippy::too_many_arguments)]
 async fn admit(
     rpc: &Rpc,
@@ -197,8 +203,14 @@ async fn admit(
     dir: &Path,
     step: u64,
     tasks: &[String],
-) -> Result<Vec<String>, JobError> {
-    if newest_step(dir)? != Some(step) {
+) -> Result<(Vec<String>, Option<u64>), JobError> {
+    let newest = newest_step(dir)?;
+    let committed = if newest.is_none() && step == 0 {
+        None
+    } else {
+        Some(step)
+    };
+    if committed.is_some() && newest != Some(step) {
         save(
             rpc,
             job,
@@ -265,7 +277,7 @@ async fn admit(
             joined.push(task.clone());
         }
     }
-    Ok(joined)
+    Ok((joined, committed))
 }
 
 /// The workers of `all` (every task the job may have) that are ready to join a job whose
