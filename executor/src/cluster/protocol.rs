@@ -456,6 +456,28 @@ mod tests {
     }
 
     #[test]
+    fn the_joining_messages_round_trip() {
+        // A worker joining an elastic job says Ready; the chief asks the members to Connect.
+        for m in [
+            Message::Ready,
+            Message::Request {
+                id: 7,
+                body: Request::Connect {
+                    task: "/job:worker/replica:0/task:2".into(),
+                    address: "127.0.0.1:2222".into(),
+                },
+            },
+            Message::Reply {
+                id: 7,
+                body: Ok(Reply::Connected),
+            },
+        ] {
+            let back = decode(&encode(&m)).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{m:?}"));
+        }
+    }
+
+    #[test]
     fn every_truncation_and_corruption_is_an_error_not_a_panic() {
         let bytes = encode(&sample());
         for n in 0..bytes.len() {
