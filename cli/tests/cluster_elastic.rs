@@ -63,8 +63,21 @@ fn freeze_after_first_checkpoint(chief: &Task, dir: &Path, limit: Duration) -> u
 
 #[test]
 fn a_worker_killed_mid_job_leaves_two_survivors_that_finish_like_one_process() {
+    killed_mid_job("allreduce", 0);
+}
+
+#[test]
+fn ps_a_worker_killed_mid_job_leaves_two_survivors_that_finish_like_one_process() {
+    killed_mid_job("ps", 1);
+}
+
+/// Three workers (and `ps` ps tasks) train one digits epoch under `strategy` with
+/// `--min-workers 2`; worker 2 is killed after the first checkpoint. The job runs on 3
+/// workers up to the commit and on 2 after it, each step on the same global batch: its losses
+/// and final parameters equal one process's within 1e-6.
+fn killed_mid_job(strategy: &str, ps: usize) {
     let _serial = serial();
-    let cluster = Cluster::new(0, 3);
+    let cluster = Cluster::new(ps, 3);
     let ckpt = cluster.path("ckpt");
     let losses = cluster.path("losses.txt");
     let (ckpt_s, losses_s) = (
@@ -72,8 +85,11 @@ fn a_worker_killed_mid_job_leaves_two_survivors_that_finish_like_one_process() {
         losses.to_string_lossy().into_owned(),
     );
     let mut common: Vec<String> = digits_args(1);
-    common.extend(["--strategy", "allreduce", "--timeout", TIMEOUT_S].map(String::from));
+    common.extend(["--strategy", strategy, "--timeout", TIMEOUT_S].map(String::from));
     let common: Vec<&str> = common.iter().map(String::as_str).collect();
+    let ps_tasks: Vec<Task> = (0..ps)
+        .map(|i| Task::start(&cluster, "ps", i, &common))
+        .collect();
     let worker1 = Task::start(&cluster, "worker", 1, &common);
     let worker2 = Task::start(&cluster, "worker", 2, &common);
     let mut chief_args = vec!["examples/digits/digits.json"];
@@ -110,6 +126,9 @@ fn a_worker_killed_mid_job_leaves_two_survivors_that_finish_like_one_process() {
         chief.stderr
     );
     worker1.wait(EXIT_LIMIT).assert_success();
+    for t in ps_tasks {
+        t.wait(EXIT_LIMIT).assert_success();
+    }
     assert_eq!(
         newest_checkpoint_step(&ckpt),
         Some(45),
@@ -142,7 +161,7 @@ fn a_worker_killed_mid_job_leaves_two_survivors_that_finish_like_one_process() {
     let worst = assert_same_losses(&job, &local, 1e-6);
     let worst_param = assert_same_parameters(&ckpt, &local_dir.join("ckpt"), 45, 1e-6);
     eprintln!(
-        "committed at step {committed}; worst relative difference: losses {worst:e}, parameters {worst_param:e}"
+        "{strategy}: committed at step {committed}; worst relative difference: losses {worst:e}, parameters {worst_param:e}"
     );
 }
 
