@@ -489,8 +489,8 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
     })
 }
 
-/// Checks `--min-workers`: at least 1, with the all-reduce strategy in lockstep and with a
-/// checkpoint directory (the state a restart restores).
+/// Checks `--min-workers`: at least 1, with all-reduce or sync ps (lockstep data parallelism)
+/// and with a checkpoint directory (the state a restart restores).
 fn check_elastic(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()> {
     let Some(k) = args.min_workers else {
         return Ok(());
@@ -498,9 +498,9 @@ fn check_elastic(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::
     if k == 0 {
         bail!("--min-workers 0: an elastic job needs at least 1 worker left to go on");
     }
-    if kind.name() != "allreduce" || args.r#async {
+    if !matches!(kind.name(), "allreduce" | "ps") || args.r#async {
         bail!(
-            "--min-workers {k} needs --strategy allreduce (elastic jobs re-plan the all-reduce on the survivors); this job uses {}{}",
+            "--min-workers {k} needs --strategy allreduce or a sync --strategy ps (elastic jobs re-plan the lockstep data parallelism on the survivors); this job uses {}{}",
             kind.name(),
             if args.r#async { " --async" } else { "" }
         );

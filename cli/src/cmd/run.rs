@@ -153,10 +153,11 @@ pub struct Args {
     /// Training: save a checkpoint every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_every: u64,
-    /// Distributed all-reduce training: an elastic job. When a worker other than the chief
-    /// dies and at least K workers remain, the chief re-plans the job on the survivors,
-    /// restores the newest checkpoint of --checkpoint-dir (needed) and goes on with the same
-    /// global batch; fewer than K survivors end the job (see docs/launchers.md).
+    /// Distributed all-reduce or sync ps training: an elastic job. When a worker other than
+    /// the chief dies and at least K workers remain, the chief re-plans the job on the
+    /// survivors, restores the newest checkpoint of --checkpoint-dir (needed) and goes on with
+    /// the same global batch; fewer than K survivors end the job. A worker of the cluster
+    /// started again while the job runs joins it before the next step (see docs/launchers.md).
     #[arg(long, value_name = "K")]
     pub min_workers: Option<usize>,
     /// Plain log lines instead of a progress bar (also when stderr is not a terminal).
