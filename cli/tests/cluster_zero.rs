@@ -1,7 +1,8 @@
-//! ZeRO (`--strategy zero --zero-stage 1|2`) with real `dflow` processes, workers only: the
-//! losses, the parameters and the Adam state (saved whole) equal a one-process run, each rank's
-//! variable stores hold the parameters plus its 1/N of the optimizer state, and a checkpoint
-//! saved at 2 ranks resumes in one process and at 3 ranks with the uninterrupted run's losses.
+//! ZeRO (`--strategy zero --zero-stage 1|2|3`) with real `dflow` processes, workers only: the
+//! losses, the parameters and the Adam state (saved whole) equal a one-process run on the digits
+//! MLP and on a small GPT, each rank's variable stores hold the parameters (stage 3: its 1/N of
+//! them) plus its 1/N of the optimizer state, and a checkpoint saved at 2 ranks resumes in one
+//! process and at 3 or 4 ranks with the uninterrupted run's losses.
 
 mod support;
 
@@ -46,28 +47,49 @@ fn local_run(epochs: u32, ckpt: &Path, losses: &Path) -> Vec<(u64, f64)> {
     read_losses(losses)
 }
 
-/// The bytes task `index` says its variable stores hold at the end of the job.
-fn held_bytes(stderr: &str, index: usize) -> usize {
+/// What task `index` says it holds at the end of the job: the bytes of its variable stores
+/// and the peak bytes of its step tensors, both measured by its executor.
+fn held_bytes(stderr: &str, index: usize) -> (usize, usize) {
     let task = format!("/job:worker/replica:0/task:{index}: holds ");
-    stderr
+    let line = stderr
         .lines()
         .find_map(|l| l.split_once(&task).map(|(_, rest)| rest))
-        .and_then(|rest| rest.split(", ").nth(1))
-        .and_then(|b| b.strip_suffix(" bytes"))
-        .and_then(|b| b.parse().ok())
-        .unwrap_or_else(|| panic!("no `holds … bytes` line for task {index} in:\n{stderr}"))
+        .unwrap_or_else(|| panic!("no `holds … bytes` line for task {index} in:\n{stderr}"));
+    // `4 variables, 28928 bytes; step tensors peaked at 123 bytes`
+    let number = |s: &str| -> usize {
+        s.trim()
+            .trim_end_matches(" bytes")
+            .parse()
+            .unwrap_or_else(|_| panic!("bad number `{s}` in `{line}`"))
+    };
+    let (vars, peak) = line.split_once("; step tensors peaked at ").unwrap();
+    (number(vars.split(", ").nth(1).unwrap()), number(peak))
 }
 
 /// Runs digits-adamw for `epochs` epochs on `workers` workers under `strategy` (and
 /// `--zero-stage stage`), checkpointing to (and resuming from) `ckpt`; returns the chief's
-/// losses and the bytes worker 1 holds at the end.
+/// losses and worker 1's variable bytes and peak step-tensor bytes at the end.
 fn distributed(
     workers: usize,
     strategy: &str,
     stage: u8,
     epochs: u32,
     ckpt: &Path,
-) -> (Vec<(u64, f64)>, usize) {
+) -> (Vec<(u64, f64)>, (usize, usize)) {
+    distributed_run(GRAPH, &digits_args(epochs), workers, strategy, stage, ckpt)
+}
+
+/// Runs `graph` with `flags` on `workers` workers under `strategy` (and `--zero-stage
+/// stage`), checkpointing to (and resuming from) `ckpt`; returns the chief's losses and worker
+/// 1's variable bytes and peak step-tensor bytes at the end.
+fn distributed_run(
+    graph: &str,
+    flags: &[String],
+    workers: usize,
+    strategy: &str,
+    stage: u8,
+    ckpt: &Path,
+) -> (Vec<(u64, f64)>, (usize, usize)) {
     let cluster = Cluster::new(0, workers);
     let losses = cluster.path("losses.txt");
     let (losses_s, ckpt_s) = (
@@ -75,7 +97,7 @@ fn distributed(
         ckpt.to_string_lossy().into_owned(),
     );
     let stage_s = stage.to_string();
-    let mut common: Vec<String> = digits_args(epochs);
+    let mut common: Vec<String> = flags.to_vec();
     common.extend(["--strategy".into(), strategy.into()]);
     if strategy == "zero" {
         common.extend(["--zero-stage".into(), stage_s]);
@@ -85,7 +107,7 @@ fn distributed(
     let tasks: Vec<Task> = (1..workers)
         .map(|i| Task::start_with_env(&cluster, "worker", i, &common, &env))
         .collect();
-    let mut chief_args = vec![GRAPH];
+    let mut chief_args = vec![graph];
     chief_args.extend(common.iter().copied());
     chief_args.extend(["--losses-out", &losses_s, "--checkpoint-dir", &ckpt_s]);
     let chief = Task::start_with_env(&cluster, "worker", 0, &chief_args, &env).wait(LIMIT);
@@ -113,19 +135,11 @@ fn assert_close(name: &str, got: &[f64], want: &[f64], tol: f64, floor: f64) {
     }
 }
 
-/// ZeRO stage `stage` on `workers` workers against one process: losses and parameters equal
-/// within 1e-5, the Adam slots (saved whole, gathered from the shards) equal too, and worker 1
-/// holding 4Ψ (parameters) + 8·ΣS (its m and v shards, S = ⌈len/N⌉ per parameter) + 8 (the
-/// step count).
-fn zero_equals_one_process(workers: usize, stage: u8) {
-    let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let (zero_ckpt, local_ckpt) = (dir.path().join("zero"), dir.path().join("local"));
-    let (losses, bytes) = distributed(workers, "zero", stage, EPOCHS, &zero_ckpt);
-    let local_losses = local_run(EPOCHS, &local_ckpt, &dir.path().join("local.txt"));
-    let worst = assert_same_losses(&losses, &local_losses, 1e-5);
-    eprintln!("ZeRO-{stage} on {workers} workers: worst relative loss difference {worst:e}");
-    let (ckpt, local) = (newest(&zero_ckpt), newest(&local_ckpt));
+/// The checkpoints of a ZeRO job and of one process hold the same tensors under the same names
+/// and shapes, equal within 1e-5 (parameters) and 1e-4 of their largest magnitude (the Adam
+/// moments, saved whole, gathered from the shards).
+fn assert_same_state(zero_ckpt: &Path, local_ckpt: &Path) {
+    let (ckpt, local) = (newest(zero_ckpt), newest(local_ckpt));
     // The same tensors under the same names and shapes as the one-process checkpoint.
     assert_eq!(
         ckpt.iter()
@@ -136,21 +150,36 @@ fn zero_equals_one_process(workers: usize, stage: u8) {
             .map(|(k, t)| (k.clone(), t.dims().to_vec()))
             .collect::<Vec<_>>()
     );
-    for (name, _) in PARAMS {
-        let want = local[name].to_f64_vec();
-        assert_close(name, &ckpt[name].to_f64_vec(), &want, 1e-5, 1.0);
-        for slot in ["adam_m", "adam_v"] {
+    for (name, t) in &local {
+        let want = t.to_f64_vec();
+        if name.ends_with("/adam_m") || name.ends_with("/adam_v") {
             // The moments of the summed gradient: equal to 1e-4 of their largest magnitude.
-            let logical = format!("{name}/{slot}");
-            let want = local[&logical].to_f64_vec();
             let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            assert_close(&logical, &ckpt[&logical].to_f64_vec(), &want, 1e-4, scale);
+            assert_close(name, &ckpt[name].to_f64_vec(), &want, 1e-4, scale);
+        } else {
+            assert_close(name, &ckpt[name].to_f64_vec(), &want, 1e-5, 1.0);
         }
     }
+}
+
+/// ZeRO stage `stage` on `workers` workers against one process: losses and parameters equal
+/// within 1e-5, the Adam slots equal too, and worker 1 holding the parameters (4Ψ; stage 3:
+/// 4·ΣS, its shards, S = ⌈len/N⌉ per parameter) + 8·ΣS (its m and v shards) + 8 (the step
+/// count), measured on its variable stores.
+fn zero_equals_one_process(workers: usize, stage: u8) {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (zero_ckpt, local_ckpt) = (dir.path().join("zero"), dir.path().join("local"));
+    let (losses, (bytes, _)) = distributed(workers, "zero", stage, EPOCHS, &zero_ckpt);
+    let local_losses = local_run(EPOCHS, &local_ckpt, &dir.path().join("local.txt"));
+    let worst = assert_same_losses(&losses, &local_losses, 1e-5);
+    eprintln!("ZeRO-{stage} on {workers} workers: worst relative loss difference {worst:e}");
+    assert_same_state(&zero_ckpt, &local_ckpt);
     let psi: usize = PARAMS.iter().map(|(_, n)| n).sum();
     assert_eq!(psi, 2410);
     let shards: usize = PARAMS.iter().map(|(_, n)| n.div_ceil(workers)).sum();
-    assert_eq!(bytes, 4 * psi + 8 * shards + 8, "worker 1's variable bytes");
+    let params = if stage == 3 { 4 * shards } else { 4 * psi };
+    assert_eq!(bytes, params + 8 * shards + 8, "worker 1's variable bytes");
 }
 
 #[test]
@@ -169,12 +198,75 @@ fn zero_stage_2_on_three_workers_with_padded_shards_trains_like_one_process() {
 }
 
 #[test]
+fn zero_stage_3_on_two_workers_trains_like_one_process() {
+    zero_equals_one_process(2, 3);
+}
+
+#[test]
+fn zero_stage_3_on_four_workers_with_padded_shards_trains_like_one_process() {
+    zero_equals_one_process(4, 3);
+}
+
+/// The flags of the GPT runs: 6 steps of 8 windows of the bundled Shakespeare.
+fn gpt_flags() -> Vec<String> {
+    [
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "8",
+        "--steps",
+        "6",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn zero_stages_1_2_3_train_a_small_gpt_like_one_process_on_two_and_four_workers() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let graph = small_gpt(dir.path(), 2);
+    let graph_s = graph.to_string_lossy().into_owned();
+    let local_ckpt = dir.path().join("local");
+    let losses = dir.path().join("local.txt");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(["run", "--local", &graph_s])
+        .args(gpt_flags())
+        .arg("--losses-out")
+        .arg(&losses)
+        .arg("--checkpoint-dir")
+        .arg(&local_ckpt)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let local = read_losses(&losses);
+    assert_eq!(local.len(), 6);
+    for (workers, stage) in [(2, 3), (4, 3), (2, 1), (4, 2)] {
+        let ckpt = dir.path().join(format!("zero-{workers}-{stage}"));
+        let (job, _) = distributed_run(&graph_s, &gpt_flags(), workers, "zero", stage, &ckpt);
+        let worst = assert_same_losses(&job, &local, 1e-5);
+        eprintln!("GPT, ZeRO-{stage} on {workers} workers: worst relative difference {worst:e}");
+        assert_same_state(&ckpt, &local_ckpt);
+    }
+}
+
+#[test]
 fn all_reduce_clips_the_summed_gradient_and_holds_the_whole_optimizer_state() {
     // The baseline ZeRO is measured against: 4Ψ parameters + 8Ψ Adam state + the step count;
     // with clipping by global norm (digits-adamw clips at 1.0) it equals one process too.
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let (losses, bytes) = distributed(2, "allreduce", 1, EPOCHS, &dir.path().join("ar"));
+    let (losses, (bytes, _)) = distributed(2, "allreduce", 1, EPOCHS, &dir.path().join("ar"));
     assert_eq!(bytes, 12 * 2410 + 8);
     let local = local_run(
         EPOCHS,

@@ -117,6 +117,7 @@ impl Session {
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
                 collectives: None,
+                meter: None,
             },
         })
     }

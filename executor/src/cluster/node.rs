@@ -375,8 +375,9 @@ impl Node {
             // (parameters and optimizer state; ZeRO shards the latter).
             let vars = self.server.variables();
             let bytes: usize = vars.iter().map(|v| v.value.bytes.len()).sum();
+            let peak = self.server.meter().map_or(0, |m| m.peak());
             tracing::info!(
-                "{}: holds {} variables, {bytes} bytes",
+                "{}: holds {} variables, {bytes} bytes; step tensors peaked at {peak} bytes",
                 self.task,
                 vars.len()
             );

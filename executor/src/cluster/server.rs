@@ -9,6 +9,7 @@ use super::protocol::{
 use crate::data::text::{read_text, token_digest, CharCorpus, CharVocab, CharWindows};
 use crate::data::{read_csv, Dataset, ReadOptions};
 use crate::error::ExecError;
+use crate::memory::MemoryMeter;
 use crate::plan::ExecutionPlan;
 use crate::run::{compute_pool, run_plans, StepEnv};
 use crate::trace::Tracer;
@@ -41,6 +42,9 @@ pub struct ServerOptions {
     /// Collective groups run over shared memory (every task on this host, `--transport shm`)
     /// instead of TCP.
     pub shm_collectives: bool,
+    /// The most bytes the step values of this task may take at once (`--memory-limit`; the
+    /// variables are checked against it before the first step).
+    pub memory_limit: Option<usize>,
 }
 
 impl Default for ServerOptions {
@@ -53,6 +57,7 @@ impl Default for ServerOptions {
             host: "127.0.0.1".into(),
             secret: None,
             shm_collectives: false,
+            memory_limit: None,
         }
     }
 }
@@ -188,6 +193,7 @@ impl TaskServer {
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
                 collectives: Some(collectives.clone()),
+                meter: Some(Arc::new(MemoryMeter::new(opts.memory_limit))),
             },
             rendezvous,
             stores: Mutex::default(),
@@ -211,6 +217,11 @@ impl TaskServer {
     /// The trace recorder, when tracing.
     pub fn tracer(&self) -> Option<&Arc<Tracer>> {
         self.env.tracer.as_ref()
+    }
+
+    /// The accounting of this task's step values.
+    pub fn meter(&self) -> Option<&Arc<MemoryMeter>> {
+        self.env.meter.as_ref()
     }
 
     fn store(&self, device: &DeviceName) -> Arc<VariableStore> {
