@@ -276,8 +276,27 @@ fn all_reduce_clips_the_summed_gradient_and_holds_the_whole_optimizer_state() {
     assert_same_losses(&losses, &local, 1e-5);
 }
 
-#[test]
-fn a_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_ranks() {
+/// Copies the checkpoint directory `from` to a new directory `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Asserts a resumed run continues the uninterrupted one: the same steps (the step count
+/// continues), the first resumed loss within 1e-6, the rest within 1e-5.
+fn assert_resumes(name: &str, resumed: &[(u64, f64)], rest: &[(u64, f64)]) {
+    let first = assert_same_losses(&resumed[..1], &rest[..1], 1e-6);
+    assert_same_losses(resumed, rest, 1e-5);
+    eprintln!("{name}: first resumed step {} within {first:e}", rest[0].0);
+}
+
+/// A ZeRO-`stage` checkpoint saved at 2 ranks after `EPOCHS - 1` epochs resumes in one process
+/// (no strategy), at 3 ranks under ZeRO-1 and at 4 ranks under ZeRO-3, each continuing the
+/// uninterrupted one-process run (the step count, the Adam state, the data order).
+fn saved_at_two_ranks_resumes_anywhere(stage: u8) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let uninterrupted = local_run(
@@ -286,18 +305,33 @@ fn a_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_ranks() {
         &dir.path().join("full.txt"),
     );
     let saved = dir.path().join("saved");
-    distributed(2, "zero", 2, EPOCHS - 1, &saved);
-    let copy = dir.path().join("copy");
-    std::fs::create_dir(&copy).unwrap();
-    for e in std::fs::read_dir(&saved).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), copy.join(e.file_name())).unwrap();
-    }
+    distributed(2, "zero", stage, EPOCHS - 1, &saved);
+    let (three_dir, four_dir) = (dir.path().join("three"), dir.path().join("four"));
+    copy_dir(&saved, &three_dir);
+    copy_dir(&saved, &four_dir);
     let rest = &uninterrupted[45 * (EPOCHS as usize - 1)..];
     // One process, no strategy.
     let local = local_run(EPOCHS, &saved, &dir.path().join("resumed-local.txt"));
-    assert_same_losses(&local, rest, 1e-5);
+    assert_resumes(&format!("ZeRO-{stage} at 2 → one process"), &local, rest);
     // Three ranks, ZeRO-1.
-    let (three, _) = distributed(3, "zero", 1, EPOCHS, &copy);
-    assert_same_losses(&three, rest, 1e-5);
+    let (three, _) = distributed(3, "zero", 1, EPOCHS, &three_dir);
+    assert_resumes(&format!("ZeRO-{stage} at 2 → ZeRO-1 at 3"), &three, rest);
+    // Four ranks, ZeRO-3 (padded shards).
+    let (four, _) = distributed(4, "zero", 3, EPOCHS, &four_dir);
+    assert_resumes(&format!("ZeRO-{stage} at 2 → ZeRO-3 at 4"), &four, rest);
+}
+
+#[test]
+fn a_zero_1_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
+    saved_at_two_ranks_resumes_anywhere(1);
+}
+
+#[test]
+fn a_zero_2_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
+    saved_at_two_ranks_resumes_anywhere(2);
+}
+
+#[test]
+fn a_zero_3_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
+    saved_at_two_ranks_resumes_anywhere(3);
 }
