@@ -335,3 +335,94 @@ fn a_zero_2_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_an
 fn a_zero_3_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
     saved_at_two_ranks_resumes_anywhere(3);
 }
+
+/// Each rank's variable stores hold, measured by its executor (f32, Ψ = 2,410, N = 2, plus 8
+/// bytes of step count): all-reduce 12Ψ (parameters and Adam state whole), ZeRO-1 and ZeRO-2
+/// 4Ψ + 8Ψ/N, ZeRO-3 12Ψ/N; the gradients are step tensors, released when their last reader
+/// finishes, and ZeRO-3's step tensors (gathered layers included) peak no higher than
+/// all-reduce's.
+#[test]
+fn each_stage_holds_the_variables_of_its_formula() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let psi = 2410;
+    let mut peaks = Vec::new();
+    for (strategy, stage, want) in [
+        ("allreduce", 1, 12 * psi),
+        ("zero", 1, 4 * psi + 8 * psi / 2),
+        ("zero", 2, 4 * psi + 8 * psi / 2),
+        ("zero", 3, 12 * psi / 2),
+    ] {
+        let ckpt = dir.path().join(format!("{strategy}-{stage}"));
+        let (_, (bytes, peak)) = distributed(2, strategy, stage, 1, &ckpt);
+        eprintln!("{strategy} {stage}: variables {bytes} B, step tensors peak {peak} B");
+        assert_eq!(bytes, want + 8, "{strategy} stage {stage}");
+        peaks.push(peak);
+    }
+    assert!(
+        peaks[3] <= peaks[0],
+        "ZeRO-3 {} vs all-reduce {}",
+        peaks[3],
+        peaks[0]
+    );
+}
+
+/// `--memory-limit`: the same model and limit are refused up front under all-reduce (its
+/// variables and largest step tensor do not fit; the error names the biggest consumers and
+/// ZeRO-3) and train under ZeRO-3 like one process.
+#[test]
+fn a_memory_limit_refuses_all_reduce_before_step_1_and_zero_3_fits() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let limit = "36000";
+    let run = |strategy: &str, stage: Option<&str>| {
+        let cluster = Cluster::new(0, 2);
+        let losses = cluster.path("losses.txt");
+        let losses_s = losses.to_string_lossy().into_owned();
+        let mut common: Vec<&str> = vec![
+            "--data",
+            "examples/data/digits.csv.gz",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--memory-limit",
+            limit,
+            "--strategy",
+            strategy,
+        ];
+        if let Some(s) = stage {
+            common.extend(["--zero-stage", s]);
+        }
+        let env = [("DFLOW_LOG", "warn,dflow_executor::cluster::node=info")];
+        let other = Task::start_with_env(&cluster, "worker", 1, &common, &env);
+        let mut chief_args = vec![GRAPH];
+        chief_args.extend(common.iter().copied());
+        chief_args.extend(["--losses-out", &losses_s]);
+        let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
+        let losses = losses.exists().then(|| read_losses(&losses));
+        // The cluster's directory holds the tasks' logs: it lives as long as they are read.
+        (chief, other, losses, cluster)
+    };
+    let (chief, other, losses, _cluster) = run("allreduce", None);
+    other.kill();
+    chief.assert_failure_naming("cannot fit in --memory-limit 36000 bytes");
+    for what in [
+        "`w1` 8192 B",
+        "`w1/adam_m` 8192 B",
+        "--strategy zero --zero-stage 3",
+    ] {
+        chief.assert_failure_naming(what);
+    }
+    assert!(
+        losses.as_ref().map_or(true, Vec::is_empty),
+        "no step ran: {losses:?}"
+    );
+    let (chief, other, losses, _cluster) = run("zero", Some("3"));
+    chief.assert_success();
+    let other = other.wait(Duration::from_secs(30));
+    other.assert_success();
+    let (bytes, peak) = held_bytes(&other.stderr, 1);
+    assert!(bytes + peak <= 36000, "{bytes} + {peak}");
+    let local = local_run(1, &dir.path().join("local"), &dir.path().join("local.txt"));
+    assert_same_losses(&losses.unwrap_or_default(), &local, 1e-5);
+}

@@ -237,6 +237,7 @@ impl TaskServer {
         let mut plans = Vec::with_capacity(g.partitions.len());
         let mut variables = Vec::new();
         let mut ends = CrossTaskEnds::default();
+        let mut largest: Option<(String, usize)> = None;
         for p in &g.partitions {
             let device = DeviceName::parse(&p.device)
                 .map_err(|e| format!("partition device `{}`: {e}", p.device))?;
@@ -247,6 +248,16 @@ impl TaskServer {
             ends.add(&graph, &self.task);
             for idx in graph.node_indices() {
                 let node = graph.node(idx);
+                if !node.op_def().is_variable && node.op != "Const" {
+                    for t in node.outputs.iter() {
+                        let bytes = t.shape.num_elements().map(|n| n * t.dtype.size_of());
+                        if let Some(b) =
+                            bytes.filter(|&b| largest.as_ref().map_or(true, |l| b > l.1))
+                        {
+                            largest = Some((node.name.clone(), b));
+                        }
+                    }
+                }
                 if node.op_def().is_variable {
                     if let Some(dims) = node.outputs[0].shape.as_static() {
                         variables.push((
@@ -260,6 +271,13 @@ impl TaskServer {
             let plan = ExecutionPlan::compile(&device, &graph, &store)
                 .map_err(|e| format!("compiling the partition for {}: {e}", p.device))?;
             plans.push(Arc::new(plan));
+        }
+        if let Some(meter) = &self.env.meter {
+            let need = self.footprint(&variables, &largest);
+            if let Some(limit) = meter.limit() {
+                crate::memory::fits(&self.task, &need, limit)?;
+            }
+            meter.set_resident(need.variable_bytes());
         }
         let slots = self.check_slots(g, &ends)?;
         self.check_routes(g, &ends)?;
@@ -304,6 +322,28 @@ impl TaskServer {
             }),
         );
         Ok(())
+    }
+
+    /// What this task needs at least once `new` variables join those registered before:
+    /// every variable's bytes, and `largest`, the largest step tensor of the graph registered.
+    fn footprint(
+        &self,
+        new: &[(String, VariableSpec)],
+        largest: &Option<(String, usize)>,
+    ) -> crate::memory::Footprint {
+        let mut all: BTreeMap<String, usize> = lock(&self.variables)
+            .iter()
+            .map(|(n, (_, dtype, dims))| {
+                (n.clone(), dims.iter().product::<usize>() * dtype.size_of())
+            })
+            .collect();
+        for (n, (_, dtype, dims)) in new {
+            all.insert(n.clone(), dims.iter().product::<usize>() * dtype.size_of());
+        }
+        crate::memory::Footprint {
+            variables: all.into_iter().collect(),
+            largest_tensor: largest.clone(),
+        }
     }
 
     /// Checks `g`'s receive slots against its partitions and the slots registered before: the
