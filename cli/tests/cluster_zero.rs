@@ -47,23 +47,38 @@ fn local_run(epochs: u32, ckpt: &Path, losses: &Path) -> Vec<(u64, f64)> {
     read_losses(losses)
 }
 
-/// What task `index` says it holds at the end of the job: the bytes of its variable stores
-/// and the peak bytes of its step tensors, both measured by its executor.
-fn held_bytes(stderr: &str, index: usize) -> (usize, usize) {
+/// What a task says, at the end of the job, its executor measured.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    /// Bytes of its variable stores (parameters and optimizer state).
+    variables: usize,
+    /// The most bytes of step tensors it held at once.
+    peak: usize,
+    /// Payload bytes it sent in collectives, as the transport counted them.
+    sent: usize,
+}
+
+/// What task `index` says it holds at the end of the job (see [`Held`]).
+fn held_bytes(stderr: &str, index: usize) -> Held {
     let task = format!("/job:worker/replica:0/task:{index}: holds ");
     let line = stderr
         .lines()
         .find_map(|l| l.split_once(&task).map(|(_, rest)| rest))
         .unwrap_or_else(|| panic!("no `holds … bytes` line for task {index} in:\n{stderr}"));
-    // `4 variables, 28928 bytes; step tensors peaked at 123 bytes`
+    // `13 variables, 28928 bytes; step tensors peaked at 123 bytes; collectives sent 9 bytes`
     let number = |s: &str| -> usize {
         s.trim()
             .trim_end_matches(" bytes")
             .parse()
             .unwrap_or_else(|_| panic!("bad number `{s}` in `{line}`"))
     };
-    let (vars, peak) = line.split_once("; step tensors peaked at ").unwrap();
-    (number(vars.split(", ").nth(1).unwrap()), number(peak))
+    let parts: Vec<&str> = line.split("; ").collect();
+    assert_eq!(parts.len(), 3, "{line}");
+    Held {
+        variables: number(parts[0].split(", ").nth(1).unwrap()),
+        peak: number(parts[1].trim_start_matches("step tensors peaked at ")),
+        sent: number(parts[2].trim_start_matches("collectives sent ")),
+    }
 }
 
 /// Runs digits-adamw for `epochs` epochs on `workers` workers under `strategy` (and
@@ -75,7 +90,7 @@ fn distributed(
     stage: u8,
     epochs: u32,
     ckpt: &Path,
-) -> (Vec<(u64, f64)>, (usize, usize)) {
+) -> (Vec<(u64, f64)>, Held) {
     distributed_run(GRAPH, &digits_args(epochs), workers, strategy, stage, ckpt)
 }
 
@@ -89,7 +104,7 @@ fn distributed_run(
     strategy: &str,
     stage: u8,
     ckpt: &Path,
-) -> (Vec<(u64, f64)>, (usize, usize)) {
+) -> (Vec<(u64, f64)>, Held) {
     let cluster = Cluster::new(0, workers);
     let losses = cluster.path("losses.txt");
     let (losses_s, ckpt_s) = (
@@ -170,7 +185,8 @@ fn zero_equals_one_process(workers: usize, stage: u8) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let (zero_ckpt, local_ckpt) = (dir.path().join("zero"), dir.path().join("local"));
-    let (losses, (bytes, _)) = distributed(workers, "zero", stage, EPOCHS, &zero_ckpt);
+    let (losses, held) = distributed(workers, "zero", stage, EPOCHS, &zero_ckpt);
+    let bytes = held.variables;
     let local_losses = local_run(EPOCHS, &local_ckpt, &dir.path().join("local.txt"));
     let worst = assert_same_losses(&losses, &local_losses, 1e-5);
     eprintln!("ZeRO-{stage} on {workers} workers: worst relative loss difference {worst:e}");
@@ -266,7 +282,8 @@ fn all_reduce_clips_the_summed_gradient_and_holds_the_whole_optimizer_state() {
     // with clipping by global norm (digits-adamw clips at 1.0) it equals one process too.
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let (losses, (bytes, _)) = distributed(2, "allreduce", 1, EPOCHS, &dir.path().join("ar"));
+    let (losses, held) = distributed(2, "allreduce", 1, EPOCHS, &dir.path().join("ar"));
+    let bytes = held.variables;
     assert_eq!(bytes, 12 * 2410 + 8);
     let local = local_run(
         EPOCHS,
@@ -336,28 +353,43 @@ fn a_zero_3_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_an
     saved_at_two_ranks_resumes_anywhere(3);
 }
 
-/// Each rank's variable stores hold, measured by its executor (f32, Ψ = 2,410, N = 2, plus 8
-/// bytes of step count): all-reduce 12Ψ (parameters and Adam state whole), ZeRO-1 and ZeRO-2
-/// 4Ψ + 8Ψ/N, ZeRO-3 12Ψ/N; the gradients are step tensors, released when their last reader
-/// finishes, and ZeRO-3's step tensors (gathered layers included) peak no higher than
-/// all-reduce's.
+/// What each rank holds and sends, measured by its executor and its transport (f32, Ψ = 2,410,
+/// N = 2, 45 steps):
+/// - variable stores (plus 8 bytes of step count): all-reduce 12Ψ (parameters and Adam state
+///   whole), ZeRO-1 and ZeRO-2 4Ψ + 8Ψ/N, ZeRO-3 12Ψ/N; the gradients are step tensors,
+///   released when their last reader finishes, and ZeRO-3's step tensors (gathered layers
+///   included) peak no higher than all-reduce's;
+/// - collective payload bytes per step, the ring formulas with V = 4Ψ: all-reduce
+///   2(N−1)/N·V, ZeRO-1 1.5× that (all-reduce, then all-gather of the parameters), ZeRO-2
+///   2(N−1)/N·V (reduce-scatter + all-gather), ZeRO-3 (N−1)/N·V for the reduce-scatter and
+///   the forward gathers plus (N−1)/N of the parameters the backward pass reads (here `w2`,
+///   320 elements: the first layer's input needs no gradient and an addition's gradient does not
+///   read its bias); plus 4 bytes per scalar all-reduce (the loss; ZeRO's clipping norm).
 #[test]
-fn each_stage_holds_the_variables_of_its_formula() {
+fn each_stage_holds_and_sends_the_bytes_of_its_formula() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let psi = 2410;
+    let (psi, n) = (2410, 2);
+    let v = 4 * psi;
+    let ring = 2 * (n - 1) * v / n;
     let mut peaks = Vec::new();
-    for (strategy, stage, want) in [
-        ("allreduce", 1, 12 * psi),
-        ("zero", 1, 4 * psi + 8 * psi / 2),
-        ("zero", 2, 4 * psi + 8 * psi / 2),
-        ("zero", 3, 12 * psi / 2),
+    for (strategy, stage, variables, sent) in [
+        ("allreduce", 1, 12 * psi, ring + 4),
+        ("zero", 1, 4 * psi + 8 * psi / n, 3 * ring / 2 + 8),
+        ("zero", 2, 4 * psi + 8 * psi / n, ring + 8),
+        ("zero", 3, 12 * psi / n, ring + (n - 1) * 4 * 320 / n + 8),
     ] {
         let ckpt = dir.path().join(format!("{strategy}-{stage}"));
-        let (_, (bytes, peak)) = distributed(2, strategy, stage, 1, &ckpt);
-        eprintln!("{strategy} {stage}: variables {bytes} B, step tensors peak {peak} B");
-        assert_eq!(bytes, want + 8, "{strategy} stage {stage}");
-        peaks.push(peak);
+        let (losses, held) = distributed(n, strategy, stage, 1, &ckpt);
+        eprintln!("{strategy} {stage}: {held:?} over {} steps", losses.len());
+        assert_eq!(held.variables, variables + 8, "{strategy} stage {stage}");
+        assert_eq!(
+            held.sent,
+            sent * losses.len(),
+            "{strategy} stage {stage}: {} steps",
+            losses.len()
+        );
+        peaks.push(held.peak);
     }
     assert!(
         peaks[3] <= peaks[0],
@@ -421,7 +453,11 @@ fn a_memory_limit_refuses_all_reduce_before_step_1_and_zero_3_fits() {
     chief.assert_success();
     let other = other.wait(Duration::from_secs(30));
     other.assert_success();
-    let (bytes, peak) = held_bytes(&other.stderr, 1);
+    let Held {
+        variables: bytes,
+        peak,
+        ..
+    } = held_bytes(&other.stderr, 1);
     assert!(bytes + peak <= 36000, "{bytes} + {peak}");
     let local = local_run(1, &dir.path().join("local"), &dir.path().join("local.txt"));
     assert_same_losses(&losses.unwrap_or_default(), &local, 1e-5);

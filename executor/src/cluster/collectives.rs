@@ -30,6 +30,8 @@ pub struct CollectiveHub {
     shm: bool,
     pending: Mutex<HashMap<String, Pending>>,
     groups: Mutex<HashMap<String, Communicator>>,
+    /// Payload bytes sent in groups left since.
+    left_sent: std::sync::atomic::AtomicU64,
 }
 
 /// A prepared group: its TCP listener, or the shared-memory segment name it published.
@@ -108,6 +110,7 @@ impl CollectiveHub {
             shm: false,
             pending: Mutex::default(),
             groups: Mutex::default(),
+            left_sent: Default::default(),
         }
     }
 
@@ -146,7 +149,19 @@ impl CollectiveHub {
     /// them. An elastic job's survivors leave the old membership's group before joining the new.
     pub fn leave_all(&self) {
         lock(&self.pending).clear();
-        lock(&self.groups).clear();
+        let left: u64 = lock(&self.groups)
+            .drain()
+            .map(|(_, c)| c.bytes_sent())
+            .sum();
+        self.left_sent
+            .fetch_add(left, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Payload bytes this task has sent in collectives (every group, joined or left), as the
+    /// transport counted them.
+    pub fn bytes_sent(&self) -> u64 {
+        let joined: u64 = lock(&self.groups).values().map(|c| c.bytes_sent()).sum();
+        joined + self.left_sent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Connects to the other ranks of `group` as `rank` (blocking, bounded by the timeout).

@@ -219,6 +219,11 @@ impl TaskServer {
         self.env.tracer.as_ref()
     }
 
+    /// Payload bytes this task has sent in collectives.
+    pub fn collective_bytes_sent(&self) -> u64 {
+        self.collectives.bytes_sent()
+    }
+
     /// The accounting of this task's step values.
     pub fn meter(&self) -> Option<&Arc<MemoryMeter>> {
         self.env.meter.as_ref()

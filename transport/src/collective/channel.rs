@@ -156,6 +156,8 @@ pub struct Channel {
     links: Vec<Link>,
     poisoned: Option<CollectiveError>,
     timeout: Duration,
+    /// Payload bytes of the sends completed (headers excluded).
+    sent: u64,
 }
 
 impl fmt::Debug for Channel {
@@ -185,7 +187,14 @@ impl Channel {
             links,
             poisoned: None,
             timeout,
+            sent: 0,
         }
+    }
+
+    /// Payload bytes this rank has sent over the channel (frame headers excluded): what the
+    /// collectives' byte formulas count.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent
     }
 
     /// This rank.
@@ -553,6 +562,7 @@ impl Channel {
     ) -> Result<bool> {
         let total = HEADER_LEN + data.len();
         let glob = call.members[g];
+        let done_before = *sent >= total;
         if *sent == 0 && !self.flush_ctrl(glob).map_err(|e| lost(call, g, e))? {
             return Ok(false);
         }
@@ -581,6 +591,9 @@ impl Channel {
             *sent += n;
         }
         self.links[glob].tx_mid = *sent > 0 && *sent < total;
+        if !done_before && *sent == total {
+            self.sent += data.len() as u64;
+        }
         Ok(*sent == total)
     }
 
