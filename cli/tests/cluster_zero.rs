@@ -461,4 +461,12 @@ fn a_memory_limit_refuses_all_reduce_before_step_1_and_zero_3_fits() {
     assert!(bytes + peak <= 36000, "{bytes} + {peak}");
     let local = local_run(1, &dir.path().join("local"), &dir.path().join("local.txt"));
     assert_same_losses(&losses.unwrap_or_default(), &local, 1e-5);
+    // One process does not account its tasks: the flag is refused there, not ignored.
+    let out = dflow(&["run", "--local", GRAPH, "--memory-limit", limit]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--memory-limit 36000 applies to the tasks of a distributed job"),
+        "{err}"
+    );
 }

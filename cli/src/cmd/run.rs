@@ -210,6 +210,12 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let Some(graph_path) = &args.graph else {
         bail!("--local needs the graph file");
     };
+    if let Some(limit) = args.memory_limit {
+        bail!(
+            "--memory-limit {limit} applies to the tasks of a distributed job (--job/--index, a \
+             launcher, `dflow launch`), not to --local"
+        );
+    }
     let cluster = match &args.cluster {
         Some(p) => ClusterSpec::from_file(p)?,
         None => ClusterSpec::local(&[("ps", 1), ("worker", 1)])?,
