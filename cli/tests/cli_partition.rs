@@ -340,7 +340,7 @@ fn strategy_help_lists_every_strategy_and_unknown_ones_are_refused() {
 }
 
 #[test]
-fn zero_plans_show_each_workers_slot_shards_and_refuse_stage_3_and_sgd() {
+fn zero_plans_show_each_workers_slot_and_parameter_shards_and_refuse_sgd() {
     let zero = |graph: &str, stage: &str| {
         dflow(&[
             "partition",
@@ -365,10 +365,18 @@ fn zero_plans_show_each_workers_slot_shards_and_refuse_stage_3_and_sgd() {
         ),
         "{out}"
     );
-    let err = failure(&zero("examples/digits/digits-adamw.json", "3"));
+    // Stage 3: the parameters are sharded too; no worker holds a whole `w1`. Worker 0
+    // evaluates on every shard, sent to it (a 4096-byte pair from worker 1).
+    let out = stdout(&zero("examples/digits/digits-adamw.json", "3"));
+    assert!(out.contains("ZeRO stage 3 data-parallel training"), "{out}");
     assert!(
-        err.contains("--zero-stage 3 (sharded parameters) is not implemented yet"),
-        "{err}"
+        out.contains("w1/shard_1_of_2 f32[1024] on /job:worker/replica:0/task:1\n"),
+        "{out}"
+    );
+    assert!(!out.contains("w1 f32[64, 32]"), "{out}");
+    assert!(
+        out.contains("4096 B  from /job:worker/replica:0/task:1"),
+        "{out}"
     );
     let o = zero("examples/digits/digits-adamw.json", "4");
     assert_eq!(o.status.code(), Some(2), "a usage error");

@@ -1,7 +1,8 @@
-//! ZeRO (`--strategy zero --zero-stage 1|2`) with real `dflow` processes, workers only: the
-//! losses, the parameters and the Adam state (saved whole) equal a one-process run, each rank's
-//! variable stores hold the parameters plus its 1/N of the optimizer state, and a checkpoint
-//! saved at 2 ranks resumes in one process and at 3 ranks with the uninterrupted run's losses.
+//! ZeRO (`--strategy zero --zero-stage 1|2|3`) with real `dflow` processes, workers only: the
+//! losses, the parameters and the Adam state (saved whole) equal a one-process run on the digits
+//! MLP and on a small GPT, each rank's variable stores hold the parameters (stage 3: its 1/N of
+//! them) plus its 1/N of the optimizer state, and a checkpoint saved at 2 ranks resumes in one
+//! process and at 3 or 4 ranks with the uninterrupted run's losses.
 
 mod support;
 
@@ -46,28 +47,64 @@ fn local_run(epochs: u32, ckpt: &Path, losses: &Path) -> Vec<(u64, f64)> {
     read_losses(losses)
 }
 
-/// The bytes task `index` says its variable stores hold at the end of the job.
-fn held_bytes(stderr: &str, index: usize) -> usize {
+/// What a task says, at the end of the job, its executor measured.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    /// Bytes of its variable stores (parameters and optimizer state).
+    variables: usize,
+    /// The most bytes of step tensors it held at once.
+    peak: usize,
+    /// Payload bytes it sent in collectives, as the transport counted them.
+    sent: usize,
+}
+
+/// What task `index` says it holds at the end of the job (see [`Held`]).
+fn held_bytes(stderr: &str, index: usize) -> Held {
     let task = format!("/job:worker/replica:0/task:{index}: holds ");
-    stderr
+    let line = stderr
         .lines()
         .find_map(|l| l.split_once(&task).map(|(_, rest)| rest))
-        .and_then(|rest| rest.split(", ").nth(1))
-        .and_then(|b| b.strip_suffix(" bytes"))
-        .and_then(|b| b.parse().ok())
-        .unwrap_or_else(|| panic!("no `holds … bytes` line for task {index} in:\n{stderr}"))
+        .unwrap_or_else(|| panic!("no `holds … bytes` line for task {index} in:\n{stderr}"));
+    // `13 variables, 28928 bytes; step tensors peaked at 123 bytes; collectives sent 9 bytes`
+    let number = |s: &str| -> usize {
+        s.trim()
+            .trim_end_matches(" bytes")
+            .parse()
+            .unwrap_or_else(|_| panic!("bad number `{s}` in `{line}`"))
+    };
+    let parts: Vec<&str> = line.split("; ").collect();
+    assert_eq!(parts.len(), 3, "{line}");
+    Held {
+        variables: number(parts[0].split(", ").nth(1).unwrap()),
+        peak: number(parts[1].trim_start_matches("step tensors peaked at ")),
+        sent: number(parts[2].trim_start_matches("collectives sent ")),
+    }
 }
 
 /// Runs digits-adamw for `epochs` epochs on `workers` workers under `strategy` (and
 /// `--zero-stage stage`), checkpointing to (and resuming from) `ckpt`; returns the chief's
-/// losses and the bytes worker 1 holds at the end.
+/// losses and worker 1's variable bytes and peak step-tensor bytes at the end.
 fn distributed(
     workers: usize,
     strategy: &str,
     stage: u8,
     epochs: u32,
     ckpt: &Path,
-) -> (Vec<(u64, f64)>, usize) {
+) -> (Vec<(u64, f64)>, Held) {
+    distributed_run(GRAPH, &digits_args(epochs), workers, strategy, stage, ckpt)
+}
+
+/// Runs `graph` with `flags` on `workers` workers under `strategy` (and `--zero-stage
+/// stage`), checkpointing to (and resuming from) `ckpt`; returns the chief's losses and worker
+/// 1's variable bytes and peak step-tensor bytes at the end.
+fn distributed_run(
+    graph: &str,
+    flags: &[String],
+    workers: usize,
+    strategy: &str,
+    stage: u8,
+    ckpt: &Path,
+) -> (Vec<(u64, f64)>, Held) {
     let cluster = Cluster::new(0, workers);
     let losses = cluster.path("losses.txt");
     let (losses_s, ckpt_s) = (
@@ -75,7 +112,7 @@ fn distributed(
         ckpt.to_string_lossy().into_owned(),
     );
     let stage_s = stage.to_string();
-    let mut common: Vec<String> = digits_args(epochs);
+    let mut common: Vec<String> = flags.to_vec();
     common.extend(["--strategy".into(), strategy.into()]);
     if strategy == "zero" {
         common.extend(["--zero-stage".into(), stage_s]);
@@ -85,7 +122,7 @@ fn distributed(
     let tasks: Vec<Task> = (1..workers)
         .map(|i| Task::start_with_env(&cluster, "worker", i, &common, &env))
         .collect();
-    let mut chief_args = vec![GRAPH];
+    let mut chief_args = vec![graph];
     chief_args.extend(common.iter().copied());
     chief_args.extend(["--losses-out", &losses_s, "--checkpoint-dir", &ckpt_s]);
     let chief = Task::start_with_env(&cluster, "worker", 0, &chief_args, &env).wait(LIMIT);
@@ -113,19 +150,11 @@ fn assert_close(name: &str, got: &[f64], want: &[f64], tol: f64, floor: f64) {
     }
 }
 
-/// ZeRO stage `stage` on `workers` workers against one process: losses and parameters equal
-/// within 1e-5, the Adam slots (saved whole, gathered from the shards) equal too, and worker 1
-/// holding 4Ψ (parameters) + 8·ΣS (its m and v shards, S = ⌈len/N⌉ per parameter) + 8 (the
-/// step count).
-fn zero_equals_one_process(workers: usize, stage: u8) {
-    let _serial = serial();
-    let dir = tempfile::tempdir().unwrap();
-    let (zero_ckpt, local_ckpt) = (dir.path().join("zero"), dir.path().join("local"));
-    let (losses, bytes) = distributed(workers, "zero", stage, EPOCHS, &zero_ckpt);
-    let local_losses = local_run(EPOCHS, &local_ckpt, &dir.path().join("local.txt"));
-    let worst = assert_same_losses(&losses, &local_losses, 1e-5);
-    eprintln!("ZeRO-{stage} on {workers} workers: worst relative loss difference {worst:e}");
-    let (ckpt, local) = (newest(&zero_ckpt), newest(&local_ckpt));
+/// The checkpoints of a ZeRO job and of one process hold the same tensors under the same names
+/// and shapes, equal within 1e-5 (parameters) and 1e-4 of their largest magnitude (the Adam
+/// moments, saved whole, gathered from the shards).
+fn assert_same_state(zero_ckpt: &Path, local_ckpt: &Path) {
+    let (ckpt, local) = (newest(zero_ckpt), newest(local_ckpt));
     // The same tensors under the same names and shapes as the one-process checkpoint.
     assert_eq!(
         ckpt.iter()
@@ -136,21 +165,37 @@ fn zero_equals_one_process(workers: usize, stage: u8) {
             .map(|(k, t)| (k.clone(), t.dims().to_vec()))
             .collect::<Vec<_>>()
     );
-    for (name, _) in PARAMS {
-        let want = local[name].to_f64_vec();
-        assert_close(name, &ckpt[name].to_f64_vec(), &want, 1e-5, 1.0);
-        for slot in ["adam_m", "adam_v"] {
+    for (name, t) in &local {
+        let want = t.to_f64_vec();
+        if name.ends_with("/adam_m") || name.ends_with("/adam_v") {
             // The moments of the summed gradient: equal to 1e-4 of their largest magnitude.
-            let logical = format!("{name}/{slot}");
-            let want = local[&logical].to_f64_vec();
             let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-            assert_close(&logical, &ckpt[&logical].to_f64_vec(), &want, 1e-4, scale);
+            assert_close(name, &ckpt[name].to_f64_vec(), &want, 1e-4, scale);
+        } else {
+            assert_close(name, &ckpt[name].to_f64_vec(), &want, 1e-5, 1.0);
         }
     }
+}
+
+/// ZeRO stage `stage` on `workers` workers against one process: losses and parameters equal
+/// within 1e-5, the Adam slots equal too, and worker 1 holding the parameters (4Ψ; stage 3:
+/// 4·ΣS, its shards, S = ⌈len/N⌉ per parameter) + 8·ΣS (its m and v shards) + 8 (the step
+/// count), measured on its variable stores.
+fn zero_equals_one_process(workers: usize, stage: u8) {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (zero_ckpt, local_ckpt) = (dir.path().join("zero"), dir.path().join("local"));
+    let (losses, held) = distributed(workers, "zero", stage, EPOCHS, &zero_ckpt);
+    let bytes = held.variables;
+    let local_losses = local_run(EPOCHS, &local_ckpt, &dir.path().join("local.txt"));
+    let worst = assert_same_losses(&losses, &local_losses, 1e-5);
+    eprintln!("ZeRO-{stage} on {workers} workers: worst relative loss difference {worst:e}");
+    assert_same_state(&zero_ckpt, &local_ckpt);
     let psi: usize = PARAMS.iter().map(|(_, n)| n).sum();
     assert_eq!(psi, 2410);
     let shards: usize = PARAMS.iter().map(|(_, n)| n.div_ceil(workers)).sum();
-    assert_eq!(bytes, 4 * psi + 8 * shards + 8, "worker 1's variable bytes");
+    let params = if stage == 3 { 4 * shards } else { 4 * psi };
+    assert_eq!(bytes, params + 8 * shards + 8, "worker 1's variable bytes");
 }
 
 #[test]
@@ -169,12 +214,76 @@ fn zero_stage_2_on_three_workers_with_padded_shards_trains_like_one_process() {
 }
 
 #[test]
+fn zero_stage_3_on_two_workers_trains_like_one_process() {
+    zero_equals_one_process(2, 3);
+}
+
+#[test]
+fn zero_stage_3_on_four_workers_with_padded_shards_trains_like_one_process() {
+    zero_equals_one_process(4, 3);
+}
+
+/// The flags of the GPT runs: 6 steps of 8 windows of the bundled Shakespeare.
+fn gpt_flags() -> Vec<String> {
+    [
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "8",
+        "--steps",
+        "6",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn zero_stages_1_2_3_train_a_small_gpt_like_one_process_on_two_and_four_workers() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let graph = small_gpt(dir.path(), 2);
+    let graph_s = graph.to_string_lossy().into_owned();
+    let local_ckpt = dir.path().join("local");
+    let losses = dir.path().join("local.txt");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(["run", "--local", &graph_s])
+        .args(gpt_flags())
+        .arg("--losses-out")
+        .arg(&losses)
+        .arg("--checkpoint-dir")
+        .arg(&local_ckpt)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let local = read_losses(&losses);
+    assert_eq!(local.len(), 6);
+    for (workers, stage) in [(2, 3), (4, 3), (2, 1), (4, 2)] {
+        let ckpt = dir.path().join(format!("zero-{workers}-{stage}"));
+        let (job, _) = distributed_run(&graph_s, &gpt_flags(), workers, "zero", stage, &ckpt);
+        let worst = assert_same_losses(&job, &local, 1e-5);
+        eprintln!("GPT, ZeRO-{stage} on {workers} workers: worst relative difference {worst:e}");
+        assert_same_state(&ckpt, &local_ckpt);
+    }
+}
+
+#[test]
 fn all_reduce_clips_the_summed_gradient_and_holds_the_whole_optimizer_state() {
     // The baseline ZeRO is measured against: 4Ψ parameters + 8Ψ Adam state + the step count;
     // with clipping by global norm (digits-adamw clips at 1.0) it equals one process too.
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
-    let (losses, bytes) = distributed(2, "allreduce", 1, EPOCHS, &dir.path().join("ar"));
+    let (losses, held) = distributed(2, "allreduce", 1, EPOCHS, &dir.path().join("ar"));
+    let bytes = held.variables;
     assert_eq!(bytes, 12 * 2410 + 8);
     let local = local_run(
         EPOCHS,
@@ -184,8 +293,27 @@ fn all_reduce_clips_the_summed_gradient_and_holds_the_whole_optimizer_state() {
     assert_same_losses(&losses, &local, 1e-5);
 }
 
-#[test]
-fn a_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_ranks() {
+/// Copies the checkpoint directory `from` to a new directory `to`.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Asserts a resumed run continues the uninterrupted one: the same steps (the step count
+/// continues), the first resumed loss within 1e-6, the rest within 1e-5.
+fn assert_resumes(name: &str, resumed: &[(u64, f64)], rest: &[(u64, f64)]) {
+    let first = assert_same_losses(&resumed[..1], &rest[..1], 1e-6);
+    assert_same_losses(resumed, rest, 1e-5);
+    eprintln!("{name}: first resumed step {} within {first:e}", rest[0].0);
+}
+
+/// A ZeRO-`stage` checkpoint saved at 2 ranks after `EPOCHS - 1` epochs resumes in one process
+/// (no strategy), at 3 ranks under ZeRO-1 and at 4 ranks under ZeRO-3, each continuing the
+/// uninterrupted one-process run (the step count, the Adam state, the data order).
+fn saved_at_two_ranks_resumes_anywhere(stage: u8) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let uninterrupted = local_run(
@@ -194,18 +322,151 @@ fn a_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_ranks() {
         &dir.path().join("full.txt"),
     );
     let saved = dir.path().join("saved");
-    distributed(2, "zero", 2, EPOCHS - 1, &saved);
-    let copy = dir.path().join("copy");
-    std::fs::create_dir(&copy).unwrap();
-    for e in std::fs::read_dir(&saved).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), copy.join(e.file_name())).unwrap();
-    }
+    distributed(2, "zero", stage, EPOCHS - 1, &saved);
+    let (three_dir, four_dir) = (dir.path().join("three"), dir.path().join("four"));
+    copy_dir(&saved, &three_dir);
+    copy_dir(&saved, &four_dir);
     let rest = &uninterrupted[45 * (EPOCHS as usize - 1)..];
     // One process, no strategy.
     let local = local_run(EPOCHS, &saved, &dir.path().join("resumed-local.txt"));
-    assert_same_losses(&local, rest, 1e-5);
+    assert_resumes(&format!("ZeRO-{stage} at 2 → one process"), &local, rest);
     // Three ranks, ZeRO-1.
-    let (three, _) = distributed(3, "zero", 1, EPOCHS, &copy);
-    assert_same_losses(&three, rest, 1e-5);
+    let (three, _) = distributed(3, "zero", 1, EPOCHS, &three_dir);
+    assert_resumes(&format!("ZeRO-{stage} at 2 → ZeRO-1 at 3"), &three, rest);
+    // Four ranks, ZeRO-3 (padded shards).
+    let (four, _) = distributed(4, "zero", 3, EPOCHS, &four_dir);
+    assert_resumes(&format!("ZeRO-{stage} at 2 → ZeRO-3 at 4"), &four, rest);
+}
+
+#[test]
+fn a_zero_1_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
+    saved_at_two_ranks_resumes_anywhere(1);
+}
+
+#[test]
+fn a_zero_2_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
+    saved_at_two_ranks_resumes_anywhere(2);
+}
+
+#[test]
+fn a_zero_3_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_and_four_ranks() {
+    saved_at_two_ranks_resumes_anywhere(3);
+}
+
+/// What each rank holds and sends, measured by its executor and its transport (f32, Ψ = 2,410,
+/// N = 2, 45 steps):
+/// - variable stores (plus 8 bytes of step count): all-reduce 12Ψ (parameters and Adam state
+///   whole), ZeRO-1 and ZeRO-2 4Ψ + 8Ψ/N, ZeRO-3 12Ψ/N; the gradients are step tensors,
+///   released when their last reader finishes, and ZeRO-3's step tensors (gathered layers
+///   included) peak no higher than all-reduce's;
+/// - collective payload bytes per step, the ring formulas with V = 4Ψ: all-reduce
+///   2(N−1)/N·V, ZeRO-1 1.5× that (all-reduce, then all-gather of the parameters), ZeRO-2
+///   2(N−1)/N·V (reduce-scatter + all-gather), ZeRO-3 (N−1)/N·V for the reduce-scatter and
+///   the forward gathers plus (N−1)/N of the parameters the backward pass reads (here `w2`,
+///   320 elements: the first layer's input needs no gradient and an addition's gradient does not
+///   read its bias); plus 4 bytes per scalar all-reduce (the loss; ZeRO's clipping norm).
+#[test]
+fn each_stage_holds_and_sends_the_bytes_of_its_formula() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let (psi, n) = (2410, 2);
+    let v = 4 * psi;
+    let ring = 2 * (n - 1) * v / n;
+    let mut peaks = Vec::new();
+    for (strategy, stage, variables, sent) in [
+        ("allreduce", 1, 12 * psi, ring + 4),
+        ("zero", 1, 4 * psi + 8 * psi / n, 3 * ring / 2 + 8),
+        ("zero", 2, 4 * psi + 8 * psi / n, ring + 8),
+        ("zero", 3, 12 * psi / n, ring + (n - 1) * 4 * 320 / n + 8),
+    ] {
+        let ckpt = dir.path().join(format!("{strategy}-{stage}"));
+        let (losses, held) = distributed(n, strategy, stage, 1, &ckpt);
+        eprintln!("{strategy} {stage}: {held:?} over {} steps", losses.len());
+        assert_eq!(held.variables, variables + 8, "{strategy} stage {stage}");
+        assert_eq!(
+            held.sent,
+            sent * losses.len(),
+            "{strategy} stage {stage}: {} steps",
+            losses.len()
+        );
+        peaks.push(held.peak);
+    }
+    assert!(
+        peaks[3] <= peaks[0],
+        "ZeRO-3 {} vs all-reduce {}",
+        peaks[3],
+        peaks[0]
+    );
+}
+
+/// `--memory-limit`: the same model and limit are refused up front under all-reduce (its
+/// variables and largest step tensor do not fit; the error names the biggest consumers and
+/// ZeRO-3) and train under ZeRO-3 like one process.
+#[test]
+fn a_memory_limit_refuses_all_reduce_before_step_1_and_zero_3_fits() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let limit = "36000";
+    let run = |strategy: &str, stage: Option<&str>| {
+        let cluster = Cluster::new(0, 2);
+        let losses = cluster.path("losses.txt");
+        let losses_s = losses.to_string_lossy().into_owned();
+        let mut common: Vec<&str> = vec![
+            "--data",
+            "examples/data/digits.csv.gz",
+            "--epochs",
+            "1",
+            "--quiet",
+            "--memory-limit",
+            limit,
+            "--strategy",
+            strategy,
+        ];
+        if let Some(s) = stage {
+            common.extend(["--zero-stage", s]);
+        }
+        let env = [("DFLOW_LOG", "warn,dflow_executor::cluster::node=info")];
+        let other = Task::start_with_env(&cluster, "worker", 1, &common, &env);
+        let mut chief_args = vec![GRAPH];
+        chief_args.extend(common.iter().copied());
+        chief_args.extend(["--losses-out", &losses_s]);
+        let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
+        let losses = losses.exists().then(|| read_losses(&losses));
+        // The cluster's directory holds the tasks' logs: it lives as long as they are read.
+        (chief, other, losses, cluster)
+    };
+    let (chief, other, losses, _cluster) = run("allreduce", None);
+    other.kill();
+    chief.assert_failure_naming("cannot fit in --memory-limit 36000 bytes");
+    for what in [
+        "`w1` 8192 B",
+        "`w1/adam_m` 8192 B",
+        "--strategy zero --zero-stage 3",
+    ] {
+        chief.assert_failure_naming(what);
+    }
+    assert!(
+        losses.as_ref().map_or(true, Vec::is_empty),
+        "no step ran: {losses:?}"
+    );
+    let (chief, other, losses, _cluster) = run("zero", Some("3"));
+    chief.assert_success();
+    let other = other.wait(Duration::from_secs(30));
+    other.assert_success();
+    let Held {
+        variables: bytes,
+        peak,
+        ..
+    } = held_bytes(&other.stderr, 1);
+    assert!(bytes + peak <= 36000, "{bytes} + {peak}");
+    let local = local_run(1, &dir.path().join("local"), &dir.path().join("local.txt"));
+    assert_same_losses(&losses.unwrap_or_default(), &local, 1e-5);
+    // One process does not account its tasks: the flag is refused there, not ignored.
+    let out = dflow(&["run", "--local", GRAPH, "--memory-limit", limit]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--memory-limit 36000 applies to the tasks of a distributed job"),
+        "{err}"
+    );
 }

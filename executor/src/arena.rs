@@ -21,6 +21,8 @@ pub(crate) struct StepArrays {
     pub(crate) pending: Box<[AtomicU32]>,
     /// Per output slot, its value once produced.
     pub(crate) values: ValueSlots,
+    /// Per counted slot (see [`crate::plan::Release`]), the reads left.
+    pub(crate) reads: Box<[AtomicU32]>,
 }
 
 /// Spare [`StepArrays`] of one plan.
@@ -37,12 +39,20 @@ impl fmt::Debug for Arena {
 }
 
 impl Arena {
-    /// Arrays for a new step: pending counts set to `initial`, `num_slots` empty slots.
-    pub(crate) fn take(&self, initial: &[u32], num_slots: usize) -> StepArrays {
+    /// Arrays for a new step: pending counts set to `initial`, `num_slots` empty slots, read
+    /// counts set to `reads`.
+    pub(crate) fn take(&self, initial: &[u32], num_slots: usize, reads: &[u32]) -> StepArrays {
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
         match spare {
-            Some(mut a) if a.pending.len() == initial.len() && a.values.len() == num_slots => {
+            Some(mut a)
+                if a.pending.len() == initial.len()
+                    && a.values.len() == num_slots
+                    && a.reads.len() == reads.len() =>
+            {
                 for (p, &c) in a.pending.iter_mut().zip(initial) {
+                    *p.get_mut() = c;
+                }
+                for (p, &c) in a.reads.iter_mut().zip(reads) {
                     *p.get_mut() = c;
                 }
                 a
@@ -50,6 +60,7 @@ impl Arena {
             _ => StepArrays {
                 pending: initial.iter().map(|&c| AtomicU32::new(c)).collect(),
                 values: ValueSlots::new(num_slots),
+                reads: reads.iter().map(|&c| AtomicU32::new(c)).collect(),
             },
         }
     }
@@ -74,13 +85,13 @@ mod tests {
     #[test]
     fn recycled_arrays_start_like_new_ones() {
         let arena = Arena::default();
-        let a = arena.take(&[0, 2, 1], 2);
+        let a = arena.take(&[0, 2, 1], 2, &[]);
         a.pending[1].fetch_sub(2, Ordering::AcqRel);
         // SAFETY: one thread, the only user of slot 0.
         unsafe { a.values.outputs_mut(0, 1)[0] = Some(Tensor::scalar(1.0f32)) };
         let ptr = a.pending.as_ptr();
         arena.give_back(a);
-        let b = arena.take(&[0, 2, 1], 2);
+        let b = arena.take(&[0, 2, 1], 2, &[]);
         assert_eq!(b.pending.as_ptr(), ptr, "the same arrays, reused");
         let counts: Vec<u32> = b
             .pending
@@ -92,7 +103,7 @@ mod tests {
         assert!((0..2).all(|k| unsafe { b.values.get(k) }.is_none()));
         // Arrays of another size are not reused.
         arena.give_back(b);
-        let c = arena.take(&[0], 1);
+        let c = arena.take(&[0], 1, &[]);
         assert_eq!((c.pending.len(), c.values.len()), (1, 1));
     }
 }

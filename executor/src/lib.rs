@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod cluster;
 pub mod data;
 pub mod error;
+pub mod memory;
 pub mod npy;
 pub mod plan;
 mod run;
@@ -19,6 +20,7 @@ pub mod trainer;
 pub mod variables;
 
 pub use error::ExecError;
+pub use memory::MemoryMeter;
 pub use plan::ExecutionPlan;
 pub use session::{Session, SessionOptions};
 pub use trace::Tracer;

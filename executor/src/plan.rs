@@ -76,6 +76,18 @@ fn is_cheap(op: &OpDef, inputs: &[&TensorType], outputs: &[TensorType]) -> bool 
     total <= CHEAP_ELEMENTS
 }
 
+/// When a step drops the value in one slot, so that a big intermediate tensor (a gathered
+/// parameter, an activation) does not stay resident until the step ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Kept until the step ends (a bound constant, or a value nobody reads in the step).
+    AtEnd,
+    /// Read once: dropped when that read's node finishes.
+    AfterOnlyRead,
+    /// Read several times: counter `i` of the step counts the reads left.
+    Counted(u32),
+}
+
 /// A partition compiled for execution on one device.
 #[derive(Debug)]
 pub struct ExecutionPlan {
@@ -99,6 +111,11 @@ pub struct ExecutionPlan {
     /// `input_slots[input_start[n]..input_start[n + 1]]`: the value slot of each data input.
     input_start: Vec<u32>,
     input_slots: Vec<u32>,
+    /// Per value slot, how its value is released once its consumers are done (see
+    /// [`Release`]).
+    pub(crate) release: Vec<Release>,
+    /// Per counted slot (`Release::Counted(i)`), how many reads it starts each step with.
+    pub(crate) release_counts: Vec<u32>,
     /// The per-step arrays, recycled across steps.
     pub(crate) arena: Arena,
 }
@@ -284,6 +301,8 @@ impl ExecutionPlan {
             .filter(|&i| initial_pending[i as usize] == 0 && !is_constant[i as usize])
             .collect();
         let num_scheduled = nodes.len() - constants.len();
+        let (release, release_counts) =
+            release_rules(&node_inputs, &is_constant, &output_base, num_slots as usize);
         let (succ_start, successors) = flatten(&node_successors);
         let (input_start, input_slots) = flatten(&node_inputs);
         Ok(ExecutionPlan {
@@ -300,6 +319,8 @@ impl ExecutionPlan {
             successors,
             input_start,
             input_slots,
+            release,
+            release_counts,
             arena: Arena::default(),
         })
     }
@@ -338,6 +359,43 @@ impl ExecutionPlan {
             })
             .collect()
     }
+}
+
+/// Per slot, when its value is released (see [`Release`]), and the starting read counts of the
+/// counted ones. A bound constant's slot is kept (it is rebound every step).
+fn release_rules(
+    node_inputs: &[Vec<u32>],
+    is_constant: &[bool],
+    output_base: &[u32],
+    num_slots: usize,
+) -> (Vec<Release>, Vec<u32>) {
+    let mut reads = vec![0u32; num_slots];
+    for inputs in node_inputs {
+        for &slot in inputs {
+            reads[slot as usize] += 1;
+        }
+    }
+    let mut constant = vec![false; num_slots];
+    for (node, &bound) in is_constant.iter().enumerate() {
+        if bound {
+            constant[output_base[node] as usize] = true;
+        }
+    }
+    let mut counts = Vec::new();
+    let release = reads
+        .iter()
+        .zip(&constant)
+        .map(|(&n, &c)| match n {
+            _ if c => Release::AtEnd,
+            0 => Release::AtEnd,
+            1 => Release::AfterOnlyRead,
+            n => {
+                counts.push(n);
+                Release::Counted(counts.len() as u32 - 1)
+            }
+        })
+        .collect();
+    (release, counts)
 }
 
 /// Concatenates `lists` into one array and the offsets of each list (with a final end offset).

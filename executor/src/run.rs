@@ -2,6 +2,7 @@
 //! in-process [`Session`](crate::Session) and a cluster task's server.
 
 use crate::error::ExecError;
+use crate::memory::MemoryMeter;
 use crate::plan::ExecutionPlan;
 use crate::step::start_step;
 use crate::trace::Tracer;
@@ -39,6 +40,8 @@ pub(crate) struct StepEnv {
     pub timeout: Duration,
     /// The collective groups this process joined, for collective kernels.
     pub collectives: Option<Arc<dyn Collectives>>,
+    /// The accounting of step values, when on.
+    pub meter: Option<Arc<MemoryMeter>>,
 }
 
 enum Event {
@@ -72,10 +75,7 @@ pub(crate) fn run_plans(
         start_step(
             plan.clone(),
             step,
-            env.rendezvous.clone(),
-            env.pool.clone(),
-            env.tracer.clone(),
-            env.collectives.clone(),
+            env,
             Box::new(move |r| {
                 let _ = tx.send(Event::DeviceDone(r));
             }),

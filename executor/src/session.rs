@@ -117,8 +117,14 @@ impl Session {
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
                 collectives: None,
+                meter: None,
             },
         })
+    }
+
+    /// Counts the tensors of every later step against `meter` (see [`crate::memory`]).
+    pub fn set_memory_meter(&mut self, meter: Arc<crate::memory::MemoryMeter>) {
+        self.env.meter = Some(meter);
     }
 
     /// The placed graph.
@@ -366,6 +372,34 @@ mod tests {
     use dflow_graph::builder::GraphBuilder;
     use dflow_graph::DType;
     use std::time::Instant;
+
+    #[test]
+    fn a_value_is_dropped_when_its_last_reader_finishes() {
+        // w → a → b → c (each 64 Ki f32 = 256 KiB), c fetched: with each value dropped after
+        // its reader, at most two are held at once; kept to the end of the step, three.
+        let mut b = GraphBuilder::new();
+        b.with_device("/job:worker/task:0", |b| {
+            let w = b.variable("w", DType::F32, &[256, 256], "ones");
+            let a = b.unary("Neg", "a", &w);
+            let x = b.unary("Neg", "b", &a);
+            b.unary("Neg", "c", &x);
+        });
+        let cluster = ClusterSpec::local(&[("worker", 1)]).unwrap();
+        let mut s = Session::new(b.build().unwrap(), cluster, SessionOptions::default()).unwrap();
+        let meter = Arc::new(crate::memory::MemoryMeter::new(None));
+        s.set_memory_meter(meter.clone());
+        for _ in 0..3 {
+            let out = s.run(&[], &["c"], &[]).unwrap();
+            assert_eq!(out[0].as_slice::<f32>().unwrap()[0], -1.0);
+        }
+        let one = 256 * 256 * 4;
+        assert_eq!(meter.peak(), 2 * one, "the variable's value is not counted");
+        assert_eq!(
+            meter.live(),
+            0,
+            "every value released at the end of the step"
+        );
+    }
 
     #[test]
     fn a_recv_that_never_arrives_times_out_naming_the_key_and_the_producer() {

@@ -74,6 +74,20 @@ impl ValueSlots {
         unsafe { (*self.cells[k].get()).as_ref() }
     }
 
+    /// Takes the value out of slot `k` (its last reader finished). Panics when `k` is out of
+    /// range.
+    ///
+    /// # Safety
+    ///
+    /// Slot `k`'s producer and every node that reads `k` in this step have finished, and their
+    /// accesses happen before this call (the caller holds the last of the read counts); nothing
+    /// reads or writes `k` again in this step.
+    #[inline]
+    pub(crate) unsafe fn take(&self, k: usize) -> Option<Tensor> {
+        // SAFETY: the caller guarantees exclusive access to this cell from now on.
+        unsafe { (*self.cells[k].get()).take() }
+    }
+
     /// Slots `base..base + n`, writable. Panics when the range is out of bounds.
     ///
     /// # Safety

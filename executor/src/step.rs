@@ -26,7 +26,9 @@
 
 use crate::arena::StepArrays;
 use crate::error::ExecError;
-use crate::plan::{ExecutionPlan, NodeAction};
+use crate::memory::MemoryMeter;
+use crate::plan::{ExecutionPlan, NodeAction, Release};
+use crate::run::StepEnv;
 use crate::slots::ValueSlots;
 use crate::trace::{TraceEvent, Tracer};
 use dflow_graph::kernel::{Collectives, KernelContext, OutputMemory};
@@ -66,42 +68,50 @@ pub(crate) struct StepState {
     share: bool,
     tracer: Option<Arc<Tracer>>,
     collectives: Option<Arc<dyn Collectives>>,
+    /// Per counted slot, the reads left (see [`Release`]).
+    reads: Box<[AtomicU32]>,
+    /// The task's accounting of step values, when on.
+    meter: Option<Arc<MemoryMeter>>,
+    /// With a meter: per slot, the bytes counted for its value (0: not counted).
+    counted: Box<[AtomicUsize]>,
 }
 
 /// Starts `step` of `plan`; returns immediately. `done` runs once when every node has finished
 /// or been skipped.
-pub(crate) fn start_step(
-    plan: Arc<ExecutionPlan>,
-    step: u64,
-    rendezvous: Arc<dyn Rendezvous>,
-    pool: Arc<rayon::ThreadPool>,
-    tracer: Option<Arc<Tracer>>,
-    collectives: Option<Arc<dyn Collectives>>,
-    done: StepDone,
-) {
+pub(crate) fn start_step(plan: Arc<ExecutionPlan>, step: u64, env: &StepEnv, done: StepDone) {
     let n = plan.num_scheduled;
     if n == 0 {
         done(Ok(()));
         return;
     }
-    let mut arrays = plan.arena.take(&plan.initial_pending, plan.num_slots);
+    let mut arrays = plan
+        .arena
+        .take(&plan.initial_pending, plan.num_slots, &plan.release_counts);
+    let meter = env.meter.clone();
+    let counted = match meter {
+        Some(_) => (0..plan.num_slots).map(|_| AtomicUsize::new(0)).collect(),
+        None => Box::default(),
+    };
     for (slot, value) in &plan.constants {
         arrays.values.set(*slot as usize, value.clone());
     }
     let state = Arc::new(StepState {
         pending: arrays.pending,
         values: arrays.values,
+        reads: arrays.reads,
+        meter,
+        counted,
         outstanding: AtomicUsize::new(n),
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
         done: Mutex::new(Some(done)),
-        share: pool.current_num_threads() > 1,
+        share: env.pool.current_num_threads() > 1,
         plan,
         step,
-        rendezvous,
-        pool,
-        tracer,
-        collectives,
+        rendezvous: env.rendezvous.clone(),
+        pool: env.pool.clone(),
+        tracer: env.tracer.clone(),
+        collectives: env.collectives.clone(),
     });
     let plan = state.plan.clone();
     let (cheap, expensive): (Vec<u32>, Vec<u32>) =
@@ -117,9 +127,13 @@ pub(crate) fn start_step(
 impl Drop for StepState {
     /// Hands the step's arrays back to the plan (emptied) for a later step.
     fn drop(&mut self) {
+        if let Some(m) = &self.meter {
+            m.sub(self.counted.iter().map(|c| c.load(Ordering::Relaxed)).sum());
+        }
         self.plan.arena.give_back(StepArrays {
             pending: std::mem::take(&mut self.pending),
             values: std::mem::replace(&mut self.values, ValueSlots::new(0)),
+            reads: std::mem::take(&mut self.reads),
         });
     }
 }
@@ -189,11 +203,14 @@ impl<'s> Runner<'s> {
         self.state.retire(self.completed);
     }
 
-    /// Node `n` has finished: notifies its successors.
+    /// Node `n` has finished: releases the inputs it read last and notifies its successors.
     #[inline]
     fn finish(&mut self, n: u32) {
         self.completed += 1;
         let plan = &*self.state.plan;
+        for &slot in plan.input_slots(n) {
+            self.state.read_done(slot);
+        }
         for &s in plan.successors(n) {
             if plan.initial_pending[s as usize] == 1 {
                 self.ready(s); // `n` was all it waited for
@@ -278,6 +295,61 @@ impl<'s> Runner<'s> {
 }
 
 impl StepState {
+    /// A node that read `slot` finished: the value is dropped when that was its last read.
+    #[inline]
+    fn read_done(&self, slot: u32) {
+        let last = match self.plan.release[slot as usize] {
+            Release::AtEnd => false,
+            Release::AfterOnlyRead => true,
+            // AcqRel: every other reader's reads happen before the last reader's take.
+            Release::Counted(i) => self.reads[i as usize].fetch_sub(1, Ordering::AcqRel) == 1,
+        };
+        if !last {
+            return;
+        }
+        // SAFETY: the producer of `slot` and every node reading it in this step have finished
+        // (this is the last read, ordered after the others by the count above, and a reader
+        // runs after the producer); nothing touches the slot again in this step.
+        drop(unsafe { self.values.take(slot as usize) });
+        if let Some(m) = &self.meter {
+            m.sub(self.counted[slot as usize].swap(0, Ordering::Relaxed));
+        }
+    }
+
+    /// Counts the new values of node `n` (outputs `base..base + k`, read from `outputs`)
+    /// against the meter, unless they share an input's buffer or are a variable's value.
+    fn count_outputs(&self, n: u32, inputs: &[&Tensor], outputs: &[Option<Tensor>]) {
+        let Some(m) = &self.meter else {
+            return;
+        };
+        let node = &self.plan.nodes[n as usize];
+        if !node.variables.is_empty() && matches!(node.op, "Variable" | "ReadVariable") {
+            return;
+        }
+        let mut total = 0;
+        for (k, t) in outputs.iter().enumerate() {
+            let Some(t) = t else { continue };
+            let ptr = t.data_ptr();
+            if inputs.iter().any(|i| i.data_ptr() == ptr) {
+                continue;
+            }
+            let bytes = t.byte_len();
+            self.counted[node.output_base as usize + k].store(bytes, Ordering::Relaxed);
+            total += bytes;
+        }
+        if let Err(over) = m.add(total) {
+            self.fail(ExecError::Kernel {
+                node: node.name.clone(),
+                op: node.op.to_string(),
+                device: self.plan.device_label.clone(),
+                message: format!(
+                    "the step's tensors would take {} bytes on this task, past --memory-limit {}",
+                    over.live, over.limit
+                ),
+            });
+        }
+    }
+
     /// Runs `ready` (and what they make ready) in a new pool task.
     fn spawn(self: &Arc<Self>, ready: &[u32]) {
         let work: SmallVec<[u32; 8]> = SmallVec::from_slice(ready);
@@ -329,6 +401,22 @@ impl StepState {
                                         Some(t.byte_len()),
                                         s.step,
                                     ));
+                                }
+                                if let Some(m) = &s.meter {
+                                    let bytes = t.byte_len();
+                                    s.counted[node.output_base as usize]
+                                        .store(bytes, Ordering::Relaxed);
+                                    if let Err(over) = m.add(bytes) {
+                                        s.fail(ExecError::Kernel {
+                                            node: node.name.clone(),
+                                            op: "Recv".into(),
+                                            device: s.plan.device_label.clone(),
+                                            message: format!(
+                                                "the step's tensors would take {} bytes on this task, past --memory-limit {}",
+                                                over.live, over.limit
+                                            ),
+                                        });
+                                    }
                                 }
                                 // SAFETY: this callback runs once (FnOnce) for the Recv, the
                                 // producer of its slot; the completion that lets consumers
@@ -427,6 +515,7 @@ impl StepState {
                         if let Some(i) = outputs.iter().position(Option::is_none) {
                             self.fail(kernel_error(format!("kernel did not produce output {i}")));
                         }
+                        self.count_outputs(n, inputs, outputs);
                     }
                     // Outputs set before the error stay: nothing runs after a failure.
                     Err(message) => self.fail(kernel_error(message)),
@@ -492,7 +581,7 @@ pub(crate) fn is_abort_echo(e: &ExecError) -> bool {
 mod shm_tests {
     use super::*;
     use crate::plan::ExecutionPlan;
-    use crate::run::{run_plans, StepEnv};
+    use crate::run::run_plans;
     use crate::variables::VariableStore;
     use dflow_graph::builder::GraphBuilder;
     use dflow_graph::tensor::buffer_copies;
@@ -568,6 +657,7 @@ mod shm_tests {
             tracer: None,
             timeout: Duration::from_secs(20),
             collectives: None,
+            meter: None,
         };
         let copies = buffer_copies();
         for step in 1..=3 {

@@ -450,3 +450,49 @@ fn ranks_count_the_payload_they_send() {
         assert_eq!(gather.bytes - small.bytes, ((n - 1) * 1024 * 4) as u64);
     }
 }
+
+/// The payload bytes each rank counts as sent are the ring formulas: a reduce-scatter or an
+/// all-gather of V bytes sends (N−1)/N·V per rank, an all-reduce 2(N−1)/N·V (in-process, 4 ranks,
+/// V = 4·4096 bytes of f32, ring algorithms: under `Auto` a call this small takes recursive
+/// doubling, which sends log2(N)·V per all-reduce).
+#[test]
+fn each_rank_counts_the_ring_formulas_bytes() {
+    let n = 4usize;
+    let len = 4096usize;
+    let v = (4 * len) as u64;
+    let opts = CommOptions {
+        algorithm: Algorithm::Ring,
+        ..CommOptions::default()
+    };
+    let comms = Communicator::in_process(n, opts);
+    let sent: Vec<[u64; 3]> = std::thread::scope(|s| {
+        let joins: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut counts = [0u64; 3];
+                    let mut buf = vec![1.0f32; len];
+                    let before = c.bytes_sent();
+                    let mut mine = vec![0.0f32; len / n];
+                    c.reduce_scatter(&buf, &mut mine, ReduceOp::Sum).unwrap();
+                    counts[0] = c.bytes_sent() - before;
+                    let part = vec![1.0f32; len / n];
+                    let before = c.bytes_sent();
+                    c.all_gather(&part, &mut buf).unwrap();
+                    counts[1] = c.bytes_sent() - before;
+                    let before = c.bytes_sent();
+                    c.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+                    counts[2] = c.bytes_sent() - before;
+                    counts
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let nn = n as u64;
+    for counts in sent {
+        assert_eq!(counts[0], (nn - 1) * v / nn, "reduce-scatter");
+        assert_eq!(counts[1], (nn - 1) * v / nn, "all-gather");
+        assert_eq!(counts[2], 2 * (nn - 1) * v / nn, "all-reduce");
+    }
+}

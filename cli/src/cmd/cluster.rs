@@ -155,6 +155,9 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
             step_timeout: Duration::from_secs(args.timeout.max(1)),
             trace: args.trace.is_some(),
             data_path: args.data.clone(),
+            memory_limit: args
+                .memory_limit
+                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             // Filled in from the cluster address and the secret when the task joins.
             ..ServerOptions::default()
         },

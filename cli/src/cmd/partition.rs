@@ -87,7 +87,8 @@ pub struct Args {
     #[arg(long, value_name = "FILE.svg", requires = "strategy")]
     pub timeline: Option<PathBuf>,
     /// With --strategy zero: 1 shards the Adam/AdamW slots over the workers, 2 also the summed
-    /// gradients (reduce-scatter instead of all-reduce). Default 1.
+    /// gradients (reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered
+    /// before each use). Default 1.
     #[arg(long, requires = "strategy", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
 }

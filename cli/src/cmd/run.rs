@@ -78,9 +78,16 @@ pub struct Args {
     #[arg(long, value_name = "dp=D,pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
-    /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce). Default 1.
+    /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce), 3 also the
+    /// parameters (all-gathered just before each use). Default 1.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
+    /// Distributed: the most bytes this task's variables and step tensors may take. A plan
+    /// whose variables plus largest step tensor on this task do not fit is refused before
+    /// step 1, naming the biggest consumers; a step passing it at run time fails naming the
+    /// node.
+    #[arg(long, value_name = "BYTES")]
+    pub memory_limit: Option<u64>,
     /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
     /// step (the default).
     #[arg(long, conflicts_with = "async")]
@@ -204,6 +211,12 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let Some(graph_path) = &args.graph else {
         bail!("--local needs the graph file");
     };
+    if let Some(limit) = args.memory_limit {
+        bail!(
+            "--memory-limit {limit} applies to the tasks of a distributed job (--job/--index, a \
+             launcher, `dflow launch`), not to --local"
+        );
+    }
     let cluster = match &args.cluster {
         Some(p) => ClusterSpec::from_file(p)?,
         None => ClusterSpec::local(&[("ps", 1), ("worker", 1)])?,

@@ -30,6 +30,8 @@ pub struct CollectiveHub {
     shm: bool,
     pending: Mutex<HashMap<String, Pending>>,
     groups: Mutex<HashMap<String, Communicator>>,
+    /// What was sent in groups left since.
+    left_sent: Mutex<dflow_transport::Traffic>,
 }
 
 /// A prepared group: its TCP listener, or the shared-memory segment name it published.
@@ -108,6 +110,7 @@ impl CollectiveHub {
             shm: false,
             pending: Mutex::default(),
             groups: Mutex::default(),
+            left_sent: Default::default(),
         }
     }
 
@@ -146,7 +149,18 @@ impl CollectiveHub {
     /// them. An elastic job's survivors leave the old membership's group before joining the new.
     pub fn leave_all(&self) {
         lock(&self.pending).clear();
-        lock(&self.groups).clear();
+        let left = lock(&self.groups)
+            .drain()
+            .map(|(_, c)| c.sent())
+            .fold(dflow_transport::Traffic::default(), |a, b| a + b);
+        let mut total = lock(&self.left_sent);
+        *total = *total + left;
+    }
+
+    /// Payload bytes this task has sent in collectives (every group, joined or left), as the
+    /// transport counted them.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent().bytes
     }
 
     /// Connects to the other ranks of `group` as `rank` (blocking, bounded by the timeout).
@@ -221,12 +235,12 @@ impl CollectiveHub {
             .map_err(|e| format!("joining group `{group}` as rank {rank}: {e}"))
     }
 
-    /// What this task sent in all its groups (each group has its own channel).
+    /// What this task sent in all its groups, joined or left (each group has its own channel).
     pub fn sent(&self) -> dflow_transport::Traffic {
         lock(&self.groups)
             .values()
             .map(Communicator::sent)
-            .fold(dflow_transport::Traffic::default(), |a, b| a + b)
+            .fold(*lock(&self.left_sent), |a, b| a + b)
     }
 
     fn group(&self, group: &str) -> Result<Communicator, String> {

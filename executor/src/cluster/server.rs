@@ -9,6 +9,7 @@ use super::protocol::{
 use crate::data::text::{read_text, token_digest, CharCorpus, CharVocab, CharWindows};
 use crate::data::{read_csv, Dataset, ReadOptions};
 use crate::error::ExecError;
+use crate::memory::MemoryMeter;
 use crate::plan::ExecutionPlan;
 use crate::run::{compute_pool, run_plans, StepEnv};
 use crate::trace::Tracer;
@@ -41,6 +42,9 @@ pub struct ServerOptions {
     /// Collective groups run over shared memory (every task on this host, `--transport shm`)
     /// instead of TCP.
     pub shm_collectives: bool,
+    /// The most bytes the step values of this task may take at once (`--memory-limit`; the
+    /// variables are checked against it before the first step).
+    pub memory_limit: Option<usize>,
 }
 
 impl Default for ServerOptions {
@@ -53,6 +57,7 @@ impl Default for ServerOptions {
             host: "127.0.0.1".into(),
             secret: None,
             shm_collectives: false,
+            memory_limit: None,
         }
     }
 }
@@ -210,6 +215,7 @@ impl TaskServer {
                 tracer: opts.trace.then(|| Arc::new(Tracer::new())),
                 timeout: opts.step_timeout,
                 collectives: Some(collectives.clone()),
+                meter: Some(Arc::new(MemoryMeter::new(opts.memory_limit))),
             },
             rendezvous,
             stores: Mutex::default(),
@@ -244,6 +250,16 @@ impl TaskServer {
         }
     }
 
+    /// Payload bytes this task has sent in collectives.
+    pub fn collective_bytes_sent(&self) -> u64 {
+        self.collectives.bytes_sent()
+    }
+
+    /// The accounting of this task's step values.
+    pub fn meter(&self) -> Option<&Arc<MemoryMeter>> {
+        self.env.meter.as_ref()
+    }
+
     fn store(&self, device: &DeviceName) -> Arc<VariableStore> {
         lock(&self.stores)
             .entry(device.clone())
@@ -257,6 +273,7 @@ impl TaskServer {
         let mut plans = Vec::with_capacity(g.partitions.len());
         let mut variables = Vec::new();
         let mut ends = CrossTaskEnds::default();
+        let mut largest: Option<(String, usize)> = None;
         for p in &g.partitions {
             let device = DeviceName::parse(&p.device)
                 .map_err(|e| format!("partition device `{}`: {e}", p.device))?;
@@ -267,6 +284,16 @@ impl TaskServer {
             ends.add(&graph, &self.task);
             for idx in graph.node_indices() {
                 let node = graph.node(idx);
+                if !node.op_def().is_variable && node.op != "Const" {
+                    for t in node.outputs.iter() {
+                        let bytes = t.shape.num_elements().map(|n| n * t.dtype.size_of());
+                        if let Some(b) =
+                            bytes.filter(|&b| largest.as_ref().map_or(true, |l| b > l.1))
+                        {
+                            largest = Some((node.name.clone(), b));
+                        }
+                    }
+                }
                 if node.op_def().is_variable {
                     if let Some(dims) = node.outputs[0].shape.as_static() {
                         variables.push((
@@ -280,6 +307,13 @@ impl TaskServer {
             let plan = ExecutionPlan::compile(&device, &graph, &store)
                 .map_err(|e| format!("compiling the partition for {}: {e}", p.device))?;
             plans.push(Arc::new(plan));
+        }
+        if let Some(meter) = &self.env.meter {
+            let need = self.footprint(&variables, &largest);
+            if let Some(limit) = meter.limit() {
+                crate::memory::fits(&self.task, &need, limit)?;
+            }
+            meter.set_resident(need.variable_bytes());
         }
         let slots = self.check_slots(g, &ends)?;
         self.check_routes(g, &ends)?;
@@ -324,6 +358,28 @@ impl TaskServer {
             }),
         );
         Ok(())
+    }
+
+    /// What this task needs at least once `new` variables join those registered before:
+    /// every variable's bytes, and `largest`, the largest step tensor of the graph registered.
+    fn footprint(
+        &self,
+        new: &[(String, VariableSpec)],
+        largest: &Option<(String, usize)>,
+    ) -> crate::memory::Footprint {
+        let mut all: BTreeMap<String, usize> = lock(&self.variables)
+            .iter()
+            .map(|(n, (_, dtype, dims))| {
+                (n.clone(), dims.iter().product::<usize>() * dtype.size_of())
+            })
+            .collect();
+        for (n, (_, dtype, dims)) in new {
+            all.insert(n.clone(), dims.iter().product::<usize>() * dtype.size_of());
+        }
+        crate::memory::Footprint {
+            variables: all.into_iter().collect(),
+            largest_tensor: largest.clone(),
+        }
     }
 
     /// Checks `g`'s receive slots against its partitions and the slots registered before: the

@@ -363,6 +363,12 @@ impl Kernel for FlatSlice {
         let flat = ctx.input(0)?;
         let size = flat.dtype().size_of();
         let n: usize = self.dims.iter().product();
+        if self.offset == 0 && n == flat.num_elements() {
+            // The whole input: its buffer under the new shape (a gathered parameter with no
+            // padding is not copied).
+            let out = flat.reshaped(&self.dims).map_err(|e| e.to_string())?;
+            return ctx.set_output(0, out);
+        }
         let (start, end) = (self.offset * size, (self.offset + n) * size);
         let bytes = flat.as_bytes().get(start..end).ok_or_else(|| {
             format!(
@@ -466,6 +472,27 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.contains("outside"), "{err}");
+    }
+
+    #[test]
+    fn a_slice_of_the_whole_input_shares_its_buffer() {
+        let flat = Tensor::from_slice(&[6], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let whole = run_kernel(
+            "FlatSlice",
+            &[
+                ("offset", AttrValue::Int(0)),
+                ("shape", AttrValue::Shape(Shape::known(&[2, 3]))),
+            ],
+            std::slice::from_ref(&flat),
+        )
+        .unwrap()
+        .remove(0);
+        assert_eq!(whole.dims(), &[2, 3]);
+        assert_eq!(whole.data_ptr(), flat.data_ptr());
+        assert_eq!(
+            whole.as_slice::<f32>().unwrap(),
+            flat.as_slice::<f32>().unwrap()
+        );
     }
 
     #[test]

@@ -49,19 +49,22 @@ pub(crate) fn register(r: &mut OpRegistry) {
              this way). With `initial_value` (a tensor of the variable's dtype and shape, or of \
              `shard_of` for a shard) the variable starts from exactly those values and \
              `initializer` is not used (TensorFlow imports carry their initializers' values \
-             this way).",
+             this way). With `shard_flat` also set, the variable is the vector of elements \
+             [shard_offset, shard_offset + shape[0]) of the flattened bigger variable padded \
+             with zeros past its end (ZeRO-3 keeps each rank's parameter shard this way).",
             |ctx| {
                 let shape = ctx.shape("shape")?;
                 let Some(dims) = shape.as_static() else {
                     return Err(format!("variable shape {shape} must be fully known"));
                 };
-                let shard = shard_rows(
+                let shard = shard_of(
                     &dims,
                     ctx.attrs.get("shard_of"),
                     ctx.attrs.get("shard_offset"),
+                    ctx.attrs.get("shard_flat"),
                 )?;
                 let dtype = ctx.dtype("dtype")?;
-                let whole = shard.map_or(dims, |(whole, _)| whole);
+                let whole = shard.map_or(dims, |s| s.whole().to_vec());
                 check_initial_value(ctx.attrs.get("initial_value"), dtype, &whole)?;
                 Ok(vec![TensorType::new(dtype, shape.clone())])
             },
@@ -84,6 +87,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("initial_value", AttrType::Tensor, AttrDefault::Unset),
             attr_or("seed2", AttrType::Int, AttrDefault::Int(0)),
             attr_or("init_scale", AttrType::Float, AttrDefault::Float(1.0)),
+            attr_or("shard_flat", AttrType::Bool, AttrDefault::Bool(false)),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -196,6 +200,66 @@ fn identity_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     ctx.set_output(0, x)
 }
 
+/// How a sharded variable's initial value is cut from the whole variable's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ShardOf {
+    /// Rows `[first, first + dims[0])` of a variable of these dimensions.
+    Rows(Vec<usize>, usize),
+    /// Flat elements `[first, first + dims[0])` of a variable of these dimensions, zero past
+    /// its end.
+    Flat(Vec<usize>, usize),
+}
+
+impl ShardOf {
+    /// The whole variable's dimensions.
+    fn whole(&self) -> &[usize] {
+        match self {
+            ShardOf::Rows(whole, _) | ShardOf::Flat(whole, _) => whole,
+        }
+    }
+}
+
+/// The shard a variable of shape `dims` is (`None`: not a shard): rows (see [`shard_rows`]) or,
+/// with `shard_flat`, a vector of flat elements starting at `shard_offset`, no further than the
+/// whole variable's end (the rest is padding).
+fn shard_of(
+    dims: &[usize],
+    shard_of: Option<&AttrValue>,
+    offset: Option<&AttrValue>,
+    flat: Option<&AttrValue>,
+) -> Result<Option<ShardOf>, String> {
+    let flat = match flat {
+        None => false,
+        Some(AttrValue::Bool(b)) => *b,
+        Some(v) => return Err(format!("attribute `shard_flat` is {}, not bool", v.ty())),
+    };
+    if !flat {
+        return Ok(shard_rows(dims, shard_of, offset)?.map(|(w, f)| ShardOf::Rows(w, f)));
+    }
+    let whole = match shard_of {
+        Some(AttrValue::Shape(s)) => s
+            .as_static()
+            .ok_or_else(|| format!("attribute `shard_of` {s} must be fully known"))?,
+        Some(v) => return Err(format!("attribute `shard_of` is {}, not shape", v.ty())),
+        None => return Err("`shard_flat` needs the whole variable's `shard_of` shape".into()),
+    };
+    let offset = match offset {
+        None => 0,
+        Some(AttrValue::Int(v)) => {
+            usize::try_from(*v).map_err(|_| format!("shard_offset must be ≥ 0, got {v}"))?
+        }
+        Some(v) => return Err(format!("attribute `shard_offset` is {}, not int", v.ty())),
+    };
+    let total: usize = whole.iter().product();
+    if dims.len() != 1 || offset > total {
+        return Err(format!(
+            "a flat shard must be a vector starting within the whole variable: shape {dims:?} at \
+             element {offset} of shard_of {whole:?} ({total} elements)"
+        ));
+    }
+    Ok(Some(ShardOf::Flat(whole, offset)))
+}
+
 /// The whole variable's dimensions and the first row of a shard of shape `dims` (`None`: not a
 /// shard): `shard_of` must match `dims` past dimension 0 and hold rows
 /// `[shard_offset, shard_offset + dims[0])`.
@@ -268,8 +332,8 @@ struct VariableKernel {
     seed: i64,
     init_value: f64,
     stddev: f64,
-    /// A shard's whole dimensions and first row.
-    shard: Option<(Vec<usize>, usize)>,
+    /// The whole variable a shard is cut from.
+    shard: Option<ShardOf>,
     /// The exact starting value (the whole variable's, for a shard), when given.
     initial_value: Option<Tensor>,
     /// The `tf_*` initializers' second seed and scale.
@@ -308,12 +372,13 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
             ))
         }
     };
-    let shard = shard_rows(
+    let shard = shard_of(
         &dims,
         init.attrs.get("shard_of"),
         init.attrs.get("shard_offset"),
+        init.attrs.get("shard_flat"),
     )?;
-    let whole = shard.as_ref().map_or(dims.as_slice(), |(whole, _)| whole);
+    let whole = shard.as_ref().map_or(dims.as_slice(), ShardOf::whole);
     let initial_value =
         check_initial_value(init.attrs.get("initial_value"), dtype, whole)?.cloned();
     // A shard draws its values under the whole variable's name (the random stream's key).
@@ -348,9 +413,9 @@ impl Kernel for VariableKernel {
             if let Some(t) = v {
                 return Ok(t.clone());
             }
-            let (dims, first) = match &self.shard {
-                Some((whole, first)) => (whole.as_slice(), *first),
-                None => (self.dims.as_slice(), 0),
+            let dims = match &self.shard {
+                Some(ShardOf::Rows(whole, _) | ShardOf::Flat(whole, _)) => whole.as_slice(),
+                None => self.dims.as_slice(),
             };
             let mut t = match &self.initial_value {
                 Some(t) => t.clone(),
@@ -372,14 +437,28 @@ impl Kernel for VariableKernel {
                     self.stddev,
                 )?,
             };
-            if self.shard.is_some() {
-                // The whole variable's value is drawn once, at the first step, and sliced.
-                let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
-                let bytes = t
-                    .as_bytes()
-                    .get(first * row..(first + self.dims[0]) * row)
-                    .ok_or_else(|| format!("shard rows outside {dims:?}"))?;
-                t = Tensor::from_bytes(self.dtype, &self.dims, bytes).map_err(|e| e.to_string())?;
+            // The whole variable's value is drawn once, at the first step, and sliced.
+            match &self.shard {
+                Some(ShardOf::Rows(_, first)) => {
+                    let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
+                    let bytes = t
+                        .as_bytes()
+                        .get(first * row..(first + self.dims[0]) * row)
+                        .ok_or_else(|| format!("shard rows outside {dims:?}"))?;
+                    t = Tensor::from_bytes(self.dtype, &self.dims, bytes)
+                        .map_err(|e| e.to_string())?;
+                }
+                Some(ShardOf::Flat(_, first)) => {
+                    let size = t.dtype().size_of();
+                    let all = t.as_bytes();
+                    let start = (first * size).min(all.len());
+                    let end = ((first + self.dims[0]) * size).min(all.len());
+                    let mut bytes = all[start..end].to_vec();
+                    bytes.resize(self.dims[0] * size, 0);
+                    t = Tensor::from_bytes(self.dtype, &self.dims, &bytes)
+                        .map_err(|e| e.to_string())?;
+                }
+                None => {}
             }
             *v = Some(t.clone());
             Ok(t)
@@ -479,5 +558,57 @@ pub(crate) mod gradients {
             let e = run_kernel_with("Variable", "w", &attrs(&wrong), &[], &[], &fresh).unwrap_err();
             assert!(e.contains("initial_value is"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_flat_shard_is_its_elements_of_the_whole_variable_padded_with_zeros() {
+        use crate::ops::testing::run_kernel_with;
+        let attrs = |shape: &[usize]| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(shape))),
+                ("initializer", AttrValue::String("normal".into())),
+                ("seed", AttrValue::Int(5)),
+            ]
+        };
+        let cell = || [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let whole = run_kernel_with("Variable", "w", &attrs(&[2, 5]), &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        let whole = whole.as_slice::<f32>().unwrap();
+        // 10 elements over 3 ranks: shards of 4, the last one half padding.
+        let mut joined = Vec::new();
+        for r in 0..3 {
+            let mut a = attrs(&[4]);
+            a.extend([
+                ("shard_of", AttrValue::Shape(Shape::known(&[2, 5]))),
+                ("shard_offset", AttrValue::Int(4 * r)),
+                ("shard_name", AttrValue::String("w".into())),
+                ("shard_flat", AttrValue::Bool(true)),
+            ]);
+            let shard = run_kernel_with("Variable", "w/shard", &a, &[], &[], &cell())
+                .unwrap()
+                .remove(0);
+            assert_eq!(shard.dims(), &[4]);
+            joined.extend_from_slice(shard.as_slice::<f32>().unwrap());
+        }
+        assert_eq!(&joined[..10], whole);
+        assert_eq!(&joined[10..], &[0.0, 0.0]);
+        // A flat shard that is not a vector, or starts past the end, is refused.
+        let mut a = attrs(&[2, 2]);
+        a.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[2, 5]))),
+            ("shard_flat", AttrValue::Bool(true)),
+        ]);
+        let err = run_kernel_with("Variable", "w/shard", &a, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("a flat shard must be a vector"), "{err}");
+        let mut a = attrs(&[4]);
+        a.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[2, 5]))),
+            ("shard_offset", AttrValue::Int(11)),
+            ("shard_flat", AttrValue::Bool(true)),
+        ]);
+        let err = run_kernel_with("Variable", "w/shard", &a, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("element 11"), "{err}");
     }
 }

@@ -150,7 +150,7 @@ pub struct StrategyOptions {
     /// The global batch size, for strategies that size buffers by it (pipeline).
     pub batch_size: Option<usize>,
     /// The ZeRO stage (`--zero-stage`, read by `--strategy zero`): 1 shards the optimizer slots,
-    /// 2 also the summed gradients.
+    /// 2 also the summed gradients, 3 also the parameters.
     pub zero_stage: u8,
 }
 

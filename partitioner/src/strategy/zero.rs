@@ -1,46 +1,54 @@
-//! ZeRO data parallelism (stages 1 and 2) as a graph rewrite: every worker holds the whole
-//! model and computes the whole gradient, as under [`super::allreduce`], but each worker keeps
-//! the Adam/AdamW slots (`m`, `v`) of only its shard of every parameter, updates only that shard,
-//! and all-gathers the updated parameters.
+//! ZeRO data parallelism (stages 1, 2 and 3) as a graph rewrite: every worker computes the
+//! whole gradient of its part of the batch, as under [`super::allreduce`], but each worker keeps
+//! the Adam/AdamW slots (`m`, `v`) of only its shard of every parameter and updates only that
+//! shard; stage 3 also keeps only the shard of each parameter (see [`params`]).
 //!
 //! **Shard layout.** Parameter `p` with `L` elements, flattened in row-major order, is padded
 //! with zeros to `N·S` elements, `S = ⌈L/N⌉` over `N` workers; rank `r` owns the elements
 //! `[r·S, (r+1)·S)` (the last ranks' shards may be partly or wholly padding). Its slots are the
 //! variables `{p}/adam_m/shard_{r}_of_{N}` and `{p}/adam_v/shard_{r}_of_{N}`, each of `S`
 //! elements, initialised to zeros like the unsharded slots, so the logical slot `{p}/adam_m` is
-//! the concatenation of the `N` shards cut back to `L` elements. The parameters keep their names,
-//! shapes and initialisers (seeded by name), so every rank starts from exactly the weights of a
-//! one-process run. The step counter `adam/t` is replicated.
+//! the concatenation of the `N` shards cut back to `L` elements. At stages 1 and 2 the
+//! parameters keep their names, shapes and initialisers (seeded by name), so every rank starts
+//! from exactly the weights of a one-process run; at stage 3 the parameter is the variable
+//! `{p}/shard_{r}_of_{N}`, initialised as its elements of that same seeded value. The step
+//! counter `adam/t` is replicated. [`JobPlan::sharded`] lists every sharded logical tensor, so
+//! a checkpoint holds whole tensors and resumes under any layout.
 //!
 //! **One step on rank `r`.**
 //! 1. Forward and backward on the worker's part of the batch, loss weighted by `n_r/n` (as
-//!    under all-reduce), giving every gradient whole.
+//!    under all-reduce), giving every gradient whole. Stage 3 all-gathers each parameter just
+//!    before its forward use and again before its backward use, and drops the gathered copy
+//!    after its last reader.
 //! 2. Gradients are fused into buckets (reverse variable order, at most `bucket_bytes` of padded
 //!    gradients each). A bucket is packed rank-major — shard 0 of each of its parameters, then
 //!    shard 1 of each, … — so that its `r`-th equal part holds exactly rank `r`'s shards.
 //!    Stage 1 all-reduces the bucket (every rank holds the whole summed gradient, then slices its
-//!    part); stage 2 reduce-scatters it (each rank only ever holds its part of the sum).
+//!    part); stages 2 and 3 reduce-scatter it (each rank only ever holds its part of the sum).
 //! 3. Clipping by global norm, when asked: each rank's `SquaredNorm` of its gradient shards
 //!    (padding is zero), summed over ranks by an all-reduce, is `Σ‖g‖²` of the whole summed
 //!    gradient, so `GlobalNormScale(squared_norm=true)` gives exactly the one-process scale.
 //! 4. `ApplyAdam`/`ApplyAdamW` with `shard_offset = r·S` update the rank's window of the
-//!    parameter in place from the shard gradient and the shard slots.
-//! 5. Per bucket, each rank reads (`ReadVariable`, after its update) its shard of every
-//!    parameter, the shards are all-gathered, unpacked and written back (`Assign`): every rank
-//!    ends the step with the same, fully updated parameters.
+//!    parameter in place from the shard gradient and the shard slots (stage 3: the shard
+//!    variable itself).
+//! 5. Stages 1 and 2, per bucket: each rank reads (`ReadVariable`, after its update) its shard
+//!    of every parameter, the shards are all-gathered, unpacked and written back (`Assign`):
+//!    every rank ends the step with the same, fully updated parameters. Stage 3 keeps them
+//!    sharded.
 //! 6. The weighted loss is all-reduced into the global batch's mean loss (the fetched loss).
 //!
-//! All collectives are chained by control edges in one order on every rank.
+//! All collectives are chained by control edges in one order on every rank (stage 3: one
+//! topological order of the graph).
 //!
-//! **Memory per rank** (f32, Ψ parameters, padding aside): parameters 4Ψ, gradients 4Ψ
-//! (transient), optimizer slots 8Ψ/N: 8Ψ + 8Ψ/N (stage 1; the whole summed gradient is
-//! materialised); stage 2 receives only the rank's shard of the summed gradient, though the
-//! backward pass still produces the whole local gradient before packing it. The
-//! variables (parameters and slots) a rank holds are 4Ψ + 8Ψ/N against 12Ψ under all-reduce;
-//! [`super::JobPlan::variables`] lists them with their holders.
-//!
-//! Stage 3 (sharded parameters gathered before use) is not implemented: `--zero-stage 3` is
-//! refused with that message.
+//! **Memory per rank** (f32, Ψ parameters, padding aside): variables (parameters and slots)
+//! 4Ψ + 8Ψ/N at stages 1 and 2 (12Ψ under all-reduce), 12Ψ/N at stage 3, measured by each
+//! task's variable stores; gradients are step tensors: stage 1 materialises the whole summed
+//! gradient, stage 2 receives only the rank's shard of the sum (the backward pass still
+//! produces the whole local gradient of a bucket before packing it), stage 3 likewise plus the
+//! gathered copies of the parameters in use. [`super::JobPlan::variables`] lists the variables
+//! with their holders.
+
+pub mod params;
 
 use super::allreduce::{check_job, fresh, node, weighted_training, WeightedTraining};
 use super::{
@@ -60,7 +68,8 @@ pub const GROUP: &str = "zero";
 /// ZeRO data parallelism over the workers (see the module docs); no ps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Zero {
-    /// 1: shard optimizer slots; 2: also reduce-scatter gradients.
+    /// 1: shard optimizer slots; 2: also reduce-scatter gradients; 3: also shard the
+    /// parameters, gathered before each use.
     pub stage: u8,
     /// Fusion threshold: the most bytes of (padded) gradients in one bucket.
     pub bucket_bytes: usize,
@@ -70,7 +79,8 @@ pub struct Zero {
 pub(super) static REGISTRATION: Registration = Registration {
     name: "zero",
     about: "ZeRO: every worker computes whole gradients but keeps and updates only its 1/N shard \
-            of the Adam state (--zero-stage 1), and of the summed gradients (2); no ps",
+            of the Adam state (--zero-stage 1), of the summed gradients (2), and of the \
+            parameters, all-gathered just before each use (3); no ps",
     build: |opts| {
         if opts.asynchronous {
             return Err(StrategyError::Options {
@@ -81,17 +91,13 @@ pub(super) static REGISTRATION: Registration = Registration {
             });
         }
         match opts.zero_stage {
-            1 | 2 => Ok(Box::new(Zero {
+            1..=3 => Ok(Box::new(Zero {
                 stage: opts.zero_stage,
                 bucket_bytes: opts.bucket_bytes,
             })),
-            3 => Err(StrategyError::Options {
-                strategy: "zero",
-                message: "--zero-stage 3 (sharded parameters) is not implemented yet; use --zero-stage 1 or 2".into(),
-            }),
             s => Err(StrategyError::Options {
                 strategy: "zero",
-                message: format!("--zero-stage must be 1 or 2, got {s}"),
+                message: format!("--zero-stage must be 1, 2 or 3, got {s}"),
             }),
         }
     },
@@ -142,11 +148,17 @@ impl Strategy for Zero {
             Schedule::Lockstep,
             vec![group],
         )?;
-        // Each slot `{p}/adam_m` is the concatenation of its shards, cut back to p's size.
-        let params: BTreeMap<&str, (DType, Vec<usize>)> = plan
-            .variables
+        // Each slot `{p}/adam_m` (and, at stage 3, each parameter `p`) is the concatenation of
+        // its shards, cut back to p's size.
+        let params: BTreeMap<String, (DType, Vec<usize>)> = forward
+            .nodes
             .iter()
-            .map(|v| (v.name.as_str(), (v.dtype, v.dims.clone())))
+            .filter(|n| n.op == "Variable")
+            .filter_map(|n| {
+                let i = input.graph.find(&n.name)?;
+                let ty = input.graph.output_type(i, 0)?;
+                Some((n.name.clone(), (ty.dtype, ty.shape.as_static()?)))
+            })
             .collect();
         let suffix = format!("/shard_0_of_{workers}");
         let mut sharded = Vec::new();
@@ -154,10 +166,11 @@ impl Strategy for Zero {
             let Some(logical) = v.name.strip_suffix(&suffix) else {
                 continue;
             };
-            let Some(param) = logical.rsplit_once('/').map(|(p, _)| p) else {
-                continue;
+            let param = match params.get(logical) {
+                Some(p) => Some(p),
+                None => logical.rsplit_once('/').and_then(|(p, _)| params.get(p)),
             };
-            let Some((dtype, dims)) = params.get(param) else {
+            let Some((dtype, dims)) = param else {
                 continue;
             };
             sharded.push(ShardedVariable {
@@ -585,17 +598,20 @@ fn worker_graph(
         if let Some(grad) = u.inputs.get_mut(4) {
             *grad = g.clone();
         }
-        u.attrs.insert(
-            "shard_offset".to_string(),
-            AttrValue::Int((ctx.rank * p.shard) as i64),
-        );
+        // Stage 3: the variable is the shard itself (its whole, `shard_offset` unset).
+        if ctx.stage < 3 {
+            u.attrs.insert(
+                "shard_offset".to_string(),
+                AttrValue::Int((ctx.rank * p.shard) as i64),
+            );
+        }
     }
     training.def.nodes.retain(|x| !removed.contains(&x.name));
     training.def.nodes.extend(slots);
 
-    // The updated shards, all-gathered and written back.
+    // The updated shards, all-gathered and written back (stage 3 keeps them sharded).
     let mut assigns = Vec::with_capacity(params.len());
-    for (k, b) in buckets.iter().enumerate() {
+    for (k, b) in buckets.iter().enumerate().filter(|_| ctx.stage < 3) {
         let part: usize = b.iter().map(|&i| params[i].shard).sum();
         let mut mine = Vec::with_capacity(b.len());
         for &i in b {
@@ -655,6 +671,10 @@ fn worker_graph(
         }
     }
 
+    // The forward pass's nodes (stage 3 gathers parameters separately for the backward pass).
+    let mut passes: HashSet<String> = forward.nodes.iter().map(|x| x.name.clone()).collect();
+    passes.extend([weight.clone(), format!("{weight}/cast"), weighted.clone()]);
+
     // The global batch's mean loss, last of the collectives.
     let global = nodes.collective(
         &format!("{base}/global"),
@@ -672,9 +692,22 @@ fn worker_graph(
         t.inputs.extend(assigns.iter().map(|a| format!("^{a}")));
     }
     training.def.nodes.extend(nodes.added);
+    if ctx.stage >= 3 {
+        let roots = [training.train_op.as_str(), global.as_str()];
+        params::shard_parameters(
+            &mut training.def,
+            &params,
+            ctx.rank,
+            n,
+            &passes,
+            &roots,
+            &device,
+        )?;
+        params::order_collectives(&mut training.def)?;
+    }
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.loss = global;
-    Ok(ReplicaGraph {
+    let mut replica = ReplicaGraph {
         training,
         graph,
         replicas: vec![ReplicaFeeds {
@@ -689,7 +722,11 @@ fn worker_graph(
             loss: spec.loss.clone(),
             metrics: spec.metrics.clone(),
         },
-    })
+    };
+    if ctx.stage >= 3 && ctx.rank == 0 {
+        params::add_eval_copy(&mut replica, forward, &params, n)?;
+    }
+    Ok(replica)
 }
 
 #[cfg(test)]
@@ -940,6 +977,120 @@ mod tests {
     }
 
     #[test]
+    fn stage_three_shards_the_parameters_and_gathers_them_before_each_pass() {
+        let (def, spec) = digits_adamw();
+        let graphs = zero_training(&def, &spec, 2, "pixels", "labels", &zero(3, 1)).unwrap();
+        for (r, g) in graphs.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let find = |name: &str| nodes.iter().find(|n| n.name == name);
+            for (var, len, dims) in [
+                ("w1", 2048usize, vec![64usize, 32]),
+                ("b1", 32, vec![32]),
+                ("w2", 320, vec![32, 10]),
+                ("b2", 10, vec![10]),
+            ] {
+                // The whole variable is gone; the rank holds a flat shard of it.
+                let v = find(var);
+                assert!(v.map_or(true, |v| v.op != "Variable"), "{var} still whole");
+                let shard = find(&format!("{var}/shard_{r}_of_2")).unwrap();
+                assert_eq!(
+                    shard.attrs.get("shape"),
+                    Some(&AttrValue::Shape(Shape::known(&[len / 2])))
+                );
+                assert_eq!(int(shard, "shard_offset"), (r * len / 2) as i64);
+                assert_eq!(shard.attrs.get("shard_flat"), Some(&AttrValue::Bool(true)));
+                assert_eq!(
+                    shard.attrs.get("shard_of"),
+                    Some(&AttrValue::Shape(Shape::known(&dims)))
+                );
+                // Gathered for the forward pass, and again for the backward pass where it is
+                // read there (w2, for the gradient of the hidden layer; not w1: the pixels'
+                // gradient is dead code, dropped; not a bias: an addition's gradient does not
+                // read it).
+                let passes: &[&str] = if var == "w2" {
+                    &["forward", "backward"]
+                } else {
+                    assert!(find(&format!("zero/{var}/all_gather_backward")).is_none());
+                    &["forward"]
+                };
+                for pass in passes {
+                    let gather = find(&format!("zero/{var}/all_gather_{pass}")).unwrap();
+                    assert_eq!(gather.op, "CollectiveAllGather");
+                    assert_eq!(gather.inputs[0], format!("{var}/shard_{r}_of_2"));
+                    let value = format!("zero/{var}/{pass}");
+                    let readers: Vec<&NodeDef> =
+                        nodes.iter().filter(|n| n.inputs.contains(&value)).collect();
+                    assert!(!readers.is_empty(), "nobody reads {value}");
+                }
+                // The update reads the shard, no window offset.
+                let u = ops(g, "ApplyAdamW")
+                    .into_iter()
+                    .find(|u| u.inputs[0] == format!("{var}/shard_{r}_of_2"))
+                    .unwrap();
+                assert!(!u.attrs.contains_key("shard_offset"));
+            }
+            // The second layer's forward gather waits for the first layer's activation (just in
+            // time, not at the start of the step).
+            let w2 = find("zero/w2/all_gather_forward").unwrap();
+            assert!(
+                w2.inputs.contains(&"^layer1/relu".to_string()),
+                "{:?}",
+                w2.inputs
+            );
+            // The backward gather waits for the gradient flowing into the layer.
+            let w2 = find("zero/w2/all_gather_backward").unwrap();
+            assert!(
+                w2.inputs.contains(&"^gradients/xent/dfeatures".to_string()),
+                "{:?}",
+                w2.inputs
+            );
+            // Nothing is gathered back after the update, nothing is assigned.
+            assert!(ops(g, "Assign").is_empty());
+            // 4 forward + 1 backward gathers, 4 reduce-scatters, the clip norm, the loss: in one
+            // chain numbered in order, the same order on both ranks.
+            let mut chain: Vec<&NodeDef> = nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective"))
+                .collect();
+            assert_eq!(chain.len(), 5 + 4 + 1 + 1);
+            chain.sort_by_key(|n| int(n, "instance_key"));
+            for (k, w) in chain.windows(2).enumerate() {
+                assert_eq!(int(w[0], "instance_key"), k as i64 + 1);
+                assert!(
+                    w[1].inputs.contains(&format!("^{}", w[0].name)),
+                    "{} does not wait for {}",
+                    w[1].name,
+                    w[0].name
+                );
+            }
+        }
+        let order = |g: &ReplicaGraph| -> Vec<String> {
+            let mut c: Vec<&NodeDef> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective"))
+                .collect();
+            c.sort_by_key(|n| int(n, "instance_key"));
+            c.iter().map(|n| n.name.clone()).collect()
+        };
+        assert_eq!(order(&graphs[0]), order(&graphs[1]));
+        // Worker 0 evaluates on a copy that joins both shards, with no collective.
+        let eval = &graphs[0].eval.loss;
+        assert!(eval.starts_with("eval/"), "{eval}");
+        let joined = graphs[0]
+            .training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == "eval/w1/joined")
+            .unwrap();
+        assert_eq!(joined.inputs, ["w1/shard_0_of_2", "w1/shard_1_of_2"]);
+        assert_eq!(graphs[1].eval.loss, spec.loss);
+    }
+
+    #[test]
     fn sgd_an_unknown_stage_and_async_are_refused() {
         let (def, mut spec) = digits_adamw();
         spec.optimizer = OptimizerSpec {
@@ -955,10 +1106,11 @@ mod tests {
                 ..Default::default()
             })
         };
-        let e = build(3, false).unwrap_err();
-        assert!(e.to_string().contains("not implemented yet"), "{e}");
+        let e = build(4, false).unwrap_err();
+        assert!(e.to_string().contains("must be 1, 2 or 3, got 4"), "{e}");
         let e = build(0, false).unwrap_err();
-        assert!(e.to_string().contains("must be 1 or 2"), "{e}");
+        assert!(e.to_string().contains("must be 1, 2 or 3"), "{e}");
+        assert_eq!(build(3, false).unwrap().name(), "zero");
         let e = build(2, true).unwrap_err();
         assert!(e.to_string().contains("synchronous"), "{e}");
         assert_eq!(

@@ -191,10 +191,16 @@ impl Channel {
         }
     }
 
-    /// What this rank has sent over the channel: payload bytes and messages of every completed
-    /// exchange (frame headers and fingerprints not counted).
+    /// What this rank has sent over the channel: payload bytes and data frames written
+    /// completely (frame headers and fingerprints not counted).
     pub fn sent(&self) -> crate::Traffic {
         self.sent
+    }
+
+    /// Payload bytes this rank has sent over the channel (frame headers excluded): what the
+    /// collectives' byte formulas count.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.bytes
     }
 
     /// This rank.
@@ -561,7 +567,7 @@ impl Channel {
         sent: &mut usize,
     ) -> Result<bool> {
         let total = HEADER_LEN + data.len();
-        let n_before = *sent;
+        let done_before = *sent >= total;
         let glob = call.members[g];
         if *sent == 0 && !self.flush_ctrl(glob).map_err(|e| lost(call, g, e))? {
             return Ok(false);
@@ -591,7 +597,7 @@ impl Channel {
             *sent += n;
         }
         self.links[glob].tx_mid = *sent > 0 && *sent < total;
-        if *sent == total && n_before < total {
+        if !done_before && *sent == total {
             self.sent.bytes += data.len() as u64;
             self.sent.messages += 1;
         }

@@ -127,6 +127,12 @@ impl Communicator {
         self.group.rank
     }
 
+    /// Payload bytes this rank has sent so far over the channel this group shares with its
+    /// subgroups (frame headers excluded).
+    pub fn bytes_sent(&self) -> u64 {
+        lock(&self.shared).channel.bytes_sent()
+    }
+
     /// The number of ranks in the group.
     pub fn size(&self) -> usize {
         self.group.members.len()

@@ -1,0 +1,351 @@
+//! ZeRO stage 3: the parameters themselves are sharded. Each trained variable `p` becomes the
+//! rank's flat shard `p/shard_{r}_of_{N}` (`S = ⌈L/N⌉` elements, zero-padded, initialised as
+//! its elements of the whole variable's seeded value), and every use of `p` reads a gathered
+//! copy instead:
+//!
+//! - the forward pass's consumers read `zero/{p}/forward`, an all-gather of the shards cut back
+//!   to `p`'s shape; the backward pass's consumers read a second gather, `zero/{p}/backward`;
+//! - each gather waits (control edges) for the other inputs of its consumers that do not depend
+//!   on it, so it runs just before its first use, not at the start of the step, and the
+//!   executor drops the gathered tensor once its last consumer finished;
+//! - all collectives of the step are then chained in one topological order of the graph (the
+//!   same on every rank) and numbered in that order.
+//!
+//! Evaluation (worker 0, no collective) reads a copy of the forward graph, `eval/...`, whose
+//! parameters are the shards of every worker joined (sent to worker 0 when it evaluates).
+
+use super::{fresh, node, Param, StrategyError, GROUP};
+use crate::strategy::allreduce::worker_device;
+use crate::strategy::ReplicaGraph;
+use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef, Shape};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// The shard variable of parameter `var` on rank `rank` of `ranks`.
+pub(super) fn shard_name(var: &str, rank: usize, ranks: usize) -> String {
+    format!("{var}/shard_{rank}_of_{ranks}")
+}
+
+/// `v` (the Variable node of `p`) made rank `rank`'s flat shard of it, renamed.
+fn shard_variable(v: &mut NodeDef, p: &Param, rank: usize, ranks: usize) {
+    v.name = shard_name(&p.var, rank, ranks);
+    v.attrs
+        .insert("shape".into(), AttrValue::Shape(Shape::known(&[p.shard])));
+    v.attrs
+        .insert("shard_of".into(), AttrValue::Shape(Shape::known(&p.dims)));
+    v.attrs.insert(
+        "shard_offset".into(),
+        AttrValue::Int((rank * p.shard) as i64),
+    );
+    v.attrs.insert(
+        "shard_name".into(),
+        AttrValue::String(p.var.as_str().into()),
+    );
+    v.attrs.insert("shard_flat".into(), AttrValue::Bool(true));
+}
+
+/// The producer of a data input (`None` for a control input).
+fn data_producer(input: &str) -> Option<String> {
+    match InputRef::parse(input).ok()? {
+        InputRef::Data { node, .. } => Some(node),
+        InputRef::Control(_) => None,
+    }
+}
+
+fn any_producer(input: &str) -> Option<String> {
+    match InputRef::parse(input).ok()? {
+        InputRef::Data { node, .. } | InputRef::Control(node) => Some(node),
+    }
+}
+
+/// Replaces every trained variable of `def` (rank `rank` of `ranks`) by its shard and its uses
+/// by gathered copies (see the module docs). `forward` names the nodes of the forward pass;
+/// `update` ops read the shard itself. Backward nodes that `roots` (the train op, the loss) do
+/// not need (the gradient of a fed input) are dropped first: their gathers would run for
+/// nothing.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn shard_parameters(
+    def: &mut GraphDef,
+    params: &[Param],
+    rank: usize,
+    ranks: usize,
+    forward: &HashSet<String>,
+    roots: &[&str],
+    device: &str,
+) -> Result<(), StrategyError> {
+    drop_dead_backward(def, forward, roots);
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let mut added: Vec<NodeDef> = Vec::new();
+    // (gather node, its consumers)
+    let mut gathers: Vec<(String, Vec<String>)> = Vec::new();
+    for p in params {
+        let shard = shard_name(&p.var, rank, ranks);
+        if taken.contains(&shard) {
+            return Err(StrategyError::NameTaken {
+                node: p.var.clone(),
+                name: shard,
+            });
+        }
+        taken.insert(shard.clone());
+        let Some(v) = def.nodes.iter_mut().find(|n| n.name == p.var) else {
+            return Err(StrategyError::UnknownTensor {
+                role: "variable",
+                name: p.var.clone(),
+                message: "not in the training graph".into(),
+            });
+        };
+        shard_variable(v, p, rank, ranks);
+        // Who reads p, forward or backward.
+        let mut readers: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+        for (i, n) in def.nodes.iter_mut().enumerate() {
+            for c in &mut n.colocate_with {
+                if *c == p.var {
+                    c.clone_from(&shard);
+                }
+            }
+            let mut reads = false;
+            for input in &mut n.inputs {
+                match InputRef::parse(input) {
+                    Ok(InputRef::Control(c)) if c == p.var => *input = format!("^{shard}"),
+                    Ok(InputRef::Data { node, index }) if node == p.var => {
+                        if n.name == p.update || index != 0 {
+                            *input = shard.clone();
+                        } else {
+                            reads = true;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if reads {
+                readers[usize::from(!forward.contains(&n.name))].push(i);
+            }
+        }
+        for (pass, who) in ["forward", "backward"].iter().zip(readers) {
+            if who.is_empty() {
+                continue;
+            }
+            let gather = fresh(&mut taken, &format!("zero/{}/all_gather_{pass}", p.var));
+            let mut g = node(&gather, "CollectiveAllGather", vec![shard.clone()], device);
+            g.attrs = BTreeMap::from([
+                ("group_key".to_string(), AttrValue::String(GROUP.into())),
+                ("instance_key".to_string(), AttrValue::Int(0)),
+                ("group_size".to_string(), AttrValue::Int(ranks as i64)),
+            ]);
+            added.push(g);
+            let value = fresh(&mut taken, &format!("zero/{}/{pass}", p.var));
+            let mut s = node(&value, "FlatSlice", vec![gather.clone()], device);
+            s.attrs = BTreeMap::from([
+                ("offset".to_string(), AttrValue::Int(0)),
+                ("shape".to_string(), AttrValue::Shape(Shape::known(&p.dims))),
+            ]);
+            added.push(s);
+            let mut consumers = Vec::with_capacity(who.len());
+            for i in who {
+                let n = &mut def.nodes[i];
+                for input in &mut n.inputs {
+                    if matches!(InputRef::parse(input), Ok(InputRef::Data { node, index: 0 }) if node == p.var)
+                    {
+                        *input = value.clone();
+                    }
+                }
+                consumers.push(n.name.clone());
+            }
+            gathers.push((gather, consumers));
+        }
+    }
+    def.nodes.extend(added);
+    just_in_time(def, &gathers);
+    Ok(())
+}
+
+/// Removes the nodes outside the forward pass that `roots` do not depend on.
+fn drop_dead_backward(def: &mut GraphDef, forward: &HashSet<String>, roots: &[&str]) {
+    let inputs: HashMap<&str, &Vec<String>> = def
+        .nodes
+        .iter()
+        .map(|n| (n.name.as_str(), &n.inputs))
+        .collect();
+    let mut live: HashSet<String> = HashSet::new();
+    let mut stack: Vec<String> = roots.iter().map(|r| r.to_string()).collect();
+    while let Some(n) = stack.pop() {
+        if !live.insert(n.clone()) {
+            continue;
+        }
+        if let Some(ins) = inputs.get(n.as_str()) {
+            stack.extend(ins.iter().filter_map(|i| any_producer(i)));
+        }
+    }
+    def.nodes
+        .retain(|n| live.contains(&n.name) || forward.contains(&n.name));
+}
+
+/// Makes each gather wait for the other inputs of its consumers that do not depend on it, so
+/// that it runs just before its first use. Edges are added one gather at a time against the
+/// graph with the edges already added, so no cycle can form.
+fn just_in_time(def: &mut GraphDef, gathers: &[(String, Vec<String>)]) {
+    let index: HashMap<String, usize> = def
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.name.clone(), i))
+        .collect();
+    // successors[i]: the nodes reading node i (data or control).
+    let mut successors: Vec<Vec<usize>> = vec![Vec::new(); def.nodes.len()];
+    for (i, n) in def.nodes.iter().enumerate() {
+        for input in &n.inputs {
+            if let Some(&p) = any_producer(input).and_then(|p| index.get(&p)) {
+                successors[p].push(i);
+            }
+        }
+    }
+    for (gather, consumers) in gathers {
+        let Some(&g) = index.get(gather) else {
+            continue;
+        };
+        // Everything downstream of the gather.
+        let mut reach = vec![false; def.nodes.len()];
+        let mut stack = vec![g];
+        while let Some(i) = stack.pop() {
+            if std::mem::replace(&mut reach[i], true) {
+                continue;
+            }
+            stack.extend(successors[i].iter().copied());
+        }
+        let mut deps: Vec<usize> = Vec::new();
+        for c in consumers {
+            let Some(&c) = index.get(c) else { continue };
+            for input in &def.nodes[c].inputs {
+                if let Some(&p) = data_producer(input).and_then(|p| index.get(&p)) {
+                    // Sources are ready at the start of the step anyway.
+                    let is_source = matches!(
+                        def.nodes[p].op.as_str(),
+                        "Const" | "Variable" | "Placeholder"
+                    );
+                    if !reach[p] && !is_source && !deps.contains(&p) {
+                        deps.push(p);
+                    }
+                }
+            }
+        }
+        for p in deps {
+            let name = format!("^{}", def.nodes[p].name);
+            def.nodes[g].inputs.push(name);
+            successors[p].push(g);
+        }
+    }
+}
+
+/// Chains every collective of `def` by control edges in one topological order of the graph
+/// (the same on every rank: the ranks' graphs differ only in names and offsets) and numbers
+/// them in that order.
+pub(super) fn order_collectives(def: &mut GraphDef) -> Result<(), StrategyError> {
+    let graph = Graph::from_def(def).map_err(StrategyError::InvalidGraph)?;
+    let chain: Vec<String> = graph
+        .topo_order()
+        .into_iter()
+        .map(|i| graph.node(i))
+        .filter(|n| n.op.starts_with("Collective"))
+        .map(|n| n.name.clone())
+        .collect();
+    let position: HashMap<&str, usize> = chain
+        .iter()
+        .enumerate()
+        .map(|(k, n)| (n.as_str(), k))
+        .collect();
+    for n in &mut def.nodes {
+        let Some(&k) = position.get(n.name.as_str()) else {
+            continue;
+        };
+        n.attrs
+            .insert("instance_key".into(), AttrValue::Int(k as i64 + 1));
+        if k > 0 {
+            n.inputs.push(format!("^{}", chain[k - 1]));
+        }
+    }
+    Ok(())
+}
+
+/// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose parameters read
+/// every worker's shard joined (no collective), and points evaluation at it.
+pub(super) fn add_eval_copy(
+    g: &mut ReplicaGraph,
+    forward: &GraphDef,
+    params: &[Param],
+    ranks: usize,
+) -> Result<(), StrategyError> {
+    let device = worker_device("", "", 0)?;
+    let sharded: HashMap<&str, &Param> = params.iter().map(|p| (p.var.as_str(), p)).collect();
+    let mut taken: HashSet<String> = g
+        .training
+        .def
+        .nodes
+        .iter()
+        .map(|n| n.name.clone())
+        .collect();
+    let mut map: HashMap<String, String> = HashMap::new();
+    let mut added = Vec::new();
+    for n in &forward.nodes {
+        match n.op.as_str() {
+            "Placeholder" => {}
+            "Variable" => {
+                let Some(p) = sharded.get(n.name.as_str()) else {
+                    continue;
+                };
+                let mut shards = Vec::with_capacity(ranks);
+                for r in 0..ranks {
+                    if r > 0 {
+                        let mut v = n.clone();
+                        shard_variable(&mut v, p, r, ranks);
+                        v.device = worker_device(&n.name, &n.device, r)?;
+                        added.push(v);
+                    }
+                    shards.push(shard_name(&p.var, r, ranks));
+                }
+                let joined = fresh(&mut taken, &format!("eval/{}/joined", n.name));
+                added.push(node(&joined, "PackFlat", shards, &device));
+                let value = fresh(&mut taken, &format!("eval/{}", n.name));
+                let mut s = node(&value, "FlatSlice", vec![joined], &device);
+                s.attrs = BTreeMap::from([
+                    ("offset".to_string(), AttrValue::Int(0)),
+                    ("shape".to_string(), AttrValue::Shape(Shape::known(&p.dims))),
+                ]);
+                added.push(s);
+                map.insert(n.name.clone(), value);
+            }
+            _ => {
+                let name = fresh(&mut taken, &format!("eval/{}", n.name));
+                map.insert(n.name.clone(), name);
+            }
+        }
+    }
+    let remap = |input: &str| -> String {
+        match InputRef::parse(input) {
+            Ok(InputRef::Data { node, index }) => match map.get(&node) {
+                Some(new) if index == 0 => new.clone(),
+                Some(new) => format!("{new}:{index}"),
+                None => input.to_string(),
+            },
+            Ok(InputRef::Control(node)) => match map.get(&node) {
+                Some(new) => format!("^{new}"),
+                None => input.to_string(),
+            },
+            Err(_) => input.to_string(),
+        }
+    };
+    for n in &forward.nodes {
+        if matches!(n.op.as_str(), "Placeholder" | "Variable") {
+            continue;
+        }
+        let mut copy = n.clone();
+        copy.name = remap(&n.name);
+        copy.inputs = n.inputs.iter().map(|i| remap(i)).collect();
+        copy.device = worker_device(&n.name, &n.device, 0)?;
+        copy.colocate_with.clear();
+        added.push(copy);
+    }
+    g.training.def.nodes.extend(added);
+    g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
+    g.eval.loss = remap(&g.eval.loss);
+    g.eval.metrics = g.eval.metrics.iter().map(|m| remap(m)).collect();
+    Ok(())
+}
