@@ -4,6 +4,7 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
+pub mod axis_split;
 mod attr_list;
 pub mod autodiff;
 pub mod builder;

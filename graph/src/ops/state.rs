@@ -5,6 +5,7 @@
 use super::elementwise::stateless;
 use super::init::{initial_value_with_stddev, Initializer};
 use super::*;
+use crate::axis_split::AxisSplit;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
 pub(crate) fn register(r: &mut OpRegistry) {
@@ -46,17 +47,17 @@ pub(crate) fn register(r: &mut OpRegistry) {
              `shard_of` set, the variable is rows [shard_offset, shard_offset + shape[0]) of a \
              variable of shape `shard_of` named `shard_name` and its initial value is that \
              slice of the bigger variable's (the expert strategy keeps each worker's experts \
-             this way).",
+             this way). With `shard_parts` > 0 as well, the variable is instead shard \
+             `shard_index` of `shard_of` cut along `shard_axis` into `shard_parts` parts, the \
+             axis taken as `shard_blocks` blocks cut separately and padded with zeros to \
+             `shard_padded` (0: no padding) — see `axis_split` (tensor parallelism keeps its \
+             weights this way).",
             |ctx| {
                 let shape = ctx.shape("shape")?;
                 let Some(dims) = shape.as_static() else {
                     return Err(format!("variable shape {shape} must be fully known"));
                 };
-                shard_rows(
-                    &dims,
-                    ctx.attrs.get("shard_of"),
-                    ctx.attrs.get("shard_offset"),
-                )?;
+                shard_init(&dims, ctx.attrs)?;
                 Ok(vec![TensorType::new(ctx.dtype("dtype")?, shape.clone())])
             },
         )
@@ -75,6 +76,11 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("shard_of", AttrType::Shape, AttrDefault::UnknownShape),
             attr_or("shard_offset", AttrType::Int, AttrDefault::Int(0)),
             attr_or("shard_name", AttrType::String, AttrDefault::Str("")),
+            attr_or("shard_axis", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("shard_blocks", AttrType::Int, AttrDefault::Int(1)),
+            attr_or("shard_parts", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("shard_index", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("shard_padded", AttrType::Int, AttrDefault::Int(0)),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -116,6 +122,17 @@ pub(crate) fn register(r: &mut OpRegistry) {
             .inputs([arg("input")])
             .outputs([arg("output")])
             .kernel("CPU", |_| stateless(identity_kernel)),
+    );
+    r.add(
+        OpDef::new(
+            "StopGradient",
+            "Passes its input through; no gradient flows back through it (TensorFlow's \
+             StopGradient: the vocabulary-parallel cross-entropy's shift by the global maximum).",
+            same_as_input,
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .kernel("CPU", |_| stateless(identity_kernel)),
     );
     r.add(
         OpDef::new(
@@ -225,6 +242,70 @@ fn shard_rows(
     Ok(Some((whole, offset)))
 }
 
+/// How a shard variable starts: rows of the whole (`shard_of` alone) or an [`AxisSplit`]
+/// shard (`shard_parts` > 0).
+#[derive(Debug)]
+enum ShardInit {
+    Rows { whole: Vec<usize>, first: usize },
+    Split { whole: Vec<usize>, split: AxisSplit, index: usize },
+}
+
+fn int_attr(attrs: &std::collections::BTreeMap<String, AttrValue>, name: &str, default: i64) -> Result<i64, String> {
+    match attrs.get(name) {
+        None => Ok(default),
+        Some(AttrValue::Int(v)) => Ok(*v),
+        Some(v) => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+    }
+}
+
+/// The shard a variable of shape `dims` is (`None`: not a shard), checked against its attributes.
+fn shard_init(dims: &[usize], attrs: &std::collections::BTreeMap<String, AttrValue>) -> Result<Option<ShardInit>, String> {
+    let parts = int_attr(attrs, "shard_parts", 0)?;
+    if parts <= 0 {
+        return Ok(shard_rows(dims, attrs.get("shard_of"), attrs.get("shard_offset"))?
+            .map(|(whole, first)| ShardInit::Rows { whole, first }));
+    }
+    let whole = match attrs.get("shard_of") {
+        Some(AttrValue::Shape(s)) => s
+            .as_static()
+            .ok_or_else(|| format!("attribute `shard_of` {s} must be fully known"))?,
+        _ => return Err("`shard_parts` needs `shard_of`, the whole variable's shape".into()),
+    };
+    let nonneg = |name: &str, default: i64| -> Result<usize, String> {
+        let v = int_attr(attrs, name, default)?;
+        usize::try_from(v).map_err(|_| format!("{name} must be ≥ 0, got {v}"))
+    };
+    let axis = nonneg("shard_axis", 0)?;
+    let padded = nonneg("shard_padded", 0)?;
+    let split = AxisSplit {
+        axis,
+        blocks: nonneg("shard_blocks", 1)?,
+        parts: parts as usize,
+        padded: if padded == 0 {
+            whole.get(axis).copied().unwrap_or(0)
+        } else {
+            padded
+        },
+    };
+    split.check(&whole)?;
+    let index = nonneg("shard_index", 0)?;
+    if index >= split.parts {
+        return Err(format!("shard_index {index} ≥ shard_parts {}", split.parts));
+    }
+    if split.shard_dims(&whole) != dims {
+        return Err(format!(
+            "a shard of {whole:?} cut along axis {axis} into {} parts is {:?}, not {dims:?}",
+            split.parts,
+            split.shard_dims(&whole)
+        ));
+    }
+    Ok(Some(ShardInit::Split {
+        whole,
+        split,
+        index,
+    }))
+}
+
 /// Variable's kernel: outputs the cell's current value, initializing it on first use from the
 /// `initializer` and `seed` attributes (see [`super::init`]).
 #[derive(Debug)]
@@ -236,8 +317,8 @@ struct VariableKernel {
     seed: i64,
     init_value: f64,
     stddev: f64,
-    /// A shard's whole dimensions and first row.
-    shard: Option<(Vec<usize>, usize)>,
+    /// What the variable is a shard of.
+    shard: Option<ShardInit>,
 }
 
 fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
@@ -271,11 +352,7 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
             ))
         }
     };
-    let shard = shard_rows(
-        &dims,
-        init.attrs.get("shard_of"),
-        init.attrs.get("shard_offset"),
-    )?;
+    let shard = shard_init(&dims, init.attrs)?;
     // A shard draws its values under the whole variable's name (the random stream's key).
     let node = match init.attrs.get("shard_name") {
         Some(AttrValue::String(s)) if shard.is_some() && !s.is_empty() => s.to_string(),
@@ -299,9 +376,11 @@ impl Kernel for VariableKernel {
             if let Some(t) = v {
                 return Ok(t.clone());
             }
-            let (dims, first) = match &self.shard {
-                Some((whole, first)) => (whole.as_slice(), *first),
-                None => (self.dims.as_slice(), 0),
+            let dims = match &self.shard {
+                Some(ShardInit::Rows { whole, .. } | ShardInit::Split { whole, .. }) => {
+                    whole.as_slice()
+                }
+                None => self.dims.as_slice(),
             };
             let mut t = initial_value_with_stddev(
                 self.initializer,
@@ -312,7 +391,10 @@ impl Kernel for VariableKernel {
                 self.init_value,
                 self.stddev,
             )?;
-            if self.shard.is_some() {
+            if let Some(ShardInit::Split { split, index, .. }) = &self.shard {
+                t = split.shard(&t, *index)?;
+            } else if let Some(ShardInit::Rows { first, .. }) = &self.shard {
+                let first = *first;
                 // The whole variable's value is drawn once, at the first step, and sliced.
                 let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
                 let bytes = t
@@ -340,12 +422,65 @@ pub(crate) mod gradients {
         r.set_gradient("Identity", |_, _, dys| {
             Ok(vec![Some(only_dy(dys)?.clone())])
         });
-        // Sources: nothing flows further back (they have no inputs).
-        for op in ["Const", "Placeholder", "Variable"] {
+        // Sources: nothing flows further back (they have no inputs); StopGradient by definition.
+        for op in ["Const", "Placeholder", "Variable", "StopGradient"] {
             r.set_gradient(op, no_gradient);
         }
         // State reads behind control edges are not differentiated through.
         r.set_gradient("ReadVariable", no_gradient);
+    }
+
+    #[test]
+    fn an_axis_split_shard_starts_as_its_part_of_the_whole_variable() {
+        use crate::ops::testing::run_kernel_with;
+        let cell = || [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let base = |shape: &[usize]| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(shape))),
+                ("initializer", AttrValue::String("normal".into())),
+                ("seed", AttrValue::Int(5)),
+            ]
+        };
+        let whole = run_kernel_with("Variable", "w", &base(&[3, 4]), &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        // Columns 2..4 of a [3, 4] variable: shard 1 of 2 along axis 1.
+        let mut attrs = base(&[3, 2]);
+        attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[3, 4]))),
+            ("shard_name", AttrValue::String("w".into())),
+            ("shard_axis", AttrValue::Int(1)),
+            ("shard_parts", AttrValue::Int(2)),
+            ("shard_index", AttrValue::Int(1)),
+        ]);
+        let shard = run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        let w = whole.as_slice::<f32>().unwrap();
+        assert_eq!(
+            shard.as_slice::<f32>().unwrap(),
+            &[w[2], w[3], w[6], w[7], w[10], w[11]]
+        );
+        // Rows padded to 4 over 2 parts: shard 1 holds row 2 and a zero row.
+        let mut attrs = base(&[2, 4]);
+        attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[3, 4]))),
+            ("shard_name", AttrValue::String("w".into())),
+            ("shard_parts", AttrValue::Int(2)),
+            ("shard_index", AttrValue::Int(1)),
+            ("shard_padded", AttrValue::Int(4)),
+        ]);
+        let shard = run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        assert_eq!(&shard.as_slice::<f32>().unwrap()[..4], &w[8..]);
+        assert_eq!(&shard.as_slice::<f32>().unwrap()[4..], &[0.0; 4]);
+        // A shape that is not the split's shard is refused, naming both.
+        attrs[1] = ("shape", AttrValue::Shape(Shape::known(&[1, 4])));
+        let err =
+            run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("[2, 4]") && err.contains("[1, 4]"), "{err}");
     }
 
     #[test]
