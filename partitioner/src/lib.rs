@@ -37,6 +37,7 @@ pub mod plan;
 pub mod planner;
 pub mod render;
 pub mod shards;
+pub mod sharding;
 pub mod strategy;
 pub mod synthetic;
 
