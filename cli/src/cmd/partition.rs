@@ -90,6 +90,10 @@ pub struct Args {
     /// gradients (reduce-scatter instead of all-reduce). Default 1.
     #[arg(long, requires = "strategy", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
+    /// With --strategy tensor: the tensor-parallel size (Megatron layout over T workers; default:
+    /// every worker).
+    #[arg(long, value_name = "T", requires = "strategy")]
+    pub tp: Option<usize>,
 }
 
 /// `dflow partition --strategy S`: the job plan of the graph's training job.
@@ -112,6 +116,7 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         args.zero_stage,
         &args.pipeline,
         args.batch_size,
+        args.tp,
     )?;
     let placement = PlacementOptions {
         default_device: DeviceName::parse(&args.default_device).context("--default-device")?,

@@ -81,6 +81,10 @@ pub struct Args {
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce). Default 1.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
+    /// With --strategy tensor: the tensor-parallel size (Megatron layout over T workers; default:
+    /// every worker).
+    #[arg(long, value_name = "T")]
+    pub tp: Option<usize>,
     /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
     /// step (the default).
     #[arg(long, conflicts_with = "async")]

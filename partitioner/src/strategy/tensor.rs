@@ -1014,3 +1014,190 @@ fn sharded_variables(
     }
     out
 }
+
+/// Bytes one rank sends per training step in the tensor-parallel collectives of its graph `g`
+/// over `tp` ranks, from the plan's static shapes (ring all-reduce: `2(T−1)/T` of the tensor):
+/// `(forward, backward)`, where forward counts the `g` all-reduces (`CollectiveTpReduce`) and
+/// backward the all-reduces of `f`'s gradients. The loss's own all-reduces of `[rows]` vectors
+/// and clipping's scalar are not counted. `None` where a shape is not static.
+pub fn activation_bytes(g: &ReplicaGraph, tp: usize) -> Option<(usize, usize)> {
+    let typed = &g.graph;
+    let ring = |i| {
+        typed.output_type(i, 0).and_then(|t: &dflow_graph::TensorType| {
+            let bytes = t.shape.num_elements()? * t.dtype.size_of();
+            Some(crate::sharding::Transition::AllReduce.bytes_sent(bytes, tp))
+        })
+    };
+    let (mut fwd, mut bwd) = (0usize, 0usize);
+    for i in typed.node_indices() {
+        let n = typed.node(i);
+        let Some(AttrValue::Int(key)) = n.attrs.get("instance_key") else {
+            continue;
+        };
+        let backward = *key >= dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET;
+        match n.op {
+            "CollectiveTpReduce" if !n.name.starts_with("xent/") => fwd += ring(i)?,
+            "CollectiveAllReduce" if backward => bwd += ring(i)?,
+            _ => {}
+        }
+    }
+    Some((fwd, bwd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::layers::{gpt, GptConfig};
+
+    fn model(vocab: usize, heads: usize, batch: i64) -> (Graph, TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: vocab,
+            block_size: 4,
+            n_layer: 2,
+            n_head: heads,
+            n_embd: 8,
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs.insert(
+                    "shape".into(),
+                    AttrValue::Shape(Shape::known(&[batch as usize, 4])),
+                );
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    fn ops<'a>(g: &'a ReplicaGraph, op: &str) -> Vec<&'a NodeDef> {
+        g.training.def.nodes.iter().filter(|n| n.op == op).collect()
+    }
+
+    #[test]
+    fn megatron_layout_two_reduces_forward_and_two_backward_per_block() {
+        let (graph, spec) = model(11, 4, 3);
+        for tp in [2usize, 4] {
+            let tg = tensor_training(&graph, &spec, tp, "idx", "targets").unwrap();
+            assert_eq!(tg.graphs.len(), tp);
+            let g = &tg.graphs[1];
+            // Shards: c_attn [3C/T, C], c_proj [C, C/T], c_fc [4C/T, C], wte [Vp/T, C].
+            let shape = |name: &str| {
+                let i = g.graph.find(name).unwrap();
+                g.graph.output_type(i, 0).unwrap().shape.as_static().unwrap()
+            };
+            let s = |v: &str| shard_name(v, 1, tp);
+            assert_eq!(shape(&s("transformer.h.0.attn.c_attn.weight")), [24 / tp, 8]);
+            assert_eq!(shape(&s("transformer.h.1.attn.c_proj.weight")), [8, 8 / tp]);
+            assert_eq!(shape(&s("transformer.h.0.mlp.c_fc.weight")), [32 / tp, 8]);
+            assert_eq!(shape(&s("transformer.h.0.mlp.c_proj.weight")), [8, 32 / tp]);
+            assert_eq!(shape(&s("transformer.wte.weight")), [11usize.div_ceil(tp), 8]);
+            // Replicated: norms, wpe, the row-parallel biases.
+            assert_eq!(shape("transformer.h.0.attn.c_proj.bias"), [8]);
+            assert_eq!(shape("transformer.wpe.weight"), [4, 8]);
+            // g: 2 per block + the embedding's + the loss's two; f: 2 per block + the head's.
+            let reduces = ops(g, "CollectiveTpReduce");
+            assert_eq!(reduces.len(), 2 * 2 + 1 + 2);
+            assert_eq!(ops(g, "CollectiveTpCopy").len(), 2 * 2 + 1);
+            // Bytes: per block two all-reduces of b·s·h floats forward, two backward, plus the
+            // embedding's (forward) and the head's input gradient (backward).
+            let (fwd, bwd) = activation_bytes(g, tp).unwrap();
+            let act = 3 * 4 * 8 * 4;
+            let ring = 2 * (tp - 1) * act / tp;
+            assert_eq!(fwd, (2 * 2 + 1) * ring);
+            assert_eq!(bwd, (2 * 2 + 1) * ring);
+            // Every collective but f waits for the one before it.
+            let chained = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                .filter(|n| !n.inputs.iter().any(|i| i.starts_with('^')))
+                .count();
+            assert_eq!(chained, 1, "one collective heads the chain");
+            // The shards are drawn as the whole variable's parts.
+            let v = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == s("transformer.h.0.attn.c_attn.weight"))
+                .unwrap();
+            assert_eq!(v.attrs["shard_blocks"], AttrValue::Int(3));
+            assert_eq!(v.attrs["shard_index"], AttrValue::Int(1));
+            assert_eq!(
+                v.attrs["shard_name"],
+                AttrValue::String("transformer.h.0.attn.c_attn.weight".into())
+            );
+        }
+    }
+
+    #[test]
+    fn a_padded_vocabulary_is_masked_and_checkpoints_store_whole_tensors() {
+        let (graph, spec) = model(11, 2, 2);
+        let tg = tensor_training(&graph, &spec, 2, "idx", "targets").unwrap();
+        // 11 → 12: rank 1 holds rows 6..12, the last one padding, masked.
+        assert!(ops(&tg.graphs[1], "Add")
+            .iter()
+            .any(|n| n.name == "xent/tp_masked"));
+        assert!(!ops(&tg.graphs[0], "Add")
+            .iter()
+            .any(|n| n.name == "xent/tp_masked"));
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel { tp: Some(2) }.plan(&input).unwrap();
+        assert_eq!(plan.batch_parts, 1);
+        let wte = plan
+            .axis_sharded
+            .iter()
+            .find(|s| s.logical == "transformer.wte.weight/adam_m")
+            .unwrap();
+        assert_eq!(wte.dims, [11, 8]);
+        assert_eq!(wte.padded, 12);
+        assert_eq!(
+            wte.shards,
+            [
+                "transformer.wte.weight/tp_0_of_2/adam_m",
+                "transformer.wte.weight/tp_1_of_2/adam_m"
+            ]
+        );
+        // Evaluation runs the one-process graph on worker 0 with the assembled weights.
+        let eval = plan.eval_signature().unwrap();
+        assert_eq!(eval.fetches, ["eval/loss:0"]);
+    }
+
+    #[test]
+    fn indivisible_dimensions_and_other_options_are_errors_naming_them() {
+        let (graph, spec) = model(11, 2, 2);
+        let e = tensor_training(&graph, &spec, 4, "idx", "targets").unwrap_err();
+        assert!(
+            e.to_string().contains("number of heads (n_head) of transformer.h.0.attn is 2"),
+            "{e}"
+        );
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let e = TensorParallel { tp: Some(4) }.plan(&input).unwrap_err();
+        assert!(e.to_string().contains("must equal the cluster's 2 workers"), "{e}");
+        let build = |asynchronous: bool, tp: Option<usize>| {
+            (REGISTRATION.build)(&super::super::StrategyOptions {
+                asynchronous,
+                tp,
+                ..Default::default()
+            })
+        };
+        assert!(build(true, None).unwrap_err().to_string().contains("synchronous"));
+        assert!(build(false, Some(0)).unwrap_err().to_string().contains("at least 1"));
+        // Not a GPT.
+        let mut b = dflow_graph::builder::GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[2, 2]);
+        let y = b.placeholder("y", DType::F32, &[2, 2]);
+        let d = b.binary("Sub", "d", &x, &y);
+        b.op("Mean", "loss").input(&d).finish();
+        let g = b.build().unwrap();
+        let e = tensor_training(&g, &TrainSpec::new("loss", spec.optimizer.clone()), 2, "x", "y")
+            .unwrap_err();
+        assert!(e.to_string().contains("transformer.wte.weight"), "{e}");
+    }
+}
