@@ -211,7 +211,10 @@ mod tests {
             padded: 3,
         };
         assert!(odd.shard(&whole, 0).unwrap_err().contains("equal parts"));
-        assert!(split.shard(&whole, 2).unwrap_err().contains("does not exist"));
+        assert!(split
+            .shard(&whole, 2)
+            .unwrap_err()
+            .contains("does not exist"));
         assert!(split
             .assemble(&[s1.clone()], &[3, 2])
             .unwrap_err()

@@ -4,9 +4,9 @@
 #![deny(unused_must_use)]
 
 pub mod attr;
-pub mod axis_split;
 mod attr_list;
 pub mod autodiff;
+pub mod axis_split;
 pub mod builder;
 pub mod cluster;
 pub mod def;

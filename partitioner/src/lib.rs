@@ -36,8 +36,8 @@ pub mod place;
 pub mod plan;
 pub mod planner;
 pub mod render;
-pub mod shards;
 pub mod sharding;
+pub mod shards;
 pub mod strategy;
 pub mod synthetic;
 

@@ -280,8 +280,11 @@ mod tests {
         let mut tensors = BTreeMap::from([("wte".to_string(), whole.clone())]);
         split_axis(std::slice::from_ref(&s), &mut tensors).unwrap();
         assert_eq!(tensors["wte/tp_1_of_2"].dims(), &[2, 2]);
-        let back = gather_axis(std::slice::from_ref(&s), tensors.clone().into_iter().collect())
-            .unwrap();
+        let back = gather_axis(
+            std::slice::from_ref(&s),
+            tensors.clone().into_iter().collect(),
+        )
+        .unwrap();
         assert_eq!(back, vec![("wte".to_string(), whole)]);
         tensors.remove("wte/tp_0_of_2");
         let e = gather_axis(std::slice::from_ref(&s), tensors.into_iter().collect()).unwrap_err();

@@ -246,11 +246,22 @@ fn shard_rows(
 /// shard (`shard_parts` > 0).
 #[derive(Debug)]
 enum ShardInit {
-    Rows { whole: Vec<usize>, first: usize },
-    Split { whole: Vec<usize>, split: AxisSplit, index: usize },
+    Rows {
+        whole: Vec<usize>,
+        first: usize,
+    },
+    Split {
+        whole: Vec<usize>,
+        split: AxisSplit,
+        index: usize,
+    },
 }
 
-fn int_attr(attrs: &std::collections::BTreeMap<String, AttrValue>, name: &str, default: i64) -> Result<i64, String> {
+fn int_attr(
+    attrs: &std::collections::BTreeMap<String, AttrValue>,
+    name: &str,
+    default: i64,
+) -> Result<i64, String> {
     match attrs.get(name) {
         None => Ok(default),
         Some(AttrValue::Int(v)) => Ok(*v),
@@ -259,11 +270,16 @@ fn int_attr(attrs: &std::collections::BTreeMap<String, AttrValue>, name: &str, d
 }
 
 /// The shard a variable of shape `dims` is (`None`: not a shard), checked against its attributes.
-fn shard_init(dims: &[usize], attrs: &std::collections::BTreeMap<String, AttrValue>) -> Result<Option<ShardInit>, String> {
+fn shard_init(
+    dims: &[usize],
+    attrs: &std::collections::BTreeMap<String, AttrValue>,
+) -> Result<Option<ShardInit>, String> {
     let parts = int_attr(attrs, "shard_parts", 0)?;
     if parts <= 0 {
-        return Ok(shard_rows(dims, attrs.get("shard_of"), attrs.get("shard_offset"))?
-            .map(|(whole, first)| ShardInit::Rows { whole, first }));
+        return Ok(
+            shard_rows(dims, attrs.get("shard_of"), attrs.get("shard_offset"))?
+                .map(|(whole, first)| ShardInit::Rows { whole, first }),
+        );
     }
     let whole = match attrs.get("shard_of") {
         Some(AttrValue::Shape(s)) => s

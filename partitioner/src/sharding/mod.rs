@@ -91,9 +91,7 @@ impl Transition {
         let n = ranks.max(1);
         match self {
             Transition::Nothing | Transition::LocalSlice { .. } => 0,
-            Transition::AllGather { .. } | Transition::ReduceScatter { .. } => {
-                (n - 1) * bytes / n
-            }
+            Transition::AllGather { .. } | Transition::ReduceScatter { .. } => (n - 1) * bytes / n,
             Transition::AllReduce => 2 * (n - 1) * bytes / n,
             Transition::AllToAll { .. } => (n - 1) * bytes / (n * n),
         }

@@ -73,7 +73,9 @@ pub fn elementwise(
                 _ => {
                     return refuse(
                         op,
-                        format!("an input {p} of rank {rank} does not fit Shard({d}) of the output"),
+                        format!(
+                            "an input {p} of rank {rank} does not fit Shard({d}) of the output"
+                        ),
                     )
                 }
             }
@@ -165,7 +167,9 @@ mod tests {
         let n: usize = dims.iter().product();
         let v: Vec<f32> = (0..n)
             .map(|i| {
-                let x = (i as u64 + 1).wrapping_mul(6364136223846793005).wrapping_add(seed);
+                let x = (i as u64 + 1)
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(seed);
                 ((x >> 33) % 2000) as f32 / 1000.0 - 1.0
             })
             .collect();
@@ -248,7 +252,10 @@ mod tests {
             .collect();
         let got = combine(&outs, out, want.dims());
         for (i, (a, b)) in got.iter().zip(want.as_slice::<f32>().unwrap()).enumerate() {
-            assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{op} [{i}]: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                "{op} [{i}]: {a} vs {b}"
+            );
         }
     }
 

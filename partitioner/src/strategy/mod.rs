@@ -401,7 +401,10 @@ mod tests {
     #[test]
     fn every_registered_name_parses_back_to_itself() {
         let names: Vec<&str> = StrategyKind::all().map(StrategyKind::name).collect();
-        assert_eq!(names, ["ps", "allreduce", "pipeline", "zero", "expert", "tensor"]);
+        assert_eq!(
+            names,
+            ["ps", "allreduce", "pipeline", "zero", "expert", "tensor"]
+        );
         for k in StrategyKind::all() {
             assert_eq!(k.name().parse::<StrategyKind>().unwrap(), k);
             assert!(!k.about().is_empty());

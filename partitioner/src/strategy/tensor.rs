@@ -45,8 +45,8 @@ use super::{
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::place::{PlacementOptions, Policy};
-use crate::shards::AxisShardedVariable;
 use crate::sharding::Placement;
+use crate::shards::AxisShardedVariable;
 use dflow_graph::axis_split::AxisSplit;
 use dflow_graph::train::{expand_training_graph, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef, Shape, Tensor};
@@ -113,13 +113,8 @@ impl Strategy for TensorParallel {
                  several tensor-parallel groups is not built)"
             )));
         }
-        let tp_graphs = tensor_training(
-            input.graph,
-            input.train,
-            tp,
-            input.features,
-            input.labels,
-        )?;
+        let tp_graphs =
+            tensor_training(input.graph, input.train, tp, input.features, input.labels)?;
         let placement = PlacementOptions {
             policy: Policy::Explicit,
             ..input.placement.clone()
@@ -248,7 +243,10 @@ impl Gpt {
             .ok_or_else(|| missing("head weight input of `lm_head`"))?;
         let mut blocks = Vec::new();
         while graph
-            .find(&format!("transformer.h.{}.attn.c_attn.weight", blocks.len()))
+            .find(&format!(
+                "transformer.h.{}.attn.c_attn.weight",
+                blocks.len()
+            ))
             .is_some()
         {
             blocks.push(format!("transformer.h.{}", blocks.len()));
@@ -444,8 +442,7 @@ fn id_range(r: usize, n: usize) -> Result<Tensor, StrategyError> {
 fn redirect(nodes: &mut [NodeDef], from: &str, to: &str, except: &str) {
     for n in nodes.iter_mut().filter(|n| n.name != except) {
         for i in &mut n.inputs {
-            if matches!(InputRef::parse(i), Ok(InputRef::Data { node, index: 0 }) if node == from)
-            {
+            if matches!(InputRef::parse(i), Ok(InputRef::Data { node, index: 0 }) if node == from) {
                 *i = to.to_string();
             }
         }
@@ -552,10 +549,8 @@ fn rank_graph(
                 .iter_mut()
                 .find(|x| x.name == format!("{attn}/{part}"))
             {
-                m.attrs.insert(
-                    "shape".into(),
-                    AttrValue::IntList(vec![-1, t, heads, hd]),
-                );
+                m.attrs
+                    .insert("shape".into(), AttrValue::IntList(vec![-1, t, heads, hd]));
             }
         }
         if let Some(m) = def
@@ -620,12 +615,7 @@ fn rank_graph(
     let shifted = n.add("xent/tp_shifted", "Sub", vec![logits, shift], vec![]);
     let exp = n.add("xent/tp_exp", "Exp", vec![shifted.clone()], vec![]);
     let local_sum = n.reduce("xent/tp_local_sum_exp", "Sum", exp);
-    let sum = n.collective(
-        "xent/tp_sum_exp",
-        "CollectiveTpReduce",
-        local_sum,
-        false,
-    );
+    let sum = n.collective("xent/tp_sum_exp", "CollectiveTpReduce", local_sum, false);
     let lse = n.add("xent/tp_log_sum_exp", "Log", vec![sum], vec![]);
     let t2 = n.reshape("xent/tp_targets", targets, &[-1, 1]);
     let is_target = n.add("xent/tp_is_target", "Equal", vec![t2, range], vec![]);
@@ -646,8 +636,7 @@ fn rank_graph(
     let per_token = n.add("xent/tp_per_token", "Sub", vec![lse, target], vec![]);
     if let Some(x) = def.nodes.iter_mut().find(|x| x.name == "xent") {
         *x = node("xent", "Reshape", vec![per_token], &device);
-        x.attrs
-            .insert("shape".into(), AttrValue::IntList(vec![-1]));
+        x.attrs.insert("shape".into(), AttrValue::IntList(vec![-1]));
     }
     def.nodes.extend(std::mem::take(&mut n.added));
     // Renamed shards; everything on the rank; only what the loss and metrics need.
@@ -735,8 +724,10 @@ fn shard_variable(v: &mut NodeDef, s: &ShardedWeight, r: usize) {
     );
     v.attrs
         .insert("shard_of".into(), AttrValue::Shape(Shape::known(&s.dims)));
-    v.attrs
-        .insert("shard_name".into(), AttrValue::String(s.name.as_str().into()));
+    v.attrs.insert(
+        "shard_name".into(),
+        AttrValue::String(s.name.as_str().into()),
+    );
     for (k, x) in ints {
         v.attrs.insert(k.into(), AttrValue::Int(x as i64));
     }
@@ -870,7 +861,13 @@ fn add_eval_copy(
     let by_name: HashMap<&str, &ShardedWeight> =
         shards.iter().map(|s| (s.name.as_str(), s)).collect();
     let mut n = Nodes {
-        taken: g.training.def.nodes.iter().map(|x| x.name.clone()).collect(),
+        taken: g
+            .training
+            .def
+            .nodes
+            .iter()
+            .map(|x| x.name.clone())
+            .collect(),
         added: Vec::new(),
         device: device.clone(),
         instance: 0,
@@ -1023,10 +1020,12 @@ fn sharded_variables(
 pub fn activation_bytes(g: &ReplicaGraph, tp: usize) -> Option<(usize, usize)> {
     let typed = &g.graph;
     let ring = |i| {
-        typed.output_type(i, 0).and_then(|t: &dflow_graph::TensorType| {
-            let bytes = t.shape.num_elements()? * t.dtype.size_of();
-            Some(crate::sharding::Transition::AllReduce.bytes_sent(bytes, tp))
-        })
+        typed
+            .output_type(i, 0)
+            .and_then(|t: &dflow_graph::TensorType| {
+                let bytes = t.shape.num_elements()? * t.dtype.size_of();
+                Some(crate::sharding::Transition::AllReduce.bytes_sent(bytes, tp))
+            })
     };
     let (mut fwd, mut bwd) = (0usize, 0usize);
     for i in typed.node_indices() {
@@ -1085,14 +1084,25 @@ mod tests {
             // Shards: c_attn [3C/T, C], c_proj [C, C/T], c_fc [4C/T, C], wte [Vp/T, C].
             let shape = |name: &str| {
                 let i = g.graph.find(name).unwrap();
-                g.graph.output_type(i, 0).unwrap().shape.as_static().unwrap()
+                g.graph
+                    .output_type(i, 0)
+                    .unwrap()
+                    .shape
+                    .as_static()
+                    .unwrap()
             };
             let s = |v: &str| shard_name(v, 1, tp);
-            assert_eq!(shape(&s("transformer.h.0.attn.c_attn.weight")), [24 / tp, 8]);
+            assert_eq!(
+                shape(&s("transformer.h.0.attn.c_attn.weight")),
+                [24 / tp, 8]
+            );
             assert_eq!(shape(&s("transformer.h.1.attn.c_proj.weight")), [8, 8 / tp]);
             assert_eq!(shape(&s("transformer.h.0.mlp.c_fc.weight")), [32 / tp, 8]);
             assert_eq!(shape(&s("transformer.h.0.mlp.c_proj.weight")), [8, 32 / tp]);
-            assert_eq!(shape(&s("transformer.wte.weight")), [11usize.div_ceil(tp), 8]);
+            assert_eq!(
+                shape(&s("transformer.wte.weight")),
+                [11usize.div_ceil(tp), 8]
+            );
             // Replicated: norms, wpe, the row-parallel biases.
             assert_eq!(shape("transformer.h.0.attn.c_proj.bias"), [8]);
             assert_eq!(shape("transformer.wpe.weight"), [4, 8]);
@@ -1173,13 +1183,17 @@ mod tests {
         let (graph, spec) = model(11, 2, 2);
         let e = tensor_training(&graph, &spec, 4, "idx", "targets").unwrap_err();
         assert!(
-            e.to_string().contains("number of heads (n_head) of transformer.h.0.attn is 2"),
+            e.to_string()
+                .contains("number of heads (n_head) of transformer.h.0.attn is 2"),
             "{e}"
         );
         let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
         let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
         let e = TensorParallel { tp: Some(4) }.plan(&input).unwrap_err();
-        assert!(e.to_string().contains("must equal the cluster's 2 workers"), "{e}");
+        assert!(
+            e.to_string().contains("must equal the cluster's 2 workers"),
+            "{e}"
+        );
         let build = |asynchronous: bool, tp: Option<usize>| {
             (REGISTRATION.build)(&super::super::StrategyOptions {
                 asynchronous,
@@ -1187,8 +1201,14 @@ mod tests {
                 ..Default::default()
             })
         };
-        assert!(build(true, None).unwrap_err().to_string().contains("synchronous"));
-        assert!(build(false, Some(0)).unwrap_err().to_string().contains("at least 1"));
+        assert!(build(true, None)
+            .unwrap_err()
+            .to_string()
+            .contains("synchronous"));
+        assert!(build(false, Some(0))
+            .unwrap_err()
+            .to_string()
+            .contains("at least 1"));
         // Not a GPT.
         let mut b = dflow_graph::builder::GraphBuilder::new();
         let x = b.placeholder("x", DType::F32, &[2, 2]);
@@ -1196,8 +1216,14 @@ mod tests {
         let d = b.binary("Sub", "d", &x, &y);
         b.op("Mean", "loss").input(&d).finish();
         let g = b.build().unwrap();
-        let e = tensor_training(&g, &TrainSpec::new("loss", spec.optimizer.clone()), 2, "x", "y")
-            .unwrap_err();
+        let e = tensor_training(
+            &g,
+            &TrainSpec::new("loss", spec.optimizer.clone()),
+            2,
+            "x",
+            "y",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("transformer.wte.weight"), "{e}");
     }
 }
