@@ -245,3 +245,88 @@ fn a_checkpoint_saved_at_tp2_resumes_at_tp1_and_tp4() {
     resumed.extend(at1);
     assert_same_losses(&resumed, &straight, 1e-5);
 }
+
+#[test]
+fn partition_shows_each_placement_and_collective_with_its_bytes() {
+    let out = dflow(&[
+        "partition",
+        "examples/gpt/gpt.json",
+        "--cluster",
+        "examples/gpt/cluster-2workers.json",
+        "--strategy",
+        "tensor",
+        "--tp",
+        "2",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+        "--batch-size",
+        "8",
+    ]);
+    let text = stdout(&out);
+    assert!(
+        text.contains(
+            "transformer.h.0.attn.c_proj.weight [128, 128]: Shard(1); [128, 64] per rank"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("transformer.h.0.attn.c_attn.weight [384, 128]: Shard(0), 3 blocks"));
+    // b·s·h = 8·64·128 floats: 262,144 bytes whole; a 2-rank ring all-reduce sends as many.
+    // 4 blocks × 2 + the embedding forward, 4 × 2 + the head's input backward.
+    assert!(
+        text.contains("bytes each rank sends per step: forward 2359296 B, backward 2359296 B"),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("Partial → Replicate: all-reduce (g); f32[512, 128]")
+            .count(),
+        8
+    );
+    // A head count that does not divide is an error naming it.
+    let out = dflow(&[
+        "partition",
+        "examples/gpt/gpt.json",
+        "--cluster",
+        "examples/gpt/cluster-4workers.json",
+        "--strategy",
+        "tensor",
+        "--tp",
+        "3",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tp 3 must equal the cluster's 4 workers"),
+        "{err}"
+    );
+    let dir = scratch("tensor-parallel-partition");
+    let three = dir.join("cluster-3workers.json");
+    std::fs::write(
+        &three,
+        r#"{"worker": ["127.0.0.1:2243", "127.0.0.1:2244", "127.0.0.1:2245"]}"#,
+    )
+    .unwrap();
+    let out = dflow(&[
+        "partition",
+        "examples/gpt/gpt.json",
+        "--cluster",
+        three.to_str().unwrap(),
+        "--strategy",
+        "tensor",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the number of heads (n_head) of transformer.h.0.attn is 4, which does not divide by --tp 3"),
+        "{err}"
+    );
+}

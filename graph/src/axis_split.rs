@@ -216,7 +216,7 @@ mod tests {
             .unwrap_err()
             .contains("does not exist"));
         assert!(split
-            .assemble(&[s1.clone()], &[3, 2])
+            .assemble(std::slice::from_ref(&s1), &[3, 2])
             .unwrap_err()
             .contains("1 shards given"));
     }

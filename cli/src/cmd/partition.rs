@@ -160,6 +160,20 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
     }
     let plan = strategy.plan(&input).context("planning the job failed")?;
     print!("{}", render_job_text(&plan));
+    if kind.name() == "tensor" {
+        let tp = args.tp.unwrap_or_else(|| cluster.num_tasks("worker"));
+        print!(
+            "{}",
+            dflow_partitioner::strategy::tensor::render_tensor_plan(
+                &loaded.graph,
+                &train,
+                tp,
+                &args.features,
+                &args.labels,
+                args.batch_size,
+            )?
+        );
+    }
     Ok(())
 }
 

@@ -671,7 +671,7 @@ fn rank_graph(
     prune(&mut def, &keep);
 
     // The training step, clipped across the shards.
-    let (mut training, typed) = expand_training_graph(
+    let (mut training, _) = expand_training_graph(
         &def,
         &TrainSpec {
             clip_global_norm: None,
@@ -688,7 +688,7 @@ fn rank_graph(
         clip_across_shards(&mut training, &mut n, &renames, clip);
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
-    chain_collectives(&mut training, &typed)?;
+    chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     Ok(ReplicaGraph {
         training,
@@ -769,7 +769,8 @@ fn clip_across_shards(
     clip: f64,
 ) {
     let sharded: HashSet<&String> = renames.values().collect();
-    let (shard_grads, replicated): (Vec<&(String, String)>, Vec<&(String, String)>) = training
+    type Grads<'a> = Vec<&'a (String, String)>;
+    let (shard_grads, replicated): (Grads<'_>, Grads<'_>) = training
         .gradients
         .iter()
         .partition(|(v, _)| sharded.contains(v));
@@ -829,10 +830,8 @@ fn clip_across_shards(
 
 /// Chains every collective of the graph by control edges in one topological order (the same on
 /// every rank: the ranks' graphs differ only in their shards' names and sizes).
-fn chain_collectives(training: &mut TrainingGraph, before: &Graph) -> Result<(), StrategyError> {
-    // The clipping collectives were added after `before` was validated: order them after.
+fn chain_collectives(training: &mut TrainingGraph) -> Result<(), StrategyError> {
     let typed = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
-    let _ = before;
     let chain: Vec<String> = typed
         .topo_order()
         .into_iter()
@@ -1041,6 +1040,155 @@ pub fn activation_bytes(g: &ReplicaGraph, tp: usize) -> Option<(usize, usize)> {
         }
     }
     Some((fwd, bwd))
+}
+
+/// `dflow partition --strategy tensor`'s section: every weight's placement on the
+/// tensor-parallel axis and every collective rank 0 runs per step with the placement change it
+/// makes and the bytes each rank sends (ring all-reduce, `2(T−1)/T` of the tensor). The
+/// features and labels get batch dimension `batch` (when given) so that every size is known.
+pub fn render_tensor_plan(
+    graph: &Graph,
+    spec: &TrainSpec,
+    tp: usize,
+    features: &str,
+    labels: &str,
+    batch: Option<usize>,
+) -> Result<String, StrategyError> {
+    use std::fmt::Write as _;
+    let mut def = graph.to_def();
+    if let Some(b) = batch {
+        for n in def
+            .nodes
+            .iter_mut()
+            .filter(|n| n.op == "Placeholder" && (n.name == features || n.name == labels))
+        {
+            if let Some(AttrValue::Shape(sh)) = n.attrs.get("shape") {
+                if let Some(dims) = sh.dims() {
+                    let mut d: Vec<Option<usize>> = dims.to_vec();
+                    if let Some(first) = d.first_mut() {
+                        *first = Some(b);
+                    }
+                    n.attrs
+                        .insert("shape".into(), AttrValue::Shape(Shape::partial(d)));
+                }
+            }
+        }
+    }
+    let graph = Graph::from_def(&def).map_err(StrategyError::InvalidGraph)?;
+    let tg = tensor_training(&graph, spec, tp, features, labels)?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\ntensor parallelism: tp={tp} over group `{GROUP}` (Megatron layout; docs/tensor-parallel.md)"
+    );
+    let _ = writeln!(out, "placements on the tp axis:");
+    let sharded: HashSet<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
+    for s in &tg.shards {
+        let mut how = String::new();
+        if s.split.blocks > 1 {
+            let _ = write!(how, ", {} blocks (q, k, v) cut separately", s.split.blocks);
+        }
+        if s.split.padded != s.dims[s.split.axis] {
+            let _ = write!(
+                how,
+                ", padded {} → {} (masked)",
+                s.dims[s.split.axis], s.split.padded
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  {} {:?}: {}{how}; {:?} per rank",
+            s.name,
+            s.dims,
+            s.placement(),
+            s.split.shard_dims(&s.dims)
+        );
+    }
+    let replicated: Vec<&str> = def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "Variable" && !sharded.contains(n.name.as_str()))
+        .map(|n| n.name.as_str())
+        .collect();
+    let _ = writeln!(out, "  {}: {}", replicated.join(", "), Placement::Replicate);
+    let g = &tg.graphs[0];
+    let typed = &g.graph;
+    let _ = writeln!(
+        out,
+        "collectives of one step on each rank (bytes each rank sends, ring):"
+    );
+    let (mut fwd, mut bwd, mut other) = (Some(0usize), Some(0usize), Some(0usize));
+    for i in typed.topo_order() {
+        let n = typed.node(i);
+        if !n.op.starts_with("Collective") || n.name.starts_with("eval/") {
+            continue;
+        }
+        let Some(AttrValue::Int(key)) = n.attrs.get("instance_key") else {
+            continue;
+        };
+        let backward = *key >= dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET;
+        let ty = typed.output_type(i, 0);
+        let bytes = ty.and_then(|t| {
+            let b = t.shape.num_elements()? * t.dtype.size_of();
+            Some(crate::sharding::Transition::AllReduce.bytes_sent(b, tp))
+        });
+        let (pass, change, total) = match n.op {
+            "CollectiveTpCopy" => (
+                "forward ",
+                "f: Replicate, identity (its gradient below)",
+                None,
+            ),
+            "CollectiveTpReduce" if n.name.starts_with("xent/") => (
+                "loss    ",
+                "Partial → Replicate: all-reduce (g)",
+                Some(&mut other),
+            ),
+            "CollectiveTpReduce" => (
+                "forward ",
+                "Partial → Replicate: all-reduce (g)",
+                Some(&mut fwd),
+            ),
+            "CollectiveAllReduce" if backward => (
+                "backward",
+                "Partial → Replicate: all-reduce (f's gradient)",
+                Some(&mut bwd),
+            ),
+            "CollectiveAllReduce" if n.name.starts_with("xent/") => (
+                "loss    ",
+                "Partial(max) → Replicate: all-reduce max",
+                Some(&mut other),
+            ),
+            _ => (
+                "update  ",
+                "Partial → Replicate: all-reduce (clipping's Σ‖g‖²)",
+                Some(&mut other),
+            ),
+        };
+        let shown = match (total, bytes) {
+            (None, _) => "0 B".to_string(),
+            (Some(t), Some(b)) => {
+                if let Some(x) = t.as_mut() {
+                    *x += b;
+                }
+                format!("{b} B")
+            }
+            (Some(t), None) => {
+                *t = None;
+                "? B (give --batch-size)".to_string()
+            }
+        };
+        let ty = ty.map_or_else(|| "?".to_string(), |t| t.to_string());
+        let _ = writeln!(out, "  {pass} {} {}: {change}; {ty}, {shown}", n.op, n.name);
+    }
+    let show = |b: Option<usize>| b.map_or_else(|| "?".to_string(), |b| b.to_string());
+    let _ = writeln!(
+        out,
+        "bytes each rank sends per step: forward {} B, backward {} B, loss and clipping {} B",
+        show(fwd),
+        show(bwd),
+        show(other)
+    );
+    Ok(out)
 }
 
 #[cfg(test)]
