@@ -88,7 +88,7 @@ pub fn apply_mesh(
 ) -> anyhow::Result<StrategyKind> {
     if mesh.tp > 1 {
         anyhow::bail!(
-            "--mesh tp={}: tensor parallelism does not run yet (`dflow plan` predicts such layouts); use dp and pp",
+            "--mesh tp={}: tensor parallelism does not run as a mesh axis yet (`dflow plan` predicts such layouts); use dp and pp, or --strategy tensor --tp T over all the workers",
             mesh.tp
         );
     }
