@@ -272,6 +272,12 @@ fn partition_shows_each_placement_and_collective_with_its_bytes() {
         "{text}"
     );
     assert!(text.contains("transformer.h.0.attn.c_attn.weight [384, 128]: Shard(0), 3 blocks"));
+    // Activations, placed by the sharding rules.
+    assert!(
+        text.contains("attn.c_proj/matmul: Partial(sum) → Replicate by all-reduce (sum)"),
+        "{text}"
+    );
+    assert!(text.contains("attn/probs: Shard(1)"), "{text}");
     // b·s·h = 8·64·128 floats: 262,144 bytes whole; a 2-rank ring all-reduce sends as many.
     // 4 blocks × 2 + the embedding forward, 4 × 2 + the head's input backward.
     assert!(

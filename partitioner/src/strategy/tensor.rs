@@ -334,6 +334,108 @@ pub fn layout(graph: &Graph, tp: usize) -> Result<Vec<ShardedWeight>, StrategyEr
     Gpt::of(graph, &def)?.layout(graph, tp)
 }
 
+/// One activation of the GPT under Megatron's layout, its placement derived by the sharding
+/// rules ([`crate::sharding::rules`]) from the weights' placements.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Activation {
+    /// The node (in a block, after `transformer.h.{i}.`).
+    pub node: &'static str,
+    /// Its output's placement on the tensor-parallel axis.
+    pub placement: Placement,
+    /// The collective that makes it whole for its (replicated) consumer, when one is needed.
+    pub made_whole: Option<crate::sharding::Transition>,
+}
+
+/// The placements of the GPT's activations under Megatron's layout, derived by the sharding
+/// rules: the residual stream `Replicate`, column-parallel outputs `Shard(1)`, attention's heads
+/// `Shard(1)` of `[B, H, S, D]`, row-parallel outputs and the vocabulary-parallel lookup
+/// `Partial` (made whole by an all-reduce: `g`), the vocabulary-parallel loss `Replicate`. The
+/// rewrite inserts the collectives these say.
+pub fn megatron_activations() -> Result<Vec<Activation>, String> {
+    use crate::sharding::{rules, transition};
+    use Placement::{Replicate, Shard};
+    let whole = |p: Placement| -> Result<Option<crate::sharding::Transition>, String> {
+        Ok(match transition(p, Replicate)? {
+            crate::sharding::Transition::Nothing => None,
+            t => Some(t),
+        })
+    };
+    let mut out = Vec::new();
+    let mut add = |node: &'static str, placement: Placement, consumer_needs_whole: bool| {
+        let made_whole = if consumer_needs_whole {
+            whole(placement)?
+        } else {
+            None
+        };
+        out.push(Activation {
+            node,
+            placement,
+            made_whole,
+        });
+        Ok::<(), String>(())
+    };
+    // wte [V, C] Shard(0) looked up at replicated ids: partial rows.
+    add(
+        "transformer.wte/lookup",
+        rules::gather(Shard(0), Replicate, 2)?,
+        true,
+    )?;
+    // Attention: c_attn [3C, C] Shard(0), x·Wᵀ.
+    let qkv = rules::matmul(Replicate, Shard(0), false, true)?;
+    add("attn.c_attn/matmul", qkv, false)?;
+    let qkv = rules::elementwise("BiasAdd", &[(qkv, 2), (Shard(0), 1)], 2)?;
+    add("attn.c_attn/bias_add", qkv, false)?;
+    // [B·S, 3C/T] → q, k, v [B, H/T, S, D]: the sharded channels are the rank's heads.
+    let heads = Shard(1);
+    let scores = rules::batch_matmul(heads, heads, 4)?;
+    add("attn/scores", scores, false)?;
+    let probs = rules::last_axis("Softmax", scores, 4)?;
+    add("attn/probs", probs, false)?;
+    let mix = rules::batch_matmul(probs, heads, 4)?;
+    add("attn/mix", mix, false)?;
+    // [B, H/T, S, D] → [B·S, C/T]: channels sharded; c_proj [C, C] Shard(1).
+    add("attn/merge_2d", Shard(1), false)?;
+    add(
+        "attn.c_proj/matmul",
+        rules::matmul(Shard(1), Shard(1), false, true)?,
+        true,
+    )?;
+    // MLP: c_fc [4C, C] Shard(0), GELU, c_proj [C, 4C] Shard(1).
+    let fc = rules::matmul(Replicate, Shard(0), false, true)?;
+    let fc = rules::elementwise("BiasAdd", &[(fc, 2), (Shard(0), 1)], 2)?;
+    add("mlp.c_fc/bias_add", fc, false)?;
+    let gelu = rules::elementwise("Gelu", &[(fc, 2)], 2)?;
+    add("mlp.gelu", gelu, false)?;
+    add(
+        "mlp.c_proj/matmul",
+        rules::matmul(gelu, Shard(1), false, true)?,
+        true,
+    )?;
+    // The tied head x·wteᵀ: the rank's logits; the vocabulary-parallel loss, whole.
+    let logits = rules::matmul(Replicate, Shard(0), false, true)?;
+    add("lm_head", logits, false)?;
+    add("xent", rules::cross_entropy(logits, Replicate)?, false)?;
+    Ok(out)
+}
+
+/// The collective op the forward activation `node` needs before its replicated consumer:
+/// `CollectiveTpReduce` (Megatron's `g`) for a partial sum; anything else is not Megatron's
+/// layout.
+fn forward_op(acts: &[Activation], node: &str) -> Result<&'static str, StrategyError> {
+    let a = acts
+        .iter()
+        .find(|a| a.node == node)
+        .ok_or_else(|| options(format!("no placement derived for `{node}`")))?;
+    match a.made_whole {
+        Some(crate::sharding::Transition::AllReduce) => Ok("CollectiveTpReduce"),
+        other => Err(options(format!(
+            "`{node}` is {} and needs {other:?} before its consumer; the rewrite inserts only \
+             all-reduces of partial sums",
+            a.placement
+        ))),
+    }
+}
+
 /// The tensor-parallel training graphs of the GPT `graph`, one per rank (see the module docs).
 pub fn tensor_training(
     graph: &Graph,
@@ -488,6 +590,7 @@ fn rank_graph(
         shard_variable(v, s, r);
         renames.insert(s.name.clone(), name);
     }
+    let acts = megatron_activations().map_err(options)?;
     let f = |n: &mut Nodes, base: &str, input: String| {
         n.collective(&format!("{base}/tp_copy"), "CollectiveTpCopy", input, false)
     };
@@ -527,7 +630,7 @@ fn rank_graph(
     let rows3 = n.reshape("transformer.wte/tp_rows_3d", rows, &[-1, t, c]);
     let summed = n.collective(
         "transformer.wte/tp_reduce",
-        "CollectiveTpReduce",
+        forward_op(&acts, "transformer.wte/lookup")?,
         rows3,
         false,
     );
@@ -562,12 +665,15 @@ fn rank_graph(
                 .insert("shape".into(), AttrValue::IntList(vec![-1, heads * hd]));
         }
         // Row-parallel c_proj: partial sums made whole by g before the bias.
-        for proj in [format!("{attn}.c_proj"), format!("{b}.mlp.c_proj")] {
+        for (proj, act) in [
+            (format!("{attn}.c_proj"), "attn.c_proj/matmul"),
+            (format!("{b}.mlp.c_proj"), "mlp.c_proj/matmul"),
+        ] {
             let mm = format!("{proj}/matmul");
             find(&def, &mm)?;
             let g = n.collective(
                 &format!("{proj}/tp_reduce"),
-                "CollectiveTpReduce",
+                forward_op(&acts, act)?,
                 mm.clone(),
                 false,
             );
@@ -1111,6 +1217,16 @@ pub fn render_tensor_plan(
         .map(|n| n.name.as_str())
         .collect();
     let _ = writeln!(out, "  {}: {}", replicated.join(", "), Placement::Replicate);
+    let _ = writeln!(
+        out,
+        "activations (placements from the sharding rules; `transformer.h.i.` omitted in blocks):"
+    );
+    for a in megatron_activations().map_err(options)? {
+        let then = a
+            .made_whole
+            .map_or_else(String::new, |t| format!(" → Replicate by {t}"));
+        let _ = writeln!(out, "  {}: {}{then}", a.node, a.placement);
+    }
     let g = &tg.graphs[0];
     let typed = &g.graph;
     let _ = writeln!(
@@ -1290,6 +1406,27 @@ mod tests {
                 AttrValue::String("transformer.h.0.attn.c_attn.weight".into())
             );
         }
+    }
+
+    #[test]
+    fn the_sharding_rules_derive_megatrons_activation_placements() {
+        use crate::sharding::Transition;
+        let acts = megatron_activations().unwrap();
+        let at = |node: &str| acts.iter().find(|a| a.node == node).unwrap().clone();
+        assert_eq!(at("attn.c_attn/bias_add").placement, Placement::Shard(1));
+        assert_eq!(at("attn/probs").placement, Placement::Shard(1));
+        for row in [
+            "attn.c_proj/matmul",
+            "mlp.c_proj/matmul",
+            "transformer.wte/lookup",
+        ] {
+            assert_eq!(at(row).placement, Placement::Partial, "{row}");
+            assert_eq!(at(row).made_whole, Some(Transition::AllReduce), "{row}");
+        }
+        assert_eq!(at("lm_head").placement, Placement::Shard(1));
+        assert_eq!(at("xent").placement, Placement::Replicate);
+        // Exactly three all-reduces forward per model: per block two, plus the embedding's.
+        assert_eq!(acts.iter().filter(|a| a.made_whole.is_some()).count(), 3);
     }
 
     #[test]
