@@ -1464,6 +1464,35 @@ mod tests {
     }
 
     #[test]
+    fn one_rank_an_untied_head_and_no_biases_plan_too() {
+        let (graph, spec) = model(11, 2, 2);
+        let tg = tensor_training(&graph, &spec, 1, "idx", "targets").unwrap();
+        assert_eq!(tg.graphs.len(), 1);
+        for (tie, bias) in [(false, true), (true, false)] {
+            let cfg = GptConfig {
+                vocab_size: 11,
+                block_size: 4,
+                n_layer: 1,
+                n_head: 2,
+                n_embd: 8,
+                tie_weights: tie,
+                bias,
+                ..GptConfig::default()
+            };
+            let m = gpt(&cfg).unwrap();
+            let graph = Graph::from_def(&m.def).unwrap();
+            let tg = tensor_training(&graph, &spec, 2, "idx", "targets").unwrap();
+            let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(names.contains(&"lm_head.weight"), !tie, "{names:?}");
+            assert_eq!(
+                names.contains(&"transformer.h.0.attn.c_attn.bias"),
+                bias,
+                "{names:?}"
+            );
+        }
+    }
+
+    #[test]
     fn indivisible_dimensions_and_other_options_are_errors_naming_them() {
         let (graph, spec) = model(11, 2, 2);
         let e = tensor_training(&graph, &spec, 4, "idx", "targets").unwrap_err();
