@@ -295,11 +295,16 @@ impl Gpt {
         let mut out = Vec::new();
         let mut add = |name: String, axis: usize, blocks: usize, pad: Option<usize>| {
             let dims = static_dims(graph, &name)?;
+            let Some(&len) = dims.get(axis) else {
+                return Err(options(format!(
+                    "`{name}` has shape {dims:?}; Megatron's layout cuts its axis {axis}"
+                )));
+            };
             let split = AxisSplit {
                 axis,
                 blocks,
                 parts: tp,
-                padded: pad.unwrap_or(dims[axis.min(dims.len().saturating_sub(1))]),
+                padded: pad.unwrap_or(len),
             };
             split
                 .check(&dims)
