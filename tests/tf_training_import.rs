@@ -55,12 +55,16 @@ fn assign_add_counter_steps_like_tensorflow() {
     assert!(close(&variable(&s, "counter"), &[after]));
 }
 
-/// A fed tensor from the fixture: `x*` are f32 matrices, `y*` int64 labels.
+/// A fed tensor from the fixture: `y*` are int64 labels, the rest f32 vectors or matrices.
 fn feed(name: &str, v: &Value) -> Tensor {
     let rows = v.as_array().unwrap();
     if name.starts_with('y') {
         let labels: Vec<i64> = rows.iter().map(|l| l.as_i64().unwrap()).collect();
         return Tensor::from_slice(&[labels.len()], &labels).unwrap();
+    }
+    if rows.iter().all(Value::is_number) {
+        let v: Vec<f32> = rows.iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        return Tensor::from_slice(&[v.len()], &v).unwrap();
     }
     let cols = rows[0].as_array().unwrap().len();
     let flat: Vec<f32> = rows
@@ -88,9 +92,17 @@ fn one_step_like_tensorflow(variant: &str) {
     let (text, tf) = fixture(variant);
     let def = import_graphdef_json(&text).unwrap_or_else(|e| panic!("{variant}: {e}"));
     let s = session(Graph::from_def(&def).unwrap());
-    // The initial values come from the graph's initializers: a wrong one shows in the values
-    // after the step.
+    // The initial values come from the graph's initializers: TensorFlow's exactly (constants,
+    // and its seeded random draws).
     s.run(&[], &[], &["init"]).unwrap();
+    for (name, want) in tf["variables_before"].as_object().unwrap() {
+        let got = s.run(&[], &[name.as_str()], &[]).unwrap()[0].to_f64_vec();
+        assert!(
+            close(&got, &flat(want)),
+            "{variant}: {name} before the step: {got:?}\nTensorFlow: {:?}",
+            flat(want)
+        );
+    }
     let feeds: Vec<(String, Tensor)> = tf["feeds"]
         .as_object()
         .unwrap()
@@ -125,10 +137,11 @@ fn broadcasting_ops_with_a_fixed_batch_step_like_tensorflow() {
     one_step_like_tensorflow("broadcast_fixed");
 }
 
-/// The same graph exported with the batch size unknown carries BroadcastGradientArgs: refused,
-/// naming the node and saying to fix the batch size before TensorFlow builds the gradients.
+/// The same graph exported with the batch size unknown: TensorFlow's gradients compute the
+/// reduction axes and shapes at run time (Shape -> BroadcastGradientArgs -> Sum -> Reshape);
+/// imported as run-time ops, the step equals TensorFlow's.
 #[test]
-fn broadcasting_ops_with_an_unknown_batch_are_refused_saying_what_to_do() {
+fn broadcasting_ops_with_an_unknown_batch_step_like_tensorflow() {
     let (text, tf) = fixture("broadcast_dynamic");
     assert!(
         tf["ops"]
@@ -138,12 +151,47 @@ fn broadcasting_ops_with_an_unknown_batch_are_refused_saying_what_to_do() {
             .any(|o| o == "BroadcastGradientArgs"),
         "the fixture no longer has BroadcastGradientArgs"
     );
-    let e = import_graphdef_json(&text).unwrap_err().to_string();
-    assert!(
-        e.contains("BroadcastGradientArgs (gradients/sub_grad/BroadcastGradientArgs")
-            && e.contains("fully static shapes (a fixed batch size)"),
-        "{e}"
-    );
+    let def = import_graphdef_json(&text).unwrap();
+    let op = |n: &str| def.nodes.iter().find(|d| d.name == n).unwrap().op.clone();
+    assert_eq!(op("gradients/sub_grad/Sum"), "DynamicSum");
+    // Reshape to a Shape(y) is ReshapeLike(·, y): the gradient of a static operand is static.
+    assert_eq!(op("gradients/sub_grad/Reshape"), "ReshapeLike");
+    one_step_like_tensorflow("broadcast_dynamic");
+}
+
+/// MLPs with an unknown batch size (`x @ w + b`, per-example loss weights, a mean over
+/// max(batch, 1)): BroadcastGradientArgs and Maximum at run time, weights initialized by
+/// seeded `random_normal` and biases by constant lists, on resource and reference variables
+/// with GradientDescent, Momentum and Adam; and with penalties reduced over some axes
+/// (`dyn_reductions`: TensorFlow 2's BroadcastTo, DynamicStitch and Range) and with a sum whose
+/// gradient is TF 1.x's (`dyn_tf1_sum_grad`: DynamicStitch, FloorDiv, Maximum, Tile). Initial
+/// values, loss and variables after the step equal TensorFlow's.
+#[test]
+fn dynamic_batch_mlps_step_like_tensorflow() {
+    for variant in [
+        "dyn_resource_sgd",
+        "dyn_ref_momentum",
+        "dyn_resource_adam",
+        "dyn_reductions",
+        "dyn_tf1_sum_grad",
+    ] {
+        let (_, tf) = fixture(variant);
+        let ops = tf["ops"].as_array().unwrap();
+        for needed in ["BroadcastGradientArgs", "Maximum", "RandomStandardNormal"] {
+            assert!(ops.iter().any(|o| o == needed), "{variant}: no {needed}");
+        }
+        one_step_like_tensorflow(variant);
+    }
+    for (variant, needed) in [
+        ("dyn_reductions", ["BroadcastTo", "DynamicStitch", "Range"]),
+        ("dyn_tf1_sum_grad", ["FloorDiv", "DynamicStitch", "Tile"]),
+    ] {
+        let (_, tf) = fixture(variant);
+        let ops = tf["ops"].as_array().unwrap();
+        for op in needed {
+            assert!(ops.iter().any(|o| o == op), "{variant}: no {op}");
+        }
+    }
 }
 
 #[test]
@@ -250,6 +298,16 @@ fn pairs_match_tensorflow(variant: &str) {
         })
         .collect();
     assert!(tf_pairs.len() >= 2, "{variant}: {tf_pairs:?}");
+    // Every tensor between tasks has a static shape (a multi-process job allocates its receive
+    // buffer once), the batch size unknown or not.
+    for p in parts.pairs.iter().filter(|p| !p.client_terminated) {
+        assert!(
+            p.bytes.is_some(),
+            "{variant}: {} crosses tasks with shape {}",
+            p.tensor_name,
+            p.shape
+        );
+    }
     assert_eq!(
         dflow, tf_pairs,
         "{variant}: dflow's pairs (left) differ from TensorFlow's (right)"
@@ -265,6 +323,10 @@ fn send_recv_pairs_match_tensorflow() {
         "mlp_resource_momentum",
         "mlp_resource_adam",
         "sync_2workers",
+        "broadcast_dynamic",
+        "dyn_resource_sgd",
+        "dyn_ref_momentum",
+        "dyn_resource_adam",
     ] {
         pairs_match_tensorflow(variant);
     }

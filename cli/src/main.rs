@@ -10,6 +10,27 @@ mod cmd;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `purge_delay` option (`mi_option_purge_delay` in the bundled v2 `mimalloc.h`).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps the memory a step frees for the next step. By default mimalloc gives freed pages back
+/// to the OS 10 ms after they empty; a training step frees and allocates the same buffers every
+/// few milliseconds, so each step faulted its large buffers in again and the kernel zeroed every
+/// page (`clear_page_erms` was 12% of the GPT's CPU profile, system time 2 of 9 CPU seconds over
+/// 60 steps; BENCHMARKS.md "Character-level GPT"). With purging off, resident memory stays at the
+/// peak a step reaches, which a long-running job reaches anyway. `MIMALLOC_PURGE_DELAY` in the
+/// environment still decides when it is set.
+fn keep_freed_pages() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
+    // SAFETY: `mi_option_set` stores an integer in mimalloc's option table (a relaxed atomic
+    // store); any value is valid for `purge_delay` (-1 = never purge). The index is that of
+    // `mi_option_purge_delay` in the mimalloc v2 header `libmimalloc-sys` builds, which
+    // `tests::the_purge_delay_option_is_the_one_set` checks by its documented default.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) }
+}
+
 /// dflow: partition dataflow graphs across devices and run them.
 #[derive(Debug, Parser)]
 #[command(name = "dflow", version, about, long_about = None)]
@@ -54,9 +75,12 @@ enum Bench {
     Transfer(cmd::bench_transfer::Args),
     /// Collectives (all-reduce, all-gather, ...) over N ranks: time, algbw, busbw.
     Collective(cmd::bench_collective::Args),
+    /// Measure this machine (MatMul FLOP/s, shm and TCP links) into a `dflow plan --profile`.
+    Calibrate(cmd::bench_calibrate::Args),
 }
 
 fn main() -> ExitCode {
+    keep_freed_pages();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -80,6 +104,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => cmd::generate::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Bench(Bench::Transfer(a)) => cmd::bench_transfer::run(a),
+        Command::Bench(Bench::Calibrate(a)) => cmd::bench_calibrate::run(a),
         Command::Bench(Bench::Collective(a)) | Command::BenchCollective(a) => {
             cmd::bench_collective::run(a)
         }
@@ -108,4 +133,24 @@ fn render_error(e: &anyhow::Error) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_purge_delay_option_is_the_one_set() {
+        // SAFETY: `mi_option_get` reads an integer from mimalloc's option table.
+        let get = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+            // The documented default of `purge_delay` (10 ms); the options around it default
+            // to other values (eager_commit_delay 1, use_numa_nodes 0).
+            assert_eq!(get(), 10);
+        }
+        keep_freed_pages();
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+            assert_eq!(get(), -1);
+        }
+    }
 }

@@ -279,30 +279,43 @@ fn signal(pid: u32, signal: &str) {
 
 #[test]
 fn an_elastic_launch_goes_on_when_a_worker_is_killed_and_exits_zero() {
+    elastic_launch(&["--nproc", "3"]);
+}
+
+#[test]
+fn an_elastic_ps_launch_goes_on_when_a_worker_is_killed_and_exits_zero() {
+    elastic_launch(&["--ps", "1", "--workers", "3"]);
+}
+
+/// `dflow launch SHAPE --min-workers 2` of a 3-worker digits job; worker 2 is killed mid-job.
+fn elastic_launch(shape: &[&str]) {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let ckpt_s = ckpt.to_string_lossy().into_owned();
-    let run = Launch::start(&[
-        "--nproc",
-        "3",
-        "--min-workers",
-        "2",
-        "--",
-        "run",
-        "examples/digits/digits.json",
-        "--data",
-        "examples/data/digits.csv.gz",
-        "--epochs",
-        "1",
-        "--quiet",
-        "--timeout",
-        "5",
-        "--checkpoint-dir",
-        &ckpt_s,
-        "--save-every",
-        "5",
-    ]);
+    let mut args = shape.to_vec();
+    args.extend(["--min-workers", "2", "--"]);
+    let run = Launch::start(
+        &[
+            &args[..],
+            &[
+                "run",
+                "examples/digits/digits.json",
+                "--data",
+                "examples/data/digits.csv.gz",
+                "--epochs",
+                "1",
+                "--quiet",
+                "--timeout",
+                "5",
+                "--checkpoint-dir",
+                &ckpt_s,
+                "--save-every",
+                "5",
+            ],
+        ]
+        .concat(),
+    );
     // Freeze the chief at its first checkpoint, kill worker 2, let the chief go on: the kill
     // lands mid-job whatever the machine's speed.
     let start = Instant::now();

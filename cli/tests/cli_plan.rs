@@ -67,3 +67,54 @@ fn plan_refuses_bad_input_naming_it() {
         assert!(err.contains(want), "{all:?}: {err}");
     }
 }
+
+#[test]
+fn a_calibrated_profile_feeds_the_planner() {
+    let dir = scratch("plan_calibrate");
+    let profile = dir.join("this-box.json");
+    // Small and few measurements: this checks the path, not the machine's speed.
+    stdout(&dflow(&[
+        "bench",
+        "calibrate",
+        "--name",
+        "this-box",
+        "--iters",
+        "2",
+        "--large-bytes",
+        "65536",
+        "--out",
+        profile.to_str().unwrap(),
+    ]));
+    let text = std::fs::read_to_string(&profile).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for field in ["flops_per_second", "memory_per_device"] {
+        assert!(json[field].as_f64().unwrap() > 0.0, "{field}: {text}");
+    }
+    for link in ["intra_host", "inter_host"] {
+        assert!(
+            json[link]["bandwidth"].as_f64().unwrap() > 0.0,
+            "{link}: {text}"
+        );
+        assert!(
+            json[link]["latency"].as_f64().unwrap() >= 0.0,
+            "{link}: {text}"
+        );
+    }
+    assert!(
+        json["source"]
+            .as_str()
+            .unwrap()
+            .contains("dflow bench calibrate"),
+        "{text}"
+    );
+    let out = stdout(&dflow(&[
+        "plan",
+        "examples/digits/digits.json",
+        "--devices",
+        "2",
+        "--profile",
+        profile.to_str().unwrap(),
+    ]));
+    assert!(out.contains("this-box"), "{out}");
+    assert!(out.contains("pick: "), "{out}");
+}

@@ -743,7 +743,7 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
         }
     }
     for a in &op.attrs {
-        if a.default.value().is_none() && !n.attrs.contains_key(a.name) {
+        if a.default == crate::ops::AttrDefault::Required && !n.attrs.contains_key(a.name) {
             errs.push(GraphError::MissingAttr {
                 node: n.name.clone(),
                 op: n.op.to_string(),

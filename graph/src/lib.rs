@@ -23,6 +23,7 @@ pub mod ops;
 pub mod shape;
 pub mod tensor;
 pub mod tf_import;
+pub mod tf_random;
 pub mod train;
 
 pub use attr::{AttrType, AttrValue};

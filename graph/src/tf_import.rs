@@ -36,18 +36,24 @@
 //!   or a variable is a real update: it stays, as dflow's `Assign`),
 //!   `IsVariableInitialized`/`VarIsInitializedOp`, every node whose name contains
 //!   `/Initializer/`, and every node all of whose consumers are dropped (the random ops and
-//!   constants feeding an initializer). The
-//!   variable's `initializer` attribute records what TensorFlow would have done when it is
-//!   recognisable: `glorot_uniform` (a `RandomUniform` whose limit is √(6 / (fan_in + fan_out))),
-//!   `random_uniform` (any other `RandomUniform`), `truncated_normal`, `random_normal`, `zeros`
-//!   and `ones` (a constant or `Fill` of all 0 or all 1); seeds are not carried over (dflow's
-//!   random streams differ from TensorFlow's anyway). A variable with no initializer in the graph
-//!   starts at zeros.
-//!   A `Const` (or `Fill` of one) of a single repeated value becomes `zeros`, `ones` or
-//!   `constant` with `init_value`; a constant tensor of differing values, or an initializer
-//!   built from ops the importer does not recognise, is an error naming the variable (dflow
-//!   cannot start a variable from it). The `init` NoOp itself stays, without inputs, so
-//!   `--target init` runs (dflow initializes variables when a session starts).
+//!   constants feeding an initializer). The variable starts from exactly the values
+//!   TensorFlow's initializer assigns:
+//!   - a `Const` (or `Fill` of one) of a single repeated value becomes `zeros`, `ones` or
+//!     `constant` with `init_value` (a broadcast-encoded constant is not expanded);
+//!   - a `Const` of differing values (`tensorContent` or a value list) is carried over as the
+//!     Variable's `initial_value` tensor;
+//!   - a float32 `RandomStandardNormal`, `RandomUniform` or `TruncatedNormal` of the variable's
+//!     shape, multiplied and offset by scalars computed from constants (`random_normal`,
+//!     `truncated_normal`, `random_uniform`, Glorot and other variance-scaling initializers)
+//!     becomes `tf_random_normal`, `tf_random_uniform` or `tf_truncated_normal` with the op's
+//!     `seed`/`seed2`, `init_scale` and `init_value`: dflow draws TensorFlow's own values
+//!     ([`crate::tf_random`]) when the session starts. Without seeds (TensorFlow then draws
+//!     differently every run) the seeds come from the variable's name;
+//!   - not float32, a Glorot-uniform draw becomes dflow's `glorot_uniform` (other values).
+//!
+//!   Anything else is an error naming the variable. A variable with no initializer in the
+//!   graph starts at zeros. The `init` NoOp itself stays, without inputs, so `--target init`
+//!   runs (dflow initializes variables when a session starts).
 //! - **Training ops**: TensorFlow's optimizer applies (`ApplyGradientDescent`,
 //!   `ResourceApplyGradientDescent`, `ApplyMomentum`, `ResourceApplyMomentum`, `ApplyAdam`,
 //!   `ResourceApplyAdam`) become dflow's (`ApplyAdamWithPowers` for Adam, which reads
@@ -60,11 +66,19 @@
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
 //!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
-//!   `GatherV2`, `ExpandDims`) are imported ([`crate::ops::tf_compat`]); the
-//!   `BroadcastGradientArgs` of a broadcasting `Add`/`Mul` gradient, and reductions or reshapes
-//!   whose axes or shape are computed at run time, are refused with the node named and what to
-//!   do: fix the batch size (fully static placeholder shapes) before TensorFlow builds the
-//!   gradients, and it emits constant axes and shapes instead.
+//!   `GatherV2`, `ExpandDims`) are imported ([`crate::ops::tf_compat`]), and so is the chain
+//!   it emits for a broadcasting `Add`/`Sub`/`Mul`/`Div` when shapes are not static
+//!   ([`crate::ops::tf_dynamic`]): `BroadcastGradientArgs` keeps its name, a `Sum` whose axes
+//!   are computed becomes `DynamicSum`, a `Reshape` to `Shape(y)` becomes `ReshapeLike(t, y)`
+//!   (y's static shape, when it has one, stays known: tensors between tasks need one) and any
+//!   other `Reshape` to a computed shape `DynamicReshape`. For a reduction over some axes of a
+//!   tensor whose shape is not static, TensorFlow 2 emits `BroadcastTo` and `DynamicStitch`
+//!   (kept) and a `Range` of constants (computed at import into a `Const`, so it folds like
+//!   one). `Maximum` and `FloorDiv` (TF 1.x's `_safe_shape_div`) keep their names
+//!   ([`crate::ops::tf_math`]). Other ops whose folded
+//!   operand is computed at run time (`Mean`, `Max`, `Prod`, `Fill`, ...) are refused with the
+//!   node named and what to do: fix the batch size (fully static placeholder shapes) before
+//!   TensorFlow builds the gradients, and it emits constants instead.
 //!
 //! Protobuf JSON quirks handled: int64 values as JSON strings, `bytes` fields (string attrs,
 //! `_class`) in base64, omitted default values (`{}` is a dimension of size 0, a missing `b` is
@@ -137,23 +151,12 @@ pub struct UnsupportedOp {
 
 struct UnsupportedList<'a>(&'a [UnsupportedOp]);
 
-/// What to do about shapes and reduction axes TensorFlow computes at run time (dflow takes
-/// them as static attributes).
-const STATIC_SHAPES_HINT: &str = "Where tf.gradients computed it (the Shape, \
-     BroadcastGradientArgs, Sum and Reshape of a broadcasting Add, Sub, Mul or Div's gradient), \
-     give the graph's placeholders fully static shapes (a fixed batch size) before building the \
-     gradients: TensorFlow then emits constant reduction axes and shapes, which dflow imports";
-
-/// What a user can do about an unsupported op, for the ops where there is something to say.
-fn unsupported_hint(op: &str) -> Option<String> {
-    match op {
-        "BroadcastGradientArgs" => Some(format!(
-            "BroadcastGradientArgs computes reduction axes at run time, which dflow does not \
-             support. {STATIC_SHAPES_HINT}"
-        )),
-        _ => None,
-    }
-}
+/// What to do about an operand TensorFlow computes at run time where dflow needs a constant
+/// (dflow computes `Sum` axes and `Reshape` shapes at run time, other ops' as attributes).
+const STATIC_SHAPES_HINT: &str = "dflow computes the axes of Sum and the shape of Reshape at \
+     run time, but this operand must be constant. If tf.gradients computed it from a run-time \
+     shape, give the graph's placeholders fully static shapes (a fixed batch size) before \
+     building the gradients: TensorFlow then emits constants, which dflow imports";
 
 impl fmt::Display for UnsupportedList<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -162,9 +165,6 @@ impl fmt::Display for UnsupportedList<'_> {
                 f.write_str(", ")?;
             }
             write!(f, "{} ({})", u.op, u.nodes.join(", "))?;
-        }
-        for hint in self.0.iter().filter_map(|u| unsupported_hint(&u.op)) {
-            write!(f, ". {hint}")?;
         }
         Ok(())
     }
@@ -346,6 +346,16 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
     }
 }
 
+/// Ops whose folded operand may instead be computed at run time: (TensorFlow op, operand, the
+/// dflow op that reads it as a tensor).
+fn runtime_operand_op(op: &str) -> Option<(usize, &'static str)> {
+    match op {
+        "Sum" => Some((1, "DynamicSum")),
+        "Reshape" => Some((1, "DynamicReshape")),
+        _ => None,
+    }
+}
+
 /// The dflow op for a TensorFlow op, when there is one.
 fn dflow_op(op: &str) -> Option<&'static str> {
     Some(match op {
@@ -401,6 +411,12 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "Prod" => "Prod",
         "ExpandDims" => "ExpandDims",
         "FloorMod" => "FloorMod",
+        // Run-time reduction axes of broadcasting gradients ([`crate::ops::tf_dynamic`]).
+        "BroadcastGradientArgs" => "BroadcastGradientArgs",
+        "BroadcastTo" => "BroadcastTo",
+        "DynamicStitch" => "DynamicStitch",
+        "Maximum" => "Maximum",
+        "FloorDiv" => "FloorDiv",
         _ => return None,
     })
 }
@@ -417,6 +433,12 @@ struct Importer<'r, 'a> {
     dropped: Vec<bool>,
     /// (consumer, input slot) edges folded into an attribute.
     folded: BTreeSet<(usize, usize)>,
+    /// Nodes whose foldable operand is computed at run time: they become the dflow op of
+    /// [`runtime_operand_op`].
+    runtime_operand: BTreeSet<usize>,
+    /// Nodes computed from constants at import (a `Range` of constant scalars): they become
+    /// `Const`s and can be folded like one.
+    computed: HashMap<usize, Tensor>,
     /// Bytes of repeated-value constants this import may still expand.
     budget: Cell<usize>,
 }
@@ -444,6 +466,8 @@ impl<'r, 'a> Importer<'r, 'a> {
             consumers,
             dropped: vec![false; nodes.len()],
             folded: BTreeSet::new(),
+            runtime_operand: BTreeSet::new(),
+            computed: HashMap::new(),
             budget: Cell::new(MAX_EXPANDED_CONST_BYTES),
         })
     }
@@ -455,6 +479,7 @@ impl<'r, 'a> Importer<'r, 'a> {
 
     fn run(mut self) -> Result<GraphDef, TfImportError> {
         self.drop_initializers();
+        self.compute_constant_ranges();
         self.check_supported()?;
         let initializers = self.initializer_kinds();
         self.fold_constant_operands()?;
@@ -538,10 +563,51 @@ impl<'r, 'a> Importer<'r, 'a> {
         true
     }
 
+    /// Evaluates every `Range` whose start, limit and delta are constant int scalars (the axes
+    /// TensorFlow 2's reduction gradients build: `range(rank)`), so it is folded like a `Const`.
+    fn compute_constant_ranges(&mut self) {
+        for n in self.nodes {
+            if n.op != "Range" || self.dropped[n.index] || n.inputs.len() < 3 {
+                continue;
+            }
+            let scalar = |r: &InputRef| -> Option<(DType, i64)> {
+                let src = &self.nodes[self.producer(r)];
+                if !matches!(r, InputRef::Data { index: 0, .. }) || src.op != "Const" {
+                    return None;
+                }
+                let t = tensor_attr(src.attrs.get("value")?, &side_budget()).ok()?;
+                let v = match t.dtype() {
+                    DType::I32 => i64::from(*t.as_slice::<i32>().ok()?.first()?),
+                    DType::I64 => *t.as_slice::<i64>().ok()?.first()?,
+                    _ => return None,
+                };
+                (t.num_elements() == 1).then_some((t.dtype(), v))
+            };
+            let vals: Option<Vec<(DType, i64)>> = n.inputs[..3].iter().map(scalar).collect();
+            let Some([(dtype, start), (d1, limit), (d2, delta)]) =
+                vals.as_deref().map(|v| [v[0], v[1], v[2]])
+            else {
+                continue;
+            };
+            if d1 != dtype || d2 != dtype {
+                continue;
+            }
+            if let Some(t) = constant_range(dtype, start, limit, delta) {
+                self.computed.insert(n.index, t);
+                for slot in 0..3 {
+                    self.folded.insert((n.index, slot));
+                }
+            }
+        }
+    }
+
     fn check_supported(&self) -> Result<(), TfImportError> {
         let mut unsupported: Vec<UnsupportedOp> = Vec::new();
         for n in self.nodes {
-            if self.dropped[n.index] || dflow_op(&n.op).is_some() {
+            if self.dropped[n.index]
+                || dflow_op(&n.op).is_some()
+                || self.computed.contains_key(&n.index)
+            {
                 continue;
             }
             match unsupported.iter_mut().find(|u| u.op == n.op) {
@@ -581,10 +647,14 @@ impl<'r, 'a> Importer<'r, 'a> {
 
     fn classify_initializer(&self, var: usize, value: usize) -> Option<InitValue> {
         let v = &self.nodes[value];
-        if let Some(kind) = constant_fill_kind(self, v) {
+        if let Some(kind) = self.constant_initial_value(v) {
             return Some(kind);
         }
-        // Walk the dropped ancestors of the value.
+        if let Some(kind) = self.tf_random_initial_value(&self.nodes[var], v) {
+            return Some(kind);
+        }
+        // Not float32 (TensorFlow's draws are reproduced for float32 only): a Glorot-uniform
+        // draw still becomes dflow's `glorot_uniform` (same distribution, other values).
         let mut stack = vec![value];
         let mut seen = BTreeSet::new();
         let mut ops = BTreeSet::new();
@@ -604,26 +674,165 @@ impl<'r, 'a> Importer<'r, 'a> {
             }
             stack.extend(n.inputs.iter().map(|r| self.producer(r)));
         }
-        if ops.contains("RandomUniform") {
-            let limit = glorot_limit(&self.nodes[var]);
-            let is_glorot = limit.is_some_and(|l| {
+        let limit = glorot_limit(&self.nodes[var]);
+        let is_glorot = ops.contains("RandomUniform")
+            && limit.is_some_and(|l| {
                 scalars
                     .iter()
                     .any(|s| (s.abs() - l).abs() <= 1e-6 * l.max(1e-12))
             });
-            return Some(InitValue::Named(if is_glorot {
-                "glorot_uniform"
+        is_glorot.then_some(InitValue::Named("glorot_uniform"))
+    }
+
+    /// The value of `n` when it is a Const, or a Fill of a Const: one repeated value (`zeros`,
+    /// `ones`, `constant`, found without expanding a broadcast-encoded constant) or the exact
+    /// tensor ([`InitValue::Tensor`]; an expansion is charged to the import's budget).
+    fn constant_initial_value(&self, n: &RawNode<'_>) -> Option<InitValue> {
+        let (value_node, fill) = match n.op.as_str() {
+            "Const" => (n, false),
+            "Fill" => (&self.nodes[self.producer(n.inputs.get(1)?)], true),
+            _ => return None,
+        };
+        if value_node.op != "Const" {
+            return None;
+        }
+        let value = value_node.attrs.get("value")?;
+        let uniform = match value.get("tensor").and_then(uniform_value) {
+            Some(v) => Some(v),
+            None => {
+                let t = tensor_attr(value, &self.budget).ok()?;
+                let values = t.to_f64_vec();
+                let first = values.first().copied().unwrap_or(0.0);
+                if values.iter().all(|&x| x.to_bits() == first.to_bits()) {
+                    Some(first)
+                } else if fill {
+                    return None; // Fill's value must be a scalar
+                } else {
+                    return Some(InitValue::Tensor(std::sync::Arc::new(t)));
+                }
+            }
+        };
+        uniform.map(|v| {
+            if v == 0.0 && v.is_sign_positive() {
+                InitValue::Named("zeros")
+            } else if v == 1.0 {
+                InitValue::Named("ones")
             } else {
-                "random_uniform"
-            }));
+                InitValue::Constant(v)
+            }
+        })
+    }
+
+    /// A float32 variable initialized by `rnd × scale + offset`, `rnd` a TensorFlow random op
+    /// (`RandomStandardNormal`, `RandomUniform`, `TruncatedNormal`) of the variable's shape and
+    /// `scale`, `offset` scalar constants (TensorFlow's `random_normal`, `truncated_normal`,
+    /// `random_uniform` and variance-scaling initializers build exactly this): TensorFlow's
+    /// draw, reproduced. An op without seeds (TensorFlow draws a fresh seed each run) gets
+    /// seeds from the variable's name, so dflow's values are reproducible.
+    fn tf_random_initial_value(&self, var: &RawNode<'_>, value: &RawNode<'_>) -> Option<InitValue> {
+        let split = |n: &RawNode<'_>| -> Option<(usize, f32)> {
+            let (a, b) = (
+                self.producer(n.inputs.first()?),
+                self.producer(n.inputs.get(1)?),
+            );
+            match (self.scalar_f32(a, 0), self.scalar_f32(b, 0)) {
+                (_, Some(s)) => Some((a, s)),
+                (Some(s), None) => Some((b, s)),
+                (None, None) => None,
+            }
+        };
+        let mut node = value;
+        let mut offset = 0.0f32;
+        if matches!(node.op.as_str(), "Add" | "AddV2") {
+            let (rest, s) = split(node)?;
+            (node, offset) = (&self.nodes[rest], s);
         }
-        if ops.contains("TruncatedNormal") {
-            return Some(InitValue::Named("truncated_normal"));
+        let mut scale = 1.0f32;
+        if node.op == "Mul" {
+            let (rest, s) = split(node)?;
+            (node, scale) = (&self.nodes[rest], s);
         }
-        if ops.contains("RandomStandardNormal") {
-            return Some(InitValue::Named("random_normal"));
+        let init = match node.op.as_str() {
+            "RandomStandardNormal" => "tf_random_normal",
+            "RandomUniform" => "tf_random_uniform",
+            "TruncatedNormal" => "tf_truncated_normal",
+            _ => return None,
+        };
+        let f32_type = |v: Option<&Value>| v.and_then(|v| dtype_attr(v).ok()) == Some(DType::F32);
+        if !f32_type(node.attrs.get("dtype")) || !f32_type(var.attrs.get("dtype")) {
+            return None;
         }
-        None
+        let var_dims = shape_attr(var.attrs.get("shape")?).ok()?.as_static()?;
+        let dims = self.folded_ints(node, 0).ok()?;
+        if dims.len() != var_dims.len() || dims.iter().zip(&var_dims).any(|(&a, &b)| a != b as i64)
+        {
+            return None;
+        }
+        let seed_attr = |name: &str| {
+            node.attrs
+                .get(name)
+                .and_then(|v| v.get("i"))
+                .map_or(Ok(0), int_value)
+        };
+        let (mut seed, seed2) = (seed_attr("seed").ok()?, seed_attr("seed2").ok()?);
+        if seed == 0 && seed2 == 0 {
+            seed = i64::from(fnv1a32(&var.name)) + 1;
+        }
+        Some(InitValue::TfRandom {
+            init,
+            seed,
+            seed2,
+            scale: f64::from(scale),
+            offset: f64::from(offset),
+        })
+    }
+
+    /// For a `Reshape` whose shape operand is output 0 of a `Shape` node: that node's input.
+    fn shape_source(&self, n: &RawNode<'_>) -> Option<&InputRef> {
+        if n.op != "Reshape" {
+            return None;
+        }
+        let r @ InputRef::Data { index: 0, .. } = n.inputs.get(1)? else {
+            return None;
+        };
+        let s = &self.nodes[self.producer(r)];
+        if s.op != "Shape" || self.dropped[s.index] {
+            return None;
+        }
+        s.inputs
+            .first()
+            .filter(|y| matches!(y, InputRef::Data { .. }))
+    }
+
+    /// The float32 value of a scalar computed from constants (`Const`; `Add`, `AddV2`, `Sub`,
+    /// `Mul`, `RealDiv`, `Neg` of such), in float32 as TensorFlow computes it.
+    fn scalar_f32(&self, i: usize, depth: usize) -> Option<f32> {
+        let n = &self.nodes[i];
+        if depth > 8 {
+            return None;
+        }
+        let arg = |k: usize| self.scalar_f32(self.producer(n.inputs.get(k)?), depth + 1);
+        // f32 arithmetic on f32 values: one rounding per op, like TensorFlow's kernels.
+        Some(match n.op.as_str() {
+            "Const" => {
+                let t = n
+                    .attrs
+                    .get("value")
+                    .map(|v| tensor_attr(v, &side_budget()))?
+                    .ok()?;
+                if t.dtype() != DType::F32 || t.num_elements() != 1 {
+                    return None;
+                }
+                *t.as_slice::<f32>().ok()?.first()?
+            }
+            "Identity" => arg(0)?,
+            "Neg" => -arg(0)?,
+            "Add" | "AddV2" => arg(0)? + arg(1)?,
+            "Sub" => arg(0)? - arg(1)?,
+            "Mul" => arg(0)? * arg(1)?,
+            "RealDiv" | "Div" => arg(0)? / arg(1)?,
+            _ => return None,
+        })
     }
 
     /// Turns constant operands into attributes (recorded in `self.folded`), dropping constants
@@ -638,7 +847,12 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err(format!("expected a constant operand at input {slot}")));
                 };
                 let src = self.producer(r);
-                if self.nodes[src].op != "Const" {
+                let constant = self.nodes[src].op == "Const" || self.computed.contains_key(&src);
+                if !constant && runtime_operand_op(&n.op).is_some_and(|(s, _)| s == slot) {
+                    self.runtime_operand.insert(n.index);
+                    continue;
+                }
+                if !constant {
                     return Err(n.err(format!(
                         "operand `{r}` (a `{}`) must be a Const: dflow takes it as a static \
                          attribute and does not compute it at run time. {STATIC_SHAPES_HINT}",
@@ -649,7 +863,8 @@ impl<'r, 'a> Importer<'r, 'a> {
             }
         }
         for n in self.nodes {
-            if n.op != "Const" || self.dropped[n.index] {
+            let constant = n.op == "Const" || self.computed.contains_key(&n.index);
+            if !constant || self.dropped[n.index] {
                 continue;
             }
             let readers = &self.consumers[n.index];
@@ -673,12 +888,17 @@ impl<'r, 'a> Importer<'r, 'a> {
             .get(slot)
             .map(|r| &self.nodes[self.producer(r)])
             .ok_or_else(|| n.err(format!("missing input {slot}")))?;
-        let value = src
-            .attrs
-            .get("value")
-            .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
-        let t = tensor_attr(value, &side_budget())
-            .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?;
+        let t = match self.computed.get(&src.index) {
+            Some(t) => t.clone(),
+            None => {
+                let value = src
+                    .attrs
+                    .get("value")
+                    .ok_or_else(|| n.err(format!("operand Const `{}` has no `value`", src.name)))?;
+                tensor_attr(value, &side_budget())
+                    .map_err(|m| n.err(format!("operand Const `{}`: {m}", src.name)))?
+            }
+        };
         let ints = match t.dtype() {
             DType::I32 => t
                 .as_slice::<i32>()
@@ -722,7 +942,11 @@ impl<'r, 'a> Importer<'r, 'a> {
         n: &RawNode<'_>,
         initializers: &HashMap<usize, InitValue>,
     ) -> Result<NodeDef, TfImportError> {
-        let op = dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?;
+        let op = if self.computed.contains_key(&n.index) {
+            "Const"
+        } else {
+            dflow_op(&n.op).ok_or_else(|| n.err("unsupported op"))?
+        };
         let mut out = NodeDef {
             name: n.name.clone(),
             op: op.to_string(),
@@ -763,6 +987,11 @@ impl<'r, 'a> Importer<'r, 'a> {
         let get = |name: &str| n.attrs.get(name);
         let wrap = |name: &'static str| move |m: String| n.err(format!("attr `{name}`: {m}"));
         match n.op.as_str() {
+            "Range" => {
+                if let Some(t) = self.computed.get(&n.index) {
+                    a.insert("value".into(), AttrValue::Tensor(t.clone().into()));
+                }
+            }
             "Const" => {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
@@ -798,15 +1027,16 @@ impl<'r, 'a> Importer<'r, 'a> {
                 let cannot = |why: &str| {
                     n.err(format!(
                         "variable `{}`: its initializer {why}, which dflow cannot carry over \
-                         (dflow variables start from a named initializer or one repeated value); \
-                         re-export it with a scalar `tf.constant_initializer` or a random \
-                         initializer, or leave it out of the graph",
+                         (dflow carries over constants, and float32 random_normal, \
+                         truncated_normal and random_uniform draws scaled and offset by \
+                         constants); re-export it with such an initializer, or leave it out of \
+                         the graph",
                         n.name
                     ))
                 };
                 match initializers
                     .get(&n.index)
-                    .copied()
+                    .cloned()
                     .unwrap_or(InitValue::Named("zeros"))
                 {
                     InitValue::Named(kind) => {
@@ -816,8 +1046,21 @@ impl<'r, 'a> Importer<'r, 'a> {
                         a.insert("initializer".into(), AttrValue::String("constant".into()));
                         a.insert("init_value".into(), AttrValue::Float(v));
                     }
-                    InitValue::Varied => {
-                        return Err(cannot("assigns a constant tensor of differing values"))
+                    InitValue::Tensor(t) => {
+                        a.insert("initial_value".into(), AttrValue::Tensor(t));
+                    }
+                    InitValue::TfRandom {
+                        init,
+                        seed,
+                        seed2,
+                        scale,
+                        offset,
+                    } => {
+                        a.insert("initializer".into(), AttrValue::String(init.into()));
+                        a.insert("seed".into(), AttrValue::Int(seed));
+                        a.insert("seed2".into(), AttrValue::Int(seed2));
+                        a.insert("init_scale".into(), AttrValue::Float(scale));
+                        a.insert("init_value".into(), AttrValue::Float(offset));
                     }
                     InitValue::Unknown => {
                         return Err(cannot("is computed by ops the importer does not recognise"))
@@ -896,6 +1139,26 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err(format!("dim must be one integer, found {axis:?}")));
                 };
                 a.insert("axis".into(), AttrValue::Int(axis));
+            }
+            _ if self.runtime_operand.contains(&n.index) => {
+                // Sum over axes / Reshape to a shape computed at run time.
+                if let Some((_, dynamic)) = runtime_operand_op(&n.op) {
+                    out.op = dynamic.to_string();
+                }
+                // `Reshape(t, Shape(y))` (how tf.gradients reshapes a gradient back to its
+                // operand) reshapes to y's run-time shape: dflow's ReshapeLike(t, y), whose
+                // type is y's, so a gradient of a static operand stays static (a tensor
+                // between tasks needs a static shape).
+                if let Some(y) = self.shape_source(n) {
+                    out.op = "ReshapeLike".into();
+                    out.inputs[1] = y.to_string();
+                }
+                if let Some(v) = get("keep_dims") {
+                    a.insert(
+                        "keep_dims".into(),
+                        AttrValue::Bool(bool_attr(v).map_err(wrap("keep_dims"))?),
+                    );
+                }
             }
             "Sum" | "Mean" | "Max" | "Prod" => {
                 let axes = self.folded_ints(n, 1)?;
@@ -979,40 +1242,94 @@ impl<'r, 'a> Importer<'r, 'a> {
 }
 
 /// What a variable's initializer assigns, as far as dflow can carry it over.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 enum InitValue {
     /// One of dflow's named initializers (`zeros`, `glorot_uniform`, ...).
     Named(&'static str),
     /// One value repeated (`constant` with `init_value`).
     Constant(f64),
-    /// A constant tensor of differing values: dflow variables cannot start from it.
-    Varied,
+    /// A constant tensor of differing values, carried over exactly (`initial_value`).
+    Tensor(std::sync::Arc<Tensor>),
+    /// TensorFlow's random draw × `scale` + `offset` (a `tf_*` initializer).
+    TfRandom {
+        init: &'static str,
+        seed: i64,
+        seed2: i64,
+        scale: f64,
+        offset: f64,
+    },
     /// An initializer subgraph the importer does not recognise.
     Unknown,
 }
 
-/// The value of `n` when it is a Const, or a Fill of a Const: one repeated value (`zeros`,
-/// `ones`, `constant`) or [`InitValue::Varied`].
-fn constant_fill_kind(imp: &Importer<'_, '_>, n: &RawNode<'_>) -> Option<InitValue> {
-    let value_node = match n.op.as_str() {
-        "Const" => n,
-        "Fill" => &imp.nodes[imp.producer(n.inputs.get(1)?)],
-        _ => return None,
-    };
-    if value_node.op != "Const" {
+/// The one value a TensorProto's typed list repeats to its whole shape (an empty list: 0),
+/// found without expanding it; `None` when the values are written in `tensorContent`, differ,
+/// or are of another kind.
+fn uniform_value(t: &Value) -> Option<f64> {
+    if field(t, "tensorContent", "tensor_content").is_some() {
         return None;
     }
-    let t = tensor_attr(value_node.attrs.get("value")?, &side_budget()).ok()?;
-    let values = t.to_f64_vec();
+    let lists = [
+        ("floatVal", "float_val"),
+        ("doubleVal", "double_val"),
+        ("intVal", "int_val"),
+        ("int64Val", "int64_val"),
+    ];
+    let mut values = Vec::new();
+    for (camel, snake) in lists {
+        match field(t, camel, snake) {
+            None => {}
+            Some(Value::Array(a)) => {
+                for v in a {
+                    values.push(float_value(v).ok()?);
+                }
+            }
+            Some(_) => return None,
+        }
+    }
+    if ["halfVal", "half_val", "boolVal", "bool_val"]
+        .iter()
+        .any(|k| t.get(*k).is_some())
+    {
+        return None;
+    }
     let first = values.first().copied().unwrap_or(0.0);
-    Some(if !values.iter().all(|&x| x == first) {
-        InitValue::Varied
-    } else if first == 0.0 {
-        InitValue::Named("zeros")
-    } else if first == 1.0 {
-        InitValue::Named("ones")
-    } else {
-        InitValue::Constant(first)
+    values
+        .iter()
+        .all(|v| v.to_bits() == first.to_bits())
+        .then_some(first)
+}
+
+/// The most elements a `Range` computed at import may have.
+const MAX_CONSTANT_RANGE: i64 = 1 << 16;
+
+/// TensorFlow's `Range(start, limit, delta)` for ints: `start, start + delta, ...` up to
+/// (excluding) `limit`; `None` for a zero delta, an empty-direction mismatch TensorFlow rejects,
+/// or more than [`MAX_CONSTANT_RANGE`] elements (left to the unsupported-op report).
+fn constant_range(dtype: DType, start: i64, limit: i64, delta: i64) -> Option<Tensor> {
+    if delta == 0 || (delta > 0 && start > limit) || (delta < 0 && start < limit) {
+        return None;
+    }
+    let span = limit.checked_sub(start)?;
+    let n = (span.checked_add(delta.checked_sub(delta.signum())?)?).checked_div(delta)?;
+    if !(0..=MAX_CONSTANT_RANGE).contains(&n) {
+        return None;
+    }
+    let values: Vec<i64> = (0..n).map(|i| start + i * delta).collect();
+    let len = values.len();
+    match dtype {
+        DType::I32 => {
+            let v: Option<Vec<i32>> = values.iter().map(|&x| i32::try_from(x).ok()).collect();
+            Tensor::from_slice(&[len], &v?).ok()
+        }
+        _ => Tensor::from_slice(&[len], &values).ok(),
+    }
+}
+
+/// 32-bit FNV-1a of a name (seeds for unseeded TensorFlow random initializers).
+fn fnv1a32(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     })
 }
 
@@ -1334,14 +1651,16 @@ fn from_le_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<Tensor, S
     t.map_err(|e| e.to_string())
 }
 
-/// Initializer kinds the importer can record, for documentation and tests.
-pub const INITIALIZER_KINDS: [&str; 6] = [
+/// Initializer kinds the importer can record (besides an exact `initial_value`), for
+/// documentation and tests.
+pub const INITIALIZER_KINDS: [&str; 7] = [
     "zeros",
     "ones",
+    "constant",
     "glorot_uniform",
-    "random_uniform",
-    "truncated_normal",
-    "random_normal",
+    "tf_random_normal",
+    "tf_random_uniform",
+    "tf_truncated_normal",
 ];
 
 #[cfg(test)]
@@ -1433,9 +1752,23 @@ mod tests {
         assert_eq!(w1.device, "/job:ps/task:0");
         assert_eq!(w1.attrs["shape"], AttrValue::Shape(Shape::known(&[64, 32])));
         let init = |n: &str| node(&def, n).attrs["initializer"].clone();
-        assert_eq!(init("w1"), AttrValue::from("glorot_uniform"));
+        // Seeded random initializers: TensorFlow's draws, reproduced (RandomUniform × (max -
+        // min) + min; TruncatedNormal × stddev + mean).
+        assert_eq!(init("w1"), AttrValue::from("tf_random_uniform"));
+        assert_eq!(w1.attrs["seed"], AttrValue::Int(7));
+        assert_eq!(w1.attrs["seed2"], AttrValue::Int(1));
+        let limit = (6.0f64 / (64.0 + 32.0)).sqrt();
+        match (&w1.attrs["init_scale"], &w1.attrs["init_value"]) {
+            (AttrValue::Float(s), AttrValue::Float(o)) => {
+                assert!(
+                    (s - 2.0 * limit).abs() < 1e-6 && (o + limit).abs() < 1e-6,
+                    "{s} {o}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
         assert_eq!(init("b1"), AttrValue::from("zeros"));
-        assert_eq!(init("w2"), AttrValue::from("truncated_normal"));
+        assert_eq!(init("w2"), AttrValue::from("tf_truncated_normal"));
         // constant(0.1): one repeated value (once silently zeros).
         assert_eq!(init("b2"), AttrValue::from("constant"));
         match node(&def, "b2").attrs["init_value"] {
@@ -1702,19 +2035,13 @@ mod tests {
         let e = import(json!({"node": [
             placeholder("x", &[2]),
             {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
-            {"name": "b", "op": "BroadcastGradientArgs", "input": ["x", "x"]},
+            {"name": "b", "op": "StridedSlice", "input": ["x", "x"]},
             {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
         ]}))
         .unwrap_err();
-        let e = e.to_string();
-        assert!(
-            e.starts_with("unsupported TensorFlow ops: Conv2D (a, c), BroadcastGradientArgs (b). "),
-            "{e}"
-        );
-        // BroadcastGradientArgs says what to do; Conv2D has nothing to add.
-        assert!(
-            e.contains("fully static shapes (a fixed batch size)") && !e.contains("Conv2D is"),
-            "{e}"
+        assert_eq!(
+            e.to_string(),
+            "unsupported TensorFlow ops: Conv2D (a, c), StridedSlice (b)"
         );
         let e = import(json!({"node": [
             placeholder("x", &[2]),
@@ -1726,45 +2053,122 @@ mod tests {
 
     /// The gradient of a broadcasting `Add` as tf.gradients writes it when the batch size is
     /// not fixed: `Shape` of each operand, `BroadcastGradientArgs`, then `Sum` over the
-    /// run-time axes and `Reshape` to the run-time shape. Refused, naming the nodes and saying
-    /// how to export a graph that imports.
+    /// run-time axes and `Reshape` to the run-time shape. Imported as run-time ops, it gives the
+    /// reduced gradient for any fed batch size.
     #[test]
-    fn a_broadcast_gradient_with_run_time_shapes_is_refused_with_what_to_do() {
-        let graph = |with_args: bool| {
-            let mut nodes = vec![
-                placeholder("x", &[-1, 3]),
-                placeholder("g", &[-1, 3]),
-                json!({"name": "b", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
-                    "tensorShape": {"dim": [{"size": "3"}]}, "floatVal": [0.5]}}}}),
-                json!({"name": "grad/Shape", "op": "Shape", "input": ["x"]}),
-                json!({"name": "grad/Shape_1", "op": "Shape", "input": ["b"]}),
-            ];
-            if with_args {
-                nodes.push(
-                    json!({"name": "grad/BroadcastGradientArgs", "op": "BroadcastGradientArgs",
-                    "input": ["grad/Shape", "grad/Shape_1"]}),
-                );
-                nodes.push(json!({"name": "grad/Sum_1", "op": "Sum",
-                    "input": ["g", "grad/BroadcastGradientArgs:1"]}));
-            } else {
-                nodes
-                    .push(json!({"name": "grad/Sum_1", "op": "Sum", "input": ["g", "grad/Shape"]}));
-            }
-            nodes.push(json!({"name": "grad/Reshape_1", "op": "Reshape",
-                "input": ["grad/Sum_1", "grad/Shape_1"]}));
-            json!({ "node": nodes })
-        };
-        let e = import(graph(true)).unwrap_err().to_string();
-        assert!(
-            e.contains("BroadcastGradientArgs (grad/BroadcastGradientArgs)")
-                && e.contains("give the graph's placeholders fully static shapes"),
-            "{e}"
+    fn a_broadcast_gradient_with_run_time_shapes_runs_like_tensorflow() {
+        use crate::ops::testing::run_kernel;
+        let def = import(json!({"node": [
+            placeholder("x", &[-1, 3]),
+            placeholder("g", &[-1, 3]),
+            {"name": "b", "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_FLOAT",
+                "tensorShape": {"dim": [{"size": "3"}]}, "floatVal": [0.5]}}}},
+            {"name": "grad/Shape", "op": "Shape", "input": ["x"]},
+            {"name": "grad/Shape_1", "op": "Shape", "input": ["b"]},
+            {"name": "grad/BroadcastGradientArgs", "op": "BroadcastGradientArgs",
+             "input": ["grad/Shape", "grad/Shape_1"]},
+            {"name": "grad/Sum_1", "op": "Sum", "input": ["g", "grad/BroadcastGradientArgs:1"],
+             "attr": {"keep_dims": {"b": false}}},
+            {"name": "grad/Reshape_1", "op": "Reshape", "input": ["grad/Sum_1", "grad/Shape_1"]}
+        ]}))
+        .unwrap();
+        let ops: Vec<_> = def.nodes.iter().map(|n| n.op.as_str()).collect();
+        assert_eq!(
+            ops,
+            [
+                "Placeholder",
+                "Placeholder",
+                "Const",
+                "Shape",
+                "Shape",
+                "BroadcastGradientArgs",
+                "DynamicSum",
+                "ReshapeLike"
+            ]
         );
-        // Without BroadcastGradientArgs, the first reduction whose axes are computed at run
-        // time is named, with its operand and the same advice.
-        let e = import(graph(false)).unwrap_err();
+        assert_eq!(
+            node(&def, "grad/Sum_1").inputs,
+            ["g", "grad/BroadcastGradientArgs:1"]
+        );
+        let g = Graph::from_def(&def).unwrap();
+        let out = |n: &str| g.node(g.find(n).unwrap()).outputs[0].to_string();
+        // Reshape(t, Shape(b)) is ReshapeLike(t, b): b's static shape is kept.
+        assert_eq!(node(&def, "grad/Reshape_1").inputs, ["grad/Sum_1", "b"]);
+        assert_eq!(out("grad/Reshape_1"), "f32[3]");
+        // The chain's kernels, on a batch of 2: the gradient of b sums over the batch.
+        let shape = |dims: &[i32]| Tensor::from_slice(&[dims.len()], dims).unwrap();
+        let r = run_kernel("BroadcastGradientArgs", &[], &[shape(&[2, 3]), shape(&[3])]).unwrap();
+        let gv = Tensor::from_slice(&[2, 3], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let s = run_kernel("DynamicSum", &[], &[gv, r[1].clone()])
+            .unwrap()
+            .remove(0);
+        let db = run_kernel("DynamicReshape", &[], &[s, shape(&[3])])
+            .unwrap()
+            .remove(0);
+        assert_eq!(db.as_slice::<f32>().unwrap(), [5.0, 7.0, 9.0]);
+    }
+
+    /// A `Range` of constant scalars (TensorFlow 2's `range(rank)` in reduction gradients) is
+    /// computed at import: a `Const`, foldable into a `Prod`'s axes.
+    #[test]
+    fn constant_ranges_are_computed_at_import() {
+        let scalar = |name: &str, v: i32| {
+            json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {"dtype": "DT_INT32",
+                "tensorShape": {}, "intVal": [v]}}}})
+        };
+        let def = import(json!({"node": [
+            placeholder("x", &[-1, 3]),
+            scalar("start", 0), scalar("limit", 2), scalar("delta", 1),
+            {"name": "range", "op": "Range", "input": ["start", "limit", "delta"]},
+            {"name": "p", "op": "Prod", "input": ["x", "range"]},
+            scalar("down", -2),
+            {"name": "back", "op": "Range", "input": ["limit", "start", "down"]},
+            {"name": "use_back", "op": "Identity", "input": ["back"]}
+        ]}))
+        .unwrap();
+        assert_eq!(
+            node(&def, "p").attrs["axes"],
+            AttrValue::IntList(vec![0, 1])
+        );
+        let back = node(&def, "back");
+        assert_eq!((back.op.as_str(), back.inputs.len()), ("Const", 0));
+        match &back.attrs["value"] {
+            AttrValue::Tensor(t) => assert_eq!(t.as_slice::<i32>().unwrap(), [2]),
+            other => panic!("{other:?}"),
+        }
+        assert!(def
+            .nodes
+            .iter()
+            .all(|n| n.name != "range" && n.name != "delta"));
+        Graph::from_def(&def).unwrap();
+        assert_eq!(
+            constant_range(DType::I64, 5, 0, -2).unwrap().to_f64_vec(),
+            [5.0, 3.0, 1.0]
+        );
+        assert!(constant_range(DType::I64, 0, 5, 0).is_none());
+        assert!(constant_range(DType::I64, 0, 1 << 40, 1).is_none());
+        // A Range of run-time values is reported as unsupported.
+        let e = import(json!({"node": [
+            {"name": "n", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"}}},
+            scalar("start", 0), scalar("delta", 1),
+            {"name": "r", "op": "Range", "input": ["start", "n", "delta"]}
+        ]}))
+        .unwrap_err();
+        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Range (r)");
+    }
+
+    /// An operand dflow needs as a constant (a reduction other than Sum, a Fill's dims), computed
+    /// at run time: the node and its operand are named, with what to do.
+    #[test]
+    fn a_run_time_operand_where_a_constant_is_needed_is_refused_with_what_to_do() {
+        let e = import(json!({"node": [
+            placeholder("x", &[-1, 3]),
+            {"name": "grad/Shape", "op": "Shape", "input": ["x"]},
+            {"name": "grad/Mean", "op": "Mean", "input": ["x", "grad/Shape"]}
+        ]}))
+        .unwrap_err();
         assert!(
-            matches!(&e, TfImportError::Node { node, .. } if node == "grad/Sum_1"),
+            matches!(&e, TfImportError::Node { node, .. } if node == "grad/Mean"),
             "{e}"
         );
         let e = e.to_string();
@@ -1781,7 +2185,7 @@ mod tests {
             {"name": "v/Initializer/random_normal/shape", "op": "Const", "attr": {"value":
                 {"tensor": {"dtype": "DT_INT32", "tensorShape": {"dim": [{"size": "1"}]}, "intVal": [3]}}}},
             {"name": "v/Initializer/random_normal/RandomStandardNormal", "op": "RandomStandardNormal",
-             "input": ["v/Initializer/random_normal/shape"]},
+             "input": ["v/Initializer/random_normal/shape"], "attr": {"dtype": f32_type()}},
             {"name": "v", "op": "VarHandleOp", "device": "/job:ps/task:0",
              "attr": {"dtype": f32_type(), "shape": {"shape": {"dim": [{"size": "3"}]}}}},
             {"name": "v/Assign", "op": "AssignVariableOp",
@@ -1806,7 +2210,7 @@ mod tests {
         assert_eq!(node(&def, "v/read").colocate_with, ["v"]);
         assert_eq!(
             node(&def, "v").attrs["initializer"],
-            AttrValue::from("random_normal")
+            AttrValue::from("tf_random_normal")
         );
         assert_eq!(
             node(&def, "u").attrs["initializer"],
@@ -1886,13 +2290,96 @@ mod tests {
         );
         assert_eq!(node(&def, "w").attrs["init_value"], AttrValue::Float(0.25));
         assert!(node(&def, "init").inputs.is_empty());
-        let e = with_init(f32_const("w/Initializer/value", &[3], &[0.25, -1.0, 2.0]))
-            .unwrap_err()
-            .to_string();
+        // Differing values are carried over exactly, and the variable starts from them.
+        let def = with_init(f32_const("w/Initializer/value", &[3], &[0.25, -1.0, 2.0])).unwrap();
+        let w = node(&def, "w");
+        assert!(!w.attrs.contains_key("initializer"));
+        match &w.attrs["initial_value"] {
+            AttrValue::Tensor(t) => assert_eq!(t.as_slice::<f32>().unwrap(), [0.25, -1.0, 2.0]),
+            other => panic!("{other:?}"),
+        }
+        Graph::from_def(&def).unwrap();
+        // A broadcast-encoded zeros of a huge variable stays compact (not expanded).
+        let big = import(json!({"node": [
+            variable("e", "VariableV2", &[1 << 20, 1 << 10]),
+            {"name": "e/Initializer/zeros", "op": "Const", "attr": {"value": {"tensor": {
+                "dtype": "DT_FLOAT", "floatVal": [0],
+                "tensorShape": {"dim": [{"size": "1048576"}, {"size": "1024"}]}}}}},
+            {"name": "e/Assign", "op": "Assign", "input": ["e", "e/Initializer/zeros"]}
+        ]}))
+        .unwrap();
+        assert_eq!(
+            node(&big, "e").attrs["initializer"],
+            AttrValue::from("zeros")
+        );
+        // A value computed by ops the importer does not evaluate is an error naming the
+        // variable.
+        let e = import(json!({"node": [
+            variable("w", "VariableV2", &[3]),
+            f32_const("a", &[3], &[1.0, 2.0, 3.0]),
+            {"name": "w/Initializer/value", "op": "Exp", "input": ["a"]},
+            {"name": "w/Assign", "op": "Assign", "input": ["w", "w/Initializer/value"]}
+        ]}))
+        .unwrap_err()
+        .to_string();
         assert!(
-            e.contains("variable `w`") && e.contains("differing values"),
+            e.contains("variable `w`") && e.contains("does not recognise"),
             "{e}"
         );
+    }
+
+    /// TensorFlow's seeded random initializers are reproduced: a variable imported with one
+    /// starts from TensorFlow's values (references: TensorFlow 2.21,
+    /// `RandomStandardNormal(shape=[10], seed=87654321, seed2=7)`, then × 0.5 + 1).
+    #[test]
+    fn seeded_random_initializers_start_from_tensorflows_values() {
+        use crate::ops::testing::run_kernel_with;
+        let def = import(json!({"node": [
+            variable("w", "VarHandleOp", &[2, 5]),
+            {"name": "w/Initializer/random_normal/shape", "op": "Const", "attr": {"value":
+                {"tensor": {"dtype": "DT_INT32", "tensorShape": {"dim": [{"size": "2"}]},
+                            "intVal": [2, 5]}}}},
+            {"name": "w/Initializer/random_normal/RandomStandardNormal",
+             "op": "RandomStandardNormal", "input": ["w/Initializer/random_normal/shape"],
+             "attr": {"dtype": f32_type(), "seed": {"i": "87654321"}, "seed2": {"i": "7"}}},
+            f32_const("w/Initializer/random_normal/stddev", &[], &[0.5]),
+            f32_const("w/Initializer/random_normal/mean", &[], &[1.0]),
+            {"name": "w/Initializer/random_normal/mul", "op": "Mul", "input": [
+                "w/Initializer/random_normal/RandomStandardNormal",
+                "w/Initializer/random_normal/stddev"]},
+            {"name": "w/Initializer/random_normal", "op": "AddV2", "input": [
+                "w/Initializer/random_normal/mul", "w/Initializer/random_normal/mean"]},
+            {"name": "w/Assign", "op": "AssignVariableOp",
+             "input": ["w", "w/Initializer/random_normal"]}
+        ]}))
+        .unwrap();
+        let w = node(&def, "w");
+        let attrs: Vec<(&str, AttrValue)> = w
+            .attrs
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let cell = [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let t = run_kernel_with("Variable", "w", &attrs, &[], &[], &cell)
+            .unwrap()
+            .remove(0);
+        let tf = [
+            -0.046945683658123016f64,
+            -1.2039023637771606,
+            1.1668351888656616,
+            1.1706204414367676,
+            -0.3200702369213104,
+            -0.19035114347934723,
+            -1.4242879152297974,
+            0.9578679203987122,
+            -0.22877390682697296,
+            -0.6875477433204651,
+        ];
+        let got = t.to_f64_vec();
+        assert_eq!(t.dims(), [2, 5]);
+        for (g, v) in got.iter().zip(tf) {
+            assert!((g - (v * 0.5 + 1.0)).abs() < 1e-6, "{got:?}");
+        }
     }
 
     #[test]

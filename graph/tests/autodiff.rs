@@ -133,6 +133,56 @@ fn reductions_including_an_unknown_batch_dimension() {
     }
 }
 
+/// TensorFlow's ops with run-time operands and Maximum (imported from TensorFlow graphs):
+/// Maximum (broadcasting, away from ties), DynamicSum over a tensor of axes, DynamicReshape and
+/// BroadcastTo to a tensor of dims, with an unknown batch dimension.
+#[test]
+fn tensorflow_run_time_ops() {
+    let ints = |v: &[i32]| Tensor::from_slice(&[v.len()], v).unwrap();
+    let mut c = Case::new();
+    let x = c.input("x", &[-1, 3], &[4, 3], -1.0, 1.0);
+    let y = c.input("y", &[3], &[3], 1.5, 2.0);
+    let z = c.b.binary("Maximum", "z", &x, &y);
+    let w = c.b.binary("Maximum", "w", &y, &x);
+    let s = c.b.binary("Add", "s", &z, &w);
+    c.check(&s, &[4, 3], &["x", "y"]);
+    let mut c = Case::new();
+    let x = c.input("x", &[-1, 3], &[4, 3], -0.4, 0.4);
+    let y = c.input("y", &[1, 3], &[1, 3], -1.0, 1.0);
+    let z = c.b.binary("Maximum", "z", &x, &y);
+    c.check(&z, &[4, 3], &["x", "y"]);
+    for (axes, keep, out) in [
+        (vec![0], false, vec![3]),
+        (vec![-1], true, vec![4, 1]),
+        (vec![], false, vec![4, 3]),
+    ] {
+        let mut c = Case::new();
+        let x = c.input("x", &[-1, 3], &[4, 3], -1.0, 1.0);
+        let a = c.b.constant("axes", ints(&axes));
+        let y =
+            c.b.op("DynamicSum", "y")
+                .input(&x)
+                .input(&a)
+                .attr("keep_dims", keep)
+                .finish();
+        c.check(&y, &out, &["x"]);
+    }
+    let mut c = Case::new();
+    let x = c.input("x", &[-1, 6], &[2, 6], -1.0, 1.0);
+    let shape = c.b.constant("shape", ints(&[3, -1]));
+    let y =
+        c.b.op("DynamicReshape", "y")
+            .input(&x)
+            .input(&shape)
+            .finish();
+    c.check(&y, &[3, 4], &["x"]);
+    let mut c = Case::new();
+    let x = c.input("x", &[-1, 1], &[2, 1], -1.0, 1.0);
+    let shape = c.b.constant("shape", ints(&[3, 2, 4]));
+    let y = c.b.op("BroadcastTo", "y").input(&x).input(&shape).finish();
+    c.check(&y, &[3, 2, 4], &["x"]);
+}
+
 #[test]
 fn reshape_cast_and_add_n() {
     let mut c = Case::new();

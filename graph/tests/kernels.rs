@@ -146,6 +146,11 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // TensorFlow-compat ops: unit tests in ops/tf_compat.rs, and end to end against
             // TensorFlow itself in tests/tf_training_import.rs.
             || dflow_graph::ops::tf_compat::OPS.contains(&op.name)
+            // The run-time gradient chain and TensorFlow's Maximum/FloorDiv: unit tests in
+            // ops/tf_dynamic.rs and ops/tf_math.rs (against TensorFlow's values and a direct
+            // reference), end to end in tests/tf_training_import.rs.
+            || dflow_graph::ops::tf_dynamic::OPS.contains(&op.name)
+            || dflow_graph::ops::tf_math::OPS.contains(&op.name)
             // The MoE ops and their gradients: against PyTorch and finite differences in
             // tests/moe.rs.
             || op.name.starts_with("Moe")

@@ -25,5 +25,5 @@ pub mod wire;
 pub use config::TcpConfig;
 pub use dflow_graph::Tensor;
 pub use local::LocalRendezvous;
-pub use plane::{DataPlane, Link, PeerEvent, Plane, TransportKind};
+pub use plane::{DataPlane, Link, PeerEvent, Plane, Traffic, TrafficCounter, TransportKind};
 pub use rendezvous::{RecvCallback, Rendezvous, RendezvousError, RendezvousKey};

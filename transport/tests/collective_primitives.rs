@@ -411,3 +411,42 @@ fn elements_split_across_reads_are_reduced_whole() {
         }
     });
 }
+
+/// Each rank counts the payload it sent: a ring all-reduce sends `2(n−1)/n` of the buffer per
+/// rank, an all-gather `(n−1)/n` of the output, recursive doubling the whole small buffer per
+/// round (`log₂ n` rounds); frame headers are not counted.
+#[test]
+fn ranks_count_the_payload_they_send() {
+    let n = 4;
+    let big = 1 << 16; // f32s: 256 KiB, above the recursive-doubling cutoff (64 KiB)
+    let comms = Communicator::in_process(n, CommOptions::default());
+    let results: Vec<_> = std::thread::scope(|s| {
+        let joins: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let mut ring = vec![1.0f32; big];
+                    c.all_reduce(&mut ring, ReduceOp::Sum).unwrap();
+                    let after_ring = c.sent();
+                    let mut small = vec![1.0f32; 8];
+                    c.all_reduce(&mut small, ReduceOp::Sum).unwrap();
+                    let after_small = c.sent();
+                    let mine = vec![1.0f32; 1024];
+                    let mut all = vec![0.0f32; 1024 * n];
+                    c.all_gather(&mine, &mut all).unwrap();
+                    (after_ring, after_small, c.sent())
+                })
+            })
+            .collect();
+        joins.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    for (ring, small, gather) in results {
+        assert_eq!(ring.bytes, (2 * (n - 1) * big * 4 / n) as u64);
+        assert_eq!(
+            small.bytes - ring.bytes,
+            2 * 8 * 4,
+            "log2(4) rounds of 32 B"
+        );
+        assert_eq!(gather.bytes - small.bytes, ((n - 1) * 1024 * 4) as u64);
+    }
+}

@@ -84,6 +84,7 @@ conformance!(late_recv_after_the_value_arrived: local, tcp, shm, quic, rdma_sim)
 conformance!(peer_death: tcp, shm, quic, rdma_sim);
 conformance!(late_recv_after_the_sender_left: tcp, shm, quic, rdma_sim);
 conformance!(close: tcp, shm, quic, rdma_sim);
+conformance!(traffic_counts_values_sent_to_peers: tcp, shm, quic, rdma_sim);
 
 fn x(i: usize) -> Arc<RendezvousKey> {
     Arc::new(RendezvousKey::new(
@@ -337,6 +338,42 @@ async fn values(backend: Backend) {
         p.sender.finish_step(step);
         p.receiver.finish_step(step);
     }
+}
+
+/// Each plane counts the payload bytes and values it sent to its peer, and nothing for values
+/// that stayed in the task.
+async fn traffic_counts_values_sent_to_peers(backend: Backend) {
+    let p = Pair::new(backend).await;
+    let (sender, receiver) = p.planes();
+    assert_eq!(sender.traffic(), dflow_transport::Traffic::default());
+    let mut bytes = 0;
+    for step in 1..=2u64 {
+        for (i, &n) in SIZES.iter().enumerate() {
+            p.sender.send(&x(i), step, tensor(n, step)).unwrap();
+            expect_value(&*p.receiver, &x(i), step, n).await;
+            bytes += 4 * n as u64;
+        }
+        p.receiver.send(&y(), step, tensor(BACK, step)).unwrap();
+        expect_value(&*p.sender, &y(), step, BACK).await;
+    }
+    let here = Arc::new(RendezvousKey::new(
+        "/job:receiver/replica:0/task:0/device:CPU:0",
+        "/job:receiver/replica:0/task:0/device:CPU:1",
+        "l:0",
+    ));
+    let rx = recv(&*p.receiver, &here, 1);
+    p.receiver.send(&here, 1, tensor(64, 1)).unwrap();
+    wait_within(rx, WAIT).await.unwrap();
+    let sent = sender.traffic();
+    assert_eq!(sent.bytes, bytes);
+    assert_eq!(sent.messages, 2 * SIZES.len() as u64);
+    let back = receiver.traffic();
+    assert_eq!(
+        back.bytes,
+        2 * 4 * BACK as u64,
+        "the local value is not counted"
+    );
+    assert_eq!(back.messages, 2);
 }
 
 /// A key with neither a route nor a receive slot meets its Recv in the same task, without a

@@ -583,6 +583,36 @@ fn run_inproc(args: &Args) -> anyhow::Result<Vec<Row>> {
     })
 }
 
+/// The median seconds of one all-reduce (sum, f32) of each of `sizes` bytes over `ranks` child
+/// processes on `transport` (`tcp` or `shm`), ranks pinned as `--bind auto` pins them: what
+/// `dflow bench calibrate` fits the planner's link constants to.
+pub(crate) fn all_reduce_medians(
+    transport: &str,
+    ranks: usize,
+    sizes: &[usize],
+    iters: usize,
+    warmup: usize,
+) -> anyhow::Result<Vec<(usize, f64)>> {
+    let args = Args {
+        op: vec!["all_reduce".into()],
+        ranks,
+        size: sizes.iter().map(|s| s.to_string()).collect(),
+        transport: transport.into(),
+        iters,
+        warmup,
+        algorithm: "auto".into(),
+        chunk: None,
+        spin_us: None,
+        bind: Bind::Auto,
+        timeout: 60.0,
+        worker_rank: None,
+        pin_cpu: None,
+    };
+    plan(&args)?;
+    let (rows, _) = run_procs(&args)?;
+    Ok(rows.iter().map(|r| (r.bytes, r.median)).collect())
+}
+
 /// Runs `dflow bench-collective`.
 pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(rank) = args.worker_rank {

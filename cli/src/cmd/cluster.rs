@@ -207,7 +207,126 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
             );
         }
         if result.is_ok() {
+            eprintln!("{task}: sent {}", server.traffic());
             eprintln!("{task}: done");
+        }
+        result
+    })
+}
+
+/// `dflow run --local --strategy S` for a strategy whose tasks exchange tensors through
+/// collectives (all-reduce, ZeRO, experts, ...): every task of `cluster` runs in this process as
+/// a real task — its own data plane on 127.0.0.1 at a port the system picks (the cluster file's
+/// addresses are not used), its own task server — and worker 0 drives them with the chief's
+/// driver, the same code path as a job of separate processes.
+pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> {
+    if cluster.num_tasks("worker") == 0 {
+        bail!("the cluster has no `worker` job: worker 0 is the chief");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the network runtime")?;
+    let transport = match args.transport {
+        TransportChoice::Auto => TransportKind::Tcp,
+        TransportChoice::Kind(TransportKind::Quic) => bail!(
+            "--local runs every task in this process over tcp or shm; --transport quic needs \
+             certificates per task: start the tasks separately (dflow launch, docs/launchers.md)"
+        ),
+        TransportChoice::Kind(k) => k,
+    };
+    let chief_cfg = chief_config(args, cluster.num_tasks("ps") > 0)?;
+    let tasks: Vec<(String, u32)> = cluster
+        .jobs()
+        .flat_map(|job| cluster.tasks(job).map(move |(i, _)| (job.to_string(), i)))
+        .collect();
+    let options = |job: &str, index: u32| NodeOptions {
+        cluster: cluster.clone(),
+        job: job.to_string(),
+        index,
+        secret: None,
+        timeout: Duration::from_secs(args.timeout.max(1)),
+        startup_timeout: Duration::from_secs(args.startup_timeout),
+        server: ServerOptions {
+            num_threads: 0,
+            step_timeout: Duration::from_secs(args.timeout.max(1)),
+            trace: args.trace.is_some(),
+            data_path: args.data.clone(),
+            ..ServerOptions::default()
+        },
+        transport,
+        quic_identity: None,
+    };
+    runtime.block_on(async move {
+        let mut listening = Vec::new();
+        let mut addresses: std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<u32, String>,
+        > = Default::default();
+        for (job, index) in &tasks {
+            let l = Node::listen(&options(job, *index), "127.0.0.1:0".parse()?, "127.0.0.1")
+                .await
+                .with_context(|| {
+                    format!("task {}", dflow_executor::cluster::task_name(job, *index))
+                })?;
+            addresses
+                .entry(job.clone())
+                .or_default()
+                .insert(*index, l.local_addr().to_string());
+            listening.push(l);
+        }
+        let actual = ClusterSpec::new(addresses)?;
+        let mut joins = tokio::task::JoinSet::new();
+        for (l, (job, index)) in listening.into_iter().zip(&tasks) {
+            let (cluster, job, index) = (actual.clone(), job.clone(), *index);
+            joins.spawn(async move { (job, index, l.join(&cluster).await) });
+        }
+        let mut chief_node = None;
+        let mut servers = tokio::task::JoinSet::new();
+        let mut tracers = Vec::new(); // every task's server: traces and traffic
+        while let Some(joined) = joins.join_next().await {
+            let (job, index, node) = joined.context("a task's join panicked")?;
+            let task = dflow_executor::cluster::task_name(&job, index);
+            let node = node.with_context(|| format!("task {task}"))?;
+            tracers.push((job.clone(), index, node.server.clone()));
+            if job == "worker" && index == 0 {
+                chief_node = Some(node);
+            } else {
+                servers.spawn(
+                    async move { node.serve().await.with_context(|| format!("task {task}")) },
+                );
+            }
+        }
+        let chief_node = chief_node.context("worker 0 did not join")?;
+        let result = chief(args, chief_node, &actual, chief_cfg).await;
+        // The chief shut every task down (or aborted them); collect their ends.
+        while let Some(served) = servers.join_next().await {
+            let served = served.context("a task panicked")?;
+            if let (Ok(()), Err(e)) = (&result, served) {
+                return Err(e);
+            }
+        }
+        if result.is_ok() {
+            for (job, index, server) in &tracers {
+                let task = dflow_executor::cluster::task_name(job, *index);
+                eprintln!("{task}: sent {}", server.traffic());
+            }
+        }
+        if let Some(path) = &args.trace {
+            for (job, index, server) in &tracers {
+                if let Some(tracer) = server.tracer() {
+                    let path = trace_path(path, job, *index);
+                    let json = serde_json::to_string(&tracer.to_chrome_json())?;
+                    std::fs::write(&path, json)
+                        .with_context(|| format!("writing trace {}", path.display()))?;
+                    eprintln!(
+                        "trace: {} events written to {}",
+                        tracer.len(),
+                        path.display()
+                    );
+                }
+            }
         }
         result
     })
@@ -371,8 +490,8 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
     })
 }
 
-/// Checks `--min-workers`: at least 1, with the all-reduce strategy in lockstep and with a
-/// checkpoint directory (the state a restart restores).
+/// Checks `--min-workers`: at least 1, with all-reduce or sync ps (lockstep data parallelism)
+/// and with a checkpoint directory (the state a restart restores).
 fn check_elastic(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()> {
     let Some(k) = args.min_workers else {
         return Ok(());
@@ -380,9 +499,9 @@ fn check_elastic(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::
     if k == 0 {
         bail!("--min-workers 0: an elastic job needs at least 1 worker left to go on");
     }
-    if kind.name() != "allreduce" || args.r#async {
+    if !matches!(kind.name(), "allreduce" | "ps") || args.r#async {
         bail!(
-            "--min-workers {k} needs --strategy allreduce (elastic jobs re-plan the all-reduce on the survivors); this job uses {}{}",
+            "--min-workers {k} needs --strategy allreduce or a sync --strategy ps (elastic jobs re-plan the lockstep data parallelism on the survivors); this job uses {}{}",
             kind.name(),
             if args.r#async { " --async" } else { "" }
         );

@@ -46,7 +46,7 @@ pub struct Args {
     /// Seconds the other tasks get to exit after a failure or a signal before they are killed.
     #[arg(long, default_value_t = 10)]
     pub grace: u64,
-    /// An elastic all-reduce job: passes `--min-workers K` to every task, and a worker other
+    /// An elastic job (all-reduce or sync ps): passes `--min-workers K` to every task, and a worker other
     /// than the chief that fails does not stop the others (the chief goes on without it while
     /// at least K workers remain; the run command needs --checkpoint-dir).
     #[arg(long, value_name = "K")]

@@ -1,4 +1,5 @@
 //! One module per subcommand.
+pub mod bench_calibrate;
 pub mod bench_collective;
 pub mod bench_transfer;
 pub mod cert;

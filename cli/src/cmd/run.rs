@@ -157,10 +157,11 @@ pub struct Args {
     /// Training: save a checkpoint every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub save_every: u64,
-    /// Distributed all-reduce training: an elastic job. When a worker other than the chief
-    /// dies and at least K workers remain, the chief re-plans the job on the survivors,
-    /// restores the newest checkpoint of --checkpoint-dir (needed) and goes on with the same
-    /// global batch; fewer than K survivors end the job (see docs/launchers.md).
+    /// Distributed all-reduce or sync ps training: an elastic job. When a worker other than
+    /// the chief dies and at least K workers remain, the chief re-plans the job on the
+    /// survivors, restores the newest checkpoint of --checkpoint-dir (needed) and goes on with
+    /// the same global batch; fewer than K survivors end the job. A worker of the cluster
+    /// started again while the job runs joins it before the next step (see docs/launchers.md).
     #[arg(long, value_name = "K")]
     pub min_workers: Option<usize>,
     /// Plain log lines instead of a progress bar (also when stderr is not a terminal).
@@ -281,9 +282,10 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     write_trace(&args, &session)
 }
 
-/// `--local --strategy S`: the strategy's training graph, every stage an in-process device.
-/// Only strategies whose job is one graph without collectives run in one process (pipeline);
-/// the others run as a cluster job.
+/// `--local --strategy S`. A pipeline without replicas is one graph without collectives: it runs
+/// in one [`Session`], every stage an in-process device. Every other strategy (and a pipeline
+/// over a `--mesh`) runs its tasks in this process as a real cluster job under the chief's
+/// driver ([`super::cluster::run_in_process`]).
 fn local_strategy(
     args: &Args,
     kind: dflow_partitioner::StrategyKind,
@@ -291,12 +293,9 @@ fn local_strategy(
     cluster: ClusterSpec,
 ) -> anyhow::Result<()> {
     use dflow_partitioner::strategy::pipeline::Pipeline;
-    if kind.name() != "pipeline" {
-        bail!(
-            "--local runs --strategy pipeline in one process; `{kind}` exchanges gradients \
-             between processes: start its tasks with `dflow launch` (see docs/launchers.md), \
-             or drop --strategy to train in one process"
-        );
+    if kind.name() != "pipeline" || args.mesh.as_ref().is_some_and(|m| m.dp > 1) {
+        // Collectives between tasks: every task runs in this process under the chief's driver.
+        return super::cluster::run_in_process(args, &cluster);
     }
     let Some(data) = &args.data else {
         bail!("--strategy trains the graph: give --data FILE");

@@ -221,6 +221,14 @@ impl CollectiveHub {
             .map_err(|e| format!("joining group `{group}` as rank {rank}: {e}"))
     }
 
+    /// What this task sent in all its groups (each group has its own channel).
+    pub fn sent(&self) -> dflow_transport::Traffic {
+        lock(&self.groups)
+            .values()
+            .map(Communicator::sent)
+            .fold(dflow_transport::Traffic::default(), |a, b| a + b)
+    }
+
     fn group(&self, group: &str) -> Result<Communicator, String> {
         lock(&self.groups).get(group).cloned().ok_or_else(|| {
             format!("this task has not joined collective group `{group}` (strategy allreduce joins `workers`)")

@@ -312,6 +312,14 @@ impl Node {
     /// Serves the chief's requests until it says the job is over: `Ok` on a clean shutdown,
     /// an error naming the cause when the chief aborts the job or disappears.
     pub async fn serve(mut self) -> Result<(), JobError> {
+        // Tell the chief this task is up: an elastic job's chief takes it in at its next step
+        // boundary when it is not in the job (a replacement for a dead worker).
+        if let Err(e) = self
+            .rendezvous
+            .send_message(&self.chief, protocol::encode(&Message::Ready))
+        {
+            tracing::warn!("{}: cannot tell the chief it is ready: {e}", self.task);
+        }
         let result = loop {
             let Some(event) = self.events.recv().await else {
                 break Err(JobError::Aborted("the data plane stopped".into()));
@@ -338,7 +346,7 @@ impl Node {
                             let rv = self.rendezvous.clone();
                             let chief = self.chief.clone();
                             tokio::spawn(async move {
-                                let reply = handle_blocking(server, body).await;
+                                let reply = answer(server, &rv, body).await;
                                 let bytes = protocol::encode(&Message::Reply { id, body: reply });
                                 if let Err(e) = rv.send_message(&chief, bytes) {
                                     tracing::error!("cannot answer the chief: {e}");
@@ -350,8 +358,8 @@ impl Node {
                         }
                         Message::Shutdown { failure: None } => break Ok(()),
                         Message::Shutdown { failure: Some(f) } => break Err(JobError::Aborted(f)),
-                        Message::Reply { .. } => {
-                            tracing::warn!("{}: unexpected reply from the chief", self.task)
+                        Message::Reply { .. } | Message::Ready => {
+                            tracing::warn!("{}: unexpected message from the chief", self.task)
                         }
                     }
                 }
@@ -391,6 +399,7 @@ impl Node {
             pending: Mutex::default(),
             failed: Mutex::default(),
             members: Mutex::new(self.peers.iter().cloned().collect()),
+            ready: Mutex::default(),
             next_id: AtomicU64::new(1),
         });
         tokio::spawn(pump(inner.clone(), self.events, self.server.clone()));
@@ -551,6 +560,41 @@ async fn connect_all(
     }
 }
 
+/// Answers the chief's request `req`: a [`Request::Connect`] on the data plane `rv`, the
+/// others on this task's server (off the async runtime).
+async fn answer(
+    server: Arc<TaskServer>,
+    rv: &Arc<dyn DataPlane>,
+    req: Request,
+) -> Result<Reply, String> {
+    match req {
+        Request::Connect { task, address } => connect_peer(rv, &task, &address)
+            .await
+            .map(|()| Reply::Connected),
+        other => handle_blocking(server, other).await,
+    }
+}
+
+/// Opens `rv`'s connection to `task` at `address` (resolved here; the plane bounds the
+/// connect itself).
+async fn connect_peer(rv: &Arc<dyn DataPlane>, task: &str, address: &str) -> Result<(), String> {
+    let resolved = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::lookup_host(address.to_string()),
+    )
+    .await
+    .map_err(|_| format!("resolving {task}'s address {address}: no answer within 10 s"))?
+    .map_err(|e| format!("resolving {task}'s address {address}: {e}"))?
+    .next()
+    .ok_or_else(|| format!("{task}'s address {address} resolves to nothing"))?;
+    rv.clone()
+        .connect(task.to_string(), resolved)
+        .await
+        .map_err(|e| format!("connecting to {task} at {address}: {e}"))?;
+    tracing::info!("{}: connected to {task} at {address}", rv.task());
+    Ok(())
+}
+
 /// Runs a request on this task's server, off the async runtime.
 async fn handle_blocking(server: Arc<TaskServer>, req: Request) -> Result<Reply, String> {
     tokio::task::spawn_blocking(move || handle(&server, req))
@@ -572,6 +616,9 @@ fn handle(server: &TaskServer, req: Request) -> Result<Reply, String> {
             server.reset();
             Ok(Reply::ResetDone)
         }
+        Request::Connect { task, .. } => Err(format!(
+            "Connect to {task} needs the data plane (answered by `answer`)"
+        )),
     }
 }
 
@@ -586,6 +633,8 @@ struct RpcInner {
     /// The tasks of the job now (an elastic job drops the dead ones): the loss of another
     /// connection is not a failure of the job.
     members: Mutex<BTreeSet<String>>,
+    /// Tasks that said [`Message::Ready`] and have not gone since (see [`Rpc::joining`]).
+    ready: Mutex<BTreeSet<String>>,
     next_id: AtomicU64,
 }
 
@@ -626,10 +675,14 @@ async fn pump(
                         }
                     }
                 }
+                Ok(Message::Ready) => {
+                    lock(&inner.ready).insert(peer.to_string());
+                }
                 Ok(_) => tracing::warn!("the chief ignores requests (from `{peer}`)"),
                 Err(e) => tracing::error!("dropping a message from `{peer}`: {e}"),
             },
             PeerEvent::Gone { peer, cause } => {
+                lock(&inner.ready).remove(&*peer);
                 // Held until the failure is recorded, so that a concurrent `drop_tasks` of this
                 // peer either sees the failure (and forgets it) or makes this event moot.
                 let members = lock(&inner.members);
@@ -715,11 +768,42 @@ impl Rpc {
         *lock(&self.inner.failed) = None;
     }
 
+    /// Tasks that are up and connected (they said [`Message::Ready`]) but not in the job: a
+    /// replacement for a dead worker, which an elastic job takes in (see [`Rpc::admit`]).
+    pub fn joining(&self) -> Vec<String> {
+        let members = lock(&self.inner.members);
+        lock(&self.inner.ready)
+            .iter()
+            .filter(|t| !members.contains(*t) && **t != self.task)
+            .cloned()
+            .collect()
+    }
+
+    /// Takes `task` into the job: the chief connects to it at `address`, and from then on its
+    /// loss is a failure of the job again (an elastic job drops it then).
+    pub async fn admit(&self, task: &str, address: &str) -> Result<(), JobError> {
+        connect_peer(&self.rendezvous, task, address)
+            .await
+            .map_err(|cause| JobError::PeerGone {
+                task: task.to_string(),
+                cause,
+                waiting: "; the chief was taking it into the job".into(),
+            })?;
+        lock(&self.inner.members).insert(task.to_string());
+        Ok(())
+    }
+
+    /// Forgets that `task` said it is ready (it could not be taken in): it is not offered by
+    /// [`Rpc::joining`] again until it says so anew.
+    pub fn forget_ready(&self, task: &str) {
+        lock(&self.inner.ready).remove(task);
+    }
+
     /// Sends `req` to `task` and waits for its reply, at most the job timeout (`extra` added
     /// for requests that take longer, e.g. registering large graphs).
     pub async fn call(&self, task: &str, req: Request, what: &str) -> Result<Reply, JobError> {
         if task == self.task {
-            return handle_blocking(self.server.clone(), req)
+            return answer(self.server.clone(), &self.rendezvous, req)
                 .await
                 .map_err(|message| JobError::Remote {
                     what: what.to_string(),

@@ -15,8 +15,11 @@
 //! | `Request{SetVariables}`     | `Reply{VariablesSet}` (checkpoint restore)   |
 //! | `Request{RunStep}`          | `Reply{StepDone}` with fetched values        |
 //! | `Request{GetVariables}`     | `Reply{Variables}` (checkpoint save)         |
+//! | `Request{Reset}`            | `Reply{ResetDone}` (elastic re-plan)         |
+//! | `Request{Connect}`          | `Reply{Connected}` (a worker joins)          |
 //! | `AbortStep` (no reply)      |                                              |
 //! | `Shutdown` (no reply)       |                                              |
+//! |                             | `Ready` (connected to every task; serving)   |
 //!
 //! Liveness is the data plane's: heartbeats on idle connections and the idle timeout.
 
@@ -26,8 +29,9 @@ use serde::{Deserialize, Serialize};
 /// The version this build speaks; a message of another version is rejected with both numbers.
 /// Version 2: receive slots carry the job plan's byte size. Version 3: a [`DataSpec`] is a CSV
 /// table or a text of character windows ([`DataKind`]). Version 4: [`Request::Reset`] (an
-/// elastic job's re-plan).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// elastic job's re-plan). Version 5: [`Message::Ready`] and [`Request::Connect`] (a worker
+/// joining an elastic job).
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// One control-plane message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -59,6 +63,10 @@ pub enum Message {
         /// Why the job failed, if it did.
         failure: Option<String>,
     },
+    /// Task → chief: this task connected to every other task and serves requests. The chief
+    /// of an elastic job takes a `Ready` from a worker that is not (or no longer) in the job
+    /// as a request to join it at the next step boundary; other chiefs ignore it.
+    Ready,
 }
 
 /// What a [`Message::Request`] asks for.
@@ -91,6 +99,14 @@ pub enum Request {
     /// new membership and registered again; its graphs initialize the variables anew unless
     /// the chief restores them).
     Reset,
+    /// Open this task's data-plane connection to `task` at `address` (a worker joining the
+    /// job: the tasks already in it connect to the newcomer before the re-plan).
+    Connect {
+        /// The task, `/job:J/replica:0/task:I`.
+        task: String,
+        /// Its cluster address, `host:port`.
+        address: String,
+    },
 }
 
 /// The successful answers.
@@ -110,6 +126,8 @@ pub enum Reply {
     GroupJoined,
     /// The graphs and groups were dropped.
     ResetDone,
+    /// The connection is open.
+    Connected,
 }
 
 /// The partitions of one run signature that live on the receiving task, and how its
@@ -435,6 +453,28 @@ mod tests {
             t.as_slice::<f32>().unwrap()
         );
         assert_eq!(back.dims(), &[2, 2]);
+    }
+
+    #[test]
+    fn the_joining_messages_round_trip() {
+        // A worker joining an elastic job says Ready; the chief asks the members to Connect.
+        for m in [
+            Message::Ready,
+            Message::Request {
+                id: 7,
+                body: Request::Connect {
+                    task: "/job:worker/replica:0/task:2".into(),
+                    address: "127.0.0.1:2222".into(),
+                },
+            },
+            Message::Reply {
+                id: 7,
+                body: Ok(Reply::Connected),
+            },
+        ] {
+            let back = decode(&encode(&m)).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{m:?}"));
+        }
     }
 
     #[test]

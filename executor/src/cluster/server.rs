@@ -107,6 +107,28 @@ pub struct TaskServer {
     routes: Mutex<BTreeMap<String, (String, u32)>>,
 }
 
+/// What one task sent: [`TaskServer::traffic`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TaskTraffic {
+    /// Values sent to other tasks' Recvs.
+    pub data_plane: dflow_transport::Traffic,
+    /// Messages sent in collective groups.
+    pub collectives: dflow_transport::Traffic,
+}
+
+impl std::fmt::Display for TaskTraffic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} B in {} values over the data plane, {} B in {} collective messages",
+            self.data_plane.bytes,
+            self.data_plane.messages,
+            self.collectives.bytes,
+            self.collectives.messages
+        )
+    }
+}
+
 /// A receive slot a task registered on its data plane, as the job plan gave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegisteredSlot {
@@ -211,6 +233,15 @@ impl TaskServer {
     /// The trace recorder, when tracing.
     pub fn tracer(&self) -> Option<&Arc<Tracer>> {
         self.env.tracer.as_ref()
+    }
+
+    /// What this task has sent so far: tensor values over the data plane (Send/Recv pairs to
+    /// other tasks) and messages in its collective groups, payload bytes only.
+    pub fn traffic(&self) -> TaskTraffic {
+        TaskTraffic {
+            data_plane: self.rendezvous.traffic(),
+            collectives: self.collectives.sent(),
+        }
     }
 
     fn store(&self, device: &DeviceName) -> Arc<VariableStore> {

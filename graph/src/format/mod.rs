@@ -18,6 +18,7 @@
 //! ```
 
 use crate::def::{check_node_name, FORMAT_VERSION};
+use crate::ops::AttrDefault;
 use crate::{registry, AttrType, AttrValue, GraphDef, NodeDef};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -451,7 +452,7 @@ fn build_attrs(
         }
     }
     for a in &def.attrs {
-        if a.default.value().is_none() && !given.iter().any(|g| g == a.name) {
+        if a.default == AttrDefault::Required && !given.iter().any(|g| g == a.name) {
             errs.push(
                 op.pos,
                 format!(

@@ -45,7 +45,7 @@ struct ReshapeKernel {
 }
 
 /// The target dims for `n` elements, or an error naming the input shape and the target.
-fn resolve_shape(input: &Shape, n: usize, target: &[i64]) -> Result<Vec<usize>, String> {
+pub(crate) fn resolve_shape(input: &Shape, n: usize, target: &[i64]) -> Result<Vec<usize>, String> {
     let mut dims = Vec::with_capacity(target.len());
     let (mut given, mut wildcard) = (1usize, None);
     for (i, &d) in target.iter().enumerate() {

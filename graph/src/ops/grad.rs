@@ -73,7 +73,7 @@ pub(crate) use dispatch_real;
 
 /// Strides into a tensor of shape `small` (right-aligned, size-1 dims broadcast) for each
 /// dimension of `big`: 0 along broadcast dimensions.
-fn broadcast_strides(big: &[usize], small: &[usize]) -> Result<Vec<usize>, String> {
+pub(crate) fn broadcast_strides(big: &[usize], small: &[usize]) -> Result<Vec<usize>, String> {
     let bad = || format!("shape {small:?} does not broadcast to {big:?}");
     if small.len() > big.len() {
         return Err(bad());
@@ -95,7 +95,7 @@ fn broadcast_strides(big: &[usize], small: &[usize]) -> Result<Vec<usize>, Strin
 
 /// Calls `f(i, j)` for every flat index `i` of shape `big`, with `j` the flat index it maps to
 /// under `strides` (from [`broadcast_strides`]).
-fn for_each_mapped(big: &[usize], strides: &[usize], mut f: impl FnMut(usize, usize)) {
+pub(crate) fn for_each_mapped(big: &[usize], strides: &[usize], mut f: impl FnMut(usize, usize)) {
     let n: usize = big.iter().product();
     let mut idx = vec![0usize; big.len()];
     let mut j = 0usize;

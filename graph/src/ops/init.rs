@@ -11,6 +11,15 @@
 //! | `glorot_normal`  | N(0, σ²) truncated at ±2σ, σ = √(2 / (fan_in + fan_out)) / 0.8796…|
 //! | `he_uniform`     | U[−l, l), l = √(6 / fan_in)                                       |
 //! | `he_normal`      | N(0, σ²) truncated at ±2σ, σ = √(2 / fan_in) / 0.8796…            |
+//! | `tf_random_normal`    | TensorFlow's `RandomStandardNormal` × `init_scale` + `init_value` |
+//! | `tf_random_uniform`   | TensorFlow's `RandomUniform` (U[0, 1)) × `init_scale` + `init_value` |
+//! | `tf_truncated_normal` | TensorFlow's `TruncatedNormal` × `init_scale` + `init_value` |
+//!
+//! The `tf_*` initializers reproduce TensorFlow's values exactly (float32 only): the draw of
+//! its CPU kernel for the op's `seed` and `seed2` (the Variable's `seed` and `seed2`
+//! attributes, see [`crate::tf_random`]), then `× init_scale` and `+ init_value` in float32, as
+//! the `Mul` and `Add` of TensorFlow's initializer graph compute them. The TensorFlow importer
+//! sets them ([`crate::tf_import`]).
 //!
 //! The truncated normals divide σ by 0.87962566103423978 (the standard deviation of a unit
 //! normal truncated at ±2) so the *truncated* distribution has the variance named above, as
@@ -59,11 +68,17 @@ pub enum Initializer {
     HeUniform,
     /// He (Kaiming) truncated normal.
     HeNormal,
+    /// TensorFlow's `RandomStandardNormal` stream, scaled and offset (see the module docs).
+    TfRandomNormal,
+    /// TensorFlow's `RandomUniform` stream, scaled and offset.
+    TfRandomUniform,
+    /// TensorFlow's `TruncatedNormal` stream, scaled and offset.
+    TfTruncatedNormal,
 }
 
 impl Initializer {
     /// Every initializer, in documentation order.
-    pub const ALL: [Initializer; 9] = [
+    pub const ALL: [Initializer; 12] = [
         Initializer::Zeros,
         Initializer::Ones,
         Initializer::Constant,
@@ -73,7 +88,20 @@ impl Initializer {
         Initializer::GlorotNormal,
         Initializer::HeUniform,
         Initializer::HeNormal,
+        Initializer::TfRandomNormal,
+        Initializer::TfRandomUniform,
+        Initializer::TfTruncatedNormal,
     ];
+
+    /// True for the initializers that reproduce a TensorFlow random op ([`tf_random_value`]).
+    pub fn is_tensorflow(self) -> bool {
+        matches!(
+            self,
+            Initializer::TfRandomNormal
+                | Initializer::TfRandomUniform
+                | Initializer::TfTruncatedNormal
+        )
+    }
 
     /// The attribute spelling.
     pub fn name(self) -> &'static str {
@@ -87,6 +115,9 @@ impl Initializer {
             Initializer::GlorotNormal => "glorot_normal",
             Initializer::HeUniform => "he_uniform",
             Initializer::HeNormal => "he_normal",
+            Initializer::TfRandomNormal => "tf_random_normal",
+            Initializer::TfRandomUniform => "tf_random_uniform",
+            Initializer::TfTruncatedNormal => "tf_truncated_normal",
         }
     }
 }
@@ -188,6 +219,13 @@ pub fn initial_value_with_stddev(
         }
         Initializer::HeUniform => Dist::Uniform((6.0 / fan_in).sqrt()),
         Initializer::HeNormal => Dist::Truncated((2.0 / fan_in).sqrt() / TRUNCATED_STD),
+        Initializer::TfRandomNormal
+        | Initializer::TfRandomUniform
+        | Initializer::TfTruncatedNormal => {
+            return Err(format!(
+                "initializer `{init}` is drawn by tf_random_value (it needs seed2 and init_scale)"
+            ))
+        }
     };
     if !dtype.is_float() {
         return Err(format!(
@@ -229,6 +267,46 @@ pub fn initial_value_with_stddev(
         }),
         d => Err(format!("initializer `{init}` needs a float dtype, got {d}")),
     }
+}
+
+/// The value of a `tf_*` initializer: TensorFlow's draw for (`seed`, `seed2`), then
+/// `× scale + offset` in float32 (see the module docs). Only `f32` variables.
+pub fn tf_random_value(
+    init: Initializer,
+    dtype: DType,
+    dims: &[usize],
+    (seed, seed2): (i64, i64),
+    scale: f64,
+    offset: f64,
+) -> Result<Tensor, String> {
+    if dtype != DType::F32 {
+        return Err(format!(
+            "initializer `{init}` reproduces TensorFlow's float32 draws, but the variable is {dtype}"
+        ));
+    }
+    use crate::tf_random::{fill_standard_normal_f32, fill_truncated_normal_f32, fill_uniform_f32};
+    let (seed, seed2) = (seed as u64, seed2 as u64);
+    let mut drawn = Ok(());
+    // The tensor first (its size checked), then TensorFlow's draw into it.
+    let t = new_tensor(dims, |o: &mut [f32]| {
+        match init {
+            Initializer::TfRandomNormal => fill_standard_normal_f32(seed, seed2, o),
+            Initializer::TfRandomUniform => fill_uniform_f32(seed, seed2, o),
+            Initializer::TfTruncatedNormal => {
+                if fill_truncated_normal_f32(seed, seed2, o).is_none() {
+                    drawn = Err(
+                        "TensorFlow's truncated normal ran out of its reserved samples".to_string(),
+                    );
+                }
+            }
+            other => drawn = Err(format!("initializer `{other}` is not a TensorFlow draw")),
+        }
+        let (scale, offset) = (scale as f32, offset as f32);
+        for v in o.iter_mut() {
+            *v = *v * scale + offset;
+        }
+    })?;
+    drawn.map(|()| t)
 }
 
 /// A tensor with every element `value` (cast like `Cast`: truncated for ints, `value != 0` for bool).

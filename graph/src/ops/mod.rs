@@ -28,6 +28,8 @@ pub mod sparse_train;
 pub mod state;
 pub mod testing;
 pub mod tf_compat;
+pub mod tf_dynamic;
+pub mod tf_math;
 pub mod train;
 pub mod transfer;
 pub mod transformer;
@@ -95,13 +97,16 @@ pub enum AttrDefault {
     EmptyStrings,
     /// Default shape: unknown rank.
     UnknownShape,
+    /// Optional without a default: an absent attribute means "not given" (the op's shape rule
+    /// and kernel look it up with `attrs.get`).
+    Unset,
 }
 
 impl AttrDefault {
-    /// The default as a value, or `None` when required.
+    /// The default as a value, or `None` when required or [`AttrDefault::Unset`].
     pub fn value(self) -> Option<AttrValue> {
         Some(match self {
-            AttrDefault::Required => return None,
+            AttrDefault::Required | AttrDefault::Unset => return None,
             AttrDefault::Int(i) => AttrValue::Int(i),
             AttrDefault::Float(x) => AttrValue::Float(x),
             AttrDefault::Bool(b) => AttrValue::Bool(b),
@@ -444,6 +449,16 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("MoeCombineGrad", "a gradient op"),
     ("MoeAuxLossGrad", "a gradient op"),
     ("ReshapeLike", "a gradient op"),
+    ("DynamicSumGrad", "a gradient op"),
+    (
+        "DynamicStitch",
+        "not yet (TensorFlow's gradients use it on shapes, not on values)",
+    ),
+    ("MaximumGrad", "a gradient op"),
+    (
+        "FloorDiv",
+        "piecewise constant: TensorFlow's gradient is None for both inputs",
+    ),
     ("BroadcastLike", "a gradient op"),
     (
         "CollectiveAllReduce",
@@ -546,6 +561,8 @@ pub fn registry() -> &'static OpRegistry {
         grad::register(&mut r);
         train::register(&mut r);
         tf_compat::register(&mut r);
+        tf_dynamic::register(&mut r);
+        tf_math::register(&mut r);
         collective::register(&mut r);
         shape::register(&mut r);
         embedding::register(&mut r);
@@ -566,6 +583,8 @@ pub fn registry() -> &'static OpRegistry {
         moe::gradients::register_gradients(&mut r);
         collective::gradients::register_gradients(&mut r);
         sparse_embedding::gradients::register_gradients(&mut r);
+        tf_dynamic::gradients::register_gradients(&mut r);
+        tf_math::gradients::register_gradients(&mut r);
         let problems = r.check_gradients(NO_GRADIENT);
         // The registry is built from this crate's code only: a problem here is a bug in it,
         // reported by the first test that touches an op.

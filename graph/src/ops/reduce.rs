@@ -294,20 +294,40 @@ macro_rules! reduce_int {
     };
 }
 
+/// `x` reduced over `axes` (empty: every axis) by `kind`; `op` names the op in errors.
+fn reduce_tensor(
+    op: &str,
+    kind: Reduction,
+    x: &Tensor,
+    axes: &[i64],
+    keep_dims: bool,
+) -> Result<Tensor, String> {
+    let p = reduce_plan(op, x.dims(), axes, keep_dims)?;
+    match x.dtype() {
+        DType::F32 => reduce_float::<f32>(kind, x, &p),
+        DType::F64 => reduce_float::<f64>(kind, x, &p),
+        DType::I32 => reduce_int!(i32, kind, x, &p),
+        DType::I64 => reduce_int!(i64, kind, x, &p),
+        d @ (DType::BF16 | DType::F16) => from_f32(&reduce_float::<f32>(kind, &to_f32(x)?, &p)?, d),
+        d => Err(unsupported(op, d)),
+    }
+}
+
+/// The sum of `x` over `axes` (each named once; empty: every axis), for ops that read their
+/// axes at run time ([`super::tf_dynamic`]).
+pub(crate) fn sum_over(
+    op: &str,
+    x: &Tensor,
+    axes: &[i64],
+    keep_dims: bool,
+) -> Result<Tensor, String> {
+    reduce_tensor(op, Reduction::Sum, x, axes, keep_dims)
+}
+
 impl Kernel for ReduceKernel {
     fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
         let x = ctx.input(0)?;
-        let p = reduce_plan(self.op, x.dims(), &self.axes, self.keep_dims)?;
-        let y = match x.dtype() {
-            DType::F32 => reduce_float::<f32>(self.kind, x, &p),
-            DType::F64 => reduce_float::<f64>(self.kind, x, &p),
-            DType::I32 => reduce_int!(i32, self.kind, x, &p),
-            DType::I64 => reduce_int!(i64, self.kind, x, &p),
-            d @ (DType::BF16 | DType::F16) => {
-                from_f32(&reduce_float::<f32>(self.kind, &to_f32(x)?, &p)?, d)
-            }
-            d => Err(unsupported(self.op, d)),
-        }?;
+        let y = reduce_tensor(self.op, self.kind, x, &self.axes, self.keep_dims)?;
         ctx.set_output(0, y)
     }
 }

@@ -3,7 +3,7 @@
 //! inputs order them behind: the sharded-optimizer rewrite reads a variable after its update).
 
 use super::elementwise::stateless;
-use super::init::{initial_value_with_stddev, Initializer};
+use super::init::{initial_value_with_stddev, tf_random_value, Initializer};
 use super::*;
 use crate::axis_split::AxisSplit;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
@@ -47,18 +47,23 @@ pub(crate) fn register(r: &mut OpRegistry) {
              `shard_of` set, the variable is rows [shard_offset, shard_offset + shape[0]) of a \
              variable of shape `shard_of` named `shard_name` and its initial value is that \
              slice of the bigger variable's (the expert strategy keeps each worker's experts \
-             this way). With `shard_parts` > 0 as well, the variable is instead shard \
-             `shard_index` of `shard_of` cut along `shard_axis` into `shard_parts` parts, the \
-             axis taken as `shard_blocks` blocks cut separately and padded with zeros to \
-             `shard_padded` (0: no padding) — see `axis_split` (tensor parallelism keeps its \
-             weights this way).",
+             this way). With `initial_value` (a tensor of the variable's dtype and shape, or of \
+             `shard_of` for a shard) the variable starts from exactly those values and \
+             `initializer` is not used (TensorFlow imports carry their initializers' values \
+             this way). With `shard_parts` > 0, the variable is instead shard `shard_index` of \
+             `shard_of` cut along `shard_axis` into `shard_parts` parts, the axis taken as \
+             `shard_blocks` blocks cut separately and padded with zeros to `shard_padded` (0: no \
+             padding) — see `axis_split` (tensor parallelism keeps its weights this way).",
             |ctx| {
                 let shape = ctx.shape("shape")?;
                 let Some(dims) = shape.as_static() else {
                     return Err(format!("variable shape {shape} must be fully known"));
                 };
-                shard_init(&dims, ctx.attrs)?;
-                Ok(vec![TensorType::new(ctx.dtype("dtype")?, shape.clone())])
+                let shard = shard_init(&dims, ctx.attrs)?;
+                let dtype = ctx.dtype("dtype")?;
+                let whole = shard.as_ref().map_or(dims.as_slice(), ShardInit::whole);
+                check_initial_value(ctx.attrs.get("initial_value"), dtype, whole)?;
+                Ok(vec![TensorType::new(dtype, shape.clone())])
             },
         )
         .outputs([arg("ref")])
@@ -81,6 +86,9 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("shard_parts", AttrType::Int, AttrDefault::Int(0)),
             attr_or("shard_index", AttrType::Int, AttrDefault::Int(0)),
             attr_or("shard_padded", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("initial_value", AttrType::Tensor, AttrDefault::Unset),
+            attr_or("seed2", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("init_scale", AttrType::Float, AttrDefault::Float(1.0)),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -322,8 +330,40 @@ fn shard_init(
     }))
 }
 
+impl ShardInit {
+    /// The whole variable's dimensions.
+    fn whole(&self) -> &[usize] {
+        match self {
+            ShardInit::Rows { whole, .. } | ShardInit::Split { whole, .. } => whole,
+        }
+    }
+}
+
+/// Checks a Variable's `initial_value` attribute, when given, against its dtype and (whole)
+/// dims, and returns it.
+fn check_initial_value<'a>(
+    value: Option<&'a AttrValue>,
+    dtype: DType,
+    dims: &[usize],
+) -> Result<Option<&'a Tensor>, String> {
+    match value {
+        None => Ok(None),
+        Some(AttrValue::Tensor(t)) if t.dtype() == dtype && t.dims() == dims => Ok(Some(t)),
+        Some(AttrValue::Tensor(t)) => Err(format!(
+            "initial_value is {}{:?} but the variable is {dtype}{dims:?}",
+            t.dtype(),
+            t.dims()
+        )),
+        Some(v) => Err(format!(
+            "attribute `initial_value` is {}, not tensor",
+            v.ty()
+        )),
+    }
+}
+
 /// Variable's kernel: outputs the cell's current value, initializing it on first use from the
-/// `initializer` and `seed` attributes (see [`super::init`]).
+/// `initial_value` attribute when given, else the `initializer` and `seed` attributes (see
+/// [`super::init`]).
 #[derive(Debug)]
 struct VariableKernel {
     node: String,
@@ -335,6 +375,11 @@ struct VariableKernel {
     stddev: f64,
     /// What the variable is a shard of.
     shard: Option<ShardInit>,
+    /// The exact starting value (the whole variable's, for a shard), when given.
+    initial_value: Option<Tensor>,
+    /// The `tf_*` initializers' second seed and scale.
+    seed2: i64,
+    init_scale: f64,
 }
 
 fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
@@ -369,6 +414,9 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         }
     };
     let shard = shard_init(&dims, init.attrs)?;
+    let whole = shard.as_ref().map_or(dims.as_slice(), ShardInit::whole);
+    let initial_value =
+        check_initial_value(init.attrs.get("initial_value"), dtype, whole)?.cloned();
     // A shard draws its values under the whole variable's name (the random stream's key).
     let node = match init.attrs.get("shard_name") {
         Some(AttrValue::String(s)) if shard.is_some() && !s.is_empty() => s.to_string(),
@@ -383,6 +431,15 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         seed,
         init_value,
         stddev,
+        initial_value,
+        seed2: match init.attr("seed2")? {
+            AttrValue::Int(s) => *s,
+            v => return Err(format!("attribute `seed2` is {}, not int", v.ty())),
+        },
+        init_scale: match init.attr("init_scale")? {
+            AttrValue::Float(x) => *x,
+            v => return Err(format!("attribute `init_scale` is {}, not float", v.ty())),
+        },
     }))
 }
 
@@ -398,15 +455,26 @@ impl Kernel for VariableKernel {
                 }
                 None => self.dims.as_slice(),
             };
-            let mut t = initial_value_with_stddev(
-                self.initializer,
-                self.dtype,
-                dims,
-                self.seed,
-                &self.node,
-                self.init_value,
-                self.stddev,
-            )?;
+            let mut t = match &self.initial_value {
+                Some(t) => t.clone(),
+                None if self.initializer.is_tensorflow() => tf_random_value(
+                    self.initializer,
+                    self.dtype,
+                    dims,
+                    (self.seed, self.seed2),
+                    self.init_scale,
+                    self.init_value,
+                )?,
+                None => initial_value_with_stddev(
+                    self.initializer,
+                    self.dtype,
+                    dims,
+                    self.seed,
+                    &self.node,
+                    self.init_value,
+                    self.stddev,
+                )?,
+            };
             if let Some(ShardInit::Split { split, index, .. }) = &self.shard {
                 t = split.shard(&t, *index)?;
             } else if let Some(ShardInit::Rows { first, .. }) = &self.shard {
@@ -536,5 +604,39 @@ pub(crate) mod gradients {
             err.contains("[2, 2, 3]") && err.contains("[4, 2, 3]"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_variable_starts_from_its_initial_value_exactly() {
+        use crate::ops::math::infer;
+        use crate::ops::testing::run_kernel_with;
+        let value = Tensor::from_slice(&[2, 2], &[0.5f32, -1.25, 3.0, 7.5]).unwrap();
+        let attrs = |v: &Tensor| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(&[2, 2]))),
+                ("initializer", AttrValue::String("normal".into())),
+                (
+                    "initial_value",
+                    AttrValue::Tensor(std::sync::Arc::new(v.clone())),
+                ),
+            ]
+        };
+        let cell = [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let out = run_kernel_with("Variable", "w", &attrs(&value), &[], &[], &cell)
+            .unwrap()
+            .remove(0);
+        assert_eq!(out.as_slice::<f32>().unwrap(), [0.5, -1.25, 3.0, 7.5]);
+        // A value of another shape or dtype is refused by the shape rule and the kernel.
+        for wrong in [
+            Tensor::from_slice(&[4], &[0.5f32, -1.25, 3.0, 7.5]).unwrap(),
+            Tensor::from_slice(&[2, 2], &[1.0f64, 2.0, 3.0, 4.0]).unwrap(),
+        ] {
+            let e = infer("Variable", &[], &attrs(&wrong)).unwrap_err();
+            assert!(e.contains("initial_value is"), "{e}");
+            let fresh = [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+            let e = run_kernel_with("Variable", "w", &attrs(&wrong), &[], &[], &fresh).unwrap_err();
+            assert!(e.contains("initial_value is"), "{e}");
+        }
     }
 }

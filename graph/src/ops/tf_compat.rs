@@ -316,7 +316,7 @@ pub(crate) fn register_shape_ops(r: &mut OpRegistry) {
 }
 
 /// The values of an int32/int64 tensor.
-fn int_values(t: &Tensor, what: &str) -> Result<Vec<i64>, String> {
+pub(crate) fn int_values(t: &Tensor, what: &str) -> Result<Vec<i64>, String> {
     match t.dtype() {
         DType::I32 => Ok(t
             .as_slice::<i32>()
@@ -330,7 +330,7 @@ fn int_values(t: &Tensor, what: &str) -> Result<Vec<i64>, String> {
 }
 
 /// Dims read from a tensor: each ≥ 0, the tensor within [`MAX_RUNTIME_SHAPE_BYTES`].
-fn checked_dims(values: &[i64], dtype: DType, what: &str) -> Result<Vec<usize>, String> {
+pub(crate) fn checked_dims(values: &[i64], dtype: DType, what: &str) -> Result<Vec<usize>, String> {
     let dims = values
         .iter()
         .map(|&d| usize::try_from(d).map_err(|_| format!("{what}: dimension {d} is negative")))

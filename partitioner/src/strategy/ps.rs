@@ -105,11 +105,14 @@ impl Strategy for ParameterServer {
 
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
         let forward = input.graph.to_def();
+        // Replica `i` goes to the `i`-th worker task of the cluster: its indices need not be
+        // dense (an elastic job re-plans on the survivors, e.g. tasks 0 and 2).
+        let tasks: Vec<u32> = input.cluster.tasks("worker").map(|(i, _)| i).collect();
         let graphs = ps_graphs(
             input.graph,
             &forward,
             input.train,
-            input.workers(),
+            &tasks,
             self.mode,
             input.features,
             input.labels,
@@ -148,20 +151,26 @@ pub fn ps_training(
     labels: &str,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
     let graph = Graph::from_def(forward).map_err(StrategyError::InvalidGraph)?;
-    ps_graphs(&graph, forward, spec, workers, mode, features, labels)
+    let tasks: Vec<u32> = (0..workers)
+        .map(|i| u32::try_from(i).map_err(|_| StrategyError::WorkerCount(workers)))
+        .collect::<Result<_, _>>()?;
+    ps_graphs(&graph, forward, spec, &tasks, mode, features, labels)
 }
 
-/// [`ps_training`] of an already validated `graph`, whose definition is `forward`.
+/// [`ps_training`] of an already validated `graph`, whose definition is `forward`, on the
+/// worker tasks `tasks` (ascending, not necessarily dense): replica (or graph) `i` is placed on
+/// `/job:worker/task:{tasks[i]}` and feeds part `i` of every global batch.
 pub(crate) fn ps_graphs(
     graph: &Graph,
     forward: &GraphDef,
     spec: &TrainSpec,
-    workers: usize,
+    tasks: &[u32],
     mode: PsMode,
     features: &str,
     labels: &str,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
-    if workers == 0 || u32::try_from(workers).is_err() {
+    let workers = tasks.len();
+    if workers == 0 {
         return Err(StrategyError::WorkerCount(workers));
     }
     check_placeholder(graph, "features", features)?;
@@ -169,7 +178,7 @@ pub(crate) fn ps_graphs(
     let facts = NodeFacts::of(graph);
     match mode {
         PsMode::Sync => {
-            let summed = replicate(forward, graph, &facts, spec, workers)?;
+            let summed = replicate(forward, graph, &facts, spec, tasks)?;
             let (training, graph) = expand_training_graph(&summed.def, &summed.spec)?;
             Ok(vec![ReplicaGraph {
                 training,
@@ -200,7 +209,7 @@ pub(crate) fn ps_graphs(
                 def.train = None;
                 for node in &mut def.nodes {
                     if !facts.pinned.contains(&node.name) {
-                        node.device = worker_device(&node.name, &node.device, i)?;
+                        node.device = worker_device(&node.name, &node.device, tasks[i])?;
                     }
                 }
                 let (training, graph) = expand_training_graph(&def, spec)?;
@@ -315,7 +324,7 @@ fn replica_tensor(facts: &NodeFacts, i: usize, reference: &str) -> String {
 }
 
 /// `device` retargeted to worker task `task` when it names job `worker` or no job.
-fn worker_device(node: &str, device: &str, task: usize) -> Result<String, StrategyError> {
+fn worker_device(node: &str, device: &str, task: u32) -> Result<String, StrategyError> {
     let mut d = DeviceName::parse(device).map_err(|e| StrategyError::InvalidDevice {
         node: node.to_string(),
         device: device.to_string(),
@@ -324,8 +333,7 @@ fn worker_device(node: &str, device: &str, task: usize) -> Result<String, Strate
     match d.job.as_deref() {
         None | Some("worker") => {
             d.job = Some("worker".into());
-            // ps_training checked that the worker count fits a u32.
-            d.task = Some(task as u32);
+            d.task = Some(task);
             Ok(d.to_string())
         }
         Some(_) => Ok(device.to_string()),
@@ -390,10 +398,11 @@ fn replicate(
     graph: &Graph,
     facts: &NodeFacts,
     spec: &TrainSpec,
-    workers: usize,
+    tasks: &[u32],
 ) -> Result<Replicated, StrategyError> {
+    let workers = tasks.len();
     let mut nodes = Vec::with_capacity(forward.nodes.len() * workers + 4 * workers);
-    for i in 0..workers {
+    for (i, &task) in tasks.iter().enumerate() {
         for n in &forward.nodes {
             let shared = facts.variables.contains(&n.name);
             if shared && i > 0 {
@@ -409,7 +418,7 @@ fn replicate(
             let device = if facts.pinned.contains(&n.name) {
                 n.device.clone()
             } else {
-                worker_device(&n.name, &n.device, i)?
+                worker_device(&n.name, &n.device, task)?
             };
             nodes.push(NodeDef {
                 name,
@@ -432,10 +441,12 @@ fn replicate(
     let mut names = Names {
         taken: nodes.iter().map(|n| n.name.clone()).collect(),
     };
-    let weights: Vec<String> = (0..workers)
-        .map(|i| {
+    let weights: Vec<String> = tasks
+        .iter()
+        .enumerate()
+        .map(|(i, &task)| {
             let name = names.fresh(&format!("replica_{i}/batch_weight"));
-            let mut w = node(name.clone(), "Placeholder", vec![], &task_device(i));
+            let mut w = node(name.clone(), "Placeholder", vec![], &task_device(task));
             w.attrs = BTreeMap::from([
                 ("dtype".to_string(), AttrValue::DType(DType::F32)),
                 ("shape".to_string(), AttrValue::Shape(Shape::scalar())),
@@ -453,7 +464,15 @@ fn replicate(
         if let Some(done) = summed.get(&key) {
             return Ok(done.clone());
         }
-        let out = weighted_sum(graph, facts, &mut names, &mut nodes, &weights, role, tensor)?;
+        let out = weighted_sum(
+            graph,
+            facts,
+            &mut names,
+            &mut nodes,
+            (&weights, tasks),
+            role,
+            tensor,
+        )?;
         summed.insert(key, out.clone());
         Ok(out)
     };
@@ -478,11 +497,12 @@ fn replicate(
     })
 }
 
-fn task_device(task: usize) -> String {
+fn task_device(task: u32) -> String {
     format!("/job:worker/task:{task}")
 }
 
-/// Adds `Σ_i weight_i * replica_i/tensor` on worker 0 and returns its name: the tensor's node
+/// Adds `Σ_i weight_i * replica_i/tensor` on worker 0 (replica `i` on worker task `tasks[i]`
+/// of `(weights, tasks)`) and returns its name: the tensor's node
 /// name for `x` or `x:0`, a fresh `x_k` for output `k > 0`. A variable's tensor is shared, so it
 /// is returned as is.
 #[allow(clippy::too_many_arguments)]
@@ -491,7 +511,7 @@ fn weighted_sum(
     facts: &NodeFacts,
     names: &mut Names,
     nodes: &mut Vec<NodeDef>,
-    weights: &[String],
+    (weights, tasks): (&[String], &[u32]),
     role: &'static str,
     tensor: &str,
 ) -> Result<String, StrategyError> {
@@ -524,8 +544,8 @@ fn weighted_sum(
         k => names.fresh(&format!("{producer}_{k}")),
     };
     let mut terms = Vec::with_capacity(weights.len());
-    for (i, weight) in weights.iter().enumerate() {
-        let device = task_device(i);
+    for (i, (weight, &task)) in weights.iter().zip(tasks).enumerate() {
+        let device = task_device(task);
         let mut weight = weight.clone();
         if ty.dtype != DType::F32 {
             let cast = names.fresh(&format!("{out}/replica_{i}/weight"));
@@ -999,5 +1019,56 @@ mod tests {
             find(&g.training.def, "loss").inputs,
             ["loss/replica_0_1", "loss/replica_1"]
         );
+    }
+
+    #[test]
+    fn a_cluster_with_a_gap_in_its_worker_indices_places_replica_i_on_the_ith_task() {
+        // An elastic job's survivors: workers 0 and 2 (worker 1 died).
+        let def = model();
+        let graph = Graph::from_def(&def).unwrap();
+        let train = spec("loss", &["mse"]);
+        let jobs = BTreeMap::from([
+            (
+                "ps".to_string(),
+                BTreeMap::from([(0, "127.0.0.1:1999".to_string())]),
+            ),
+            (
+                "worker".to_string(),
+                BTreeMap::from([
+                    (0, "127.0.0.1:2000".to_string()),
+                    (2, "127.0.0.1:2002".to_string()),
+                ]),
+            ),
+        ]);
+        let cluster = dflow_graph::ClusterSpec::new(jobs).unwrap();
+        let input = JobInput::new(&graph, &train, &cluster, "x", "y");
+        let plan = ParameterServer { mode: PsMode::Sync }.plan(&input).unwrap();
+        assert_eq!(plan.batch_parts, 2, "the batch is split in two parts");
+        let mut parts: Vec<(String, u32)> = plan
+            .train_signatures()
+            .flat_map(|s| s.feeds.iter().map(|f| (f.task.clone(), f.part)))
+            .collect();
+        parts.sort();
+        parts.dedup();
+        assert_eq!(
+            parts,
+            [
+                ("/job:worker/replica:0/task:0".to_string(), 0),
+                ("/job:worker/replica:0/task:2".to_string(), 1)
+            ]
+        );
+        for s in &plan.signatures {
+            for device in s.partitions.partitions.keys() {
+                assert!(
+                    !(device.job.as_deref() == Some("worker") && device.task == Some(1)),
+                    "nothing on the dead worker: {device}"
+                );
+            }
+        }
+        // The variables stay on the ps.
+        assert!(plan
+            .variables
+            .iter()
+            .all(|v| v.holders == ["/job:ps/replica:0/task:0"]));
     }
 }

@@ -156,6 +156,8 @@ pub struct Channel {
     links: Vec<Link>,
     poisoned: Option<CollectiveError>,
     timeout: Duration,
+    /// Payload bytes and data frames written completely (headers not counted).
+    sent: crate::Traffic,
 }
 
 impl fmt::Debug for Channel {
@@ -185,7 +187,14 @@ impl Channel {
             links,
             poisoned: None,
             timeout,
+            sent: crate::Traffic::default(),
         }
+    }
+
+    /// What this rank has sent over the channel: payload bytes and messages of every completed
+    /// exchange (frame headers and fingerprints not counted).
+    pub fn sent(&self) -> crate::Traffic {
+        self.sent
     }
 
     /// This rank.
@@ -552,6 +561,7 @@ impl Channel {
         sent: &mut usize,
     ) -> Result<bool> {
         let total = HEADER_LEN + data.len();
+        let n_before = *sent;
         let glob = call.members[g];
         if *sent == 0 && !self.flush_ctrl(glob).map_err(|e| lost(call, g, e))? {
             return Ok(false);
@@ -581,6 +591,10 @@ impl Channel {
             *sent += n;
         }
         self.links[glob].tx_mid = *sent > 0 && *sent < total;
+        if *sent == total && n_before < total {
+            self.sent.bytes += data.len() as u64;
+            self.sent.messages += 1;
+        }
         Ok(*sent == total)
     }
 

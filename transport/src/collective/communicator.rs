@@ -132,6 +132,12 @@ impl Communicator {
         self.group.members.len()
     }
 
+    /// What this rank has sent over the group's channel so far (shared by the groups split
+    /// from it): payload bytes and messages, headers not counted.
+    pub fn sent(&self) -> crate::Traffic {
+        lock(&self.shared).channel.sent()
+    }
+
     /// The options calls use.
     pub fn options(&self) -> &CommOptions {
         &self.opts

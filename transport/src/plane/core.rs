@@ -15,7 +15,7 @@
 //! TCP or QUIC stream, a write into shared memory, an RDMA write), how receive slots and routes
 //! are registered, how connections open and close, and how an abort is told to peers.
 
-use super::{BoxFuture, DataPlane, PeerEvent, PeerEvents};
+use super::{BoxFuture, DataPlane, PeerEvent, PeerEvents, Traffic};
 use crate::local::LocalRendezvous;
 use crate::plane::lock;
 use crate::remote_waits::RemoteWaits;
@@ -124,6 +124,8 @@ pub struct Plane<L> {
     events: PeerEvents,
     /// What this backend does its own way.
     pub(crate) link: L,
+    /// Tensor payload bytes and values handed to the link for peers (not local keys).
+    sent: super::TrafficCounter,
 }
 
 impl<L: Link> fmt::Debug for Plane<L> {
@@ -142,6 +144,7 @@ impl<L: Link> Plane<L> {
             gone: Mutex::default(),
             events: PeerEvents::default(),
             link,
+            sent: super::TrafficCounter::default(),
         }
     }
 
@@ -241,7 +244,10 @@ impl<L: Link> Rendezvous for Plane<L> {
                 cause,
             });
         }
-        L::send_to(self, key, step, &peer, route, value)
+        let bytes = value.byte_len();
+        L::send_to(self, key, step, &peer, route, value)?;
+        self.sent.add(bytes);
+        Ok(())
     }
 
     fn recv_async(&self, key: &Arc<RendezvousKey>, step: u64, done: RecvCallback) {
@@ -288,6 +294,10 @@ impl<L: Link> Rendezvous for Plane<L> {
 impl<L: Link> DataPlane for Plane<L> {
     fn task(&self) -> &str {
         &self.name
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.sent.get()
     }
 
     fn local_addr(&self) -> SocketAddr {

@@ -86,10 +86,61 @@ impl PeerEvents {
     }
 }
 
+/// What a task sent: tensor payload bytes (the values' own bytes; frame headers and control
+/// messages not counted) and how many values or messages carried them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Values (Send/Recv) or collective messages.
+    pub messages: u64,
+}
+
+impl std::ops::Add for Traffic {
+    type Output = Traffic;
+    fn add(self, o: Traffic) -> Traffic {
+        Traffic {
+            bytes: self.bytes + o.bytes,
+            messages: self.messages + o.messages,
+        }
+    }
+}
+
+/// A [`Traffic`] counted from several threads.
+#[derive(Debug, Default)]
+pub struct TrafficCounter {
+    bytes: std::sync::atomic::AtomicU64,
+    messages: std::sync::atomic::AtomicU64,
+}
+
+impl TrafficCounter {
+    /// Counts one value or message of `bytes` payload bytes.
+    pub fn add(&self, bytes: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.bytes.fetch_add(bytes as u64, Relaxed);
+        self.messages.fetch_add(1, Relaxed);
+    }
+
+    /// The counts so far.
+    pub fn get(&self) -> Traffic {
+        use std::sync::atomic::Ordering::Relaxed;
+        Traffic {
+            bytes: self.bytes.load(Relaxed),
+            messages: self.messages.load(Relaxed),
+        }
+    }
+}
+
 /// A transport for one task of a distributed job.
 pub trait DataPlane: Rendezvous {
     /// This task's name.
     fn task(&self) -> &str;
+
+    /// The tensor values this task has sent to peers so far (payload bytes; values for its own
+    /// keys stay local and are not counted).
+    fn traffic(&self) -> Traffic {
+        Traffic::default()
+    }
 
     /// The address peers connect to.
     fn local_addr(&self) -> SocketAddr;

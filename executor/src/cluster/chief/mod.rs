@@ -71,10 +71,12 @@ pub struct ChiefConfig {
     /// Variables to load before the first step (`--init-from`), unless the job resumes from a
     /// checkpoint.
     pub init_from: Option<InitFrom>,
-    /// Elastic job (`--min-workers K`, lockstep plans only): when a worker other than the
-    /// chief dies and at least K workers remain, re-plan the job on the survivors, restore the
-    /// newest checkpoint of [`ChiefConfig::checkpoint_dir`] (the variables as they were before
-    /// the first step when there is none yet) and go on; fewer than K survivors end the job.
+    /// Elastic job (`--min-workers K`, lockstep plans with [`ChiefConfig::checkpoint_dir`]):
+    /// when a worker other than the chief dies and at least K workers remain, re-plan the job
+    /// on the survivors, restore the newest checkpoint (the variables as they were before the
+    /// first step when there is none yet) and go on; fewer than K survivors end the job. A
+    /// worker of the cluster that is not in the job and says it is ready (a replacement) is
+    /// taken in before the next step, from a checkpoint of the step before it.
     pub min_workers: Option<usize>,
 }
 
@@ -181,7 +183,49 @@ pub fn task_registrations(
     plan: &JobPlan,
     data: &DataSpec,
 ) -> Result<BTreeMap<String, Vec<RegisterGraph>>, JobError> {
-    Ok(registrations(plan, data)?.0)
+    Ok(registrations(plan, data, &mut SlotIds::default())?.0)
+}
+
+/// The receive-slot ids the chief gives the tasks across an elastic job's plans. The tasks keep
+/// their receive slots and send routes registered across a Reset (the data plane cannot drop
+/// them), so a key keeps the id its first plan gave it, and a key new in a later plan (a
+/// replica on another worker) gets an id no plan used. The first plan's ids are its own.
+#[derive(Debug, Default)]
+pub(crate) struct SlotIds {
+    ids: BTreeMap<String, u32>,
+    next: u32,
+}
+
+impl SlotIds {
+    /// Gives every slot of `plan` its id (see the type's docs).
+    fn learn(&mut self, plan: &JobPlan) -> Result<(), JobError> {
+        let first = self.ids.is_empty();
+        let mut slots: Vec<&dflow_partitioner::SlotPlan> = plan.buffer_plan.slots.iter().collect();
+        slots.sort_by_key(|s| s.slot);
+        for s in slots {
+            if self.ids.contains_key(&*s.key) {
+                continue;
+            }
+            let id = if first {
+                u32::try_from(s.slot).map_err(setup)?
+            } else {
+                self.next
+            };
+            self.next = id
+                .checked_add(1)
+                .ok_or_else(|| setup("the job's plans used up the 32-bit receive-slot ids"))?;
+            self.ids.insert(s.key.to_string(), id);
+        }
+        Ok(())
+    }
+
+    /// The id of `key`'s slot ([`SlotIds::learn`] saw its plan).
+    fn id(&self, key: &str) -> Result<u32, JobError> {
+        self.ids
+            .get(key)
+            .copied()
+            .ok_or_else(|| setup(format!("pair {key}: the chief gave its slot no id")))
+    }
 }
 
 type Registrations = (
@@ -190,7 +234,12 @@ type Registrations = (
     Registered,
 );
 
-fn registrations(plan: &JobPlan, data: &DataSpec) -> Result<Registrations, JobError> {
+fn registrations(
+    plan: &JobPlan,
+    data: &DataSpec,
+    ids: &mut SlotIds,
+) -> Result<Registrations, JobError> {
+    ids.learn(plan)?;
     let mut all: BTreeMap<String, Vec<RegisterGraph>> = BTreeMap::new();
     let mut train = Vec::new();
     let mut eval = None;
@@ -224,7 +273,7 @@ fn registrations(plan: &JobPlan, data: &DataSpec) -> Result<Registrations, JobEr
                 if !keys.contains(&*ts.slot.key) {
                     continue;
                 }
-                let slot = u32::try_from(ts.slot.slot).map_err(setup)?;
+                let slot = ids.id(&ts.slot.key)?;
                 let dims = ts.slot.shape.as_static().ok_or_else(|| {
                     setup(format!(
                         "pair {}: the plan's slot has no static shape",
@@ -245,7 +294,7 @@ fn registrations(plan: &JobPlan, data: &DataSpec) -> Result<Registrations, JobEr
                     reg.send_routes.push(SendRoute {
                         key: ts.slot.key.to_string(),
                         peer: ts.peer.to_string(),
-                        slot: u32::try_from(ts.slot.slot).map_err(setup)?,
+                        slot: ids.id(&ts.slot.key)?,
                     });
                 }
             }
@@ -334,9 +383,10 @@ async fn register_all(
     cfg: &ChiefConfig,
     cluster: &ClusterSpec,
     data: &DataSpec,
+    ids: &mut SlotIds,
 ) -> Result<Job, JobError> {
     let plan = plan_job(cfg, cluster)?;
-    let (all, mut train, eval) = registrations(&plan, data)?;
+    let (all, mut train, eval) = registrations(&plan, data, ids)?;
     if eval.fetch_task.as_deref() != Some(rpc.task.as_str()) {
         return Err(setup(format!(
             "evaluation fetches live on {:?}, not on the chief",
@@ -724,6 +774,11 @@ struct Lockstep<'a> {
     ids: &'a Ids,
     batch_size: usize,
     runtime: tokio::runtime::Handle,
+    /// An elastic job: every task it may have (workers ready to join it are taken in before
+    /// the next step).
+    joins: Option<&'a ClusterSpec>,
+    /// Set when the driver stopped before a step to take workers in: (the step, the workers).
+    joined: Option<(u64, Vec<String>)>,
 }
 
 impl StepRunner for Lockstep<'_> {
@@ -736,6 +791,14 @@ impl StepRunner for Lockstep<'_> {
     }
 
     fn train_step(&mut self, s: u64) -> Result<(f64, usize), TrainError> {
+        if let Some(all) = self.joins {
+            let tasks = elastic::joiners(self.rpc, all);
+            if !tasks.is_empty() {
+                let why = format!("{} joining before step {s}", tasks.join(", "));
+                self.joined = Some((s, tasks));
+                return Err(TrainError::Job(JobError::Setup(why)));
+            }
+        }
         let (epoch, index) = self.source.batch_of(s);
         let batch = Some((
             epoch,
@@ -809,7 +872,8 @@ pub async fn run_chief(
     on_step: impl FnMut(&StepReport),
 ) -> Result<ChiefReport, JobError> {
     let source = Source::new(cfg)?;
-    let job = register_all(rpc, cfg, cluster, &source.data_spec(cfg)).await?;
+    let mut slot_ids = SlotIds::default();
+    let job = register_all(rpc, cfg, cluster, &source.data_spec(cfg), &mut slot_ids).await?;
     let initialized = initialize(rpc, &job, cfg).await?;
     let ids = Arc::new(Ids(AtomicU64::new(1)));
     match job.plan.schedule {
@@ -822,7 +886,7 @@ pub async fn run_chief(
             }
             let data = source.data_spec(cfg);
             let (job, done) = elastic::lockstep(
-                rpc, cluster, cfg, job, &source, &ids, &data, runtime, on_step,
+                rpc, cluster, cfg, job, &source, &ids, &data, slot_ids, runtime, on_step,
             )
             .await?;
             let held_out = evaluate(rpc, &job, source.eval_batches(cfg.batch_size)?, &ids).await?;
@@ -831,7 +895,7 @@ pub async fn run_chief(
         Schedule::Independent => {
             if let Some(k) = cfg.min_workers {
                 return Err(setup(format!(
-                    "--min-workers {k}: elastic jobs need a lockstep strategy (allreduce); this plan runs each worker on its own"
+                    "--min-workers {k}: elastic jobs need a lockstep strategy (allreduce, or ps without --async); this plan runs each worker on its own"
                 )));
             }
             let (job, done, staleness) =
