@@ -93,3 +93,32 @@ fn tiny_moe_gpt_expert_parallel_on_two_workers() {
     let input = JobInput::new(&graph, &train, &cluster, "idx", "targets");
     insta::assert_snapshot!(render_job_text(&strategy.plan(&input).unwrap()));
 }
+
+#[test]
+fn tiny_gpt_tensor_parallel_on_two_workers() {
+    // One block split over 2 workers (Megatron); every worker feeds whole batches (part 0), and
+    // worker 1 sends its shards to worker 0 when it evaluates.
+    use dflow_graph::layers::{gpt, GptConfig};
+    let cfg = GptConfig {
+        vocab_size: 11,
+        block_size: 4,
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 8,
+        ..GptConfig::default()
+    };
+    let model = gpt(&cfg).unwrap();
+    let train = model.def.train.clone().unwrap();
+    let graph = dflow_graph::Graph::from_def(&model.def).unwrap();
+    let cluster = ClusterSpec::local(&[("worker", 2)]).unwrap();
+    let strategy = "tensor"
+        .parse::<StrategyKind>()
+        .unwrap()
+        .build(&StrategyOptions {
+            tp: Some(2),
+            ..StrategyOptions::default()
+        })
+        .unwrap();
+    let input = JobInput::new(&graph, &train, &cluster, "idx", "targets");
+    insta::assert_snapshot!(render_job_text(&strategy.plan(&input).unwrap()));
+}

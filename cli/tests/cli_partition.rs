@@ -322,7 +322,7 @@ fn strategy_help_lists_every_strategy_and_unknown_ones_are_refused() {
     assert_eq!(o.status.code(), Some(2), "a usage error: {err}");
     assert!(
         err.contains("'zigzag'")
-            && err.contains("[possible values: ps, allreduce, pipeline, zero, expert]"),
+            && err.contains("[possible values: ps, allreduce, pipeline, zero, expert, tensor]"),
         "{err}"
     );
     let err = failure(&partition(&["--strategy", "ps"]));

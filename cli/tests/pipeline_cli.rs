@@ -241,7 +241,10 @@ fn a_mesh_runs_what_it_names_and_refuses_what_does_not_run() {
         "{e}"
     );
     let e = err(run("tp=2", &[]));
-    assert!(e.contains("tensor parallelism does not run yet"), "{e}");
+    assert!(
+        e.contains("tensor parallelism does not run as a mesh axis yet"),
+        "{e}"
+    );
     let e = err(run("pp=2", &["--strategy", "allreduce"]));
     assert!(
         e.contains("runs --strategy pipeline, not --strategy allreduce"),

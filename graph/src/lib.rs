@@ -6,6 +6,7 @@
 pub mod attr;
 mod attr_list;
 pub mod autodiff;
+pub mod axis_split;
 pub mod builder;
 pub mod cluster;
 pub mod def;

@@ -141,6 +141,8 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // the packing ops are tested in ops/collective.rs.
             || op.name.starts_with("Collective")
             || ["PackFlat", "FlatSlice"].contains(&op.name)
+            // StopGradient: forward and (absent) gradient tested in ops/collective.rs.
+            || op.name == "StopGradient"
             // TensorFlow-compat ops: unit tests in ops/tf_compat.rs, and end to end against
             // TensorFlow itself in tests/tf_training_import.rs.
             || dflow_graph::ops::tf_compat::OPS.contains(&op.name)

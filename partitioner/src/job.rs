@@ -215,6 +215,10 @@ pub struct JobPlan {
     /// checkpoint stores them whole ([`crate::shards::gather`] on save,
     /// [`crate::shards::split`] on restore), so it resumes under any layout.
     pub sharded: Vec<crate::shards::ShardedVariable>,
+    /// Logical tensors stored as shards along one axis (tensor parallelism's weights and
+    /// slots), gathered and split like [`JobPlan::sharded`] ([`crate::shards::gather_axis`],
+    /// [`crate::shards::split_axis`]).
+    pub axis_sharded: Vec<crate::shards::AxisShardedVariable>,
 }
 
 fn tensor_name(name: &str) -> String {
@@ -434,6 +438,7 @@ impl JobPlan {
             variables: variables.into_values().collect(),
             report_names,
             sharded: Vec::new(),
+            axis_sharded: Vec::new(),
         })
     }
 

@@ -36,6 +36,7 @@ pub mod place;
 pub mod plan;
 pub mod planner;
 pub mod render;
+pub mod sharding;
 pub mod shards;
 pub mod strategy;
 pub mod synthetic;

@@ -8,6 +8,7 @@
 //! checkpoint holds the logical tensor under its logical name (`w1/adam_m`) with its logical
 //! shape, exactly what a one-process run saves, so it resumes under any number of shards.
 
+use dflow_graph::axis_split::AxisSplit;
 use dflow_graph::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -106,6 +107,98 @@ pub fn split(
     Ok(())
 }
 
+/// A logical tensor stored as [`AxisSplit`] shards along one of its axes (tensor parallelism's
+/// weights and their optimizer slots): shard `r` is variable `shards[r]`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AxisShardedVariable {
+    /// The logical name, as a one-process run names it.
+    pub logical: String,
+    /// Element type.
+    pub dtype: DType,
+    /// The logical dimensions.
+    pub dims: Vec<usize>,
+    /// The shard variables in rank order.
+    pub shards: Vec<String>,
+    /// The axis cut.
+    pub axis: usize,
+    /// Blocks along the axis, each cut separately.
+    pub blocks: usize,
+    /// The axis's length with its zero padding.
+    pub padded: usize,
+}
+
+impl AxisShardedVariable {
+    /// The split its shards follow.
+    pub fn split(&self) -> AxisSplit {
+        AxisSplit {
+            axis: self.axis,
+            blocks: self.blocks,
+            parts: self.shards.len(),
+            padded: self.padded,
+        }
+    }
+}
+
+/// [`gather`] for axis-sharded variables: the shards in `tensors` replaced by their logical
+/// tensors (padding dropped). One with no shard present is left alone; one with some missing
+/// is an error naming it.
+pub fn gather_axis(
+    sharded: &[AxisShardedVariable],
+    tensors: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>, String> {
+    let mut by_name: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+    for s in sharded {
+        if !s.shards.iter().any(|n| by_name.contains_key(n)) {
+            continue;
+        }
+        let parts = s
+            .shards
+            .iter()
+            .map(|name| {
+                by_name
+                    .remove(name)
+                    .ok_or_else(|| format!("`{}`: shard `{name}` is missing", s.logical))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let whole = s
+            .split()
+            .assemble(&parts, &s.dims)
+            .map_err(|e| format!("`{}`: {e}", s.logical))?;
+        by_name.insert(s.logical.clone(), whole);
+    }
+    Ok(by_name.into_iter().collect())
+}
+
+/// [`split`] for axis-sharded variables: each logical tensor replaced by this job's shards.
+pub fn split_axis(
+    sharded: &[AxisShardedVariable],
+    tensors: &mut BTreeMap<String, Tensor>,
+) -> Result<(), String> {
+    for s in sharded {
+        let Some(t) = tensors.remove(&s.logical) else {
+            continue;
+        };
+        if t.dtype() != s.dtype || t.dims() != s.dims.as_slice() {
+            return Err(format!(
+                "`{}` is {} {:?} in the checkpoint, but this job trains it as {} {:?}",
+                s.logical,
+                t.dtype(),
+                t.dims(),
+                s.dtype,
+                s.dims
+            ));
+        }
+        let split = s.split();
+        for (r, name) in s.shards.iter().enumerate() {
+            let shard = split
+                .shard(&t, r)
+                .map_err(|e| format!("`{}`: {e}", s.logical))?;
+            tensors.insert(name.clone(), shard);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,5 +263,31 @@ mod tests {
         )]);
         let e = split(std::slice::from_ref(&s), &mut tensors).unwrap_err();
         assert!(e.contains("this job trains it as f32 [5]"), "{e}");
+    }
+
+    #[test]
+    fn axis_shards_round_trip_and_a_missing_one_is_named() {
+        let whole = Tensor::from_slice(&[3, 2], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let s = AxisShardedVariable {
+            logical: "wte".into(),
+            dtype: DType::F32,
+            dims: vec![3, 2],
+            shards: vec!["wte/tp_0_of_2".into(), "wte/tp_1_of_2".into()],
+            axis: 0,
+            blocks: 1,
+            padded: 4,
+        };
+        let mut tensors = BTreeMap::from([("wte".to_string(), whole.clone())]);
+        split_axis(std::slice::from_ref(&s), &mut tensors).unwrap();
+        assert_eq!(tensors["wte/tp_1_of_2"].dims(), &[2, 2]);
+        let back = gather_axis(
+            std::slice::from_ref(&s),
+            tensors.clone().into_iter().collect(),
+        )
+        .unwrap();
+        assert_eq!(back, vec![("wte".to_string(), whole)]);
+        tensors.remove("wte/tp_0_of_2");
+        let e = gather_axis(std::slice::from_ref(&s), tensors.into_iter().collect()).unwrap_err();
+        assert!(e.contains("shard `wte/tp_0_of_2` is missing"), "{e}");
     }
 }

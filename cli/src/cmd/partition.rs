@@ -91,6 +91,10 @@ pub struct Args {
     /// before each use). Default 1.
     #[arg(long, requires = "strategy", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
+    /// With --strategy tensor: the tensor-parallel size (Megatron layout over T workers; default:
+    /// every worker).
+    #[arg(long, value_name = "T", requires = "strategy")]
+    pub tp: Option<usize>,
 }
 
 /// `dflow partition --strategy S`: the job plan of the graph's training job.
@@ -113,6 +117,7 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         args.zero_stage,
         &args.pipeline,
         args.batch_size,
+        args.tp,
     )?;
     let placement = PlacementOptions {
         default_device: DeviceName::parse(&args.default_device).context("--default-device")?,
@@ -156,6 +161,20 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
     }
     let plan = strategy.plan(&input).context("planning the job failed")?;
     print!("{}", render_job_text(&plan));
+    if kind.name() == "tensor" {
+        let tp = args.tp.unwrap_or_else(|| cluster.num_tasks("worker"));
+        print!(
+            "{}",
+            dflow_partitioner::strategy::tensor::render_tensor_plan(
+                &loaded.graph,
+                &train,
+                tp,
+                &args.features,
+                &args.labels,
+                args.batch_size,
+            )?
+        );
+    }
     Ok(())
 }
 

@@ -88,6 +88,10 @@ pub struct Args {
     /// node.
     #[arg(long, value_name = "BYTES")]
     pub memory_limit: Option<u64>,
+    /// With --strategy tensor: the tensor-parallel size (Megatron layout over T workers; default:
+    /// every worker).
+    #[arg(long, value_name = "T")]
+    pub tp: Option<usize>,
     /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
     /// step (the default).
     #[arg(long, conflicts_with = "async")]

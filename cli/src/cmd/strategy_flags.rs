@@ -44,7 +44,14 @@ pub fn build_strategy(
     zero_stage: Option<u8>,
     pipeline: &PipelineFlags,
     batch_size: Option<usize>,
+    tp: Option<usize>,
 ) -> anyhow::Result<Box<dyn dflow_partitioner::Strategy>> {
+    if let Some(t) = tp.filter(|_| kind.name() != "tensor") {
+        anyhow::bail!(
+            "--tp {t} applies to --strategy tensor, not --strategy {}",
+            kind.name()
+        );
+    }
     if let Some(stage) = zero_stage.filter(|_| kind.name() != "zero") {
         anyhow::bail!(
             "--zero-stage {stage} applies to --strategy zero, not --strategy {}",
@@ -63,6 +70,7 @@ pub fn build_strategy(
         chunks: pipeline.chunks(),
         batch_size,
         zero_stage: zero_stage.unwrap_or(1),
+        tp,
     };
     Ok(kind.build(&options)?)
 }
@@ -80,7 +88,7 @@ pub fn apply_mesh(
 ) -> anyhow::Result<StrategyKind> {
     if mesh.tp > 1 {
         anyhow::bail!(
-            "--mesh tp={}: tensor parallelism does not run yet (`dflow plan` predicts such layouts); use dp and pp",
+            "--mesh tp={}: tensor parallelism does not run as a mesh axis yet (`dflow plan` predicts such layouts); use dp and pp, or --strategy tensor --tp T over all the workers",
             mesh.tp
         );
     }

@@ -13,6 +13,14 @@
 //! permutation of the ranks' blocks, and its own inverse), and the gradient of an all-gather is
 //! the sum reduce-scatter of the output's gradient. A gradient's collective runs in the same
 //! group with instance key [`GRADIENT_INSTANCE_OFFSET`] + the forward one.
+//!
+//! Tensor parallelism (Megatron-LM) needs two more, whose gradients are not the ones a
+//! data-parallel sum of per-rank losses would give, because every rank computes the *same*
+//! (replicated) loss: `CollectiveTpCopy` is Megatron's `f` (identity forward, all-reduce of the
+//! gradient backward: each rank's shard of a column-parallel layer contributes part of the
+//! input's gradient) and `CollectiveTpReduce` is its `g` (sum all-reduce forward, identity
+//! backward: the replicated consumers each hand back the whole gradient of the sum, which is
+//! every rank's partial term's gradient as is).
 
 use super::*;
 use crate::kernel::{CollectiveCall, Kernel, KernelContext, KernelInit, ReduceKind};
@@ -145,6 +153,14 @@ collective_kernel!(BroadcastKernel, "CollectiveBroadcast", |c, call, x, k| c
 collective_kernel!(AllToAllKernel, "CollectiveAllToAll", |c, call, x, _k| c
     .all_to_all(call, x));
 
+collective_kernel!(TpReduceKernel, "CollectiveTpReduce", |c, call, x, _k| c
+    .all_reduce(call, x, ReduceKind::Sum));
+
+fn tp_copy(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let x = ctx.input(0)?.clone();
+    ctx.set_output(0, x)
+}
+
 fn reduce_attr() -> AttrDef {
     attr_or("reduce", AttrType::String, AttrDefault::Str("sum"))
 }
@@ -256,6 +272,33 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .outputs([arg("output")])
         .attrs([g, i, attr("group_size", AttrType::Int)])
         .kernel("CPU", AllToAllKernel::factory)
+        .stateful(),
+    );
+    r.add(
+        OpDef::new(
+            "CollectiveTpCopy",
+            "Tensor parallelism's `f`: the input as is; its gradient is the sum all-reduce of \
+             the output's gradient over `group_key` (the input feeds a layer whose weights are \
+             sharded over the group). In: input. Out: output, same type.",
+            same_as_input,
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i])
+        .kernel("CPU", |_| super::elementwise::stateless(tp_copy)),
+    );
+    r.add(
+        OpDef::new(
+            "CollectiveTpReduce",
+            "Tensor parallelism's `g`: the sum over the ranks of `group_key` of their inputs \
+             (partial sums of a row-parallel layer); its gradient is the output's gradient as \
+             is (every rank's consumers are replicated). In: input. Out: output, same type.",
+            same_as_input,
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .attrs([g, i])
+        .kernel("CPU", TpReduceKernel::factory)
         .stateful(),
     );
     r.add(
@@ -394,6 +437,32 @@ pub(crate) mod gradients {
     pub(crate) fn register_gradients(r: &mut OpRegistry) {
         r.set_gradient("CollectiveAllToAll", all_to_all_grad);
         r.set_gradient("CollectiveAllGather", all_gather_grad);
+        r.set_gradient("CollectiveTpCopy", tp_copy_grad);
+        r.set_gradient("CollectiveTpReduce", |_, _, dys| {
+            Ok(vec![Some(only_dy(dys)?.clone())])
+        });
+    }
+
+    /// Megatron's `f` backward: the sum all-reduce of the output's gradient.
+    fn tp_copy_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let dy = only_dy(dys)?;
+        let instance = match f.attr("instance_key")? {
+            AttrValue::Int(v) => v.checked_add(GRADIENT_INSTANCE_OFFSET).ok_or_else(|| {
+                format!("instance_key {v} is too large to key a gradient collective")
+            })?,
+            v => return Err(format!("attribute `instance_key` is {}, not int", v.ty())),
+        };
+        let dx = b.op(
+            "CollectiveAllReduce",
+            "tp_all_reduce",
+            &[dy],
+            &[
+                ("group_key", f.attr("group_key")?.clone()),
+                ("instance_key", AttrValue::Int(instance)),
+                ("reduce", AttrValue::String("sum".into())),
+            ],
+        );
+        Ok(vec![Some(dx)])
     }
 
     /// The group, the gradient's instance key and the group size of a forward collective.
@@ -560,5 +629,67 @@ mod tests {
             .output_type(typed.find(&back.name).unwrap(), 0)
             .unwrap();
         assert_eq!(t.shape, Shape::known(&[4, 3]));
+    }
+
+    #[test]
+    fn megatron_f_all_reduces_its_gradient_and_g_passes_it_through() {
+        use crate::autodiff::gradients;
+        use crate::builder::GraphBuilder;
+        use crate::DType;
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[2, 3]);
+        let f = b
+            .op("CollectiveTpCopy", "f")
+            .input(&x)
+            .attr("group_key", "tp")
+            .attr("instance_key", 3i64)
+            .finish();
+        let sq = b.binary("Mul", "sq", &f, &f);
+        let g = b
+            .op("CollectiveTpReduce", "g")
+            .input(&sq)
+            .attr("group_key", "tp")
+            .attr("instance_key", 4i64)
+            .finish();
+        b.op("Sum", "loss").input(&g).finish();
+        let (def, grads) = gradients(&b.to_def(), "loss", &["x"]).unwrap();
+        // dx is the all-reduce (keyed apart) of 2·x·dy, and dy reached Mul unreduced.
+        let back = def.nodes.iter().find(|n| n.name == grads[0].node).unwrap();
+        assert_eq!(back.op, "CollectiveAllReduce");
+        assert_eq!(back.attrs["group_key"], AttrValue::String("tp".into()));
+        assert_eq!(
+            back.attrs["instance_key"],
+            AttrValue::Int(3 + super::GRADIENT_INSTANCE_OFFSET)
+        );
+        let all_reduces = def
+            .nodes
+            .iter()
+            .filter(|n| n.op.starts_with("Collective") && n.name.starts_with("gradients"))
+            .count();
+        assert_eq!(all_reduces, 1, "g's gradient is no collective");
+        crate::Graph::from_def(&def).unwrap();
+        // f's forward is the identity.
+        let t = Tensor::from_slice(&[2], &[1.0f32, -2.0]).unwrap();
+        let out = run_kernel(
+            "CollectiveTpCopy",
+            &[
+                ("group_key", AttrValue::String("tp".into())),
+                ("instance_key", AttrValue::Int(1)),
+            ],
+            std::slice::from_ref(&t),
+        )
+        .unwrap();
+        assert_eq!(out[0], t);
+        // StopGradient: identity forward, nothing back.
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[2]);
+        let s = b.op("StopGradient", "s").input(&x).finish();
+        let y = b.binary("Mul", "y", &s, &x);
+        b.op("Sum", "loss").input(&y).finish();
+        let (def, grads) = gradients(&b.to_def(), "loss", &["x"]).unwrap();
+        let dx = def.nodes.iter().find(|n| n.name == grads[0].node).unwrap();
+        // Only Mul's second input gets a gradient: dy · s, no sum of two paths.
+        assert_ne!(dx.op, "AddN");
+        assert_ne!(dx.op, "Add");
     }
 }

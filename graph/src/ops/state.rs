@@ -5,6 +5,7 @@
 use super::elementwise::stateless;
 use super::init::{initial_value_with_stddev, tf_random_value, Initializer};
 use super::*;
+use crate::axis_split::AxisSplit;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
 pub(crate) fn register(r: &mut OpRegistry) {
@@ -51,21 +52,20 @@ pub(crate) fn register(r: &mut OpRegistry) {
              `initializer` is not used (TensorFlow imports carry their initializers' values \
              this way). With `shard_flat` also set, the variable is the vector of elements \
              [shard_offset, shard_offset + shape[0]) of the flattened bigger variable padded \
-             with zeros past its end (ZeRO-3 keeps each rank's parameter shard this way).",
+             with zeros past its end (ZeRO-3 keeps each rank's parameter shard this way). With \
+             `shard_parts` > 0, the variable is instead shard `shard_index` of \
+             `shard_of` cut along `shard_axis` into `shard_parts` parts, the axis taken as \
+             `shard_blocks` blocks cut separately and padded with zeros to `shard_padded` (0: no \
+             padding) — see `axis_split` (tensor parallelism keeps its weights this way).",
             |ctx| {
                 let shape = ctx.shape("shape")?;
                 let Some(dims) = shape.as_static() else {
                     return Err(format!("variable shape {shape} must be fully known"));
                 };
-                let shard = shard_of(
-                    &dims,
-                    ctx.attrs.get("shard_of"),
-                    ctx.attrs.get("shard_offset"),
-                    ctx.attrs.get("shard_flat"),
-                )?;
+                let shard = shard_init(&dims, ctx.attrs)?;
                 let dtype = ctx.dtype("dtype")?;
-                let whole = shard.map_or(dims, |s| s.whole().to_vec());
-                check_initial_value(ctx.attrs.get("initial_value"), dtype, &whole)?;
+                let whole = shard.as_ref().map_or(dims.as_slice(), ShardInit::whole);
+                check_initial_value(ctx.attrs.get("initial_value"), dtype, whole)?;
                 Ok(vec![TensorType::new(dtype, shape.clone())])
             },
         )
@@ -84,6 +84,11 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("shard_of", AttrType::Shape, AttrDefault::UnknownShape),
             attr_or("shard_offset", AttrType::Int, AttrDefault::Int(0)),
             attr_or("shard_name", AttrType::String, AttrDefault::Str("")),
+            attr_or("shard_axis", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("shard_blocks", AttrType::Int, AttrDefault::Int(1)),
+            attr_or("shard_parts", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("shard_index", AttrType::Int, AttrDefault::Int(0)),
+            attr_or("shard_padded", AttrType::Int, AttrDefault::Int(0)),
             attr_or("initial_value", AttrType::Tensor, AttrDefault::Unset),
             attr_or("seed2", AttrType::Int, AttrDefault::Int(0)),
             attr_or("init_scale", AttrType::Float, AttrDefault::Float(1.0)),
@@ -129,6 +134,17 @@ pub(crate) fn register(r: &mut OpRegistry) {
             .inputs([arg("input")])
             .outputs([arg("output")])
             .kernel("CPU", |_| stateless(identity_kernel)),
+    );
+    r.add(
+        OpDef::new(
+            "StopGradient",
+            "Passes its input through; no gradient flows back through it (TensorFlow's \
+             StopGradient: the vocabulary-parallel cross-entropy's shift by the global maximum).",
+            same_as_input,
+        )
+        .inputs([arg("input")])
+        .outputs([arg("output")])
+        .kernel("CPU", |_| stateless(identity_kernel)),
     );
     r.add(
         OpDef::new(
@@ -210,15 +226,6 @@ enum ShardOf {
     Flat(Vec<usize>, usize),
 }
 
-impl ShardOf {
-    /// The whole variable's dimensions.
-    fn whole(&self) -> &[usize] {
-        match self {
-            ShardOf::Rows(whole, _) | ShardOf::Flat(whole, _) => whole,
-        }
-    }
-}
-
 /// The shard a variable of shape `dims` is (`None`: not a shard): rows (see [`shard_rows`]) or,
 /// with `shard_flat`, a vector of flat elements starting at `shard_offset`, no further than the
 /// whole variable's end (the rest is padding).
@@ -298,6 +305,107 @@ fn shard_rows(
     Ok(Some((whole, offset)))
 }
 
+/// How a shard variable starts: rows of the whole (`shard_of` alone) or an [`AxisSplit`]
+/// shard (`shard_parts` > 0).
+#[derive(Debug)]
+enum ShardInit {
+    Rows {
+        whole: Vec<usize>,
+        first: usize,
+    },
+    Flat {
+        whole: Vec<usize>,
+        first: usize,
+    },
+    Split {
+        whole: Vec<usize>,
+        split: AxisSplit,
+        index: usize,
+    },
+}
+
+fn int_attr(
+    attrs: &std::collections::BTreeMap<String, AttrValue>,
+    name: &str,
+    default: i64,
+) -> Result<i64, String> {
+    match attrs.get(name) {
+        None => Ok(default),
+        Some(AttrValue::Int(v)) => Ok(*v),
+        Some(v) => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+    }
+}
+
+/// The shard a variable of shape `dims` is (`None`: not a shard), checked against its attributes.
+fn shard_init(
+    dims: &[usize],
+    attrs: &std::collections::BTreeMap<String, AttrValue>,
+) -> Result<Option<ShardInit>, String> {
+    let parts = int_attr(attrs, "shard_parts", 0)?;
+    if parts <= 0 {
+        let shard = shard_of(
+            dims,
+            attrs.get("shard_of"),
+            attrs.get("shard_offset"),
+            attrs.get("shard_flat"),
+        )?;
+        return Ok(shard.map(|s| match s {
+            ShardOf::Rows(whole, first) => ShardInit::Rows { whole, first },
+            ShardOf::Flat(whole, first) => ShardInit::Flat { whole, first },
+        }));
+    }
+    let whole = match attrs.get("shard_of") {
+        Some(AttrValue::Shape(s)) => s
+            .as_static()
+            .ok_or_else(|| format!("attribute `shard_of` {s} must be fully known"))?,
+        _ => return Err("`shard_parts` needs `shard_of`, the whole variable's shape".into()),
+    };
+    let nonneg = |name: &str, default: i64| -> Result<usize, String> {
+        let v = int_attr(attrs, name, default)?;
+        usize::try_from(v).map_err(|_| format!("{name} must be ≥ 0, got {v}"))
+    };
+    let axis = nonneg("shard_axis", 0)?;
+    let padded = nonneg("shard_padded", 0)?;
+    let split = AxisSplit {
+        axis,
+        blocks: nonneg("shard_blocks", 1)?,
+        parts: parts as usize,
+        padded: if padded == 0 {
+            whole.get(axis).copied().unwrap_or(0)
+        } else {
+            padded
+        },
+    };
+    split.check(&whole)?;
+    let index = nonneg("shard_index", 0)?;
+    if index >= split.parts {
+        return Err(format!("shard_index {index} ≥ shard_parts {}", split.parts));
+    }
+    if split.shard_dims(&whole) != dims {
+        return Err(format!(
+            "a shard of {whole:?} cut along axis {axis} into {} parts is {:?}, not {dims:?}",
+            split.parts,
+            split.shard_dims(&whole)
+        ));
+    }
+    Ok(Some(ShardInit::Split {
+        whole,
+        split,
+        index,
+    }))
+}
+
+impl ShardInit {
+    /// The whole variable's dimensions.
+    fn whole(&self) -> &[usize] {
+        match self {
+            ShardInit::Rows { whole, .. }
+            | ShardInit::Flat { whole, .. }
+            | ShardInit::Split { whole, .. } => whole,
+        }
+    }
+}
+
 /// Checks a Variable's `initial_value` attribute, when given, against its dtype and (whole)
 /// dims, and returns it.
 fn check_initial_value<'a>(
@@ -332,8 +440,8 @@ struct VariableKernel {
     seed: i64,
     init_value: f64,
     stddev: f64,
-    /// The whole variable a shard is cut from.
-    shard: Option<ShardOf>,
+    /// What the variable is a shard of.
+    shard: Option<ShardInit>,
     /// The exact starting value (the whole variable's, for a shard), when given.
     initial_value: Option<Tensor>,
     /// The `tf_*` initializers' second seed and scale.
@@ -372,13 +480,8 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
             ))
         }
     };
-    let shard = shard_of(
-        &dims,
-        init.attrs.get("shard_of"),
-        init.attrs.get("shard_offset"),
-        init.attrs.get("shard_flat"),
-    )?;
-    let whole = shard.as_ref().map_or(dims.as_slice(), ShardOf::whole);
+    let shard = shard_init(&dims, init.attrs)?;
+    let whole = shard.as_ref().map_or(dims.as_slice(), ShardInit::whole);
     let initial_value =
         check_initial_value(init.attrs.get("initial_value"), dtype, whole)?.cloned();
     // A shard draws its values under the whole variable's name (the random stream's key).
@@ -414,7 +517,11 @@ impl Kernel for VariableKernel {
                 return Ok(t.clone());
             }
             let dims = match &self.shard {
-                Some(ShardOf::Rows(whole, _) | ShardOf::Flat(whole, _)) => whole.as_slice(),
+                Some(
+                    ShardInit::Rows { whole, .. }
+                    | ShardInit::Flat { whole, .. }
+                    | ShardInit::Split { whole, .. },
+                ) => whole.as_slice(),
                 None => self.dims.as_slice(),
             };
             let mut t = match &self.initial_value {
@@ -439,7 +546,8 @@ impl Kernel for VariableKernel {
             };
             // The whole variable's value is drawn once, at the first step, and sliced.
             match &self.shard {
-                Some(ShardOf::Rows(_, first)) => {
+                Some(ShardInit::Split { split, index, .. }) => t = split.shard(&t, *index)?,
+                Some(ShardInit::Rows { first, .. }) => {
                     let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
                     let bytes = t
                         .as_bytes()
@@ -448,7 +556,7 @@ impl Kernel for VariableKernel {
                     t = Tensor::from_bytes(self.dtype, &self.dims, bytes)
                         .map_err(|e| e.to_string())?;
                 }
-                Some(ShardOf::Flat(_, first)) => {
+                Some(ShardInit::Flat { first, .. }) => {
                     let size = t.dtype().size_of();
                     let all = t.as_bytes();
                     let start = (first * size).min(all.len());
@@ -479,12 +587,65 @@ pub(crate) mod gradients {
         r.set_gradient("Identity", |_, _, dys| {
             Ok(vec![Some(only_dy(dys)?.clone())])
         });
-        // Sources: nothing flows further back (they have no inputs).
-        for op in ["Const", "Placeholder", "Variable"] {
+        // Sources: nothing flows further back (they have no inputs); StopGradient by definition.
+        for op in ["Const", "Placeholder", "Variable", "StopGradient"] {
             r.set_gradient(op, no_gradient);
         }
         // State reads behind control edges are not differentiated through.
         r.set_gradient("ReadVariable", no_gradient);
+    }
+
+    #[test]
+    fn an_axis_split_shard_starts_as_its_part_of_the_whole_variable() {
+        use crate::ops::testing::run_kernel_with;
+        let cell = || [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let base = |shape: &[usize]| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(shape))),
+                ("initializer", AttrValue::String("normal".into())),
+                ("seed", AttrValue::Int(5)),
+            ]
+        };
+        let whole = run_kernel_with("Variable", "w", &base(&[3, 4]), &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        // Columns 2..4 of a [3, 4] variable: shard 1 of 2 along axis 1.
+        let mut attrs = base(&[3, 2]);
+        attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[3, 4]))),
+            ("shard_name", AttrValue::String("w".into())),
+            ("shard_axis", AttrValue::Int(1)),
+            ("shard_parts", AttrValue::Int(2)),
+            ("shard_index", AttrValue::Int(1)),
+        ]);
+        let shard = run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        let w = whole.as_slice::<f32>().unwrap();
+        assert_eq!(
+            shard.as_slice::<f32>().unwrap(),
+            &[w[2], w[3], w[6], w[7], w[10], w[11]]
+        );
+        // Rows padded to 4 over 2 parts: shard 1 holds row 2 and a zero row.
+        let mut attrs = base(&[2, 4]);
+        attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[3, 4]))),
+            ("shard_name", AttrValue::String("w".into())),
+            ("shard_parts", AttrValue::Int(2)),
+            ("shard_index", AttrValue::Int(1)),
+            ("shard_padded", AttrValue::Int(4)),
+        ]);
+        let shard = run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        assert_eq!(&shard.as_slice::<f32>().unwrap()[..4], &w[8..]);
+        assert_eq!(&shard.as_slice::<f32>().unwrap()[4..], &[0.0; 4]);
+        // A shape that is not the split's shard is refused, naming both.
+        attrs[1] = ("shape", AttrValue::Shape(Shape::known(&[1, 4])));
+        let err =
+            run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("[2, 4]") && err.contains("[1, 4]"), "{err}");
     }
 
     #[test]

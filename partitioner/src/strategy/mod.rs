@@ -49,6 +49,7 @@ pub mod allreduce;
 pub mod expert;
 pub mod pipeline;
 pub mod ps;
+pub mod tensor;
 pub mod zero;
 
 pub use crate::job::{JobPlan, JobPlanError};
@@ -152,6 +153,8 @@ pub struct StrategyOptions {
     /// The ZeRO stage (`--zero-stage`, read by `--strategy zero`): 1 shards the optimizer slots,
     /// 2 also the summed gradients, 3 also the parameters.
     pub zero_stage: u8,
+    /// The tensor-parallel size (`--tp`, read by `--strategy tensor`; `None`: every worker).
+    pub tp: Option<usize>,
 }
 
 impl Default for StrategyOptions {
@@ -165,6 +168,7 @@ impl Default for StrategyOptions {
             chunks: 1,
             batch_size: None,
             zero_stage: 1,
+            tp: None,
         }
     }
 }
@@ -187,6 +191,7 @@ pub static REGISTRY: &[&Registration] = &[
     &pipeline::REGISTRATION,
     &zero::REGISTRATION,
     &expert::REGISTRATION,
+    &tensor::REGISTRATION,
 ];
 
 /// A registered strategy, chosen by name (`"ps".parse::<StrategyKind>()`).
@@ -396,7 +401,10 @@ mod tests {
     #[test]
     fn every_registered_name_parses_back_to_itself() {
         let names: Vec<&str> = StrategyKind::all().map(StrategyKind::name).collect();
-        assert_eq!(names, ["ps", "allreduce", "pipeline", "zero", "expert"]);
+        assert_eq!(
+            names,
+            ["ps", "allreduce", "pipeline", "zero", "expert", "tensor"]
+        );
         for k in StrategyKind::all() {
             assert_eq!(k.name().parse::<StrategyKind>().unwrap(), k);
             assert!(!k.about().is_empty());
@@ -410,7 +418,7 @@ mod tests {
         let e = "zigzag".parse::<StrategyKind>().unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown strategy `zigzag`; the strategies are: ps, allreduce, pipeline, zero, expert"
+            "unknown strategy `zigzag`; the strategies are: ps, allreduce, pipeline, zero, expert, tensor"
         );
     }
 

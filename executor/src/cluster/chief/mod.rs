@@ -580,6 +580,7 @@ async fn gather_variables(
         }
     }
     dflow_partitioner::shards::gather(&job.plan.sharded, tensors)
+        .and_then(|t| dflow_partitioner::shards::gather_axis(&job.plan.axis_sharded, t))
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))
 }
 
@@ -622,6 +623,9 @@ async fn restore_values(
     what: &str,
 ) -> Result<(), JobError> {
     dflow_partitioner::shards::split(&job.plan.sharded, &mut ckpt.tensors)
+        .and_then(|()| {
+            dflow_partitioner::shards::split_axis(&job.plan.axis_sharded, &mut ckpt.tensors)
+        })
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
     let values = checkpoint::restore_into(&job.variable_specs, &ckpt)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;

@@ -1,0 +1,1548 @@
+//! Tensor parallelism (Megatron-LM) for the GPT of `graph/src/layers/gpt.rs`, as a graph
+//! rewrite over the workers: every worker takes every batch whole and holds `1/T` of every
+//! block's matrices, and the ranks' partial results meet in two all-reduces per block forward
+//! and two backward. docs/tensor-parallel.md explains it with the placements of
+//! [`crate::sharding`]; [`layout`] lists each weight's placement.
+//!
+//! Rank `r` of `T` (worker `r`):
+//!
+//! - **Attention**: `c_attn` is column-parallel — its `[3C, C]` weight (and bias) is cut along
+//!   the output axis as 3 blocks (q, k, v), each into `T` pieces, so the rank holds the q, k and
+//!   v of heads `[r·H/T, (r+1)·H/T)` — and attention runs on those `H/T` heads; `c_proj` is
+//!   row-parallel (its `[C, C]` weight cut along the input axis), giving a partial sum that
+//!   `g` (a sum all-reduce) makes whole before the (replicated) bias.
+//! - **MLP**: `c_fc` column-parallel (`[4C/T, C]` per rank), GELU on the shard, `c_proj`
+//!   row-parallel, then `g`.
+//! - Each column-parallel layer's input goes through `f` (identity forward, all-reduce of its
+//!   gradient backward): Megatron's `f` and `g` are the ops `CollectiveTpCopy` and
+//!   `CollectiveTpReduce`, whose gradients are exactly those.
+//! - **Vocabulary-parallel embedding**: `wte` `[V, C]` is padded with zero rows to `Vp`, a
+//!   multiple of `T`, and cut along the vocabulary; the rank looks up the ids in its range (a
+//!   one-hot product, zero rows for the others) and `g` sums the ranks' rows. The tied head
+//!   `x·wteᵀ` then gives the rank's `Vp/T` logits only.
+//! - **Vocabulary-parallel cross-entropy** (no rank holds the whole logits): the padded columns
+//!   get −1e30 (exp gives exactly 0), `max` all-reduced (behind `StopGradient`: the loss does not
+//!   depend on the shift), `Σ exp` and the target's logit each summed by `g`, so every rank
+//!   computes the whole batch's loss, `log Σ exp − logit[target]`, equal to the unpadded model's.
+//! - **Clipping** by global norm: `Σ‖g‖²` of the replicated parameters' gradients (whole and
+//!   equal on every rank) plus the all-reduced `Σ‖g‖²` of the rank's shards' gradients.
+//! - The variables keep the one-process initial values: rank `r`'s `{name}/tp_{r}_of_{T}` is
+//!   its [`AxisSplit`] shard of `{name}` drawn under `{name}`'s stream (`Variable`'s
+//!   `shard_parts`); the replicated ones (layer norms, `wpe`, row-parallel biases) keep their
+//!   names. [`JobPlan::sharded`] lists the shards, so a checkpoint stores whole tensors and
+//!   resumes at any `T` (or in one process).
+//! - All collectives of a rank are chained by control edges in one topological order.
+//! - Evaluation (worker 0, no collective): a copy of the forward graph, `eval/...`, whose
+//!   weights are assembled from every rank's shards.
+//!
+//! Not supported: dropout (a random mask per shard does not equal the one-process mask),
+//! MoE blocks, data parallelism over several tensor-parallel groups (`--tp` must equal the
+//! worker count).
+
+use super::allreduce::{check_job, fresh, node, worker_device};
+use super::{
+    EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
+};
+use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::place::{PlacementOptions, Policy};
+use crate::sharding::Placement;
+use crate::shards::AxisShardedVariable;
+use dflow_graph::axis_split::AxisSplit;
+use dflow_graph::train::{expand_training_graph, TrainSpec, TrainingGraph};
+use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef, Shape, Tensor};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+/// The collective group of the tensor-parallel ranks.
+pub const GROUP: &str = "tensor";
+
+/// What the padded vocabulary columns' logits get before the softmax: `exp` of it is 0.
+const MASKED_LOGIT: f32 = -1e30;
+
+/// Megatron tensor parallelism over `tp` workers (see the module docs); no ps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorParallel {
+    /// The tensor-parallel size (`None`: the worker count).
+    pub tp: Option<usize>,
+}
+
+/// `--strategy tensor`.
+pub(super) static REGISTRATION: Registration = Registration {
+    name: "tensor",
+    about: "Megatron tensor parallelism for the GPT over --tp workers: column/row-parallel \
+            attention and MLP, vocabulary-parallel embedding and loss; no ps",
+    build: |opts| {
+        if opts.asynchronous {
+            return Err(options(
+                "tensor parallelism is synchronous (every layer needs every rank); drop --async"
+                    .into(),
+            ));
+        }
+        if opts.tp == Some(0) {
+            return Err(options("--tp must be at least 1".into()));
+        }
+        Ok(Box::new(TensorParallel { tp: opts.tp }))
+    },
+};
+
+fn options(message: String) -> StrategyError {
+    StrategyError::Options {
+        strategy: "tensor",
+        message,
+    }
+}
+
+impl Strategy for TensorParallel {
+    fn name(&self) -> &'static str {
+        REGISTRATION.name
+    }
+
+    fn describe(&self) -> String {
+        match self.tp {
+            Some(t) => format!("Megatron tensor-parallel training, tp={t}"),
+            None => "Megatron tensor-parallel training over every worker".into(),
+        }
+    }
+
+    fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
+        let workers = input.workers();
+        let tp = self.tp.unwrap_or(workers);
+        if tp != workers {
+            return Err(options(format!(
+                "--tp {tp} must equal the cluster's {workers} workers (data parallelism over \
+                 several tensor-parallel groups is not built)"
+            )));
+        }
+        let tp_graphs =
+            tensor_training(input.graph, input.train, tp, input.features, input.labels)?;
+        let placement = PlacementOptions {
+            policy: Policy::Explicit,
+            ..input.placement.clone()
+        };
+        let group = CollectiveGroup {
+            key: GROUP.to_string(),
+            members: input
+                .cluster
+                .tasks("worker")
+                .map(|(i, _)| task_name("worker", i))
+                .collect(),
+        };
+        let mut plan = JobPlan::build(
+            self.describe(),
+            input,
+            tp_graphs.graphs,
+            &placement,
+            Schedule::Lockstep,
+            vec![group],
+        )?;
+        // Every rank takes every batch whole.
+        plan.batch_parts = 1;
+        plan.axis_sharded = sharded_variables(&tp_graphs.shards, &plan.variables, tp);
+        Ok(plan)
+    }
+}
+
+/// One weight's tensor-parallel layout: how it is cut, and its placement on the `tp` axis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardedWeight {
+    /// The variable (as the one-process graph names it).
+    pub name: String,
+    /// Its whole dimensions.
+    pub dims: Vec<usize>,
+    /// How it is cut.
+    pub split: AxisSplit,
+}
+
+impl ShardedWeight {
+    /// Its placement on the tensor-parallel axis.
+    pub fn placement(&self) -> Placement {
+        Placement::Shard(self.split.axis)
+    }
+}
+
+/// The tensor-parallel graphs and the weights they shard.
+#[derive(Clone, Debug)]
+pub struct TensorGraphs {
+    /// One training graph per rank.
+    pub graphs: Vec<ReplicaGraph>,
+    /// The sharded weights (every other variable is replicated).
+    pub shards: Vec<ShardedWeight>,
+}
+
+/// The name of rank `r`'s shard of `var` over `tp` ranks.
+pub fn shard_name(var: &str, r: usize, tp: usize) -> String {
+    format!("{var}/tp_{r}_of_{tp}")
+}
+
+/// The GPT's layers as the rewrite addresses them (names from `graph/src/layers/gpt.rs`).
+#[derive(Clone, Debug)]
+struct Gpt {
+    vocab: usize,
+    embd: usize,
+    block_size: i64,
+    blocks: Vec<String>,
+    heads: usize,
+    hidden: usize,
+    /// The head's weight (`transformer.wte.weight` when tied).
+    head: String,
+}
+
+fn missing(what: &str) -> StrategyError {
+    options(format!(
+        "tensor parallelism rewrites the GPT of graph/src/layers/gpt.rs by its layer names; the \
+         graph has no {what}"
+    ))
+}
+
+fn static_dims(graph: &Graph, name: &str) -> Result<Vec<usize>, StrategyError> {
+    graph
+        .find(name)
+        .and_then(|i| graph.output_type(i, 0))
+        .and_then(|t| t.shape.as_static())
+        .ok_or_else(|| missing(&format!("tensor `{name}` of static shape")))
+}
+
+fn find<'a>(def: &'a GraphDef, name: &str) -> Result<&'a NodeDef, StrategyError> {
+    def.nodes
+        .iter()
+        .find(|n| n.name == name)
+        .ok_or_else(|| missing(&format!("node `{name}`")))
+}
+
+fn int_list(n: &NodeDef, attr: &str) -> Result<Vec<i64>, StrategyError> {
+    match n.attrs.get(attr) {
+        Some(AttrValue::IntList(v)) => Ok(v.clone()),
+        _ => Err(missing(&format!("list attribute `{attr}` on `{}`", n.name))),
+    }
+}
+
+impl Gpt {
+    fn of(graph: &Graph, def: &GraphDef) -> Result<Gpt, StrategyError> {
+        if let Some(d) = def.nodes.iter().find(|n| n.op == "Dropout") {
+            return Err(options(format!(
+                "dropout node `{}`: tensor parallelism does not run dropout (each shard would \
+                 draw its own mask); build the GPT with dropout 0",
+                d.name
+            )));
+        }
+        if let Some(m) = def.nodes.iter().find(|n| n.op.starts_with("Moe")) {
+            return Err(options(format!(
+                "MoE node `{}`: tensor parallelism shards dense MLPs; use --strategy expert",
+                m.name
+            )));
+        }
+        let wte = static_dims(graph, "transformer.wte.weight")?;
+        let [vocab, embd] = wte[..] else {
+            return Err(missing("[vocab, n_embd] transformer.wte.weight"));
+        };
+        let head_node = find(def, "lm_head")?;
+        let head = head_node
+            .inputs
+            .get(1)
+            .cloned()
+            .ok_or_else(|| missing("head weight input of `lm_head`"))?;
+        let mut blocks = Vec::new();
+        while graph
+            .find(&format!(
+                "transformer.h.{}.attn.c_attn.weight",
+                blocks.len()
+            ))
+            .is_some()
+        {
+            blocks.push(format!("transformer.h.{}", blocks.len()));
+        }
+        let Some(first) = blocks.first() else {
+            return Err(missing("block `transformer.h.0`"));
+        };
+        let q = int_list(find(def, &format!("{first}.attn/q_4d"))?, "shape")?;
+        let (Some(&block_size), Some(&heads)) = (q.get(1), q.get(2)) else {
+            return Err(missing("[-1, T, heads, head_dim] reshape `q_4d`"));
+        };
+        let fc = static_dims(graph, &format!("{first}.mlp.c_fc.weight"))?;
+        Ok(Gpt {
+            vocab,
+            embd,
+            block_size,
+            blocks,
+            heads: heads.max(0) as usize,
+            hidden: fc.first().copied().unwrap_or(0),
+            head,
+        })
+    }
+
+    /// Every sharded weight of the layout at `tp`, after checking the dimensions divide.
+    fn layout(&self, graph: &Graph, tp: usize) -> Result<Vec<ShardedWeight>, StrategyError> {
+        let indivisible = |what: String, n: usize| {
+            options(format!(
+                "{what} is {n}, which does not divide by --tp {tp}; pick a --tp that divides it"
+            ))
+        };
+        for b in &self.blocks {
+            if self.heads % tp != 0 {
+                return Err(indivisible(
+                    format!("the number of heads (n_head) of {b}.attn"),
+                    self.heads,
+                ));
+            }
+            if self.hidden % tp != 0 {
+                return Err(indivisible(
+                    format!("the MLP width (4·n_embd) of {b}.mlp"),
+                    self.hidden,
+                ));
+            }
+        }
+        let padded = self.vocab.div_ceil(tp) * tp;
+        let mut out = Vec::new();
+        let mut add = |name: String, axis: usize, blocks: usize, pad: Option<usize>| {
+            let dims = static_dims(graph, &name)?;
+            let Some(&len) = dims.get(axis) else {
+                return Err(options(format!(
+                    "`{name}` has shape {dims:?}; Megatron's layout cuts its axis {axis}"
+                )));
+            };
+            let split = AxisSplit {
+                axis,
+                blocks,
+                parts: tp,
+                padded: pad.unwrap_or(len),
+            };
+            split
+                .check(&dims)
+                .map_err(|e| options(format!("`{name}`: {e}")))?;
+            out.push(ShardedWeight { name, dims, split });
+            Ok::<(), StrategyError>(())
+        };
+        add("transformer.wte.weight".into(), 0, 1, Some(padded))?;
+        if self.head != "transformer.wte.weight" {
+            add(self.head.clone(), 0, 1, Some(padded))?;
+        }
+        for b in &self.blocks {
+            add(format!("{b}.attn.c_attn.weight"), 0, 3, None)?;
+            if graph.find(&format!("{b}.attn.c_attn.bias")).is_some() {
+                add(format!("{b}.attn.c_attn.bias"), 0, 3, None)?;
+            }
+            add(format!("{b}.attn.c_proj.weight"), 1, 1, None)?;
+            add(format!("{b}.mlp.c_fc.weight"), 0, 1, None)?;
+            if graph.find(&format!("{b}.mlp.c_fc.bias")).is_some() {
+                add(format!("{b}.mlp.c_fc.bias"), 0, 1, None)?;
+            }
+            add(format!("{b}.mlp.c_proj.weight"), 1, 1, None)?;
+        }
+        Ok(out)
+    }
+}
+
+/// The placements of Megatron's layout for the GPT `graph` at `tp`: every sharded weight with
+/// its placement on the tensor-parallel axis (every other variable is replicated).
+pub fn layout(graph: &Graph, tp: usize) -> Result<Vec<ShardedWeight>, StrategyError> {
+    let def = graph.to_def();
+    Gpt::of(graph, &def)?.layout(graph, tp)
+}
+
+/// One activation of the GPT under Megatron's layout, its placement derived by the sharding
+/// rules ([`crate::sharding::rules`]) from the weights' placements.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Activation {
+    /// The node (in a block, after `transformer.h.{i}.`).
+    pub node: &'static str,
+    /// Its output's placement on the tensor-parallel axis.
+    pub placement: Placement,
+    /// The collective that makes it whole for its (replicated) consumer, when one is needed.
+    pub made_whole: Option<crate::sharding::Transition>,
+}
+
+/// The placements of the GPT's activations under Megatron's layout, derived by the sharding
+/// rules: the residual stream `Replicate`, column-parallel outputs `Shard(1)`, attention's heads
+/// `Shard(1)` of `[B, H, S, D]`, row-parallel outputs and the vocabulary-parallel lookup
+/// `Partial` (made whole by an all-reduce: `g`), the vocabulary-parallel loss `Replicate`. The
+/// rewrite inserts the collectives these say.
+pub fn megatron_activations() -> Result<Vec<Activation>, String> {
+    use crate::sharding::{rules, transition};
+    use Placement::{Replicate, Shard};
+    let whole = |p: Placement| -> Result<Option<crate::sharding::Transition>, String> {
+        Ok(match transition(p, Replicate)? {
+            crate::sharding::Transition::Nothing => None,
+            t => Some(t),
+        })
+    };
+    let mut out = Vec::new();
+    let mut add = |node: &'static str, placement: Placement, consumer_needs_whole: bool| {
+        let made_whole = if consumer_needs_whole {
+            whole(placement)?
+        } else {
+            None
+        };
+        out.push(Activation {
+            node,
+            placement,
+            made_whole,
+        });
+        Ok::<(), String>(())
+    };
+    // wte [V, C] Shard(0) looked up at replicated ids: partial rows.
+    add(
+        "transformer.wte/lookup",
+        rules::gather(Shard(0), Replicate, 2)?,
+        true,
+    )?;
+    // Attention: c_attn [3C, C] Shard(0), x·Wᵀ.
+    let qkv = rules::matmul(Replicate, Shard(0), false, true)?;
+    add("attn.c_attn/matmul", qkv, false)?;
+    let qkv = rules::elementwise("BiasAdd", &[(qkv, 2), (Shard(0), 1)], 2)?;
+    add("attn.c_attn/bias_add", qkv, false)?;
+    // [B·S, 3C/T] → q, k, v [B, H/T, S, D]: the sharded channels are the rank's heads.
+    let heads = Shard(1);
+    let scores = rules::batch_matmul(heads, heads, 4)?;
+    add("attn/scores", scores, false)?;
+    let probs = rules::last_axis("Softmax", scores, 4)?;
+    add("attn/probs", probs, false)?;
+    let mix = rules::batch_matmul(probs, heads, 4)?;
+    add("attn/mix", mix, false)?;
+    // [B, H/T, S, D] → [B·S, C/T]: channels sharded; c_proj [C, C] Shard(1).
+    add("attn/merge_2d", Shard(1), false)?;
+    add(
+        "attn.c_proj/matmul",
+        rules::matmul(Shard(1), Shard(1), false, true)?,
+        true,
+    )?;
+    // MLP: c_fc [4C, C] Shard(0), GELU, c_proj [C, 4C] Shard(1).
+    let fc = rules::matmul(Replicate, Shard(0), false, true)?;
+    let fc = rules::elementwise("BiasAdd", &[(fc, 2), (Shard(0), 1)], 2)?;
+    add("mlp.c_fc/bias_add", fc, false)?;
+    let gelu = rules::elementwise("Gelu", &[(fc, 2)], 2)?;
+    add("mlp.gelu", gelu, false)?;
+    add(
+        "mlp.c_proj/matmul",
+        rules::matmul(gelu, Shard(1), false, true)?,
+        true,
+    )?;
+    // The tied head x·wteᵀ: the rank's logits; the vocabulary-parallel loss, whole.
+    let logits = rules::matmul(Replicate, Shard(0), false, true)?;
+    add("lm_head", logits, false)?;
+    add("xent", rules::cross_entropy(logits, Replicate)?, false)?;
+    Ok(out)
+}
+
+/// The collective op the forward activation `node` needs before its replicated consumer:
+/// `CollectiveTpReduce` (Megatron's `g`) for a partial sum; anything else is not Megatron's
+/// layout.
+fn forward_op(acts: &[Activation], node: &str) -> Result<&'static str, StrategyError> {
+    let a = acts
+        .iter()
+        .find(|a| a.node == node)
+        .ok_or_else(|| options(format!("no placement derived for `{node}`")))?;
+    match a.made_whole {
+        Some(crate::sharding::Transition::AllReduce) => Ok("CollectiveTpReduce"),
+        other => Err(options(format!(
+            "`{node}` is {} and needs {other:?} before its consumer; the rewrite inserts only \
+             all-reduces of partial sums",
+            a.placement
+        ))),
+    }
+}
+
+/// The tensor-parallel training graphs of the GPT `graph`, one per rank (see the module docs).
+pub fn tensor_training(
+    graph: &Graph,
+    spec: &TrainSpec,
+    tp: usize,
+    features: &str,
+    labels: &str,
+) -> Result<TensorGraphs, StrategyError> {
+    let loss_dtype = check_job(graph, spec, tp, features, labels)?;
+    if loss_dtype != DType::F32 {
+        return Err(options(format!(
+            "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
+        )));
+    }
+    let def = graph.to_def();
+    let gpt = Gpt::of(graph, &def)?;
+    let shards = gpt.layout(graph, tp)?;
+    let mut graphs = Vec::with_capacity(tp);
+    for r in 0..tp {
+        let mut g = rank_graph(&def, &gpt, &shards, spec, r, tp, features, labels)?;
+        if r == 0 {
+            add_eval_copy(&mut g, &def, &shards, spec, tp)?;
+        }
+        graphs.push(g);
+    }
+    Ok(TensorGraphs { graphs, shards })
+}
+
+/// Adds nodes to one rank's graph.
+struct Nodes {
+    taken: HashSet<String>,
+    added: Vec<NodeDef>,
+    device: String,
+    instance: i64,
+}
+
+impl Nodes {
+    fn add(
+        &mut self,
+        base: &str,
+        op: &str,
+        inputs: Vec<String>,
+        attrs: Vec<(&str, AttrValue)>,
+    ) -> String {
+        let name = fresh(&mut self.taken, base);
+        let mut n = node(&name, op, inputs, &self.device);
+        n.attrs = attrs.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        self.added.push(n);
+        name
+    }
+
+    fn collective(&mut self, base: &str, op: &str, input: String, max: bool) -> String {
+        let mut attrs = vec![
+            ("group_key", AttrValue::String(GROUP.into())),
+            ("instance_key", AttrValue::Int(self.instance)),
+        ];
+        if max {
+            attrs.push(("reduce", AttrValue::String("max".into())));
+        }
+        self.instance += 1;
+        self.add(base, op, vec![input], attrs)
+    }
+
+    fn constant(&mut self, base: &str, t: Tensor) -> String {
+        self.add(
+            base,
+            "Const",
+            vec![],
+            vec![("value", AttrValue::Tensor(Arc::new(t)))],
+        )
+    }
+
+    fn reshape(&mut self, base: &str, input: String, dims: &[i64]) -> String {
+        self.add(
+            base,
+            "Reshape",
+            vec![input],
+            vec![("shape", AttrValue::IntList(dims.to_vec()))],
+        )
+    }
+
+    fn reduce(&mut self, base: &str, op: &str, input: String) -> String {
+        self.add(
+            base,
+            op,
+            vec![input],
+            vec![
+                ("axes", AttrValue::IntList(vec![1])),
+                ("keep_dims", AttrValue::Bool(true)),
+            ],
+        )
+    }
+}
+
+fn bad(e: impl std::fmt::Display) -> StrategyError {
+    options(e.to_string())
+}
+
+/// `[r·n, (r+1)·n)` as an i64 vector: the vocabulary ids of rank `r`'s shard.
+fn id_range(r: usize, n: usize) -> Result<Tensor, StrategyError> {
+    let ids: Vec<i64> = (r * n..(r + 1) * n).map(|i| i as i64).collect();
+    Tensor::from_slice(&[n], &ids).map_err(bad)
+}
+
+/// Redirects every data input reading `from:0` to `to`.
+fn redirect(nodes: &mut [NodeDef], from: &str, to: &str, except: &str) {
+    for n in nodes.iter_mut().filter(|n| n.name != except) {
+        for i in &mut n.inputs {
+            if matches!(InputRef::parse(i), Ok(InputRef::Data { node, index: 0 }) if node == from) {
+                *i = to.to_string();
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rank_graph(
+    forward: &GraphDef,
+    gpt: &Gpt,
+    shards: &[ShardedWeight],
+    spec: &TrainSpec,
+    r: usize,
+    tp: usize,
+    features: &str,
+    labels: &str,
+) -> Result<ReplicaGraph, StrategyError> {
+    let device = worker_device("", "", r)?;
+    let mut def = forward.clone();
+    def.train = None;
+    let mut n = Nodes {
+        taken: def.nodes.iter().map(|x| x.name.clone()).collect(),
+        added: Vec::new(),
+        device: device.clone(),
+        instance: 1,
+    };
+    // The shards, renamed, drawn as their part of the whole variable.
+    let mut renames: HashMap<String, String> = HashMap::new();
+    for s in shards {
+        let name = shard_name(&s.name, r, tp);
+        if n.taken.contains(&name) {
+            return Err(StrategyError::NameTaken {
+                node: s.name.clone(),
+                name,
+            });
+        }
+        n.taken.insert(name.clone());
+        let v = def
+            .nodes
+            .iter_mut()
+            .find(|x| x.name == s.name)
+            .ok_or_else(|| missing(&format!("variable `{}`", s.name)))?;
+        shard_variable(v, s, r);
+        renames.insert(s.name.clone(), name);
+    }
+    let acts = megatron_activations().map_err(options)?;
+    let f = |n: &mut Nodes, base: &str, input: String| {
+        n.collective(&format!("{base}/tp_copy"), "CollectiveTpCopy", input, false)
+    };
+    let c = gpt.embd as i64;
+    let t = gpt.block_size;
+    let heads = (gpt.heads / tp) as i64;
+    let hd = c / gpt.heads.max(1) as i64;
+    // Vocabulary-parallel embedding: a one-hot product with the rank's rows, summed by g.
+    let vs = shards[0].split.shard_dims(&shards[0].dims)[0];
+    let range = n.constant("tp/vocab_ids", id_range(r, vs)?);
+    let lookup = find(&def, "transformer.wte/lookup")?.clone();
+    let ids = lookup
+        .inputs
+        .get(1)
+        .cloned()
+        .ok_or_else(|| missing("ids input of `transformer.wte/lookup`"))?;
+    let ids3 = n.reshape("transformer.wte/tp_ids", ids, &[-1, t, 1]);
+    let hit = n.add(
+        "transformer.wte/tp_hit",
+        "Equal",
+        vec![ids3, range.clone()],
+        vec![],
+    );
+    let onehot = n.add(
+        "transformer.wte/tp_onehot",
+        "Cast",
+        vec![hit],
+        vec![("DstT", AttrValue::DType(DType::F32))],
+    );
+    let onehot2 = n.reshape("transformer.wte/tp_onehot_2d", onehot, &[-1, vs as i64]);
+    let rows = n.add(
+        "transformer.wte/tp_rows",
+        "MatMul",
+        vec![onehot2, "transformer.wte.weight".into()],
+        vec![],
+    );
+    let rows3 = n.reshape("transformer.wte/tp_rows_3d", rows, &[-1, t, c]);
+    let summed = n.collective(
+        "transformer.wte/tp_reduce",
+        forward_op(&acts, "transformer.wte/lookup")?,
+        rows3,
+        false,
+    );
+    redirect(&mut def.nodes, &lookup.name, &summed, "");
+    def.nodes.retain(|x| x.name != lookup.name);
+
+    for b in &gpt.blocks {
+        let attn = format!("{b}.attn");
+        // Column-parallel c_attn on f(x); attention on the rank's heads.
+        let mm = format!("{attn}.c_attn/matmul");
+        let x = find(&def, &mm)?.inputs[0].clone();
+        let fx = f(&mut n, &format!("{attn}.c_attn"), x);
+        if let Some(m) = def.nodes.iter_mut().find(|x| x.name == mm) {
+            m.inputs[0] = fx;
+        }
+        for part in ["q_4d", "k_4d", "v_4d"] {
+            if let Some(m) = def
+                .nodes
+                .iter_mut()
+                .find(|x| x.name == format!("{attn}/{part}"))
+            {
+                m.attrs
+                    .insert("shape".into(), AttrValue::IntList(vec![-1, t, heads, hd]));
+            }
+        }
+        if let Some(m) = def
+            .nodes
+            .iter_mut()
+            .find(|x| x.name == format!("{attn}/merge_2d"))
+        {
+            m.attrs
+                .insert("shape".into(), AttrValue::IntList(vec![-1, heads * hd]));
+        }
+        // Row-parallel c_proj: partial sums made whole by g before the bias.
+        for (proj, act) in [
+            (format!("{attn}.c_proj"), "attn.c_proj/matmul"),
+            (format!("{b}.mlp.c_proj"), "mlp.c_proj/matmul"),
+        ] {
+            let mm = format!("{proj}/matmul");
+            find(&def, &mm)?;
+            let g = n.collective(
+                &format!("{proj}/tp_reduce"),
+                forward_op(&acts, act)?,
+                mm.clone(),
+                false,
+            );
+            redirect(&mut def.nodes, &mm, &g, "");
+        }
+        // Column-parallel c_fc on f(x).
+        let mm = format!("{b}.mlp.c_fc/matmul");
+        let x = find(&def, &mm)?.inputs[0].clone();
+        let fx = f(&mut n, &format!("{b}.mlp.c_fc"), x);
+        if let Some(m) = def.nodes.iter_mut().find(|x| x.name == mm) {
+            m.inputs[0] = fx;
+        }
+    }
+    // The head on f(x): the rank's logits.
+    let x = find(&def, "lm_head")?.inputs[0].clone();
+    let fx = f(&mut n, "lm_head", x);
+    if let Some(m) = def.nodes.iter_mut().find(|x| x.name == "lm_head") {
+        m.inputs[0] = fx;
+    }
+    // Vocabulary-parallel cross-entropy in place of `xent`.
+    let xent = find(&def, "xent")?.clone();
+    if xent.op != "SparseSoftmaxCrossEntropyWithLogits" {
+        return Err(missing("SparseSoftmaxCrossEntropyWithLogits `xent`"));
+    }
+    let targets = xent
+        .inputs
+        .get(1)
+        .cloned()
+        .ok_or_else(|| missing("labels input of `xent`"))?;
+    let mut logits = xent.inputs[0].clone();
+    let valid = gpt.vocab.saturating_sub(r * vs).min(vs);
+    if valid < vs {
+        let mask: Vec<f32> = (0..vs)
+            .map(|j| if j < valid { 0.0 } else { MASKED_LOGIT })
+            .collect();
+        let mask = n.constant(
+            "xent/tp_padding_mask",
+            Tensor::from_slice(&[vs], &mask).map_err(bad)?,
+        );
+        logits = n.add("xent/tp_masked", "Add", vec![logits, mask], vec![]);
+    }
+    let local_max = n.reduce("xent/tp_local_max", "Max", logits.clone());
+    let global_max = n.collective("xent/tp_max", "CollectiveAllReduce", local_max, true);
+    let shift = n.add("xent/tp_shift", "StopGradient", vec![global_max], vec![]);
+    let shifted = n.add("xent/tp_shifted", "Sub", vec![logits, shift], vec![]);
+    let exp = n.add("xent/tp_exp", "Exp", vec![shifted.clone()], vec![]);
+    let local_sum = n.reduce("xent/tp_local_sum_exp", "Sum", exp);
+    let sum = n.collective("xent/tp_sum_exp", "CollectiveTpReduce", local_sum, false);
+    let lse = n.add("xent/tp_log_sum_exp", "Log", vec![sum], vec![]);
+    let t2 = n.reshape("xent/tp_targets", targets, &[-1, 1]);
+    let is_target = n.add("xent/tp_is_target", "Equal", vec![t2, range], vec![]);
+    let onehot = n.add(
+        "xent/tp_target_onehot",
+        "Cast",
+        vec![is_target],
+        vec![("DstT", AttrValue::DType(DType::F32))],
+    );
+    let picked = n.add("xent/tp_picked", "Mul", vec![shifted, onehot], vec![]);
+    let local_target = n.reduce("xent/tp_local_target_logit", "Sum", picked);
+    let target = n.collective(
+        "xent/tp_target_logit",
+        "CollectiveTpReduce",
+        local_target,
+        false,
+    );
+    let per_token = n.add("xent/tp_per_token", "Sub", vec![lse, target], vec![]);
+    if let Some(x) = def.nodes.iter_mut().find(|x| x.name == "xent") {
+        *x = node("xent", "Reshape", vec![per_token], &device);
+        x.attrs.insert("shape".into(), AttrValue::IntList(vec![-1]));
+    }
+    def.nodes.extend(std::mem::take(&mut n.added));
+    // Renamed shards; everything on the rank; only what the loss and metrics need.
+    for d in &mut def.nodes {
+        if let Some(new) = renames.get(&d.name) {
+            d.name = new.clone();
+        }
+        for i in &mut d.inputs {
+            let (name, prefix, suffix) = match InputRef::parse(i) {
+                Ok(InputRef::Data { node, index }) => {
+                    let suffix = if index == 0 {
+                        String::new()
+                    } else {
+                        format!(":{index}")
+                    };
+                    (node, "", suffix)
+                }
+                Ok(InputRef::Control(node)) => (node, "^", String::new()),
+                Err(_) => continue,
+            };
+            if let Some(new) = renames.get(&name) {
+                *i = format!("{prefix}{new}{suffix}");
+            }
+        }
+        d.device = worker_device(&d.name, &d.device, r)?;
+        d.colocate_with.clear();
+    }
+    let mut keep: Vec<String> = vec![spec.loss.clone()];
+    keep.extend(spec.metrics.iter().cloned());
+    keep.push(features.to_string());
+    keep.push(labels.to_string());
+    prune(&mut def, &keep);
+
+    // The training step, clipped across the shards.
+    let (mut training, _) = expand_training_graph(
+        &def,
+        &TrainSpec {
+            clip_global_norm: None,
+            ..spec.clone()
+        },
+    )?;
+    let mut n = Nodes {
+        taken: training.def.nodes.iter().map(|x| x.name.clone()).collect(),
+        added: Vec::new(),
+        device: device.clone(),
+        instance: n.instance,
+    };
+    if let Some(clip) = spec.clip_global_norm {
+        clip_across_shards(&mut training, &mut n, &renames, clip);
+    }
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    chain_collectives(&mut training)?;
+    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    Ok(ReplicaGraph {
+        training,
+        graph,
+        // Every rank feeds the whole batch (part 0), unweighted.
+        replicas: vec![ReplicaFeeds {
+            worker: 0,
+            features: features.to_string(),
+            labels: labels.to_string(),
+            weight: None,
+        }],
+        eval: EvalNames {
+            features: features.to_string(),
+            labels: labels.to_string(),
+            loss: spec.loss.clone(),
+            metrics: spec.metrics.clone(),
+        },
+    })
+}
+
+/// Makes `v` rank `r`'s shard of `s` (the caller renames it).
+fn shard_variable(v: &mut NodeDef, s: &ShardedWeight, r: usize) {
+    let ints = [
+        ("shard_axis", s.split.axis),
+        ("shard_blocks", s.split.blocks),
+        ("shard_parts", s.split.parts),
+        ("shard_index", r),
+        ("shard_padded", s.split.padded),
+    ];
+    v.attrs.insert(
+        "shape".into(),
+        AttrValue::Shape(Shape::known(&s.split.shard_dims(&s.dims))),
+    );
+    v.attrs
+        .insert("shard_of".into(), AttrValue::Shape(Shape::known(&s.dims)));
+    v.attrs.insert(
+        "shard_name".into(),
+        AttrValue::String(s.name.as_str().into()),
+    );
+    for (k, x) in ints {
+        v.attrs.insert(k.into(), AttrValue::Int(x as i64));
+    }
+}
+
+/// Drops every node none of `keep` depends on (the one-process `logits` reshape reads the
+/// whole vocabulary).
+fn prune(def: &mut GraphDef, keep: &[String]) {
+    let by_name: HashMap<&str, &NodeDef> = def.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut stack: Vec<String> = keep
+        .iter()
+        .map(|k| k.split(':').next().unwrap_or(k).to_string())
+        .collect();
+    while let Some(name) = stack.pop() {
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        if let Some(n) = by_name.get(name.as_str()) {
+            for i in &n.inputs {
+                match InputRef::parse(i) {
+                    Ok(InputRef::Data { node, .. }) | Ok(InputRef::Control(node)) => {
+                        stack.push(node)
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+    def.nodes.retain(|n| seen.contains(&n.name));
+}
+
+/// Clipping by the global norm of the whole model's gradient: the replicated parameters'
+/// `Σ‖g‖²` (equal on every rank) plus the all-reduced sum of the shards'.
+fn clip_across_shards(
+    training: &mut TrainingGraph,
+    n: &mut Nodes,
+    renames: &HashMap<String, String>,
+    clip: f64,
+) {
+    let sharded: HashSet<&String> = renames.values().collect();
+    type Grads<'a> = Vec<&'a (String, String)>;
+    let (shard_grads, replicated): (Grads<'_>, Grads<'_>) = training
+        .gradients
+        .iter()
+        .partition(|(v, _)| sharded.contains(v));
+    let local = n.add(
+        "tp/clip/shards_squared_norm",
+        "SquaredNorm",
+        shard_grads.iter().map(|(_, g)| g.clone()).collect(),
+        vec![],
+    );
+    let mut total = n.collective(
+        "tp/clip/shards_squared_norm_sum",
+        "CollectiveAllReduce",
+        local,
+        false,
+    );
+    if !replicated.is_empty() {
+        let rep = n.add(
+            "tp/clip/replicated_squared_norm",
+            "SquaredNorm",
+            replicated.iter().map(|(_, g)| g.clone()).collect(),
+            vec![],
+        );
+        total = n.add("tp/clip/squared_norm", "Add", vec![total, rep], vec![]);
+    }
+    let scale = n.add(
+        "tp/clip/global_norm_scale",
+        "GlobalNormScale",
+        vec![total],
+        vec![
+            ("clip_norm", AttrValue::Float(clip)),
+            ("squared_norm", AttrValue::Bool(true)),
+        ],
+    );
+    let mut clipped: HashMap<String, String> = HashMap::new();
+    for (k, (_, g)) in training.gradients.iter().enumerate() {
+        let c = n.add(
+            &format!("tp/clip/grad_{k}"),
+            "Mul",
+            vec![g.clone(), scale.clone()],
+            vec![],
+        );
+        clipped.insert(g.clone(), c);
+    }
+    for u in training
+        .def
+        .nodes
+        .iter_mut()
+        .filter(|u| u.op.starts_with("Apply"))
+    {
+        for i in &mut u.inputs {
+            if let Some(c) = clipped.get(i) {
+                *i = c.clone();
+            }
+        }
+    }
+}
+
+/// Chains every collective of the graph by control edges in one topological order (the same on
+/// every rank: the ranks' graphs differ only in their shards' names and sizes).
+fn chain_collectives(training: &mut TrainingGraph) -> Result<(), StrategyError> {
+    let typed = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    let chain: Vec<String> = typed
+        .topo_order()
+        .into_iter()
+        .map(|i| typed.node(i))
+        .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+        .map(|n| n.name.clone())
+        .collect();
+    for w in chain.windows(2) {
+        if let Some(n) = training.def.nodes.iter_mut().find(|n| n.name == w[1]) {
+            n.inputs.push(format!("^{}", w[0]));
+        }
+    }
+    Ok(())
+}
+
+/// Adds to rank 0's graph a copy of the forward graph, `eval/<name>`, whose sharded weights are
+/// assembled from every rank's shards, and points evaluation at it.
+fn add_eval_copy(
+    g: &mut ReplicaGraph,
+    forward: &GraphDef,
+    shards: &[ShardedWeight],
+    spec: &TrainSpec,
+    tp: usize,
+) -> Result<(), StrategyError> {
+    let device = worker_device("", "", 0)?;
+    let by_name: HashMap<&str, &ShardedWeight> =
+        shards.iter().map(|s| (s.name.as_str(), s)).collect();
+    let mut n = Nodes {
+        taken: g
+            .training
+            .def
+            .nodes
+            .iter()
+            .map(|x| x.name.clone())
+            .collect(),
+        added: Vec::new(),
+        device: device.clone(),
+        instance: 0,
+    };
+    let mut map: HashMap<String, String> = HashMap::new();
+    for v in forward.nodes.iter().filter(|v| v.op == "Variable") {
+        let Some(s) = by_name.get(v.name.as_str()) else {
+            continue;
+        };
+        let dims = s.split.shard_dims(&s.dims);
+        let mut parts = Vec::with_capacity(tp);
+        for r in 0..tp {
+            let name = shard_name(&v.name, r, tp);
+            if r > 0 {
+                let mut copy = v.clone();
+                shard_variable(&mut copy, s, r);
+                copy.name = name.clone();
+                copy.device = worker_device(&v.name, &v.device, r)?;
+                copy.colocate_with.clear();
+                n.added.push(copy);
+            }
+            // [.., blocks, piece, ..]: the pieces of every block side by side.
+            let a = s.split.axis;
+            let mut blocked: Vec<i64> = dims[..a].iter().map(|&d| d as i64).collect();
+            blocked.push(s.split.blocks as i64);
+            blocked.push((dims[a] / s.split.blocks) as i64);
+            blocked.extend(dims[a + 1..].iter().map(|&d| d as i64));
+            parts.push(n.reshape(&format!("eval/{}/blocked_{r}", v.name), name, &blocked));
+        }
+        let joined = n.add(
+            &format!("eval/{}/joined", v.name),
+            "Concat",
+            parts,
+            vec![("axis", AttrValue::Int(s.split.axis as i64 + 1))],
+        );
+        let mut padded: Vec<i64> = s.dims.iter().map(|&d| d as i64).collect();
+        padded[s.split.axis] = s.split.padded as i64;
+        let mut whole = n.reshape(&format!("eval/{}/padded", v.name), joined, &padded);
+        if s.split.padded != s.dims[s.split.axis] {
+            whole = n.add(
+                &format!("eval/{}", v.name),
+                "Slice",
+                vec![whole],
+                vec![
+                    ("begin", AttrValue::IntList(vec![0; s.dims.len()])),
+                    (
+                        "size",
+                        AttrValue::IntList(s.dims.iter().map(|&d| d as i64).collect()),
+                    ),
+                ],
+            );
+        }
+        map.insert(v.name.clone(), whole);
+    }
+    for x in &forward.nodes {
+        if matches!(x.op.as_str(), "Placeholder" | "Variable") {
+            continue;
+        }
+        let name = fresh(&mut n.taken, &format!("eval/{}", x.name));
+        map.insert(x.name.clone(), name);
+    }
+    let remap = |input: &str| -> String {
+        match InputRef::parse(input) {
+            Ok(InputRef::Data { node: p, index }) => match map.get(&p) {
+                Some(new) if index == 0 => new.clone(),
+                Some(new) => format!("{new}:{index}"),
+                None => input.to_string(),
+            },
+            Ok(InputRef::Control(p)) => match map.get(&p) {
+                Some(new) => format!("^{new}"),
+                None => input.to_string(),
+            },
+            Err(_) => input.to_string(),
+        }
+    };
+    for x in &forward.nodes {
+        if matches!(x.op.as_str(), "Placeholder" | "Variable") {
+            continue;
+        }
+        let mut copy = x.clone();
+        copy.name = remap(&x.name);
+        copy.inputs = x.inputs.iter().map(|i| remap(i)).collect();
+        copy.device = worker_device(&x.name, &x.device, 0)?;
+        copy.colocate_with.clear();
+        n.added.push(copy);
+    }
+    g.training.def.nodes.extend(n.added);
+    g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
+    g.eval.loss = remap(&spec.loss);
+    g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
+    Ok(())
+}
+
+/// The plan's sharded variables: every shard weight and each of its optimizer slots (named
+/// `{shard}/{slot}` by the training expansion), stored whole under the one-process names.
+fn sharded_variables(
+    shards: &[ShardedWeight],
+    variables: &[crate::job::VariablePlan],
+    tp: usize,
+) -> Vec<AxisShardedVariable> {
+    let mut out = Vec::new();
+    for s in shards {
+        let first = shard_name(&s.name, 0, tp);
+        let dtype = variables
+            .iter()
+            .find(|v| v.name == first)
+            .map_or(DType::F32, |v| v.dtype);
+        let entry = |logical: String, dtype: DType, shards: Vec<String>| AxisShardedVariable {
+            logical,
+            dtype,
+            dims: s.dims.clone(),
+            shards,
+            axis: s.split.axis,
+            blocks: s.split.blocks,
+            padded: s.split.padded,
+        };
+        out.push(entry(
+            s.name.clone(),
+            dtype,
+            (0..tp).map(|r| shard_name(&s.name, r, tp)).collect(),
+        ));
+        // Slots: `{shard}/adam_m` etc., of the shard's shape.
+        let prefix = format!("{first}/");
+        let mut slots: BTreeMap<&str, DType> = BTreeMap::new();
+        for v in variables {
+            if let Some(slot) = v.name.strip_prefix(&prefix) {
+                if v.dims == s.split.shard_dims(&s.dims) {
+                    slots.insert(slot, v.dtype);
+                }
+            }
+        }
+        for (slot, dtype) in slots {
+            out.push(entry(
+                format!("{}/{slot}", s.name),
+                dtype,
+                (0..tp)
+                    .map(|r| format!("{}/{slot}", shard_name(&s.name, r, tp)))
+                    .collect(),
+            ));
+        }
+    }
+    out
+}
+
+/// Bytes one rank sends per training step in the tensor-parallel collectives of its graph `g`
+/// over `tp` ranks, from the plan's static shapes (ring all-reduce: `2(T−1)/T` of the tensor):
+/// `(forward, backward)`, where forward counts the `g` all-reduces (`CollectiveTpReduce`) and
+/// backward the all-reduces of `f`'s gradients. The loss's own all-reduces of `[rows]` vectors
+/// and clipping's scalar are not counted. `None` where a shape is not static.
+pub fn activation_bytes(g: &ReplicaGraph, tp: usize) -> Option<(usize, usize)> {
+    let typed = &g.graph;
+    let ring = |i| {
+        typed
+            .output_type(i, 0)
+            .and_then(|t: &dflow_graph::TensorType| {
+                let bytes = t.shape.num_elements()? * t.dtype.size_of();
+                Some(crate::sharding::Transition::AllReduce.bytes_sent(bytes, tp))
+            })
+    };
+    let (mut fwd, mut bwd) = (0usize, 0usize);
+    for i in typed.node_indices() {
+        let n = typed.node(i);
+        let Some(AttrValue::Int(key)) = n.attrs.get("instance_key") else {
+            continue;
+        };
+        let backward = *key >= dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET;
+        match n.op {
+            "CollectiveTpReduce" if !n.name.starts_with("xent/") => fwd += ring(i)?,
+            "CollectiveAllReduce" if backward => bwd += ring(i)?,
+            _ => {}
+        }
+    }
+    Some((fwd, bwd))
+}
+
+/// `dflow partition --strategy tensor`'s section: every weight's placement on the
+/// tensor-parallel axis and every collective rank 0 runs per step with the placement change it
+/// makes and the bytes each rank sends (ring all-reduce, `2(T−1)/T` of the tensor). The
+/// features and labels get batch dimension `batch` (when given) so that every size is known.
+pub fn render_tensor_plan(
+    graph: &Graph,
+    spec: &TrainSpec,
+    tp: usize,
+    features: &str,
+    labels: &str,
+    batch: Option<usize>,
+) -> Result<String, StrategyError> {
+    use std::fmt::Write as _;
+    let mut def = graph.to_def();
+    if let Some(b) = batch {
+        for n in def
+            .nodes
+            .iter_mut()
+            .filter(|n| n.op == "Placeholder" && (n.name == features || n.name == labels))
+        {
+            if let Some(AttrValue::Shape(sh)) = n.attrs.get("shape") {
+                if let Some(dims) = sh.dims() {
+                    let mut d: Vec<Option<usize>> = dims.to_vec();
+                    if let Some(first) = d.first_mut() {
+                        *first = Some(b);
+                    }
+                    n.attrs
+                        .insert("shape".into(), AttrValue::Shape(Shape::partial(d)));
+                }
+            }
+        }
+    }
+    let graph = Graph::from_def(&def).map_err(StrategyError::InvalidGraph)?;
+    let tg = tensor_training(&graph, spec, tp, features, labels)?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\ntensor parallelism: tp={tp} over group `{GROUP}` (Megatron layout; docs/tensor-parallel.md)"
+    );
+    let _ = writeln!(out, "placements on the tp axis:");
+    let sharded: HashSet<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
+    for s in &tg.shards {
+        let mut how = String::new();
+        if s.split.blocks > 1 {
+            let _ = write!(how, ", {} blocks (q, k, v) cut separately", s.split.blocks);
+        }
+        if s.split.padded != s.dims[s.split.axis] {
+            let _ = write!(
+                how,
+                ", padded {} → {} (masked)",
+                s.dims[s.split.axis], s.split.padded
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  {} {:?}: {}{how}; {:?} per rank",
+            s.name,
+            s.dims,
+            s.placement(),
+            s.split.shard_dims(&s.dims)
+        );
+    }
+    let replicated: Vec<&str> = def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "Variable" && !sharded.contains(n.name.as_str()))
+        .map(|n| n.name.as_str())
+        .collect();
+    let _ = writeln!(out, "  {}: {}", replicated.join(", "), Placement::Replicate);
+    let _ = writeln!(
+        out,
+        "activations (placements from the sharding rules; `transformer.h.i.` omitted in blocks):"
+    );
+    for a in megatron_activations().map_err(options)? {
+        let then = a
+            .made_whole
+            .map_or_else(String::new, |t| format!(" → Replicate by {t}"));
+        let _ = writeln!(out, "  {}: {}{then}", a.node, a.placement);
+    }
+    let g = &tg.graphs[0];
+    let typed = &g.graph;
+    let _ = writeln!(
+        out,
+        "collectives of one step on each rank (bytes each rank sends, ring):"
+    );
+    let (mut fwd, mut bwd, mut other) = (Some(0usize), Some(0usize), Some(0usize));
+    for i in typed.topo_order() {
+        let n = typed.node(i);
+        if !n.op.starts_with("Collective") || n.name.starts_with("eval/") {
+            continue;
+        }
+        let Some(AttrValue::Int(key)) = n.attrs.get("instance_key") else {
+            continue;
+        };
+        let backward = *key >= dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET;
+        let ty = typed.output_type(i, 0);
+        let bytes = ty.and_then(|t| {
+            let b = t.shape.num_elements()? * t.dtype.size_of();
+            Some(crate::sharding::Transition::AllReduce.bytes_sent(b, tp))
+        });
+        let (pass, change, total) = match n.op {
+            "CollectiveTpCopy" => (
+                "forward ",
+                "f: Replicate, identity (its gradient below)",
+                None,
+            ),
+            "CollectiveTpReduce" if n.name.starts_with("xent/") => (
+                "loss    ",
+                "Partial → Replicate: all-reduce (g)",
+                Some(&mut other),
+            ),
+            "CollectiveTpReduce" => (
+                "forward ",
+                "Partial → Replicate: all-reduce (g)",
+                Some(&mut fwd),
+            ),
+            "CollectiveAllReduce" if backward => (
+                "backward",
+                "Partial → Replicate: all-reduce (f's gradient)",
+                Some(&mut bwd),
+            ),
+            "CollectiveAllReduce" if n.name.starts_with("xent/") => (
+                "loss    ",
+                "Partial(max) → Replicate: all-reduce max",
+                Some(&mut other),
+            ),
+            _ => (
+                "update  ",
+                "Partial → Replicate: all-reduce (clipping's Σ‖g‖²)",
+                Some(&mut other),
+            ),
+        };
+        let shown = match (total, bytes) {
+            (None, _) => "0 B".to_string(),
+            (Some(t), Some(b)) => {
+                if let Some(x) = t.as_mut() {
+                    *x += b;
+                }
+                format!("{b} B")
+            }
+            (Some(t), None) => {
+                *t = None;
+                "? B (give --batch-size)".to_string()
+            }
+        };
+        let ty = ty.map_or_else(|| "?".to_string(), |t| t.to_string());
+        let _ = writeln!(out, "  {pass} {} {}: {change}; {ty}, {shown}", n.op, n.name);
+    }
+    let show = |b: Option<usize>| b.map_or_else(|| "?".to_string(), |b| b.to_string());
+    let _ = writeln!(
+        out,
+        "bytes each rank sends per step: forward {} B, backward {} B, loss and clipping {} B",
+        show(fwd),
+        show(bwd),
+        show(other)
+    );
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::layers::{gpt, GptConfig};
+
+    fn model(vocab: usize, heads: usize, batch: i64) -> (Graph, TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: vocab,
+            block_size: 4,
+            n_layer: 2,
+            n_head: heads,
+            n_embd: 8,
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs.insert(
+                    "shape".into(),
+                    AttrValue::Shape(Shape::known(&[batch as usize, 4])),
+                );
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    fn ops<'a>(g: &'a ReplicaGraph, op: &str) -> Vec<&'a NodeDef> {
+        g.training.def.nodes.iter().filter(|n| n.op == op).collect()
+    }
+
+    #[test]
+    fn megatron_layout_two_reduces_forward_and_two_backward_per_block() {
+        let (graph, spec) = model(11, 4, 3);
+        for tp in [2usize, 4] {
+            let tg = tensor_training(&graph, &spec, tp, "idx", "targets").unwrap();
+            assert_eq!(tg.graphs.len(), tp);
+            let g = &tg.graphs[1];
+            // Shards: c_attn [3C/T, C], c_proj [C, C/T], c_fc [4C/T, C], wte [Vp/T, C].
+            let shape = |name: &str| {
+                let i = g.graph.find(name).unwrap();
+                g.graph
+                    .output_type(i, 0)
+                    .unwrap()
+                    .shape
+                    .as_static()
+                    .unwrap()
+            };
+            let s = |v: &str| shard_name(v, 1, tp);
+            assert_eq!(
+                shape(&s("transformer.h.0.attn.c_attn.weight")),
+                [24 / tp, 8]
+            );
+            assert_eq!(shape(&s("transformer.h.1.attn.c_proj.weight")), [8, 8 / tp]);
+            assert_eq!(shape(&s("transformer.h.0.mlp.c_fc.weight")), [32 / tp, 8]);
+            assert_eq!(shape(&s("transformer.h.0.mlp.c_proj.weight")), [8, 32 / tp]);
+            assert_eq!(
+                shape(&s("transformer.wte.weight")),
+                [11usize.div_ceil(tp), 8]
+            );
+            // Replicated: norms, wpe, the row-parallel biases.
+            assert_eq!(shape("transformer.h.0.attn.c_proj.bias"), [8]);
+            assert_eq!(shape("transformer.wpe.weight"), [4, 8]);
+            // g: 2 per block + the embedding's + the loss's two; f: 2 per block + the head's.
+            let reduces = ops(g, "CollectiveTpReduce");
+            assert_eq!(reduces.len(), 2 * 2 + 1 + 2);
+            assert_eq!(ops(g, "CollectiveTpCopy").len(), 2 * 2 + 1);
+            // Bytes: per block two all-reduces of b·s·h floats forward, two backward, plus the
+            // embedding's (forward) and the head's input gradient (backward).
+            let (fwd, bwd) = activation_bytes(g, tp).unwrap();
+            let act = 3 * 4 * 8 * 4;
+            let ring = 2 * (tp - 1) * act / tp;
+            assert_eq!(fwd, (2 * 2 + 1) * ring);
+            assert_eq!(bwd, (2 * 2 + 1) * ring);
+            // Every collective but f waits for the one before it.
+            let chained = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                .filter(|n| !n.inputs.iter().any(|i| i.starts_with('^')))
+                .count();
+            assert_eq!(chained, 1, "one collective heads the chain");
+            // The shards are drawn as the whole variable's parts.
+            let v = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == s("transformer.h.0.attn.c_attn.weight"))
+                .unwrap();
+            assert_eq!(v.attrs["shard_blocks"], AttrValue::Int(3));
+            assert_eq!(v.attrs["shard_index"], AttrValue::Int(1));
+            assert_eq!(
+                v.attrs["shard_name"],
+                AttrValue::String("transformer.h.0.attn.c_attn.weight".into())
+            );
+        }
+    }
+
+    #[test]
+    fn the_sharding_rules_derive_megatrons_activation_placements() {
+        use crate::sharding::Transition;
+        let acts = megatron_activations().unwrap();
+        let at = |node: &str| acts.iter().find(|a| a.node == node).unwrap().clone();
+        assert_eq!(at("attn.c_attn/bias_add").placement, Placement::Shard(1));
+        assert_eq!(at("attn/probs").placement, Placement::Shard(1));
+        for row in [
+            "attn.c_proj/matmul",
+            "mlp.c_proj/matmul",
+            "transformer.wte/lookup",
+        ] {
+            assert_eq!(at(row).placement, Placement::Partial, "{row}");
+            assert_eq!(at(row).made_whole, Some(Transition::AllReduce), "{row}");
+        }
+        assert_eq!(at("lm_head").placement, Placement::Shard(1));
+        assert_eq!(at("xent").placement, Placement::Replicate);
+        // Exactly three all-reduces forward per model: per block two, plus the embedding's.
+        assert_eq!(acts.iter().filter(|a| a.made_whole.is_some()).count(), 3);
+    }
+
+    #[test]
+    fn a_padded_vocabulary_is_masked_and_checkpoints_store_whole_tensors() {
+        let (graph, spec) = model(11, 2, 2);
+        let tg = tensor_training(&graph, &spec, 2, "idx", "targets").unwrap();
+        // 11 → 12: rank 1 holds rows 6..12, the last one padding, masked.
+        assert!(ops(&tg.graphs[1], "Add")
+            .iter()
+            .any(|n| n.name == "xent/tp_masked"));
+        assert!(!ops(&tg.graphs[0], "Add")
+            .iter()
+            .any(|n| n.name == "xent/tp_masked"));
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel { tp: Some(2) }.plan(&input).unwrap();
+        assert_eq!(plan.batch_parts, 1);
+        let wte = plan
+            .axis_sharded
+            .iter()
+            .find(|s| s.logical == "transformer.wte.weight/adam_m")
+            .unwrap();
+        assert_eq!(wte.dims, [11, 8]);
+        assert_eq!(wte.padded, 12);
+        assert_eq!(
+            wte.shards,
+            [
+                "transformer.wte.weight/tp_0_of_2/adam_m",
+                "transformer.wte.weight/tp_1_of_2/adam_m"
+            ]
+        );
+        // Evaluation runs the one-process graph on worker 0 with the assembled weights.
+        let eval = plan.eval_signature().unwrap();
+        assert_eq!(eval.fetches, ["eval/loss:0"]);
+    }
+
+    #[test]
+    fn one_rank_an_untied_head_and_no_biases_plan_too() {
+        let (graph, spec) = model(11, 2, 2);
+        let tg = tensor_training(&graph, &spec, 1, "idx", "targets").unwrap();
+        assert_eq!(tg.graphs.len(), 1);
+        for (tie, bias) in [(false, true), (true, false)] {
+            let cfg = GptConfig {
+                vocab_size: 11,
+                block_size: 4,
+                n_layer: 1,
+                n_head: 2,
+                n_embd: 8,
+                tie_weights: tie,
+                bias,
+                ..GptConfig::default()
+            };
+            let m = gpt(&cfg).unwrap();
+            let graph = Graph::from_def(&m.def).unwrap();
+            let tg = tensor_training(&graph, &spec, 2, "idx", "targets").unwrap();
+            let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(names.contains(&"lm_head.weight"), !tie, "{names:?}");
+            assert_eq!(
+                names.contains(&"transformer.h.0.attn.c_attn.bias"),
+                bias,
+                "{names:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn indivisible_dimensions_and_other_options_are_errors_naming_them() {
+        let (graph, spec) = model(11, 2, 2);
+        let e = tensor_training(&graph, &spec, 4, "idx", "targets").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("number of heads (n_head) of transformer.h.0.attn is 2"),
+            "{e}"
+        );
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let e = TensorParallel { tp: Some(4) }.plan(&input).unwrap_err();
+        assert!(
+            e.to_string().contains("must equal the cluster's 2 workers"),
+            "{e}"
+        );
+        let build = |asynchronous: bool, tp: Option<usize>| {
+            (REGISTRATION.build)(&super::super::StrategyOptions {
+                asynchronous,
+                tp,
+                ..Default::default()
+            })
+        };
+        assert!(build(true, None)
+            .unwrap_err()
+            .to_string()
+            .contains("synchronous"));
+        assert!(build(false, Some(0))
+            .unwrap_err()
+            .to_string()
+            .contains("at least 1"));
+        // Not a GPT.
+        let mut b = dflow_graph::builder::GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[2, 2]);
+        let y = b.placeholder("y", DType::F32, &[2, 2]);
+        let d = b.binary("Sub", "d", &x, &y);
+        b.op("Mean", "loss").input(&d).finish();
+        let g = b.build().unwrap();
+        let e = tensor_training(
+            &g,
+            &TrainSpec::new("loss", spec.optimizer.clone()),
+            2,
+            "x",
+            "y",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("transformer.wte.weight"), "{e}");
+    }
+}
