@@ -291,14 +291,15 @@ fn moe_run(graph: &Path, cluster: Option<&str>, steps: u32, ckpt: &Path) -> Vec<
 /// A checkpoint of a 2-worker expert job holds every expert variable and its Adam moments whole
 /// (`[E, ...]` under the one-process names, no `/shard_<i>`), so it resumes in one process with
 /// no strategy and at 4 workers (1 expert each) with the next step's loss of the uninterrupted
-/// 2-worker job (within 1e-6 relative).
+/// 2-worker job (within 1e-6 relative); and the one process's checkpoint of that step resumes
+/// at 2 workers with the uninterrupted job's step 5.
 #[test]
 fn an_expert_checkpoint_saved_at_two_workers_resumes_in_one_process_and_at_four() {
     let dir = scratch("expert-checkpoint");
     let graph = tiny_moe_gpt(&dir, 1, None);
     let two = "examples/gpt/cluster-2workers.json";
-    let uninterrupted = moe_run(&graph, Some(two), 4, &dir.join("full"));
-    assert_eq!(uninterrupted.len(), 4);
+    let uninterrupted = moe_run(&graph, Some(two), 5, &dir.join("full"));
+    assert_eq!(uninterrupted.len(), 5);
     let saved = dir.join("saved");
     assert_eq!(moe_run(&graph, Some(two), 3, &saved).len(), 3);
     let path = dflow::executor::checkpoint::latest(&saved)
@@ -322,21 +323,35 @@ fn an_expert_checkpoint_saved_at_two_workers_resumes_in_one_process_and_at_four(
     for (n, t) in &experts {
         assert_eq!(t.dims().first(), Some(&4), "`{n}` is {:?}", t.dims());
     }
-    let next = &uninterrupted[3..];
+    assert!(
+        experts.iter().any(|(n, _)| n.ends_with("/adam_m")),
+        "the experts' optimizer slots: {:?}",
+        tensors.keys().collect::<Vec<_>>()
+    );
+    let copy_of = |from: &Path, name: &str| {
+        let copy = dir.join(name);
+        std::fs::create_dir_all(&copy).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), copy.join(e.file_name())).unwrap();
+        }
+        copy
+    };
+    let next = &uninterrupted[3..4];
     for (cluster, name) in [
         (None, "one"),
         (Some("examples/gpt/cluster-4workers.json"), "four"),
     ] {
-        let copy = dir.join(name);
-        std::fs::create_dir_all(&copy).unwrap();
-        for e in std::fs::read_dir(&saved).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), copy.join(e.file_name())).unwrap();
-        }
+        let copy = copy_of(&saved, name);
         let resumed = moe_run(&graph, cluster, 4, &copy);
         let worst = assert_same_losses(&resumed, next, 1e-6);
         eprintln!("resumed {name}: step 4 relative difference {worst:e}");
     }
+    // The one process's step-4 checkpoint (experts whole, as it trains them) at 2 workers.
+    let back = copy_of(&dir.join("one"), "back");
+    let resumed = moe_run(&graph, Some(two), 5, &back);
+    let worst = assert_same_losses(&resumed, &uninterrupted[4..], 1e-6);
+    eprintln!("one process's checkpoint at 2 workers: step 5 relative difference {worst:e}");
 }
 
 /// A uniform router through the strategy: with every router weight zero, each token's router
