@@ -7,6 +7,10 @@
 //! elements padded with zeros to `N·S`, `S = ⌈L/N⌉`; shard `r` holds `[r·S, (r+1)·S)`. A
 //! checkpoint holds the logical tensor under its logical name (`w1/adam_m`) with its logical
 //! shape, exactly what a one-process run saves, so it resumes under any number of shards.
+//!
+//! Shards are flat (`[S]`) unless [`ShardedVariable::shard_dims`] gives their shape: the expert
+//! strategy's shards are whole rows (`[E/N, ...]` of an `[E, ...]` variable, E a multiple of N),
+//! which are exactly the flat chunks above with no padding.
 
 use dflow_graph::axis_split::AxisSplit;
 use dflow_graph::{DType, Tensor};
@@ -24,6 +28,9 @@ pub struct ShardedVariable {
     pub dims: Vec<usize>,
     /// The shard variables in rank order, each of `⌈L/N⌉` elements.
     pub shards: Vec<String>,
+    /// The shards' shape when it is not flat (`[⌈L/N⌉]`); its elements must number `⌈L/N⌉`.
+    #[serde(default)]
+    pub shard_dims: Option<Vec<usize>>,
 }
 
 impl ShardedVariable {
@@ -94,12 +101,24 @@ pub fn split(
                 s.dims
             ));
         }
+        let shard_dims = match &s.shard_dims {
+            Some(d) if d.iter().product::<usize>() != s.shard_len() => {
+                return Err(format!(
+                    "`{}`: shards of shape {d:?} cannot hold {} of its {} elements each",
+                    s.logical,
+                    s.shard_len(),
+                    s.len()
+                ))
+            }
+            Some(d) => d.clone(),
+            None => vec![s.shard_len()],
+        };
         let size = s.dtype.size_of();
         let mut padded = t.as_bytes().to_vec();
         padded.resize(s.shard_len() * s.shards.len() * size, 0);
         for (r, name) in s.shards.iter().enumerate() {
             let part = &padded[r * s.shard_len() * size..(r + 1) * s.shard_len() * size];
-            let shard = Tensor::from_bytes(s.dtype, &[s.shard_len()], part)
+            let shard = Tensor::from_bytes(s.dtype, &shard_dims, part)
                 .map_err(|e| format!("`{name}`: {e}"))?;
             tensors.insert(name.clone(), shard);
         }
@@ -211,7 +230,45 @@ mod tests {
             shards: (0..n)
                 .map(|r| format!("w/adam_m/shard_{r}_of_{n}"))
                 .collect(),
+            shard_dims: None,
         }
+    }
+
+    #[test]
+    fn row_shards_keep_their_shape_and_gather_back_to_the_whole() {
+        // Experts: a [4, 3] variable as two [2, 3] shards of whole rows.
+        let whole =
+            Tensor::from_slice(&[4, 3], &(0..12).map(|v| v as f32).collect::<Vec<_>>()).unwrap();
+        let s = ShardedVariable {
+            logical: "experts".into(),
+            dtype: DType::F32,
+            dims: vec![4, 3],
+            shards: vec!["experts/shard_0".into(), "experts/shard_1".into()],
+            shard_dims: Some(vec![2, 3]),
+        };
+        let mut tensors = BTreeMap::from([("experts".to_string(), whole.clone())]);
+        split(std::slice::from_ref(&s), &mut tensors).unwrap();
+        assert_eq!(tensors["experts/shard_1"].dims(), [2, 3]);
+        assert_eq!(
+            tensors["experts/shard_1"].as_slice::<f32>().unwrap(),
+            [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+        );
+        let back = gather(std::slice::from_ref(&s), tensors.into_iter().collect()).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].0, "experts");
+        assert_eq!(back[0].1.dims(), [4, 3]);
+        assert_eq!(
+            back[0].1.as_slice::<f32>().unwrap(),
+            whole.as_slice::<f32>().unwrap()
+        );
+        // A shard shape that does not hold a shard's elements is refused, naming the variable.
+        let bad = ShardedVariable {
+            shard_dims: Some(vec![3, 3]),
+            ..s
+        };
+        let mut tensors = BTreeMap::from([("experts".to_string(), whole)]);
+        let e = split(std::slice::from_ref(&bad), &mut tensors).unwrap_err();
+        assert!(e.contains("`experts`: shards of shape [3, 3]"), "{e}");
     }
 
     #[test]

@@ -52,8 +52,9 @@ use super::allreduce::{
     check_job, fresh, node, reduce_gradients, weighted_training, worker_device,
 };
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
-use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::job::{task_name, CollectiveGroup, Schedule, VariablePlan};
 use crate::place::{PlacementOptions, Policy};
+use crate::shards::ShardedVariable;
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -132,14 +133,17 @@ impl Strategy for Expert {
                 .map(|(i, _)| task_name("worker", i))
                 .collect(),
         };
-        JobPlan::build(
+        let mut plan = JobPlan::build(
             self.describe(),
             input,
             graphs,
             &placement,
             Schedule::Lockstep,
             vec![group],
-        )
+        )?;
+        let layers = moe_layers(input.graph, &input.graph.to_def())?;
+        plan.sharded = expert_shards(&layers, &plan.variables, workers);
+        Ok(plan)
     }
 
     fn full_batches(&self) -> bool {
@@ -306,6 +310,48 @@ pub fn moe_layers(graph: &Graph, def: &GraphDef) -> Result<Vec<MoeLayer>, Strate
         });
     }
     Ok(layers)
+}
+
+/// The experts' shards as whole logical tensors for checkpoints ([`crate::shards`]): each
+/// expert variable `v` (`[E, ...]`) and each of its optimizer slots `v/<slot>` of the same shape
+/// are the concatenation of the workers' `v/shard_<i>[/<slot>]` (`[E/N, ...]`, whole rows), so a
+/// checkpoint holds them under the names and shapes one process uses and resumes at any worker
+/// count, with or without the strategy. A slot whose first dimension is not `E/N` (none of the
+/// bundled optimizers has one) is left out and stays per worker.
+pub fn expert_shards(
+    layers: &[MoeLayer],
+    variables: &[VariablePlan],
+    workers: usize,
+) -> Vec<ShardedVariable> {
+    let mut sharded = Vec::new();
+    for layer in layers {
+        let per_worker = layer.experts / workers.max(1);
+        for var in &layer.variables {
+            let first = shard_name(var, 0);
+            for v in variables {
+                let Some(suffix) = v.name.strip_prefix(&first) else {
+                    continue;
+                };
+                if !(suffix.is_empty() || suffix.starts_with('/'))
+                    || v.dims.first() != Some(&per_worker)
+                {
+                    continue;
+                }
+                let mut dims = v.dims.clone();
+                dims[0] = layer.experts;
+                sharded.push(ShardedVariable {
+                    logical: format!("{var}{suffix}"),
+                    dtype: v.dtype,
+                    dims,
+                    shards: (0..workers)
+                        .map(|i| format!("{}{suffix}", shard_name(var, i)))
+                        .collect(),
+                    shard_dims: Some(v.dims.clone()),
+                });
+            }
+        }
+    }
+    sharded
 }
 
 /// The name of worker `worker`'s shard of expert variable `var`.
@@ -666,6 +712,7 @@ pub fn all_to_all_bytes(g: &ReplicaGraph, workers: usize) -> Vec<(String, Option
 mod tests {
     use super::*;
     use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use dflow_graph::DType;
 
     fn moe_gpt(experts: usize, top_k: usize) -> (Graph, TrainSpec) {
         let cfg = GptConfig {
@@ -894,6 +941,45 @@ mod tests {
         let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
         let err = strategy.plan(&input).unwrap_err();
         assert!(err.to_string().contains("batch size 7"), "{err}");
+    }
+
+    #[test]
+    fn expert_shards_cover_the_variables_and_their_same_shaped_slots() {
+        let layer = MoeLayer {
+            dispatch: "d".into(),
+            combine: "c".into(),
+            experts: 4,
+            width: 8,
+            expert_nodes: vec![],
+            variables: vec!["fc".into()],
+        };
+        let var = |name: &str, dims: &[usize]| VariablePlan {
+            name: name.into(),
+            dtype: DType::F32,
+            dims: dims.to_vec(),
+            holders: vec![],
+        };
+        let variables = vec![
+            var("fc/shard_0", &[2, 8, 3]),
+            var("fc/shard_1", &[2, 8, 3]),
+            var("fc/shard_0/adam_m", &[2, 8, 3]),
+            var("fc/shard_1/adam_m", &[2, 8, 3]),
+            // Not a slot of the shard, and a slot of another shape: left alone.
+            var("fc/shard_0x", &[2, 8, 3]),
+            var("fc/shard_0/count", &[]),
+            var("router", &[4, 8]),
+        ];
+        let sharded = expert_shards(std::slice::from_ref(&layer), &variables, 2);
+        assert_eq!(sharded.len(), 2);
+        assert_eq!(sharded[0].logical, "fc");
+        assert_eq!(sharded[0].dims, [4, 8, 3]);
+        assert_eq!(sharded[0].shards, ["fc/shard_0", "fc/shard_1"]);
+        assert_eq!(sharded[0].shard_dims.as_deref(), Some(&[2, 8, 3][..]));
+        assert_eq!(sharded[1].logical, "fc/adam_m");
+        assert_eq!(
+            sharded[1].shards,
+            ["fc/shard_0/adam_m", "fc/shard_1/adam_m"]
+        );
     }
 
     #[test]

@@ -180,6 +180,7 @@ impl Strategy for Zero {
                 shards: (0..workers)
                     .map(|r| format!("{logical}/shard_{r}_of_{workers}"))
                     .collect(),
+                shard_dims: None,
             });
         }
         plan.sharded = sharded;
