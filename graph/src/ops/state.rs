@@ -46,7 +46,9 @@ pub(crate) fn register(r: &mut OpRegistry) {
              `shard_of` set, the variable is rows [shard_offset, shard_offset + shape[0]) of a \
              variable of shape `shard_of` named `shard_name` and its initial value is that \
              slice of the bigger variable's (the expert strategy keeps each worker's experts \
-             this way).",
+             this way); with `shard_stride` k > 1 the rows are shard_offset, shard_offset + k, \
+             ... (a `mod`-partitioned embedding shard). `partition_strategy` (`mod` or `div`) \
+             marks an embedding table that the ps strategy shards over the ps tasks.",
             |ctx| {
                 let shape = ctx.shape("shape")?;
                 let Some(dims) = shape.as_static() else {
@@ -56,7 +58,26 @@ pub(crate) fn register(r: &mut OpRegistry) {
                     &dims,
                     ctx.attrs.get("shard_of"),
                     ctx.attrs.get("shard_offset"),
+                    ctx.attrs.get("shard_stride"),
                 )?;
+                match ctx.attrs.get("partition_strategy") {
+                    None => {}
+                    Some(AttrValue::String(s)) if s.is_empty() => {}
+                    Some(AttrValue::String(s)) => {
+                        s.parse::<crate::embedding_partition::PartitionStrategy>()?;
+                        if dims.len() < 2 {
+                            return Err(format!(
+                                "a partitioned embedding table must have rank >= 2 ([rows, d..]), got shape {shape}"
+                            ));
+                        }
+                    }
+                    Some(v) => {
+                        return Err(format!(
+                            "attribute `partition_strategy` is {}, not string",
+                            v.ty()
+                        ))
+                    }
+                }
                 Ok(vec![TensorType::new(ctx.dtype("dtype")?, shape.clone())])
             },
         )
@@ -75,6 +96,8 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("shard_of", AttrType::Shape, AttrDefault::UnknownShape),
             attr_or("shard_offset", AttrType::Int, AttrDefault::Int(0)),
             attr_or("shard_name", AttrType::String, AttrDefault::Str("")),
+            attr_or("shard_stride", AttrType::Int, AttrDefault::Int(1)),
+            attr_or("partition_strategy", AttrType::String, AttrDefault::Str("")),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -187,14 +210,26 @@ fn identity_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     ctx.set_output(0, x)
 }
 
-/// The whole variable's dimensions and the first row of a shard of shape `dims` (`None`: not a
-/// shard): `shard_of` must match `dims` past dimension 0 and hold rows
-/// `[shard_offset, shard_offset + dims[0])`.
+/// Which rows of a bigger variable a shard holds: rows `first, first + stride, ...`.
+#[derive(Debug, Clone, PartialEq)]
+struct ShardRows {
+    /// The whole variable's dimensions.
+    whole: Vec<usize>,
+    /// The first row.
+    first: usize,
+    /// The distance between consecutive rows (1: a contiguous block).
+    stride: usize,
+}
+
+/// The rows of the bigger variable a shard of shape `dims` holds (`None`: not a shard):
+/// `shard_of` must match `dims` past dimension 0 and hold rows `shard_offset + r·shard_stride`
+/// for `r < dims[0]`.
 fn shard_rows(
     dims: &[usize],
     shard_of: Option<&AttrValue>,
     offset: Option<&AttrValue>,
-) -> Result<Option<(Vec<usize>, usize)>, String> {
+    stride: Option<&AttrValue>,
+) -> Result<Option<ShardRows>, String> {
     let whole = match shard_of {
         None => return Ok(None),
         Some(AttrValue::Shape(s)) if s.rank().is_none() => return Ok(None),
@@ -210,19 +245,35 @@ fn shard_rows(
         }
         Some(v) => return Err(format!("attribute `shard_offset` is {}, not int", v.ty())),
     };
+    let stride = match stride {
+        None => 1,
+        Some(AttrValue::Int(v)) => usize::try_from(*v)
+            .ok()
+            .filter(|&s| s >= 1)
+            .ok_or_else(|| format!("shard_stride must be ≥ 1, got {v}"))?,
+        Some(v) => return Err(format!("attribute `shard_stride` is {}, not int", v.ty())),
+    };
+    // The last row, offset + (rows - 1)·stride, must lie inside the whole variable.
+    let last = dims.first().and_then(|&rows| {
+        rows.checked_sub(1)
+            .map_or(Some(offset), |r| r.checked_mul(stride)?.checked_add(offset))
+    });
     let fits = !dims.is_empty()
         && whole.len() == dims.len()
         && whole[1..] == dims[1..]
-        && offset
-            .checked_add(dims[0])
-            .is_some_and(|end| end <= whole[0]);
+        && last.is_some_and(|l| dims[0] == 0 || l < whole[0])
+        && offset <= whole[0];
     if !fits {
         return Err(format!(
-            "a shard of shape {dims:?} at row {offset} does not fit in shard_of {whole:?} (same \
-             dimensions past the first, rows within it)"
+            "a shard of shape {dims:?} at row {offset} (stride {stride}) does not fit in shard_of \
+             {whole:?} (same dimensions past the first, rows within it)"
         ));
     }
-    Ok(Some((whole, offset)))
+    Ok(Some(ShardRows {
+        whole,
+        first: offset,
+        stride,
+    }))
 }
 
 /// Variable's kernel: outputs the cell's current value, initializing it on first use from the
@@ -236,8 +287,8 @@ struct VariableKernel {
     seed: i64,
     init_value: f64,
     stddev: f64,
-    /// A shard's whole dimensions and first row.
-    shard: Option<(Vec<usize>, usize)>,
+    /// The rows of a bigger variable this shard holds.
+    shard: Option<ShardRows>,
 }
 
 fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
@@ -275,6 +326,7 @@ fn variable_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
         &dims,
         init.attrs.get("shard_of"),
         init.attrs.get("shard_offset"),
+        init.attrs.get("shard_stride"),
     )?;
     // A shard draws its values under the whole variable's name (the random stream's key).
     let node = match init.attrs.get("shard_name") {
@@ -299,9 +351,9 @@ impl Kernel for VariableKernel {
             if let Some(t) = v {
                 return Ok(t.clone());
             }
-            let (dims, first) = match &self.shard {
-                Some((whole, first)) => (whole.as_slice(), *first),
-                None => (self.dims.as_slice(), 0),
+            let dims = match &self.shard {
+                Some(s) => s.whole.as_slice(),
+                None => self.dims.as_slice(),
             };
             let mut t = initial_value_with_stddev(
                 self.initializer,
@@ -312,14 +364,20 @@ impl Kernel for VariableKernel {
                 self.init_value,
                 self.stddev,
             )?;
-            if self.shard.is_some() {
+            if let Some(s) = &self.shard {
                 // The whole variable's value is drawn once, at the first step, and sliced.
                 let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
-                let bytes = t
-                    .as_bytes()
-                    .get(first * row..(first + self.dims[0]) * row)
-                    .ok_or_else(|| format!("shard rows outside {dims:?}"))?;
-                t = Tensor::from_bytes(self.dtype, &self.dims, bytes).map_err(|e| e.to_string())?;
+                let mut bytes = Vec::with_capacity(self.dims[0] * row);
+                for r in 0..self.dims[0] {
+                    let at = s.first + r * s.stride;
+                    bytes.extend_from_slice(
+                        t.as_bytes()
+                            .get(at * row..(at + 1) * row)
+                            .ok_or_else(|| format!("shard row {at} outside {dims:?}"))?,
+                    );
+                }
+                t = Tensor::from_bytes(self.dtype, &self.dims, &bytes)
+                    .map_err(|e| e.to_string())?;
             }
             *v = Some(t.clone());
             Ok(t)
@@ -385,5 +443,40 @@ pub(crate) mod gradients {
             err.contains("[2, 2, 3]") && err.contains("[4, 2, 3]"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_strided_shard_starts_as_every_kth_row() {
+        use crate::ops::testing::run_kernel_with;
+        let attrs = |shape: &[usize]| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(shape))),
+                ("initializer", AttrValue::String("normal".into())),
+                ("seed", AttrValue::Int(7)),
+            ]
+        };
+        let cell = || [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let whole = run_kernel_with("Variable", "e", &attrs(&[5, 2]), &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        let w = whole.as_slice::<f32>().unwrap();
+        // `mod` over 2 shards: shard 1 holds rows 1 and 3.
+        let mut shard_attrs = attrs(&[2, 2]);
+        shard_attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[5, 2]))),
+            ("shard_offset", AttrValue::Int(1)),
+            ("shard_stride", AttrValue::Int(2)),
+            ("shard_name", AttrValue::String("e".into())),
+        ]);
+        let shard = run_kernel_with("Variable", "e/part_1", &shard_attrs, &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        assert_eq!(shard.as_slice::<f32>().unwrap(), [w[2], w[3], w[6], w[7]]);
+        // Three rows at stride 2 from row 1 would need row 5: refused.
+        shard_attrs[1] = ("shape", AttrValue::Shape(Shape::known(&[3, 2])));
+        let err =
+            run_kernel_with("Variable", "e/part_1", &shard_attrs, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("stride 2"), "{err}");
     }
 }
