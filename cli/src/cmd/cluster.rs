@@ -351,6 +351,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
             args.zero_stage,
             &args.pipeline,
             Some(args.batch_size),
+            args.partition_strategy,
         )?
         .into(),
         placement: PlacementOptions::default(),

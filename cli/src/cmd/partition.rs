@@ -90,6 +90,10 @@ pub struct Args {
     /// gradients (reduce-scatter instead of all-reduce). Default 1.
     #[arg(long, requires = "strategy", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
+    /// Parameter-server training: how embedding tables (Variables with a `partition_strategy`)
+    /// are sharded over the ps tasks, `mod` or `div`, overriding the graph's.
+    #[arg(long, value_name = "mod|div", value_parser = |s: &str| s.parse::<dflow_graph::embedding_partition::PartitionStrategy>())]
+    pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
 }
 
 /// `dflow partition --strategy S`: the job plan of the graph's training job.
@@ -112,6 +116,7 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         args.zero_stage,
         &args.pipeline,
         args.batch_size,
+        args.partition_strategy,
     )?;
     let placement = PlacementOptions {
         default_device: DeviceName::parse(&args.default_device).context("--default-device")?,

@@ -81,6 +81,10 @@ pub struct Args {
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce). Default 1.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
+    /// Parameter-server training: how embedding tables (Variables with a `partition_strategy`)
+    /// are sharded over the ps tasks, `mod` or `div`, overriding the graph's.
+    #[arg(long, value_name = "mod|div", value_parser = |s: &str| s.parse::<dflow_graph::embedding_partition::PartitionStrategy>())]
+    pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
     /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
     /// step (the default).
     #[arg(long, conflicts_with = "async")]

@@ -1,6 +1,7 @@
 //! The flags that configure strategies, shared by `dflow run` and `dflow partition`, and how
 //! they build a [`Strategy`](dflow_partitioner::Strategy).
 
+use dflow_graph::embedding_partition::PartitionStrategy;
 use dflow_partitioner::strategy::pipeline::schedule::ScheduleKind;
 use dflow_partitioner::{StrategyKind, StrategyOptions};
 
@@ -36,7 +37,8 @@ impl PipelineFlags {
 }
 
 /// Builds strategy `kind` from the flags that configure strategies (`--async`,
-/// `--fusion-threshold-mb`, `--zero-stage`, the pipeline flags, the global batch size).
+/// `--fusion-threshold-mb`, `--zero-stage`, the pipeline flags, the global batch size,
+/// `--partition-strategy`).
 pub fn build_strategy(
     kind: StrategyKind,
     asynchronous: bool,
@@ -44,7 +46,14 @@ pub fn build_strategy(
     zero_stage: Option<u8>,
     pipeline: &PipelineFlags,
     batch_size: Option<usize>,
+    partition_strategy: Option<PartitionStrategy>,
 ) -> anyhow::Result<Box<dyn dflow_partitioner::Strategy>> {
+    if let Some(p) = partition_strategy.filter(|_| kind.name() != "ps") {
+        anyhow::bail!(
+            "--partition-strategy {p} shards embedding tables over ps tasks: it applies to --strategy ps, not --strategy {}",
+            kind.name()
+        );
+    }
     if let Some(stage) = zero_stage.filter(|_| kind.name() != "zero") {
         anyhow::bail!(
             "--zero-stage {stage} applies to --strategy zero, not --strategy {}",
@@ -63,6 +72,7 @@ pub fn build_strategy(
         chunks: pipeline.chunks(),
         batch_size,
         zero_stage: zero_stage.unwrap_or(1),
+        partition_strategy,
     };
     Ok(kind.build(&options)?)
 }

@@ -49,6 +49,7 @@ pub mod allreduce;
 pub mod expert;
 pub mod pipeline;
 pub mod ps;
+pub mod sharded_embedding;
 pub mod zero;
 
 pub use crate::job::{JobPlan, JobPlanError};
@@ -152,6 +153,9 @@ pub struct StrategyOptions {
     /// The ZeRO stage (`--zero-stage`, read by `--strategy zero`): 1 shards the optimizer slots,
     /// 2 also the summed gradients.
     pub zero_stage: u8,
+    /// `--partition-strategy`: how the ps strategy shards embedding tables over the ps tasks,
+    /// overriding each table's own `partition_strategy` (`None`: the graph's).
+    pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
 }
 
 impl Default for StrategyOptions {
@@ -165,6 +169,7 @@ impl Default for StrategyOptions {
             chunks: 1,
             batch_size: None,
             zero_stage: 1,
+            partition_strategy: None,
         }
     }
 }
