@@ -320,7 +320,7 @@ fn max_ids(
     let dims = shape
         .dims()
         .ok_or_else(|| format!("ids `{ids}` have an unknown rank"))?;
-    let rest: Option<usize> = dims.iter().skip(1).map(|d| *d).product();
+    let rest: Option<usize> = dims.iter().skip(1).copied().product();
     match (dims.first(), rest, batch_size) {
         (Some(None), Some(rest), Some(b)) => Ok(rest.saturating_mul(b)),
         (Some(None), Some(_), None) => Err(format!(
@@ -409,7 +409,7 @@ fn sparse_update(
     let pairs = row_gradients(def, &grad, part, &mut nodes)?;
     let at = def.nodes.iter().position(|n| {
         n.inputs.first().map(String::as_str) == Some(part)
-            && n.inputs.iter().any(|i| *i == grad)
+            && n.inputs.contains(&grad)
             && matches!(n.op.as_str(), "ApplyGradientDescent" | "ApplyAdam")
     })?;
     let update = &def.nodes[at];
