@@ -346,7 +346,8 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
         spec,
         strategy: super::strategy_flags::build_strategy(
             kind,
-            args.r#async,
+            // --staleness 0: no worker ahead of another, the synchronous plan.
+            args.r#async && args.staleness != Some(0),
             args.fusion_threshold_mb,
             args.zero_stage,
             &args.pipeline,
@@ -368,6 +369,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
         eval_every,
         init_from,
         min_workers: args.min_workers,
+        staleness: args.staleness.filter(|&s| s > 0),
     })
 }
 

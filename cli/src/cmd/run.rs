@@ -92,6 +92,10 @@ pub struct Args {
     /// Distributed training: apply each worker's gradients as they arrive; reports staleness.
     #[arg(long = "async")]
     pub r#async: bool,
+    /// Asynchronous training: bounded staleness (stale-synchronous parallel). A worker may be
+    /// at most S completed steps ahead of the slowest; 0 trains synchronously.
+    #[arg(long, value_name = "S", requires = "async")]
+    pub staleness: Option<u64>,
     /// Training: write `step loss` lines of every step to FILE.
     #[arg(long, value_name = "FILE")]
     pub losses_out: Option<PathBuf>,

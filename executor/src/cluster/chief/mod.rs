@@ -13,6 +13,7 @@
 mod elastic;
 mod independent;
 mod source;
+mod staleness;
 
 use super::node::{JobError, Rpc};
 use super::protocol::{
@@ -76,6 +77,9 @@ pub struct ChiefConfig {
     /// newest checkpoint of [`ChiefConfig::checkpoint_dir`] (the variables as they were before
     /// the first step when there is none yet) and go on; fewer than K survivors end the job.
     pub min_workers: Option<usize>,
+    /// Bounded staleness (`--staleness S`, independent plans only): a worker may be at most
+    /// `S` completed steps ahead of the slowest (see [`staleness`]); `None`: unbounded.
+    pub staleness: Option<u64>,
 }
 
 /// Trainable variables a job loads from a safetensors file before its first step, as
@@ -810,6 +814,11 @@ pub async fn run_chief(
     let ids = Arc::new(Ids(AtomicU64::new(1)));
     match job.plan.schedule {
         Schedule::Lockstep => {
+            if let Some(s) = cfg.staleness {
+                return Err(setup(format!(
+                    "--staleness {s} bounds asynchronous training; this plan runs the workers in lockstep (add --async)"
+                )));
+            }
             let runtime = tokio::runtime::Handle::current();
             if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
                 return Err(setup(
