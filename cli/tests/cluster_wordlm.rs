@@ -35,7 +35,7 @@ fn data(dir: &Path) -> PathBuf {
     path
 }
 
-fn flags(data: &Path) -> Vec<String> {
+fn flags(data: &Path, epochs: u32) -> Vec<String> {
     [
         "--data",
         &data.to_string_lossy(),
@@ -44,18 +44,18 @@ fn flags(data: &Path) -> Vec<String> {
         "--batch-size",
         "32",
         "--epochs",
-        "1",
+        &epochs.to_string(),
         "--quiet",
     ]
     .map(String::from)
     .to_vec()
 }
 
-fn local(dir: &Path, data: &Path) -> Vec<(u64, f64)> {
+fn local(dir: &Path, data: &Path, epochs: u32) -> Vec<(u64, f64)> {
     let losses = dir.join("local-losses.txt");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"))
         .args(["run", "--local", GRAPH])
-        .args(flags(data))
+        .args(flags(data, epochs))
         .arg("--losses-out")
         .arg(&losses)
         .current_dir(repo())
@@ -71,10 +71,20 @@ fn local(dir: &Path, data: &Path) -> Vec<(u64, f64)> {
 
 /// The job on `ps` ps tasks and `workers` workers; returns the chief's losses and stdout.
 fn job(data: &Path, ps: usize, workers: usize, extra: &[&str]) -> (Vec<(u64, f64)>, String) {
+    job_epochs(data, ps, workers, 1, extra)
+}
+
+fn job_epochs(
+    data: &Path,
+    ps: usize,
+    workers: usize,
+    epochs: u32,
+    extra: &[&str],
+) -> (Vec<(u64, f64)>, String) {
     let cluster = Cluster::new(ps, workers);
     let losses = cluster.path("job-losses.txt");
     let losses_s = losses.to_string_lossy().into_owned();
-    let mut common = flags(data);
+    let mut common = flags(data, epochs);
     common.extend(["--strategy", "ps"].map(String::from));
     common.extend(extra.iter().map(|s| s.to_string()));
     let common: Vec<&str> = common.iter().map(String::as_str).collect();
@@ -101,7 +111,7 @@ fn two_ps_shards_train_like_one_process() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let want = local(dir.path(), &data);
+    let want = local(dir.path(), &data, 1);
     assert_eq!(want.len(), 10, "320 training examples in batches of 32");
     assert!(
         want.last().unwrap().1 < want[0].1,
@@ -111,5 +121,26 @@ fn two_ps_shards_train_like_one_process() {
         let (got, _) = job(&data, 2, workers, &["--partition-strategy", strategy]);
         let worst = assert_same_losses(&got, &want, 1e-5);
         eprintln!("{workers} worker(s), {strategy}: worst relative loss difference {worst:e}");
+    }
+}
+
+/// A checkpoint of the sharded table (saved whole, under the one-process names) resumes at
+/// another number of ps tasks (2 → 1 and 1 → 2) with the losses of an uninterrupted run.
+#[test]
+fn a_sharded_checkpoint_resumes_at_another_ps_count() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let want = local(dir.path(), &data, 2);
+    assert_eq!(want.len(), 20);
+    for (first, then) in [(2, 1), (1, 2)] {
+        let ckpt = dir.path().join(format!("ckpt-{first}-{then}"));
+        let ckpt_s = ckpt.to_string_lossy().into_owned();
+        let (before, _) = job_epochs(&data, first, 1, 1, &["--checkpoint-dir", &ckpt_s]);
+        assert_same_losses(&before, &want[..10], 1e-5);
+        let (after, _) = job_epochs(&data, then, 1, 2, &["--checkpoint-dir", &ckpt_s]);
+        // Steps 11 to 20 only: the job resumed from step 10.
+        let worst = assert_same_losses(&after, &want[10..], 1e-5);
+        eprintln!("{first} ps -> {then} ps: worst relative loss difference {worst:e}");
     }
 }

@@ -215,6 +215,10 @@ pub struct JobPlan {
     /// checkpoint stores them whole ([`crate::shards::gather`] on save,
     /// [`crate::shards::split`] on restore), so it resumes under any layout.
     pub sharded: Vec<crate::shards::ShardedVariable>,
+    /// Logical tensors stored as row shards (embedding tables sharded over the ps tasks and
+    /// their slots): a checkpoint stores them whole ([`crate::shards::gather_rows`] on save,
+    /// [`crate::shards::split_rows`] on restore), so it resumes at any number of ps tasks.
+    pub row_sharded: Vec<crate::shards::RowShardedVariable>,
 }
 
 fn tensor_name(name: &str) -> String {
@@ -434,6 +438,7 @@ impl JobPlan {
             variables: variables.into_values().collect(),
             report_names,
             sharded: Vec::new(),
+            row_sharded: Vec::new(),
         })
     }
 

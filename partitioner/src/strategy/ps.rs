@@ -47,7 +47,7 @@
 //! assert_eq!(node("train/w/update").device, "/job:ps/task:0");
 //! ```
 
-use super::sharded_embedding::{shard_embeddings, sparse_updates};
+use super::sharded_embedding::{row_sharded, shard_embeddings, sparse_updates};
 use super::{
     EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
 };
@@ -139,18 +139,24 @@ impl Strategy for ParameterServer {
         for g in &mut graphs {
             sparse_updates(g, &sharded.tables)?;
         }
+        let row_sharded = graphs
+            .first()
+            .map(|g| row_sharded(&sharded.tables, &g.training.def))
+            .unwrap_or_default();
         let schedule = match self.mode {
             PsMode::Sync => Schedule::Lockstep,
             PsMode::Async => Schedule::Independent,
         };
-        JobPlan::build(
+        let mut plan = JobPlan::build(
             self.describe(),
             input,
             graphs,
             input.placement,
             schedule,
             Vec::new(),
-        )
+        )?;
+        plan.row_sharded = row_sharded;
+        Ok(plan)
     }
 }
 

@@ -27,9 +27,10 @@
 //! keep the dense update of each shard (still on the ps: only the row gradients travel).
 
 use super::{ReplicaGraph, StrategyError};
+use crate::shards::{RowShard, RowShardedVariable};
 use dflow_graph::embedding_partition::{EmbeddingPartition, PartitionStrategy};
 use dflow_graph::train::TrainingGraph;
-use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef, Shape};
+use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// A table the rewrite sharded.
@@ -43,6 +44,10 @@ pub struct ShardedTable {
     pub strategy: PartitionStrategy,
     /// The shard variables, shard 0 first.
     pub parts: Vec<String>,
+    /// The whole table's element type.
+    pub dtype: DType,
+    /// The whole table's dimensions, `[vocab, d..]`.
+    pub dims: Vec<usize>,
 }
 
 /// The forward graph with its tables sharded.
@@ -153,11 +158,17 @@ pub fn shard_embeddings(
         }
         replaced.insert(v.name.clone(), nodes);
         partitions.insert(v.name.clone(), (partition, parts.clone()));
+        let dtype = match v.attrs.get("dtype") {
+            Some(AttrValue::DType(d)) => *d,
+            _ => return Err(bad(&v.name, "it has no dtype".into())),
+        };
         tables.push(ShardedTable {
             name: v.name.clone(),
             vocab,
             strategy,
             parts,
+            dtype,
+            dims: dims.clone(),
         });
     }
 
@@ -330,6 +341,60 @@ fn max_ids(
             "ids `{ids}` have shape {shape}; only the first (batch) dimension may be unknown"
         )),
     }
+}
+
+/// The tables of `tables` and their optimizer slots (`<part>/<slot>` variables of `training`)
+/// as row-sharded logical tensors, so checkpoints hold them whole under the names a
+/// one-process run gives them (`emb`, `emb/adam_m`).
+pub fn row_sharded(tables: &[ShardedTable], training: &GraphDef) -> Vec<RowShardedVariable> {
+    let mut out = Vec::new();
+    for t in tables {
+        let Ok(partition) = EmbeddingPartition::new(t.vocab, t.parts.len(), t.strategy) else {
+            continue;
+        };
+        let Some(first) = t.parts.first() else {
+            continue;
+        };
+        // "" for the table itself, then every slot of shard 0 (`emb/part_0/adam_m`).
+        let mut suffixes = vec![String::new()];
+        suffixes.extend(
+            training
+                .nodes
+                .iter()
+                .filter(|n| n.op == "Variable")
+                .filter_map(|n| {
+                    n.name
+                        .strip_prefix(first.as_str())
+                        .filter(|rest| rest.starts_with('/'))
+                        .map(str::to_string)
+                }),
+        );
+        for suffix in suffixes {
+            let shards: Option<Vec<RowShard>> = t
+                .parts
+                .iter()
+                .enumerate()
+                .map(|(s, part)| {
+                    let rows = partition.rows(s).ok()?;
+                    Some(RowShard {
+                        name: format!("{part}{suffix}"),
+                        start: rows.start,
+                        step: rows.step.max(1),
+                        count: rows.count,
+                    })
+                })
+                .collect();
+            if let Some(shards) = shards {
+                out.push(RowShardedVariable {
+                    logical: format!("{}{suffix}", t.name),
+                    dtype: t.dtype,
+                    dims: t.dims.clone(),
+                    shards,
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Replaces the dense update of each of `tables`' shards in `replica` by a sparse one (see the
@@ -553,6 +618,8 @@ mod tests {
                     "emb/part_1".into(),
                     "emb/part_2".into()
                 ],
+                dtype: DType::F32,
+                dims: vec![10, 2],
             }]
         );
         assert!(!s.def.nodes.iter().any(|n| n.name == "emb"));

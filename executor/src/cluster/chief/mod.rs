@@ -533,6 +533,8 @@ async fn gather_variables(
             }
         }
     }
+    let tensors = dflow_partitioner::shards::gather_rows(&job.plan.row_sharded, tensors)
+        .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
     dflow_partitioner::shards::gather(&job.plan.sharded, tensors)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))
 }
@@ -576,6 +578,8 @@ async fn restore_values(
     what: &str,
 ) -> Result<(), JobError> {
     dflow_partitioner::shards::split(&job.plan.sharded, &mut ckpt.tensors)
+        .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
+    dflow_partitioner::shards::split_rows(&job.plan.row_sharded, &mut ckpt.tensors)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
     let values = checkpoint::restore_into(&job.variable_specs, &ckpt)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
