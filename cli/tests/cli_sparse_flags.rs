@@ -52,9 +52,19 @@ fn the_ps_plan_shows_the_table_split_over_both_ps_tasks() {
         "div",
     ]);
     let plan = stdout(&out);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(plan.contains("emb/part_0 f32[10240, 32] on /job:ps/replica:0/task:0"), "{plan}");
-    assert!(plan.contains("emb/part_1 f32[10240, 32] on /job:ps/replica:0/task:1"), "{plan}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        plan.contains("emb/part_0 f32[10240, 32] on /job:ps/replica:0/task:0"),
+        "{plan}"
+    );
+    assert!(
+        plan.contains("emb/part_1 f32[10240, 32] on /job:ps/replica:0/task:1"),
+        "{plan}"
+    );
     // Rows travel in 192-row buffers (64 examples × 3 ids), never the table.
     assert!(plan.contains("1536 B"), "{plan}");
     assert!(!plan.contains("2621440 B"), "{plan}");
