@@ -1,6 +1,8 @@
 //! Example graphs built with the dflow library API.
 #![warn(missing_docs)]
 
+pub mod word_features;
+
 use dflow::graph::builder::GraphBuilder;
 use dflow::graph::{DType, Graph, GraphErrors};
 

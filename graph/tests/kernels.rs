@@ -161,6 +161,10 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // Sparse optimizer updates: against the dense ops and formulas in
             // tests/sparse_train.rs.
             || op.name.starts_with("SparseApply")
+            // The sharded lookup and its gradients: against Gather and Gather's gradient in
+            // ops/sharded_lookup.rs, and training against the unsharded table in the
+            // workspace's tests/sharded_embedding.rs.
+            || op.name.starts_with("EmbeddingShard")
             // The transformer ops: tested against naive references in tests/transformer_ops.rs.
             || [
                 "Gather",

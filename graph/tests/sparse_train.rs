@@ -315,3 +315,46 @@ fn bad_sparse_updates_are_errors_naming_the_node() {
         "{e}"
     );
 }
+
+/// With `skip_padding`, index -1 rows are ignored: the same update as without them, for every
+/// sparse optimizer.
+#[test]
+fn padding_rows_are_skipped_only_when_asked() {
+    let padded: Vec<i64> = IDS.iter().copied().chain([-1, -1]).collect();
+    for (op, vars, with_t) in [
+        ("SparseApplyGradientDescent", &["var"][..], false),
+        ("SparseApplyAdagrad", &["var", "accum"][..], false),
+        ("SparseApplyLazyAdam", &["var", "m", "v"][..], true),
+    ] {
+        let mut plain = setup(vars, &IDS, 2.0);
+        plain.eval.run(
+            &graph(op, vars, with_t, &[("lr", 0.1.into())]),
+            &["^update".into()],
+        );
+        let mut with_pad = setup(vars, &padded, 2.0);
+        // The same initial values and the same values on the real rows; padding rows get junk.
+        let mut values = plain.values.clone();
+        values.extend([7.0; 2 * D]);
+        with_pad.eval.feeds.insert(
+            "values".into(),
+            Tensor::from_slice(&[padded.len(), D], &values).unwrap(),
+        );
+        for v in vars {
+            with_pad
+                .eval
+                .cell(v)
+                .write(Tensor::from_slice(&[V, D], &plain.init[*v]).unwrap());
+        }
+        let attrs = [("lr", 0.1.into()), ("skip_padding", true.into())];
+        with_pad
+            .eval
+            .run(&graph(op, vars, with_t, &attrs), &["^update".into()]);
+        for v in vars {
+            assert_eq!(
+                with_pad.eval.get(v).to_f64_vec(),
+                plain.eval.get(v).to_f64_vec(),
+                "{op} {v}"
+            );
+        }
+    }
+}

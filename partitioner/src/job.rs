@@ -219,6 +219,10 @@ pub struct JobPlan {
     /// slots), gathered and split like [`JobPlan::sharded`] ([`crate::shards::gather_axis`],
     /// [`crate::shards::split_axis`]).
     pub axis_sharded: Vec<crate::shards::AxisShardedVariable>,
+    /// Logical tensors stored as row shards (embedding tables sharded over the ps tasks and
+    /// their slots): a checkpoint stores them whole ([`crate::shards::gather_rows`] on save,
+    /// [`crate::shards::split_rows`] on restore), so it resumes at any number of ps tasks.
+    pub row_sharded: Vec<crate::shards::RowShardedVariable>,
 }
 
 fn tensor_name(name: &str) -> String {
@@ -439,6 +443,7 @@ impl JobPlan {
             report_names,
             sharded: Vec::new(),
             axis_sharded: Vec::new(),
+            row_sharded: Vec::new(),
         })
     }
 

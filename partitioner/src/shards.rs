@@ -218,6 +218,139 @@ pub fn split_axis(
     Ok(())
 }
 
+/// One shard of a [`RowShardedVariable`]: the variable and the logical rows it holds,
+/// `start, start + step, ...` (`count` of them).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowShard {
+    /// The shard variable (`emb/part_1`, `emb/part_1/adam_m`).
+    pub name: String,
+    /// The logical row of its row 0.
+    pub start: u64,
+    /// The distance between the logical rows of consecutive rows (1: a block).
+    pub step: u64,
+    /// Its rows.
+    pub count: u64,
+}
+
+/// A logical `[rows, d..]` tensor stored as row shards (an embedding table sharded over the ps
+/// tasks, and its optimizer slots): a checkpoint holds it whole under its logical name, so it
+/// resumes at any number of shards, or in one process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowShardedVariable {
+    /// The logical name (`emb`, `emb/adam_m`), as a one-process run names it.
+    pub logical: String,
+    /// Element type.
+    pub dtype: DType,
+    /// The logical dimensions, `[rows, d..]`.
+    pub dims: Vec<usize>,
+    /// The shards, shard 0 first.
+    pub shards: Vec<RowShard>,
+}
+
+impl RowShardedVariable {
+    fn row_bytes(&self) -> usize {
+        self.dims.iter().skip(1).product::<usize>() * self.dtype.size_of()
+    }
+
+    /// The byte range of logical row `r` of shard `k`'s `i`-th row, checked against the dims.
+    fn logical_row(&self, k: &RowShard, i: u64) -> Result<std::ops::Range<usize>, String> {
+        let r = k
+            .step
+            .checked_mul(i)
+            .and_then(|o| o.checked_add(k.start))
+            .filter(|&r| r < self.dims.first().copied().unwrap_or(0) as u64)
+            .ok_or_else(|| {
+                format!(
+                    "`{}`: shard `{}` row {i} lies outside {:?}",
+                    self.logical, k.name, self.dims
+                )
+            })? as usize;
+        let b = self.row_bytes();
+        Ok(r * b..(r + 1) * b)
+    }
+}
+
+/// Replaces the row shards in `tensors` by their logical tensors (for a checkpoint). A variable
+/// none of whose shards is present is left alone; one with some shards missing or misshapen is
+/// an error naming it.
+pub fn gather_rows(
+    sharded: &[RowShardedVariable],
+    tensors: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>, String> {
+    let mut by_name: BTreeMap<String, Tensor> = tensors.into_iter().collect();
+    for s in sharded {
+        if !s.shards.iter().any(|k| by_name.contains_key(&k.name)) {
+            continue;
+        }
+        let mut bytes = vec![0u8; s.dims.iter().product::<usize>() * s.dtype.size_of()];
+        for k in &s.shards {
+            let t = by_name
+                .remove(&k.name)
+                .ok_or_else(|| format!("`{}`: shard `{}` is missing", s.logical, k.name))?;
+            let want: Vec<usize> = std::iter::once(k.count as usize)
+                .chain(s.dims.iter().skip(1).copied())
+                .collect();
+            if t.dtype() != s.dtype || t.dims() != want.as_slice() {
+                return Err(format!(
+                    "`{}`: shard `{}` is {} {:?}, expected {} {want:?}",
+                    s.logical,
+                    k.name,
+                    t.dtype(),
+                    t.dims(),
+                    s.dtype
+                ));
+            }
+            let b = s.row_bytes();
+            for i in 0..k.count {
+                let at = s.logical_row(k, i)?;
+                let src = i as usize * b;
+                bytes[at].copy_from_slice(&t.as_bytes()[src..src + b]);
+            }
+        }
+        let whole = Tensor::from_bytes(s.dtype, &s.dims, &bytes)
+            .map_err(|e| format!("`{}`: {e}", s.logical))?;
+        by_name.insert(s.logical.clone(), whole);
+    }
+    Ok(by_name.into_iter().collect())
+}
+
+/// Replaces each logical tensor in `tensors` by this layout's row shards (for a restore). A
+/// logical tensor of the wrong dtype or shape is an error naming it; one that is absent is left
+/// for the caller's missing-variable check.
+pub fn split_rows(
+    sharded: &[RowShardedVariable],
+    tensors: &mut BTreeMap<String, Tensor>,
+) -> Result<(), String> {
+    for s in sharded {
+        let Some(t) = tensors.remove(&s.logical) else {
+            continue;
+        };
+        if t.dtype() != s.dtype || t.dims() != s.dims.as_slice() {
+            return Err(format!(
+                "`{}` is {} {:?} in the checkpoint, but this job trains it as {} {:?}",
+                s.logical,
+                t.dtype(),
+                t.dims(),
+                s.dtype,
+                s.dims
+            ));
+        }
+        for k in &s.shards {
+            let mut part = Vec::with_capacity(k.count as usize * s.row_bytes());
+            for i in 0..k.count {
+                part.extend_from_slice(&t.as_bytes()[s.logical_row(k, i)?]);
+            }
+            let dims: Vec<usize> = std::iter::once(k.count as usize)
+                .chain(s.dims.iter().skip(1).copied())
+                .collect();
+            let shard = Tensor::from_bytes(s.dtype, &dims, &part)
+                .map_err(|e| format!("`{}`: {e}", k.name))?;
+            tensors.insert(k.name.clone(), shard);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -346,5 +479,46 @@ mod tests {
         tensors.remove("wte/tp_0_of_2");
         let e = gather_axis(std::slice::from_ref(&s), tensors.into_iter().collect()).unwrap_err();
         assert!(e.contains("shard `wte/tp_0_of_2` is missing"), "{e}");
+    }
+    #[test]
+    fn row_shards_split_and_gather_back_mod_and_div() {
+        let whole: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        let whole = Tensor::from_slice(&[5, 2], &whole).unwrap();
+        // mod over 2: rows 0,2,4 and 1,3; div over 2: rows 0..3 and 3..5.
+        for layout in [[(0, 2, 3), (1, 2, 2)], [(0, 1, 3), (3, 1, 2)]] {
+            let s = RowShardedVariable {
+                logical: "emb".into(),
+                dtype: DType::F32,
+                dims: vec![5, 2],
+                shards: layout
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(start, step, count))| RowShard {
+                        name: format!("emb/part_{i}"),
+                        start,
+                        step,
+                        count,
+                    })
+                    .collect(),
+            };
+            let mut tensors = BTreeMap::from([("emb".to_string(), whole.clone())]);
+            split_rows(std::slice::from_ref(&s), &mut tensors).unwrap();
+            let p1 = tensors["emb/part_1"].as_slice::<f32>().unwrap().to_vec();
+            let (start, step, _) = layout[1];
+            let want: Vec<f32> = (0..2)
+                .flat_map(|i| {
+                    let r = (start + step * i) as f32;
+                    [2.0 * r, 2.0 * r + 1.0]
+                })
+                .collect();
+            assert_eq!(p1, want);
+            let back =
+                gather_rows(std::slice::from_ref(&s), tensors.into_iter().collect()).unwrap();
+            assert_eq!(back.len(), 1);
+            assert_eq!(
+                back[0].1.as_slice::<f32>().unwrap(),
+                whole.as_slice::<f32>().unwrap()
+            );
+        }
     }
 }

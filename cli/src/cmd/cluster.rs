@@ -468,12 +468,16 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
         spec,
         strategy: super::strategy_flags::build_strategy(
             kind,
-            args.r#async,
-            args.fusion_threshold_mb,
-            args.zero_stage,
-            &args.pipeline,
-            Some(args.batch_size),
-            args.tp,
+            super::strategy_flags::StrategyFlags {
+                // --staleness 0: no worker ahead of another, the synchronous plan.
+                asynchronous: args.r#async && args.staleness != Some(0),
+                fusion_threshold_mb: args.fusion_threshold_mb,
+                zero_stage: args.zero_stage,
+                pipeline: &args.pipeline,
+                batch_size: Some(args.batch_size),
+                tp: args.tp,
+                partition_strategy: args.partition_strategy,
+            },
         )?
         .into(),
         placement: PlacementOptions::default(),
@@ -490,6 +494,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
         eval_every,
         init_from,
         min_workers: args.min_workers,
+        staleness: args.staleness.filter(|&s| s > 0),
     })
 }
 

@@ -95,6 +95,10 @@ pub struct Args {
     /// every worker).
     #[arg(long, value_name = "T", requires = "strategy")]
     pub tp: Option<usize>,
+    /// Parameter-server training: how embedding tables (Variables with a `partition_strategy`)
+    /// are sharded over the ps tasks, `mod` or `div`, overriding the graph's.
+    #[arg(long, value_name = "mod|div", value_parser = |s: &str| s.parse::<dflow_graph::embedding_partition::PartitionStrategy>())]
+    pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
 }
 
 /// `dflow partition --strategy S`: the job plan of the graph's training job.
@@ -112,12 +116,15 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
     let cluster = ClusterSpec::from_file(&args.cluster)?;
     let strategy = super::strategy_flags::build_strategy(
         kind,
-        args.r#async,
-        args.fusion_threshold_mb,
-        args.zero_stage,
-        &args.pipeline,
-        args.batch_size,
-        args.tp,
+        super::strategy_flags::StrategyFlags {
+            asynchronous: args.r#async,
+            fusion_threshold_mb: args.fusion_threshold_mb,
+            zero_stage: args.zero_stage,
+            pipeline: &args.pipeline,
+            batch_size: args.batch_size,
+            tp: args.tp,
+            partition_strategy: args.partition_strategy,
+        },
     )?;
     let placement = PlacementOptions {
         default_device: DeviceName::parse(&args.default_device).context("--default-device")?,

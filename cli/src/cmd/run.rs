@@ -92,6 +92,10 @@ pub struct Args {
     /// every worker).
     #[arg(long, value_name = "T")]
     pub tp: Option<usize>,
+    /// Parameter-server training: how embedding tables (Variables with a `partition_strategy`)
+    /// are sharded over the ps tasks, `mod` or `div`, overriding the graph's.
+    #[arg(long, value_name = "mod|div", value_parser = |s: &str| s.parse::<dflow_graph::embedding_partition::PartitionStrategy>())]
+    pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
     /// Distributed training: aggregate all workers' gradients on the ps and apply them once per
     /// step (the default).
     #[arg(long, conflicts_with = "async")]
@@ -99,6 +103,10 @@ pub struct Args {
     /// Distributed training: apply each worker's gradients as they arrive; reports staleness.
     #[arg(long = "async")]
     pub r#async: bool,
+    /// Asynchronous training: bounded staleness (stale-synchronous parallel). A worker may be
+    /// at most S completed steps ahead of the slowest; 0 trains synchronously.
+    #[arg(long, value_name = "S", requires = "async")]
+    pub staleness: Option<u64>,
     /// Training: write `step loss` lines of every step to FILE.
     #[arg(long, value_name = "FILE")]
     pub losses_out: Option<PathBuf>,

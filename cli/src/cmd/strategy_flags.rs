@@ -1,6 +1,7 @@
 //! The flags that configure strategies, shared by `dflow run` and `dflow partition`, and how
 //! they build a [`Strategy`](dflow_partitioner::Strategy).
 
+use dflow_graph::embedding_partition::PartitionStrategy;
 use dflow_partitioner::strategy::pipeline::schedule::ScheduleKind;
 use dflow_partitioner::{StrategyKind, StrategyOptions};
 
@@ -35,20 +36,49 @@ impl PipelineFlags {
     }
 }
 
-/// Builds strategy `kind` from the flags that configure strategies (`--async`,
-/// `--fusion-threshold-mb`, `--zero-stage`, the pipeline flags, the global batch size).
+/// The flags that configure strategies, as `dflow run` and `dflow partition` parse them.
+#[derive(Debug, Clone, Copy)]
+pub struct StrategyFlags<'a> {
+    /// `--async` (ps).
+    pub asynchronous: bool,
+    /// `--fusion-threshold-mb` (all-reduce, ZeRO).
+    pub fusion_threshold_mb: f64,
+    /// `--zero-stage`.
+    pub zero_stage: Option<u8>,
+    /// The pipeline flags.
+    pub pipeline: &'a PipelineFlags,
+    /// The global batch size.
+    pub batch_size: Option<usize>,
+    /// `--tp` (tensor).
+    pub tp: Option<usize>,
+    /// `--partition-strategy` (ps).
+    pub partition_strategy: Option<PartitionStrategy>,
+}
+
+/// Builds strategy `kind` from the flags that configure strategies; a flag given to a strategy
+/// it does not apply to is an error naming both.
 pub fn build_strategy(
     kind: StrategyKind,
-    asynchronous: bool,
-    fusion_threshold_mb: f64,
-    zero_stage: Option<u8>,
-    pipeline: &PipelineFlags,
-    batch_size: Option<usize>,
-    tp: Option<usize>,
+    flags: StrategyFlags<'_>,
 ) -> anyhow::Result<Box<dyn dflow_partitioner::Strategy>> {
+    let StrategyFlags {
+        asynchronous,
+        fusion_threshold_mb,
+        zero_stage,
+        pipeline,
+        batch_size,
+        tp,
+        partition_strategy,
+    } = flags;
     if let Some(t) = tp.filter(|_| kind.name() != "tensor") {
         anyhow::bail!(
             "--tp {t} applies to --strategy tensor, not --strategy {}",
+            kind.name()
+        );
+    }
+    if let Some(p) = partition_strategy.filter(|_| kind.name() != "ps") {
+        anyhow::bail!(
+            "--partition-strategy {p} shards embedding tables over ps tasks: it applies to --strategy ps, not --strategy {}",
             kind.name()
         );
     }
@@ -71,6 +101,7 @@ pub fn build_strategy(
         batch_size,
         zero_stage: zero_stage.unwrap_or(1),
         tp,
+        partition_strategy,
     };
     Ok(kind.build(&options)?)
 }

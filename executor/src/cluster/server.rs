@@ -24,6 +24,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+/// The environment variable that makes a task a straggler: every step it runs sleeps this many
+/// milliseconds first (for testing bounded staleness and timeouts; at most one minute).
+pub const STEP_DELAY_ENV: &str = "DFLOW_STEP_DELAY_MS";
+
+static STEP_DELAY: std::sync::LazyLock<Option<Duration>> = std::sync::LazyLock::new(|| {
+    std::env::var(STEP_DELAY_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&ms| ms > 0)
+        .map(|ms| Duration::from_millis(ms.min(60_000)))
+});
+
 /// How a task server runs steps.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
@@ -644,6 +656,10 @@ impl TaskServer {
     /// Runs one step of a registered graph, feeding this task's part of the named batch.
     /// Blocks until the step finished here (run it off the async runtime).
     pub fn run_step(&self, r: &RunStep) -> Result<StepDone, String> {
+        if let Some(delay) = *STEP_DELAY {
+            // A straggler on purpose (see STEP_DELAY_ENV).
+            std::thread::sleep(delay);
+        }
         let g = self.graph(r.handle)?;
         let feeds = self.batch_feeds(&g, r.batch.as_ref())?;
         let (fetched, concurrent_updates) = self

@@ -23,6 +23,7 @@ pub mod moe;
 pub mod nn;
 pub mod reduce;
 pub mod shape;
+pub mod sharded_lookup;
 pub mod sparse_embedding;
 pub mod sparse_train;
 pub mod state;
@@ -444,6 +445,8 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("GatherGrad", "a gradient op"),
     ("SparseRowsToDense", "a gradient op"),
     ("SparseSegmentCombineGrad", "a gradient op"),
+    ("EmbeddingShardScatter", "a gradient op"),
+    ("EmbeddingShardStitchGrad", "a gradient op"),
     ("MoeRouteGrad", "a gradient op"),
     ("MoeDispatchGrad", "a gradient op"),
     ("MoeCombineGrad", "a gradient op"),
@@ -571,6 +574,7 @@ pub fn registry() -> &'static OpRegistry {
         moe::register(&mut r);
         sparse_embedding::register(&mut r);
         sparse_train::register(&mut r);
+        sharded_lookup::register(&mut r);
         state::gradients::register_gradients(&mut r);
         math::gradients::register_gradients(&mut r);
         nn::gradients::register_gradients(&mut r);
@@ -585,6 +589,7 @@ pub fn registry() -> &'static OpRegistry {
         sparse_embedding::gradients::register_gradients(&mut r);
         tf_dynamic::gradients::register_gradients(&mut r);
         tf_math::gradients::register_gradients(&mut r);
+        sharded_lookup::gradients::register_gradients(&mut r);
         let problems = r.check_gradients(NO_GRADIENT);
         // The registry is built from this crate's code only: a problem here is a bug in it,
         // reported by the first test that touches an op.

@@ -9,10 +9,13 @@
 //! only: an untouched row's moments do not decay, which is where it differs from dense Adam.
 //! Like `ApplyAdam` it reads the step count `t` (steps already taken) as a data input.
 //!
+//! With `skip_padding` set, index -1 marks a padding row that is skipped (its values are
+//! ignored): the sharded embedding lookup's static buffers (see [`super::sharded_lookup`]).
+//!
 //! The ops take their variable and slots as reference inputs (placed with the variable, on ps
 //! in the parameter-server pattern) and have no outputs.
 
-use super::elementwise::{attr_float, slice};
+use super::elementwise::{attr_bool, attr_float, slice};
 use super::grad::{dispatch_real, Real};
 use super::sparse_embedding::unique_with_inverse;
 use super::*;
@@ -84,6 +87,7 @@ fn summed_rows<T: Real>(
     indices: &Tensor,
     values: &Tensor,
     var_dims: &[usize],
+    skip_padding: bool,
 ) -> Result<(Vec<usize>, Vec<T>, usize), String> {
     let ids: Vec<i64> = match indices.dtype() {
         DType::I32 => slice::<i32>(indices)?.iter().map(|&v| v.into()).collect(),
@@ -111,6 +115,9 @@ fn summed_rows<T: Real>(
         ));
     }
     for (pos, &i) in ids.iter().enumerate() {
+        if skip_padding && i == super::sharded_lookup::PADDING {
+            continue;
+        }
         if i < 0 || i as usize >= v {
             return Err(format!(
                 "{op} `{node}`: index {i} at position {pos} is out of range [0, {v}) (the rows \
@@ -120,6 +127,7 @@ fn summed_rows<T: Real>(
     }
     let row: usize = trailing.iter().product();
     let (uniq, inverse) = unique_with_inverse(&ids);
+    // The padding row, if any, is summed like the others and dropped below.
     let src = slice::<T>(values)?;
     let mut sums = vec![T::from_f64(0.0); uniq.len() * row];
     if row > 0 {
@@ -132,7 +140,19 @@ fn summed_rows<T: Real>(
             }
         }
     }
+    if let Some(p) = uniq.iter().position(|&i| i < 0) {
+        // Only the padding index gets here (others were refused above).
+        sums.drain(p * row..(p + 1) * row);
+        let mut uniq = uniq;
+        uniq.remove(p);
+        return Ok((uniq.iter().map(|&i| i as usize).collect(), sums, row));
+    }
     Ok((uniq.iter().map(|&i| i as usize).collect(), sums, row))
+}
+
+/// The `skip_padding` attribute, shared by the three ops.
+fn skip_padding_attr() -> AttrDef {
+    attr_or("skip_padding", AttrType::Bool, AttrDefault::Bool(false))
 }
 
 /// Runs `f` on the elements of the variable in `cell` under its lock, after checking it is
@@ -185,7 +205,8 @@ fn sparse_sgd() -> OpDef {
         "SparseApplyGradientDescent",
         "var[indices[n]] -= lr * values[n] for every n (duplicates summed): SGD on the touched \
          rows. In: var (reference to a float Variable [V, d..]), indices (i32 or i64 [N]), \
-         values ([N, d..], var's dtype). No outputs. Attrs: lr (float, required).",
+         values ([N, d..], var's dtype). No outputs. Attrs: lr (float, required), skip_padding \
+         (bool, default false: index -1 is skipped).",
         |ctx| {
             sparse_update_infer(
                 "SparseApplyGradientDescent",
@@ -197,11 +218,12 @@ fn sparse_sgd() -> OpDef {
         },
     )
     .inputs([ref_arg("var"), arg("indices"), arg("values")])
-    .attrs([attr("lr", AttrType::Float)])
+    .attrs([attr("lr", AttrType::Float), skip_padding_attr()])
     .stateful()
     .kernel("CPU", |init: &KernelInit<'_>| {
         Ok(Box::new(SparseSgdKernel {
             lr: check_lr("SparseApplyGradientDescent", attr_float(init, "lr")?)?,
+            skip_padding: attr_bool(init, "skip_padding")?,
         }))
     })
 }
@@ -209,6 +231,7 @@ fn sparse_sgd() -> OpDef {
 #[derive(Debug)]
 struct SparseSgdKernel {
     lr: f64,
+    skip_padding: bool,
 }
 
 fn sparse_sgd_typed<T: Real>(
@@ -217,10 +240,17 @@ fn sparse_sgd_typed<T: Real>(
     indices: &Tensor,
     values: &Tensor,
     lr: f64,
+    skip_padding: bool,
 ) -> Result<(), String> {
     let dims = var_dims(var)?;
-    let (rows, g, row) =
-        summed_rows::<T>("SparseApplyGradientDescent", node, indices, values, &dims)?;
+    let (rows, g, row) = summed_rows::<T>(
+        "SparseApplyGradientDescent",
+        node,
+        indices,
+        values,
+        &dims,
+        skip_padding,
+    )?;
     let lr = T::from_f64(lr);
     with_rows::<T, _>(var, "var", &dims, |w| {
         for (k, &r) in rows.iter().enumerate() {
@@ -241,7 +271,7 @@ impl Kernel for SparseSgdKernel {
         let var = ctx.variable_at(0)?;
         dispatch_real!(
             values.dtype(),
-            sparse_sgd_typed(ctx.node, var, indices, values, self.lr)
+            sparse_sgd_typed(ctx.node, var, indices, values, self.lr, self.skip_padding)
         )
     }
 }
@@ -257,7 +287,7 @@ fn sparse_adagrad() -> OpDef {
          g / (sqrt(accum[r]) + epsilon). In: var, accum (references to float Variables [V, \
          d..] of one type; accum starts at Keras' 0.1 or any value >= 0), indices (i32 or i64 \
          [N]), values ([N, d..]). No outputs. Attrs: lr (float, required), epsilon (float, \
-         default 1e-7).",
+         default 1e-7), skip_padding (bool, default false: index -1 is skipped).",
         |ctx| {
             sparse_update_infer(
                 "SparseApplyAdagrad",
@@ -277,12 +307,14 @@ fn sparse_adagrad() -> OpDef {
     .attrs([
         attr("lr", AttrType::Float),
         attr_or("epsilon", AttrType::Float, AttrDefault::Float(1e-7)),
+        skip_padding_attr(),
     ])
     .stateful()
     .kernel("CPU", |init: &KernelInit<'_>| {
         Ok(Box::new(SparseAdagradKernel {
             lr: check_lr("SparseApplyAdagrad", attr_float(init, "lr")?)?,
             epsilon: attr_float(init, "epsilon")?,
+            skip_padding: attr_bool(init, "skip_padding")?,
         }))
     })
 }
@@ -291,6 +323,7 @@ fn sparse_adagrad() -> OpDef {
 struct SparseAdagradKernel {
     lr: f64,
     epsilon: f64,
+    skip_padding: bool,
 }
 
 fn sparse_adagrad_typed<T: Real>(
@@ -302,7 +335,14 @@ fn sparse_adagrad_typed<T: Real>(
 ) -> Result<(), String> {
     let [var, accum] = cells;
     let dims = var_dims(var)?;
-    let (rows, g, row) = summed_rows::<T>("SparseApplyAdagrad", node, indices, values, &dims)?;
+    let (rows, g, row) = summed_rows::<T>(
+        "SparseApplyAdagrad",
+        node,
+        indices,
+        values,
+        &dims,
+        k.skip_padding,
+    )?;
     let (lr, eps) = (T::from_f64(k.lr), T::from_f64(k.epsilon));
     with_rows::<T, _>(accum, "accum", &dims, |a| {
         with_rows::<T, _>(var, "var", &dims, |w| {
@@ -346,7 +386,8 @@ fn sparse_lazy_adam() -> OpDef {
          - m[r]) * (1 - beta1); v[r] += (g² - v[r]) * (1 - beta2); var[r] -= lr_n * m[r] / \
          (sqrt(v[r]) + epsilon). In: var, m, v (references to float Variables [V, d..] of one \
          type), t (scalar: steps taken so far), indices (i32 or i64 [N]), values ([N, d..]). No \
-         outputs. Attrs: lr (float, required), beta1 (0.9), beta2 (0.999), epsilon (1e-7).",
+         outputs. Attrs: lr (float, required), beta1 (0.9), beta2 (0.999), epsilon (1e-7), \
+         skip_padding (false: index -1 is skipped).",
         |ctx| {
             const OP: &str = "SparseApplyLazyAdam";
             sparse_update_infer(
@@ -379,10 +420,12 @@ fn sparse_lazy_adam() -> OpDef {
         attr_or("beta1", AttrType::Float, AttrDefault::Float(0.9)),
         attr_or("beta2", AttrType::Float, AttrDefault::Float(0.999)),
         attr_or("epsilon", AttrType::Float, AttrDefault::Float(1e-7)),
+        skip_padding_attr(),
     ])
     .stateful()
     .kernel("CPU", |init: &KernelInit<'_>| {
         Ok(Box::new(LazyAdamKernel {
+            skip_padding: attr_bool(init, "skip_padding")?,
             lr: check_lr("SparseApplyLazyAdam", attr_float(init, "lr")?)?,
             beta1: attr_float(init, "beta1")?,
             beta2: attr_float(init, "beta2")?,
@@ -393,6 +436,7 @@ fn sparse_lazy_adam() -> OpDef {
 
 #[derive(Debug)]
 struct LazyAdamKernel {
+    skip_padding: bool,
     lr: f64,
     beta1: f64,
     beta2: f64,
@@ -409,7 +453,14 @@ fn lazy_adam_typed<T: Real>(
 ) -> Result<(), String> {
     let [var, m, v] = cells;
     let dims = var_dims(var)?;
-    let (rows, g, row) = summed_rows::<T>("SparseApplyLazyAdam", node, indices, values, &dims)?;
+    let (rows, g, row) = summed_rows::<T>(
+        "SparseApplyLazyAdam",
+        node,
+        indices,
+        values,
+        &dims,
+        k.skip_padding,
+    )?;
     let n = step + 1.0;
     let lr_n = k.lr * (1.0 - k.beta2.powf(n)).sqrt() / (1.0 - k.beta1.powf(n));
     let (lr_n, eps) = (T::from_f64(lr_n), T::from_f64(k.epsilon));

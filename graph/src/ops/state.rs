@@ -56,7 +56,10 @@ pub(crate) fn register(r: &mut OpRegistry) {
              `shard_parts` > 0, the variable is instead shard `shard_index` of \
              `shard_of` cut along `shard_axis` into `shard_parts` parts, the axis taken as \
              `shard_blocks` blocks cut separately and padded with zeros to `shard_padded` (0: no \
-             padding) — see `axis_split` (tensor parallelism keeps its weights this way).",
+             padding) — see `axis_split` (tensor parallelism keeps its weights this way). With \
+             `shard_stride` k > 1 a row shard holds rows shard_offset, shard_offset + k, ... (a \
+             `mod`-partitioned embedding shard). `partition_strategy` (`mod` or `div`) marks an \
+             embedding table that the ps strategy shards over the ps tasks.",
             |ctx| {
                 let shape = ctx.shape("shape")?;
                 let Some(dims) = shape.as_static() else {
@@ -66,6 +69,24 @@ pub(crate) fn register(r: &mut OpRegistry) {
                 let dtype = ctx.dtype("dtype")?;
                 let whole = shard.as_ref().map_or(dims.as_slice(), ShardInit::whole);
                 check_initial_value(ctx.attrs.get("initial_value"), dtype, whole)?;
+                match ctx.attrs.get("partition_strategy") {
+                    None => {}
+                    Some(AttrValue::String(s)) if s.is_empty() => {}
+                    Some(AttrValue::String(s)) => {
+                        s.parse::<crate::embedding_partition::PartitionStrategy>()?;
+                        if dims.len() < 2 {
+                            return Err(format!(
+                                "a partitioned embedding table must have rank >= 2 ([rows, d..]), got shape {shape}"
+                            ));
+                        }
+                    }
+                    Some(v) => {
+                        return Err(format!(
+                            "attribute `partition_strategy` is {}, not string",
+                            v.ty()
+                        ))
+                    }
+                }
                 Ok(vec![TensorType::new(dtype, shape.clone())])
             },
         )
@@ -93,6 +114,8 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("seed2", AttrType::Int, AttrDefault::Int(0)),
             attr_or("init_scale", AttrType::Float, AttrDefault::Float(1.0)),
             attr_or("shard_flat", AttrType::Bool, AttrDefault::Bool(false)),
+            attr_or("shard_stride", AttrType::Int, AttrDefault::Int(1)),
+            attr_or("partition_strategy", AttrType::String, AttrDefault::Str("")),
         ])
         .variable()
         .kernel("CPU", variable_factory),
@@ -219,8 +242,9 @@ fn identity_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
 /// How a sharded variable's initial value is cut from the whole variable's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum ShardOf {
-    /// Rows `[first, first + dims[0])` of a variable of these dimensions.
-    Rows(Vec<usize>, usize),
+    /// Rows `first, first + stride, ...` (`dims[0]` of them) of a variable of these
+    /// dimensions.
+    Rows(ShardRows),
     /// Flat elements `[first, first + dims[0])` of a variable of these dimensions, zero past
     /// its end.
     Flat(Vec<usize>, usize),
@@ -234,6 +258,7 @@ fn shard_of(
     shard_of: Option<&AttrValue>,
     offset: Option<&AttrValue>,
     flat: Option<&AttrValue>,
+    stride: Option<&AttrValue>,
 ) -> Result<Option<ShardOf>, String> {
     let flat = match flat {
         None => false,
@@ -241,7 +266,7 @@ fn shard_of(
         Some(v) => return Err(format!("attribute `shard_flat` is {}, not bool", v.ty())),
     };
     if !flat {
-        return Ok(shard_rows(dims, shard_of, offset)?.map(|(w, f)| ShardOf::Rows(w, f)));
+        return Ok(shard_rows(dims, shard_of, offset, stride)?.map(ShardOf::Rows));
     }
     let whole = match shard_of {
         Some(AttrValue::Shape(s)) => s
@@ -267,14 +292,26 @@ fn shard_of(
     Ok(Some(ShardOf::Flat(whole, offset)))
 }
 
-/// The whole variable's dimensions and the first row of a shard of shape `dims` (`None`: not a
-/// shard): `shard_of` must match `dims` past dimension 0 and hold rows
-/// `[shard_offset, shard_offset + dims[0])`.
+/// Which rows of a bigger variable a shard holds: rows `first, first + stride, ...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ShardRows {
+    /// The whole variable's dimensions.
+    whole: Vec<usize>,
+    /// The first row.
+    first: usize,
+    /// The distance between consecutive rows (1: a contiguous block).
+    stride: usize,
+}
+
+/// The rows of the bigger variable a shard of shape `dims` holds (`None`: not a shard):
+/// `shard_of` must match `dims` past dimension 0 and hold rows `shard_offset + r·shard_stride`
+/// for `r < dims[0]`.
 fn shard_rows(
     dims: &[usize],
     shard_of: Option<&AttrValue>,
     offset: Option<&AttrValue>,
-) -> Result<Option<(Vec<usize>, usize)>, String> {
+    stride: Option<&AttrValue>,
+) -> Result<Option<ShardRows>, String> {
     let whole = match shard_of {
         None => return Ok(None),
         Some(AttrValue::Shape(s)) if s.rank().is_none() => return Ok(None),
@@ -290,19 +327,35 @@ fn shard_rows(
         }
         Some(v) => return Err(format!("attribute `shard_offset` is {}, not int", v.ty())),
     };
+    let stride = match stride {
+        None => 1,
+        Some(AttrValue::Int(v)) => usize::try_from(*v)
+            .ok()
+            .filter(|&s| s >= 1)
+            .ok_or_else(|| format!("shard_stride must be ≥ 1, got {v}"))?,
+        Some(v) => return Err(format!("attribute `shard_stride` is {}, not int", v.ty())),
+    };
+    // The last row, offset + (rows - 1)·stride, must lie inside the whole variable.
+    let last = dims.first().and_then(|&rows| {
+        rows.checked_sub(1)
+            .map_or(Some(offset), |r| r.checked_mul(stride)?.checked_add(offset))
+    });
     let fits = !dims.is_empty()
         && whole.len() == dims.len()
         && whole[1..] == dims[1..]
-        && offset
-            .checked_add(dims[0])
-            .is_some_and(|end| end <= whole[0]);
+        && last.is_some_and(|l| dims[0] == 0 || l < whole[0])
+        && offset <= whole[0];
     if !fits {
         return Err(format!(
-            "a shard of shape {dims:?} at row {offset} does not fit in shard_of {whole:?} (same \
-             dimensions past the first, rows within it)"
+            "a shard of shape {dims:?} at row {offset} (stride {stride}) does not fit in shard_of \
+             {whole:?} (same dimensions past the first, rows within it)"
         ));
     }
-    Ok(Some((whole, offset)))
+    Ok(Some(ShardRows {
+        whole,
+        first: offset,
+        stride,
+    }))
 }
 
 /// How a shard variable starts: rows of the whole (`shard_of` alone) or an [`AxisSplit`]
@@ -312,6 +365,7 @@ enum ShardInit {
     Rows {
         whole: Vec<usize>,
         first: usize,
+        stride: usize,
     },
     Flat {
         whole: Vec<usize>,
@@ -348,9 +402,18 @@ fn shard_init(
             attrs.get("shard_of"),
             attrs.get("shard_offset"),
             attrs.get("shard_flat"),
+            attrs.get("shard_stride"),
         )?;
         return Ok(shard.map(|s| match s {
-            ShardOf::Rows(whole, first) => ShardInit::Rows { whole, first },
+            ShardOf::Rows(ShardRows {
+                whole,
+                first,
+                stride,
+            }) => ShardInit::Rows {
+                whole,
+                first,
+                stride,
+            },
             ShardOf::Flat(whole, first) => ShardInit::Flat { whole, first },
         }));
     }
@@ -547,13 +610,18 @@ impl Kernel for VariableKernel {
             // The whole variable's value is drawn once, at the first step, and sliced.
             match &self.shard {
                 Some(ShardInit::Split { split, index, .. }) => t = split.shard(&t, *index)?,
-                Some(ShardInit::Rows { first, .. }) => {
+                Some(ShardInit::Rows { first, stride, .. }) => {
                     let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
-                    let bytes = t
-                        .as_bytes()
-                        .get(first * row..(first + self.dims[0]) * row)
-                        .ok_or_else(|| format!("shard rows outside {dims:?}"))?;
-                    t = Tensor::from_bytes(self.dtype, &self.dims, bytes)
+                    let mut bytes = Vec::with_capacity(self.dims[0] * row);
+                    for r in 0..self.dims[0] {
+                        let at = first + r * stride;
+                        bytes.extend_from_slice(
+                            t.as_bytes()
+                                .get(at * row..(at + 1) * row)
+                                .ok_or_else(|| format!("shard row {at} outside {dims:?}"))?,
+                        );
+                    }
+                    t = Tensor::from_bytes(self.dtype, &self.dims, &bytes)
                         .map_err(|e| e.to_string())?;
                 }
                 Some(ShardInit::Flat { first, .. }) => {
@@ -771,5 +839,40 @@ pub(crate) mod gradients {
         ]);
         let err = run_kernel_with("Variable", "w/shard", &a, &[], &[], &cell()).unwrap_err();
         assert!(err.contains("element 11"), "{err}");
+    }
+
+    #[test]
+    fn a_strided_shard_starts_as_every_kth_row() {
+        use crate::ops::testing::run_kernel_with;
+        let attrs = |shape: &[usize]| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(shape))),
+                ("initializer", AttrValue::String("normal".into())),
+                ("seed", AttrValue::Int(7)),
+            ]
+        };
+        let cell = || [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let whole = run_kernel_with("Variable", "e", &attrs(&[5, 2]), &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        let w = whole.as_slice::<f32>().unwrap();
+        // `mod` over 2 shards: shard 1 holds rows 1 and 3.
+        let mut shard_attrs = attrs(&[2, 2]);
+        shard_attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[5, 2]))),
+            ("shard_offset", AttrValue::Int(1)),
+            ("shard_stride", AttrValue::Int(2)),
+            ("shard_name", AttrValue::String("e".into())),
+        ]);
+        let shard = run_kernel_with("Variable", "e/part_1", &shard_attrs, &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        assert_eq!(shard.as_slice::<f32>().unwrap(), [w[2], w[3], w[6], w[7]]);
+        // Three rows at stride 2 from row 1 would need row 5: refused.
+        shard_attrs[1] = ("shape", AttrValue::Shape(Shape::known(&[3, 2])));
+        let err =
+            run_kernel_with("Variable", "e/part_1", &shard_attrs, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("stride 2"), "{err}");
     }
 }

@@ -49,6 +49,7 @@ pub mod allreduce;
 pub mod expert;
 pub mod pipeline;
 pub mod ps;
+pub mod sharded_embedding;
 pub mod tensor;
 pub mod zero;
 
@@ -155,6 +156,9 @@ pub struct StrategyOptions {
     pub zero_stage: u8,
     /// The tensor-parallel size (`--tp`, read by `--strategy tensor`; `None`: every worker).
     pub tp: Option<usize>,
+    /// `--partition-strategy`: how the ps strategy shards embedding tables over the ps tasks,
+    /// overriding each table's own `partition_strategy` (`None`: the graph's).
+    pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
 }
 
 impl Default for StrategyOptions {
@@ -169,6 +173,7 @@ impl Default for StrategyOptions {
             batch_size: None,
             zero_stage: 1,
             tp: None,
+            partition_strategy: None,
         }
     }
 }

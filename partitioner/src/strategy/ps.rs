@@ -47,10 +47,12 @@
 //! assert_eq!(node("train/w/update").device, "/job:ps/task:0");
 //! ```
 
+use super::sharded_embedding::{row_sharded, shard_embeddings, sparse_updates};
 use super::{
     EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
 };
 use crate::job::Schedule;
+use dflow_graph::embedding_partition::PartitionStrategy;
 use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, DType, DeviceName, Edge, Graph, GraphDef, InputRef, NodeDef, Shape};
 use petgraph::visit::EdgeRef;
@@ -74,6 +76,12 @@ pub enum PsMode {
 pub struct ParameterServer {
     /// Sync or async updates.
     pub mode: PsMode,
+    /// Overrides the partition strategy of sharded embedding tables (see
+    /// [`super::sharded_embedding`]).
+    pub partition_strategy: Option<PartitionStrategy>,
+    /// The global batch size, bounding the ids a worker looks up per step (sizes the sharded
+    /// tables' row buffers when the ids' batch dimension is unknown).
+    pub batch_size: Option<usize>,
 }
 
 /// `--strategy ps`.
@@ -87,6 +95,8 @@ pub(super) static REGISTRATION: Registration = Registration {
             } else {
                 PsMode::Sync
             },
+            partition_strategy: opts.partition_strategy,
+            batch_size: opts.batch_size,
         }))
     },
 };
@@ -104,31 +114,52 @@ impl Strategy for ParameterServer {
     }
 
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
-        let forward = input.graph.to_def();
         // Replica `i` goes to the `i`-th worker task of the cluster: its indices need not be
         // dense (an elastic job re-plans on the survivors, e.g. tasks 0 and 2).
         let tasks: Vec<u32> = input.cluster.tasks("worker").map(|(i, _)| i).collect();
-        let graphs = ps_graphs(
-            input.graph,
-            &forward,
+        let sharded = shard_embeddings(
+            &input.graph.to_def(),
+            input.cluster.num_tasks("ps"),
+            self.partition_strategy,
+            self.batch_size,
+        )?;
+        let rewritten;
+        let graph = if sharded.tables.is_empty() {
+            input.graph
+        } else {
+            rewritten = Graph::from_def(&sharded.def).map_err(StrategyError::InvalidGraph)?;
+            &rewritten
+        };
+        let mut graphs = ps_graphs(
+            graph,
+            &sharded.def,
             input.train,
             &tasks,
             self.mode,
             input.features,
             input.labels,
         )?;
+        for g in &mut graphs {
+            sparse_updates(g, &sharded.tables)?;
+        }
+        let row_sharded = graphs
+            .first()
+            .map(|g| row_sharded(&sharded.tables, &g.training.def))
+            .unwrap_or_default();
         let schedule = match self.mode {
             PsMode::Sync => Schedule::Lockstep,
             PsMode::Async => Schedule::Independent,
         };
-        JobPlan::build(
+        let mut plan = JobPlan::build(
             self.describe(),
             input,
             graphs,
             input.placement,
             schedule,
             Vec::new(),
-        )
+        )?;
+        plan.row_sharded = row_sharded;
+        Ok(plan)
     }
 }
 
@@ -1042,7 +1073,13 @@ mod tests {
         ]);
         let cluster = dflow_graph::ClusterSpec::new(jobs).unwrap();
         let input = JobInput::new(&graph, &train, &cluster, "x", "y");
-        let plan = ParameterServer { mode: PsMode::Sync }.plan(&input).unwrap();
+        let plan = ParameterServer {
+            mode: PsMode::Sync,
+            partition_strategy: None,
+            batch_size: None,
+        }
+        .plan(&input)
+        .unwrap();
         assert_eq!(plan.batch_parts, 2, "the batch is split in two parts");
         let mut parts: Vec<(String, u32)> = plan
             .train_signatures()

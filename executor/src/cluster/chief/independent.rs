@@ -1,6 +1,7 @@
 //! The independent schedule (async ps): one loop per worker on the chief, each taking the next
 //! global batch when its worker is free.
 
+use super::staleness::{Clocks, WAIT_LIMIT};
 use super::{evaluate, restore, run_step, save, scalar, ChiefConfig, Finished, Ids, Job, Source};
 use crate::cluster::node::{JobError, Rpc};
 use crate::trainer::StepReport;
@@ -36,22 +37,32 @@ pub(super) async fn independent(
     let next = Arc::new(AtomicU64::new(start_step));
     let (tx, mut rx) = mpsc::unbounded_channel();
     let job = Arc::new(job);
+    let clocks = cfg
+        .staleness
+        .map(|s| Arc::new(Clocks::new(job.train.len(), s.max(1))));
     let mut loops = tokio::task::JoinSet::new();
     for w in 0..job.train.len() {
-        let (rpc, job, next, ids, tx) = (
+        let (rpc, job, next, ids, tx, clocks) = (
             rpc.clone(),
             job.clone(),
             next.clone(),
             ids.clone(),
             tx.clone(),
+            clocks.clone(),
         );
         let bs = cfg.batch_size as u64;
         let spe = source.steps_per_epoch().max(1);
         let text = matches!(source, Source::Text { .. });
         loops.spawn(async move {
             loop {
+                if let Some(c) = &clocks {
+                    c.wait_turn(w, WAIT_LIMIT).await?;
+                }
                 let s = next.fetch_add(1, Ordering::SeqCst);
                 if s >= total {
+                    if let Some(c) = &clocks {
+                        c.finished(w);
+                    }
                     return Ok::<(), JobError>(());
                 }
                 let (epoch, index) = if text { (0, s) } else { (s / spe, s % spe) };
@@ -59,6 +70,9 @@ pub(super) async fn independent(
                 let (fetched, stale) =
                     run_step(&rpc, &job.train[w], step, Some((epoch, index, bs, 1))).await?;
                 let loss = fetched.first().map(scalar).unwrap_or(f64::NAN);
+                if let Some(c) = &clocks {
+                    c.step_done(w);
+                }
                 let _ = tx.send((s, epoch, loss, stale));
             }
         });
@@ -119,6 +133,12 @@ pub(super) async fn independent(
     }
     if let Some(e) = failure {
         return Err(rpc.failure().unwrap_or(e));
+    }
+    if let (Some(c), Some(bound)) = (&clocks, cfg.staleness) {
+        tracing::info!(
+            "staleness bound {bound}: a worker was at most {} step(s) ahead of the slowest",
+            c.max_lead()
+        );
     }
     let job = Arc::try_unwrap(job)
         .map_err(|_| JobError::Setup("worker loops still hold the job".into()))?;

@@ -13,6 +13,7 @@
 mod elastic;
 mod independent;
 mod source;
+mod staleness;
 
 use super::node::{JobError, Rpc};
 use super::protocol::{
@@ -78,6 +79,9 @@ pub struct ChiefConfig {
     /// worker of the cluster that is not in the job and says it is ready (a replacement) is
     /// taken in before the next step, from a checkpoint of the step before it.
     pub min_workers: Option<usize>,
+    /// Bounded staleness (`--staleness S`, independent plans only): a worker may be at most
+    /// `S` completed steps ahead of the slowest (see [`staleness`]); `None`: unbounded.
+    pub staleness: Option<u64>,
 }
 
 /// Trainable variables a job loads from a safetensors file before its first step, as
@@ -579,6 +583,8 @@ async fn gather_variables(
             }
         }
     }
+    let tensors = dflow_partitioner::shards::gather_rows(&job.plan.row_sharded, tensors)
+        .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
     dflow_partitioner::shards::gather(&job.plan.sharded, tensors)
         .and_then(|t| dflow_partitioner::shards::gather_axis(&job.plan.axis_sharded, t))
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))
@@ -626,6 +632,8 @@ async fn restore_values(
         .and_then(|()| {
             dflow_partitioner::shards::split_axis(&job.plan.axis_sharded, &mut ckpt.tensors)
         })
+        .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
+    dflow_partitioner::shards::split_rows(&job.plan.row_sharded, &mut ckpt.tensors)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
     let values = checkpoint::restore_into(&job.variable_specs, &ckpt)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
@@ -878,6 +886,11 @@ pub async fn run_chief(
     let ids = Arc::new(Ids(AtomicU64::new(1)));
     match job.plan.schedule {
         Schedule::Lockstep => {
+            if let Some(s) = cfg.staleness {
+                return Err(setup(format!(
+                    "--staleness {s} bounds asynchronous training; this plan runs the workers in lockstep (add --async)"
+                )));
+            }
             let runtime = tokio::runtime::Handle::current();
             if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
                 return Err(setup(
