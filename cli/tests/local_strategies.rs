@@ -107,3 +107,68 @@ fn local_quic_is_refused_with_the_way_out() {
     assert!(stderr.contains("--transport quic needs"), "{stderr}");
     assert!(stderr.contains("dflow launch"), "{stderr}");
 }
+
+#[test]
+fn local_tensor_parallel_equals_one_process() {
+    let dir = scratch("local_tensor");
+    let graph = small_gpt(&dir, 2);
+    let graph = graph.to_str().unwrap();
+    let data = [
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "4",
+        "--steps",
+        "4",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ];
+    let (one, _) = local(graph, &data, &dir.join("one.txt"));
+    let mut args = data.to_vec();
+    args.extend([
+        "--cluster",
+        "examples/gpt/cluster-2workers.json",
+        "--strategy",
+        "tensor",
+        "--tp",
+        "2",
+    ]);
+    let (tp, stderr) = local(graph, &args, &dir.join("tp.txt"));
+    assert!(stderr.contains("chief: every task joined"), "{stderr}");
+    assert_eq!(driver_steps(&stderr), tp.len(), "{stderr}");
+    assert_same_losses(&tp, &one, 1e-5);
+}
+
+#[test]
+fn a_local_memory_limit_refuses_all_reduce_and_fits_zero_3() {
+    let base = [
+        "run",
+        "--local",
+        "examples/digits/digits-adamw.json",
+        "--cluster",
+        "examples/digits/cluster-allreduce.json",
+        "--data",
+        "examples/data/digits.csv.gz",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--memory-limit",
+        "36000",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--strategy", "allreduce"]);
+    let out = dflow(&args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot fit in --memory-limit 36000 bytes"),
+        "{err}"
+    );
+    let mut args = base.to_vec();
+    args.extend(["--strategy", "zero", "--zero-stage", "3"]);
+    let text = stdout(&dflow(&args));
+    assert!(text.contains("held-out accuracy"), "{text}");
+}

@@ -256,6 +256,9 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
             step_timeout: Duration::from_secs(args.timeout.max(1)),
             trace: args.trace.is_some(),
             data_path: args.data.clone(),
+            memory_limit: args
+                .memory_limit
+                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             ..ServerOptions::default()
         },
         transport,

@@ -223,10 +223,11 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     let Some(graph_path) = &args.graph else {
         bail!("--local needs the graph file");
     };
-    if let Some(limit) = args.memory_limit {
+    if let (Some(limit), None) = (args.memory_limit, args.strategy) {
         bail!(
             "--memory-limit {limit} applies to the tasks of a distributed job (--job/--index, a \
-             launcher, `dflow launch`), not to --local"
+             launcher, `dflow launch`, or --local with a --strategy that runs them in this \
+             process), not to a plain --local run"
         );
     }
     let cluster = match &args.cluster {
@@ -317,6 +318,12 @@ fn local_strategy(
     if kind.name() != "pipeline" || args.mesh.as_ref().is_some_and(|m| m.dp > 1) {
         // Collectives between tasks: every task runs in this process under the chief's driver.
         return super::cluster::run_in_process(args, &cluster);
+    }
+    if let Some(limit) = args.memory_limit {
+        bail!(
+            "--memory-limit {limit} applies to tasks; --local --strategy pipeline runs one \
+             session: drop --memory-limit, or start the stages as tasks (dflow launch)"
+        );
     }
     let Some(data) = &args.data else {
         bail!("--strategy trains the graph: give --data FILE");
