@@ -22,7 +22,8 @@ mod name_index;
 pub mod ops;
 pub mod shape;
 pub mod tensor;
-pub mod tf_import;
+/// The TensorFlow GraphDef importer (it lives with the other formats, in [`format`]).
+pub use format::tf_import;
 pub mod tf_random;
 pub mod train;
 

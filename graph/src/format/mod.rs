@@ -27,6 +27,7 @@ use std::path::Path;
 
 pub mod dsl;
 pub mod json;
+pub mod tf_import;
 
 pub use dsl::{parse_dsl, to_dsl};
 pub use json::{parse_json, to_json};

@@ -1669,8 +1669,8 @@ mod tests {
     use crate::Graph;
     use serde_json::json;
 
-    const PS_MLP: &str = include_str!("../../tests/fixtures/tf/ps_mlp.graphdef.json");
-    const PS_MLP_2PS: &str = include_str!("../../tests/fixtures/tf/ps_mlp_2ps.graphdef.json");
+    const PS_MLP: &str = include_str!("../../../tests/fixtures/tf/ps_mlp.graphdef.json");
+    const PS_MLP_2PS: &str = include_str!("../../../tests/fixtures/tf/ps_mlp_2ps.graphdef.json");
 
     fn node<'d>(def: &'d GraphDef, name: &str) -> &'d NodeDef {
         def.nodes
