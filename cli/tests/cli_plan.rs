@@ -118,3 +118,21 @@ fn a_calibrated_profile_feeds_the_planner() {
     assert!(out.contains("this-box"), "{out}");
     assert!(out.contains("pick: "), "{out}");
 }
+
+#[test]
+fn calibrate_refuses_impossible_measurements_naming_the_flag() {
+    for (args, want) in [
+        (vec!["--ranks", "1"], "--ranks must be at least 2"),
+        (
+            vec!["--large-bytes", "4"],
+            "--large-bytes must be at least 4 bytes per rank",
+        ),
+    ] {
+        let mut all = vec!["bench", "calibrate"];
+        all.extend(args);
+        let out = dflow(&all);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{err}");
+    }
+}

@@ -80,6 +80,28 @@ pub fn gather(
     Ok(by_name.into_iter().collect())
 }
 
+/// Takes logical tensor `logical` out of a checkpoint's `tensors` for splitting: `None` when it
+/// is absent (the caller's missing-variable check reports it), an error naming it when its dtype
+/// or shape is not the one this job trains.
+fn take_logical(
+    tensors: &mut BTreeMap<String, Tensor>,
+    logical: &str,
+    dtype: DType,
+    dims: &[usize],
+) -> Result<Option<Tensor>, String> {
+    let Some(t) = tensors.remove(logical) else {
+        return Ok(None);
+    };
+    if t.dtype() != dtype || t.dims() != dims {
+        return Err(format!(
+            "`{logical}` is {} {:?} in the checkpoint, but this job trains it as {dtype} {dims:?}",
+            t.dtype(),
+            t.dims(),
+        ));
+    }
+    Ok(Some(t))
+}
+
 /// Replaces each logical tensor in `tensors` by this layout's shards (for a restore). A logical
 /// tensor of the wrong dtype or shape is an error naming it; one that is absent is left for the
 /// caller's missing-variable check.
@@ -88,19 +110,9 @@ pub fn split(
     tensors: &mut BTreeMap<String, Tensor>,
 ) -> Result<(), String> {
     for s in sharded {
-        let Some(t) = tensors.remove(&s.logical) else {
+        let Some(t) = take_logical(tensors, &s.logical, s.dtype, &s.dims)? else {
             continue;
         };
-        if t.dtype() != s.dtype || t.dims() != s.dims.as_slice() {
-            return Err(format!(
-                "`{}` is {} {:?} in the checkpoint, but this job trains it as {} {:?}",
-                s.logical,
-                t.dtype(),
-                t.dims(),
-                s.dtype,
-                s.dims
-            ));
-        }
         let shard_dims = match &s.shard_dims {
             Some(d) if d.iter().product::<usize>() != s.shard_len() => {
                 return Err(format!(
@@ -194,19 +206,9 @@ pub fn split_axis(
     tensors: &mut BTreeMap<String, Tensor>,
 ) -> Result<(), String> {
     for s in sharded {
-        let Some(t) = tensors.remove(&s.logical) else {
+        let Some(t) = take_logical(tensors, &s.logical, s.dtype, &s.dims)? else {
             continue;
         };
-        if t.dtype() != s.dtype || t.dims() != s.dims.as_slice() {
-            return Err(format!(
-                "`{}` is {} {:?} in the checkpoint, but this job trains it as {} {:?}",
-                s.logical,
-                t.dtype(),
-                t.dims(),
-                s.dtype,
-                s.dims
-            ));
-        }
         let split = s.split();
         for (r, name) in s.shards.iter().enumerate() {
             let shard = split
@@ -322,19 +324,9 @@ pub fn split_rows(
     tensors: &mut BTreeMap<String, Tensor>,
 ) -> Result<(), String> {
     for s in sharded {
-        let Some(t) = tensors.remove(&s.logical) else {
+        let Some(t) = take_logical(tensors, &s.logical, s.dtype, &s.dims)? else {
             continue;
         };
-        if t.dtype() != s.dtype || t.dims() != s.dims.as_slice() {
-            return Err(format!(
-                "`{}` is {} {:?} in the checkpoint, but this job trains it as {} {:?}",
-                s.logical,
-                t.dtype(),
-                t.dims(),
-                s.dtype,
-                s.dims
-            ));
-        }
         for k in &s.shards {
             let mut part = Vec::with_capacity(k.count as usize * s.row_bytes());
             for i in 0..k.count {
@@ -520,5 +512,22 @@ mod tests {
                 whole.as_slice::<f32>().unwrap()
             );
         }
+    }
+
+    #[test]
+    fn a_checkpoint_tensor_of_another_shape_is_refused_naming_it() {
+        let mut tensors = BTreeMap::from([(
+            "emb".to_string(),
+            Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap(),
+        )]);
+        let e = take_logical(&mut tensors, "emb", DType::F32, &[4, 2]).unwrap_err();
+        assert!(
+            e.contains("`emb` is") && e.contains("this job trains it as f32 [4, 2]"),
+            "{e}"
+        );
+        // Absent: left for the caller's missing-variable check.
+        assert!(take_logical(&mut tensors, "w", DType::F32, &[1])
+            .unwrap()
+            .is_none());
     }
 }

@@ -150,17 +150,7 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
         secret: secret(args)?,
         timeout: Duration::from_secs(args.timeout.max(1)),
         startup_timeout: Duration::from_secs(args.startup_timeout),
-        server: ServerOptions {
-            num_threads: 0,
-            step_timeout: Duration::from_secs(args.timeout.max(1)),
-            trace: args.trace.is_some(),
-            data_path: args.data.clone(),
-            memory_limit: args
-                .memory_limit
-                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
-            // Filled in from the cluster address and the secret when the task joins.
-            ..ServerOptions::default()
-        },
+        server: server_options(args),
         transport,
         quic_identity,
     };
@@ -217,6 +207,21 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
     })
 }
 
+/// How a task's server runs steps, from `dflow run`'s flags (the address and the secret are
+/// filled in when the task joins).
+fn server_options(args: &Args) -> ServerOptions {
+    ServerOptions {
+        num_threads: 0,
+        step_timeout: Duration::from_secs(args.timeout.max(1)),
+        trace: args.trace.is_some(),
+        data_path: args.data.clone(),
+        memory_limit: args
+            .memory_limit
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+        ..ServerOptions::default()
+    }
+}
+
 /// `dflow run --local --strategy S` for a strategy whose tasks exchange tensors through
 /// collectives (all-reduce, ZeRO, experts, ...): every task of `cluster` runs in this process as
 /// a real task — its own data plane on 127.0.0.1 at a port the system picks (the cluster file's
@@ -251,16 +256,7 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
         secret: None,
         timeout: Duration::from_secs(args.timeout.max(1)),
         startup_timeout: Duration::from_secs(args.startup_timeout),
-        server: ServerOptions {
-            num_threads: 0,
-            step_timeout: Duration::from_secs(args.timeout.max(1)),
-            trace: args.trace.is_some(),
-            data_path: args.data.clone(),
-            memory_limit: args
-                .memory_limit
-                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
-            ..ServerOptions::default()
-        },
+        server: server_options(args),
         transport,
         quic_identity: None,
     };
