@@ -128,18 +128,11 @@ fn a_two_worker_expert_job_trains_like_one_process_for_top_1_and_top_2_and_clipp
 }
 
 /// `(task, data-plane bytes, collective bytes, collective messages)` of every `sent` line in
-/// `stderr` (`<task>: sent N B in K values over the data plane, M B in J collective messages`).
+/// `stderr` (`<task>: holds …; sent N B in K values over the data plane, M B in J collective messages`).
 fn traffic(stderr: &str) -> Vec<(String, u64, u64, u64)> {
-    stderr
-        .lines()
-        .filter_map(|l| {
-            let (task, rest) = l.split_once(": sent ")?;
-            let words: Vec<&str> = rest.split_whitespace().collect();
-            let data = words.first()?.parse().ok()?;
-            let coll = words.get(9)?.parse().ok()?;
-            let messages = words.get(12)?.parse().ok()?;
-            Some((task.to_string(), data, coll, messages))
-        })
+    end_of_task(stderr)
+        .into_iter()
+        .map(|e| (e.task, e.data_plane, e.collective, e.collective_messages))
         .collect()
 }
 

@@ -13,16 +13,9 @@ use support::*;
 
 /// `(task, data-plane bytes, collective bytes)` of every `sent` line in `stderr`.
 fn traffic(stderr: &str) -> Vec<(String, u64, u64)> {
-    stderr
-        .lines()
-        .filter_map(|l| {
-            let (task, rest) = l.split_once(": sent ")?;
-            let words: Vec<&str> = rest.split_whitespace().collect();
-            // "N B in K values over the data plane, M B in J collective messages"
-            let data = words.first()?.parse().ok()?;
-            let coll = words.get(9)?.parse().ok()?;
-            Some((task.to_string(), data, coll))
-        })
+    end_of_task(stderr)
+        .into_iter()
+        .map(|e| (e.task, e.data_plane, e.collective))
         .collect()
 }
 

@@ -363,6 +363,16 @@ impl StepState {
         if completed == 0 || self.outstanding.fetch_sub(completed, Ordering::AcqRel) != completed {
             return;
         }
+        // The step's values leave the meter now, not when the last runner lets go of the state:
+        // the caller may start the next step first, and would see this one's values counted.
+        if let Some(m) = &self.meter {
+            m.sub(
+                self.counted
+                    .iter()
+                    .map(|c| c.swap(0, Ordering::Relaxed))
+                    .sum(),
+            );
+        }
         let result = match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
             Some(e) => Err(e),
             None => Ok(()),

@@ -200,7 +200,7 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
             );
         }
         if result.is_ok() {
-            eprintln!("{task}: sent {}", server.traffic());
+            eprintln!("{task}: holds {}; sent {}", server.held(), server.traffic());
             eprintln!("{task}: done");
         }
         result
@@ -312,7 +312,7 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
         if result.is_ok() {
             for (job, index, server) in &tracers {
                 let task = dflow_executor::cluster::task_name(job, *index);
-                eprintln!("{task}: sent {}", server.traffic());
+                eprintln!("{task}: holds {}; sent {}", server.held(), server.traffic());
             }
         }
         if let Some(path) = &args.trace {

@@ -358,6 +358,48 @@ impl Ended {
     }
 }
 
+/// What one task says it held and sent at the end of a job (its line
+/// `<task>: holds K variables, B bytes; step tensors peaked at P bytes; sent N B in V values over
+/// the data plane, M B in J collective messages`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndOfTask {
+    pub task: String,
+    /// Bytes of its variable stores (parameters and optimizer state).
+    pub variable_bytes: u64,
+    /// The most bytes of step tensors it held at once.
+    pub peak: u64,
+    /// Payload bytes of values sent to other tasks' Recvs.
+    pub data_plane: u64,
+    /// Payload bytes sent in collectives, and in how many messages.
+    pub collective: u64,
+    pub collective_messages: u64,
+}
+
+/// Every end-of-task line in `stderr` (see [`EndOfTask`]).
+pub fn end_of_task(stderr: &str) -> Vec<EndOfTask> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let (task, rest) = l.split_once(": holds ")?;
+            let words: Vec<&str> = rest
+                .split(|c: char| c.is_whitespace() || c == ',' || c == ';')
+                .filter(|w| !w.is_empty())
+                .collect();
+            // K variables B bytes step tensors peaked at P bytes sent N B in V values over the
+            // data plane M B in J collective messages
+            let n = |i: usize| words.get(i).and_then(|w| w.parse().ok());
+            Some(EndOfTask {
+                task: task.to_string(),
+                variable_bytes: n(2)?,
+                peak: n(8)?,
+                data_plane: n(11)?,
+                collective: n(20)?,
+                collective_messages: n(23)?,
+            })
+        })
+        .collect()
+}
+
 /// The training flags every digits task gets.
 pub fn digits_args(epochs: u32) -> Vec<String> {
     vec![

@@ -21,4 +21,4 @@ pub use chief::{
     plan_job, run_chief, task_registrations, ChiefConfig, ChiefData, ChiefReport, InitFrom,
 };
 pub use node::{bind_addr, task_name, JobError, Listening, Node, NodeOptions, Rpc};
-pub use server::{ServerOptions, TaskServer, TaskTraffic};
+pub use server::{ServerOptions, TaskHeld, TaskServer, TaskTraffic};

@@ -378,20 +378,6 @@ impl Node {
                 }
             }
         };
-        if result.is_ok() {
-            // What this task holds at the end of the job, measured on its variable stores
-            // (parameters and optimizer state; ZeRO shards the latter).
-            let vars = self.server.variables();
-            let bytes: usize = vars.iter().map(|v| v.value.bytes.len()).sum();
-            let peak = self.server.meter().map_or(0, |m| m.peak());
-            tracing::info!(
-                "{}: holds {} variables, {bytes} bytes; step tensors peaked at {peak} bytes; \
-                 collectives sent {} bytes",
-                self.task,
-                vars.len(),
-                self.server.collective_bytes_sent()
-            );
-        }
         self.rendezvous.close(Duration::from_secs(2)).await;
         result
     }

@@ -146,6 +146,27 @@ impl std::fmt::Display for TaskTraffic {
     }
 }
 
+/// What one task holds at the end of a job: [`TaskServer::held`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TaskHeld {
+    /// Initialized variables in its stores (parameters and optimizer state).
+    pub variables: usize,
+    /// Their bytes.
+    pub variable_bytes: usize,
+    /// The most bytes of step values it held at once (the executor's meter).
+    pub peak_step_bytes: usize,
+}
+
+impl std::fmt::Display for TaskHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} variables, {} bytes; step tensors peaked at {} bytes",
+            self.variables, self.variable_bytes, self.peak_step_bytes
+        )
+    }
+}
+
 /// A receive slot a task registered on its data plane, as the job plan gave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegisteredSlot {
@@ -262,9 +283,20 @@ impl TaskServer {
         }
     }
 
-    /// Payload bytes this task has sent in collectives.
-    pub fn collective_bytes_sent(&self) -> u64 {
-        self.collectives.bytes_sent()
+    /// What this task holds now: its variables (parameters and optimizer state, as its stores
+    /// hold them) and the peak of its step values.
+    pub fn held(&self) -> TaskHeld {
+        let stores: Vec<Arc<VariableStore>> = lock(&self.stores).values().cloned().collect();
+        let values: Vec<Tensor> = stores
+            .iter()
+            .flat_map(|s| s.snapshot())
+            .map(|(_, t)| t)
+            .collect();
+        TaskHeld {
+            variables: values.len(),
+            variable_bytes: values.iter().map(Tensor::byte_len).sum(),
+            peak_step_bytes: self.meter().map_or(0, |m| m.peak()),
+        }
     }
 
     /// The accounting of this task's step values.
