@@ -169,7 +169,7 @@ proptest! {
         let got_set: BTreeSet<_> = got.iter().cloned().collect();
         prop_assert_eq!(got.len(), got_set.len(), "one pair per (tensor, destination)");
         prop_assert_eq!(got_set, expected);
-        let keys: BTreeSet<&str> = p.pairs.iter().map(|t| &*t.key).collect();
+        let keys: BTreeSet<&str> = p.pairs.iter().map(|t| t.key.as_str()).collect();
         prop_assert_eq!(keys.len(), p.pairs.len());
         let mut sorted = p.pairs.clone();
         sorted.sort_by(|a, b| a.key.cmp(&b.key));

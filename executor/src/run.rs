@@ -65,7 +65,7 @@ pub(crate) fn run_plans(
         env.rendezvous
             .send(key, step, value.clone())
             .map_err(|e| ExecError::Feed {
-                name: key.tensor_name.clone(),
+                name: key.tensor_name().to_string(),
                 message: e.to_string(),
             })?;
     }
@@ -123,7 +123,7 @@ fn collect(
                 match r {
                     Ok(t) => fetched[i] = Some(t),
                     Err(e) => errors.push(ExecError::Transfer {
-                        node: format!("fetch {}", fetches[i].tensor_name),
+                        node: format!("fetch {}", fetches[i].tensor_name()),
                         device: "client".into(),
                         source: Box::new(e),
                     }),
@@ -134,7 +134,13 @@ fn collect(
                     .rendezvous
                     .pending_recvs(step)
                     .into_iter()
-                    .map(|k| (k.tensor_name, k.send_device, k.recv_device))
+                    .map(|k| {
+                        (
+                            k.tensor_name().to_string(),
+                            k.send_device().to_string(),
+                            k.recv_device().to_string(),
+                        )
+                    })
                     .collect();
                 let e = ExecError::Timeout {
                     step,
@@ -171,7 +177,7 @@ fn collect(
         .zip(fetches)
         .map(|(t, k)| {
             t.ok_or_else(|| ExecError::Fetch {
-                name: k.tensor_name.clone(),
+                name: k.tensor_name().to_string(),
                 message: "no value arrived".into(),
             })
         })

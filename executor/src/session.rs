@@ -215,20 +215,17 @@ impl Session {
                 &store,
             )?));
         }
-        let pair_types: HashMap<&str, (dflow_graph::DType, Shape)> = partitions
+        let pair_types: HashMap<&RendezvousKey, (dflow_graph::DType, Shape)> = partitions
             .pairs
             .iter()
-            .map(|p| (&*p.key, (p.dtype, p.shape.clone())))
+            .map(|p| (&p.key, (p.dtype, p.shape.clone())))
             .collect();
         let mut feed_keys = Vec::new();
         for (name, ep) in sig.0.iter().zip(&partitions.feeds) {
-            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Feed {
-                name: name.clone(),
-                message: e.to_string(),
-            })?;
+            let key = ep.key.clone();
             let (dtype, shape) =
                 pair_types
-                    .get(ep.key.as_str())
+                    .get(&ep.key)
                     .cloned()
                     .ok_or_else(|| ExecError::Feed {
                         name: name.clone(),
@@ -237,12 +234,8 @@ impl Session {
             feed_keys.push((Arc::new(key), dtype, shape));
         }
         let mut fetch_keys = Vec::new();
-        for (name, ep) in sig.1.iter().zip(&partitions.fetches) {
-            let key = RendezvousKey::parse(&ep.key).map_err(|e| ExecError::Fetch {
-                name: name.clone(),
-                message: e.to_string(),
-            })?;
-            fetch_keys.push(Arc::new(key));
+        for ep in &partitions.fetches {
+            fetch_keys.push(Arc::new(ep.key.clone()));
         }
         let c = Arc::new(CompiledCall {
             partitions,

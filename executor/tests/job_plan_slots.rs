@@ -8,6 +8,7 @@ use dflow_executor::cluster::server::RegisteredSlot;
 use dflow_executor::cluster::{task_registrations, ServerOptions, TaskServer};
 use dflow_executor::data::{read_csv, ReadOptions};
 use dflow_graph::train::TrainSpec;
+use dflow_graph::RendezvousKey;
 use dflow_graph::{ClusterSpec, Graph};
 use dflow_partitioner::{JobInput, JobPlan, StrategyKind, StrategyOptions};
 use dflow_transport::tcp::TcpPlane;
@@ -78,24 +79,18 @@ fn plan_slots(plan: &JobPlan, task: &str) -> Vec<RegisteredSlot> {
         .iter()
         .map(|s| RegisteredSlot {
             slot: s.slot.slot as u32,
-            key: s.slot.key.to_string(),
+            key: s.slot.key.clone(),
             peer: s.peer.to_string(),
             bytes: s.slot.bytes,
         })
         .collect()
 }
 
-fn plan_routes(plan: &JobPlan, task: &str) -> Vec<(String, String, u32)> {
-    let mut v: Vec<(String, String, u32)> = plan
+fn plan_routes(plan: &JobPlan, task: &str) -> Vec<(RendezvousKey, String, u32)> {
+    let mut v: Vec<(RendezvousKey, String, u32)> = plan
         .send_routes(task)
         .iter()
-        .map(|s| {
-            (
-                s.slot.key.to_string(),
-                s.peer.to_string(),
-                s.slot.slot as u32,
-            )
-        })
+        .map(|s| (s.slot.key.clone(), s.peer.to_string(), s.slot.slot as u32))
         .collect();
     v.sort();
     v
@@ -217,9 +212,11 @@ fn a_slot_sized_unlike_the_plan_or_missing_is_an_error_naming_the_pair() {
 
     let mut extra = good.clone();
     let mut stray = good.recv_slots[0].clone();
-    stray.key =
-        "/job:worker/replica:0/task:1/device:CPU:0;/job:ps/replica:0/task:0/device:CPU:0;nothing:0"
-            .into();
+    stray.key = RendezvousKey::new(
+        "/job:worker/replica:0/task:1/device:CPU:0",
+        "/job:ps/replica:0/task:0/device:CPU:0",
+        "nothing:0",
+    );
     stray.slot = 999;
     extra.recv_slots.push(stray);
     let e = register_one(&ps, &extra).unwrap_err();
@@ -245,7 +242,7 @@ fn a_key_keeps_its_slot_across_graphs() {
     renumbered.recv_slots[0].slot += 1000;
     let e = servers[&ps].register(&renumbered).unwrap_err();
     assert!(
-        e.contains(&good.recv_slots[0].key) && e.contains("registered earlier as slot"),
+        e.contains(good.recv_slots[0].key.as_str()) && e.contains("registered earlier as slot"),
         "{e}"
     );
 }

@@ -20,6 +20,7 @@ pub mod kernel;
 pub mod layers;
 mod name_index;
 pub mod ops;
+pub mod rendezvous_key;
 pub mod shape;
 pub mod tensor;
 /// The TensorFlow GraphDef importer (it lives with the other formats, in [`format`]).
@@ -39,5 +40,6 @@ pub use format::{
 };
 pub use graph::{Edge, Graph, Node};
 pub use ops::{registry, OpDef, TensorType};
+pub use rendezvous_key::{BadRendezvousKey, RendezvousKey};
 pub use shape::Shape;
 pub use tensor::{Element, Tensor, TensorError};

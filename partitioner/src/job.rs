@@ -15,7 +15,7 @@ use crate::partition::{partition, PartitionOptions, Partitions, TransferPair};
 use crate::place::{place, PlacementOptions};
 use crate::plan::{build_buffer_plan, BufferPlan, SlotPlan};
 use crate::strategy::{JobInput, ReplicaGraph, StrategyError};
-use dflow_graph::{DType, DeviceName, Shape};
+use dflow_graph::{DType, DeviceName, RendezvousKey, Shape};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -62,7 +62,7 @@ pub struct FeedPlan {
     /// The fed tensor (`replica_1/pixels:0`).
     pub tensor: String,
     /// Its client-terminated rendezvous key.
-    pub key: String,
+    pub key: RendezvousKey,
     /// The task that feeds it.
     pub task: String,
     /// What it is fed with.
@@ -301,7 +301,7 @@ fn signature(
 /// The pairs of `signatures` that cross between two tasks, one per key, sorted by key; each
 /// must have a static shape, and a key shared by two signatures must carry one type.
 fn cross_task_pairs(signatures: &[Signature]) -> Result<Vec<TransferPair>, JobPlanError> {
-    let mut by_key: BTreeMap<&str, &TransferPair> = BTreeMap::new();
+    let mut by_key: BTreeMap<&RendezvousKey, &TransferPair> = BTreeMap::new();
     for s in signatures {
         for p in s.partitions.pairs.iter().filter(|p| !p.client_terminated) {
             if task_of(&p.send_device)? == task_of(&p.recv_device)? {
@@ -314,7 +314,7 @@ fn cross_task_pairs(signatures: &[Signature]) -> Result<Vec<TransferPair>, JobPl
                     shape: p.shape.clone(),
                 });
             }
-            match by_key.get(&*p.key) {
+            match by_key.get(&p.key) {
                 Some(q) if (q.dtype, &q.shape) != (p.dtype, &p.shape) => {
                     return Err(JobPlanError::SlotConflict {
                         key: p.key.to_string(),
@@ -491,9 +491,7 @@ impl JobPlan {
             .slots
             .iter()
             .filter_map(|slot| {
-                let mut parts = slot.key.splitn(3, ';');
-                let (send, recv) = (parts.next()?, parts.next()?);
-                let (here, peer) = ends(send, recv);
+                let (here, peer) = ends(slot.key.send_device(), slot.key.recv_device());
                 let here_task = task_prefix(here)?;
                 (here_task == task).then(|| TaskSlot {
                     slot,
@@ -643,13 +641,16 @@ mod tests {
         for t in &tasks {
             for s in plan.recv_slots(t) {
                 assert_ne!(s.peer, t.as_str());
-                assert!(s.slot.key.contains(&format!(";{t}/device:")));
+                assert!(s.slot.key.as_str().contains(&format!(";{t}/device:")));
             }
         }
         // The eval signature shares the training signature's keys: no second slot for `w`.
         let w_to_worker0 = slots
             .iter()
-            .filter(|s| s.key.ends_with(";w:0") && s.key.contains(";/job:worker/replica:0/task:0/"))
+            .filter(|s| {
+                s.key.tensor_name() == "w:0"
+                    && s.key.as_str().contains(";/job:worker/replica:0/task:0/")
+            })
             .count();
         assert_eq!(w_to_worker0, 1);
     }

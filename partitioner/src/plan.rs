@@ -5,16 +5,15 @@
 //! listed in [`BufferPlan::dynamic`] with the reason.
 
 use crate::partition::TransferPair;
-use dflow_graph::{DType, DeviceName, Shape};
+use dflow_graph::{DType, DeviceName, RendezvousKey, Shape};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 /// One preallocated receive slot.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlotPlan {
     /// The pair's rendezvous key (shared with the pair's).
-    pub key: Arc<str>,
+    pub key: RendezvousKey,
     /// Element type.
     pub dtype: DType,
     /// The static shape.
@@ -128,7 +127,7 @@ mod tests {
     fn pair(send: &str, recv: &str, tensor: &str, shape: Shape) -> TransferPair {
         let bytes = shape.num_elements().map(|n| n * 4);
         TransferPair {
-            key: format!("{send};{recv};{tensor}").into(),
+            key: RendezvousKey::new(send, recv, tensor),
             tensor_name: tensor.into(),
             send_device: send.into(),
             recv_device: recv.into(),
@@ -158,9 +157,15 @@ mod tests {
         let slots: Vec<(usize, &str, usize)> = plan
             .slots
             .iter()
-            .map(|s| (s.slot, &*s.key, s.bytes))
+            .map(|s| (s.slot, s.key.as_str(), s.bytes))
             .collect();
-        assert_eq!(slots, [(0, &*pairs[0].key, 24), (1, &*pairs[2].key, 20)]);
+        assert_eq!(
+            slots,
+            [
+                (0, pairs[0].key.as_str(), 24),
+                (1, pairs[2].key.as_str(), 20)
+            ]
+        );
         assert_eq!(
             plan.dynamic,
             [(

@@ -59,7 +59,8 @@ fn node_line(g: &Graph, idx: petgraph::graph::NodeIndex) -> String {
 
 /// One block per device (its nodes, each Send/Recv with key and bytes), then a summary.
 pub fn render_text(p: &Partitions) -> String {
-    let by_key: HashMap<&str, &TransferPair> = p.pairs.iter().map(|t| (&*t.key, t)).collect();
+    let by_key: HashMap<&str, &TransferPair> =
+        p.pairs.iter().map(|t| (t.key.as_str(), t)).collect();
     let mut out = String::new();
     for (device, part) in &p.partitions {
         let g = &part.graph;

@@ -140,7 +140,7 @@ mod tests {
             peer: "ps0".into(),
             cause: "closed".into(),
         };
-        waits.abort_waiting_on(&local, &err, |k| k.tensor_name == "a:0");
+        waits.abort_waiting_on(&local, &err, |k| k.tensor_name() == "a:0");
         assert!(rx_ps.recv_timeout(Duration::from_secs(5)).unwrap().is_err());
         // Step 2 waits on ps1: untouched, and still delivered.
         assert!(rx_other.try_recv().is_err());

@@ -4,49 +4,13 @@ use dflow_graph::{DType, Tensor};
 use std::fmt;
 use std::sync::Arc;
 
-/// Identifies one Send/Recv pair: `send_device;recv_device;tensor_name`.
-///
-/// The step id is not part of the key; it is passed alongside, so the same key is reused every
-/// step (and the same preallocated buffer behind it).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RendezvousKey {
-    /// Full name of the sending device.
-    pub send_device: String,
-    /// Full name of the receiving device.
-    pub recv_device: String,
-    /// The tensor, `node:output` (or `^node` for a control edge).
-    pub tensor_name: String,
-}
+/// The pair's key: one type from the partitioner to the transports (see
+/// [`dflow_graph::rendezvous_key`]).
+pub use dflow_graph::RendezvousKey;
 
-impl RendezvousKey {
-    /// Builds a key.
-    pub fn new(send_device: &str, recv_device: &str, tensor_name: &str) -> Self {
-        RendezvousKey {
-            send_device: send_device.into(),
-            recv_device: recv_device.into(),
-            tensor_name: tensor_name.into(),
-        }
-    }
-
-    /// Parses `send;recv;tensor`.
-    pub fn parse(s: &str) -> Result<Self, RendezvousError> {
-        let mut it = s.splitn(3, ';');
-        match (it.next(), it.next(), it.next()) {
-            (Some(a), Some(b), Some(c)) if !a.is_empty() && !b.is_empty() && !c.is_empty() => {
-                Ok(RendezvousKey::new(a, b, c))
-            }
-            _ => Err(RendezvousError::BadKey(s.to_string())),
-        }
-    }
-}
-
-impl fmt::Display for RendezvousKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{};{};{}",
-            self.send_device, self.recv_device, self.tensor_name
-        )
+impl From<dflow_graph::BadRendezvousKey> for RendezvousError {
+    fn from(e: dflow_graph::BadRendezvousKey) -> Self {
+        RendezvousError::BadKey(e.0)
     }
 }
 
@@ -63,7 +27,7 @@ pub enum RendezvousError {
         cause: String,
     },
     /// Nothing arrived within the timeout.
-    #[error("timed out after {waited_ms} ms waiting for tensor `{}` from {} (key {key}, step {step})", key.tensor_name, key.send_device)]
+    #[error("timed out after {waited_ms} ms waiting for tensor `{}` from {} (key {key}, step {step})", key.tensor_name(), key.send_device())]
     Timeout {
         /// The key waited on.
         key: RendezvousKey,
@@ -93,7 +57,7 @@ pub enum RendezvousError {
     BadKey(String),
     /// A sender's slot at the peer still held an earlier value past the timeout (its reader, or
     /// this task, did not release it).
-    #[error("slot for tensor `{}` (key {key}) at peer {peer} stayed busy for {waited_ms} ms: {cause}", key.tensor_name)]
+    #[error("slot for tensor `{}` (key {key}) at peer {peer} stayed busy for {waited_ms} ms: {cause}", key.tensor_name())]
     SlotBusy {
         /// The key.
         key: RendezvousKey,

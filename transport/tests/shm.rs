@@ -148,7 +148,7 @@ async fn a_held_slot_is_never_overwritten_and_a_dead_peer_fails_the_wait() {
         .unwrap_err();
     match &busy {
         RendezvousError::SlotBusy { key, peer, .. } => {
-            assert_eq!(key.tensor_name, "w:0");
+            assert_eq!(key.tensor_name(), "w:0");
             assert_eq!(peer, "psc:0");
         }
         e => panic!("expected SlotBusy, got {e}"),

@@ -413,7 +413,7 @@ fn describe_waiting(server: &TaskServer) -> String {
         .map(|(step, keys)| {
             let keys: Vec<String> = keys
                 .iter()
-                .map(|k| format!("`{}` from {}", k.tensor_name, k.send_device))
+                .map(|k| format!("`{}` from {}", k.tensor_name(), k.send_device()))
                 .collect();
             format!("step {step}: {}", keys.join(", "))
         })

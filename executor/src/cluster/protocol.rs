@@ -23,7 +23,7 @@
 //!
 //! Liveness is the data plane's: heartbeats on idle connections and the idle timeout.
 
-use dflow_graph::{DType, Tensor};
+use dflow_graph::{DType, RendezvousKey, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// The version this build speaks; a message of another version is rejected with both numbers.
@@ -145,7 +145,7 @@ pub struct RegisterGraph {
     /// Client feeds this task makes itself, from its own data.
     pub feeds: Vec<FeedBinding>,
     /// Client fetch keys this task receives and returns in [`StepDone::fetched`].
-    pub fetches: Vec<String>,
+    pub fetches: Vec<RendezvousKey>,
     /// How this task reads its data, when it feeds any.
     pub data: Option<DataSpec>,
     /// True when the graph updates variables (counted for async staleness).
@@ -168,8 +168,8 @@ pub struct RecvSlot {
     pub slot: u32,
     /// The sending task.
     pub peer: String,
-    /// Rendezvous key `send;recv;tensor`.
-    pub key: String,
+    /// Rendezvous key `send;recv;tensor` (checked when the message is decoded).
+    pub key: RendezvousKey,
     /// Element type name.
     pub dtype: String,
     /// Static shape.
@@ -183,7 +183,7 @@ pub struct RecvSlot {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SendRoute {
     /// Rendezvous key.
-    pub key: String,
+    pub key: RendezvousKey,
     /// The receiving task.
     pub peer: String,
     /// The slot there.
@@ -194,7 +194,7 @@ pub struct SendRoute {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FeedBinding {
     /// The feed's rendezvous key.
-    pub key: String,
+    pub key: RendezvousKey,
     /// What is fed.
     pub source: FeedSource,
 }
@@ -400,17 +400,17 @@ mod tests {
                 recv_slots: vec![RecvSlot {
                     slot: 1,
                     peer: "/job:worker/replica:0/task:0".into(),
-                    key: "a;b;g:0".into(),
+                    key: RendezvousKey::new("a", "b", "g:0"),
                     dtype: "f32".into(),
                     dims: vec![64, 32],
                     bytes: 64 * 32 * 4,
                 }],
                 send_routes: vec![],
                 feeds: vec![FeedBinding {
-                    key: "client;w;x:0".into(),
+                    key: RendezvousKey::new("client", "w", "x:0"),
                     source: FeedSource::Features,
                 }],
-                fetches: vec!["w;client;loss:0".into()],
+                fetches: vec![RendezvousKey::new("w", "client", "loss:0")],
                 data: Some(DataSpec {
                     path: "examples/data/shakespeare.txt.gz".into(),
                     seed: 3,

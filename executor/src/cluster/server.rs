@@ -119,9 +119,9 @@ pub struct TaskServer {
     /// The collective groups this task joined.
     collectives: Arc<CollectiveHub>,
     /// The receive slots registered on the data plane, by key.
-    slots: Mutex<BTreeMap<String, RegisteredSlot>>,
+    slots: Mutex<BTreeMap<RendezvousKey, RegisteredSlot>>,
     /// The send routes registered on the data plane: key → (receiving task, slot).
-    routes: Mutex<BTreeMap<String, (String, u32)>>,
+    routes: Mutex<BTreeMap<RendezvousKey, (String, u32)>>,
 }
 
 /// What one task sent: [`TaskServer::traffic`].
@@ -173,7 +173,7 @@ pub struct RegisteredSlot {
     /// The plan's global slot id.
     pub slot: u32,
     /// The pair's rendezvous key.
-    pub key: String,
+    pub key: RendezvousKey,
     /// The sending task.
     pub peer: String,
     /// Bytes per step.
@@ -184,8 +184,8 @@ pub struct RegisteredSlot {
 /// `(key, node, bytes per step)`.
 #[derive(Debug, Default)]
 struct CrossTaskEnds {
-    recvs: Vec<(String, String, Option<usize>)>,
-    sends: Vec<(String, String)>,
+    recvs: Vec<(RendezvousKey, String, Option<usize>)>,
+    sends: Vec<(RendezvousKey, String)>,
 }
 
 impl CrossTaskEnds {
@@ -209,7 +209,7 @@ impl CrossTaskEnds {
             if send_task == recv_task {
                 continue;
             }
-            let key = format!("{send};{recv};{}", text("tensor_name"));
+            let key = RendezvousKey::new(&send, &recv, &text("tensor_name"));
             if node.op == "Recv" && recv_task.as_deref() == Some(task) {
                 let bytes = node.outputs.first().and_then(|t| {
                     t.shape
@@ -362,7 +362,7 @@ impl TaskServer {
         let slots = self.check_slots(g, &ends)?;
         self.check_routes(g, &ends)?;
         for (s, dtype, dims) in slots {
-            let key = Arc::new(RendezvousKey::parse(&s.key).map_err(|e| e.to_string())?);
+            let key = Arc::new(s.key.clone());
             self.rendezvous
                 .register_recv(s.slot, &s.peer, key, dtype, &dims)
                 .map_err(|e| format!("pair {}: registering slot {}: {e}", s.key, s.slot))?;
@@ -372,22 +372,16 @@ impl TaskServer {
             if lock(&self.routes).contains_key(&r.key) {
                 continue; // routed by a graph registered earlier
             }
-            let key = Arc::new(RendezvousKey::parse(&r.key).map_err(|e| e.to_string())?);
+            let key = Arc::new(r.key.clone());
             self.rendezvous.register_send(key, &r.peer, r.slot);
             lock(&self.routes).insert(r.key.clone(), (r.peer.clone(), r.slot));
         }
         let feeds = g
             .feeds
             .iter()
-            .map(|f| Ok((Arc::new(RendezvousKey::parse(&f.key)?), f.source)))
-            .collect::<Result<Vec<_>, RendezvousError>>()
-            .map_err(|e| e.to_string())?;
-        let fetches = g
-            .fetches
-            .iter()
-            .map(|k| RendezvousKey::parse(k).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
+            .map(|f| (Arc::new(f.key.clone()), f.source))
+            .collect();
+        let fetches = g.fetches.iter().cloned().map(Arc::new).collect();
         if let Some(spec) = &g.data {
             self.load_data(spec)?;
         }
@@ -469,7 +463,7 @@ impl TaskServer {
                     s.slot
                 )));
             }
-            listed.insert(s.key.as_str());
+            listed.insert(&s.key);
             let slot = RegisteredSlot {
                 slot: s.slot,
                 key: s.key.clone(),
@@ -496,7 +490,7 @@ impl TaskServer {
             }
         }
         for (key, node, _) in &ends.recvs {
-            if !listed.contains(key.as_str()) && !registered.contains_key(key) {
+            if !listed.contains(key) && !registered.contains_key(key) {
                 return Err(format!(
                     "task {}: pair {key}: Recv `{node}` receives from another task, but the plan lists no slot for it",
                     self.task
@@ -544,7 +538,7 @@ impl TaskServer {
     }
 
     /// The send routes this task registered: `(key, receiving task, slot)`, in key order.
-    pub fn registered_routes(&self) -> Vec<(String, String, u32)> {
+    pub fn registered_routes(&self) -> Vec<(RendezvousKey, String, u32)> {
         lock(&self.routes)
             .iter()
             .map(|(k, (p, s))| (k.clone(), p.clone(), *s))

@@ -41,8 +41,8 @@ use crate::place::PlacedGraph;
 use crate::plan::{build_buffer_plan, BufferPlan};
 use build::{build_graphs, NodeMaker};
 use devices::{intern_devices, Devices};
-use dflow_graph::{DType, DeviceName, Edge, Graph, Shape, TensorType};
-use naming::{concat, name_pairs, PairNames};
+use dflow_graph::{DType, DeviceName, Edge, Graph, RendezvousKey, Shape, TensorType};
+use naming::{name_pairs, PairNames};
 use pairs::{walk_pairs, Walk};
 use petgraph::graph::NodeIndex;
 use request::{kept_nodes, resolve_request, Request};
@@ -96,7 +96,7 @@ pub struct Partition {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferPair {
     /// The rendezvous key `send_device;recv_device;tensor_name`.
-    pub key: Arc<str>,
+    pub key: RendezvousKey,
     /// The source tensor `node:out`, or `^node` for a control pair.
     pub tensor_name: Arc<str>,
     /// Full name of the sending device ([`CLIENT_DEVICE`](dflow_graph::ops::transfer::CLIENT_DEVICE) for a feed).
@@ -127,7 +127,7 @@ pub struct ClientEndpoint {
     /// The device the tensor lives on.
     pub device: DeviceName,
     /// The rendezvous key of its client-terminated pair.
-    pub key: String,
+    pub key: RendezvousKey,
 }
 
 /// A pair's source: a node output, a feed, or a node's completion (control).
@@ -295,13 +295,11 @@ fn client_endpoints(
         ClientEndpoint {
             tensor: tensor.to_string(),
             device: devices.all[device(p) as usize].clone(),
-            key: concat(&[
+            key: RendezvousKey::new(
                 &devices.names[p.send_dev as usize],
-                ";",
                 &devices.names[p.recv_dev as usize],
-                ";",
                 tensor,
-            ]),
+            ),
         }
     };
     let feeds = req
@@ -366,7 +364,7 @@ fn transfer_pairs(
             scratch.push_str(part);
         }
         TransferPair {
-            key: Arc::from(scratch.as_str()),
+            key: RendezvousKey::from_parts(scratch, send.len(), recv.len()),
             send_device: dev_arc[p.send_dev as usize].clone(),
             recv_device: dev_arc[p.recv_dev as usize].clone(),
             is_control: matches!(p.src, Source::Control(_)),

@@ -374,11 +374,11 @@ mod tests {
         type Route = ();
 
         fn route(&self, key: &RendezvousKey) -> Option<(Arc<str>, ())> {
-            (key.tensor_name == "x:0").then(|| ("peer".into(), ()))
+            (key.tensor_name() == "x:0").then(|| ("peer".into(), ()))
         }
 
         fn sender_of(&self, key: &RendezvousKey) -> Option<Arc<str>> {
-            (key.tensor_name == "y:0").then(|| "peer".into())
+            (key.tensor_name() == "y:0").then(|| "peer".into())
         }
 
         fn send_to(

@@ -122,7 +122,7 @@ impl RdmaPlane {
         for e in events {
             match e {
                 // The sending device names the peer in a log line.
-                Event::Delivered(d) => self.deliver(&d.key.send_device, &d.key, d.step, d.tensor),
+                Event::Delivered(d) => self.deliver(d.key.send_device(), &d.key, d.step, d.tensor),
                 Event::StepFailed { step, error } => {
                     let cause = RendezvousError::Aborted {
                         step,

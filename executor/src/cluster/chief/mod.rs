@@ -25,7 +25,7 @@ use crate::data::text::CharCorpus;
 use crate::data::Dataset;
 use crate::trainer::{initial_values, StepReport, StepRunner, TrainConfig, TrainError};
 use dflow_graph::train::TrainSpec;
-use dflow_graph::{format::to_json, ClusterSpec, DType, Graph, Tensor};
+use dflow_graph::{format::to_json, ClusterSpec, DType, Graph, RendezvousKey, Tensor};
 use dflow_partitioner::job::{CollectiveGroup, FeedRole};
 use dflow_partitioner::{JobInput, JobPlan, PlacementOptions, Schedule, SignatureKind, Strategy};
 use independent::independent;
@@ -196,7 +196,7 @@ pub fn task_registrations(
 /// replica on another worker) gets an id no plan used. The first plan's ids are its own.
 #[derive(Debug, Default)]
 pub(crate) struct SlotIds {
-    ids: BTreeMap<String, u32>,
+    ids: BTreeMap<RendezvousKey, u32>,
     next: u32,
 }
 
@@ -207,7 +207,7 @@ impl SlotIds {
         let mut slots: Vec<&dflow_partitioner::SlotPlan> = plan.buffer_plan.slots.iter().collect();
         slots.sort_by_key(|s| s.slot);
         for s in slots {
-            if self.ids.contains_key(&*s.key) {
+            if self.ids.contains_key(&s.key) {
                 continue;
             }
             let id = if first {
@@ -218,13 +218,13 @@ impl SlotIds {
             self.next = id
                 .checked_add(1)
                 .ok_or_else(|| setup("the job's plans used up the 32-bit receive-slot ids"))?;
-            self.ids.insert(s.key.to_string(), id);
+            self.ids.insert(s.key.clone(), id);
         }
         Ok(())
     }
 
     /// The id of `key`'s slot ([`SlotIds::learn`] saw its plan).
-    fn id(&self, key: &str) -> Result<u32, JobError> {
+    fn id(&self, key: &RendezvousKey) -> Result<u32, JobError> {
         self.ids
             .get(key)
             .copied()
@@ -271,10 +271,10 @@ fn registrations(
                     graph_json: to_json(&p.graph.to_def()),
                 });
         }
-        let keys: BTreeSet<&str> = s.partitions.pairs.iter().map(|p| &*p.key).collect();
+        let keys: BTreeSet<&RendezvousKey> = s.partitions.pairs.iter().map(|p| &p.key).collect();
         for (task, reg) in regs.iter_mut() {
             for ts in plan.recv_slots(task) {
-                if !keys.contains(&*ts.slot.key) {
+                if !keys.contains(&ts.slot.key) {
                     continue;
                 }
                 let slot = ids.id(&ts.slot.key)?;
@@ -287,16 +287,16 @@ fn registrations(
                 reg.recv_slots.push(RecvSlot {
                     slot,
                     peer: ts.peer.to_string(),
-                    key: ts.slot.key.to_string(),
+                    key: ts.slot.key.clone(),
                     dtype: ts.slot.dtype.name().to_string(),
                     dims: dims.iter().map(|&d| d as u64).collect(),
                     bytes: ts.slot.bytes as u64,
                 });
             }
             for ts in plan.send_routes(task) {
-                if keys.contains(&*ts.slot.key) {
+                if keys.contains(&ts.slot.key) {
                     reg.send_routes.push(SendRoute {
-                        key: ts.slot.key.to_string(),
+                        key: ts.slot.key.clone(),
                         peer: ts.peer.to_string(),
                         slot: ids.id(&ts.slot.key)?,
                     });
