@@ -23,6 +23,13 @@ pub(super) struct Replica {
     pub bucket_bytes: usize,
 }
 
+/// Gradients summed by one all-reduce: their dtype, bytes, and each gradient with its dims.
+struct Bucket {
+    dtype: DType,
+    bytes: usize,
+    grads: Vec<(String, Vec<usize>)>,
+}
+
 /// The weight placeholder and the weighted loss [`weight_loss`] added.
 pub(super) struct Weighting {
     /// The scalar f32 placeholder fed with the replica's share `n_d / n` of the batch.
@@ -63,7 +70,7 @@ pub(super) fn reduce_gradients(
     replica: &Replica,
     weighted: &str,
 ) -> Result<(), StrategyError> {
-    let mut buckets: Vec<(DType, usize, Vec<(String, Vec<usize>)>)> = Vec::new();
+    let mut buckets: Vec<Bucket> = Vec::new();
     for (var, grad) in training.gradients.iter().rev() {
         let ty = match InputRef::parse(grad) {
             Ok(InputRef::Data { node, index }) => {
@@ -84,17 +91,19 @@ pub(super) fn reduce_gradients(
         })?;
         let bytes = dims.iter().product::<usize>() * ty.dtype.size_of();
         match buckets.last_mut() {
-            Some((dtype, size, grads))
-                if *dtype == ty.dtype && *size + bytes <= replica.bucket_bytes.max(1) =>
-            {
-                *size += bytes;
-                grads.push((grad.clone(), dims));
+            Some(b) if b.dtype == ty.dtype && b.bytes + bytes <= replica.bucket_bytes.max(1) => {
+                b.bytes += bytes;
+                b.grads.push((grad.clone(), dims));
             }
-            _ => buckets.push((ty.dtype, bytes, vec![(grad.clone(), dims)])),
+            _ => buckets.push(Bucket {
+                dtype: ty.dtype,
+                bytes,
+                grads: vec![(grad.clone(), dims)],
+            }),
         }
     }
     let mut summed: HashMap<String, String> = HashMap::new();
-    for (k, (_, _, grads)) in buckets.iter().enumerate() {
+    for (k, Bucket { grads, .. }) in buckets.iter().enumerate() {
         let pack = n.add(
             &format!("dp/bucket_{k}/pack"),
             "PackFlat",
