@@ -2,8 +2,9 @@
 //! only: a small GPT trained with AdamW and global-norm clipping by 4 processes (two
 //! tensor-parallel replicas, Megatron-core rank order) has the losses of a one-process run, in
 //! processes and in one process (`--local`); a checkpoint saved under dp2×tp2 resumes at tp=2
-//! and in one process with the same next-step loss; a mesh that does not fit the workers or the
-//! model is refused naming what does not fit.
+//! and in one process with the same next-step loss; each rank's collective bytes are tp=2's on
+//! half the batch plus a ring all-reduce of its own gradients, exactly; a mesh that does not fit
+//! the workers or the model is refused naming what does not fit.
 
 mod support;
 
@@ -15,10 +16,9 @@ const LIMIT: Duration = Duration::from_secs(300);
 const CORPUS: &str = "examples/data/shakespeare.txt.gz";
 
 /// A GPT of 2 blocks, 4 heads, 32 channels, context 8, over the corpus's 76 characters,
-/// clipping at 0.5 so that clipping is active, written to `dir/gpt.json`.
-fn gpt_file(dir: &Path) -> PathBuf {
-    use dflow::graph::layers::{gpt, GptConfig};
-    let cfg = GptConfig {
+/// clipping at 0.5 so that clipping is active.
+fn config() -> dflow::graph::layers::GptConfig {
+    dflow::graph::layers::GptConfig {
         block_size: 8,
         n_layer: 2,
         n_head: 4,
@@ -28,24 +28,60 @@ fn gpt_file(dir: &Path) -> PathBuf {
         warmup_steps: 2,
         decay_steps: 20,
         grad_clip: Some(0.5),
-        ..GptConfig::default()
-    };
+        ..dflow::graph::layers::GptConfig::default()
+    }
+}
+
+/// [`config`]'s GPT written to `dir/gpt.json`.
+fn gpt_file(dir: &Path) -> PathBuf {
     let path = dir.join("gpt.json");
     std::fs::write(
         &path,
-        dflow::graph::format::to_json(&gpt(&cfg).unwrap().def),
+        dflow::graph::format::to_json(&dflow::graph::layers::gpt(&config()).unwrap().def),
     )
     .unwrap();
     path
 }
 
+/// The parameters one rank holds at tensor-parallel size `tp`: its shard of every weight that
+/// Megatron's layout splits, plus every replicated parameter whole (from the layout, not from
+/// a run).
+fn rank_parameters(tp: usize) -> u64 {
+    use dflow::partitioner::strategy::tensor::layout;
+    let def = dflow::graph::layers::gpt(&config()).unwrap().def;
+    let graph = dflow::graph::Graph::from_def(&def).unwrap();
+    let elements = |name: &str| -> u64 {
+        let i = graph.find(name).unwrap();
+        let dims = graph.output_type(i, 0).unwrap().shape.as_static().unwrap();
+        dims.iter().product::<usize>() as u64
+    };
+    let all: u64 = def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "Variable")
+        .map(|n| elements(&n.name))
+        .sum();
+    let cut = layout(&graph, tp).unwrap();
+    let whole: u64 = cut.iter().map(|s| elements(&s.name)).sum();
+    let shard: u64 = cut
+        .iter()
+        .map(|s| s.split.shard_dims(&s.dims).iter().product::<usize>() as u64)
+        .sum();
+    all - whole + shard
+}
+
 /// The flags every run shares: 4 rows per batch (2 per data-parallel replica).
 fn common(steps: u32) -> Vec<String> {
+    common_rows(steps, 4)
+}
+
+/// [`common`] with `rows` rows per batch.
+fn common_rows(steps: u32, rows: usize) -> Vec<String> {
     [
         "--data",
         CORPUS,
         "--batch-size",
-        "4",
+        &rows.to_string(),
         "--steps",
         &steps.to_string(),
         "--eval-every",
@@ -193,6 +229,43 @@ fn a_checkpoint_saved_under_dp2_tp2_resumes_at_tp2_and_in_one_process() {
         at1[0].1,
         straight[3].1
     );
+}
+
+#[test]
+fn dp2_tp2_sends_tp2s_bytes_plus_a_ring_all_reduce_of_each_ranks_gradients() {
+    let dir = scratch("mesh-dp2-tp2-bytes");
+    let graph = gpt_file(&dir);
+    const STEPS: u64 = 3;
+    // The collective bytes each task reports at its end, by task index.
+    let sent = |workers: usize, rows: usize, layout: &[&str]| -> Vec<u64> {
+        let cluster = workers_file(&dir, workers);
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+            "--cluster".into(),
+            cluster.to_string_lossy().into_owned(),
+        ];
+        args.extend(common_rows(STEPS as u32, rows));
+        args.extend(layout.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        stdout(&out);
+        let mut ends = end_of_task(&String::from_utf8_lossy(&out.stderr));
+        ends.sort_by(|a, b| a.task.cmp(&b.task));
+        assert_eq!(ends.len(), workers, "one end-of-task line per task");
+        ends.iter().map(|e| e.collective).collect()
+    };
+    // Each replica of dp2×tp2 on 4 rows runs tp=2 on 2 rows: the same tensor-parallel
+    // all-reduces. On top, per step, a 2-rank ring all-reduce of the rank's gradients
+    // (2(D−1)/D · 4Ψ_r = 4Ψ_r bytes sent) and of the 4-byte weighted loss.
+    let tp2 = sent(2, 2, &["--strategy", "tensor", "--tp", "2"]);
+    let mesh = sent(4, 4, &["--mesh", "dp=2,tp=2"]);
+    let psi = rank_parameters(2);
+    for (rank, &bytes) in mesh.iter().enumerate() {
+        let want = tp2[rank % 2] + STEPS * (4 * psi + 4);
+        assert_eq!(bytes, want, "rank {rank}: tp=2 sent {}", tp2[rank % 2]);
+    }
 }
 
 #[test]
