@@ -272,7 +272,7 @@ fn dp2_tp2_sends_tp2s_bytes_plus_a_ring_all_reduce_of_each_ranks_gradients() {
 fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
     let dir = scratch("mesh-refused");
     let graph = gpt_file(&dir);
-    let run = |workers: usize, mesh: &str| {
+    let run = |workers: usize, mesh: &str, rows: usize| {
         let cluster = workers_file(&dir, workers);
         let mut args = vec![
             "run".to_string(),
@@ -283,7 +283,7 @@ fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
             "--mesh".into(),
             mesh.into(),
         ];
-        args.extend(common(1));
+        args.extend(common_rows(1, rows));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = dflow(&args);
         assert!(
@@ -293,13 +293,19 @@ fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     // 4 ranks on 3 workers.
-    let e = run(3, "dp=2,tp=2");
+    let e = run(3, "dp=2,tp=2", 4);
     assert!(
         e.contains("--mesh dp=2,tp=2,pp=1") && e.contains("has 4 ranks but the job has 3 tasks"),
         "{e}"
     );
+    // dp=2 does not divide a batch of 5 rows.
+    let e = run(4, "dp=2,tp=2", 5);
+    assert!(
+        e.contains("mesh axis dp=2 does not divide the global batch (--batch-size) (5)"),
+        "{e}"
+    );
     // tp=3 does not divide the 4 heads.
-    let e = run(6, "dp=2,tp=3");
+    let e = run(6, "dp=2,tp=3", 4);
     assert!(
         e.contains("the number of heads (n_head) of transformer.h.0.attn is 4, which does not divide by --tp 3"),
         "{e}"

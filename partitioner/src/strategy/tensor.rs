@@ -92,6 +92,9 @@ pub struct TensorParallel {
     pub tp: Option<usize>,
     /// Data parallelism's fusion threshold: the most bytes of gradients in one all-reduce.
     pub bucket_bytes: usize,
+    /// The global batch, when known: with several replicas, the data-parallel size must divide
+    /// it.
+    pub batch_size: Option<usize>,
 }
 
 /// `--strategy tensor`.
@@ -112,6 +115,7 @@ pub(super) static REGISTRATION: Registration = Registration {
         Ok(Box::new(TensorParallel {
             tp: opts.tp,
             bucket_bytes: opts.bucket_bytes,
+            batch_size: opts.batch_size,
         }))
     },
 };
@@ -146,6 +150,10 @@ impl Strategy for TensorParallel {
             )));
         }
         let mesh = Mesh::new(workers / tp, tp, 1).map_err(|e| options(e.to_string()))?;
+        if let Some(batch) = self.batch_size {
+            mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
+                .map_err(|e| options(e.to_string()))?;
+        }
         let tp_graphs = mesh_training(
             input.graph,
             input.train,
@@ -1558,9 +1566,23 @@ mod tests {
         let plan = TensorParallel {
             tp: Some(2),
             bucket_bytes: 1 << 20,
+            batch_size: Some(4),
         }
         .plan(&input)
         .unwrap();
+        // The data-parallel size must divide the global batch.
+        let e = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(5),
+        }
+        .plan(&input)
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("mesh axis dp=2 does not divide the global batch (--batch-size) (5)"),
+            "{e}"
+        );
         // Megatron-core order: TP groups {0,1}{2,3}, DP groups {0,2}{1,3}.
         let w = |i: u32| task_name("worker", i);
         let groups: Vec<(String, Vec<String>)> = plan
@@ -1709,6 +1731,7 @@ mod tests {
         let plan = TensorParallel {
             tp: Some(2),
             bucket_bytes: 1 << 20,
+            batch_size: Some(4),
         }
         .plan(&input)
         .unwrap();
@@ -1775,6 +1798,7 @@ mod tests {
         let e = TensorParallel {
             tp: Some(4),
             bucket_bytes: 1 << 20,
+            batch_size: None,
         }
         .plan(&input)
         .unwrap_err();
