@@ -325,7 +325,7 @@ fn partition_shows_each_placement_and_collective_with_its_bytes() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--tp 3 must equal the cluster's 4 workers"),
+        err.contains("--tp 3 does not divide the cluster's 4 workers"),
         "{err}"
     );
     let dir = scratch("tensor-parallel-partition");

@@ -240,11 +240,19 @@ fn a_mesh_runs_what_it_names_and_refuses_what_does_not_run() {
         e.contains("--mesh dp=2,tp=1,pp=2") && e.contains("4"),
         "{e}"
     );
+    // tp=2 runs tensor parallelism, which rewrites the GPT only: the digits MLP is refused.
     let e = err(run("tp=2", &[]));
     assert!(
-        e.contains("tensor parallelism does not run as a mesh axis yet"),
+        e.contains("strategy `tensor`") && e.contains("transformer.wte.weight"),
         "{e}"
     );
+    let e = err(run("tp=2,pp=2", &[]));
+    assert!(
+        e.contains("tensor parallelism inside pipeline stages does not run yet"),
+        "{e}"
+    );
+    let e = err(run("tp=2", &["--tp", "4"]));
+    assert!(e.contains("--mesh tp=2 but --tp 4"), "{e}");
     let e = err(run("pp=2", &["--strategy", "allreduce"]));
     assert!(
         e.contains("runs --strategy pipeline, not --strategy allreduce"),

@@ -292,6 +292,17 @@ mod tests {
     }
 
     #[test]
+    fn megatron_groups_for_four_ranks_dp2_tp2() {
+        let mesh: Mesh = "dp=2,tp=2".parse().unwrap();
+        assert_eq!(mesh.size(), 4);
+        assert_eq!(mesh.groups(Axis::Tp), [[0, 1], [2, 3]].map(Vec::from));
+        assert_eq!(mesh.groups(Axis::Dp), [[0, 2], [1, 3]].map(Vec::from));
+        assert_eq!(mesh.groups(Axis::Pp), [[0], [1], [2], [3]].map(Vec::from));
+        assert_eq!(mesh.coords(2), (0, 1, 0));
+        assert_eq!(mesh.group_of(Axis::Dp, 3), [1, 3]);
+    }
+
+    #[test]
     fn order_of_the_text_does_not_matter_and_missing_axes_are_one() {
         let a: Mesh = "pp=2, tp=4".parse().unwrap();
         assert_eq!(a, Mesh::new(1, 4, 2).unwrap());

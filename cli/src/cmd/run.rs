@@ -71,11 +71,13 @@ pub struct Args {
     /// `--strategy pipeline`: the stages, micro-batches and schedule (also with --local).
     #[command(flatten)]
     pub pipeline: super::strategy_flags::PipelineFlags,
-    /// The workers as a device mesh, `dp=D,pp=P` (tp=T is planned by `dflow plan` but does not
-    /// run yet), in Megatron-core rank order; the product must equal the number of workers.
-    /// pp > 1 runs the pipeline strategy with P balanced stages and D replicas; pp = 1 runs
-    /// all-reduce (or ZeRO with --zero-stage).
-    #[arg(long, value_name = "dp=D,pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
+    /// The workers as a device mesh, `dp=D,tp=T` or `dp=D,pp=P`, in Megatron-core rank order
+    /// (tp fastest, then dp, then pp); the product must equal the number of workers. tp > 1 runs
+    /// --strategy tensor --tp T on each of D replicas (TP groups of T consecutive workers), the
+    /// gradients summed over the DP groups; pp > 1 runs the pipeline strategy with P balanced
+    /// stages and D replicas; tp = pp = 1 runs all-reduce (or ZeRO with --zero-stage). tp with
+    /// pp is planned by `dflow plan` but does not run yet.
+    #[arg(long, value_name = "dp=D,tp=T|pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce), 3 also the
@@ -88,8 +90,9 @@ pub struct Args {
     /// node.
     #[arg(long, value_name = "BYTES")]
     pub memory_limit: Option<u64>,
-    /// With --strategy tensor: the tensor-parallel size (Megatron layout over T workers; default:
-    /// every worker).
+    /// With --strategy tensor: the tensor-parallel size (Megatron layout over T consecutive
+    /// workers; default: every worker). W workers run W/T data-parallel replicas (as --mesh
+    /// dp=W/T,tp=T).
     #[arg(long, value_name = "T")]
     pub tp: Option<usize>,
     /// Parameter-server training: how embedding tables (Variables with a `partition_strategy`)
@@ -191,6 +194,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             &mesh,
             args.strategy,
             args.zero_stage,
+            &mut args.tp,
             &mut args.pipeline,
         )?);
     }

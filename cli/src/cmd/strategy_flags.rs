@@ -106,24 +106,39 @@ pub fn build_strategy(
     Ok(kind.build(&options)?)
 }
 
-/// `--mesh dp=D,tp=T,pp=P` as a strategy: `pp > 1` is the pipeline strategy with `pp` balanced
-/// stages and `dp` replicas (Megatron-core rank order), `pp = 1` is data parallelism (all-reduce,
-/// or ZeRO with `--zero-stage`). Tensor parallelism is refused: `dflow plan` predicts such
-/// layouts, `dflow run` cannot run them yet. Returns the strategy to run and sets the
-/// pipeline's stages; a contradicting `--strategy` or `--stages` is an error naming both.
+/// `--mesh dp=D,tp=T,pp=P` as a strategy: `tp > 1` is tensor parallelism (`--tp T`) on each of
+/// the `dp` replicas, `pp > 1` the pipeline strategy with `pp` balanced stages and `dp`
+/// replicas (Megatron-core rank order), `pp = tp = 1` data parallelism (all-reduce, or ZeRO
+/// with `--zero-stage`). `tp` and `pp` together are refused (`dflow plan` predicts such
+/// layouts; `dflow run` cannot run them yet). Returns the strategy to run and sets `tp` or the
+/// pipeline's stages; a contradicting `--strategy`, `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
     mesh: &dflow_partitioner::mesh::Mesh,
     strategy: Option<StrategyKind>,
     zero_stage: Option<u8>,
+    tp: &mut Option<usize>,
     pipeline: &mut PipelineFlags,
 ) -> anyhow::Result<StrategyKind> {
-    if mesh.tp > 1 {
-        anyhow::bail!(
-            "--mesh tp={}: tensor parallelism does not run as a mesh axis yet (`dflow plan` predicts such layouts); use dp and pp, or --strategy tensor --tp T over all the workers",
-            mesh.tp
-        );
+    if let Some(t) = tp.filter(|&t| t != mesh.tp) {
+        anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    let name = if mesh.pp > 1 {
+    let name = if mesh.tp > 1 {
+        if mesh.pp > 1 {
+            anyhow::bail!(
+                "--mesh tp={},pp={}: tensor parallelism inside pipeline stages does not run yet (`dflow plan` predicts such layouts); use dp with tp, or dp with pp",
+                mesh.tp,
+                mesh.pp
+            );
+        }
+        if let Some(stage) = zero_stage {
+            anyhow::bail!(
+                "--mesh tp={} with --zero-stage {stage}: ZeRO over tensor-parallel replicas does not run yet",
+                mesh.tp
+            );
+        }
+        *tp = Some(mesh.tp);
+        "tensor"
+    } else if mesh.pp > 1 {
         if let Some(stage) = zero_stage {
             anyhow::bail!("--mesh pp={} with --zero-stage {stage}: ZeRO over pipeline replicas does not run yet", mesh.pp);
         }

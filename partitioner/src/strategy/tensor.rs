@@ -35,15 +35,25 @@
 //! - Evaluation (worker 0, no collective): a copy of the forward graph, `eval/...`, whose
 //!   weights are assembled from every rank's shards.
 //!
+//! - **Data parallelism over tensor-parallel groups** (`--mesh dp=D,tp=T`, or `--tp T` over
+//!   `D·T` workers): ranks in Megatron-core order ([`crate::mesh`]: tp fastest, so the TP
+//!   groups are runs of `T` consecutive workers and the DP groups stride by `T`). Replica `d`
+//!   (TP group `d`) takes part `d` of every global batch; its loss is weighted by the part's
+//!   share of the batch and every gradient (shards and replicated parameters alike) is summed
+//!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
+//!   ([`data`]), before clipping and the update.
+//!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
-//! MoE blocks, data parallelism over several tensor-parallel groups (`--tp` must equal the
-//! worker count).
+//! MoE blocks, a pipeline axis.
+
+mod data;
 
 use super::allreduce::{check_job, fresh, node, worker_device};
 use super::{
     EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::mesh::{Axis, Mesh};
 use crate::place::{PlacementOptions, Policy};
 use crate::sharding::Placement;
 use crate::shards::AxisShardedVariable;
@@ -53,8 +63,23 @@ use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef, Shape, T
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-/// The collective group of the tensor-parallel ranks.
+/// The collective group of the tensor-parallel ranks (one tensor-parallel group, `dp = 1`).
 pub const GROUP: &str = "tensor";
+
+/// The collective group of tensor-parallel group `d` (replica `d`) of `mesh`: [`GROUP`] when
+/// there is one, `tensor_d{d}` otherwise.
+pub fn tp_group(mesh: &Mesh, d: usize) -> String {
+    if mesh.dp == 1 {
+        GROUP.to_string()
+    } else {
+        format!("{GROUP}_d{d}")
+    }
+}
+
+/// The data-parallel collective group of the ranks holding shard `t` (one per TP index).
+pub fn dp_group(t: usize) -> String {
+    format!("data_t{t}")
+}
 
 /// What the padded vocabulary columns' logits get before the softmax: `exp` of it is 0.
 const MASKED_LOGIT: f32 = -1e30;
@@ -62,8 +87,14 @@ const MASKED_LOGIT: f32 = -1e30;
 /// Megatron tensor parallelism over `tp` workers (see the module docs); no ps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TensorParallel {
-    /// The tensor-parallel size (`None`: the worker count).
+    /// The tensor-parallel size (`None`: the worker count). The workers must be a multiple of
+    /// it; the multiple is the data-parallel size.
     pub tp: Option<usize>,
+    /// Data parallelism's fusion threshold: the most bytes of gradients in one all-reduce.
+    pub bucket_bytes: usize,
+    /// The global batch, when known: with several replicas, the data-parallel size must divide
+    /// it.
+    pub batch_size: Option<usize>,
 }
 
 /// `--strategy tensor`.
@@ -81,7 +112,11 @@ pub(super) static REGISTRATION: Registration = Registration {
         if opts.tp == Some(0) {
             return Err(options("--tp must be at least 1".into()));
         }
-        Ok(Box::new(TensorParallel { tp: opts.tp }))
+        Ok(Box::new(TensorParallel {
+            tp: opts.tp,
+            bucket_bytes: opts.bucket_bytes,
+            batch_size: opts.batch_size,
+        }))
     },
 };
 
@@ -107,36 +142,60 @@ impl Strategy for TensorParallel {
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
         let workers = input.workers();
         let tp = self.tp.unwrap_or(workers);
-        if tp != workers {
+        if tp == 0 || workers % tp != 0 {
             return Err(options(format!(
-                "--tp {tp} must equal the cluster's {workers} workers (data parallelism over \
-                 several tensor-parallel groups is not built)"
+                "--tp {tp} does not divide the cluster's {workers} workers: the workers are \
+                 dp × tp ranks (data parallelism over tensor-parallel groups of tp consecutive \
+                 workers); use a tp that divides {workers}, or dp × tp workers"
             )));
         }
-        let tp_graphs =
-            tensor_training(input.graph, input.train, tp, input.features, input.labels)?;
+        let mesh = Mesh::new(workers / tp, tp, 1).map_err(|e| options(e.to_string()))?;
+        if let Some(batch) = self.batch_size {
+            mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
+                .map_err(|e| options(e.to_string()))?;
+        }
+        let tp_graphs = mesh_training(
+            input.graph,
+            input.train,
+            &mesh,
+            self.bucket_bytes,
+            input.features,
+            input.labels,
+        )?;
         let placement = PlacementOptions {
             policy: Policy::Explicit,
             ..input.placement.clone()
         };
-        let group = CollectiveGroup {
-            key: GROUP.to_string(),
-            members: input
-                .cluster
-                .tasks("worker")
-                .map(|(i, _)| task_name("worker", i))
-                .collect(),
-        };
+        let tasks: Vec<String> = input
+            .cluster
+            .tasks("worker")
+            .map(|(i, _)| task_name("worker", i))
+            .collect();
+        let mut groups = Vec::new();
+        for (d, ranks) in mesh.groups(Axis::Tp).into_iter().enumerate() {
+            groups.push(CollectiveGroup {
+                key: tp_group(&mesh, d),
+                members: ranks.iter().map(|&r| tasks[r].clone()).collect(),
+            });
+        }
+        if mesh.dp > 1 {
+            for (t, ranks) in mesh.groups(Axis::Dp).into_iter().enumerate() {
+                groups.push(CollectiveGroup {
+                    key: dp_group(t),
+                    members: ranks.iter().map(|&r| tasks[r].clone()).collect(),
+                });
+            }
+        }
         let mut plan = JobPlan::build(
             self.describe(),
             input,
             tp_graphs.graphs,
             &placement,
             Schedule::Lockstep,
-            vec![group],
+            groups,
         )?;
-        // Every rank takes every batch whole.
-        plan.batch_parts = 1;
+        // Every rank of replica d takes part d of every batch (whole when dp = 1).
+        plan.batch_parts = mesh.dp as u32;
         plan.axis_sharded = sharded_variables(&tp_graphs.shards, &plan.variables, tp);
         Ok(plan)
     }
@@ -449,7 +508,37 @@ pub fn tensor_training(
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
-    let loss_dtype = check_job(graph, spec, tp, features, labels)?;
+    let mesh = Mesh::new(1, tp.max(1), 1).map_err(|e| options(e.to_string()))?;
+    mesh_training(
+        graph,
+        spec,
+        &mesh,
+        super::allreduce::DEFAULT_BUCKET_BYTES,
+        features,
+        labels,
+    )
+}
+
+/// The training graphs of the GPT `graph` on a `dp × tp` mesh, one per rank in Megatron-core
+/// order (rank `t + tp·d` on worker task `t + tp·d`): replica `d` is the tensor-parallel layout
+/// over its `tp` ranks, fed part `d` of every batch, its gradients summed over the rank's
+/// data-parallel group in buckets of at most `bucket_bytes` (see the module docs). A pipeline
+/// axis is refused.
+pub fn mesh_training(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    features: &str,
+    labels: &str,
+) -> Result<TensorGraphs, StrategyError> {
+    if mesh.pp != 1 {
+        return Err(options(format!(
+            "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
+        )));
+    }
+    let tp = mesh.tp;
+    let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
     if loss_dtype != DType::F32 {
         return Err(options(format!(
             "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
@@ -458,15 +547,42 @@ pub fn tensor_training(
     let def = graph.to_def();
     let gpt = Gpt::of(graph, &def)?;
     let shards = gpt.layout(graph, tp)?;
-    let mut graphs = Vec::with_capacity(tp);
-    for r in 0..tp {
-        let mut g = rank_graph(&def, &gpt, &shards, spec, r, tp, features, labels)?;
-        if r == 0 {
+    let mut graphs = Vec::with_capacity(mesh.size());
+    for rank in 0..mesh.size() {
+        let (t, d, _) = mesh.coords(rank);
+        let at = RankAt {
+            t,
+            tp,
+            task: rank,
+            group: tp_group(mesh, d),
+            data: (mesh.dp > 1).then(|| data::Replica {
+                part: d,
+                group: dp_group(t),
+                bucket_bytes,
+            }),
+        };
+        let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
+        if rank == 0 {
             add_eval_copy(&mut g, &def, &shards, spec, tp)?;
         }
         graphs.push(g);
     }
     Ok(TensorGraphs { graphs, shards })
+}
+
+/// Where one rank's graph goes: its shard index, the worker task holding it, its
+/// tensor-parallel group, and (with data parallelism) its replica.
+struct RankAt {
+    /// The shard index (tensor-parallel coordinate).
+    t: usize,
+    /// The tensor-parallel size.
+    tp: usize,
+    /// The worker task.
+    task: usize,
+    /// The tensor-parallel collective group.
+    group: String,
+    /// The replica's part of the batch and data-parallel group, when `dp > 1`.
+    data: Option<data::Replica>,
 }
 
 /// Adds nodes to one rank's graph.
@@ -475,6 +591,8 @@ struct Nodes {
     added: Vec<NodeDef>,
     device: String,
     instance: i64,
+    /// The tensor-parallel group its collectives run in.
+    group: String,
 }
 
 impl Nodes {
@@ -493,12 +611,25 @@ impl Nodes {
     }
 
     fn collective(&mut self, base: &str, op: &str, input: String, max: bool) -> String {
+        let group = self.group.clone();
+        self.collective_in(&group, base, op, input, if max { "max" } else { "sum" })
+    }
+
+    /// A collective `op` of `input` in `group`, reducing by `reduce`.
+    fn collective_in(
+        &mut self,
+        group: &str,
+        base: &str,
+        op: &str,
+        input: String,
+        reduce: &str,
+    ) -> String {
         let mut attrs = vec![
-            ("group_key", AttrValue::String(GROUP.into())),
+            ("group_key", AttrValue::String(group.into())),
             ("instance_key", AttrValue::Int(self.instance)),
         ];
-        if max {
-            attrs.push(("reduce", AttrValue::String("max".into())));
+        if reduce != "sum" {
+            attrs.push(("reduce", AttrValue::String(reduce.into())));
         }
         self.instance += 1;
         self.add(base, op, vec![input], attrs)
@@ -556,18 +687,17 @@ fn redirect(nodes: &mut [NodeDef], from: &str, to: &str, except: &str) {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn rank_graph(
     forward: &GraphDef,
     gpt: &Gpt,
     shards: &[ShardedWeight],
     spec: &TrainSpec,
-    r: usize,
-    tp: usize,
+    at: &RankAt,
     features: &str,
     labels: &str,
 ) -> Result<ReplicaGraph, StrategyError> {
-    let device = worker_device("", "", r)?;
+    let (r, tp) = (at.t, at.tp);
+    let device = worker_device("", "", at.task)?;
     let mut def = forward.clone();
     def.train = None;
     let mut n = Nodes {
@@ -575,6 +705,7 @@ fn rank_graph(
         added: Vec::new(),
         device: device.clone(),
         instance: 1,
+        group: at.group.clone(),
     };
     // The shards, renamed, drawn as their part of the whole variable.
     let mut renames: HashMap<String, String> = HashMap::new();
@@ -772,7 +903,7 @@ fn rank_graph(
                 *i = format!("{prefix}{new}{suffix}");
             }
         }
-        d.device = worker_device(&d.name, &d.device, r)?;
+        d.device = worker_device(&d.name, &d.device, at.task)?;
         d.colocate_with.clear();
     }
     let mut keep: Vec<String> = vec![spec.loss.clone()];
@@ -781,11 +912,19 @@ fn rank_graph(
     keep.push(labels.to_string());
     prune(&mut def, &keep);
 
+    // With data parallelism, the replica's loss weighted by its share of the batch.
+    let weighting = at
+        .data
+        .as_ref()
+        .map(|_| data::weight_loss(&mut def, &spec.loss, &device));
     // The training step, clipped across the shards.
-    let (mut training, _) = expand_training_graph(
+    let (mut training, typed) = expand_training_graph(
         &def,
         &TrainSpec {
             clip_global_norm: None,
+            loss: weighting
+                .as_ref()
+                .map_or_else(|| spec.loss.clone(), |w| w.weighted.clone()),
             ..spec.clone()
         },
     )?;
@@ -794,7 +933,11 @@ fn rank_graph(
         added: Vec::new(),
         device: device.clone(),
         instance: n.instance,
+        group: at.group.clone(),
     };
+    if let (Some(replica), Some(w)) = (&at.data, &weighting) {
+        data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
+    }
     if let Some(clip) = spec.clip_global_norm {
         clip_across_shards(&mut training, &mut n, &renames, clip);
     }
@@ -804,12 +947,13 @@ fn rank_graph(
     Ok(ReplicaGraph {
         training,
         graph,
-        // Every rank feeds the whole batch (part 0), unweighted.
+        // Every rank feeds its replica's part of the batch (the whole batch, unweighted, when
+        // there is one replica).
         replicas: vec![ReplicaFeeds {
-            worker: 0,
+            worker: at.data.as_ref().map_or(0, |d| d.part),
             features: features.to_string(),
             labels: labels.to_string(),
-            weight: None,
+            weight: weighting.map(|w| w.weight),
         }],
         eval: EvalNames {
             features: features.to_string(),
@@ -981,6 +1125,7 @@ fn add_eval_copy(
         added: Vec::new(),
         device: device.clone(),
         instance: 0,
+        group: GROUP.to_string(),
     };
     let mut map: HashMap<String, String> = HashMap::new();
     for v in forward.nodes.iter().filter(|v| v.op == "Variable") {
@@ -1414,6 +1559,142 @@ mod tests {
     }
 
     #[test]
+    fn dp2_tp2_runs_megatron_on_each_replica_and_sums_gradients_over_the_dp_groups() {
+        let (graph, spec) = model(11, 2, 4);
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+        }
+        .plan(&input)
+        .unwrap();
+        // The data-parallel size must divide the global batch.
+        let e = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(5),
+        }
+        .plan(&input)
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("mesh axis dp=2 does not divide the global batch (--batch-size) (5)"),
+            "{e}"
+        );
+        // Megatron-core order: TP groups {0,1}{2,3}, DP groups {0,2}{1,3}.
+        let w = |i: u32| task_name("worker", i);
+        let groups: Vec<(String, Vec<String>)> = plan
+            .groups
+            .iter()
+            .map(|g| (g.key.clone(), g.members.clone()))
+            .collect();
+        assert_eq!(
+            groups,
+            [
+                ("tensor_d0".to_string(), vec![w(0), w(1)]),
+                ("tensor_d1".to_string(), vec![w(2), w(3)]),
+                ("data_t0".to_string(), vec![w(0), w(2)]),
+                ("data_t1".to_string(), vec![w(1), w(3)]),
+            ]
+        );
+        // Two parts per batch: ranks 0, 1 feed part 0, ranks 2, 3 part 1, each weighted.
+        assert_eq!(plan.batch_parts, 2);
+        let mut feeds: Vec<(String, u32, crate::job::FeedRole)> = plan
+            .train_signatures()
+            .flat_map(|s| s.feeds.iter().map(|f| (f.task.clone(), f.part, f.role)))
+            .collect();
+        feeds.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        feeds.dedup();
+        for (task, part, _) in &feeds {
+            let rank: u32 = task.rsplit(':').next().unwrap().parse().unwrap();
+            assert_eq!(*part, rank / 2, "{task}");
+        }
+        assert_eq!(
+            feeds
+                .iter()
+                .filter(|f| f.2 == crate::job::FeedRole::BatchWeight)
+                .count(),
+            4
+        );
+        // Rank 2 holds shard 0 (as rank 0 does), its TP collectives in `tensor_d1`, its
+        // gradient sums and global loss in `data_t0`.
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+        let g = &tg.graphs[2];
+        let nodes = &g.training.def.nodes;
+        assert!(nodes
+            .iter()
+            .any(|n| n.name == shard_name("transformer.h.0.mlp.c_fc.weight", 0, 2)));
+        assert!(nodes
+            .iter()
+            .all(|n| n.device == "/job:worker/task:2" || n.name.starts_with("eval/")));
+        let group_of = |n: &NodeDef| match n.attrs.get("group_key") {
+            Some(AttrValue::String(s)) => s.to_string(),
+            _ => String::new(),
+        };
+        for n in nodes.iter().filter(|n| n.op == "CollectiveTpReduce") {
+            assert_eq!(group_of(n), "tensor_d1", "{}", n.name);
+        }
+        let sums: Vec<&NodeDef> = nodes.iter().filter(|n| group_of(n) == "data_t0").collect();
+        // One bucket of every gradient, then the global loss.
+        assert_eq!(
+            sums.len(),
+            2,
+            "{:?}",
+            sums.iter().map(|n| &n.name).collect::<Vec<_>>()
+        );
+        assert_eq!(g.training.loss, sums[1].name);
+        // Every update reads a summed gradient (clipping: scaled after the sum).
+        for u in nodes.iter().filter(|n| n.op.starts_with("Apply")) {
+            let grad = u.inputs.last().unwrap();
+            assert!(
+                grad.starts_with("tp/clip/grad_") || grad.starts_with("dp/bucket_"),
+                "{grad}"
+            );
+        }
+        let clip = nodes
+            .iter()
+            .find(|n| n.name == "tp/clip/shards_squared_norm")
+            .unwrap();
+        assert!(
+            clip.inputs
+                .iter()
+                .all(|i| i.starts_with("dp/bucket_0/grad_")),
+            "{:?}",
+            clip.inputs
+        );
+        // A small threshold: one bucket per gradient, in one order on every rank.
+        let tg = mesh_training(&graph, &spec, &mesh, 1, "idx", "targets").unwrap();
+        let order = |g: &ReplicaGraph| -> Vec<String> {
+            g.training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective"))
+                .map(|n| n.name.replace("tp_1_of_2", "tp_0_of_2"))
+                .collect()
+        };
+        let first = order(&tg.graphs[0]);
+        assert!(first.iter().filter(|n| n.starts_with("dp/bucket_")).count() > 10);
+        for g in &tg.graphs[1..] {
+            assert_eq!(order(g), first);
+        }
+        // A pipeline axis is refused.
+        let e = mesh_training(
+            &graph,
+            &spec,
+            &Mesh::new(1, 2, 2).unwrap(),
+            1,
+            "idx",
+            "targets",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("pipeline axis"), "{e}");
+    }
+
+    #[test]
     fn the_sharding_rules_derive_megatrons_activation_placements() {
         use crate::sharding::Transition;
         let acts = megatron_activations().unwrap();
@@ -1447,7 +1728,13 @@ mod tests {
             .any(|n| n.name == "xent/tp_masked"));
         let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
         let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
-        let plan = TensorParallel { tp: Some(2) }.plan(&input).unwrap();
+        let plan = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+        }
+        .plan(&input)
+        .unwrap();
         assert_eq!(plan.batch_parts, 1);
         let wte = plan
             .axis_sharded
@@ -1508,9 +1795,16 @@ mod tests {
         );
         let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
         let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
-        let e = TensorParallel { tp: Some(4) }.plan(&input).unwrap_err();
+        let e = TensorParallel {
+            tp: Some(4),
+            bucket_bytes: 1 << 20,
+            batch_size: None,
+        }
+        .plan(&input)
+        .unwrap_err();
         assert!(
-            e.to_string().contains("must equal the cluster's 2 workers"),
+            e.to_string()
+                .contains("--tp 4 does not divide the cluster's 2 workers"),
             "{e}"
         );
         let build = |asynchronous: bool, tp: Option<usize>| {

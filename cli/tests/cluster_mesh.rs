@@ -1,0 +1,313 @@
+//! Meshes with tensor parallelism (`--mesh dp=2,tp=2`) with real `dflow` processes, workers
+//! only: a small GPT trained with AdamW and global-norm clipping by 4 processes (two
+//! tensor-parallel replicas, Megatron-core rank order) has the losses of a one-process run, in
+//! processes and in one process (`--local`); a checkpoint saved under dp2×tp2 resumes at tp=2
+//! and in one process with the same next-step loss; each rank's collective bytes are tp=2's on
+//! half the batch plus a ring all-reduce of its own gradients, exactly; a mesh that does not fit
+//! the workers or the model is refused naming what does not fit.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use support::*;
+
+const LIMIT: Duration = Duration::from_secs(300);
+const CORPUS: &str = "examples/data/shakespeare.txt.gz";
+
+/// A GPT of 2 blocks, 4 heads, 32 channels, context 8, over the corpus's 76 characters,
+/// clipping at 0.5 so that clipping is active.
+fn config() -> dflow::graph::layers::GptConfig {
+    dflow::graph::layers::GptConfig {
+        block_size: 8,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        learning_rate: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 2,
+        decay_steps: 20,
+        grad_clip: Some(0.5),
+        ..dflow::graph::layers::GptConfig::default()
+    }
+}
+
+/// [`config`]'s GPT written to `dir/gpt.json`.
+fn gpt_file(dir: &Path) -> PathBuf {
+    let path = dir.join("gpt.json");
+    std::fs::write(
+        &path,
+        dflow::graph::format::to_json(&dflow::graph::layers::gpt(&config()).unwrap().def),
+    )
+    .unwrap();
+    path
+}
+
+/// The parameters one rank holds at tensor-parallel size `tp`: its shard of every weight that
+/// Megatron's layout splits, plus every replicated parameter whole (from the layout, not from
+/// a run).
+fn rank_parameters(tp: usize) -> u64 {
+    use dflow::partitioner::strategy::tensor::layout;
+    let def = dflow::graph::layers::gpt(&config()).unwrap().def;
+    let graph = dflow::graph::Graph::from_def(&def).unwrap();
+    let elements = |name: &str| -> u64 {
+        let i = graph.find(name).unwrap();
+        let dims = graph.output_type(i, 0).unwrap().shape.as_static().unwrap();
+        dims.iter().product::<usize>() as u64
+    };
+    let all: u64 = def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "Variable")
+        .map(|n| elements(&n.name))
+        .sum();
+    let cut = layout(&graph, tp).unwrap();
+    let whole: u64 = cut.iter().map(|s| elements(&s.name)).sum();
+    let shard: u64 = cut
+        .iter()
+        .map(|s| s.split.shard_dims(&s.dims).iter().product::<usize>() as u64)
+        .sum();
+    all - whole + shard
+}
+
+/// The flags every run shares: 4 rows per batch (2 per data-parallel replica).
+fn common(steps: u32) -> Vec<String> {
+    common_rows(steps, 4)
+}
+
+/// [`common`] with `rows` rows per batch.
+fn common_rows(steps: u32, rows: usize) -> Vec<String> {
+    [
+        "--data",
+        CORPUS,
+        "--batch-size",
+        &rows.to_string(),
+        "--steps",
+        &steps.to_string(),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// One process (`--local`, plus `extra`): its losses; checkpoints to (and resumes from) `ckpt`.
+fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(u64, f64)> {
+    let losses = ckpt.with_extension("losses.txt");
+    let mut args: Vec<String> = vec!["run".into(), "--local".into()];
+    args.push(graph.to_string_lossy().into_owned());
+    args.extend(common(steps));
+    args.extend([
+        "--losses-out".into(),
+        losses.to_string_lossy().into_owned(),
+        "--checkpoint-dir".into(),
+        ckpt.to_string_lossy().into_owned(),
+    ]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    stdout(&dflow(&args));
+    read_losses(&losses)
+}
+
+/// `workers` worker processes running with `layout` (e.g. `--mesh dp=2,tp=2`): the chief's
+/// losses; checkpoints to (and resumes from) `ckpt`.
+fn job(graph: &Path, workers: usize, layout: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)> {
+    let cluster = Cluster::new(0, workers);
+    let losses = cluster.path("losses.txt");
+    let mut flags = common(steps);
+    flags.extend(layout.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let tasks: Vec<Task> = (1..workers)
+        .map(|i| Task::start(&cluster, "worker", i, &flags))
+        .collect();
+    let (graph_s, losses_s, ckpt_s) = (
+        graph.to_string_lossy().into_owned(),
+        losses.to_string_lossy().into_owned(),
+        ckpt.to_string_lossy().into_owned(),
+    );
+    let mut chief_args = vec![graph_s.as_str()];
+    chief_args.extend(flags.iter().copied());
+    chief_args.extend(["--losses-out", &losses_s, "--checkpoint-dir", &ckpt_s]);
+    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
+    chief.assert_success();
+    for t in tasks {
+        t.wait(Duration::from_secs(30)).assert_success();
+    }
+    read_losses(&losses)
+}
+
+/// A cluster spec of `n` workers on unused local ports (for `--local`, which binds none).
+fn workers_file(dir: &Path, n: usize) -> PathBuf {
+    let addrs: Vec<String> = (0..n)
+        .map(|i| format!("\"127.0.0.1:{}\"", 2300 + i))
+        .collect();
+    let path = dir.join(format!("cluster-{n}workers.json"));
+    std::fs::write(&path, format!("{{\"worker\": [{}]}}", addrs.join(", "))).unwrap();
+    path
+}
+
+#[test]
+fn dp2_tp2_trains_the_gpt_like_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-dp2-tp2");
+    let graph = gpt_file(&dir);
+    let one = local_run(&graph, 5, &dir.join("ckpt-one"), &[]);
+    assert_eq!(one.len(), 5);
+    // 4 processes: TP groups {0,1}{2,3}, DP groups {0,2}{1,3}; each replica takes 2 rows.
+    let mesh = job(
+        &graph,
+        4,
+        &["--mesh", "dp=2,tp=2"],
+        5,
+        &dir.join("ckpt-mesh"),
+    );
+    let worst = assert_same_losses(&mesh, &one, 1e-5);
+    eprintln!("dp=2,tp=2 (4 processes): worst relative loss difference {worst:e}");
+    // The same mesh, every task in this process.
+    let cluster = workers_file(&dir, 4);
+    let local = local_run(
+        &graph,
+        5,
+        &dir.join("ckpt-local-mesh"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=2,tp=2",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=2,tp=2 (--local): worst relative loss difference {worst:e}");
+}
+
+#[test]
+fn a_checkpoint_saved_under_dp2_tp2_resumes_at_tp2_and_in_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-dp2-tp2-reshard");
+    let graph = gpt_file(&dir);
+    let straight = local_run(&graph, 4, &dir.join("ckpt-straight"), &[]);
+    // 3 steps under dp2×tp2, checkpointed.
+    let saved = dir.join("ckpt-mesh");
+    let first = job(&graph, 4, &["--mesh", "dp=2,tp=2"], 3, &saved);
+    assert_eq!(first.len(), 3);
+    let copy = |name: &str| {
+        let to = dir.join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        for e in std::fs::read_dir(&saved).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+        to
+    };
+    // Resumed in one process and at tp=2 over 2 processes: steps 4 and 5.
+    let at1 = local_run(&graph, 5, &copy("ckpt-one"), &[]);
+    let at_tp2 = job(
+        &graph,
+        2,
+        &["--strategy", "tensor", "--tp", "2"],
+        5,
+        &copy("ckpt-tp2"),
+    );
+    assert_eq!(at1.iter().map(|l| l.0).collect::<Vec<_>>(), [4, 5]);
+    assert_eq!(at_tp2.iter().map(|l| l.0).collect::<Vec<_>>(), [4, 5]);
+    // The next step's loss is the same whichever layout resumed (the step count, the AdamW
+    // slots and the data order continue), and is the uninterrupted run's step 4.
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+    assert!(
+        rel(at_tp2[0].1, at1[0].1) <= 1e-6,
+        "next-step loss {} in one process, {} at tp=2",
+        at1[0].1,
+        at_tp2[0].1
+    );
+    assert!(
+        rel(at1[0].1, straight[3].1) <= 1e-5,
+        "resumed step 4 loss {}, uninterrupted {}",
+        at1[0].1,
+        straight[3].1
+    );
+}
+
+#[test]
+fn dp2_tp2_sends_tp2s_bytes_plus_a_ring_all_reduce_of_each_ranks_gradients() {
+    let dir = scratch("mesh-dp2-tp2-bytes");
+    let graph = gpt_file(&dir);
+    const STEPS: u64 = 3;
+    // The collective bytes each task reports at its end, by task index.
+    let sent = |workers: usize, rows: usize, layout: &[&str]| -> Vec<u64> {
+        let cluster = workers_file(&dir, workers);
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+            "--cluster".into(),
+            cluster.to_string_lossy().into_owned(),
+        ];
+        args.extend(common_rows(STEPS as u32, rows));
+        args.extend(layout.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        stdout(&out);
+        let mut ends = end_of_task(&String::from_utf8_lossy(&out.stderr));
+        ends.sort_by(|a, b| a.task.cmp(&b.task));
+        assert_eq!(ends.len(), workers, "one end-of-task line per task");
+        ends.iter().map(|e| e.collective).collect()
+    };
+    // Each replica of dp2×tp2 on 4 rows runs tp=2 on 2 rows: the same tensor-parallel
+    // all-reduces. On top, per step, a 2-rank ring all-reduce of the rank's gradients
+    // (2(D−1)/D · 4Ψ_r = 4Ψ_r bytes sent) and of the 4-byte weighted loss.
+    let tp2 = sent(2, 2, &["--strategy", "tensor", "--tp", "2"]);
+    let mesh = sent(4, 4, &["--mesh", "dp=2,tp=2"]);
+    let psi = rank_parameters(2);
+    for (rank, &bytes) in mesh.iter().enumerate() {
+        let want = tp2[rank % 2] + STEPS * (4 * psi + 4);
+        assert_eq!(bytes, want, "rank {rank}: tp=2 sent {}", tp2[rank % 2]);
+    }
+}
+
+#[test]
+fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
+    let dir = scratch("mesh-refused");
+    let graph = gpt_file(&dir);
+    let run = |workers: usize, mesh: &str, rows: usize| {
+        let cluster = workers_file(&dir, workers);
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+            "--cluster".into(),
+            cluster.to_string_lossy().into_owned(),
+            "--mesh".into(),
+            mesh.into(),
+        ];
+        args.extend(common_rows(1, rows));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        assert!(
+            !out.status.success(),
+            "--mesh {mesh} on {workers} workers ran"
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // 4 ranks on 3 workers.
+    let e = run(3, "dp=2,tp=2", 4);
+    assert!(
+        e.contains("--mesh dp=2,tp=2,pp=1") && e.contains("has 4 ranks but the job has 3 tasks"),
+        "{e}"
+    );
+    // dp=2 does not divide a batch of 5 rows.
+    let e = run(4, "dp=2,tp=2", 5);
+    assert!(
+        e.contains("mesh axis dp=2 does not divide the global batch (--batch-size) (5)"),
+        "{e}"
+    );
+    // tp=3 does not divide the 4 heads.
+    let e = run(6, "dp=2,tp=3", 4);
+    assert!(
+        e.contains("the number of heads (n_head) of transformer.h.0.attn is 4, which does not divide by --tp 3"),
+        "{e}"
+    );
+}

@@ -1,0 +1,160 @@
+//! Data parallelism over tensor-parallel groups (`--mesh dp=D,tp=T`): each rank's loss is
+//! weighted by its replica's share of the global batch, and every gradient — the rank's shards
+//! and the replicated parameters alike — is summed over the rank's data-parallel group (the
+//! ranks holding the same shard index in the other replicas), fused into buckets, before
+//! clipping and the update. The sum of the weighted gradients is the gradient of the global
+//! batch's mean loss, exactly as `--strategy allreduce` averages
+//! ([`crate::strategy::allreduce`]), so every replica stays equal to the one-process model.
+
+use super::{bad, Nodes, StrategyError};
+use crate::strategy::allreduce::{fresh, node, BATCH_WEIGHT};
+use dflow_graph::train::TrainingGraph;
+use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, Shape};
+use std::collections::{HashMap, HashSet};
+
+/// A rank's replica: the part of every batch it feeds and its data-parallel group.
+#[derive(Clone, Debug)]
+pub(super) struct Replica {
+    /// The batch part (the data-parallel coordinate).
+    pub part: usize,
+    /// The data-parallel collective group.
+    pub group: String,
+    /// The most bytes of gradients in one all-reduce.
+    pub bucket_bytes: usize,
+}
+
+/// Gradients summed by one all-reduce: their dtype, bytes, and each gradient with its dims.
+struct Bucket {
+    dtype: DType,
+    bytes: usize,
+    grads: Vec<(String, Vec<usize>)>,
+}
+
+/// The weight placeholder and the weighted loss [`weight_loss`] added.
+pub(super) struct Weighting {
+    /// The scalar f32 placeholder fed with the replica's share `n_d / n` of the batch.
+    pub weight: String,
+    /// `loss · weight`.
+    pub weighted: String,
+}
+
+/// Adds to `def` the batch-weight placeholder and `loss · weight` on `device`.
+pub(super) fn weight_loss(def: &mut GraphDef, loss: &str, device: &str) -> Weighting {
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let weight = fresh(&mut taken, BATCH_WEIGHT);
+    let mut w = node(&weight, "Placeholder", vec![], device);
+    w.attrs.insert("dtype".into(), AttrValue::DType(DType::F32));
+    w.attrs
+        .insert("shape".into(), AttrValue::Shape(Shape::scalar()));
+    def.nodes.push(w);
+    let base = loss.split(':').next().unwrap_or(loss);
+    let weighted = fresh(&mut taken, &format!("{base}/weighted"));
+    def.nodes.push(node(
+        &weighted,
+        "Mul",
+        vec![loss.to_string(), weight.clone()],
+        device,
+    ));
+    Weighting { weight, weighted }
+}
+
+/// Sums every gradient of `training` over `replica.group` in buckets (last variables first, at
+/// most `bucket_bytes` and one dtype each: `PackFlat`, one all-reduce, `FlatSlice` back), points
+/// the updates and `training.gradients` at the sums, and makes `training.loss` the all-reduced
+/// `weighted` loss (the global batch's mean). `typed` is the validated `training.def`. The
+/// caller chains the collectives.
+pub(super) fn reduce_gradients(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    replica: &Replica,
+    weighted: &str,
+) -> Result<(), StrategyError> {
+    let mut buckets: Vec<Bucket> = Vec::new();
+    for (var, grad) in training.gradients.iter().rev() {
+        let ty = match InputRef::parse(grad) {
+            Ok(InputRef::Data { node, index }) => {
+                typed.find(&node).and_then(|i| typed.output_type(i, index))
+            }
+            _ => None,
+        }
+        .ok_or_else(|| {
+            bad(format!(
+                "the gradient `{grad}` of `{var}` is not in the graph"
+            ))
+        })?;
+        let dims = ty.shape.as_static().ok_or_else(|| {
+            bad(format!(
+                "the gradient of `{var}` has shape {}; data parallelism sums static shapes",
+                ty.shape
+            ))
+        })?;
+        let bytes = dims.iter().product::<usize>() * ty.dtype.size_of();
+        match buckets.last_mut() {
+            Some(b) if b.dtype == ty.dtype && b.bytes + bytes <= replica.bucket_bytes.max(1) => {
+                b.bytes += bytes;
+                b.grads.push((grad.clone(), dims));
+            }
+            _ => buckets.push(Bucket {
+                dtype: ty.dtype,
+                bytes,
+                grads: vec![(grad.clone(), dims)],
+            }),
+        }
+    }
+    let mut summed: HashMap<String, String> = HashMap::new();
+    for (k, Bucket { grads, .. }) in buckets.iter().enumerate() {
+        let pack = n.add(
+            &format!("dp/bucket_{k}/pack"),
+            "PackFlat",
+            grads.iter().map(|(g, _)| g.clone()).collect(),
+            vec![],
+        );
+        let sum = n.collective_in(
+            &replica.group,
+            &format!("dp/bucket_{k}"),
+            "CollectiveAllReduce",
+            pack,
+            "sum",
+        );
+        let mut offset = 0i64;
+        for (j, (g, dims)) in grads.iter().enumerate() {
+            let slice = n.add(
+                &format!("dp/bucket_{k}/grad_{j}"),
+                "FlatSlice",
+                vec![sum.clone()],
+                vec![
+                    ("offset", AttrValue::Int(offset)),
+                    ("shape", AttrValue::Shape(Shape::known(dims))),
+                ],
+            );
+            offset += dims.iter().product::<usize>() as i64;
+            summed.insert(g.clone(), slice);
+        }
+    }
+    for u in training
+        .def
+        .nodes
+        .iter_mut()
+        .filter(|u| u.op.starts_with("Apply"))
+    {
+        for i in &mut u.inputs {
+            if let Some(s) = summed.get(i) {
+                *i = s.clone();
+            }
+        }
+    }
+    for (_, g) in &mut training.gradients {
+        if let Some(s) = summed.get(g) {
+            *g = s.clone();
+        }
+    }
+    training.loss = n.collective_in(
+        &replica.group,
+        &format!("{}/global", weighted.split(':').next().unwrap_or(weighted)),
+        "CollectiveAllReduce",
+        weighted.to_string(),
+        "sum",
+    );
+    Ok(())
+}
