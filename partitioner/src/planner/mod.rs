@@ -22,6 +22,7 @@
 //! assert_eq!(best.layout.mesh.size(), 2);
 //! ```
 
+pub mod accounting;
 pub mod cluster;
 pub mod collective;
 pub mod evaluate;

@@ -226,3 +226,27 @@ pub fn detail(e: &Evaluation, profile: &ClusterProfile) -> String {
     );
     s
 }
+
+/// The executor's accounting of each task of a layout's job plan ([`super::accounting`]), as
+/// `dflow plan --layout` prints it under the detail.
+pub fn accounting(
+    tasks: &[super::accounting::TaskMemory],
+    strategy: &str,
+    threads: usize,
+) -> String {
+    let mut s = format!(
+        "  as dflow runs it (--strategy {strategy}; the executor's count with {threads} compute thread(s) per task):\n"
+    );
+    for t in tasks {
+        s.push_str(&format!(
+            "    {}: {} variables {} B + step tensors peak {} B = {} B ({})\n",
+            t.task,
+            t.variables,
+            t.variable_bytes,
+            t.peak_step_bytes,
+            t.total(),
+            bytes(t.total() as f64)
+        ));
+    }
+    s
+}
