@@ -44,10 +44,11 @@ pub struct Args {
     /// The placeholder fed with labels (default: the graph's data section, else `labels`).
     #[arg(long)]
     labels: Option<String>,
-    /// With --layout: the compute threads of each task when it runs (default: one per CPU
-    /// this process may use, as `dflow run`), for the executor's count of its memory.
-    #[arg(long, value_name = "N")]
-    threads: Option<usize>,
+    /// With --layout: the compute threads of each task in the executor's count of its memory.
+    /// 1 (default): the order one thread runs, exact for a task pinned to one CPU; with more
+    /// threads (`dflow run` uses one per CPU) the order, and the peak, vary from run to run.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    threads: usize,
 }
 
 /// The executor's count of memory per task for the job plan `dflow run` makes of `e`'s layout
@@ -57,13 +58,9 @@ fn executor_count(
     features: &str,
     labels: &str,
     e: &planner::Evaluation,
-    threads: Option<usize>,
+    threads: usize,
 ) -> anyhow::Result<String> {
-    let threads = match threads {
-        Some(0) => anyhow::bail!("--threads must be at least 1"),
-        Some(t) => t,
-        None => std::thread::available_parallelism().map_or(2, |n| n.get()),
-    };
+    anyhow::ensure!(threads > 0, "--threads must be at least 1");
     let Some(train) = def.train.as_ref() else {
         return Ok(String::new());
     };

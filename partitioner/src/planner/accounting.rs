@@ -8,11 +8,12 @@
 //! identity — nor a variable's value; a value nobody reads stays until the step ends).
 //!
 //! [`job_plan`] builds the plan `dflow run` would run for a layout (the same strategies: all-reduce,
-//! ZeRO, pipeline, tensor), and [`account`] walks each task's training partition in a
-//! sequential topological order, as one compute thread would run it, counting what the
-//! executor's meter counts. Its peak is exact for that order; the executor's two threads (and
-//! collectives' arrival order) run the ready nodes in other orders, so a measured peak varies
-//! around it (docs/planner.md gives the spread).
+//! ZeRO, pipeline, tensor), and [`account`] runs each task's training partition through a
+//! model of the executor's scheduler (its runners, stacks, held-back decrements and pool;
+//! every node one tick), counting what the executor's meter counts. With one compute thread the
+//! order is the executor's own and the count is exact (a task pinned to one CPU reports these
+//! bytes); with more threads the ready nodes run in orders that vary from run to run, and a
+//! measured peak varies around the one-thread count (docs/planner.md gives the spread).
 
 use super::layout::Layout;
 use crate::strategy::{JobInput, JobPlan, StrategyKind, StrategyOptions};
@@ -341,95 +342,232 @@ fn is_cheap(g: &Graph, idx: NodeIndex) -> bool {
     total <= CHEAP_ELEMENTS
 }
 
-/// One runner of the executor's scheduler (executor `step.rs`): its stack of ready nodes,
-/// the next on top.
-#[derive(Debug, Default)]
+/// Ready nodes a runner keeps before it hands some to the pool (executor `step.rs`).
+const SPLIT_AT: usize = 2 * CHUNK;
+
+/// Decrements a runner holds back before it applies them (executor `step.rs`).
+const MAX_COALESCED: usize = 64;
+
+/// A successor's pending count decremented by a runner but not yet applied.
+#[derive(Debug, Clone, Copy)]
+struct Deferred {
+    node: NodeIndex,
+    count: usize,
+    since: usize,
+}
+
+/// The graph's dependencies, as the executor's plan holds them.
+struct Deps {
+    /// Distinct predecessors (data and control) of each node.
+    initial: Vec<usize>,
+    /// Distinct successors of each node.
+    successors: Vec<Vec<NodeIndex>>,
+    cheap: Vec<bool>,
+}
+
+/// What the threads share: pending counts, the pool's jobs and the order so far.
+struct Shared {
+    pending: Vec<usize>,
+    /// Jobs: (the thread that spawned it, if one did; its nodes).
+    jobs: VecDeque<(Option<usize>, Vec<NodeIndex>)>,
+    order: Vec<NodeIndex>,
+    /// More than one thread: runners share big stacks (executor `StepState::share`).
+    share: bool,
+}
+
+/// One runner of the executor's scheduler (executor `step.rs`, `Runner`): its stack of ready
+/// nodes (the next on top), the expensive nodes made ready by the node it just finished, and
+/// the decrements of one successor's pending count it holds back.
+#[derive(Debug)]
 struct Runner {
+    thread: usize,
     stack: Vec<NodeIndex>,
+    expensive: Vec<NodeIndex>,
+    deferred: Option<Deferred>,
+    completed: usize,
+}
+
+impl Runner {
+    fn new(thread: usize, stack: Vec<NodeIndex>) -> Runner {
+        Runner {
+            thread,
+            stack,
+            expensive: Vec::new(),
+            deferred: None,
+            completed: 0,
+        }
+    }
+
+    fn spawn(&self, shared: &mut Shared, nodes: &[NodeIndex]) {
+        shared.jobs.push_back((Some(self.thread), nodes.to_vec()));
+    }
+
+    fn ready(&mut self, deps: &Deps, shared: &mut Shared, s: NodeIndex) {
+        if !deps.cheap[s.index()] {
+            self.expensive.push(s);
+            return;
+        }
+        self.stack.push(s);
+        if shared.share && self.stack.len() >= SPLIT_AT {
+            let at = self.stack.len() - CHUNK;
+            let tail = self.stack.split_off(at);
+            self.spawn(shared, &tail);
+        }
+    }
+
+    fn apply_deferred(&mut self, deps: &Deps, shared: &mut Shared) -> bool {
+        let Some(d) = self.deferred.take() else {
+            return false;
+        };
+        let left = &mut shared.pending[d.node.index()];
+        *left -= d.count;
+        if *left == 0 {
+            self.ready(deps, shared, d.node);
+            return true;
+        }
+        false
+    }
+
+    fn dispatch_expensive(&mut self, shared: &mut Shared) {
+        if self.stack.is_empty() {
+            if let Some(e) = self.expensive.pop() {
+                self.stack.push(e);
+            }
+        }
+        for e in std::mem::take(&mut self.expensive) {
+            self.spawn(shared, &[e]);
+        }
+    }
+
+    fn share_all(&mut self, shared: &mut Shared) {
+        for e in std::mem::take(&mut self.expensive) {
+            self.spawn(shared, &[e]);
+        }
+        for chunk in std::mem::take(&mut self.stack).chunks(CHUNK) {
+            self.spawn(shared, chunk);
+        }
+    }
+
+    fn finish(&mut self, deps: &Deps, shared: &mut Shared, n: NodeIndex) {
+        self.completed += 1;
+        for &s in &deps.successors[n.index()] {
+            if deps.initial[s.index()] == 1 {
+                shared.pending[s.index()] = 0;
+                self.ready(deps, shared, s);
+                continue;
+            }
+            match &mut self.deferred {
+                Some(d) if d.node == s => d.count += 1,
+                _ => {
+                    self.apply_deferred(deps, shared);
+                    self.deferred = Some(Deferred {
+                        node: s,
+                        count: 1,
+                        since: self.completed,
+                    });
+                }
+            }
+        }
+        if matches!(self.deferred, Some(d) if self.completed - d.since >= MAX_COALESCED) {
+            self.apply_deferred(deps, shared);
+        }
+        if !self.expensive.is_empty() {
+            self.dispatch_expensive(shared);
+        }
+    }
+
+    /// Runs one node; false when the runner has nothing left to run.
+    fn step(&mut self, deps: &Deps, shared: &mut Shared) -> bool {
+        loop {
+            if let Some(n) = self.stack.pop() {
+                if !deps.cheap[n.index()] {
+                    self.apply_deferred(deps, shared);
+                    self.share_all(shared);
+                }
+                shared.order.push(n);
+                self.finish(deps, shared, n);
+                return true;
+            }
+            if !self.apply_deferred(deps, shared) {
+                return false;
+            }
+            if !self.expensive.is_empty() {
+                self.dispatch_expensive(shared);
+            }
+        }
+    }
 }
 
 /// The order the executor's scheduler runs `g` in with `threads` compute threads, one node per
-/// thread in turn (every node takes one tick; executor `step.rs`): the step hands the cheap
-/// roots to the pool in chunks and each expensive root alone; a runner runs its stack of ready
-/// nodes last first and keeps the cheap nodes a finished node makes ready; of the expensive
-/// ones it runs one itself when nothing else is ready and hands the others to the pool; it
-/// hands its whole stack to the pool before it runs an expensive node. An idle thread takes
-/// the job spawned last when it spawned it, else the oldest one (work stealing).
+/// thread in turn (every node takes one tick), following executor `step.rs`: the step hands
+/// the cheap roots to the pool in chunks and each expensive root alone; a runner runs its stack
+/// of ready nodes last first; a finished node's successors that waited for it alone are ready
+/// at once, the others' counts are decremented later (held back, one successor at a time);
+/// of the expensive nodes made ready it runs one itself when nothing else is ready and hands
+/// the others to the pool; it hands everything ready to the pool before it runs an expensive
+/// node. An idle thread takes the job it spawned last, else the oldest job (work stealing).
 fn run_order(g: &Graph, threads: usize) -> Vec<NodeIndex> {
     let n = g.num_nodes();
-    let mut pending = vec![0usize; n];
+    let mut initial = vec![0usize; n];
     let mut successors: Vec<Vec<NodeIndex>> = vec![Vec::new(); n];
     for idx in g.node_indices() {
         let mut preds: Vec<NodeIndex> = g.inputs(idx).into_iter().map(|(s, _)| s).collect();
         preds.extend(g.control_inputs(idx));
         preds.sort();
         preds.dedup();
-        pending[idx.index()] = preds.len();
+        initial[idx.index()] = preds.len();
         for p in preds {
             successors[p.index()].push(idx);
         }
     }
-    let cheap: Vec<bool> = g.node_indices().map(|i| is_cheap(g, i)).collect();
+    let deps = Deps {
+        cheap: g.node_indices().map(|i| is_cheap(g, i)).collect(),
+        initial,
+        successors,
+    };
     let (roots_cheap, roots_expensive): (Vec<NodeIndex>, Vec<NodeIndex>) = g
         .node_indices()
-        .filter(|i| pending[i.index()] == 0)
-        .partition(|i| cheap[i.index()]);
-    // Jobs: (the thread that spawned it, if one did; its nodes).
-    let mut jobs: VecDeque<(Option<usize>, Vec<NodeIndex>)> = roots_cheap
-        .chunks(CHUNK)
-        .map(|c| (None, c.to_vec()))
-        .collect();
-    jobs.extend(roots_expensive.into_iter().map(|r| (None, vec![r])));
+        .filter(|i| deps.initial[i.index()] == 0)
+        .partition(|i| deps.cheap[i.index()]);
     let threads = threads.max(1);
+    let mut shared = Shared {
+        pending: deps.initial.clone(),
+        jobs: roots_cheap
+            .chunks(CHUNK)
+            .map(|c| (None, c.to_vec()))
+            .collect(),
+        order: Vec::with_capacity(n),
+        share: threads > 1,
+    };
+    shared
+        .jobs
+        .extend(roots_expensive.into_iter().map(|r| (None, vec![r])));
     let mut runners: Vec<Option<Runner>> = (0..threads).map(|_| None).collect();
-    let mut order = Vec::with_capacity(n);
     loop {
         let mut ran = false;
         for (t, slot) in runners.iter_mut().enumerate() {
-            if !slot.as_ref().is_some_and(|r| !r.stack.is_empty()) {
+            if slot.is_none() {
                 // Its own newest job, else the oldest job of anyone.
-                let own = jobs.iter().rposition(|(by, _)| *by == Some(t));
+                let own = shared.jobs.iter().rposition(|(by, _)| *by == Some(t));
                 let job = match own {
-                    Some(i) => jobs.remove(i),
-                    None => jobs.pop_front(),
+                    Some(i) => shared.jobs.remove(i),
+                    None => shared.jobs.pop_front(),
                 };
-                *slot = job.map(|(_, stack)| Runner { stack });
+                *slot = job.map(|(_, stack)| Runner::new(t, stack));
             }
-            let Some(runner) = slot.as_mut() else {
-                continue;
-            };
-            let Some(idx) = runner.stack.pop() else {
-                continue;
-            };
-            ran = true;
-            if !cheap[idx.index()] {
-                for chunk in runner.stack.chunks(CHUNK) {
-                    jobs.push_back((Some(t), chunk.to_vec()));
-                }
-                runner.stack.clear();
-            }
-            order.push(idx);
-            let mut expensive = Vec::new();
-            for &s in &successors[idx.index()] {
-                pending[s.index()] -= 1;
-                if pending[s.index()] == 0 {
-                    if cheap[s.index()] {
-                        runner.stack.push(s);
-                    } else {
-                        expensive.push(s);
-                    }
+            if let Some(runner) = slot.as_mut() {
+                if runner.step(&deps, &mut shared) {
+                    ran = true;
+                } else {
+                    *slot = None;
                 }
             }
-            if runner.stack.is_empty() {
-                runner.stack.extend(expensive.pop());
-            }
-            jobs.extend(expensive.into_iter().map(|e| (Some(t), vec![e])));
         }
-        if !ran && jobs.is_empty() {
+        if !ran && shared.jobs.is_empty() && runners.iter().all(Option::is_none) {
             break;
         }
     }
-    order
+    shared.order
 }
 
 /// The peak of one step's values in `g`, its nodes run in `order`.
