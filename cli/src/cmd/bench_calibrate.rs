@@ -220,6 +220,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
 
+    let (op_overhead, step_overhead) = executor_overheads(iters)?;
+    eprintln!(
+        "# executor, one thread: {:.2} µs per op, {:.1} µs per step (chains of {} and 1 Neg on {} elements)",
+        op_overhead * 1e6,
+        step_overhead * 1e6,
+        CHAIN + 1,
+        ELEMENTS
+    );
+
     let date = std::process::Command::new("date")
         .arg("-u")
         .arg("+%Y-%m-%dT%H:%M:%SZ")
@@ -236,17 +245,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         intra_host,
         inter_host,
         precision: Precision::F32,
+        op_overhead,
+        step_overhead,
         source: format!(
             "dflow bench calibrate {date}, load average {load}: MatMul median of {} shapes on one \
              thread; all-reduce of 4 B and {} B over {} ranks (shm: {:.1} µs, {:.2} ms; tcp: \
-             {:.1} µs, {:.2} ms)",
+             {:.1} µs, {:.2} ms); executor {:.2} µs per op, {:.1} µs per step",
             SHAPES.len(),
             args.large_bytes,
             args.ranks,
             shm_small * 1e6,
             shm_large * 1e3,
             tcp_small * 1e6,
-            tcp_large * 1e3
+            tcp_large * 1e3,
+            op_overhead * 1e6,
+            step_overhead * 1e6
         ),
     };
     profile
@@ -264,6 +277,51 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => print!("{text}"),
     }
     Ok(())
+}
+
+/// Ops in the long chain of [`executor_overheads`].
+const CHAIN: usize = 256;
+
+/// Elements of the chain's tensor: past the executor's 1,024 elements of inputs and outputs
+/// under which a node is cheap and batched with others, so every node is dispatched alone as
+/// most of a model's ops are (its arithmetic, 600 negations, is a small part of its cost).
+const ELEMENTS: usize = 600;
+
+/// The executor's cost per op and per step on one compute thread: the median step of an
+/// in-process session fetching the end of a chain of `CHAIN + 1` `Neg` ops on [`ELEMENTS`]
+/// elements, and of a chain of 1; the difference over `CHAIN` is the cost of an op beyond its arithmetic, the
+/// rest of the short chain's step the cost of a step.
+fn executor_overheads(iters: usize) -> anyhow::Result<(f64, f64)> {
+    use dflow_executor::session::{Session, SessionOptions};
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::{ClusterSpec, Tensor};
+    let step = |ops: usize| -> anyhow::Result<f64> {
+        let mut b = GraphBuilder::new();
+        let mut x = b.constant("x", Tensor::from_slice(&[ELEMENTS], &[1.0f32; ELEMENTS])?);
+        for i in 0..ops {
+            x = b.op("Neg", &format!("neg{i}")).input(&x).finish();
+        }
+        let graph = b.build().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let cluster = ClusterSpec::local(&[("worker", 1)])?;
+        let options = SessionOptions {
+            num_threads: 1,
+            ..SessionOptions::default()
+        };
+        let session = Session::new(graph, cluster, options)?;
+        let last = format!("neg{}", ops - 1);
+        let mut times = Vec::with_capacity(iters);
+        session.run(&[], &[&last], &[])?;
+        for _ in 0..iters.max(5) {
+            let t0 = Instant::now();
+            session.run(&[], &[&last], &[])?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(median(times))
+    };
+    let short = step(1)?;
+    let long = step(CHAIN + 1)?;
+    let per_op = ((long - short) / CHAIN as f64).max(0.0);
+    Ok((per_op, (short - per_op).max(0.0)))
 }
 
 /// Writes `text` to a temporary file beside `path`, then renames it over `path`.

@@ -5,7 +5,7 @@ use super::common;
 use anyhow::Context as _;
 use dflow_graph::train::DataSpec;
 use dflow_partitioner::planner::{
-    self, render, timeline, ClusterProfile, Layout, ModelProfile, PlanOptions,
+    self, accounting, render, timeline, ClusterProfile, Layout, ModelProfile, PlanOptions,
 };
 use std::path::PathBuf;
 
@@ -44,6 +44,38 @@ pub struct Args {
     /// The placeholder fed with labels (default: the graph's data section, else `labels`).
     #[arg(long)]
     labels: Option<String>,
+    /// With --layout: the compute threads of each task in the executor's count of its memory.
+    /// 1 (default): the order one thread runs, exact for a task pinned to one CPU; with more
+    /// threads (`dflow run` uses one per CPU) the order, and the peak, vary from run to run.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    threads: usize,
+}
+
+/// The executor's count of memory per task for the job plan `dflow run` makes of `e`'s layout
+/// (planner `accounting`), or why there is none.
+fn executor_count(
+    def: &dflow_graph::GraphDef,
+    features: &str,
+    labels: &str,
+    e: &planner::Evaluation,
+    threads: usize,
+) -> anyhow::Result<String> {
+    anyhow::ensure!(threads > 0, "--threads must be at least 1");
+    let Some(train) = def.train.as_ref() else {
+        return Ok(String::new());
+    };
+    let graph = dflow_graph::Graph::from_def(def)?;
+    let batch = (e.rows * e.layout.micro_batches as f64 * e.layout.mesh.dp as f64).round() as usize;
+    let counted = accounting::strategy_for(&e.layout, batch).and_then(|(kind, _)| {
+        let plan = accounting::job_plan(&graph, train, features, labels, &e.layout, batch)?;
+        // Each task is fed its replica's rows.
+        let rows = batch / e.layout.mesh.dp;
+        Ok((kind, accounting::account(&plan, rows, threads)?))
+    });
+    Ok(match counted {
+        Ok((kind, tasks)) => render::accounting(&tasks, kind.name(), threads),
+        Err(err) => format!("  as dflow runs it: not counted ({err})\n"),
+    })
 }
 
 /// Runs `dflow plan`.
@@ -95,6 +127,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(e) = &shown {
         println!();
         print!("{}", render::detail(e, &profile));
+    }
+    if let (Some(e), Some(_)) = (&shown, &args.layout) {
+        print!(
+            "{}",
+            executor_count(def, &features, &labels, e, args.threads)?
+        );
     }
     if let Some(path) = &args.timeline {
         let e = shown.ok_or_else(|| {

@@ -63,6 +63,15 @@ pub struct ClusterProfile {
     pub inter_host: Link,
     /// Storage precision of parameters and activations.
     pub precision: Precision,
+    /// Seconds the runtime spends per op a device runs in a step, beyond its FLOPs (scheduling,
+    /// allocation, dispatch): what makes a small model's step slower than its FLOPs say
+    /// (`dflow bench calibrate` measures dflow's executor; 0 when not given).
+    #[serde(default)]
+    pub op_overhead: f64,
+    /// Seconds per step independent of the model (the driver's feed, fetch and step dispatch;
+    /// 0 when not given).
+    #[serde(default)]
+    pub step_overhead: f64,
     /// Where the numbers come from.
     #[serde(default)]
     pub source: String,
@@ -102,6 +111,12 @@ pub const PRESETS: [&str; 3] = ["this-machine", "a100-80g-8x", "h100-80g-8x"];
 
 const GB: f64 = 1e9;
 
+/// `this-machine`'s executor cost per op dispatched alone, one thread (`dflow bench calibrate`,
+/// 2026-11-24 18:14 UTC, load average 5: 0.24 µs; docs/planner.md).
+const THIS_MACHINE_OP_OVERHEAD: f64 = 0.24e-6;
+/// `this-machine`'s executor cost per in-process step (the same run: 23.4 µs).
+const THIS_MACHINE_STEP_OVERHEAD: f64 = 23.4e-6;
+
 impl ClusterProfile {
     /// A preset by name (see [`PRESETS`] and docs/planner.md for the sources).
     pub fn preset(name: &str) -> Result<ClusterProfile, ProfileError> {
@@ -124,7 +139,10 @@ impl ClusterProfile {
                     latency: 6.3e-6,
                 },
                 precision: Precision::F32,
-                source: "BENCHMARKS.md (MatMul issue 4; collectives over shm and TCP, issue 8)"
+                op_overhead: THIS_MACHINE_OP_OVERHEAD,
+                step_overhead: THIS_MACHINE_STEP_OVERHEAD,
+                source: "BENCHMARKS.md (MatMul issue 4; collectives over shm and TCP, issue 8; \
+                         executor overheads: dflow bench calibrate, docs/planner.md)"
                     .into(),
             },
             // NVIDIA A100 80GB SXM data sheet: 312 TFLOPS BF16 dense, 600 GB/s NVLink (300 per
@@ -144,6 +162,8 @@ impl ClusterProfile {
                     latency: 5e-6,
                 },
                 precision: Precision::Mixed,
+                op_overhead: 0.0,
+                step_overhead: 0.0,
                 source: "NVIDIA A100 80GB and DGX A100 data sheets; 50% of peak sustained".into(),
             },
             // NVIDIA H100 SXM5 80GB data sheet: 989 TFLOPS BF16 dense, 900 GB/s NVLink (450 per
@@ -163,6 +183,8 @@ impl ClusterProfile {
                     latency: 5e-6,
                 },
                 precision: Precision::Mixed,
+                op_overhead: 0.0,
+                step_overhead: 0.0,
                 source: "NVIDIA H100 SXM5 and DGX H100 data sheets; 50% of peak sustained".into(),
             },
             _ => {
@@ -207,6 +229,8 @@ impl ClusterProfile {
         for (field, value) in [
             ("intra_host.latency", self.intra_host.latency),
             ("inter_host.latency", self.inter_host.latency),
+            ("op_overhead", self.op_overhead),
+            ("step_overhead", self.step_overhead),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(bad(field, value));
@@ -262,6 +286,22 @@ mod tests {
         );
         let e = ClusterProfile::from_json("{\"name\": 3}", "p.json").unwrap_err();
         assert!(e.to_string().starts_with("profile p.json:"), "{e}");
+    }
+
+    #[test]
+    fn runtime_overheads_default_to_zero_and_must_not_be_negative() {
+        let mut p = ClusterProfile::preset("a100-80g-8x").unwrap();
+        let mut json = serde_json::to_value(&p).unwrap();
+        let fields = json.as_object_mut().unwrap();
+        fields.remove("op_overhead");
+        fields.remove("step_overhead");
+        let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
+        assert_eq!((old.op_overhead, old.step_overhead), (0.0, 0.0));
+        p.op_overhead = -1e-6;
+        let e = ClusterProfile::from_json(&serde_json::to_string(&p).unwrap(), "p.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("op_overhead"), "{e}");
     }
 
     #[test]

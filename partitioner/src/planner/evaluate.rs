@@ -68,6 +68,9 @@ pub struct StepTime {
     pub bubble: f64,
     /// The gradients' data-parallel collectives.
     pub data_parallel: f64,
+    /// The runtime's cost per op of the slowest stage over all micro-batches, plus its cost per
+    /// step (the profile's `op_overhead` and `step_overhead`).
+    pub overhead: f64,
 }
 
 impl StepTime {
@@ -79,6 +82,7 @@ impl StepTime {
             + self.pipeline
             + self.bubble
             + self.data_parallel
+            + self.overhead
     }
 }
 
@@ -258,7 +262,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     let stash = stash(layout);
     let mut memory = Vec::with_capacity(p);
     let mut traffic = Traffic::default();
-    let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0usize);
+    let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0usize);
     let mut dp_time: f64 = 0.0;
     let mut stage0_payload = 0.0;
     // Per device and micro-batch: its activations sent forward, its gradients sent back.
@@ -355,8 +359,13 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         }
         let compute = 3.0 * compute_f;
         let tp_seconds = tp_f.seconds + tp_b.seconds;
-        if compute + tp_seconds + send_seconds > slowest.0 + slowest.1 + slowest.2 {
-            slowest = (compute, tp_seconds, send_seconds, s);
+        // The runtime's cost of the training ops this device runs per micro-batch.
+        let ops: f64 = chunks.iter().map(|c| c.ops).sum::<f64>() * ctx.model.training_ops_per_op;
+        let op_seconds = ops * profile.op_overhead;
+        if compute + tp_seconds + send_seconds + op_seconds
+            > slowest.0 + slowest.1 + slowest.2 + slowest.3
+        {
+            slowest = (compute, tp_seconds, send_seconds, op_seconds, s);
         }
         // Data parallelism: the stage's gradients in buckets (and parameters under ZeRO).
         let grad_bytes = params * g_bytes;
@@ -382,8 +391,8 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         dp_time = dp_time.max(dp.seconds);
         traffic.data_parallel = traffic.data_parallel.then(dp);
     }
-    let (compute, tp_seconds, sends, slowest_stage) = slowest;
-    let slot = compute + tp_seconds + sends;
+    let (compute, tp_seconds, sends, op_seconds, slowest_stage) = slowest;
+    let slot = compute + tp_seconds + sends + op_seconds;
     let vf = v as f64;
     let bubble = if p > 1 {
         (p as f64 - 1.0) / (vf * mf + p as f64 - 1.0)
@@ -403,6 +412,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         pipeline: sends * mf,
         bubble: slot * (p as f64 - 1.0) / vf,
         data_parallel: dp_time,
+        overhead: op_seconds * mf + profile.step_overhead,
     };
     let pipeline_bytes = staged.bytes_per_step(m, rows) * df;
     let fits = memory
@@ -432,4 +442,54 @@ fn buckets(links: &AxisLinks, kind: Collective, bytes: f64) -> CommCost {
         .cost(kind, size)
         .times(full)
         .then(links.cost(kind, rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{evaluate_layout, ClusterProfile, ModelProfile, PlanOptions};
+    use dflow_graph::layers::gpt::{gpt, GptConfig};
+
+    #[test]
+    fn the_runtime_overhead_is_per_training_op_and_per_step() {
+        let cfg = GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            ..GptConfig::default()
+        };
+        let model = ModelProfile::new(&gpt(&cfg).unwrap().def, "idx", "targets").unwrap();
+        // Backward and optimizer ops make the training graph bigger than the forward one.
+        assert!(
+            model.training_ops_per_op > 1.5,
+            "{}",
+            model.training_ops_per_op
+        );
+        let options = PlanOptions {
+            devices: 2,
+            batch_size: 8,
+        };
+        let mut profile = ClusterProfile::preset("a100-80g-8x").unwrap();
+        for layout in ["dp=2", "pp=2,m=4"] {
+            let layout = layout.parse().unwrap();
+            let free = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            assert_eq!(free.time.overhead, 0.0);
+            profile.op_overhead = 1e-6;
+            profile.step_overhead = 1e-4;
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            profile.op_overhead = 0.0;
+            profile.step_overhead = 0.0;
+            // Every forward op of the slowest stage, times the training ops per forward op,
+            // once per micro-batch; plus the step's own.
+            let m = e.layout.micro_batches as f64;
+            let per_micro = (e.time.overhead - 1e-4) / m / 1e-6 / model.training_ops_per_op;
+            let stage_ops = model.ops.len() as f64 / e.layout.mesh.pp as f64;
+            assert!(
+                per_micro > 0.0 && per_micro <= model.ops.len() as f64 + 1e-6,
+                "{per_micro} ops per micro-batch of {stage_ops}"
+            );
+            assert!(e.time.total() > free.time.total() + 1e-4);
+        }
+    }
 }

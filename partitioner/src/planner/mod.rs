@@ -22,9 +22,11 @@
 //! assert_eq!(best.layout.mesh.size(), 2);
 //! ```
 
+pub mod accounting;
 pub mod cluster;
 pub mod collective;
 pub mod evaluate;
+mod executor_order;
 pub mod flops;
 pub mod layout;
 pub mod model;

@@ -144,6 +144,9 @@ pub struct ModelProfile {
     pub clips: bool,
     /// Whether the optimizer keeps a step count (Adam: a pipeline sends it to later stages).
     pub step_count: bool,
+    /// Ops of the training graph (forward, backward and optimizer) per forward op: what a
+    /// device runs per step for each forward op it holds (the runtime's per-op cost).
+    pub training_ops_per_op: f64,
 }
 
 /// Why a model cannot be profiled.
@@ -278,7 +281,12 @@ impl ModelProfile {
             .iter()
             .map(|f| ops[f.index()].out_bytes)
             .fold(PerRows::default(), PerRows::plus);
+        // The training graph dflow builds (before any strategy's rewrite): its ops per forward op.
+        let forward_ops = def.nodes.len().max(1) as f64;
+        let training_ops_per_op = dflow_graph::train::expand_training(&with_batch(def, 1), train)
+            .map_or(3.0, |t| t.def.nodes.len() as f64 / forward_ops);
         let mut model = ModelProfile {
+            training_ops_per_op,
             feed_bytes,
             graph: g1,
             feeds,

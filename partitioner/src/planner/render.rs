@@ -114,7 +114,7 @@ pub fn explain(report: &PlanReport, profile: &ClusterProfile) -> String {
     let t = &best.time;
     let _ = writeln!(
         s,
-        "pick: {} ({}): predicted step {} = input {} + compute {} + tensor-parallel {} + pipeline sends {} + bubble {} + data-parallel {}; {} per device of {}",
+        "pick: {} ({}): predicted step {} = input {} + compute {} + tensor-parallel {} + pipeline sends {} + bubble {} + data-parallel {} + runtime overhead {}; {} per device of {}",
         best.layout.short(),
         best.layout,
         seconds(t.total()),
@@ -124,6 +124,7 @@ pub fn explain(report: &PlanReport, profile: &ClusterProfile) -> String {
         seconds(t.pipeline),
         seconds(t.bubble),
         seconds(t.data_parallel),
+        seconds(t.overhead),
         bytes(best.peak().total()),
         bytes(profile.memory_per_device as f64),
     );
@@ -212,7 +213,7 @@ pub fn detail(e: &Evaluation, profile: &ClusterProfile) -> String {
     let t = &e.time;
     let _ = writeln!(
         s,
-        "  step {} = input {} + compute {} + tensor-parallel {} + pipeline sends {} + bubble {} ({:.1}%, slowest stage {}, {} per micro-batch) + data-parallel {}",
+        "  step {} = input {} + compute {} + tensor-parallel {} + pipeline sends {} + bubble {} ({:.1}%, slowest stage {}, {} per micro-batch) + data-parallel {} + runtime overhead {}",
         seconds(t.total()),
         seconds(t.input),
         seconds(t.compute),
@@ -222,7 +223,32 @@ pub fn detail(e: &Evaluation, profile: &ClusterProfile) -> String {
         e.bubble * 100.0,
         e.slowest_stage,
         seconds(e.slot),
-        seconds(t.data_parallel)
+        seconds(t.data_parallel),
+        seconds(t.overhead)
     );
+    s
+}
+
+/// The executor's accounting of each task of a layout's job plan ([`super::accounting`]), as
+/// `dflow plan --layout` prints it under the detail.
+pub fn accounting(
+    tasks: &[super::accounting::TaskMemory],
+    strategy: &str,
+    threads: usize,
+) -> String {
+    let mut s = format!(
+        "  as dflow runs it (--strategy {strategy}; the executor's count with {threads} compute thread(s) per task):\n"
+    );
+    for t in tasks {
+        s.push_str(&format!(
+            "    {}: {} variables {} B + step tensors peak {} B = {} B ({})\n",
+            t.task,
+            t.variables,
+            t.variable_bytes,
+            t.peak_step_bytes,
+            t.total(),
+            bytes(t.total() as f64)
+        ));
+    }
     s
 }

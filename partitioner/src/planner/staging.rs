@@ -27,6 +27,8 @@ pub struct StageCosts {
     pub tp_forward: Vec<PerRows>,
     /// Tensor-parallel all-reduces of the backward pass.
     pub tp_backward: Vec<PerRows>,
+    /// Forward ops (variables and constants included).
+    pub ops: f64,
 }
 
 /// A tensor sent from one stage to another.
@@ -78,6 +80,7 @@ impl StagedModel {
         }
         for op in &model.ops {
             let s = &mut costs[stage_of[op.node.index()]];
+            s.ops += 1.0;
             if op.role.divided() {
                 s.flops_split = s.flops_split.plus(op.flops);
             } else {

@@ -1,0 +1,481 @@
+//! Memory as dflow's executor accounts it, predicted from the job plan a layout runs as.
+//!
+//! The analytical model ([`super::evaluate`]) counts model states and stashed activations the
+//! way the ZeRO and Megatron papers do; a task of a real dflow job holds something more exact:
+//! its variables (weights and optimizer slots, sharded as the strategy shards them), and step
+//! tensors — every value a step produces, from its producer until its last reader finishes
+//! (executor `memory.rs`: once per value, not when it shares an input's buffer — a reshape, an
+//! identity — nor a variable's value; a value nobody reads stays until the step ends).
+//!
+//! [`job_plan`] builds the plan `dflow run` would run for a layout (the same strategies: all-reduce,
+//! ZeRO, pipeline, tensor), and [`account`] runs each task's training partition through a
+//! model of the executor's scheduler (its runners, stacks, held-back decrements and pool;
+//! every node one tick), counting what the executor's meter counts. With one compute thread the
+//! order is the executor's own and the count is exact (a task pinned to one CPU reports these
+//! bytes); with more threads the ready nodes run in orders that vary from run to run, and a
+//! measured peak varies around the one-thread count (docs/planner.md gives the spread).
+
+use super::executor_order::run_order;
+use super::layout::Layout;
+use crate::strategy::{JobInput, JobPlan, StrategyKind, StrategyOptions};
+use dflow_graph::train::TrainSpec;
+use dflow_graph::{AttrValue, ClusterSpec, Graph, Shape};
+use petgraph::graph::NodeIndex;
+use std::collections::BTreeMap;
+
+/// What one task holds, as the executor counts it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskMemory {
+    /// The task (`/job:worker/replica:0/task:1`).
+    pub task: String,
+    /// Variables the task holds.
+    pub variables: usize,
+    /// Their bytes.
+    pub variable_bytes: usize,
+    /// The most bytes of step tensors held at once in one training step, in the order
+    /// [`account`] runs it.
+    pub peak_step_bytes: usize,
+}
+
+impl TaskMemory {
+    /// Variables plus the step tensors' peak.
+    pub fn total(&self) -> usize {
+        self.variable_bytes + self.peak_step_bytes
+    }
+}
+
+/// Why the accounting could not be made.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AccountingError {
+    /// The layout has no strategy dflow runs.
+    #[error("layout {layout}: {reason}")]
+    NotRunnable {
+        /// The layout.
+        layout: String,
+        /// Why.
+        reason: String,
+    },
+    /// The strategy refused the model or the layout.
+    #[error("layout {layout}: {message}")]
+    Strategy {
+        /// The layout.
+        layout: String,
+        /// The strategy.
+        strategy: &'static str,
+        /// Its error (naming the strategy).
+        message: String,
+    },
+    /// A task's graph does not validate with the batch fixed.
+    #[error("task {task}: its graph does not validate with a batch of {rows} rows:\n{message}")]
+    Invalid {
+        /// The task.
+        task: String,
+        /// The rows.
+        rows: usize,
+        /// The validation errors.
+        message: String,
+    },
+    /// A tensor's size is not static with the batch fixed.
+    #[error("task {task}: op `{node}` has no static shape with the batch fixed; the accounting needs every size")]
+    NotStatic {
+        /// The task.
+        task: String,
+        /// The op.
+        node: String,
+    },
+}
+
+/// The strategy `dflow run` runs `layout` with, and its options: a pipeline when `pp > 1`,
+/// tensor parallelism over every device when `tp > 1` (alone), ZeRO at the layout's stage, else
+/// all-reduce.
+pub fn strategy_for(
+    layout: &Layout,
+    batch: usize,
+) -> Result<(StrategyKind, StrategyOptions), AccountingError> {
+    let mesh = layout.mesh;
+    let refuse = |reason: &str| AccountingError::NotRunnable {
+        layout: layout.short(),
+        reason: reason.to_string(),
+    };
+    let mut options = StrategyOptions {
+        batch_size: Some(batch),
+        ..StrategyOptions::default()
+    };
+    let name = if mesh.tp > 1 {
+        if mesh.dp > 1 || mesh.pp > 1 {
+            return Err(refuse(
+                "dflow runs tensor parallelism only over every worker (--strategy tensor): no dp or pp axis beside it",
+            ));
+        }
+        options.tp = Some(mesh.tp);
+        "tensor"
+    } else if mesh.pp > 1 {
+        if layout.zero > 0 {
+            return Err(refuse("ZeRO over pipeline replicas does not run yet"));
+        }
+        options.stages = Some(mesh.pp);
+        options.micro_batches = layout.micro_batches;
+        options.schedule = layout.schedule;
+        options.chunks = layout.chunks;
+        "pipeline"
+    } else if layout.zero > 0 {
+        options.zero_stage = layout.zero;
+        "zero"
+    } else {
+        "allreduce"
+    };
+    let kind = name.parse().map_err(|e| refuse(&format!("{e}")))?;
+    Ok((kind, options))
+}
+
+/// The job plan `dflow run` makes for `layout` of `graph` (trained by `train`, fed through
+/// `features` and `labels`) on one worker per device.
+pub fn job_plan(
+    graph: &Graph,
+    train: &TrainSpec,
+    features: &str,
+    labels: &str,
+    layout: &Layout,
+    batch: usize,
+) -> Result<JobPlan, AccountingError> {
+    let (kind, options) = strategy_for(layout, batch)?;
+    let strategy_error = |message: String| AccountingError::Strategy {
+        layout: layout.short(),
+        strategy: kind.name(),
+        message,
+    };
+    let workers = u32::try_from(layout.mesh.size()).map_err(|_| AccountingError::NotRunnable {
+        layout: layout.short(),
+        reason: "too many devices".into(),
+    })?;
+    let cluster =
+        ClusterSpec::local(&[("worker", workers)]).map_err(|e| strategy_error(e.to_string()))?;
+    let strategy = kind
+        .build(&options)
+        .map_err(|e| strategy_error(e.to_string()))?;
+    let input = JobInput::new(graph, train, &cluster, features, labels);
+    strategy
+        .plan(&input)
+        .map_err(|e| strategy_error(e.to_string()))
+}
+
+/// Ops whose kernel always returns its first input's buffer, reshaped or not.
+const VIEWS: &[&str] = &[
+    "Identity",
+    "Reshape",
+    "ReshapeLike",
+    "ExpandDims",
+    "Squeeze",
+    "StopGradient",
+    "CollectiveTpCopy",
+];
+
+/// Whether `idx`'s first output is its first input's buffer (the executor compares the data
+/// pointers and does not count it again): the views, a slice of everything (`Slice`,
+/// `FlatSlice` at offset 0), a `ReduceToShapeOf` to its own shape, a `Concat` or `AddN` of one
+/// input, an identity `Transpose`, a `Dropout` of rate 0.
+fn shares_input(g: &Graph, idx: NodeIndex, bytes: usize, input_bytes: Option<usize>) -> bool {
+    let node = g.node(idx);
+    let Some(input_bytes) = input_bytes else {
+        return false;
+    };
+    let whole = bytes == input_bytes;
+    let data_inputs = g.inputs(idx).len();
+    match node.op {
+        op if VIEWS.contains(&op) => true,
+        "Slice" | "ReduceToShapeOf" => whole,
+        "AddN" => data_inputs == 1,
+        "Concat" => data_inputs == 1,
+        "FlatSlice" => whole && matches!(node.attr("offset"), Some(AttrValue::Int(0)) | None),
+        "Transpose" => match node.attr("perm") {
+            Some(AttrValue::IntList(p)) => p.iter().enumerate().all(|(i, &j)| j == i as i64),
+            _ => false,
+        },
+        "Dropout" => match node.attr("rate") {
+            Some(AttrValue::Float(r)) => r == 0.0,
+            None => true,
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// `g` validated again with the unknown first dimension of every placeholder and received
+/// tensor set to `rows` (the batch a task is fed), so that every size is known.
+fn with_rows(g: &Graph, rows: usize) -> Result<Graph, String> {
+    let mut def = g.to_def();
+    for n in def
+        .nodes
+        .iter_mut()
+        .filter(|n| matches!(n.op.as_str(), "Placeholder" | "Recv"))
+    {
+        if let Some(AttrValue::Shape(s)) = n.attrs.get("shape") {
+            if let Some(dims) = s.dims() {
+                if let Some(None) = dims.first() {
+                    let mut fixed = dims.to_vec();
+                    fixed[0] = Some(rows);
+                    n.attrs
+                        .insert("shape".into(), AttrValue::Shape(Shape::partial(fixed)));
+                }
+            }
+        }
+    }
+    Graph::from_def(&def).map_err(|e| e.to_string())
+}
+
+/// The executor's accounting of each task of `plan`'s training step, with `rows` rows where a
+/// feed's batch dimension is unknown (a replica's rows: the global batch over `dp`).
+pub fn account(
+    plan: &JobPlan,
+    rows: usize,
+    threads: usize,
+) -> Result<Vec<TaskMemory>, AccountingError> {
+    let mut tasks: BTreeMap<String, TaskMemory> = BTreeMap::new();
+    // A task drives the training signatures it is part of; the largest counts.
+    for signature in plan.train_signatures() {
+        let mut here: BTreeMap<String, TaskMemory> = BTreeMap::new();
+        for (device, part) in &signature.partitions.partitions {
+            let task = device.task_name().unwrap_or_else(|| device.to_string());
+            let m = partition_memory(&task, &part.graph, rows, threads)?;
+            let entry = here.entry(task.clone()).or_insert(TaskMemory {
+                task,
+                variables: 0,
+                variable_bytes: 0,
+                peak_step_bytes: 0,
+            });
+            entry.variables += m.variables;
+            entry.variable_bytes += m.variable_bytes;
+            entry.peak_step_bytes += m.peak_step_bytes;
+        }
+        for (task, m) in here {
+            match tasks.get(&task) {
+                Some(old) if old.total() >= m.total() => {}
+                _ => {
+                    tasks.insert(task, m);
+                }
+            }
+        }
+    }
+    Ok(tasks.into_values().collect())
+}
+
+/// The accounting of one partition `graph` of `task`.
+fn partition_memory(
+    task: &str,
+    graph: &Graph,
+    rows: usize,
+    threads: usize,
+) -> Result<TaskMemory, AccountingError> {
+    let fixed = with_rows(graph, rows).map_err(|message| AccountingError::Invalid {
+        task: task.to_string(),
+        rows,
+        message,
+    })?;
+    let g = &fixed;
+    let not_static = |idx: NodeIndex| AccountingError::NotStatic {
+        task: task.to_string(),
+        node: g.node(idx).name.clone(),
+    };
+    let size = |idx: NodeIndex, k: usize| -> Result<usize, AccountingError> {
+        let t = &g.node(idx).outputs[k];
+        let dims = t.shape.dims().ok_or_else(|| not_static(idx))?;
+        let elements = dims
+            .iter()
+            .map(|d| d.ok_or_else(|| not_static(idx)))
+            .product::<Result<usize, _>>()?;
+        Ok(elements * t.dtype.size_of())
+    };
+    let mut variables = 0;
+    let mut variable_bytes = 0;
+    for idx in g.node_indices() {
+        if g.node(idx).op_def().is_variable {
+            variables += 1;
+            variable_bytes += size(idx, 0)?;
+        }
+    }
+    // The executor decides what is cheap from the plan's own types (an unknown batch: not
+    // cheap), so the order comes from `graph`, the sizes from `fixed`.
+    let aligned = graph.num_nodes() == g.num_nodes()
+        && graph
+            .node_indices()
+            .all(|i| graph.node(i).name == g.node(i).name);
+    let order = run_order(if aligned { graph } else { g }, threads);
+    Ok(TaskMemory {
+        task: task.to_string(),
+        variables,
+        variable_bytes,
+        peak_step_bytes: step_peak(g, &order, &size)?,
+    })
+}
+
+/// The peak of one step's values in `g`, its nodes run in `order`.
+fn step_peak(
+    g: &Graph,
+    order: &[NodeIndex],
+    size: &dyn Fn(NodeIndex, usize) -> Result<usize, AccountingError>,
+) -> Result<usize, AccountingError> {
+    // Reads left per (node, output).
+    let mut reads: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    for idx in g.node_indices() {
+        for (s, k) in g.inputs(idx) {
+            *reads.entry((s.index(), k)).or_default() += 1;
+        }
+    }
+    let mut counted: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    let (mut live, mut peak) = (0usize, 0usize);
+    for &idx in order {
+        let node = g.node(idx);
+        let op = node.op_def();
+        let inputs = g.inputs(idx);
+        let bound_constant =
+            node.op == "Const" && inputs.is_empty() && g.control_inputs(idx).is_empty();
+        if !(op.is_variable || node.op == "ReadVariable" || bound_constant) {
+            let first_input = match inputs.first() {
+                Some(&(s, k)) => Some(size(s, k)?),
+                None => None,
+            };
+            for k in 0..node.outputs.len() {
+                let bytes = size(idx, k)?;
+                if k == 0 && shares_input(g, idx, bytes, first_input) {
+                    continue;
+                }
+                counted.insert((idx.index(), k), bytes);
+                live += bytes;
+            }
+            peak = peak.max(live);
+        }
+        for (s, k) in inputs {
+            let key = (s.index(), k);
+            if let Some(r) = reads.get_mut(&key) {
+                *r -= 1;
+                if *r == 0 {
+                    if let Some(b) = counted.remove(&key) {
+                        live -= b;
+                    }
+                }
+            }
+        }
+    }
+    Ok(peak)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::layers::gpt::{gpt, GptConfig};
+
+    fn digits(file: &str) -> (Graph, TrainSpec) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/digits")
+            .join(file);
+        let text = std::fs::read_to_string(path).unwrap();
+        let parsed = dflow_graph::format::parse_json(&text, None).unwrap();
+        let train = parsed.def.train.clone().unwrap();
+        (Graph::from_def(&parsed.def).unwrap(), train)
+    }
+
+    fn accounted(file: &str, layout: &str, batch: usize) -> Vec<TaskMemory> {
+        let (g, t) = digits(file);
+        let layout: Layout = layout.parse().unwrap();
+        let plan = job_plan(&g, &t, "pixels", "labels", &layout, batch).unwrap();
+        account(&plan, batch / layout.mesh.dp, 2).unwrap()
+    }
+
+    /// The digits MLP: 64·32 + 32 + 32·10 + 10 parameters.
+    const PARAMS: usize = 2410;
+
+    #[test]
+    fn data_parallel_holds_the_weights_and_peaks_at_the_fused_gradients() {
+        let tasks = accounted("digits.json", "dp=2", 32);
+        assert_eq!(tasks.len(), 2);
+        for t in &tasks {
+            // SGD: the weights only.
+            assert_eq!((t.variables, t.variable_bytes), (4, 4 * PARAMS), "{t:?}");
+            // Every gradient and the bucket packed from them, plus the 4-byte loss.
+            assert_eq!(t.peak_step_bytes, 2 * 4 * PARAMS + 4, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn zero_shards_what_its_stage_says() {
+        let adam = 3 * 4 * PARAMS; // weights and two moments
+        let whole = accounted("digits-adamw.json", "dp=2", 32);
+        let z1 = accounted("digits-adamw.json", "dp=2,zero=1", 32);
+        let z3 = accounted("digits-adamw.json", "dp=2,zero=3", 32);
+        // Plus the step count and its power terms: 8 bytes of scalars.
+        assert_eq!(whole[0].variable_bytes, adam + 8);
+        assert_eq!(z1[0].variable_bytes, 4 * PARAMS + 4 * PARAMS + 8);
+        assert_eq!(z3[0].variable_bytes, 2 * PARAMS + 4 * PARAMS + 8);
+        assert!(z1[0].peak_step_bytes > whole[0].peak_step_bytes, "{z1:?}");
+    }
+
+    #[test]
+    fn a_pipeline_stage_holds_its_own_weights() {
+        let tasks = accounted("digits.json", "pp=2,m=4", 32);
+        let bytes: Vec<usize> = tasks.iter().map(|t| t.variable_bytes).collect();
+        assert_eq!(bytes, [4 * 64 * 32, 4 * (32 + 32 * 10 + 10)]);
+        assert!(tasks.iter().all(|t| t.peak_step_bytes > 0));
+    }
+
+    #[test]
+    fn tensor_parallelism_splits_the_gpt() {
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let g = Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let one = job_plan(&g, &train, "idx", "targets", &"dp=1".parse().unwrap(), 4).unwrap();
+        let two = job_plan(&g, &train, "idx", "targets", &"tp=2".parse().unwrap(), 4).unwrap();
+        let one = account(&one, 4, 2).unwrap();
+        let two = account(&two, 4, 2).unwrap();
+        assert_eq!((one.len(), two.len()), (1, 2));
+        assert!(
+            two[0].variable_bytes < one[0].variable_bytes,
+            "{two:?} {one:?}"
+        );
+        assert!(two[0].total() < one[0].total(), "{two:?} {one:?}");
+    }
+
+    #[test]
+    fn a_view_is_not_counted_again() {
+        use dflow_graph::builder::GraphBuilder;
+        use dflow_graph::DType;
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 8]);
+        let y = b.op("Neg", "y").input(&x).finish();
+        let r = b
+            .op("Reshape", "r")
+            .input(&y)
+            .attr("shape", vec![32i64])
+            .finish();
+        b.op("Neg", "z").input(&r).finish();
+        let g = b.build().unwrap();
+        let size = |i: NodeIndex, k: usize| -> Result<usize, AccountingError> {
+            Ok(g.node(i).outputs[k].byte_size().unwrap_or(0))
+        };
+        let order = run_order(&g, 1);
+        // x (fed) 128 B, y 128 B, r shares y's buffer, z 128 B: x is released after y.
+        assert_eq!(step_peak(&g, &order, &size).unwrap(), 256);
+    }
+
+    #[test]
+    fn a_layout_dflow_cannot_run_is_refused_by_name() {
+        let (g, t) = digits("digits.json");
+        let e = job_plan(
+            &g,
+            &t,
+            "pixels",
+            "labels",
+            &"dp=2,tp=2".parse().unwrap(),
+            32,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("dp2 tp2 pp1"), "{e}");
+    }
+}
