@@ -54,7 +54,7 @@ job() {
   for p in "${ports[@]}"; do addrs+=("\"127.0.0.1:$p\""); done
   (IFS=,; echo "{\"worker\": [${addrs[*]}]}") >"$dir/cluster.json"
   local common=(--cluster "$dir/cluster.json" --data "$DATA" --batch-size "$BATCH"
-    --steps "$STEPS" --eval-batches 1 --timeout 600 --quiet --memory-limit "$LIMIT" "$@")
+    --steps "$STEPS" --eval-batches 0 --timeout 600 --quiet --memory-limit "$LIMIT" "$@")
   local pids=()
   for ((i = WORKERS - 1; i >= 1; i--)); do
     /usr/bin/time -v -o "$dir/worker-$i.time" timeout "$JOB_TIMEOUT" \
