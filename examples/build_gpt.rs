@@ -1,6 +1,7 @@
 //! Builds the character-level GPT with the layer library and writes it as
 //! `examples/gpt/gpt.json` and `examples/gpt/gpt.dflow` (what `dflow run` trains), and the same
-//! GPT with mixture-of-experts MLPs as `examples/gpt/gpt-moe.json`.
+//! GPT with mixture-of-experts MLPs as `examples/gpt/gpt-moe.json`, and the 100M-parameter GPT
+//! of the memory-limit demonstration (`tests/big_model/`) as `examples/gpt/gpt-100m.json`.
 //!
 //! Run: `cargo run -p dflow-examples --example build_gpt [-- OUT_DIR]`. The committed files are
 //! checked against this program's output by `tests/gpt_files.rs`, so they never drift.
@@ -15,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(dir.join("gpt.json"), json)?;
     std::fs::write(dir.join("gpt.dflow"), dsl)?;
     std::fs::write(dir.join("gpt-moe.json"), dflow_examples::gpt_moe_json()?)?;
+    std::fs::write(dir.join("gpt-100m.json"), dflow_examples::gpt_100m_json()?)?;
     let cfg = dflow::graph::layers::GptConfig::default();
     println!(
         "wrote {}/gpt.json and gpt.dflow: {} layers, {} heads, {} channels, context {}, vocabulary {}, {} parameters",
@@ -40,6 +42,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         moe.capacity_factor,
         moe.aux_loss_coef,
         moe_cfg.num_params()
+    );
+    let big = dflow_examples::gpt_100m_config();
+    println!(
+        "wrote {}/gpt-100m.json: {} layers, {} heads, {} channels, context {}, {} parameters",
+        dir.display(),
+        big.n_layer,
+        big.n_head,
+        big.n_embd,
+        big.block_size,
+        big.num_params()
     );
     Ok(())
 }

@@ -73,6 +73,34 @@ pub fn gpt_files() -> Result<(String, String), String> {
     ))
 }
 
+/// The 100M-parameter GPT of the "too big for one process" demonstration
+/// (`examples/gpt/gpt-100m.json`, `tests/big_model/`): 8 blocks of 1,024 channels in 16 heads
+/// over a context of 32 characters of the bundled 76-character vocabulary, trained as the
+/// bundled GPT is (AdamW, clipping at 1.0) but with no warm-up, so the few demonstration steps
+/// move the loss, and a 10× smaller learning rate (1e-4; the bundled GPT's 1e-3 without warm-up
+/// makes the loss of this wider model climb). Its [`num_params`](dflow::graph::layers::GptConfig::num_params) is 100,882,432:
+/// 16 bytes each with Adam make 1.61 GB of training state, 12 of them (parameters and both
+/// moments, 1.21 GB) held as variables by every worker under plain data parallelism.
+pub fn gpt_100m_config() -> dflow::graph::layers::GptConfig {
+    dflow::graph::layers::GptConfig {
+        block_size: 32,
+        n_layer: 8,
+        n_head: 16,
+        n_embd: 1024,
+        warmup_steps: 0,
+        learning_rate: 1e-4,
+        min_lr: 1e-5,
+        ..dflow::graph::layers::GptConfig::default()
+    }
+}
+
+/// [`gpt_100m_config`]'s graph with its training section, as JSON text
+/// (`examples/gpt/gpt-100m.json`).
+pub fn gpt_100m_json() -> Result<String, String> {
+    let model = dflow::graph::layers::gpt(&gpt_100m_config())?;
+    Ok(dflow::graph::format::to_json(&model.def))
+}
+
 /// The GPT with mixture-of-experts MLPs (`examples/gpt/gpt-moe.json`): [`gpt_files`]'s model
 /// with every block's MLP replaced by 4 experts, top-1 routing at capacity factor 1.25 (Switch
 /// Transformer's setting) and the load-balancing loss (α = 0.01) added to the training loss, as

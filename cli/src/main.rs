@@ -18,17 +18,32 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// few milliseconds, so each step faulted its large buffers in again and the kernel zeroed every
 /// page (`clear_page_erms` was 12% of the GPT's CPU profile, system time 2 of 9 CPU seconds over
 /// 60 steps; BENCHMARKS.md "Character-level GPT"). With purging off, resident memory stays at the
-/// peak a step reaches, which a long-running job reaches anyway. `MIMALLOC_PURGE_DELAY` in the
-/// environment still decides when it is set.
-fn keep_freed_pages() {
+/// peak a step reaches, which a long-running job reaches anyway.
+///
+/// Except under `dflow run --memory-limit`: there the process's resident memory is what must
+/// stay under the limit, and kept pages (freed buffers of every size a step used, which the
+/// next step does not reuse exactly) held the 100M-parameter GPT's ZeRO-3 workers at ~9 bytes
+/// per parameter resident against the executor's 4.6 (tests/big_model, BENCHMARKS.md); freed
+/// pages then go back at once (`purge_delay` 0), costing page faults. `MIMALLOC_PURGE_DELAY`
+/// in the environment still decides when it is set.
+fn purge_delay(command: &Command) -> std::os::raw::c_long {
+    match command {
+        Command::Run(a) if a.memory_limit.is_some() => 0,
+        _ => -1,
+    }
+}
+
+/// Sets mimalloc's `purge_delay` to `delay` ms (-1: never), unless `MIMALLOC_PURGE_DELAY` is
+/// set (see [`purge_delay`]).
+fn set_purge_delay(delay: std::os::raw::c_long) {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         return;
     }
     // SAFETY: `mi_option_set` stores an integer in mimalloc's option table (a relaxed atomic
-    // store); any value is valid for `purge_delay` (-1 = never purge). The index is that of
-    // `mi_option_purge_delay` in the mimalloc v2 header `libmimalloc-sys` builds, which
-    // `tests::the_purge_delay_option_is_the_one_set` checks by its documented default.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) }
+    // store); any value is valid for `purge_delay` (-1 = never purge, 0 = at once). The index
+    // is that of `mi_option_purge_delay` in the mimalloc v2 header `libmimalloc-sys` builds,
+    // which `tests::the_purge_delay_option_is_the_one_set` checks by its documented default.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, delay) }
 }
 
 /// dflow: partition dataflow graphs across devices and run them.
@@ -80,8 +95,8 @@ enum Bench {
 }
 
 fn main() -> ExitCode {
-    keep_freed_pages();
     let cli = Cli::parse();
+    set_purge_delay(purge_delay(&cli.command));
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("DFLOW_LOG")
@@ -148,9 +163,17 @@ mod tests {
             // to other values (eager_commit_delay 1, use_numa_nodes 0).
             assert_eq!(get(), 10);
         }
-        keep_freed_pages();
+        set_purge_delay(-1);
         if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
             assert_eq!(get(), -1);
         }
+    }
+
+    #[test]
+    fn freed_pages_are_kept_except_under_a_memory_limit() {
+        let delay = |args: &[&str]| purge_delay(&Cli::try_parse_from(args).unwrap().command);
+        assert_eq!(delay(&["dflow", "run", "g.json", "--memory-limit", "5"]), 0);
+        assert_eq!(delay(&["dflow", "run", "g.json"]), -1);
+        assert_eq!(delay(&["dflow", "check", "g.json"]), -1);
     }
 }

@@ -501,3 +501,71 @@ fn a_memory_limit_refuses_all_reduce_before_step_1_and_zero_3_fits() {
         "{err}"
     );
 }
+
+/// `--eval-batches 0` turns the validation loss off: under ZeRO-3 the evaluation joins every
+/// worker's parameter shards on worker 0 (a whole copy of the model there), so with it off
+/// worker 1 sends nothing over the data plane and the chief reports no validation loss, while
+/// `--eval-batches 1` sends worker 1's shard of every parameter to worker 0 and reports one.
+#[test]
+fn eval_batches_0_keeps_zero_3_from_joining_the_model_on_worker_0() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let graph = small_gpt(dir.path(), 1);
+    let graph_s = graph.to_string_lossy().into_owned();
+    let run = |eval_batches: &str| {
+        let cluster = Cluster::new(0, 2);
+        let common = [
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            eval_batches,
+            "--quiet",
+            "--strategy",
+            "zero",
+            "--zero-stage",
+            "3",
+        ];
+        let worker = Task::start(&cluster, "worker", 1, &common);
+        let mut chief_args = vec![graph_s.as_str()];
+        chief_args.extend(common);
+        let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
+        chief.assert_success();
+        let worker = worker.wait(Duration::from_secs(30));
+        worker.assert_success();
+        let sent = end_of_task(&worker.stderr)
+            .into_iter()
+            .find(|e| e.task == "/job:worker/replica:0/task:1")
+            .unwrap_or_else(|| panic!("no end-of-task line in:\n{}", worker.stderr))
+            .data_plane;
+        (chief.stdout, sent)
+    };
+    let (stdout, sent) = run("0");
+    assert!(
+        stdout.contains("no validation loss (--eval-batches 0)"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("validation loss:"), "{stdout}");
+    assert_eq!(sent, 0, "worker 1 sent its shards to worker 0");
+    let (stdout, sent) = run("1");
+    assert!(stdout.contains("validation loss: "), "{stdout}");
+    // Its half of every parameter (rounded up per parameter), 4 bytes each.
+    let cfg = dflow::graph::layers::GptConfig {
+        block_size: 16,
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 32,
+        ..Default::default()
+    };
+    let psi = cfg.num_params() as u64;
+    assert!(
+        sent >= 4 * psi / 2 && sent <= 4 * psi / 2 + 4 * 64,
+        "worker 1 sent {sent} B, not its half of 4Ψ = {}",
+        4 * psi
+    );
+}

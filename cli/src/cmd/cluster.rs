@@ -592,7 +592,7 @@ async fn chief(
                 report.train_examples,
                 report.test_examples
             );
-            super::train_text::print_validation(&report.held_out);
+            super::train_text::print_validation(&report.held_out, args.eval_batches);
         }
         ChiefData::Csv { .. } => {
             eprintln!(

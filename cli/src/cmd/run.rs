@@ -130,7 +130,10 @@ pub struct Args {
     /// Training on a text: compute the validation loss every N steps (0: only at the end).
     #[arg(long, default_value_t = 250)]
     pub eval_every: u64,
-    /// Training on a text: batches of the validation split each validation loss averages.
+    /// Training on a text: batches of the validation split each validation loss averages
+    /// (0: no validation loss, not even at the end, and a distributed job does not register
+    /// its evaluation graph; under `--strategy zero --zero-stage 3` and `--strategy tensor` the
+    /// evaluation joins the whole model on worker 0).
     #[arg(long, default_value_t = 20)]
     pub eval_batches: u64,
     /// Training: load these variables (a safetensors file, names as the graph's variables)

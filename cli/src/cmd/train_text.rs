@@ -143,6 +143,7 @@ pub fn train_text(
     let mut progress = TextProgress::new(steps, (batch * block_size) as u64, args.quiet);
     let mut source = CharWindowSteps::new(train, steps, &run.inputs, &run.targets);
     let mut runner = SessionSteps::new(session, &cfg, &mut source).with_eval(|s| match &val {
+        Some(_) if args.eval_batches == 0 => Ok(Vec::new()),
         Some(w) => Ok(vec![(
             cfg.loss.clone(),
             evaluate_windows(s, &eval_cfg, w, args.eval_batches)?,
@@ -169,7 +170,7 @@ pub fn train_text(
     let final_eval = runner
         .evaluate()
         .context("computing the final validation loss")?;
-    print_validation(&final_eval);
+    print_validation(&final_eval, args.eval_batches);
     Ok(())
 }
 
@@ -189,10 +190,12 @@ pub fn init_from(args: &Args, trainable: &[String], session: &Session) -> anyhow
     Ok(())
 }
 
-/// Prints the final validation loss (the first evaluated value), or why there is none.
-pub fn print_validation(eval: &[(String, f64)]) {
+/// Prints the final validation loss (the first evaluated value), or why there is none
+/// (`eval_batches` is `--eval-batches`: 0 turns the evaluation off).
+pub fn print_validation(eval: &[(String, f64)], eval_batches: u64) {
     match eval.first() {
         Some((_, v)) => println!("validation loss: {v:.4}"),
+        None if eval_batches == 0 => println!("no validation loss (--eval-batches 0)"),
         None => println!("no validation split (the held-out text is shorter than one window)"),
     }
 }

@@ -126,6 +126,19 @@ pub enum ChiefData {
     },
 }
 
+impl ChiefData {
+    /// Whether the job evaluates at all: a text job with `eval_batches` 0 does not.
+    pub fn evaluates(&self) -> bool {
+        !matches!(
+            self,
+            ChiefData::Text {
+                eval_batches: 0,
+                ..
+            }
+        )
+    }
+}
+
 /// What a finished job did.
 #[derive(Debug, Clone)]
 pub struct ChiefReport {
@@ -187,7 +200,7 @@ pub fn task_registrations(
     plan: &JobPlan,
     data: &DataSpec,
 ) -> Result<BTreeMap<String, Vec<RegisterGraph>>, JobError> {
-    Ok(registrations(plan, data, &mut SlotIds::default())?.0)
+    Ok(registrations(plan, data, &mut SlotIds::default(), true)?.0)
 }
 
 /// The receive-slot ids the chief gives the tasks across an elastic job's plans. The tasks keep
@@ -238,10 +251,16 @@ type Registrations = (
     Registered,
 );
 
+/// Every task's registrations of `plan`'s signatures, and the chief's view of them. Without
+/// `register_eval` (a job that never evaluates, `--eval-batches 0`) no task registers the
+/// evaluation signature: under ZeRO-3 and tensor parallelism worker 0's evaluation graph joins
+/// every worker's shards, and its receive slots alone (allocated at registration) would hold a
+/// whole copy of the parameters.
 fn registrations(
     plan: &JobPlan,
     data: &DataSpec,
     ids: &mut SlotIds,
+    register_eval: bool,
 ) -> Result<Registrations, JobError> {
     ids.learn(plan)?;
     let mut all: BTreeMap<String, Vec<RegisterGraph>> = BTreeMap::new();
@@ -330,8 +349,10 @@ fn registrations(
                 .collect(),
             fetch_task: s.fetch_task.clone(),
         };
-        for (task, r) in regs {
-            all.entry(task).or_default().push(r);
+        if s.kind == SignatureKind::Train || register_eval {
+            for (task, r) in regs {
+                all.entry(task).or_default().push(r);
+            }
         }
         match s.kind {
             SignatureKind::Train => train.push(registered),
@@ -390,7 +411,7 @@ async fn register_all(
     ids: &mut SlotIds,
 ) -> Result<Job, JobError> {
     let plan = plan_job(cfg, cluster)?;
-    let (all, mut train, eval) = registrations(&plan, data, ids)?;
+    let (all, mut train, eval) = registrations(&plan, data, ids, cfg.data.evaluates())?;
     if eval.fetch_task.as_deref() != Some(rpc.task.as_str()) {
         return Err(setup(format!(
             "evaluation fetches live on {:?}, not on the chief",

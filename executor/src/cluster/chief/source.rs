@@ -189,7 +189,7 @@ impl Source {
 
     /// The held-out batches: the test rows in batches weighted by their size, or the first
     /// `eval_batches` batches of validation windows weighted equally (as a local run
-    /// evaluates).
+    /// evaluates; none when `eval_batches` is 0, `--eval-batches 0`).
     pub(super) fn eval_batches(&self, batch_size: usize) -> Result<Vec<EvalBatch>, JobError> {
         match self {
             Source::Csv { test, .. } => {
@@ -209,7 +209,7 @@ impl Source {
                 val, eval_batches, ..
             } => match val {
                 None => Ok(Vec::new()),
-                Some(w) => (0..(*eval_batches).max(1))
+                Some(w) => (0..*eval_batches)
                     .map(|k| {
                         let (x, y) = w.batch(k).map_err(setup)?;
                         Ok((x, y, 1.0))
