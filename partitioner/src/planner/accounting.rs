@@ -102,9 +102,9 @@ pub fn strategy_for(
         ..StrategyOptions::default()
     };
     let name = if mesh.tp > 1 {
-        if mesh.dp > 1 || mesh.pp > 1 {
+        if mesh.pp > 1 || layout.zero > 0 {
             return Err(refuse(
-                "dflow runs tensor parallelism only over every worker (--strategy tensor): no dp or pp axis beside it",
+                "dflow runs tensor parallelism over every worker or beside a dp axis (--strategy tensor): no pp axis or ZeRO beside it",
             ));
         }
         options.tp = Some(mesh.tp);
@@ -472,10 +472,10 @@ mod tests {
             &t,
             "pixels",
             "labels",
-            &"dp=2,tp=2".parse().unwrap(),
+            &"pp=2,tp=2".parse().unwrap(),
             32,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("dp2 tp2 pp1"), "{e}");
+        assert!(e.to_string().contains("dp1 tp2 pp2"), "{e}");
     }
 }
