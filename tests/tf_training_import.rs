@@ -331,3 +331,82 @@ fn send_recv_pairs_match_tensorflow() {
         pairs_match_tensorflow(variant);
     }
 }
+
+/// A fixture of `fixtures/tf/make_tf_partitioned.py`: the GraphDef and TensorFlow's values.
+fn partitioned_fixture(name: &str) -> (String, Value) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tf");
+    let graph = std::fs::read_to_string(dir.join(format!("{name}.graphdef.json")))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let values = std::fs::read_to_string(dir.join(format!("{name}.tf_values.json")))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    (graph, serde_json::from_str(&values).unwrap())
+}
+
+/// A table of rows from the fixture, flattened.
+fn rows(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()))
+        .collect()
+}
+
+/// A variable made with `fixed_size_partitioner(2)` (`emb/part_0` [7, 3], `emb/part_1` [6, 3],
+/// each from its own seeded random-normal initializer) imports as its two part variables, each
+/// starting from TensorFlow's values; the whole table read through the parts' ConcatV2 (axis a
+/// folded constant) and a `tf.gather` of rows of it equal TensorFlow's outputs within 1e-6.
+#[test]
+fn a_partitioned_variable_read_through_concat_computes_tensorflows_values() {
+    let (text, tf) = partitioned_fixture("partitioned_concat");
+    let def = import_graphdef_json(&text).unwrap();
+    let concat = def
+        .nodes
+        .iter()
+        .find(|n| n.name == "emb/ConcatPartitions/concat")
+        .unwrap();
+    assert_eq!(concat.op, "Concat");
+    assert_eq!(concat.attrs["axis"], dflow_graph::AttrValue::Int(0));
+    assert_eq!(concat.inputs.len(), 2, "{:?}", concat.inputs);
+    let s = session(Graph::from_def(&def).unwrap());
+    let ids: Vec<i64> = tf["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap())
+        .collect();
+    let ids = Tensor::from_slice(&[ids.len()], &ids).unwrap();
+    let out = s.run(&[("ids", ids)], &["whole", "gathered"], &[]).unwrap();
+    for (t, name) in out.iter().zip(["whole", "gathered"]) {
+        let want = rows(&tf["outputs"][name]);
+        let got = t.to_f64_vec();
+        assert!(
+            got.len() == want.len() && got.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-6),
+            "{name}: {got:?}\nTensorFlow: {want:?}"
+        );
+    }
+    assert_eq!(out[0].dims(), [13, 3]);
+    assert_eq!(out[1].dims(), [6, 3]);
+    // Each part started from TensorFlow's own draw of its shape.
+    for (part, want) in tf["partitions"].as_object().unwrap() {
+        let got = variable(&s, part);
+        assert!(
+            close(&got, &rows(want)),
+            "{part}: {got:?}\nTensorFlow: {want}"
+        );
+    }
+}
+
+/// `embedding_lookup` over the partitioned variable (partition strategies `mod` and `div`) is
+/// refused, naming each op dflow lacks with the nodes that use it.
+#[test]
+fn an_embedding_lookup_over_partitions_is_refused_naming_its_nodes_and_ops() {
+    let (text, _) = partitioned_fixture("partitioned_lookup");
+    let e = import_graphdef_json(&text).unwrap_err().to_string();
+    for needle in [
+        "DynamicPartition (embedding_lookup/DynamicPartition",
+        "ParallelDynamicStitch (embedding_lookup, embedding_lookup_1)",
+        "ResourceGather (embedding_lookup/Gather",
+    ] {
+        assert!(e.contains(needle), "`{needle}` not in: {e}");
+    }
+}

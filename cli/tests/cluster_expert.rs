@@ -163,6 +163,7 @@ fn replicated_parameters(graph: &Path) -> u64 {
 /// - the replicated gradients' all-reduce: each rank sends the gradient's size once at N = 2
 ///   (ring: two halves; recursive doubling: the whole), 4 bytes per replicated parameter;
 /// - the loss's all-reduce: one f32;
+/// - the dropped-token count's all-reduce: one i64;
 /// - per MoE layer the router's all-gathers (its own T·E f32 probabilities and T·k i64 choices)
 ///   and the probabilities' gradient reduce-scatter (the other worker's T·E f32).
 ///
@@ -216,13 +217,13 @@ fn collective_bytes_per_rank_from_the_counters_are_exact_and_all_to_all_is_the_o
         let all_to_all = steps * layers * 4 * per_all_to_all(capacity);
         let gradients = replicated_parameters(&graph) * 4;
         let router = layers * (tokens * experts * 4 + tokens * top_k * 8 + tokens * experts * 4);
-        let others = steps * (gradients + 4 + router);
+        let others = steps * (gradients + 4 + 8 + router);
         for (task, _, coll, _) in &sent {
             assert_eq!(
                 *coll,
                 all_to_all + others,
                 "{task}, capacity {capacity}: {coll} collective bytes, expected all-to-all \
-                 {all_to_all} + gradients, loss and router {others}"
+                 {all_to_all} + gradients, loss, dropped count and router {others}"
             );
             eprintln!(
                 "{task}, C = {capacity}: {coll} collective bytes = all-to-all {all_to_all} + \
@@ -402,4 +403,109 @@ fn a_uniform_router_adds_exactly_alpha_to_the_two_worker_loss() {
         (aux - 2.0 * 0.01).abs() <= 2e-6,
         "first losses {first:?}: the two layers' aux losses are {aux}, not 2α = 0.02"
     );
+}
+
+/// The `moe/dropped` values the chief reports per step (`/job:worker/replica:0/task:0: step S:
+/// moe/dropped N` lines of its stderr), in step order.
+fn dropped_per_step(stderr: &str) -> Vec<(u64, f64)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("/task:0: step ")?;
+            let (step, values) = rest.split_once(": ")?;
+            let value = values
+                .split(", ")
+                .find_map(|v| v.strip_prefix("moe/dropped "))?;
+            Some((step.parse().ok()?, value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Dropped tokens through the strategy, on a 2-process job: with every router weight zero
+/// (and a learning rate of 1e-30, so they stay zero to within what a softmax can see), every
+/// token's router probabilities tie and its top-k choices are experts `0..k` (ties go to the
+/// lower index). Each worker routes its own T = 64 tokens against the per-worker capacity
+/// C = min(T, ceil(T/E · cf)), so per worker and MoE layer the loads are T on experts `0..k`
+/// and 0 elsewhere, and the job drops Σ over workers and layers of Σᵢ max(0, loadᵢ − C). The
+/// chief reports the all-reduced count every step; this test computes the sum from the forced
+/// routing alone, for top-1 and top-2 at capacity factor 1 (C = 16) and top-1 at 2 (C = 32).
+#[test]
+fn a_forced_skewed_router_drops_the_tokens_over_capacity_summed_over_two_workers() {
+    use dflow::graph::AttrValue;
+    let _serial = serial();
+    let dir = scratch("expert-dropped");
+    let (workers, experts, layers, steps) = (2usize, 4usize, 2usize, 3u64);
+    // 8 sequences of 16 tokens per step, half per worker.
+    let tokens = 8 * 16 / workers;
+    for (top_k, cf) in [(1usize, 1.0f64), (2, 1.0), (1, 2.0)] {
+        let cfg = GptConfig {
+            block_size: 16,
+            n_layer: layers,
+            n_head: 2,
+            n_embd: 16,
+            learning_rate: 1e-30,
+            min_lr: 0.0,
+            moe: Some(MoeConfig {
+                num_experts: experts,
+                top_k,
+                capacity_factor: cf,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        let mut def = gpt(&cfg).unwrap().def;
+        for n in def
+            .nodes
+            .iter_mut()
+            .filter(|n| n.op == "Variable" && n.name.ends_with(".router.weight"))
+        {
+            n.attrs
+                .insert("initializer".into(), AttrValue::String("zeros".into()));
+            n.attrs.remove("stddev");
+            n.attrs.remove("seed");
+        }
+        let graph = dir.join(format!("skewed-top{top_k}-cf{cf}.json"));
+        std::fs::write(&graph, dflow::graph::format::to_json(&def)).unwrap();
+        let graph_s = graph.to_string_lossy().into_owned();
+
+        // The forced routing: every token's choices are experts 0..k.
+        let capacity = ((tokens as f64 / experts as f64 * cf).ceil() as usize).min(tokens);
+        let loads: Vec<usize> = (0..experts)
+            .map(|e| if e < top_k { tokens } else { 0 })
+            .collect();
+        let per_worker_layer: usize = loads.iter().map(|&l| l.saturating_sub(capacity)).sum();
+        let expected = (workers * layers * per_worker_layer) as f64;
+        assert!(expected > 0.0, "the forced routing must drop tokens");
+
+        let cluster = Cluster::new(0, workers);
+        let common = vec![
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "8",
+            "--steps",
+            "3",
+            "--eval-batches",
+            "1",
+            "--quiet",
+            "--strategy",
+            "expert",
+        ];
+        let other = Task::start(&cluster, "worker", 1, &common);
+        let mut chief_args = vec![graph_s.as_str()];
+        chief_args.extend(common.iter().copied());
+        let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
+        chief.assert_success();
+        other.wait(Duration::from_secs(30)).assert_success();
+        let reported = dropped_per_step(&chief.stderr);
+        assert_eq!(
+            reported,
+            (1..=steps).map(|s| (s, expected)).collect::<Vec<_>>(),
+            "top-{top_k}, cf {cf}, C = {capacity}: loads {loads:?} per worker and layer; stderr:\n{}",
+            chief.stderr
+        );
+        eprintln!(
+            "top-{top_k}, cf {cf}: C = {capacity}, {expected} dropped per step (reported {reported:?})"
+        );
+    }
 }

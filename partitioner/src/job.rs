@@ -211,6 +211,9 @@ pub struct JobPlan {
     pub variables: Vec<VariablePlan>,
     /// The loss and metric names the user asked for (reported under these names).
     pub report_names: Vec<String>,
+    /// The names of the training signatures' fetches after the loss
+    /// ([`crate::strategy::ReplicaGraph::step_metrics`]), reported by the chief every step.
+    pub step_metrics: Vec<String>,
     /// Logical tensors stored as shards over several variables (ZeRO's optimizer slots): a
     /// checkpoint stores them whole ([`crate::shards::gather`] on save,
     /// [`crate::shards::split`] on restore), so it resumes under any layout.
@@ -372,9 +375,11 @@ impl JobPlan {
                 }
             }
             let roles = feed_roles(g, lockstep);
+            let mut fetches = vec![tensor_name(&g.training.loss)];
+            fetches.extend(g.step_metrics.iter().map(|(_, t)| tensor_name(t)));
             let opts = PartitionOptions {
                 feeds: roles.iter().map(|(t, _, _)| t.clone()).collect(),
-                fetches: vec![tensor_name(&g.training.loss)],
+                fetches,
                 targets: vec![g.training.train_op.clone()],
             };
             let parts = partition(&placed, &opts).map_err(|source| StrategyError::Partition {
@@ -428,6 +433,10 @@ impl JobPlan {
         let buffer_plan = build_buffer_plan(&pairs, devices.into_iter(), |_| None);
         let mut report_names = vec![input.train.loss.clone()];
         report_names.extend(input.train.metrics.iter().cloned());
+        let step_metrics = graphs
+            .first()
+            .map(|g| g.step_metrics.iter().map(|(n, _)| n.clone()).collect())
+            .unwrap_or_default();
         Ok(JobPlan {
             strategy,
             schedule,
@@ -441,6 +450,7 @@ impl JobPlan {
             buffer_plan,
             variables: variables.into_values().collect(),
             report_names,
+            step_metrics,
             sharded: Vec::new(),
             axis_sharded: Vec::new(),
             row_sharded: Vec::new(),

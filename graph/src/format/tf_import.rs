@@ -63,6 +63,13 @@
 //!   become `AssignAdd`, `AssignSub` and `Assign` ([`crate::ops::tf_compat`]); `ReluGrad`,
 //!   `BiasAddGrad`, `SigmoidGrad` and `TanhGrad` keep their names and operand order. A
 //!   `ReadVariableOp` without a device is colocated with its variable, as TensorFlow places it.
+//! - **Partitioned variables** (`get_variable(..., partitioner=...)`: `emb/part_0`,
+//!   `emb/part_1`, ...) import as their part variables, each with its own initializer, and the
+//!   whole table TensorFlow reads through a `ConcatV2` of the parts becomes a `Concat` (its
+//!   constant axis, the last input, folded into `axis`). The parts are not merged into one
+//!   dflow variable: TensorFlow draws each part's initial values separately, and a checkpoint
+//!   keeps TensorFlow's part names. `embedding_lookup` over the parts (DynamicPartition,
+//!   ResourceGather, ParallelDynamicStitch) is refused as unsupported ops, naming the nodes.
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
 //!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
@@ -346,6 +353,20 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
     }
 }
 
+/// The operand slots of `n` folded into attributes: [`folded_operands`], and for `ConcatV2` its
+/// last data input (the axis, after the variadic values).
+fn folded_slots(n: &RawNode<'_>) -> Vec<usize> {
+    if n.op == "ConcatV2" {
+        let data = n
+            .inputs
+            .iter()
+            .filter(|r| matches!(r, InputRef::Data { .. }))
+            .count();
+        return data.checked_sub(1).into_iter().collect();
+    }
+    folded_operands(&n.op).iter().map(|&(s, _)| s).collect()
+}
+
 /// Ops whose folded operand may instead be computed at run time: (TensorFlow op, operand, the
 /// dflow op that reads it as a tensor).
 fn runtime_operand_op(op: &str) -> Option<(usize, &'static str)> {
@@ -408,6 +429,8 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "Fill" => "Fill",
         "Tile" => "Tile",
         "GatherV2" => "GatherV2",
+        // Partitioned variables are read through a ConcatV2 of their parts (constant axis).
+        "ConcatV2" => "Concat",
         "Prod" => "Prod",
         "ExpandDims" => "ExpandDims",
         "FloorMod" => "FloorMod",
@@ -842,7 +865,7 @@ impl<'r, 'a> Importer<'r, 'a> {
             if self.dropped[n.index] {
                 continue;
             }
-            for &(slot, _) in folded_operands(&n.op) {
+            for slot in folded_slots(n) {
                 let Some(r @ InputRef::Data { .. }) = n.inputs.get(slot) else {
                     return Err(n.err(format!("expected a constant operand at input {slot}")));
                 };
@@ -1119,6 +1142,16 @@ impl<'r, 'a> Importer<'r, 'a> {
             "Fill" => {
                 let shape = self.folded_ints(n, 0)?;
                 a.insert("shape".into(), AttrValue::IntList(shape));
+            }
+            "ConcatV2" => {
+                let Some(&slot) = folded_slots(n).first() else {
+                    return Err(n.err("ConcatV2 needs its values and an axis input"));
+                };
+                let axis = self.folded_ints(n, slot)?;
+                let [axis] = axis[..] else {
+                    return Err(n.err(format!("axis must be one integer, found {axis:?}")));
+                };
+                a.insert("axis".into(), AttrValue::Int(axis));
             }
             "GatherV2" => {
                 let axis = self.folded_ints(n, 2)?;

@@ -496,6 +496,7 @@ pub(super) fn reduce_gradients(
             loss: spec.loss.clone(),
             metrics: spec.metrics.clone(),
         },
+        step_metrics: Vec::new(),
     })
 }
 

@@ -41,6 +41,9 @@
 //!   whose experts read the concatenation of all workers' shards (sent to worker 0 when it
 //!   evaluates), so evaluation needs no collective.
 //!
+//! - **Dropped tokens**: each worker sums its layers' `MoeRoute` `dropped` counts and an
+//!   all-reduce (sum, after the loss's) gives the job's; the job fetches it every step
+//!   ([`DROPPED_METRIC`] in [`ReplicaGraph::step_metrics`]) and the chief prints it.
 //! - **Clipping** by global norm: the norm of the summed replicated gradients and of every
 //!   worker's expert gradients (each worker's expert norm is all-gathered), the same on every
 //!   worker, as one process's.
@@ -64,6 +67,14 @@ pub const GROUP: &str = super::allreduce::GROUP;
 
 /// Instance keys of the forward collectives start here (the buckets count from 1).
 const FIRST_INSTANCE: i64 = 1 << 20;
+
+/// The instance key of the dropped-token count's all-reduce (after the buckets and the loss,
+/// before the forward collectives' keys).
+const DROPPED_INSTANCE: i64 = FIRST_INSTANCE - 1;
+
+/// The name under which the chief reports the step's dropped token assignments
+/// ([`ReplicaGraph::step_metrics`]).
+pub const DROPPED_METRIC: &str = "moe/dropped";
 
 /// Expert parallelism over all-to-all (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -404,6 +415,7 @@ pub fn expert_training(
             &local,
             workers,
         )?;
+        add_dropped_count(&mut g, &forward, i)?;
         if i == 0 {
             add_eval_copy(&mut g, &forward, &layers, spec, workers)?;
         }
@@ -573,6 +585,53 @@ fn worker_forward(
     }
     def.nodes.extend(added);
     Ok((def, local))
+}
+
+/// Adds to worker `worker`'s graph the step's dropped token assignments of the whole job: the
+/// sum of every MoE layer's `MoeRoute` `dropped` output (this worker's tokens against the
+/// per-worker capacity), all-reduced (sum, i64) over the workers after the loss, the last
+/// collective of the step on every worker. The job fetches it after the loss
+/// ([`ReplicaGraph::step_metrics`], [`DROPPED_METRIC`]).
+fn add_dropped_count(
+    g: &mut ReplicaGraph,
+    forward: &GraphDef,
+    worker: usize,
+) -> Result<(), StrategyError> {
+    let routes: Vec<String> = forward
+        .nodes
+        .iter()
+        .filter(|n| n.op == "MoeRoute")
+        .map(|n| format!("{}:3", n.name))
+        .collect();
+    if routes.is_empty() {
+        return Ok(());
+    }
+    let device = worker_device("", "", worker)?;
+    let def = &mut g.training.def;
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let local = if routes.len() == 1 {
+        routes[0].clone()
+    } else {
+        let sum = fresh(&mut taken, "moe/dropped/local");
+        def.nodes.push(node(&sum, "AddN", routes, &device));
+        sum
+    };
+    let global = fresh(&mut taken, "moe/dropped/global");
+    let mut n = node(
+        &global,
+        "CollectiveAllReduce",
+        vec![local, format!("^{}", g.training.loss)],
+        &device,
+    );
+    n.attrs = BTreeMap::from([
+        ("group_key".to_string(), AttrValue::String(GROUP.into())),
+        ("instance_key".to_string(), AttrValue::Int(DROPPED_INSTANCE)),
+        ("reduce".to_string(), AttrValue::String("sum".into())),
+    ]);
+    def.nodes.push(n);
+    g.graph = Graph::from_def(def).map_err(StrategyError::InvalidGraph)?;
+    g.step_metrics.push((DROPPED_METRIC.to_string(), global));
+    Ok(())
 }
 
 /// Makes `v` (an `[E, ...]` variable) worker `worker`'s `per` rows of it (the caller renames it).
@@ -823,7 +882,19 @@ mod tests {
                 .filter(|n| n.op.starts_with("Collective") && !n.name.starts_with("eval/"))
                 .map(|n| n.name.clone())
                 .collect();
-            assert_eq!(chain.len(), 8 + 4 + 2 + 2, "{chain:?}");
+            // + a bucket, the loss and the dropped-token count.
+            assert_eq!(chain.len(), 8 + 4 + 2 + 3, "{chain:?}");
+            // The dropped count: the layers' MoeRoute `dropped` summed, all-reduced last, and
+            // fetched every step.
+            assert_eq!(chain.last().map(String::as_str), Some("moe/dropped/global"));
+            assert_eq!(
+                g.step_metrics,
+                [(DROPPED_METRIC.to_string(), "moe/dropped/global".to_string())]
+            );
+            assert_eq!(
+                by_name["moe/dropped/local"].inputs,
+                ["transformer.h.0.mlp/route:3", "transformer.h.1.mlp/route:3"]
+            );
             for pair in chain.windows(2) {
                 assert!(
                     ancestors(&by_name, &pair[1]).contains(&pair[0]),

@@ -300,6 +300,10 @@ pub struct ReplicaGraph {
     pub replicas: Vec<ReplicaFeeds>,
     /// What to feed and fetch to evaluate the model.
     pub eval: EvalNames,
+    /// `(name, tensor)` pairs the job fetches after the loss at every training step and the
+    /// chief reports per step (the expert strategy's dropped-token count); empty for most
+    /// strategies. Every graph of a job names the same values, in the same order.
+    pub step_metrics: Vec<(String, String)>,
 }
 
 /// Why a strategy could not plan the job.

@@ -232,6 +232,7 @@ pub(crate) fn ps_graphs(
                         .map(|m| replica_tensor(&facts, 0, m))
                         .collect(),
                 },
+                step_metrics: Vec::new(),
             }])
         }
         PsMode::Async => (0..workers)
@@ -259,6 +260,7 @@ pub(crate) fn ps_graphs(
                         loss: spec.loss.clone(),
                         metrics: spec.metrics.clone(),
                     },
+                    step_metrics: Vec::new(),
                 })
             })
             .collect(),

@@ -961,6 +961,7 @@ fn rank_graph(
             loss: spec.loss.clone(),
             metrics: spec.metrics.clone(),
         },
+        step_metrics: Vec::new(),
     })
 }
 

@@ -723,6 +723,7 @@ fn worker_graph(
             loss: spec.loss.clone(),
             metrics: spec.metrics.clone(),
         },
+        step_metrics: Vec::new(),
     };
     if ctx.stage >= 3 && ctx.rank == 0 {
         params::add_eval_copy(&mut replica, forward, &params, n)?;

@@ -840,6 +840,18 @@ impl StepRunner for Lockstep<'_> {
             self.runtime
                 .block_on(run_step(self.rpc, &self.job.train[0], step, batch))?;
         let loss = fetched.first().map(scalar).unwrap_or(f64::NAN);
+        // The strategy's per-step values (the expert strategy's dropped tokens), one line.
+        if !self.job.plan.step_metrics.is_empty() {
+            let values: Vec<String> = self
+                .job
+                .plan
+                .step_metrics
+                .iter()
+                .zip(fetched.iter().skip(1))
+                .map(|(name, t)| format!("{name} {}", scalar(t)))
+                .collect();
+            eprintln!("{}: step {}: {}", self.rpc.task, s + 1, values.join(", "));
+        }
         Ok((loss, self.source.rows(s, self.batch_size)))
     }
 

@@ -378,6 +378,7 @@ pub(super) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
             weight: None,
         }],
         eval,
+        step_metrics: Vec::new(),
     })
 }
 
