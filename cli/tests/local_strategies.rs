@@ -108,6 +108,36 @@ fn local_quic_is_refused_with_the_way_out() {
     assert!(stderr.contains("dflow launch"), "{stderr}");
 }
 
+/// A global batch smaller than the replicas would leave a part empty (a 0/0 mean loss): refused
+/// before step 1, naming the flag and the smallest batch that works.
+#[test]
+fn a_batch_smaller_than_the_replicas_is_refused() {
+    let out = dflow(&[
+        "run",
+        "--local",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster-allreduce.json",
+        "--data",
+        "examples/data/digits.csv.gz",
+        "--strategy",
+        "allreduce",
+        "--batch-size",
+        "1",
+        "--epochs",
+        "1",
+        "--quiet",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--batch-size 1 is smaller than the 2 parts")
+            && stderr.contains("give --batch-size 2 or more"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("NaN"), "{stderr}");
+}
+
 #[test]
 fn local_tensor_parallel_equals_one_process() {
     let dir = scratch("local_tensor");

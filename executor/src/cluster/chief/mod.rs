@@ -915,6 +915,7 @@ pub async fn run_chief(
     let source = Source::new(cfg)?;
     let mut slot_ids = SlotIds::default();
     let job = register_all(rpc, cfg, cluster, &source.data_spec(cfg), &mut slot_ids).await?;
+    check_batch_parts(job.plan.batch_parts, cfg.batch_size)?;
     let initialized = initialize(rpc, &job, cfg).await?;
     let ids = Arc::new(Ids(AtomicU64::new(1)));
     match job.plan.schedule {
@@ -950,6 +951,17 @@ pub async fn run_chief(
             Ok(report(&source, done, held_out, staleness, initialized))
         }
     }
+}
+
+/// Every part of a split batch needs an example: an empty part's mean loss is 0/0, and its
+/// weight 0 does not make the sum finite.
+fn check_batch_parts(parts: u32, batch_size: usize) -> Result<(), JobError> {
+    if parts as usize > batch_size {
+        return Err(setup(format!(
+            "--batch-size {batch_size} is smaller than the {parts} parts the strategy splits every batch into (one per data-parallel replica); each part needs an example: give --batch-size {parts} or more"
+        )));
+    }
+    Ok(())
 }
 
 /// What a run of steps did.
