@@ -9,10 +9,8 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use support::*;
 
-const LIMIT: Duration = Duration::from_secs(300);
 const CORPUS: &str = "examples/data/shakespeare.txt.gz";
 
 /// A GPT of 2 blocks, 4 heads, 32 channels, context 8, over the corpus's 76 characters,
@@ -116,28 +114,9 @@ fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(u64,
 /// `workers` worker processes running with `layout` (e.g. `--mesh dp=2,tp=2`): the chief's
 /// losses; checkpoints to (and resumes from) `ckpt`.
 fn job(graph: &Path, workers: usize, layout: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)> {
-    let cluster = Cluster::new(0, workers);
-    let losses = cluster.path("losses.txt");
     let mut flags = common(steps);
     flags.extend(layout.iter().map(|s| s.to_string()));
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let tasks: Vec<Task> = (1..workers)
-        .map(|i| Task::start(&cluster, "worker", i, &flags))
-        .collect();
-    let (graph_s, losses_s, ckpt_s) = (
-        graph.to_string_lossy().into_owned(),
-        losses.to_string_lossy().into_owned(),
-        ckpt.to_string_lossy().into_owned(),
-    );
-    let mut chief_args = vec![graph_s.as_str()];
-    chief_args.extend(flags.iter().copied());
-    chief_args.extend(["--losses-out", &losses_s, "--checkpoint-dir", &ckpt_s]);
-    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
-    chief.assert_success();
-    for t in tasks {
-        t.wait(Duration::from_secs(30)).assert_success();
-    }
-    read_losses(&losses)
+    worker_job(graph, workers, &flags, ckpt).0
 }
 
 /// A cluster spec of `n` workers on unused local ports (for `--local`, which binds none).

@@ -9,10 +9,8 @@ mod support;
 use dflow::executor::checkpoint;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 use support::*;
 
-const LIMIT: Duration = Duration::from_secs(300);
 const CORPUS: &str = "examples/data/shakespeare.txt.gz";
 /// The test GPT's channels.
 const EMBD: usize = 32;
@@ -98,29 +96,11 @@ fn validation(out: &str) -> &str {
 /// `tp` worker processes under `--strategy tensor --tp tp`: the chief's losses and stdout;
 /// checkpoints to (and resumes from) `ckpt`.
 fn tensor_job(graph: &Path, tp: usize, steps: u32, ckpt: &Path) -> (Vec<(u64, f64)>, String) {
-    let cluster = Cluster::new(0, tp);
-    let losses = cluster.path("losses.txt");
     let mut flags = common(steps);
     flags.extend(["--strategy".into(), "tensor".into()]);
     flags.extend(["--tp".into(), tp.to_string()]);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let tasks: Vec<Task> = (1..tp)
-        .map(|i| Task::start(&cluster, "worker", i, &flags))
-        .collect();
-    let (graph_s, losses_s, ckpt_s) = (
-        graph.to_string_lossy().into_owned(),
-        losses.to_string_lossy().into_owned(),
-        ckpt.to_string_lossy().into_owned(),
-    );
-    let mut chief_args = vec![graph_s.as_str()];
-    chief_args.extend(flags.iter().copied());
-    chief_args.extend(["--losses-out", &losses_s, "--checkpoint-dir", &ckpt_s]);
-    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
-    chief.assert_success();
-    for t in tasks {
-        t.wait(Duration::from_secs(30)).assert_success();
-    }
-    (read_losses(&losses), chief.stdout)
+    let (losses, chief) = worker_job(graph, tp, &flags, ckpt);
+    (losses, chief.stdout)
 }
 
 /// The newest checkpoint's tensors in `dir`.

@@ -379,11 +379,14 @@ fn each_stage_holds_and_sends_the_bytes_of_its_formula() {
             "{strategy} stage {stage}: {} steps",
             losses.len()
         );
-        peaks.push(held.peak);
+        peaks.push(held.variables + held.peak);
     }
+    // What a task holds at its peak (variables + step tensors): the step-tensor peak alone
+    // depends on the order the threads ran ready nodes in (ZeRO-3's measured 19,284–19,756 B
+    // against all-reduce's 19,284 B), the whole does not come near.
     assert!(
-        peaks[3] <= peaks[0],
-        "ZeRO-3 {} vs all-reduce {}",
+        peaks[3] < peaks[0],
+        "ZeRO-3 holds {} B at its peak, all-reduce {} B",
         peaks[3],
         peaks[0]
     );

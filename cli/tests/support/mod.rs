@@ -400,6 +400,37 @@ pub fn end_of_task(stderr: &str) -> Vec<EndOfTask> {
         .collect()
 }
 
+/// `workers` worker processes on 127.0.0.1 running `graph` with `flags` (every task gets them;
+/// the chief also writes `--losses-out` and checkpoints to, and resumes from, `ckpt`). Asserts
+/// every task ended well; returns the chief's losses and its end.
+pub fn worker_job(
+    graph: &Path,
+    workers: usize,
+    flags: &[String],
+    ckpt: &Path,
+) -> (Vec<(u64, f64)>, Ended) {
+    let cluster = Cluster::new(0, workers);
+    let losses = cluster.path("losses.txt");
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let tasks: Vec<Task> = (1..workers)
+        .map(|i| Task::start(&cluster, "worker", i, &flags))
+        .collect();
+    let (graph_s, losses_s, ckpt_s) = (
+        graph.to_string_lossy().into_owned(),
+        losses.to_string_lossy().into_owned(),
+        ckpt.to_string_lossy().into_owned(),
+    );
+    let mut chief_args = vec![graph_s.as_str()];
+    chief_args.extend(flags.iter().copied());
+    chief_args.extend(["--losses-out", &losses_s, "--checkpoint-dir", &ckpt_s]);
+    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(Duration::from_secs(300));
+    chief.assert_success();
+    for t in tasks {
+        t.wait(Duration::from_secs(30)).assert_success();
+    }
+    (read_losses(&losses), chief)
+}
+
 /// The training flags every digits task gets.
 pub fn digits_args(epochs: u32) -> Vec<String> {
     vec![
