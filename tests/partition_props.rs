@@ -1,7 +1,7 @@
 //! Property tests over random placed graphs: partitioning preserves the dataflow exactly.
 
 use dflow_graph::builder::GraphBuilder;
-use dflow_graph::{DType, DeviceName, Graph};
+use dflow_graph::{DType, DeviceName, DeviceType, Graph};
 use dflow_partitioner::{partition, render_json, PartitionOptions, Partitions, PlacedGraph};
 use proptest::prelude::*;
 use std::collections::{BTreeSet, HashMap};
@@ -35,10 +35,10 @@ fn spec() -> impl Strategy<Value = Spec> {
 
 fn devices() -> Vec<DeviceName> {
     vec![
-        DeviceName::full("ps", 0, "CPU", 0),
-        DeviceName::full("worker", 0, "CPU", 0),
-        DeviceName::full("worker", 1, "CPU", 0),
-        DeviceName::full("worker", 2, "CPU", 0),
+        DeviceName::full("ps", 0, DeviceType::CPU, 0),
+        DeviceName::full("worker", 0, DeviceType::CPU, 0),
+        DeviceName::full("worker", 1, DeviceType::CPU, 0),
+        DeviceName::full("worker", 2, DeviceType::CPU, 0),
     ]
 }
 

@@ -2,7 +2,7 @@
 //! and the error messages of bad placements.
 
 use dflow_graph::builder::GraphBuilder;
-use dflow_graph::{ClusterSpec, DType, DeviceName, Graph, Tensor};
+use dflow_graph::{ClusterSpec, DType, DeviceName, DeviceType, Graph, Tensor};
 use dflow_partitioner::{
     load_json, partition, place, render_dot, render_json, render_text, PartitionOptions,
     Partitions, PlacementOptions, Policy, PsStrategy,
@@ -163,8 +163,8 @@ fn classic_ps_pattern_round_robin() {
         &PlacementOptions::default(),
         &PartitionOptions::default(),
     );
-    let ps0 = DeviceName::full("ps", 0, "CPU", 0);
-    let ps1 = DeviceName::full("ps", 1, "CPU", 0);
+    let ps0 = DeviceName::full("ps", 0, DeviceType::CPU, 0);
+    let ps1 = DeviceName::full("ps", 1, DeviceType::CPU, 0);
     let names = |d: &DeviceName| -> Vec<String> {
         let gr = &p.partitions[d].graph;
         gr.node_indices().map(|i| gr.node(i).name.clone()).collect()
@@ -212,7 +212,7 @@ fn two_workers_send_to_one_ps() {
         &PlacementOptions::default(),
         &PartitionOptions::default(),
     );
-    let ps0 = DeviceName::full("ps", 0, "CPU", 0);
+    let ps0 = DeviceName::full("ps", 0, DeviceType::CPU, 0);
     assert_eq!(p.buffer_plan.bytes_received_per_step[&ps0], 128);
     snap("two_workers_send_to_one_ps", &p);
 }
@@ -232,7 +232,10 @@ fn feed_and_fetch_on_non_chief_task() {
         targets: vec![],
     };
     let p = run(&g, &cluster(&[("worker", 2)]), &explicit(), &opts);
-    assert_eq!(p.feeds[0].device, DeviceName::full("worker", 1, "CPU", 0));
+    assert_eq!(
+        p.feeds[0].device,
+        DeviceName::full("worker", 1, DeviceType::CPU, 0)
+    );
     assert_eq!(p.fetches.len(), 2);
     assert!(p
         .buffer_plan
@@ -357,7 +360,10 @@ fn bad_placements() {
         ..PlacementOptions::default()
     };
     let placed = place(&one("/job:worker/task:1/device:GPU:0"), &c, &soft).unwrap();
-    assert_eq!(placed.devices[0], DeviceName::full("worker", 1, "CPU", 0));
+    assert_eq!(
+        placed.devices[0],
+        DeviceName::full("worker", 1, DeviceType::CPU, 0)
+    );
 }
 
 #[test]

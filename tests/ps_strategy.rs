@@ -5,7 +5,7 @@
 use dflow::executor::data::Dataset;
 use dflow::executor::{Session, SessionOptions};
 use dflow::graph::train::{expand_training, TrainSpec, TrainingGraph};
-use dflow::graph::{ClusterSpec, DeviceName, Graph, GraphDef, Tensor};
+use dflow::graph::{ClusterSpec, DeviceName, DeviceType, Graph, GraphDef, Tensor};
 use dflow::partitioner::strategy::{ps_training, PsMode, ReplicaGraph};
 use dflow_tests::digits_setup::{data, repo, SEED};
 use std::collections::BTreeMap;
@@ -176,7 +176,7 @@ fn sync_replicas_run_on_their_workers_and_share_variables_on_ps() {
             .unwrap_or_else(|| panic!("no node {name}"))
     };
     for i in 0..2u32 {
-        let worker = DeviceName::full("worker", i, "CPU", 0);
+        let worker = DeviceName::full("worker", i, DeviceType::CPU, 0);
         for n in [
             "pixels",
             "layer1/matmul",
@@ -188,7 +188,7 @@ fn sync_replicas_run_on_their_workers_and_share_variables_on_ps() {
             assert_eq!(on(&format!("replica_{i}/{n}")), &worker, "replica_{i}/{n}");
         }
     }
-    let ps = DeviceName::full("ps", 0, "CPU", 0);
+    let ps = DeviceName::full("ps", 0, DeviceType::CPU, 0);
     for (var, grad) in &sync.graph.training.gradients {
         assert_eq!(on(var), &ps);
         assert_eq!(
@@ -198,7 +198,10 @@ fn sync_replicas_run_on_their_workers_and_share_variables_on_ps() {
         );
         assert_eq!(on(&format!("train/{var}/update")), &ps);
     }
-    assert_eq!(on("loss"), &DeviceName::full("worker", 0, "CPU", 0));
+    assert_eq!(
+        on("loss"),
+        &DeviceName::full("worker", 0, DeviceType::CPU, 0)
+    );
 
     // Evaluation feeds replica 0 whole batches, unweighted.
     let (_, test) = data();
@@ -240,7 +243,7 @@ fn async_graphs_put_each_replica_on_its_worker() {
         assert_eq!(g.replicas[0].weight, None);
         let s = session(&g.training.def);
         let placed = s.placed();
-        let worker = DeviceName::full("worker", i as u32, "CPU", 0);
+        let worker = DeviceName::full("worker", i as u32, DeviceType::CPU, 0);
         for n in [
             "pixels",
             "labels",
@@ -266,7 +269,7 @@ fn async_graphs_put_each_replica_on_its_worker() {
         for v in vars {
             assert_eq!(
                 placed.device_of(v),
-                Some(&DeviceName::full("ps", 0, "CPU", 0))
+                Some(&DeviceName::full("ps", 0, DeviceType::CPU, 0))
             );
         }
         // Each graph trains on its own: two steps on one batch lower its loss.

@@ -22,7 +22,7 @@
 //! The comparison against dflow's partitioner is `mod with_partitioner`.
 
 use dflow_graph::tf_import::import_graphdef_json;
-use dflow_graph::{DeviceName, Graph};
+use dflow_graph::{DeviceName, DeviceType, Graph};
 use serde_json::Value;
 use std::collections::BTreeSet;
 
@@ -89,8 +89,7 @@ fn strip_edge_prefix(name: &str) -> &str {
 fn normalize_device(d: &str) -> Result<String, String> {
     let mut dev = DeviceName::parse(d).map_err(|e| format!("device {d:?}: {e}"))?;
     dev.replica.get_or_insert(0);
-    let ty = dev.device_type.take().unwrap_or_else(|| "CPU".into());
-    dev.device_type = Some(ty.to_ascii_uppercase());
+    dev.device_type = Some(dev.device_type.take().unwrap_or(DeviceType::CPU));
     dev.device_id.get_or_insert(0);
     Ok(dev.to_string())
 }

@@ -5,7 +5,7 @@
 
 use dflow_executor::{Session, SessionOptions};
 use dflow_graph::tf_import::import_graphdef_json;
-use dflow_graph::{ClusterSpec, DeviceName, Graph, Tensor};
+use dflow_graph::{ClusterSpec, DeviceName, DeviceType, Graph, Tensor};
 use dflow_partitioner::{partition, place, PartitionOptions, PlacementOptions};
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -225,8 +225,7 @@ fn mlp_adam_steps_like_tensorflow() {
 fn normalize_device(d: &str) -> String {
     let mut dev = DeviceName::parse(d).unwrap_or_else(|e| panic!("{d}: {e}"));
     dev.replica.get_or_insert(0);
-    let ty = dev.device_type.take().unwrap_or_else(|| "CPU".into());
-    dev.device_type = Some(ty.to_ascii_uppercase());
+    dev.device_type = Some(dev.device_type.take().unwrap_or(DeviceType::CPU));
     dev.device_id.get_or_insert(0);
     dev.to_string()
 }

@@ -18,7 +18,7 @@ pub enum ExecError {
         /// Device name.
         device: String,
         /// Device type.
-        device_type: String,
+        device_type: dflow_graph::DeviceType,
     },
     /// A kernel could not be instantiated from its attributes.
     #[error("node `{node}` ({op}) on {device}: cannot build kernel: {message}")]

@@ -16,7 +16,7 @@ use crate::error::ExecError;
 use crate::variables::VariableStore;
 use dflow_graph::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
 use dflow_graph::ops::{OpDef, TensorType};
-use dflow_graph::{AttrValue, DeviceName, Graph, Tensor};
+use dflow_graph::{AttrValue, DeviceName, DeviceType, Graph, Tensor};
 use dflow_transport::RendezvousKey;
 use std::sync::Arc;
 
@@ -164,10 +164,7 @@ impl ExecutionPlan {
         variables: &VariableStore,
     ) -> Result<ExecutionPlan, ExecError> {
         let device_label = device.to_string();
-        let device_type = device
-            .device_type
-            .clone()
-            .unwrap_or_else(|| "CPU".to_string());
+        let device_type = device.device_type.clone().unwrap_or(DeviceType::CPU);
         let order: Vec<_> = graph.node_indices().collect();
         let mut output_base = Vec::with_capacity(order.len());
         let mut num_slots = 0u32;

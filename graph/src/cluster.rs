@@ -18,6 +18,7 @@
 //! ```
 
 use crate::device::{is_valid_job_name, DeviceName};
+use crate::device_type::DeviceType;
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};
@@ -305,7 +306,11 @@ impl ClusterSpec {
     pub fn devices(&self) -> Vec<DeviceName> {
         self.jobs
             .iter()
-            .flat_map(|(job, tasks)| tasks.keys().map(|&t| DeviceName::full(job, t, "CPU", 0)))
+            .flat_map(|(job, tasks)| {
+                tasks
+                    .keys()
+                    .map(|&t| DeviceName::full(job, t, DeviceType::CPU, 0))
+            })
             .collect()
     }
 
@@ -314,7 +319,7 @@ impl ClusterSpec {
     pub fn contains_device(&self, device: &DeviceName) -> bool {
         device.is_fully_specified()
             && device.replica == Some(0)
-            && device.device_type.as_deref() == Some("CPU")
+            && device.device_type == Some(DeviceType::CPU)
             && device.device_id == Some(0)
             && matches!((&device.job, device.task), (Some(j), Some(t)) if self.has_task(j, t))
     }
@@ -543,7 +548,7 @@ impl TfConfig {
 
     /// This task's device, `/job:TYPE/replica:0/task:INDEX/device:CPU:0`.
     pub fn device(&self) -> DeviceName {
-        DeviceName::full(&self.task_type, self.task_index, "CPU", 0)
+        DeviceName::full(&self.task_type, self.task_index, DeviceType::CPU, 0)
     }
 
     /// This task's address in the cluster.
@@ -631,13 +636,16 @@ mod tests {
         let all = c.devices();
         assert_eq!(all.len(), 3);
         assert!(all.windows(2).all(|w| w[0] < w[1]));
-        let w1 = DeviceName::full("worker", 1, "CPU", 0);
+        let w1 = DeviceName::full("worker", 1, DeviceType::CPU, 0);
         assert!(c.contains_device(&w1));
-        assert!(!c.contains_device(&DeviceName::full("worker", 2, "CPU", 0)));
-        assert!(!c.contains_device(&DeviceName::full("worker", 1, "GPU", 0)));
+        assert!(!c.contains_device(&DeviceName::full("worker", 2, DeviceType::CPU, 0)));
+        assert!(!c.contains_device(&DeviceName::full("worker", 1, DeviceType::GPU, 0)));
         assert!(!c.contains_device(&"/job:worker/task:1/cpu:0".parse().unwrap()));
         let workers = c.matching_devices(&"/job:worker".parse().unwrap());
-        assert_eq!(workers, [DeviceName::full("worker", 0, "CPU", 0), w1]);
+        assert_eq!(
+            workers,
+            [DeviceName::full("worker", 0, DeviceType::CPU, 0), w1]
+        );
         assert_eq!(c.matching_devices(&DeviceName::default()), all);
         assert!(c.matching_devices(&"/gpu:0".parse().unwrap()).is_empty());
         assert_eq!(c.matching_devices(&"/task:0".parse().unwrap()).len(), 2);

@@ -5,17 +5,18 @@
 //! (`/job:worker/replica:0/task:1/device:CPU:0`).
 //!
 //! ```
-//! use dflow_graph::DeviceName;
+//! use dflow_graph::{DeviceName, DeviceType};
 //!
 //! let spec: DeviceName = "/job:worker/gpu:1".parse()?;
 //! assert_eq!(spec.to_string(), "/job:worker/device:GPU:1");
 //!
-//! let concrete = DeviceName::full("worker", 0, "GPU", 1);
+//! let concrete = DeviceName::full("worker", 0, DeviceType::GPU, 1);
 //! assert!(spec.matches(&concrete));
 //! assert_eq!(concrete.task_name().as_deref(), Some("/job:worker/replica:0/task:0"));
 //! # Ok::<(), dflow_graph::device::DeviceError>(())
 //! ```
 
+use crate::device_type::{is_identifier, DeviceType};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::str::FromStr;
@@ -46,8 +47,8 @@ pub struct DeviceName {
     pub replica: Option<u32>,
     /// The task index within the job.
     pub task: Option<u32>,
-    /// The device type, upper-case, e.g. `CPU` or `GPU`.
-    pub device_type: Option<String>,
+    /// The device type, e.g. `CPU` or `GPU`.
+    pub device_type: Option<DeviceType>,
     /// The device index within its type on the task.
     pub device_id: Option<u32>,
 }
@@ -155,10 +156,9 @@ pub fn is_valid_job_name(name: &str) -> bool {
     is_identifier(name)
 }
 
-fn is_identifier(name: &str) -> bool {
-    let mut chars = name.chars();
-    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+/// A device type for messages: its name, or empty when unset.
+fn type_text(ty: &Option<DeviceType>) -> String {
+    ty.as_ref().map(|t| t.to_string()).unwrap_or_default()
 }
 
 fn parse_index(what: &'static str, text: &str) -> Result<Option<u32>, ParseProblem> {
@@ -179,16 +179,15 @@ fn parse_index(what: &'static str, text: &str) -> Result<Option<u32>, ParseProbl
         })
 }
 
-fn parse_device_type(text: &str) -> Result<Option<String>, ParseProblem> {
+fn parse_device_type(text: &str) -> Result<Option<DeviceType>, ParseProblem> {
     if text == "*" {
         return Ok(None);
     }
-    if !is_identifier(text) {
-        return Err(ParseProblem::BadDeviceType {
+    DeviceType::parse(text)
+        .map(Some)
+        .ok_or_else(|| ParseProblem::BadDeviceType {
             name: text.to_string(),
-        });
-    }
-    Ok(Some(text.to_ascii_uppercase()))
+        })
 }
 
 /// `text` cut to its first `max` chars plus `…` when longer (for messages).
@@ -202,14 +201,14 @@ fn elide(text: &str, max: usize) -> String {
 impl DeviceName {
     /// The full name `/job:JOB/replica:0/task:TASK/device:TYPE:ID`.
     ///
-    /// `device_type` is stored upper-case. The job name is not validated: build names from
-    /// untrusted text with [`DeviceName::parse`] instead.
-    pub fn full(job: &str, task: u32, device_type: &str, device_id: u32) -> DeviceName {
+    /// The job name is not validated: build names from untrusted text with
+    /// [`DeviceName::parse`] instead.
+    pub fn full(job: &str, task: u32, device_type: DeviceType, device_id: u32) -> DeviceName {
         DeviceName {
             job: Some(job.to_string()),
             replica: Some(0),
             task: Some(task),
-            device_type: Some(device_type.to_ascii_uppercase()),
+            device_type: Some(device_type),
             device_id: Some(device_id),
         }
     }
@@ -290,7 +289,7 @@ impl DeviceName {
                     if legacy.eq_ignore_ascii_case("cpu") || legacy.eq_ignore_ascii_case("gpu") =>
                 {
                     once(&mut device, "device")?;
-                    name.device_type = Some(legacy.to_ascii_uppercase());
+                    name.device_type = DeviceType::parse(legacy);
                     name.device_id = parse_index("device id", value)?;
                 }
                 other => {
@@ -394,8 +393,8 @@ impl DeviceName {
             Err(()) => {
                 return Err(conflict(
                     "device type",
-                    self.device_type.clone().unwrap_or_default(),
-                    other.device_type.clone().unwrap_or_default(),
+                    type_text(&self.device_type),
+                    type_text(&other.device_type),
                 ))
             }
             Ok(ty) => match fill(&self.device_id, &other.device_id) {
@@ -434,7 +433,7 @@ impl fmt::Display for DeviceName {
         match (&self.device_type, self.device_id) {
             (None, None) => Ok(()),
             (ty, id) => {
-                let ty = ty.as_deref().unwrap_or("*");
+                let ty = ty.as_ref().map_or("*", DeviceType::as_str);
                 match id {
                     Some(id) => write!(f, "/device:{ty}:{id}"),
                     None => write!(f, "/device:{ty}:*"),
@@ -491,11 +490,11 @@ mod tests {
         assert_eq!(wt.job.as_deref(), Some("worker"));
         assert_eq!((wt.replica, wt.task), (None, Some(1)));
         let d = p("/device:CPU:0");
-        assert_eq!(d.device_type.as_deref(), Some("CPU"));
+        assert_eq!(d.device_type, Some(DeviceType::CPU));
         assert_eq!(d.device_id, Some(0));
         assert!(d.job.is_none());
         let full = p("/job:w/replica:0/task:0/device:GPU:1");
-        assert_eq!(full, DeviceName::full("w", 0, "GPU", 1));
+        assert_eq!(full, DeviceName::full("w", 0, DeviceType::GPU, 1));
         assert!(full.is_fully_specified());
         assert!(!wt.is_fully_specified());
         assert_eq!(p("/replica:3").replica, Some(3));
@@ -506,13 +505,13 @@ mod tests {
         let d = p("");
         assert!(d.is_unconstrained());
         assert_eq!(d.to_string(), "");
-        assert!(d.matches(&DeviceName::full("a", 1, "CPU", 0)));
+        assert!(d.matches(&DeviceName::full("a", 1, DeviceType::CPU, 0)));
     }
 
     #[test]
     fn wildcards_and_short_device() {
         let d = p("/device:GPU:*");
-        assert_eq!(d.device_type.as_deref(), Some("GPU"));
+        assert_eq!(d.device_type, Some(DeviceType::GPU));
         assert_eq!(d.device_id, None);
         assert_eq!(d.to_string(), "/device:GPU:*");
         assert_eq!(p("/device:GPU"), d);
@@ -526,7 +525,7 @@ mod tests {
         assert_eq!(p("/cpu:0"), p("/device:CPU:0"));
         assert_eq!(p("/gpu:1"), p("/device:GPU:1"));
         assert_eq!(p("/CPU:0"), p("/device:CPU:0"));
-        assert_eq!(p("/device:gpu:3").device_type.as_deref(), Some("GPU"));
+        assert_eq!(p("/device:gpu:3").device_type, Some(DeviceType::GPU));
         assert_eq!(p("/job:ps/gpu:*").to_string(), "/job:ps/device:GPU:*");
     }
 
@@ -545,7 +544,7 @@ mod tests {
     #[test]
     fn display_is_canonical() {
         assert_eq!(
-            DeviceName::full("worker", 0, "cpu", 0).to_string(),
+            DeviceName::full("worker", 0, DeviceType::CPU, 0).to_string(),
             "/job:worker/replica:0/task:0/device:CPU:0"
         );
         assert_eq!(p("/job:ps/task:007").to_string(), "/job:ps/task:7");
@@ -618,7 +617,7 @@ mod tests {
 
     #[test]
     fn matches_partial_specs() {
-        let concrete = DeviceName::full("worker", 1, "CPU", 0);
+        let concrete = DeviceName::full("worker", 1, DeviceType::CPU, 0);
         assert!(p("/job:worker").matches(&concrete));
         assert!(p("/job:worker/task:1/cpu:0").matches(&concrete));
         assert!(p("/device:CPU:*").matches(&concrete));
@@ -634,7 +633,9 @@ mod tests {
     #[test]
     fn task_name_needs_job_replica_task() {
         assert_eq!(
-            DeviceName::full("ps", 3, "CPU", 0).task_name().as_deref(),
+            DeviceName::full("ps", 3, DeviceType::CPU, 0)
+                .task_name()
+                .as_deref(),
             Some("/job:ps/replica:0/task:3")
         );
         assert_eq!(p("/job:ps/task:3").task_name(), None);
@@ -643,11 +644,11 @@ mod tests {
     #[test]
     fn ordering_is_job_replica_task_type_id() {
         let mut v = [
-            DeviceName::full("worker", 0, "CPU", 0),
-            DeviceName::full("ps", 1, "CPU", 0),
-            DeviceName::full("ps", 0, "GPU", 10),
-            DeviceName::full("ps", 0, "GPU", 2),
-            DeviceName::full("ps", 0, "CPU", 0),
+            DeviceName::full("worker", 0, DeviceType::CPU, 0),
+            DeviceName::full("ps", 1, DeviceType::CPU, 0),
+            DeviceName::full("ps", 0, DeviceType::GPU, 10),
+            DeviceName::full("ps", 0, DeviceType::GPU, 2),
+            DeviceName::full("ps", 0, DeviceType::CPU, 0),
         ];
         v.sort();
         let s: Vec<String> = v.iter().map(ToString::to_string).collect();
@@ -725,7 +726,7 @@ mod tests {
                 job,
                 replica,
                 task,
-                device_type,
+                device_type: device_type.and_then(|t| DeviceType::parse(&t)),
                 device_id,
             })
     }

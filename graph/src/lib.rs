@@ -11,6 +11,7 @@ pub mod builder;
 pub mod cluster;
 pub mod def;
 pub mod device;
+pub mod device_type;
 pub mod dtype;
 pub mod embedding_partition;
 pub mod error;
@@ -33,6 +34,7 @@ pub use attr_list::Attrs;
 pub use cluster::{ClusterSpec, TfConfig};
 pub use def::{GraphDef, InputRef, NodeDef};
 pub use device::DeviceName;
+pub use device_type::DeviceType;
 pub use dtype::DType;
 pub use error::{GraphError, GraphErrors};
 pub use format::{

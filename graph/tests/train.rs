@@ -39,7 +39,7 @@ fn run(
         inputs: &types,
         attrs: &map,
     })?;
-    let kernel = (def.kernel_for("CPU").unwrap())(&KernelInit {
+    let kernel = (def.kernel_for(&dflow_graph::DeviceType::CPU).unwrap())(&KernelInit {
         node: "n",
         attrs: &map,
         input_types: &types,
@@ -298,7 +298,7 @@ fn updates_reject_bad_state() {
     let def = registry().get("ApplyGradientDescent").unwrap();
     let attrs: BTreeMap<String, AttrValue> = [("lr".to_string(), AttrValue::Float(0.1))].into();
     let types = vec![TensorType::new(DType::F64, Shape::known(&[1])); 2];
-    let k = (def.kernel_for("cpu").unwrap())(&KernelInit {
+    let k = (def.kernel_for(&dflow_graph::DeviceType::CPU).unwrap())(&KernelInit {
         node: "n",
         attrs: &attrs,
         input_types: &types,

@@ -1277,7 +1277,10 @@ fn the_ops_a_gpt_needs_exist_with_gradients() {
     ] {
         let def = reg.get(op).unwrap_or_else(|| panic!("{op} missing"));
         assert!(def.gradient.is_some(), "{op} has no gradient");
-        assert!(def.kernel_for("CPU").is_some(), "{op} has no kernel");
+        assert!(
+            def.kernel_for(&dflow_graph::DeviceType::CPU).is_some(),
+            "{op} has no kernel"
+        );
     }
     for op in [
         "GatherGrad",
@@ -1288,7 +1291,8 @@ fn the_ops_a_gpt_needs_exist_with_gradients() {
         "Slice",
     ] {
         assert!(
-            reg.get(op).is_some_and(|d| d.kernel_for("CPU").is_some()),
+            reg.get(op)
+                .is_some_and(|d| d.kernel_for(&dflow_graph::DeviceType::CPU).is_some()),
             "{op}"
         );
     }

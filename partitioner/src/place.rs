@@ -15,7 +15,7 @@
 //!    of them ended on one device, so a constant does not cost a transfer.
 
 use crate::error::PlacementError;
-use dflow_graph::{ClusterSpec, DeviceName, Graph};
+use dflow_graph::{ClusterSpec, DeviceName, DeviceType, Graph};
 use petgraph::graph::NodeIndex;
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
@@ -362,7 +362,7 @@ fn no_match_reason(spec: &DeviceName, cluster: &ClusterSpec) -> String {
     if spec.replica.is_some_and(|r| r != 0) {
         return "only replica 0 exists".into();
     }
-    let ty = spec.device_type.as_deref().unwrap_or("*");
+    let ty = spec.device_type.as_ref().map_or("*", DeviceType::as_str);
     let id = spec.device_id.map_or("*".to_string(), |i| i.to_string());
     format!("no device {ty}:{id} there; each task has only CPU:0, which soft placement would use")
 }

@@ -123,6 +123,7 @@ pub(crate) fn build_buffer_plan<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dflow_graph::DeviceType;
 
     fn pair(send: &str, recv: &str, tensor: &str, shape: Shape) -> TransferPair {
         let bytes = shape.num_elements().map(|n| n * 4);
@@ -143,8 +144,8 @@ mod tests {
 
     #[test]
     fn static_pairs_get_slots_in_order_and_dynamic_ones_a_reason() {
-        let a = DeviceName::full("worker", 0, "CPU", 0);
-        let b = DeviceName::full("worker", 1, "CPU", 0);
+        let a = DeviceName::full("worker", 0, DeviceType::CPU, 0);
+        let b = DeviceName::full("worker", 1, DeviceType::CPU, 0);
         let (sa, sb) = (a.to_string(), b.to_string());
         let pairs = [
             pair(&sa, &sb, "x:0", Shape::known(&[2, 3])),

@@ -1,7 +1,7 @@
 //! Generated placed graphs for benchmarks and stress tests.
 
 use crate::place::PlacedGraph;
-use dflow_graph::{AttrValue, DType, DeviceName, Graph, GraphDef, NodeDef, Shape};
+use dflow_graph::{AttrValue, DType, DeviceName, DeviceType, Graph, GraphDef, NodeDef, Shape};
 
 /// A layered graph of about `nodes` nodes over 64 devices (2 ps tasks, 62 worker tasks).
 ///
@@ -16,10 +16,10 @@ pub fn layered(nodes: usize) -> PlacedGraph {
     let mut defs = Vec::with_capacity(layers * WIDTH);
     let mut devices = Vec::with_capacity(layers * WIDTH);
     let ps: Vec<DeviceName> = (0..2)
-        .map(|t| DeviceName::full("ps", t, "CPU", 0))
+        .map(|t| DeviceName::full("ps", t, DeviceType::CPU, 0))
         .collect();
     let workers: Vec<DeviceName> = (0..WORKERS as u32)
-        .map(|t| DeviceName::full("worker", t, "CPU", 0))
+        .map(|t| DeviceName::full("worker", t, DeviceType::CPU, 0))
         .collect();
     let name = |l: usize, j: usize| format!("l{l}/n{j}");
     for j in 0..WIDTH {

@@ -30,7 +30,7 @@ fn reshape() -> OpDef {
     .inputs([arg("tensor")])
     .outputs([arg("output")])
     .attrs([attr("shape", AttrType::IntList)])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(ReshapeKernel {
             shape: attr_ints(init, "shape")?,
         }))
@@ -176,7 +176,7 @@ fn zeros_like() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(zeros_like_kernel))
+    .cpu_kernel(|_| stateless(zeros_like_kernel))
 }
 
 fn zeros_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -197,7 +197,7 @@ fn ones_like() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(ones_like_kernel))
+    .cpu_kernel(|_| stateless(ones_like_kernel))
 }
 
 fn ones_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {

@@ -34,7 +34,7 @@ fn batch_mat_mul() -> OpDef {
         attr_or("adj_x", AttrType::Bool, AttrDefault::Bool(false)),
         attr_or("adj_y", AttrType::Bool, AttrDefault::Bool(false)),
     ])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(BatchMatMulKernel {
             adj_x: attr_bool(init, "adj_x")?,
             adj_y: attr_bool(init, "adj_y")?,

@@ -187,7 +187,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i, reduce_attr()])
-        .kernel("CPU", AllReduceKernel::factory)
+        .cpu_kernel(AllReduceKernel::factory)
         .stateful(),
     );
     r.add(
@@ -216,7 +216,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i, attr("group_size", AttrType::Int)])
-        .kernel("CPU", AllGatherKernel::factory)
+        .cpu_kernel(AllGatherKernel::factory)
         .stateful(),
     );
     r.add(
@@ -235,7 +235,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i, attr("group_size", AttrType::Int), reduce_attr()])
-        .kernel("CPU", ReduceScatterKernel::factory)
+        .cpu_kernel(ReduceScatterKernel::factory)
         .stateful(),
     );
     r.add(
@@ -254,7 +254,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i, attr_or("root", AttrType::Int, AttrDefault::Int(0))])
-        .kernel("CPU", BroadcastKernel::factory)
+        .cpu_kernel(BroadcastKernel::factory)
         .stateful(),
     );
     r.add(
@@ -271,7 +271,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i, attr("group_size", AttrType::Int)])
-        .kernel("CPU", AllToAllKernel::factory)
+        .cpu_kernel(AllToAllKernel::factory)
         .stateful(),
     );
     r.add(
@@ -285,7 +285,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i])
-        .kernel("CPU", |_| super::elementwise::stateless(tp_copy)),
+        .cpu_kernel(|_| super::elementwise::stateless(tp_copy)),
     );
     r.add(
         OpDef::new(
@@ -298,7 +298,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([arg("input")])
         .outputs([arg("output")])
         .attrs([g, i])
-        .kernel("CPU", TpReduceKernel::factory)
+        .cpu_kernel(TpReduceKernel::factory)
         .stateful(),
     );
     r.add(
@@ -325,7 +325,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         )
         .inputs([variadic("inputs")])
         .outputs([arg("flat")])
-        .kernel("CPU", |_| super::elementwise::stateless(pack_flat)),
+        .cpu_kernel(|_| super::elementwise::stateless(pack_flat)),
     );
     r.add(
         OpDef::new(
@@ -359,7 +359,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr("offset", AttrType::Int),
             attr("shape", AttrType::Shape),
         ])
-        .kernel("CPU", flat_slice_kernel),
+        .cpu_kernel(flat_slice_kernel),
     );
 }
 

@@ -82,7 +82,7 @@ fn gather() -> OpDef {
     .inputs([arg("params"), arg("indices")])
     .outputs([arg("output")])
     .attrs([attr_or("axis", AttrType::Int, AttrDefault::Int(0))])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         check_axis(attr_int(init, "axis")?)?;
         Ok(Box::new(GatherKernel))
     })
@@ -168,7 +168,7 @@ fn gather_grad() -> OpDef {
     )
     .inputs([arg("indices"), arg("dy")])
     .outputs([arg("indices"), arg("values")])
-    .kernel("CPU", |_| Ok(Box::new(GatherGradKernel)))
+    .cpu_kernel(|_| Ok(Box::new(GatherGradKernel)))
 }
 
 fn gather_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -248,7 +248,7 @@ fn sparse_rows_to_dense() -> OpDef {
     )
     .inputs([arg("indices"), arg("values"), arg("like")])
     .outputs([arg("dense")])
-    .kernel("CPU", |_| Ok(Box::new(SparseRowsToDenseKernel)))
+    .cpu_kernel(|_| Ok(Box::new(SparseRowsToDenseKernel)))
 }
 
 fn sparse_rows_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {

@@ -135,7 +135,7 @@ fn reduce_to_shape_of() -> OpDef {
     )
     .inputs([arg("grad"), arg("like")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| Ok(Box::new(FnKernel(reduce_to_shape_of_kernel))))
+    .cpu_kernel(|_| Ok(Box::new(FnKernel(reduce_to_shape_of_kernel))))
 }
 
 fn reduce_to_shape_of_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -183,7 +183,7 @@ fn broadcast_like() -> OpDef {
         attr_or("keep_dims", AttrType::Bool, AttrDefault::Bool(false)),
         attr_or("mean", AttrType::Bool, AttrDefault::Bool(false)),
     ])
-    .kernel("CPU", BroadcastLikeKernel::build)
+    .cpu_kernel(BroadcastLikeKernel::build)
 }
 
 #[derive(Debug)]
@@ -274,7 +274,7 @@ fn reshape_like() -> OpDef {
     )
     .inputs([arg("tensor"), arg("like")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| {
+    .cpu_kernel(|_| {
         Ok(Box::new(FnKernel(|ctx| {
             let (t, like) = input2(ctx)?;
             let out = t.reshaped(like.dims()).map_err(|e| {
@@ -314,7 +314,7 @@ mod tests {
             inputs: &types,
             attrs: &map,
         })?;
-        let k = (def.kernel_for("CPU").unwrap())(&KernelInit {
+        let k = (def.kernel_for(&crate::DeviceType::CPU).unwrap())(&KernelInit {
             node: "n",
             attrs: &map,
             input_types: &types,

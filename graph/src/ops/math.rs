@@ -132,7 +132,7 @@ fn add() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(add_kernel))
+    .cpu_kernel(|_| stateless(add_kernel))
 }
 
 fn add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -154,7 +154,7 @@ fn sub() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(sub_kernel))
+    .cpu_kernel(|_| stateless(sub_kernel))
 }
 
 fn sub_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -176,7 +176,7 @@ fn mul() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(mul_kernel))
+    .cpu_kernel(|_| stateless(mul_kernel))
 }
 
 fn mul_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -199,7 +199,7 @@ fn div() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(div_kernel))
+    .cpu_kernel(|_| stateless(div_kernel))
 }
 
 /// Integer division truncates toward zero (like TensorFlow's `Div` and C); a zero divisor is an
@@ -238,7 +238,7 @@ fn neg() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(neg_kernel))
+    .cpu_kernel(|_| stateless(neg_kernel))
 }
 
 fn neg_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -272,7 +272,7 @@ fn mat_mul() -> OpDef {
         attr_or("transpose_a", AttrType::Bool, AttrDefault::Bool(false)),
         attr_or("transpose_b", AttrType::Bool, AttrDefault::Bool(false)),
     ])
-    .kernel("CPU", mat_mul_factory)
+    .cpu_kernel(mat_mul_factory)
 }
 
 /// MatMul's kernel: the transpose flags are read once. `f32`/`f64` run on [`super::gemm`]
@@ -452,7 +452,7 @@ fn cast() -> OpDef {
     .inputs([arg("x")])
     .outputs([arg("y")])
     .attrs([attr("DstT", AttrType::DType)])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(CastKernel {
             dst: attr_dtype(init, "DstT")?,
         }))
@@ -516,7 +516,7 @@ fn equal() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(equal_kernel))
+    .cpu_kernel(|_| stateless(equal_kernel))
 }
 
 /// Equal compares values: `bf16`/`f16` compare after widening (so `-0 == 0` and NaN ≠ NaN).
@@ -549,7 +549,7 @@ fn add_n() -> OpDef {
     )
     .inputs([variadic("inputs")])
     .outputs([arg("sum")])
-    .kernel("CPU", |_| stateless(add_n_kernel))
+    .cpu_kernel(|_| stateless(add_n_kernel))
 }
 
 /// AddN: all inputs must share dtype and runtime shape; one input passes through (shared buffer).
@@ -638,7 +638,7 @@ fn square() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(square_kernel))
+    .cpu_kernel(|_| stateless(square_kernel))
 }
 
 fn square_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -659,7 +659,7 @@ fn sqrt() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(sqrt_kernel))
+    .cpu_kernel(|_| stateless(sqrt_kernel))
 }
 
 fn sqrt_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -680,7 +680,7 @@ fn exp() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(exp_kernel))
+    .cpu_kernel(|_| stateless(exp_kernel))
 }
 
 fn exp_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -701,7 +701,7 @@ fn log() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(log_kernel))
+    .cpu_kernel(|_| stateless(log_kernel))
 }
 
 fn log_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {

@@ -4,7 +4,7 @@
 //! rule, and — as later layers land — its CPU kernel and gradient live side by side). Each family
 //! module exposes `pub(crate) fn register(r: &mut OpRegistry)`.
 
-use crate::{AttrType, AttrValue, DType, Shape, Tensor};
+use crate::{AttrType, AttrValue, DType, DeviceType, Shape, Tensor};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::OnceLock;
@@ -285,8 +285,8 @@ pub struct OpDef {
     pub stateful: bool,
     /// True for ops that hold trainable state (`Variable`): placed on ps by the device setter.
     pub is_variable: bool,
-    /// Kernels by device type (`"CPU"`, later `"GPU"`).
-    pub kernels: Vec<(&'static str, crate::kernel::KernelFactory)>,
+    /// Kernels by device type (every op has a CPU one; GPU ones come with the CUDA backend).
+    pub kernels: Vec<(DeviceType, crate::kernel::KernelFactory)>,
     /// The symbolic gradient (see [`crate::autodiff`]); `None` when the op has none.
     pub gradient: Option<crate::autodiff::GradFn>,
 }
@@ -314,21 +314,26 @@ impl OpDef {
         self
     }
 
-    /// Registers the kernel for `device_type` (`"CPU"`).
+    /// Registers the kernel for `device_type`.
     pub fn kernel(
         mut self,
-        device_type: &'static str,
+        device_type: DeviceType,
         factory: crate::kernel::KernelFactory,
     ) -> Self {
         self.kernels.push((device_type, factory));
         self
     }
 
+    /// Registers the CPU kernel (`kernel(DeviceType::CPU, factory)`).
+    pub fn cpu_kernel(self, factory: crate::kernel::KernelFactory) -> Self {
+        self.kernel(DeviceType::CPU, factory)
+    }
+
     /// The kernel factory for `device_type`, if the op has one.
-    pub fn kernel_for(&self, device_type: &str) -> Option<crate::kernel::KernelFactory> {
+    pub fn kernel_for(&self, device_type: &DeviceType) -> Option<crate::kernel::KernelFactory> {
         self.kernels
             .iter()
-            .find(|(d, _)| d.eq_ignore_ascii_case(device_type))
+            .find(|(d, _)| d == device_type)
             .map(|(_, f)| *f)
     }
 

@@ -259,7 +259,7 @@ fn moe_route() -> OpDef {
         attr_or("k", AttrType::Int, AttrDefault::Int(1)),
         attr_or("capacity_factor", AttrType::Float, AttrDefault::Float(1.0)),
     ])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(RouteKernel {
             k: check_k("MoeRoute", attr_int(init, "k")?)?,
             factor: check_factor("MoeRoute", attr_float(init, "capacity_factor")?)?,
@@ -423,7 +423,7 @@ fn moe_route_grad() -> OpDef {
     )
     .inputs([arg("dgate"), arg("probs"), arg("expert")])
     .outputs([arg("dprobs")])
-    .kernel("CPU", |_| Ok(Box::new(RouteGradKernel)))
+    .cpu_kernel(|_| Ok(Box::new(RouteGradKernel)))
 }
 
 #[derive(Debug)]
@@ -537,7 +537,7 @@ fn moe_dispatch() -> OpDef {
     .inputs([arg("x"), arg("expert"), arg("slot")])
     .outputs([arg("buf")])
     .attrs(capacity_attrs())
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(DispatchKernel {
             experts: check_experts("MoeDispatch", attr_int(init, "num_experts")?)?,
             factor: check_factor("MoeDispatch", attr_float(init, "capacity_factor")?)?,
@@ -625,7 +625,7 @@ fn moe_dispatch_grad() -> OpDef {
     )
     .inputs([arg("dbuf"), arg("expert"), arg("slot")])
     .outputs([arg("dx")])
-    .kernel("CPU", |_| Ok(Box::new(DispatchGradKernel)))
+    .cpu_kernel(|_| Ok(Box::new(DispatchGradKernel)))
 }
 
 /// Static check of a float `[E, C, d]` buffer; returns d.
@@ -715,7 +715,7 @@ fn moe_combine() -> OpDef {
     )
     .inputs([arg("buf"), arg("expert"), arg("slot"), arg("gate")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| Ok(Box::new(CombineKernel)))
+    .cpu_kernel(|_| Ok(Box::new(CombineKernel)))
 }
 
 /// Run-time check of gate against the routing.
@@ -786,7 +786,7 @@ fn moe_combine_grad() -> OpDef {
         arg("gate"),
     ])
     .outputs([arg("dbuf"), arg("dgate")])
-    .kernel("CPU", |_| Ok(Box::new(CombineGradKernel)))
+    .cpu_kernel(|_| Ok(Box::new(CombineGradKernel)))
 }
 
 #[derive(Debug)]
@@ -877,7 +877,7 @@ fn moe_aux_loss() -> OpDef {
     .inputs([arg("probs"), arg("expert")])
     .outputs([arg("loss")])
     .attrs([alpha_attr()])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(AuxLossKernel {
             alpha: check_alpha("MoeAuxLoss", attr_float(init, "alpha")?)?,
         }))
@@ -985,7 +985,7 @@ fn moe_aux_loss_grad() -> OpDef {
     .inputs([arg("dloss"), arg("probs"), arg("expert")])
     .outputs([arg("dprobs")])
     .attrs([alpha_attr()])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(AuxLossGradKernel {
             alpha: check_alpha("MoeAuxLossGrad", attr_float(init, "alpha")?)?,
         }))

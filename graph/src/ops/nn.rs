@@ -82,7 +82,7 @@ fn bias_add() -> OpDef {
     )
     .inputs([arg("value"), arg("bias")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(bias_add_kernel))
+    .cpu_kernel(|_| stateless(bias_add_kernel))
 }
 
 fn bias_add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -136,7 +136,7 @@ fn relu() -> OpDef {
     )
     .inputs([arg("features")])
     .outputs([arg("activations")])
-    .kernel("CPU", |_| stateless(relu_kernel))
+    .cpu_kernel(|_| stateless(relu_kernel))
 }
 
 fn relu_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -156,7 +156,7 @@ fn sigmoid() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(sigmoid_kernel))
+    .cpu_kernel(|_| stateless(sigmoid_kernel))
 }
 
 fn sigmoid_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -176,7 +176,7 @@ fn tanh() -> OpDef {
     )
     .inputs([arg("x")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(tanh_kernel))
+    .cpu_kernel(|_| stateless(tanh_kernel))
 }
 
 fn tanh_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -206,7 +206,7 @@ fn softmax() -> OpDef {
     .inputs([arg("logits")])
     .outputs([arg("softmax")])
     .attrs([attr_or("causal", AttrType::Bool, AttrDefault::Bool(false))])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(SoftmaxKernel {
             causal: attr_bool(init, "causal")?,
         }))
@@ -297,7 +297,7 @@ fn softmax_grad() -> OpDef {
     )
     .inputs([arg("dy"), arg("y")])
     .outputs([arg("dx")])
-    .kernel("CPU", |_| stateless(softmax_grad_kernel))
+    .cpu_kernel(|_| stateless(softmax_grad_kernel))
 }
 
 fn softmax_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -356,7 +356,7 @@ fn sparse_softmax_cross_entropy_with_logits() -> OpDef {
     )
     .inputs([arg("features"), arg("labels")])
     .outputs([arg("loss"), arg("backprop")])
-    .kernel("CPU", |_| stateless(sparse_xent_kernel))
+    .cpu_kernel(|_| stateless(sparse_xent_kernel))
 }
 
 /// TensorFlow semantics: `loss[i] = logsumexp(features[i]) - features[i, labels[i]]` and
@@ -471,7 +471,7 @@ fn relu_grad() -> OpDef {
     )
     .inputs([arg("gradients"), arg("features")])
     .outputs([arg("backprops")])
-    .kernel("CPU", |_| stateless(relu_grad_kernel))
+    .cpu_kernel(|_| stateless(relu_grad_kernel))
 }
 
 fn relu_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -494,7 +494,7 @@ fn sigmoid_grad() -> OpDef {
     )
     .inputs([arg("y"), arg("dy")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(sigmoid_grad_kernel))
+    .cpu_kernel(|_| stateless(sigmoid_grad_kernel))
 }
 
 fn sigmoid_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -517,7 +517,7 @@ fn tanh_grad() -> OpDef {
     )
     .inputs([arg("y"), arg("dy")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(tanh_grad_kernel))
+    .cpu_kernel(|_| stateless(tanh_grad_kernel))
 }
 
 fn tanh_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -546,7 +546,7 @@ fn bias_add_grad() -> OpDef {
     )
     .inputs([arg("out_backprop")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(bias_add_grad_kernel))
+    .cpu_kernel(|_| stateless(bias_add_grad_kernel))
 }
 
 fn bias_add_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {

@@ -344,7 +344,7 @@ fn sum() -> OpDef {
          keep_dims (bool, default false: reduced dims are removed, true: kept as 1).",
         |ctx| reduce_infer("Sum", ctx),
     )
-    .kernel("CPU", |init| reduce_factory("Sum", Reduction::Sum, init))
+    .cpu_kernel(|init| reduce_factory("Sum", Reduction::Sum, init))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ fn mean() -> OpDef {
          keep_dims (bool, default false).",
         |ctx| reduce_infer("Mean", ctx),
     )
-    .kernel("CPU", |init| reduce_factory("Mean", Reduction::Mean, init))
+    .cpu_kernel(|init| reduce_factory("Mean", Reduction::Mean, init))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ fn max() -> OpDef {
          keep_dims (bool, default false).",
         |ctx| reduce_infer("Max", ctx),
     )
-    .kernel("CPU", |init| reduce_factory("Max", Reduction::Max, init))
+    .cpu_kernel(|init| reduce_factory("Max", Reduction::Max, init))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ fn arg_max() -> OpDef {
             AttrDefault::DType(DType::I64),
         ),
     ])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(ArgMaxKernel {
             axis: match init.attr("axis")? {
                 AttrValue::Int(a) => *a,

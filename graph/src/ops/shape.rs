@@ -130,7 +130,7 @@ fn transpose() -> OpDef {
     .inputs([arg("x")])
     .outputs([arg("y")])
     .attrs([attr("perm", AttrType::IntList)])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(TransposeKernel {
             perm: attr_ints(init, "perm")?,
         }))
@@ -215,7 +215,7 @@ fn split() -> OpDef {
         attr("axis", AttrType::Int),
         attr("num_split", AttrType::Int),
     ])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(SplitKernel {
             axis: attr_int(init, "axis")?,
             num_split: attr_int(init, "num_split")?,
@@ -316,7 +316,7 @@ fn concat() -> OpDef {
     .inputs([variadic("values")])
     .outputs([arg("output")])
     .attrs([attr("axis", AttrType::Int)])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(ConcatKernel {
             axis: attr_int(init, "axis")?,
         }))
@@ -462,7 +462,7 @@ fn slice_op() -> OpDef {
         attr("begin", AttrType::IntList),
         attr("size", AttrType::IntList),
     ])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(SliceKernel {
             begin: attr_ints(init, "begin")?,
             size: attr_ints(init, "size")?,
@@ -566,7 +566,7 @@ fn slice_grad() -> OpDef {
     .inputs([arg("dy"), arg("like")])
     .outputs([arg("output")])
     .attrs([attr("begin", AttrType::IntList)])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         Ok(Box::new(SliceGradKernel {
             begin: attr_ints(init, "begin")?,
         }))

@@ -98,7 +98,7 @@ fn shard_rows() -> OpDef {
         attr("capacity", AttrType::Int),
         attr("strategy", AttrType::String),
     ])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(ShardRowsKernel(ShardSpec::from_attrs(
             attr_int(init, "vocab")?,
             attr_int(init, "num_shards")?,
@@ -215,7 +215,7 @@ fn shard_gather() -> OpDef {
     )
     .inputs([arg("params"), arg("rows")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| Ok(Box::new(ShardGatherKernel)))
+    .cpu_kernel(|_| Ok(Box::new(ShardGatherKernel)))
 }
 
 /// The rows as `Option<usize>` (None: padding), each checked against `[0, r)`.
@@ -316,7 +316,7 @@ fn shard_scatter() -> OpDef {
     )
     .inputs([arg("rows"), arg("values"), arg("like")])
     .outputs([arg("dense")])
-    .kernel("CPU", |_| Ok(Box::new(ShardScatterKernel)))
+    .cpu_kernel(|_| Ok(Box::new(ShardScatterKernel)))
 }
 
 fn scatter_padded<T: Real>(
@@ -421,7 +421,7 @@ fn shard_stitch() -> OpDef {
     )
     .inputs([arg("ids"), variadic("parts")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| Ok(Box::new(ShardStitchKernel)))
+    .cpu_kernel(|_| Ok(Box::new(ShardStitchKernel)))
 }
 
 fn stitch<T: Element>(
@@ -531,7 +531,7 @@ fn shard_stitch_grad() -> OpDef {
     )
     .inputs([arg("slots"), arg("dy"), arg("like")])
     .outputs([arg("dvals")])
-    .kernel("CPU", |_| Ok(Box::new(ShardStitchGradKernel)))
+    .cpu_kernel(|_| Ok(Box::new(ShardStitchGradKernel)))
 }
 
 fn stitch_grad<T: Real>(

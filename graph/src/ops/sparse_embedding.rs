@@ -143,7 +143,7 @@ fn unique() -> OpDef {
         AttrType::DType,
         AttrDefault::DType(DType::I32),
     )])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         let out_idx = attr_dtype(init, "out_idx")?;
         check_out_idx(out_idx)?;
         Ok(Box::new(UniqueKernel { out_idx }))
@@ -252,7 +252,7 @@ fn segment_combine(c: Combiner) -> OpDef {
     OpDef::new(c.op(), summary, infer)
         .inputs([arg("data"), arg("indices"), arg("segment_ids")])
         .outputs([arg("output")])
-        .kernel("CPU", factory)
+        .cpu_kernel(factory)
 }
 
 fn segment_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -444,7 +444,7 @@ fn segment_combine_grad() -> OpDef {
     .inputs([arg("grad"), arg("indices"), arg("segment_ids")])
     .outputs([arg("values")])
     .attrs([attr("combiner", AttrType::String)])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(SegmentGradKernel(Combiner::parse(&attr_str(
             init, "combiner",
         )?)?)))

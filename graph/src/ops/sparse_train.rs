@@ -220,7 +220,7 @@ fn sparse_sgd() -> OpDef {
     .inputs([ref_arg("var"), arg("indices"), arg("values")])
     .attrs([attr("lr", AttrType::Float), skip_padding_attr()])
     .stateful()
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(SparseSgdKernel {
             lr: check_lr("SparseApplyGradientDescent", attr_float(init, "lr")?)?,
             skip_padding: attr_bool(init, "skip_padding")?,
@@ -310,7 +310,7 @@ fn sparse_adagrad() -> OpDef {
         skip_padding_attr(),
     ])
     .stateful()
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(SparseAdagradKernel {
             lr: check_lr("SparseApplyAdagrad", attr_float(init, "lr")?)?,
             epsilon: attr_float(init, "epsilon")?,
@@ -423,7 +423,7 @@ fn sparse_lazy_adam() -> OpDef {
         skip_padding_attr(),
     ])
     .stateful()
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(LazyAdamKernel {
             skip_padding: attr_bool(init, "skip_padding")?,
             lr: check_lr("SparseApplyLazyAdam", attr_float(init, "lr")?)?,

@@ -20,7 +20,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         )
         .outputs([arg("output")])
         .attrs([attr("value", AttrType::Tensor)])
-        .kernel("CPU", const_factory),
+        .cpu_kernel(const_factory),
     );
     r.add(
         OpDef::new(
@@ -38,7 +38,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr("dtype", AttrType::DType),
             attr_or("shape", AttrType::Shape, AttrDefault::UnknownShape),
         ])
-        .kernel("CPU", |_| stateless(placeholder_kernel)),
+        .cpu_kernel(|_| stateless(placeholder_kernel)),
     );
     r.add(
         OpDef::new(
@@ -118,7 +118,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             attr_or("partition_strategy", AttrType::String, AttrDefault::Str("")),
         ])
         .variable()
-        .kernel("CPU", variable_factory),
+        .cpu_kernel(variable_factory),
     );
     r.add(
         OpDef::new(
@@ -131,7 +131,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         .inputs([ref_arg("var")])
         .outputs([arg("value")])
         .stateful()
-        .kernel("CPU", |_| stateless(read_variable_kernel)),
+        .cpu_kernel(|_| stateless(read_variable_kernel)),
     );
     r.add(
         OpDef::new(
@@ -150,13 +150,13 @@ pub(crate) fn register(r: &mut OpRegistry) {
         )
         .inputs([ref_arg("var"), arg("value")])
         .stateful()
-        .kernel("CPU", |_| stateless(assign_kernel)),
+        .cpu_kernel(|_| stateless(assign_kernel)),
     );
     r.add(
         OpDef::new("Identity", "Passes its input through.", same_as_input)
             .inputs([arg("input")])
             .outputs([arg("output")])
-            .kernel("CPU", |_| stateless(identity_kernel)),
+            .cpu_kernel(|_| stateless(identity_kernel)),
     );
     r.add(
         OpDef::new(
@@ -167,7 +167,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
         )
         .inputs([arg("input")])
         .outputs([arg("output")])
-        .kernel("CPU", |_| stateless(identity_kernel)),
+        .cpu_kernel(|_| stateless(identity_kernel)),
     );
     r.add(
         OpDef::new(
@@ -176,7 +176,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             |_| Ok(vec![]),
         )
         .stateful()
-        .kernel("CPU", |_| stateless(|_| Ok(()))),
+        .cpu_kernel(|_| stateless(|_| Ok(()))),
     );
 }
 

@@ -53,7 +53,7 @@ pub fn build_kernel(
     })
     .map_err(|e| format!("shape rule: {e}"))?;
     let factory = def
-        .kernel_for("CPU")
+        .kernel_for(&crate::DeviceType::CPU)
         .ok_or_else(|| format!("{op} has no CPU kernel"))?;
     factory(&KernelInit {
         node,

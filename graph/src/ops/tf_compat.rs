@@ -83,7 +83,7 @@ fn adam_with_powers_op() -> OpDef {
         attr("epsilon", AttrType::Float),
     ])
     .stateful()
-    .kernel("CPU", AdamPowersKernel::build)
+    .cpu_kernel(AdamPowersKernel::build)
 }
 
 #[derive(Debug)]
@@ -224,7 +224,7 @@ fn update_op(mode: Mode) -> OpDef {
     OpDef::new(mode.name(), summary, infer)
         .inputs([ref_arg("var"), arg("value")])
         .stateful()
-        .kernel("CPU", build)
+        .cpu_kernel(build)
 }
 
 fn infer(mode: Mode, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -382,7 +382,7 @@ fn shape_op() -> OpDef {
         AttrType::DType,
         AttrDefault::DType(DType::I32),
     )])
-    .kernel("CPU", ShapeKernel::build)
+    .cpu_kernel(ShapeKernel::build)
 }
 
 #[derive(Debug)]
@@ -456,7 +456,7 @@ fn fill_op() -> OpDef {
     .inputs([arg("value")])
     .outputs([arg("y")])
     .attrs([attr("shape", AttrType::IntList)])
-    .kernel("CPU", FillKernel::build)
+    .cpu_kernel(FillKernel::build)
 }
 
 #[derive(Debug)]
@@ -498,7 +498,7 @@ fn tile_op() -> OpDef {
     )
     .inputs([arg("x"), arg("multiples")])
     .outputs([arg("y")])
-    .kernel("CPU", |_| stateless(tile_kernel))
+    .cpu_kernel(|_| stateless(tile_kernel))
 }
 
 fn tile_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -580,7 +580,7 @@ fn gather_op() -> OpDef {
     .inputs([arg("params"), arg("indices")])
     .outputs([arg("y")])
     .attrs([attr_or("axis", AttrType::Int, AttrDefault::Int(0))])
-    .kernel("CPU", GatherKernel::build)
+    .cpu_kernel(GatherKernel::build)
 }
 
 #[derive(Debug)]
@@ -667,7 +667,7 @@ fn prod_op() -> OpDef {
         attr_or("axes", AttrType::IntList, AttrDefault::Ints(&[])),
         attr_or("keep_dims", AttrType::Bool, AttrDefault::Bool(false)),
     ])
-    .kernel("CPU", ProdKernel::build)
+    .cpu_kernel(ProdKernel::build)
 }
 
 /// The axes a reduction covers (empty: all), resolved and deduplicated.
@@ -781,7 +781,7 @@ fn expand_dims_op() -> OpDef {
     .inputs([arg("x")])
     .outputs([arg("y")])
     .attrs([attr("axis", AttrType::Int)])
-    .kernel("CPU", ExpandDimsKernel::build)
+    .cpu_kernel(ExpandDimsKernel::build)
 }
 
 #[derive(Debug)]
@@ -830,7 +830,7 @@ fn floor_mod_op() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(floor_mod_kernel))
+    .cpu_kernel(|_| stateless(floor_mod_kernel))
 }
 
 fn floor_mod_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {

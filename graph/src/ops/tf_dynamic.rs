@@ -114,7 +114,7 @@ fn broadcast_gradient_args() -> OpDef {
     )
     .inputs([arg("s0"), arg("s1")])
     .outputs([arg("r0"), arg("r1")])
-    .kernel("CPU", |_| stateless(broadcast_gradient_args_kernel))
+    .cpu_kernel(|_| stateless(broadcast_gradient_args_kernel))
 }
 
 /// TensorFlow's `BCast` reduction indices (`fewer_dims_optimization` off, as
@@ -204,7 +204,7 @@ fn dynamic_sum() -> OpDef {
         AttrType::Bool,
         AttrDefault::Bool(false),
     )])
-    .kernel("CPU", DynamicSumKernel::build)
+    .cpu_kernel(DynamicSumKernel::build)
 }
 
 #[derive(Debug)]
@@ -254,7 +254,7 @@ fn dynamic_sum_grad() -> OpDef {
         AttrType::Bool,
         AttrDefault::Bool(false),
     )])
-    .kernel("CPU", |_| stateless(dynamic_sum_grad_kernel))
+    .cpu_kernel(|_| stateless(dynamic_sum_grad_kernel))
 }
 
 /// `t` copied to `dims` along its size-1 (or missing leading) dimensions, for any dtype.
@@ -310,7 +310,7 @@ fn dynamic_reshape() -> OpDef {
     )
     .inputs([arg("tensor"), arg("shape")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(dynamic_reshape_kernel))
+    .cpu_kernel(|_| stateless(dynamic_reshape_kernel))
 }
 
 fn dynamic_reshape_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -346,7 +346,7 @@ fn broadcast_to_op() -> OpDef {
     )
     .inputs([arg("input"), arg("shape")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(broadcast_to_kernel))
+    .cpu_kernel(|_| stateless(broadcast_to_kernel))
 }
 
 fn broadcast_to_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -403,7 +403,7 @@ fn dynamic_stitch() -> OpDef {
     )
     .inputs([variadic("indices_and_data")])
     .outputs([arg("merged")])
-    .kernel("CPU", |_| stateless(dynamic_stitch_kernel))
+    .cpu_kernel(|_| stateless(dynamic_stitch_kernel))
 }
 
 fn dynamic_stitch_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {

@@ -40,7 +40,7 @@ fn maximum() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(maximum_kernel))
+    .cpu_kernel(|_| stateless(maximum_kernel))
 }
 
 fn maximum_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -67,7 +67,7 @@ fn maximum_grad() -> OpDef {
     .inputs([arg("dy"), arg("x"), arg("y")])
     .outputs([arg("dz")])
     .attrs([attr_or("for_y", AttrType::Bool, AttrDefault::Bool(false))])
-    .kernel("CPU", |init| {
+    .cpu_kernel(|init| {
         let for_y = match init.attr("for_y")? {
             AttrValue::Bool(b) => *b,
             v => return Err(format!("attribute `for_y` is {}, not bool", v.ty())),
@@ -134,7 +134,7 @@ fn floor_div() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(floor_div_kernel))
+    .cpu_kernel(|_| stateless(floor_div_kernel))
 }
 
 fn floor_div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {

@@ -154,7 +154,7 @@ fn apply_gradient_descent() -> OpDef {
     .inputs([ref_arg("var"), arg("grad")])
     .attrs([attr("lr", AttrType::Float)])
     .stateful()
-    .kernel("CPU", SgdKernel::build)
+    .cpu_kernel(SgdKernel::build)
 }
 
 #[derive(Debug)]
@@ -215,7 +215,7 @@ fn apply_momentum() -> OpDef {
         attr_or("use_nesterov", AttrType::Bool, AttrDefault::Bool(false)),
     ])
     .stateful()
-    .kernel("CPU", MomentumKernel::build)
+    .cpu_kernel(MomentumKernel::build)
 }
 
 #[derive(Debug)]
@@ -294,7 +294,7 @@ fn apply_adam() -> OpDef {
         SHARD_OFFSET_ATTR,
     ])
     .stateful()
-    .kernel("CPU", AdamKernel::build)
+    .cpu_kernel(AdamKernel::build)
 }
 
 /// The inputs of ApplyAdam and ApplyAdamW: the variable and its two slots (references), the
@@ -511,7 +511,7 @@ fn apply_adam_w() -> OpDef {
         SHARD_OFFSET_ATTR,
     ])
     .stateful()
-    .kernel("CPU", AdamWKernel::build)
+    .cpu_kernel(AdamWKernel::build)
 }
 
 #[derive(Debug)]
@@ -599,7 +599,7 @@ fn increment_step() -> OpDef {
     )
     .inputs([ref_arg("counter")])
     .stateful()
-    .kernel("CPU", |_| {
+    .cpu_kernel(|_| {
         Ok(Box::new(crate::kernel::FnKernel(|ctx| {
             ctx.variable_at(0)?.update(|slot| {
                 let t = slot
@@ -683,7 +683,7 @@ fn global_norm_scale() -> OpDef {
         attr("clip_norm", AttrType::Float),
         attr_or("squared_norm", AttrType::Bool, AttrDefault::Bool(false)),
     ])
-    .kernel("CPU", GlobalNormKernel::build)
+    .cpu_kernel(GlobalNormKernel::build)
 }
 
 #[derive(Debug)]
@@ -761,7 +761,7 @@ fn squared_norm() -> OpDef {
     )
     .inputs([variadic("grads")])
     .outputs([arg("sum")])
-    .kernel("CPU", |_| {
+    .cpu_kernel(|_| {
         Ok(Box::new(crate::kernel::FnKernel(|ctx| {
             let mut total = 0.0;
             for g in ctx.inputs {

@@ -94,7 +94,7 @@ fn layer_norm() -> OpDef {
         AttrType::Float,
         AttrDefault::Float(1e-5),
     )])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         let epsilon = attr_float(init, "epsilon")?;
         check_epsilon(epsilon)?;
         Ok(Box::new(LayerNormKernel { epsilon }))
@@ -267,7 +267,7 @@ fn layer_norm_grad() -> OpDef {
     )
     .inputs([arg("dy"), arg("x"), arg("gamma"), arg("mean"), arg("rstd")])
     .outputs([arg("dx"), arg("dgamma"), arg("dbeta")])
-    .kernel("CPU", |_| Ok(Box::new(LayerNormGradKernel)))
+    .cpu_kernel(|_| Ok(Box::new(LayerNormGradKernel)))
 }
 
 fn layer_norm_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -442,7 +442,7 @@ fn gelu() -> OpDef {
     .inputs([arg("x")])
     .outputs([arg("y")])
     .attrs([gelu_attr()])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(GeluKernel {
             kind: gelu_kind("Gelu", &attr_str(init, "approximate")?)?,
         }))
@@ -631,7 +631,7 @@ fn gelu_grad() -> OpDef {
     .inputs([arg("dy"), arg("x")])
     .outputs([arg("dx")])
     .attrs([gelu_attr()])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         Ok(Box::new(GeluGradKernel {
             kind: gelu_kind("GeluGrad", &attr_str(init, "approximate")?)?,
         }))
@@ -721,7 +721,7 @@ fn dropout() -> OpDef {
         attr_or("rate", AttrType::Float, AttrDefault::Float(0.0)),
         attr_or("seed", AttrType::Int, AttrDefault::Int(0)),
     ])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         let rate = attr_float(init, "rate")?;
         check_rate(rate)?;
         Ok(Box::new(DropoutKernel {

@@ -53,7 +53,7 @@ impl Eval {
                 .map(|(s, o)| g.output_type(s, o).unwrap().clone())
                 .collect();
             let attrs = node.resolved_attrs();
-            let kernel = (op.kernel_for("CPU").unwrap())(&KernelInit {
+            let kernel = (op.kernel_for(&dflow_graph::DeviceType::CPU).unwrap())(&KernelInit {
                 node: &node.name,
                 attrs: &attrs,
                 input_types: &input_types,

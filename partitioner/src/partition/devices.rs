@@ -94,7 +94,7 @@ pub(super) fn intern_devices(g: &Graph, devices: &[DeviceName]) -> Result<Device
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dflow_graph::{builder::GraphBuilder, DType};
+    use dflow_graph::{builder::GraphBuilder, DType, DeviceType};
 
     fn three_nodes() -> Graph {
         let mut b = GraphBuilder::new();
@@ -107,9 +107,9 @@ mod tests {
     #[test]
     fn ids_follow_device_order_with_the_client_among_them() {
         let g = three_nodes();
-        let w10 = DeviceName::full("worker", 10, "CPU", 0);
-        let w2 = DeviceName::full("worker", 2, "CPU", 0);
-        let ps = DeviceName::full("ps", 0, "CPU", 0);
+        let w10 = DeviceName::full("worker", 10, DeviceType::CPU, 0);
+        let w2 = DeviceName::full("worker", 2, DeviceType::CPU, 0);
+        let ps = DeviceName::full("ps", 0, DeviceType::CPU, 0);
         let d = intern_devices(&g, &[w10.clone(), w2.clone(), ps.clone()]).unwrap();
         let client = DeviceName::parse(CLIENT_DEVICE).unwrap();
         let mut want = vec![w10, w2, ps, client];
@@ -129,7 +129,7 @@ mod tests {
     #[test]
     fn partial_devices_and_wrong_counts_are_refused() {
         let g = three_nodes();
-        let w = DeviceName::full("worker", 0, "CPU", 0);
+        let w = DeviceName::full("worker", 0, DeviceType::CPU, 0);
         let partial = DeviceName::parse("/job:worker").unwrap();
         let e = intern_devices(&g, &[w.clone(), partial, w.clone()]).unwrap_err();
         assert!(

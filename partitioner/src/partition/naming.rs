@@ -7,7 +7,7 @@
 //! already has gets the first free `_{k}` suffix.
 
 use super::{PairBuild, PairKind, Source, TensorRef};
-use dflow_graph::{DeviceName, Graph};
+use dflow_graph::{DeviceName, DeviceType, Graph};
 use petgraph::graph::NodeIndex;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -237,13 +237,13 @@ pub(super) fn short_device(d: &DeviceName) -> String {
     let job = d.job.as_deref().unwrap_or("any");
     let task = d.task.unwrap_or(0);
     let mut s = format!("{job}_{task}");
-    let ty = d.device_type.as_deref().unwrap_or("CPU");
+    let ty = d.device_type.clone().unwrap_or(DeviceType::CPU);
     let id = d.device_id.unwrap_or(0);
     if d.replica.is_some_and(|r| r != 0) {
         s = format!("{job}_r{}_{task}", d.replica.unwrap_or(0));
     }
-    if !(ty == "CPU" && id == 0) {
-        s.push_str(&format!("_{}_{id}", ty.to_ascii_lowercase()));
+    if !(ty == DeviceType::CPU && id == 0) {
+        s.push_str(&format!("_{}_{id}", ty.as_str().to_ascii_lowercase()));
     }
     s
 }

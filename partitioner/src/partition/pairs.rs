@@ -271,7 +271,7 @@ mod tests {
     use super::super::request::{kept_nodes, resolve_request};
     use super::super::PartitionOptions;
     use super::*;
-    use dflow_graph::{builder::GraphBuilder, DType, DeviceName};
+    use dflow_graph::{builder::GraphBuilder, DType, DeviceName, DeviceType};
 
     /// `x` on worker 0; `y` and `z` read it on worker 1; `t` on worker 1 runs after `x`.
     fn walk(opts: &PartitionOptions) -> (Graph, Devices, Walk) {
@@ -282,8 +282,8 @@ mod tests {
         b.op("NoOp", "t").control_dep(&x).finish();
         let g = b.build().unwrap();
         let (w0, w1) = (
-            DeviceName::full("worker", 0, "CPU", 0),
-            DeviceName::full("worker", 1, "CPU", 0),
+            DeviceName::full("worker", 0, DeviceType::CPU, 0),
+            DeviceName::full("worker", 1, DeviceType::CPU, 0),
         );
         let devices = intern_devices(&g, &[w0, w1.clone(), w1.clone(), w1]).unwrap();
         let req = resolve_request(&g, opts).unwrap();

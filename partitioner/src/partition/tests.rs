@@ -3,6 +3,7 @@
 use super::naming::{concat, push_indexed};
 use super::*;
 use crate::synthetic;
+use dflow_graph::DeviceType;
 
 /// Building partitions from parts must give exactly what validating them would.
 fn assert_same_as_validated(p: &Partitions) {
@@ -56,8 +57,8 @@ fn generated_names_step_around_graph_nodes() {
     }
     let graph = b.build().unwrap();
     let (w0, w1) = (
-        DeviceName::full("worker", 0, "CPU", 0),
-        DeviceName::full("worker", 1, "CPU", 0),
+        DeviceName::full("worker", 0, DeviceType::CPU, 0),
+        DeviceName::full("worker", 1, DeviceType::CPU, 0),
     );
     let devices = graph
         .node_indices()
