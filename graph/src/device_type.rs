@@ -77,7 +77,7 @@ mod tests {
 
     #[test]
     fn types_order_by_their_names() {
-        let mut types = vec![
+        let mut types = [
             DeviceType::GPU,
             DeviceType::parse("XLA_CPU").unwrap(),
             DeviceType::CPU,
