@@ -299,6 +299,8 @@ fn an_async_gpt_job_trains_on_text_evaluates_and_reports_staleness() {
     let (job, chief) = run.job(&Cluster::new(1, 2), "ps", &[]);
     let steps: Vec<u64> = job.iter().map(|(s, _)| *s).collect();
     assert_eq!(steps, (1..=8).collect::<Vec<_>>());
+    // The workers' overlapping steps ran through the one step driver too.
+    assert_eq!(driver_steps(&chief.stderr), 8, "{}", chief.stderr);
     // Step 1 sees uniform predictions over the 76 characters.
     assert!(
         (job[0].1 - 76f64.ln()).abs() < 0.1,

@@ -25,10 +25,10 @@ fn newest_checkpoint_step(dir: &Path) -> Option<u64> {
         .max()
 }
 
-/// Starts ps, worker 1 and the chief training "forever" with checkpoints every 20 steps, and
-/// waits for the first checkpoint.
-fn start_long_job(cluster: &Cluster, ckpt: &Path) -> (Task, Task, Task) {
-    let args = [
+/// Starts ps, worker 1 and the chief training "forever" with checkpoints every 20 steps (with
+/// `extra` flags on the workers), and waits for the first checkpoint.
+fn start_long_job(cluster: &Cluster, ckpt: &Path, extra: &[&str]) -> (Task, Task, Task) {
+    let mut args = vec![
         "--data",
         "examples/data/digits.csv.gz",
         "--epochs",
@@ -37,11 +37,12 @@ fn start_long_job(cluster: &Cluster, ckpt: &Path) -> (Task, Task, Task) {
         "--timeout",
         TIMEOUT_S,
     ];
+    args.extend(extra);
     let ps = Task::start(cluster, "ps", 0, &["--timeout", TIMEOUT_S]);
     let worker1 = Task::start(cluster, "worker", 1, &args);
     let ckpt_s = ckpt.to_string_lossy().into_owned();
     let mut chief_args = vec!["examples/digits/digits.json"];
-    chief_args.extend(args);
+    chief_args.extend(&args);
     chief_args.extend(["--checkpoint-dir", &ckpt_s, "--save-every", "20"]);
     let chief = Task::start(cluster, "worker", 0, &chief_args);
     chief.wait_until(Duration::from_secs(120), "a checkpoint", || {
@@ -55,7 +56,7 @@ fn killing_the_ps_ends_every_task_naming_it_and_a_restart_resumes_from_the_check
     let _serial = serial();
     let cluster = Cluster::new(1, 2);
     let ckpt = cluster.path("ckpt");
-    let (ps, worker1, chief) = start_long_job(&cluster, &ckpt);
+    let (ps, worker1, chief) = start_long_job(&cluster, &ckpt, &[]);
     ps.kill();
     let dead = "/job:ps/replica:0/task:0";
     let started = Instant::now();
@@ -103,7 +104,23 @@ fn killing_a_non_chief_worker_ends_every_task_naming_it() {
     let _serial = serial();
     let cluster = Cluster::new(1, 2);
     let ckpt = cluster.path("ckpt");
-    let (ps, worker1, chief) = start_long_job(&cluster, &ckpt);
+    let (ps, worker1, chief) = start_long_job(&cluster, &ckpt, &[]);
+    worker1.kill();
+    let dead = "/job:worker/replica:0/task:1";
+    let chief = chief.wait(EXIT_LIMIT);
+    let ps = ps.wait(EXIT_LIMIT);
+    chief.assert_failure_naming(dead);
+    ps.assert_failure_naming(dead);
+}
+
+#[test]
+fn killing_a_worker_of_an_async_job_ends_every_task_naming_it() {
+    // The async schedule's worker lanes: the dead worker's lane fails, the others are stopped,
+    // and the driver ends the job naming the worker, rather than waiting for its steps.
+    let _serial = serial();
+    let cluster = Cluster::new(1, 2);
+    let ckpt = cluster.path("ckpt");
+    let (ps, worker1, chief) = start_long_job(&cluster, &ckpt, &["--async"]);
     worker1.kill();
     let dead = "/job:worker/replica:0/task:1";
     let chief = chief.wait(EXIT_LIMIT);

@@ -4,11 +4,12 @@
 //! drives the steps (lockstep or each worker on its own, as the plan's [`Schedule`] says),
 //! saves checkpoints, evaluates, and ends the job.
 //!
-//! A lockstep job runs through the step driver of `dflow run --local`
+//! Both schedules run through the step driver of `dflow run --local`
 //! ([`run_steps`](crate::trainer::run_steps)): the chief is a
-//! [`StepRunner`](crate::trainer::StepRunner) whose step `k` is a RunStep on every task.
-//! `source.rs` is the chief's view of the data (CSV table or text windows: steps, batches,
-//! held-out batches); `independent.rs` the async schedule's own loop.
+//! [`StepRunner`](crate::trainer::StepRunner) whose step `k` is, in lockstep, a RunStep on
+//! every task (`Lockstep` here, `elastic.rs` for membership changes), and on the independent
+//! schedule the `k`-th step any worker lane finishes (`independent.rs`). `source.rs` is the
+//! chief's view of the data (CSV table or text windows: steps, batches, held-out batches).
 
 mod elastic;
 mod independent;
@@ -903,8 +904,9 @@ fn driver_config(cfg: &ChiefConfig) -> TrainConfig {
 
 /// Trains as `cfg` says over the tasks reachable through `rpc`, calling `on_step` after every
 /// step; evaluates on the held-out data and saves the final checkpoint. A lockstep plan runs
-/// through the step driver [`run_steps`] (the loop `dflow run --local` runs); an independent
-/// one (async ps) runs one loop per worker here. Does not shut the job down: the caller tells
+/// through the step driver [`run_steps`] (the loop `dflow run --local` runs), and so does an
+/// independent one (async ps), whose workers are lanes that each take the next batch when
+/// free (`independent.rs`). Does not shut the job down: the caller tells
 /// the tasks how it ended. Needs a multi-threaded tokio runtime (the driver blocks in place).
 pub async fn run_chief(
     rpc: &Rpc,
@@ -918,18 +920,18 @@ pub async fn run_chief(
     check_batch_parts(job.plan.batch_parts, cfg.batch_size)?;
     let initialized = initialize(rpc, &job, cfg).await?;
     let ids = Arc::new(Ids(AtomicU64::new(1)));
+    let runtime = tokio::runtime::Handle::current();
+    if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+        return Err(setup(
+            "run_chief needs a multi-threaded tokio runtime (the step driver blocks in place)",
+        ));
+    }
     match job.plan.schedule {
         Schedule::Lockstep => {
             if let Some(s) = cfg.staleness {
                 return Err(setup(format!(
                     "--staleness {s} bounds asynchronous training; this plan runs the workers in lockstep (add --async)"
                 )));
-            }
-            let runtime = tokio::runtime::Handle::current();
-            if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-                return Err(setup(
-                    "run_chief needs a multi-threaded tokio runtime (the step driver blocks in place)",
-                ));
             }
             let data = source.data_spec(cfg);
             let (job, done) = elastic::lockstep(
