@@ -48,6 +48,11 @@ pub struct RdmaLink {
     proto: Protocol,
     links: Mutex<Links>,
     stop: Arc<AtomicBool>,
+    /// Held while completions are polled and handled, so a peer is marked gone only between
+    /// two such rounds (see `forget_peer`).
+    progress: Mutex<()>,
+    /// The progress thread (which may mark a peer gone from inside a round).
+    progress_thread: std::sync::OnceLock<std::thread::ThreadId>,
 }
 
 impl fmt::Debug for RdmaLink {
@@ -81,6 +86,8 @@ impl RdmaPlane {
             proto: Protocol::new(verbs),
             links: Mutex::default(),
             stop: stop.clone(),
+            progress: Mutex::default(),
+            progress_thread: std::sync::OnceLock::new(),
         };
         let plane = Arc::new(Plane::with_link(&name, link));
         tokio::spawn(control_loop(Arc::downgrade(&plane), rx));
@@ -204,12 +211,19 @@ async fn control_loop(plane: Weak<RdmaPlane>, mut rx: mpsc::UnboundedReceiver<Pe
 }
 
 fn progress_loop(plane: Weak<RdmaPlane>, stop: Arc<AtomicBool>) {
+    if let Some(p) = plane.upgrade() {
+        let _ = p.link.progress_thread.set(std::thread::current().id());
+    }
     while !stop.load(Ordering::SeqCst) {
         let Some(plane) = plane.upgrade() else { return };
+        let _round = lock(&plane.link.progress);
         let events = plane.link.proto.progress(POLL_TIMEOUT);
         plane.handle(events);
     }
 }
+
+/// How often a closing plane looks whether its last writes completed.
+const CLOSE_POLL: Duration = Duration::from_millis(1);
 
 impl Link for RdmaLink {
     type Route = ();
@@ -257,7 +271,18 @@ impl Link for RdmaLink {
         plane.handle(events);
     }
 
+    /// Delivers what `peer` wrote before it went: the completions already in the queue are
+    /// handled first (a peer that writes and then closes its control connection must not lose
+    /// those values to the close, which travels on another path). From another thread this
+    /// waits for the progress thread's round in flight, whose completions it may hold.
     fn forget_peer(plane: &RdmaPlane, peer: &Arc<str>, cause: &str) {
+        let on_progress_thread =
+            plane.link.progress_thread.get() == Some(&std::thread::current().id());
+        if !on_progress_thread {
+            let _round = lock(&plane.link.progress);
+            let events = plane.link.proto.progress(Duration::ZERO);
+            plane.handle(events);
+        }
         plane.link.proto.fail_peer(peer, cause);
     }
 
@@ -346,7 +371,14 @@ impl Link for RdmaLink {
 
     fn close(plane: &RdmaPlane, within: Duration) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            plane.link.control.close(within).await;
+            // What was sent goes out first (a peer's credit may still be on its way), within
+            // the bound; the control connection then closes with what is left of it.
+            let deadline = tokio::time::Instant::now() + within;
+            while plane.link.proto.unsent() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(CLOSE_POLL).await;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            plane.link.control.close(left).await;
             plane.link.stop.store(true, Ordering::SeqCst);
         })
     }

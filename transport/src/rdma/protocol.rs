@@ -342,6 +342,11 @@ impl Protocol {
         self.lock().send.drop_step(step);
     }
 
+    /// Tensors sent here but not yet written to a live peer (see [`SendRoutes::unsent`]).
+    pub fn unsent(&self) -> usize {
+        self.lock().send.unsent()
+    }
+
     /// Marks `peer` failed; returns the steps whose Sends to it were dropped.
     pub fn fail_peer(&self, peer: &str, cause: &str) -> Vec<u64> {
         let mut st = self.lock();

@@ -341,11 +341,21 @@ impl SendRoutes {
         }
     }
 
+    /// Tensors not yet written to a live peer: queued (waiting for a credit or the slot's
+    /// advertisement) or in flight (the write not completed). A closing plane waits for 0.
+    pub fn unsent(&self) -> usize {
+        self.routes
+            .values()
+            .map(|r| r.queue.len() + usize::from(r.in_flight))
+            .sum()
+    }
+
     /// Drops the queues to `peer` and returns the steps they held (the peer is gone).
     pub fn fail_peer(&mut self, peer: &str) -> Vec<u64> {
         let mut steps = Vec::new();
         for r in self.routes.values_mut().filter(|r| &*r.peer == peer) {
             steps.extend(r.queue.drain(..).map(|(s, _)| s));
+            r.in_flight = false;
         }
         steps
     }
