@@ -402,6 +402,8 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
             insert((i, k), kind, None);
         }
     }
+    // The variables in the graph's order.
+    sharded.sort_by_key(|s| graph.find(&s.name).map(|i| i.index()));
     let placements = order
         .iter()
         .map(|i| (graph.node(*i).name.clone(), place[i]))
@@ -461,4 +463,193 @@ fn sharded_variable(
 
 fn list(ps: &[Placement]) -> String {
     ps.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::DType;
+    use Placement::*;
+
+    /// x [4, 8] · w0 [8, 8] (replicated) → h0 · w1 [8, 6] (`w1`) → Relu → · w2 [6, 3] (`w2`)
+    /// + b2 [3] → Sum: a replicated layer, then Megatron's MLP.
+    fn mlp(w1: Option<Placement>, w2: Option<Placement>) -> Graph {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 8]);
+        let w0 = b.variable("w0", DType::F32, &[8, 8], "ones");
+        let v1 = b.variable("w1", DType::F32, &[8, 6], "ones");
+        let v2 = b.variable("w2", DType::F32, &[6, 3], "ones");
+        let b2 = b.variable("b2", DType::F32, &[3], "zeros");
+        for (v, p) in [(&v1, w1), (&v2, w2)] {
+            if let Some(p) = p {
+                b.set_sharding(v, p);
+            }
+        }
+        let h0 = b.matmul("h0", &x, &w0);
+        let h1 = b.matmul("h1", &h0, &v1);
+        let r = b.unary("Relu", "relu", &h1);
+        let h2 = b.matmul("h2", &r, &v2);
+        let y = b.op("BiasAdd", "y").input(&h2).input(&b2).finish();
+        b.op("Sum", "loss").input(&y).finish();
+        b.build().unwrap()
+    }
+
+    fn fetch() -> Vec<String> {
+        vec!["loss".to_string()]
+    }
+
+    #[test]
+    fn megatrons_mlp_by_hand_gets_f_before_the_column_layer_and_g_after_the_row_layer() {
+        let g = mlp(Some(Shard(1)), Some(Shard(0)));
+        let plan = propagate(&g, 2, &fetch()).unwrap();
+        let at = |n: &str| plan.placements[n];
+        assert_eq!(
+            [at("h0"), at("h1"), at("relu"), at("h2"), at("y"), at("loss")],
+            [Replicate, Shard(1), Shard(1), Partial, Replicate, Replicate]
+        );
+        assert_eq!(
+            plan.sharded,
+            [
+                ShardedVariable {
+                    name: "w1".into(),
+                    dims: vec![8, 6],
+                    axis: 1
+                },
+                ShardedVariable {
+                    name: "w2".into(),
+                    dims: vec![6, 3],
+                    axis: 0
+                }
+            ]
+        );
+        // f on h0 (trainable: it depends on w0) for the column-parallel h1; g on the partial
+        // h2 for the replicated bias. The data x gets no f (no gradient flows to it).
+        assert_eq!(
+            plan.inserts,
+            [
+                Insert {
+                    tensor: "h0".into(),
+                    kind: Inserted::Copy,
+                    consumers: vec![("h1".into(), 0)],
+                    fetched: false,
+                    bytes: Some(4 * 8 * 4),
+                },
+                Insert {
+                    tensor: "h2".into(),
+                    kind: Inserted::Reduce,
+                    consumers: vec![("y".into(), 0)],
+                    fetched: false,
+                    bytes: Some(4 * 3 * 4),
+                },
+            ]
+        );
+        // Ring all-reduce bytes at T=2: 2(T−1)/T = 1× the tensor; f backward, g forward.
+        assert_eq!(plan.inserts[0].bytes_sent(2), (Some(0), Some(128)));
+        assert_eq!(plan.inserts[1].bytes_sent(2), (Some(48), Some(0)));
+        assert_eq!(plan.inserts[1].bytes_sent(4), (Some(72), Some(0)));
+    }
+
+    #[test]
+    fn a_shard_is_gathered_where_no_rule_takes_it() {
+        // Only w1 sharded: the Relu stays sharded, the next MatMul has no rule for
+        // Shard(1) · Replicate, so its input is gathered (zero-padded shards summed by g).
+        let g = mlp(Some(Shard(1)), None);
+        let plan = propagate(&g, 2, &fetch()).unwrap();
+        assert_eq!(plan.placements["h2"], Replicate);
+        let gather = plan
+            .inserts
+            .iter()
+            .find(|i| i.kind == Inserted::Gather { dim: 1 })
+            .unwrap();
+        assert_eq!(gather.tensor, "relu");
+        assert_eq!(gather.consumers, [("h2".to_string(), 0)]);
+        assert_eq!(gather.bytes, Some(4 * 6 * 4));
+        // w2 sharded by rows under a replicated input: Replicate · Shard(0) has no rule, so
+        // the weight itself is gathered (a refusal falls back to whole inputs).
+        let plan = propagate(&mlp(None, Some(Shard(0))), 2, &fetch()).unwrap();
+        assert_eq!(plan.placements["h2"], Replicate);
+        assert_eq!(
+            plan.inserts,
+            [Insert {
+                tensor: "w2".into(),
+                kind: Inserted::Gather { dim: 0 },
+                consumers: vec![("h2".into(), 1)],
+                fetched: false,
+                bytes: Some(6 * 3 * 4),
+            }]
+        );
+    }
+
+    #[test]
+    fn a_fetched_partial_sum_is_made_whole_under_its_own_name() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 6]);
+        // A Sum over the sharded columns of a column-parallel product is partial.
+        let v = b.variable("v", DType::F32, &[6, 4], "ones");
+        b.set_sharding(&v, Shard(1));
+        let h = b.matmul("h", &x, &v);
+        b.op("Sum", "loss").input(&h).finish();
+        let g = b.build().unwrap();
+        let plan = propagate(&g, 2, &fetch()).unwrap();
+        assert_eq!(plan.placements["loss"], Partial);
+        let last = plan.inserts.last().unwrap();
+        assert_eq!(
+            (last.tensor.as_str(), last.kind, last.fetched, last.bytes),
+            ("loss", Inserted::Reduce, true, Some(4))
+        );
+    }
+
+    #[test]
+    fn placements_that_do_not_compose_are_refused_naming_the_node() {
+        // 6 columns do not divide by 4.
+        let e = propagate(&mlp(Some(Shard(1)), None), 4, &fetch()).unwrap_err();
+        assert!(e.contains("node `w1`") && e.contains("does not divide by --tp 4"), "{e}");
+        // A dimension the variable does not have.
+        let e = propagate(&mlp(Some(Shard(2)), None), 2, &fetch()).unwrap_err();
+        assert!(e.contains("node `w1`") && e.contains("no dimension 2"), "{e}");
+        // A placeholder is fed whole.
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 8]);
+        b.set_sharding(&x, Shard(0));
+        b.op("Sum", "loss").input(&x).finish();
+        let e = propagate(&b.build().unwrap(), 2, &fetch()).unwrap_err();
+        assert!(e.contains("node `x`") && e.contains("only variables"), "{e}");
+        // An op declared Shard(0) whose inputs give Shard(1).
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 8]);
+        let w = b.variable("w", DType::F32, &[8, 6], "ones");
+        b.set_sharding(&w, Shard(1));
+        let h = b.op("MatMul", "h").input(&x).input(&w).sharding(Shard(0)).finish();
+        b.op("Sum", "loss").input(&h).finish();
+        let e = propagate(&b.build().unwrap(), 2, &fetch()).unwrap_err();
+        assert!(
+            e.contains("node `h`") && e.contains("declared Shard(0)") && e.contains("give Shard(1)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_op_declared_replicate_is_made_whole_for_its_consumers() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 8]);
+        let w = b.variable("w", DType::F32, &[8, 6], "ones");
+        b.set_sharding(&w, Shard(1));
+        let h = b.op("MatMul", "h").input(&x).input(&w).sharding(Replicate).finish();
+        let r = b.unary("Relu", "r", &h);
+        b.op("Sum", "loss").input(&r).finish();
+        let plan = propagate(&b.build().unwrap(), 2, &fetch()).unwrap();
+        assert_eq!(plan.placements["h"], Shard(1));
+        assert_eq!(plan.placements["r"], Replicate);
+        assert_eq!(
+            plan.inserts,
+            [Insert {
+                tensor: "h".into(),
+                kind: Inserted::Gather { dim: 1 },
+                consumers: vec![("r".into(), 0)],
+                fetched: false,
+                bytes: Some(4 * 6 * 4),
+            }]
+        );
+    }
 }

@@ -308,7 +308,7 @@ pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, Stra
         );
     }
     let _ = writeln!(out, "placements on the tp axis (every node's outputs):");
-    for i in graph.topo_order() {
+    for i in graph.node_indices() {
         let name = &graph.node(i).name;
         if let Some(p) = plan.placements.get(name) {
             let ty = graph
