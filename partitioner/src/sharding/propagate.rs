@@ -272,6 +272,18 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
     // Ops whose declared Replicate output is made whole for every consumer (their own
     // placement, before the conversion).
     let mut forced: HashSet<NodeIndex> = HashSet::new();
+    // The sources declared sharded, in the graph's order (the first bad one is reported).
+    for i in graph.node_indices() {
+        let n = graph.node(i);
+        if !graph.inputs(i).is_empty() {
+            continue;
+        }
+        if let Some(v) = n.attrs.get(SHARDING_ATTR) {
+            if let Shard(d) = sharding_value(&n.name, v)? {
+                sharded.push(sharded_variable(graph, i, d, tp)?);
+            }
+        }
+    }
     for &i in &order {
         let n = graph.node(i);
         let declared = match n.attrs.get(SHARDING_ATTR) {
@@ -290,11 +302,8 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
             ));
         }
         if inputs.is_empty() {
-            let p = declared.unwrap_or(Replicate);
-            if let Shard(d) = p {
-                sharded.push(sharded_variable(graph, i, d, tp)?);
-            }
-            place.insert(i, p);
+            // Checked in the graph's order above.
+            place.insert(i, declared.unwrap_or(Replicate));
             continue;
         }
         let mut ins: Vec<Placement> = inputs.iter().map(|(p, _)| place[p]).collect();
@@ -402,8 +411,6 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
             insert((i, k), kind, None);
         }
     }
-    // The variables in the graph's order.
-    sharded.sort_by_key(|s| graph.find(&s.name).map(|i| i.index()));
     let placements = order
         .iter()
         .map(|i| (graph.node(*i).name.clone(), place[i]))

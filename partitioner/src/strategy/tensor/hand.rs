@@ -151,7 +151,13 @@ fn rank_graph(
     }
     // The collectives, in the plan's order (the same on every rank).
     let mut moved: HashMap<String, String> = HashMap::new();
-    for ins in &plan.inserts {
+    // The conversions first, then each `f` on what its consumer's input reads by then (a
+    // converted input that feeds a sharded op gets `f` after its `g`).
+    let (converts, copies): (Vec<_>, Vec<_>) = plan
+        .inserts
+        .iter()
+        .partition(|i| i.kind != Inserted::Copy);
+    for ins in converts {
         let (node, index) = match InputRef::parse(&ins.tensor) {
             Ok(InputRef::Data { node, index }) => (node, index),
             _ => return Err(options(format!("tensor `{}` is not a data output", ins.tensor))),
@@ -171,14 +177,14 @@ fn rank_graph(
             source = local;
         }
         let base = |what: &str| {
-            if ins.fetched && what != "tp_copy" {
+            if ins.fetched {
                 node.clone()
             } else {
                 format!("{node}/{what}")
             }
         };
         let out = match ins.kind {
-            Inserted::Copy => n.collective(&base("tp_copy"), "CollectiveTpCopy", source, false),
+            Inserted::Copy => continue,
             Inserted::Reduce => {
                 n.collective(&base("tp_reduce"), "CollectiveTpReduce", source, false)
             }
@@ -211,6 +217,33 @@ fn rank_graph(
             if let Some(i) = c.inputs.get_mut(*slot) {
                 *i = out.clone();
             }
+        }
+    }
+    let mut copied: HashMap<String, String> = HashMap::new();
+    for ins in copies {
+        for (consumer, slot) in &ins.consumers {
+            let consumer = moved.get(consumer).unwrap_or(consumer);
+            let c = def
+                .nodes
+                .iter_mut()
+                .find(|x| &x.name == consumer)
+                .ok_or_else(|| options(format!("no node `{consumer}` to rewire")))?;
+            let Some(input) = c.inputs.get_mut(*slot) else {
+                continue;
+            };
+            let f = match copied.get(input.as_str()) {
+                Some(f) => f.clone(),
+                None => {
+                    let base = match InputRef::parse(input) {
+                        Ok(InputRef::Data { node, .. }) => format!("{node}/tp_copy"),
+                        _ => "tp_copy".to_string(),
+                    };
+                    let f = n.collective(&base, "CollectiveTpCopy", input.clone(), false);
+                    copied.insert(input.clone(), f.clone());
+                    f
+                }
+            };
+            *input = f;
         }
     }
     def.nodes.extend(std::mem::take(&mut n.added));
