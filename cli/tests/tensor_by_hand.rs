@@ -30,7 +30,11 @@ fn local(
     graph: &str,
     extra: &[&str],
     dir: &Path,
-) -> (Vec<(u64, f64)>, String, BTreeMap<String, dflow::graph::Tensor>) {
+) -> (
+    Vec<(u64, f64)>,
+    String,
+    BTreeMap<String, dflow::graph::Tensor>,
+) {
     let losses = dir.join("losses.txt");
     let ckpt = dir.join("ckpt");
     let (l, c) = (
@@ -83,7 +87,14 @@ fn megatrons_mlp_by_hand_trains_like_one_process_locally_and_with_two_processes(
     let tp = dir.join("local-tp2");
     let (got, stderr, params) = local(
         BY_HAND,
-        &["--cluster", TWO_WORKERS, "--strategy", "tensor", "--tp", "2"],
+        &[
+            "--cluster",
+            TWO_WORKERS,
+            "--strategy",
+            "tensor",
+            "--tp",
+            "2",
+        ],
         &tp,
     );
     let worst = assert_same_losses(&got, &want, 1e-6);
@@ -183,7 +194,10 @@ fn deeper(dir: &Path) -> (String, String) {
              x0 = MatMul(x, w0)\n\
              layer1/matmul = MatMul(x0, w1)",
         )
-        .replace("metrics: [accuracy] }", "metrics: [accuracy], clip_global_norm: 0.5 }");
+        .replace(
+            "metrics: [accuracy] }",
+            "metrics: [accuracy], clip_global_norm: 0.5 }",
+        );
     assert!(text.contains("x0 = MatMul") && text.contains("clip_global_norm"));
     let plain: String = text
         .replace(", _sharding: \"Shard(1)\"", "")
@@ -205,8 +219,20 @@ fn a_replicated_layer_before_the_column_layer_gets_f_and_clipping_spans_the_shar
     let (by_hand, plain) = deeper(&dir);
     // The plan: f on the replicated layer's output (its gradient all-reduced backward).
     let out = stdout(&dflow(&[
-        "partition", &by_hand, "--cluster", TWO_WORKERS, "--strategy", "tensor", "--tp", "2",
-        "--features", "pixels", "--labels", "labels", "--batch-size", "32",
+        "partition",
+        &by_hand,
+        "--cluster",
+        TWO_WORKERS,
+        "--strategy",
+        "tensor",
+        "--tp",
+        "2",
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+        "--batch-size",
+        "32",
     ]));
     assert!(
         out.contains("CollectiveTpCopy on x0 → layer1/matmul[0]: f: Replicate entering a sharded op; all-reduce of its gradient backward; forward 0 B, backward 8192 B"),
@@ -215,14 +241,26 @@ fn a_replicated_layer_before_the_column_layer_gets_f_and_clipping_spans_the_shar
     let (want, _, want_params) = local(&plain, &[], &dir.join("one"));
     let (got, _, params) = local(
         &by_hand,
-        &["--cluster", TWO_WORKERS, "--strategy", "tensor", "--tp", "2"],
+        &[
+            "--cluster",
+            TWO_WORKERS,
+            "--strategy",
+            "tensor",
+            "--tp",
+            "2",
+        ],
         &dir.join("tp2"),
     );
     let worst = assert_same_losses(&got, &want, 1e-6);
     println!("deeper --local tp=2: worst relative loss difference {worst:e}");
     assert_same_parameters(&params, &want_params, 1e-6);
     let (w0, v0) = (&params["w0"], &want_params["w0"]);
-    for (p, q) in w0.as_slice::<f32>().unwrap().iter().zip(v0.as_slice::<f32>().unwrap()) {
+    for (p, q) in w0
+        .as_slice::<f32>()
+        .unwrap()
+        .iter()
+        .zip(v0.as_slice::<f32>().unwrap())
+    {
         assert!((p - q).abs() <= 1e-6, "w0: {p} vs {q}");
     }
 }

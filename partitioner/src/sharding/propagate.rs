@@ -26,9 +26,9 @@
 //! GPT rewrite's own graphs (`strategy::tensor`), so here they make their inputs whole first.
 
 use super::{rules, transition, Placement, Transition};
-use petgraph::graph::NodeIndex;
 use dflow_graph::sharding::{sharding_value, SHARDING_ATTR};
 use dflow_graph::{AttrValue, Graph, InputRef};
+use petgraph::graph::NodeIndex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
@@ -97,7 +97,9 @@ impl Insert {
 impl fmt::Display for Inserted {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Inserted::Copy => f.write_str("f: Replicate entering a sharded op; all-reduce of its gradient backward"),
+            Inserted::Copy => f.write_str(
+                "f: Replicate entering a sharded op; all-reduce of its gradient backward",
+            ),
             Inserted::Reduce => f.write_str("Partial(sum) → Replicate: all-reduce (g)"),
             Inserted::Gather { dim } => write!(
                 f,
@@ -155,12 +157,9 @@ fn rule(
     let known: Option<Vec<usize>> = ranks.iter().copied().collect();
     let ranks = known?;
     let result = match (n.op, ins) {
-        ("MatMul", [a, b]) if ranks == [2, 2] => rules::matmul(
-            *a,
-            *b,
-            attr_bool("transpose_a"),
-            attr_bool("transpose_b"),
-        ),
+        ("MatMul", [a, b]) if ranks == [2, 2] => {
+            rules::matmul(*a, *b, attr_bool("transpose_a"), attr_bool("transpose_b"))
+        }
         ("BatchMatMul", [a, b]) if ranks.iter().all(|&r| r == out_rank) => {
             rules::batch_matmul(*a, *b, out_rank)
         }
@@ -243,23 +242,24 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
             .output_type(i, k)
             .and_then(|t| Some(t.shape.num_elements()? * t.dtype.size_of()))
     };
-    let mut insert = |tensor: (NodeIndex, usize), kind: Inserted, consumer: Option<(&str, usize)>| {
-        let name = tensor_name(graph, tensor.0, tensor.1);
-        let at = *keyed.entry((name.clone(), kind)).or_insert_with(|| {
-            inserts.push(Insert {
-                tensor: name,
-                kind,
-                consumers: Vec::new(),
-                fetched: false,
-                bytes: bytes_of(tensor.0, tensor.1),
+    let mut insert =
+        |tensor: (NodeIndex, usize), kind: Inserted, consumer: Option<(&str, usize)>| {
+            let name = tensor_name(graph, tensor.0, tensor.1);
+            let at = *keyed.entry((name.clone(), kind)).or_insert_with(|| {
+                inserts.push(Insert {
+                    tensor: name,
+                    kind,
+                    consumers: Vec::new(),
+                    fetched: false,
+                    bytes: bytes_of(tensor.0, tensor.1),
+                });
+                inserts.len() - 1
             });
-            inserts.len() - 1
-        });
-        match consumer {
-            Some((c, slot)) => inserts[at].consumers.push((c.to_string(), slot)),
-            None => inserts[at].fetched = true,
-        }
-    };
+            match consumer {
+                Some((c, slot)) => inserts[at].consumers.push((c.to_string(), slot)),
+                None => inserts[at].fetched = true,
+            }
+        };
     // The transition of `p` to Replicate as an inserted op.
     let to_whole = |node: &str, p: Placement| -> Result<Option<Inserted>, String> {
         match transition(p, Replicate).map_err(|e| err(node, e))? {
@@ -318,22 +318,26 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
             }
         }
         // The rule; where it refuses, the partial sums made whole, then every input.
-        let mut whole_inputs = |ins: &mut Vec<Placement>, only_partial: bool| -> Result<(), String> {
-            for (slot, &(p, k)) in inputs.iter().enumerate() {
-                let q = ins[slot];
-                if q == Replicate || (only_partial && q != Partial) {
-                    continue;
+        let mut whole_inputs =
+            |ins: &mut Vec<Placement>, only_partial: bool| -> Result<(), String> {
+                for (slot, &(p, k)) in inputs.iter().enumerate() {
+                    let q = ins[slot];
+                    if q == Replicate || (only_partial && q != Partial) {
+                        continue;
+                    }
+                    let kind = to_whole(&graph.node(p).name, q).map_err(|e| {
+                        err(
+                            &n.name,
+                            format!("input {slot} ({q}) cannot be made whole: {e}"),
+                        )
+                    })?;
+                    if let Some(kind) = kind {
+                        insert((p, k), kind, Some((&n.name, slot)));
+                    }
+                    ins[slot] = Replicate;
                 }
-                let kind = to_whole(&graph.node(p).name, q).map_err(|e| {
-                    err(&n.name, format!("input {slot} ({q}) cannot be made whole: {e}"))
-                })?;
-                if let Some(kind) = kind {
-                    insert((p, k), kind, Some((&n.name, slot)));
-                }
-                ins[slot] = Replicate;
-            }
-            Ok(())
-        };
+                Ok(())
+            };
         let out = match rule(graph, i, &ins, &ranks) {
             None => {
                 whole_inputs(&mut ins, false)?;
@@ -354,7 +358,10 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
                     }
                 };
                 retry.map_err(|()| {
-                    err(&n.name, format!("{} of inputs placed {given}: {first}", n.op))
+                    err(
+                        &n.name,
+                        format!("{} of inputs placed {given}: {first}", n.op),
+                    )
                 })?
             }
         };
@@ -469,7 +476,10 @@ fn sharded_variable(
 }
 
 fn list(ps: &[Placement]) -> String {
-    ps.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+    ps.iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
@@ -512,7 +522,14 @@ mod tests {
         let plan = propagate(&g, 2, &fetch()).unwrap();
         let at = |n: &str| plan.placements[n];
         assert_eq!(
-            [at("h0"), at("h1"), at("relu"), at("h2"), at("y"), at("loss")],
+            [
+                at("h0"),
+                at("h1"),
+                at("relu"),
+                at("h2"),
+                at("y"),
+                at("loss")
+            ],
             [Replicate, Shard(1), Shard(1), Partial, Replicate, Replicate]
         );
         assert_eq!(
@@ -611,27 +628,43 @@ mod tests {
     fn placements_that_do_not_compose_are_refused_naming_the_node() {
         // 6 columns do not divide by 4.
         let e = propagate(&mlp(Some(Shard(1)), None), 4, &fetch()).unwrap_err();
-        assert!(e.contains("node `w1`") && e.contains("does not divide by --tp 4"), "{e}");
+        assert!(
+            e.contains("node `w1`") && e.contains("does not divide by --tp 4"),
+            "{e}"
+        );
         // A dimension the variable does not have.
         let e = propagate(&mlp(Some(Shard(2)), None), 2, &fetch()).unwrap_err();
-        assert!(e.contains("node `w1`") && e.contains("no dimension 2"), "{e}");
+        assert!(
+            e.contains("node `w1`") && e.contains("no dimension 2"),
+            "{e}"
+        );
         // A placeholder is fed whole.
         let mut b = GraphBuilder::new();
         let x = b.placeholder("x", DType::F32, &[4, 8]);
         b.set_sharding(&x, Shard(0));
         b.op("Sum", "loss").input(&x).finish();
         let e = propagate(&b.build().unwrap(), 2, &fetch()).unwrap_err();
-        assert!(e.contains("node `x`") && e.contains("only variables"), "{e}");
+        assert!(
+            e.contains("node `x`") && e.contains("only variables"),
+            "{e}"
+        );
         // An op declared Shard(0) whose inputs give Shard(1).
         let mut b = GraphBuilder::new();
         let x = b.placeholder("x", DType::F32, &[4, 8]);
         let w = b.variable("w", DType::F32, &[8, 6], "ones");
         b.set_sharding(&w, Shard(1));
-        let h = b.op("MatMul", "h").input(&x).input(&w).sharding(Shard(0)).finish();
+        let h = b
+            .op("MatMul", "h")
+            .input(&x)
+            .input(&w)
+            .sharding(Shard(0))
+            .finish();
         b.op("Sum", "loss").input(&h).finish();
         let e = propagate(&b.build().unwrap(), 2, &fetch()).unwrap_err();
         assert!(
-            e.contains("node `h`") && e.contains("declared Shard(0)") && e.contains("give Shard(1)"),
+            e.contains("node `h`")
+                && e.contains("declared Shard(0)")
+                && e.contains("give Shard(1)"),
             "{e}"
         );
     }
@@ -642,7 +675,12 @@ mod tests {
         let x = b.placeholder("x", DType::F32, &[4, 8]);
         let w = b.variable("w", DType::F32, &[8, 6], "ones");
         b.set_sharding(&w, Shard(1));
-        let h = b.op("MatMul", "h").input(&x).input(&w).sharding(Replicate).finish();
+        let h = b
+            .op("MatMul", "h")
+            .input(&x)
+            .input(&w)
+            .sharding(Replicate)
+            .finish();
         let r = b.unary("Relu", "r", &h);
         b.op("Sum", "loss").input(&r).finish();
         let plan = propagate(&b.build().unwrap(), 2, &fetch()).unwrap();

@@ -153,14 +153,17 @@ fn rank_graph(
     let mut moved: HashMap<String, String> = HashMap::new();
     // The conversions first, then each `f` on what its consumer's input reads by then (a
     // converted input that feeds a sharded op gets `f` after its `g`).
-    let (converts, copies): (Vec<_>, Vec<_>) = plan
-        .inserts
-        .iter()
-        .partition(|i| i.kind != Inserted::Copy);
+    let (converts, copies): (Vec<_>, Vec<_>) =
+        plan.inserts.iter().partition(|i| i.kind != Inserted::Copy);
     for ins in converts {
         let (node, index) = match InputRef::parse(&ins.tensor) {
             Ok(InputRef::Data { node, index }) => (node, index),
-            _ => return Err(options(format!("tensor `{}` is not a data output", ins.tensor))),
+            _ => {
+                return Err(options(format!(
+                    "tensor `{}` is not a data output",
+                    ins.tensor
+                )))
+            }
         };
         let node = moved.get(&node).cloned().unwrap_or(node);
         let mut source = if index == 0 {
@@ -196,7 +199,13 @@ fn rank_graph(
                     vec![],
                 );
                 let parts = (0..tp)
-                    .map(|q| if q == r { source.clone() } else { zeros.clone() })
+                    .map(|q| {
+                        if q == r {
+                            source.clone()
+                        } else {
+                            zeros.clone()
+                        }
+                    })
                     .collect();
                 let placed = n.add(
                     &format!("{node}/tp_placed"),
@@ -370,7 +379,9 @@ pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, Stra
         if ins.fetched {
             readers.push("fetched".into());
         }
-        let show = |b: Option<usize>| b.map_or_else(|| "? (give --batch-size)".into(), |b| format!("{b} B"));
+        let show = |b: Option<usize>| {
+            b.map_or_else(|| "? (give --batch-size)".into(), |b| format!("{b} B"))
+        };
         let _ = writeln!(
             out,
             "  {} on {} → {}: {}; forward {}, backward {}",
