@@ -3,7 +3,9 @@
 //! (`examples/digits/digits-tp.dflow`: `w1` column-parallel, `b1` with it, `w2` row-parallel)
 //! under `--strategy tensor --tp 2` trains with the losses and the parameters of the one-process
 //! run of `examples/digits/digits.dflow`, in one process (`--local`) and with 2 real processes;
-//! each rank sends exactly the all-reduce of the row-parallel layer's partial sums; placements
+//! each rank sends exactly the all-reduce of the row-parallel layer's partial sums; its
+//! checkpoint resumes in one process; a replicated layer in front gets `f` (its gradient
+//! all-reduced) and clipping spans the shards, with the same losses again; placements
 //! that do not compose, or do not parse, are refused naming the node; `dflow partition` shows
 //! every tensor's placement and the inserted collective with its bytes.
 
@@ -26,22 +28,26 @@ fn newest(dir: &Path) -> BTreeMap<String, dflow::graph::Tensor> {
 
 /// `dflow run --local GRAPH` for one epoch with `extra` flags: its losses, its stderr, and its
 /// checkpoint's tensors.
-fn local(
-    graph: &str,
-    extra: &[&str],
-    dir: &Path,
-) -> (
+/// A run's losses, stderr and checkpoint.
+type Run = (
     Vec<(u64, f64)>,
     String,
     BTreeMap<String, dflow::graph::Tensor>,
-) {
+);
+
+fn local(graph: &str, extra: &[&str], dir: &Path) -> Run {
+    local_epochs(graph, 1, extra, dir)
+}
+
+/// [`local`] for `epochs` epochs.
+fn local_epochs(graph: &str, epochs: u32, extra: &[&str], dir: &Path) -> Run {
     let losses = dir.join("losses.txt");
     let ckpt = dir.join("ckpt");
     let (l, c) = (
         losses.to_string_lossy().into_owned(),
         ckpt.to_string_lossy().into_owned(),
     );
-    let args_owned = digits_args(1);
+    let args_owned = digits_args(epochs);
     let mut args: Vec<&str> = vec!["run", "--local", graph];
     args.extend(args_owned.iter().map(String::as_str));
     args.extend(extra);
@@ -117,6 +123,30 @@ fn megatrons_mlp_by_hand_trains_like_one_process_locally_and_with_two_processes(
     let chief_end = end_of_task(&chief.stderr);
     assert_eq!(chief_end.len(), 1, "{}", chief.stderr);
     assert_eq!(chief_end[0].collective, COLLECTIVE_BYTES_PER_EPOCH);
+    // The tp=2 checkpoint holds whole tensors: one process without placements resumes from it
+    // for a second epoch and continues an uninterrupted two-epoch run.
+    let (two_epochs, _, _) = local_epochs(PLAIN, 2, &[], &dir.join("two-epochs"));
+    let losses = dir.join("resumed.txt");
+    let (l, c) = (
+        losses.to_string_lossy().into_owned(),
+        ckpt.to_string_lossy().into_owned(),
+    );
+    let args_owned = digits_args(2);
+    let mut args: Vec<&str> = vec!["run", "--local", PLAIN];
+    args.extend(args_owned.iter().map(String::as_str));
+    args.extend(["--losses-out", &l, "--checkpoint-dir", &c]);
+    stdout(&dflow(&args));
+    let resumed = read_losses(&losses);
+    let first = got.len() as u64;
+    assert!(
+        resumed.first().is_some_and(|(s, _)| *s == first + 1),
+        "{resumed:?}"
+    );
+    let tail: Vec<(u64, f64)> = two_epochs.into_iter().filter(|(s, _)| *s > first).collect();
+    let worst = assert_same_losses(&resumed, &tail, 1e-5);
+    println!(
+        "resumed in one process from the tp=2 checkpoint: worst relative difference {worst:e}"
+    );
 }
 
 #[test]
