@@ -175,6 +175,7 @@ fn rank_graph(
             // The collective takes the fetched name; the local value moves aside.
             let local = fresh(&mut n.taken, &format!("{node}/tp_local"));
             rename(&mut def.nodes, &node, &local);
+            rename(&mut n.added, &node, &local);
             n.taken.remove(&node);
             moved.insert(node.clone(), local.clone());
             source = local;
@@ -401,4 +402,110 @@ pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, Stra
         show(bwd)
     );
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::Placement::Shard;
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::train::{OptimizerKind, OptimizerSpec};
+    use dflow_graph::DType;
+
+    fn node<'a>(g: &'a ReplicaGraph, name: &str) -> &'a NodeDef {
+        g.training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node `{name}`"))
+    }
+
+    /// `y = m + Σ_rows (v · w)`: a row-sharded `m` plus a partial bias made whole by `g`, which
+    /// then enters a sharded op (so `f` follows `g`); the loss, a Sum over the sharded rows, is
+    /// partial and made whole under its own name.
+    #[test]
+    fn g_then_f_on_one_input_and_a_partial_loss_made_whole_under_its_name() {
+        let mut b = GraphBuilder::new();
+        b.placeholder("x", DType::F32, &[4, 3]);
+        b.placeholder("t", DType::F32, &[4]);
+        let v = b.variable("v", DType::F32, &[2, 6], "ones");
+        let w = b.variable("w", DType::F32, &[6, 3], "ones");
+        let m = b.variable("m", DType::F32, &[4, 3], "ones");
+        b.set_sharding(&v, Shard(1));
+        b.set_sharding(&w, Shard(0));
+        b.set_sharding(&m, Shard(0));
+        let p0 = b.matmul("p0", &v, &w);
+        let p = b
+            .op("Sum", "p")
+            .input(&p0)
+            .attr("axes", AttrValue::IntList(vec![0]))
+            .finish();
+        let y = b.binary("Add", "y", &m, &p);
+        b.op("Sum", "loss").input(&y).finish();
+        let graph = b.build().unwrap();
+        let spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        let mesh = Mesh::new(1, 2, 1).unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, "x", "t").unwrap();
+        assert_eq!(tg.graphs.len(), 2);
+        let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["v", "w", "m"]);
+        for g in &tg.graphs {
+            let y = node(g, "y");
+            let f = node(g, &y.inputs[1]);
+            assert_eq!(f.op, "CollectiveTpCopy");
+            let gg = node(g, &f.inputs[0]);
+            assert_eq!(
+                (gg.op.as_str(), gg.inputs[0].as_str()),
+                ("CollectiveTpReduce", "p")
+            );
+            let loss = node(g, "loss");
+            assert_eq!(
+                (loss.op.as_str(), loss.inputs[0].as_str()),
+                ("CollectiveTpReduce", "loss/tp_local")
+            );
+            assert_eq!(node(g, "loss/tp_local").op, "Sum");
+            // f's gradient: an all-reduce in the backward pass.
+            assert!(g
+                .training
+                .def
+                .nodes
+                .iter()
+                .any(|n| n.op == "CollectiveAllReduce"
+                    && matches!(n.attrs.get("instance_key"), Some(AttrValue::Int(k))
+                    if *k >= dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET)));
+        }
+        // Rank 1 holds its shards under their own names.
+        let shard = node(&tg.graphs[1], "m/tp_1_of_2");
+        assert_eq!(shard.attrs.get("shard_index"), Some(&AttrValue::Int(1)));
+    }
+
+    #[test]
+    fn a_data_parallel_axis_over_hand_placements_is_refused() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 2]);
+        b.placeholder("t", DType::F32, &[4]);
+        let w = b.variable("w", DType::F32, &[2, 2], "ones");
+        b.set_sharding(&w, Shard(1));
+        let h = b.matmul("h", &x, &w);
+        b.op("Sum", "loss").input(&h).finish();
+        let graph = b.build().unwrap();
+        let spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        let e = mesh_training(&graph, &spec, &Mesh::new(2, 2, 1).unwrap(), "x", "t")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one tensor-parallel group"), "{e}");
+    }
 }
