@@ -100,6 +100,16 @@ impl OpBuilder<'_> {
         self
     }
 
+    /// Declares the node's placement over the tensor-parallel ranks (the `_sharding`
+    /// attribute; see [`crate::sharding`]): a variable's layout, or an op's forced output
+    /// layout.
+    pub fn sharding(self, p: crate::sharding::Placement) -> Self {
+        self.attr(
+            crate::sharding::SHARDING_ATTR,
+            crate::sharding::sharding_attr(p),
+        )
+    }
+
     /// Requests a device (overrides the enclosing [`GraphBuilder::with_device`] scope).
     pub fn device(mut self, device: &str) -> Self {
         self.node.device = device.to_string();
@@ -183,6 +193,21 @@ impl GraphBuilder {
             .attr("shape", Shape::known(dims))
             .attr("initializer", initializer)
             .finish()
+    }
+
+    /// Declares the placement of the node `node` added earlier (see [`OpBuilder::sharding`]);
+    /// false when no node has that name.
+    pub fn set_sharding(&mut self, node: &NodeHandle, p: crate::sharding::Placement) -> bool {
+        match self.nodes.iter_mut().find(|n| n.name == node.name) {
+            Some(n) => {
+                n.attrs.insert(
+                    crate::sharding::SHARDING_ATTR.to_string(),
+                    crate::sharding::sharding_attr(p),
+                );
+                true
+            }
+            None => false,
+        }
     }
 
     /// A one-input op with no attributes.

@@ -162,6 +162,14 @@ pub enum GraphError {
         /// Producer's op.
         producer_op: String,
     },
+    /// The `_sharding` attribute does not name a placement.
+    #[error("{message}")]
+    Sharding {
+        /// Node name.
+        node: String,
+        /// What is wrong (names the node and what is accepted).
+        message: String,
+    },
     /// The op's dtype/shape rule rejected its inputs.
     #[error("node `{node}` ({op}): {message}")]
     Shape {
@@ -190,6 +198,7 @@ impl GraphError {
             | UnknownColocation { node, .. }
             | InvalidDevice { node, .. }
             | RefInput { node, .. }
+            | Sharding { node, .. }
             | Shape { node, .. } => Some(node),
             DuplicateName { name, .. } => Some(name),
             Cycle { path } => path.first().map(String::as_str),

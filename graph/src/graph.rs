@@ -742,6 +742,14 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
             Some(_) => {}
         }
     }
+    if let Some(v) = n.attrs.get(crate::sharding::SHARDING_ATTR) {
+        if let Err(message) = crate::sharding::sharding_value(&n.name, v) {
+            errs.push(GraphError::Sharding {
+                node: n.name.clone(),
+                message,
+            });
+        }
+    }
     for a in &op.attrs {
         if a.default == crate::ops::AttrDefault::Required && !n.attrs.contains_key(a.name) {
             errs.push(GraphError::MissingAttr {

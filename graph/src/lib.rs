@@ -23,6 +23,7 @@ mod name_index;
 pub mod ops;
 pub mod rendezvous_key;
 pub mod shape;
+pub mod sharding;
 pub mod tensor;
 /// The TensorFlow GraphDef importer (it lives with the other formats, in [`format`]).
 pub use format::tf_import;

@@ -399,7 +399,7 @@ fn build_node(
             errs.push(r.pos, format!("node {name:?} has no op"));
             BTreeMap::new()
         }
-        Some(op) => build_attrs(op, r.attrs, errs),
+        Some(op) => build_attrs(&name, op, r.attrs, errs),
     };
     (errs.list.len() == before).then(|| NodeDef {
         name,
@@ -412,6 +412,7 @@ fn build_node(
 }
 
 fn build_attrs(
+    node: &str,
     op: &At<String>,
     raw: Vec<(At<String>, At<Value>)>,
     errs: &mut Errors<'_>,
@@ -446,6 +447,14 @@ fn build_attrs(
             continue;
         }
         match attr_from_json(&v.v, a.ty) {
+            Ok(AttrValue::String(p)) if k.v == crate::sharding::SHARDING_ATTR => {
+                match crate::sharding::parse_sharding(&p) {
+                    Ok(_) => {
+                        out.insert(k.v, AttrValue::String(p));
+                    }
+                    Err(e) => errs.push(v.pos, format!("node {node:?}, attr {:?}: {e}", k.v)),
+                }
+            }
             Ok(val) => {
                 out.insert(k.v, val);
             }

@@ -870,3 +870,92 @@ proptest! {
         let _ = parse_dsl(&format!("dflow 1\n{s}"), None);
     }
 }
+
+#[test]
+fn sharding_attrs_round_trip_through_json_and_the_dsl() {
+    let text = "dflow 1\n\
+                w1 = Variable(dtype: f32, shape: [4, 6], initializer: zeros, _sharding: \"Shard(1)\")\n\
+                w2 = Variable(dtype: f32, shape: [6, 2], initializer: zeros, _sharding: Replicate)\n\
+                x = Placeholder(dtype: f32, shape: [-1, 4])\n\
+                h = MatMul(x, w1, _sharding: \"Shard(1)\")\n";
+    let g = parse_dsl(text, None).unwrap().def;
+    let w1 = g.nodes.iter().find(|n| n.name == "w1").unwrap();
+    assert_eq!(
+        crate::sharding::node_sharding(w1),
+        Ok(Some(crate::sharding::Placement::Shard(1)))
+    );
+    let w2 = g.nodes.iter().find(|n| n.name == "w2").unwrap();
+    assert_eq!(
+        crate::sharding::node_sharding(w2),
+        Ok(Some(crate::sharding::Placement::Replicate))
+    );
+    let d = to_dsl(&g);
+    assert!(d.contains("_sharding: \"Shard(1)\""), "{d}");
+    assert_eq!(parse_dsl(&d, None).unwrap().def, g, "{d}");
+    let j = to_json(&g);
+    assert!(j.contains("\"_sharding\": \"Shard(1)\""), "{j}");
+    assert_eq!(parse_json(&j, None).unwrap().def, g, "{j}");
+    // The validated graph keeps the attribute.
+    let graph = crate::Graph::from_def(&g).unwrap();
+    assert!(graph
+        .to_def()
+        .nodes
+        .iter()
+        .any(|n| n.attrs.contains_key("_sharding")));
+}
+
+#[test]
+fn a_bad_sharding_attr_is_refused_naming_the_node_and_what_is_accepted() {
+    let e = errs_dsl(
+        "dflow 1\nw1 = Variable(dtype: f32, shape: [4], initializer: zeros, _sharding: \"Split(0)\")\n",
+    );
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert_eq!(
+        e[0].message,
+        "node \"w1\", attr \"_sharding\": unknown placement \"Split(0)\"; write Shard(d) or \
+         Replicate (d: a dimension of the tensor, from 0)"
+    );
+    assert_eq!(e[0].line, 2);
+    let e = errs_json(
+        r#"{"format": "dflow-graph", "version": 1, "nodes": [
+            {"name": "w", "op": "Variable", "attrs": {"dtype": "f32", "shape": [2],
+             "initializer": "zeros", "_sharding": "Partial(sum)"}}]}"#,
+    );
+    assert!(
+        e[0].message.contains("node \"w\"") && e[0].message.contains("not declared"),
+        "{e:?}"
+    );
+    // A graph built in memory is checked by validation, naming the node.
+    let mut w = node("w", "Variable", &[]);
+    w.attrs.insert("dtype".into(), DType::F32.into());
+    w.attrs.insert("shape".into(), Shape::known(&[2]).into());
+    w.attrs.insert("initializer".into(), "zeros".into());
+    w.attrs.insert("_sharding".into(), "Shard(one)".into());
+    let def = GraphDef {
+        nodes: vec![w],
+        ..GraphDef::default()
+    };
+    let e = crate::Graph::from_def(&def).unwrap_err().to_string();
+    assert!(e.contains("node `w`") && e.contains("Shard(d)"), "{e}");
+}
+
+#[test]
+fn the_builder_declares_placements() {
+    use crate::builder::GraphBuilder;
+    use crate::sharding::Placement;
+    let mut b = GraphBuilder::new();
+    let w = b.variable("w", DType::F32, &[4, 6], "zeros");
+    assert!(b.set_sharding(&w, Placement::Shard(1)));
+    let x = b.placeholder("x", DType::F32, &[-1, 4]);
+    b.op("MatMul", "h")
+        .input(&x)
+        .input(&w)
+        .sharding(Placement::Replicate)
+        .finish();
+    let g = b.build().unwrap().to_def();
+    let get =
+        |n: &str| crate::sharding::node_sharding(g.nodes.iter().find(|x| x.name == n).unwrap());
+    assert_eq!(get("w"), Ok(Some(Placement::Shard(1))));
+    assert_eq!(get("h"), Ok(Some(Placement::Replicate)));
+    assert_eq!(get("x"), Ok(None));
+}

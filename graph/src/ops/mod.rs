@@ -369,8 +369,12 @@ impl OpDef {
     }
 
     /// The declaration of attribute `name`.
+    /// Every op also accepts [`crate::sharding::SHARDING_ATTR`] (a placement written on the
+    /// graph), which it does not list in `attrs`.
     pub fn attr(&self, name: &str) -> Option<&AttrDef> {
-        self.attrs.iter().find(|a| a.name == name)
+        self.attrs.iter().find(|a| a.name == name).or_else(|| {
+            (name == crate::sharding::SHARDING_ATTR).then_some(&crate::sharding::SHARDING_ATTR_DEF)
+        })
     }
 
     /// True when the last input is repeated.

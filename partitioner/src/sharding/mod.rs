@@ -18,30 +18,12 @@
 //! Replicate → Partial (keep the value on rank 0, zeros elsewhere) and Shard → Partial are
 //! never needed by the rules here and are refused.
 
+pub mod propagate;
 pub mod rules;
 
 use std::fmt;
 
-/// How a tensor lies over the ranks of one mesh axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Placement {
-    /// Rank `r` holds the `r`-th of `N` equal slices along this dimension.
-    Shard(usize),
-    /// Every rank holds the whole tensor.
-    Replicate,
-    /// Every rank holds a tensor of the whole shape; the value is their element-wise sum.
-    Partial,
-}
-
-impl fmt::Display for Placement {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Placement::Shard(d) => write!(f, "Shard({d})"),
-            Placement::Replicate => f.write_str("Replicate"),
-            Placement::Partial => f.write_str("Partial(sum)"),
-        }
-    }
-}
+pub use dflow_graph::sharding::Placement;
 
 /// The collective that changes a tensor's placement (see the module's table).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -47,6 +47,7 @@
 //! MoE blocks, a pipeline axis.
 
 mod data;
+pub mod hand;
 
 use super::allreduce::{check_job, fresh, node, worker_device};
 use super::{
@@ -536,6 +537,9 @@ pub fn mesh_training(
         return Err(options(format!(
             "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
         )));
+    }
+    if hand::declares_placements(graph) {
+        return hand::mesh_training(graph, spec, mesh, features, labels);
     }
     let tp = mesh.tp;
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
@@ -1332,6 +1336,9 @@ pub fn render_tensor_plan(
         }
     }
     let graph = Graph::from_def(&def).map_err(StrategyError::InvalidGraph)?;
+    if hand::declares_placements(&graph) {
+        return hand::render(&graph, spec, tp);
+    }
     let tg = tensor_training(&graph, spec, tp, features, labels)?;
     let mut out = String::new();
     let _ = writeln!(

@@ -1,0 +1,296 @@
+//! Tensor parallelism from placements written by hand (`_sharding`, docs/tensor-parallel.md
+//! "Placements by hand"): the digits MLP with Megatron's MLP layout declared on its weights
+//! (`examples/digits/digits-tp.dflow`: `w1` column-parallel, `b1` with it, `w2` row-parallel)
+//! under `--strategy tensor --tp 2` trains with the losses and the parameters of the one-process
+//! run of `examples/digits/digits.dflow`, in one process (`--local`) and with 2 real processes;
+//! each rank sends exactly the all-reduce of the row-parallel layer's partial sums; its
+//! checkpoint resumes in one process; a replicated layer in front gets `f` (its gradient
+//! all-reduced) and clipping spans the shards, with the same losses again; placements
+//! that do not compose, or do not parse, are refused naming the node; `dflow partition` shows
+//! every tensor's placement and the inserted collective with its bytes.
+
+mod support;
+
+use dflow::executor::checkpoint;
+use std::collections::BTreeMap;
+use std::path::Path;
+use support::*;
+
+const PLAIN: &str = "examples/digits/digits.dflow";
+const BY_HAND: &str = "examples/digits/digits-tp.dflow";
+const TWO_WORKERS: &str = "examples/digits/cluster-allreduce.json";
+
+/// The newest checkpoint's tensors in `dir`.
+fn newest(dir: &Path) -> BTreeMap<String, dflow::graph::Tensor> {
+    let path = checkpoint::latest(dir).unwrap().expect("a checkpoint");
+    checkpoint::load(&path).unwrap().tensors
+}
+
+/// `dflow run --local GRAPH` for one epoch with `extra` flags: its losses, its stderr, and its
+/// checkpoint's tensors.
+/// A run's losses, stderr and checkpoint.
+type Run = (
+    Vec<(u64, f64)>,
+    String,
+    BTreeMap<String, dflow::graph::Tensor>,
+);
+
+fn local(graph: &str, extra: &[&str], dir: &Path) -> Run {
+    local_epochs(graph, 1, extra, dir)
+}
+
+/// [`local`] for `epochs` epochs.
+fn local_epochs(graph: &str, epochs: u32, extra: &[&str], dir: &Path) -> Run {
+    let losses = dir.join("losses.txt");
+    let ckpt = dir.join("ckpt");
+    let (l, c) = (
+        losses.to_string_lossy().into_owned(),
+        ckpt.to_string_lossy().into_owned(),
+    );
+    let args_owned = digits_args(epochs);
+    let mut args: Vec<&str> = vec!["run", "--local", graph];
+    args.extend(args_owned.iter().map(String::as_str));
+    args.extend(extra);
+    args.extend(["--losses-out", &l, "--checkpoint-dir", &c]);
+    let out = dflow(&args);
+    stdout(&out);
+    (
+        read_losses(&losses),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        newest(&ckpt),
+    )
+}
+
+/// Asserts the checkpoints hold the same whole tensors (f32) within `tol`.
+fn assert_same_parameters(
+    a: &BTreeMap<String, dflow::graph::Tensor>,
+    b: &BTreeMap<String, dflow::graph::Tensor>,
+    tol: f32,
+) {
+    for name in ["w1", "b1", "w2", "b2"] {
+        let (x, y) = (&a[name], &b[name]);
+        assert_eq!(x.dims(), y.dims(), "{name}");
+        let (x, y) = (x.as_slice::<f32>().unwrap(), y.as_slice::<f32>().unwrap());
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            assert!((p - q).abs() <= tol, "{name}[{i}]: {p} vs {q}");
+        }
+    }
+}
+
+/// Per step, each rank all-reduces the row-parallel layer's partial logits `[rows, 10]` f32
+/// once (ring over 2 ranks: 2(T−1)/T = 1× the tensor) and nothing else: one epoch of the 1,438
+/// training rows in batches of 32 is 44 full batches and one of 30.
+const COLLECTIVE_BYTES_PER_EPOCH: u64 = 44 * 32 * 10 * 4 + 30 * 10 * 4;
+
+#[test]
+fn megatrons_mlp_by_hand_trains_like_one_process_locally_and_with_two_processes() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand");
+    let one = dir.join("one");
+    let (want, _, want_params) = local(PLAIN, &[], &one);
+    assert!(want.len() >= 3, "{want:?}");
+    // --local: both ranks in one process.
+    let tp = dir.join("local-tp2");
+    let (got, stderr, params) = local(
+        BY_HAND,
+        &[
+            "--cluster",
+            TWO_WORKERS,
+            "--strategy",
+            "tensor",
+            "--tp",
+            "2",
+        ],
+        &tp,
+    );
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("--local tp=2: worst relative loss difference {worst:e}");
+    // The checkpoint holds whole tensors under the one-process names.
+    assert_same_parameters(&params, &want_params, 1e-6);
+    let ends = end_of_task(&stderr);
+    assert_eq!(ends.len(), 2, "{stderr}");
+    for e in &ends {
+        assert_eq!(e.collective, COLLECTIVE_BYTES_PER_EPOCH, "{}", e.task);
+    }
+    // Two real processes.
+    let mut flags = digits_args(1);
+    flags.extend(["--strategy", "tensor", "--tp", "2"].map(String::from));
+    let ckpt = dir.join("procs-ckpt");
+    let (got, chief) = worker_job(Path::new(BY_HAND), 2, &flags, &ckpt);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("2 processes tp=2: worst relative loss difference {worst:e}");
+    assert_same_parameters(&newest(&ckpt), &want_params, 1e-6);
+    let chief_end = end_of_task(&chief.stderr);
+    assert_eq!(chief_end.len(), 1, "{}", chief.stderr);
+    assert_eq!(chief_end[0].collective, COLLECTIVE_BYTES_PER_EPOCH);
+    // The tp=2 checkpoint holds whole tensors: one process without placements resumes from it
+    // for a second epoch and continues an uninterrupted two-epoch run.
+    let (two_epochs, _, _) = local_epochs(PLAIN, 2, &[], &dir.join("two-epochs"));
+    let losses = dir.join("resumed.txt");
+    let (l, c) = (
+        losses.to_string_lossy().into_owned(),
+        ckpt.to_string_lossy().into_owned(),
+    );
+    let args_owned = digits_args(2);
+    let mut args: Vec<&str> = vec!["run", "--local", PLAIN];
+    args.extend(args_owned.iter().map(String::as_str));
+    args.extend(["--losses-out", &l, "--checkpoint-dir", &c]);
+    stdout(&dflow(&args));
+    let resumed = read_losses(&losses);
+    let first = got.len() as u64;
+    assert!(
+        resumed.first().is_some_and(|(s, _)| *s == first + 1),
+        "{resumed:?}"
+    );
+    let tail: Vec<(u64, f64)> = two_epochs.into_iter().filter(|(s, _)| *s > first).collect();
+    let worst = assert_same_losses(&resumed, &tail, 1e-5);
+    println!(
+        "resumed in one process from the tp=2 checkpoint: worst relative difference {worst:e}"
+    );
+}
+
+#[test]
+fn placements_that_do_not_fit_are_refused_naming_the_node() {
+    let dir = scratch("tensor-by-hand-bad");
+    // 32 columns of w1 do not divide by 3.
+    let three = dir.join("cluster-3.json");
+    std::fs::write(
+        &three,
+        r#"{"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}"#,
+    )
+    .unwrap();
+    let args_owned = digits_args(1);
+    let mut args: Vec<&str> = vec!["run", "--local", BY_HAND];
+    args.extend(args_owned.iter().map(String::as_str));
+    let three_s = three.to_string_lossy().into_owned();
+    args.extend(["--cluster", &three_s, "--strategy", "tensor", "--tp", "3"]);
+    let out = dflow(&args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("node `w1`: Shard(1): dimension 1 of shape [64, 32] is 32, which does not divide by --tp 3"),
+        "{err}"
+    );
+    // An unknown placement: the file is refused at its position, naming the node.
+    let text = std::fs::read_to_string(repo().join(BY_HAND))
+        .unwrap()
+        .replace("\"Shard(0)\")", "\"Split(0)\")");
+    let bad = dir.join("bad.dflow");
+    std::fs::write(&bad, text).unwrap();
+    let bad_s = bad.to_string_lossy().into_owned();
+    let out = dflow(&["check", &bad_s]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("node \"b1\"")
+            && err.contains("unknown placement \"Split(0)\"")
+            && err.contains("Shard(d) or Replicate"),
+        "{err}"
+    );
+}
+
+#[test]
+fn partition_shows_each_tensors_placement_and_the_inserted_collectives_with_bytes() {
+    let out = stdout(&dflow(&[
+        "partition",
+        BY_HAND,
+        "--cluster",
+        TWO_WORKERS,
+        "--strategy",
+        "tensor",
+        "--tp",
+        "2",
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+        "--batch-size",
+        "32",
+    ]));
+    let at = out
+        .find("tensor parallelism by hand")
+        .unwrap_or_else(|| panic!("no tensor section in:\n{out}"));
+    insta::assert_snapshot!(&out[at..]);
+}
+
+/// The digits MLP with a replicated layer `w0` in front of the column-parallel `w1`, clipped by
+/// the global norm: with and without the placements of `digits-tp.dflow`.
+fn deeper(dir: &Path) -> (String, String) {
+    let text = std::fs::read_to_string(repo().join(BY_HAND))
+        .unwrap()
+        .replace(
+            "layer1/matmul = MatMul(x, w1)",
+            "w0 = Variable(dtype: f32, initializer: glorot_uniform, seed: 3, shape: [64, 64])\n\
+             x0 = MatMul(x, w0)\n\
+             layer1/matmul = MatMul(x0, w1)",
+        )
+        .replace(
+            "metrics: [accuracy] }",
+            "metrics: [accuracy], clip_global_norm: 0.5 }",
+        );
+    assert!(text.contains("x0 = MatMul") && text.contains("clip_global_norm"));
+    let plain: String = text
+        .replace(", _sharding: \"Shard(1)\"", "")
+        .replace(", _sharding: \"Shard(0)\"", "");
+    assert!(!plain.contains("_sharding"));
+    let (a, b) = (dir.join("deeper-tp.dflow"), dir.join("deeper.dflow"));
+    std::fs::write(&a, text).unwrap();
+    std::fs::write(&b, plain).unwrap();
+    (
+        a.to_string_lossy().into_owned(),
+        b.to_string_lossy().into_owned(),
+    )
+}
+
+#[test]
+fn a_replicated_layer_before_the_column_layer_gets_f_and_clipping_spans_the_shards() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-deeper");
+    let (by_hand, plain) = deeper(&dir);
+    // The plan: f on the replicated layer's output (its gradient all-reduced backward).
+    let out = stdout(&dflow(&[
+        "partition",
+        &by_hand,
+        "--cluster",
+        TWO_WORKERS,
+        "--strategy",
+        "tensor",
+        "--tp",
+        "2",
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+        "--batch-size",
+        "32",
+    ]));
+    assert!(
+        out.contains("CollectiveTpCopy on x0 → layer1/matmul[0]: f: Replicate entering a sharded op; all-reduce of its gradient backward; forward 0 B, backward 8192 B"),
+        "{out}"
+    );
+    let (want, _, want_params) = local(&plain, &[], &dir.join("one"));
+    let (got, _, params) = local(
+        &by_hand,
+        &[
+            "--cluster",
+            TWO_WORKERS,
+            "--strategy",
+            "tensor",
+            "--tp",
+            "2",
+        ],
+        &dir.join("tp2"),
+    );
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("deeper --local tp=2: worst relative loss difference {worst:e}");
+    assert_same_parameters(&params, &want_params, 1e-6);
+    let (w0, v0) = (&params["w0"], &want_params["w0"]);
+    for (p, q) in w0
+        .as_slice::<f32>()
+        .unwrap()
+        .iter()
+        .zip(v0.as_slice::<f32>().unwrap())
+    {
+        assert!((p - q).abs() <= 1e-6, "w0: {p} vs {q}");
+    }
+}

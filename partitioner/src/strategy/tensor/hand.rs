@@ -1,0 +1,511 @@
+//! Tensor parallelism from placements written by hand: `--strategy tensor --tp T` on a graph
+//! whose nodes declare `_sharding` (any graph, the GPT included; a graph with none gets the
+//! GPT's Megatron rewrite). [`crate::sharding::propagate`] derives every tensor's placement
+//! and the collectives to insert; this module writes them into each rank's forward graph:
+//!
+//! - a variable declared `Shard(d)` becomes rank `r`'s `{name}/tp_{r}_of_{T}`, initialised as
+//!   its slice of the one-process value (`shard_parts`), listed in [`JobPlan::sharded`]
+//!   (through [`super::sharded_variables`]) so checkpoints hold whole tensors;
+//! - `f` (`CollectiveTpCopy`), `g` (`CollectiveTpReduce`) and the all-gather (the rank's
+//!   shard placed in zeros, `Concat`, then `g`) before the consumers that need them; a fetched
+//!   tensor (the loss, a metric) that is not whole is renamed `{name}/tp_local` and `g` takes
+//!   its name, so the job fetches the same names;
+//! - then the training step by autodiff, clipping across the shards and the collectives
+//!   chained, as the GPT rewrite does; evaluation runs on worker 0 on the assembled weights.
+//!
+//! One tensor-parallel group only: a data-parallel axis over hand-placed groups is refused.
+//!
+//! [`JobPlan::sharded`]: crate::job::JobPlan
+
+use super::super::allreduce::{check_job, fresh, worker_device};
+use super::{
+    add_eval_copy, chain_collectives, clip_across_shards, options, prune, shard_name,
+    shard_variable, Nodes, ShardedWeight, TensorGraphs, GROUP,
+};
+use crate::mesh::Mesh;
+use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
+use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
+use dflow_graph::axis_split::AxisSplit;
+use dflow_graph::train::{expand_training_graph, TrainSpec};
+use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
+use std::collections::HashMap;
+
+pub use crate::sharding::propagate::declares_placements;
+
+/// The tensors the job fetches: the loss and the metrics.
+fn fetched(spec: &TrainSpec) -> Vec<String> {
+    let mut f = vec![spec.loss.clone()];
+    f.extend(spec.metrics.iter().cloned());
+    f
+}
+
+/// The placements of `graph` over `tp` ranks (errors name the node).
+pub fn plan(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<PlacementPlan, StrategyError> {
+    propagate(graph, tp, &fetched(spec)).map_err(|e| options(format!("placements by hand: {e}")))
+}
+
+/// The sharded weights of `plan`, cut in `tp` equal parts.
+fn weights(plan: &PlacementPlan) -> Vec<ShardedWeight> {
+    plan.sharded
+        .iter()
+        .map(|s| ShardedWeight {
+            name: s.name.clone(),
+            dims: s.dims.clone(),
+            split: AxisSplit {
+                axis: s.axis,
+                blocks: 1,
+                parts: plan.tp,
+                padded: s.dims[s.axis],
+            },
+        })
+        .collect()
+}
+
+/// The training graphs of `graph` with hand placements on `mesh` (tensor axis only), one per
+/// rank on worker task `r`.
+pub(super) fn mesh_training(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    features: &str,
+    labels: &str,
+) -> Result<TensorGraphs, StrategyError> {
+    if mesh.pp != 1 || mesh.dp != 1 {
+        return Err(options(format!(
+            "mesh {mesh}: a graph with placements written by hand (`_sharding`) runs on one \
+             tensor-parallel group: use --tp equal to the worker count, with no dp or pp axis"
+        )));
+    }
+    let tp = mesh.tp;
+    check_job(graph, spec, tp, features, labels)?;
+    let plan = plan(graph, spec, tp)?;
+    let shards = weights(&plan);
+    let forward = graph.to_def();
+    let mut graphs = Vec::with_capacity(tp);
+    for r in 0..tp {
+        let mut g = rank_graph(&forward, &plan, &shards, spec, r, features, labels)?;
+        if r == 0 {
+            add_eval_copy(&mut g, &forward, &shards, spec, tp)?;
+        }
+        graphs.push(g);
+    }
+    Ok(TensorGraphs { graphs, shards })
+}
+
+/// Renames node `from` to `to` and every reference to it.
+fn rename(nodes: &mut [NodeDef], from: &str, to: &str) {
+    for d in nodes.iter_mut() {
+        if d.name == from {
+            d.name = to.to_string();
+        }
+        for i in &mut d.inputs {
+            match InputRef::parse(i) {
+                Ok(InputRef::Data { node, index }) if node == from => {
+                    *i = if index == 0 {
+                        to.to_string()
+                    } else {
+                        format!("{to}:{index}")
+                    };
+                }
+                Ok(InputRef::Control(node)) if node == from => *i = format!("^{to}"),
+                _ => {}
+            }
+        }
+    }
+}
+
+fn rank_graph(
+    forward: &GraphDef,
+    plan: &PlacementPlan,
+    shards: &[ShardedWeight],
+    spec: &TrainSpec,
+    r: usize,
+    features: &str,
+    labels: &str,
+) -> Result<ReplicaGraph, StrategyError> {
+    let tp = plan.tp;
+    let device = worker_device("", "", r)?;
+    let mut def = forward.clone();
+    def.train = None;
+    let mut n = Nodes {
+        taken: def.nodes.iter().map(|x| x.name.clone()).collect(),
+        added: Vec::new(),
+        device: device.clone(),
+        instance: 1,
+        group: GROUP.to_string(),
+    };
+    // The shards, drawn as their part of the whole variable (renamed below).
+    let mut renames: HashMap<String, String> = HashMap::new();
+    for s in shards {
+        let name = shard_name(&s.name, r, tp);
+        if !n.taken.insert(name.clone()) {
+            return Err(StrategyError::NameTaken {
+                node: s.name.clone(),
+                name,
+            });
+        }
+        if let Some(v) = def.nodes.iter_mut().find(|x| x.name == s.name) {
+            shard_variable(v, s, r);
+        }
+        renames.insert(s.name.clone(), name);
+    }
+    // The collectives, in the plan's order (the same on every rank).
+    let mut moved: HashMap<String, String> = HashMap::new();
+    // The conversions first, then each `f` on what its consumer's input reads by then (a
+    // converted input that feeds a sharded op gets `f` after its `g`).
+    let (converts, copies): (Vec<_>, Vec<_>) =
+        plan.inserts.iter().partition(|i| i.kind != Inserted::Copy);
+    for ins in converts {
+        let (node, index) = match InputRef::parse(&ins.tensor) {
+            Ok(InputRef::Data { node, index }) => (node, index),
+            _ => {
+                return Err(options(format!(
+                    "tensor `{}` is not a data output",
+                    ins.tensor
+                )))
+            }
+        };
+        let node = moved.get(&node).cloned().unwrap_or(node);
+        let mut source = if index == 0 {
+            node.clone()
+        } else {
+            format!("{node}:{index}")
+        };
+        if ins.fetched {
+            // The collective takes the fetched name; the local value moves aside.
+            let local = fresh(&mut n.taken, &format!("{node}/tp_local"));
+            rename(&mut def.nodes, &node, &local);
+            rename(&mut n.added, &node, &local);
+            n.taken.remove(&node);
+            moved.insert(node.clone(), local.clone());
+            source = local;
+        }
+        let base = |what: &str| {
+            if ins.fetched {
+                node.clone()
+            } else {
+                format!("{node}/{what}")
+            }
+        };
+        let out = match ins.kind {
+            Inserted::Copy => continue,
+            Inserted::Reduce => {
+                n.collective(&base("tp_reduce"), "CollectiveTpReduce", source, false)
+            }
+            Inserted::Gather { dim } => {
+                let zeros = n.add(
+                    &format!("{node}/tp_zeros"),
+                    "ZerosLike",
+                    vec![source.clone()],
+                    vec![],
+                );
+                let parts = (0..tp)
+                    .map(|q| {
+                        if q == r {
+                            source.clone()
+                        } else {
+                            zeros.clone()
+                        }
+                    })
+                    .collect();
+                let placed = n.add(
+                    &format!("{node}/tp_placed"),
+                    "Concat",
+                    parts,
+                    vec![("axis", AttrValue::Int(dim as i64))],
+                );
+                n.collective(&base("tp_gather"), "CollectiveTpReduce", placed, false)
+            }
+        };
+        for (consumer, slot) in &ins.consumers {
+            let consumer = moved.get(consumer).unwrap_or(consumer);
+            let c = def
+                .nodes
+                .iter_mut()
+                .find(|x| &x.name == consumer)
+                .ok_or_else(|| options(format!("no node `{consumer}` to rewire")))?;
+            if let Some(i) = c.inputs.get_mut(*slot) {
+                *i = out.clone();
+            }
+        }
+    }
+    let mut copied: HashMap<String, String> = HashMap::new();
+    for ins in copies {
+        for (consumer, slot) in &ins.consumers {
+            let consumer = moved.get(consumer).unwrap_or(consumer);
+            let c = def
+                .nodes
+                .iter_mut()
+                .find(|x| &x.name == consumer)
+                .ok_or_else(|| options(format!("no node `{consumer}` to rewire")))?;
+            let Some(input) = c.inputs.get_mut(*slot) else {
+                continue;
+            };
+            let f = match copied.get(input.as_str()) {
+                Some(f) => f.clone(),
+                None => {
+                    let base = match InputRef::parse(input) {
+                        Ok(InputRef::Data { node, .. }) => format!("{node}/tp_copy"),
+                        _ => "tp_copy".to_string(),
+                    };
+                    let f = n.collective(&base, "CollectiveTpCopy", input.clone(), false);
+                    copied.insert(input.clone(), f.clone());
+                    f
+                }
+            };
+            *input = f;
+        }
+    }
+    def.nodes.extend(std::mem::take(&mut n.added));
+    // Renamed shards; everything on the rank.
+    for d in &mut def.nodes {
+        if let Some(new) = renames.get(&d.name) {
+            d.name = new.clone();
+        }
+        for i in &mut d.inputs {
+            let (name, prefix, suffix) = match InputRef::parse(i) {
+                Ok(InputRef::Data { node, index }) => {
+                    let suffix = if index == 0 {
+                        String::new()
+                    } else {
+                        format!(":{index}")
+                    };
+                    (node, "", suffix)
+                }
+                Ok(InputRef::Control(node)) => (node, "^", String::new()),
+                Err(_) => continue,
+            };
+            if let Some(new) = renames.get(&name) {
+                *i = format!("{prefix}{new}{suffix}");
+            }
+        }
+        d.device = worker_device(&d.name, &d.device, r)?;
+        d.colocate_with.clear();
+    }
+    let mut keep = fetched(spec);
+    keep.push(features.to_string());
+    keep.push(labels.to_string());
+    prune(&mut def, &keep);
+    // Clipping across the shards below (with no shard, the expansion's own clipping).
+    let (mut training, _) = expand_training_graph(
+        &def,
+        &TrainSpec {
+            clip_global_norm: spec.clip_global_norm.filter(|_| renames.is_empty()),
+            ..spec.clone()
+        },
+    )?;
+    let mut n = Nodes {
+        taken: training.def.nodes.iter().map(|x| x.name.clone()).collect(),
+        added: Vec::new(),
+        device,
+        instance: n.instance,
+        group: GROUP.to_string(),
+    };
+    if let Some(clip) = spec.clip_global_norm.filter(|_| !renames.is_empty()) {
+        clip_across_shards(&mut training, &mut n, &renames, clip);
+    }
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    chain_collectives(&mut training)?;
+    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    Ok(ReplicaGraph {
+        training,
+        graph,
+        replicas: vec![ReplicaFeeds {
+            worker: 0,
+            features: features.to_string(),
+            labels: labels.to_string(),
+            weight: None,
+        }],
+        eval: EvalNames {
+            features: features.to_string(),
+            labels: labels.to_string(),
+            loss: spec.loss.clone(),
+            metrics: spec.metrics.clone(),
+        },
+        step_metrics: Vec::new(),
+    })
+}
+
+/// `dflow partition --strategy tensor`'s section for a graph with hand placements: every
+/// tensor's placement on the tensor-parallel axis and every inserted collective with the bytes
+/// each rank sends per step (ring all-reduce, `2(T−1)/T` of the tensor). `graph` has the batch
+/// dimension filled in where known.
+pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, StrategyError> {
+    use std::fmt::Write as _;
+    let plan = plan(graph, spec, tp)?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\ntensor parallelism by hand: tp={tp} over group `{GROUP}` (placements declared by \
+         _sharding; docs/tensor-parallel.md)"
+    );
+    let _ = writeln!(out, "sharded variables:");
+    for s in weights(&plan) {
+        let _ = writeln!(
+            out,
+            "  {} {:?}: Shard({}); {:?} per rank",
+            s.name,
+            s.dims,
+            s.split.axis,
+            s.split.shard_dims(&s.dims)
+        );
+    }
+    let _ = writeln!(out, "placements on the tp axis (every node's outputs):");
+    for i in graph.node_indices() {
+        let name = &graph.node(i).name;
+        if let Some(p) = plan.placements.get(name) {
+            let ty = graph
+                .output_type(i, 0)
+                .map_or_else(|| "no output".to_string(), |t| t.to_string());
+            let _ = writeln!(out, "  {name} {ty}: {p}");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "collectives inserted (bytes each rank sends per step, ring):"
+    );
+    let (mut fwd, mut bwd) = (Some(0usize), Some(0usize));
+    let add = |t: &mut Option<usize>, b: Option<usize>| {
+        *t = t.zip(b).map(|(x, y)| x + y);
+    };
+    for ins in &plan.inserts {
+        let (f, b) = ins.bytes_sent(tp);
+        add(&mut fwd, f);
+        add(&mut bwd, b);
+        let mut readers: Vec<String> = ins
+            .consumers
+            .iter()
+            .map(|(c, slot)| format!("{c}[{slot}]"))
+            .collect();
+        if ins.fetched {
+            readers.push("fetched".into());
+        }
+        let show = |b: Option<usize>| {
+            b.map_or_else(|| "? (give --batch-size)".into(), |b| format!("{b} B"))
+        };
+        let _ = writeln!(
+            out,
+            "  {} on {} → {}: {}; forward {}, backward {}",
+            ins.op(),
+            ins.tensor,
+            readers.join(", "),
+            ins.kind,
+            show(f),
+            show(b)
+        );
+    }
+    let show = |b: Option<usize>| b.map_or_else(|| "?".to_string(), |b| b.to_string());
+    let _ = writeln!(
+        out,
+        "bytes each rank sends per step: forward {} B, backward {} B (clipping's scalar not counted)",
+        show(fwd),
+        show(bwd)
+    );
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::Placement::Shard;
+    use dflow_graph::builder::GraphBuilder;
+    use dflow_graph::train::{OptimizerKind, OptimizerSpec};
+    use dflow_graph::DType;
+
+    fn node<'a>(g: &'a ReplicaGraph, name: &str) -> &'a NodeDef {
+        g.training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .unwrap_or_else(|| panic!("no node `{name}`"))
+    }
+
+    /// `y = m + Σ_rows (v · w)`: a row-sharded `m` plus a partial bias made whole by `g`, which
+    /// then enters a sharded op (so `f` follows `g`); the loss, a Sum over the sharded rows, is
+    /// partial and made whole under its own name.
+    #[test]
+    fn g_then_f_on_one_input_and_a_partial_loss_made_whole_under_its_name() {
+        let mut b = GraphBuilder::new();
+        b.placeholder("x", DType::F32, &[4, 3]);
+        b.placeholder("t", DType::F32, &[4]);
+        let v = b.variable("v", DType::F32, &[2, 6], "ones");
+        let w = b.variable("w", DType::F32, &[6, 3], "ones");
+        let m = b.variable("m", DType::F32, &[4, 3], "ones");
+        b.set_sharding(&v, Shard(1));
+        b.set_sharding(&w, Shard(0));
+        b.set_sharding(&m, Shard(0));
+        let p0 = b.matmul("p0", &v, &w);
+        let p = b
+            .op("Sum", "p")
+            .input(&p0)
+            .attr("axes", AttrValue::IntList(vec![0]))
+            .finish();
+        let y = b.binary("Add", "y", &m, &p);
+        b.op("Sum", "loss").input(&y).finish();
+        let graph = b.build().unwrap();
+        let spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        let mesh = Mesh::new(1, 2, 1).unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, "x", "t").unwrap();
+        assert_eq!(tg.graphs.len(), 2);
+        let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["v", "w", "m"]);
+        for g in &tg.graphs {
+            let y = node(g, "y");
+            let f = node(g, &y.inputs[1]);
+            assert_eq!(f.op, "CollectiveTpCopy");
+            let gg = node(g, &f.inputs[0]);
+            assert_eq!(
+                (gg.op.as_str(), gg.inputs[0].as_str()),
+                ("CollectiveTpReduce", "p")
+            );
+            let loss = node(g, "loss");
+            assert_eq!(
+                (loss.op.as_str(), loss.inputs[0].as_str()),
+                ("CollectiveTpReduce", "loss/tp_local")
+            );
+            assert_eq!(node(g, "loss/tp_local").op, "Sum");
+            // f's gradient: an all-reduce in the backward pass.
+            assert!(g
+                .training
+                .def
+                .nodes
+                .iter()
+                .any(|n| n.op == "CollectiveAllReduce"
+                    && matches!(n.attrs.get("instance_key"), Some(AttrValue::Int(k))
+                    if *k >= dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET)));
+        }
+        // Rank 1 holds its shards under their own names.
+        let shard = node(&tg.graphs[1], "m/tp_1_of_2");
+        assert_eq!(shard.attrs.get("shard_index"), Some(&AttrValue::Int(1)));
+    }
+
+    #[test]
+    fn a_data_parallel_axis_over_hand_placements_is_refused() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 2]);
+        b.placeholder("t", DType::F32, &[4]);
+        let w = b.variable("w", DType::F32, &[2, 2], "ones");
+        b.set_sharding(&w, Shard(1));
+        let h = b.matmul("h", &x, &w);
+        b.op("Sum", "loss").input(&h).finish();
+        let graph = b.build().unwrap();
+        let spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        let e = mesh_training(&graph, &spec, &Mesh::new(2, 2, 1).unwrap(), "x", "t")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one tensor-parallel group"), "{e}");
+    }
+}
