@@ -349,6 +349,7 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
         "GatherV2" => &[(2, "axis")],
         "Prod" => &[(1, "axes")],
         "ExpandDims" => &[(1, "axis")],
+        "StridedSlice" => &[(1, "begin"), (2, "end"), (3, "strides")],
         _ => &[],
     }
 }
@@ -440,6 +441,20 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "DynamicStitch" => "DynamicStitch",
         "Maximum" => "Maximum",
         "FloorDiv" => "FloorDiv",
+        // `embedding_lookup` over a partitioned variable and `embedding_lookup_sparse`
+        // ([`crate::ops::tf_embedding`], [`crate::ops::sparse_embedding`]).
+        "DynamicPartition" => "DynamicPartition",
+        "ParallelDynamicStitch" => "DynamicStitch",
+        "ResourceGather" => "Gather",
+        "Less" => "Less",
+        "Select" => "Select",
+        "Size" => "Size",
+        "Range" => "Range",
+        "StridedSlice" => "StridedSlice",
+        "Unique" => "Unique",
+        "SparseSegmentSum" => "SparseSegmentSum",
+        "SparseSegmentMean" => "SparseSegmentMean",
+        "SparseSegmentSqrtN" => "SparseSegmentSqrtN",
         _ => return None,
     })
 }
@@ -503,6 +518,7 @@ impl<'r, 'a> Importer<'r, 'a> {
     fn run(mut self) -> Result<GraphDef, TfImportError> {
         self.drop_initializers();
         self.compute_constant_ranges();
+        self.compute_constant_concats();
         self.check_supported()?;
         let initializers = self.initializer_kinds();
         self.fold_constant_operands()?;
@@ -619,6 +635,86 @@ impl<'r, 'a> Importer<'r, 'a> {
                 self.computed.insert(n.index, t);
                 for slot in 0..3 {
                     self.folded.insert((n.index, slot));
+                }
+            }
+        }
+    }
+
+    /// Evaluates every `ConcatV2` of constant int vectors along axis 0 (the output shape
+    /// `embedding_lookup` builds from its ids' static shape and the rows' width), so the
+    /// `Reshape` reading it gets a constant shape and a static output.
+    fn compute_constant_concats(&mut self) {
+        for n in self.nodes {
+            if n.op != "ConcatV2" || self.dropped[n.index] {
+                continue;
+            }
+            let data: Vec<&InputRef> = n
+                .inputs
+                .iter()
+                .filter(|r| matches!(r, InputRef::Data { .. }))
+                .collect();
+            let Some((axis, values)) = data.split_last() else {
+                continue;
+            };
+            let constant = |r: &InputRef| -> Option<Tensor> {
+                let src = self.producer(r);
+                if !matches!(r, InputRef::Data { index: 0, .. }) {
+                    return None;
+                }
+                match self.computed.get(&src) {
+                    Some(t) => Some(t.clone()),
+                    None if self.nodes[src].op == "Const" => {
+                        tensor_attr(self.nodes[src].attrs.get("value")?, &side_budget()).ok()
+                    }
+                    None => None,
+                }
+            };
+            let axis_ok = constant(axis).is_some_and(|t| {
+                matches!(t.dtype(), DType::I32 | DType::I64)
+                    && t.num_elements() == 1
+                    && matches!(t.to_f64_vec()[..], [a] if a == 0.0 || a == -1.0)
+            });
+            let Some(parts) = values
+                .iter()
+                .map(|r| constant(r))
+                .collect::<Option<Vec<_>>>()
+            else {
+                continue;
+            };
+            let Some(dtype) = parts.first().map(Tensor::dtype) else {
+                continue;
+            };
+            let fits = axis_ok
+                && matches!(dtype, DType::I32 | DType::I64)
+                && parts.iter().all(|t| t.dtype() == dtype && t.rank() == 1)
+                && parts.iter().map(Tensor::num_elements).sum::<usize>()
+                    <= MAX_CONSTANT_RANGE as usize;
+            if !fits {
+                continue;
+            }
+            let joined = if dtype == DType::I32 {
+                let v: Vec<i32> = parts
+                    .iter()
+                    .filter_map(|t| t.as_slice::<i32>().ok())
+                    .flatten()
+                    .copied()
+                    .collect();
+                Tensor::from_slice(&[v.len()], &v)
+            } else {
+                let v: Vec<i64> = parts
+                    .iter()
+                    .filter_map(|t| t.as_slice::<i64>().ok())
+                    .flatten()
+                    .copied()
+                    .collect();
+                Tensor::from_slice(&[v.len()], &v)
+            };
+            if let Ok(t) = joined {
+                self.computed.insert(n.index, t);
+                for (slot, r) in n.inputs.iter().enumerate() {
+                    if matches!(r, InputRef::Data { .. }) {
+                        self.folded.insert((n.index, slot));
+                    }
                 }
             }
         }
@@ -1009,12 +1105,12 @@ impl<'r, 'a> Importer<'r, 'a> {
         let a = &mut out.attrs;
         let get = |name: &str| n.attrs.get(name);
         let wrap = |name: &'static str| move |m: String| n.err(format!("attr `{name}`: {m}"));
+        if let Some(t) = self.computed.get(&n.index) {
+            // A Range or ConcatV2 of constants, computed at import.
+            a.insert("value".into(), AttrValue::Tensor(t.clone().into()));
+            return Ok(out);
+        }
         match n.op.as_str() {
-            "Range" => {
-                if let Some(t) = self.computed.get(&n.index) {
-                    a.insert("value".into(), AttrValue::Tensor(t.clone().into()));
-                }
-            }
             "Const" => {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
@@ -1166,6 +1262,61 @@ impl<'r, 'a> Importer<'r, 'a> {
                 }
                 a.insert("axis".into(), AttrValue::Int(axis));
             }
+            "DynamicPartition" => {
+                let v =
+                    get("num_partitions").ok_or_else(|| n.err("missing attr `num_partitions`"))?;
+                let k = v
+                    .get("i")
+                    .map_or(Ok(0), int_value)
+                    .map_err(wrap("num_partitions"))?;
+                a.insert("num_partitions".into(), AttrValue::Int(k));
+            }
+            "ResourceGather" => {
+                if let Some(b) = get("batch_dims").map(|v| v.get("i").map_or(Ok(0), int_value)) {
+                    let b = b.map_err(wrap("batch_dims"))?;
+                    if b != 0 {
+                        return Err(n.err(format!("batch_dims {b} is not supported (only 0)")));
+                    }
+                }
+            }
+            "Unique" | "Size" => {
+                let name = if n.op == "Unique" {
+                    "out_idx"
+                } else {
+                    "out_type"
+                };
+                if let Some(v) = get(name) {
+                    let d = dtype_attr(v).map_err(|m| n.err(format!("attr `{name}`: {m}")))?;
+                    a.insert(name.into(), AttrValue::DType(d));
+                }
+            }
+            "StridedSlice" => {
+                for (slot, name) in [(1, "begin"), (2, "end"), (3, "strides")] {
+                    a.insert(name.into(), AttrValue::IntList(self.folded_ints(n, slot)?));
+                }
+                for name in [
+                    "begin_mask",
+                    "end_mask",
+                    "shrink_axis_mask",
+                    "ellipsis_mask",
+                    "new_axis_mask",
+                ] {
+                    let v = get(name)
+                        .map(|v| v.get("i").map_or(Ok(0), int_value))
+                        .transpose()
+                        .map_err(|m| n.err(format!("attr `{name}`: {m}")))?
+                        .unwrap_or(0);
+                    if matches!(name, "ellipsis_mask" | "new_axis_mask") {
+                        if v != 0 {
+                            return Err(n.err(format!(
+                                "{name} {v} is not supported (dflow's StridedSlice takes begin,                                  end and shrink masks; write the slice without `...` and                                  `tf.newaxis`)"
+                            )));
+                        }
+                    } else {
+                        a.insert(name.into(), AttrValue::Int(v));
+                    }
+                }
+            }
             "ExpandDims" => {
                 let axis = self.folded_ints(n, 1)?;
                 let [axis] = axis[..] else {
@@ -1245,7 +1396,7 @@ impl<'r, 'a> Importer<'r, 'a> {
         // TensorFlow's placer puts every op that reads or updates a variable through its handle
         // or reference (ReadVariableOp, the applies, the assigns) with the variable, ignoring
         // a different requested device; so does dflow.
-        let takes_variable = n.op == "ReadVariableOp"
+        let takes_variable = matches!(n.op.as_str(), "ReadVariableOp" | "ResourceGather")
             || matches!(
                 out.op.as_str(),
                 "ApplyGradientDescent"

@@ -1,0 +1,971 @@
+//! The ops TensorFlow 1.x's `embedding_lookup` and `embedding_lookup_sparse` emit over a
+//! partitioned variable (`params` a list of parts or a `PartitionedVariable`), imported by
+//! [`crate::tf_import`]: `DynamicPartition`, `Less`, `Select`, `Size`, `Range` (with run-time
+//! operands) and `StridedSlice` (constant begin/end/strides), with their shape rules, CPU
+//! kernels and gradients; and the gradient of `DynamicStitch` (TensorFlow's
+//! `ParallelDynamicStitch`, which reassembles the looked-up rows in id order).
+//!
+//! `embedding_lookup(params=[p_0 .. p_{n-1}], ids, partition_strategy)` computes, per id, the
+//! shard `s` and the row `r` inside it (`mod`: `s = id % n`, `r = id // n`; `div`: the first
+//! `V % n` shards hold one row more, `Less`/`Select`/`Maximum` pick the formula), then
+//!
+//! ```text
+//! rows_s    = DynamicPartition(r, s, n)[s]            # the ids each shard owns, [?]
+//! pos_s     = DynamicPartition(Range(0, Size(ids)), s, n)[s]
+//! gathered  = Gather(p_s, rows_s)                     # TensorFlow's ResourceGather
+//! out       = DynamicStitch(pos_0 .. pos_{n-1}, gathered_0 .. gathered_{n-1})
+//! ```
+//!
+//! How many ids go to each shard depends on the ids, so the partitions' first dimension is
+//! unknown (`?`) to dflow's shape inference and known once the step runs, like `Unique`'s
+//! output. The gradient w.r.t. a part is Gather's sparse pair fed by DynamicStitch's gradient
+//! (`Gather(dy, pos_s)`), so only the rows a batch touched carry gradient.
+
+use super::elementwise::{attr_dtype, attr_int, attr_ints, slice, stateless};
+use super::*;
+use crate::kernel::{Kernel, KernelContext, KernelInit};
+
+/// The ops this module registers.
+pub const OPS: [&str; 6] = [
+    "DynamicPartition",
+    "Less",
+    "Select",
+    "Size",
+    "Range",
+    "StridedSlice",
+];
+
+pub(crate) fn register(r: &mut OpRegistry) {
+    r.add(dynamic_partition());
+    r.add(less());
+    r.add(select());
+    r.add(size());
+    r.add(range());
+    r.add(strided_slice());
+}
+
+/// The values of an int32/int64 tensor, any rank.
+fn ints(t: &Tensor, what: &str) -> Result<Vec<i64>, String> {
+    super::tf_compat::int_values(t, what)
+}
+
+fn is_index(d: DType) -> bool {
+    matches!(d, DType::I32 | DType::I64)
+}
+
+// ---------------------------------------------------------------------------------------------
+// DynamicPartition
+// ---------------------------------------------------------------------------------------------
+
+fn dynamic_partition() -> OpDef {
+    OpDef::new(
+        "DynamicPartition",
+        "outputs[p] = the slices data[i..] with partitions[i..] = p, in order (TensorFlow's \
+         DynamicPartition). In: data (any dtype, shape partitions' shape + trailing dims), \
+         partitions (int32 or int64, each in [0, num_partitions)). Out: num_partitions tensors, \
+         each [?] + data's trailing dims (how many rows each gets is known at run time only). \
+         Attrs: num_partitions (int >= 1).",
+        dynamic_partition_infer,
+    )
+    .inputs([arg("data"), arg("partitions")])
+    .outputs([variadic("outputs")])
+    .attrs([attr("num_partitions", AttrType::Int)])
+    .kernel("CPU", |init: &KernelInit<'_>| {
+        let n = num_partitions(attr_int(init, "num_partitions")?)?;
+        Ok(Box::new(DynamicPartitionKernel { n }))
+    })
+}
+
+/// The largest `num_partitions` accepted (a file's attribute is checked before the kernel
+/// allocates one output per partition).
+const MAX_PARTITIONS: i64 = 1 << 16;
+
+fn num_partitions(n: i64) -> Result<usize, String> {
+    if (1..=MAX_PARTITIONS).contains(&n) {
+        Ok(n as usize)
+    } else {
+        Err(format!(
+            "DynamicPartition: num_partitions must be in [1, {MAX_PARTITIONS}], got {n}"
+        ))
+    }
+}
+
+fn dynamic_partition_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let (data, parts) = (ctx.input(0)?, ctx.input(1)?);
+    let n = num_partitions(ctx.int("num_partitions")?)?;
+    if !is_index(parts.dtype) {
+        return Err(format!(
+            "DynamicPartition: partitions must be int32 or int64, got {parts}"
+        ));
+    }
+    let shape = match (parts.shape.dims(), data.shape.dims()) {
+        (Some(p), Some(d)) => {
+            let fits = d.len() >= p.len()
+                && p.iter()
+                    .zip(d)
+                    .all(|(a, b)| a.is_none() || b.is_none() || a == b);
+            if !fits {
+                return Err(format!(
+                    "DynamicPartition: data {} must start with the shape of partitions {}",
+                    data.shape, parts.shape
+                ));
+            }
+            let mut dims = vec![None];
+            dims.extend_from_slice(&d[p.len()..]);
+            Shape::partial(dims)
+        }
+        _ => Shape::unknown(),
+    };
+    Ok(vec![TensorType::new(data.dtype, shape); n])
+}
+
+#[derive(Debug)]
+struct DynamicPartitionKernel {
+    n: usize,
+}
+
+impl Kernel for DynamicPartitionKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let (data, parts) = (ctx.input(0)?, ctx.input(1)?);
+        let node = ctx.node;
+        let p = ints(parts, &format!("DynamicPartition `{node}`: partitions"))?;
+        let lead = parts.rank();
+        if data.rank() < lead || data.dims()[..lead] != *parts.dims() {
+            return Err(format!(
+                "DynamicPartition `{node}`: data of shape {:?} does not start with the shape of \
+                 partitions {:?}",
+                data.dims(),
+                parts.dims()
+            ));
+        }
+        let trailing = &data.dims()[lead..];
+        let row = trailing.iter().product::<usize>() * data.dtype().size_of();
+        let mut counts = vec![0usize; self.n];
+        for (i, &k) in p.iter().enumerate() {
+            let k = usize::try_from(k)
+                .ok()
+                .filter(|&k| k < self.n)
+                .ok_or_else(|| {
+                    format!(
+                        "DynamicPartition `{node}`: partitions[{i}] = {k} is not in [0, {})",
+                        self.n
+                    )
+                })?;
+            counts[k] += 1;
+        }
+        // Every output together holds exactly data's bytes: nothing beyond the input is
+        // allocated.
+        let mut bufs: Vec<Vec<u8>> = counts
+            .iter()
+            .map(|&c| Vec::with_capacity(c * row))
+            .collect();
+        let bytes = data.as_bytes();
+        for (i, &k) in p.iter().enumerate() {
+            bufs[k as usize].extend_from_slice(&bytes[i * row..(i + 1) * row]);
+        }
+        for (k, (buf, &c)) in bufs.into_iter().zip(&counts).enumerate() {
+            let mut dims = vec![c];
+            dims.extend_from_slice(trailing);
+            let t = Tensor::from_bytes(data.dtype(), &dims, &buf).map_err(|e| e.to_string())?;
+            ctx.set_output(k, t)?;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Less
+// ---------------------------------------------------------------------------------------------
+
+fn less() -> OpDef {
+    OpDef::new(
+        "Less",
+        "z = (x < y) elementwise, with NumPy broadcasting (TensorFlow's Less; NaN compares \
+         false). In: x, y (same numeric dtype). Out: z (bool).",
+        |ctx| {
+            let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+            super::math::require_same("Less", ("x", x), ("y", y))?;
+            super::math::require_numeric("Less", "x", x)?;
+            let shape = super::math::broadcast_shapes(&x.shape, &y.shape)
+                .map_err(|e| format!("Less: {e}"))?;
+            Ok(vec![TensorType::new(DType::Bool, shape)])
+        },
+    )
+    .inputs([arg("x"), arg("y")])
+    .outputs([arg("z")])
+    .kernel("CPU", |_| stateless(less_kernel))
+}
+
+fn less_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    use super::broadcast::binary_map;
+    use super::elementwise::to_f32;
+    let (x, y) = (ctx.input(0)?, ctx.input(1)?);
+    if x.dtype() != y.dtype() {
+        return Err(format!(
+            "Less `{}`: x is {} but y is {}",
+            ctx.node,
+            x.dtype(),
+            y.dtype()
+        ));
+    }
+    fn lt<T: crate::Element + PartialOrd>(x: &Tensor, y: &Tensor) -> Result<Tensor, String> {
+        binary_map(x, y, |a: T, b: T| u8::from(a < b))
+    }
+    let z = match x.dtype() {
+        DType::F32 => lt::<f32>(x, y),
+        DType::F64 => lt::<f64>(x, y),
+        DType::I32 => lt::<i32>(x, y),
+        DType::I64 => lt::<i64>(x, y),
+        DType::BF16 | DType::F16 => lt::<f32>(&to_f32(x)?, &to_f32(y)?),
+        d => Err(format!("Less `{}`: {d} is not numeric", ctx.node)),
+    }?;
+    ctx.set_output(0, z)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Select
+// ---------------------------------------------------------------------------------------------
+
+fn select() -> OpDef {
+    OpDef::new(
+        "Select",
+        "out = where(condition, t, e) (TensorFlow 1.x's Select): condition has t's shape, or is \
+         a scalar, or a vector over t's first dimension (choosing whole rows). In: condition \
+         (bool), t, e (one dtype and shape). Out: out, t's type.",
+        select_infer,
+    )
+    .inputs([arg("condition"), arg("t"), arg("e")])
+    .outputs([arg("output")])
+    .kernel("CPU", |_| stateless(select_kernel))
+}
+
+fn select_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let (c, t, e) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
+    if c.dtype != DType::Bool {
+        return Err(format!("Select: condition must be bool, got {c}"));
+    }
+    if t.dtype != e.dtype {
+        return Err(format!("Select: t is {t} but e is {e}; they must match"));
+    }
+    let shape = t.shape.merge(&e.shape).ok_or_else(|| {
+        format!(
+            "Select: t {} and e {} must have one shape",
+            t.shape, e.shape
+        )
+    })?;
+    let fits = match (c.shape.dims(), shape.dims()) {
+        (Some([]), _) => true,
+        (Some(cd), Some(sd)) if cd.len() == sd.len() => cd
+            .iter()
+            .zip(sd)
+            .all(|(a, b)| a.is_none() || b.is_none() || a == b),
+        (Some([n]), Some(sd)) => !sd.is_empty() && (n.is_none() || sd[0].is_none() || *n == sd[0]),
+        _ => true,
+    };
+    if !fits {
+        return Err(format!(
+            "Select: condition {} must have t's shape {}, be a scalar, or a vector over t's \
+             first dimension",
+            c.shape, shape
+        ));
+    }
+    Ok(vec![TensorType::new(t.dtype, shape)])
+}
+
+fn select_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let (c, t, e) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
+    let node = ctx.node;
+    if c.dtype() != DType::Bool || t.dtype() != e.dtype() || t.dims() != e.dims() {
+        return Err(format!(
+            "Select `{node}`: condition {}{} must be bool and t {}{} and e {}{} one type",
+            c.dtype(),
+            c.shape(),
+            t.dtype(),
+            t.shape(),
+            e.dtype(),
+            e.shape()
+        ));
+    }
+    let cond = slice::<u8>(c)?;
+    let n = t.num_elements();
+    // Bytes per condition element: one element, a row, or the whole tensor.
+    let unit = if c.dims() == t.dims() {
+        1
+    } else if c.rank() == 0 {
+        n.max(1)
+    } else if c.rank() == 1 && t.rank() >= 1 && c.dims()[0] == t.dims()[0] {
+        t.dims()[1..].iter().product::<usize>().max(1)
+    } else {
+        return Err(format!(
+            "Select `{node}`: condition of shape {:?} must have t's shape {:?}, be a scalar, or \
+             a vector over t's first dimension",
+            c.dims(),
+            t.dims()
+        ));
+    };
+    let size = t.dtype().size_of();
+    let (tb, eb) = (t.as_bytes(), e.as_bytes());
+    let mut out = Vec::with_capacity(n * size);
+    for i in 0..n {
+        let pick = cond.get(i / unit).copied().unwrap_or(0) != 0;
+        let src = if pick { tb } else { eb };
+        out.extend_from_slice(&src[i * size..(i + 1) * size]);
+    }
+    let z = Tensor::from_bytes(t.dtype(), t.dims(), &out).map_err(|e| e.to_string())?;
+    ctx.set_output(0, z)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Size
+// ---------------------------------------------------------------------------------------------
+
+fn size() -> OpDef {
+    OpDef::new(
+        "Size",
+        "n = the number of elements of input (TensorFlow's Size). In: input (any). Out: n, a \
+         scalar of out_type. Attrs: out_type (dtype int32 or int64, default int32).",
+        |ctx| {
+            let d = ctx.dtype("out_type")?;
+            if !is_index(d) {
+                return Err(format!("Size: out_type must be int32 or int64, got {d}"));
+            }
+            Ok(vec![TensorType::new(d, Shape::scalar())])
+        },
+    )
+    .inputs([arg("input")])
+    .outputs([arg("n")])
+    .attrs([attr_or(
+        "out_type",
+        AttrType::DType,
+        AttrDefault::DType(DType::I32),
+    )])
+    .kernel("CPU", |init: &KernelInit<'_>| {
+        Ok(Box::new(SizeKernel(attr_dtype(init, "out_type")?)))
+    })
+}
+
+#[derive(Debug)]
+struct SizeKernel(DType);
+
+impl Kernel for SizeKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let n = ctx.input(0)?.num_elements();
+        let t = match self.0 {
+            DType::I32 => Tensor::scalar(i32::try_from(n).map_err(|_| {
+                format!(
+                    "Size `{}`: {n} elements do not fit int32: use out_type int64",
+                    ctx.node
+                )
+            })?),
+            _ => Tensor::scalar(n as i64),
+        };
+        ctx.set_output(0, t)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Range
+// ---------------------------------------------------------------------------------------------
+
+fn range() -> OpDef {
+    OpDef::new(
+        "Range",
+        "output = start, start + delta, ... up to (excluding) limit (TensorFlow's Range with \
+         run-time operands; a Range of constants is computed when a graph is imported). In: \
+         start, limit, delta (int32 or int64 scalars, one dtype; delta != 0). Out: output [?], \
+         their dtype.",
+        |ctx| {
+            let s = ctx.input(0)?;
+            for (i, what) in ["start", "limit", "delta"].iter().enumerate() {
+                let t = ctx.input(i)?;
+                if t.dtype != s.dtype || !is_index(t.dtype) {
+                    return Err(format!(
+                        "Range: start, limit and delta must be int32 or int64 of one dtype, \
+                         {what} is {t}"
+                    ));
+                }
+                if t.shape.rank().is_some_and(|r| r != 0) {
+                    return Err(format!("Range: {what} must be a scalar, got {t}"));
+                }
+            }
+            Ok(vec![TensorType::new(s.dtype, Shape::partial(vec![None]))])
+        },
+    )
+    .inputs([arg("start"), arg("limit"), arg("delta")])
+    .outputs([arg("output")])
+    .kernel("CPU", |_| stateless(range_kernel))
+}
+
+fn range_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    let node = ctx.node;
+    let mut v = [0i64; 3];
+    for (i, what) in ["start", "limit", "delta"].iter().enumerate() {
+        let t = ctx.input(i)?;
+        match ints(t, &format!("Range `{node}`: {what}"))?[..] {
+            [x] if t.rank() == 0 => v[i] = x,
+            _ => return Err(format!("Range `{node}`: {what} must be a scalar")),
+        }
+    }
+    let [start, limit, delta] = v;
+    if delta == 0 {
+        return Err(format!("Range `{node}`: delta must not be 0"));
+    }
+    if (delta > 0 && start > limit) || (delta < 0 && start < limit) {
+        return Err(format!(
+            "Range `{node}`: start {start} cannot reach limit {limit} by delta {delta}"
+        ));
+    }
+    // ceil((limit - start) / delta), in i128 so no operand overflows.
+    let (span, d) = (i128::from(limit) - i128::from(start), i128::from(delta));
+    let count = (span + d - d.signum()) / d;
+    let dtype = ctx.input(0)?.dtype();
+    let count = i64::try_from(count).map_err(|_| format!("Range `{node}`: too many elements"))?;
+    // Checked against dflow's bound for tensors sized from run-time values before allocating.
+    let n = super::tf_compat::checked_dims(&[count], dtype, &format!("Range `{node}`"))?[0];
+    let values = (0..n as i64).map(|i| start + i * delta);
+    let t = if dtype == DType::I32 {
+        let v = values
+            .map(|x| i32::try_from(x).map_err(|_| format!("Range `{node}`: {x} exceeds int32")))
+            .collect::<Result<Vec<i32>, _>>()?;
+        Tensor::from_slice(&[n], &v)
+    } else {
+        Tensor::from_slice(&[n], &values.collect::<Vec<i64>>())
+    };
+    ctx.set_output(0, t.map_err(|e| e.to_string())?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// StridedSlice
+// ---------------------------------------------------------------------------------------------
+
+fn strided_slice() -> OpDef {
+    OpDef::new(
+        "StridedSlice",
+        "output = input[begin:end:strides] per dimension, Python-style (TensorFlow's \
+         StridedSlice with constant begin, end and strides): bit i of begin_mask / end_mask \
+         ignores begin[i] / end[i] (the full range in stride's direction), bit i of \
+         shrink_axis_mask takes the single index begin[i] and drops the dimension; dimensions \
+         past the spec are kept whole. In: input (any dtype). Out: output, input's dtype. \
+         Attrs: begin, end, strides (list(int), one length, strides nonzero), begin_mask, \
+         end_mask, shrink_axis_mask (int, default 0).",
+        strided_slice_infer,
+    )
+    .inputs([arg("input")])
+    .outputs([arg("output")])
+    .attrs([
+        attr("begin", AttrType::IntList),
+        attr("end", AttrType::IntList),
+        attr("strides", AttrType::IntList),
+        attr_or("begin_mask", AttrType::Int, AttrDefault::Int(0)),
+        attr_or("end_mask", AttrType::Int, AttrDefault::Int(0)),
+        attr_or("shrink_axis_mask", AttrType::Int, AttrDefault::Int(0)),
+    ])
+    .kernel("CPU", |init: &KernelInit<'_>| {
+        let spec = SliceSpec {
+            begin: attr_ints(init, "begin")?,
+            end: attr_ints(init, "end")?,
+            strides: attr_ints(init, "strides")?,
+            begin_mask: attr_int(init, "begin_mask")?,
+            end_mask: attr_int(init, "end_mask")?,
+            shrink: attr_int(init, "shrink_axis_mask")?,
+        };
+        spec.check()?;
+        Ok(Box::new(StridedSliceKernel(spec)))
+    })
+}
+
+/// A StridedSlice's constant spec.
+#[derive(Debug, Clone)]
+struct SliceSpec {
+    begin: Vec<i64>,
+    end: Vec<i64>,
+    strides: Vec<i64>,
+    begin_mask: i64,
+    end_mask: i64,
+    shrink: i64,
+}
+
+/// One dimension of a slice: the first index, the step and how many indices; `keep` false
+/// for a shrunk dimension.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct DimSlice {
+    start: i64,
+    step: i64,
+    count: usize,
+    keep: bool,
+}
+
+impl SliceSpec {
+    fn from_ctx(ctx: &InferCtx<'_>) -> Result<Self, String> {
+        let s = SliceSpec {
+            begin: ctx.ints("begin")?.to_vec(),
+            end: ctx.ints("end")?.to_vec(),
+            strides: ctx.ints("strides")?.to_vec(),
+            begin_mask: ctx.int("begin_mask")?,
+            end_mask: ctx.int("end_mask")?,
+            shrink: ctx.int("shrink_axis_mask")?,
+        };
+        s.check()?;
+        Ok(s)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let n = self.begin.len();
+        if self.end.len() != n || self.strides.len() != n {
+            return Err(format!(
+                "StridedSlice: begin, end and strides must have one length, got {}, {} and {}",
+                n,
+                self.end.len(),
+                self.strides.len()
+            ));
+        }
+        if n > 32 {
+            return Err(format!("StridedSlice: {n} dimensions (at most 32)"));
+        }
+        if self.strides.contains(&0) {
+            return Err("StridedSlice: strides must be nonzero".into());
+        }
+        Ok(())
+    }
+
+    fn bit(mask: i64, i: usize) -> bool {
+        (mask >> i) & 1 == 1
+    }
+
+    /// Dimension `i` (of size `dim`) sliced, with TensorFlow's clamping.
+    fn dim(&self, i: usize, dim: usize) -> Result<DimSlice, String> {
+        let d = dim as i64;
+        if i >= self.begin.len() {
+            return Ok(DimSlice {
+                start: 0,
+                step: 1,
+                count: dim,
+                keep: true,
+            });
+        }
+        let step = self.strides[i];
+        if Self::bit(self.shrink, i) {
+            let b = self.begin[i];
+            let idx = if b < 0 { b + d } else { b };
+            if !(0..d).contains(&idx) {
+                return Err(format!(
+                    "StridedSlice: index {b} of dimension {i} is out of range for size {dim}"
+                ));
+            }
+            return Ok(DimSlice {
+                start: idx,
+                step: 1,
+                count: 1,
+                keep: false,
+            });
+        }
+        // Python's slice clamping: [0, d] for a positive step, [-1, d - 1] for a negative one.
+        let (lo, hi) = if step > 0 { (0, d) } else { (-1, d - 1) };
+        let clamp = |v: i64| {
+            let v = if v < 0 { v + d } else { v };
+            v.clamp(lo, hi)
+        };
+        let start = if Self::bit(self.begin_mask, i) {
+            if step > 0 {
+                lo
+            } else {
+                hi
+            }
+        } else {
+            clamp(self.begin[i])
+        };
+        let stop = if Self::bit(self.end_mask, i) {
+            if step > 0 {
+                hi
+            } else {
+                lo
+            }
+        } else {
+            clamp(self.end[i])
+        };
+        let span = if step > 0 { stop - start } else { start - stop };
+        let count = if span <= 0 {
+            0
+        } else {
+            ((span + step.abs() - 1) / step.abs()) as usize
+        };
+        Ok(DimSlice {
+            start,
+            step,
+            count,
+            keep: true,
+        })
+    }
+}
+
+fn strided_slice_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let x = ctx.input(0)?;
+    let spec = SliceSpec::from_ctx(ctx)?;
+    let Some(dims) = x.shape.dims() else {
+        return Ok(vec![TensorType::new(x.dtype, Shape::unknown())]);
+    };
+    if spec.begin.len() > dims.len() {
+        return Err(format!(
+            "StridedSlice: a spec of {} dimensions for input {}",
+            spec.begin.len(),
+            x.shape
+        ));
+    }
+    let mut out = vec![];
+    for (i, d) in dims.iter().enumerate() {
+        let shrunk = i < spec.begin.len() && SliceSpec::bit(spec.shrink, i);
+        match d {
+            Some(d) => {
+                let s = spec.dim(i, *d)?;
+                if s.keep {
+                    out.push(Some(s.count));
+                }
+            }
+            None if !shrunk => out.push(None),
+            None => {}
+        }
+    }
+    Ok(vec![TensorType::new(x.dtype, Shape::partial(out))])
+}
+
+#[derive(Debug)]
+struct StridedSliceKernel(SliceSpec);
+
+impl Kernel for StridedSliceKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let x = ctx.input(0)?;
+        let node = ctx.node;
+        if self.0.begin.len() > x.rank() {
+            return Err(format!(
+                "StridedSlice `{node}`: a spec of {} dimensions for input of shape {:?}",
+                self.0.begin.len(),
+                x.dims()
+            ));
+        }
+        let slices = x
+            .dims()
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| self.0.dim(i, d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("StridedSlice `{node}`: {e}"))?;
+        let out_dims: Vec<usize> = slices.iter().filter(|s| s.keep).map(|s| s.count).collect();
+        let n: usize = slices.iter().map(|s| s.count).product();
+        let size = x.dtype().size_of();
+        // Row-major strides of the input, in elements.
+        let mut strides = vec![1usize; x.rank()];
+        for i in (0..x.rank().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * x.dims()[i + 1];
+        }
+        let src = x.as_bytes();
+        let mut out = Vec::with_capacity(n * size);
+        let mut idx = vec![0usize; slices.len()];
+        for _ in 0..n {
+            let off: usize = slices
+                .iter()
+                .zip(&idx)
+                .zip(&strides)
+                .map(|((s, &k), &st)| (s.start + s.step * k as i64) as usize * st)
+                .sum();
+            out.extend_from_slice(&src[off * size..(off + 1) * size]);
+            for a in (0..idx.len()).rev() {
+                idx[a] += 1;
+                if idx[a] < slices[a].count {
+                    break;
+                }
+                idx[a] = 0;
+            }
+        }
+        let y = Tensor::from_bytes(x.dtype(), &out_dims, &out).map_err(|e| e.to_string())?;
+        ctx.set_output(0, y)
+    }
+}
+
+// ---- gradients ----
+
+/// Gradients of this family's ops (see [`crate::autodiff`]), and DynamicStitch's.
+pub(crate) mod gradients {
+    use super::*;
+    use crate::autodiff::{no_gradient, only_dy, ForwardNode, GradBuilder, GradResult};
+    use crate::builder::Output;
+
+    pub(crate) fn register_gradients(r: &mut OpRegistry) {
+        r.set_gradient("Less", no_gradient);
+        r.set_gradient("Size", no_gradient);
+        r.set_gradient("Range", no_gradient);
+        r.set_gradient("Select", select_grad);
+        r.set_gradient("DynamicStitch", dynamic_stitch_grad);
+    }
+
+    /// dt = Select(c, dy, 0), de = Select(c, 0, dy); none for the condition.
+    fn select_grad(b: &mut GradBuilder, f: &ForwardNode, dys: &[Option<Output>]) -> GradResult {
+        let dy = only_dy(dys)?;
+        let c = f.input(0)?;
+        let zeros = b.unary("ZerosLike", "zeros", dy);
+        let dt = b.op("Select", "dt", &[c, dy, &zeros], &[]);
+        let de = b.op("Select", "de", &[c, &zeros, dy], &[]);
+        Ok(vec![None, Some(dt), Some(de)])
+    }
+
+    /// TensorFlow's `_DynamicStitchGrads`: data[m] gets `Gather(dy, indices[m])`, the indices
+    /// none. (With repeated indices a row written by a later m still passes gradient to the
+    /// earlier one, as in TensorFlow; embedding lookups stitch distinct positions.)
+    fn dynamic_stitch_grad(
+        b: &mut GradBuilder,
+        f: &ForwardNode,
+        dys: &[Option<Output>],
+    ) -> GradResult {
+        let dy = only_dy(dys)?;
+        let n = f.inputs.len();
+        if n % 2 != 0 {
+            return Err(format!("DynamicStitch with {n} inputs (not 2N)"));
+        }
+        let mut grads = vec![None; n / 2];
+        for m in 0..n / 2 {
+            let g = b.op("Gather", &format!("data_{m}"), &[dy, f.input(m)?], &[]);
+            grads.push(Some(g));
+        }
+        Ok(grads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::math::{infer, tt};
+    use super::super::testing::run_kernel;
+    use super::*;
+    use DType::*;
+
+    fn v<T: crate::Element>(xs: &[T]) -> Tensor {
+        Tensor::from_slice(&[xs.len()], xs).unwrap()
+    }
+
+    fn i64s(t: &Tensor) -> Vec<i64> {
+        ints(t, "t").unwrap()
+    }
+
+    /// TensorFlow's `embedding_lookup` assignment of ids 0..12 over 5 shards (issue 19's
+    /// lists): `mod` puts id on shard id % 5; `div` (13 = 5·2 + 3: the first 3 shards hold 3
+    /// rows) on max(id // 3, (id - 3) // 2). DynamicPartition of the positions gives exactly
+    /// TensorFlow's lists.
+    #[test]
+    fn dynamic_partition_gives_tensorflows_shard_lists() {
+        let ids: Vec<i64> = (0..13).collect();
+        let partition = |shards: Vec<i32>| {
+            run_kernel(
+                "DynamicPartition",
+                &[("num_partitions", AttrValue::Int(5))],
+                &[v(&ids), v(&shards)],
+            )
+            .unwrap()
+            .iter()
+            .map(i64s)
+            .collect::<Vec<_>>()
+        };
+        let modulo = partition(ids.iter().map(|&i| (i % 5) as i32).collect());
+        assert_eq!(
+            modulo,
+            [
+                vec![0, 5, 10],
+                vec![1, 6, 11],
+                vec![2, 7, 12],
+                vec![3, 8],
+                vec![4, 9]
+            ]
+        );
+        let div = partition(
+            ids.iter()
+                .map(|&i| (i / 3).max((i - 3) / 2) as i32)
+                .collect(),
+        );
+        assert_eq!(
+            div,
+            [
+                vec![0, 1, 2],
+                vec![3, 4, 5],
+                vec![6, 7, 8],
+                vec![9, 10],
+                vec![11, 12]
+            ]
+        );
+    }
+
+    #[test]
+    fn dynamic_partition_moves_rows_and_refuses_bad_partitions() {
+        let data = Tensor::from_slice(&[3, 2], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let out = run_kernel(
+            "DynamicPartition",
+            &[("num_partitions", AttrValue::Int(3))],
+            &[data.clone(), v(&[1i32, 0, 1])],
+        )
+        .unwrap();
+        assert_eq!(out.len(), 3);
+        assert_eq!(out[0].dims(), [1, 2]);
+        assert_eq!(out[1].as_slice::<f32>().unwrap(), [1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(out[2].dims(), [0, 2]);
+        let e = run_kernel(
+            "DynamicPartition",
+            &[("num_partitions", AttrValue::Int(3))],
+            &[data.clone(), v(&[1i32, 3, 1])],
+        )
+        .unwrap_err();
+        assert!(e.contains("partitions[1] = 3 is not in [0, 3)"), "{e}");
+        let e = run_kernel(
+            "DynamicPartition",
+            &[("num_partitions", AttrValue::Int(2))],
+            &[data, v(&[1i32, 0])],
+        )
+        .unwrap_err();
+        assert!(e.contains("does not start with"), "{e}");
+        let big = infer(
+            "DynamicPartition",
+            &[tt(F32, &[3, 2]), tt(I32, &[3])],
+            &[("num_partitions", AttrValue::Int(1 << 40))],
+        );
+        assert!(big.unwrap_err().contains("num_partitions"));
+        assert_eq!(
+            infer(
+                "DynamicPartition",
+                &[tt(F32, &[-1, 4]), tt(I32, &[-1])],
+                &[("num_partitions", AttrValue::Int(2))]
+            ),
+            Ok(vec![tt(F32, &[-1, 4]), tt(F32, &[-1, 4])])
+        );
+        assert!(infer(
+            "DynamicPartition",
+            &[tt(F32, &[3, 4]), tt(F32, &[3])],
+            &[("num_partitions", AttrValue::Int(2))]
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn less_and_select_pick_like_tensorflow() {
+        let z = run_kernel("Less", &[], &[v(&[1i64, 5, 3]), Tensor::scalar(3i64)])
+            .unwrap()
+            .remove(0);
+        assert_eq!(z.as_slice::<u8>().unwrap(), [1, 0, 0]);
+        assert_eq!(
+            infer("Less", &[tt(F32, &[-1, 3]), tt(F32, &[3])], &[]),
+            Ok(vec![tt(Bool, &[-1, 3])])
+        );
+        let c = Tensor::from_slice(&[3], &[1u8, 0, 1]).unwrap();
+        let s = run_kernel("Select", &[], &[c, v(&[1i64, 2, 3]), v(&[7i64, 8, 9])])
+            .unwrap()
+            .remove(0);
+        assert_eq!(s.as_slice::<i64>().unwrap(), [1, 8, 3]);
+        // A vector condition picks whole rows.
+        let c = Tensor::from_slice(&[2], &[0u8, 1]).unwrap();
+        let t = Tensor::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        let e = Tensor::from_slice(&[2, 2], &[5.0f32, 6.0, 7.0, 8.0]).unwrap();
+        let s = run_kernel("Select", &[], &[c, t, e]).unwrap().remove(0);
+        assert_eq!(s.as_slice::<f32>().unwrap(), [5.0, 6.0, 3.0, 4.0]);
+        assert!(infer(
+            "Select",
+            &[tt(I32, &[2]), tt(F32, &[2]), tt(F32, &[2])],
+            &[]
+        )
+        .is_err());
+        assert!(infer(
+            "Select",
+            &[tt(Bool, &[3]), tt(F32, &[2]), tt(F32, &[2])],
+            &[]
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn size_and_range_count_at_run_time() {
+        let t = Tensor::zeros(F32, &[3, 4]).unwrap();
+        let n = run_kernel("Size", &[], &[t]).unwrap().remove(0);
+        assert_eq!(i64s(&n), [12]);
+        assert_eq!(n.dtype(), I32);
+        let r = |a: i64, b: i64, d: i64| {
+            run_kernel(
+                "Range",
+                &[],
+                &[Tensor::scalar(a), Tensor::scalar(b), Tensor::scalar(d)],
+            )
+        };
+        assert_eq!(i64s(&r(0, 5, 2).unwrap()[0]), [0, 2, 4]);
+        assert_eq!(i64s(&r(5, 0, -2).unwrap()[0]), [5, 3, 1]);
+        assert!(i64s(&r(3, 3, 1).unwrap()[0]).is_empty());
+        assert!(r(0, 5, 0).unwrap_err().contains("delta"));
+        assert!(r(5, 0, 1).unwrap_err().contains("cannot reach"));
+        // A limit from a bad value fails the step instead of allocating it.
+        assert!(r(0, i64::MAX, 1).unwrap_err().contains("larger than"));
+        assert_eq!(
+            infer("Range", &[tt(I32, &[]), tt(I32, &[]), tt(I32, &[])], &[]),
+            Ok(vec![tt(I32, &[-1])])
+        );
+        assert!(infer("Range", &[tt(I32, &[]), tt(I64, &[]), tt(I32, &[])], &[]).is_err());
+    }
+
+    fn sliced(x: &Tensor, spec: &[(&str, AttrValue)]) -> Result<Tensor, String> {
+        run_kernel("StridedSlice", spec, &[x.clone()]).map(|mut v| v.remove(0))
+    }
+
+    /// Against NumPy's slicing (which TensorFlow's StridedSlice follows).
+    #[test]
+    fn strided_slice_follows_python_slicing() {
+        let x = Tensor::from_slice(&[3, 4], &(0..12i64).collect::<Vec<_>>()).unwrap();
+        let l = |v: &[i64]| AttrValue::IntList(v.to_vec());
+        // x[:, 0] (what embedding_lookup_sparse takes of sp_ids.indices).
+        let spec = [
+            ("begin", l(&[0, 0])),
+            ("end", l(&[0, 1])),
+            ("strides", l(&[1, 1])),
+            ("begin_mask", AttrValue::Int(1)),
+            ("end_mask", AttrValue::Int(1)),
+            ("shrink_axis_mask", AttrValue::Int(2)),
+        ];
+        let y = sliced(&x, &spec).unwrap();
+        assert_eq!((y.dims(), i64s(&y)), (&[3][..], vec![0, 4, 8]));
+        assert_eq!(
+            infer("StridedSlice", &[tt(I64, &[-1, 2])], &spec),
+            Ok(vec![tt(I64, &[-1])])
+        );
+        // x[1:, ::-2] = [[7, 5], [11, 9]]
+        let spec = [
+            ("begin", l(&[1, 0])),
+            ("end", l(&[0, 0])),
+            ("strides", l(&[1, -2])),
+            ("end_mask", AttrValue::Int(3)),
+            ("begin_mask", AttrValue::Int(2)),
+        ];
+        let y = sliced(&x, &spec).unwrap();
+        assert_eq!((y.dims(), i64s(&y)), (&[2, 2][..], vec![7, 5, 11, 9]));
+        assert_eq!(
+            infer("StridedSlice", &[tt(I64, &[3, 4])], &spec),
+            Ok(vec![tt(I64, &[2, 2])])
+        );
+        // x[-1] (shrink, negative index); x[0:2] (rows), out-of-range ends clamp.
+        let spec = [
+            ("begin", l(&[-1])),
+            ("end", l(&[0])),
+            ("strides", l(&[1])),
+            ("shrink_axis_mask", AttrValue::Int(1)),
+        ];
+        assert_eq!(i64s(&sliced(&x, &spec).unwrap()), [8, 9, 10, 11]);
+        let spec = [("begin", l(&[0])), ("end", l(&[99])), ("strides", l(&[2]))];
+        let y = sliced(&x, &spec).unwrap();
+        assert_eq!(y.dims(), [2, 4]);
+        assert_eq!(i64s(&y)[4..], [8, 9, 10, 11]);
+        let spec = [
+            ("begin", l(&[5])),
+            ("end", l(&[0])),
+            ("strides", l(&[1])),
+            ("shrink_axis_mask", AttrValue::Int(1)),
+        ];
+        assert!(sliced(&x, &spec).unwrap_err().contains("out of range"));
+        let spec = [("begin", l(&[0])), ("end", l(&[1])), ("strides", l(&[0]))];
+        assert!(sliced(&x, &spec).unwrap_err().contains("nonzero"));
+    }
+
+    #[test]
+    fn ops_lists_what_is_registered() {
+        for op in OPS {
+            assert!(registry().get(op).is_some(), "{op}");
+        }
+    }
+}
