@@ -179,7 +179,7 @@ fn sgd_through_imported_lookups_steps_like_tensorflow() {
             &format!("step {i} loss"),
             &loss[0].to_f64_vec(),
             &[want],
-            1e-6,
+            1e-5,
         );
         for (part, want) in step["partitions"].as_object().unwrap() {
             let name = format!("step {i} {part}");
