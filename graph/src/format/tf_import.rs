@@ -2219,13 +2219,13 @@ mod tests {
         let e = import(json!({"node": [
             placeholder("x", &[2]),
             {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
-            {"name": "b", "op": "StridedSlice", "input": ["x", "x"]},
+            {"name": "b", "op": "MaxPool", "input": ["x"]},
             {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
         ]}))
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported TensorFlow ops: Conv2D (a, c), StridedSlice (b)"
+            "unsupported TensorFlow ops: Conv2D (a, c), MaxPool (b)"
         );
         let e = import(json!({"node": [
             placeholder("x", &[2]),
@@ -2331,14 +2331,98 @@ mod tests {
         );
         assert!(constant_range(DType::I64, 0, 5, 0).is_none());
         assert!(constant_range(DType::I64, 0, 1 << 40, 1).is_none());
-        // A Range of run-time values is reported as unsupported.
-        let e = import(json!({"node": [
-            {"name": "n", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"}}},
+        // A Range of run-time values stays a Range (embedding_lookup_sparse counts its unique
+        // ids at run time), of unknown length.
+        let def = import(json!({"node": [
+            {"name": "n", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"},
+             "shape": {"shape": {}}}},
             scalar("start", 0), scalar("delta", 1),
             {"name": "r", "op": "Range", "input": ["start", "n", "delta"]}
         ]}))
-        .unwrap_err();
-        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Range (r)");
+        .unwrap();
+        assert_eq!(node(&def, "r").op, "Range");
+        assert_eq!(node(&def, "r").inputs, ["start", "n", "delta"]);
+        let g = Graph::from_def(&def).unwrap();
+        assert_eq!(
+            g.node(g.find("r").unwrap()).outputs[0].to_string(),
+            "i32[?]"
+        );
+    }
+
+    /// The ops of `embedding_lookup` over parts: DynamicPartition keeps `num_partitions`,
+    /// ResourceGather becomes Gather with its variable, ParallelDynamicStitch DynamicStitch,
+    /// StridedSlice folds begin/end/strides and keeps its masks, and a ConcatV2 of constant int
+    /// vectors is computed (so a Reshape to it is static). What dflow cannot express is refused
+    /// naming the node.
+    #[test]
+    fn embedding_lookup_ops_import() {
+        let i64_const = |name: &str, vals: &[i64]| {
+            json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {
+                "dtype": "DT_INT64", "tensorShape": {"dim": [{"size": vals.len().to_string()}]},
+                "int64Val": vals.iter().map(|v| v.to_string()).collect::<Vec<_>>()}}}})
+        };
+        let graph = |gather_attrs: Value, slice_attrs: Value| {
+            json!({"node": [
+                variable("p", "VarHandleOp", &[4, 3]),
+                {"name": "ids", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT64"},
+                    "shape": {"shape": {"dim": [{"size": "6"}]}}}},
+                {"name": "sp", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT64"},
+                    "shape": {"shape": {"dim": [{"size": "6"}, {"size": "2"}]}}}},
+                {"name": "shard", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"},
+                    "shape": {"shape": {"dim": [{"size": "6"}]}}}},
+                {"name": "part", "op": "DynamicPartition", "input": ["ids", "shard"],
+                 "attr": {"num_partitions": {"i": "2"}}},
+                {"name": "g", "op": "ResourceGather", "input": ["p", "part:1"],
+                 "attr": gather_attrs},
+                {"name": "stitch", "op": "ParallelDynamicStitch", "input": ["shard", "g"]},
+                int_const("b", &[0, 0]), int_const("e", &[0, 1]), int_const("s", &[1, 1]),
+                {"name": "col", "op": "StridedSlice", "input": ["sp", "b", "e", "s"],
+                 "attr": slice_attrs},
+                i64_const("shape_a", &[2, 3]), i64_const("shape_b", &[3]),
+                int_const("axis", &[0]),
+                {"name": "shape", "op": "ConcatV2", "input": ["shape_a", "shape_b", "axis"]},
+                {"name": "r", "op": "Reshape", "input": ["g", "shape"]}
+            ]})
+        };
+        let masks = json!({"begin_mask": {"i": "1"}, "end_mask": {"i": "1"},
+                           "shrink_axis_mask": {"i": "2"}, "ellipsis_mask": {}});
+        let def = import(graph(json!({"batch_dims": {}}), masks.clone())).unwrap();
+        assert_eq!(
+            node(&def, "part").attrs["num_partitions"],
+            AttrValue::Int(2)
+        );
+        let g = node(&def, "g");
+        assert_eq!(
+            (g.op.as_str(), g.colocate_with.as_slice()),
+            ("Gather", &["p".to_string()][..])
+        );
+        assert_eq!(node(&def, "stitch").op, "DynamicStitch");
+        let col = node(&def, "col");
+        assert_eq!(col.inputs, ["sp"]);
+        assert_eq!(col.attrs["end"], AttrValue::IntList(vec![0, 1]));
+        assert_eq!(col.attrs["shrink_axis_mask"], AttrValue::Int(2));
+        assert!(!col.attrs.contains_key("ellipsis_mask"));
+        assert_eq!(
+            node(&def, "r").attrs["shape"],
+            AttrValue::IntList(vec![2, 3, 3])
+        );
+        assert!(def
+            .nodes
+            .iter()
+            .all(|n| n.name != "shape" && n.name != "shape_a"));
+        let graph_ = Graph::from_def(&def).unwrap();
+        let out = |n: &str| graph_.node(graph_.find(n).unwrap()).outputs[0].to_string();
+        assert_eq!(out("part"), "i64[?]");
+        assert_eq!(out("g"), "f32[?, 3]");
+        assert_eq!(out("col"), "i64[6]");
+        let e = import(graph(json!({"batch_dims": {"i": "1"}}), masks))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`g`") && e.contains("batch_dims 1"), "{e}");
+        let e = import(graph(json!({}), json!({"ellipsis_mask": {"i": "1"}})))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`col`") && e.contains("ellipsis_mask 1"), "{e}");
     }
 
     /// An operand dflow needs as a constant (a reduction other than Sum, a Fill's dims), computed

@@ -816,7 +816,7 @@ mod tests {
             &[data, v(&[1i32, 0])],
         )
         .unwrap_err();
-        assert!(e.contains("does not start with"), "{e}");
+        assert!(e.contains("start with the shape of partitions"), "{e}");
         let big = infer(
             "DynamicPartition",
             &[tt(F32, &[3, 2]), tt(I32, &[3])],
