@@ -68,8 +68,15 @@
 //!   whole table TensorFlow reads through a `ConcatV2` of the parts becomes a `Concat` (its
 //!   constant axis, the last input, folded into `axis`). The parts are not merged into one
 //!   dflow variable: TensorFlow draws each part's initial values separately, and a checkpoint
-//!   keeps TensorFlow's part names. `embedding_lookup` over the parts (DynamicPartition,
-//!   ResourceGather, ParallelDynamicStitch) is refused as unsupported ops, naming the nodes.
+//!   keeps TensorFlow's part names.
+//! - **`embedding_lookup` over the parts** (`mod` and `div`) and **`embedding_lookup_sparse`**
+//!   import op for op ([`crate::ops::tf_embedding`]): `DynamicPartition` (keeping
+//!   `num_partitions`), `ResourceGather` → `Gather` (colocated with its part; `batch_dims` 0),
+//!   `ParallelDynamicStitch` → `DynamicStitch`, `Less`, `Select`, `Size`, a `Range` of run-time
+//!   scalars, `StridedSlice` (constant begin/end/strides folded into attributes, its begin, end
+//!   and shrink masks kept; an ellipsis or new-axis mask is refused naming the node), `Unique`
+//!   and `SparseSegmentSum`/`Mean`/`SqrtN`. A `ConcatV2` of constant int vectors along axis 0
+//!   (the output shape a lookup builds) is computed at import, so the `Reshape` to it is static.
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
 //!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
