@@ -902,7 +902,7 @@ mod tests {
     }
 
     fn sliced(x: &Tensor, spec: &[(&str, AttrValue)]) -> Result<Tensor, String> {
-        run_kernel("StridedSlice", spec, &[x.clone()]).map(|mut v| v.remove(0))
+        run_kernel("StridedSlice", spec, std::slice::from_ref(x)).map(|mut v| v.remove(0))
     }
 
     /// Against NumPy's slicing (which TensorFlow's StridedSlice follows).
