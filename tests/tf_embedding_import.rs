@@ -188,6 +188,43 @@ fn sgd_through_imported_lookups_steps_like_tensorflow() {
     }
 }
 
+/// TensorFlow's own training graph for the lookups (`GradientDescentOptimizer(0.1).minimize`:
+/// TensorFlow's gradients of DynamicStitch and ResourceGather as GatherV2 and IndexedSlices,
+/// SparseSegmentSumGrad/MeanGrad/SqrtNGrad, and ResourceScatterAdd updates of only the touched
+/// rows) imports, and two runs of its `train` give TensorFlow's losses and parts within 1e-6.
+#[test]
+fn tensorflows_own_sgd_training_graph_steps_like_tensorflow() {
+    let (_, tf) = fixture();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tf");
+    let text =
+        std::fs::read_to_string(dir.join("embedding_lookup_train_sgd.graphdef.json")).unwrap();
+    let def = import_graphdef_json(&text).unwrap();
+    let op = |n: &str| def.nodes.iter().find(|d| d.name == n).unwrap().op.clone();
+    assert_eq!(
+        op("train/update_emb5/part_0/ResourceScatterAdd"),
+        "ScatterAdd"
+    );
+    assert_eq!(
+        op("gradients/embedding_lookup_sparse_1_grad/SparseSegmentMeanGrad"),
+        "SparseSegmentMeanGrad"
+    );
+    let s = session(&def);
+    for (i, step) in tf["sgd_steps"].as_array().unwrap().iter().enumerate() {
+        let loss = run(&s, &tf, &["loss"], &["train"]);
+        let want = step["loss"].as_f64().unwrap();
+        assert_close(
+            &format!("step {i} loss"),
+            &loss[0].to_f64_vec(),
+            &[want],
+            1e-6,
+        );
+        for (part, want) in step["partitions"].as_object().unwrap() {
+            let name = format!("step {i} {part}");
+            assert_close(&name, &variable(&s, part), &flat(want), 1e-6);
+        }
+    }
+}
+
 /// An op dflow lacks (here TensorFlow's UnsortedSegmentSum, which its Adagrad emits) is still
 /// refused, naming the op and the node.
 #[test]

@@ -462,6 +462,11 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "SparseSegmentSum" => "SparseSegmentSum",
         "SparseSegmentMean" => "SparseSegmentMean",
         "SparseSegmentSqrtN" => "SparseSegmentSqrtN",
+        // What TensorFlow's gradients and GradientDescentOptimizer emit for them.
+        "SparseSegmentSumGrad" => "SparseSegmentSumGrad",
+        "SparseSegmentMeanGrad" => "SparseSegmentMeanGrad",
+        "SparseSegmentSqrtNGrad" => "SparseSegmentSqrtNGrad",
+        "ResourceScatterAdd" => "ScatterAdd",
         _ => return None,
     })
 }
@@ -1412,6 +1417,7 @@ impl<'r, 'a> Importer<'r, 'a> {
                     | "AssignAdd"
                     | "AssignSub"
                     | "Assign"
+                    | "ScatterAdd"
             );
         if takes_variable {
             if let Some(var) = n

@@ -459,6 +459,10 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
         "not yet (embedding lookups partition integer ids, which get none)",
     ),
     ("StridedSlice", "not yet"),
+    ("ScatterAdd", "a state update"),
+    ("SparseSegmentSumGrad", "a gradient op"),
+    ("SparseSegmentMeanGrad", "a gradient op"),
+    ("SparseSegmentSqrtNGrad", "a gradient op"),
     ("MaximumGrad", "a gradient op"),
     (
         "FloorDiv",

@@ -22,17 +22,22 @@
 //! (`Gather(dy, pos_s)`), so only the rows a batch touched carry gradient.
 
 use super::elementwise::{attr_dtype, attr_int, attr_ints, slice, stateless};
+use super::grad::{dispatch_real, Real};
 use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
 /// The ops this module registers.
-pub const OPS: [&str; 6] = [
+pub const OPS: [&str; 10] = [
     "DynamicPartition",
     "Less",
     "Select",
     "Size",
     "Range",
     "StridedSlice",
+    "ScatterAdd",
+    "SparseSegmentSumGrad",
+    "SparseSegmentMeanGrad",
+    "SparseSegmentSqrtNGrad",
 ];
 
 pub(crate) fn register(r: &mut OpRegistry) {
@@ -42,6 +47,10 @@ pub(crate) fn register(r: &mut OpRegistry) {
     r.add(size());
     r.add(range());
     r.add(strided_slice());
+    r.add(scatter_add());
+    for c in [SegmentGrad::Sum, SegmentGrad::Mean, SegmentGrad::SqrtN] {
+        r.add(segment_grad_op(c));
+    }
 }
 
 /// The values of an int32/int64 tensor, any rank.
@@ -681,6 +690,296 @@ impl Kernel for StridedSliceKernel {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// ScatterAdd (TensorFlow's ResourceScatterAdd)
+// ---------------------------------------------------------------------------------------------
+
+fn scatter_add() -> OpDef {
+    OpDef::new(
+        "ScatterAdd",
+        "var[indices[i], ..] += updates[i, ..] for every i, repeated indices adding up \
+         (TensorFlow's ResourceScatterAdd, which its GradientDescentOptimizer applies to a \
+         sparse gradient: updates = -lr · values). In: var (reference to a float Variable [V, \
+         d..]), indices (int32 or int64 [N], each in [0, V)), updates (var's dtype, [N, d..]). \
+         No outputs.",
+        |ctx| {
+            let (var, indices, updates) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
+            require_float("ScatterAdd: var", var)?;
+            if !is_index(indices.dtype) || indices.shape.rank().is_some_and(|r| r != 1) {
+                return Err(format!(
+                    "ScatterAdd: indices must be an int32 or int64 vector, got {indices}"
+                ));
+            }
+            if updates.dtype != var.dtype {
+                return Err(format!(
+                    "ScatterAdd: updates {updates} must have var's dtype ({var})"
+                ));
+            }
+            if let (Some(v), Some(u)) = (var.shape.dims(), updates.shape.dims()) {
+                let fits = !v.is_empty()
+                    && u.len() == v.len()
+                    && v[1..]
+                        .iter()
+                        .zip(&u[1..])
+                        .all(|(a, b)| a.is_none() || b.is_none() || a == b);
+                if !fits {
+                    return Err(format!(
+                        "ScatterAdd: updates {} must be [N] + var's trailing dims {}",
+                        updates.shape, var.shape
+                    ));
+                }
+            }
+            Ok(vec![])
+        },
+    )
+    .inputs([ref_arg("var"), arg("indices"), arg("updates")])
+    .stateful()
+    .kernel("CPU", |_| Ok(Box::new(ScatterAddKernel)))
+}
+
+#[derive(Debug)]
+struct ScatterAddKernel;
+
+fn scatter_into<T: Real>(
+    node: &str,
+    cell: &crate::kernel::VariableCell,
+    rows: &[i64],
+    updates: &Tensor,
+) -> Result<(), String> {
+    let u = slice::<T>(updates)?;
+    cell.update(|slot| {
+        let t = slot
+            .as_mut()
+            .ok_or_else(|| format!("ScatterAdd `{node}`: var is not initialized"))?;
+        let v = t.dims().first().copied().unwrap_or(0);
+        let fits = t.rank() >= 1
+            && updates.rank() == t.rank()
+            && updates.dims()[0] == rows.len()
+            && updates.dims()[1..] == t.dims()[1..];
+        if !fits {
+            return Err(format!(
+                "ScatterAdd `{node}`: updates of shape {:?} must be [{}] + the trailing dims of \
+                 var {:?}",
+                updates.dims(),
+                rows.len(),
+                t.dims()
+            ));
+        }
+        if let Some((i, r)) = rows
+            .iter()
+            .enumerate()
+            .find(|(_, &r)| usize::try_from(r).map_or(true, |r| r >= v))
+        {
+            return Err(format!(
+                "ScatterAdd `{node}`: index {r} at position {i} is out of range [0, {v})"
+            ));
+        }
+        let row: usize = t.dims()[1..].iter().product();
+        let w = t.as_mut_slice::<T>().map_err(|e| e.to_string())?;
+        if row > 0 {
+            for (&r, chunk) in rows.iter().zip(u.chunks(row)) {
+                let r = r as usize;
+                for (w, &x) in w[r * row..(r + 1) * row].iter_mut().zip(chunk) {
+                    *w += x;
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+impl Kernel for ScatterAddKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let node = ctx.node;
+        let rows = ints(ctx.input(1)?, &format!("ScatterAdd `{node}`: indices"))?;
+        let updates = ctx.input(2)?;
+        let cell = ctx.variable_at(0)?;
+        dispatch_real!(updates.dtype(), scatter_into(node, cell, &rows, updates))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SparseSegmentSumGrad / MeanGrad / SqrtNGrad (TensorFlow's, as its gradients emit them)
+// ---------------------------------------------------------------------------------------------
+
+/// Which of TensorFlow's segment-combiner gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SegmentGrad {
+    Sum,
+    Mean,
+    SqrtN,
+}
+
+impl SegmentGrad {
+    fn op(self) -> &'static str {
+        match self {
+            SegmentGrad::Sum => "SparseSegmentSumGrad",
+            SegmentGrad::Mean => "SparseSegmentMeanGrad",
+            SegmentGrad::SqrtN => "SparseSegmentSqrtNGrad",
+        }
+    }
+
+    fn weight(self, n: usize) -> f64 {
+        let n = n.max(1) as f64;
+        match self {
+            SegmentGrad::Sum => 1.0,
+            SegmentGrad::Mean => 1.0 / n,
+            SegmentGrad::SqrtN => 1.0 / n.sqrt(),
+        }
+    }
+}
+
+fn segment_grad_op(c: SegmentGrad) -> OpDef {
+    let summary = match c {
+        SegmentGrad::Sum => {
+            "TensorFlow's SparseSegmentSumGrad: out[indices[k], ..] += grad[segment_ids[k], ..], \
+             out [output_dim0, d..] zeros elsewhere. In: grad [S, d..] (float), indices [K], \
+             segment_ids [K] (int32 or int64; each in [0, S)), output_dim0 (int32 or int64 \
+             scalar; indices in [0, output_dim0)). Out: out, grad's dtype."
+        }
+        SegmentGrad::Mean => {
+            "TensorFlow's SparseSegmentMeanGrad: SparseSegmentSumGrad with each row divided by \
+             its segment's size. In: grad, indices, segment_ids, output_dim0. Out: out."
+        }
+        SegmentGrad::SqrtN => {
+            "TensorFlow's SparseSegmentSqrtNGrad: SparseSegmentSumGrad with each row divided by \
+             the square root of its segment's size. In: grad, indices, segment_ids, \
+             output_dim0. Out: out."
+        }
+    };
+    let factory: crate::kernel::KernelFactory = match c {
+        SegmentGrad::Sum => |_| Ok(Box::new(SegmentGradKernel(SegmentGrad::Sum))),
+        SegmentGrad::Mean => |_| Ok(Box::new(SegmentGradKernel(SegmentGrad::Mean))),
+        SegmentGrad::SqrtN => |_| Ok(Box::new(SegmentGradKernel(SegmentGrad::SqrtN))),
+    };
+    OpDef::new(c.op(), summary, segment_grad_infer)
+        .inputs([
+            arg("grad"),
+            arg("indices"),
+            arg("segment_ids"),
+            arg("output_dim0"),
+        ])
+        .outputs([arg("output")])
+        .kernel("CPU", factory)
+}
+
+fn segment_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+    let grad = ctx.input(0)?;
+    require_float("SparseSegment*Grad: grad", grad)?;
+    for (i, what) in [(1, "indices"), (2, "segment_ids"), (3, "output_dim0")] {
+        let t = ctx.input(i)?;
+        let rank_ok = if i == 3 {
+            t.shape.rank().map_or(true, |r| r == 0)
+        } else {
+            t.shape.rank().map_or(true, |r| r == 1)
+        };
+        if !is_index(t.dtype) || !rank_ok {
+            return Err(format!(
+                "SparseSegment*Grad: {what} must be an int32 or int64 {}, got {t}",
+                if i == 3 { "scalar" } else { "vector" }
+            ));
+        }
+    }
+    let shape = match grad.shape.dims() {
+        Some([]) => {
+            return Err(format!(
+                "SparseSegment*Grad: grad must have rank >= 1, got {}",
+                grad.shape
+            ))
+        }
+        Some(d) => Shape::partial(
+            std::iter::once(None)
+                .chain(d[1..].iter().copied())
+                .collect(),
+        ),
+        None => Shape::unknown(),
+    };
+    Ok(vec![TensorType::new(grad.dtype, shape)])
+}
+
+#[derive(Debug)]
+struct SegmentGradKernel(SegmentGrad);
+
+fn segment_grad_typed<T: Real>(
+    grad: &Tensor,
+    rows: &[usize],
+    seg: &[usize],
+    weights: &[f64],
+    dims: &[usize],
+) -> Result<Tensor, String> {
+    let row: usize = dims[1..].iter().product();
+    let src = slice::<T>(grad)?;
+    let mut acc = vec![0f64; dims[0] * row];
+    for (&r, &g) in rows.iter().zip(seg) {
+        let w = weights[g];
+        for (a, &v) in acc[r * row..(r + 1) * row]
+            .iter_mut()
+            .zip(&src[g * row..(g + 1) * row])
+        {
+            *a += w * v.to_f64();
+        }
+    }
+    let v: Vec<T> = acc.into_iter().map(T::from_f64).collect();
+    Tensor::from_slice(dims, &v).map_err(|e| e.to_string())
+}
+
+impl Kernel for SegmentGradKernel {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+        let op = self.0.op();
+        let node = ctx.node;
+        let grad = ctx.input(0)?;
+        let idx = ints(ctx.input(1)?, &format!("{op} `{node}`: indices"))?;
+        let seg = ints(ctx.input(2)?, &format!("{op} `{node}`: segment_ids"))?;
+        let dim0 = match ints(ctx.input(3)?, &format!("{op} `{node}`: output_dim0"))?[..] {
+            [d] => d,
+            _ => return Err(format!("{op} `{node}`: output_dim0 must be a scalar")),
+        };
+        let Some(&segments) = grad.dims().first() else {
+            return Err(format!("{op} `{node}`: grad must have rank >= 1"));
+        };
+        if idx.len() != seg.len() {
+            return Err(format!(
+                "{op} `{node}`: {} indices but {} segment_ids",
+                idx.len(),
+                seg.len()
+            ));
+        }
+        let mut dims = vec![0usize];
+        dims.extend_from_slice(&grad.dims()[1..]);
+        let signed: Vec<i64> = std::iter::once(dim0)
+            .chain(grad.dims()[1..].iter().map(|&d| d as i64))
+            .collect();
+        // output_dim0 comes from a tensor: checked before anything is allocated.
+        dims[0] =
+            super::tf_compat::checked_dims(&signed, grad.dtype(), &format!("{op} `{node}`"))?[0];
+        let check = |what: &str, v: &[i64], bound: usize| {
+            v.iter()
+                .enumerate()
+                .map(|(k, &i)| {
+                    usize::try_from(i)
+                        .ok()
+                        .filter(|&u| u < bound)
+                        .ok_or_else(|| {
+                            format!("{op} `{node}`: {what}[{k}] = {i} is not in [0, {bound})")
+                        })
+                })
+                .collect::<Result<Vec<usize>, String>>()
+        };
+        let rows = check("indices", &idx, dims[0])?;
+        let seg = check("segment_ids", &seg, segments)?;
+        let mut counts = vec![0usize; segments];
+        for &g in &seg {
+            counts[g] += 1;
+        }
+        let weights: Vec<f64> = counts.iter().map(|&n| self.0.weight(n)).collect();
+        let out = dispatch_real!(
+            grad.dtype(),
+            segment_grad_typed(grad, &rows, &seg, &weights, &dims)
+        )?;
+        ctx.set_output(0, out)
+    }
+}
+
 // ---- gradients ----
 
 /// Gradients of this family's ops (see [`crate::autodiff`]), and DynamicStitch's.
@@ -960,6 +1259,116 @@ mod tests {
         assert!(sliced(&x, &spec).unwrap_err().contains("out of range"));
         let spec = [("begin", l(&[0])), ("end", l(&[1])), ("strides", l(&[0]))];
         assert!(sliced(&x, &spec).unwrap_err().contains("nonzero"));
+    }
+
+    /// TensorFlow's ResourceScatterAdd: repeated rows add up; a bad index names the node and
+    /// leaves the variable as it was.
+    #[test]
+    fn scatter_add_adds_rows_in_place() {
+        use super::super::testing::run_kernel_with;
+        use crate::kernel::VariableCell;
+        let var = Tensor::from_slice(&[3, 2], &[1.0f32, 1.0, 2.0, 2.0, 3.0, 3.0]).unwrap();
+        let cell = std::sync::Arc::new(VariableCell::default());
+        cell.write(var.clone());
+        let updates = Tensor::from_slice(&[3, 2], &[0.5f32, 1.0, 10.0, 20.0, -1.0, -2.0]).unwrap();
+        let scatter = |idx: Tensor| {
+            let inputs = [var.clone(), idx, updates.clone()];
+            let types: Vec<TensorType> = inputs
+                .iter()
+                .map(|t| TensorType::new(t.dtype(), t.shape()))
+                .collect();
+            run_kernel_with(
+                "ScatterAdd",
+                "scatter",
+                &[],
+                &types,
+                &inputs,
+                &[cell.clone()],
+            )
+        };
+        scatter(v(&[2i64, 0, 2])).unwrap();
+        let got = cell.read().unwrap();
+        assert_eq!(
+            got.as_slice::<f32>().unwrap(),
+            [11.0, 21.0, 2.0, 2.0, 2.5, 2.0]
+        );
+        let e = scatter(v(&[2i64, 3, 0])).unwrap_err();
+        assert!(
+            e.contains("`scatter`") && e.contains("index 3 at position 1"),
+            "{e}"
+        );
+        assert_eq!(
+            cell.read().unwrap(),
+            got,
+            "a refused update changes nothing"
+        );
+    }
+
+    /// TensorFlow's SparseSegment*Grad against the definition: row indices[k] of the output
+    /// gets w · grad[segment_ids[k]], w = 1, 1/n or 1/√n for a segment of n ids.
+    #[test]
+    fn sparse_segment_grads_scatter_weighted_rows() {
+        let grad = Tensor::from_slice(&[2, 2], &[1.0f64, 2.0, 10.0, 20.0]).unwrap();
+        // Ids 0, 2, 0 in segment 0; id 1 in segment 1.
+        let idx = v(&[0i32, 2, 0, 1]);
+        let seg = v(&[0i32, 0, 0, 1]);
+        let run = |op: &str, dim0: i32| {
+            run_kernel(
+                op,
+                &[],
+                &[grad.clone(), idx.clone(), seg.clone(), Tensor::scalar(dim0)],
+            )
+        };
+        let sum = run("SparseSegmentSumGrad", 4).unwrap().remove(0);
+        assert_eq!(sum.dims(), [4, 2]);
+        assert_eq!(
+            sum.as_slice::<f64>().unwrap(),
+            [2.0, 4.0, 10.0, 20.0, 1.0, 2.0, 0.0, 0.0]
+        );
+        let mean = run("SparseSegmentMeanGrad", 4)
+            .unwrap()
+            .remove(0)
+            .to_f64_vec();
+        let third = 1.0 / 3.0;
+        let want = [
+            2.0 * third,
+            4.0 * third,
+            10.0,
+            20.0,
+            third,
+            2.0 * third,
+            0.0,
+            0.0,
+        ];
+        assert!(
+            mean.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-12),
+            "{mean:?}"
+        );
+        let sqrtn = run("SparseSegmentSqrtNGrad", 3)
+            .unwrap()
+            .remove(0)
+            .to_f64_vec();
+        let r = 1.0 / 3f64.sqrt();
+        assert!((sqrtn[0] - 2.0 * r).abs() < 1e-12 && (sqrtn[4] - r).abs() < 1e-12);
+        let e = run("SparseSegmentSumGrad", 2).unwrap_err();
+        assert!(e.contains("indices[1] = 2 is not in [0, 2)"), "{e}");
+        let e = run("SparseSegmentSumGrad", -1).unwrap_err();
+        assert!(e.contains("negative"), "{e}");
+        let e = run("SparseSegmentSumGrad", i32::MAX).unwrap_err();
+        assert!(e.contains("larger than"), "{e}");
+        assert_eq!(
+            infer(
+                "SparseSegmentMeanGrad",
+                &[
+                    tt(F32, &[-1, 4]),
+                    tt(I32, &[-1]),
+                    tt(I64, &[-1]),
+                    tt(I32, &[])
+                ],
+                &[]
+            ),
+            Ok(vec![tt(F32, &[-1, 4])])
+        );
     }
 
     #[test]
