@@ -188,45 +188,61 @@ fn sgd_through_imported_lookups_steps_like_tensorflow() {
     }
 }
 
-/// TensorFlow's own training graph for the lookups (`GradientDescentOptimizer(0.1).minimize`:
-/// TensorFlow's gradients of DynamicStitch and ResourceGather as GatherV2 and IndexedSlices,
-/// SparseSegmentSumGrad/MeanGrad/SqrtNGrad, and ResourceScatterAdd updates of only the touched
-/// rows) imports, and two runs of its `train` give TensorFlow's losses and parts within 1e-6.
-#[test]
-fn tensorflows_own_sgd_training_graph_steps_like_tensorflow() {
+/// TensorFlow's own training graph for the lookups (`<optimizer>.minimize(loss)`: TensorFlow's
+/// gradients of DynamicStitch and ResourceGather as GatherV2 and IndexedSlices,
+/// SparseSegmentSumGrad/MeanGrad/SqrtNGrad, then per part the optimizer's sparse update)
+/// imports, and two runs of its `train` give TensorFlow's losses and parts within 1e-6.
+fn tensorflows_training_graph_steps_like_tensorflow(optimizer: &str, update: (&str, &str)) {
     let (_, tf) = fixture();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tf");
-    let text =
-        std::fs::read_to_string(dir.join("embedding_lookup_train_sgd.graphdef.json")).unwrap();
+    let file = format!("embedding_lookup_train_{optimizer}.graphdef.json");
+    let text = std::fs::read_to_string(dir.join(file)).unwrap();
     let def = import_graphdef_json(&text).unwrap();
     let op = |n: &str| def.nodes.iter().find(|d| d.name == n).unwrap().op.clone();
-    assert_eq!(
-        op("train/update_emb5/part_0/ResourceScatterAdd"),
-        "ScatterAdd"
-    );
+    assert_eq!(op(update.0), update.1);
     assert_eq!(
         op("gradients/embedding_lookup_sparse_1_grad/SparseSegmentMeanGrad"),
         "SparseSegmentMeanGrad"
     );
     let s = session(&def);
-    for (i, step) in tf["sgd_steps"].as_array().unwrap().iter().enumerate() {
+    let steps = tf[format!("{optimizer}_steps")].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    for (i, step) in steps.iter().enumerate() {
         let loss = run(&s, &tf, &["loss"], &["train"]);
         let want = step["loss"].as_f64().unwrap();
-        assert_close(
-            &format!("step {i} loss"),
-            &loss[0].to_f64_vec(),
-            &[want],
-            1e-6,
-        );
+        let what = format!("{optimizer} step {i} loss");
+        assert_close(&what, &loss[0].to_f64_vec(), &[want], 1e-6);
         for (part, want) in step["partitions"].as_object().unwrap() {
-            let name = format!("step {i} {part}");
+            let name = format!("{optimizer} step {i} {part}");
             assert_close(&name, &variable(&s, part), &flat(want), 1e-6);
         }
     }
 }
 
-/// An op dflow lacks (here TensorFlow's UnsortedSegmentSum, which its Adagrad emits) is still
-/// refused, naming the op and the node.
+/// GradientDescentOptimizer(0.1): ResourceScatterAdd(part, indices, -lr · values) per part.
+#[test]
+fn tensorflows_own_sgd_training_graph_steps_like_tensorflow() {
+    tensorflows_training_graph_steps_like_tensorflow(
+        "sgd",
+        ("train/update_emb5/part_0/ResourceScatterAdd", "ScatterAdd"),
+    );
+}
+
+/// AdagradOptimizer(0.1) (accumulators from 0.1): Unique and UnsortedSegmentSum sum each part's
+/// rows per index, then ResourceSparseApplyAdagrad (dflow's SparseApplyAdagrad, epsilon 0).
+#[test]
+fn tensorflows_own_adagrad_training_graph_steps_like_tensorflow() {
+    tensorflows_training_graph_steps_like_tensorflow(
+        "adagrad",
+        (
+            "train/update_emb2/part_1/ResourceSparseApplyAdagrad",
+            "SparseApplyAdagrad",
+        ),
+    );
+}
+
+/// An op dflow lacks (here TensorFlow's UnsortedSegmentMax) is still refused, naming the op and
+/// the node.
 #[test]
 fn an_unsupported_op_is_refused_naming_op_and_node() {
     let (text, _) = fixture();
@@ -235,14 +251,14 @@ fn an_unsupported_op_is_refused_naming_op_and_node() {
         .as_array_mut()
         .unwrap()
         .push(serde_json::json!({
-            "name": "extra/segment_sum", "op": "UnsortedSegmentSum",
+            "name": "extra/segment_max", "op": "UnsortedSegmentMax",
             "input": ["lookup_mod", "ids", "ids"]
         }));
     let e = import_graphdef_json(&graph.to_string())
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("unsupported TensorFlow ops: UnsortedSegmentSum (extra/segment_sum)"),
+        e.contains("unsupported TensorFlow ops: UnsortedSegmentMax (extra/segment_max)"),
         "{e}"
     );
 }

@@ -357,6 +357,7 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
         "Prod" => &[(1, "axes")],
         "ExpandDims" => &[(1, "axis")],
         "StridedSlice" => &[(1, "begin"), (2, "end"), (3, "strides")],
+        "ResourceSparseApplyAdagrad" | "SparseApplyAdagrad" => &[(2, "lr")],
         _ => &[],
     }
 }
@@ -467,6 +468,9 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "SparseSegmentMeanGrad" => "SparseSegmentMeanGrad",
         "SparseSegmentSqrtNGrad" => "SparseSegmentSqrtNGrad",
         "ResourceScatterAdd" => "ScatterAdd",
+        // ... and its AdagradOptimizer (rows summed per unique index, then the update).
+        "UnsortedSegmentSum" => "UnsortedSegmentSum",
+        "ResourceSparseApplyAdagrad" | "SparseApplyAdagrad" => "SparseApplyAdagrad",
         _ => return None,
     })
 }
@@ -1390,6 +1394,27 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err("use_nesterov is not supported for Adam"));
                 }
             }
+            "ResourceSparseApplyAdagrad" | "SparseApplyAdagrad" => {
+                a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
+                // TensorFlow's (V1) update has no epsilon: var -= lr * g / sqrt(accum).
+                a.insert("epsilon".into(), AttrValue::Float(0.0));
+                let update_slots = get("update_slots")
+                    .map(|v| v.get("b").map_or(Ok(true), |_| bool_attr(v)))
+                    .transpose()
+                    .map_err(wrap("update_slots"))?;
+                if update_slots == Some(false) {
+                    return Err(n.err(
+                        "update_slots false is not supported (the accumulator \
+                         always grows by g²)",
+                    ));
+                }
+                // TensorFlow: (var, accum, lr, grad, indices); dflow: (var, accum, indices,
+                // values), lr folded.
+                if out.inputs.len() < 4 {
+                    return Err(n.err("expected var, accum, lr, grad and indices inputs"));
+                }
+                out.inputs.swap(2, 3);
+            }
             "ApplyMomentum" | "ResourceApplyMomentum" => {
                 a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
                 a.insert(
@@ -1418,6 +1443,7 @@ impl<'r, 'a> Importer<'r, 'a> {
                     | "AssignSub"
                     | "Assign"
                     | "ScatterAdd"
+                    | "SparseApplyAdagrad"
             );
         if takes_variable {
             if let Some(var) = n
@@ -2436,6 +2462,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`col`") && e.contains("ellipsis_mask 1"), "{e}");
+    }
+
+    /// TensorFlow's ResourceSparseApplyAdagrad (var, accum, lr, grad, indices) becomes dflow's
+    /// SparseApplyAdagrad (var, accum, indices, values) with lr folded and no epsilon, placed
+    /// with its variable; `update_slots: false` is refused naming the node.
+    #[test]
+    fn sparse_adagrad_reorders_its_inputs() {
+        let graph = |update_slots: bool| {
+            json!({"node": [
+                variable("w", "VarHandleOp", &[4, 2]),
+                variable("w/Adagrad", "VarHandleOp", &[4, 2]),
+                f32_const("lr", &[], &[0.1]),
+                f32_const("g", &[2, 2], &[1.0, 2.0, 3.0, 4.0]),
+                int_const("idx", &[3, 0]),
+                {"name": "update", "op": "ResourceSparseApplyAdagrad",
+                 "input": ["w", "w/Adagrad", "lr", "g", "idx"],
+                 "attr": {"update_slots": {"b": update_slots}}}
+            ]})
+        };
+        let def = import(graph(true)).unwrap();
+        let u = node(&def, "update");
+        assert_eq!(u.op, "SparseApplyAdagrad");
+        assert_eq!(u.inputs, ["w", "w/Adagrad", "idx", "g"]);
+        assert!(matches!(u.attrs["lr"], AttrValue::Float(x) if (x - 0.1).abs() < 1e-7));
+        assert_eq!(u.attrs["epsilon"], AttrValue::Float(0.0));
+        assert_eq!(u.colocate_with, ["w"]);
+        Graph::from_def(&def).unwrap();
+        let e = import(graph(false)).unwrap_err().to_string();
+        assert!(
+            e.contains("`update`") && e.contains("update_slots false"),
+            "{e}"
+        );
     }
 
     /// An operand dflow needs as a constant (a reduction other than Sum, a Fill's dims), computed

@@ -463,6 +463,10 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("SparseSegmentSumGrad", "a gradient op"),
     ("SparseSegmentMeanGrad", "a gradient op"),
     ("SparseSegmentSqrtNGrad", "a gradient op"),
+    (
+        "UnsortedSegmentSum",
+        "not yet (TensorFlow's optimizers use it on gradients)",
+    ),
     ("MaximumGrad", "a gradient op"),
     (
         "FloorDiv",

@@ -27,7 +27,7 @@ use super::*;
 use crate::kernel::{Kernel, KernelContext, KernelInit};
 
 /// The ops this module registers.
-pub const OPS: [&str; 10] = [
+pub const OPS: [&str; 11] = [
     "DynamicPartition",
     "Less",
     "Select",
@@ -38,6 +38,7 @@ pub const OPS: [&str; 10] = [
     "SparseSegmentSumGrad",
     "SparseSegmentMeanGrad",
     "SparseSegmentSqrtNGrad",
+    "UnsortedSegmentSum",
 ];
 
 pub(crate) fn register(r: &mut OpRegistry) {
@@ -48,6 +49,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
     r.add(range());
     r.add(strided_slice());
     r.add(scatter_add());
+    r.add(unsorted_segment_sum());
     for c in [SegmentGrad::Sum, SegmentGrad::Mean, SegmentGrad::SqrtN] {
         r.add(segment_grad_op(c));
     }
@@ -980,6 +982,107 @@ impl Kernel for SegmentGradKernel {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// UnsortedSegmentSum
+// ---------------------------------------------------------------------------------------------
+
+fn unsorted_segment_sum() -> OpDef {
+    OpDef::new(
+        "UnsortedSegmentSum",
+        "out[s, ..] = sum of data[i, ..] over i with segment_ids[i] = s, in any order \
+         (TensorFlow's UnsortedSegmentSum with vector ids, which its optimizers use to sum the \
+         rows of a sparse gradient per unique index; a negative id drops its row, as in \
+         TensorFlow). In: data [N, d..] (float), segment_ids [N] (int32 or int64, each < \
+         num_segments), num_segments (int32 or int64 scalar). Out: out [num_segments, d..].",
+        |ctx| {
+            let (data, seg, n) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
+            require_float("UnsortedSegmentSum: data", data)?;
+            if !is_index(seg.dtype) || seg.shape.rank().is_some_and(|r| r != 1) {
+                return Err(format!(
+                    "UnsortedSegmentSum: segment_ids must be an int32 or int64 vector, got {seg}"
+                ));
+            }
+            if !is_index(n.dtype) || n.shape.rank().is_some_and(|r| r != 0) {
+                return Err(format!(
+                    "UnsortedSegmentSum: num_segments must be an int32 or int64 scalar, got {n}"
+                ));
+            }
+            let shape = match data.shape.dims() {
+                Some([]) => {
+                    return Err(format!(
+                        "UnsortedSegmentSum: data must have rank >= 1, got {}",
+                        data.shape
+                    ))
+                }
+                Some(d) => Shape::partial(
+                    std::iter::once(None)
+                        .chain(d[1..].iter().copied())
+                        .collect(),
+                ),
+                None => Shape::unknown(),
+            };
+            Ok(vec![TensorType::new(data.dtype, shape)])
+        },
+    )
+    .inputs([arg("data"), arg("segment_ids"), arg("num_segments")])
+    .outputs([arg("output")])
+    .kernel("CPU", |_| stateless(unsorted_segment_sum_kernel))
+}
+
+fn unsorted_segment_sum_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    const OP: &str = "UnsortedSegmentSum";
+    let node = ctx.node;
+    let data = ctx.input(0)?;
+    let seg = ints(ctx.input(1)?, &format!("{OP} `{node}`: segment_ids"))?;
+    let n = match ints(ctx.input(2)?, &format!("{OP} `{node}`: num_segments"))?[..] {
+        [n] => n,
+        _ => return Err(format!("{OP} `{node}`: num_segments must be a scalar")),
+    };
+    if data.rank() == 0 || data.dims()[0] != seg.len() {
+        return Err(format!(
+            "{OP} `{node}`: data of shape {:?} must have one row per segment id ({})",
+            data.dims(),
+            seg.len()
+        ));
+    }
+    let signed: Vec<i64> = std::iter::once(n)
+        .chain(data.dims()[1..].iter().map(|&d| d as i64))
+        .collect();
+    // num_segments comes from a tensor: checked before anything is allocated.
+    let dims = super::tf_compat::checked_dims(&signed, data.dtype(), &format!("{OP} `{node}`"))?;
+    let mut rows = Vec::with_capacity(seg.len());
+    for (i, &s) in seg.iter().enumerate() {
+        if s >= n {
+            return Err(format!(
+                "{OP} `{node}`: segment_ids[{i}] = {s} is not below num_segments {n}"
+            ));
+        }
+        rows.push(usize::try_from(s).ok());
+    }
+    fn sum<T: Real>(
+        data: &Tensor,
+        rows: &[Option<usize>],
+        dims: &[usize],
+    ) -> Result<Tensor, String> {
+        let row: usize = dims[1..].iter().product();
+        let src = slice::<T>(data)?;
+        let mut out = Tensor::zeros(T::DTYPE, dims).map_err(|e| e.to_string())?;
+        let dst = out.as_mut_slice::<T>().map_err(|e| e.to_string())?;
+        if row > 0 {
+            for (chunk, r) in src.chunks(row).zip(rows) {
+                if let Some(r) = *r {
+                    for (o, &v) in dst[r * row..(r + 1) * row].iter_mut().zip(chunk) {
+                        *o += v;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+    let out = dispatch_real!(data.dtype(), sum(data, &rows, &dims))?;
+    ctx.set_output(0, out)
+}
+
 // ---- gradients ----
 
 /// Gradients of this family's ops (see [`crate::autodiff`]), and DynamicStitch's.
@@ -1369,6 +1472,36 @@ mod tests {
             ),
             Ok(vec![tt(F32, &[-1, 4])])
         );
+    }
+
+    #[test]
+    fn unsorted_segment_sum_adds_rows_per_id() {
+        let data =
+            Tensor::from_slice(&[4, 2], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]).unwrap();
+        let run = |seg: &[i64], n: i32| {
+            run_kernel(
+                "UnsortedSegmentSum",
+                &[],
+                &[data.clone(), v(seg), Tensor::scalar(n)],
+            )
+        };
+        let out = run(&[2, 0, 2, -1], 3).unwrap().remove(0);
+        assert_eq!(out.dims(), [3, 2]);
+        assert_eq!(
+            out.as_slice::<f32>().unwrap(),
+            [3.0, 4.0, 0.0, 0.0, 6.0, 8.0]
+        );
+        let e = run(&[2, 0, 3, 1], 3).unwrap_err();
+        assert!(
+            e.contains("segment_ids[2] = 3 is not below num_segments 3"),
+            "{e}"
+        );
+        assert!(run(&[0, 0, 0, 0], i32::MAX)
+            .unwrap_err()
+            .contains("larger than"));
+        assert!(run(&[0, 0, 0], 1)
+            .unwrap_err()
+            .contains("one row per segment id"));
     }
 
     #[test]
