@@ -77,6 +77,10 @@
 //!   and shrink masks kept; an ellipsis or new-axis mask is refused naming the node), `Unique`
 //!   and `SparseSegmentSum`/`Mean`/`SqrtN`. A `ConcatV2` of constant int vectors along axis 0
 //!   (the output shape a lookup builds) is computed at import, so the `Reshape` to it is static.
+//!   TensorFlow's training graphs for them import too: `SparseSegmentSumGrad`/`MeanGrad`/
+//!   `SqrtNGrad`, `UnsortedSegmentSum`, `ResourceScatterAdd` → `ScatterAdd` and
+//!   `ResourceSparseApplyAdagrad` → `SparseApplyAdagrad` (inputs reordered to var, accum,
+//!   indices, values; `lr` folded; epsilon 0, as TensorFlow's update has none).
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
 //!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
