@@ -1386,7 +1386,7 @@ mod tests {
                 &[],
                 &types,
                 &inputs,
-                &[cell.clone()],
+                std::slice::from_ref(&cell),
             )
         };
         scatter(v(&[2i64, 0, 2])).unwrap();
