@@ -83,9 +83,10 @@ const OUTPUTS: [&str; 9] = [
     "loss",
 ];
 
-/// Both partition strategies and every combiner, over 5 and 2 parts, with repeated ids: each
-/// output equals TensorFlow's within 1e-6, each part starts from TensorFlow's draw, and the
-/// lookups' static shapes survive the import (the ids' count per shard is `?`).
+/// Both partition strategies and every combiner, over 5 and 2 parts spread over 2 ps tasks,
+/// with repeated ids: each output equals TensorFlow's within 1e-6, each part starts from
+/// TensorFlow's draw, and the lookups' static shapes survive the import (the ids' count per
+/// shard is `?`).
 #[test]
 fn embedding_lookups_over_partitions_compute_tensorflows_values() {
     let (text, tf) = fixture();
@@ -113,6 +114,20 @@ fn embedding_lookups_over_partitions_compute_tensorflows_values() {
     for (t, name) in out.iter().zip(OUTPUTS) {
         assert_close(name, &t.to_f64_vec(), &flat(&tf["outputs"][name]), 1e-6);
     }
+    // The parts sit on both ps tasks (dflow's device setter, round robin), each Gather with
+    // its part: the lookups read rows on two tasks, in counts known only at run time.
+    let devices: std::collections::BTreeSet<String> = s
+        .variables()
+        .iter()
+        .map(|(d, _, _)| d.to_string())
+        .collect();
+    assert_eq!(
+        devices.into_iter().collect::<Vec<_>>(),
+        [
+            "/job:ps/replica:0/task:0/device:CPU:0",
+            "/job:ps/replica:0/task:1/device:CPU:0"
+        ]
+    );
     assert_eq!(out[2].dims(), [10, 4]);
     assert_eq!(out[6].dims(), [4, 4]);
 }
