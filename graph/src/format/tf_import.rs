@@ -684,7 +684,16 @@ impl<'r, 'a> Importer<'r, 'a> {
                 match self.computed.get(&src) {
                     Some(t) => Some(t.clone()),
                     None if self.nodes[src].op == "Const" => {
-                        tensor_attr(self.nodes[src].attrs.get("value")?, &side_budget()).ok()
+                        let value = self.nodes[src].attrs.get("value")?;
+                        // Only small vectors are joined: the declared size is checked before
+                        // a repeated-value constant is expanded.
+                        let declared = field(value.get("tensor")?, "tensorShape", "tensor_shape")
+                            .map_or(Some(Shape::scalar()), |s| shape_proto(s).ok())?
+                            .num_elements()?;
+                        if declared > MAX_CONSTANT_RANGE as usize {
+                            return None;
+                        }
+                        tensor_attr(value, &side_budget()).ok()
                     }
                     None => None,
                 }
