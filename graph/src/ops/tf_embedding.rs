@@ -2,8 +2,11 @@
 //! partitioned variable (`params` a list of parts or a `PartitionedVariable`), imported by
 //! [`crate::tf_import`]: `DynamicPartition`, `Less`, `Select`, `Size`, `Range` (with run-time
 //! operands) and `StridedSlice` (constant begin/end/strides), with their shape rules, CPU
-//! kernels and gradients; and the gradient of `DynamicStitch` (TensorFlow's
-//! `ParallelDynamicStitch`, which reassembles the looked-up rows in id order).
+//! kernels and gradients; the gradient of `DynamicStitch` (TensorFlow's
+//! `ParallelDynamicStitch`, which reassembles the looked-up rows in id order); and what
+//! TensorFlow's own training graphs for the lookups add: `SparseSegmentSumGrad`/`MeanGrad`/
+//! `SqrtNGrad`, `UnsortedSegmentSum` (its Adagrad sums a part's rows per unique index) and
+//! `ScatterAdd` (TensorFlow's `ResourceScatterAdd`, its SGD update of the touched rows).
 //!
 //! `embedding_lookup(params=[p_0 .. p_{n-1}], ids, partition_strategy)` computes, per id, the
 //! shard `s` and the row `r` inside it (`mod`: `s = id % n`, `r = id // n`; `div`: the first
