@@ -1,5 +1,6 @@
 //! The gradients through TensorFlow's partitioned `embedding_lookup` as dflow imports it
-//! (DynamicPartition, Gather per part, DynamicStitch) and through `Select`, against central
+//! (DynamicPartition, Gather per part, DynamicStitch), through `DynamicPartition` of float data
+//! and through `Select`, against central
 //! finite differences in f64. The forward values are checked against TensorFlow itself in the
 //! workspace's tests/tf_embedding_import.rs.
 
@@ -44,6 +45,36 @@ fn a_partitioned_lookup_differentiates_like_finite_differences() {
         .input(&g1)
         .finish();
     case.check(&out, &[4, 2], &["p0", "p1"]);
+}
+
+/// DynamicPartition of float rows into 3 partitions, of which the loss reads 0 and 2 (joined by
+/// a DynamicStitch): row i of the data gets its partition's gradient, rows sent to 1 get zeros.
+#[test]
+fn dynamic_partition_differentiates_like_finite_differences() {
+    let mut case = Case::new();
+    let data = case.variable("data", &[5, 2]);
+    let b = &mut case.b;
+    let parts = b.constant(
+        "parts",
+        Tensor::from_slice(&[5], &[2i32, 0, 1, 2, 0]).unwrap(),
+    );
+    let split = b
+        .op("DynamicPartition", "split")
+        .input(&data)
+        .input(&parts)
+        .attr("num_partitions", 3i64)
+        .finish();
+    // Outputs 0 and 2 (2 rows each) side by side: stitched to rows 0-1 and 2-3.
+    let at0 = b.constant("at0", Tensor::from_slice(&[2], &[0i32, 1]).unwrap());
+    let at2 = b.constant("at2", Tensor::from_slice(&[2], &[2i32, 3]).unwrap());
+    let joined = b
+        .op("DynamicStitch", "joined")
+        .input(&at0)
+        .input(&at2)
+        .input(split.out(0))
+        .input(split.out(2))
+        .finish();
+    case.check(&joined, &[4, 2], &["data"]);
 }
 
 /// `Select(x > 0, x · w, w)` picks per element: each side's gradient only where it was picked.

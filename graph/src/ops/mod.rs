@@ -454,10 +454,6 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("MoeAuxLossGrad", "a gradient op"),
     ("ReshapeLike", "a gradient op"),
     ("DynamicSumGrad", "a gradient op"),
-    (
-        "DynamicPartition",
-        "not yet (embedding lookups partition integer ids, which get none)",
-    ),
     ("StridedSlice", "not yet"),
     ("ScatterAdd", "a state update"),
     ("SparseSegmentSumGrad", "a gradient op"),

@@ -1100,6 +1100,52 @@ pub(crate) mod gradients {
         r.set_gradient("Range", no_gradient);
         r.set_gradient("Select", select_grad);
         r.set_gradient("DynamicStitch", dynamic_stitch_grad);
+        r.set_gradient("DynamicPartition", dynamic_partition_grad);
+    }
+
+    /// TensorFlow's `_DynamicPartitionGrads`: the positions of `data`'s rows, partitioned like
+    /// them, stitch the outputs' gradients back in place (an output the loss does not reach
+    /// contributes zeros); the partitions get none.
+    fn dynamic_partition_grad(
+        b: &mut GradBuilder,
+        f: &ForwardNode,
+        dys: &[Option<Output>],
+    ) -> GradResult {
+        let (data, parts) = (f.input(0)?, f.input(1)?);
+        let n = match f.attr("num_partitions")? {
+            AttrValue::Int(n) => *n,
+            v => return Err(format!("num_partitions is {}, not int", v.ty())),
+        };
+        let scalar = |v: i32| AttrValue::Tensor(Tensor::scalar(v).into());
+        let zero = b.op("Const", "zero", &[], &[("value", scalar(0))]);
+        let one = b.op("Const", "one", &[], &[("value", scalar(1))]);
+        let size = b.unary("Size", "size", parts);
+        let range = b.op("Range", "positions", &[&zero, &size, &one], &[]);
+        let positions = b.binary("ReshapeLike", "positions_shaped", &range, parts);
+        let split = b.add(
+            "DynamicPartition",
+            "partitioned_positions",
+            &[&positions, parts],
+            &[("num_partitions", AttrValue::Int(n))],
+        );
+        let count = usize::try_from(n).map_err(|_| format!("num_partitions {n}"))?;
+        let mut inputs: Vec<Output> = (0..count)
+            .map(|k| Output {
+                node: split.clone(),
+                index: k,
+            })
+            .collect();
+        for k in 0..count {
+            let g = match dys.get(k).cloned().flatten() {
+                Some(g) => g,
+                None => b.unary("ZerosLike", &format!("zeros_{k}"), &f.output(k)),
+            };
+            inputs.push(g);
+        }
+        let refs: Vec<&Output> = inputs.iter().collect();
+        let stitched = b.op("DynamicStitch", "stitched", &refs, &[]);
+        let dx = b.binary("ReshapeLike", "ddata", &stitched, data);
+        Ok(vec![Some(dx), None])
     }
 
     /// dt = Select(c, dy, 0), de = Select(c, 0, dy); none for the condition.
