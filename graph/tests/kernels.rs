@@ -151,6 +151,9 @@ fn every_op_but_send_recv_has_a_cpu_kernel_and_fixtures() {
             // reference), end to end in tests/tf_training_import.rs.
             || dflow_graph::ops::tf_dynamic::OPS.contains(&op.name)
             || dflow_graph::ops::tf_math::OPS.contains(&op.name)
+            // The ops of TensorFlow's embedding_lookup over partitions: unit tests in
+            // ops/tf_embedding.rs, end to end against TensorFlow in tests/tf_embedding_import.rs.
+            || dflow_graph::ops::tf_embedding::OPS.contains(&op.name)
             // The MoE ops and their gradients: against PyTorch and finite differences in
             // tests/moe.rs.
             || op.name.starts_with("Moe")

@@ -68,8 +68,19 @@
 //!   whole table TensorFlow reads through a `ConcatV2` of the parts becomes a `Concat` (its
 //!   constant axis, the last input, folded into `axis`). The parts are not merged into one
 //!   dflow variable: TensorFlow draws each part's initial values separately, and a checkpoint
-//!   keeps TensorFlow's part names. `embedding_lookup` over the parts (DynamicPartition,
-//!   ResourceGather, ParallelDynamicStitch) is refused as unsupported ops, naming the nodes.
+//!   keeps TensorFlow's part names.
+//! - **`embedding_lookup` over the parts** (`mod` and `div`) and **`embedding_lookup_sparse`**
+//!   import op for op ([`crate::ops::tf_embedding`]): `DynamicPartition` (keeping
+//!   `num_partitions`), `ResourceGather` → `Gather` (colocated with its part; `batch_dims` 0),
+//!   `ParallelDynamicStitch` → `DynamicStitch`, `Less`, `Select`, `Size`, a `Range` of run-time
+//!   scalars, `StridedSlice` (constant begin/end/strides folded into attributes, its begin, end
+//!   and shrink masks kept; an ellipsis or new-axis mask is refused naming the node), `Unique`
+//!   and `SparseSegmentSum`/`Mean`/`SqrtN`. A `ConcatV2` of constant int vectors along axis 0
+//!   (the output shape a lookup builds) is computed at import, so the `Reshape` to it is static.
+//!   TensorFlow's training graphs for them import too: `SparseSegmentSumGrad`/`MeanGrad`/
+//!   `SqrtNGrad`, `UnsortedSegmentSum`, `ResourceScatterAdd` → `ScatterAdd` and
+//!   `ResourceSparseApplyAdagrad` → `SparseApplyAdagrad` (inputs reordered to var, accum,
+//!   indices, values; `lr` folded; epsilon 0, as TensorFlow's update has none).
 //! - Ops dflow does not know are reported together, each with the nodes that use it, unless
 //!   they belong to the dropped initializer subgraph. The run-time shape ops `tf.gradients`
 //!   emits for a mean or a softmax cross-entropy (`Shape`, `Fill`, `Tile`, `Prod`, `FloorMod`,
@@ -349,6 +360,8 @@ fn folded_operands(op: &str) -> &'static [(usize, &'static str)] {
         "GatherV2" => &[(2, "axis")],
         "Prod" => &[(1, "axes")],
         "ExpandDims" => &[(1, "axis")],
+        "StridedSlice" => &[(1, "begin"), (2, "end"), (3, "strides")],
+        "ResourceSparseApplyAdagrad" | "SparseApplyAdagrad" => &[(2, "lr")],
         _ => &[],
     }
 }
@@ -440,6 +453,28 @@ fn dflow_op(op: &str) -> Option<&'static str> {
         "DynamicStitch" => "DynamicStitch",
         "Maximum" => "Maximum",
         "FloorDiv" => "FloorDiv",
+        // `embedding_lookup` over a partitioned variable and `embedding_lookup_sparse`
+        // ([`crate::ops::tf_embedding`], [`crate::ops::sparse_embedding`]).
+        "DynamicPartition" => "DynamicPartition",
+        "ParallelDynamicStitch" => "DynamicStitch",
+        "ResourceGather" => "Gather",
+        "Less" => "Less",
+        "Select" => "Select",
+        "Size" => "Size",
+        "Range" => "Range",
+        "StridedSlice" => "StridedSlice",
+        "Unique" => "Unique",
+        "SparseSegmentSum" => "SparseSegmentSum",
+        "SparseSegmentMean" => "SparseSegmentMean",
+        "SparseSegmentSqrtN" => "SparseSegmentSqrtN",
+        // What TensorFlow's gradients and GradientDescentOptimizer emit for them.
+        "SparseSegmentSumGrad" => "SparseSegmentSumGrad",
+        "SparseSegmentMeanGrad" => "SparseSegmentMeanGrad",
+        "SparseSegmentSqrtNGrad" => "SparseSegmentSqrtNGrad",
+        "ResourceScatterAdd" => "ScatterAdd",
+        // ... and its AdagradOptimizer (rows summed per unique index, then the update).
+        "UnsortedSegmentSum" => "UnsortedSegmentSum",
+        "ResourceSparseApplyAdagrad" | "SparseApplyAdagrad" => "SparseApplyAdagrad",
         _ => return None,
     })
 }
@@ -503,6 +538,7 @@ impl<'r, 'a> Importer<'r, 'a> {
     fn run(mut self) -> Result<GraphDef, TfImportError> {
         self.drop_initializers();
         self.compute_constant_ranges();
+        self.compute_constant_concats();
         self.check_supported()?;
         let initializers = self.initializer_kinds();
         self.fold_constant_operands()?;
@@ -619,6 +655,95 @@ impl<'r, 'a> Importer<'r, 'a> {
                 self.computed.insert(n.index, t);
                 for slot in 0..3 {
                     self.folded.insert((n.index, slot));
+                }
+            }
+        }
+    }
+
+    /// Evaluates every `ConcatV2` of constant int vectors along axis 0 (the output shape
+    /// `embedding_lookup` builds from its ids' static shape and the rows' width), so the
+    /// `Reshape` reading it gets a constant shape and a static output.
+    fn compute_constant_concats(&mut self) {
+        for n in self.nodes {
+            if n.op != "ConcatV2" || self.dropped[n.index] {
+                continue;
+            }
+            let data: Vec<&InputRef> = n
+                .inputs
+                .iter()
+                .filter(|r| matches!(r, InputRef::Data { .. }))
+                .collect();
+            let Some((axis, values)) = data.split_last() else {
+                continue;
+            };
+            let constant = |r: &InputRef| -> Option<Tensor> {
+                let src = self.producer(r);
+                if !matches!(r, InputRef::Data { index: 0, .. }) {
+                    return None;
+                }
+                match self.computed.get(&src) {
+                    Some(t) => Some(t.clone()),
+                    None if self.nodes[src].op == "Const" => {
+                        let value = self.nodes[src].attrs.get("value")?;
+                        // Only small vectors are joined: the declared size is checked before
+                        // a repeated-value constant is expanded.
+                        let declared = field(value.get("tensor")?, "tensorShape", "tensor_shape")
+                            .map_or(Some(Shape::scalar()), |s| shape_proto(s).ok())?
+                            .num_elements()?;
+                        if declared > MAX_CONSTANT_RANGE as usize {
+                            return None;
+                        }
+                        tensor_attr(value, &side_budget()).ok()
+                    }
+                    None => None,
+                }
+            };
+            let axis_ok = constant(axis).is_some_and(|t| {
+                matches!(t.dtype(), DType::I32 | DType::I64)
+                    && t.num_elements() == 1
+                    && matches!(t.to_f64_vec()[..], [a] if a == 0.0 || a == -1.0)
+            });
+            let Some(parts) = values
+                .iter()
+                .map(|r| constant(r))
+                .collect::<Option<Vec<_>>>()
+            else {
+                continue;
+            };
+            let Some(dtype) = parts.first().map(Tensor::dtype) else {
+                continue;
+            };
+            let fits = axis_ok
+                && matches!(dtype, DType::I32 | DType::I64)
+                && parts.iter().all(|t| t.dtype() == dtype && t.rank() == 1)
+                && parts.iter().map(Tensor::num_elements).sum::<usize>()
+                    <= MAX_CONSTANT_RANGE as usize;
+            if !fits {
+                continue;
+            }
+            let joined = if dtype == DType::I32 {
+                let v: Vec<i32> = parts
+                    .iter()
+                    .filter_map(|t| t.as_slice::<i32>().ok())
+                    .flatten()
+                    .copied()
+                    .collect();
+                Tensor::from_slice(&[v.len()], &v)
+            } else {
+                let v: Vec<i64> = parts
+                    .iter()
+                    .filter_map(|t| t.as_slice::<i64>().ok())
+                    .flatten()
+                    .copied()
+                    .collect();
+                Tensor::from_slice(&[v.len()], &v)
+            };
+            if let Ok(t) = joined {
+                self.computed.insert(n.index, t);
+                for (slot, r) in n.inputs.iter().enumerate() {
+                    if matches!(r, InputRef::Data { .. }) {
+                        self.folded.insert((n.index, slot));
+                    }
                 }
             }
         }
@@ -1009,12 +1134,12 @@ impl<'r, 'a> Importer<'r, 'a> {
         let a = &mut out.attrs;
         let get = |name: &str| n.attrs.get(name);
         let wrap = |name: &'static str| move |m: String| n.err(format!("attr `{name}`: {m}"));
+        if let Some(t) = self.computed.get(&n.index) {
+            // A Range or ConcatV2 of constants, computed at import.
+            a.insert("value".into(), AttrValue::Tensor(t.clone().into()));
+            return Ok(out);
+        }
         match n.op.as_str() {
-            "Range" => {
-                if let Some(t) = self.computed.get(&n.index) {
-                    a.insert("value".into(), AttrValue::Tensor(t.clone().into()));
-                }
-            }
             "Const" => {
                 let v = get("value").ok_or_else(|| n.err("missing attr `value`"))?;
                 a.insert(
@@ -1166,6 +1291,61 @@ impl<'r, 'a> Importer<'r, 'a> {
                 }
                 a.insert("axis".into(), AttrValue::Int(axis));
             }
+            "DynamicPartition" => {
+                let v =
+                    get("num_partitions").ok_or_else(|| n.err("missing attr `num_partitions`"))?;
+                let k = v
+                    .get("i")
+                    .map_or(Ok(0), int_value)
+                    .map_err(wrap("num_partitions"))?;
+                a.insert("num_partitions".into(), AttrValue::Int(k));
+            }
+            "ResourceGather" => {
+                if let Some(b) = get("batch_dims").map(|v| v.get("i").map_or(Ok(0), int_value)) {
+                    let b = b.map_err(wrap("batch_dims"))?;
+                    if b != 0 {
+                        return Err(n.err(format!("batch_dims {b} is not supported (only 0)")));
+                    }
+                }
+            }
+            "Unique" | "Size" => {
+                let name = if n.op == "Unique" {
+                    "out_idx"
+                } else {
+                    "out_type"
+                };
+                if let Some(v) = get(name) {
+                    let d = dtype_attr(v).map_err(|m| n.err(format!("attr `{name}`: {m}")))?;
+                    a.insert(name.into(), AttrValue::DType(d));
+                }
+            }
+            "StridedSlice" => {
+                for (slot, name) in [(1, "begin"), (2, "end"), (3, "strides")] {
+                    a.insert(name.into(), AttrValue::IntList(self.folded_ints(n, slot)?));
+                }
+                for name in [
+                    "begin_mask",
+                    "end_mask",
+                    "shrink_axis_mask",
+                    "ellipsis_mask",
+                    "new_axis_mask",
+                ] {
+                    let v = get(name)
+                        .map(|v| v.get("i").map_or(Ok(0), int_value))
+                        .transpose()
+                        .map_err(|m| n.err(format!("attr `{name}`: {m}")))?
+                        .unwrap_or(0);
+                    if matches!(name, "ellipsis_mask" | "new_axis_mask") {
+                        if v != 0 {
+                            return Err(n.err(format!(
+                                "{name} {v} is not supported (dflow's StridedSlice takes begin,                                  end and shrink masks; write the slice without `...` and                                  `tf.newaxis`)"
+                            )));
+                        }
+                    } else {
+                        a.insert(name.into(), AttrValue::Int(v));
+                    }
+                }
+            }
             "ExpandDims" => {
                 let axis = self.folded_ints(n, 1)?;
                 let [axis] = axis[..] else {
@@ -1227,6 +1407,27 @@ impl<'r, 'a> Importer<'r, 'a> {
                     return Err(n.err("use_nesterov is not supported for Adam"));
                 }
             }
+            "ResourceSparseApplyAdagrad" | "SparseApplyAdagrad" => {
+                a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
+                // TensorFlow's (V1) update has no epsilon: var -= lr * g / sqrt(accum).
+                a.insert("epsilon".into(), AttrValue::Float(0.0));
+                let update_slots = get("update_slots")
+                    .map(|v| v.get("b").map_or(Ok(true), |_| bool_attr(v)))
+                    .transpose()
+                    .map_err(wrap("update_slots"))?;
+                if update_slots == Some(false) {
+                    return Err(n.err(
+                        "update_slots false is not supported (the accumulator \
+                         always grows by g²)",
+                    ));
+                }
+                // TensorFlow: (var, accum, lr, grad, indices); dflow: (var, accum, indices,
+                // values), lr folded.
+                if out.inputs.len() < 4 {
+                    return Err(n.err("expected var, accum, lr, grad and indices inputs"));
+                }
+                out.inputs.swap(2, 3);
+            }
             "ApplyMomentum" | "ResourceApplyMomentum" => {
                 a.insert("lr".into(), AttrValue::Float(self.folded_float(n, 2)?));
                 a.insert(
@@ -1245,7 +1446,7 @@ impl<'r, 'a> Importer<'r, 'a> {
         // TensorFlow's placer puts every op that reads or updates a variable through its handle
         // or reference (ReadVariableOp, the applies, the assigns) with the variable, ignoring
         // a different requested device; so does dflow.
-        let takes_variable = n.op == "ReadVariableOp"
+        let takes_variable = matches!(n.op.as_str(), "ReadVariableOp" | "ResourceGather")
             || matches!(
                 out.op.as_str(),
                 "ApplyGradientDescent"
@@ -1254,6 +1455,8 @@ impl<'r, 'a> Importer<'r, 'a> {
                     | "AssignAdd"
                     | "AssignSub"
                     | "Assign"
+                    | "ScatterAdd"
+                    | "SparseApplyAdagrad"
             );
         if takes_variable {
             if let Some(var) = n
@@ -2068,13 +2271,13 @@ mod tests {
         let e = import(json!({"node": [
             placeholder("x", &[2]),
             {"name": "a", "op": "Conv2D", "input": ["x", "x"]},
-            {"name": "b", "op": "StridedSlice", "input": ["x", "x"]},
+            {"name": "b", "op": "MaxPool", "input": ["x"]},
             {"name": "c", "op": "Conv2D", "input": ["x", "x"]}
         ]}))
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unsupported TensorFlow ops: Conv2D (a, c), StridedSlice (b)"
+            "unsupported TensorFlow ops: Conv2D (a, c), MaxPool (b)"
         );
         let e = import(json!({"node": [
             placeholder("x", &[2]),
@@ -2180,14 +2383,130 @@ mod tests {
         );
         assert!(constant_range(DType::I64, 0, 5, 0).is_none());
         assert!(constant_range(DType::I64, 0, 1 << 40, 1).is_none());
-        // A Range of run-time values is reported as unsupported.
-        let e = import(json!({"node": [
-            {"name": "n", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"}}},
+        // A Range of run-time values stays a Range (embedding_lookup_sparse counts its unique
+        // ids at run time), of unknown length.
+        let def = import(json!({"node": [
+            {"name": "n", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"},
+             "shape": {"shape": {}}}},
             scalar("start", 0), scalar("delta", 1),
             {"name": "r", "op": "Range", "input": ["start", "n", "delta"]}
         ]}))
-        .unwrap_err();
-        assert_eq!(e.to_string(), "unsupported TensorFlow ops: Range (r)");
+        .unwrap();
+        assert_eq!(node(&def, "r").op, "Range");
+        assert_eq!(node(&def, "r").inputs, ["start", "n", "delta"]);
+        let g = Graph::from_def(&def).unwrap();
+        assert_eq!(
+            g.node(g.find("r").unwrap()).outputs[0].to_string(),
+            "i32[?]"
+        );
+    }
+
+    /// The ops of `embedding_lookup` over parts: DynamicPartition keeps `num_partitions`,
+    /// ResourceGather becomes Gather with its variable, ParallelDynamicStitch DynamicStitch,
+    /// StridedSlice folds begin/end/strides and keeps its masks, and a ConcatV2 of constant int
+    /// vectors is computed (so a Reshape to it is static). What dflow cannot express is refused
+    /// naming the node.
+    #[test]
+    fn embedding_lookup_ops_import() {
+        let i64_const = |name: &str, vals: &[i64]| {
+            json!({"name": name, "op": "Const", "attr": {"value": {"tensor": {
+                "dtype": "DT_INT64", "tensorShape": {"dim": [{"size": vals.len().to_string()}]},
+                "int64Val": vals.iter().map(|v| v.to_string()).collect::<Vec<_>>()}}}})
+        };
+        let graph = |gather_attrs: Value, slice_attrs: Value| {
+            json!({"node": [
+                variable("p", "VarHandleOp", &[4, 3]),
+                {"name": "ids", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT64"},
+                    "shape": {"shape": {"dim": [{"size": "6"}]}}}},
+                {"name": "sp", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT64"},
+                    "shape": {"shape": {"dim": [{"size": "6"}, {"size": "2"}]}}}},
+                {"name": "shard", "op": "Placeholder", "attr": {"dtype": {"type": "DT_INT32"},
+                    "shape": {"shape": {"dim": [{"size": "6"}]}}}},
+                {"name": "part", "op": "DynamicPartition", "input": ["ids", "shard"],
+                 "attr": {"num_partitions": {"i": "2"}}},
+                {"name": "g", "op": "ResourceGather", "input": ["p", "part:1"],
+                 "attr": gather_attrs},
+                {"name": "stitch", "op": "ParallelDynamicStitch", "input": ["shard", "g"]},
+                int_const("b", &[0, 0]), int_const("e", &[0, 1]), int_const("s", &[1, 1]),
+                {"name": "col", "op": "StridedSlice", "input": ["sp", "b", "e", "s"],
+                 "attr": slice_attrs},
+                i64_const("shape_a", &[2, 3]), i64_const("shape_b", &[3]),
+                int_const("axis", &[0]),
+                {"name": "shape", "op": "ConcatV2", "input": ["shape_a", "shape_b", "axis"]},
+                {"name": "r", "op": "Reshape", "input": ["g", "shape"]}
+            ]})
+        };
+        let masks = json!({"begin_mask": {"i": "1"}, "end_mask": {"i": "1"},
+                           "shrink_axis_mask": {"i": "2"}, "ellipsis_mask": {}});
+        let def = import(graph(json!({"batch_dims": {}}), masks.clone())).unwrap();
+        assert_eq!(
+            node(&def, "part").attrs["num_partitions"],
+            AttrValue::Int(2)
+        );
+        let g = node(&def, "g");
+        assert_eq!(
+            (g.op.as_str(), g.colocate_with.as_slice()),
+            ("Gather", &["p".to_string()][..])
+        );
+        assert_eq!(node(&def, "stitch").op, "DynamicStitch");
+        let col = node(&def, "col");
+        assert_eq!(col.inputs, ["sp"]);
+        assert_eq!(col.attrs["end"], AttrValue::IntList(vec![0, 1]));
+        assert_eq!(col.attrs["shrink_axis_mask"], AttrValue::Int(2));
+        assert!(!col.attrs.contains_key("ellipsis_mask"));
+        assert_eq!(
+            node(&def, "r").attrs["shape"],
+            AttrValue::IntList(vec![2, 3, 3])
+        );
+        assert!(def
+            .nodes
+            .iter()
+            .all(|n| n.name != "shape" && n.name != "shape_a"));
+        let graph_ = Graph::from_def(&def).unwrap();
+        let out = |n: &str| graph_.node(graph_.find(n).unwrap()).outputs[0].to_string();
+        assert_eq!(out("part"), "i64[?]");
+        assert_eq!(out("g"), "f32[?, 3]");
+        assert_eq!(out("col"), "i64[6]");
+        let e = import(graph(json!({"batch_dims": {"i": "1"}}), masks))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`g`") && e.contains("batch_dims 1"), "{e}");
+        let e = import(graph(json!({}), json!({"ellipsis_mask": {"i": "1"}})))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`col`") && e.contains("ellipsis_mask 1"), "{e}");
+    }
+
+    /// TensorFlow's ResourceSparseApplyAdagrad (var, accum, lr, grad, indices) becomes dflow's
+    /// SparseApplyAdagrad (var, accum, indices, values) with lr folded and no epsilon, placed
+    /// with its variable; `update_slots: false` is refused naming the node.
+    #[test]
+    fn sparse_adagrad_reorders_its_inputs() {
+        let graph = |update_slots: bool| {
+            json!({"node": [
+                variable("w", "VarHandleOp", &[4, 2]),
+                variable("w/Adagrad", "VarHandleOp", &[4, 2]),
+                f32_const("lr", &[], &[0.1]),
+                f32_const("g", &[2, 2], &[1.0, 2.0, 3.0, 4.0]),
+                int_const("idx", &[3, 0]),
+                {"name": "update", "op": "ResourceSparseApplyAdagrad",
+                 "input": ["w", "w/Adagrad", "lr", "g", "idx"],
+                 "attr": {"update_slots": {"b": update_slots}}}
+            ]})
+        };
+        let def = import(graph(true)).unwrap();
+        let u = node(&def, "update");
+        assert_eq!(u.op, "SparseApplyAdagrad");
+        assert_eq!(u.inputs, ["w", "w/Adagrad", "idx", "g"]);
+        assert!(matches!(u.attrs["lr"], AttrValue::Float(x) if (x - 0.1).abs() < 1e-7));
+        assert_eq!(u.attrs["epsilon"], AttrValue::Float(0.0));
+        assert_eq!(u.colocate_with, ["w"]);
+        Graph::from_def(&def).unwrap();
+        let e = import(graph(false)).unwrap_err().to_string();
+        assert!(
+            e.contains("`update`") && e.contains("update_slots false"),
+            "{e}"
+        );
     }
 
     /// An operand dflow needs as a constant (a reduction other than Sum, a Fill's dims), computed

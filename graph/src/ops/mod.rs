@@ -30,6 +30,7 @@ pub mod state;
 pub mod testing;
 pub mod tf_compat;
 pub mod tf_dynamic;
+pub mod tf_embedding;
 pub mod tf_math;
 pub mod train;
 pub mod transfer;
@@ -462,9 +463,14 @@ pub const NO_GRADIENT: &[(&str, &str)] = &[
     ("MoeAuxLossGrad", "a gradient op"),
     ("ReshapeLike", "a gradient op"),
     ("DynamicSumGrad", "a gradient op"),
+    ("StridedSlice", "not yet"),
+    ("ScatterAdd", "a state update"),
+    ("SparseSegmentSumGrad", "a gradient op"),
+    ("SparseSegmentMeanGrad", "a gradient op"),
+    ("SparseSegmentSqrtNGrad", "a gradient op"),
     (
-        "DynamicStitch",
-        "not yet (TensorFlow's gradients use it on shapes, not on values)",
+        "UnsortedSegmentSum",
+        "not yet (TensorFlow's optimizers use it on gradients)",
     ),
     ("MaximumGrad", "a gradient op"),
     (
@@ -575,6 +581,7 @@ pub fn registry() -> &'static OpRegistry {
         tf_compat::register(&mut r);
         tf_dynamic::register(&mut r);
         tf_math::register(&mut r);
+        tf_embedding::register(&mut r);
         collective::register(&mut r);
         shape::register(&mut r);
         embedding::register(&mut r);
@@ -598,6 +605,7 @@ pub fn registry() -> &'static OpRegistry {
         sparse_embedding::gradients::register_gradients(&mut r);
         tf_dynamic::gradients::register_gradients(&mut r);
         tf_math::gradients::register_gradients(&mut r);
+        tf_embedding::gradients::register_gradients(&mut r);
         sharded_lookup::gradients::register_gradients(&mut r);
         let problems = r.check_gradients(NO_GRADIENT);
         // The registry is built from this crate's code only: a problem here is a bug in it,
