@@ -84,7 +84,7 @@ fn dynamic_partition() -> OpDef {
     .inputs([arg("data"), arg("partitions")])
     .outputs([variadic("outputs")])
     .attrs([attr("num_partitions", AttrType::Int)])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         let n = num_partitions(attr_int(init, "num_partitions")?)?;
         Ok(Box::new(DynamicPartitionKernel { n }))
     })
@@ -207,7 +207,7 @@ fn less() -> OpDef {
     )
     .inputs([arg("x"), arg("y")])
     .outputs([arg("z")])
-    .kernel("CPU", |_| stateless(less_kernel))
+    .cpu_kernel(|_| stateless(less_kernel))
 }
 
 fn less_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -250,7 +250,7 @@ fn select() -> OpDef {
     )
     .inputs([arg("condition"), arg("t"), arg("e")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(select_kernel))
+    .cpu_kernel(|_| stateless(select_kernel))
 }
 
 fn select_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -353,9 +353,7 @@ fn size() -> OpDef {
         AttrType::DType,
         AttrDefault::DType(DType::I32),
     )])
-    .kernel("CPU", |init: &KernelInit<'_>| {
-        Ok(Box::new(SizeKernel(attr_dtype(init, "out_type")?)))
-    })
+    .cpu_kernel(|init: &KernelInit<'_>| Ok(Box::new(SizeKernel(attr_dtype(init, "out_type")?))))
 }
 
 #[derive(Debug)]
@@ -407,7 +405,7 @@ fn range() -> OpDef {
     )
     .inputs([arg("start"), arg("limit"), arg("delta")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(range_kernel))
+    .cpu_kernel(|_| stateless(range_kernel))
 }
 
 fn range_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
@@ -474,7 +472,7 @@ fn strided_slice() -> OpDef {
         attr_or("end_mask", AttrType::Int, AttrDefault::Int(0)),
         attr_or("shrink_axis_mask", AttrType::Int, AttrDefault::Int(0)),
     ])
-    .kernel("CPU", |init: &KernelInit<'_>| {
+    .cpu_kernel(|init: &KernelInit<'_>| {
         let spec = SliceSpec {
             begin: attr_ints(init, "begin")?,
             end: attr_ints(init, "end")?,
@@ -739,7 +737,7 @@ fn scatter_add() -> OpDef {
     )
     .inputs([ref_arg("var"), arg("indices"), arg("updates")])
     .stateful()
-    .kernel("CPU", |_| Ok(Box::new(ScatterAddKernel)))
+    .cpu_kernel(|_| Ok(Box::new(ScatterAddKernel)))
 }
 
 #[derive(Debug)]
@@ -865,7 +863,7 @@ fn segment_grad_op(c: SegmentGrad) -> OpDef {
             arg("output_dim0"),
         ])
         .outputs([arg("output")])
-        .kernel("CPU", factory)
+        .cpu_kernel(factory)
 }
 
 fn segment_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
@@ -1029,7 +1027,7 @@ fn unsorted_segment_sum() -> OpDef {
     )
     .inputs([arg("data"), arg("segment_ids"), arg("num_segments")])
     .outputs([arg("output")])
-    .kernel("CPU", |_| stateless(unsorted_segment_sum_kernel))
+    .cpu_kernel(|_| stateless(unsorted_segment_sum_kernel))
 }
 
 fn unsorted_segment_sum_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
