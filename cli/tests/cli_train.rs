@@ -155,3 +155,34 @@ fn a_zero_batch_size_is_an_error_not_a_silent_no_op() {
     assert!(!o.status.success());
     assert!(err.contains("batch size must be at least 1"), "{err}");
 }
+
+#[test]
+fn steps_on_a_table_are_refused_not_ignored() {
+    // A table trains for whole epochs; `--steps` used to be ignored silently (30 epochs ran).
+    for local in [true, false] {
+        let mut args = vec!["run"];
+        if local {
+            args.push("--local");
+        } else {
+            // The chief of a job refuses it too, before contacting any task.
+            args.extend(["--job", "worker", "--index", "0"]);
+        }
+        args.extend([
+            "examples/digits/digits.json",
+            "--cluster",
+            "examples/digits/cluster.json",
+            "--data",
+            "examples/data/digits.csv.gz",
+            "--steps",
+            "4",
+            "--quiet",
+        ]);
+        let o = dflow(&args);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "local {local}: {err}");
+        assert!(
+            err.contains("--steps 4") && err.contains("--epochs"),
+            "local {local}: {err}"
+        );
+    }
+}

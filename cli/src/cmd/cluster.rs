@@ -449,6 +449,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
             (data, run.inputs, run.targets, run.metadata, args.eval_every)
         }
         None => {
+            super::train::refuse_steps_on_a_table(args, data_path)?;
             let data = read_csv(data_path, &ReadOptions::default())
                 .with_context(|| format!("reading {}", data_path.display()))?;
             let data = ChiefData::Csv {

@@ -66,6 +66,19 @@ impl Targets {
     }
 }
 
+/// Training on a table runs whole epochs: `--steps` (a text run's length) is refused rather
+/// than ignored.
+pub fn refuse_steps_on_a_table(args: &Args, data: &Path) -> anyhow::Result<()> {
+    if let Some(steps) = args.steps {
+        anyhow::bail!(
+            "--steps {steps}: {} is a table, which trains for whole epochs; give --epochs N \
+             instead (--steps counts steps of a text run, or runs of a graph without --data)",
+            data.display()
+        );
+    }
+    Ok(())
+}
+
 /// Trains `session` on the CSV at `data` as `args` says, then prints held-out metrics.
 pub fn train(
     args: &Args,
@@ -73,6 +86,7 @@ pub fn train(
     training: &Targets,
     session: &Session,
 ) -> anyhow::Result<()> {
+    refuse_steps_on_a_table(args, data)?;
     let all = read_csv(data, &ReadOptions::default())
         .with_context(|| format!("reading {}", data.display()))?;
     let (train_set, test_set) = all.split(args.test_fraction, args.seed)?;
