@@ -4,7 +4,7 @@
 //! rank order: stage `s`, shard `t`, replica `d` on worker `s·(D·T) + d·T + t`.
 //!
 //! - The stages are cut on each rank's graph by the pipeline's balanced cuts; the ranks hold
-//!   shards of equal sizes, so the cuts agree (checked: a disagreement is an error).
+//!   shards of equal sizes, so the cuts agree (checked op by op: a disagreement is an error).
 //! - Every micro-batch copy of a collective goes to the tensor-parallel group of its stage and
 //!   replica ([`tp_stage_group`]) under an instance key of its own; each worker chains its
 //!   collectives in one topological order, the same on every rank of a group.
@@ -29,6 +29,7 @@ use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared
 use crate::strategy::{EvalNames, ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{DType, Graph, NodeDef};
+use std::collections::HashMap;
 
 /// The tensor-parallel collective group of pipeline stage `s` in replica `d`.
 pub fn tp_stage_group(s: usize, d: usize) -> String {
@@ -82,6 +83,7 @@ pub fn mesh3d_training(
     let shards = gpt.layout(graph, tp)?;
     // Each shard's forward graph, typed and cut.
     let mut ranks: Vec<(RankForward, Graph, Prepared)> = Vec::with_capacity(tp);
+    let mut first_cut: HashMap<String, usize> = HashMap::new();
     for t in 0..tp {
         let at = RankAt {
             t,
@@ -93,12 +95,26 @@ pub fn mesh3d_training(
         let forward = rank_forward(&def, &gpt, &shards, spec, &at, features, labels)?;
         let typed = Graph::from_def(&forward.def).map_err(StrategyError::InvalidGraph)?;
         let prepared = pipeline.prepare(&typed, features, labels)?;
-        if let Some((_, _, first)) = ranks.first() {
-            if first.stages.stage != prepared.stages.stage {
-                return Err(PipelineError::Internal(format!(
-                    "the stage cuts of tensor-parallel ranks 0 and {t} differ"
-                ))
-                .into());
+        // The ranks' graphs differ in their shards' names (and the last rank's padding mask):
+        // compare the stages of the ops they share, under their one-process names.
+        let original: HashMap<&String, &String> =
+            forward.renames.iter().map(|(k, v)| (v, k)).collect();
+        for i in typed.node_indices() {
+            let name = &typed.node(i).name;
+            let name = original.get(name).map_or(name, |o| *o);
+            let stage = prepared.stages.stage[i.index()];
+            match first_cut.get(name) {
+                Some(&s) if s != stage => {
+                    return Err(PipelineError::Internal(format!(
+                        "tensor-parallel rank {t} puts `{name}` on stage {stage}, rank 0 on stage {s}"
+                    ))
+                    .into())
+                }
+                Some(_) => {}
+                None if t == 0 => {
+                    first_cut.insert(name.clone(), stage);
+                }
+                None => {}
             }
         }
         ranks.push((forward, typed, prepared));
@@ -152,7 +168,7 @@ pub fn mesh3d_training(
         }
     }
     // Evaluation on worker 0, from every shard of replica 0 where its stage holds it.
-    let shard_devices: Vec<std::collections::HashMap<String, String>> = graphs[..tp]
+    let shard_devices: Vec<HashMap<String, String>> = graphs[..tp]
         .iter()
         .map(|g| {
             g.training
@@ -201,4 +217,194 @@ pub fn mesh3d_training(
         shape,
         groups,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy::pipeline::schedule::ScheduleKind;
+    use crate::strategy::tensor::TensorParallel;
+    use crate::strategy::{JobInput, Strategy};
+    use dflow_graph::layers::{gpt, GptConfig};
+    use dflow_graph::{AttrValue, Shape};
+    use std::collections::HashSet;
+
+    /// A small GPT whose placeholders take any batch of 4 tokens.
+    fn model() -> (Graph, TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs.insert(
+                    "shape".into(),
+                    AttrValue::Shape(Shape::partial(vec![None, Some(4)])),
+                );
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    fn pipeline(stages: usize, micro_batches: usize, batch: usize) -> Pipeline {
+        Pipeline {
+            stages: Some(stages),
+            micro_batches,
+            schedule: ScheduleKind::OneFOneB,
+            chunks: 1,
+            batch_size: Some(batch),
+        }
+    }
+
+    fn strategy(tp: usize, p: Pipeline) -> TensorParallel {
+        TensorParallel {
+            tp: Some(tp),
+            bucket_bytes: 1 << 20,
+            batch_size: p.batch_size,
+            pipeline: Some(p),
+        }
+    }
+
+    fn attr(n: &NodeDef, key: &str) -> String {
+        match n.attrs.get(key) {
+            Some(AttrValue::String(s)) => s.to_string(),
+            Some(AttrValue::Int(i)) => i.to_string(),
+            _ => String::new(),
+        }
+    }
+
+    #[test]
+    fn dp2_tp2_pp2_groups_are_megatron_cores_and_each_stage_talks_in_its_own() {
+        let (graph, spec) = model();
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = strategy(2, pipeline(2, 2, 8)).plan(&input).unwrap();
+        let w = |i: u32| task_name("worker", i);
+        let groups: Vec<(String, Vec<String>)> = plan
+            .groups
+            .iter()
+            .map(|g| (g.key.clone(), g.members.clone()))
+            .collect();
+        // Issue 20's lists for t = d = p = 2: TP {0,1}{2,3}{4,5}{6,7}, DP {0,2}{1,3}{4,6}{5,7}.
+        assert_eq!(
+            groups,
+            [
+                ("tensor_s0_d0".to_string(), vec![w(0), w(1)]),
+                ("tensor_s0_d1".to_string(), vec![w(2), w(3)]),
+                ("tensor_s1_d0".to_string(), vec![w(4), w(5)]),
+                ("tensor_s1_d1".to_string(), vec![w(6), w(7)]),
+                ("pipeline/stage0_t0".to_string(), vec![w(0), w(2)]),
+                ("pipeline/stage0_t1".to_string(), vec![w(1), w(3)]),
+                ("pipeline/stage1_t0".to_string(), vec![w(4), w(6)]),
+                ("pipeline/stage1_t1".to_string(), vec![w(5), w(7)]),
+            ]
+        );
+        assert_eq!(plan.batch_parts, 2);
+        // Checkpoints hold whole tensors: every shard listed with its two pieces.
+        assert!(plan
+            .axis_sharded
+            .iter()
+            .any(|v| v.logical == "transformer.h.1.mlp.c_fc.weight" && v.shards.len() == 2));
+
+        let mesh = Mesh::new(2, 2, 2).unwrap();
+        let mg = mesh3d_training(&graph, &spec, &mesh, &pipeline(2, 2, 8), "idx", "targets")
+            .unwrap();
+        assert_eq!(mg.graphs.len(), 4);
+        // Graph 3 is shard 1 of replica 1: stage 0 on worker 3, stage 1 on worker 7.
+        let g = &mg.graphs[3];
+        let nodes = &g.training.def.nodes;
+        let task_of = |n: &NodeDef| -> u32 {
+            let d = dflow_graph::DeviceName::parse(&n.device).unwrap();
+            d.task.unwrap()
+        };
+        let mut keys: HashSet<(u32, String, String)> = HashSet::new();
+        let mut per_task: std::collections::BTreeMap<u32, usize> = Default::default();
+        for n in nodes.iter().filter(|n| n.op.starts_with("Collective")) {
+            let task = task_of(n);
+            let group = attr(n, "group_key");
+            let want: &[&str] = match task {
+                3 => &["tensor_s0_d1", "pipeline/stage0_t1"],
+                7 => &["tensor_s1_d1", "pipeline/stage1_t1"],
+                t => panic!("collective {} on worker {t}", n.name),
+            };
+            assert!(want.contains(&group.as_str()), "{} in {group}", n.name);
+            // One instance key per collective of a group, micro-batch copies included.
+            assert!(
+                keys.insert((task, group.clone(), attr(n, "instance_key"))),
+                "{} repeats an instance key of {group}",
+                n.name
+            );
+            if n.op != "CollectiveTpCopy" {
+                *per_task.entry(task).or_default() += 1;
+            }
+        }
+        // Every stage's collectives but its first wait for another (one chain per worker).
+        let collectives: HashSet<&str> = nodes
+            .iter()
+            .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+            .map(|n| n.name.as_str())
+            .collect();
+        for (task, count) in per_task {
+            let chained = nodes
+                .iter()
+                .filter(|n| collectives.contains(n.name.as_str()) && task_of(n) == task)
+                .filter(|n| {
+                    n.inputs
+                        .iter()
+                        .any(|i| i.strip_prefix('^').is_some_and(|c| collectives.contains(c)))
+                })
+                .count();
+            assert_eq!(chained, count - 1, "worker {task}");
+        }
+        // The rank's shards, and micro-batch copies of Megatron's g for both micro-batches.
+        assert!(nodes
+            .iter()
+            .any(|n| n.name == shard_name("transformer.h.1.mlp.c_fc.weight", 1, 2)));
+        for k in 0..2 {
+            assert!(nodes.iter().any(|n| n.op == "CollectiveTpReduce"
+                && n.name.starts_with(&format!("pipeline/mb{k}/"))));
+        }
+        // Evaluation on worker 0 only reads the shards, with no collective.
+        let eval = &mg.graphs[0];
+        assert_eq!(eval.eval.features, "eval/idx");
+        assert!(eval
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+            .all(|n| !n.op.starts_with("Collective") && task_of(n) == 0));
+    }
+
+    #[test]
+    fn meshes_that_do_not_fit_are_refused_naming_them() {
+        let (graph, spec) = model();
+        let six = dflow_graph::ClusterSpec::local(&[("worker", 6)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &six, "idx", "targets");
+        let e = strategy(2, pipeline(2, 2, 8)).plan(&input).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("tp=2 × pp=2 does not divide the cluster's 6 workers"),
+            "{e}"
+        );
+        let eight = dflow_graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &eight, "idx", "targets");
+        // 8 rows do not split into 2 replicas × 8 micro-batches.
+        let e = strategy(2, pipeline(2, 8, 8)).plan(&input).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("batch 8 does not split into 2 pipeline replicas × 8 micro-batches"),
+            "{e}"
+        );
+        // tp=4 does not divide the 2 heads.
+        let e = strategy(4, pipeline(2, 1, 8)).plan(&input).unwrap_err();
+        assert!(e.to_string().contains("does not divide by --tp 4"), "{e}");
+    }
 }
