@@ -302,7 +302,10 @@ fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
     );
     // 4 rows do not split into 3 micro-batches, nor into 2 replicas × 4 micro-batches.
     let e = run_with(4, "dp=1,tp=2,pp=2", 4, &["--micro-batches", "3"]);
-    assert!(e.contains("batch 4 does not split into 3 micro-batches"), "{e}");
+    assert!(
+        e.contains("batch 4 does not split into 3 micro-batches"),
+        "{e}"
+    );
     let e = run_with(8, "dp=2,tp=2,pp=2", 4, &["--micro-batches", "4"]);
     assert!(
         e.contains("batch 4 does not split into 2 pipeline replicas × 4 micro-batches"),

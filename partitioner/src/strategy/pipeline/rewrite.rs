@@ -471,18 +471,20 @@ fn retarget_collective(
     device: usize,
     k: usize,
 ) -> Result<(), PipelineError> {
-    let group = tensor
-        .groups
-        .get(device)
-        .ok_or_else(|| PipelineError::Internal(format!("no tensor-parallel group for {}", c.name)))?;
+    let group = tensor.groups.get(device).ok_or_else(|| {
+        PipelineError::Internal(format!("no tensor-parallel group for {}", c.name))
+    })?;
     let key = match c.attrs.get("instance_key") {
         Some(AttrValue::Int(v)) => *v,
-        _ => return Err(PipelineError::Internal(format!("{} has no instance_key", c.name))),
+        _ => {
+            return Err(PipelineError::Internal(format!(
+                "{} has no instance_key",
+                c.name
+            )))
+        }
     };
-    c.attrs.insert(
-        "group_key".into(),
-        AttrValue::String(group.as_str().into()),
-    );
+    c.attrs
+        .insert("group_key".into(), AttrValue::String(group.as_str().into()));
     c.attrs.insert(
         "instance_key".into(),
         AttrValue::Int(key + tensor.instance_stride * k as i64),

@@ -104,12 +104,10 @@ pub fn mesh3d_training(
             let name = original.get(name).map_or(name, |o| *o);
             let stage = prepared.stages.stage[i.index()];
             match first_cut.get(name) {
-                Some(&s) if s != stage => {
-                    return Err(PipelineError::Internal(format!(
-                        "tensor-parallel rank {t} puts `{name}` on stage {stage}, rank 0 on stage {s}"
-                    ))
-                    .into())
-                }
+                Some(&s) if s != stage => return Err(PipelineError::Internal(format!(
+                    "tensor-parallel rank {t} puts `{name}` on stage {stage}, rank 0 on stage {s}"
+                ))
+                .into()),
                 Some(_) => {}
                 None if t == 0 => {
                     first_cut.insert(name.clone(), stage);
@@ -186,7 +184,9 @@ pub fn mesh3d_training(
             .get(r)
             .and_then(|m| m.get(&name))
             .cloned()
-            .ok_or_else(|| StrategyError::from(PipelineError::Internal(format!("no variable `{name}`"))))
+            .ok_or_else(|| {
+                StrategyError::from(PipelineError::Internal(format!("no variable `{name}`")))
+            })
     };
     if let Some(g) = graphs.first_mut() {
         add_eval_copy(g, &def, &shards, spec, tp, &shard_device, true)?;
@@ -314,8 +314,8 @@ mod tests {
             .any(|v| v.logical == "transformer.h.1.mlp.c_fc.weight" && v.shards.len() == 2));
 
         let mesh = Mesh::new(2, 2, 2).unwrap();
-        let mg = mesh3d_training(&graph, &spec, &mesh, &pipeline(2, 2, 8), "idx", "targets")
-            .unwrap();
+        let mg =
+            mesh3d_training(&graph, &spec, &mesh, &pipeline(2, 2, 8), "idx", "targets").unwrap();
         assert_eq!(mg.graphs.len(), 4);
         // Graph 3 is shard 1 of replica 1: stage 0 on worker 3, stage 1 on worker 7.
         let g = &mg.graphs[3];
@@ -368,8 +368,10 @@ mod tests {
             .iter()
             .any(|n| n.name == shard_name("transformer.h.1.mlp.c_fc.weight", 1, 2)));
         for k in 0..2 {
-            assert!(nodes.iter().any(|n| n.op == "CollectiveTpReduce"
-                && n.name.starts_with(&format!("pipeline/mb{k}/"))));
+            assert!(nodes
+                .iter()
+                .any(|n| n.op == "CollectiveTpReduce"
+                    && n.name.starts_with(&format!("pipeline/mb{k}/"))));
         }
         // Evaluation on worker 0 only reads the shards, with no collective.
         let eval = &mg.graphs[0];
