@@ -353,7 +353,7 @@ fn tp2_pp2_trains_the_gpt_like_one_process() {
 }
 
 #[test]
-fn dp2_tp2_pp2_trains_the_gpt_like_one_process() {
+fn dp2_tp2_pp2_and_dp2_pp2_train_the_gpt_like_one_process() {
     let _serial = serial();
     let dir = scratch("mesh-dp2-tp2-pp2");
     let graph = gpt_file(&dir);
@@ -376,6 +376,24 @@ fn dp2_tp2_pp2_trains_the_gpt_like_one_process() {
     );
     let worst = assert_same_losses(&local, &one, 1e-5);
     eprintln!("dp=2,tp=2,pp=2 (--local, 8 tasks): worst relative loss difference {worst:e}");
+    // Without tensor parallelism (dp2×pp2): clipping (active at 0.5) uses the norm of the
+    // replicas' summed gradients, as one process does.
+    let cluster = workers_file(&dir, 4);
+    let local = local_run(
+        &graph,
+        3,
+        &dir.join("ckpt-local-dp2-pp2"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=2,pp=2",
+            "--micro-batches",
+            "2",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=2,pp=2 (--local, 4 tasks): worst relative loss difference {worst:e}");
 }
 
 #[test]

@@ -219,15 +219,15 @@ pub(super) fn stage_norms(def: &mut GraphDef) {
     def.nodes.extend(added);
 }
 
-/// Clipping by the whole model's global norm when every stage is a tensor-parallel rank: on
-/// each stage, `Σ‖g‖²` of its shards' gradients all-reduced over the stage's tensor-parallel
-/// group (instance `instance`) plus `Σ‖g‖²` of its replicated parameters' (whole on every
-/// rank); the stages' sums meet in one `GlobalNormScale` on the loss's device, whose scale
-/// goes back to each stage and multiplies its gradients there. The updates and
-/// `training.gradients` read the clipped gradients.
-pub(super) fn clip_tensor_stages(
+/// Clipping by the whole model's global norm after the replicas' sums (data parallelism), or
+/// when every stage is a tensor-parallel rank (`tensor`): on each stage, `Σ‖g‖²` of its
+/// shards' gradients all-reduced over the stage's tensor-parallel group (instance `instance`)
+/// plus `Σ‖g‖²` of its other parameters' (whole on every rank); the stages' sums meet in one
+/// `GlobalNormScale` on the loss's device, whose scale goes back to each stage and multiplies
+/// its gradients there. The updates and `training.gradients` read the clipped gradients.
+pub(super) fn clip_by_stage_norms(
     training: &mut TrainingGraph,
-    tensor: &TensorStages,
+    tensor: Option<&TensorStages>,
     devices: &[String],
     loss_device: &str,
     clip: f64,
@@ -252,7 +252,7 @@ pub(super) fn clip_tensor_stages(
     let mut by_device: BTreeMap<usize, (Vec<String>, Vec<String>)> = BTreeMap::new();
     for (var, grad) in &training.gradients {
         let entry = by_device.entry(device_index(grad)?).or_default();
-        if tensor.shards.contains(var) {
+        if tensor.is_some_and(|t| t.shards.contains(var)) {
             entry.0.push(grad.clone());
         } else {
             entry.1.push(grad.clone());
@@ -278,8 +278,7 @@ pub(super) fn clip_tensor_stages(
             let sum = format!("{base}/stage{s}/shards_squared_norm_sum");
             let mut ar = node(sum.clone(), "CollectiveAllReduce", vec![local], device);
             let group = tensor
-                .groups
-                .get(*s)
+                .and_then(|t| t.groups.get(*s))
                 .ok_or_else(|| PipelineError::Internal(format!("no group for stage {s}")))?;
             ar.attrs = BTreeMap::from([
                 (

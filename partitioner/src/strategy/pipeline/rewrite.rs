@@ -24,7 +24,7 @@
 use super::arrivals::Arrivals;
 use super::barriers::add_schedule;
 use super::gradients::{
-    all_reduce_gradients, chain_collectives_per_device, clip_tensor_stages, stage_norms,
+    all_reduce_gradients, chain_collectives_per_device, clip_by_stage_norms, stage_norms,
 };
 use super::schedule::{PipelineShape, Unit};
 use super::stages::StageMap;
@@ -369,16 +369,14 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         nodes,
         ..forward.clone()
     };
+    let sums = input.tensor.is_some() || input.replicas > 1;
     let (mut training, typed) = expand_training_graph(
         &GraphDef { train: None, ..def },
         &TrainSpec {
             loss: loss.clone(),
             metrics: vec![],
-            // With tensor parallelism, clipping is added after the data-parallel sums.
-            clip_global_norm: input
-                .spec
-                .clip_global_norm
-                .filter(|_| input.tensor.is_none()),
+            // With data or tensor parallelism, clipping is added after the replicas' sums.
+            clip_global_norm: input.spec.clip_global_norm.filter(|_| !sums),
             ..input.spec.clone()
         },
     )?;
@@ -393,17 +391,16 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
             &training.loss,
         )?;
     }
-    match (input.tensor, input.spec.clip_global_norm) {
-        (Some(tensor), Some(clip)) => clip_tensor_stages(
+    match input.spec.clip_global_norm {
+        Some(clip) if sums => clip_by_stage_norms(
             &mut training,
-            tensor,
+            input.tensor,
             input.devices,
             &loss_device,
             clip,
-            tensor.instance_stride * m as i64,
+            input.tensor.map_or(0, |t| t.instance_stride * m as i64),
         )?,
-        (Some(_), None) => {}
-        (None, _) => stage_norms(&mut training.def),
+        _ => stage_norms(&mut training.def),
     }
     add_schedule(&mut training.def, &unit_of, input, p)?;
     if input.tensor.is_some() {
