@@ -104,10 +104,13 @@ pub fn mesh3d_training(
             let name = original.get(name).map_or(name, |o| *o);
             let stage = prepared.stages.stage[i.index()];
             match first_cut.get(name) {
-                Some(&s) if s != stage => return Err(PipelineError::Internal(format!(
-                    "tensor-parallel rank {t} puts `{name}` on stage {stage}, rank 0 on stage {s}"
-                ))
-                .into()),
+                Some(&s) if s != stage => {
+                    let message = format!(
+                        "tensor-parallel rank {t} puts `{name}` on stage {stage}, \
+                         rank 0 on stage {s}"
+                    );
+                    return Err(PipelineError::Internal(message).into());
+                }
                 Some(_) => {}
                 None if t == 0 => {
                     first_cut.insert(name.clone(), stage);
