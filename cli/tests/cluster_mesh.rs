@@ -430,3 +430,48 @@ fn a_checkpoint_saved_under_tp2_pp2_resumes_in_one_process() {
     );
     eprintln!("tp2×pp2 checkpoint resumed in one process: step-4 relative difference {rel:e}");
 }
+
+#[test]
+fn partition_prints_the_3d_plan_with_megatron_cores_groups() {
+    let dir = scratch("mesh-partition-3d");
+    let graph = gpt_file(&dir);
+    let cluster = workers_file(&dir, 8);
+    let out = dflow(&[
+        "partition",
+        graph.to_str().unwrap(),
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--mesh",
+        "dp=2,tp=2,pp=2",
+        "--micro-batches",
+        "2",
+        "--batch-size",
+        "4",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]);
+    let text = stdout(&out);
+    let w = |i: u32| format!("/job:worker/replica:0/task:{i}");
+    // Issue 20's groups: TP {0,1}{2,3}{4,5}{6,7} (per stage and replica), DP {0,2}{1,3}{4,6}{5,7}.
+    for (key, a, b) in [
+        ("tensor_s0_d0", 0, 1),
+        ("tensor_s0_d1", 2, 3),
+        ("tensor_s1_d0", 4, 5),
+        ("tensor_s1_d1", 6, 7),
+        ("pipeline/stage0_t0", 0, 2),
+        ("pipeline/stage0_t1", 1, 3),
+        ("pipeline/stage1_t0", 4, 6),
+        ("pipeline/stage1_t1", 5, 7),
+    ] {
+        let line = format!("collective group {key}: {}, {}", w(a), w(b));
+        assert!(text.contains(&line), "no `{line}` in\n{text}");
+    }
+    assert!(
+        text.contains("schedule: Lockstep, 2 batch part(s) per step")
+            && text.contains("pipeline: 2 stages × 1 chunk(s), 2 micro-batches, 1f1b schedule")
+            && text.contains("tensor parallelism: tp=2"),
+        "{text}"
+    );
+}

@@ -366,6 +366,32 @@ mod tests {
                 .count();
             assert_eq!(chained, count - 1, "worker {task}");
         }
+        // The tensor-parallel ranks of a stage call the same collectives in the same order,
+        // though the last rank's graph has the vocabulary's padding mask (11 tokens, 2 ranks).
+        let order = |g: &ReplicaGraph, task: u32| -> Vec<String> {
+            g.graph
+                .topo_order()
+                .into_iter()
+                .map(|i| g.graph.node(i))
+                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                .filter(|n| {
+                    dflow_graph::DeviceName::parse(&n.device.to_string())
+                        .is_ok_and(|d| d.task == Some(task))
+                })
+                .map(|n| n.name.clone())
+                .collect()
+        };
+        assert!(mg.graphs[1]
+            .training
+            .def
+            .nodes
+            .iter()
+            .any(|n| n.name == "xent/tp_padding_mask"));
+        for (a, b) in [(0, 1), (4, 5)] {
+            let (x, y) = (order(&mg.graphs[0], a), order(&mg.graphs[1], b));
+            assert!(x.len() > 10, "{x:?}");
+            assert_eq!(x, y, "workers {a} and {b}");
+        }
         // The rank's shards, and micro-batch copies of Megatron's g for both micro-batches.
         assert!(nodes
             .iter()
