@@ -375,7 +375,7 @@ mod tests {
                 .map(|i| g.graph.node(i))
                 .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
                 .filter(|n| {
-                    dflow_graph::DeviceName::parse(&n.device.to_string())
+                    dflow_graph::DeviceName::parse(n.device.as_ref())
                         .is_ok_and(|d| d.task == Some(task))
                 })
                 .map(|n| n.name.clone())
