@@ -43,8 +43,11 @@
 //!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
 //!   ([`data`]), before clipping and the update.
 //!
+//! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
+//!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
+//!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
-//! MoE blocks, a pipeline axis.
+//! MoE blocks.
 
 mod data;
 pub mod mesh3d;
@@ -604,7 +607,7 @@ pub fn tensor_training(
 /// order (rank `t + tp·d` on worker task `t + tp·d`): replica `d` is the tensor-parallel layout
 /// over its `tp` ranks, fed part `d` of every batch, its gradients summed over the rank's
 /// data-parallel group in buckets of at most `bucket_bytes` (see the module docs). A pipeline
-/// axis is refused.
+/// axis is [`mesh3d::mesh3d_training`]'s.
 pub fn mesh_training(
     graph: &Graph,
     spec: &TrainSpec,

@@ -1,5 +1,5 @@
 //! Tensor parallelism inside pipeline stages (`--mesh tp=T,pp=P`) and the 3D mesh
-//! (`--mesh dp=D,tp=T,pp=P`): each tensor-parallel rank's Megatron graph ([`super::rank_forward`])
+//! (`--mesh dp=D,tp=T,pp=P`): each tensor-parallel rank's Megatron graph (`rank_forward`)
 //! cut into stages by the pipeline rewrite ([`crate::strategy::pipeline`]), in Megatron-core's
 //! rank order: stage `s`, shard `t`, replica `d` on worker `s·(D·T) + d·T + t`.
 //!
