@@ -5,7 +5,8 @@
 //! and in one process with the same next-step loss; each rank's collective bytes are tp=2's on
 //! half the batch plus a ring all-reduce of its own gradients, exactly; a mesh that does not fit
 //! the workers or the model is refused naming what does not fit. Tensor parallelism inside
-//! pipeline stages (`--mesh tp=2,pp=2`, 4 processes and `--local`) and the 3D mesh
+//! pipeline stages (`--mesh tp=2,pp=2`, 4 processes and `--local`; 1F1B, GPipe and
+//! interleaved) and the 3D mesh
 //! (`dp=2,tp=2,pp=2`, 8 tasks in one process) have the one-process losses too, and a
 //! checkpoint saved under tp2×pp2 resumes in one process.
 
@@ -350,6 +351,24 @@ fn tp2_pp2_trains_the_gpt_like_one_process() {
     );
     let worst = assert_same_losses(&local, &one, 1e-5);
     eprintln!("dp=1,tp=2,pp=2 gpipe (--local): worst relative loss difference {worst:e}");
+    // Interleaved 1F1B: 2 chunks per stage, so 4 virtual stages over the 2 TP groups.
+    let local = local_run(
+        &graph,
+        4,
+        &dir.join("ckpt-local-interleaved"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=1,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--schedule",
+            "interleaved",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=1,tp=2,pp=2 interleaved (--local): worst relative loss difference {worst:e}");
 }
 
 #[test]
