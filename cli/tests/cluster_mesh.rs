@@ -4,7 +4,11 @@
 //! processes and in one process (`--local`); a checkpoint saved under dp2×tp2 resumes at tp=2
 //! and in one process with the same next-step loss; each rank's collective bytes are tp=2's on
 //! half the batch plus a ring all-reduce of its own gradients, exactly; a mesh that does not fit
-//! the workers or the model is refused naming what does not fit.
+//! the workers or the model is refused naming what does not fit. Tensor parallelism inside
+//! pipeline stages (`--mesh tp=2,pp=2`, 4 processes and `--local`; 1F1B, GPipe and
+//! interleaved) and the 3D mesh
+//! (`dp=2,tp=2,pp=2`, 8 tasks in one process) have the one-process losses too, and a
+//! checkpoint saved under tp2×pp2 resumes in one process.
 
 mod support;
 
@@ -251,7 +255,7 @@ fn dp2_tp2_sends_tp2s_bytes_plus_a_ring_all_reduce_of_each_ranks_gradients() {
 fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
     let dir = scratch("mesh-refused");
     let graph = gpt_file(&dir);
-    let run = |workers: usize, mesh: &str, rows: usize| {
+    let run_with = |workers: usize, mesh: &str, rows: usize, extra: &[&str]| {
         let cluster = workers_file(&dir, workers);
         let mut args = vec![
             "run".to_string(),
@@ -263,14 +267,16 @@ fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
             mesh.into(),
         ];
         args.extend(common_rows(1, rows));
+        args.extend(extra.iter().map(|s| s.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = dflow(&args);
         assert!(
             !out.status.success(),
-            "--mesh {mesh} on {workers} workers ran"
+            "--mesh {mesh} {extra:?} on {workers} workers ran"
         );
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
+    let run = |workers: usize, mesh: &str, rows: usize| run_with(workers, mesh, rows, &[]);
     // 4 ranks on 3 workers.
     let e = run(3, "dp=2,tp=2", 4);
     assert!(
@@ -288,5 +294,203 @@ fn a_mesh_that_does_not_fit_the_workers_or_the_model_is_refused_naming_it() {
     assert!(
         e.contains("the number of heads (n_head) of transformer.h.0.attn is 4, which does not divide by --tp 3"),
         "{e}"
+    );
+    // The same inside pipeline stages.
+    let e = run(6, "dp=1,tp=3,pp=2", 4);
+    assert!(
+        e.contains("the number of heads (n_head) of transformer.h.0.attn is 4, which does not divide by --tp 3"),
+        "{e}"
+    );
+    // 4 rows do not split into 3 micro-batches, nor into 2 replicas × 4 micro-batches.
+    let e = run_with(4, "dp=1,tp=2,pp=2", 4, &["--micro-batches", "3"]);
+    assert!(
+        e.contains("batch 4 does not split into 3 micro-batches"),
+        "{e}"
+    );
+    let e = run_with(8, "dp=2,tp=2,pp=2", 4, &["--micro-batches", "4"]);
+    assert!(
+        e.contains("batch 4 does not split into 2 pipeline replicas × 4 micro-batches"),
+        "{e}"
+    );
+}
+
+#[test]
+fn tp2_pp2_trains_the_gpt_like_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-tp2-pp2");
+    let graph = gpt_file(&dir);
+    let one = local_run(&graph, 4, &dir.join("ckpt-one"), &[]);
+    assert_eq!(one.len(), 4);
+    // 4 processes: stage 0 on workers {0,1} (TP group), stage 1 on {2,3}; 2 micro-batches,
+    // 1F1B.
+    let mesh = job(
+        &graph,
+        4,
+        &["--mesh", "dp=1,tp=2,pp=2", "--micro-batches", "2"],
+        4,
+        &dir.join("ckpt-mesh"),
+    );
+    let worst = assert_same_losses(&mesh, &one, 1e-5);
+    eprintln!("dp=1,tp=2,pp=2 1f1b (4 processes): worst relative loss difference {worst:e}");
+    // The same mesh in this process, under GPipe.
+    let cluster = workers_file(&dir, 4);
+    let local = local_run(
+        &graph,
+        4,
+        &dir.join("ckpt-local-mesh"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=1,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--schedule",
+            "gpipe",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=1,tp=2,pp=2 gpipe (--local): worst relative loss difference {worst:e}");
+    // Interleaved 1F1B: 2 chunks per stage, so 4 virtual stages over the 2 TP groups.
+    let local = local_run(
+        &graph,
+        4,
+        &dir.join("ckpt-local-interleaved"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=1,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--schedule",
+            "interleaved",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=1,tp=2,pp=2 interleaved (--local): worst relative loss difference {worst:e}");
+}
+
+#[test]
+fn dp2_tp2_pp2_and_dp2_pp2_train_the_gpt_like_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-dp2-tp2-pp2");
+    let graph = gpt_file(&dir);
+    let one = local_run(&graph, 3, &dir.join("ckpt-one"), &[]);
+    // 8 tasks in this process: TP {0,1}{2,3}{4,5}{6,7}, DP {0,2}{1,3}{4,6}{5,7}, PP {0,4}…;
+    // each replica takes 2 rows, 1 per micro-batch.
+    let cluster = workers_file(&dir, 8);
+    let local = local_run(
+        &graph,
+        3,
+        &dir.join("ckpt-local-mesh"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=2,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=2,tp=2,pp=2 (--local, 8 tasks): worst relative loss difference {worst:e}");
+    // Without tensor parallelism (dp2×pp2): clipping (active at 0.5) uses the norm of the
+    // replicas' summed gradients, as one process does.
+    let cluster = workers_file(&dir, 4);
+    let local = local_run(
+        &graph,
+        3,
+        &dir.join("ckpt-local-dp2-pp2"),
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=2,pp=2",
+            "--micro-batches",
+            "2",
+        ],
+    );
+    let worst = assert_same_losses(&local, &one, 1e-5);
+    eprintln!("dp=2,pp=2 (--local, 4 tasks): worst relative loss difference {worst:e}");
+}
+
+#[test]
+fn a_checkpoint_saved_under_tp2_pp2_resumes_in_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-tp2-pp2-reshard");
+    let graph = gpt_file(&dir);
+    let straight = local_run(&graph, 4, &dir.join("ckpt-straight"), &[]);
+    // 3 steps under tp2×pp2 (in this process), checkpointed, then step 4 in one process.
+    let ckpt = dir.join("ckpt-mesh");
+    let cluster = workers_file(&dir, 4);
+    let first = local_run(
+        &graph,
+        3,
+        &ckpt,
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=1,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+        ],
+    );
+    assert_eq!(first.len(), 3);
+    let resumed = local_run(&graph, 4, &ckpt, &[]);
+    assert_eq!(resumed.iter().map(|l| l.0).collect::<Vec<_>>(), [4]);
+    let rel = (resumed[0].1 - straight[3].1).abs() / straight[3].1.abs();
+    assert!(
+        rel <= 1e-5,
+        "resumed step 4 loss {}, uninterrupted {}",
+        resumed[0].1,
+        straight[3].1
+    );
+    eprintln!("tp2×pp2 checkpoint resumed in one process: step-4 relative difference {rel:e}");
+}
+
+#[test]
+fn partition_prints_the_3d_plan_with_megatron_cores_groups() {
+    let dir = scratch("mesh-partition-3d");
+    let graph = gpt_file(&dir);
+    let cluster = workers_file(&dir, 8);
+    let out = dflow(&[
+        "partition",
+        graph.to_str().unwrap(),
+        "--cluster",
+        cluster.to_str().unwrap(),
+        "--mesh",
+        "dp=2,tp=2,pp=2",
+        "--micro-batches",
+        "2",
+        "--batch-size",
+        "4",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]);
+    let text = stdout(&out);
+    let w = |i: u32| format!("/job:worker/replica:0/task:{i}");
+    // Issue 20's groups: TP {0,1}{2,3}{4,5}{6,7} (per stage and replica), DP {0,2}{1,3}{4,6}{5,7}.
+    for (key, a, b) in [
+        ("tensor_s0_d0", 0, 1),
+        ("tensor_s0_d1", 2, 3),
+        ("tensor_s1_d0", 4, 5),
+        ("tensor_s1_d1", 6, 7),
+        ("pipeline/stage0_t0", 0, 2),
+        ("pipeline/stage0_t1", 1, 3),
+        ("pipeline/stage1_t0", 4, 6),
+        ("pipeline/stage1_t1", 5, 7),
+    ] {
+        let line = format!("collective group {key}: {}, {}", w(a), w(b));
+        assert!(text.contains(&line), "no `{line}` in\n{text}");
+    }
+    assert!(
+        text.contains("schedule: Lockstep, 2 batch part(s) per step")
+            && text.contains("pipeline: 2 stages × 1 chunk(s), 2 micro-batches, 1f1b schedule")
+            && text.contains("tensor parallelism: tp=2"),
+        "{text}"
     );
 }

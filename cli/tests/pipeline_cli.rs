@@ -246,9 +246,10 @@ fn a_mesh_runs_what_it_names_and_refuses_what_does_not_run() {
         e.contains("strategy `tensor`") && e.contains("transformer.wte.weight"),
         "{e}"
     );
+    // Tensor parallelism inside pipeline stages runs (cluster_mesh.rs), on tp·pp workers.
     let e = err(run("tp=2,pp=2", &[]));
     assert!(
-        e.contains("tensor parallelism inside pipeline stages does not run yet"),
+        e.contains("--mesh dp=1,tp=2,pp=2") && e.contains("has 4 ranks but the job has 2 tasks"),
         "{e}"
     );
     let e = err(run("tp=2", &["--tp", "4"]));

@@ -30,6 +30,7 @@ pub enum PsStrategyArg {
 
 /// Arguments of `dflow partition`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("planned").args(["strategy", "mesh"]).multiple(true)))]
 pub struct Args {
     /// The graph file: dflow JSON, the dflow DSL, or a TensorFlow GraphDef in protobuf JSON.
     pub graph: PathBuf,
@@ -65,35 +66,40 @@ pub struct Args {
     /// and every task's slots.
     #[arg(long, value_parser = super::common::strategy_parser())]
     pub strategy: Option<dflow_partitioner::StrategyKind>,
+    /// Plan the training job on the workers as a device mesh, `dp=D,tp=T,pp=P` (as `dflow run
+    /// --mesh`): it picks the strategy, and prints the tensor-parallel layout and the pipeline
+    /// where the mesh has them.
+    #[arg(long, value_name = "dp=D,tp=T,pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
+    pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// With --strategy: the placeholder fed with features.
-    #[arg(long, default_value = "pixels", requires = "strategy")]
+    #[arg(long, default_value = "pixels", requires = "planned")]
     pub features: String,
     /// With --strategy: the placeholder fed with labels.
-    #[arg(long, default_value = "labels", requires = "strategy")]
+    #[arg(long, default_value = "labels", requires = "planned")]
     pub labels: String,
     /// With --strategy ps: asynchronous updates.
-    #[arg(long = "async", requires = "strategy")]
+    #[arg(long = "async", requires = "planned")]
     pub r#async: bool,
     /// With --strategy allreduce: the fusion threshold, in MiB, of a gradient bucket.
-    #[arg(long, default_value_t = 25.0, requires = "strategy")]
+    #[arg(long, default_value_t = 25.0, requires = "planned")]
     pub fusion_threshold_mb: f64,
     /// With --strategy: the global batch size (a pipeline sizes its activations by it).
-    #[arg(long, requires = "strategy")]
+    #[arg(long, requires = "planned")]
     pub batch_size: Option<usize>,
     /// With --strategy pipeline: the stages, micro-batches and schedule.
     #[command(flatten)]
     pub pipeline: super::strategy_flags::PipelineFlags,
     /// With --strategy pipeline: also draw the schedule's timeline into FILE (SVG).
-    #[arg(long, value_name = "FILE.svg", requires = "strategy")]
+    #[arg(long, value_name = "FILE.svg", requires = "planned")]
     pub timeline: Option<PathBuf>,
     /// With --strategy zero: 1 shards the Adam/AdamW slots over the workers, 2 also the summed
     /// gradients (reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered
     /// before each use). Default 1.
-    #[arg(long, requires = "strategy", value_parser = clap::value_parser!(u8).range(1..=3))]
+    #[arg(long, requires = "planned", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
     /// With --strategy tensor: the tensor-parallel size (Megatron layout over T workers; default:
     /// every worker).
-    #[arg(long, value_name = "T", requires = "strategy")]
+    #[arg(long, value_name = "T", requires = "planned")]
     pub tp: Option<usize>,
     /// Parameter-server training: how embedding tables (Variables with a `partition_strategy`)
     /// are sharded over the ps tasks, `mod` or `div`, overriding the graph's.
@@ -168,6 +174,24 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
     }
     let plan = strategy.plan(&input).context("planning the job failed")?;
     print!("{}", render_job_text(&plan));
+    if let (Some(stages), "tensor") = (args.pipeline.stages.filter(|&p| p > 1), kind.name()) {
+        // Tensor parallelism inside pipeline stages: the pipeline of shard 0 of replica 0.
+        use dflow_partitioner::strategy::pipeline::{render, schedule::PipelineShape};
+        let shape = PipelineShape {
+            stages,
+            micro_batches: args.pipeline.micro_batches,
+            chunks: args.pipeline.chunks(),
+        };
+        print!(
+            "{}",
+            render::render_pipeline(&plan, shape, args.pipeline.schedule)
+        );
+        println!(
+            "\nthe tensor-parallel layout below is shown for the whole model; in the mesh, the ranks \
+             of stage s in replica d run the collectives of their stage's layers, once per \
+             micro-batch, in group tensor_s<s>_d<d>"
+        );
+    }
     if kind.name() == "tensor" {
         let tp = args.tp.unwrap_or_else(|| cluster.num_tasks("worker"));
         print!(
@@ -209,7 +233,19 @@ fn file_stem(d: &DeviceName) -> String {
 }
 
 /// Runs `dflow partition`.
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(mut args: Args) -> anyhow::Result<()> {
+    if let Some(mesh) = args.mesh {
+        let kind = super::strategy_flags::apply_mesh(
+            &mesh,
+            args.strategy,
+            args.zero_stage,
+            &mut args.tp,
+            &mut args.pipeline,
+        )?;
+        let cluster = ClusterSpec::from_file(&args.cluster)?;
+        super::strategy_flags::check_mesh_workers(&mesh, cluster.num_tasks("worker"))?;
+        return plan(&args, kind);
+    }
     if let Some(kind) = args.strategy {
         return plan(&args, kind);
     }

@@ -71,13 +71,14 @@ pub struct Args {
     /// `--strategy pipeline`: the stages, micro-batches and schedule (also with --local).
     #[command(flatten)]
     pub pipeline: super::strategy_flags::PipelineFlags,
-    /// The workers as a device mesh, `dp=D,tp=T` or `dp=D,pp=P`, in Megatron-core rank order
-    /// (tp fastest, then dp, then pp); the product must equal the number of workers. tp > 1 runs
-    /// --strategy tensor --tp T on each of D replicas (TP groups of T consecutive workers), the
-    /// gradients summed over the DP groups; pp > 1 runs the pipeline strategy with P balanced
-    /// stages and D replicas; tp = pp = 1 runs all-reduce (or ZeRO with --zero-stage). tp with
-    /// pp is planned by `dflow plan` but does not run yet.
-    #[arg(long, value_name = "dp=D,tp=T|pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
+    /// The workers as a device mesh, `dp=D,tp=T,pp=P`, in Megatron-core rank order (tp fastest,
+    /// then dp, then pp); the product must equal the number of workers. tp > 1 runs --strategy
+    /// tensor --tp T on each of D replicas (TP groups of T consecutive workers), the gradients
+    /// summed over the DP groups; with pp > 1 too, that layout runs inside P balanced pipeline
+    /// stages (stage s, shard t, replica d on worker s·D·T + d·T + t; --micro-batches,
+    /// --schedule apply). tp = 1, pp > 1 runs the pipeline strategy with P stages and D
+    /// replicas; tp = pp = 1 runs all-reduce (or ZeRO with --zero-stage).
+    #[arg(long, value_name = "dp=D,tp=T,pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce), 3 also the

@@ -107,11 +107,11 @@ pub fn build_strategy(
 }
 
 /// `--mesh dp=D,tp=T,pp=P` as a strategy: `tp > 1` is tensor parallelism (`--tp T`) on each of
-/// the `dp` replicas, `pp > 1` the pipeline strategy with `pp` balanced stages and `dp`
-/// replicas (Megatron-core rank order), `pp = tp = 1` data parallelism (all-reduce, or ZeRO
-/// with `--zero-stage`). `tp` and `pp` together are refused (`dflow plan` predicts such
-/// layouts; `dflow run` cannot run them yet). Returns the strategy to run and sets `tp` or the
-/// pipeline's stages; a contradicting `--strategy`, `--tp` or `--stages` is an error naming both.
+/// the `dp` replicas, inside `pp` balanced pipeline stages when `pp > 1`; `tp = 1, pp > 1` the
+/// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
+/// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`). Returns the
+/// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
+/// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
     mesh: &dflow_partitioner::mesh::Mesh,
     strategy: Option<StrategyKind>,
@@ -123,13 +123,6 @@ pub fn apply_mesh(
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
     let name = if mesh.tp > 1 {
-        if mesh.pp > 1 {
-            anyhow::bail!(
-                "--mesh tp={},pp={}: tensor parallelism inside pipeline stages does not run yet (`dflow plan` predicts such layouts); use dp with tp, or dp with pp",
-                mesh.tp,
-                mesh.pp
-            );
-        }
         if let Some(stage) = zero_stage {
             anyhow::bail!(
                 "--mesh tp={} with --zero-stage {stage}: ZeRO over tensor-parallel replicas does not run yet",
@@ -137,15 +130,16 @@ pub fn apply_mesh(
             );
         }
         *tp = Some(mesh.tp);
+        if mesh.pp > 1 {
+            // Tensor parallelism inside pipeline stages: the tensor strategy over P stages.
+            set_stages(mesh, pipeline)?;
+        }
         "tensor"
     } else if mesh.pp > 1 {
         if let Some(stage) = zero_stage {
             anyhow::bail!("--mesh pp={} with --zero-stage {stage}: ZeRO over pipeline replicas does not run yet", mesh.pp);
         }
-        if let Some(n) = pipeline.stages.filter(|&n| n != mesh.pp) {
-            anyhow::bail!("--mesh pp={} but --stages {n}: give one of them", mesh.pp);
-        }
-        pipeline.stages = Some(mesh.pp);
+        set_stages(mesh, pipeline)?;
         "pipeline"
     } else if zero_stage.is_some() {
         "zero"
@@ -160,6 +154,18 @@ pub fn apply_mesh(
         ),
         _ => Ok(kind),
     }
+}
+
+/// The pipeline's stages from `--mesh pp=P`; a contradicting `--stages` is an error.
+fn set_stages(
+    mesh: &dflow_partitioner::mesh::Mesh,
+    pipeline: &mut PipelineFlags,
+) -> anyhow::Result<()> {
+    if let Some(n) = pipeline.stages.filter(|&n| n != mesh.pp) {
+        anyhow::bail!("--mesh pp={} but --stages {n}: give one of them", mesh.pp);
+    }
+    pipeline.stages = Some(mesh.pp);
+    Ok(())
 }
 
 /// `--mesh` as written back: `dp=2,tp=1,pp=2`.

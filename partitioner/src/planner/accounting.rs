@@ -85,9 +85,9 @@ pub enum AccountingError {
     },
 }
 
-/// The strategy `dflow run` runs `layout` with, and its options: a pipeline when `pp > 1`,
-/// tensor parallelism over every device when `tp > 1` (alone), ZeRO at the layout's stage, else
-/// all-reduce.
+/// The strategy `dflow run` runs `layout` with, and its options: tensor parallelism when
+/// `tp > 1` (beside a dp axis, inside the stages when `pp > 1`), a pipeline when `pp > 1`
+/// alone, ZeRO at the layout's stage, else all-reduce.
 pub fn strategy_for(
     layout: &Layout,
     batch: usize,
@@ -102,12 +102,19 @@ pub fn strategy_for(
         ..StrategyOptions::default()
     };
     let name = if mesh.tp > 1 {
-        if mesh.pp > 1 || layout.zero > 0 {
+        if layout.zero > 0 {
             return Err(refuse(
-                "dflow runs tensor parallelism over every worker or beside a dp axis (--strategy tensor): no pp axis or ZeRO beside it",
+                "ZeRO beside tensor parallelism (--strategy tensor) does not run yet",
             ));
         }
         options.tp = Some(mesh.tp);
+        if mesh.pp > 1 {
+            // Tensor parallelism inside the pipeline's stages.
+            options.stages = Some(mesh.pp);
+            options.micro_batches = layout.micro_batches;
+            options.schedule = layout.schedule;
+            options.chunks = layout.chunks;
+        }
         "tensor"
     } else if mesh.pp > 1 {
         if layout.zero > 0 {
@@ -472,10 +479,10 @@ mod tests {
             &t,
             "pixels",
             "labels",
-            &"pp=2,tp=2".parse().unwrap(),
+            &"tp=2,zero=1".parse().unwrap(),
             32,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("dp1 tp2 pp2"), "{e}");
+        assert!(e.to_string().contains("dp1 tp2 pp1 z1"), "{e}");
     }
 }

@@ -43,13 +43,18 @@
 //!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
 //!   ([`data`]), before clipping and the update.
 //!
+//! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
+//!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
+//!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
-//! MoE blocks, a pipeline axis.
+//! MoE blocks.
 
 mod data;
 pub mod hand;
+pub mod mesh3d;
 
 use super::allreduce::{check_job, fresh, node, worker_device};
+use super::pipeline::Pipeline;
 use super::{
     EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
 };
@@ -96,6 +101,9 @@ pub struct TensorParallel {
     /// The global batch, when known: with several replicas, the data-parallel size must divide
     /// it.
     pub batch_size: Option<usize>,
+    /// Tensor parallelism inside pipeline stages (`--mesh tp=T,pp=P`, P > 1): the pipeline's
+    /// stages (`Some(P)`), micro-batches and schedule ([`mesh3d`]).
+    pub pipeline: Option<Pipeline>,
 }
 
 /// `--strategy tensor`.
@@ -117,6 +125,13 @@ pub(super) static REGISTRATION: Registration = Registration {
             tp: opts.tp,
             bucket_bytes: opts.bucket_bytes,
             batch_size: opts.batch_size,
+            pipeline: opts.stages.filter(|&p| p > 1).map(|p| Pipeline {
+                stages: Some(p),
+                micro_batches: opts.micro_batches,
+                schedule: opts.schedule,
+                chunks: opts.chunks,
+                batch_size: opts.batch_size,
+            }),
         }))
     },
 };
@@ -134,13 +149,25 @@ impl Strategy for TensorParallel {
     }
 
     fn describe(&self) -> String {
-        match self.tp {
+        let tp = match self.tp {
             Some(t) => format!("Megatron tensor-parallel training, tp={t}"),
             None => "Megatron tensor-parallel training over every worker".into(),
+        };
+        match &self.pipeline {
+            Some(p) => format!("{tp}, inside the stages of {}", Strategy::describe(p)),
+            None => tp,
         }
     }
 
+    fn full_batches(&self) -> bool {
+        // A pipeline's activations have a static batch.
+        self.pipeline.is_some()
+    }
+
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
+        if let Some(pipeline) = &self.pipeline {
+            return self.plan_mesh3d(input, pipeline);
+        }
         let workers = input.workers();
         let tp = self.tp.unwrap_or(workers);
         if tp == 0 || workers % tp != 0 {
@@ -198,6 +225,63 @@ impl Strategy for TensorParallel {
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
         plan.axis_sharded = sharded_variables(&tp_graphs.shards, &plan.variables, tp);
+        Ok(plan)
+    }
+}
+
+impl TensorParallel {
+    /// The plan of tensor parallelism inside pipeline stages, over `D = workers / (T·P)`
+    /// replicas ([`mesh3d`]).
+    fn plan_mesh3d(
+        &self,
+        input: &JobInput<'_>,
+        pipeline: &Pipeline,
+    ) -> Result<JobPlan, StrategyError> {
+        let workers = input.workers();
+        let pp = pipeline.stages.unwrap_or(1);
+        let tp = self.tp.unwrap_or(workers / pp.max(1));
+        if tp == 0 || pp == 0 || workers % (tp * pp) != 0 {
+            return Err(options(format!(
+                "tp={tp} × pp={pp} does not divide the cluster's {workers} workers: the workers \
+                 are dp × tp × pp ranks; use tp and pp whose product divides {workers}"
+            )));
+        }
+        let mesh = Mesh::new(workers / (tp * pp), tp, pp).map_err(|e| options(e.to_string()))?;
+        if let Some(batch) = self.batch_size {
+            mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
+                .map_err(|e| options(e.to_string()))?;
+        }
+        let graphs = mesh3d::mesh3d_training(
+            input.graph,
+            input.train,
+            &mesh,
+            pipeline,
+            input.features,
+            input.labels,
+        )?;
+        let chief = crate::strategy::pipeline::worker_device(0);
+        let placement = PlacementOptions {
+            policy: Policy::Explicit,
+            default_device: dflow_graph::DeviceName::parse(&chief).map_err(|e| {
+                StrategyError::InvalidDevice {
+                    node: String::new(),
+                    device: chief.clone(),
+                    message: e.to_string(),
+                }
+            })?,
+            ..input.placement.clone()
+        };
+        let mut plan = JobPlan::build(
+            self.describe(),
+            input,
+            graphs.graphs,
+            &placement,
+            Schedule::Lockstep,
+            graphs.groups,
+        )?;
+        // The ranks of replica d take part d of every batch.
+        plan.batch_parts = mesh.dp as u32;
+        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, tp);
         Ok(plan)
     }
 }
@@ -524,7 +608,7 @@ pub fn tensor_training(
 /// order (rank `t + tp·d` on worker task `t + tp·d`): replica `d` is the tensor-parallel layout
 /// over its `tp` ranks, fed part `d` of every batch, its gradients summed over the rank's
 /// data-parallel group in buckets of at most `bucket_bytes` (see the module docs). A pipeline
-/// axis is refused.
+/// axis is [`mesh3d::mesh3d_training`]'s.
 pub fn mesh_training(
     graph: &Graph,
     spec: &TrainSpec,
@@ -567,7 +651,8 @@ pub fn mesh_training(
         };
         let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
         if rank == 0 {
-            add_eval_copy(&mut g, &def, &shards, spec, tp)?;
+            let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
+            add_eval_copy(&mut g, &def, &shards, spec, tp, &on_rank, false)?;
         }
         graphs.push(g);
     }
@@ -691,7 +776,21 @@ fn redirect(nodes: &mut [NodeDef], from: &str, to: &str, except: &str) {
     }
 }
 
-fn rank_graph(
+/// One rank's forward graph ([`rank_forward`]): the Megatron rewrite of the one-process GPT.
+struct RankForward {
+    /// The forward graph, pruned to what the loss and metrics need, every op on the rank's
+    /// worker.
+    def: GraphDef,
+    /// Each sharded variable's one-process name → the rank's shard's name.
+    renames: HashMap<String, String>,
+    /// The next free collective instance key (more than every key of `def`).
+    instance: i64,
+}
+
+/// Rank `at.t`'s forward graph: its shards in place of the sharded weights, Megatron's `f`
+/// and `g` around the column- and row-parallel layers (collectives in group `at.group`), the
+/// vocabulary-parallel embedding and cross-entropy (see the module docs).
+fn rank_forward(
     forward: &GraphDef,
     gpt: &Gpt,
     shards: &[ShardedWeight],
@@ -699,7 +798,7 @@ fn rank_graph(
     at: &RankAt,
     features: &str,
     labels: &str,
-) -> Result<ReplicaGraph, StrategyError> {
+) -> Result<RankForward, StrategyError> {
     let (r, tp) = (at.t, at.tp);
     let device = worker_device("", "", at.task)?;
     let mut def = forward.clone();
@@ -915,6 +1014,28 @@ fn rank_graph(
     keep.push(features.to_string());
     keep.push(labels.to_string());
     prune(&mut def, &keep);
+    Ok(RankForward {
+        def,
+        renames,
+        instance: n.instance,
+    })
+}
+
+fn rank_graph(
+    forward: &GraphDef,
+    gpt: &Gpt,
+    shards: &[ShardedWeight],
+    spec: &TrainSpec,
+    at: &RankAt,
+    features: &str,
+    labels: &str,
+) -> Result<ReplicaGraph, StrategyError> {
+    let device = worker_device("", "", at.task)?;
+    let RankForward {
+        mut def,
+        renames,
+        instance,
+    } = rank_forward(forward, gpt, shards, spec, at, features, labels)?;
 
     // With data parallelism, the replica's loss weighted by its share of the batch.
     let weighting = at
@@ -936,7 +1057,7 @@ fn rank_graph(
         taken: training.def.nodes.iter().map(|x| x.name.clone()).collect(),
         added: Vec::new(),
         device: device.clone(),
-        instance: n.instance,
+        instance,
         group: at.group.clone(),
     };
     if let (Some(replica), Some(w)) = (&at.data, &weighting) {
@@ -1107,14 +1228,19 @@ fn chain_collectives(training: &mut TrainingGraph) -> Result<(), StrategyError> 
     Ok(())
 }
 
-/// Adds to rank 0's graph a copy of the forward graph, `eval/<name>`, whose sharded weights are
-/// assembled from every rank's shards, and points evaluation at it.
-fn add_eval_copy(
+/// Adds to rank 0's graph a copy of the forward graph, `eval/<name>`, on worker 0, whose
+/// sharded weights are assembled from every rank's shards (rank `r`'s shard of variable
+/// `v` on `shard_device(v, r)`), and points evaluation at it. With `own_placeholders` the copy reads
+/// placeholders of its own, `eval/<name>`, as written in `forward` (a pipeline's training
+/// placeholders have a static batch); otherwise the training ones.
+pub(super) fn add_eval_copy(
     g: &mut ReplicaGraph,
     forward: &GraphDef,
     shards: &[ShardedWeight],
     spec: &TrainSpec,
     tp: usize,
+    shard_device: &dyn Fn(&NodeDef, usize) -> Result<String, StrategyError>,
+    own_placeholders: bool,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
     let by_name: HashMap<&str, &ShardedWeight> =
@@ -1145,7 +1271,7 @@ fn add_eval_copy(
                 let mut copy = v.clone();
                 shard_variable(&mut copy, s, r);
                 copy.name = name.clone();
-                copy.device = worker_device(&v.name, &v.device, r)?;
+                copy.device = shard_device(v, r)?;
                 copy.colocate_with.clear();
                 n.added.push(copy);
             }
@@ -1182,8 +1308,13 @@ fn add_eval_copy(
         }
         map.insert(v.name.clone(), whole);
     }
+    let copied = |op: &str| match op {
+        "Variable" => false,
+        "Placeholder" => own_placeholders,
+        _ => true,
+    };
     for x in &forward.nodes {
-        if matches!(x.op.as_str(), "Placeholder" | "Variable") {
+        if !copied(&x.op) {
             continue;
         }
         let name = fresh(&mut n.taken, &format!("eval/{}", x.name));
@@ -1204,7 +1335,7 @@ fn add_eval_copy(
         }
     };
     for x in &forward.nodes {
-        if matches!(x.op.as_str(), "Placeholder" | "Variable") {
+        if !copied(&x.op) {
             continue;
         }
         let mut copy = x.clone();
@@ -1216,6 +1347,8 @@ fn add_eval_copy(
     }
     g.training.def.nodes.extend(n.added);
     g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
+    g.eval.features = remap(&g.eval.features);
+    g.eval.labels = remap(&g.eval.labels);
     g.eval.loss = remap(&spec.loss);
     g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
     Ok(())
@@ -1575,6 +1708,7 @@ mod tests {
             tp: Some(2),
             bucket_bytes: 1 << 20,
             batch_size: Some(4),
+            pipeline: None,
         }
         .plan(&input)
         .unwrap();
@@ -1583,6 +1717,7 @@ mod tests {
             tp: Some(2),
             bucket_bytes: 1 << 20,
             batch_size: Some(5),
+            pipeline: None,
         }
         .plan(&input)
         .unwrap_err();
@@ -1740,6 +1875,7 @@ mod tests {
             tp: Some(2),
             bucket_bytes: 1 << 20,
             batch_size: Some(4),
+            pipeline: None,
         }
         .plan(&input)
         .unwrap();
@@ -1807,6 +1943,7 @@ mod tests {
             tp: Some(4),
             bucket_bytes: 1 << 20,
             batch_size: None,
+            pipeline: None,
         }
         .plan(&input)
         .unwrap_err();

@@ -30,11 +30,12 @@ use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyErr
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::Mesh;
 use crate::place::{PlacementOptions, Policy};
-use dflow_graph::DeviceName;
-use schedule::{PipelineShape, ScheduleKind};
+use dflow_graph::{DeviceName, Graph};
+use schedule::{PipelineShape, ScheduleKind, Unit};
+use stages::StageMap;
 
 /// `--strategy pipeline`: stages on workers, micro-batches, a schedule.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pipeline {
     /// Balanced stages (`--stages`); `None` takes the stages from the ops' worker placement.
     pub stages: Option<usize>,
@@ -57,6 +58,19 @@ pub struct PipelineGraphs {
     pub shape: PipelineShape,
     /// With several replicas: each stage's group of replicas, whose gradients it all-reduces.
     pub groups: Vec<CollectiveGroup>,
+}
+
+/// A forward graph checked and cut for a pipeline ([`Pipeline::prepare`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Prepared {
+    /// The stage of every op.
+    pub stages: StageMap,
+    /// Stages, micro-batches, chunks.
+    pub shape: PipelineShape,
+    /// Each stage's order of forward and backward units.
+    pub orders: Vec<Vec<Unit>>,
+    /// The global batch.
+    pub batch: usize,
 }
 
 /// Ops whose result for one example depends on the other examples of the batch (an expert's
@@ -213,7 +227,7 @@ pub(crate) static REGISTRATION: Registration = Registration {
     },
 };
 
-fn worker_device(task: usize) -> String {
+pub(crate) fn worker_device(task: usize) -> String {
     format!("/job:worker/replica:0/task:{task}/device:cpu:0")
 }
 
@@ -238,11 +252,15 @@ impl Pipeline {
         Ok((replica, graphs.shape))
     }
 
-    /// The training graphs of every pipeline replica (`d = workers / stages` of them: data
-    /// parallelism over pipelines, in Megatron-core's rank order: worker `w` runs stage `w / d`
-    /// of replica `w mod d`), the shape, and the collective groups of the stages' replicas.
-    pub fn training_graphs(&self, input: &JobInput<'_>) -> Result<PipelineGraphs, StrategyError> {
-        let g = input.graph;
+    /// Checks the forward graph `g` against the options and cuts it: the stage of every op, the
+    /// pipeline's shape and each stage's order of units. Workers and replicas are not checked
+    /// here (see [`Pipeline::training_graphs`]).
+    pub(crate) fn prepare(
+        &self,
+        g: &Graph,
+        features: &str,
+        labels: &str,
+    ) -> Result<Prepared, StrategyError> {
         let batch = self.batch_size.ok_or(PipelineError::NoBatchSize)?;
         let m = self.micro_batches;
         if m == 0 {
@@ -259,7 +277,7 @@ impl Pipeline {
             .into());
         }
         let mut feeds = Vec::new();
-        for (role, name) in [("features", input.features), ("labels", input.labels)] {
+        for (role, name) in [("features", features), ("labels", labels)] {
             match g.find(name) {
                 Some(i) if g.node(i).op == "Placeholder" => feeds.push(i),
                 Some(i) => {
@@ -336,6 +354,26 @@ impl Pipeline {
             micro_batches: m,
             chunks,
         };
+        let orders = schedule::orders(self.schedule, shape).map_err(PipelineError::from)?;
+        Ok(Prepared {
+            stages: stage_map,
+            shape,
+            orders,
+            batch,
+        })
+    }
+
+    /// The training graphs of every pipeline replica (`d = workers / stages` of them: data
+    /// parallelism over pipelines, in Megatron-core's rank order: worker `w` runs stage `w / d`
+    /// of replica `w mod d`), the shape, and the collective groups of the stages' replicas.
+    pub fn training_graphs(&self, input: &JobInput<'_>) -> Result<PipelineGraphs, StrategyError> {
+        let Prepared {
+            stages: stage_map,
+            shape,
+            orders,
+            batch,
+        } = self.prepare(input.graph, input.features, input.labels)?;
+        let m = self.micro_batches;
         let workers = input.workers();
         if workers == 0 || workers % shape.stages != 0 {
             return Err(PipelineError::Workers {
@@ -353,7 +391,6 @@ impl Pipeline {
             }
             .into());
         }
-        let orders = schedule::orders(self.schedule, shape).map_err(PipelineError::from)?;
         // Megatron-core's rank order (tp fastest, then dp, then pp): stage s of replica r is
         // worker s·d + r, so stage 0 of replica 0 is the chief.
         let mesh =
@@ -366,8 +403,9 @@ impl Pipeline {
             let devices: Vec<String> = (0..shape.stages)
                 .map(|s| worker_device(mesh.rank(0, r, s)))
                 .collect();
+            let dp_groups: Vec<String> = (0..shape.stages).map(gradients::stage_group).collect();
             replicas.push(rewrite::rewrite(&rewrite::RewriteInput {
-                graph: g,
+                graph: input.graph,
                 stages: &stage_map,
                 shape,
                 orders: &orders,
@@ -378,6 +416,8 @@ impl Pipeline {
                 devices: &devices,
                 replicas: data_parallel,
                 replica: r,
+                dp_groups: &dp_groups,
+                tensor: None,
             })?);
         }
         let groups = if data_parallel > 1 {

@@ -23,7 +23,9 @@
 
 use super::arrivals::Arrivals;
 use super::barriers::add_schedule;
-use super::gradients::{all_reduce_gradients, stage_norms};
+use super::gradients::{
+    all_reduce_gradients, chain_collectives_per_device, clip_by_stage_norms, stage_norms,
+};
 use super::schedule::{PipelineShape, Unit};
 use super::stages::StageMap;
 use super::PipelineError;
@@ -33,9 +35,24 @@ use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef, Shape, T
 use petgraph::graph::NodeIndex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+/// Tensor parallelism inside the stages: the graph being cut is one tensor-parallel rank's
+/// (its collectives in one group), and every micro-batch copy of a collective goes to the
+/// tensor-parallel group of its stage under an instance key of its own.
+#[derive(Clone, Debug)]
+pub(crate) struct TensorStages {
+    /// The tensor-parallel collective group of each pipeline device (stage).
+    pub groups: Vec<String>,
+    /// Added to a collective's instance key once per micro-batch: more than any instance key
+    /// of the rank's forward graph.
+    pub instance_stride: i64,
+    /// The rank's sharded variables: clipping sums their gradients' squares over the
+    /// tensor-parallel group (the replicated ones are whole on every rank).
+    pub shards: HashSet<String>,
+}
+
 /// What the rewrite needs besides the graph and its stages.
 #[derive(Debug)]
-pub(super) struct RewriteInput<'a> {
+pub(crate) struct RewriteInput<'a> {
     pub graph: &'a Graph,
     pub stages: &'a StageMap,
     pub shape: PipelineShape,
@@ -51,6 +68,10 @@ pub(super) struct RewriteInput<'a> {
     pub replicas: usize,
     /// Which replica this is (its part of each global batch).
     pub replica: usize,
+    /// The collective group of each stage's data-parallel replicas (with `replicas > 1`).
+    pub dp_groups: &'a [String],
+    /// Tensor parallelism inside the stages. Without evaluation copy: the caller adds one.
+    pub tensor: Option<&'a TensorStages>,
 }
 
 /// The name scope of everything the rewrite adds.
@@ -122,7 +143,7 @@ fn scalar_const(name: String, value: f64, dtype: DType, device: String) -> NodeD
 }
 
 /// The pipeline's training graph (see the module docs).
-pub(super) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, StrategyError> {
+pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, StrategyError> {
     let g = input.graph;
     let m = input.shape.micro_batches;
     let p = input.shape.stages;
@@ -213,11 +234,13 @@ pub(super) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
             fixed[0] = Some(input.batch_size);
             ph.attrs
                 .insert("shape".into(), AttrValue::Shape(Shape::partial(fixed)));
-            let mut eval_ph = n.clone();
-            eval_ph.name = eval_name(&n.name);
-            eval_ph.device = input.devices[0].clone();
-            eval_ph.colocate_with.clear();
-            nodes.push(eval_ph);
+            if input.tensor.is_none() {
+                let mut eval_ph = n.clone();
+                eval_ph.name = eval_name(&n.name);
+                eval_ph.device = input.devices[0].clone();
+                eval_ph.colocate_with.clear();
+                nodes.push(eval_ph);
+            }
             nodes.push(ph);
             nodes.push(NodeDef {
                 name: split_name(&n.name),
@@ -267,8 +290,14 @@ pub(super) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
                     }
                 })
                 .collect();
+            if let Some(tensor) = input.tensor.filter(|_| c.op.starts_with("Collective")) {
+                retarget_collective(&mut c, tensor, here, k)?;
+            }
             unit_of.insert(c.name.clone(), (vstage, k));
             nodes.push(c);
+        }
+        if input.tensor.is_some() {
+            continue;
         }
         let copy = |name: &str| eval_name(name);
         let mut e = n.clone();
@@ -340,11 +369,14 @@ pub(super) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         nodes,
         ..forward.clone()
     };
+    let sums = input.tensor.is_some() || input.replicas > 1;
     let (mut training, typed) = expand_training_graph(
         &GraphDef { train: None, ..def },
         &TrainSpec {
             loss: loss.clone(),
             metrics: vec![],
+            // With data or tensor parallelism, clipping is added after the replicas' sums.
+            clip_global_norm: input.spec.clip_global_norm.filter(|_| !sums),
             ..input.spec.clone()
         },
     )?;
@@ -352,14 +384,28 @@ pub(super) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
     if input.replicas > 1 {
         training.loss = all_reduce_gradients(
             &mut training.def,
-            &training.gradients,
+            &mut training.gradients,
             &typed,
             input.devices,
+            input.dp_groups,
             &training.loss,
         )?;
     }
-    stage_norms(&mut training.def);
+    match input.spec.clip_global_norm {
+        Some(clip) if sums => clip_by_stage_norms(
+            &mut training,
+            input.tensor,
+            input.devices,
+            &loss_device,
+            clip,
+            input.tensor.map_or(0, |t| t.instance_stride * m as i64),
+        )?,
+        _ => stage_norms(&mut training.def),
+    }
     add_schedule(&mut training.def, &unit_of, input, p)?;
+    if input.tensor.is_some() {
+        chain_collectives_per_device(&mut training.def)?;
+    }
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.metrics = vec![];
     let eval = EvalNames {
@@ -411,5 +457,34 @@ fn constant_seed(def: &mut GraphDef, loss: &str, dtype: DType) -> Result<(), Pip
     seed.op = c.op;
     seed.inputs = c.inputs;
     seed.attrs = c.attrs;
+    Ok(())
+}
+
+/// Micro-batch `k`'s copy `c` of a collective of a tensor-parallel rank's graph, on pipeline
+/// device `device`: into that stage's tensor-parallel group, under an instance key of its own.
+fn retarget_collective(
+    c: &mut NodeDef,
+    tensor: &TensorStages,
+    device: usize,
+    k: usize,
+) -> Result<(), PipelineError> {
+    let group = tensor.groups.get(device).ok_or_else(|| {
+        PipelineError::Internal(format!("no tensor-parallel group for {}", c.name))
+    })?;
+    let key = match c.attrs.get("instance_key") {
+        Some(AttrValue::Int(v)) => *v,
+        _ => {
+            return Err(PipelineError::Internal(format!(
+                "{} has no instance_key",
+                c.name
+            )))
+        }
+    };
+    c.attrs
+        .insert("group_key".into(), AttrValue::String(group.as_str().into()));
+    c.attrs.insert(
+        "instance_key".into(),
+        AttrValue::Int(key + tensor.instance_stride * k as i64),
+    );
     Ok(())
 }

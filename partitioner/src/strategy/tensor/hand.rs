@@ -85,7 +85,8 @@ pub(super) fn mesh_training(
     for r in 0..tp {
         let mut g = rank_graph(&forward, &plan, &shards, spec, r, features, labels)?;
         if r == 0 {
-            add_eval_copy(&mut g, &forward, &shards, spec, tp)?;
+            let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
+            add_eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false)?;
         }
         graphs.push(g);
     }

@@ -1,0 +1,447 @@
+//! Tensor parallelism inside pipeline stages (`--mesh tp=T,pp=P`) and the 3D mesh
+//! (`--mesh dp=D,tp=T,pp=P`): each tensor-parallel rank's Megatron graph (`rank_forward`)
+//! cut into stages by the pipeline rewrite ([`crate::strategy::pipeline`]), in Megatron-core's
+//! rank order: stage `s`, shard `t`, replica `d` on worker `s·(D·T) + d·T + t`.
+//!
+//! - The stages are cut on each rank's graph by the pipeline's balanced cuts; the ranks hold
+//!   shards of equal sizes, so the cuts agree (checked op by op: a disagreement is an error).
+//! - Every micro-batch copy of a collective goes to the tensor-parallel group of its stage and
+//!   replica ([`tp_stage_group`]) under an instance key of its own; each worker chains its
+//!   collectives in one topological order, the same on every rank of a group.
+//! - With `D > 1`, each stage's gradients are summed over the ranks with the same stage and
+//!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas.
+//! - Clipping uses the whole model's norm: per stage, the shards' `Σ‖g‖²` all-reduced over the
+//!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
+//!   the loss's stage.
+//! - Evaluation runs on worker 0 without collectives, on a one-process forward copy whose
+//!   weights are assembled from every shard, wherever its stage put it.
+
+use super::{
+    add_eval_copy, check_job, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
+    ShardedWeight, GROUP,
+};
+use crate::job::{task_name, CollectiveGroup};
+use crate::mesh::Mesh;
+use crate::strategy::pipeline::gradients::stage_group;
+use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages};
+use crate::strategy::pipeline::schedule::PipelineShape;
+use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared};
+use crate::strategy::{EvalNames, ReplicaGraph, StrategyError};
+use dflow_graph::train::TrainSpec;
+use dflow_graph::{DType, Graph, NodeDef};
+use std::collections::HashMap;
+
+/// The tensor-parallel collective group of pipeline stage `s` in replica `d`.
+pub fn tp_stage_group(s: usize, d: usize) -> String {
+    format!("{GROUP}_s{s}_d{d}")
+}
+
+/// The data-parallel collective group of pipeline stage `s`'s shard `t` (its replicas).
+pub fn dp_stage_group(s: usize, t: usize) -> String {
+    format!("{}_t{t}", stage_group(s))
+}
+
+/// The graphs of a `dp × tp × pp` job.
+#[derive(Clone, Debug)]
+pub struct MeshGraphs {
+    /// One training graph per (replica `d`, shard `t`), `d`-major: graph `d·T + t` runs the
+    /// `P` stages of shard `t` of replica `d`.
+    pub graphs: Vec<ReplicaGraph>,
+    /// The sharded weights (every other variable is replicated).
+    pub shards: Vec<ShardedWeight>,
+    /// Stages, micro-batches, chunks.
+    pub shape: PipelineShape,
+    /// The tensor-parallel groups of every (stage, replica), then the data-parallel groups of
+    /// every (stage, shard) when `D > 1`.
+    pub groups: Vec<CollectiveGroup>,
+}
+
+/// The training graphs of the GPT `graph` on `mesh` (`pp > 1`), cut and scheduled as
+/// `pipeline` says (see the module docs).
+pub fn mesh3d_training(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    pipeline: &Pipeline,
+    features: &str,
+    labels: &str,
+) -> Result<MeshGraphs, StrategyError> {
+    let (tp, dp, pp) = (mesh.tp, mesh.dp, mesh.pp);
+    if super::hand::declares_placements(graph) {
+        return Err(options(format!(
+            "mesh {mesh}: placements written by hand (`_sharding`) run on one tensor-parallel \
+             group only; drop the pp and dp axes (--tp equal to the worker count)"
+        )));
+    }
+    let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
+    if loss_dtype != DType::F32 {
+        return Err(options(format!(
+            "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
+        )));
+    }
+    if pipeline.stages != Some(pp) {
+        return Err(options(format!(
+            "mesh {mesh}: the pipeline must cut {pp} balanced stages"
+        )));
+    }
+    let def = graph.to_def();
+    let gpt = Gpt::of(graph, &def)?;
+    let shards = gpt.layout(graph, tp)?;
+    // Each shard's forward graph, typed and cut.
+    let mut ranks: Vec<(RankForward, Graph, Prepared)> = Vec::with_capacity(tp);
+    let mut first_cut: HashMap<String, usize> = HashMap::new();
+    for t in 0..tp {
+        let at = RankAt {
+            t,
+            tp,
+            task: t,
+            group: GROUP.to_string(),
+            data: None,
+        };
+        let forward = rank_forward(&def, &gpt, &shards, spec, &at, features, labels)?;
+        let typed = Graph::from_def(&forward.def).map_err(StrategyError::InvalidGraph)?;
+        let prepared = pipeline.prepare(&typed, features, labels)?;
+        // The ranks' graphs differ in their shards' names (and the last rank's padding mask):
+        // compare the stages of the ops they share, under their one-process names.
+        let original: HashMap<&String, &String> =
+            forward.renames.iter().map(|(k, v)| (v, k)).collect();
+        for i in typed.node_indices() {
+            let name = &typed.node(i).name;
+            let name = original.get(name).map_or(name, |o| *o);
+            let stage = prepared.stages.stage[i.index()];
+            match first_cut.get(name) {
+                Some(&s) if s != stage => {
+                    let message = format!(
+                        "tensor-parallel rank {t} puts `{name}` on stage {stage}, \
+                         rank 0 on stage {s}"
+                    );
+                    return Err(PipelineError::Internal(message).into());
+                }
+                Some(_) => {}
+                None if t == 0 => {
+                    first_cut.insert(name.clone(), stage);
+                }
+                None => {}
+            }
+        }
+        ranks.push((forward, typed, prepared));
+    }
+    let Some((_, _, first)) = ranks.first() else {
+        return Err(options("--tp must be at least 1".into()));
+    };
+    let (shape, batch) = (first.shape, first.batch);
+    let m = shape.micro_batches;
+    if batch % (dp * m) != 0 {
+        return Err(PipelineError::ReplicaBatch {
+            batch,
+            replicas: dp,
+            micro_batches: m,
+        }
+        .into());
+    }
+    let stride = ranks.iter().map(|(f, _, _)| f.instance).max().unwrap_or(1);
+    let mut graphs = Vec::with_capacity(dp * tp);
+    for d in 0..dp {
+        for (t, (forward, typed, prepared)) in ranks.iter().enumerate() {
+            let devices: Vec<String> = (0..pp).map(|s| worker_device(mesh.rank(t, d, s))).collect();
+            let dp_groups: Vec<String> = (0..pp).map(|s| dp_stage_group(s, t)).collect();
+            let tensor = TensorStages {
+                groups: (0..pp).map(|s| tp_stage_group(s, d)).collect(),
+                instance_stride: stride,
+                shards: forward.renames.values().cloned().collect(),
+            };
+            let mut g = rewrite(&RewriteInput {
+                graph: typed,
+                stages: &prepared.stages,
+                shape,
+                orders: &prepared.orders,
+                spec,
+                features,
+                labels,
+                batch_size: batch / dp,
+                devices: &devices,
+                replicas: dp,
+                replica: d,
+                dp_groups: &dp_groups,
+                tensor: Some(&tensor),
+            })?;
+            g.eval = EvalNames {
+                features: features.to_string(),
+                labels: labels.to_string(),
+                loss: spec.loss.clone(),
+                metrics: spec.metrics.clone(),
+            };
+            graphs.push(g);
+        }
+    }
+    // Evaluation on worker 0, from every shard of replica 0 where its stage holds it.
+    let shard_devices: Vec<HashMap<String, String>> = graphs[..tp]
+        .iter()
+        .map(|g| {
+            g.training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op == "Variable")
+                .map(|n| (n.name.clone(), n.device.clone()))
+                .collect()
+        })
+        .collect();
+    let shard_device = |v: &NodeDef, r: usize| -> Result<String, StrategyError> {
+        let name = shard_name(&v.name, r, tp);
+        shard_devices
+            .get(r)
+            .and_then(|m| m.get(&name))
+            .cloned()
+            .ok_or_else(|| {
+                StrategyError::from(PipelineError::Internal(format!("no variable `{name}`")))
+            })
+    };
+    if let Some(g) = graphs.first_mut() {
+        add_eval_copy(g, &def, &shards, spec, tp, &shard_device, true)?;
+    }
+    let task = |t: usize, d: usize, s: usize| task_name("worker", mesh.rank(t, d, s) as u32);
+    let mut groups = Vec::new();
+    for s in 0..pp {
+        for d in 0..dp {
+            groups.push(CollectiveGroup {
+                key: tp_stage_group(s, d),
+                members: (0..tp).map(|t| task(t, d, s)).collect(),
+            });
+        }
+    }
+    if dp > 1 {
+        for s in 0..pp {
+            for t in 0..tp {
+                groups.push(CollectiveGroup {
+                    key: dp_stage_group(s, t),
+                    members: (0..dp).map(|d| task(t, d, s)).collect(),
+                });
+            }
+        }
+    }
+    Ok(MeshGraphs {
+        graphs,
+        shards,
+        shape,
+        groups,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy::pipeline::schedule::ScheduleKind;
+    use crate::strategy::tensor::TensorParallel;
+    use crate::strategy::{JobInput, Strategy};
+    use dflow_graph::layers::{gpt, GptConfig};
+    use dflow_graph::{AttrValue, Shape};
+    use std::collections::HashSet;
+
+    /// A small GPT whose placeholders take any batch of 4 tokens.
+    fn model() -> (Graph, TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs.insert(
+                    "shape".into(),
+                    AttrValue::Shape(Shape::partial(vec![None, Some(4)])),
+                );
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    fn pipeline(stages: usize, micro_batches: usize, batch: usize) -> Pipeline {
+        Pipeline {
+            stages: Some(stages),
+            micro_batches,
+            schedule: ScheduleKind::OneFOneB,
+            chunks: 1,
+            batch_size: Some(batch),
+        }
+    }
+
+    fn strategy(tp: usize, p: Pipeline) -> TensorParallel {
+        TensorParallel {
+            tp: Some(tp),
+            bucket_bytes: 1 << 20,
+            batch_size: p.batch_size,
+            pipeline: Some(p),
+        }
+    }
+
+    fn attr(n: &NodeDef, key: &str) -> String {
+        match n.attrs.get(key) {
+            Some(AttrValue::String(s)) => s.to_string(),
+            Some(AttrValue::Int(i)) => i.to_string(),
+            _ => String::new(),
+        }
+    }
+
+    #[test]
+    fn dp2_tp2_pp2_groups_are_megatron_cores_and_each_stage_talks_in_its_own() {
+        let (graph, spec) = model();
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = strategy(2, pipeline(2, 2, 8)).plan(&input).unwrap();
+        let w = |i: u32| task_name("worker", i);
+        let groups: Vec<(String, Vec<String>)> = plan
+            .groups
+            .iter()
+            .map(|g| (g.key.clone(), g.members.clone()))
+            .collect();
+        // Issue 20's lists for t = d = p = 2: TP {0,1}{2,3}{4,5}{6,7}, DP {0,2}{1,3}{4,6}{5,7}.
+        assert_eq!(
+            groups,
+            [
+                ("tensor_s0_d0".to_string(), vec![w(0), w(1)]),
+                ("tensor_s0_d1".to_string(), vec![w(2), w(3)]),
+                ("tensor_s1_d0".to_string(), vec![w(4), w(5)]),
+                ("tensor_s1_d1".to_string(), vec![w(6), w(7)]),
+                ("pipeline/stage0_t0".to_string(), vec![w(0), w(2)]),
+                ("pipeline/stage0_t1".to_string(), vec![w(1), w(3)]),
+                ("pipeline/stage1_t0".to_string(), vec![w(4), w(6)]),
+                ("pipeline/stage1_t1".to_string(), vec![w(5), w(7)]),
+            ]
+        );
+        assert_eq!(plan.batch_parts, 2);
+        // Checkpoints hold whole tensors: every shard listed with its two pieces.
+        assert!(plan
+            .axis_sharded
+            .iter()
+            .any(|v| v.logical == "transformer.h.1.mlp.c_fc.weight" && v.shards.len() == 2));
+
+        let mesh = Mesh::new(2, 2, 2).unwrap();
+        let mg =
+            mesh3d_training(&graph, &spec, &mesh, &pipeline(2, 2, 8), "idx", "targets").unwrap();
+        assert_eq!(mg.graphs.len(), 4);
+        // Graph 3 is shard 1 of replica 1: stage 0 on worker 3, stage 1 on worker 7.
+        let g = &mg.graphs[3];
+        let nodes = &g.training.def.nodes;
+        let task_of = |n: &NodeDef| -> u32 {
+            let d = dflow_graph::DeviceName::parse(&n.device).unwrap();
+            d.task.unwrap()
+        };
+        let mut keys: HashSet<(u32, String, String)> = HashSet::new();
+        let mut per_task: std::collections::BTreeMap<u32, usize> = Default::default();
+        for n in nodes.iter().filter(|n| n.op.starts_with("Collective")) {
+            let task = task_of(n);
+            let group = attr(n, "group_key");
+            let want: &[&str] = match task {
+                3 => &["tensor_s0_d1", "pipeline/stage0_t1"],
+                7 => &["tensor_s1_d1", "pipeline/stage1_t1"],
+                t => panic!("collective {} on worker {t}", n.name),
+            };
+            assert!(want.contains(&group.as_str()), "{} in {group}", n.name);
+            // One instance key per collective of a group, micro-batch copies included.
+            assert!(
+                keys.insert((task, group.clone(), attr(n, "instance_key"))),
+                "{} repeats an instance key of {group}",
+                n.name
+            );
+            if n.op != "CollectiveTpCopy" {
+                *per_task.entry(task).or_default() += 1;
+            }
+        }
+        // Every stage's collectives but its first wait for another (one chain per worker).
+        let collectives: HashSet<&str> = nodes
+            .iter()
+            .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+            .map(|n| n.name.as_str())
+            .collect();
+        for (task, count) in per_task {
+            let chained = nodes
+                .iter()
+                .filter(|n| collectives.contains(n.name.as_str()) && task_of(n) == task)
+                .filter(|n| {
+                    n.inputs
+                        .iter()
+                        .any(|i| i.strip_prefix('^').is_some_and(|c| collectives.contains(c)))
+                })
+                .count();
+            assert_eq!(chained, count - 1, "worker {task}");
+        }
+        // The tensor-parallel ranks of a stage call the same collectives in the same order,
+        // though the last rank's graph has the vocabulary's padding mask (11 tokens, 2 ranks).
+        let order = |g: &ReplicaGraph, task: u32| -> Vec<String> {
+            g.graph
+                .topo_order()
+                .into_iter()
+                .map(|i| g.graph.node(i))
+                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                .filter(|n| {
+                    dflow_graph::DeviceName::parse(n.device.as_ref())
+                        .is_ok_and(|d| d.task == Some(task))
+                })
+                .map(|n| n.name.clone())
+                .collect()
+        };
+        assert!(mg.graphs[1]
+            .training
+            .def
+            .nodes
+            .iter()
+            .any(|n| n.name == "xent/tp_padding_mask"));
+        for (a, b) in [(0, 1), (4, 5)] {
+            let (x, y) = (order(&mg.graphs[0], a), order(&mg.graphs[1], b));
+            assert!(x.len() > 10, "{x:?}");
+            assert_eq!(x, y, "workers {a} and {b}");
+        }
+        // The rank's shards, and micro-batch copies of Megatron's g for both micro-batches.
+        assert!(nodes
+            .iter()
+            .any(|n| n.name == shard_name("transformer.h.1.mlp.c_fc.weight", 1, 2)));
+        for k in 0..2 {
+            assert!(nodes
+                .iter()
+                .any(|n| n.op == "CollectiveTpReduce"
+                    && n.name.starts_with(&format!("pipeline/mb{k}/"))));
+        }
+        // Evaluation on worker 0 only reads the shards, with no collective.
+        let eval = &mg.graphs[0];
+        assert_eq!(eval.eval.features, "eval/idx");
+        assert!(eval
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+            .all(|n| !n.op.starts_with("Collective") && task_of(n) == 0));
+    }
+
+    #[test]
+    fn meshes_that_do_not_fit_are_refused_naming_them() {
+        let (graph, spec) = model();
+        let six = dflow_graph::ClusterSpec::local(&[("worker", 6)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &six, "idx", "targets");
+        let e = strategy(2, pipeline(2, 2, 8)).plan(&input).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("tp=2 × pp=2 does not divide the cluster's 6 workers"),
+            "{e}"
+        );
+        let eight = dflow_graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &eight, "idx", "targets");
+        // 8 rows do not split into 2 replicas × 8 micro-batches.
+        let e = strategy(2, pipeline(2, 8, 8)).plan(&input).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("batch 8 does not split into 2 pipeline replicas × 8 micro-batches"),
+            "{e}"
+        );
+        // tp=4 does not divide the 2 heads.
+        let e = strategy(4, pipeline(2, 1, 8)).plan(&input).unwrap_err();
+        assert!(e.to_string().contains("does not divide by --tp 4"), "{e}");
+    }
+}
