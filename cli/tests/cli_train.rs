@@ -178,7 +178,7 @@ fn steps_on_a_table_are_refused_not_ignored() {
             "--quiet",
         ]);
         let o = dflow(&args);
-        let (_, err) = text(&o);
+        let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "local {local}: {err}");
         assert!(
             err.contains("--steps 4") && err.contains("--epochs"),
