@@ -396,4 +396,19 @@ fn zero_plans_show_each_workers_slot_and_parameter_shards_and_refuse_sgd() {
         err.contains("--zero-stage 2 applies to --strategy zero, not --strategy allreduce"),
         "{err}"
     );
+    // Micro-batches without pipeline stages would be ignored: refused, naming the strategy.
+    let err = failure(&dflow(&[
+        "partition",
+        "examples/digits/digits.json",
+        "--cluster",
+        "examples/digits/cluster-allreduce.json",
+        "--strategy",
+        "allreduce",
+        "--micro-batches",
+        "4",
+    ]));
+    assert!(
+        err.contains("--micro-batches 4") && err.contains("--strategy allreduce has none"),
+        "{err}"
+    );
 }

@@ -88,6 +88,16 @@ pub fn build_strategy(
             kind.name()
         );
     }
+    // Micro-batches split a pipeline's batch: a strategy without stages would ignore them.
+    let staged = kind.name() == "pipeline" || (kind.name() == "tensor" && pipeline.stages.is_some());
+    if pipeline.micro_batches > 1 && !staged {
+        anyhow::bail!(
+            "--micro-batches {} splits the batch of pipeline stages; --strategy {} has none \
+             (use --strategy pipeline, or --mesh with a pp axis)",
+            pipeline.micro_batches,
+            kind.name()
+        );
+    }
     if fusion_threshold_mb.is_nan() || fusion_threshold_mb <= 0.0 {
         anyhow::bail!("--fusion-threshold-mb must be positive, got {fusion_threshold_mb}");
     }
