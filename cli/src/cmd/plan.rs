@@ -51,7 +51,8 @@ pub struct Args {
     threads: usize,
 }
 
-/// The executor's count of memory per task for the job plan `dflow run` makes of `e`'s layout
+/// The executor's count of memory per task, and the transport's of bytes sent per step, for
+/// the job plan `dflow run` makes of `e`'s layout
 /// (planner `accounting`), or why there is none.
 fn executor_count(
     def: &dflow_graph::GraphDef,
@@ -70,10 +71,16 @@ fn executor_count(
         let plan = accounting::job_plan(&graph, train, features, labels, &e.layout, batch)?;
         // Each task is fed its replica's rows.
         let rows = batch / e.layout.mesh.dp;
-        Ok((kind, accounting::account(&plan, rows, threads)?))
+        Ok((
+            kind,
+            accounting::account(&plan, rows, threads)?,
+            accounting::traffic(&plan, rows)?,
+        ))
     });
     Ok(match counted {
-        Ok((kind, tasks)) => render::accounting(&tasks, kind.name(), threads),
+        Ok((kind, tasks, sent)) => {
+            render::accounting(&tasks, kind.name(), threads) + &render::traffic(&sent)
+        }
         Err(err) => format!("  as dflow runs it: not counted ({err})\n"),
     })
 }
