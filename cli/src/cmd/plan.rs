@@ -5,7 +5,7 @@ use super::common;
 use anyhow::Context as _;
 use dflow_graph::train::DataSpec;
 use dflow_partitioner::planner::{
-    self, accounting, render, timeline, ClusterProfile, Layout, ModelProfile, PlanOptions,
+    self, accounting, render, runtime, timeline, ClusterProfile, Layout, ModelProfile, PlanOptions,
 };
 use std::path::PathBuf;
 
@@ -59,6 +59,7 @@ fn executor_count(
     features: &str,
     labels: &str,
     e: &planner::Evaluation,
+    profile: &ClusterProfile,
     threads: usize,
 ) -> anyhow::Result<String> {
     anyhow::ensure!(threads > 0, "--threads must be at least 1");
@@ -75,11 +76,14 @@ fn executor_count(
             kind,
             accounting::account(&plan, rows, threads)?,
             accounting::traffic(&plan, rows)?,
+            runtime::predict(&plan, rows, e, profile)?,
         ))
     });
     Ok(match counted {
-        Ok((kind, tasks, sent)) => {
-            render::accounting(&tasks, kind.name(), threads) + &render::traffic(&sent)
+        Ok((kind, tasks, sent, step)) => {
+            render::accounting(&tasks, kind.name(), threads)
+                + &render::traffic(&sent)
+                + &render::job_step(&step)
         }
         Err(err) => format!("  as dflow runs it: not counted ({err})\n"),
     })
@@ -138,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let (Some(e), Some(_)) = (&shown, &args.layout) {
         print!(
             "{}",
-            executor_count(def, &features, &labels, e, args.threads)?
+            executor_count(def, &features, &labels, e, &profile, args.threads)?
         );
     }
     if let Some(path) = &args.timeline {

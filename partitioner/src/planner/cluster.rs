@@ -72,9 +72,27 @@ pub struct ClusterProfile {
     /// 0 when not given).
     #[serde(default)]
     pub step_overhead: f64,
+    /// What a step of a real multi-task dflow job costs beyond its ops' arithmetic, measured by
+    /// `dflow bench calibrate` on small 2-worker jobs (all 0 when not given: not modelled).
+    #[serde(default)]
+    pub job: JobCosts,
     /// Where the numbers come from.
     #[serde(default)]
     pub source: String,
+}
+
+/// The costs of dflow's distributed step path ([`super::runtime`]), in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobCosts {
+    /// Per step: the chief's batching, the feeds to every task, the step's dispatch to each
+    /// task and the loss fetch (the round trips of a step).
+    pub step: f64,
+    /// Per op a task runs in its partition (its executor's dispatch of a node).
+    pub op: f64,
+    /// Per collective call a task makes, beyond `α + bytes/β` (the call's handshake and the
+    /// waits of a thread woken by the other ranks).
+    pub collective: f64,
 }
 
 /// Why a profile is refused.
@@ -117,6 +135,13 @@ const THIS_MACHINE_OP_OVERHEAD: f64 = 0.24e-6;
 /// `this-machine`'s executor cost per in-process step (the same run: 23.4 µs).
 const THIS_MACHINE_STEP_OVERHEAD: f64 = 23.4e-6;
 
+/// `this-machine`'s distributed step costs (`dflow bench calibrate`, docs/planner.md).
+const THIS_MACHINE_JOB: JobCosts = JobCosts {
+    step: 0.0,
+    op: 0.0,
+    collective: 0.0,
+};
+
 impl ClusterProfile {
     /// A preset by name (see [`PRESETS`] and docs/planner.md for the sources).
     pub fn preset(name: &str) -> Result<ClusterProfile, ProfileError> {
@@ -141,6 +166,7 @@ impl ClusterProfile {
                 precision: Precision::F32,
                 op_overhead: THIS_MACHINE_OP_OVERHEAD,
                 step_overhead: THIS_MACHINE_STEP_OVERHEAD,
+                job: THIS_MACHINE_JOB,
                 source: "BENCHMARKS.md (MatMul issue 4; collectives over shm and TCP, issue 8; \
                          executor overheads: dflow bench calibrate, docs/planner.md)"
                     .into(),
@@ -164,6 +190,7 @@ impl ClusterProfile {
                 precision: Precision::Mixed,
                 op_overhead: 0.0,
                 step_overhead: 0.0,
+                job: JobCosts::default(),
                 source: "NVIDIA A100 80GB and DGX A100 data sheets; 50% of peak sustained".into(),
             },
             // NVIDIA H100 SXM5 80GB data sheet: 989 TFLOPS BF16 dense, 900 GB/s NVLink (450 per
@@ -185,6 +212,7 @@ impl ClusterProfile {
                 precision: Precision::Mixed,
                 op_overhead: 0.0,
                 step_overhead: 0.0,
+                job: JobCosts::default(),
                 source: "NVIDIA H100 SXM5 and DGX H100 data sheets; 50% of peak sustained".into(),
             },
             _ => {
@@ -231,6 +259,9 @@ impl ClusterProfile {
             ("inter_host.latency", self.inter_host.latency),
             ("op_overhead", self.op_overhead),
             ("step_overhead", self.step_overhead),
+            ("job.step", self.job.step),
+            ("job.op", self.job.op),
+            ("job.collective", self.job.collective),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(bad(field, value));

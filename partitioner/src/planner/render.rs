@@ -267,3 +267,16 @@ pub fn traffic(tasks: &[super::accounting::TaskTraffic]) -> String {
     }
     s
 }
+
+/// A step of the layout's job as dflow runs it ([`super::runtime`]), one line.
+pub fn job_step(step: &super::runtime::JobStep) -> String {
+    format!(
+        "  step as dflow runs it: {} = job step {} + cpu {} (compute {}, busiest task's ops {}) + collectives and sends {}\n",
+        seconds(step.total()),
+        seconds(step.step),
+        seconds(step.cpu),
+        seconds(step.compute),
+        seconds(step.ops),
+        seconds(step.communication)
+    )
+}
