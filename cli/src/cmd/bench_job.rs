@@ -179,11 +179,10 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, runs: usize) -> anyhow::R
     Ok(steps[steps.len() / 2])
 }
 
-/// The costs that explain three measured steps: `t_i = step + ops_i·op + calls_i·(collective +
-/// α) + rest_i` (the busiest task's ops and calls, `rest` its compute and bytes over β), solved
+/// The costs that explain three measured steps: `t_i = step + ops_i·op + calls_i·collective +
+/// rest_i` (the busiest task's ops and calls, `rest` its compute and bytes over β), solved
 /// exactly (Cramer's rule); each cost at least 0.
-fn solve(rows: [(f64, f64, f64); 3], alpha: f64) -> Option<JobCosts> {
-    // Unknowns (step, op, call) with call = collective + α.
+fn solve(rows: [(f64, f64, f64); 3]) -> Option<JobCosts> {
     let det3 = |m: [[f64; 3]; 3]| {
         m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
             - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
@@ -205,7 +204,7 @@ fn solve(rows: [(f64, f64, f64); 3], alpha: f64) -> Option<JobCosts> {
     Some(JobCosts {
         step: col(0).max(0.0),
         op: col(1).max(0.0),
-        collective: (col(2) - alpha).max(0.0),
+        collective: col(2).max(0.0),
     })
 }
 
@@ -287,8 +286,7 @@ pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCost
             t - rest,
         );
     }
-    let costs = solve(rows, link.latency)
-        .context("the calibration jobs' counts do not determine the costs")?;
+    let costs = solve(rows).context("the calibration jobs' counts do not determine the costs")?;
     Ok((costs, raw.join(", ")))
 }
 
@@ -303,15 +301,14 @@ mod tests {
             op: 0.5e-6,
             collective: 20e-6,
         };
-        let alpha = 1e-6;
         let t = |ops: f64, calls: f64| {
             (
                 ops,
                 calls,
-                truth.step + ops * truth.op + calls * (truth.collective + alpha),
+                truth.step + ops * truth.op + calls * truth.collective,
             )
         };
-        let got = solve([t(40.0, 2.0), t(440.0, 2.0), t(120.0, 14.0)], alpha).unwrap();
+        let got = solve([t(40.0, 2.0), t(440.0, 2.0), t(120.0, 14.0)]).unwrap();
         for (a, b) in [
             (got.step, truth.step),
             (got.op, truth.op),
@@ -320,7 +317,7 @@ mod tests {
             assert!((a - b).abs() < 1e-12, "{got:?}");
         }
         // Counts that cannot tell the costs apart.
-        assert!(solve([t(40.0, 2.0), t(40.0, 2.0), t(40.0, 2.0)], alpha).is_none());
+        assert!(solve([t(40.0, 2.0), t(40.0, 2.0), t(40.0, 2.0)]).is_none());
     }
 
     #[test]

@@ -90,8 +90,9 @@ pub struct JobCosts {
     pub step: f64,
     /// Per op a task runs in its partition (its executor's dispatch of a node).
     pub op: f64,
-    /// Per collective call a task makes, beyond `α + bytes/β` (the call's handshake and the
-    /// waits of a thread woken by the other ranks).
+    /// Per collective call a task makes, beyond its `bytes/β`: the link's latency, the call's
+    /// handshake and the waits of a thread woken by the other ranks (0: the link's latency α
+    /// alone).
     pub collective: f64,
 }
 

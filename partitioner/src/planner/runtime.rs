@@ -13,8 +13,9 @@
 //! A step is `job.step + cpu + communication`, where a task's cpu time is its share of the
 //! layout's compute (the analytical FLOPs, with the pipeline's bubble) plus `ops · job.op`, the
 //! tasks sharing the host's cores (`max(busiest task, Σ tasks / cores)`: 4 tasks on 2 cores
-//! take twice as long as 2), and a task's communication is `calls · (job.collective + α) +
-//! bytes / β` over a link inside the host, plus `α` per value sent to another task.
+//! take twice as long as 2), and a task's communication is `calls · job.collective + bytes / β`
+//! over a link inside the host (`job.collective` includes the link's latency α; α alone when it
+//! is 0), plus `α` per value sent to another task.
 
 use super::accounting::{traffic, AccountingError};
 use super::cluster::{ClusterProfile, JobCosts, LinkClass};
@@ -103,10 +104,16 @@ pub fn job_step(
     let busiest = work.iter().map(cpu_of).fold(0.0, f64::max);
     let shared = work.iter().map(cpu_of).sum::<f64>() / cores.max(1) as f64;
     let ops = work.iter().map(|t| t.ops as f64 * op).fold(0.0, f64::max);
+    // A calibrated call cost includes the link's latency; uncalibrated, the latency alone.
+    let call = if collective > 0.0 {
+        collective
+    } else {
+        link.latency
+    };
     let communication = work
         .iter()
         .map(|t| {
-            t.collective_calls as f64 * (collective + link.latency)
+            t.collective_calls as f64 * call
                 + t.values as f64 * link.latency
                 + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
         })
@@ -173,5 +180,10 @@ mod tests {
             2,
         );
         assert!((four.cpu - 100e-6).abs() < 1e-12, "{four:?}");
+        // Uncalibrated, a call costs the link's latency.
+        p.job.collective = 0.0;
+        p.intra_host.latency = 2e-6;
+        let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, &p, 2);
+        assert!((s.communication - 6e-6).abs() < 1e-12, "{s:?}");
     }
 }
