@@ -21,7 +21,7 @@ SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs; profile $PROFILE" >&2
 
-DIGITS=(--data examples/data/digits.csv.gz --epochs 5 --test-fraction 0 --quiet)
+DIGITS=(--data examples/data/digits.csv.gz --epochs 20 --test-fraction 0 --quiet)
 GPT_SMALL=(--data examples/data/shakespeare.txt.gz --batch-size 4 --steps 300 --eval-every 0 --eval-batches 1 --quiet)
 GPT=(--data examples/data/shakespeare.txt.gz --batch-size 12 --steps 20 --eval-every 0 --eval-batches 1 --quiet)
 
@@ -54,12 +54,12 @@ measure() {
   for _ in $(seq "$RUNS"); do
     cluster_file "$workers" > "$SCRATCH/cluster.json"
     if [ "$kind" = local ]; then
-      "$DFLOW" run --local "$graph" --cluster "$SCRATCH/cluster.json" "$@" 2> "$SCRATCH/err"
+      "$DFLOW" run --local "$graph" --cluster "$SCRATCH/cluster.json" "$@" > /dev/null 2> "$SCRATCH/err"
     else
       # A pipeline of one replica: one process per stage.
-      "$DFLOW" run --job worker --index 1 --cluster "$SCRATCH/cluster.json" 2> "$SCRATCH/err1" &
+      "$DFLOW" run --job worker --index 1 --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err1" &
       local other=$!
-      "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" 2> "$SCRATCH/err"
+      "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" > /dev/null 2> "$SCRATCH/err"
       wait "$other"
     fi
     step_of "$SCRATCH/err"

@@ -270,18 +270,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.job_runs > 0 {
         let (job, raw) = super::bench_job::measure(&profile, args.job_runs)?;
         eprintln!(
-            "# 2-worker jobs: {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call",
+            "# 2-worker jobs: {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
             job.step * 1e6,
             job.op * 1e6,
-            job.collective * 1e6
+            job.collective * 1e6,
+            job.flops_per_second / 1e9
         );
         profile.job = job;
         profile.source.push_str(&format!(
-            "; 2-worker all-reduce jobs (median of {} runs each: {raw}): {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call",
+            "; 2-worker all-reduce jobs (median of {} runs each: {raw}): {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
             args.job_runs,
             job.step * 1e6,
             job.op * 1e6,
-            job.collective * 1e6
+            job.collective * 1e6,
+            job.flops_per_second / 1e9
         ));
     }
     profile

@@ -7,9 +7,11 @@
 //! 127.0.0.1), each `--runs` times, and takes each one's median step (the job's own `trained N
 //! steps in T s` line): the base model; the same with a chain of [`CHAIN`] `Tanh` ops (more ops,
 //! the same collectives); and [`LAYERS`] layers with every gradient its own all-reduce (more
-//! collective calls). The planner's own counts of each job's plan (its nodes, calls and bytes,
-//! planner `runtime::work`) and its FLOPs turn the three medians into three equations of the
-//! model of planner `runtime::job_step`, solved for the three costs. None of these models is one
+//! collective calls); and 3 layers of 256 channels on 256 rows a task (more FLOPs: the rate a task of a job
+//! gets, which under load or with memory-bound ops is well below a lone `MatMul`'s). The
+//! planner's own counts of each job's plan (its nodes, calls and bytes,
+//! planner `runtime::work`) and its FLOPs turn the four medians into four equations of the
+//! model of planner `runtime::job_step`, solved for the four costs. None of these models is one
 //! the planner is later compared against (docs/planner.md).
 
 use anyhow::{bail, Context};
@@ -29,19 +31,30 @@ pub const CHAIN: usize = 200;
 pub const LAYERS: usize = 12;
 /// The global batch of the calibration jobs.
 const BATCH: usize = 32;
-/// Rows of the synthetic data set (16 steps an epoch).
+/// Rows of the synthetic data set (16 steps an epoch; 100 epochs, 1,600 steps a job: the
+/// job prints its time to 10 ms, so a step to ~6 µs).
 const ROWS: usize = 512;
+
+/// Hidden width of the FLOP-heavy variant's layers.
+pub const WIDE: usize = 256;
+/// The FLOP-heavy variant's global batch (the whole data set: 256 rows a task, products the
+/// size of a small transformer's).
+const WIDE_BATCH: usize = ROWS;
 
 /// One synthetic job.
 #[derive(Debug, Clone, Copy)]
 struct Variant {
+    /// The global batch.
+    batch: usize,
+    /// Width of the hidden layers (the first maps the 8 features to it).
+    hidden: usize,
     layers: usize,
     chain: usize,
     /// Every gradient its own all-reduce (a fusion threshold below one gradient's bytes).
     unfused: bool,
 }
 
-/// The model: `layers` `[8, 8]` products, a chain of `chain` `Tanh`, a `[8, 2]` output, the
+/// The model: `layers` products to `hidden` channels, a chain of `chain` `Tanh`, a `[8, 2]` output, the
 /// softmax cross-entropy's mean; SGD.
 fn graph_json(v: Variant) -> String {
     let mut nodes = vec![
@@ -52,7 +65,8 @@ fn graph_json(v: Variant) -> String {
     let variable = |name: &str, dims: [usize; 2], seed: usize| serde_json::json!({"name": name, "op": "Variable", "attrs": {"dtype": "f32", "shape": dims, "initializer": "glorot_uniform", "seed": seed}});
     for l in 0..v.layers {
         let w = format!("w{l}");
-        nodes.push(variable(&w, [WIDTH, WIDTH], l + 1));
+        let rows = if l == 0 { WIDTH } else { v.hidden };
+        nodes.push(variable(&w, [rows, v.hidden], l + 1));
         let out = format!("layer{l}");
         nodes.push(serde_json::json!({"name": out, "op": "MatMul", "inputs": [h, w]}));
         h = out;
@@ -62,7 +76,7 @@ fn graph_json(v: Variant) -> String {
         nodes.push(serde_json::json!({"name": out, "op": "Tanh", "inputs": [h]}));
         h = out;
     }
-    nodes.push(variable("w_out", [WIDTH, 2], 99));
+    nodes.push(variable("w_out", [v.hidden, 2], 99));
     nodes.push(serde_json::json!({"name": "logits", "op": "MatMul", "inputs": [h, "w_out"]}));
     nodes.push(serde_json::json!({"name": "xent", "op": "SparseSoftmaxCrossEntropyWithLogits", "inputs": ["logits", "labels"]}));
     nodes.push(serde_json::json!({"name": "loss", "op": "Mean", "inputs": ["xent"]}));
@@ -105,7 +119,7 @@ fn predicted_work(
         .context("the synthetic model has a train section")?;
     let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)])?;
     let mut options = StrategyOptions {
-        batch_size: Some(BATCH),
+        batch_size: Some(v.batch),
         ..StrategyOptions::default()
     };
     if v.unfused {
@@ -114,12 +128,12 @@ fn predicted_work(
     let kind: StrategyKind = "allreduce".parse().map_err(anyhow::Error::msg)?;
     let strategy = kind.build(&options)?;
     let plan = strategy.plan(&JobInput::new(&graph, train, &cluster, "pixels", "labels"))?;
-    let work = runtime::work(&plan, BATCH / 2)?;
+    let work = runtime::work(&plan, v.batch / 2)?;
     let model = ModelProfile::new(&def, "pixels", "labels")?;
     let layout: Layout = "dp=2".parse()?;
     let options = PlanOptions {
         devices: 2,
-        batch_size: BATCH,
+        batch_size: v.batch,
     };
     let e = planner::evaluate_layout(&model, profile, &options, &layout)?;
     Ok((work, e.time.compute))
@@ -153,8 +167,8 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, runs: usize) -> anyhow::R
             .arg(&cluster)
             .args(["--strategy", "allreduce", "--data"])
             .arg(&data)
-            .args(["--batch-size", &BATCH.to_string()])
-            .args(["--epochs", "25", "--test-fraction", "0", "--quiet"]);
+            .args(["--batch-size", &v.batch.to_string()])
+            .args(["--epochs", "100", "--test-fraction", "0", "--quiet"]);
         if v.unfused {
             cmd.args(["--fusion-threshold-mb", &UNFUSED_MB.to_string()]);
         }
@@ -179,32 +193,40 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, runs: usize) -> anyhow::R
     Ok(steps[steps.len() / 2])
 }
 
-/// The costs that explain three measured steps: `t_i = step + ops_i·op + calls_i·collective +
-/// rest_i` (the busiest task's ops and calls, `rest` its compute and bytes over β), solved
-/// exactly (Cramer's rule); each cost at least 0.
-fn solve(rows: [(f64, f64, f64); 3]) -> Option<JobCosts> {
-    let det3 = |m: [[f64; 3]; 3]| {
-        m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-    };
-    let a = rows.map(|(ops, calls, _)| [1.0, ops, calls]);
-    let b = rows.map(|(_, _, t)| t);
-    let d = det3(a);
-    if d.abs() < 1e-9 {
-        return None;
-    }
-    let col = |k: usize| {
-        let mut m = a;
-        for (row, t) in m.iter_mut().zip(b) {
-            row[k] = t;
+/// The costs that explain four measured steps: `t_i = step + ops_i·op + calls_i·collective +
+/// flops_i / rate + rest_i` (the busiest task's ops, calls and FLOPs; `rest` its bytes over β),
+/// solved exactly (Gaussian elimination); each cost at least 0, the rate positive.
+fn solve(rows: [(f64, f64, f64, f64); 4]) -> Option<JobCosts> {
+    // Unknowns (step, op, collective, seconds per FLOP).
+    let mut m: Vec<[f64; 5]> = rows
+        .iter()
+        .map(|&(ops, calls, flops, t)| [1.0, ops, calls, flops, t])
+        .collect();
+    for c in 0..4 {
+        let pivot = (c..4).max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))?;
+        m.swap(c, pivot);
+        let p = m[c][c];
+        // Relative to the column's scale: FLOPs are ~1e6, the other columns ~1–1e3.
+        let scale = m.iter().map(|r| r[c].abs()).fold(0.0, f64::max);
+        if scale == 0.0 || p.abs() < 1e-9 * scale {
+            return None;
         }
-        det3(m) / d
-    };
+        let pivot_row = m[c];
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != c {
+                let f = row[c] / p;
+                for (x, y) in row.iter_mut().zip(pivot_row).skip(c) {
+                    *x -= f * y;
+                }
+            }
+        }
+    }
+    let x: Vec<f64> = (0..4).map(|c| m[c][4] / m[c][c]).collect();
     Some(JobCosts {
-        step: col(0).max(0.0),
-        op: col(1).max(0.0),
-        collective: col(2).max(0.0),
+        step: x[0].max(0.0),
+        op: x[1].max(0.0),
+        collective: x[2].max(0.0),
+        flops_per_second: if x[3] > 0.0 { 1.0 / x[3] } else { 0.0 },
     })
 }
 
@@ -230,30 +252,38 @@ impl Drop for Scratch {
     }
 }
 
-/// Measures the job costs: the three variants' medians of `runs` runs each, solved for
+/// Measures the job costs: the four variants' medians of `runs` runs each, solved for
 /// [`JobCosts`] under `profile`'s FLOP/s and links. Prints what it measured.
 pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCosts, String)> {
     let dir = Scratch::new()?;
     std::fs::write(dir.path().join("data.csv"), data_csv())?;
+    let base = Variant {
+        batch: BATCH,
+        hidden: WIDTH,
+        layers: 1,
+        chain: 0,
+        unfused: false,
+    };
     let variants = [
+        base,
         Variant {
-            layers: 1,
-            chain: 0,
-            unfused: false,
-        },
-        Variant {
-            layers: 1,
             chain: CHAIN,
-            unfused: false,
+            ..base
         },
         Variant {
             layers: LAYERS,
-            chain: 0,
             unfused: true,
+            ..base
+        },
+        Variant {
+            batch: WIDE_BATCH,
+            hidden: WIDE,
+            layers: 3,
+            ..base
         },
     ];
     let link = profile.link(planner::LinkClass::IntraHost);
-    let mut rows = [(0.0, 0.0, 0.0); 3];
+    let mut rows = [(0.0, 0.0, 0.0, 0.0); 4];
     let mut raw = Vec::new();
     for (i, v) in variants.into_iter().enumerate() {
         let text = graph_json(v);
@@ -265,13 +295,14 @@ pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCost
             .iter()
             .max_by_key(|w| (w.ops, w.collective_calls))
             .context("the calibration job has no tasks")?;
-        let rest = compute
-            + busiest.values as f64 * link.latency
+        let flops = compute * profile.flops_per_second;
+        let rest = busiest.values as f64 * link.latency
             + (busiest.collective_bytes + busiest.data_plane_bytes) as f64 / link.bandwidth;
         eprintln!(
-            "# job {v:?}: {} ops, {} collective calls per task; median step {:.1} µs",
+            "# job {v:?}: {} ops, {} collective calls, {:.2} MFLOP per task; median step {:.1} µs",
             busiest.ops,
             busiest.collective_calls,
+            flops / 1e6,
             t * 1e6
         );
         raw.push(format!(
@@ -283,6 +314,7 @@ pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCost
         rows[i] = (
             busiest.ops as f64,
             busiest.collective_calls as f64,
+            flops,
             t - rest,
         );
     }
@@ -300,30 +332,48 @@ mod tests {
             step: 300e-6,
             op: 0.5e-6,
             collective: 20e-6,
+            flops_per_second: 20e9,
         };
-        let t = |ops: f64, calls: f64| {
+        let t = |ops: f64, calls: f64, flops: f64| {
             (
                 ops,
                 calls,
-                truth.step + ops * truth.op + calls * truth.collective,
+                flops,
+                truth.step
+                    + ops * truth.op
+                    + calls * truth.collective
+                    + flops / truth.flops_per_second,
             )
         };
-        let got = solve([t(40.0, 2.0), t(440.0, 2.0), t(120.0, 14.0)]).unwrap();
+        let got = solve([
+            t(40.0, 2.0, 1e4),
+            t(440.0, 2.0, 1e4),
+            t(120.0, 14.0, 2e4),
+            t(60.0, 2.0, 5e7),
+        ])
+        .unwrap();
         for (a, b) in [
             (got.step, truth.step),
             (got.op, truth.op),
             (got.collective, truth.collective),
         ] {
-            assert!((a - b).abs() < 1e-12, "{got:?}");
+            assert!((a - b).abs() < 1e-10, "{got:?}");
         }
+        assert!(
+            (got.flops_per_second / truth.flops_per_second - 1.0).abs() < 1e-6,
+            "{got:?}"
+        );
         // Counts that cannot tell the costs apart.
-        assert!(solve([t(40.0, 2.0), t(40.0, 2.0), t(40.0, 2.0)]).is_none());
+        let same = t(40.0, 2.0, 1e4);
+        assert!(solve([same, same, same, same]).is_none());
     }
 
     #[test]
     fn the_synthetic_models_plan() {
         let profile = ClusterProfile::preset("this-machine").unwrap();
         let base = Variant {
+            batch: BATCH,
+            hidden: WIDTH,
             layers: 1,
             chain: 0,
             unfused: false,

@@ -90,10 +90,14 @@ pub struct JobCosts {
     pub step: f64,
     /// Per op a task runs in its partition (its executor's dispatch of a node).
     pub op: f64,
-    /// Per collective call a task makes, beyond its `bytes/β`: the link's latency, the call's
-    /// handshake and the waits of a thread woken by the other ranks (0: the link's latency α
-    /// alone).
+    /// Per collective call a task makes, and per value it sends to another task, beyond its
+    /// `bytes/β`: the link's latency, the handshake and the waits of a thread woken by the
+    /// other side (0: the link's latency α alone).
     pub collective: f64,
+    /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
+    /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
+    /// are memory-bound.
+    pub flops_per_second: f64,
 }
 
 /// Why a profile is refused.
@@ -136,13 +140,6 @@ const THIS_MACHINE_OP_OVERHEAD: f64 = 0.24e-6;
 /// `this-machine`'s executor cost per in-process step (the same run: 23.4 µs).
 const THIS_MACHINE_STEP_OVERHEAD: f64 = 23.4e-6;
 
-/// `this-machine`'s distributed step costs (`dflow bench calibrate`, docs/planner.md).
-const THIS_MACHINE_JOB: JobCosts = JobCosts {
-    step: 0.0,
-    op: 0.0,
-    collective: 0.0,
-};
-
 impl ClusterProfile {
     /// A preset by name (see [`PRESETS`] and docs/planner.md for the sources).
     pub fn preset(name: &str) -> Result<ClusterProfile, ProfileError> {
@@ -167,7 +164,9 @@ impl ClusterProfile {
                 precision: Precision::F32,
                 op_overhead: THIS_MACHINE_OP_OVERHEAD,
                 step_overhead: THIS_MACHINE_STEP_OVERHEAD,
-                job: THIS_MACHINE_JOB,
+                // Not in the preset: a job's step costs depend on the load at the time more
+                // than anything here; calibrate (`dflow bench calibrate`) and pass --profile.
+                job: JobCosts::default(),
                 source: "BENCHMARKS.md (MatMul issue 4; collectives over shm and TCP, issue 8; \
                          executor overheads: dflow bench calibrate, docs/planner.md)"
                     .into(),
@@ -263,6 +262,7 @@ impl ClusterProfile {
             ("job.step", self.job.step),
             ("job.op", self.job.op),
             ("job.collective", self.job.collective),
+            ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(bad(field, value));

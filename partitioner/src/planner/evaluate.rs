@@ -317,7 +317,13 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             .iter()
             .map(|c| c.flops_split.at(rows) / tf + c.flops_whole.at(rows))
             .sum();
-        let compute_f = flops / profile.flops_per_second;
+        // A calibrated job's FLOP/s where the profile has one.
+        let rate = if profile.job.flops_per_second > 0.0 {
+            profile.job.flops_per_second
+        } else {
+            profile.flops_per_second
+        };
+        let compute_f = flops / rate;
         let mut tp_f = CommCost::default();
         let mut tp_b = CommCost::default();
         for c in &chunks {

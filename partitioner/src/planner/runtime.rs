@@ -11,11 +11,12 @@
 //! ([`super::accounting::traffic`]).
 //!
 //! A step is `job.step + cpu + communication`, where a task's cpu time is its share of the
-//! layout's compute (the analytical FLOPs, with the pipeline's bubble) plus `ops · job.op`, the
+//! layout's compute (the analytical FLOPs, with the pipeline's bubble, at the job's FLOP/s)
+//! plus `ops · job.op`, the
 //! tasks sharing the host's cores (`max(busiest task, Σ tasks / cores)`: 4 tasks on 2 cores
 //! take twice as long as 2), and a task's communication is `calls · job.collective + bytes / β`
 //! over a link inside the host (`job.collective` includes the link's latency α; α alone when it
-//! is 0), plus `α` per value sent to another task.
+//! is 0), the same per value sent to another task.
 
 use super::accounting::{traffic, AccountingError};
 use super::cluster::{ClusterProfile, JobCosts, LinkClass};
@@ -98,6 +99,7 @@ pub fn job_step(
         step,
         op,
         collective,
+        ..
     } = profile.job;
     let link = profile.link(LinkClass::IntraHost);
     let cpu_of = |t: &TaskWork| compute + t.ops as f64 * op;
@@ -114,7 +116,7 @@ pub fn job_step(
         .iter()
         .map(|t| {
             t.collective_calls as f64 * call
-                + t.values as f64 * link.latency
+                + t.values as f64 * call
                 + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
         })
         .fold(0.0, f64::max);
@@ -136,6 +138,7 @@ pub fn predict(
     profile: &ClusterProfile,
 ) -> Result<JobStep, AccountingError> {
     let work = work(plan, rows)?;
+    // The analytical compute is at the job's FLOP/s where the profile has one.
     Ok(job_step(
         &work,
         e.time.compute + e.time.bubble,
@@ -167,6 +170,7 @@ mod tests {
             step: 100e-6,
             op: 1e-6,
             collective: 10e-6,
+            flops_per_second: 0.0,
         };
         let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, &p, 2);
         assert!((s.cpu - 55e-6).abs() < 1e-12, "{s:?}");
