@@ -55,6 +55,9 @@ pub struct Args {
     /// `job` costs stay 0).
     #[arg(long, default_value_t = 3)]
     pub job_runs: usize,
+    /// Epochs of each calibration job over its 512 rows (16 steps an epoch at batch 32).
+    #[arg(long, default_value_t = 100)]
+    pub job_epochs: usize,
 }
 
 /// The products measured: `[m, k] · [k, n]` with the right operand transposed or not, as a
@@ -268,7 +271,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ),
     };
     if args.job_runs > 0 {
-        let (job, raw) = super::bench_job::measure(&profile, args.job_runs)?;
+        let (job, raw) = super::bench_job::measure(&profile, args.job_runs, args.job_epochs)?;
         eprintln!(
             "# 2-worker jobs: {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
             job.step * 1e6,

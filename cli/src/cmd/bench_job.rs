@@ -31,8 +31,8 @@ pub const CHAIN: usize = 200;
 pub const LAYERS: usize = 12;
 /// The global batch of the calibration jobs.
 const BATCH: usize = 32;
-/// Rows of the synthetic data set (16 steps an epoch; 100 epochs, 1,600 steps a job: the
-/// job prints its time to 10 ms, so a step to ~6 µs).
+/// Rows of the synthetic data set (16 steps an epoch; `--job-epochs` 100, 1,600 steps a job:
+/// the job prints its time to 10 ms, so a step to ~6 µs).
 const ROWS: usize = 512;
 
 /// Hidden width of the FLOP-heavy variant's layers.
@@ -139,8 +139,15 @@ fn predicted_work(
     Ok((work, e.time.compute))
 }
 
-/// The median step (seconds) of `runs` runs of variant `v` as a 2-worker job.
-fn measured_step(dir: &Path, v: Variant, graph: &Path, runs: usize) -> anyhow::Result<f64> {
+/// The median step (seconds) of `runs` runs of variant `v` as a 2-worker job of `epochs`
+/// epochs.
+fn measured_step(
+    dir: &Path,
+    v: Variant,
+    graph: &Path,
+    runs: usize,
+    epochs: usize,
+) -> anyhow::Result<f64> {
     let exe = std::env::current_exe().context("finding the dflow binary")?;
     let data = dir.join("data.csv");
     let mut steps = Vec::new();
@@ -168,7 +175,8 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, runs: usize) -> anyhow::R
             .args(["--strategy", "allreduce", "--data"])
             .arg(&data)
             .args(["--batch-size", &v.batch.to_string()])
-            .args(["--epochs", "100", "--test-fraction", "0", "--quiet"]);
+            .args(["--epochs", &epochs.to_string()])
+            .args(["--test-fraction", "0", "--quiet"]);
         if v.unfused {
             cmd.args(["--fusion-threshold-mb", &UNFUSED_MB.to_string()]);
         }
@@ -254,7 +262,11 @@ impl Drop for Scratch {
 
 /// Measures the job costs: the four variants' medians of `runs` runs each, solved for
 /// [`JobCosts`] under `profile`'s FLOP/s and links. Prints what it measured.
-pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCosts, String)> {
+pub fn measure(
+    profile: &ClusterProfile,
+    runs: usize,
+    epochs: usize,
+) -> anyhow::Result<(JobCosts, String)> {
     let dir = Scratch::new()?;
     std::fs::write(dir.path().join("data.csv"), data_csv())?;
     let base = Variant {
@@ -290,7 +302,7 @@ pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCost
         let graph = dir.path().join(format!("model{i}.json"));
         std::fs::write(&graph, &text)?;
         let (work, compute) = predicted_work(&text, v, profile)?;
-        let t = measured_step(dir.path(), v, &graph, runs.max(1))?;
+        let t = measured_step(dir.path(), v, &graph, runs.max(1), epochs.max(1))?;
         let busiest = work
             .iter()
             .max_by_key(|w| (w.ops, w.collective_calls))
@@ -319,6 +331,14 @@ pub fn measure(profile: &ClusterProfile, runs: usize) -> anyhow::Result<(JobCost
         );
     }
     let costs = solve(rows).context("the calibration jobs' counts do not determine the costs")?;
+    if costs.flops_per_second == 0.0 {
+        eprintln!(
+            "# warning: the FLOP-heavy calibration job was not slower than its FLOPs explain ({}): \
+             the profile keeps the lone MatMul's FLOP/s for jobs (job.flops_per_second 0); a busy \
+             machine? calibrate again",
+            raw.join(", ")
+        );
+    }
     Ok((costs, raw.join(", ")))
 }
 
