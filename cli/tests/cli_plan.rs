@@ -82,6 +82,10 @@ fn a_calibrated_profile_feeds_the_planner() {
         "2",
         "--large-bytes",
         "65536",
+        "--job-runs",
+        "1",
+        "--job-epochs",
+        "2",
         "--out",
         profile.to_str().unwrap(),
     ]));
@@ -105,6 +109,15 @@ fn a_calibrated_profile_feeds_the_planner() {
             .as_str()
             .unwrap()
             .contains("dflow bench calibrate"),
+        "{text}"
+    );
+    // The 2-worker jobs ran: a step costs something.
+    assert!(json["job"]["step"].as_f64().unwrap() >= 0.0, "{text}");
+    assert!(
+        json["source"]
+            .as_str()
+            .unwrap()
+            .contains("2-worker all-reduce jobs"),
         "{text}"
     );
     let out = stdout(&dflow(&[

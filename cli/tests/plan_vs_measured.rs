@@ -11,7 +11,13 @@
 //!   is one) so that their order is the predicted one; unpinned, ZeRO-2's peak was seen up to
 //!   +5.6% of variables + peak on two threads (docs/planner.md).
 //!
-//! The jobs run with no held-out split, so every counted byte is training.
+//! - bytes per step per task as the planner counts them from the job plan the run uses
+//!   (`accounting::traffic`: Send/Recv pairs between tasks, each collective op by the
+//!   algorithm the transport runs) equal the counters exactly, for the digits MLP under
+//!   all-reduce, ZeRO-1/2/3 and a 2-stage pipeline, and a small GPT under tp=2 and dp=2×tp=2.
+//!
+//! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
+//! end with one evaluation batch, counted from the plan's evaluation signature.
 
 mod support;
 
@@ -64,6 +70,80 @@ fn accounted(
     let train = def.train.as_ref().unwrap();
     let plan = accounting::job_plan(&g, train, features, labels, &layout, batch).unwrap();
     accounting::account(&plan, batch / layout.mesh.dp, 1).unwrap()
+}
+
+/// What each task of `layout`'s job plan sends (planner `accounting::traffic`): per training
+/// step, and per evaluation batch.
+fn predicted_traffic(
+    graph: &Path,
+    features: &str,
+    labels: &str,
+    layout: &str,
+    batch: usize,
+) -> (Vec<accounting::TaskTraffic>, Vec<accounting::TaskTraffic>) {
+    let text = std::fs::read_to_string(graph).unwrap();
+    let def = dflow::graph::format::parse_json(&text, None).unwrap().def;
+    let g = dflow::graph::Graph::from_def(&def).unwrap();
+    let layout: Layout = layout.parse().unwrap();
+    let train = def.train.as_ref().unwrap();
+    let plan = accounting::job_plan(&g, train, features, labels, &layout, batch).unwrap();
+    let rows = batch / layout.mesh.dp;
+    (
+        accounting::traffic(&plan, rows).unwrap(),
+        accounting::eval_traffic(&plan, rows).unwrap(),
+    )
+}
+
+/// Every task of `measured` sent exactly the predicted bytes of `steps` training steps and
+/// `evals` evaluation batches, over the data plane and in collectives.
+fn assert_traffic(
+    what: &str,
+    (step, eval): &(Vec<accounting::TaskTraffic>, Vec<accounting::TaskTraffic>),
+    steps: u64,
+    evals: u64,
+    measured: &[EndOfTask],
+) {
+    assert_eq!(step.len(), measured.len(), "{what}: {step:?} {measured:?}");
+    for m in measured {
+        let p = step
+            .iter()
+            .find(|p| p.task == m.task)
+            .unwrap_or_else(|| panic!("{what}: no prediction for {} in {step:?}", m.task));
+        let e = eval.iter().find(|e| e.task == m.task);
+        let (eval_data, eval_coll) = e.map_or((0, 0), |e| (e.data_plane, e.collective));
+        eprintln!(
+            "{what}, {}: predicted {} B data plane + {} B collectives per step ({} calls), {eval_data} + {eval_coll} B per evaluation; measured {} B + {} B in {steps} steps and {evals} evaluation(s)",
+            m.task, p.data_plane, p.collective, p.collective_calls, m.data_plane, m.collective
+        );
+        assert_eq!(
+            m.data_plane,
+            p.data_plane * steps + eval_data * evals,
+            "{what}, {}: data-plane bytes in {steps} steps and {evals} evaluation(s), predicted {} B per step and {eval_data} B per evaluation",
+            m.task,
+            p.data_plane
+        );
+        assert_eq!(
+            m.collective,
+            p.collective * steps + eval_coll * evals,
+            "{what}, {}: collective bytes in {steps} steps and {evals} evaluation(s), predicted {} B per step and {eval_coll} B per evaluation",
+            m.task,
+            p.collective
+        );
+    }
+}
+
+/// The steps of the job's `trained N steps in ...` line.
+fn trained_steps(stderr: &str) -> u64 {
+    stderr
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("trained ")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no `trained N steps` line in {stderr}"))
 }
 
 /// Every task of `measured` holds the predicted variables exactly and variables plus step
@@ -181,6 +261,13 @@ fn data_parallel_bytes_per_rank_equal_the_prediction() {
         &accounted(&digits, "pixels", "labels", "dp=2", 32),
         &end_of_task(&stderr),
     );
+    assert_traffic(
+        "dp=2",
+        &predicted_traffic(&digits, "pixels", "labels", "dp=2", 32),
+        steps,
+        0,
+        &end_of_task(&stderr),
+    );
     let sent = traffic(&stderr);
     assert_eq!(sent.len(), 2, "{stderr}");
     for (task, data, coll) in sent {
@@ -227,6 +314,9 @@ fn pipeline_bytes_between_stages_equal_the_prediction() {
         .flat_map(|s| end_of_task(s))
         .collect();
     assert_memory("pp=2,m=4", &memory, &ends);
+    let sent = predicted_traffic(&digits, "pixels", "labels", "pp=2,m=4", 32);
+    assert!(sent.0.iter().all(|t| t.data_plane > 0), "{sent:?}");
+    assert_traffic("pp=2,m=4", &sent, steps, 0, &ends);
     let e = predicted("pp=2,m=4", 2);
     assert_eq!(e.pipeline_bytes.fract(), 0.0);
     let mut total = 0;
@@ -259,13 +349,15 @@ fn zero_memory_per_task_is_the_prediction() {
         let layout = format!("dp=2,zero={stage}");
         let predicted = accounted(&repo().join(graph), "pixels", "labels", &layout, 32);
         assert_memory(&layout, &predicted, &ends);
+        let sent = predicted_traffic(&repo().join(graph), "pixels", "labels", &layout, 32);
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 0, &ends);
     }
 }
 
-#[test]
-fn tensor_parallel_memory_per_task_is_the_prediction() {
+/// The GPT of cluster_tensor.rs (2 blocks, 4 heads, 32 channels, context 8), written to a
+/// scratch file.
+fn small_gpt(name: &str) -> std::path::PathBuf {
     use dflow::graph::layers::{gpt, GptConfig};
-    // The GPT of cluster_tensor.rs: 2 blocks, 4 heads, 32 channels, context 8.
     let cfg = GptConfig {
         vocab_size: 76,
         block_size: 8,
@@ -275,13 +367,17 @@ fn tensor_parallel_memory_per_task_is_the_prediction() {
         grad_clip: Some(0.5),
         ..GptConfig::default()
     };
-    let dir = scratch("plan_vs_measured_tp");
-    let graph = dir.join("gpt.json");
+    let graph = scratch(name).join("gpt.json");
     std::fs::write(
         &graph,
         dflow::graph::format::to_json(&gpt(&cfg).unwrap().def),
     )
     .unwrap();
+    graph
+}
+
+/// `--strategy tensor --tp 2` on `cluster` for 3 steps of batch 4, then one evaluation batch.
+fn tensor_job(graph: &Path, cluster: &str) -> (Vec<EndOfTask>, String) {
     let args = [
         "--strategy",
         "tensor",
@@ -299,12 +395,30 @@ fn tensor_parallel_memory_per_task_is_the_prediction() {
         "1",
         "--quiet",
     ];
-    let (ends, stderr) = local_job(
-        graph.to_str().unwrap(),
-        "examples/gpt/cluster-2workers.json",
-        &args,
-    );
+    local_job(graph.to_str().unwrap(), cluster, &args)
+}
+
+#[test]
+fn tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
+    let graph = small_gpt("plan_vs_measured_tp");
+    let (ends, stderr) = tensor_job(&graph, "examples/gpt/cluster-2workers.json");
     assert_eq!(ends.len(), 2, "{stderr}");
     let predicted = accounted(&graph, "idx", "targets", "tp=2", 4);
     assert_memory("tp=2", &predicted, &ends);
+    let sent = predicted_traffic(&graph, "idx", "targets", "tp=2", 4);
+    // The job ends with one evaluation batch, for which the chief gathers the other rank's
+    // weight shards over the data plane.
+    assert!(sent.1.iter().any(|t| t.data_plane > 0), "{sent:?}");
+    assert_traffic("tp=2", &sent, trained_steps(&stderr), 1, &ends);
+}
+
+#[test]
+fn data_and_tensor_parallel_bytes_per_task_are_the_prediction() {
+    let graph = small_gpt("plan_vs_measured_dp_tp");
+    let (ends, stderr) = tensor_job(&graph, "examples/gpt/cluster-4workers.json");
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let sent = predicted_traffic(&graph, "idx", "targets", "dp=2,tp=2", 4);
+    assert_traffic("dp=2,tp=2", &sent, trained_steps(&stderr), 1, &ends);
+    let predicted = accounted(&graph, "idx", "targets", "dp=2,tp=2", 4);
+    assert_memory("dp=2,tp=2", &predicted, &ends);
 }

@@ -23,7 +23,7 @@
 use super::bench_collective::all_reduce_medians;
 use anyhow::{bail, Context};
 use dflow_graph::ops::gemm::{matmul, MatView, Threads};
-use dflow_partitioner::planner::{ClusterProfile, Link, Precision};
+use dflow_partitioner::planner::{ClusterProfile, JobCosts, Link, Precision};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -51,6 +51,13 @@ pub struct Args {
     /// Timed calls per measurement (matrix products and all-reduces).
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
+    /// Runs of each 2-worker calibration job (the median counts); 0 skips them (the profile's
+    /// `job` costs stay 0).
+    #[arg(long, default_value_t = 3)]
+    pub job_runs: usize,
+    /// Epochs of each calibration job over its 512 rows (16 steps an epoch at batch 32).
+    #[arg(long, default_value_t = 100)]
+    pub job_epochs: usize,
 }
 
 /// The products measured: `[m, k] · [k, n]` with the right operand transposed or not, as a
@@ -237,7 +244,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
-    let profile = ClusterProfile {
+    let mut profile = ClusterProfile {
         name: args.name.clone(),
         devices_per_host,
         memory_per_device,
@@ -247,6 +254,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         precision: Precision::F32,
         op_overhead,
         step_overhead,
+        job: JobCosts::default(),
         source: format!(
             "dflow bench calibrate {date}, load average {load}: MatMul median of {} shapes on one \
              thread; all-reduce of 4 B and {} B over {} ranks (shm: {:.1} µs, {:.2} ms; tcp: \
@@ -262,6 +270,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             step_overhead * 1e6
         ),
     };
+    if args.job_runs > 0 {
+        let (job, raw) = super::bench_job::measure(&profile, args.job_runs, args.job_epochs)?;
+        eprintln!(
+            "# 2-worker jobs: {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
+            job.step * 1e6,
+            job.op * 1e6,
+            job.collective * 1e6,
+            job.flops_per_second / 1e9
+        );
+        profile.job = job;
+        profile.source.push_str(&format!(
+            "; 2-worker all-reduce jobs (median of {} runs each: {raw}): {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
+            args.job_runs,
+            job.step * 1e6,
+            job.op * 1e6,
+            job.collective * 1e6,
+            job.flops_per_second / 1e9
+        ));
+    }
     profile
         .check()
         .context("the measured profile is not usable (a measurement failed?)")?;

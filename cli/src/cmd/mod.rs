@@ -1,6 +1,7 @@
 //! One module per subcommand.
 pub mod bench_calibrate;
 pub mod bench_collective;
+pub mod bench_job;
 pub mod bench_transfer;
 pub mod cert;
 pub mod check;

@@ -5,7 +5,7 @@ use super::common;
 use anyhow::Context as _;
 use dflow_graph::train::DataSpec;
 use dflow_partitioner::planner::{
-    self, accounting, render, timeline, ClusterProfile, Layout, ModelProfile, PlanOptions,
+    self, accounting, render, runtime, timeline, ClusterProfile, Layout, ModelProfile, PlanOptions,
 };
 use std::path::PathBuf;
 
@@ -51,13 +51,15 @@ pub struct Args {
     threads: usize,
 }
 
-/// The executor's count of memory per task for the job plan `dflow run` makes of `e`'s layout
+/// The executor's count of memory per task, and the transport's of bytes sent per step, for
+/// the job plan `dflow run` makes of `e`'s layout
 /// (planner `accounting`), or why there is none.
 fn executor_count(
     def: &dflow_graph::GraphDef,
     features: &str,
     labels: &str,
     e: &planner::Evaluation,
+    profile: &ClusterProfile,
     threads: usize,
 ) -> anyhow::Result<String> {
     anyhow::ensure!(threads > 0, "--threads must be at least 1");
@@ -70,10 +72,19 @@ fn executor_count(
         let plan = accounting::job_plan(&graph, train, features, labels, &e.layout, batch)?;
         // Each task is fed its replica's rows.
         let rows = batch / e.layout.mesh.dp;
-        Ok((kind, accounting::account(&plan, rows, threads)?))
+        Ok((
+            kind,
+            accounting::account(&plan, rows, threads)?,
+            accounting::traffic(&plan, rows)?,
+            runtime::predict(&plan, rows, e, profile)?,
+        ))
     });
     Ok(match counted {
-        Ok((kind, tasks)) => render::accounting(&tasks, kind.name(), threads),
+        Ok((kind, tasks, sent, step)) => {
+            render::accounting(&tasks, kind.name(), threads)
+                + &render::traffic(&sent)
+                + &render::job_step(&step)
+        }
         Err(err) => format!("  as dflow runs it: not counted ({err})\n"),
     })
 }
@@ -131,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let (Some(e), Some(_)) = (&shown, &args.layout) {
         print!(
             "{}",
-            executor_count(def, &features, &labels, e, args.threads)?
+            executor_count(def, &features, &labels, e, &profile, args.threads)?
         );
     }
     if let Some(path) = &args.timeline {

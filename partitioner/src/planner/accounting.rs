@@ -15,11 +15,12 @@
 //! bytes); with more threads the ready nodes run in orders that vary from run to run, and a
 //! measured peak varies around the one-thread count (docs/planner.md gives the spread).
 
+use super::collective::{rank_bytes, Call};
 use super::executor_order::run_order;
 use super::layout::Layout;
 use crate::strategy::{JobInput, JobPlan, StrategyKind, StrategyOptions};
 use dflow_graph::train::TrainSpec;
-use dflow_graph::{AttrValue, ClusterSpec, Graph, Shape};
+use dflow_graph::{AttrValue, ClusterSpec, DeviceName, Graph, Shape};
 use petgraph::graph::NodeIndex;
 use std::collections::BTreeMap;
 
@@ -259,6 +260,149 @@ pub fn account(
                 Some(old) if old.total() >= m.total() => {}
                 _ => {
                     tasks.insert(task, m);
+                }
+            }
+        }
+    }
+    Ok(tasks.into_values().collect())
+}
+
+/// What one task sends in one training step, as the transport's counters count it (payload
+/// bytes, headers not counted: the `sent N B in K values over the data plane, M B in J
+/// collective messages` line a task prints when it ends).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskTraffic {
+    /// The task.
+    pub task: String,
+    /// Bytes of the values it sends to other tasks' Recvs (Send/Recv pairs between tasks).
+    pub data_plane: u64,
+    /// Those values.
+    pub values: usize,
+    /// Bytes it sends in its collective groups, by the algorithm the transport runs.
+    pub collective: u64,
+    /// Collective calls it makes.
+    pub collective_calls: usize,
+}
+
+/// The transport's call for a collective op of a job plan, if `op` communicates.
+fn collective_call(g: &Graph, idx: NodeIndex) -> Option<Call> {
+    let node = g.node(idx);
+    match node.op {
+        "CollectiveAllReduce" | "CollectiveTpReduce" => Some(Call::AllReduce),
+        "CollectiveAllGather" => Some(Call::AllGather),
+        "CollectiveReduceScatter" => Some(Call::ReduceScatter),
+        "CollectiveAllToAll" => Some(Call::AllToAll),
+        "CollectiveBroadcast" => {
+            let root = match node.attr("root") {
+                Some(AttrValue::Int(r)) => usize::try_from(r).unwrap_or(0),
+                _ => 0,
+            };
+            Some(Call::Broadcast { root })
+        }
+        // `CollectiveTpCopy` is the identity forward (its gradient is a `CollectiveTpReduce`).
+        _ => None,
+    }
+}
+
+/// What each task of `plan` sends in one training step (every training signature once, as a
+/// lockstep step runs them), with `rows` rows where a feed's batch dimension is unknown (as
+/// [`account`]): the Send/Recv pairs between tasks at their tensors' sizes, and each collective
+/// op's bytes on this task's rank of its group by the algorithm dflow's transport runs
+/// ([`rank_bytes`]). Exact by construction for a plan whose ops all run every step. Not
+/// counted, as the task's counters do not count them per step: the feeds and fetches between
+/// the chief's client and the tasks, and what a job sends once (the chief fetching sharded
+/// variables at the end of the job).
+pub fn traffic(plan: &JobPlan, rows: usize) -> Result<Vec<TaskTraffic>, AccountingError> {
+    signatures_traffic(plan, plan.train_signatures(), rows)
+}
+
+/// What each task sends in one run of the evaluation signature (one evaluation batch of
+/// `rows` rows), counted as [`traffic`] counts a training step: tensor parallelism's
+/// evaluation, for one, copies the other ranks' weight shards to the chief.
+pub fn eval_traffic(plan: &JobPlan, rows: usize) -> Result<Vec<TaskTraffic>, AccountingError> {
+    signatures_traffic(plan, plan.eval_signature().into_iter(), rows)
+}
+
+fn signatures_traffic<'a>(
+    plan: &JobPlan,
+    signatures: impl Iterator<Item = &'a crate::job::Signature>,
+    rows: usize,
+) -> Result<Vec<TaskTraffic>, AccountingError> {
+    let mut tasks: BTreeMap<String, TaskTraffic> = BTreeMap::new();
+    let members: BTreeMap<&str, &[String]> = plan
+        .groups
+        .iter()
+        .map(|g| (g.key.as_str(), g.members.as_slice()))
+        .collect();
+    for signature in signatures {
+        for (device, part) in &signature.partitions.partitions {
+            let task = device.task_name().unwrap_or_else(|| device.to_string());
+            let fixed =
+                with_rows(&part.graph, rows).map_err(|message| AccountingError::Invalid {
+                    task: task.clone(),
+                    rows,
+                    message,
+                })?;
+            let g = &fixed;
+            let entry = tasks.entry(task.clone()).or_insert(TaskTraffic {
+                task: task.clone(),
+                data_plane: 0,
+                values: 0,
+                collective: 0,
+                collective_calls: 0,
+            });
+            for idx in g.node_indices() {
+                let node = g.node(idx);
+                let input_bytes = || -> Result<(usize, usize), AccountingError> {
+                    let (s, k) = g.inputs(idx).first().copied().ok_or_else(|| {
+                        AccountingError::NotStatic {
+                            task: task.clone(),
+                            node: node.name.clone(),
+                        }
+                    })?;
+                    let t = &g.node(s).outputs[k];
+                    let elements =
+                        t.shape
+                            .num_elements()
+                            .ok_or_else(|| AccountingError::NotStatic {
+                                task: task.clone(),
+                                node: node.name.clone(),
+                            })?;
+                    Ok((elements, t.dtype.size_of()))
+                };
+                if node.op == "Send" {
+                    if matches!(node.attr("client_terminated"), Some(AttrValue::Bool(true))) {
+                        continue;
+                    }
+                    let to = match node.attr("recv_device") {
+                        Some(AttrValue::String(d)) => {
+                            DeviceName::parse(&d[..]).ok().and_then(|d| d.task_name())
+                        }
+                        _ => None,
+                    };
+                    if to.as_deref().is_some_and(|t| t != task) {
+                        let (elements, size) = input_bytes()?;
+                        entry.data_plane += (elements * size) as u64;
+                        entry.values += 1;
+                    }
+                } else if let Some(call) = collective_call(g, idx) {
+                    let group = match node.attr("group_key") {
+                        Some(AttrValue::String(k)) => k.to_string(),
+                        _ => String::new(),
+                    };
+                    let ranks = members.get(group.as_str()).copied().unwrap_or(&[]);
+                    let rank = ranks.iter().position(|m| *m == task).ok_or_else(|| {
+                        AccountingError::NotRunnable {
+                            layout: plan.strategy.clone(),
+                            reason: format!(
+                                "task {task} runs collective `{}` of group `{group}` but is not one of its members {ranks:?}",
+                                node.name
+                            ),
+                        }
+                    })?;
+                    let (elements, size) = input_bytes()?;
+                    entry.collective += rank_bytes(call, ranks.len(), rank, elements, size);
+                    entry.collective_calls += 1;
                 }
             }
         }

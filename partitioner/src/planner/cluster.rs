@@ -72,9 +72,32 @@ pub struct ClusterProfile {
     /// 0 when not given).
     #[serde(default)]
     pub step_overhead: f64,
+    /// What a step of a real multi-task dflow job costs beyond its ops' arithmetic, measured by
+    /// `dflow bench calibrate` on small 2-worker jobs (all 0 when not given: not modelled).
+    #[serde(default)]
+    pub job: JobCosts,
     /// Where the numbers come from.
     #[serde(default)]
     pub source: String,
+}
+
+/// The costs of dflow's distributed step path ([`super::runtime`]), in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobCosts {
+    /// Per step: the chief's batching, the feeds to every task, the step's dispatch to each
+    /// task and the loss fetch (the round trips of a step).
+    pub step: f64,
+    /// Per op a task runs in its partition (its executor's dispatch of a node).
+    pub op: f64,
+    /// Per collective call a task makes, and per value it sends to another task, beyond its
+    /// `bytes/β`: the link's latency, the handshake and the waits of a thread woken by the
+    /// other side (0: the link's latency α alone).
+    pub collective: f64,
+    /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
+    /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
+    /// are memory-bound.
+    pub flops_per_second: f64,
 }
 
 /// Why a profile is refused.
@@ -141,6 +164,9 @@ impl ClusterProfile {
                 precision: Precision::F32,
                 op_overhead: THIS_MACHINE_OP_OVERHEAD,
                 step_overhead: THIS_MACHINE_STEP_OVERHEAD,
+                // Not in the preset: a job's step costs depend on the load at the time more
+                // than anything here; calibrate (`dflow bench calibrate`) and pass --profile.
+                job: JobCosts::default(),
                 source: "BENCHMARKS.md (MatMul issue 4; collectives over shm and TCP, issue 8; \
                          executor overheads: dflow bench calibrate, docs/planner.md)"
                     .into(),
@@ -164,6 +190,7 @@ impl ClusterProfile {
                 precision: Precision::Mixed,
                 op_overhead: 0.0,
                 step_overhead: 0.0,
+                job: JobCosts::default(),
                 source: "NVIDIA A100 80GB and DGX A100 data sheets; 50% of peak sustained".into(),
             },
             // NVIDIA H100 SXM5 80GB data sheet: 989 TFLOPS BF16 dense, 900 GB/s NVLink (450 per
@@ -185,6 +212,7 @@ impl ClusterProfile {
                 precision: Precision::Mixed,
                 op_overhead: 0.0,
                 step_overhead: 0.0,
+                job: JobCosts::default(),
                 source: "NVIDIA H100 SXM5 and DGX H100 data sheets; 50% of peak sustained".into(),
             },
             _ => {
@@ -231,6 +259,10 @@ impl ClusterProfile {
             ("inter_host.latency", self.inter_host.latency),
             ("op_overhead", self.op_overhead),
             ("step_overhead", self.step_overhead),
+            ("job.step", self.job.step),
+            ("job.op", self.job.op),
+            ("job.collective", self.job.collective),
+            ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(bad(field, value));

@@ -189,6 +189,96 @@ impl AxisLinks {
     }
 }
 
+/// A collective call as dflow's transport runs it (`transport/src/collective/communicator.rs`),
+/// for the exact bytes one rank sends: [`rank_bytes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    /// `CollectiveAllReduce` and `CollectiveTpReduce`: recursive doubling up to
+    /// [`SMALL_BYTES`], a ring above.
+    AllReduce,
+    /// `CollectiveAllGather`: a ring over the concatenated output.
+    AllGather,
+    /// `CollectiveReduceScatter`: the reduce-scatter half of a ring.
+    ReduceScatter,
+    /// `CollectiveBroadcast` from `root`: a binomial tree up to [`SMALL_BYTES`], a chain above.
+    Broadcast {
+        /// The root rank.
+        root: usize,
+    },
+    /// `CollectiveAllToAll`: every rank sends each other rank its block directly.
+    AllToAll,
+}
+
+/// Elements of block `i` of `len` elements cut into `parts` (the first `len % parts` blocks
+/// one element longer: the transport's `block_range`).
+fn block_len(len: usize, parts: usize, i: usize) -> usize {
+    let parts = parts.max(1);
+    len / parts + usize::from(i < len % parts)
+}
+
+/// The payload bytes rank `rank` of a group of `n` sends in one `call` on an input of
+/// `elements` elements of `size` bytes each, exactly as the transport's algorithms send them
+/// (`transport/src/collective/algo/`: `tree.rs`, `ring.rs`, `chain.rs`, `direct.rs`; what
+/// its channel counts, frame headers excluded). Chunking changes the messages, not the bytes.
+pub fn rank_bytes(call: Call, n: usize, rank: usize, elements: usize, size: usize) -> u64 {
+    if n <= 1 || rank >= n {
+        return 0;
+    }
+    let bytes = elements * size;
+    let small = bytes as f64 <= SMALL_BYTES;
+    // Ring steps: reduce-scatter sends block (r + 2n − step − 1) mod n at step `step`, the
+    // all-gather block (r + n − s) mod n at step `s`.
+    let rs = |len: usize| -> usize {
+        (0..n - 1)
+            .map(|step| block_len(len, n, (rank + 2 * n - step - 1) % n))
+            .sum()
+    };
+    let ag = |len: usize| -> usize {
+        (0..n - 1)
+            .map(|s| block_len(len, n, (rank + n - s) % n))
+            .sum()
+    };
+    let sent = match call {
+        Call::AllReduce if small => {
+            let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+            let extra = n - p2;
+            if rank >= p2 {
+                bytes
+            } else {
+                let rounds = p2.trailing_zeros() as usize;
+                bytes * (rounds + usize::from(rank < extra))
+            }
+        }
+        Call::AllReduce => (rs(elements) + ag(elements)) * size,
+        Call::ReduceScatter => rs(elements) * size,
+        Call::AllGather => ag(elements * n) * size,
+        Call::Broadcast { root } => {
+            let vr = (rank + n - root % n) % n;
+            if small {
+                // Binomial tree: children vr + mask for every mask below vr's lowest set bit
+                // (below n for the root).
+                let top = if vr == 0 {
+                    n.next_power_of_two()
+                } else {
+                    1 << vr.trailing_zeros()
+                };
+                let children = (0..usize::BITS)
+                    .map(|b| 1usize << b)
+                    .take_while(|&m| m < top)
+                    .filter(|&m| vr + m < n)
+                    .count();
+                bytes * children
+            } else if vr + 1 < n {
+                bytes
+            } else {
+                0
+            }
+        }
+        Call::AllToAll => (n - 1) * (elements / n) * size,
+    };
+    sent as u64
+}
+
 /// One point-to-point message of `bytes` over `link`.
 pub fn p2p_seconds(link: Link, bytes: f64) -> f64 {
     if bytes <= 0.0 {
@@ -254,5 +344,72 @@ mod tests {
         let rs = links.cost(Collective::ReduceScatter, 8e6);
         assert_eq!(ag.intra_bytes * 2.0, ar.intra_bytes);
         assert_eq!(ag.then(rs).seconds, ar.seconds);
+    }
+
+    /// Every call on `n` in-process ranks of dflow's transport: each rank's counted bytes
+    /// equal [`rank_bytes`], for sizes on both sides of the small/large switch, lengths that
+    /// do not split evenly, and group sizes that are not powers of two.
+    #[test]
+    fn rank_bytes_are_what_the_transport_sends() {
+        use dflow_transport::collective::{CommOptions, Communicator, ReduceOp};
+        let calls = [
+            Call::AllReduce,
+            Call::AllGather,
+            Call::ReduceScatter,
+            Call::Broadcast { root: 0 },
+            Call::Broadcast { root: 2 },
+            Call::AllToAll,
+        ];
+        for n in [2usize, 3, 4, 5] {
+            for elements in [1usize, 7, 1000, 16_385, 40_003] {
+                for call in calls {
+                    let elements = match call {
+                        Call::AllToAll | Call::ReduceScatter => elements.div_ceil(n) * n,
+                        _ => elements,
+                    };
+                    let comms = Communicator::in_process(n, CommOptions::default());
+                    let sent: Vec<u64> = std::thread::scope(|s| {
+                        let handles: Vec<_> = comms
+                            .into_iter()
+                            .map(|c| {
+                                s.spawn(move || {
+                                    let mut buf = vec![1.0f32; elements];
+                                    match call {
+                                        Call::AllReduce => c.all_reduce(&mut buf, ReduceOp::Sum),
+                                        Call::AllGather => {
+                                            let mut out = vec![0.0f32; elements * n];
+                                            c.all_gather(&buf, &mut out)
+                                        }
+                                        Call::ReduceScatter => {
+                                            let mut out = vec![0.0f32; elements / n];
+                                            c.reduce_scatter(&buf, &mut out, ReduceOp::Sum)
+                                        }
+                                        Call::Broadcast { root } => c.broadcast(&mut buf, root % n),
+                                        Call::AllToAll => {
+                                            let mut out = vec![0.0f32; elements];
+                                            c.all_to_all(&buf, &mut out)
+                                        }
+                                    }
+                                    .unwrap();
+                                    c.sent().bytes
+                                })
+                            })
+                            .collect();
+                        handles.into_iter().map(|h| h.join().unwrap()).collect()
+                    });
+                    for (rank, &bytes) in sent.iter().enumerate() {
+                        let call = match call {
+                            Call::Broadcast { root } => Call::Broadcast { root: root % n },
+                            c => c,
+                        };
+                        assert_eq!(
+                            bytes,
+                            rank_bytes(call, n, rank, elements, 4),
+                            "{call:?} of {elements} f32 on rank {rank} of {n}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -68,8 +68,9 @@ pub struct StepTime {
     pub bubble: f64,
     /// The gradients' data-parallel collectives.
     pub data_parallel: f64,
-    /// The runtime's cost per op of the slowest stage over all micro-batches, plus its cost per
-    /// step (the profile's `op_overhead` and `step_overhead`).
+    /// The runtime's cost per op (and per tensor-parallel call) of the slowest stage over all
+    /// micro-batches, plus its cost per step: the profile's `job` costs of a real multi-task
+    /// job where calibrated, else `op_overhead` and `step_overhead`.
     pub overhead: f64,
 }
 
@@ -316,7 +317,13 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             .iter()
             .map(|c| c.flops_split.at(rows) / tf + c.flops_whole.at(rows))
             .sum();
-        let compute_f = flops / profile.flops_per_second;
+        // A calibrated job's FLOP/s where the profile has one.
+        let rate = if profile.job.flops_per_second > 0.0 {
+            profile.job.flops_per_second
+        } else {
+            profile.flops_per_second
+        };
+        let compute_f = flops / rate;
         let mut tp_f = CommCost::default();
         let mut tp_b = CommCost::default();
         for c in &chunks {
@@ -361,7 +368,22 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let tp_seconds = tp_f.seconds + tp_b.seconds;
         // The runtime's cost of the training ops this device runs per micro-batch.
         let ops: f64 = chunks.iter().map(|c| c.ops).sum::<f64>() * ctx.model.training_ops_per_op;
-        let op_seconds = ops * profile.op_overhead;
+        // A calibrated job's costs (per op, per collective call) replace the in-process
+        // executor's per-op cost.
+        let per_op = if profile.job.op > 0.0 {
+            profile.job.op
+        } else {
+            profile.op_overhead
+        };
+        let tp_calls: usize = if t > 1 {
+            chunks
+                .iter()
+                .map(|c| c.tp_forward.len() + c.tp_backward.len())
+                .sum()
+        } else {
+            0
+        };
+        let op_seconds = ops * per_op + tp_calls as f64 * profile.job.collective;
         if compute + tp_seconds + send_seconds + op_seconds
             > slowest.0 + slowest.1 + slowest.2 + slowest.3
         {
@@ -388,6 +410,19 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         if s == 0 {
             stage0_payload = grad_bytes + if p == 1 { LOSS_BYTES } else { 0.0 };
         }
+        // The calls' own cost in a calibrated job: one per bucket of each collective, and the
+        // loss's.
+        if d > 1 {
+            let count = |bytes: f64| (bytes / DEFAULT_BUCKET_BYTES as f64).ceil().max(1.0);
+            let gathers = match zero {
+                0 => 0.0,
+                1 | 2 => 1.0,
+                _ => 2.0,
+            };
+            let calls =
+                count(grad_bytes) + gathers * count(weight_bytes) + if p == 1 { 1.0 } else { 0.0 };
+            dp.seconds += calls * profile.job.collective;
+        }
         dp_time = dp_time.max(dp.seconds);
         traffic.data_parallel = traffic.data_parallel.then(dp);
     }
@@ -412,7 +447,12 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         pipeline: sends * mf,
         bubble: slot * (p as f64 - 1.0) / vf,
         data_parallel: dp_time,
-        overhead: op_seconds * mf + profile.step_overhead,
+        overhead: op_seconds * mf
+            + if profile.job.step > 0.0 {
+                profile.job.step
+            } else {
+                profile.step_overhead
+            },
     };
     let pipeline_bytes = staged.bytes_per_step(m, rows) * df;
     let fits = memory

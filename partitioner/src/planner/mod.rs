@@ -31,10 +31,11 @@ pub mod flops;
 pub mod layout;
 pub mod model;
 pub mod render;
+pub mod runtime;
 pub mod staging;
 pub mod timeline;
 
-pub use cluster::{ClusterProfile, Link, LinkClass, Precision, ProfileError};
+pub use cluster::{ClusterProfile, JobCosts, Link, LinkClass, Precision, ProfileError};
 pub use evaluate::{Evaluation, LayoutRefused, Memory, StepTime, Traffic};
 pub use layout::Layout;
 pub use model::{ModelError, ModelProfile};

@@ -252,3 +252,31 @@ pub fn accounting(
     }
     s
 }
+
+/// What each task of a layout's job plan sends per training step
+/// ([`super::accounting::traffic`]), as `dflow plan --layout` prints it under the memory.
+pub fn traffic(tasks: &[super::accounting::TaskTraffic]) -> String {
+    let mut s = String::from(
+        "  sent per step as dflow runs it (the transport's counters; feeds and fetches not counted):\n",
+    );
+    for t in tasks {
+        s.push_str(&format!(
+            "    {}: {} B in {} values over the data plane, {} B in {} collective calls\n",
+            t.task, t.data_plane, t.values, t.collective, t.collective_calls
+        ));
+    }
+    s
+}
+
+/// A step of the layout's job as dflow runs it ([`super::runtime`]), one line.
+pub fn job_step(step: &super::runtime::JobStep) -> String {
+    format!(
+        "  step as dflow runs it: {} = job step {} + cpu {} (compute {}, busiest task's ops {}) + collectives and sends {}\n",
+        seconds(step.total()),
+        seconds(step.step),
+        seconds(step.cpu),
+        seconds(step.compute),
+        seconds(step.ops),
+        seconds(step.communication)
+    )
+}

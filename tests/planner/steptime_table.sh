@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Predicted (`dflow plan --layout`, "step as dflow runs it") against measured step time
+# (`dflow run`, the job's own `trained N steps in T s` line, T/N) for every layout dflow runs
+# on this machine, median of RUNS runs (range in brackets). Prints a Markdown table.
+#
+#   bash tests/planner/steptime_table.sh [PROFILE.json] [RUNS]
+#
+# PROFILE: a profile from `dflow bench calibrate --out PROFILE.json` (made here when missing).
+# Needs a release build (cargo build --release -p dflow). Step times depend on the machine's
+# load: the script prints the load average before and after; quote ranges, not best runs.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DFLOW=${DFLOW:-target/release/dflow}
+PROFILE=${1:-target/steptime-profile.json}
+RUNS=${2:-3}
+[ -x "$DFLOW" ] || { echo "build first: cargo build --release -p dflow" >&2; exit 1; }
+if [ ! -f "$PROFILE" ]; then
+  "$DFLOW" bench calibrate --out "$PROFILE" >&2
+fi
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs; profile $PROFILE" >&2
+
+DIGITS=(--data examples/data/digits.csv.gz --epochs 20 --test-fraction 0 --quiet)
+GPT_SMALL=(--data examples/data/shakespeare.txt.gz --batch-size 4 --steps 300 --eval-every 0 --eval-batches 1 --quiet)
+GPT=(--data examples/data/shakespeare.txt.gz --batch-size 12 --steps 20 --eval-every 0 --eval-batches 1 --quiet)
+
+# predicted GRAPH DEVICES BATCH LAYOUT: the predicted step in µs.
+predicted() {
+  "$DFLOW" plan "$1" --devices "$2" --batch-size "$3" --profile "$PROFILE" --layout "$4" |
+    awk '/step as dflow runs it:/ { v = $6; u = $7; gsub(/,/, "", v);
+           if (u == "ms") v *= 1000; else if (u == "s") v *= 1e6; else if (u == "ns") v /= 1000; print v }'
+}
+
+# step_of STDERR_FILE: µs per step from `trained N steps in T s`.
+step_of() {
+  awk '/^trained [0-9]+ steps in/ { printf "%.1f\n", $5 / $2 * 1e6 }' "$1"
+}
+
+# cluster_file N: a cluster of N workers on free ports of 127.0.0.1.
+cluster_file() {
+  python3 - "$1" <<'PY'
+import socket, sys, json
+n = int(sys.argv[1]); socks = []
+for _ in range(n):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
+print(json.dumps({"worker": ["127.0.0.1:%d" % s.getsockname()[1] for s in socks]}))
+PY
+}
+
+# measure KIND WORKERS GRAPH ARGS...: RUNS step times in µs, one per line.
+measure() {
+  local kind=$1 workers=$2 graph=$3; shift 3
+  for _ in $(seq "$RUNS"); do
+    cluster_file "$workers" > "$SCRATCH/cluster.json"
+    if [ "$kind" = local ]; then
+      "$DFLOW" run --local "$graph" --cluster "$SCRATCH/cluster.json" "$@" > /dev/null 2> "$SCRATCH/err"
+    else
+      # A pipeline of one replica: one process per stage.
+      "$DFLOW" run --job worker --index 1 --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err1" &
+      local other=$!
+      "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" > /dev/null 2> "$SCRATCH/err"
+      wait "$other"
+    fi
+    step_of "$SCRATCH/err"
+  done
+}
+
+# row NAME PREDICTED_µs MEASURED_µs...: a table row.
+row() {
+  local name=$1 pred=$2; shift 2
+  python3 - "$name" "$pred" "$@" <<'PY'
+import sys, statistics
+name, pred, xs = sys.argv[1], float(sys.argv[2]), [float(x) for x in sys.argv[3:]]
+med = statistics.median(xs)
+print(f"| {name} | {pred:,.0f} µs | {med:,.0f} µs ({min(xs):,.0f}–{max(xs):,.0f}) | {(pred - med) / med * 100:+.0f}% |")
+PY
+}
+
+echo "| layout | predicted | measured, median (range) of $RUNS | predicted − measured |"
+echo "|---|---|---|---|"
+D=examples/digits/digits.json
+A=examples/digits/digits-adamw.json
+S=tests/planner/gpt-2x32.json
+G=examples/gpt/gpt.json
+row "digits dp=2" "$(predicted $D 2 32 dp=2)" $(measure local 2 $D --strategy allreduce "${DIGITS[@]}")
+row "digits pp=2 m=4" "$(predicted $D 2 32 pp=2,m=4)" $(measure procs 2 $D --strategy pipeline --stages 2 --micro-batches 4 "${DIGITS[@]}")
+for z in 1 2 3; do
+  row "digits-adamw dp=2 zero=$z" "$(predicted $A 2 32 dp=2,zero=$z)" $(measure local 2 $A --strategy zero --zero-stage $z "${DIGITS[@]}")
+done
+row "GPT 2×32 tp=2" "$(predicted $S 2 4 tp=2)" $(measure local 2 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2" "$(predicted $S 2 4 dp=2)" $(measure local 2 $S --strategy allreduce "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2×tp=2 (4 tasks)" "$(predicted $S 4 4 dp=2,tp=2)" $(measure local 4 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
+row "bundled GPT tp=2" "$(predicted $G 2 12 tp=2)" $(measure local 2 $G --strategy tensor --tp 2 "${GPT[@]}")
+row "bundled GPT dp=2" "$(predicted $G 2 12 dp=2)" $(measure local 2 $G --strategy allreduce "${GPT[@]}")
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
