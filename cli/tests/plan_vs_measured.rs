@@ -422,3 +422,34 @@ fn data_and_tensor_parallel_bytes_per_task_are_the_prediction() {
     let predicted = accounted(&graph, "idx", "targets", "dp=2,tp=2", 4);
     assert_memory("dp=2,tp=2", &predicted, &ends);
 }
+
+#[test]
+fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
+    // pp2×tp2: 2 stages, each over 2 tensor-parallel ranks, 2 micro-batches.
+    let graph = small_gpt("plan_vs_measured_tp_pp");
+    let args = [
+        "--mesh",
+        "dp=1,tp=2,pp=2",
+        "--micro-batches",
+        "2",
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ];
+    let (ends, stderr) = local_job(
+        graph.to_str().unwrap(),
+        "examples/gpt/cluster-4workers.json",
+        &args,
+    );
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let sent = predicted_traffic(&graph, "idx", "targets", "dp=1,tp=2,pp=2,m=2", 4);
+    assert_traffic("tp=2,pp=2,m=2", &sent, trained_steps(&stderr), 1, &ends);
+}

@@ -89,7 +89,8 @@ pub fn build_strategy(
         );
     }
     // Micro-batches split a pipeline's batch: a strategy without stages would ignore them.
-    let staged = kind.name() == "pipeline" || (kind.name() == "tensor" && pipeline.stages.is_some());
+    let staged =
+        kind.name() == "pipeline" || (kind.name() == "tensor" && pipeline.stages.is_some());
     if pipeline.micro_batches > 1 && !staged {
         anyhow::bail!(
             "--micro-batches {} splits the batch of pipeline stages; --strategy {} has none \
