@@ -212,7 +212,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
                 Source::Flags,
                 args.index
             );
-            return super::cluster::run_task(&args, cluster, &job, args.index);
+            return super::job::run_task(&args, cluster, &job, args.index);
         }
         let Some(identity) = identity::from_env(&ProcessEnv)? else {
             bail!("say where to run: --local (every task in this process), --job J --index I --cluster FILE (one task of a distributed job), or start under a launcher that sets TF_CONFIG, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun, PyTorchJob, `dflow launch`), Slurm's srun or mpirun (see docs/launchers.md)");
@@ -223,9 +223,9 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
                 cluster,
                 job,
                 index,
-            } => super::cluster::run_task(&args, cluster, &job, index),
+            } => super::job::run_task(&args, cluster, &job, index),
             Place::Evaluator => Ok(()),
-            Place::Ranked(ranked) => super::cluster::run_ranked(&args, ranked),
+            Place::Ranked(ranked) => super::job::run_ranked(&args, ranked),
         };
     }
     let Some(graph_path) = &args.graph else {
@@ -315,7 +315,7 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
 /// `--local --strategy S`. A pipeline without replicas is one graph without collectives: it runs
 /// in one [`Session`], every stage an in-process device. Every other strategy (and a pipeline
 /// over a `--mesh`) runs its tasks in this process as a real cluster job under the chief's
-/// driver ([`super::cluster::run_in_process`]).
+/// driver ([`super::job::run_in_process`]).
 fn local_strategy(
     args: &Args,
     kind: dflow_partitioner::StrategyKind,
@@ -325,7 +325,7 @@ fn local_strategy(
     use dflow_partitioner::strategy::pipeline::Pipeline;
     if kind.name() != "pipeline" || args.mesh.as_ref().is_some_and(|m| m.dp > 1) {
         // Collectives between tasks: every task runs in this process under the chief's driver.
-        return super::cluster::run_in_process(args, &cluster);
+        return super::job::run_in_process(args, &cluster);
     }
     if let Some(limit) = args.memory_limit {
         bail!(

@@ -5,7 +5,7 @@
 //! of `n−1` steps. A step costs `α + bytes/β` of the slowest link it crosses; the bytes are
 //! counted per link class over every group of the axis.
 
-use super::cluster::{ClusterProfile, Link, LinkClass};
+use super::profile::{ClusterProfile, Link, LinkClass};
 use crate::mesh::{Axis, Mesh};
 
 /// The all-reduce size up to which dflow uses recursive doubling (`CommOptions::small_bytes`).

@@ -16,10 +16,10 @@
 //! interleaved: the bubble formula), then the gradients' data-parallel collectives (buckets of
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
 
-use super::cluster::{ClusterProfile, LinkClass, Precision};
 use super::collective::{p2p_seconds, AxisLinks, Collective, CommCost};
 use super::layout::Layout;
 use super::model::ModelProfile;
+use super::profile::{ClusterProfile, LinkClass, Precision};
 use super::staging::StagedModel;
 use crate::mesh::Axis;
 use crate::strategy::allreduce::DEFAULT_BUCKET_BYTES;

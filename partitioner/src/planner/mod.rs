@@ -23,22 +23,22 @@
 //! ```
 
 pub mod accounting;
-pub mod cluster;
 pub mod collective;
 pub mod evaluate;
 mod executor_order;
 pub mod flops;
 pub mod layout;
 pub mod model;
+pub mod profile;
 pub mod render;
 pub mod runtime;
 pub mod staging;
 pub mod timeline;
 
-pub use cluster::{ClusterProfile, JobCosts, Link, LinkClass, Precision, ProfileError};
 pub use evaluate::{Evaluation, LayoutRefused, Memory, StepTime, Traffic};
 pub use layout::Layout;
 pub use model::{ModelError, ModelProfile};
+pub use profile::{ClusterProfile, JobCosts, Link, LinkClass, Precision, ProfileError};
 
 use crate::mesh::Mesh;
 use crate::strategy::pipeline::PipelineError;

@@ -1,8 +1,8 @@
 //! The planner's text: the ranked table, the reasons for the pick, one layout in detail.
 //! Deterministic: the same model, cluster and options print the same bytes.
 
-use super::cluster::ClusterProfile;
 use super::evaluate::Evaluation;
+use super::profile::ClusterProfile;
 use super::PlanReport;
 use std::fmt::Write;
 

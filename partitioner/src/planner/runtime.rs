@@ -19,8 +19,8 @@
 //! is 0), the same per value sent to another task.
 
 use super::accounting::{traffic, AccountingError};
-use super::cluster::{ClusterProfile, JobCosts, LinkClass};
 use super::evaluate::Evaluation;
+use super::profile::{ClusterProfile, JobCosts, LinkClass};
 use crate::strategy::JobPlan;
 use std::collections::BTreeMap;
 
