@@ -21,7 +21,7 @@ pub enum ExecError {
         device_type: dflow_graph::DeviceType,
     },
     /// A kernel could not be instantiated from its attributes.
-    #[error("node `{node}` ({op}) on {device}: cannot build kernel: {message}")]
+    #[error("node `{node}` ({op}) on {device}: cannot build kernel: {error}")]
     KernelInit {
         /// Node name.
         node: String,
@@ -29,11 +29,11 @@ pub enum ExecError {
         op: String,
         /// Device name.
         device: String,
-        /// What is wrong.
-        message: String,
+        /// What is wrong (boxed: it keeps `ExecError` small).
+        error: Box<dflow_graph::OpError>,
     },
     /// A kernel failed at run time.
-    #[error("node `{node}` ({op}) on {device}: {message}")]
+    #[error("node `{node}` ({op}) on {device}: {error}")]
     Kernel {
         /// Node name.
         node: String,
@@ -41,8 +41,24 @@ pub enum ExecError {
         op: String,
         /// Device name.
         device: String,
-        /// The kernel's message.
-        message: String,
+        /// What the kernel reported (boxed: it keeps `ExecError` small).
+        error: Box<dflow_graph::OpError>,
+    },
+    /// A node's outputs would take the step's tensors past the task's memory limit.
+    #[error(
+        "node `{node}` ({op}) on {device}: the step's tensors would take {live} bytes on this task, past --memory-limit {limit}"
+    )]
+    MemoryLimit {
+        /// Node name.
+        node: String,
+        /// Op type.
+        op: String,
+        /// Device name.
+        device: String,
+        /// The step's tensor bytes with this node's outputs.
+        live: usize,
+        /// The limit.
+        limit: usize,
     },
     /// A Send or Recv failed.
     #[error("node `{node}` on {device}: {source}")]

@@ -191,7 +191,9 @@ impl ExecutionPlan {
                         node: node.name.clone(),
                         op: node.op.into(),
                         device: device_label.clone(),
-                        message: format!("missing string attribute `{k}`"),
+                        error: Box::new(dflow_graph::OpError::MissingAttr {
+                            name: k.to_string(),
+                        }),
                     }),
                 };
                 Ok(Arc::new(RendezvousKey::new(
@@ -225,11 +227,11 @@ impl ExecutionPlan {
                         input_types: &owned_types,
                         output_types: &node.outputs,
                     };
-                    NodeAction::Kernel(factory(&init).map_err(|message| ExecError::KernelInit {
+                    NodeAction::Kernel(factory(&init).map_err(|error| ExecError::KernelInit {
                         node: node.name.clone(),
                         op: node.op.into(),
                         device: device_label.clone(),
-                        message,
+                        error: Box::new(error),
                     })?)
                 }
             };
@@ -240,12 +242,12 @@ impl ExecutionPlan {
                 && node.outputs.len() == 1;
             is_constant.push(bound);
             if bound {
-                let value = evaluate_constant(&action, &node.name).map_err(|message| {
+                let value = evaluate_constant(&action, &node.name).map_err(|error| {
                     ExecError::KernelInit {
                         node: node.name.clone(),
                         op: node.op.to_string(),
                         device: device_label.clone(),
-                        message,
+                        error: Box::new(error.into()),
                     }
                 })?;
                 constants.push((output_base[idx.index()], value));

@@ -32,7 +32,7 @@ use crate::run::StepEnv;
 use crate::slots::ValueSlots;
 use crate::trace::{TraceEvent, Tracer};
 use dflow_graph::kernel::{Collectives, KernelContext, OutputMemory};
-use dflow_graph::{DType, Tensor};
+use dflow_graph::{DType, OpError, Tensor};
 use dflow_transport::{Rendezvous, RendezvousError, RendezvousKey};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -338,14 +338,12 @@ impl StepState {
             total += bytes;
         }
         if let Err(over) = m.add(total) {
-            self.fail(ExecError::Kernel {
+            self.fail(ExecError::MemoryLimit {
                 node: node.name.clone(),
                 op: node.op.to_string(),
                 device: self.plan.device_label.clone(),
-                message: format!(
-                    "the step's tensors would take {} bytes on this task, past --memory-limit {}",
-                    over.live, over.limit
-                ),
+                live: over.live,
+                limit: over.limit,
             });
         }
     }
@@ -417,14 +415,12 @@ impl StepState {
                                     s.counted[node.output_base as usize]
                                         .store(bytes, Ordering::Relaxed);
                                     if let Err(over) = m.add(bytes) {
-                                        s.fail(ExecError::Kernel {
+                                        s.fail(ExecError::MemoryLimit {
                                             node: node.name.clone(),
                                             op: "Recv".into(),
                                             device: s.plan.device_label.clone(),
-                                            message: format!(
-                                                "the step's tensors would take {} bytes on this task, past --memory-limit {}",
-                                                over.live, over.limit
-                                            ),
+                                            live: over.live,
+                                            limit: over.limit,
                                         });
                                     }
                                 }
@@ -514,21 +510,21 @@ impl StepState {
                         self.step,
                     ));
                 }
-                let kernel_error = |message| ExecError::Kernel {
+                let kernel_error = |error| ExecError::Kernel {
                     node: node.name.clone(),
                     op: node.op.to_string(),
                     device: self.plan.device_label.clone(),
-                    message,
+                    error: Box::new(error),
                 };
                 match result {
                     Ok(()) => {
                         if let Some(i) = outputs.iter().position(Option::is_none) {
-                            self.fail(kernel_error(format!("kernel did not produce output {i}")));
+                            self.fail(kernel_error(OpError::MissingOutput { index: i }));
                         }
                         self.count_outputs(n, inputs, outputs);
                     }
                     // Outputs set before the error stay: nothing runs after a failure.
-                    Err(message) => self.fail(kernel_error(message)),
+                    Err(error) => self.fail(kernel_error(error)),
                 }
                 true
             }

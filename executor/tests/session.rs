@@ -172,11 +172,15 @@ fn kernel_failure_aborts_every_device_and_the_session_recovers() {
         ExecError::Kernel {
             node,
             device,
-            message,
+            error,
             ..
         } => {
             assert_eq!(node, "product");
             assert!(device.contains("/job:worker"), "{device}");
+            // A shape the op checks itself: described, not one of the structured cases.
+            let dflow_graph::OpError::Invalid(message) = &**error else {
+                panic!("expected the MatMul's shape message, got {error:?}");
+            };
             assert!(
                 message.contains("[1, 4]") && message.contains("[3, 2]"),
                 "{message}"

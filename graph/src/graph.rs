@@ -412,7 +412,7 @@ impl Graph {
                 Err(message) => errs.push(GraphError::Shape {
                     node: node.name.clone(),
                     op: node.op.to_string(),
-                    message,
+                    message: message.to_string(),
                 }),
             }
         }

@@ -5,7 +5,7 @@
 //! [`Kernel::compute`] every step.
 
 use crate::ops::TensorType;
-use crate::{AttrValue, DType, Tensor};
+use crate::{AttrValue, DType, OpError, Tensor};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Mutex;
@@ -55,10 +55,10 @@ pub struct KernelInit<'a> {
 
 impl KernelInit<'_> {
     /// An attribute (defaults are already filled in).
-    pub fn attr(&self, name: &str) -> Result<&AttrValue, String> {
-        self.attrs
-            .get(name)
-            .ok_or_else(|| format!("missing attribute `{name}`"))
+    pub fn attr(&self, name: &str) -> Result<&AttrValue, OpError> {
+        self.attrs.get(name).ok_or_else(|| OpError::MissingAttr {
+            name: name.to_string(),
+        })
     }
 }
 
@@ -159,11 +159,11 @@ impl<'a> KernelContext<'a> {
 
     /// Input `i`.
     #[inline]
-    pub fn input(&self, i: usize) -> Result<&'a Tensor, String> {
+    pub fn input(&self, i: usize) -> Result<&'a Tensor, OpError> {
         self.inputs
             .get(i)
             .copied()
-            .ok_or_else(|| format!("missing input {i}"))
+            .ok_or(OpError::MissingInput { index: i })
     }
 
     /// A `dtype` tensor of shape `dims` meant to become output `i`: in the memory the runtime
@@ -181,11 +181,11 @@ impl<'a> KernelContext<'a> {
 
     /// Sets output `i`.
     #[inline]
-    pub fn set_output(&mut self, i: usize, t: Tensor) -> Result<(), String> {
+    pub fn set_output(&mut self, i: usize, t: Tensor) -> Result<(), OpError> {
         let slot = self
             .outputs
             .get_mut(i)
-            .ok_or_else(|| format!("no output {i}"))?;
+            .ok_or(OpError::MissingOutput { index: i })?;
         *slot = Some(t);
         Ok(())
     }
@@ -306,14 +306,14 @@ pub trait Collectives: Send + Sync + fmt::Debug {
 pub trait Kernel: Send + Sync + fmt::Debug {
     /// Computes the outputs from the inputs. The error message is wrapped by the executor with
     /// the node name and device, so it should describe only the problem (e.g. both shapes).
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String>;
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError>;
 }
 
 /// Builds the kernel for one node from its static description.
-pub type KernelFactory = fn(&KernelInit<'_>) -> Result<Box<dyn Kernel>, String>;
+pub type KernelFactory = fn(&KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError>;
 
 /// A kernel made from a plain function (for stateless ops with no per-node setup).
-pub struct FnKernel(pub fn(&mut KernelContext<'_>) -> Result<(), String>);
+pub struct FnKernel(pub fn(&mut KernelContext<'_>) -> Result<(), OpError>);
 
 impl fmt::Debug for FnKernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -323,7 +323,7 @@ impl fmt::Debug for FnKernel {
 
 impl Kernel for FnKernel {
     #[inline]
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         (self.0)(ctx)
     }
 }

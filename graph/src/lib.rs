@@ -20,6 +20,7 @@ pub mod graph;
 pub mod kernel;
 pub mod layers;
 mod name_index;
+pub mod op_error;
 pub mod ops;
 pub mod rendezvous_key;
 pub mod shape;
@@ -42,6 +43,7 @@ pub use format::{
     load_file, parse_dsl, parse_json, to_dsl, to_json, Format, FormatErrors, ParsedGraph,
 };
 pub use graph::{Edge, Graph, Node};
+pub use op_error::OpError;
 pub use ops::{registry, OpDef, TensorType};
 pub use rendezvous_key::{BadRendezvousKey, RendezvousKey};
 pub use shape::Shape;

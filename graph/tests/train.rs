@@ -318,7 +318,7 @@ fn updates_reject_bad_state() {
             output_memory: None,
         })
         .unwrap_err();
-    assert!(err.contains("not initialized"), "{err}");
+    assert!(err.to_string().contains("not initialized"), "{err}");
 }
 
 #[test]

@@ -87,7 +87,7 @@ pub(crate) fn resolve_shape(input: &Shape, n: usize, target: &[i64]) -> Result<V
 }
 
 impl Kernel for ReshapeKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let dims = resolve_shape(&x.shape(), x.num_elements(), &self.shape)?;
         let y = x.reshaped(&dims).map_err(|e| e.to_string())?;
@@ -95,12 +95,12 @@ impl Kernel for ReshapeKernel {
     }
 }
 
-fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     let target = ctx.ints("shape")?;
     let pretty = || format!("{target:?}");
     if target.iter().filter(|&&d| d == -1).count() > 1 {
-        return Err(format!("Reshape: shape {} has more than one -1", pretty()));
+        return Err(format!("Reshape: shape {} has more than one -1", pretty()).into());
     }
     let mut out = Shape::from_signed(target)
         .map_err(|e| format!("Reshape: shape {}: {e}", pretty()))?
@@ -120,7 +120,8 @@ fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
             "Reshape: cannot reshape input of shape {} ({n} elements) into {} ({given} elements)",
             x.shape,
             pretty()
-        ))
+        )
+            .into())
         }
         (Some(n), Some(k)) => {
             if given == 0 {
@@ -128,7 +129,7 @@ fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                     "Reshape: cannot infer the -1 in {} for input of shape {}: another dimension is 0",
                     pretty(),
                     x.shape
-                ));
+                ).into());
             }
             if n % given != 0 {
                 return Err(format!(
@@ -136,7 +137,8 @@ fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                      a multiple of {given}, the product of the other dimensions",
                     x.shape,
                     pretty()
-                ));
+                )
+                .into());
             }
             out[k] = Some(n / given);
         }
@@ -155,7 +157,8 @@ fn reshape_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                          not a multiple of {p})",
                         x.shape,
                         pretty()
-                    ));
+                    )
+                    .into());
                 }
             }
         }
@@ -179,7 +182,7 @@ fn zeros_like() -> OpDef {
     .cpu_kernel(|_| stateless(zeros_like_kernel))
 }
 
-fn zeros_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn zeros_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?;
     let y = Tensor::zeros(x.dtype(), x.dims()).map_err(|e| e.to_string())?;
     ctx.set_output(0, y)
@@ -200,7 +203,7 @@ fn ones_like() -> OpDef {
     .cpu_kernel(|_| stateless(ones_like_kernel))
 }
 
-fn ones_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn ones_like_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?;
     let y = ones(x.dtype(), x.dims())?;
     ctx.set_output(0, y)
@@ -212,7 +215,7 @@ mod tests {
     use super::*;
     use DType::*;
 
-    fn reshape(x: TensorType, shape: &[i64]) -> Result<Vec<TensorType>, String> {
+    fn reshape(x: TensorType, shape: &[i64]) -> Result<Vec<TensorType>, OpError> {
         infer(
             "Reshape",
             &[x],
@@ -256,23 +259,34 @@ mod tests {
     fn reshape_errors() {
         let e = reshape(tt(F32, &[2, 3]), &[4]).unwrap_err();
         assert!(
-            e.contains("[2, 3]") && e.contains("6 elements") && e.contains("[4]"),
+            e.to_string().contains("[2, 3]")
+                && e.to_string().contains("6 elements")
+                && e.to_string().contains("[4]"),
             "{e}"
         );
         let e = reshape(tt(F32, &[2, 3]), &[-1, 4]).unwrap_err();
-        assert!(e.contains("[2, 3]") && e.contains("[-1, 4]"), "{e}");
+        assert!(
+            e.to_string().contains("[2, 3]") && e.to_string().contains("[-1, 4]"),
+            "{e}"
+        );
         let e = reshape(tt(F32, &[2, 3]), &[-1, -1]).unwrap_err();
-        assert!(e.contains("more than one -1"), "{e}");
+        assert!(e.to_string().contains("more than one -1"), "{e}");
         let e = reshape(tt(F32, &[2, 3]), &[-2, 3]).unwrap_err();
-        assert!(e.contains("-2"), "{e}");
+        assert!(e.to_string().contains("-2"), "{e}");
         let e = reshape(tt(F32, &[0, 3]), &[0, -1]).unwrap_err();
-        assert!(e.contains("[0, 3]") && e.contains("cannot infer"), "{e}");
+        assert!(
+            e.to_string().contains("[0, 3]") && e.to_string().contains("cannot infer"),
+            "{e}"
+        );
         // Partially known input: [?, 3] holds a multiple of 3 elements.
         let e = reshape(tt(F32, &[-1, 3]), &[4]).unwrap_err();
-        assert!(e.contains("[?, 3]") && e.contains("multiple of 3"), "{e}");
+        assert!(
+            e.to_string().contains("[?, 3]") && e.to_string().contains("multiple of 3"),
+            "{e}"
+        );
         assert_eq!(reshape(tt(F32, &[-1, 3]), &[6]), Ok(vec![tt(F32, &[6])]));
         let e = infer("Reshape", &[tt(F32, &[2])], &[]).unwrap_err();
-        assert!(e.contains("shape"), "{e}");
+        assert!(e.to_string().contains("shape"), "{e}");
     }
 
     #[test]

@@ -42,7 +42,7 @@ fn batch_mat_mul() -> OpDef {
     })
 }
 
-fn batch_mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn batch_mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     const OP: &str = "BatchMatMul";
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let (ax, ay) = (ctx.bool("adj_x")?, ctx.bool("adj_y")?);
@@ -53,10 +53,7 @@ fn batch_mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
     };
     for (name, d, t) in [("x", dx, x), ("y", dy, y)] {
         if d.len() < 2 {
-            return Err(format!(
-                "{OP}: {name} must have rank >= 2, got shape {}",
-                t.shape
-            ));
+            return Err(format!("{OP}: {name} must have rank >= 2, got shape {}", t.shape).into());
         }
     }
     let (rx, ry) = (dx.len(), dy.len());
@@ -75,7 +72,8 @@ fn batch_mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
             return Err(format!(
                 "{OP}: inner dimensions differ: x is {} (adj_x={ax}), y is {} (adj_y={ay})",
                 x.shape, y.shape
-            ));
+            )
+            .into());
         }
     }
     let batch = broadcast_shapes(
@@ -182,7 +180,7 @@ fn run_plan<T: Element + GemmScalar>(p: &Plan<'_>) -> Result<Tensor, String> {
 }
 
 impl Kernel for BatchMatMulKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "BatchMatMul";
         let (x, y) = (ctx.input(0)?, ctx.input(1)?);
         let (ax, ay) = (self.adj_x, self.adj_y);
@@ -193,7 +191,8 @@ impl Kernel for BatchMatMulKernel {
                 x.shape(),
                 y.dtype(),
                 y.shape()
-            ));
+            )
+            .into());
         }
         let (dx, dy) = (x.dims(), y.dims());
         let (rx, ry) = (dx.len(), dy.len());
@@ -206,7 +205,8 @@ impl Kernel for BatchMatMulKernel {
                 "{OP}: inner dimensions differ: x is {} (adj_x={ax}), y is {} (adj_y={ay})",
                 x.shape(),
                 y.shape()
-            ));
+            )
+            .into());
         }
         let batch = broadcast_dims(&dx[..rx - 2], &dy[..ry - 2])
             .map_err(|e| format!("{OP}: batch dimensions: {e}"))?;

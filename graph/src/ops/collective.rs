@@ -115,7 +115,7 @@ impl Collective {
             node: ctx.node,
         };
         let out = f(c, &call, ctx.input(0)?)?;
-        ctx.set_output(0, out)
+        Ok(ctx.set_output(0, out)?)
     }
 }
 
@@ -125,14 +125,14 @@ macro_rules! collective_kernel {
         struct $name(Collective);
 
         impl Kernel for $name {
-            fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+            fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
                 let $k = &self.0;
-                $k.run(ctx, |$c, $call, $x| $body)
+                Ok($k.run(ctx, |$c, $call, $x| $body)?)
             }
         }
 
         impl $name {
-            fn factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+            fn factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
                 Ok(Box::new($name(Collective::new($op, init)?)))
             }
         }
@@ -156,7 +156,7 @@ collective_kernel!(AllToAllKernel, "CollectiveAllToAll", |c, call, x, _k| c
 collective_kernel!(TpReduceKernel, "CollectiveTpReduce", |c, call, x, _k| c
     .all_reduce(call, x, ReduceKind::Sum));
 
-fn tp_copy(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn tp_copy(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?.clone();
     ctx.set_output(0, x)
 }
@@ -199,7 +199,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
                 let t = ctx.input(0)?;
                 let n = ctx.int("group_size")?;
                 if n < 1 {
-                    return Err(format!("group_size must be at least 1, got {n}"));
+                    return Err(format!("group_size must be at least 1, got {n}").into());
                 }
                 let shape = match t.shape.dims() {
                     None => Shape::unknown(),
@@ -246,7 +246,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
             |ctx| {
                 let root = ctx.int("root")?;
                 if root < 0 {
-                    return Err(format!("root must be ≥ 0, got {root}"));
+                    return Err(format!("root must be ≥ 0, got {root}").into());
                 }
                 same_as_input(ctx)
             },
@@ -314,7 +314,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
                     if t.dtype != first.dtype {
                         return Err(format!(
                             "inputs[{k}] is {t} but inputs[0] is {first}; all inputs must share a dtype"
-                        ));
+                        ).into());
                     }
                     total += t.shape.num_elements().ok_or_else(|| {
                         format!("inputs[{k}] has shape {}, which is not fully known", t.shape)
@@ -340,14 +340,15 @@ pub(crate) fn register(r: &mut OpRegistry) {
                     .ok_or_else(|| format!("attribute `shape` {shape} is not fully known"))?;
                 let offset = ctx.int("offset")?;
                 if offset < 0 {
-                    return Err(format!("offset must be ≥ 0, got {offset}"));
+                    return Err(format!("offset must be ≥ 0, got {offset}").into());
                 }
                 if let Some(len) = t.shape.num_elements() {
                     if offset as usize + n > len {
                         return Err(format!(
                             "elements [{offset}, {}) are outside the input's {len}",
                             offset as usize + n
-                        ));
+                        )
+                        .into());
                     }
                 }
                 Ok(vec![TensorType::new(t.dtype, shape.clone())])
@@ -363,17 +364,14 @@ pub(crate) fn register(r: &mut OpRegistry) {
     );
 }
 
-fn pack_flat(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn pack_flat(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let first = ctx.input(0)?;
     let dtype = first.dtype();
     let total: usize = ctx.inputs.iter().map(|t| t.num_elements()).sum();
     let mut bytes = Vec::with_capacity(total * dtype.size_of());
     for (k, t) in ctx.inputs.iter().enumerate() {
         if t.dtype() != dtype {
-            return Err(format!(
-                "inputs[{k}] is {}, inputs[0] is {dtype}",
-                t.dtype()
-            ));
+            return Err(format!("inputs[{k}] is {}, inputs[0] is {dtype}", t.dtype()).into());
         }
         bytes.extend_from_slice(t.as_bytes());
     }
@@ -387,22 +385,22 @@ struct FlatSlice {
     dims: Vec<usize>,
 }
 
-fn flat_slice_kernel(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+fn flat_slice_kernel(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
     let offset = match init.attr("offset")? {
         AttrValue::Int(v) => usize::try_from(*v).map_err(|_| format!("offset {v} < 0"))?,
-        v => return Err(format!("attribute `offset` is {}, not int", v.ty())),
+        v => return Err(format!("attribute `offset` is {}, not int", v.ty()).into()),
     };
     let dims = match init.attr("shape")? {
         AttrValue::Shape(s) => s
             .as_static()
             .ok_or_else(|| format!("attribute `shape` {s} is not fully known"))?,
-        v => return Err(format!("attribute `shape` is {}, not shape", v.ty())),
+        v => return Err(format!("attribute `shape` is {}, not shape", v.ty()).into()),
     };
     Ok(Box::new(FlatSlice { offset, dims }))
 }
 
 impl Kernel for FlatSlice {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let flat = ctx.input(0)?;
         let size = flat.dtype().size_of();
         let n: usize = self.dims.iter().product();

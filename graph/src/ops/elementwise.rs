@@ -9,6 +9,7 @@
 //! [`Tensor::from_slice`] allocates twice and copies; see `benches/matmul.rs`, group `alloc`).
 
 use crate::kernel::{FnKernel, Kernel, KernelContext, KernelInit, OutputAlloc};
+use crate::OpError;
 use crate::{DType, Element, Shape, Tensor};
 
 /// A typed view of `t`, with the tensor error as a message.
@@ -154,8 +155,8 @@ pub fn shape_of(dims: &[usize]) -> Shape {
 
 /// Kernel factory for a stateless op computed by a plain function.
 pub fn stateless(
-    f: fn(&mut KernelContext<'_>) -> Result<(), String>,
-) -> Result<Box<dyn Kernel>, String> {
+    f: fn(&mut KernelContext<'_>) -> Result<(), OpError>,
+) -> Result<Box<dyn Kernel>, OpError> {
     Ok(Box::new(FnKernel(f)))
 }
 

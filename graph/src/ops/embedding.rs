@@ -96,7 +96,7 @@ fn check_axis(axis: i64) -> Result<(), String> {
     }
 }
 
-fn gather_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn gather_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (params, indices) = (ctx.input(0)?, ctx.input(1)?);
     check_axis(ctx.int("axis")?)?;
     require_index("Gather", "indices", indices)?;
@@ -104,7 +104,8 @@ fn gather_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
         return Err(format!(
             "Gather: params must have rank >= 1, got shape {}",
             params.shape
-        ));
+        )
+        .into());
     }
     let shape = match (indices.shape.dims(), params.shape.dims()) {
         (Some(i), Some(p)) => Shape::partial(i.iter().chain(&p[1..]).copied().collect()),
@@ -134,13 +135,14 @@ fn gather_rows<T: Element>(
 }
 
 impl Kernel for GatherKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (params, indices) = (ctx.input(0)?, ctx.input(1)?);
         let Some(&v) = params.dims().first() else {
             return Err(format!(
                 "Gather: params must have rank >= 1, got shape {}",
                 params.shape()
-            ));
+            )
+            .into());
         };
         let rows = checked_indices("Gather", ctx.node, indices, v)?;
         let out_dims: Vec<usize> = indices
@@ -171,7 +173,7 @@ fn gather_grad() -> OpDef {
     .cpu_kernel(|_| Ok(Box::new(GatherGradKernel)))
 }
 
-fn gather_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn gather_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (indices, dy) = (ctx.input(0)?, ctx.input(1)?);
     require_index("GatherGrad", "indices", indices)?;
     require_float("GatherGrad: dy", dy)?;
@@ -186,7 +188,8 @@ fn gather_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                 return Err(format!(
                     "GatherGrad: dy {} does not start with the shape of indices {}",
                     dy.shape, indices.shape
-                ));
+                )
+                .into());
             }
             Shape::partial(
                 std::iter::once(n)
@@ -206,7 +209,7 @@ fn gather_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
 struct GatherGradKernel;
 
 impl Kernel for GatherGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (indices, dy) = (ctx.input(0)?, ctx.input(1)?);
         let r = indices.rank();
         if dy.rank() < r || dy.dims()[..r] != *indices.dims() {
@@ -214,7 +217,8 @@ impl Kernel for GatherGradKernel {
                 "GatherGrad: dy {} does not start with the shape of indices {}",
                 dy.shape(),
                 indices.shape()
-            ));
+            )
+            .into());
         }
         let n = indices.num_elements();
         let flat = match indices.dtype() {
@@ -223,7 +227,7 @@ impl Kernel for GatherGradKernel {
                 let v: Vec<i64> = slice::<i32>(indices)?.iter().map(|&i| i.into()).collect();
                 Tensor::from_slice(&[n], &v).map_err(|e| e.to_string())?
             }
-            d => return Err(format!("GatherGrad: indices must be i32 or i64, got {d}")),
+            d => return Err(format!("GatherGrad: indices must be i32 or i64, got {d}").into()),
         };
         let value_dims: Vec<usize> = std::iter::once(n)
             .chain(dy.dims()[r..].iter().copied())
@@ -251,7 +255,7 @@ fn sparse_rows_to_dense() -> OpDef {
     .cpu_kernel(|_| Ok(Box::new(SparseRowsToDenseKernel)))
 }
 
-fn sparse_rows_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn sparse_rows_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     const OP: &str = "SparseRowsToDense";
     let (indices, values, like) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
     require_index(OP, "indices", indices)?;
@@ -260,7 +264,8 @@ fn sparse_rows_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
         return Err(format!(
             "{OP}: indices must have rank 1, got shape {}",
             indices.shape
-        ));
+        )
+        .into());
     }
     if let (Some(v), Some(l)) = (values.shape.dims(), like.shape.dims()) {
         let fits = !v.is_empty()
@@ -275,7 +280,8 @@ fn sparse_rows_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                 "{OP}: values {} must be [N, d..] with N = the length of indices {} and d.. the \
                  trailing dimensions of like {}",
                 values.shape, indices.shape, like.shape
-            ));
+            )
+            .into());
         }
     }
     Ok(vec![TensorType::new(values.dtype, like.shape.clone())])
@@ -300,7 +306,7 @@ fn scatter_add<T: Real>(rows: &[usize], values: &Tensor, dims: &[usize]) -> Resu
 }
 
 impl Kernel for SparseRowsToDenseKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "SparseRowsToDense";
         let (indices, values, like) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         let dims = like.dims();
@@ -316,12 +322,14 @@ impl Kernel for SparseRowsToDenseKernel {
                 values.shape(),
                 indices.shape(),
                 like.shape()
-            ));
+            )
+            .into());
         }
         let rows = checked_indices(OP, ctx.node, indices, dims[0])?;
         let dense = match values.dtype() {
             d @ (DType::BF16 | DType::F16) => {
                 from_f32(&scatter_add::<f32>(&rows, &to_f32(values)?, dims)?, d)
+                    .map_err(OpError::from)
             }
             d => dispatch_real!(d, scatter_add(&rows, values, dims)),
         }?;

@@ -63,9 +63,11 @@ impl Real for f64 {
 macro_rules! dispatch_real {
     ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
         match $dtype {
-            crate::DType::F32 => $f::<f32>($($arg),*),
-            crate::DType::F64 => $f::<f64>($($arg),*),
-            d => Err(format!("this kernel supports f32 and f64, got {d}")),
+            crate::DType::F32 => $f::<f32>($($arg),*).map_err(crate::OpError::from),
+            crate::DType::F64 => $f::<f64>($($arg),*).map_err(crate::OpError::from),
+            d => Err(crate::OpError::Invalid(format!(
+                "this kernel supports f32 and f64, got {d}"
+            ))),
         }
     };
 }
@@ -138,7 +140,7 @@ fn reduce_to_shape_of() -> OpDef {
     .cpu_kernel(|_| Ok(Box::new(FnKernel(reduce_to_shape_of_kernel))))
 }
 
-fn reduce_to_shape_of_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn reduce_to_shape_of_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (g, like) = input2(ctx)?;
     let out = if g.dims() == like.dims() {
         g.clone()
@@ -193,10 +195,10 @@ struct BroadcastLikeKernel {
 }
 
 impl BroadcastLikeKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         let axes = match init.attr("axes")? {
             AttrValue::IntList(v) => v.clone(),
-            v => return Err(format!("attribute `axes` is {}, not list(int)", v.ty())),
+            v => return Err(format!("attribute `axes` is {}, not list(int)", v.ty()).into()),
         };
         let mean = matches!(init.attr("mean")?, AttrValue::Bool(true));
         Ok(Box::new(BroadcastLikeKernel { axes, mean }))
@@ -204,7 +206,7 @@ impl BroadcastLikeKernel {
 }
 
 impl Kernel for BroadcastLikeKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (dy, x) = input2(ctx)?;
         let dims = x.dims();
         let rank = dims.len();
@@ -224,7 +226,8 @@ impl Kernel for BroadcastLikeKernel {
                 "dy has shape {:?} but reducing x of shape {dims:?} over axes {:?} gives {kept:?}",
                 dy.dims(),
                 self.axes
-            ));
+            )
+            .into());
         }
         let count: usize = dims
             .iter()

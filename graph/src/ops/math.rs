@@ -103,7 +103,7 @@ fn binary(
     ctx: &InferCtx<'_>,
     numeric: bool,
     out: Option<DType>,
-) -> Result<Vec<TensorType>, String> {
+) -> Result<Vec<TensorType>, OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let dtype = require_same(op, ("x", x), ("y", y))?;
     if numeric {
@@ -114,7 +114,7 @@ fn binary(
 }
 
 /// Shape rule of a unary elementwise op on floats: the input type unchanged.
-pub(crate) fn unary_float(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+pub(crate) fn unary_float(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     require_float(&format!("{op}: input"), x)?;
     Ok(vec![x.clone()])
@@ -135,7 +135,7 @@ fn add() -> OpDef {
     .cpu_kernel(|_| stateless(add_kernel))
 }
 
-fn add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Add", x, y, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
@@ -157,7 +157,7 @@ fn sub() -> OpDef {
     .cpu_kernel(|_| stateless(sub_kernel))
 }
 
-fn sub_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn sub_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Sub", x, y, float: |a, b| a - b, int: |a, b| a.wrapping_sub(b))?;
@@ -179,7 +179,7 @@ fn mul() -> OpDef {
     .cpu_kernel(|_| stateless(mul_kernel))
 }
 
-fn mul_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn mul_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Mul", x, y, float: |a, b| a * b, int: |a, b| a.wrapping_mul(b))?;
@@ -204,7 +204,7 @@ fn div() -> OpDef {
 
 /// Integer division truncates toward zero (like TensorFlow's `Div` and C); a zero divisor is an
 /// error, and `MIN / -1` wraps to `MIN`.
-fn div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let zero_divisor = match y.dtype() {
         DType::I32 => slice::<i32>(y)?.contains(&0),
@@ -215,7 +215,8 @@ fn div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         return Err(format!(
             "Div: integer division by zero (divisor y of shape {} contains 0)",
             y.shape()
-        ));
+        )
+        .into());
     }
     let out0 = ctx.output_alloc(0);
     let z = num_binary!(in &out0; "Div", x, y, float: |a, b| a / b, int: |a, b| a.wrapping_div(b))?;
@@ -241,7 +242,7 @@ fn neg() -> OpDef {
     .cpu_kernel(|_| stateless(neg_kernel))
 }
 
-fn neg_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn neg_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?;
     let y = match x.dtype() {
         DType::I32 => map_unary(x, i32::wrapping_neg),
@@ -285,7 +286,7 @@ struct MatMulKernel {
     transpose_b: bool,
 }
 
-fn mat_mul_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+fn mat_mul_factory(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
     Ok(Box::new(MatMulKernel {
         transpose_a: attr_bool(init, "transpose_a")?,
         transpose_b: attr_bool(init, "transpose_b")?,
@@ -355,16 +356,15 @@ where
 }
 
 impl Kernel for MatMulKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (a, b) = (ctx.input(0)?, ctx.input(1)?);
         let (ta, tb) = (self.transpose_a, self.transpose_b);
         let dtype = same_dtype("MatMul", a, b)?;
         for (name, t) in [("a", a), ("b", b)] {
             if t.rank() != 2 {
-                return Err(format!(
-                    "MatMul: {name} must be rank 2, got shape {}",
-                    t.shape()
-                ));
+                return Err(
+                    format!("MatMul: {name} must be rank 2, got shape {}", t.shape()).into(),
+                );
             }
         }
         let pick = |t: &Tensor, tr: bool| {
@@ -381,7 +381,7 @@ impl Kernel for MatMulKernel {
                 "MatMul inner dimensions differ: a is {} (transpose_a={ta}), b is {} (transpose_b={tb})",
                 a.shape(),
                 b.shape()
-            ));
+            ).into());
         }
         let flags = (ta, tb);
         let out0 = ctx.output_alloc(0);
@@ -403,12 +403,12 @@ impl Kernel for MatMulKernel {
     }
 }
 
-fn mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (a, b) = (ctx.input(0)?, ctx.input(1)?);
     let (ta, tb) = (ctx.bool("transpose_a")?, ctx.bool("transpose_b")?);
     let dtype = require_same("MatMul", ("a", a), ("b", b))?;
     if !(dtype.is_float() || dtype.is_int()) {
-        return Err(format!("MatMul: a must be a float or int type, got {a}"));
+        return Err(format!("MatMul: a must be a float or int type, got {a}").into());
     }
     // (rows, cols) after the optional transpose; unknown rank gives unknown dims.
     let matrix = |name: &str, t: &TensorType, transpose: bool| match t.shape.rank() {
@@ -429,7 +429,7 @@ fn mat_mul_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
             return Err(format!(
                 "MatMul inner dimensions differ: a is {} (transpose_a={ta}), b is {} (transpose_b={tb})",
                 a.shape, b.shape
-            ));
+            ).into());
         }
     }
     Ok(vec![TensorType::new(dtype, Shape::partial(vec![m, n]))])
@@ -484,7 +484,7 @@ fn cast_typed<D: Element>(
 }
 
 impl Kernel for CastKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         if x.dtype() == self.dst {
             let y = x.clone();
@@ -520,7 +520,7 @@ fn equal() -> OpDef {
 }
 
 /// Equal compares values: `bf16`/`f16` compare after widening (so `-0 == 0` and NaN ≠ NaN).
-fn equal_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn equal_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     fn eq<T: Element + PartialEq>(x: &Tensor, y: &Tensor) -> Result<Tensor, String> {
         binary_map(x, y, |a: T, b: T| u8::from(a == b))
@@ -553,7 +553,7 @@ fn add_n() -> OpDef {
 }
 
 /// AddN: all inputs must share dtype and runtime shape; one input passes through (shared buffer).
-fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let first = ctx.input(0)?;
     for (i, t) in ctx.inputs.iter().enumerate().skip(1) {
         if t.dtype() != first.dtype() || t.dims() != first.dims() {
@@ -563,7 +563,8 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
                 t.shape(),
                 first.dtype(),
                 first.shape()
-            ));
+            )
+            .into());
         }
     }
     /// The sum of two or more inputs, written into memory from `alloc`.
@@ -603,7 +604,7 @@ fn add_n_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     ctx.set_output(0, out)
 }
 
-fn add_n_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn add_n_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let first = ctx
         .inputs
         .first()
@@ -614,7 +615,7 @@ fn add_n_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
         if t.dtype != first.dtype {
             return Err(format!(
                 "AddN: inputs[0] is {first} but inputs[{i}] is {t}; all inputs must have the same dtype"
-            ));
+            ).into());
         }
         shape = shape.merge(&t.shape).ok_or_else(|| {
             format!(
@@ -641,7 +642,7 @@ fn square() -> OpDef {
     .cpu_kernel(|_| stateless(square_kernel))
 }
 
-fn square_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn square_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Square", ctx.input(0)?, |v| v * v)?;
     ctx.set_output(0, y)
@@ -662,7 +663,7 @@ fn sqrt() -> OpDef {
     .cpu_kernel(|_| stateless(sqrt_kernel))
 }
 
-fn sqrt_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn sqrt_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Sqrt", ctx.input(0)?, |v| v.sqrt())?;
     ctx.set_output(0, y)
@@ -683,7 +684,7 @@ fn exp() -> OpDef {
     .cpu_kernel(|_| stateless(exp_kernel))
 }
 
-fn exp_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn exp_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Exp", ctx.input(0)?, |v| v.exp())?;
     ctx.set_output(0, y)
@@ -704,7 +705,7 @@ fn log() -> OpDef {
     .cpu_kernel(|_| stateless(log_kernel))
 }
 
-fn log_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn log_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let out0 = ctx.output_alloc(0);
     let y = float_unary!(in &out0; "Log", ctx.input(0)?, |v| v.ln())?;
     ctx.set_output(0, y)
@@ -721,7 +722,7 @@ pub(crate) fn infer(
     name: &str,
     inputs: &[TensorType],
     attrs: &[(&str, AttrValue)],
-) -> Result<Vec<TensorType>, String> {
+) -> Result<Vec<TensorType>, OpError> {
     let op = registry()
         .get(name)
         .unwrap_or_else(|| panic!("op {name} is not registered"));
@@ -889,18 +890,56 @@ mod tests {
     fn mat_mul_errors() {
         assert_eq!(
             infer("MatMul", &[tt(F32, &[32, 64]), tt(F32, &[32, 10])], &[]),
-            Err(
+            Err(OpError::Invalid(
                 "MatMul inner dimensions differ: a is [32, 64] (transpose_a=false), \
                  b is [32, 10] (transpose_b=false)"
                     .to_string()
-            )
+            ))
         );
         let e = infer("MatMul", &[tt(F32, &[2, 3, 4]), tt(F32, &[4, 5])], &[]).unwrap_err();
-        assert!(e.contains("rank 2") && e.contains("[2, 3, 4]"), "{e}");
+        assert!(
+            e.to_string().contains("rank 2") && e.to_string().contains("[2, 3, 4]"),
+            "{e}"
+        );
         let e = infer("MatMul", &[tt(F32, &[2, 3]), tt(F64, &[3, 5])], &[]).unwrap_err();
-        assert!(e.contains("f32[2, 3]") && e.contains("f64[3, 5]"), "{e}");
+        assert!(
+            e.to_string().contains("f32[2, 3]") && e.to_string().contains("f64[3, 5]"),
+            "{e}"
+        );
         let e = infer("MatMul", &[tt(Bool, &[2, 3]), tt(Bool, &[3, 5])], &[]).unwrap_err();
-        assert!(e.contains("bool"), "{e}");
+        assert!(e.to_string().contains("bool"), "{e}");
+    }
+
+    #[test]
+    fn shape_rules_report_what_is_wrong_as_typed_errors() {
+        assert_eq!(
+            infer("MatMul", &[tt(F32, &[2, 3])], &[]),
+            Err(OpError::MissingInput { index: 1 })
+        );
+        let wrong_attr = infer(
+            "MatMul",
+            &[tt(F32, &[2, 3]), tt(F32, &[3, 5])],
+            &[("transpose_a", AttrValue::Int(1))],
+        );
+        assert_eq!(
+            wrong_attr,
+            Err(OpError::AttrType {
+                name: "transpose_a".into(),
+                found: crate::AttrType::Int,
+                expected: "bool",
+            })
+        );
+        assert_eq!(
+            infer(
+                "BatchMatMul",
+                &[tt(I32, &[2, 2, 2]), tt(I32, &[2, 2, 2])],
+                &[]
+            ),
+            Err(OpError::NotFloat {
+                what: "BatchMatMul: x".into(),
+                got: I32
+            })
+        );
     }
 
     #[test]
@@ -914,7 +953,7 @@ mod tests {
             Ok(vec![tt(Bool, &[2])])
         );
         let e = infer("Cast", &[tt(F32, &[2])], &[]).unwrap_err();
-        assert!(e.contains("DstT"), "{e}");
+        assert!(e.to_string().contains("DstT"), "{e}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! rule, and — as later layers land — its CPU kernel and gradient live side by side). Each family
 //! module exposes `pub(crate) fn register(r: &mut OpRegistry)`.
 
-use crate::{AttrType, AttrValue, DType, DeviceType, Shape, Tensor};
+use crate::{AttrType, AttrValue, DType, DeviceType, OpError, Shape, Tensor};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::OnceLock;
@@ -186,86 +186,116 @@ pub struct InferCtx<'a> {
 
 impl InferCtx<'_> {
     /// Input `i`'s type.
-    pub fn input(&self, i: usize) -> Result<&TensorType, String> {
-        self.inputs
-            .get(i)
-            .ok_or_else(|| format!("missing input {i}"))
+    pub fn input(&self, i: usize) -> Result<&TensorType, OpError> {
+        self.inputs.get(i).ok_or(OpError::MissingInput { index: i })
     }
 
-    fn attr(&self, name: &str) -> Result<&AttrValue, String> {
-        self.attrs
-            .get(name)
-            .ok_or_else(|| format!("missing attribute `{name}`"))
+    fn attr(&self, name: &str) -> Result<&AttrValue, OpError> {
+        self.attrs.get(name).ok_or_else(|| OpError::MissingAttr {
+            name: name.to_string(),
+        })
     }
 
     /// An int attribute.
-    pub fn int(&self, name: &str) -> Result<i64, String> {
+    pub fn int(&self, name: &str) -> Result<i64, OpError> {
         match self.attr(name)? {
             AttrValue::Int(v) => Ok(*v),
-            v => Err(format!("attribute `{name}` is {}, not int", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "int",
+            }),
         }
     }
 
     /// A float attribute.
-    pub fn float(&self, name: &str) -> Result<f64, String> {
+    pub fn float(&self, name: &str) -> Result<f64, OpError> {
         match self.attr(name)? {
             AttrValue::Float(v) => Ok(*v),
-            v => Err(format!("attribute `{name}` is {}, not float", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "float",
+            }),
         }
     }
 
     /// A bool attribute.
-    pub fn bool(&self, name: &str) -> Result<bool, String> {
+    pub fn bool(&self, name: &str) -> Result<bool, OpError> {
         match self.attr(name)? {
             AttrValue::Bool(v) => Ok(*v),
-            v => Err(format!("attribute `{name}` is {}, not bool", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "bool",
+            }),
         }
     }
 
     /// A dtype attribute.
-    pub fn dtype(&self, name: &str) -> Result<DType, String> {
+    pub fn dtype(&self, name: &str) -> Result<DType, OpError> {
         match self.attr(name)? {
             AttrValue::DType(v) => Ok(*v),
-            v => Err(format!("attribute `{name}` is {}, not dtype", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "dtype",
+            }),
         }
     }
 
     /// A shape attribute.
-    pub fn shape(&self, name: &str) -> Result<&Shape, String> {
+    pub fn shape(&self, name: &str) -> Result<&Shape, OpError> {
         match self.attr(name)? {
             AttrValue::Shape(v) => Ok(v),
-            v => Err(format!("attribute `{name}` is {}, not shape", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "shape",
+            }),
         }
     }
 
     /// A tensor attribute.
-    pub fn tensor(&self, name: &str) -> Result<&Tensor, String> {
+    pub fn tensor(&self, name: &str) -> Result<&Tensor, OpError> {
         match self.attr(name)? {
             AttrValue::Tensor(v) => Ok(v),
-            v => Err(format!("attribute `{name}` is {}, not tensor", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "tensor",
+            }),
         }
     }
 
     /// A string attribute.
-    pub fn string(&self, name: &str) -> Result<&str, String> {
+    pub fn string(&self, name: &str) -> Result<&str, OpError> {
         match self.attr(name)? {
             AttrValue::String(v) => Ok(v),
-            v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "string",
+            }),
         }
     }
 
     /// An int-list attribute.
-    pub fn ints(&self, name: &str) -> Result<&[i64], String> {
+    pub fn ints(&self, name: &str) -> Result<&[i64], OpError> {
         match self.attr(name)? {
             AttrValue::IntList(v) => Ok(v),
-            v => Err(format!("attribute `{name}` is {}, not list(int)", v.ty())),
+            v => Err(OpError::AttrType {
+                name: name.to_string(),
+                found: v.ty(),
+                expected: "list(int)",
+            }),
         }
     }
 }
 
 /// A dtype and shape rule: input types and attrs in, output types out. The error message should
 /// name the offending shapes; the caller adds the node name.
-pub type ShapeFn = fn(&InferCtx<'_>) -> Result<Vec<TensorType>, String>;
+pub type ShapeFn = fn(&InferCtx<'_>) -> Result<Vec<TensorType>, OpError>;
 
 /// An op's declaration.
 #[derive(Clone, Debug)]
@@ -616,25 +646,31 @@ pub fn registry() -> &'static OpRegistry {
 }
 
 /// Shape-rule helper: the first input's type unchanged (elementwise unary ops).
-pub fn same_as_input(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+pub fn same_as_input(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     Ok(vec![ctx.input(0)?.clone()])
 }
 
 /// Shape-rule helper: requires a floating-point dtype.
-pub fn require_float(what: &str, t: &TensorType) -> Result<(), String> {
+pub fn require_float(what: &str, t: &TensorType) -> Result<(), OpError> {
     if t.dtype.is_float() {
         Ok(())
     } else {
-        Err(format!("{what} must be a float type, got {}", t.dtype))
+        Err(OpError::NotFloat {
+            what: what.to_string(),
+            got: t.dtype,
+        })
     }
 }
 
 /// Shape-rule helper: requires two inputs to have the same dtype.
-pub fn require_same_dtype(a: &TensorType, b: &TensorType) -> Result<DType, String> {
+pub fn require_same_dtype(a: &TensorType, b: &TensorType) -> Result<DType, OpError> {
     if a.dtype == b.dtype {
         Ok(a.dtype)
     } else {
-        Err(format!("dtype mismatch: {} vs {}", a.dtype, b.dtype))
+        Err(OpError::DTypeMismatch {
+            a: a.dtype,
+            b: b.dtype,
+        })
     }
 }
 

@@ -267,7 +267,7 @@ fn moe_route() -> OpDef {
     })
 }
 
-fn route_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn route_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     const OP: &str = "MoeRoute";
     let k = check_k(OP, ctx.int("k")?)?;
     check_factor(OP, ctx.float("capacity_factor")?)?;
@@ -279,7 +279,8 @@ fn route_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
             return Err(format!(
                 "{OP}: top-{k} routing needs at least {k} experts, probs {} has {e}",
                 probs.shape
-            ));
+            )
+            .into());
         }
     }
     let nk = Shape::partial(vec![n, Some(k)]);
@@ -376,7 +377,7 @@ fn route_typed<T: Real>(probs: &Tensor, k: usize, factor: f64) -> Result<Vec<Ten
 }
 
 impl Kernel for RouteKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let probs = ctx.input(0)?;
         match probs.dims() {
             [_, e] if *e >= self.k => {}
@@ -386,7 +387,8 @@ impl Kernel for RouteKernel {
                     ctx.node,
                     self.k,
                     probs.shape()
-                ))
+                )
+                .into())
             }
         }
         let outs = dispatch_real!(probs.dtype(), route_typed(probs, self.k, self.factor))?;
@@ -461,7 +463,7 @@ fn route_grad_typed<T: Real>(
 }
 
 impl Kernel for RouteGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "MoeRouteGrad";
         let (dgate, probs, expert) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         let ok = match (dgate.dims(), probs.dims(), expert.dims()) {
@@ -481,7 +483,8 @@ impl Kernel for RouteGradKernel {
                 expert.shape(),
                 probs.dtype(),
                 probs.shape()
-            ));
+            )
+            .into());
         }
         let e = probs.dims()[1];
         let ex = slice::<i64>(expert)?;
@@ -493,7 +496,8 @@ impl Kernel for RouteGradKernel {
             return Err(format!(
                 "{OP} `{}`: expert {x} at position {i} is out of range [0, {e})",
                 ctx.node
-            ));
+            )
+            .into());
         }
         let out = dispatch_real!(probs.dtype(), route_grad_typed(dgate, probs, ex))?;
         ctx.set_output(0, out)
@@ -583,7 +587,7 @@ fn dispatch_typed<T: Real>(
 }
 
 impl Kernel for DispatchKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "MoeDispatch";
         let (x, expert, slot) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         let Some(&n) = x.dims().first().filter(|_| x.rank() == 2) else {
@@ -591,7 +595,8 @@ impl Kernel for DispatchKernel {
                 "{OP} `{}`: x must be [N, d], got shape {}",
                 ctx.node,
                 x.shape()
-            ));
+            )
+            .into());
         };
         let (e, c) = (self.experts, capacity(n, self.experts, self.factor));
         let r = Routing::check(OP, ctx.node, expert, slot, e, c)?;
@@ -599,7 +604,8 @@ impl Kernel for DispatchKernel {
             return Err(format!(
                 "{OP} `{}`: x has {n} tokens but expert has {}",
                 ctx.node, r.n
-            ));
+            )
+            .into());
         }
         let buf = dispatch_real!(x.dtype(), dispatch_typed(x, &r, e, c))?;
         ctx.set_output(0, buf)
@@ -681,7 +687,7 @@ fn combine_typed<T: Real>(
 struct DispatchGradKernel;
 
 impl Kernel for DispatchGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "MoeDispatchGrad";
         let (dbuf, expert, slot) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         let (e, c, _) = buf_dims(OP, ctx.node, "dbuf", dbuf)?;
@@ -743,7 +749,7 @@ fn check_gate(
 struct CombineKernel;
 
 impl Kernel for CombineKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "MoeCombine";
         let (buf, expert, slot, gate) =
             (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?, ctx.input(3)?);
@@ -820,7 +826,7 @@ fn combine_grad_typed<T: Real>(
 }
 
 impl Kernel for CombineGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "MoeCombineGrad";
         let dy = ctx.input(0)?;
         let (buf, expert, slot, gate) =
@@ -836,7 +842,8 @@ impl Kernel for CombineGradKernel {
                 dy.shape(),
                 r.n,
                 buf.dtype()
-            ));
+            )
+            .into());
         }
         let outs = dispatch_real!(buf.dtype(), combine_grad_typed(dy, buf, &r, gate))?;
         for (i, t) in outs.into_iter().enumerate() {
@@ -953,7 +960,7 @@ fn aux_loss_typed<T: Real>(probs: &Tensor, f: &[f64], alpha: f64) -> Result<Tens
 }
 
 impl Kernel for AuxLossKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (probs, expert) = (ctx.input(0)?, ctx.input(1)?);
         let (_, _, f) = aux_fractions("MoeAuxLoss", ctx.node, probs, expert)?;
         let loss = dispatch_real!(probs.dtype(), aux_loss_typed(probs, &f, self.alpha))?;
@@ -976,7 +983,8 @@ fn moe_aux_loss_grad() -> OpDef {
                 return Err(format!(
                     "{OP}: dloss must be a scalar of probs' dtype {}, got {dloss}",
                     probs.dtype
-                ));
+                )
+                .into());
             }
             aux_infer(OP, probs, expert)?;
             Ok(vec![probs.clone()])
@@ -1019,7 +1027,7 @@ fn aux_grad_typed<T: Real>(
 }
 
 impl Kernel for AuxLossGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "MoeAuxLossGrad";
         let (dloss, probs, expert) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         if dloss.num_elements() != 1 || dloss.dtype() != probs.dtype() {
@@ -1029,7 +1037,8 @@ impl Kernel for AuxLossGradKernel {
                 dloss.dtype(),
                 dloss.shape(),
                 probs.dtype()
-            ));
+            )
+            .into());
         }
         let (n, e, f) = aux_fractions(OP, ctx.node, probs, expert)?;
         let out = dispatch_real!(probs.dtype(), aux_grad_typed(dloss, n, e, &f, self.alpha))?;

@@ -56,7 +56,11 @@ fn require_rank(op: &str, what: &str, t: &TensorType, n: usize) -> Result<(), St
 }
 
 /// Shape rule of an elementwise gradient `(a, b) -> out`: same float dtype, same shape (merged).
-fn grad_pair(op: &str, names: (&str, &str), ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn grad_pair(
+    op: &str,
+    names: (&str, &str),
+    ctx: &InferCtx<'_>,
+) -> Result<Vec<TensorType>, OpError> {
     let (a, b) = (ctx.input(0)?, ctx.input(1)?);
     let dtype = require_same(op, (names.0, a), (names.1, b))?;
     require_float(&format!("{op}: {}", names.0), a)?;
@@ -85,21 +89,22 @@ fn bias_add() -> OpDef {
     .cpu_kernel(|_| stateless(bias_add_kernel))
 }
 
-fn bias_add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn bias_add_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (value, bias) = (ctx.input(0)?, ctx.input(1)?);
     if value.rank() < 2 || bias.rank() != 1 || value.dims().last() != bias.dims().first() {
         return Err(format!(
             "BiasAdd: bias {} must be rank 1 and match the last dimension of value {} (rank >= 2)",
             bias.shape(),
             value.shape()
-        ));
+        )
+        .into());
     }
     let out0 = ctx.output_alloc(0);
     let out = num_binary!(in &out0; "BiasAdd", value, bias, float: |a, b| a + b, int: |a, b| a.wrapping_add(b))?;
     ctx.set_output(0, out)
 }
 
-fn bias_add_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn bias_add_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (value, bias) = (ctx.input(0)?, ctx.input(1)?);
     let dtype = require_same("BiasAdd", ("value", value), ("bias", bias))?;
     require_numeric("BiasAdd", "value", value)?;
@@ -115,7 +120,8 @@ fn bias_add_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                 return Err(format!(
                     "BiasAdd: bias {} does not match the last dimension of value {}",
                     bias.shape, value.shape
-                ))
+                )
+                .into())
             }
             (None, b) => *last = b,
             _ => {}
@@ -139,7 +145,7 @@ fn relu() -> OpDef {
     .cpu_kernel(|_| stateless(relu_kernel))
 }
 
-fn relu_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn relu_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let y = float_unary!("Relu", ctx.input(0)?, |v| if v < 0.0 { 0.0 } else { v })?;
     ctx.set_output(0, y)
 }
@@ -159,7 +165,7 @@ fn sigmoid() -> OpDef {
     .cpu_kernel(|_| stateless(sigmoid_kernel))
 }
 
-fn sigmoid_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn sigmoid_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let y = float_unary!("Sigmoid", ctx.input(0)?, |v| 1.0 / (1.0 + (-v).exp()))?;
     ctx.set_output(0, y)
 }
@@ -179,7 +185,7 @@ fn tanh() -> OpDef {
     .cpu_kernel(|_| stateless(tanh_kernel))
 }
 
-fn tanh_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn tanh_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let y = float_unary!("Tanh", ctx.input(0)?, |v| v.tanh())?;
     ctx.set_output(0, y)
 }
@@ -261,14 +267,15 @@ fn softmax_rows<T: Real>(x: &Tensor, causal: bool) -> Result<Tensor, String> {
 }
 
 impl crate::kernel::Kernel for SoftmaxKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let min_rank = if self.causal { 2 } else { 1 };
         if x.rank() < min_rank {
             return Err(format!(
                 "Softmax: logits must have rank >= {min_rank}, got shape {}",
                 x.shape()
-            ));
+            )
+            .into());
         }
         let causal = self.causal;
         let y = match x.dtype() {
@@ -300,7 +307,7 @@ fn softmax_grad() -> OpDef {
     .cpu_kernel(|_| stateless(softmax_grad_kernel))
 }
 
-fn softmax_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn softmax_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (dy, y) = (ctx.input(0)?, ctx.input(1)?);
     same_shape("SoftmaxGrad", ("dy", dy), ("y", y))?;
     if dy.dtype() != y.dtype() || y.rank() == 0 {
@@ -310,7 +317,8 @@ fn softmax_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             dy.shape(),
             y.dtype(),
             y.shape()
-        ));
+        )
+        .into());
     }
     fn rows<T: Real>(dy: &Tensor, y: &Tensor) -> Result<Tensor, String> {
         let c = y.dims().last().copied().unwrap_or(0);
@@ -362,7 +370,7 @@ fn sparse_softmax_cross_entropy_with_logits() -> OpDef {
 /// TensorFlow semantics: `loss[i] = logsumexp(features[i]) - features[i, labels[i]]` and
 /// `backprop[i] = softmax(features[i]) - onehot(labels[i])`, computed stably (shifted by the row
 /// maximum). A label outside `[0, classes)` is an error naming the label and its row.
-fn sparse_xent_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn sparse_xent_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     const OP: &str = "SparseSoftmaxCrossEntropyWithLogits";
     let (features, labels) = (ctx.input(0)?, ctx.input(1)?);
     if features.rank() != 2 || labels.rank() != 1 || features.dims()[0] != labels.dims()[0] {
@@ -370,22 +378,22 @@ fn sparse_xent_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             "{OP}: features must be [batch, classes] and labels [batch], got features {} and labels {}",
             features.shape(),
             labels.shape()
-        ));
+        ).into());
     }
     let classes = features.dims()[1];
     let labels: Vec<i64> = match labels.dtype() {
         DType::I32 => slice::<i32>(labels)?.iter().map(|&l| l.into()).collect(),
         DType::I64 => slice::<i64>(labels)?.to_vec(),
-        d => return Err(format!("{OP}: labels must be i32 or i64, got {d}")),
+        d => return Err(format!("{OP}: labels must be i32 or i64, got {d}").into()),
     };
     let mut rows = Vec::with_capacity(labels.len());
     for (row, &l) in labels.iter().enumerate() {
         match usize::try_from(l) {
             Ok(k) if k < classes => rows.push(k),
             _ => {
-                return Err(format!(
-                    "{OP}: label {l} at row {row} is out of range [0, {classes})"
-                ))
+                return Err(
+                    format!("{OP}: label {l} at row {row} is out of range [0, {classes})").into(),
+                )
             }
         }
     }
@@ -433,12 +441,12 @@ fn sparse_xent_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     ctx.set_output(1, backprop)
 }
 
-fn sparse_xent_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn sparse_xent_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     const OP: &str = "SparseSoftmaxCrossEntropyWithLogits";
     let (features, labels) = (ctx.input(0)?, ctx.input(1)?);
     require_float(&format!("{OP}: features"), features)?;
     if !labels.dtype.is_int() {
-        return Err(format!("{OP}: labels must be i32 or i64, got {labels}"));
+        return Err(format!("{OP}: labels must be i32 or i64, got {labels}").into());
     }
     require_rank(OP, "features", features, 2)?;
     require_rank(OP, "labels", labels, 1)?;
@@ -448,7 +456,8 @@ fn sparse_xent_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
             return Err(format!(
                 "{OP}: features {} and labels {} disagree on the batch size",
                 features.shape, labels.shape
-            ))
+            )
+            .into())
         }
         (f, l) => f.or(l),
     };
@@ -474,7 +483,7 @@ fn relu_grad() -> OpDef {
     .cpu_kernel(|_| stateless(relu_grad_kernel))
 }
 
-fn relu_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn relu_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (g, f) = (ctx.input(0)?, ctx.input(1)?);
     same_shape("ReluGrad", ("gradients", g), ("features", f))?;
     let z = num_binary!("ReluGrad", g, f, float: |g, f| if f > 0.0 { g } else { 0.0 }, int: none)?;
@@ -497,7 +506,7 @@ fn sigmoid_grad() -> OpDef {
     .cpu_kernel(|_| stateless(sigmoid_grad_kernel))
 }
 
-fn sigmoid_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn sigmoid_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (y, dy) = (ctx.input(0)?, ctx.input(1)?);
     same_shape("SigmoidGrad", ("y", y), ("dy", dy))?;
     let z = num_binary!("SigmoidGrad", y, dy, float: |y, dy| dy * y * (1.0 - y), int: none)?;
@@ -520,7 +529,7 @@ fn tanh_grad() -> OpDef {
     .cpu_kernel(|_| stateless(tanh_grad_kernel))
 }
 
-fn tanh_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn tanh_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (y, dy) = (ctx.input(0)?, ctx.input(1)?);
     same_shape("TanhGrad", ("y", y), ("dy", dy))?;
     let z = num_binary!("TanhGrad", y, dy, float: |y, dy| dy * (1.0 - y * y), int: none)?;
@@ -549,7 +558,7 @@ fn bias_add_grad() -> OpDef {
     .cpu_kernel(|_| stateless(bias_add_grad_kernel))
 }
 
-fn bias_add_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn bias_add_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let g = ctx.input(0)?;
     let c = match g.dims() {
         [_, .., c] => *c,
@@ -557,7 +566,8 @@ fn bias_add_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             return Err(format!(
                 "BiasAddGrad: out_backprop must have rank >= 2, got shape {}",
                 g.shape()
-            ))
+            )
+            .into())
         }
     };
     fn sum_rows<T: Element>(
@@ -621,13 +631,22 @@ mod tests {
     #[test]
     fn bias_add_errors() {
         let e = infer("BiasAdd", &[tt(F32, &[32, 10]), tt(F32, &[9])], &[]).unwrap_err();
-        assert!(e.contains("[9]") && e.contains("[32, 10]"), "{e}");
+        assert!(
+            e.to_string().contains("[9]") && e.to_string().contains("[32, 10]"),
+            "{e}"
+        );
         let e = infer("BiasAdd", &[tt(F32, &[10]), tt(F32, &[10])], &[]).unwrap_err();
-        assert!(e.contains("rank >= 2") && e.contains("[10]"), "{e}");
+        assert!(
+            e.to_string().contains("rank >= 2") && e.to_string().contains("[10]"),
+            "{e}"
+        );
         let e = infer("BiasAdd", &[tt(F32, &[2, 10]), tt(F32, &[1, 10])], &[]).unwrap_err();
-        assert!(e.contains("bias must have rank 1"), "{e}");
+        assert!(e.to_string().contains("bias must have rank 1"), "{e}");
         let e = infer("BiasAdd", &[tt(F32, &[2, 10]), tt(F64, &[10])], &[]).unwrap_err();
-        assert!(e.contains("f32[2, 10]") && e.contains("f64[10]"), "{e}");
+        assert!(
+            e.to_string().contains("f32[2, 10]") && e.to_string().contains("f64[10]"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -638,10 +657,16 @@ mod tests {
                 Ok(vec![tt(F32, &[-1, 10])])
             );
             let e = infer(op, &[tt(I32, &[2])], &[]).unwrap_err();
-            assert!(e.contains(op) && e.contains("i32"), "{e}");
+            assert!(
+                e.to_string().contains(op) && e.to_string().contains("i32"),
+                "{e}"
+            );
         }
         let e = infer("Softmax", &[tt(F32, &[])], &[]).unwrap_err();
-        assert!(e.contains("rank >= 1") && e.contains("[]"), "{e}");
+        assert!(
+            e.to_string().contains("rank >= 1") && e.to_string().contains("[]"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -665,16 +690,25 @@ mod tests {
             Ok(vec![tt(F64, &[-1]), tt(F64, &[-1, -1])])
         );
         let e = infer(OP, &[tt(F32, &[32, 10]), tt(I64, &[16])], &[]).unwrap_err();
-        assert!(e.contains("[32, 10]") && e.contains("[16]"), "{e}");
+        assert!(
+            e.to_string().contains("[32, 10]") && e.to_string().contains("[16]"),
+            "{e}"
+        );
         let e = infer(OP, &[tt(F32, &[32, 10]), tt(F32, &[32])], &[]).unwrap_err();
-        assert!(e.contains("labels") && e.contains("f32[32]"), "{e}");
+        assert!(
+            e.to_string().contains("labels") && e.to_string().contains("f32[32]"),
+            "{e}"
+        );
         let e = infer(OP, &[tt(I32, &[32, 10]), tt(I32, &[32])], &[]).unwrap_err();
-        assert!(e.contains("features") && e.contains("i32"), "{e}");
+        assert!(
+            e.to_string().contains("features") && e.to_string().contains("i32"),
+            "{e}"
+        );
         let e = infer(OP, &[tt(F32, &[32]), tt(I32, &[32])], &[]).unwrap_err();
-        assert!(e.contains("features must have rank 2"), "{e}");
+        assert!(e.to_string().contains("features must have rank 2"), "{e}");
         let e = infer(OP, &[tt(F32, &[32, 10]), tt(I32, &[32, 1])], &[]).unwrap_err();
         assert!(
-            e.contains("labels must have rank 1") && e.contains("[32, 1]"),
+            e.to_string().contains("labels must have rank 1") && e.to_string().contains("[32, 1]"),
             "{e}"
         );
     }
@@ -692,11 +726,16 @@ mod tests {
             );
             let e = infer(op, &[tt(F32, &[4, 10]), tt(F32, &[4, 9])], &[]).unwrap_err();
             assert!(
-                e.contains(a) && e.contains(b) && e.contains("[4, 9]"),
+                e.to_string().contains(a)
+                    && e.to_string().contains(b)
+                    && e.to_string().contains("[4, 9]"),
                 "{e}"
             );
             let e = infer(op, &[tt(F32, &[4]), tt(F64, &[4])], &[]).unwrap_err();
-            assert!(e.contains("f32[4]") && e.contains("f64[4]"), "{e}");
+            assert!(
+                e.to_string().contains("f32[4]") && e.to_string().contains("f64[4]"),
+                "{e}"
+            );
             assert!(infer(op, &[tt(I32, &[4]), tt(I32, &[4])], &[]).is_err());
         }
     }
@@ -716,7 +755,10 @@ mod tests {
             Ok(vec![tt(F32, &[-1])])
         );
         let e = infer("BiasAddGrad", &[tt(F32, &[10])], &[]).unwrap_err();
-        assert!(e.contains("rank >= 2") && e.contains("[10]"), "{e}");
+        assert!(
+            e.to_string().contains("rank >= 2") && e.to_string().contains("[10]"),
+            "{e}"
+        );
     }
 }
 

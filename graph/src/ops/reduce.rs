@@ -57,7 +57,7 @@ fn reduction(name: &'static str, summary: &'static str, infer: ShapeFn) -> OpDef
 }
 
 /// Shape rule shared by Sum, Mean and Max.
-fn reduce_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn reduce_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     require_numeric(op, "input", x)?;
     let axes = ctx.ints("axes")?;
@@ -67,7 +67,7 @@ fn reduce_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String>
         // every axis is reduced away.
         for (i, a) in axes.iter().enumerate() {
             if axes[..i].contains(a) {
-                return Err(format!("{op}: axis {a} is listed twice in axes {axes:?}"));
+                return Err(format!("{op}: axis {a} is listed twice in axes {axes:?}").into());
             }
         }
         let shape = if axes.is_empty() && !keep_dims {
@@ -85,7 +85,8 @@ fn reduce_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String>
             return Err(format!(
                 "{op}: axes {axes:?} name dimension {i} of input shape {} more than once",
                 x.shape
-            ));
+            )
+            .into());
         }
         reduced[i] = true;
     }
@@ -130,7 +131,7 @@ fn reduce_factory(
     op: &'static str,
     kind: Reduction,
     init: &KernelInit<'_>,
-) -> Result<Box<dyn Kernel>, String> {
+) -> Result<Box<dyn Kernel>, OpError> {
     Ok(Box::new(ReduceKernel {
         op,
         kind,
@@ -325,7 +326,7 @@ pub(crate) fn sum_over(
 }
 
 impl Kernel for ReduceKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let y = reduce_tensor(self.op, self.kind, x, &self.axes, self.keep_dims)?;
         ctx.set_output(0, y)
@@ -403,7 +404,7 @@ fn arg_max() -> OpDef {
         Ok(Box::new(ArgMaxKernel {
             axis: match init.attr("axis")? {
                 AttrValue::Int(a) => *a,
-                v => return Err(format!("attribute `axis` is {}, not int", v.ty())),
+                v => return Err(format!("attribute `axis` is {}, not int", v.ty()).into()),
             },
             output_type: attr_dtype(init, "output_type")?,
         }))
@@ -442,14 +443,13 @@ fn arg_max_typed<T: Element>(
 }
 
 impl Kernel for ArgMaxKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let dims = x.dims();
         if dims.is_empty() {
-            return Err(format!(
-                "ArgMax: input must have rank >= 1, got shape {}",
-                x.shape()
-            ));
+            return Err(
+                format!("ArgMax: input must have rank >= 1, got shape {}", x.shape()).into(),
+            );
         }
         let a = normalize_axis("ArgMax", self.axis, dims.len(), &x.shape())?;
         let (outer, n, inner): (usize, usize, usize) = (
@@ -464,7 +464,8 @@ impl Kernel for ArgMaxKernel {
                 "ArgMax: axis {} of input shape {} is empty; there is no largest value",
                 self.axis,
                 x.shape()
-            ));
+            )
+            .into());
         }
         fn float_better<T: Real>(v: T, b: T) -> bool {
             v > b || (v.is_nan() && !b.is_nan())
@@ -478,7 +479,7 @@ impl Kernel for ArgMaxKernel {
             DType::BF16 | DType::F16 => {
                 arg_max_typed(slice::<f32>(&to_f32(x)?)?, geom, float_better::<f32>)
             }
-            d => return Err(unsupported("ArgMax", d)),
+            d => return Err(unsupported("ArgMax", d).into()),
         };
         let y = match self.output_type {
             DType::I64 => Tensor::from_slice(&out_dims, &idx).map_err(|e| e.to_string())?,
@@ -490,30 +491,25 @@ impl Kernel for ArgMaxKernel {
                     .map_err(|_| format!("ArgMax: index does not fit in i32 (axis length {n})"))?;
                 Tensor::from_slice(&out_dims, &narrow).map_err(|e| e.to_string())?
             }
-            d => return Err(format!("ArgMax: output_type must be i32 or i64, got {d}")),
+            d => return Err(format!("ArgMax: output_type must be i32 or i64, got {d}").into()),
         };
         ctx.set_output(0, y)
     }
 }
 
-fn arg_max_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn arg_max_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     require_numeric("ArgMax", "input", x)?;
     let axis = ctx.int("axis")?;
     let out_type = ctx.dtype("output_type")?;
     if !out_type.is_int() {
-        return Err(format!(
-            "ArgMax: output_type must be i32 or i64, got {out_type}"
-        ));
+        return Err(format!("ArgMax: output_type must be i32 or i64, got {out_type}").into());
     }
     let Some(dims) = x.shape.dims() else {
         return Ok(vec![TensorType::new(out_type, Shape::unknown())]);
     };
     if dims.is_empty() {
-        return Err(format!(
-            "ArgMax: input must have rank >= 1, got shape {}",
-            x.shape
-        ));
+        return Err(format!("ArgMax: input must have rank >= 1, got shape {}", x.shape).into());
     }
     let i = normalize_axis("ArgMax", axis, dims.len(), &x.shape)?;
     let mut out = dims.to_vec();
@@ -629,18 +625,24 @@ mod tests {
     #[test]
     fn arg_max_errors() {
         let e = infer("ArgMax", &[tt(F32, &[4, 5])], &[("axis", 2i64.into())]).unwrap_err();
-        assert!(e.contains("axis 2") && e.contains("[4, 5]"), "{e}");
+        assert!(
+            e.to_string().contains("axis 2") && e.to_string().contains("[4, 5]"),
+            "{e}"
+        );
         let e = infer("ArgMax", &[tt(F32, &[])], &[("axis", 0i64.into())]).unwrap_err();
-        assert!(e.contains("rank >= 1"), "{e}");
+        assert!(e.to_string().contains("rank >= 1"), "{e}");
         let e = infer(
             "ArgMax",
             &[tt(F32, &[4])],
             &[("axis", 0i64.into()), ("output_type", F32.into())],
         )
         .unwrap_err();
-        assert!(e.contains("output_type") && e.contains("f32"), "{e}");
+        assert!(
+            e.to_string().contains("output_type") && e.to_string().contains("f32"),
+            "{e}"
+        );
         let e = infer("ArgMax", &[tt(F32, &[4])], &[]).unwrap_err();
-        assert!(e.contains("axis"), "{e}");
+        assert!(e.to_string().contains("axis"), "{e}");
     }
 }
 

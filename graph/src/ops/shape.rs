@@ -160,7 +160,7 @@ fn check_perm(perm: &[i64], rank: usize, shape: &Shape) -> Result<Vec<usize>, St
     Ok(out)
 }
 
-fn transpose_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn transpose_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     let perm = ctx.ints("perm")?;
     let Some(dims) = x.shape.dims() else {
@@ -183,7 +183,7 @@ struct TransposeKernel {
 }
 
 impl Kernel for TransposeKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let p = check_perm(&self.perm, x.rank(), &x.shape())?;
         if p.iter().enumerate().all(|(i, &j)| i == j) {
@@ -230,7 +230,7 @@ fn num_split(n: i64) -> Result<usize, String> {
         .ok_or_else(|| format!("Split: num_split must be >= 1, got {n}"))
 }
 
-fn split_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn split_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     let n = num_split(ctx.int("num_split")?)?;
     let Some(axis) = axis_of("Split", ctx.int("axis")?, x)? else {
@@ -243,7 +243,8 @@ fn split_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                 "Split: dimension {axis} of value {} has size {d}, which num_split {n} does not \
                  divide",
                 x.shape
-            ));
+            )
+            .into());
         }
         dims[axis] = Some(d / n);
     }
@@ -281,7 +282,7 @@ fn split_parts<T: Element>(x: &Tensor, axis: usize, n: usize) -> Result<Vec<Tens
 }
 
 impl Kernel for SplitKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let n = num_split(self.num_split)?;
         let axis = normalize_axis("Split", self.axis, x.rank(), &x.shape())?;
@@ -291,7 +292,8 @@ impl Kernel for SplitKernel {
                  divide",
                 x.shape(),
                 x.dims()[axis]
-            ));
+            )
+            .into());
         }
         let parts = dispatch_any!(x.dtype(), split_parts(x, axis, n))?;
         for (k, t) in parts.into_iter().enumerate() {
@@ -323,7 +325,7 @@ fn concat() -> OpDef {
     })
 }
 
-fn concat_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn concat_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let first = ctx
         .inputs
         .first()
@@ -341,7 +343,8 @@ fn concat_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                     "Concat: values[{i}] has shape {} but an earlier value has rank {r}; all must \
                      have the same rank",
                     t.shape
-                ))
+                )
+                .into())
             }
             _ => rank = Some(dims.len()),
         }
@@ -368,7 +371,8 @@ fn concat_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
                         "Concat: values[{i}] has shape {} but an earlier value has size {a} in \
                          dimension {k}; all dimensions but axis {axis} must match",
                         t.shape
-                    ))
+                    )
+                    .into())
                 }
                 (None, d) => *o = d,
                 _ => {}
@@ -410,7 +414,7 @@ fn concat_parts<T: Element>(
 }
 
 impl Kernel for ConcatKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let xs = ctx.inputs;
         let first = ctx.input(0)?;
         let axis = normalize_axis("Concat", self.axis, first.rank(), &first.shape())?;
@@ -432,7 +436,8 @@ impl Kernel for ConcatKernel {
                     x.shape(),
                     first.dtype(),
                     first.shape()
-                ));
+                )
+                .into());
             }
             out_dims[axis] += x.dims()[axis];
         }
@@ -502,7 +507,7 @@ fn slice_bounds(
     Ok(out)
 }
 
-fn slice_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn slice_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let x = ctx.input(0)?;
     let (begin, size) = (ctx.ints("begin")?, ctx.ints("size")?);
     let dims = match x.shape.dims() {
@@ -523,7 +528,7 @@ struct SliceKernel {
 }
 
 impl Kernel for SliceKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let dims: Vec<Option<usize>> = x.dims().iter().map(|&d| Some(d)).collect();
         let bounds = slice_bounds(&self.begin, &self.size, &dims, &x.shape())?;
@@ -557,7 +562,8 @@ fn slice_grad() -> OpDef {
                     return Err(format!(
                         "SliceGrad: dy {} and like {} must have the rank of begin {begin:?}",
                         dy.shape, like.shape
-                    ));
+                    )
+                    .into());
                 }
             }
             Ok(vec![TensorType::new(dy.dtype, like.shape.clone())])
@@ -617,7 +623,7 @@ fn scatter_block<T: Element>(
 }
 
 impl Kernel for SliceGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (dy, like) = (ctx.input(0)?, ctx.input(1)?);
         let dims = like.dims();
         let bad = || {
@@ -629,13 +635,13 @@ impl Kernel for SliceGradKernel {
             )
         };
         if dy.rank() != dims.len() || self.begin.len() != dims.len() {
-            return Err(bad());
+            return Err(bad().into());
         }
         let mut begin = Vec::with_capacity(dims.len());
         for ((&b, &d), &n) in self.begin.iter().zip(dims).zip(dy.dims()) {
             let b = usize::try_from(b).map_err(|_| bad())?;
             if b.checked_add(n).map_or(true, |e| e > d) {
-                return Err(bad());
+                return Err(bad().into());
             }
             begin.push(b);
         }

@@ -72,9 +72,9 @@ fn shard_rows() -> OpDef {
         |ctx| {
             let ids = ctx.input(0)?;
             if !matches!(ids.dtype, DType::I32 | DType::I64) {
-                return Err(format!(
-                    "EmbeddingShardRows: ids must be i32 or i64, got {ids}"
-                ));
+                return Err(
+                    format!("EmbeddingShardRows: ids must be i32 or i64, got {ids}").into(),
+                );
             }
             let p = ShardSpec::from_attrs(
                 ctx.int("vocab")?,
@@ -151,7 +151,7 @@ impl ShardSpec {
 struct ShardRowsKernel(ShardSpec);
 
 impl Kernel for ShardRowsKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "EmbeddingShardRows";
         let s = &self.0;
         let ids = ids_of(OP, ctx.node, ctx.input(0)?)?;
@@ -173,7 +173,8 @@ impl Kernel for ShardRowsKernel {
                     "{OP} `{}`: the ids touch more than {} distinct rows of shard {}; the \
                      buffers are sized for at most {} (one per id of the batch)",
                     ctx.node, s.capacity, s.shard, s.capacity
-                ));
+                )
+                .into());
             }
             rows[p] = row as i64;
             slots[k] = p as i64;
@@ -201,7 +202,8 @@ fn shard_gather() -> OpDef {
                 Some([]) => {
                     return Err(format!(
                         "EmbeddingShardGather: params must have rank >= 1, got {params}"
-                    ))
+                    )
+                    .into())
                 }
                 Some(p) => Shape::partial(
                     std::iter::once(rows.shape.dim(0))
@@ -277,7 +279,7 @@ fn gather_padded<T: Element>(
 struct ShardGatherKernel;
 
 impl Kernel for ShardGatherKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "EmbeddingShardGather";
         let (params, rows) = (ctx.input(0)?, ctx.input(1)?);
         let Some(&r) = params.dims().first() else {
@@ -285,7 +287,8 @@ impl Kernel for ShardGatherKernel {
                 "{OP} `{}`: params must have rank >= 1, got shape {}",
                 ctx.node,
                 params.shape()
-            ));
+            )
+            .into());
         };
         let rows = checked_rows(OP, ctx.node, rows, r)?;
         let out_dims: Vec<usize> = std::iter::once(rows.len())
@@ -344,7 +347,7 @@ fn scatter_padded<T: Real>(
 struct ShardScatterKernel;
 
 impl Kernel for ShardScatterKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "EmbeddingShardScatter";
         let (rows, values, like) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         let dims = like.dims();
@@ -360,7 +363,8 @@ impl Kernel for ShardScatterKernel {
                 values.shape(),
                 rows.shape(),
                 like.shape()
-            ));
+            )
+            .into());
         }
         let rows = checked_rows(OP, ctx.node, rows, dims[0])?;
         let out = dispatch_real!(values.dtype(), scatter_padded(&rows, values, dims))?;
@@ -387,7 +391,8 @@ fn shard_stitch() -> OpDef {
                 return Err(format!(
                     "{OP}: takes ids and then (slots, vals) per shard, got {} inputs",
                     n
-                ));
+                )
+                .into());
             }
             let first = ctx.input(2)?;
             for s in 0..(n - 1) / 2 {
@@ -409,7 +414,8 @@ fn shard_stitch() -> OpDef {
                     return Err(format!(
                         "{OP}: vals_{s} is {v} but vals_0 is {first}; each must be [C_s, d..] of \
                          one dtype"
-                    ));
+                    )
+                    .into());
                 }
             }
             let shape = match (ids.shape.dims(), first.shape.dims()) {
@@ -467,7 +473,7 @@ fn stitch<T: Element>(
 struct ShardStitchKernel;
 
 impl Kernel for ShardStitchKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "EmbeddingShardStitch";
         let ids = ctx.input(0)?;
         let k = ids.num_elements();
@@ -481,15 +487,16 @@ impl Kernel for ShardStitchKernel {
                     ctx.node,
                     slots.dtype(),
                     slots.shape()
-                ));
+                )
+                .into());
             }
             if vals.rank() == 0 {
-                return Err(format!("{OP} `{}`: vals_{s} must have rank >= 1", ctx.node));
+                return Err(format!("{OP} `{}`: vals_{s} must have rank >= 1", ctx.node).into());
             }
             parts.push((slice::<i64>(slots)?, vals));
         }
         let Some(&(_, first)) = parts.first() else {
-            return Err(format!("{OP} `{}`: no shards", ctx.node));
+            return Err(format!("{OP} `{}`: no shards", ctx.node).into());
         };
         let trailing = &first.dims()[1..];
         if let Some(s) = parts
@@ -503,7 +510,8 @@ impl Kernel for ShardStitchKernel {
                 parts[s].1.shape(),
                 first.dtype(),
                 first.shape()
-            ));
+            )
+            .into());
         }
         let row: usize = trailing.iter().product();
         let out_dims: Vec<usize> = ids.dims().iter().chain(trailing).copied().collect();
@@ -578,7 +586,7 @@ fn stitch_grad<T: Real>(
 struct ShardStitchGradKernel;
 
 impl Kernel for ShardStitchGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (slots, dy, like) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         if slots.dtype() != DType::I64 || slots.rank() != 1 || like.rank() == 0 {
             return Err(format!(
@@ -588,7 +596,8 @@ impl Kernel for ShardStitchGradKernel {
                 slots.dtype(),
                 slots.shape(),
                 like.shape()
-            ));
+            )
+            .into());
         }
         let slots = slice::<i64>(slots)?;
         let out = dispatch_real!(dy.dtype(), stitch_grad(ctx.node, slots, dy, like.dims()))?;

@@ -179,7 +179,7 @@ pub fn unique_with_inverse(x: &[i64]) -> (Vec<i64>, Vec<usize>) {
 }
 
 impl Kernel for UniqueKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let values = index_values("Unique", ctx.node, "x", x)?;
         let (y, idx) = unique_with_inverse(&values);
@@ -255,7 +255,7 @@ fn segment_combine(c: Combiner) -> OpDef {
         .cpu_kernel(factory)
 }
 
-fn segment_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn segment_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (data, indices, seg) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
     require_float(&format!("{op}: data"), data)?;
     require_index(op, "indices", indices)?;
@@ -265,15 +265,13 @@ fn segment_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String
             return Err(format!(
                 "{op}: indices {} and segment_ids {} must have the same length",
                 indices.shape, seg.shape
-            ));
+            )
+            .into());
         }
     }
     let shape = match data.shape.dims() {
         Some([]) => {
-            return Err(format!(
-                "{op}: data must have rank >= 1, got shape {}",
-                data.shape
-            ))
+            return Err(format!("{op}: data must have rank >= 1, got shape {}", data.shape).into())
         }
         Some(d) => Shape::partial(
             std::iter::once(None)
@@ -384,7 +382,7 @@ fn segment_typed<T: Real>(data: &Tensor, s: &Segments, c: Combiner) -> Result<Te
 }
 
 impl Kernel for SegmentKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let op = self.0.op();
         let (data, indices, seg) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         let Some(&v) = data.dims().first() else {
@@ -392,13 +390,14 @@ impl Kernel for SegmentKernel {
                 "{op} `{}`: data must have rank >= 1, got shape {}",
                 ctx.node,
                 data.shape()
-            ));
+            )
+            .into());
         };
         let s = Segments::check(op, ctx.node, indices, seg, v)?;
         let c = self.0;
         let out = match data.dtype() {
             d @ (DType::BF16 | DType::F16) => {
-                from_f32(&segment_typed::<f32>(&to_f32(data)?, &s, c)?, d)
+                from_f32(&segment_typed::<f32>(&to_f32(data)?, &s, c)?, d).map_err(OpError::from)
             }
             d => dispatch_real!(d, segment_typed(data, &s, c)),
         }?;
@@ -428,10 +427,9 @@ fn segment_combine_grad() -> OpDef {
             let k = indices.shape.dim(0).or(seg.shape.dim(0));
             let shape = match grad.shape.dims() {
                 Some([]) => {
-                    return Err(format!(
-                        "{OP}: grad must have rank >= 1, got shape {}",
-                        grad.shape
-                    ))
+                    return Err(
+                        format!("{OP}: grad must have rank >= 1, got shape {}", grad.shape).into(),
+                    )
                 }
                 Some(d) => {
                     Shape::partial(std::iter::once(k).chain(d[1..].iter().copied()).collect())
@@ -474,7 +472,7 @@ fn segment_grad_typed<T: Real>(grad: &Tensor, s: &Segments, c: Combiner) -> Resu
 }
 
 impl Kernel for SegmentGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "SparseSegmentCombineGrad";
         let (grad, indices, seg) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         if grad.rank() == 0 {
@@ -482,7 +480,8 @@ impl Kernel for SegmentGradKernel {
                 "{OP} `{}`: grad must have rank >= 1, got shape {}",
                 ctx.node,
                 grad.shape()
-            ));
+            )
+            .into());
         }
         // Indices are only checked for type and length here (SparseRowsToDense checks range).
         let s = Segments::check(OP, ctx.node, indices, seg, usize::MAX)?;
@@ -492,12 +491,14 @@ impl Kernel for SegmentGradKernel {
                 ctx.node,
                 grad.dims()[0],
                 s.sizes.len() as i64 - 1
-            ));
+            )
+            .into());
         }
         let c = self.0;
         let out = match grad.dtype() {
             d @ (DType::BF16 | DType::F16) => {
                 from_f32(&segment_grad_typed::<f32>(&to_f32(grad)?, &s, c)?, d)
+                    .map_err(OpError::from)
             }
             d => dispatch_real!(d, segment_grad_typed(grad, &s, c)),
         }?;

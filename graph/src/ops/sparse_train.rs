@@ -266,13 +266,13 @@ fn sparse_sgd_typed<T: Real>(
 }
 
 impl Kernel for SparseSgdKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (indices, values) = (ctx.input(1)?, ctx.input(2)?);
         let var = ctx.variable_at(0)?;
-        dispatch_real!(
+        Ok(dispatch_real!(
             values.dtype(),
             sparse_sgd_typed(ctx.node, var, indices, values, self.lr, self.skip_padding)
-        )
+        )?)
     }
 }
 
@@ -363,14 +363,14 @@ fn sparse_adagrad_typed<T: Real>(
 }
 
 impl Kernel for SparseAdagradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (indices, values) = (ctx.input(2)?, ctx.input(3)?);
         let cells = [ctx.variable_at(0)?, ctx.variable_at(1)?];
         distinct("SparseApplyAdagrad", ctx.node, &cells)?;
-        dispatch_real!(
+        Ok(dispatch_real!(
             values.dtype(),
             sparse_adagrad_typed(self, ctx.node, cells, indices, values)
-        )
+        )?)
     }
 }
 
@@ -402,7 +402,7 @@ fn sparse_lazy_adam() -> OpDef {
             )?;
             let t = ctx.input(3)?;
             if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
-                return Err(format!("{OP}: t must be a numeric scalar, got {t}"));
+                return Err(format!("{OP}: t must be a numeric scalar, got {t}").into());
             }
             Ok(vec![])
         },
@@ -488,7 +488,7 @@ fn lazy_adam_typed<T: Real>(
 }
 
 impl Kernel for LazyAdamKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let t = ctx.input(3)?;
         let step = match (t.num_elements(), t.to_f64_vec().first()) {
             (1, Some(&x)) => x,
@@ -497,7 +497,8 @@ impl Kernel for LazyAdamKernel {
                     "SparseApplyLazyAdam `{}`: t must be a scalar, got shape {}",
                     ctx.node,
                     t.shape()
-                ))
+                )
+                .into())
             }
         };
         let (indices, values) = (ctx.input(4)?, ctx.input(5)?);
@@ -507,9 +508,9 @@ impl Kernel for LazyAdamKernel {
             ctx.variable_at(2)?,
         ];
         distinct("SparseApplyLazyAdam", ctx.node, &cells)?;
-        dispatch_real!(
+        Ok(dispatch_real!(
             values.dtype(),
             lazy_adam_typed(self, ctx.node, cells, step, indices, values)
-        )
+        )?)
     }
 }

@@ -11,6 +11,7 @@
 
 use super::{registry, InferCtx, TensorType};
 use crate::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
+use crate::OpError;
 use crate::{AttrValue, Tensor};
 use std::collections::BTreeMap;
 
@@ -42,7 +43,7 @@ pub fn build_kernel(
     node: &str,
     attrs: &BTreeMap<String, AttrValue>,
     input_types: &[TensorType],
-) -> Result<Box<dyn Kernel>, String> {
+) -> Result<Box<dyn Kernel>, OpError> {
     let def = registry()
         .get(op)
         .ok_or_else(|| format!("unknown op `{op}`"))?;

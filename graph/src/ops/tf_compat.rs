@@ -54,7 +54,8 @@ fn adam_with_powers_op() -> OpDef {
                 if t.dtype != var.dtype || !t.shape.is_compatible_with(&var.shape) {
                     return Err(format!(
                         "ApplyAdamWithPowers: var is {var} but {name} is {t}; they must match"
-                    ));
+                    )
+                    .into());
                 }
             }
             for (i, name) in [(3, "beta1_power"), (4, "beta2_power")] {
@@ -62,7 +63,8 @@ fn adam_with_powers_op() -> OpDef {
                 if t.dtype != var.dtype || t.shape.rank().is_some_and(|r| r != 0) {
                     return Err(format!(
                         "ApplyAdamWithPowers: {name} must be a scalar of var's type, got {t}"
-                    ));
+                    )
+                    .into());
                 }
             }
             Ok(vec![])
@@ -102,7 +104,7 @@ fn float_attr(init: &KernelInit<'_>, name: &str) -> Result<f64, String> {
 }
 
 impl AdamPowersKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(AdamPowersKernel {
             lr: float_attr(init, "lr")?,
             beta1: float_attr(init, "beta1")?,
@@ -160,7 +162,7 @@ fn adam_powers<T: Real>(
 }
 
 impl Kernel for AdamPowersKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let scalar = |i: usize, what: &str| -> Result<f64, String> {
             let t = ctx.input(i)?;
             match t.to_f64_vec()[..] {
@@ -227,7 +229,7 @@ fn update_op(mode: Mode) -> OpDef {
         .cpu_kernel(build)
 }
 
-fn infer(mode: Mode, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn infer(mode: Mode, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (var, value) = (ctx.input(0)?, ctx.input(1)?);
     if mode != Mode::Set {
         require_float(&format!("{}: var", mode.name()), var)?;
@@ -236,12 +238,13 @@ fn infer(mode: Mode, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
         return Err(format!(
             "{}: var is {var} but value is {value}; they must have the same dtype and shape",
             mode.name()
-        ));
+        )
+        .into());
     }
     Ok(vec![])
 }
 
-fn build(mode: Mode) -> Result<Box<dyn Kernel>, String> {
+fn build(mode: Mode) -> Result<Box<dyn Kernel>, OpError> {
     Ok(Box::new(UpdateKernel { mode }))
 }
 
@@ -271,13 +274,13 @@ fn add_into<T: Real>(cell: &VariableCell, value: &Tensor, sign: f64) -> Result<(
 }
 
 impl Kernel for UpdateKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let value = ctx.input(1)?;
         let cell = ctx.variable_at(0)?;
         match self.mode {
-            Mode::Add => dispatch_real!(value.dtype(), add_into(cell, value, 1.0)),
-            Mode::Sub => dispatch_real!(value.dtype(), add_into(cell, value, -1.0)),
-            Mode::Set => cell.update(|slot| {
+            Mode::Add => Ok(dispatch_real!(value.dtype(), add_into(cell, value, 1.0))?),
+            Mode::Sub => Ok(dispatch_real!(value.dtype(), add_into(cell, value, -1.0))?),
+            Mode::Set => Ok(cell.update(|slot| {
                 if let Some(t) = slot.as_ref() {
                     if t.dims() != value.dims() || t.dtype() != value.dtype() {
                         return Err(format!(
@@ -291,7 +294,7 @@ impl Kernel for UpdateKernel {
                 }
                 *slot = Some(value.clone());
                 Ok(())
-            }),
+            })?),
         }
     }
 }
@@ -365,9 +368,7 @@ fn shape_op() -> OpDef {
             let x = ctx.input(0)?;
             let out = ctx.dtype("out_type")?;
             if !matches!(out, DType::I32 | DType::I64) {
-                return Err(format!(
-                    "Shape: out_type must be int32 or int64, found {out}"
-                ));
+                return Err(format!("Shape: out_type must be int32 or int64, found {out}").into());
             }
             Ok(vec![TensorType::new(
                 out,
@@ -391,14 +392,14 @@ struct ShapeKernel {
 }
 
 impl ShapeKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         let out = init.output_types.first().map_or(DType::I32, |t| t.dtype);
         Ok(Box::new(ShapeKernel { out }))
     }
 }
 
 impl Kernel for ShapeKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let out = if self.out == DType::I64 {
             let v: Vec<i64> = x.dims().iter().map(|&d| d as i64).collect();
@@ -441,7 +442,7 @@ fn fill_op() -> OpDef {
         |ctx| {
             let v = ctx.input(0)?;
             if v.shape.rank().is_some_and(|r| r != 0) {
-                return Err(format!("Fill: value must be a scalar, found {v}"));
+                return Err(format!("Fill: value must be a scalar, found {v}").into());
             }
             let dims = ctx
                 .ints("shape")?
@@ -465,16 +466,16 @@ struct FillKernel {
 }
 
 impl FillKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         match init.attr("shape")? {
             AttrValue::IntList(v) => Ok(Box::new(FillKernel { shape: v.clone() })),
-            v => Err(format!("attribute `shape` is {}, not list(int)", v.ty())),
+            v => Err(format!("attribute `shape` is {}, not list(int)", v.ty()).into()),
         }
     }
 }
 
 impl Kernel for FillKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let v = ctx.input(0)?;
         let dims = checked_dims(&self.shape, v.dtype(), "Fill")?;
         let n: usize = dims.iter().product();
@@ -491,7 +492,7 @@ fn tile_op() -> OpDef {
         |ctx| {
             let (x, m) = (ctx.input(0)?, ctx.input(1)?);
             if !matches!(m.dtype, DType::I32 | DType::I64) {
-                return Err(format!("Tile: multiples must be int32 or int64, found {m}"));
+                return Err(format!("Tile: multiples must be int32 or int64, found {m}").into());
             }
             Ok(vec![TensorType::new(x.dtype, rank_only(x.shape.rank()))])
         },
@@ -501,7 +502,7 @@ fn tile_op() -> OpDef {
     .cpu_kernel(|_| stateless(tile_kernel))
 }
 
-fn tile_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn tile_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?;
     let m = int_values(ctx.input(1)?, "Tile: multiples")?;
     if m.len() != x.rank() {
@@ -509,7 +510,8 @@ fn tile_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
             "Tile: multiples has {} entries but x has rank {}",
             m.len(),
             x.rank()
-        ));
+        )
+        .into());
     }
     let out_dims_i: Vec<i64> = x
         .dims()
@@ -560,9 +562,7 @@ fn gather_op() -> OpDef {
         |ctx| {
             let (p, i) = (ctx.input(0)?, ctx.input(1)?);
             if !matches!(i.dtype, DType::I32 | DType::I64) {
-                return Err(format!(
-                    "GatherV2: indices must be int32 or int64, found {i}"
-                ));
+                return Err(format!("GatherV2: indices must be int32 or int64, found {i}").into());
             }
             let shape = match (p.shape.dims(), i.shape.dims()) {
                 (Some(pd), Some(id)) => {
@@ -589,7 +589,7 @@ struct GatherKernel {
 }
 
 impl GatherKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(GatherKernel {
             axis: int_attr(init, "axis")?,
         }))
@@ -597,7 +597,7 @@ impl GatherKernel {
 }
 
 impl Kernel for GatherKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let p = ctx.input(0)?;
         let indices_t = ctx.input(1)?;
         let indices = int_values(indices_t, "GatherV2: indices")?;
@@ -637,9 +637,7 @@ fn prod_op() -> OpDef {
         |ctx| {
             let x = ctx.input(0)?;
             if !matches!(x.dtype, DType::I32 | DType::I64 | DType::F32 | DType::F64) {
-                return Err(format!(
-                    "Prod: x must be int32, int64, f32 or f64, found {x}"
-                ));
+                return Err(format!("Prod: x must be int32, int64, f32 or f64, found {x}").into());
             }
             let keep = ctx.bool("keep_dims")?;
             let shape = match x.shape.dims() {
@@ -691,21 +689,21 @@ struct ProdKernel {
 }
 
 impl ProdKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         let axes = match init.attr("axes")? {
             AttrValue::IntList(v) => v.clone(),
-            v => return Err(format!("attribute `axes` is {}, not list(int)", v.ty())),
+            v => return Err(format!("attribute `axes` is {}, not list(int)", v.ty()).into()),
         };
         let keep = match init.attr("keep_dims")? {
             AttrValue::Bool(b) => *b,
-            v => return Err(format!("attribute `keep_dims` is {}, not bool", v.ty())),
+            v => return Err(format!("attribute `keep_dims` is {}, not bool", v.ty()).into()),
         };
         Ok(Box::new(ProdKernel { axes, keep }))
     }
 }
 
 impl Kernel for ProdKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let dims = x.dims();
         let axes = reduced_axes(&self.axes, dims.len())?;
@@ -753,7 +751,7 @@ impl Kernel for ProdKernel {
                 Tensor::from_slice(&out_dims, &v)
             }
             DType::F64 => Tensor::from_slice(&out_dims, &acc),
-            d => return Err(format!("Prod: unsupported dtype {d}")),
+            d => return Err(format!("Prod: unsupported dtype {d}").into()),
         };
         ctx.set_output(0, t.map_err(|e| e.to_string())?)
     }
@@ -790,7 +788,7 @@ struct ExpandDimsKernel {
 }
 
 impl ExpandDimsKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(ExpandDimsKernel {
             axis: int_attr(init, "axis")?,
         }))
@@ -798,7 +796,7 @@ impl ExpandDimsKernel {
 }
 
 impl Kernel for ExpandDimsKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let at = resolve_axis(self.axis, x.rank() + 1, "ExpandDims")?;
         let mut dims = x.dims().to_vec();
@@ -818,7 +816,8 @@ fn floor_mod_op() -> OpDef {
             if x.dtype != y.dtype || !matches!(x.dtype, DType::I32 | DType::I64) {
                 return Err(format!(
                     "FloorMod: x and y must be int32 or int64 of one dtype, found {x} and {y}"
-                ));
+                )
+                .into());
             }
             let shape = if y.shape.rank() == Some(0) {
                 x.shape.clone()
@@ -833,7 +832,7 @@ fn floor_mod_op() -> OpDef {
     .cpu_kernel(|_| stateless(floor_mod_kernel))
 }
 
-fn floor_mod_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn floor_mod_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let (xv, yv) = (int_values(x, "FloorMod: x")?, int_values(y, "FloorMod: y")?);
     let (n, dims) = if xv.len() >= yv.len() {

@@ -106,7 +106,8 @@ fn broadcast_gradient_args() -> OpDef {
             if a.dtype != b.dtype {
                 return Err(format!(
                     "BroadcastGradientArgs: s0 is {a} but s1 is {b}; both must have one dtype"
-                ));
+                )
+                .into());
             }
             let out = TensorType::new(a.dtype, Shape::partial(vec![None]));
             Ok(vec![out.clone(), out])
@@ -160,7 +161,7 @@ pub fn gradient_reduction_axes(s0: &[i64], s1: &[i64]) -> Result<(Vec<i64>, Vec<
     Ok((r0, r1))
 }
 
-fn broadcast_gradient_args_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn broadcast_gradient_args_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (a, b) = (ctx.input(0)?, ctx.input(1)?);
     let s0 = int_vector(a, "BroadcastGradientArgs: s0")?;
     let s1 = int_vector(b, "BroadcastGradientArgs: s1")?;
@@ -213,16 +214,16 @@ struct DynamicSumKernel {
 }
 
 impl DynamicSumKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         match init.attr("keep_dims")? {
             AttrValue::Bool(b) => Ok(Box::new(DynamicSumKernel { keep_dims: *b })),
-            v => Err(format!("attribute `keep_dims` is {}, not bool", v.ty())),
+            v => Err(format!("attribute `keep_dims` is {}, not bool", v.ty()).into()),
         }
     }
 }
 
 impl Kernel for DynamicSumKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let axes = int_vector(ctx.input(1)?, "DynamicSum: axes")?;
         // dflow's reductions read empty axes as "all"; TensorFlow's as "none".
@@ -270,7 +271,7 @@ pub(crate) fn broadcast_to(t: &Tensor, dims: &[usize]) -> Result<Tensor, String>
     Tensor::from_bytes(t.dtype(), dims, &out).map_err(|e| e.to_string())
 }
 
-fn dynamic_sum_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn dynamic_sum_grad_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (dy, x) = (ctx.input(0)?, ctx.input(1)?);
     let axes = int_vector(ctx.input(2)?, "DynamicSumGrad: axes")?;
     let rank = x.rank();
@@ -313,7 +314,7 @@ fn dynamic_reshape() -> OpDef {
     .cpu_kernel(|_| stateless(dynamic_reshape_kernel))
 }
 
-fn dynamic_reshape_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn dynamic_reshape_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?;
     let target = int_vector(ctx.input(1)?, "DynamicReshape: shape")?;
     let dims =
@@ -349,7 +350,7 @@ fn broadcast_to_op() -> OpDef {
     .cpu_kernel(|_| stateless(broadcast_to_kernel))
 }
 
-fn broadcast_to_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn broadcast_to_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let x = ctx.input(0)?;
     let target = int_vector(ctx.input(1)?, "BroadcastTo: shape")?;
     let dims = super::tf_compat::checked_dims(&target, x.dtype(), "BroadcastTo")?;
@@ -373,21 +374,23 @@ fn dynamic_stitch() -> OpDef {
             if n < 2 || n % 2 != 0 {
                 return Err(format!(
                     "DynamicStitch: needs N index tensors then N data tensors, got {n} inputs"
-                ));
+                )
+                .into());
             }
             let (indices, data) = ctx.inputs.split_at(n / 2);
             for (i, t) in indices.iter().enumerate() {
                 if !matches!(t.dtype, DType::I32 | DType::I64) {
-                    return Err(format!(
-                        "DynamicStitch: indices[{i}] must be int32, found {t}"
-                    ));
+                    return Err(
+                        format!("DynamicStitch: indices[{i}] must be int32, found {t}").into(),
+                    );
                 }
             }
             if let Some(t) = data.iter().find(|t| t.dtype != data[0].dtype) {
                 return Err(format!(
                     "DynamicStitch: data tensors must share one dtype, found {} and {t}",
                     data[0]
-                ));
+                )
+                .into());
             }
             // merged: [?] + the trailing dims of data[0] past its indices' rank.
             let shape = match (indices[0].shape.rank(), data[0].shape.dims()) {
@@ -406,10 +409,10 @@ fn dynamic_stitch() -> OpDef {
     .cpu_kernel(|_| stateless(dynamic_stitch_kernel))
 }
 
-fn dynamic_stitch_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn dynamic_stitch_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let n = ctx.inputs.len();
     if n < 2 || n % 2 != 0 {
-        return Err(format!("DynamicStitch: got {n} inputs, not 2N"));
+        return Err(format!("DynamicStitch: got {n} inputs, not 2N").into());
     }
     let half = n / 2;
     let mut rows: Vec<(usize, &[u8])> = Vec::new();
@@ -419,10 +422,9 @@ fn dynamic_stitch_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
     for m in 0..half {
         let (idx, data) = (ctx.input(m)?, ctx.input(half + m)?);
         if data.dtype() != dtype {
-            return Err(format!(
-                "DynamicStitch: data[{m}] is {}, not {dtype}",
-                data.dtype()
-            ));
+            return Err(
+                format!("DynamicStitch: data[{m}] is {}, not {dtype}", data.dtype()).into(),
+            );
         }
         let ix = super::tf_compat::int_values(idx, "DynamicStitch: indices")?;
         let lead = idx.rank();
@@ -431,14 +433,15 @@ fn dynamic_stitch_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
                 "DynamicStitch: data[{m}] of shape {:?} does not start with indices[{m}]'s shape {:?}",
                 data.dims(),
                 idx.dims()
-            ));
+            ).into());
         }
         let trailing = data.dims()[lead..].to_vec();
         match &row_dims {
             Some(d) if *d != trailing => {
                 return Err(format!(
                     "DynamicStitch: data[{m}] rows have shape {trailing:?}, others {d:?}"
-                ))
+                )
+                .into())
             }
             _ => row_dims = Some(trailing.clone()),
         }

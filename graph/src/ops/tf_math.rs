@@ -18,7 +18,7 @@ pub(crate) fn register(r: &mut OpRegistry) {
 }
 
 /// Shape rule of a broadcasting binary op on one numeric dtype.
-fn binary_numeric(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn binary_numeric(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let dtype = super::math::require_same(op, ("x", x), ("y", y))?;
     super::math::require_numeric(op, "x", x)?;
@@ -43,7 +43,7 @@ fn maximum() -> OpDef {
     .cpu_kernel(|_| stateless(maximum_kernel))
 }
 
-fn maximum_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn maximum_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let z = num_binary!("Maximum", x, y,
         float: |a, b| if a >= b || a.is_nan() { a } else { b },
@@ -70,7 +70,7 @@ fn maximum_grad() -> OpDef {
     .cpu_kernel(|init| {
         let for_y = match init.attr("for_y")? {
             AttrValue::Bool(b) => *b,
-            v => return Err(format!("attribute `for_y` is {}, not bool", v.ty())),
+            v => return Err(format!("attribute `for_y` is {}, not bool", v.ty()).into()),
         };
         Ok(Box::new(MaximumGradKernel { for_y }))
     })
@@ -104,7 +104,7 @@ fn masked<T: Real + PartialOrd>(
 }
 
 impl crate::kernel::Kernel for MaximumGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (dy, x, y) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         if x.dtype() != dy.dtype() || y.dtype() != dy.dtype() {
             return Err(format!(
@@ -112,7 +112,8 @@ impl crate::kernel::Kernel for MaximumGradKernel {
                 dy.dtype(),
                 x.dtype(),
                 y.dtype()
-            ));
+            )
+            .into());
         }
         let g = dispatch_real!(dy.dtype(), masked(dy, x, y, self.for_y))
             .map_err(|e| format!("MaximumGrad: {e}"))?;
@@ -137,7 +138,7 @@ fn floor_div() -> OpDef {
     .cpu_kernel(|_| stateless(floor_div_kernel))
 }
 
-fn floor_div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
+fn floor_div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
     let (x, y) = (ctx.input(0)?, ctx.input(1)?);
     let zero_divisor = match y.dtype() {
         DType::I32 => slice::<i32>(y)?.contains(&0),
@@ -148,7 +149,8 @@ fn floor_div_kernel(ctx: &mut KernelContext<'_>) -> Result<(), String> {
         return Err(format!(
             "FloorDiv: integer division by zero (divisor y of shape {} contains 0)",
             y.shape()
-        ));
+        )
+        .into());
     }
     let z = num_binary!("FloorDiv", x, y,
     float: |a, b| (a / b).floor(),

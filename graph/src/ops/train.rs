@@ -163,7 +163,7 @@ struct SgdKernel {
 }
 
 impl SgdKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(SgdKernel {
             lr: float_attr(init, "lr")?,
         }))
@@ -181,7 +181,7 @@ fn sgd<T: Real>(var: &VariableCell, g: &Tensor, lr: f64) -> Result<(), String> {
 }
 
 impl Kernel for SgdKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let g = ctx.input(1)?;
         dispatch_real!(g.dtype(), sgd(ctx.variable_at(0)?, g, self.lr))
     }
@@ -226,7 +226,7 @@ struct MomentumKernel {
 }
 
 impl MomentumKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(MomentumKernel {
             lr: float_attr(init, "lr")?,
             momentum: float_attr(init, "momentum")?,
@@ -259,7 +259,7 @@ fn momentum<T: Real>(
 }
 
 impl Kernel for MomentumKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let g = ctx.input(2)?;
         let (var, accum) = (ctx.variable_at(0)?, ctx.variable_at(1)?);
         dispatch_real!(g.dtype(), momentum(self, var, accum, g))
@@ -309,7 +309,7 @@ const ADAM_FAMILY_INPUTS: [ArgDef; 5] = [
 
 /// Shape rule of ApplyAdam and ApplyAdamW: var, m, v and grad agree (or, with `shard_offset`
 /// set, m, v and grad are one vector shard of var's flattened elements); t is a numeric scalar.
-fn adam_family_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn adam_family_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let var = ctx.input(0)?;
     let offset = ctx.int("shard_offset")?;
     if offset < 0 {
@@ -329,7 +329,8 @@ fn adam_family_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, St
             return Err(format!(
                 "{op}: with shard_offset, grad must be a vector (a shard of var's flattened \
                  elements), got {grad}"
-            ));
+            )
+            .into());
         }
         let shard = TensorType::new(var.dtype, grad.shape.clone());
         update_infer(
@@ -339,15 +340,15 @@ fn adam_family_infer(op: &str, ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, St
         )?;
         if let Some(n) = var.shape.as_static().map(|d| d.iter().product::<usize>()) {
             if offset as u64 >= n.max(1) as u64 {
-                return Err(format!(
-                    "{op}: shard_offset {offset} is past var's {n} elements"
-                ));
+                return Err(
+                    format!("{op}: shard_offset {offset} is past var's {n} elements").into(),
+                );
             }
         }
     }
     let t = ctx.input(3)?;
     if !(t.dtype.is_float() || t.dtype.is_int()) || t.shape.rank().is_some_and(|r| r != 0) {
-        return Err(format!("{op}: t must be a numeric scalar, got {t}"));
+        return Err(format!("{op}: t must be a numeric scalar, got {t}").into());
     }
     Ok(vec![])
 }
@@ -429,7 +430,7 @@ impl AdamKernel {
         })
     }
 
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(Self::from_attrs(init)?))
     }
 }
@@ -470,7 +471,7 @@ fn adam<T: Real>(
 }
 
 impl Kernel for AdamKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let step = scalar_value(ctx.input(3)?, "t")?;
         let g = ctx.input(4)?;
         let cells = [
@@ -521,7 +522,7 @@ struct AdamWKernel {
 }
 
 impl AdamWKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(AdamWKernel {
             adam: AdamKernel::from_attrs(init)?,
             weight_decay: float_attr(init, "weight_decay")?,
@@ -565,7 +566,7 @@ fn adam_w<T: Real>(
 }
 
 impl Kernel for AdamWKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let step = scalar_value(ctx.input(3)?, "t")?;
         let g = ctx.input(4)?;
         let cells = [
@@ -592,7 +593,8 @@ fn increment_step() -> OpDef {
             {
                 return Err(format!(
                     "IncrementStep: counter must be an i32, i64, f32 or f64 scalar, got {c}"
-                ));
+                )
+                .into());
             }
             Ok(vec![])
         },
@@ -629,8 +631,9 @@ fn increment_step() -> OpDef {
                         .for_each(|x| *x += 1.0),
                     d => return Err(format!("counter has unsupported dtype {d}")),
                 }
-                Ok(())
-            })
+                Ok::<(), String>(())
+            })?;
+            Ok(())
         })))
     })
 }
@@ -658,7 +661,7 @@ fn global_norm_scale() -> OpDef {
             {
                 return Err(format!(
                     "GlobalNormScale: grads[0] is {first} but grads[{i}] is {t}; all must have the same dtype"
-                ));
+                ).into());
             }
             if ctx.bool("squared_norm")?
                 && (ctx.inputs.len() != 1 || first.shape.rank().is_some_and(|r| r != 0))
@@ -666,13 +669,13 @@ fn global_norm_scale() -> OpDef {
                 return Err(format!(
                     "GlobalNormScale: with squared_norm the one input is the scalar Σ‖g‖², got {} inputs, the first {first}",
                     ctx.inputs.len()
-                ));
+                ).into());
             }
             let clip = ctx.float("clip_norm")?;
             if !(clip > 0.0 && clip.is_finite()) {
                 return Err(format!(
                     "GlobalNormScale: clip_norm must be positive and finite, got {clip}"
-                ));
+                ).into());
             }
             Ok(vec![TensorType::new(first.dtype, Shape::scalar())])
         },
@@ -693,7 +696,7 @@ struct GlobalNormKernel {
 }
 
 impl GlobalNormKernel {
-    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, String> {
+    fn build(init: &KernelInit<'_>) -> Result<Box<dyn Kernel>, OpError> {
         Ok(Box::new(GlobalNormKernel {
             clip: float_attr(init, "clip_norm")?,
             squared_norm: bool_attr(init, "squared_norm")?,
@@ -710,7 +713,7 @@ fn sum_squares<T: Real>(t: &Tensor) -> Result<f64, String> {
 }
 
 impl Kernel for GlobalNormKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let mut total = 0.0;
         if self.squared_norm {
             total = scalar_value(ctx.input(0)?, "the squared norm")?;
@@ -754,7 +757,7 @@ fn squared_norm() -> OpDef {
             {
                 return Err(format!(
                     "SquaredNorm: grads[0] is {first} but grads[{i}] is {t}; all must have the same dtype"
-                ));
+                ).into());
             }
             Ok(vec![TensorType::new(first.dtype, Shape::scalar())])
         },

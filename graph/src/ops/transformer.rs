@@ -150,7 +150,7 @@ fn layer_norm_shapes(
     })
 }
 
-fn layer_norm_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn layer_norm_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     let (x, gamma, beta) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
     check_epsilon(ctx.float("epsilon")?)?;
     let rows = layer_norm_shapes("LayerNorm", x, &[("gamma", gamma), ("beta", beta)])?;
@@ -235,7 +235,7 @@ fn layer_norm_typed<T: Real>(ins: &[&Tensor], epsilon: f64) -> Result<Vec<Tensor
 }
 
 impl Kernel for LayerNormKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (x, gamma, beta) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
         check_rows("LayerNorm", x, &[("gamma", gamma), ("beta", beta)])?;
         let e = self.epsilon;
@@ -270,7 +270,7 @@ fn layer_norm_grad() -> OpDef {
     .cpu_kernel(|_| Ok(Box::new(LayerNormGradKernel)))
 }
 
-fn layer_norm_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> {
+fn layer_norm_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
     const OP: &str = "LayerNormGrad";
     let (dy, x, gamma) = (ctx.input(0)?, ctx.input(1)?, ctx.input(2)?);
     let (mean, rstd) = (ctx.input(3)?, ctx.input(4)?);
@@ -280,7 +280,8 @@ fn layer_norm_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> 
         return Err(format!(
             "{OP}: dy has shape {} but x has shape {}; they must match",
             dy.shape, x.shape
-        ));
+        )
+        .into());
     }
     for (name, t) in [("mean", mean), ("rstd", rstd)] {
         require_same(OP, ("x", x), (name, t))?;
@@ -288,7 +289,8 @@ fn layer_norm_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, String> 
             return Err(format!(
                 "{OP}: {name} has shape {} but x {} has rows {rows}",
                 t.shape, x.shape
-            ));
+            )
+            .into());
         }
     }
     Ok(vec![x.clone(), gamma.clone(), gamma.clone()])
@@ -360,7 +362,7 @@ fn layer_norm_grad_typed<T: Real>(ins: &[&Tensor]) -> Result<Vec<Tensor>, String
 }
 
 impl Kernel for LayerNormGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         const OP: &str = "LayerNormGrad";
         let ins: Vec<&Tensor> = (0..5).map(|i| ctx.input(i)).collect::<Result<_, _>>()?;
         let (dy, x, gamma, mean, rstd) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
@@ -375,11 +377,12 @@ impl Kernel for LayerNormGradKernel {
                     t.shape(),
                     x.dtype(),
                     x.shape()
-                ));
+                )
+                .into());
             }
         }
         if dy.dtype() != x.dtype() {
-            return Err(format!("{OP}: dy is {} but x is {}", dy.dtype(), x.dtype()));
+            return Err(format!("{OP}: dy is {} but x is {}", dy.dtype(), x.dtype()).into());
         }
         let outs = on_floats(
             OP,
@@ -592,7 +595,7 @@ fn gelu_typed<T: GeluFloat>(ins: &[&Tensor], kind: GeluKind) -> Result<Vec<Tenso
 }
 
 impl Kernel for GeluKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         let k = self.kind;
         let mut outs = on_floats(
@@ -675,15 +678,11 @@ fn gelu_grad_typed<T: GeluFloat>(ins: &[&Tensor], kind: GeluKind) -> Result<Vec<
 }
 
 impl Kernel for GeluGradKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let (dy, x) = (ctx.input(0)?, ctx.input(1)?);
         same_shape("GeluGrad", ("dy", dy), ("x", x))?;
         if dy.dtype() != x.dtype() {
-            return Err(format!(
-                "GeluGrad: dy is {} but x is {}",
-                dy.dtype(),
-                x.dtype()
-            ));
+            return Err(format!("GeluGrad: dy is {} but x is {}", dy.dtype(), x.dtype()).into());
         }
         let k = self.kind;
         let mut outs = on_floats(
@@ -775,7 +774,7 @@ fn dropout_typed<T: Real>(x: &Tensor, rate: f64, seed: i64, step: u64) -> Result
 }
 
 impl Kernel for DropoutKernel {
-    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), String> {
+    fn compute(&self, ctx: &mut KernelContext<'_>) -> Result<(), OpError> {
         let x = ctx.input(0)?;
         if self.rate == 0.0 {
             return ctx.set_output(0, x.clone());
@@ -784,6 +783,7 @@ impl Kernel for DropoutKernel {
         let y = match x.dtype() {
             d @ (DType::BF16 | DType::F16) => {
                 from_f32(&dropout_typed::<f32>(&to_f32(x)?, rate, seed, step)?, d)
+                    .map_err(OpError::from)
             }
             d => dispatch_real!(d, dropout_typed(x, rate, seed, step)),
         }?;
