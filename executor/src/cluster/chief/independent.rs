@@ -12,7 +12,7 @@ use crate::cluster::node::{JobError, Rpc};
 use crate::trainer::{run_steps, StepReport, StepRunner, TrainError};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -52,6 +52,13 @@ pub(super) async fn independent(
     });
     // Every lane has ended or is ending (no step is left to take); wait for them, so the job
     // is ours again and no lane outlives the run.
+    if driven.is_err() {
+        // The driver stopped (a lane failed, or a checkpoint or an evaluation did): the lanes
+        // finish the steps they are in and take no more.
+        if let Some(lanes) = &runner.lanes {
+            lanes.stop();
+        }
+    }
     let ended = runner.join_lanes().await;
     let summary = driven.map_err(job_error)?;
     ended?;
@@ -82,6 +89,25 @@ type Done = (u64, f64, u64);
 struct Lanes {
     done: mpsc::UnboundedReceiver<Done>,
     loops: JoinSet<Result<(), JobError>>,
+    /// Set when a lane failed: the others finish the step they are in and take no other.
+    stop: Arc<AtomicBool>,
+    /// The staleness clocks, if bounded (released when the lanes stop, so none waits on a
+    /// lane that failed).
+    clocks: Option<Arc<Clocks>>,
+    lanes: usize,
+}
+
+impl Lanes {
+    /// No lane takes another batch; each ends after the step it is in (that step runs to its
+    /// end, so no task is left answering a chief that stopped listening).
+    fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(c) = &self.clocks {
+            for w in 0..self.lanes {
+                c.finished(w);
+            }
+        }
+    }
 }
 
 /// An independent job as a [`StepRunner`]: the first step starts one lane per worker from
@@ -108,14 +134,16 @@ impl Independent<'_> {
         let total = self.source.total_steps();
         let (tx, done) = mpsc::unbounded_channel();
         let mut loops = JoinSet::new();
+        let stop = Arc::new(AtomicBool::new(false));
         for w in 0..self.job.train.len() {
-            let (rpc, job, next, ids, tx, clocks) = (
+            let (rpc, job, next, ids, tx, clocks, stop) = (
                 self.rpc.clone(),
                 self.job.clone(),
                 next.clone(),
                 self.ids.clone(),
                 tx.clone(),
                 self.clocks.clone(),
+                stop.clone(),
             );
             let bs = self.cfg.batch_size as u64;
             let spe = self.source.steps_per_epoch().max(1);
@@ -125,6 +153,9 @@ impl Independent<'_> {
                     loop {
                         if let Some(c) = &clocks {
                             c.wait_turn(w, WAIT_LIMIT).await?;
+                        }
+                        if stop.load(Ordering::SeqCst) {
+                            return Ok(());
                         }
                         let s = next.fetch_add(1, Ordering::SeqCst);
                         if s >= total {
@@ -150,7 +181,13 @@ impl Independent<'_> {
                 &self.runtime,
             );
         }
-        Lanes { done, loops }
+        Lanes {
+            done,
+            loops,
+            stop,
+            clocks: self.clocks.clone(),
+            lanes: self.job.train.len(),
+        }
     }
 
     /// The next step any lane finishes; a lane's failure (the first, or the peer failure
@@ -167,12 +204,12 @@ impl Independent<'_> {
                 joined = lanes.loops.join_next() => match joined {
                     Some(Ok(Ok(()))) => {}
                     Some(Ok(Err(e))) => {
-                        lanes.loops.abort_all();
+                        lanes.stop();
                         return Err(rpc.failure().unwrap_or(e));
                     }
                     Some(Err(e)) if e.is_cancelled() => {}
                     Some(Err(e)) => {
-                        lanes.loops.abort_all();
+                        lanes.stop();
                         return Err(JobError::Setup(format!("worker lane failed: {e}")));
                     }
                     None => {
@@ -189,7 +226,8 @@ impl Independent<'_> {
         }
     }
 
-    /// Waits for every lane to end (they end once no step is left, or were aborted).
+    /// Waits for every lane to end (they end once no step is left, or after their step in
+    /// flight once stopped).
     async fn join_lanes(&mut self) -> Result<(), JobError> {
         let Some(mut lanes) = self.lanes.take() else {
             return Ok(());
