@@ -985,30 +985,7 @@ fn rank_forward(
     }
     def.nodes.extend(std::mem::take(&mut n.added));
     // Renamed shards; everything on the rank; only what the loss and metrics need.
-    for d in &mut def.nodes {
-        if let Some(new) = renames.get(&d.name) {
-            d.name = new.clone();
-        }
-        for i in &mut d.inputs {
-            let (name, prefix, suffix) = match InputRef::parse(i) {
-                Ok(InputRef::Data { node, index }) => {
-                    let suffix = if index == 0 {
-                        String::new()
-                    } else {
-                        format!(":{index}")
-                    };
-                    (node, "", suffix)
-                }
-                Ok(InputRef::Control(node)) => (node, "^", String::new()),
-                Err(_) => continue,
-            };
-            if let Some(new) = renames.get(&name) {
-                *i = format!("{prefix}{new}{suffix}");
-            }
-        }
-        d.device = worker_device(&d.name, &d.device, at.task)?;
-        d.colocate_with.clear();
-    }
+    onto_rank(&mut def.nodes, &renames, at.task)?;
     let mut keep: Vec<String> = vec![spec.loss.clone()];
     keep.extend(spec.metrics.iter().cloned());
     keep.push(features.to_string());
@@ -1088,6 +1065,40 @@ fn rank_graph(
         },
         step_metrics: Vec::new(),
     })
+}
+
+/// Gives the renamed nodes (a variable's shard) their new names, points every input at them,
+/// and puts every node on worker `task` (no colocation: the rank's graph is all on it).
+pub(super) fn onto_rank(
+    nodes: &mut [NodeDef],
+    renames: &HashMap<String, String>,
+    task: usize,
+) -> Result<(), StrategyError> {
+    for d in nodes {
+        if let Some(new) = renames.get(&d.name) {
+            d.name = new.clone();
+        }
+        for i in &mut d.inputs {
+            let (name, prefix, suffix) = match InputRef::parse(i) {
+                Ok(InputRef::Data { node, index }) => {
+                    let suffix = if index == 0 {
+                        String::new()
+                    } else {
+                        format!(":{index}")
+                    };
+                    (node, "", suffix)
+                }
+                Ok(InputRef::Control(node)) => (node, "^", String::new()),
+                Err(_) => continue,
+            };
+            if let Some(new) = renames.get(&name) {
+                *i = format!("{prefix}{new}{suffix}");
+            }
+        }
+        d.device = worker_device(&d.name, &d.device, task)?;
+        d.colocate_with.clear();
+    }
+    Ok(())
 }
 
 /// Makes `v` rank `r`'s shard of `s` (the caller renames it).

@@ -19,7 +19,7 @@
 
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
-    add_eval_copy, chain_collectives, clip_across_shards, options, prune, shard_name,
+    add_eval_copy, chain_collectives, clip_across_shards, onto_rank, options, prune, shard_name,
     shard_variable, Nodes, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
@@ -259,30 +259,7 @@ fn rank_graph(
     }
     def.nodes.extend(std::mem::take(&mut n.added));
     // Renamed shards; everything on the rank.
-    for d in &mut def.nodes {
-        if let Some(new) = renames.get(&d.name) {
-            d.name = new.clone();
-        }
-        for i in &mut d.inputs {
-            let (name, prefix, suffix) = match InputRef::parse(i) {
-                Ok(InputRef::Data { node, index }) => {
-                    let suffix = if index == 0 {
-                        String::new()
-                    } else {
-                        format!(":{index}")
-                    };
-                    (node, "", suffix)
-                }
-                Ok(InputRef::Control(node)) => (node, "^", String::new()),
-                Err(_) => continue,
-            };
-            if let Some(new) = renames.get(&name) {
-                *i = format!("{prefix}{new}{suffix}");
-            }
-        }
-        d.device = worker_device(&d.name, &d.device, r)?;
-        d.colocate_with.clear();
-    }
+    onto_rank(&mut def.nodes, &renames, r)?;
     let mut keep = fetched(spec);
     keep.push(features.to_string());
     keep.push(labels.to_string());
