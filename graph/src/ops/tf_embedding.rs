@@ -896,22 +896,22 @@ fn segment_grad_infer(ctx: &InferCtx<'_>) -> Result<Vec<TensorType>, OpError> {
             .into());
         }
     }
-    let shape = match grad.shape.dims() {
-        Some([]) => {
-            return Err(format!(
-                "SparseSegment*Grad: grad must have rank >= 1, got {}",
-                grad.shape
-            )
-            .into())
-        }
-        Some(d) => Shape::partial(
+    let shape = rows_unknown("SparseSegment*Grad: grad", grad)?;
+    Ok(vec![TensorType::new(grad.dtype, shape)])
+}
+
+/// `t`'s shape with its first dimension (rows, counted at run time) unknown; `t` must have rank
+/// at least 1 (`what` names it in the error).
+fn rows_unknown(what: &str, t: &TensorType) -> Result<Shape, OpError> {
+    match t.shape.dims() {
+        Some([]) => Err(format!("{what} must have rank >= 1, got {}", t.shape).into()),
+        Some(d) => Ok(Shape::partial(
             std::iter::once(None)
                 .chain(d[1..].iter().copied())
                 .collect(),
-        ),
-        None => Shape::unknown(),
-    };
-    Ok(vec![TensorType::new(grad.dtype, shape)])
+        )),
+        None => Ok(Shape::unknown()),
+    }
 }
 
 #[derive(Debug)]
@@ -1025,21 +1025,7 @@ fn unsorted_segment_sum() -> OpDef {
                 )
                 .into());
             }
-            let shape = match data.shape.dims() {
-                Some([]) => {
-                    return Err(format!(
-                        "UnsortedSegmentSum: data must have rank >= 1, got {}",
-                        data.shape
-                    )
-                    .into())
-                }
-                Some(d) => Shape::partial(
-                    std::iter::once(None)
-                        .chain(d[1..].iter().copied())
-                        .collect(),
-                ),
-                None => Shape::unknown(),
-            };
+            let shape = rows_unknown("UnsortedSegmentSum: data", data)?;
             Ok(vec![TensorType::new(data.dtype, shape)])
         },
     )
@@ -1207,6 +1193,27 @@ mod tests {
 
     fn v<T: crate::Element>(xs: &[T]) -> Tensor {
         Tensor::from_slice(&[xs.len()], xs).unwrap()
+    }
+
+    #[test]
+    fn segment_ops_give_rows_unknown_and_refuse_a_scalar() {
+        let out = infer(
+            "UnsortedSegmentSum",
+            &[tt(F32, &[5, 3]), tt(I32, &[5]), tt(I32, &[])],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(out[0].shape, Shape::partial(vec![None, Some(3)]));
+        let e = infer(
+            "UnsortedSegmentSum",
+            &[tt(F32, &[]), tt(I32, &[5]), tt(I32, &[])],
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "UnsortedSegmentSum: data must have rank >= 1, got []"
+        );
     }
 
     fn i64s(t: &Tensor) -> Vec<i64> {
