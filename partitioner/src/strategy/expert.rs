@@ -1239,6 +1239,174 @@ mod tests {
     }
 
     #[test]
+    fn ep2_over_four_workers_shards_in_groups_and_sums_expert_gradients_over_the_others() {
+        let (graph, mut spec) = moe_gpt(4, 2);
+        spec.clip_global_norm = Some(1.0);
+        let layout = ExpertLayout::new(4, 2).unwrap();
+        let tasks: Vec<String> = (0..4).map(|i| task_name("worker", i)).collect();
+        let groups: Vec<(String, Vec<String>)> = layout
+            .groups(&tasks)
+            .into_iter()
+            .map(|g| (g.key, g.members))
+            .collect();
+        let members = |r: &[usize]| r.iter().map(|&i| tasks[i].clone()).collect::<Vec<_>>();
+        assert_eq!(
+            groups,
+            [
+                ("experts_ep0".to_string(), members(&[0, 1])),
+                ("experts_ep1".to_string(), members(&[2, 3])),
+                ("experts_dp0".to_string(), members(&[0, 2])),
+                ("experts_dp1".to_string(), members(&[1, 3])),
+            ]
+        );
+        let graphs = expert_training(&graph, &spec, layout, "idx", "targets", 1 << 20).unwrap();
+        let layers = moe_layers(&graph, &graph.to_def()).unwrap();
+        let attr = |n: &NodeDef, k: &str| n.attrs.get(k).cloned();
+        let text = |v: &str| Some(AttrValue::String(v.into()));
+        for (i, g) in graphs.iter().enumerate() {
+            let shard = i % 2;
+            let ep_group = format!("experts_ep{}", i / 2);
+            let dp_group = format!("experts_dp{shard}");
+            let nodes = &g.training.def.nodes;
+            for var in layers.iter().flat_map(|l| &l.variables) {
+                let name = shard_name(var, shard);
+                let v = nodes
+                    .iter()
+                    .find(|n| n.name == name && n.op == "Variable")
+                    .unwrap_or_else(|| panic!("worker {i}: no {name}"));
+                assert_eq!(
+                    attr(v, "shard_offset"),
+                    Some(AttrValue::Int(2 * shard as i64))
+                );
+                assert_eq!(v.device, format!("/job:worker/task:{i}"));
+                // Its gradient is summed over the workers holding the same shard, and the
+                // update reads the sum.
+                let grad = &g
+                    .training
+                    .gradients
+                    .iter()
+                    .find(|(v, _)| *v == name)
+                    .unwrap()
+                    .1;
+                let sum = nodes.iter().find(|n| &n.name == grad).unwrap();
+                assert_eq!(sum.op, "CollectiveAllReduce", "{name}");
+                assert_eq!(attr(sum, "group_key"), text(&dp_group));
+                let update = nodes
+                    .iter()
+                    .find(|n| n.op == "ApplyAdamW" && n.inputs.first() == Some(&name))
+                    .unwrap();
+                assert!(
+                    update
+                        .inputs
+                        .iter()
+                        .any(|x| x.starts_with("allreduce/clip/grad_")),
+                    "{:?}",
+                    update.inputs
+                );
+                assert!(ops(g, "PackFlat")
+                    .iter()
+                    .filter(|p| p.name.starts_with("allreduce/bucket_"))
+                    .all(|p| !p.inputs.contains(grad)));
+            }
+            // All-to-alls inside the expert-parallel group; the router's gathers, the buckets,
+            // the loss and the dropped count over every worker; the clipping norm gathered over
+            // the expert-parallel group (each shard counted once).
+            for n in ops(g, "CollectiveAllToAll") {
+                assert_eq!(attr(n, "group_key"), text(&ep_group), "{}", n.name);
+                assert_eq!(attr(n, "group_size"), Some(AttrValue::Int(2)));
+            }
+            assert_eq!(ops(g, "CollectiveAllToAll").len(), 8);
+            for n in ops(g, "CollectiveAllGather") {
+                if n.name == "allreduce/clip/local/all_gather" {
+                    assert_eq!(attr(n, "group_key"), text(&ep_group));
+                    assert_eq!(attr(n, "group_size"), Some(AttrValue::Int(2)));
+                } else {
+                    assert_eq!(attr(n, "group_key"), text(GROUP), "{}", n.name);
+                    assert_eq!(attr(n, "group_size"), Some(AttrValue::Int(4)));
+                }
+            }
+            for n in ops(g, "CollectiveAllReduce") {
+                if !n.name.starts_with("experts/") {
+                    assert_eq!(attr(n, "group_key"), text(GROUP), "{}", n.name);
+                }
+            }
+            // 2 layers × 4 expert variables summed over the expert-data group.
+            assert_eq!(
+                ops(g, "CollectiveAllReduce")
+                    .iter()
+                    .filter(|n| attr(n, "group_key") == text(&dp_group))
+                    .count(),
+                8
+            );
+        }
+        // One order of collectives on every worker (group keys aside).
+        let keys = |g: &ReplicaGraph| -> Vec<(String, AttrValue)> {
+            let typed = &g.graph;
+            typed
+                .topo_order()
+                .into_iter()
+                .map(|i| typed.node(i))
+                .filter(|n| n.op.starts_with("Collective"))
+                .map(|n| (n.op.to_string(), n.attrs["instance_key"].clone()))
+                .collect()
+        };
+        for g in &graphs[1..] {
+            assert_eq!(keys(g), keys(&graphs[0]));
+        }
+        // Worker 0 evaluates with its group's two shards joined.
+        let joined = graphs[0]
+            .training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == "eval/transformer.h.0.mlp.experts.c_fc.weight")
+            .unwrap();
+        assert_eq!(
+            joined.inputs,
+            [
+                "transformer.h.0.mlp.experts.c_fc.weight/shard_0",
+                "transformer.h.0.mlp.experts.c_fc.weight/shard_1"
+            ]
+        );
+        // The checkpoint's whole variables gather the two shards.
+        let vars: Vec<VariablePlan> = ["fc/shard_0", "fc/shard_1"]
+            .iter()
+            .map(|n| VariablePlan {
+                name: n.to_string(),
+                dtype: DType::F32,
+                dims: vec![2, 8],
+                holders: vec![],
+            })
+            .collect();
+        let layer = MoeLayer {
+            variables: vec!["fc".into()],
+            ..layers[0].clone()
+        };
+        let sharded = expert_shards(&[layer], &vars, layout.ep());
+        assert_eq!(sharded[0].dims, [4, 8]);
+        assert_eq!(sharded[0].shards, ["fc/shard_0", "fc/shard_1"]);
+    }
+
+    #[test]
+    fn an_ep_that_does_not_divide_the_workers_or_the_experts_is_refused_naming_it() {
+        let e = ExpertLayout::new(4, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("mesh axis ep=3 does not divide the data-parallel axis dp (4)"),
+            "{e}"
+        );
+        let (graph, spec) = moe_gpt(4, 1);
+        let layout = ExpertLayout::new(8, 8).unwrap();
+        let e = expert_training(&graph, &spec, layout, "idx", "targets", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("4 experts") && e.contains("ep=8"), "{e}");
+        // ep = the workers: the all-worker layout, no extra groups.
+        assert!(ExpertLayout::all(2).unwrap().groups(&[]).is_empty());
+        assert_eq!(ExpertLayout::all(2).unwrap().ep_group(1), GROUP);
+        assert_eq!(ExpertLayout::all(2).unwrap().expert_data_group(1), None);
+    }
+
+    #[test]
     fn expert_shards_cover_the_variables_and_their_same_shaped_slots() {
         let layer = MoeLayer {
             dispatch: "d".into(),
