@@ -155,13 +155,18 @@ impl ExpertLayout {
     }
 
     /// The collective groups besides [`GROUP`], over the worker tasks `tasks` (rank `r` is
-    /// `tasks[r]`): the expert-parallel and expert-data-parallel groups, when `ep` is less than
-    /// the workers.
+    /// `tasks[r]`; a rank past the end is left out): the expert-parallel and
+    /// expert-data-parallel groups, when `ep` is less than the workers.
     pub fn groups(&self, tasks: &[String]) -> Vec<CollectiveGroup> {
         if self.ep() == self.workers() {
             return Vec::new();
         }
-        let members = |ranks: &[usize]| ranks.iter().map(|&r| tasks[r].clone()).collect();
+        let members = |ranks: &[usize]| {
+            ranks
+                .iter()
+                .filter_map(|&r| tasks.get(r).cloned())
+                .collect()
+        };
         let ep = self
             .mesh
             .groups(Axis::Ep)
