@@ -477,6 +477,7 @@ fn chief_config(args: &Args, has_ps: bool) -> anyhow::Result<ChiefConfig> {
                 batch_size: Some(args.batch_size),
                 tp: args.tp,
                 partition_strategy: args.partition_strategy,
+                ep: args.mesh.map(|m| m.ep).filter(|&e| e > 1),
             },
         )?
         .into(),

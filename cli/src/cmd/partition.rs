@@ -67,9 +67,10 @@ pub struct Args {
     #[arg(long, value_parser = super::common::strategy_parser())]
     pub strategy: Option<dflow_partitioner::StrategyKind>,
     /// Plan the training job on the workers as a device mesh, `dp=D,tp=T,pp=P` (as `dflow run
-    /// --mesh`): it picks the strategy, and prints the tensor-parallel layout and the pipeline
-    /// where the mesh has them.
-    #[arg(long, value_name = "dp=D,tp=T,pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
+    /// --mesh`, `ep=E` included): it picks the strategy, and prints the tensor-parallel layout and
+    /// the pipeline where the mesh has them, and every collective group (the expert-parallel and
+    /// expert-data-parallel ones for ep).
+    #[arg(long, value_name = "dp=D,tp=T,pp=P[,ep=E]", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// With --strategy: the placeholder fed with features.
     #[arg(long, default_value = "pixels", requires = "planned")]
@@ -130,6 +131,7 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
             batch_size: args.batch_size,
             tp: args.tp,
             partition_strategy: args.partition_strategy,
+            ep: args.mesh.map(|m| m.ep).filter(|&e| e > 1),
         },
     )?;
     let placement = PlacementOptions {

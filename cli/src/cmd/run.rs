@@ -77,8 +77,11 @@ pub struct Args {
     /// summed over the DP groups; with pp > 1 too, that layout runs inside P balanced pipeline
     /// stages (stage s, shard t, replica d on worker s·D·T + d·T + t; --micro-batches,
     /// --schedule apply). tp = 1, pp > 1 runs the pipeline strategy with P stages and D
-    /// replicas; tp = pp = 1 runs all-reduce (or ZeRO with --zero-stage).
-    #[arg(long, value_name = "dp=D,tp=T,pp=P", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
+    /// replicas; tp = pp = 1 runs all-reduce (or ZeRO with --zero-stage). ep = E (dividing D, with
+    /// tp = pp = 1) runs --strategy expert with each MoE layer's experts spread over runs of E
+    /// consecutive workers (expert-parallel groups) and each expert's gradient summed over the D/E
+    /// workers holding it (docs/experts.md).
+    #[arg(long, value_name = "dp=D,tp=T,pp=P[,ep=E]", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce), 3 also the

@@ -53,6 +53,8 @@ pub struct StrategyFlags<'a> {
     pub tp: Option<usize>,
     /// `--partition-strategy` (ps).
     pub partition_strategy: Option<PartitionStrategy>,
+    /// `--mesh ep=E` when E > 1 (expert).
+    pub ep: Option<usize>,
 }
 
 /// Builds strategy `kind` from the flags that configure strategies; a flag given to a strategy
@@ -69,7 +71,14 @@ pub fn build_strategy(
         batch_size,
         tp,
         partition_strategy,
+        ep,
     } = flags;
+    if let Some(e) = ep.filter(|_| kind.name() != "expert") {
+        anyhow::bail!(
+            "--mesh ep={e} spreads experts: it applies to --strategy expert, not --strategy {}",
+            kind.name()
+        );
+    }
     if let Some(t) = tp.filter(|_| kind.name() != "tensor") {
         anyhow::bail!(
             "--tp {t} applies to --strategy tensor, not --strategy {}",
@@ -113,6 +122,7 @@ pub fn build_strategy(
         zero_stage: zero_stage.unwrap_or(1),
         tp,
         partition_strategy,
+        ep,
     };
     Ok(kind.build(&options)?)
 }
@@ -120,7 +130,8 @@ pub fn build_strategy(
 /// `--mesh dp=D,tp=T,pp=P` as a strategy: `tp > 1` is tensor parallelism (`--tp T`) on each of
 /// the `dp` replicas, inside `pp` balanced pipeline stages when `pp > 1`; `tp = 1, pp > 1` the
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
-/// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`). Returns the
+/// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `ep > 1` (with
+/// `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep` workers. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -133,7 +144,21 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    let name = if mesh.tp > 1 {
+    let name = if mesh.ep > 1 {
+        if mesh.tp > 1 || mesh.pp > 1 {
+            anyhow::bail!(
+                "--mesh {}: expert parallelism (ep) beside tensor or pipeline parallelism does not run yet; use ep with dp only (tp=1, pp=1)",
+                mesh_text(mesh)
+            );
+        }
+        if let Some(stage) = zero_stage {
+            anyhow::bail!(
+                "--mesh ep={} with --zero-stage {stage}: ZeRO beside expert parallelism does not run yet",
+                mesh.ep
+            );
+        }
+        "expert"
+    } else if mesh.tp > 1 {
         if let Some(stage) = zero_stage {
             anyhow::bail!(
                 "--mesh tp={} with --zero-stage {stage}: ZeRO over tensor-parallel replicas does not run yet",
@@ -179,9 +204,9 @@ fn set_stages(
     Ok(())
 }
 
-/// `--mesh` as written back: `dp=2,tp=1,pp=2`.
+/// `--mesh` as written back: `dp=2,tp=1,pp=2` (and `,ep=E` when E > 1).
 pub fn mesh_text(mesh: &dflow_partitioner::mesh::Mesh) -> String {
-    format!("dp={},tp={},pp={}", mesh.dp, mesh.tp, mesh.pp)
+    mesh.to_string()
 }
 
 /// Checks that `mesh` covers the cluster's `workers` exactly.

@@ -306,6 +306,12 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 Axis::Tp => (0..d).map(|di| mesh.rank(0, di, s)).collect(),
                 Axis::Dp => (0..t).map(|ti| mesh.rank(ti, 0, s)).collect(),
                 Axis::Pp => vec![mesh.rank(0, 0, 0)],
+                // The planner lays out no expert axis (ep = 1): one rank per group.
+                Axis::Ep => (0..t)
+                    .flat_map(|ti| (0..d).map(move |di| (ti, di)))
+                    .filter(|&(_, di)| di % mesh.ep == 0)
+                    .map(|(ti, di)| mesh.rank(ti, di, s))
+                    .collect(),
             };
             let groups: Vec<Vec<usize>> =
                 leads.into_iter().map(|r| mesh.group_of(axis, r)).collect();

@@ -260,15 +260,15 @@ fn worker_graph(
         labels,
         bucket_bytes,
         &HashSet::new(),
-        1,
+        (GROUP, 1),
     )
 }
 
 /// The all-reduce part of a worker's graph: the gradients of every variable not in `local`
 /// summed in buckets (see the module docs), clipping when `spec` asks for it, the update ops
 /// reading the sums, and the global loss. When clipping, the norm also counts the `local`
-/// gradients of every worker (an all-gather over the `group_size` workers of each one's norm),
-/// and they are scaled too. Collectives already in the graph (a strategy's
+/// gradients (an all-gather of each one's norm over `locals_group`, a group key and its size,
+/// in which every local gradient is held by exactly one worker), and they are scaled too. Collectives already in the graph (a strategy's
 /// forward collectives and their gradients) are first chained by control edges in the graph's
 /// topological order, and the buckets come after them, so that every worker issues all its
 /// collectives in one order.
@@ -281,8 +281,9 @@ pub(super) fn reduce_gradients(
     labels: &str,
     bucket_bytes: usize,
     local: &HashSet<String>,
-    group_size: usize,
+    locals_group: (&str, usize),
 ) -> Result<ReplicaGraph, StrategyError> {
+    let (locals_key, group_size) = locals_group;
     let WeightedTraining {
         mut training,
         typed,
@@ -426,7 +427,10 @@ pub(super) fn reduce_gradients(
             }
             let mut n = node(&gather, "CollectiveAllGather", inputs, &device);
             n.attrs = BTreeMap::from([
-                ("group_key".to_string(), AttrValue::String(GROUP.into())),
+                (
+                    "group_key".to_string(),
+                    AttrValue::String(locals_key.into()),
+                ),
                 ("instance_key".to_string(), AttrValue::Int(instance)),
                 ("group_size".to_string(), AttrValue::Int(group_size as i64)),
             ]);

@@ -48,14 +48,25 @@
 //!   worker's expert gradients (each worker's expert norm is all-gathered), the same on every
 //!   worker, as one process's.
 //!
-//! Not supported: asynchronous training, resuming at another worker count (a checkpoint holds the shards by
-//! their `/shard_<i>` names).
+//! - **Expert-parallel groups** (`--mesh dp=D,ep=E`, [`ExpertLayout`]): as in Megatron-core, the
+//!   experts may be spread over runs of `ep` consecutive workers (an expert-parallel group;
+//!   `ep` divides the worker count) instead of all of them. Everything above then happens
+//!   inside each group — worker `i` holds shard `i mod ep` (`<name>/shard_<i mod ep>`, so
+//!   the workers holding the same experts hold variables of the same name), and its
+//!   all-to-alls run over its group — while the dense parameters stay data-parallel over every
+//!   worker. The `N / ep` workers that hold the same shard (an expert-data-parallel group)
+//!   sum its gradients by all-reduce before the update, so each expert's gradient counts every
+//!   worker's tokens. `ep` = the worker count is the layout above.
+//!
+//! Not supported: asynchronous training; expert parallelism beside tensor or pipeline
+//! parallelism.
 
 use super::allreduce::{
     check_job, fresh, node, reduce_gradients, weighted_training, worker_device,
 };
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
 use crate::job::{task_name, CollectiveGroup, Schedule, VariablePlan};
+use crate::mesh::{Axis, Mesh};
 use crate::place::{PlacementOptions, Policy};
 use crate::shards::ShardedVariable;
 use dflow_graph::train::TrainSpec;
@@ -83,6 +94,99 @@ pub struct Expert {
     pub bucket_bytes: usize,
     /// The global batch size, when known: it must divide by the worker count.
     pub batch_size: Option<usize>,
+    /// The expert-parallel size (`--mesh ep=E`): the experts are spread over runs of `ep`
+    /// consecutive workers ([`ExpertLayout`]); `None`: over all the workers.
+    pub ep: Option<usize>,
+}
+
+/// How a job's workers share the experts: runs of `ep` consecutive workers (expert-parallel
+/// groups) each hold one copy of every layer's experts, `E / ep` per worker; the workers at the
+/// same position of every run (expert-data-parallel groups) hold the same experts. The groups
+/// are [`Mesh::groups`]`(Axis::Ep)` and [`Mesh::expert_data_groups`] of the mesh `dp=workers,ep`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertLayout {
+    /// The mesh: `dp` = the workers, `ep` = the expert-parallel size.
+    pub mesh: Mesh,
+}
+
+impl ExpertLayout {
+    /// `workers` sharing the experts in groups of `ep` (which must divide `workers`).
+    pub fn new(workers: usize, ep: usize) -> Result<ExpertLayout, StrategyError> {
+        let mesh = Mesh::new(workers, 1, 1)
+            .and_then(|m| m.with_ep(ep))
+            .map_err(|e| options(e.to_string()))?;
+        Ok(ExpertLayout { mesh })
+    }
+
+    /// Every worker in one expert-parallel group (`--strategy expert`).
+    pub fn all(workers: usize) -> Result<ExpertLayout, StrategyError> {
+        ExpertLayout::new(workers, workers)
+    }
+
+    /// The workers.
+    pub fn workers(&self) -> usize {
+        self.mesh.dp
+    }
+
+    /// The expert-parallel size: the workers that share one copy of the experts.
+    pub fn ep(&self) -> usize {
+        self.mesh.ep
+    }
+
+    /// The expert shard that `worker` holds (its position in its expert-parallel group).
+    pub fn shard(&self, worker: usize) -> usize {
+        self.mesh.expert_rank(worker)
+    }
+
+    /// The collective group of `worker`'s all-to-alls: the workers' [`GROUP`] when one
+    /// expert-parallel group holds them all, else `experts_ep<g>`.
+    pub fn ep_group(&self, worker: usize) -> String {
+        if self.ep() == self.workers() {
+            GROUP.to_string()
+        } else {
+            format!("experts_ep{}", worker / self.ep())
+        }
+    }
+
+    /// The collective group that sums `worker`'s expert gradients (`experts_dp<shard>`), or
+    /// `None` when no other worker holds its experts.
+    pub fn expert_data_group(&self, worker: usize) -> Option<String> {
+        (self.ep() < self.workers()).then(|| format!("experts_dp{}", self.shard(worker)))
+    }
+
+    /// The collective groups besides [`GROUP`], over the worker tasks `tasks` (rank `r` is
+    /// `tasks[r]`; a rank past the end is left out): the expert-parallel and
+    /// expert-data-parallel groups, when `ep` is less than the workers.
+    pub fn groups(&self, tasks: &[String]) -> Vec<CollectiveGroup> {
+        if self.ep() == self.workers() {
+            return Vec::new();
+        }
+        let members = |ranks: &[usize]| {
+            ranks
+                .iter()
+                .filter_map(|&r| tasks.get(r).cloned())
+                .collect()
+        };
+        let ep = self
+            .mesh
+            .groups(Axis::Ep)
+            .into_iter()
+            .map(|ranks| CollectiveGroup {
+                key: self.ep_group(ranks[0]),
+                members: members(&ranks),
+            });
+        let data = self
+            .mesh
+            .expert_data_groups()
+            .into_iter()
+            .filter_map(|ranks| {
+                Some(CollectiveGroup {
+                    key: self.expert_data_group(ranks[0])?,
+                    members: members(&ranks),
+                })
+            });
+        ep.chain(data).collect()
+    }
 }
 
 /// `--strategy expert`.
@@ -99,6 +203,7 @@ pub(super) static REGISTRATION: Registration = Registration {
         Ok(Box::new(Expert {
             bucket_bytes: opts.bucket_bytes,
             batch_size: opts.batch_size,
+            ep: opts.ep,
         }))
     },
 };
@@ -109,8 +214,12 @@ impl Strategy for Expert {
     }
 
     fn describe(&self) -> String {
+        let over = match self.ep {
+            Some(ep) => format!("groups of {ep} workers, expert gradients summed over the groups"),
+            None => "the workers".to_string(),
+        };
         format!(
-            "expert-parallel training (experts spread over the workers, all-to-all), buckets of {:.1} MiB",
+            "expert-parallel training (experts spread over {over}, all-to-all), buckets of {:.1} MiB",
             self.bucket_bytes as f64 / (1u64 << 20) as f64
         )
     }
@@ -124,10 +233,11 @@ impl Strategy for Expert {
                 )));
             }
         }
+        let layout = ExpertLayout::new(workers, self.ep.unwrap_or(workers))?;
         let graphs = expert_training(
             input.graph,
             input.train,
-            workers,
+            layout,
             input.features,
             input.labels,
             self.bucket_bytes,
@@ -136,24 +246,26 @@ impl Strategy for Expert {
             policy: Policy::Explicit,
             ..input.placement.clone()
         };
-        let group = CollectiveGroup {
+        let tasks: Vec<String> = input
+            .cluster
+            .tasks("worker")
+            .map(|(i, _)| task_name("worker", i))
+            .collect();
+        let mut groups = vec![CollectiveGroup {
             key: GROUP.to_string(),
-            members: input
-                .cluster
-                .tasks("worker")
-                .map(|(i, _)| task_name("worker", i))
-                .collect(),
-        };
+            members: tasks.clone(),
+        }];
+        groups.extend(layout.groups(&tasks));
         let mut plan = JobPlan::build(
             self.describe(),
             input,
             graphs,
             &placement,
             Schedule::Lockstep,
-            vec![group],
+            groups,
         )?;
         let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        plan.sharded = expert_shards(&layers, &plan.variables, workers);
+        plan.sharded = expert_shards(&layers, &plan.variables, layout.ep());
         Ok(plan)
     }
 
@@ -325,7 +437,8 @@ pub fn moe_layers(graph: &Graph, def: &GraphDef) -> Result<Vec<MoeLayer>, Strate
 
 /// The experts' shards as whole logical tensors for checkpoints ([`crate::shards`]): each
 /// expert variable `v` (`[E, ...]`) and each of its optimizer slots `v/<slot>` of the same shape
-/// are the concatenation of the workers' `v/shard_<i>[/<slot>]` (`[E/N, ...]`, whole rows), so a
+/// are the concatenation of the `v/shard_<i>[/<slot>]` (`[E/N, ...]`, whole rows) of the `N = ep`
+/// workers of an expert-parallel group (every group holds the same values), so a
 /// checkpoint holds them under the names and shapes one process uses and resumes at any worker
 /// count, with or without the strategy. A slot whose first dimension is not `E/N` (none of the
 /// bundled optimizers has one) is left out and stays per worker.
@@ -365,20 +478,22 @@ pub fn expert_shards(
     sharded
 }
 
-/// The name of worker `worker`'s shard of expert variable `var`.
-pub fn shard_name(var: &str, worker: usize) -> String {
-    format!("{var}/shard_{worker}")
+/// The name of shard `shard` of expert variable `var` (held by the workers at position
+/// `shard` of their expert-parallel groups; [`ExpertLayout::shard`]).
+pub fn shard_name(var: &str, shard: usize) -> String {
+    format!("{var}/shard_{shard}")
 }
 
-/// The expert-parallel training graphs, one per worker (see the module docs).
+/// The expert-parallel training graphs, one per worker of `layout` (see the module docs).
 pub fn expert_training(
     graph: &Graph,
     spec: &TrainSpec,
-    workers: usize,
+    layout: ExpertLayout,
     features: &str,
     labels: &str,
     bucket_bytes: usize,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
+    let (workers, ep) = (layout.workers(), layout.ep());
     let loss_dtype = check_job(graph, spec, workers, features, labels)?;
     let forward = graph.to_def();
     let layers = moe_layers(graph, &forward)?;
@@ -389,22 +504,27 @@ pub fn expert_training(
         ));
     }
     for l in &layers {
-        if l.experts % workers != 0 {
+        if l.experts % ep != 0 {
             return Err(options(format!(
-                "MoE layer `{}` has {} experts, which do not split evenly over {workers} workers; use a worker count that divides {}",
+                "MoE layer `{}` has {} experts, which do not split evenly over the {ep} workers of an expert-parallel group (ep={ep}); use an expert-parallel size (the worker count, or --mesh ep) that divides {}",
                 l.dispatch, l.experts, l.experts
             )));
         }
     }
     let mut graphs = Vec::with_capacity(workers);
     for i in 0..workers {
-        let (def, local) = worker_forward(&forward, &layers, i, workers)?;
+        let (def, local) = worker_forward(&forward, &layers, i, layout)?;
         // Clipping, if any, comes after the sums (reduce_gradients).
         let unclipped = TrainSpec {
             clip_global_norm: None,
             ..spec.clone()
         };
-        let weighted = weighted_training(&def, &unclipped, i, loss_dtype)?;
+        let mut weighted = weighted_training(&def, &unclipped, i, loss_dtype)?;
+        if let Some(group) = layout.expert_data_group(i) {
+            reduce_expert_gradients(&mut weighted, &local, &group)?;
+        }
+        // Each expert shard's (summed) gradient once per expert-parallel group: the clipping
+        // norm gathers the shards' norms over that group.
         let mut g = reduce_gradients(
             weighted,
             spec,
@@ -413,11 +533,11 @@ pub fn expert_training(
             labels,
             bucket_bytes,
             &local,
-            workers,
+            (&layout.ep_group(i), ep),
         )?;
         add_dropped_count(&mut g, &forward, i)?;
         if i == 0 {
-            add_eval_copy(&mut g, &forward, &layers, spec, workers)?;
+            add_eval_copy(&mut g, &forward, &layers, spec, ep)?;
         }
         graphs.push(g);
     }
@@ -428,25 +548,29 @@ fn int_list(v: &[i64]) -> AttrValue {
     AttrValue::IntList(v.to_vec())
 }
 
-/// Worker `worker`'s forward graph: expert variables sharded, all-to-alls around the experts,
-/// the auxiliary losses on gathered inputs. Returns it and the shards' names.
+/// Worker `worker`'s forward graph: expert variables sharded, all-to-alls (over its
+/// expert-parallel group) around the experts, the auxiliary losses on inputs gathered from
+/// every worker. Returns it and the shards' names.
 fn worker_forward(
     forward: &GraphDef,
     layers: &[MoeLayer],
     worker: usize,
-    workers: usize,
+    layout: ExpertLayout,
 ) -> Result<(GraphDef, HashSet<String>), StrategyError> {
     let mut def = forward.clone();
     let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
     let device = worker_device("", "", worker)?;
-    let n = workers as i64;
+    let n = layout.ep() as i64;
+    let ep_group = layout.ep_group(worker);
+    let index = layout.shard(worker);
     let mut instance = FIRST_INSTANCE;
-    let mut collective = |name: &str, op: &str, input: String| {
+    // One instance counter for both groups: every key is unique in either.
+    let mut collective = |name: &str, op: &str, input: String, group: &str, size: usize| {
         let mut c = node(name, op, vec![input], &device);
         c.attrs = BTreeMap::from([
-            ("group_key".to_string(), AttrValue::String(GROUP.into())),
+            ("group_key".to_string(), AttrValue::String(group.into())),
             ("instance_key".to_string(), AttrValue::Int(instance)),
-            ("group_size".to_string(), AttrValue::Int(n)),
+            ("group_size".to_string(), AttrValue::Int(size as i64)),
         ]);
         instance += 1;
         c
@@ -455,11 +579,11 @@ fn worker_forward(
     let mut renames: HashMap<String, String> = HashMap::new();
     let mut added = Vec::new();
     for l in layers {
-        let per = (l.experts / workers) as i64;
+        let per = (l.experts / layout.ep()) as i64;
         let width = l.width as i64;
         // Expert variables: this worker's rows.
         for var in &l.variables {
-            let shard = shard_name(var, worker);
+            let shard = shard_name(var, index);
             if taken.contains(&shard) {
                 return Err(StrategyError::NameTaken {
                     node: var.clone(),
@@ -468,7 +592,7 @@ fn worker_forward(
             }
             taken.insert(shard.clone());
             if let Some(v) = def.nodes.iter_mut().find(|d| &d.name == var) {
-                shard_variable(v, worker, per)?;
+                shard_variable(v, index, per)?;
             }
             renames.insert(var.clone(), shard.clone());
             local.insert(shard);
@@ -488,7 +612,13 @@ fn worker_forward(
         // Tokens to their experts' workers.
         let base = &l.dispatch;
         let a2a = fresh(&mut taken, &format!("{base}/to_experts"));
-        added.push(collective(&a2a, "CollectiveAllToAll", base.clone()));
+        added.push(collective(
+            &a2a,
+            "CollectiveAllToAll",
+            base.clone(),
+            &ep_group,
+            layout.ep(),
+        ));
         let split = fresh(&mut taken, &format!("{base}/to_experts/by_rank"));
         let mut r = node(&split, "Reshape", vec![a2a.clone()], &device);
         r.attrs = BTreeMap::from([("shape".into(), int_list(&[n, per, -1, width]))]);
@@ -533,10 +663,16 @@ fn worker_forward(
         r.attrs = BTreeMap::from([("shape".into(), int_list(&[n * per, -1, width]))]);
         added.push(r);
         let back = fresh(&mut taken, &format!("{cb}/from_experts"));
-        added.push(collective(&back, "CollectiveAllToAll", joined));
+        added.push(collective(
+            &back,
+            "CollectiveAllToAll",
+            joined,
+            &ep_group,
+            layout.ep(),
+        ));
         comb.inputs[0] = back;
     }
-    // The load-balancing losses see every worker's tokens.
+    // The load-balancing losses see every worker's tokens (all workers, not only the group).
     let aux: Vec<String> = def
         .nodes
         .iter()
@@ -555,7 +691,13 @@ fn worker_forward(
         let mut gathered = Vec::new();
         for (k, input) in inputs.iter().enumerate().take(2) {
             let g = fresh(&mut taken, &format!("{name}/all_gather_{k}"));
-            added.push(collective(&g, "CollectiveAllGather", input.clone()));
+            added.push(collective(
+                &g,
+                "CollectiveAllGather",
+                input.clone(),
+                GROUP,
+                layout.workers(),
+            ));
             gathered.push(g);
         }
         if let Some(d) = def.nodes.iter_mut().find(|d| d.name == name) {
@@ -634,8 +776,47 @@ fn add_dropped_count(
     Ok(())
 }
 
-/// Makes `v` (an `[E, ...]` variable) worker `worker`'s `per` rows of it (the caller renames it).
-fn shard_variable(v: &mut NodeDef, worker: usize, per: i64) -> Result<(), StrategyError> {
+/// Sums each expert shard's gradient over the workers that hold the same shard (`group`, an
+/// expert-data-parallel group) by all-reduce, and points the updates at the sums: the shards
+/// in `local` are the worker's expert variables.
+fn reduce_expert_gradients(
+    w: &mut super::allreduce::WeightedTraining,
+    local: &HashSet<String>,
+    group: &str,
+) -> Result<(), StrategyError> {
+    let def = &mut w.training.def;
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let mut summed: HashMap<String, String> = HashMap::new();
+    let mut added = Vec::new();
+    for (k, (var, grad)) in w.training.gradients.iter_mut().enumerate() {
+        if !local.contains(var.as_str()) {
+            continue;
+        }
+        let name = fresh(&mut taken, &format!("experts/grad_{k}/all_reduce"));
+        let mut n = node(&name, "CollectiveAllReduce", vec![grad.clone()], &w.device);
+        n.attrs = BTreeMap::from([
+            ("group_key".to_string(), AttrValue::String(group.into())),
+            ("instance_key".to_string(), AttrValue::Int(k as i64 + 1)),
+            ("reduce".to_string(), AttrValue::String("sum".into())),
+        ]);
+        added.push(n);
+        summed.insert(grad.clone(), name.clone());
+        *grad = name;
+    }
+    for n in def.nodes.iter_mut().filter(|n| n.op.starts_with("Apply")) {
+        for input in &mut n.inputs {
+            if let Some(s) = summed.get(input.as_str()) {
+                *input = s.clone();
+            }
+        }
+    }
+    def.nodes.extend(added);
+    w.typed = Graph::from_def(def).map_err(StrategyError::InvalidGraph)?;
+    Ok(())
+}
+
+/// Makes `v` (an `[E, ...]` variable) shard `shard` of it, `per` rows (the caller renames it).
+fn shard_variable(v: &mut NodeDef, shard: usize, per: i64) -> Result<(), StrategyError> {
     let whole = match v.attrs.get("shape") {
         Some(AttrValue::Shape(s)) => s.clone(),
         _ => {
@@ -653,7 +834,7 @@ fn shard_variable(v: &mut NodeDef, worker: usize, per: i64) -> Result<(), Strate
         .insert("shape".into(), AttrValue::Shape(Shape::known(&dims)));
     v.attrs.insert("shard_of".into(), AttrValue::Shape(whole));
     v.attrs
-        .insert("shard_offset".into(), AttrValue::Int(worker as i64 * per));
+        .insert("shard_offset".into(), AttrValue::Int(shard as i64 * per));
     v.attrs.insert(
         "shard_name".into(),
         AttrValue::String(v.name.as_str().into()),
@@ -661,8 +842,8 @@ fn shard_variable(v: &mut NodeDef, worker: usize, per: i64) -> Result<(), Strate
     Ok(())
 }
 
-/// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose experts read all
-/// workers' shards joined, and points evaluation at it.
+/// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose experts read the
+/// shards of its expert-parallel group (workers `0..ep`) joined, and points evaluation at it.
 fn add_eval_copy(
     g: &mut ReplicaGraph,
     forward: &GraphDef,
@@ -745,7 +926,7 @@ fn add_eval_copy(
 }
 
 /// What one worker sends to other workers in each all-to-all of its training graph `g` (over
-/// `workers` workers), from the plan's static shapes: `(node, bytes)` in graph order, `None`
+/// the `workers` workers of its expert-parallel group), from the plan's static shapes: `(node, bytes)` in graph order, `None`
 /// where the batch size is not static. The dispatch buffer is `[E, C, d]` and blocks `j ≠ i`
 /// leave worker `i`, so each all-to-all sends `(N−1)·(E/N)·C·d·size` bytes off-rank: every
 /// capacity slot of another worker's experts, filled or not (the buffers are static), i.e. the
@@ -811,7 +992,15 @@ mod tests {
         assert_eq!(layers.len(), 2);
         // c_fc and c_proj, weights and biases.
         assert_eq!(layers[0].variables.len(), 4, "{:?}", layers[0].variables);
-        let graphs = expert_training(&graph, &spec, 2, "idx", "targets", 1 << 20).unwrap();
+        let graphs = expert_training(
+            &graph,
+            &spec,
+            ExpertLayout::all(2).unwrap(),
+            "idx",
+            "targets",
+            1 << 20,
+        )
+        .unwrap();
         for (i, g) in graphs.iter().enumerate() {
             for l in &layers {
                 for var in &l.variables {
@@ -944,7 +1133,15 @@ mod tests {
     fn clipping_counts_every_workers_expert_gradients() {
         let (graph, mut spec) = moe_gpt(4, 1);
         spec.clip_global_norm = Some(1.0);
-        let graphs = expert_training(&graph, &spec, 2, "idx", "targets", 1 << 20).unwrap();
+        let graphs = expert_training(
+            &graph,
+            &spec,
+            ExpertLayout::all(2).unwrap(),
+            "idx",
+            "targets",
+            1 << 20,
+        )
+        .unwrap();
         let g = &graphs[1];
         let scale = ops(g, "GlobalNormScale");
         assert_eq!(scale.len(), 1);
@@ -972,15 +1169,39 @@ mod tests {
     #[test]
     fn experts_that_do_not_split_over_the_workers_are_refused_naming_both() {
         let (graph, spec) = moe_gpt(4, 1);
-        let err = expert_training(&graph, &spec, 3, "idx", "targets", 1 << 20).unwrap_err();
+        let err = expert_training(
+            &graph,
+            &spec,
+            ExpertLayout::all(3).unwrap(),
+            "idx",
+            "targets",
+            1 << 20,
+        )
+        .unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.contains("4 experts") && msg.contains("3 workers"),
             "{msg}"
         );
         // One worker holds every expert; four hold one each.
-        assert!(expert_training(&graph, &spec, 1, "idx", "targets", 1 << 20).is_ok());
-        assert!(expert_training(&graph, &spec, 4, "idx", "targets", 1 << 20).is_ok());
+        assert!(expert_training(
+            &graph,
+            &spec,
+            ExpertLayout::all(1).unwrap(),
+            "idx",
+            "targets",
+            1 << 20
+        )
+        .is_ok());
+        assert!(expert_training(
+            &graph,
+            &spec,
+            ExpertLayout::all(4).unwrap(),
+            "idx",
+            "targets",
+            1 << 20
+        )
+        .is_ok());
     }
 
     #[test]
@@ -1000,7 +1221,15 @@ mod tests {
             clip_global_norm: None,
             ..dense.def.train.clone().unwrap()
         };
-        let err = expert_training(&dense_graph, &spec, 2, "idx", "targets", 1).unwrap_err();
+        let err = expert_training(
+            &dense_graph,
+            &spec,
+            ExpertLayout::all(2).unwrap(),
+            "idx",
+            "targets",
+            1,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("no MoE layer"), "{err}");
         let built = REGISTRATION.build;
         let opts = super::super::StrategyOptions {
@@ -1012,6 +1241,174 @@ mod tests {
         let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
         let err = strategy.plan(&input).unwrap_err();
         assert!(err.to_string().contains("batch size 7"), "{err}");
+    }
+
+    #[test]
+    fn ep2_over_four_workers_shards_in_groups_and_sums_expert_gradients_over_the_others() {
+        let (graph, mut spec) = moe_gpt(4, 2);
+        spec.clip_global_norm = Some(1.0);
+        let layout = ExpertLayout::new(4, 2).unwrap();
+        let tasks: Vec<String> = (0..4).map(|i| task_name("worker", i)).collect();
+        let groups: Vec<(String, Vec<String>)> = layout
+            .groups(&tasks)
+            .into_iter()
+            .map(|g| (g.key, g.members))
+            .collect();
+        let members = |r: &[usize]| r.iter().map(|&i| tasks[i].clone()).collect::<Vec<_>>();
+        assert_eq!(
+            groups,
+            [
+                ("experts_ep0".to_string(), members(&[0, 1])),
+                ("experts_ep1".to_string(), members(&[2, 3])),
+                ("experts_dp0".to_string(), members(&[0, 2])),
+                ("experts_dp1".to_string(), members(&[1, 3])),
+            ]
+        );
+        let graphs = expert_training(&graph, &spec, layout, "idx", "targets", 1 << 20).unwrap();
+        let layers = moe_layers(&graph, &graph.to_def()).unwrap();
+        let attr = |n: &NodeDef, k: &str| n.attrs.get(k).cloned();
+        let text = |v: &str| Some(AttrValue::String(v.into()));
+        for (i, g) in graphs.iter().enumerate() {
+            let shard = i % 2;
+            let ep_group = format!("experts_ep{}", i / 2);
+            let dp_group = format!("experts_dp{shard}");
+            let nodes = &g.training.def.nodes;
+            for var in layers.iter().flat_map(|l| &l.variables) {
+                let name = shard_name(var, shard);
+                let v = nodes
+                    .iter()
+                    .find(|n| n.name == name && n.op == "Variable")
+                    .unwrap_or_else(|| panic!("worker {i}: no {name}"));
+                assert_eq!(
+                    attr(v, "shard_offset"),
+                    Some(AttrValue::Int(2 * shard as i64))
+                );
+                assert_eq!(v.device, format!("/job:worker/task:{i}"));
+                // Its gradient is summed over the workers holding the same shard, and the
+                // update reads the sum.
+                let grad = &g
+                    .training
+                    .gradients
+                    .iter()
+                    .find(|(v, _)| *v == name)
+                    .unwrap()
+                    .1;
+                let sum = nodes.iter().find(|n| &n.name == grad).unwrap();
+                assert_eq!(sum.op, "CollectiveAllReduce", "{name}");
+                assert_eq!(attr(sum, "group_key"), text(&dp_group));
+                let update = nodes
+                    .iter()
+                    .find(|n| n.op == "ApplyAdamW" && n.inputs.first() == Some(&name))
+                    .unwrap();
+                assert!(
+                    update
+                        .inputs
+                        .iter()
+                        .any(|x| x.starts_with("allreduce/clip/grad_")),
+                    "{:?}",
+                    update.inputs
+                );
+                assert!(ops(g, "PackFlat")
+                    .iter()
+                    .filter(|p| p.name.starts_with("allreduce/bucket_"))
+                    .all(|p| !p.inputs.contains(grad)));
+            }
+            // All-to-alls inside the expert-parallel group; the router's gathers, the buckets,
+            // the loss and the dropped count over every worker; the clipping norm gathered over
+            // the expert-parallel group (each shard counted once).
+            for n in ops(g, "CollectiveAllToAll") {
+                assert_eq!(attr(n, "group_key"), text(&ep_group), "{}", n.name);
+                assert_eq!(attr(n, "group_size"), Some(AttrValue::Int(2)));
+            }
+            assert_eq!(ops(g, "CollectiveAllToAll").len(), 8);
+            for n in ops(g, "CollectiveAllGather") {
+                if n.name == "allreduce/clip/local/all_gather" {
+                    assert_eq!(attr(n, "group_key"), text(&ep_group));
+                    assert_eq!(attr(n, "group_size"), Some(AttrValue::Int(2)));
+                } else {
+                    assert_eq!(attr(n, "group_key"), text(GROUP), "{}", n.name);
+                    assert_eq!(attr(n, "group_size"), Some(AttrValue::Int(4)));
+                }
+            }
+            for n in ops(g, "CollectiveAllReduce") {
+                if !n.name.starts_with("experts/") {
+                    assert_eq!(attr(n, "group_key"), text(GROUP), "{}", n.name);
+                }
+            }
+            // 2 layers × 4 expert variables summed over the expert-data group.
+            assert_eq!(
+                ops(g, "CollectiveAllReduce")
+                    .iter()
+                    .filter(|n| attr(n, "group_key") == text(&dp_group))
+                    .count(),
+                8
+            );
+        }
+        // One order of collectives on every worker (group keys aside).
+        let keys = |g: &ReplicaGraph| -> Vec<(String, AttrValue)> {
+            let typed = &g.graph;
+            typed
+                .topo_order()
+                .into_iter()
+                .map(|i| typed.node(i))
+                .filter(|n| n.op.starts_with("Collective"))
+                .map(|n| (n.op.to_string(), n.attrs["instance_key"].clone()))
+                .collect()
+        };
+        for g in &graphs[1..] {
+            assert_eq!(keys(g), keys(&graphs[0]));
+        }
+        // Worker 0 evaluates with its group's two shards joined.
+        let joined = graphs[0]
+            .training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == "eval/transformer.h.0.mlp.experts.c_fc.weight")
+            .unwrap();
+        assert_eq!(
+            joined.inputs,
+            [
+                "transformer.h.0.mlp.experts.c_fc.weight/shard_0",
+                "transformer.h.0.mlp.experts.c_fc.weight/shard_1"
+            ]
+        );
+        // The checkpoint's whole variables gather the two shards.
+        let vars: Vec<VariablePlan> = ["fc/shard_0", "fc/shard_1"]
+            .iter()
+            .map(|n| VariablePlan {
+                name: n.to_string(),
+                dtype: DType::F32,
+                dims: vec![2, 8],
+                holders: vec![],
+            })
+            .collect();
+        let layer = MoeLayer {
+            variables: vec!["fc".into()],
+            ..layers[0].clone()
+        };
+        let sharded = expert_shards(&[layer], &vars, layout.ep());
+        assert_eq!(sharded[0].dims, [4, 8]);
+        assert_eq!(sharded[0].shards, ["fc/shard_0", "fc/shard_1"]);
+    }
+
+    #[test]
+    fn an_ep_that_does_not_divide_the_workers_or_the_experts_is_refused_naming_it() {
+        let e = ExpertLayout::new(4, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("mesh axis ep=3 does not divide the data-parallel axis dp (4)"),
+            "{e}"
+        );
+        let (graph, spec) = moe_gpt(4, 1);
+        let layout = ExpertLayout::new(8, 8).unwrap();
+        let e = expert_training(&graph, &spec, layout, "idx", "targets", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("4 experts") && e.contains("ep=8"), "{e}");
+        // ep = the workers: the all-worker layout, no extra groups.
+        assert!(ExpertLayout::all(2).unwrap().groups(&[]).is_empty());
+        assert_eq!(ExpertLayout::all(2).unwrap().ep_group(1), GROUP);
+        assert_eq!(ExpertLayout::all(2).unwrap().expert_data_group(1), None);
     }
 
     #[test]
@@ -1068,8 +1465,15 @@ mod tests {
         };
         let graph = Graph::from_def(&def).unwrap();
         for workers in [2usize, 4] {
-            let graphs =
-                expert_training(&graph, &spec, workers, "idx", "targets", 1 << 20).unwrap();
+            let graphs = expert_training(
+                &graph,
+                &spec,
+                ExpertLayout::all(workers).unwrap(),
+                "idx",
+                "targets",
+                1 << 20,
+            )
+            .unwrap();
             let bytes = all_to_all_bytes(&graphs[0], workers);
             // 2 layers × (2 forward + 2 backward).
             assert_eq!(bytes.len(), 8, "{bytes:?}");

@@ -159,6 +159,9 @@ pub struct StrategyOptions {
     /// `--partition-strategy`: how the ps strategy shards embedding tables over the ps tasks,
     /// overriding each table's own `partition_strategy` (`None`: the graph's).
     pub partition_strategy: Option<dflow_graph::embedding_partition::PartitionStrategy>,
+    /// The expert-parallel size (`--mesh ep=E`, read by `--strategy expert`): the experts are
+    /// spread over runs of `ep` workers (`None`: over every worker).
+    pub ep: Option<usize>,
 }
 
 impl Default for StrategyOptions {
@@ -174,6 +177,7 @@ impl Default for StrategyOptions {
             zero_stage: 1,
             tp: None,
             partition_strategy: None,
+            ep: None,
         }
     }
 }

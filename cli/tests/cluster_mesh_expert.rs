@@ -1,0 +1,298 @@
+//! `--mesh dp=D,ep=E`: expert parallelism carved out of the data-parallel ranks (Megatron-core).
+//! On 4 workers, `dp=4,ep=2` holds each MoE layer's 4 experts twice, 2 per worker, in the
+//! expert-parallel groups {0,1} and {2,3} (tokens move by all-to-all inside a group), and sums
+//! each expert shard's gradient over the expert-data-parallel groups {0,2} and {1,3}; the dense
+//! parameters are data-parallel over all 4.
+//!
+//! A two-block GPT with 4-expert MoE MLPs at capacity factor E = 4 drops no token, neither in
+//! one process nor on a worker, so the job equals one process (capacity is per worker; see
+//! docs/experts.md). Every task runs in this process (`--local --cluster`), which keeps the
+//! 4-worker runs cheap; `--strategy expert` is covered by real processes in cluster_expert.rs.
+
+mod support;
+
+use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
+use std::path::{Path, PathBuf};
+use support::*;
+
+const FOUR: &str = "examples/gpt/cluster-4workers.json";
+const TWO: &str = "examples/gpt/cluster-2workers.json";
+
+/// A two-block GPT (16 characters of context, 16 channels) with 4-expert MoE MLPs, top-`top_k`
+/// routing at capacity factor 4 (nothing dropped), clipped at global norm `grad_clip`.
+fn tiny_moe_gpt(dir: &Path, top_k: usize, grad_clip: Option<f64>) -> PathBuf {
+    let cfg = GptConfig {
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        learning_rate: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 2,
+        decay_steps: 20,
+        grad_clip,
+        moe: Some(MoeConfig {
+            num_experts: 4,
+            top_k,
+            capacity_factor: 4.0,
+            ..MoeConfig::default()
+        }),
+        ..GptConfig::default()
+    };
+    let model = gpt(&cfg).unwrap();
+    let path = dir.join(format!("tiny-moe-top{top_k}-clip{grad_clip:?}.json"));
+    std::fs::write(&path, dflow::graph::format::to_json(&model.def)).unwrap();
+    path
+}
+
+/// `dflow run --local GRAPH` for `steps` steps of a global batch of 8 with `extra` flags (a
+/// cluster and a mesh or strategy, or none: one process), checkpointing to (and resuming from)
+/// `ckpt`: its losses.
+fn run(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)> {
+    let losses = ckpt.with_extension(format!("losses-{steps}.txt"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(["run", "--local"])
+        .arg(graph)
+        .args(extra)
+        .args([
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "8",
+            "--eval-batches",
+            "1",
+            "--quiet",
+            "--steps",
+        ])
+        .arg(steps.to_string())
+        .arg("--checkpoint-dir")
+        .arg(ckpt)
+        .arg("--losses-out")
+        .arg(&losses)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{extra:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    read_losses(&losses)
+}
+
+/// The losses of `dp=4,ep=2` equal one process's within 1e-5 over 5 steps, for top-1 and for
+/// top-2 clipped at global norm 0.1 (clipped every step); and `dp=2,ep=2` is `--strategy
+/// expert` on 2 workers, loss for loss. Without the expert-data-parallel sum of the expert
+/// gradients, step 2 differs by 5e-5 relative and this fails. (AdamW is nearly blind to a
+/// gradient scaled alike at every step, so these losses do not check which group the clipping
+/// norm is gathered over; `expert.rs`'s
+/// `ep2_over_four_workers_shards_in_groups_and_sums_expert_gradients_over_the_others` does.)
+#[test]
+fn dp4_ep2_trains_like_one_process_and_dp2_ep2_is_the_expert_strategy() {
+    let dir = scratch("mesh-expert");
+    for (top_k, clip) in [(1, None), (2, Some(0.1))] {
+        let graph = tiny_moe_gpt(&dir, top_k, clip);
+        let tag = format!("top{top_k}-{clip:?}");
+        let local = run(&graph, &[], 5, &dir.join(format!("one-{tag}")));
+        assert_eq!(local.len(), 5);
+        let mesh = run(
+            &graph,
+            &["--cluster", FOUR, "--mesh", "dp=4,ep=2"],
+            5,
+            &dir.join(format!("dp4ep2-{tag}")),
+        );
+        let worst = assert_same_losses(&mesh, &local, 1e-5);
+        eprintln!("dp=4,ep=2 top-{top_k} clip {clip:?}: worst relative difference {worst:e}");
+        if clip.is_none() {
+            let two = run(
+                &graph,
+                &["--cluster", TWO, "--mesh", "dp=2,ep=2"],
+                5,
+                &dir.join(format!("dp2ep2-{tag}")),
+            );
+            let expert = run(
+                &graph,
+                &["--cluster", TWO, "--strategy", "expert"],
+                5,
+                &dir.join(format!("expert-{tag}")),
+            );
+            assert_eq!(two, expert, "dp=2,ep=2 vs --strategy expert");
+            assert_same_losses(&two, &local, 1e-5);
+        }
+    }
+}
+
+/// A checkpoint written under `dp=4,ep=2` holds the experts and their Adam moments whole
+/// (`[E, ...]`, the one-process names, no `/shard_<i>`), and resumes in one process with no
+/// strategy with the uninterrupted mesh job's next losses (within 1e-6 relative).
+#[test]
+fn a_dp4_ep2_checkpoint_resumes_in_one_process() {
+    let dir = scratch("mesh-expert-checkpoint");
+    let graph = tiny_moe_gpt(&dir, 1, None);
+    let mesh = ["--cluster", FOUR, "--mesh", "dp=4,ep=2"];
+    let uninterrupted = run(&graph, &mesh, 5, &dir.join("full"));
+    assert_eq!(uninterrupted.len(), 5);
+    let saved = dir.join("saved");
+    assert_eq!(run(&graph, &mesh, 3, &saved).len(), 3);
+    let path = dflow::executor::checkpoint::latest(&saved)
+        .unwrap()
+        .expect("a checkpoint");
+    let tensors = dflow::executor::checkpoint::load(&path).unwrap().tensors;
+    assert!(
+        !tensors.keys().any(|n| n.contains("/shard_")),
+        "shards saved by their per-worker names: {:?}",
+        tensors.keys().collect::<Vec<_>>()
+    );
+    let experts: Vec<_> = tensors
+        .iter()
+        .filter(|(n, _)| n.contains(".mlp.experts."))
+        .collect();
+    // 2 layers × (c_fc, c_proj) × (weight, bias) × (value, adam_m, adam_v).
+    assert_eq!(
+        experts.len(),
+        24,
+        "{:?}",
+        experts.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    for (n, t) in &experts {
+        assert_eq!(t.dims().first(), Some(&4), "`{n}` is {:?}", t.dims());
+    }
+    let resumed = run(&graph, &[], 5, &saved);
+    let worst = assert_same_losses(&resumed, &uninterrupted[3..], 1e-6);
+    eprintln!("dp=4,ep=2 checkpoint in one process: steps 4-5 worst relative difference {worst:e}");
+}
+
+/// `dflow partition --mesh dp=4,ep=2` prints the expert-parallel groups {0,1} {2,3} and the
+/// expert-data-parallel groups {0,2} {1,3} beside the group of all workers, and each worker's
+/// shards; bad meshes are refused naming the axis.
+#[test]
+fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
+    let dir = scratch("mesh-expert-partition");
+    let graph = tiny_moe_gpt(&dir, 1, None);
+    let graph_s = graph.to_string_lossy().into_owned();
+    let partition = |cluster: &str, extra: &[&str]| {
+        let mut args = vec![
+            "partition",
+            graph_s.as_str(),
+            "--cluster",
+            cluster,
+            "--features",
+            "idx",
+            "--labels",
+            "targets",
+        ];
+        args.extend(extra);
+        dflow(&args)
+    };
+    let out = partition(FOUR, &["--mesh", "dp=4,ep=2", "--batch-size", "8"]);
+    let text = stdout(&out);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w = |i: usize| format!("/job:worker/replica:0/task:{i}");
+    for (key, members) in [
+        ("workers", vec![0, 1, 2, 3]),
+        ("experts_ep0", vec![0, 1]),
+        ("experts_ep1", vec![2, 3]),
+        ("experts_dp0", vec![0, 2]),
+        ("experts_dp1", vec![1, 3]),
+    ] {
+        let line = format!(
+            "collective group {key}: {}",
+            members.iter().map(|&i| w(i)).collect::<Vec<_>>().join(", ")
+        );
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
+    }
+    assert!(
+        text.contains("experts spread over groups of 2 workers"),
+        "{text}"
+    );
+    // Shard 1 of a layer's expert weight lives on workers 1 and 3.
+    let shard = text
+        .lines()
+        .find(|l| l.contains("transformer.h.0.mlp.experts.c_fc.weight/shard_1 "))
+        .unwrap_or_else(|| panic!("no shard 1 line in:\n{text}"));
+    assert!(
+        shard.ends_with(&format!("on {}, {}", w(1), w(3))),
+        "{shard}"
+    );
+
+    for (cluster, extra, want) in [
+        (
+            FOUR,
+            vec!["--mesh", "dp=4,ep=3"],
+            "mesh axis ep=3 does not divide the data-parallel axis dp (4)",
+        ),
+        (
+            "examples/gpt/cluster-8workers.json",
+            vec!["--mesh", "dp=8,ep=8"],
+            "has 4 experts, which do not split evenly over the 8 workers of an expert-parallel group (ep=8)",
+        ),
+        (
+            FOUR,
+            vec!["--mesh", "dp=2,tp=2,ep=2"],
+            "expert parallelism (ep) beside tensor or pipeline parallelism does not run yet",
+        ),
+        (
+            FOUR,
+            vec!["--mesh", "dp=4,ep=2", "--zero-stage", "1"],
+            "--mesh ep=2 with --zero-stage 1",
+        ),
+        (
+            FOUR,
+            vec!["--mesh", "dp=4,ep=2", "--strategy", "allreduce"],
+            "runs --strategy expert, not --strategy allreduce",
+        ),
+    ] {
+        let out = partition(cluster, &extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(err.contains(want), "{extra:?}: no `{want}` in:\n{err}");
+    }
+}
+
+/// 4 real `dflow` processes on 127.0.0.1 under `--mesh dp=4,ep=2` (the groups' collectives
+/// over the transport, each process building its own worker's graph): 3 steps equal one
+/// process within 1e-5.
+#[test]
+fn four_processes_under_dp4_ep2_train_like_one_process() {
+    use std::time::Duration;
+    let _serial = serial();
+    let dir = scratch("mesh-expert-processes");
+    let graph = tiny_moe_gpt(&dir, 1, None);
+    let graph_s = graph.to_string_lossy().into_owned();
+    let local = run(&graph, &[], 3, &dir.join("one"));
+    let cluster = Cluster::new(0, 4);
+    let losses = cluster.path("job-losses.txt");
+    let losses_s = losses.to_string_lossy().into_owned();
+    let common = vec![
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "8",
+        "--steps",
+        "3",
+        "--eval-batches",
+        "1",
+        "--quiet",
+        "--mesh",
+        "dp=4,ep=2",
+    ];
+    let others: Vec<Task> = (1..4)
+        .map(|i| Task::start(&cluster, "worker", i, &common))
+        .collect();
+    let mut chief_args = vec![graph_s.as_str()];
+    chief_args.extend(common.iter().copied());
+    chief_args.extend(["--losses-out", &losses_s]);
+    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(Duration::from_secs(180));
+    chief.assert_success();
+    for t in others {
+        t.wait(Duration::from_secs(30)).assert_success();
+    }
+    let job = read_losses(&losses);
+    assert_eq!(job.len(), 3);
+    let worst = assert_same_losses(&job, &local, 1e-5);
+    eprintln!("4 processes, dp=4,ep=2: worst relative difference {worst:e}");
+}
