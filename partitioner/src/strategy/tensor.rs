@@ -104,6 +104,10 @@ pub struct TensorParallel {
     /// Tensor parallelism inside pipeline stages (`--mesh tp=T,pp=P`, P > 1): the pipeline's
     /// stages (`Some(P)`), micro-batches and schedule ([`mesh3d`]).
     pub pipeline: Option<Pipeline>,
+    /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
+    /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
+    /// their gradients ([`data::zero_step`]). Stages 1 and 2, `D > 1`, no pipeline axis.
+    pub zero_stage: Option<u8>,
 }
 
 /// `--strategy tensor`.
@@ -132,6 +136,7 @@ pub(super) static REGISTRATION: Registration = Registration {
                 chunks: opts.chunks,
                 batch_size: opts.batch_size,
             }),
+            zero_stage: opts.tensor_zero.then_some(opts.zero_stage),
         }))
     },
 };
@@ -187,6 +192,7 @@ impl Strategy for TensorParallel {
             input.train,
             &mesh,
             self.bucket_bytes,
+            self.zero_stage,
             input.features,
             input.labels,
         )?;
@@ -224,7 +230,39 @@ impl Strategy for TensorParallel {
         )?;
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
-        plan.axis_sharded = sharded_variables(&tp_graphs.shards, &plan.variables, tp);
+        if self.zero_stage.is_some() {
+            // ZeRO's slot shards `{w}/adam_m/shard_{d}_of_{D}` make the slots `{w}/adam_m` of
+            // every TP shard `w` and replicated weight; the TP shards' make the logical slots.
+            let mut dims: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+            for v in input
+                .graph
+                .to_def()
+                .nodes
+                .iter()
+                .filter(|v| v.op == "Variable")
+            {
+                if let Ok(d) = static_dims(input.graph, &v.name) {
+                    let dtype = input
+                        .graph
+                        .find(&v.name)
+                        .and_then(|i| input.graph.output_type(i, 0))
+                        .map_or(DType::F32, |t| t.dtype);
+                    dims.insert(v.name.clone(), (dtype, d));
+                }
+            }
+            for s in &tp_graphs.shards {
+                let dtype = dims.get(&s.name).map_or(DType::F32, |d| d.0);
+                for r in 0..tp {
+                    dims.insert(
+                        shard_name(&s.name, r, tp),
+                        (dtype, s.split.shard_dims(&s.dims)),
+                    );
+                }
+            }
+            plan.sharded = super::zero::slot_shards(&plan.variables, &dims, mesh.dp);
+        }
+        plan.axis_sharded =
+            sharded_variables(&tp_graphs.shards, &plan.variables, &plan.sharded, tp);
         Ok(plan)
     }
 }
@@ -247,6 +285,9 @@ impl TensorParallel {
             )));
         }
         let mesh = Mesh::new(workers / (tp * pp), tp, pp).map_err(|e| options(e.to_string()))?;
+        if let Some(stage) = self.zero_stage {
+            check_zero(&mesh, stage)?;
+        }
         if let Some(batch) = self.batch_size {
             mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
                 .map_err(|e| options(e.to_string()))?;
@@ -281,9 +322,34 @@ impl TensorParallel {
         )?;
         // The ranks of replica d take part d of every batch.
         plan.batch_parts = mesh.dp as u32;
-        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, tp);
+        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
         Ok(plan)
     }
+}
+
+/// ZeRO beside tensor parallelism runs at stages 1 and 2 over a data-parallel axis of at least
+/// two replicas; anything else is an error saying what to do.
+fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
+    if mesh.pp > 1 {
+        return Err(options(format!(
+            "mesh {mesh} with --zero-stage {stage}: ZeRO beside a pipeline axis does not run \
+             yet; drop --zero-stage (the gradients are then all-reduced over the dp axis)"
+        )));
+    }
+    if mesh.dp < 2 {
+        return Err(options(format!(
+            "mesh {mesh} with --zero-stage {stage}: ZeRO shards over the data-parallel axis, and \
+             this mesh has one replica; use dp ≥ 2 or drop --zero-stage"
+        )));
+    }
+    if !matches!(stage, 1 | 2) {
+        return Err(options(format!(
+            "mesh {mesh} with --zero-stage {stage}: beside tensor parallelism ZeRO runs at \
+             stages 1 and 2 (stage 3's parameter shards of tensor-parallel shards do not run \
+             yet); use --zero-stage 1 or 2"
+        )));
+    }
+    Ok(())
 }
 
 /// One weight's tensor-parallel layout: how it is cut, and its placement on the `tp` axis.
@@ -599,6 +665,7 @@ pub fn tensor_training(
         spec,
         &mesh,
         super::allreduce::DEFAULT_BUCKET_BYTES,
+        None,
         features,
         labels,
     )
@@ -614,6 +681,7 @@ pub fn mesh_training(
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    zero_stage: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -621,6 +689,16 @@ pub fn mesh_training(
         return Err(options(format!(
             "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
         )));
+    }
+    if let Some(stage) = zero_stage {
+        check_zero(mesh, stage)?;
+        super::zero::check_optimizer(spec, "tensor")?;
+        if hand::declares_placements(graph) {
+            return Err(options(format!(
+                "--zero-stage {stage}: ZeRO beside placements written by hand does not run yet; \
+                 drop --zero-stage (the gradients are then all-reduced over the dp axis)"
+            )));
+        }
     }
     if hand::declares_placements(graph) {
         return hand::mesh_training(graph, spec, mesh, features, labels);
@@ -647,6 +725,8 @@ pub fn mesh_training(
                 part: d,
                 group: dp_group(t),
                 bucket_bytes,
+                ranks: mesh.dp,
+                zero_stage,
             }),
         };
         let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
@@ -1037,11 +1117,30 @@ fn rank_graph(
         instance,
         group: at.group.clone(),
     };
-    if let (Some(replica), Some(w)) = (&at.data, &weighting) {
-        data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
-    }
-    if let Some(clip) = spec.clip_global_norm {
-        clip_across_shards(&mut training, &mut n, &renames, clip);
+    let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
+    match (&at.data, &weighting, zero_stage) {
+        (Some(replica), Some(w), Some(stage)) => {
+            let sharded: HashSet<String> = renames.values().cloned().collect();
+            data::zero_step(
+                &mut training,
+                &typed,
+                &mut n,
+                replica,
+                stage,
+                &w.weighted,
+                &at.group,
+                &sharded,
+                spec.clip_global_norm,
+            )?;
+        }
+        (data, weighting, _) => {
+            if let (Some(replica), Some(w)) = (data, weighting) {
+                data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
+            }
+            if let Some(clip) = spec.clip_global_norm {
+                clip_across_shards(&mut training, &mut n, &renames, clip);
+            }
+        }
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
     chain_collectives(&mut training)?;
@@ -1366,10 +1465,12 @@ pub(super) fn add_eval_copy(
 }
 
 /// The plan's sharded variables: every shard weight and each of its optimizer slots (named
-/// `{shard}/{slot}` by the training expansion), stored whole under the one-process names.
+/// `{shard}/{slot}` by the training expansion, a variable or, under ZeRO, one of `zero`'s
+/// logical tensors), stored whole under the one-process names.
 fn sharded_variables(
     shards: &[ShardedWeight],
     variables: &[crate::job::VariablePlan],
+    zero: &[crate::shards::ShardedVariable],
     tp: usize,
 ) -> Vec<AxisShardedVariable> {
     let mut out = Vec::new();
@@ -1401,6 +1502,11 @@ fn sharded_variables(
                 if v.dims == s.split.shard_dims(&s.dims) {
                     slots.insert(slot, v.dtype);
                 }
+            }
+        }
+        for z in zero {
+            if let Some(slot) = z.logical.strip_prefix(&prefix) {
+                slots.insert(slot, z.dtype);
             }
         }
         for (slot, dtype) in slots {
@@ -1720,6 +1826,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: Some(4),
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap();
@@ -1729,6 +1836,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: Some(5),
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap_err();
@@ -1887,6 +1995,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: Some(4),
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap();
@@ -1955,6 +2064,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: None,
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap_err();

@@ -160,32 +160,44 @@ impl Strategy for Zero {
                 Some((n.name.clone(), (ty.dtype, ty.shape.as_static()?)))
             })
             .collect();
-        let suffix = format!("/shard_0_of_{workers}");
-        let mut sharded = Vec::new();
-        for v in &plan.variables {
-            let Some(logical) = v.name.strip_suffix(&suffix) else {
-                continue;
-            };
-            let param = match params.get(logical) {
-                Some(p) => Some(p),
-                None => logical.rsplit_once('/').and_then(|(p, _)| params.get(p)),
-            };
-            let Some((dtype, dims)) = param else {
-                continue;
-            };
-            sharded.push(ShardedVariable {
-                logical: logical.to_string(),
-                dtype: *dtype,
-                dims: dims.clone(),
-                shards: (0..workers)
-                    .map(|r| format!("{logical}/shard_{r}_of_{workers}"))
-                    .collect(),
-                shard_dims: None,
-            });
-        }
-        plan.sharded = sharded;
+        plan.sharded = slot_shards(&plan.variables, &params, workers);
         Ok(plan)
     }
+}
+
+/// The logical tensors ZeRO shards over `ranks` ranks among the plan's `variables`: each
+/// `{p}/{slot}` with shards `{p}/{slot}/shard_{r}_of_{N}` (and, at stage 3, each parameter
+/// `p` with shards `{p}/shard_{r}_of_{N}`), where `params` gives every parameter `p`'s dtype
+/// and dimensions (the slots' too).
+pub(crate) fn slot_shards(
+    variables: &[crate::job::VariablePlan],
+    params: &BTreeMap<String, (DType, Vec<usize>)>,
+    ranks: usize,
+) -> Vec<ShardedVariable> {
+    let suffix = format!("/shard_0_of_{ranks}");
+    let mut sharded = Vec::new();
+    for v in variables {
+        let Some(logical) = v.name.strip_suffix(&suffix) else {
+            continue;
+        };
+        let param = match params.get(logical) {
+            Some(p) => Some(p),
+            None => logical.rsplit_once('/').and_then(|(p, _)| params.get(p)),
+        };
+        let Some((dtype, dims)) = param else {
+            continue;
+        };
+        sharded.push(ShardedVariable {
+            logical: logical.to_string(),
+            dtype: *dtype,
+            dims: dims.clone(),
+            shards: (0..ranks)
+                .map(|r| format!("{logical}/shard_{r}_of_{ranks}"))
+                .collect(),
+            shard_dims: None,
+        });
+    }
+    sharded
 }
 
 /// The ZeRO training graphs of `forward`, one per worker (see the module docs).
