@@ -158,6 +158,10 @@ impl Strategy for TensorParallel {
             Some(t) => format!("Megatron tensor-parallel training, tp={t}"),
             None => "Megatron tensor-parallel training over every worker".into(),
         };
+        let tp = match self.zero_stage {
+            Some(s) => format!("{tp}, ZeRO stage {s} over the data-parallel axis"),
+            None => tp,
+        };
         match &self.pipeline {
             Some(p) => format!("{tp}, inside the stages of {}", Strategy::describe(p)),
             None => tp,
@@ -1817,6 +1821,181 @@ mod tests {
     }
 
     #[test]
+    fn dp2_tp2_zero_holds_each_ranks_dp_shard_of_its_tp_shards_adam_slots() {
+        let (graph, spec) = model(11, 2, 4);
+        assert!(spec.clip_global_norm.is_some());
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let int = |n: &NodeDef, a: &str| match n.attrs.get(a) {
+            Some(AttrValue::Int(v)) => *v,
+            other => panic!("{} {a}: {other:?}", n.name),
+        };
+        let key = |n: &NodeDef| match n.attrs.get("group_key") {
+            Some(AttrValue::String(k)) => k.to_string(),
+            other => panic!("{} group_key: {other:?}", n.name),
+        };
+        for stage in [1u8, 2] {
+            let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, Some(stage), "idx", "targets")
+                .unwrap();
+            let mut orders = Vec::new();
+            for (rank, g) in tg.graphs.iter().enumerate() {
+                let (t, d, _) = mesh.coords(rank);
+                let nodes = &g.training.def.nodes;
+                let elements = |var: &str| -> usize {
+                    let i = g.graph.find(var).unwrap();
+                    let dims = g
+                        .graph
+                        .output_type(i, 0)
+                        .unwrap()
+                        .shape
+                        .as_static()
+                        .unwrap();
+                    dims.iter().product()
+                };
+                let updates = ops(g, "ApplyAdamW");
+                assert_eq!(updates.len(), spec_variables(&graph));
+                for u in &updates {
+                    // The rank's dp-shard (index d of 2) of its variable's slots: a TP shard's
+                    // (`.../tp_{t}_of_2`) or a replicated weight's, at offset d·S.
+                    let var = &u.inputs[0];
+                    let s = elements(var).div_ceil(2);
+                    assert_eq!(int(u, "shard_offset"), (d * s) as i64, "{}", u.name);
+                    for (k, slot) in [(1, "adam_m"), (2, "adam_v")] {
+                        let name = format!("{var}/{slot}/shard_{d}_of_2");
+                        assert_eq!(u.inputs[k], name);
+                        let v = nodes.iter().find(|x| x.name == name).unwrap();
+                        assert_eq!(
+                            v.attrs.get("shape"),
+                            Some(&AttrValue::Shape(Shape::known(&[s])))
+                        );
+                    }
+                }
+                let tp_shard = shard_name("transformer.h.0.attn.c_attn.weight", t, 2);
+                assert!(updates.iter().any(|u| u.inputs[0] == tp_shard));
+                assert!(!nodes.iter().any(|x| x.name.ends_with("/adam_m")));
+                // Gradients: all-reduced (stage 1) or reduce-scattered (stage 2) over the
+                // rank's dp group, the updated shards all-gathered over it.
+                let (summing, other) = if stage == 1 {
+                    ("CollectiveAllReduce", "CollectiveReduceScatter")
+                } else {
+                    ("CollectiveReduceScatter", "CollectiveAllReduce")
+                };
+                let buckets: Vec<&NodeDef> = ops(g, summing)
+                    .into_iter()
+                    .filter(|n| n.name.starts_with("zero/bucket_"))
+                    .collect();
+                assert!(!buckets.is_empty());
+                assert!(buckets.iter().all(|n| key(n) == dp_group(t)));
+                assert!(!ops(g, other)
+                    .iter()
+                    .any(|n| n.name.starts_with("zero/bucket_")));
+                let gathers = ops(g, "CollectiveAllGather");
+                assert_eq!(gathers.len(), buckets.len());
+                assert!(gathers.iter().all(|n| key(n) == dp_group(t)));
+                assert!(ops(g, "Assign").len() == updates.len());
+                // Clipping: the TP shards' Σ‖g‖² over the dp group then the TP group, the
+                // replicated weights' over the dp group only.
+                let find = |name: &str| nodes.iter().find(|x| x.name == name).unwrap();
+                assert_eq!(key(find("zero/clip/sharded_squared_norm")), dp_group(t));
+                assert_eq!(
+                    key(find("zero/clip/sharded_squared_norm_outer")),
+                    tp_group(&mesh, d)
+                );
+                assert_eq!(key(find("zero/clip/replicated_squared_norm")), dp_group(t));
+                assert!(!nodes
+                    .iter()
+                    .any(|x| x.name == "zero/clip/replicated_squared_norm_outer"));
+                assert!(!nodes.iter().any(|x| x.name.starts_with("dp/bucket_")));
+                // Every collective but f waits for the one before it, in one order.
+                let mut chain: Vec<&NodeDef> = nodes
+                    .iter()
+                    .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                    .collect();
+                chain.sort_by_key(|n| int(n, "instance_key"));
+                let heads = chain
+                    .iter()
+                    .filter(|n| !n.inputs.iter().any(|i| i.starts_with('^')))
+                    .count();
+                assert_eq!(heads, 1, "one collective heads the chain");
+                orders.push(
+                    chain
+                        .iter()
+                        .map(|n| (n.op.clone(), int(n, "instance_key")))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert!(orders.windows(2).all(|w| w[0] == w[1]));
+        }
+        // The plan stores the slots whole: ZeRO's dp shards make each TP shard's slot, the TP
+        // shards' slots the logical one.
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+            pipeline: None,
+            zero_stage: Some(2),
+        }
+        .plan(&input)
+        .unwrap();
+        assert!(plan.strategy.contains("ZeRO stage 2"), "{}", plan.strategy);
+        let w = "transformer.h.0.attn.c_attn.weight";
+        let flat = plan
+            .sharded
+            .iter()
+            .find(|s| s.logical == format!("{}/adam_m", shard_name(w, 1, 2)))
+            .unwrap();
+        assert_eq!(flat.dims, [12, 8]);
+        assert_eq!(
+            flat.shards,
+            [0, 1].map(|d| format!("{}/adam_m/shard_{d}_of_2", shard_name(w, 1, 2)))
+        );
+        assert!(plan
+            .sharded
+            .iter()
+            .any(|s| s.logical == "transformer.wpe.weight/adam_v" && s.dims == [4, 8]));
+        let axis = plan
+            .axis_sharded
+            .iter()
+            .find(|s| s.logical == format!("{w}/adam_m"))
+            .unwrap();
+        assert_eq!(axis.dims, [24, 8]);
+        assert_eq!(
+            axis.shards,
+            [0, 1].map(|t| format!("{}/adam_m", shard_name(w, t, 2)))
+        );
+    }
+
+    #[test]
+    fn zero_beside_tp_refuses_stage_3_one_replica_a_pipeline_and_sgd_naming_them() {
+        let (graph, mut spec) = model(11, 2, 4);
+        let refused = |spec: &TrainSpec, mesh: Mesh, stage: u8| {
+            mesh_training(&graph, spec, &mesh, 1, Some(stage), "idx", "targets")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 3);
+        assert!(e.contains("use --zero-stage 1 or 2"), "{e}");
+        let e = refused(&spec, Mesh::new(1, 2, 1).unwrap(), 1);
+        assert!(e.contains("this mesh has one replica"), "{e}");
+        let e = refused(&spec, Mesh::new(2, 2, 2).unwrap(), 1);
+        assert!(e.contains("pipeline axis"), "{e}");
+        spec.optimizer.kind = dflow_graph::train::OptimizerKind::Sgd;
+        let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 1);
+        assert!(e.contains("optimizer is sgd"), "{e}");
+    }
+
+    /// The trained variables of `graph`.
+    fn spec_variables(graph: &Graph) -> usize {
+        graph
+            .to_def()
+            .nodes
+            .iter()
+            .filter(|n| n.op == "Variable")
+            .count()
+    }
+
+    #[test]
     fn dp2_tp2_runs_megatron_on_each_replica_and_sums_gradients_over_the_dp_groups() {
         let (graph, spec) = model(11, 2, 4);
         let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
@@ -1883,7 +2062,7 @@ mod tests {
         // Rank 2 holds shard 0 (as rank 0 does), its TP collectives in `tensor_d1`, its
         // gradient sums and global loss in `data_t0`.
         let mesh = Mesh::new(2, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "idx", "targets").unwrap();
         let g = &tg.graphs[2];
         let nodes = &g.training.def.nodes;
         assert!(nodes
@@ -1928,7 +2107,7 @@ mod tests {
             clip.inputs
         );
         // A small threshold: one bucket per gradient, in one order on every rank.
-        let tg = mesh_training(&graph, &spec, &mesh, 1, "idx", "targets").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1, None, "idx", "targets").unwrap();
         let order = |g: &ReplicaGraph| -> Vec<String> {
             g.training
                 .def
@@ -1949,6 +2128,7 @@ mod tests {
             &spec,
             &Mesh::new(1, 2, 2).unwrap(),
             1,
+            None,
             "idx",
             "targets",
         )
