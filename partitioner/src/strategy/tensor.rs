@@ -41,7 +41,9 @@
 //!   (TP group `d`) takes part `d` of every global batch; its loss is weighted by the part's
 //!   share of the batch and every gradient (shards and replicated parameters alike) is summed
 //!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
-//!   ([`data`]), before clipping and the update.
+//!   ([`data`]), before clipping and the update. With `--zero-stage 1|2` the DP group runs
+//!   ZeRO instead (`data::zero_step`: the rank keeps its `1/D` shard of its weights' Adam
+//!   slots, clipping's norm summed over the DP group and then the TP group).
 //!
 //! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).

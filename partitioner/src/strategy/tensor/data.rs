@@ -5,6 +5,8 @@
 //! clipping and the update. The sum of the weighted gradients is the gradient of the global
 //! batch's mean loss, exactly as `--strategy allreduce` averages
 //! ([`crate::strategy::allreduce`]), so every replica stays equal to the one-process model.
+//! With ZeRO over the data-parallel axis ([`zero_step`]) the sum is `--strategy zero`'s step
+//! over the group instead.
 
 use super::{bad, Nodes, StrategyError};
 use crate::strategy::allreduce::{fresh, node, BATCH_WEIGHT};
