@@ -108,7 +108,7 @@ pub struct TensorParallel {
     pub pipeline: Option<Pipeline>,
     /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
     /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
-    /// their gradients ([`data::zero_step`]). Stages 1 and 2, `D > 1`, no pipeline axis.
+    /// their gradients (`data::zero_step`). Stages 1 and 2, `D > 1`, no pipeline axis.
     pub zero_stage: Option<u8>,
 }
 
