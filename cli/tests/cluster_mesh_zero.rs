@@ -3,8 +3,10 @@
 //! clipping active has the losses of a one-process run, every task in one process (`--local`)
 //! at stages 1 and 2 and in 4 processes at stage 2; a checkpoint saved under dp2×tp2 with ZeRO
 //! (each rank holding only its dp-shard of its tensor-parallel shard's Adam slots) resumes in
-//! one process with the uninterrupted run's next-step loss; the combinations that do not run
-//! (stage 3 beside tp, ZeRO inside pipeline stages) are refused naming what to do.
+//! one process with the uninterrupted run's next-step loss; each rank's variable bytes and
+//! collective bytes are dp2×tp2's with its Adam slots halved and its gradient all-reduce
+//! replaced by ZeRO's collectives, exactly; the combinations that do not run (stage 3 beside
+//! tp, ZeRO inside pipeline stages) are refused naming what to do.
 
 mod support;
 
@@ -202,4 +204,79 @@ fn zero_combinations_that_do_not_run_are_refused_naming_them() {
         e.contains("ZeRO over pipeline replicas does not run yet"),
         "{e}"
     );
+}
+
+/// `(Ψ_r, Ψ'_r)`: the parameters one rank of dp=`dp` × tp=`tp` holds (its shard of every
+/// weight Megatron's layout splits, every replicated one whole), and the same with each
+/// parameter padded to a multiple of `dp` (ZeRO's flat shards), from the layout, not a run.
+fn rank_parameters(tp: usize, dp: usize) -> (u64, u64) {
+    use dflow::partitioner::strategy::tensor::layout;
+    let def = dflow::graph::layers::gpt(&config()).unwrap().def;
+    let graph = dflow::graph::Graph::from_def(&def).unwrap();
+    let cut = layout(&graph, tp).unwrap();
+    let (mut held, mut padded) = (0u64, 0u64);
+    for n in def.nodes.iter().filter(|n| n.op == "Variable") {
+        let i = graph.find(&n.name).unwrap();
+        let dims = graph.output_type(i, 0).unwrap().shape.as_static().unwrap();
+        let len = match cut.iter().find(|s| s.name == n.name) {
+            Some(s) => s.split.shard_dims(&s.dims).iter().product::<usize>(),
+            None => dims.iter().product::<usize>(),
+        };
+        held += len as u64;
+        padded += (len.div_ceil(dp) * dp) as u64;
+    }
+    (held, padded)
+}
+
+#[test]
+fn each_rank_holds_half_its_adam_slots_and_sends_zeros_bytes() {
+    let dir = scratch("mesh-zero-bytes");
+    let graph = gpt_file(&dir);
+    const STEPS: u64 = 3;
+    // Each task's end-of-task line, by task index.
+    let ends = |extra: &[&str]| -> Vec<EndOfTask> {
+        let cluster = workers_file(&dir, 4);
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+            "--cluster".into(),
+            cluster.to_string_lossy().into_owned(),
+            "--mesh".into(),
+            "dp=2,tp=2".into(),
+        ];
+        args.extend(common(STEPS as u32));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        stdout(&out);
+        let mut ends = end_of_task(&String::from_utf8_lossy(&out.stderr));
+        ends.sort_by(|a, b| a.task.cmp(&b.task));
+        assert_eq!(ends.len(), 4, "one end-of-task line per task");
+        ends
+    };
+    let (psi, padded) = rank_parameters(2, 2);
+    let plain = ends(&[]);
+    for (stage, grads) in [("1", 6 * padded), ("2", 4 * padded)] {
+        let zero = ends(&["--zero-stage", stage]);
+        for (rank, (z, p)) in zero.iter().zip(&plain).enumerate() {
+            // Variables: the weights whole, the two Adam slots of S = ⌈L/2⌉ per weight instead
+            // of L.
+            assert_eq!(
+                z.variable_bytes,
+                p.variable_bytes - 8 * psi + 8 * padded / 2,
+                "ZeRO-{stage} rank {rank}: variables"
+            );
+            // Collectives per step: instead of the 2-rank ring all-reduce of the gradients
+            // (4Ψ_r), ZeRO-1 all-reduces them (4Ψ'_r) and all-gathers the updated shards
+            // (2Ψ'_r); ZeRO-2 reduce-scatters (2Ψ'_r) and all-gathers (2Ψ'_r); clipping adds two
+            // 4-byte all-reduces over the dp group (the tp-sharded and the replicated weights'
+            // squared norms) beside its one over the tp group.
+            assert_eq!(
+                z.collective,
+                p.collective - STEPS * 4 * psi + STEPS * (grads + 8),
+                "ZeRO-{stage} rank {rank}: collective bytes"
+            );
+        }
+    }
 }
