@@ -424,6 +424,40 @@ fn data_and_tensor_parallel_bytes_per_task_are_the_prediction() {
 }
 
 #[test]
+fn data_and_tensor_parallel_zero_memory_and_bytes_per_task_are_the_prediction() {
+    // dp2×tp2 with ZeRO-1 and ZeRO-2 over the dp axis: each rank holds its dp-shard of its
+    // tp-shard's Adam slots.
+    let graph = small_gpt("plan_vs_measured_dp_tp_zero");
+    for stage in ["1", "2"] {
+        let mut args = vec!["--mesh", "dp=2,tp=2", "--zero-stage", stage];
+        args.extend([
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "4",
+            "--steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "1",
+            "--quiet",
+        ]);
+        let (ends, stderr) = local_job(
+            graph.to_str().unwrap(),
+            "examples/gpt/cluster-4workers.json",
+            &args,
+        );
+        assert_eq!(ends.len(), 4, "{stderr}");
+        let layout = format!("dp=2,tp=2,zero={stage}");
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
+    }
+}
+
+#[test]
 fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
     // pp2×tp2: 2 stages, each over 2 tensor-parallel ranks, 2 micro-batches.
     let graph = small_gpt("plan_vs_measured_tp_pp");

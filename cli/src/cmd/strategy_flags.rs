@@ -91,9 +91,10 @@ pub fn build_strategy(
             kind.name()
         );
     }
-    if let Some(stage) = zero_stage.filter(|_| kind.name() != "zero") {
+    // Beside tensor parallelism, ZeRO runs over the data-parallel axis (--mesh dp=D,tp=T).
+    if let Some(stage) = zero_stage.filter(|_| !matches!(kind.name(), "zero" | "tensor")) {
         anyhow::bail!(
-            "--zero-stage {stage} applies to --strategy zero, not --strategy {}",
+            "--zero-stage {stage} applies to --strategy zero (or tensor, over its dp axis), not --strategy {}",
             kind.name()
         );
     }
@@ -120,6 +121,7 @@ pub fn build_strategy(
         chunks: pipeline.chunks(),
         batch_size,
         zero_stage: zero_stage.unwrap_or(1),
+        tensor_zero: zero_stage.is_some() && kind.name() == "tensor",
         tp,
         partition_strategy,
         ep,
@@ -130,7 +132,8 @@ pub fn build_strategy(
 /// `--mesh dp=D,tp=T,pp=P` as a strategy: `tp > 1` is tensor parallelism (`--tp T`) on each of
 /// the `dp` replicas, inside `pp` balanced pipeline stages when `pp > 1`; `tp = 1, pp > 1` the
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
-/// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `ep > 1` (with
+/// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
+/// beside `tp > 1, pp = 1` is ZeRO over the dp axis (stages 1 and 2); `ep > 1` (with
 /// `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep` workers. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
@@ -159,10 +162,13 @@ pub fn apply_mesh(
         }
         "expert"
     } else if mesh.tp > 1 {
-        if let Some(stage) = zero_stage {
+        // ZeRO over the dp axis runs beside tp (stages 1 and 2, checked by the strategy), not
+        // inside pipeline stages.
+        if let Some(stage) = zero_stage.filter(|_| mesh.pp > 1) {
             anyhow::bail!(
-                "--mesh tp={} with --zero-stage {stage}: ZeRO over tensor-parallel replicas does not run yet",
-                mesh.tp
+                "--mesh tp={},pp={} with --zero-stage {stage}: ZeRO beside tensor parallelism inside pipeline stages does not run yet (it runs with --mesh dp=D,tp=T)",
+                mesh.tp,
+                mesh.pp
             );
         }
         *tp = Some(mesh.tp);

@@ -154,6 +154,9 @@ pub struct StrategyOptions {
     /// The ZeRO stage (`--zero-stage`, read by `--strategy zero`): 1 shards the optimizer slots,
     /// 2 also the summed gradients, 3 also the parameters.
     pub zero_stage: u8,
+    /// `--zero-stage` given beside tensor parallelism (`--mesh dp=D,tp=T`): `--strategy tensor`
+    /// runs ZeRO at `zero_stage` over its data-parallel axis.
+    pub tensor_zero: bool,
     /// The tensor-parallel size (`--tp`, read by `--strategy tensor`; `None`: every worker).
     pub tp: Option<usize>,
     /// `--partition-strategy`: how the ps strategy shards embedding tables over the ps tasks,
@@ -175,6 +178,7 @@ impl Default for StrategyOptions {
             chunks: 1,
             batch_size: None,
             zero_stage: 1,
+            tensor_zero: false,
             tp: None,
             partition_strategy: None,
             ep: None,

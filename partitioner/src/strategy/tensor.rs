@@ -41,7 +41,9 @@
 //!   (TP group `d`) takes part `d` of every global batch; its loss is weighted by the part's
 //!   share of the batch and every gradient (shards and replicated parameters alike) is summed
 //!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
-//!   ([`data`]), before clipping and the update.
+//!   ([`data`]), before clipping and the update. With `--zero-stage 1|2` the DP group runs
+//!   ZeRO instead (`data::zero_step`: the rank keeps its `1/D` shard of its weights' Adam
+//!   slots, clipping's norm summed over the DP group and then the TP group).
 //!
 //! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
@@ -104,6 +106,10 @@ pub struct TensorParallel {
     /// Tensor parallelism inside pipeline stages (`--mesh tp=T,pp=P`, P > 1): the pipeline's
     /// stages (`Some(P)`), micro-batches and schedule ([`mesh3d`]).
     pub pipeline: Option<Pipeline>,
+    /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
+    /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
+    /// their gradients (`data::zero_step`). Stages 1 and 2, `D > 1`, no pipeline axis.
+    pub zero_stage: Option<u8>,
 }
 
 /// `--strategy tensor`.
@@ -132,6 +138,7 @@ pub(super) static REGISTRATION: Registration = Registration {
                 chunks: opts.chunks,
                 batch_size: opts.batch_size,
             }),
+            zero_stage: opts.tensor_zero.then_some(opts.zero_stage),
         }))
     },
 };
@@ -152,6 +159,10 @@ impl Strategy for TensorParallel {
         let tp = match self.tp {
             Some(t) => format!("Megatron tensor-parallel training, tp={t}"),
             None => "Megatron tensor-parallel training over every worker".into(),
+        };
+        let tp = match self.zero_stage {
+            Some(s) => format!("{tp}, ZeRO stage {s} over the data-parallel axis"),
+            None => tp,
         };
         match &self.pipeline {
             Some(p) => format!("{tp}, inside the stages of {}", Strategy::describe(p)),
@@ -187,6 +198,7 @@ impl Strategy for TensorParallel {
             input.train,
             &mesh,
             self.bucket_bytes,
+            self.zero_stage,
             input.features,
             input.labels,
         )?;
@@ -224,7 +236,39 @@ impl Strategy for TensorParallel {
         )?;
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
-        plan.axis_sharded = sharded_variables(&tp_graphs.shards, &plan.variables, tp);
+        if self.zero_stage.is_some() {
+            // ZeRO's slot shards `{w}/adam_m/shard_{d}_of_{D}` make the slots `{w}/adam_m` of
+            // every TP shard `w` and replicated weight; the TP shards' make the logical slots.
+            let mut dims: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+            for v in input
+                .graph
+                .to_def()
+                .nodes
+                .iter()
+                .filter(|v| v.op == "Variable")
+            {
+                if let Ok(d) = static_dims(input.graph, &v.name) {
+                    let dtype = input
+                        .graph
+                        .find(&v.name)
+                        .and_then(|i| input.graph.output_type(i, 0))
+                        .map_or(DType::F32, |t| t.dtype);
+                    dims.insert(v.name.clone(), (dtype, d));
+                }
+            }
+            for s in &tp_graphs.shards {
+                let dtype = dims.get(&s.name).map_or(DType::F32, |d| d.0);
+                for r in 0..tp {
+                    dims.insert(
+                        shard_name(&s.name, r, tp),
+                        (dtype, s.split.shard_dims(&s.dims)),
+                    );
+                }
+            }
+            plan.sharded = super::zero::slot_shards(&plan.variables, &dims, mesh.dp);
+        }
+        plan.axis_sharded =
+            sharded_variables(&tp_graphs.shards, &plan.variables, &plan.sharded, tp);
         Ok(plan)
     }
 }
@@ -247,6 +291,9 @@ impl TensorParallel {
             )));
         }
         let mesh = Mesh::new(workers / (tp * pp), tp, pp).map_err(|e| options(e.to_string()))?;
+        if let Some(stage) = self.zero_stage {
+            check_zero(&mesh, stage)?;
+        }
         if let Some(batch) = self.batch_size {
             mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
                 .map_err(|e| options(e.to_string()))?;
@@ -281,9 +328,34 @@ impl TensorParallel {
         )?;
         // The ranks of replica d take part d of every batch.
         plan.batch_parts = mesh.dp as u32;
-        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, tp);
+        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
         Ok(plan)
     }
+}
+
+/// ZeRO beside tensor parallelism runs at stages 1 and 2 over a data-parallel axis of at least
+/// two replicas; anything else is an error saying what to do.
+fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
+    if mesh.pp > 1 {
+        return Err(options(format!(
+            "mesh {mesh} with --zero-stage {stage}: ZeRO beside a pipeline axis does not run \
+             yet; drop --zero-stage (the gradients are then all-reduced over the dp axis)"
+        )));
+    }
+    if mesh.dp < 2 {
+        return Err(options(format!(
+            "mesh {mesh} with --zero-stage {stage}: ZeRO shards over the data-parallel axis, and \
+             this mesh has one replica; use dp ≥ 2 or drop --zero-stage"
+        )));
+    }
+    if !matches!(stage, 1 | 2) {
+        return Err(options(format!(
+            "mesh {mesh} with --zero-stage {stage}: beside tensor parallelism ZeRO runs at \
+             stages 1 and 2 (stage 3's parameter shards of tensor-parallel shards do not run \
+             yet); use --zero-stage 1 or 2"
+        )));
+    }
+    Ok(())
 }
 
 /// One weight's tensor-parallel layout: how it is cut, and its placement on the `tp` axis.
@@ -599,6 +671,7 @@ pub fn tensor_training(
         spec,
         &mesh,
         super::allreduce::DEFAULT_BUCKET_BYTES,
+        None,
         features,
         labels,
     )
@@ -614,6 +687,7 @@ pub fn mesh_training(
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    zero_stage: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -621,6 +695,16 @@ pub fn mesh_training(
         return Err(options(format!(
             "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
         )));
+    }
+    if let Some(stage) = zero_stage {
+        check_zero(mesh, stage)?;
+        super::zero::check_optimizer(spec, "tensor")?;
+        if hand::declares_placements(graph) {
+            return Err(options(format!(
+                "--zero-stage {stage}: ZeRO beside placements written by hand does not run yet; \
+                 drop --zero-stage (the gradients are then all-reduced over the dp axis)"
+            )));
+        }
     }
     if hand::declares_placements(graph) {
         return hand::mesh_training(graph, spec, mesh, features, labels);
@@ -647,6 +731,8 @@ pub fn mesh_training(
                 part: d,
                 group: dp_group(t),
                 bucket_bytes,
+                ranks: mesh.dp,
+                zero_stage,
             }),
         };
         let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
@@ -1037,11 +1123,30 @@ fn rank_graph(
         instance,
         group: at.group.clone(),
     };
-    if let (Some(replica), Some(w)) = (&at.data, &weighting) {
-        data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
-    }
-    if let Some(clip) = spec.clip_global_norm {
-        clip_across_shards(&mut training, &mut n, &renames, clip);
+    let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
+    match (&at.data, &weighting, zero_stage) {
+        (Some(replica), Some(w), Some(stage)) => {
+            let sharded: HashSet<String> = renames.values().cloned().collect();
+            data::zero_step(
+                &mut training,
+                &typed,
+                &mut n,
+                replica,
+                stage,
+                &w.weighted,
+                &at.group,
+                &sharded,
+                spec.clip_global_norm,
+            )?;
+        }
+        (data, weighting, _) => {
+            if let (Some(replica), Some(w)) = (data, weighting) {
+                data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
+            }
+            if let Some(clip) = spec.clip_global_norm {
+                clip_across_shards(&mut training, &mut n, &renames, clip);
+            }
+        }
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
     chain_collectives(&mut training)?;
@@ -1366,10 +1471,12 @@ pub(super) fn add_eval_copy(
 }
 
 /// The plan's sharded variables: every shard weight and each of its optimizer slots (named
-/// `{shard}/{slot}` by the training expansion), stored whole under the one-process names.
+/// `{shard}/{slot}` by the training expansion, a variable or, under ZeRO, one of `zero`'s
+/// logical tensors), stored whole under the one-process names.
 fn sharded_variables(
     shards: &[ShardedWeight],
     variables: &[crate::job::VariablePlan],
+    zero: &[crate::shards::ShardedVariable],
     tp: usize,
 ) -> Vec<AxisShardedVariable> {
     let mut out = Vec::new();
@@ -1401,6 +1508,11 @@ fn sharded_variables(
                 if v.dims == s.split.shard_dims(&s.dims) {
                     slots.insert(slot, v.dtype);
                 }
+            }
+        }
+        for z in zero {
+            if let Some(slot) = z.logical.strip_prefix(&prefix) {
+                slots.insert(slot, z.dtype);
             }
         }
         for (slot, dtype) in slots {
@@ -1711,6 +1823,181 @@ mod tests {
     }
 
     #[test]
+    fn dp2_tp2_zero_holds_each_ranks_dp_shard_of_its_tp_shards_adam_slots() {
+        let (graph, spec) = model(11, 2, 4);
+        assert!(spec.clip_global_norm.is_some());
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let int = |n: &NodeDef, a: &str| match n.attrs.get(a) {
+            Some(AttrValue::Int(v)) => *v,
+            other => panic!("{} {a}: {other:?}", n.name),
+        };
+        let key = |n: &NodeDef| match n.attrs.get("group_key") {
+            Some(AttrValue::String(k)) => k.to_string(),
+            other => panic!("{} group_key: {other:?}", n.name),
+        };
+        for stage in [1u8, 2] {
+            let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, Some(stage), "idx", "targets")
+                .unwrap();
+            let mut orders = Vec::new();
+            for (rank, g) in tg.graphs.iter().enumerate() {
+                let (t, d, _) = mesh.coords(rank);
+                let nodes = &g.training.def.nodes;
+                let elements = |var: &str| -> usize {
+                    let i = g.graph.find(var).unwrap();
+                    let dims = g
+                        .graph
+                        .output_type(i, 0)
+                        .unwrap()
+                        .shape
+                        .as_static()
+                        .unwrap();
+                    dims.iter().product()
+                };
+                let updates = ops(g, "ApplyAdamW");
+                assert_eq!(updates.len(), spec_variables(&graph));
+                for u in &updates {
+                    // The rank's dp-shard (index d of 2) of its variable's slots: a TP shard's
+                    // (`.../tp_{t}_of_2`) or a replicated weight's, at offset d·S.
+                    let var = &u.inputs[0];
+                    let s = elements(var).div_ceil(2);
+                    assert_eq!(int(u, "shard_offset"), (d * s) as i64, "{}", u.name);
+                    for (k, slot) in [(1, "adam_m"), (2, "adam_v")] {
+                        let name = format!("{var}/{slot}/shard_{d}_of_2");
+                        assert_eq!(u.inputs[k], name);
+                        let v = nodes.iter().find(|x| x.name == name).unwrap();
+                        assert_eq!(
+                            v.attrs.get("shape"),
+                            Some(&AttrValue::Shape(Shape::known(&[s])))
+                        );
+                    }
+                }
+                let tp_shard = shard_name("transformer.h.0.attn.c_attn.weight", t, 2);
+                assert!(updates.iter().any(|u| u.inputs[0] == tp_shard));
+                assert!(!nodes.iter().any(|x| x.name.ends_with("/adam_m")));
+                // Gradients: all-reduced (stage 1) or reduce-scattered (stage 2) over the
+                // rank's dp group, the updated shards all-gathered over it.
+                let (summing, other) = if stage == 1 {
+                    ("CollectiveAllReduce", "CollectiveReduceScatter")
+                } else {
+                    ("CollectiveReduceScatter", "CollectiveAllReduce")
+                };
+                let buckets: Vec<&NodeDef> = ops(g, summing)
+                    .into_iter()
+                    .filter(|n| n.name.starts_with("zero/bucket_"))
+                    .collect();
+                assert!(!buckets.is_empty());
+                assert!(buckets.iter().all(|n| key(n) == dp_group(t)));
+                assert!(!ops(g, other)
+                    .iter()
+                    .any(|n| n.name.starts_with("zero/bucket_")));
+                let gathers = ops(g, "CollectiveAllGather");
+                assert_eq!(gathers.len(), buckets.len());
+                assert!(gathers.iter().all(|n| key(n) == dp_group(t)));
+                assert!(ops(g, "Assign").len() == updates.len());
+                // Clipping: the TP shards' Σ‖g‖² over the dp group then the TP group, the
+                // replicated weights' over the dp group only.
+                let find = |name: &str| nodes.iter().find(|x| x.name == name).unwrap();
+                assert_eq!(key(find("zero/clip/sharded_squared_norm")), dp_group(t));
+                assert_eq!(
+                    key(find("zero/clip/sharded_squared_norm_outer")),
+                    tp_group(&mesh, d)
+                );
+                assert_eq!(key(find("zero/clip/replicated_squared_norm")), dp_group(t));
+                assert!(!nodes
+                    .iter()
+                    .any(|x| x.name == "zero/clip/replicated_squared_norm_outer"));
+                assert!(!nodes.iter().any(|x| x.name.starts_with("dp/bucket_")));
+                // Every collective but f waits for the one before it, in one order.
+                let mut chain: Vec<&NodeDef> = nodes
+                    .iter()
+                    .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                    .collect();
+                chain.sort_by_key(|n| int(n, "instance_key"));
+                let heads = chain
+                    .iter()
+                    .filter(|n| !n.inputs.iter().any(|i| i.starts_with('^')))
+                    .count();
+                assert_eq!(heads, 1, "one collective heads the chain");
+                orders.push(
+                    chain
+                        .iter()
+                        .map(|n| (n.op.clone(), int(n, "instance_key")))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert!(orders.windows(2).all(|w| w[0] == w[1]));
+        }
+        // The plan stores the slots whole: ZeRO's dp shards make each TP shard's slot, the TP
+        // shards' slots the logical one.
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+            pipeline: None,
+            zero_stage: Some(2),
+        }
+        .plan(&input)
+        .unwrap();
+        assert!(plan.strategy.contains("ZeRO stage 2"), "{}", plan.strategy);
+        let w = "transformer.h.0.attn.c_attn.weight";
+        let flat = plan
+            .sharded
+            .iter()
+            .find(|s| s.logical == format!("{}/adam_m", shard_name(w, 1, 2)))
+            .unwrap();
+        assert_eq!(flat.dims, [12, 8]);
+        assert_eq!(
+            flat.shards,
+            [0, 1].map(|d| format!("{}/adam_m/shard_{d}_of_2", shard_name(w, 1, 2)))
+        );
+        assert!(plan
+            .sharded
+            .iter()
+            .any(|s| s.logical == "transformer.wpe.weight/adam_v" && s.dims == [4, 8]));
+        let axis = plan
+            .axis_sharded
+            .iter()
+            .find(|s| s.logical == format!("{w}/adam_m"))
+            .unwrap();
+        assert_eq!(axis.dims, [24, 8]);
+        assert_eq!(
+            axis.shards,
+            [0, 1].map(|t| format!("{}/adam_m", shard_name(w, t, 2)))
+        );
+    }
+
+    #[test]
+    fn zero_beside_tp_refuses_stage_3_one_replica_a_pipeline_and_sgd_naming_them() {
+        let (graph, mut spec) = model(11, 2, 4);
+        let refused = |spec: &TrainSpec, mesh: Mesh, stage: u8| {
+            mesh_training(&graph, spec, &mesh, 1, Some(stage), "idx", "targets")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 3);
+        assert!(e.contains("use --zero-stage 1 or 2"), "{e}");
+        let e = refused(&spec, Mesh::new(1, 2, 1).unwrap(), 1);
+        assert!(e.contains("this mesh has one replica"), "{e}");
+        let e = refused(&spec, Mesh::new(2, 2, 2).unwrap(), 1);
+        assert!(e.contains("pipeline axis"), "{e}");
+        spec.optimizer.kind = dflow_graph::train::OptimizerKind::Sgd;
+        let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 1);
+        assert!(e.contains("optimizer is sgd"), "{e}");
+    }
+
+    /// The trained variables of `graph`.
+    fn spec_variables(graph: &Graph) -> usize {
+        graph
+            .to_def()
+            .nodes
+            .iter()
+            .filter(|n| n.op == "Variable")
+            .count()
+    }
+
+    #[test]
     fn dp2_tp2_runs_megatron_on_each_replica_and_sums_gradients_over_the_dp_groups() {
         let (graph, spec) = model(11, 2, 4);
         let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
@@ -1720,6 +2007,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: Some(4),
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap();
@@ -1729,6 +2017,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: Some(5),
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap_err();
@@ -1775,7 +2064,7 @@ mod tests {
         // Rank 2 holds shard 0 (as rank 0 does), its TP collectives in `tensor_d1`, its
         // gradient sums and global loss in `data_t0`.
         let mesh = Mesh::new(2, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "idx", "targets").unwrap();
         let g = &tg.graphs[2];
         let nodes = &g.training.def.nodes;
         assert!(nodes
@@ -1820,7 +2109,7 @@ mod tests {
             clip.inputs
         );
         // A small threshold: one bucket per gradient, in one order on every rank.
-        let tg = mesh_training(&graph, &spec, &mesh, 1, "idx", "targets").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1, None, "idx", "targets").unwrap();
         let order = |g: &ReplicaGraph| -> Vec<String> {
             g.training
                 .def
@@ -1841,6 +2130,7 @@ mod tests {
             &spec,
             &Mesh::new(1, 2, 2).unwrap(),
             1,
+            None,
             "idx",
             "targets",
         )
@@ -1887,6 +2177,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: Some(4),
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap();
@@ -1955,6 +2246,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: None,
             pipeline: None,
+            zero_stage: None,
         }
         .plan(&input)
         .unwrap_err();

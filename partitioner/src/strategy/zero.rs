@@ -57,7 +57,7 @@ use super::{
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::place::{PlacementOptions, Policy};
 use crate::shards::ShardedVariable;
-use dflow_graph::train::{OptimizerKind, TrainSpec};
+use dflow_graph::train::{OptimizerKind, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef, Shape, Tensor};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -160,32 +160,44 @@ impl Strategy for Zero {
                 Some((n.name.clone(), (ty.dtype, ty.shape.as_static()?)))
             })
             .collect();
-        let suffix = format!("/shard_0_of_{workers}");
-        let mut sharded = Vec::new();
-        for v in &plan.variables {
-            let Some(logical) = v.name.strip_suffix(&suffix) else {
-                continue;
-            };
-            let param = match params.get(logical) {
-                Some(p) => Some(p),
-                None => logical.rsplit_once('/').and_then(|(p, _)| params.get(p)),
-            };
-            let Some((dtype, dims)) = param else {
-                continue;
-            };
-            sharded.push(ShardedVariable {
-                logical: logical.to_string(),
-                dtype: *dtype,
-                dims: dims.clone(),
-                shards: (0..workers)
-                    .map(|r| format!("{logical}/shard_{r}_of_{workers}"))
-                    .collect(),
-                shard_dims: None,
-            });
-        }
-        plan.sharded = sharded;
+        plan.sharded = slot_shards(&plan.variables, &params, workers);
         Ok(plan)
     }
+}
+
+/// The logical tensors ZeRO shards over `ranks` ranks among the plan's `variables`: each
+/// `{p}/{slot}` with shards `{p}/{slot}/shard_{r}_of_{N}` (and, at stage 3, each parameter
+/// `p` with shards `{p}/shard_{r}_of_{N}`), where `params` gives every parameter `p`'s dtype
+/// and dimensions (the slots' too).
+pub(crate) fn slot_shards(
+    variables: &[crate::job::VariablePlan],
+    params: &BTreeMap<String, (DType, Vec<usize>)>,
+    ranks: usize,
+) -> Vec<ShardedVariable> {
+    let suffix = format!("/shard_0_of_{ranks}");
+    let mut sharded = Vec::new();
+    for v in variables {
+        let Some(logical) = v.name.strip_suffix(&suffix) else {
+            continue;
+        };
+        let param = match params.get(logical) {
+            Some(p) => Some(p),
+            None => logical.rsplit_once('/').and_then(|(p, _)| params.get(p)),
+        };
+        let Some((dtype, dims)) = param else {
+            continue;
+        };
+        sharded.push(ShardedVariable {
+            logical: logical.to_string(),
+            dtype: *dtype,
+            dims: dims.clone(),
+            shards: (0..ranks)
+                .map(|r| format!("{logical}/shard_{r}_of_{ranks}"))
+                .collect(),
+            shard_dims: None,
+        });
+    }
+    sharded
 }
 
 /// The ZeRO training graphs of `forward`, one per worker (see the module docs).
@@ -211,48 +223,71 @@ fn zero_graphs(
     zero: &Zero,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
     let loss_dtype = check_job(graph, spec, workers, features, labels)?;
-    if !matches!(
-        spec.optimizer.kind,
-        OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
-    ) {
-        return Err(StrategyError::Options {
-            strategy: "zero",
-            message: format!(
-                "ZeRO shards the Adam/AdamW slots; the train spec's optimizer is {}: use adam or \
-                 adamw, or --strategy allreduce",
-                spec.optimizer.kind.name()
-            ),
-        });
-    }
+    check_optimizer(spec, "zero")?;
     (0..workers)
         .map(|r| {
-            let ctx = Rank {
+            let ctx = ShardGroup {
                 rank: r,
                 ranks: workers,
                 stage: zero.stage,
+                key: GROUP.to_string(),
+                bucket_bytes: zero.bucket_bytes,
             };
-            worker_graph(
-                forward,
-                spec,
-                &ctx,
-                features,
-                labels,
-                zero.bucket_bytes,
-                loss_dtype,
-            )
+            worker_graph(forward, spec, &ctx, features, labels, loss_dtype)
         })
         .collect()
 }
 
-/// The rank a graph is built for.
-struct Rank {
-    rank: usize,
-    ranks: usize,
-    stage: u8,
+/// ZeRO shards the Adam/AdamW slots: another optimizer is an error naming it (`strategy`: the
+/// strategy refusing it).
+pub(crate) fn check_optimizer(
+    spec: &TrainSpec,
+    strategy: &'static str,
+) -> Result<(), StrategyError> {
+    if matches!(
+        spec.optimizer.kind,
+        OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. }
+    ) {
+        return Ok(());
+    }
+    Err(StrategyError::Options {
+        strategy,
+        message: format!(
+            "ZeRO shards the Adam/AdamW slots; the train spec's optimizer is {}: use adam or \
+             adamw, or no ZeRO (--strategy allreduce, or no --zero-stage)",
+            spec.optimizer.kind.name()
+        ),
+    })
+}
+
+/// A rank's place in the group of ranks a ZeRO step is sharded over: the workers under
+/// `--strategy zero`, a data-parallel group of a mesh beside tensor parallelism.
+pub(crate) struct ShardGroup {
+    /// The rank's index in the group (its shard).
+    pub rank: usize,
+    /// The group's size `N`.
+    pub ranks: usize,
+    /// The ZeRO stage: 1 all-reduces the gradients, 2 and 3 reduce-scatter them; 1 and 2
+    /// all-gather the updated shards back into the whole parameters.
+    pub stage: u8,
+    /// The group's collective key.
+    pub key: String,
+    /// Fusion threshold: the most bytes of (padded) gradients in one bucket.
+    pub bucket_bytes: usize,
+}
+
+/// Parameters that are themselves shards over an outer group (tensor parallelism's weights):
+/// clipping's `Σ‖g‖²` of their ZeRO shards is summed over [`ShardGroup::key`] and then over
+/// `key`; every other parameter is replicated over the outer group, its `Σ‖g‖²` counted once.
+pub(crate) struct OuterShards<'a> {
+    /// The outer group's collective key.
+    pub key: &'a str,
+    /// The parameters sharded over it.
+    pub sharded: &'a HashSet<String>,
 }
 
 /// A trained parameter in the shard layout.
-struct Param {
+pub(crate) struct Param {
     var: String,
     grad: String,
     update: String,
@@ -272,16 +307,32 @@ impl Param {
     }
 }
 
-/// Adds nodes to one worker's graph under fresh names.
-struct Nodes {
-    taken: HashSet<String>,
-    added: Vec<NodeDef>,
+/// Adds nodes to one worker's graph under fresh names; its collectives are numbered from
+/// `instance` and each waits for the one before.
+pub(crate) struct Nodes {
+    /// The graph's names (and every added one).
+    pub taken: HashSet<String>,
+    /// The nodes added, for the caller to append to the graph.
+    pub added: Vec<NodeDef>,
     device: String,
-    instance: i64,
+    /// The next collective's instance key.
+    pub instance: i64,
     previous: Option<String>,
 }
 
 impl Nodes {
+    /// Adds to a graph whose node names are `taken`, on `device`, the first collective keyed
+    /// `instance`.
+    pub(crate) fn new(taken: HashSet<String>, device: &str, instance: i64) -> Nodes {
+        Nodes {
+            taken,
+            added: Vec::new(),
+            device: device.to_string(),
+            instance,
+            previous: None,
+        }
+    }
+
     fn add(
         &mut self,
         base: &str,
@@ -308,9 +359,10 @@ impl Nodes {
         )
     }
 
-    /// A collective of the group, after the previous one.
+    /// A collective of group `key` (of `ranks` ranks), after the previous one.
     fn collective(
         &mut self,
+        key: &str,
         base: &str,
         op: &str,
         input: String,
@@ -322,7 +374,7 @@ impl Nodes {
             inputs.push(format!("^{p}"));
         }
         let mut attrs = vec![
-            ("group_key", AttrValue::String(GROUP.into())),
+            ("group_key", AttrValue::String(key.into())),
             ("instance_key", AttrValue::Int(self.instance)),
         ];
         if op != "CollectiveAllReduce" {
@@ -365,10 +417,9 @@ impl Nodes {
 fn worker_graph(
     forward: &GraphDef,
     spec: &TrainSpec,
-    ctx: &Rank,
+    ctx: &ShardGroup,
     features: &str,
     labels: &str,
-    bucket_bytes: usize,
     loss_dtype: DType,
 ) -> Result<ReplicaGraph, StrategyError> {
     let n = ctx.ranks;
@@ -386,7 +437,86 @@ fn worker_graph(
         base,
     } = weighted_training(forward, &unclipped, ctx.rank, loss_dtype)?;
 
-    // The parameters, their update ops and slots.
+    let taken = training.def.nodes.iter().map(|x| x.name.clone()).collect();
+    let mut nodes = Nodes::new(taken, &device, 1);
+    let params = shard_step(
+        &mut training,
+        &typed,
+        &mut nodes,
+        ctx,
+        spec.clip_global_norm,
+        None,
+    )?;
+
+    // The forward pass's nodes (stage 3 gathers parameters separately for the backward pass).
+    let mut passes: HashSet<String> = forward.nodes.iter().map(|x| x.name.clone()).collect();
+    passes.extend([weight.clone(), format!("{weight}/cast"), weighted.clone()]);
+
+    // The global batch's mean loss, last of the collectives.
+    let global = nodes.collective(
+        GROUP,
+        &format!("{base}/global"),
+        "CollectiveAllReduce",
+        weighted,
+        n,
+        true,
+    );
+    training.def.nodes.extend(nodes.added);
+    if ctx.stage >= 3 {
+        let roots = [training.train_op.as_str(), global.as_str()];
+        params::shard_parameters(
+            &mut training.def,
+            &params,
+            ctx.rank,
+            n,
+            &passes,
+            &roots,
+            &device,
+        )?;
+        params::order_collectives(&mut training.def)?;
+    }
+    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    training.loss = global;
+    let mut replica = ReplicaGraph {
+        training,
+        graph,
+        replicas: vec![ReplicaFeeds {
+            worker: ctx.rank,
+            features: features.to_string(),
+            labels: labels.to_string(),
+            weight: Some(weight),
+        }],
+        eval: EvalNames {
+            features: features.to_string(),
+            labels: labels.to_string(),
+            loss: spec.loss.clone(),
+            metrics: spec.metrics.clone(),
+        },
+        step_metrics: Vec::new(),
+    };
+    if ctx.stage >= 3 && ctx.rank == 0 {
+        params::add_eval_copy(&mut replica, forward, &params, n)?;
+    }
+    Ok(replica)
+}
+
+/// Steps 2–5 of the module docs on one rank's training graph: its gradients summed over
+/// `ctx`'s group in rank-major buckets (all-reduced at stage 1, reduce-scattered from stage 2),
+/// clipped by the global norm `clip` across the shards (and across `outer`'s, see
+/// [`OuterShards`]), its Adam/AdamW slots replaced by the rank's shards (`{slot}/shard_{r}_of_{N}`),
+/// each update applied to the rank's window, and (stages 1 and 2) the updated shards all-gathered
+/// and assigned back, the train op waiting for them. `typed` is the validated `training.def`.
+/// The nodes added are left in `nodes.added` for the caller; returns the parameters in the
+/// shard layout.
+pub(crate) fn shard_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    nodes: &mut Nodes,
+    ctx: &ShardGroup,
+    clip: Option<f64>,
+    outer: Option<&OuterShards<'_>>,
+) -> Result<Vec<Param>, StrategyError> {
+    let n = ctx.ranks;
     let mut params: Vec<Param> = Vec::new();
     for (var, grad) in &training.gradients {
         let update = training
@@ -437,7 +567,7 @@ fn worker_graph(
     for (i, p) in params.iter().enumerate().rev() {
         let bytes = p.shard * n * p.dtype.size_of();
         let fits = buckets.last().is_some_and(|b| {
-            params[b[0]].dtype == p.dtype && bucket_size + bytes <= bucket_bytes.max(1)
+            params[b[0]].dtype == p.dtype && bucket_size + bytes <= ctx.bucket_bytes.max(1)
         });
         if !fits {
             buckets.push(Vec::new());
@@ -455,14 +585,6 @@ fn worker_graph(
             offset += params[i].shard;
         }
     }
-
-    let mut nodes = Nodes {
-        taken: training.def.nodes.iter().map(|x| x.name.clone()).collect(),
-        added: Vec::new(),
-        device: device.clone(),
-        instance: 1,
-        previous: None,
-    };
 
     // Gradients: packed rank-major, summed, the rank's part kept.
     let mut shard_grads: Vec<String> = vec![String::new(); params.len()];
@@ -498,6 +620,7 @@ fn worker_graph(
         );
         let mine = if ctx.stage >= 2 {
             nodes.collective(
+                &ctx.key,
                 &format!("zero/bucket_{k}/reduce_scatter"),
                 "CollectiveReduceScatter",
                 pack,
@@ -506,6 +629,7 @@ fn worker_graph(
             )
         } else {
             let all = nodes.collective(
+                &ctx.key,
                 &format!("zero/bucket_{k}/all_reduce"),
                 "CollectiveAllReduce",
                 pack,
@@ -531,20 +655,8 @@ fn worker_graph(
     }
 
     // Clipping by the norm of the whole summed gradient.
-    if let Some(clip) = spec.clip_global_norm {
-        let part = nodes.add(
-            "zero/clip/squared_norm_part",
-            "SquaredNorm",
-            shard_grads.clone(),
-            vec![],
-        );
-        let total = nodes.collective(
-            "zero/clip/squared_norm",
-            "CollectiveAllReduce",
-            part,
-            n,
-            true,
-        );
+    if let Some(clip) = clip {
+        let total = squared_norm(nodes, ctx, &params, &shard_grads, outer);
         let scale = nodes.add(
             "zero/clip/global_norm_scale",
             "GlobalNormScale",
@@ -583,7 +695,7 @@ fn worker_graph(
                 });
             }
             nodes.taken.insert(name.clone());
-            let mut s = node(&name, "Variable", vec![], &device);
+            let mut s = node(&name, "Variable", vec![], &nodes.device);
             s.attrs = BTreeMap::from([
                 ("dtype".to_string(), AttrValue::DType(p.dtype)),
                 (
@@ -638,6 +750,7 @@ fn worker_graph(
         }
         let pack = nodes.add(&format!("zero/bucket_{k}/params"), "PackFlat", mine, vec![]);
         let gathered = nodes.collective(
+            &ctx.key,
             &format!("zero/bucket_{k}/all_gather"),
             "CollectiveAllGather",
             pack,
@@ -672,18 +785,6 @@ fn worker_graph(
         }
     }
 
-    // The forward pass's nodes (stage 3 gathers parameters separately for the backward pass).
-    let mut passes: HashSet<String> = forward.nodes.iter().map(|x| x.name.clone()).collect();
-    passes.extend([weight.clone(), format!("{weight}/cast"), weighted.clone()]);
-
-    // The global batch's mean loss, last of the collectives.
-    let global = nodes.collective(
-        &format!("{base}/global"),
-        "CollectiveAllReduce",
-        weighted,
-        n,
-        true,
-    );
     if let Some(t) = training
         .def
         .nodes
@@ -692,43 +793,88 @@ fn worker_graph(
     {
         t.inputs.extend(assigns.iter().map(|a| format!("^{a}")));
     }
-    training.def.nodes.extend(nodes.added);
-    if ctx.stage >= 3 {
-        let roots = [training.train_op.as_str(), global.as_str()];
-        params::shard_parameters(
-            &mut training.def,
-            &params,
-            ctx.rank,
+    Ok(params)
+}
+
+/// `Σ‖g‖²` of the whole summed gradient from the rank's gradient shards `grads` (one per
+/// parameter): summed over `ctx`'s group, and over `outer`'s group for its sharded parameters.
+fn squared_norm(
+    nodes: &mut Nodes,
+    ctx: &ShardGroup,
+    params: &[Param],
+    grads: &[String],
+    outer: Option<&OuterShards<'_>>,
+) -> String {
+    let n = ctx.ranks;
+    let Some(outer) = outer else {
+        let part = nodes.add(
+            "zero/clip/squared_norm_part",
+            "SquaredNorm",
+            grads.to_vec(),
+            vec![],
+        );
+        return nodes.collective(
+            &ctx.key,
+            "zero/clip/squared_norm",
+            "CollectiveAllReduce",
+            part,
             n,
-            &passes,
-            &roots,
-            &device,
-        )?;
-        params::order_collectives(&mut training.def)?;
-    }
-    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
-    training.loss = global;
-    let mut replica = ReplicaGraph {
-        training,
-        graph,
-        replicas: vec![ReplicaFeeds {
-            worker: ctx.rank,
-            features: features.to_string(),
-            labels: labels.to_string(),
-            weight: Some(weight),
-        }],
-        eval: EvalNames {
-            features: features.to_string(),
-            labels: labels.to_string(),
-            loss: spec.loss.clone(),
-            metrics: spec.metrics.clone(),
-        },
-        step_metrics: Vec::new(),
+            true,
+        );
     };
-    if ctx.stage >= 3 && ctx.rank == 0 {
-        params::add_eval_copy(&mut replica, forward, &params, n)?;
+    let (sharded, replicated): (Vec<_>, Vec<_>) = params
+        .iter()
+        .zip(grads)
+        .partition(|(p, _)| outer.sharded.contains(&p.var));
+    let mut terms = Vec::new();
+    for (what, list, over_outer) in [
+        ("sharded", sharded, true),
+        ("replicated", replicated, false),
+    ] {
+        if list.is_empty() {
+            continue;
+        }
+        let part = nodes.add(
+            &format!("zero/clip/{what}_squared_norm_part"),
+            "SquaredNorm",
+            list.iter().map(|(_, g)| g.to_string()).collect(),
+            vec![],
+        );
+        let mut sum = nodes.collective(
+            &ctx.key,
+            &format!("zero/clip/{what}_squared_norm"),
+            "CollectiveAllReduce",
+            part,
+            n,
+            true,
+        );
+        if over_outer {
+            sum = nodes.collective(
+                outer.key,
+                &format!("zero/clip/{what}_squared_norm_outer"),
+                "CollectiveAllReduce",
+                sum,
+                n,
+                true,
+            );
+        }
+        terms.push(sum);
     }
-    Ok(replica)
+    match &terms[..] {
+        [a, b] => nodes.add(
+            "zero/clip/squared_norm",
+            "Add",
+            vec![a.clone(), b.clone()],
+            vec![],
+        ),
+        [a] => a.clone(),
+        _ => nodes.add(
+            "zero/clip/squared_norm",
+            "Const",
+            vec![],
+            vec![("value", AttrValue::Tensor(Arc::new(Tensor::scalar(0.0f32))))],
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -650,10 +650,10 @@ async fn restore_values(
     mut ckpt: checkpoint::Checkpoint,
     what: &str,
 ) -> Result<(), JobError> {
-    dflow_partitioner::shards::split(&job.plan.sharded, &mut ckpt.tensors)
-        .and_then(|()| {
-            dflow_partitioner::shards::split_axis(&job.plan.axis_sharded, &mut ckpt.tensors)
-        })
+    // The inverse of `gather_variables`: axis shards first (a tensor-parallel shard's slot),
+    // then flat shards (ZeRO's shards of that slot over the dp axis).
+    dflow_partitioner::shards::split_axis(&job.plan.axis_sharded, &mut ckpt.tensors)
+        .and_then(|()| dflow_partitioner::shards::split(&job.plan.sharded, &mut ckpt.tensors))
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;
     dflow_partitioner::shards::split_rows(&job.plan.row_sharded, &mut ckpt.tensors)
         .map_err(|e| JobError::Setup(format!("{what}: {e}")))?;

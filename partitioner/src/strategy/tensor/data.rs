@@ -5,9 +5,12 @@
 //! clipping and the update. The sum of the weighted gradients is the gradient of the global
 //! batch's mean loss, exactly as `--strategy allreduce` averages
 //! ([`crate::strategy::allreduce`]), so every replica stays equal to the one-process model.
+//! With ZeRO over the data-parallel axis ([`zero_step`]) the sum is `--strategy zero`'s step
+//! over the group instead.
 
 use super::{bad, Nodes, StrategyError};
 use crate::strategy::allreduce::{fresh, node, BATCH_WEIGHT};
+use crate::strategy::zero;
 use dflow_graph::train::TrainingGraph;
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, Shape};
 use std::collections::{HashMap, HashSet};
@@ -21,6 +24,11 @@ pub(super) struct Replica {
     pub group: String,
     /// The most bytes of gradients in one all-reduce.
     pub bucket_bytes: usize,
+    /// The data-parallel size (the group's ranks).
+    pub ranks: usize,
+    /// ZeRO's stage over the group (`--zero-stage` beside tensor parallelism), in place of the
+    /// all-reduce of the gradients: [`zero_step`].
+    pub zero_stage: Option<u8>,
 }
 
 /// Gradients summed by one all-reduce: their dtype, bytes, and each gradient with its dims.
@@ -149,6 +157,13 @@ pub(super) fn reduce_gradients(
             *g = s.clone();
         }
     }
+    global_loss(training, n, replica, weighted);
+    Ok(())
+}
+
+/// Makes `training.loss` the all-reduced `weighted` loss over the replica's group (the global
+/// batch's mean).
+fn global_loss(training: &mut TrainingGraph, n: &mut Nodes, replica: &Replica, weighted: &str) {
     training.loss = n.collective_in(
         &replica.group,
         &format!("{}/global", weighted.split(':').next().unwrap_or(weighted)),
@@ -156,5 +171,44 @@ pub(super) fn reduce_gradients(
         weighted.to_string(),
         "sum",
     );
+}
+
+/// ZeRO over the replica's data-parallel group at `stage`, in place of [`reduce_gradients`]
+/// and the tensor-parallel clipping: the rank's weights (its tensor-parallel shards and the
+/// replicated parameters) get [`zero::shard_step`] over the group — each rank keeps and updates
+/// the `1/D` shard `replica.part` of their Adam slots, from gradients all-reduced (stage 1) or
+/// reduce-scattered (stage 2), and all-gathers the updated shards — with the global norm's
+/// `Σ‖g‖²` of the shards of `tp_sharded` weights summed over the tensor-parallel group
+/// `tp_group` too (the replicated weights' counted once). Then `training.loss` is the global
+/// batch's mean loss, as in [`reduce_gradients`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn zero_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    replica: &Replica,
+    stage: u8,
+    weighted: &str,
+    tp_group: &str,
+    tp_sharded: &HashSet<String>,
+    clip: Option<f64>,
+) -> Result<(), StrategyError> {
+    let mut z = zero::Nodes::new(std::mem::take(&mut n.taken), &n.device, n.instance);
+    let ctx = zero::ShardGroup {
+        rank: replica.part,
+        ranks: replica.ranks,
+        stage,
+        key: replica.group.clone(),
+        bucket_bytes: replica.bucket_bytes,
+    };
+    let outer = zero::OuterShards {
+        key: tp_group,
+        sharded: tp_sharded,
+    };
+    zero::shard_step(training, typed, &mut z, &ctx, clip, Some(&outer))?;
+    n.taken = z.taken;
+    n.instance = z.instance;
+    n.added.extend(z.added);
+    global_loss(training, n, replica, weighted);
     Ok(())
 }

@@ -278,6 +278,7 @@ mod tests {
             bucket_bytes: 1 << 20,
             batch_size: p.batch_size,
             pipeline: Some(p),
+            zero_stage: None,
         }
     }
 

@@ -1,0 +1,282 @@
+//! ZeRO over the data-parallel axis beside tensor parallelism (`--mesh dp=2,tp=2
+//! --zero-stage 1|2`), with real `dflow` tasks: a small GPT trained with AdamW and global-norm
+//! clipping active has the losses of a one-process run, every task in one process (`--local`)
+//! at stages 1 and 2 and in 4 processes at stage 2; a checkpoint saved under dp2×tp2 with ZeRO
+//! (each rank holding only its dp-shard of its tensor-parallel shard's Adam slots) resumes in
+//! one process with the uninterrupted run's next-step loss; each rank's variable bytes and
+//! collective bytes are dp2×tp2's with its Adam slots halved and its gradient all-reduce
+//! replaced by ZeRO's collectives, exactly; the combinations that do not run (stage 3 beside
+//! tp, ZeRO inside pipeline stages) are refused naming what to do.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use support::*;
+
+const CORPUS: &str = "examples/data/shakespeare.txt.gz";
+
+/// A GPT of 2 blocks, 4 heads, 32 channels, context 8, over the corpus's 76 characters,
+/// clipping at 0.5 so that clipping is active (as in `cluster_mesh.rs`).
+fn config() -> dflow::graph::layers::GptConfig {
+    dflow::graph::layers::GptConfig {
+        block_size: 8,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        learning_rate: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 2,
+        decay_steps: 20,
+        grad_clip: Some(0.5),
+        ..dflow::graph::layers::GptConfig::default()
+    }
+}
+
+/// [`config`]'s GPT written to `dir/gpt.json`.
+fn gpt_file(dir: &Path) -> PathBuf {
+    let path = dir.join("gpt.json");
+    std::fs::write(
+        &path,
+        dflow::graph::format::to_json(&dflow::graph::layers::gpt(&config()).unwrap().def),
+    )
+    .unwrap();
+    path
+}
+
+/// The flags every run shares: 4 rows per batch (2 per data-parallel replica).
+fn common(steps: u32) -> Vec<String> {
+    [
+        "--data",
+        CORPUS,
+        "--batch-size",
+        "4",
+        "--steps",
+        &steps.to_string(),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// A cluster spec of `n` workers on unused local ports (for `--local`, which binds none).
+fn workers_file(dir: &Path, n: usize) -> PathBuf {
+    let addrs: Vec<String> = (0..n)
+        .map(|i| format!("\"127.0.0.1:{}\"", 2300 + i))
+        .collect();
+    let path = dir.join(format!("cluster-{n}workers.json"));
+    std::fs::write(&path, format!("{{\"worker\": [{}]}}", addrs.join(", "))).unwrap();
+    path
+}
+
+/// `dflow run --local` (plus `extra`): its losses; checkpoints to (and resumes from) `ckpt`.
+fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(u64, f64)> {
+    let losses = ckpt.with_extension("losses.txt");
+    let mut args: Vec<String> = vec!["run".into(), "--local".into()];
+    args.push(graph.to_string_lossy().into_owned());
+    args.extend(common(steps));
+    args.extend([
+        "--losses-out".into(),
+        losses.to_string_lossy().into_owned(),
+        "--checkpoint-dir".into(),
+        ckpt.to_string_lossy().into_owned(),
+    ]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    stdout(&dflow(&args));
+    read_losses(&losses)
+}
+
+/// dp2×tp2 with ZeRO at `stage`, its 4 tasks in this process: its losses.
+fn mesh_zero_local(
+    dir: &Path,
+    graph: &Path,
+    stage: u8,
+    steps: u32,
+    ckpt: &Path,
+) -> Vec<(u64, f64)> {
+    let cluster = workers_file(dir, 4);
+    let stage = stage.to_string();
+    local_run(
+        graph,
+        steps,
+        ckpt,
+        &[
+            "--cluster",
+            cluster.to_str().unwrap(),
+            "--mesh",
+            "dp=2,tp=2",
+            "--zero-stage",
+            &stage,
+        ],
+    )
+}
+
+#[test]
+fn dp2_tp2_with_zero_1_and_2_trains_the_gpt_like_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-zero-dp2-tp2");
+    let graph = gpt_file(&dir);
+    let one = local_run(&graph, 5, &dir.join("ckpt-one"), &[]);
+    assert_eq!(one.len(), 5);
+    for stage in [1u8, 2] {
+        let mesh = mesh_zero_local(&dir, &graph, stage, 5, &dir.join(format!("ckpt-z{stage}")));
+        assert_eq!(mesh.len(), 5);
+        let worst = assert_same_losses(&mesh, &one, 1e-5);
+        eprintln!("dp=2,tp=2 ZeRO-{stage} (--local): worst relative loss difference {worst:e}");
+    }
+}
+
+#[test]
+fn dp2_tp2_with_zero_2_in_four_processes_trains_like_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-zero-dp2-tp2-procs");
+    let graph = gpt_file(&dir);
+    let one = local_run(&graph, 4, &dir.join("ckpt-one"), &[]);
+    let mut flags = common(4);
+    flags.extend(["--mesh", "dp=2,tp=2", "--zero-stage", "2"].map(String::from));
+    let (mesh, _) = worker_job(&graph, 4, &flags, &dir.join("ckpt-mesh"));
+    assert_eq!(mesh.len(), 4);
+    let worst = assert_same_losses(&mesh, &one, 1e-5);
+    eprintln!("dp=2,tp=2 ZeRO-2 (4 processes): worst relative loss difference {worst:e}");
+}
+
+#[test]
+fn a_checkpoint_saved_under_dp2_tp2_zero_resumes_in_one_process() {
+    let _serial = serial();
+    let dir = scratch("mesh-zero-reshard");
+    let graph = gpt_file(&dir);
+    let straight = local_run(&graph, 4, &dir.join("ckpt-straight"), &[]);
+    for stage in [1u8, 2] {
+        // 3 steps under dp2×tp2 with ZeRO, checkpointed, then steps 4 and 5 in one process.
+        let ckpt = dir.join(format!("ckpt-z{stage}"));
+        let first = mesh_zero_local(&dir, &graph, stage, 3, &ckpt);
+        assert_eq!(first.len(), 3);
+        let resumed = local_run(&graph, 5, &ckpt, &[]);
+        assert_eq!(resumed.iter().map(|l| l.0).collect::<Vec<_>>(), [4, 5]);
+        // The step count, the AdamW slots (whole logical tensors, assembled from every rank's
+        // dp-shard of its tp-shard) and the data order continue.
+        let rel = (resumed[0].1 - straight[3].1).abs() / straight[3].1.abs();
+        assert!(
+            rel <= 1e-5,
+            "ZeRO-{stage}: resumed step 4 loss {}, uninterrupted {}",
+            resumed[0].1,
+            straight[3].1
+        );
+        // And the one-process checkpoint resumes under dp2×tp2 with ZeRO again.
+        let again = mesh_zero_local(&dir, &graph, stage, 6, &ckpt);
+        assert_eq!(again.iter().map(|l| l.0).collect::<Vec<_>>(), [6]);
+    }
+}
+
+#[test]
+fn zero_combinations_that_do_not_run_are_refused_naming_them() {
+    let dir = scratch("mesh-zero-refused");
+    let graph = gpt_file(&dir);
+    let refused = |workers: usize, flags: &[&str]| {
+        let cluster = workers_file(&dir, workers);
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+            "--cluster".into(),
+            cluster.to_string_lossy().into_owned(),
+        ];
+        args.extend(common(1));
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        assert!(!out.status.success(), "{flags:?} on {workers} workers ran");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = refused(4, &["--mesh", "dp=2,tp=2", "--zero-stage", "3"]);
+    assert!(e.contains("use --zero-stage 1 or 2"), "{e}");
+    let e = refused(8, &["--mesh", "dp=2,tp=2,pp=2", "--zero-stage", "1"]);
+    assert!(e.contains("inside pipeline stages does not run yet"), "{e}");
+    let e = refused(2, &["--mesh", "dp=1,tp=2", "--zero-stage", "1"]);
+    assert!(e.contains("this mesh has one replica"), "{e}");
+    let e = refused(4, &["--mesh", "dp=2,pp=2", "--zero-stage", "1"]);
+    assert!(
+        e.contains("ZeRO over pipeline replicas does not run yet"),
+        "{e}"
+    );
+}
+
+/// `(Ψ_r, Ψ'_r)`: the parameters one rank of dp=`dp` × tp=`tp` holds (its shard of every
+/// weight Megatron's layout splits, every replicated one whole), and the same with each
+/// parameter padded to a multiple of `dp` (ZeRO's flat shards), from the layout, not a run.
+fn rank_parameters(tp: usize, dp: usize) -> (u64, u64) {
+    use dflow::partitioner::strategy::tensor::layout;
+    let def = dflow::graph::layers::gpt(&config()).unwrap().def;
+    let graph = dflow::graph::Graph::from_def(&def).unwrap();
+    let cut = layout(&graph, tp).unwrap();
+    let (mut held, mut padded) = (0u64, 0u64);
+    for n in def.nodes.iter().filter(|n| n.op == "Variable") {
+        let i = graph.find(&n.name).unwrap();
+        let dims = graph.output_type(i, 0).unwrap().shape.as_static().unwrap();
+        let len = match cut.iter().find(|s| s.name == n.name) {
+            Some(s) => s.split.shard_dims(&s.dims).iter().product::<usize>(),
+            None => dims.iter().product::<usize>(),
+        };
+        held += len as u64;
+        padded += (len.div_ceil(dp) * dp) as u64;
+    }
+    (held, padded)
+}
+
+#[test]
+fn each_rank_holds_half_its_adam_slots_and_sends_zeros_bytes() {
+    let dir = scratch("mesh-zero-bytes");
+    let graph = gpt_file(&dir);
+    const STEPS: u64 = 3;
+    // Each task's end-of-task line, by task index.
+    let ends = |extra: &[&str]| -> Vec<EndOfTask> {
+        let cluster = workers_file(&dir, 4);
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+            "--cluster".into(),
+            cluster.to_string_lossy().into_owned(),
+            "--mesh".into(),
+            "dp=2,tp=2".into(),
+        ];
+        args.extend(common(STEPS as u32));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        stdout(&out);
+        let mut ends = end_of_task(&String::from_utf8_lossy(&out.stderr));
+        ends.sort_by(|a, b| a.task.cmp(&b.task));
+        assert_eq!(ends.len(), 4, "one end-of-task line per task");
+        ends
+    };
+    let (psi, padded) = rank_parameters(2, 2);
+    let plain = ends(&[]);
+    for (stage, grads) in [("1", 6 * padded), ("2", 4 * padded)] {
+        let zero = ends(&["--zero-stage", stage]);
+        for (rank, (z, p)) in zero.iter().zip(&plain).enumerate() {
+            // Variables: the weights whole, the two Adam slots of S = ⌈L/2⌉ per weight instead
+            // of L.
+            assert_eq!(
+                z.variable_bytes,
+                p.variable_bytes - 8 * psi + 8 * padded / 2,
+                "ZeRO-{stage} rank {rank}: variables"
+            );
+            // Collectives per step: instead of the 2-rank ring all-reduce of the gradients
+            // (4Ψ_r), ZeRO-1 all-reduces them (4Ψ'_r) and all-gathers the updated shards
+            // (2Ψ'_r); ZeRO-2 reduce-scatters (2Ψ'_r) and all-gathers (2Ψ'_r); clipping adds two
+            // 4-byte all-reduces over the dp group (the tp-sharded and the replicated weights'
+            // squared norms) beside its one over the tp group.
+            assert_eq!(
+                z.collective,
+                p.collective - STEPS * 4 * psi + STEPS * (grads + 8),
+                "ZeRO-{stage} rank {rank}: collective bytes"
+            );
+        }
+    }
+}
