@@ -90,6 +90,30 @@ pub fn elementwise(
     }
 }
 
+/// Where [`elementwise`] refuses `inputs` (placement, rank) but one of them is sharded, the
+/// placement each input is redistributed to so that it accepts them: sharded along the first
+/// shard's output dimension (`Shard(i) → Shard(j)` an all-to-all, `Partial → Shard` a
+/// reduce-scatter, `Replicate → Shard` a local slice), or `Replicate` for an input that does
+/// not span that dimension (a bias). `None` when no input is sharded.
+pub fn elementwise_targets(
+    inputs: &[(Placement, usize)],
+    out_rank: usize,
+) -> Option<Vec<Placement>> {
+    let d = inputs.iter().find_map(|&(p, rank)| match p {
+        Shard(d) => Some(d + out_rank.checked_sub(rank)?),
+        _ => None,
+    })?;
+    Some(
+        inputs
+            .iter()
+            .map(|&(_, rank)| match (d + rank).checked_sub(out_rank) {
+                Some(own) => Shard(own),
+                None => Replicate,
+            })
+            .collect(),
+    )
+}
+
 /// A reduction (`Sum`, `Mean`, `Max`) over `axes` of a tensor of `rank` dimensions.
 pub fn reduce(
     op: &str,
