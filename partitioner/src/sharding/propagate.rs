@@ -758,7 +758,7 @@ mod tests {
     #[test]
     fn a_shard_is_gathered_where_no_rule_takes_it() {
         // Only w1 sharded: the Relu stays sharded, the next MatMul has no rule for
-        // Shard(1) · Replicate, so its input is gathered (zero-padded shards summed by g).
+        // Shard(1) · Replicate, so its input is all-gathered.
         let g = mlp(Some(Shard(1)), None);
         let plan = propagate(&g, 2, &fetch()).unwrap();
         assert_eq!(plan.placements["h2"], Replicate);
