@@ -998,26 +998,25 @@ mod tests {
         for n in ["y1", "y2", "y3"] {
             assert_eq!(plan.placements[n], Shard(0), "{n}");
         }
-        let kinds: Vec<(&str, Inserted, Vec<(String, usize)>)> = plan
+        let kinds: Vec<(&str, Inserted, String)> = plan
             .inserts
             .iter()
-            .map(|i| (i.tensor.as_str(), i.kind, i.consumers.clone()))
+            .map(|i| {
+                let readers: Vec<String> = i
+                    .consumers
+                    .iter()
+                    .map(|(c, k)| format!("{c}[{k}]"))
+                    .collect();
+                (i.tensor.as_str(), i.kind, readers.join(" "))
+            })
             .collect();
         assert_eq!(
             kinds,
             [
-                (
-                    "b",
-                    Inserted::AllToAll { from: 1, to: 0 },
-                    vec![("y1".into(), 1)]
-                ),
-                (
-                    "p",
-                    Inserted::ReduceScatter { dim: 0 },
-                    vec![("y2".into(), 1)]
-                ),
-                ("c", Inserted::Slice { dim: 0 }, vec![("y3".into(), 1)]),
-                ("loss", Inserted::Reduce, vec![]),
+                ("b", Inserted::AllToAll { from: 1, to: 0 }, "y1[1]".into()),
+                ("p", Inserted::ReduceScatter { dim: 0 }, "y2[1]".into()),
+                ("c", Inserted::Slice { dim: 0 }, "y3[1]".into()),
+                ("loss", Inserted::Reduce, String::new()),
             ]
         );
     }
