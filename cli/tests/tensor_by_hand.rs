@@ -7,7 +7,10 @@
 //! checkpoint resumes in one process; a replicated layer in front gets `f` (its gradient
 //! all-reduced) and clipping spans the shards, with the same losses again; placements
 //! that do not compose, or do not parse, are refused naming the node; `dflow partition` shows
-//! every tensor's placement and the inserted collective with its bytes.
+//! every tensor's placement and the inserted collective with its bytes. Three variants reach
+//! every other conversion of the placement table (an all-gather, a local slice and a
+//! reduce-scatter, an all-to-all), each training like one process, locally and with 2
+//! processes, and sending exactly the ring formulas' bytes.
 
 mod support;
 
@@ -344,8 +347,9 @@ fn partition(graph: &str) -> String {
     ]))
 }
 
-/// Trains `by_hand` at tp=2 (`--local`) and `plain` in one process for an epoch: the losses
-/// and the parameters `params` agree within 1e-6, and each rank sends `bytes` in collectives.
+/// Trains `by_hand` at tp=2 (`--local`, then 2 processes) and `plain` in one process for an
+/// epoch: the losses and the parameters `params` agree within 1e-6, and each rank sends `bytes`
+/// in collectives.
 fn trains_like_one_process(dir: &Path, by_hand: &str, plain: &str, params: &[&str], bytes: u64) {
     let (want, _, want_params) = local(plain, &[], &dir.join("one"));
     let (got, stderr, got_params) = local(
@@ -376,6 +380,29 @@ fn trains_like_one_process(dir: &Path, by_hand: &str, plain: &str, params: &[&st
     for e in &ends {
         assert_eq!(e.collective, bytes, "{}", e.task);
     }
+    // Two real processes: the same losses, parameters and bytes.
+    let mut flags = digits_args(1);
+    flags.extend(["--strategy", "tensor", "--tp", "2"].map(String::from));
+    let ckpt = dir.join("procs-ckpt");
+    let (got, chief) = worker_job(Path::new(by_hand), 2, &flags, &ckpt);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("{by_hand} 2 processes tp=2: worst relative loss difference {worst:e}");
+    let got_params = newest(&ckpt);
+    for name in params {
+        let (x, y) = (&got_params[*name], &want_params[*name]);
+        for (i, (p, q)) in x
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .zip(y.as_slice::<f32>().unwrap())
+            .enumerate()
+        {
+            assert!((p - q).abs() <= 1e-6, "{name}[{i}]: {p} vs {q}");
+        }
+    }
+    let chief_end = end_of_task(&chief.stderr);
+    assert_eq!(chief_end.len(), 1, "{}", chief.stderr);
+    assert_eq!(chief_end[0].collective, bytes);
 }
 
 /// Shard(1) → Replicate: with `w2` replicated, the column-parallel layer's output is
