@@ -522,3 +522,49 @@ fn tp_collective_shape_rules_refuse_what_does_not_split() {
         Shape::known(&[2, 6])
     );
 }
+
+#[test]
+fn tp_collective_kernels_refuse_a_run_time_length_that_does_not_split() {
+    // A batch dimension unknown to the shape rule: the kernel checks it, on every rank alike,
+    // before any traffic.
+    use dflow_graph::ops::testing::{attrs_with_defaults, build_kernel};
+    use dflow_graph::TensorType;
+    let attrs = attrs_with_defaults(
+        "CollectiveTpSlice",
+        &[
+            ("group_key", AttrValue::String("tp".into())),
+            ("instance_key", AttrValue::Int(1)),
+            ("group_size", AttrValue::Int(2)),
+            ("axis", AttrValue::Int(0)),
+        ],
+    )
+    .unwrap();
+    let ty = TensorType::new(DType::F64, Shape::from_signed(&[-1, 2]).unwrap());
+    let kernel = build_kernel("CollectiveTpSlice", "s", &attrs, &[ty]).unwrap();
+    let x = tensor(&[3, 2], 1);
+    let rank = Rank {
+        hub: Arc::new(Hub {
+            n: 2,
+            slots: Mutex::new(HashMap::new()),
+            ready: Condvar::new(),
+        }),
+        rank: 0,
+    };
+    let mut outputs = vec![None];
+    let e = kernel
+        .compute(&mut KernelContext {
+            node: "s",
+            inputs: &[&x],
+            variables: &[],
+            step: 0,
+            outputs: &mut outputs,
+            collectives: Some(&rank),
+            output_memory: None,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("dimension 0 of shape [3, 2] is 3") && e.contains("2 equal parts"),
+        "{e}"
+    );
+}

@@ -1022,6 +1022,27 @@ mod tests {
     }
 
     #[test]
+    fn an_input_that_cannot_be_sliced_falls_back_to_whole_inputs() {
+        // a Shard(0) [4, 6] times a replicated c [1, 6] broadcast along the rows: slicing c's
+        // single row over 2 ranks is impossible, so a is all-gathered and the product whole.
+        let mut b = GraphBuilder::new();
+        let va = b.variable("a", DType::F32, &[4, 6], "ones");
+        let vc = b.variable("c", DType::F32, &[1, 6], "ones");
+        b.set_sharding(&va, Shard(0));
+        let y = b.binary("Mul", "y", &va, &vc);
+        b.op("Sum", "loss").input(&y).finish();
+        let plan = propagate(&b.build().unwrap(), 2, &fetch()).unwrap();
+        assert_eq!(plan.placements["y"], Replicate);
+        assert_eq!(
+            plan.inserts
+                .iter()
+                .map(|i| (i.tensor.as_str(), i.kind))
+                .collect::<Vec<_>>(),
+            [("a", Inserted::Gather { dim: 0 })]
+        );
+    }
+
+    #[test]
     fn every_insert_sends_the_ring_formulas() {
         // B = 1000 bytes whole, T = 4: all-gather and reduce-scatter (T−1)/T·B = 750, all-to-all
         // (T−1)/T of the rank's B/T = 187, all-reduce 2(T−1)/T·B = 1500.

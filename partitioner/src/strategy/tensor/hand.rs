@@ -489,6 +489,65 @@ mod tests {
         assert_eq!(shard.attrs.get("shard_index"), Some(&AttrValue::Int(1)));
     }
 
+    /// `h = x · w` (column-parallel) declared `Shard(0)`: every rank reads it through a
+    /// `CollectiveTpAllToAll` from 1 to 0, whose gradient is the reverse all-to-all keyed apart.
+    #[test]
+    fn a_declared_reshard_is_an_all_to_all_with_its_reverse_as_gradient() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 2]);
+        b.placeholder("t", DType::F32, &[4]);
+        let w = b.variable("w", DType::F32, &[2, 6], "ones");
+        b.set_sharding(&w, Shard(1));
+        let h = b
+            .op("MatMul", "h")
+            .input(&x)
+            .input(&w)
+            .sharding(Shard(0))
+            .finish();
+        let r = b.unary("Relu", "r", &h);
+        b.op("Sum", "loss").input(&r).finish();
+        let graph = b.build().unwrap();
+        let spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        let tg = mesh_training(&graph, &spec, &Mesh::new(1, 2, 1).unwrap(), "x", "t").unwrap();
+        for g in &tg.graphs {
+            let a2a = node(g, &node(g, "r").inputs[0]);
+            assert_eq!(
+                (a2a.op.as_str(), a2a.inputs[0].as_str()),
+                ("CollectiveTpAllToAll", "h")
+            );
+            let int = |n: &NodeDef, k: &str| match n.attrs.get(k) {
+                Some(AttrValue::Int(v)) => *v,
+                other => panic!("{k}: {other:?}"),
+            };
+            assert_eq!(
+                [
+                    int(a2a, "split_axis"),
+                    int(a2a, "concat_axis"),
+                    int(a2a, "group_size")
+                ],
+                [0, 1, 2]
+            );
+            let back = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.op == "CollectiveTpAllToAll" && n.name != a2a.name)
+                .expect("the gradient's all-to-all");
+            assert_eq!([int(back, "split_axis"), int(back, "concat_axis")], [1, 0]);
+            assert_eq!(
+                int(back, "instance_key"),
+                int(a2a, "instance_key") + dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET
+            );
+        }
+    }
+
     #[test]
     fn a_data_parallel_axis_over_hand_placements_is_refused() {
         let mut b = GraphBuilder::new();
