@@ -7,7 +7,10 @@
 //! checkpoint resumes in one process; a replicated layer in front gets `f` (its gradient
 //! all-reduced) and clipping spans the shards, with the same losses again; placements
 //! that do not compose, or do not parse, are refused naming the node; `dflow partition` shows
-//! every tensor's placement and the inserted collective with its bytes.
+//! every tensor's placement and the inserted collective with its bytes. Three variants reach
+//! every other conversion of the placement table (an all-gather, a local slice and a
+//! reduce-scatter, an all-to-all), each training like one process, locally and with 2
+//! processes, and sending exactly the ring formulas' bytes.
 
 mod support;
 
@@ -293,4 +296,233 @@ fn a_replicated_layer_before_the_column_layer_gets_f_and_clipping_spans_the_shar
     {
         assert!((p - q).abs() <= 1e-6, "w0: {p} vs {q}");
     }
+}
+
+/// `digits-tp.dflow` with `edits` (from, to) applied, and the same graph with no placements;
+/// the training rows per epoch: 44 batches of 32 and one of 30.
+fn variant(dir: &Path, name: &str, edits: &[(&str, &str)]) -> (String, String) {
+    let mut text = std::fs::read_to_string(repo().join(BY_HAND)).unwrap();
+    for (from, to) in edits {
+        assert!(text.contains(from), "{from}");
+        text = text.replace(from, to);
+    }
+    let mut plain = text.clone();
+    for p in ["Shard(0)", "Shard(1)", "Replicate"] {
+        plain = plain.replace(&format!(", _sharding: \"{p}\""), "");
+    }
+    assert!(!plain.contains("_sharding"));
+    let (a, b) = (
+        dir.join(format!("{name}-tp.dflow")),
+        dir.join(format!("{name}.dflow")),
+    );
+    std::fs::write(&a, text).unwrap();
+    std::fs::write(&b, plain).unwrap();
+    (
+        a.to_string_lossy().into_owned(),
+        b.to_string_lossy().into_owned(),
+    )
+}
+
+/// Training rows of one digits epoch (44 batches of 32, one of 30) and its steps.
+const ROWS: u64 = 44 * 32 + 30;
+const STEPS: u64 = 45;
+
+/// `dflow partition` of `graph` at tp=2, batch 32.
+fn partition(graph: &str) -> String {
+    stdout(&dflow(&[
+        "partition",
+        graph,
+        "--cluster",
+        TWO_WORKERS,
+        "--strategy",
+        "tensor",
+        "--tp",
+        "2",
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+        "--batch-size",
+        "32",
+    ]))
+}
+
+/// Trains `by_hand` at tp=2 (`--local`, then 2 processes) and `plain` in one process for an
+/// epoch: the losses and the parameters `params` agree within 1e-6, and each rank sends `bytes`
+/// in collectives.
+fn trains_like_one_process(dir: &Path, by_hand: &str, plain: &str, params: &[&str], bytes: u64) {
+    let (want, _, want_params) = local(plain, &[], &dir.join("one"));
+    let (got, stderr, got_params) = local(
+        by_hand,
+        &[
+            "--cluster",
+            TWO_WORKERS,
+            "--strategy",
+            "tensor",
+            "--tp",
+            "2",
+        ],
+        &dir.join("tp2"),
+    );
+    assert_eq!(got.len() as u64, STEPS);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("{by_hand} --local tp=2: worst relative loss difference {worst:e}");
+    for name in params {
+        let (x, y) = (&got_params[*name], &want_params[*name]);
+        assert_eq!(x.dims(), y.dims(), "{name}");
+        let (x, y) = (x.as_slice::<f32>().unwrap(), y.as_slice::<f32>().unwrap());
+        for (i, (p, q)) in x.iter().zip(y).enumerate() {
+            assert!((p - q).abs() <= 1e-6, "{name}[{i}]: {p} vs {q}");
+        }
+    }
+    let ends = end_of_task(&stderr);
+    assert_eq!(ends.len(), 2, "{stderr}");
+    for e in &ends {
+        assert_eq!(e.collective, bytes, "{}", e.task);
+    }
+    // Two real processes: the same losses, parameters and bytes.
+    let mut flags = digits_args(1);
+    flags.extend(["--strategy", "tensor", "--tp", "2"].map(String::from));
+    let ckpt = dir.join("procs-ckpt");
+    let (got, chief) = worker_job(Path::new(by_hand), 2, &flags, &ckpt);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("{by_hand} 2 processes tp=2: worst relative loss difference {worst:e}");
+    let got_params = newest(&ckpt);
+    for name in params {
+        let (x, y) = (&got_params[*name], &want_params[*name]);
+        for (i, (p, q)) in x
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .zip(y.as_slice::<f32>().unwrap())
+            .enumerate()
+        {
+            assert!((p - q).abs() <= 1e-6, "{name}[{i}]: {p} vs {q}");
+        }
+    }
+    let chief_end = end_of_task(&chief.stderr);
+    assert_eq!(chief_end.len(), 1, "{}", chief.stderr);
+    assert_eq!(chief_end[0].collective, bytes);
+}
+
+/// Shard(1) → Replicate: with `w2` replicated, the column-parallel layer's output is
+/// all-gathered for the second layer (no rule takes `Shard(1) · Replicate`); its gradient is
+/// the rank's slice, so the only traffic is the all-gather, (T−1)/T of `[rows, 32]` f32.
+#[test]
+fn shard_to_replicate_is_an_all_gather_whose_gradient_is_the_slice() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-gather");
+    let (by_hand, plain) = variant(
+        &dir,
+        "gather",
+        &[(
+            "shape: [32, 10], _sharding: \"Shard(0)\")",
+            "shape: [32, 10])",
+        )],
+    );
+    let plan = partition(&by_hand);
+    assert!(
+        plan.contains(
+            "CollectiveTpAllGather on layer1/relu → layer2/matmul[0]: Shard(1) → Replicate: \
+             all-gather along 1; the rank's slice of its gradient backward; forward 2048 B, \
+             backward 0 B"
+        ),
+        "{plan}"
+    );
+    // Ring all-gather over 2 ranks: each sends its half of [rows, 32] f32.
+    let bytes = ROWS * 32 * 4 / 2;
+    trains_like_one_process(&dir, &by_hand, &plain, &["w1", "b1", "w2", "b2"], bytes);
+}
+
+/// Replicate → Shard(1) and Partial → Shard(1): a replicated layer `x0 = x · w0` declared
+/// `Shard(1)` is sliced (no traffic; its gradient all-gathered, as `w0` trains), `w1` is
+/// row-parallel so `x0 · w1` is a partial sum, which the bias `b1` (`Shard(0)`) takes
+/// reduce-scattered along 1 (its gradient all-gathered); the second layer is Megatron's row
+/// layer, whose partial logits `g` all-reduces.
+#[test]
+fn replicate_to_shard_is_a_local_slice_and_partial_to_shard_a_reduce_scatter() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-reduce-scatter");
+    let (by_hand, plain) = variant(
+        &dir,
+        "reduce-scatter",
+        &[
+            (
+                "layer1/matmul = MatMul(x, w1)",
+                "w0 = Variable(dtype: f32, initializer: glorot_uniform, seed: 3, shape: [64, 64])\n\
+                 x0 = MatMul(x, w0, _sharding: \"Shard(1)\")\n\
+                 layer1/matmul = MatMul(x0, w1)",
+            ),
+            (
+                "shape: [64, 32], _sharding: \"Shard(1)\")",
+                "shape: [64, 32], _sharding: \"Shard(0)\")",
+            ),
+        ],
+    );
+    let plan = partition(&by_hand);
+    for line in [
+        "CollectiveTpSlice on x0 → layer1/matmul[0]: Replicate → Shard(1): the rank's slice (no \
+         traffic); all-gather of its gradient backward; forward 0 B, backward 4096 B",
+        "CollectiveTpReduceScatter on layer1/matmul → layer1/bias[0]: Partial(sum) → Shard(1): \
+         reduce-scatter along 1; all-gather of its gradient backward; forward 2048 B, backward \
+         2048 B",
+        "CollectiveTpReduce on layer2/matmul → logits[0]: Partial(sum) → Replicate: all-reduce \
+         (g); forward 1280 B, backward 0 B",
+    ] {
+        assert!(plan.contains(line), "{line}\nin\n{plan}");
+    }
+    // Per row: the slice's gradient all-gathered ([rows, 64] f32, half sent), the
+    // reduce-scatter and its gradient's all-gather ([rows, 32], half each) and g on the
+    // logits ([rows, 10], 2(T−1)/T = 1×).
+    let bytes = ROWS * (64 * 4 / 2 + 32 * 4 / 2 + 32 * 4 / 2 + 10 * 4);
+    trains_like_one_process(
+        &dir,
+        &by_hand,
+        &plain,
+        &["w0", "w1", "b1", "w2", "b2"],
+        bytes,
+    );
+}
+
+/// Shard(1) → Shard(0): the column-parallel layer's output declared `Shard(0)` (rows) reaches
+/// the second layer through an all-to-all (its gradient through the reverse one); `w2` and `b2`
+/// are replicated and enter row-sharded ops, so they get `f` (their gradients all-reduced);
+/// the cross-entropy has no rule for row-sharded logits with whole labels, so the logits are
+/// all-gathered along 0.
+#[test]
+fn shard_to_another_shard_is_an_all_to_all_and_its_gradient_the_reverse() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-all-to-all");
+    let (by_hand, plain) = variant(
+        &dir,
+        "all-to-all",
+        &[
+            (
+                "layer1/relu = Relu(layer1/bias)",
+                "layer1/relu = Relu(layer1/bias, _sharding: \"Shard(0)\")",
+            ),
+            (
+                "shape: [32, 10], _sharding: \"Shard(0)\")",
+                "shape: [32, 10])",
+            ),
+        ],
+    );
+    let plan = partition(&by_hand);
+    for line in [
+        "CollectiveTpAllToAll on layer1/relu → layer2/matmul[0]: Shard(1) → Shard(0): \
+         all-to-all; the reverse all-to-all of its gradient backward; forward 1024 B, backward \
+         1024 B",
+        "CollectiveTpAllGather on logits → predictions[0], xent[0]: Shard(0) → Replicate: \
+         all-gather along 0; the rank's slice of its gradient backward; forward 640 B, backward \
+         0 B",
+        "CollectiveTpCopy on w2 → layer2/matmul[1]: f",
+        "CollectiveTpCopy on b2 → logits[1]: f",
+    ] {
+        assert!(plan.contains(line), "{line}\nin\n{plan}");
+    }
+    // Per row: the all-to-all of [rows, 32] f32 and its reverse, (T−1)/T of the rank's half
+    // each way, and the logits' all-gather (half of [rows, 10]); per step, f's all-reduces of
+    // the w2 and b2 gradients (2(T−1)/T = 1× of 1,280 and 40 bytes).
+    let bytes = ROWS * (32 * 4 / 4 * 2 + 10 * 4 / 2) + STEPS * (32 * 10 * 4 + 10 * 4);
+    trains_like_one_process(&dir, &by_hand, &plain, &["w1", "b1", "w2", "b2"], bytes);
 }

@@ -20,7 +20,9 @@
 //! gradient backward: each rank's shard of a column-parallel layer contributes part of the
 //! input's gradient) and `CollectiveTpReduce` is its `g` (sum all-reduce forward, identity
 //! backward: the replicated consumers each hand back the whole gradient of the sum, which is
-//! every rank's partial term's gradient as is).
+//! every rank's partial term's gradient as is). The other placement changes of tensor
+//! parallelism (all-gather, slice, reduce-scatter and all-to-all along any dimension) are in
+//! [`super::collective_tp`].
 
 use super::*;
 use crate::kernel::{CollectiveCall, Kernel, KernelContext, KernelInit, ReduceKind};
@@ -60,7 +62,7 @@ fn split_dim0(op: &str, t: &TensorType, size: i64) -> Result<Shape, String> {
 
 /// What every collective kernel knows from its node.
 #[derive(Debug)]
-struct Collective {
+pub(super) struct Collective {
     op: &'static str,
     group: String,
     instance: i64,
@@ -69,7 +71,7 @@ struct Collective {
 }
 
 impl Collective {
-    fn new(op: &'static str, init: &KernelInit<'_>) -> Result<Collective, String> {
+    pub(super) fn new(op: &'static str, init: &KernelInit<'_>) -> Result<Collective, String> {
         let string = |name: &str| match init.attr(name)? {
             AttrValue::String(s) => Ok(s.to_string()),
             v => Err(format!("attribute `{name}` is {}, not string", v.ty())),
@@ -93,7 +95,7 @@ impl Collective {
         })
     }
 
-    fn run(
+    pub(super) fn run(
         &self,
         ctx: &mut KernelContext<'_>,
         f: impl FnOnce(

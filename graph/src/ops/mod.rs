@@ -13,6 +13,7 @@ pub mod array;
 pub mod batch_matmul;
 pub mod broadcast;
 pub mod collective;
+pub mod collective_tp;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm;
@@ -613,6 +614,7 @@ pub fn registry() -> &'static OpRegistry {
         tf_math::register(&mut r);
         tf_embedding::register(&mut r);
         collective::register(&mut r);
+        collective_tp::register(&mut r);
         shape::register(&mut r);
         embedding::register(&mut r);
         batch_matmul::register(&mut r);
@@ -632,6 +634,7 @@ pub fn registry() -> &'static OpRegistry {
         transformer::gradients::register_gradients(&mut r);
         moe::gradients::register_gradients(&mut r);
         collective::gradients::register_gradients(&mut r);
+        collective_tp::gradients::register_gradients(&mut r);
         sparse_embedding::gradients::register_gradients(&mut r);
         tf_dynamic::gradients::register_gradients(&mut r);
         tf_math::gradients::register_gradients(&mut r);

@@ -15,6 +15,9 @@
 //! | Replicate → Shard(d) | local slice (no traffic)     | 0                                                     |
 //! | same → same          | nothing                      | 0                                                     |
 //!
+//! (All-to-all: each rank sends (N−1)/N of its shard of B/N bytes.) The ops, forward and
+//! backward, are listed in [`propagate`].
+//!
 //! Replicate → Partial (keep the value on rank 0, zeros elsewhere) and Shard → Partial are
 //! never needed by the rules here and are refused.
 
@@ -57,14 +60,17 @@ pub enum Transition {
 }
 
 impl Transition {
-    /// The op that runs it (`None`: no collective).
+    /// The tensor-parallel op that runs it (`graph/src/ops/collective_tp.rs`; `None`: already
+    /// there). Their gradients are those of a replicated loss
+    /// ([`propagate::Inserted::transitions`]).
     pub fn op(self) -> Option<&'static str> {
         match self {
-            Transition::Nothing | Transition::LocalSlice { .. } => None,
-            Transition::AllGather { .. } => Some("CollectiveAllGather"),
-            Transition::AllReduce => Some("CollectiveAllReduce"),
-            Transition::ReduceScatter { .. } => Some("CollectiveReduceScatter"),
-            Transition::AllToAll { .. } => Some("CollectiveAllToAll"),
+            Transition::Nothing => None,
+            Transition::LocalSlice { .. } => Some("CollectiveTpSlice"),
+            Transition::AllGather { .. } => Some("CollectiveTpAllGather"),
+            Transition::AllReduce => Some("CollectiveTpReduce"),
+            Transition::ReduceScatter { .. } => Some("CollectiveTpReduceScatter"),
+            Transition::AllToAll { .. } => Some("CollectiveTpAllToAll"),
         }
     }
 
@@ -141,7 +147,11 @@ mod tests {
         // Ring bytes: an all-reduce of 1000 bytes over 4 ranks sends 1500 from each.
         assert_eq!(Transition::AllReduce.bytes_sent(1000, 4), 1500);
         assert_eq!(Transition::AllGather { dim: 0 }.bytes_sent(1000, 4), 750);
-        assert_eq!(Transition::AllReduce.op(), Some("CollectiveAllReduce"));
-        assert_eq!(Transition::LocalSlice { dim: 0 }.op(), None);
+        assert_eq!(Transition::AllReduce.op(), Some("CollectiveTpReduce"));
+        assert_eq!(
+            Transition::LocalSlice { dim: 0 }.op(),
+            Some("CollectiveTpSlice")
+        );
+        assert_eq!(Transition::Nothing.op(), None);
     }
 }

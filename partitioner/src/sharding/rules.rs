@@ -90,6 +90,30 @@ pub fn elementwise(
     }
 }
 
+/// Where [`elementwise`] refuses `inputs` (placement, rank) but one of them is sharded, the
+/// placement each input is redistributed to so that it accepts them: sharded along the first
+/// shard's output dimension (`Shard(i) → Shard(j)` an all-to-all, `Partial → Shard` a
+/// reduce-scatter, `Replicate → Shard` a local slice), or `Replicate` for an input that does
+/// not span that dimension (a bias). `None` when no input is sharded.
+pub fn elementwise_targets(
+    inputs: &[(Placement, usize)],
+    out_rank: usize,
+) -> Option<Vec<Placement>> {
+    let d = inputs.iter().find_map(|&(p, rank)| match p {
+        Shard(d) => Some(d + out_rank.checked_sub(rank)?),
+        _ => None,
+    })?;
+    Some(
+        inputs
+            .iter()
+            .map(|&(_, rank)| match (d + rank).checked_sub(out_rank) {
+                Some(own) => Shard(own),
+                None => Replicate,
+            })
+            .collect(),
+    )
+}
+
 /// A reduction (`Sum`, `Mean`, `Max`) over `axes` of a tensor of `rank` dimensions.
 pub fn reduce(
     op: &str,
@@ -296,6 +320,32 @@ mod tests {
             let b = if brank == 1 { match b { Shard(_) => Shard(0), p => p } } else { b };
             let Ok(out) = elementwise(op, &[(a, 2), (b, brank)], 2) else { return Ok(()) };
             check(op, &[], &[(tensor(&[rows, cols], 3), a), (tensor(&bdims, 4), b)], out, n);
+        }
+
+        /// Where the element-wise rule refuses, its inputs redistributed to the targets are
+        /// taken, and the result equals the unsharded op.
+        #[test]
+        fn elementwise_targets_are_taken_and_equal_the_unsharded_op(
+            n in 2usize..4, r in 1usize..4, c in 1usize..4,
+            a in placements(), b in placements(), bias: bool,
+            op in prop_oneof![Just("Add"), Just("Mul")],
+        ) {
+            let (rows, cols) = (r * n, c * n);
+            // b: a [rows, cols] tensor, or a bias [cols] (its Shard(1) is none).
+            let (bdims, brank) = if bias { (vec![cols], 1) } else { (vec![rows, cols], 2) };
+            let b = if brank == 1 { match b { Shard(_) => Shard(0), p => p } } else { b };
+            let inputs = [(a, 2), (b, brank)];
+            if elementwise(op, &inputs, 2).is_ok() { return Ok(()) }
+            let Some(to) = elementwise_targets(&inputs, 2) else {
+                // No shard among the inputs: the rewrite makes them whole instead.
+                prop_assert!(!matches!(a, Shard(_)) && !matches!(b, Shard(_)));
+                return Ok(())
+            };
+            let out = elementwise(op, &[(to[0], 2), (to[1], brank)], 2);
+            prop_assert!(out.is_ok(), "{:?} refused for {:?} {:?}", to, a, b);
+            let out = out.unwrap();
+            prop_assert!(matches!(out, Shard(_)));
+            check(op, &[], &[(tensor(&[rows, cols], 3), to[0]), (tensor(&bdims, 4), to[1])], out, n);
         }
 
         #[test]

@@ -6,8 +6,10 @@
 //! - a variable declared `Shard(d)` becomes rank `r`'s `{name}/tp_{r}_of_{T}`, initialised as
 //!   its slice of the one-process value (`shard_parts`), listed in [`JobPlan::sharded`]
 //!   (through [`super::sharded_variables`]) so checkpoints hold whole tensors;
-//! - `f` (`CollectiveTpCopy`), `g` (`CollectiveTpReduce`) and the all-gather (the rank's
-//!   shard placed in zeros, `Concat`, then `g`) before the consumers that need them; a fetched
+//! - `f` (`CollectiveTpCopy`), `g` (`CollectiveTpReduce`) and the other placement changes
+//!   (`CollectiveTpAllGather`, `CollectiveTpReduceScatter`, `CollectiveTpAllToAll`,
+//!   `CollectiveTpSlice`, each with the gradient of a replicated loss) before the consumers
+//!   that need them; a fetched
 //!   tensor (the loss, a metric) that is not whole is renamed `{name}/tp_local` and `g` takes
 //!   its name, so the job fetches the same names;
 //! - then the training step by autodiff, clipping across the shards and the collectives
@@ -91,6 +93,27 @@ pub(super) fn mesh_training(
         graphs.push(g);
     }
     Ok(TensorGraphs { graphs, shards })
+}
+
+/// A tensor-parallel collective `op` of `input` over the group's `tp` ranks with the axis
+/// attributes `axes` (`graph/src/ops/collective_tp.rs`).
+fn tp_collective(
+    n: &mut Nodes,
+    base: &str,
+    op: &str,
+    input: String,
+    tp: usize,
+    axes: &[(&str, usize)],
+) -> String {
+    let name = n.collective(base, op, input, false);
+    if let Some(d) = n.added.iter_mut().rev().find(|d| d.name == name) {
+        d.attrs
+            .insert("group_size".to_string(), AttrValue::Int(tp as i64));
+        for (k, v) in axes {
+            d.attrs.insert(k.to_string(), AttrValue::Int(*v as i64));
+        }
+    }
+    name
 }
 
 /// Renames node `from` to `to` and every reference to it.
@@ -193,30 +216,31 @@ fn rank_graph(
             Inserted::Reduce => {
                 n.collective(&base("tp_reduce"), "CollectiveTpReduce", source, false)
             }
-            Inserted::Gather { dim } => {
-                let zeros = n.add(
-                    &format!("{node}/tp_zeros"),
-                    "ZerosLike",
-                    vec![source.clone()],
-                    vec![],
-                );
-                let parts = (0..tp)
-                    .map(|q| {
-                        if q == r {
-                            source.clone()
-                        } else {
-                            zeros.clone()
-                        }
-                    })
-                    .collect();
-                let placed = n.add(
-                    &format!("{node}/tp_placed"),
-                    "Concat",
-                    parts,
-                    vec![("axis", AttrValue::Int(dim as i64))],
-                );
-                n.collective(&base("tp_gather"), "CollectiveTpReduce", placed, false)
+            Inserted::Gather { dim }
+            | Inserted::ReduceScatter { dim }
+            | Inserted::Slice { dim } => {
+                let what = match ins.kind {
+                    Inserted::Gather { .. } => "tp_gather",
+                    Inserted::ReduceScatter { .. } => "tp_reduce_scatter",
+                    _ => "tp_slice",
+                };
+                tp_collective(
+                    &mut n,
+                    &base(what),
+                    ins.kind.op(),
+                    source,
+                    tp,
+                    &[("axis", dim)],
+                )
             }
+            Inserted::AllToAll { from, to } => tp_collective(
+                &mut n,
+                &base("tp_all_to_all"),
+                ins.kind.op(),
+                source,
+                tp,
+                &[("split_axis", to), ("concat_axis", from)],
+            ),
         };
         for (consumer, slot) in &ins.consumers {
             let consumer = moved.get(consumer).unwrap_or(consumer);
@@ -306,8 +330,9 @@ fn rank_graph(
 
 /// `dflow partition --strategy tensor`'s section for a graph with hand placements: every
 /// tensor's placement on the tensor-parallel axis and every inserted collective with the bytes
-/// each rank sends per step (ring all-reduce, `2(T−1)/T` of the tensor). `graph` has the batch
-/// dimension filled in where known.
+/// each rank sends per step, forward and backward, by the ring formulas
+/// ([`crate::sharding::propagate::Insert::bytes_sent`]). `graph` has the batch dimension
+/// filled in where known.
 pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, StrategyError> {
     use std::fmt::Write as _;
     let plan = plan(graph, spec, tp)?;
@@ -462,6 +487,65 @@ mod tests {
         // Rank 1 holds its shards under their own names.
         let shard = node(&tg.graphs[1], "m/tp_1_of_2");
         assert_eq!(shard.attrs.get("shard_index"), Some(&AttrValue::Int(1)));
+    }
+
+    /// `h = x · w` (column-parallel) declared `Shard(0)`: every rank reads it through a
+    /// `CollectiveTpAllToAll` from 1 to 0, whose gradient is the reverse all-to-all keyed apart.
+    #[test]
+    fn a_declared_reshard_is_an_all_to_all_with_its_reverse_as_gradient() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[4, 2]);
+        b.placeholder("t", DType::F32, &[4]);
+        let w = b.variable("w", DType::F32, &[2, 6], "ones");
+        b.set_sharding(&w, Shard(1));
+        let h = b
+            .op("MatMul", "h")
+            .input(&x)
+            .input(&w)
+            .sharding(Shard(0))
+            .finish();
+        let r = b.unary("Relu", "r", &h);
+        b.op("Sum", "loss").input(&r).finish();
+        let graph = b.build().unwrap();
+        let spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        let tg = mesh_training(&graph, &spec, &Mesh::new(1, 2, 1).unwrap(), "x", "t").unwrap();
+        for g in &tg.graphs {
+            let a2a = node(g, &node(g, "r").inputs[0]);
+            assert_eq!(
+                (a2a.op.as_str(), a2a.inputs[0].as_str()),
+                ("CollectiveTpAllToAll", "h")
+            );
+            let int = |n: &NodeDef, k: &str| match n.attrs.get(k) {
+                Some(AttrValue::Int(v)) => *v,
+                other => panic!("{k}: {other:?}"),
+            };
+            assert_eq!(
+                [
+                    int(a2a, "split_axis"),
+                    int(a2a, "concat_axis"),
+                    int(a2a, "group_size")
+                ],
+                [0, 1, 2]
+            );
+            let back = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.op == "CollectiveTpAllToAll" && n.name != a2a.name)
+                .expect("the gradient's all-to-all");
+            assert_eq!([int(back, "split_axis"), int(back, "concat_axis")], [1, 0]);
+            assert_eq!(
+                int(back, "instance_key"),
+                int(a2a, "instance_key") + dflow_graph::ops::collective::GRADIENT_INSTANCE_OFFSET
+            );
+        }
     }
 
     #[test]
