@@ -208,6 +208,27 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
                 args.batch_size,
             )?
         );
+        use dflow_partitioner::strategy::tensor::hand;
+        let workers = cluster.num_tasks("worker");
+        if tp > 0
+            && workers % tp == 0
+            && workers > tp
+            && hand::declares_placements(&loaded.graph)
+        {
+            // Placements by hand over several tensor-parallel groups: the data-parallel axis.
+            let mesh = dflow_partitioner::mesh::Mesh::new(workers / tp, tp, 1)?;
+            print!(
+                "{}",
+                hand::render_data_parallel(
+                    &loaded.graph,
+                    &train,
+                    &mesh,
+                    (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
+                    &args.features,
+                    &args.labels,
+                )?
+            );
+        }
     }
     Ok(())
 }
