@@ -713,10 +713,13 @@ mod tests {
             let nodes = &g.training.def.nodes;
             // Rank t + 2d holds shard t of `w` on its own task, and feeds part d, weighted.
             assert!(nodes.iter().any(|n| n.name == shard_name("w", t, 2)));
+            // Everything on the rank's task, but evaluation's copy on rank 0 (it reads rank
+            // 1's shard where it lives).
             let task = format!("/job:worker/task:{rank}");
-            assert!(nodes
-                .iter()
-                .all(|n| n.device == task || n.name.starts_with("eval/")));
+            for n in nodes {
+                let eval = n.name.starts_with("eval/") || (rank == 0 && n.name == "w/tp_1_of_2");
+                assert!(n.device == task || eval, "{}: {}", n.name, n.device);
+            }
             assert_eq!(g.replicas[0].worker, d);
             let weight = g.replicas[0].weight.as_deref().expect("a batch weight");
             assert_eq!(node(g, weight).op, "Placeholder");
