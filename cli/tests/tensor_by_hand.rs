@@ -565,7 +565,10 @@ fn dp2_tp2_over_hand_placements_trains_like_one_process_and_resumes_in_one() {
     let plan = stdout(&dflow(&args));
     for line in [
         "tensor parallelism by hand: tp=2",
-        "layer1/matmul f32[32, 32]: Shard(1)",
+        // One replica's section: half of the batch of 32 (and g's bytes halved).
+        "layer1/matmul f32[16, 32]: Shard(1)",
+        "CollectiveTpReduce on layer2/matmul → logits[0]: Partial(sum) → Replicate: all-reduce \
+         (g); forward 640 B, backward 0 B",
         "data parallelism over the hand-placed groups: dp=2 × tp=2",
         "every parameter (shard or replicated) Replicate; the batch (pixels, labels) Shard(0)",
         "tp group tensor_d1: ranks 2, 3 (replica 1)",

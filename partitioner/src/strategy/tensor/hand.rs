@@ -28,8 +28,7 @@
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
     add_eval_copy, chain_collectives, clip_across_shards, data, dp_group, onto_rank, options,
-    prune, shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs,
-    GROUP,
+    prune, shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
 use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
@@ -468,7 +467,8 @@ pub fn render_data_parallel(
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\ndata parallelism over the hand-placed groups: dp={dp} × tp={} (ranks tp fastest)",
+        "\ndata parallelism over the hand-placed groups: dp={dp} × tp={} (ranks tp fastest; the \
+         tp section above is one replica's, on its part of the batch)",
         mesh.tp
     );
     let _ = writeln!(
@@ -507,7 +507,10 @@ pub fn render_data_parallel(
         for i in &pack.inputs {
             if let Ok(InputRef::Data { node, index }) = InputRef::parse(i) {
                 if let Some(t) = typed.find(&node).and_then(|x| typed.output_type(x, index)) {
-                    grads += t.shape.as_static().map_or(0, |d| d.iter().product::<usize>())
+                    grads += t
+                        .shape
+                        .as_static()
+                        .map_or(0, |d| d.iter().product::<usize>())
                         * t.dtype.size_of();
                 }
             }
@@ -744,7 +747,10 @@ mod tests {
             assert_eq!(shards.inputs.len(), 1);
             assert!(shards.inputs[0].starts_with("dp/bucket_0/grad_"));
             let rep = node(g, "tp/clip/replicated_squared_norm");
-            assert!(rep.inputs.iter().all(|i| i.starts_with("dp/bucket_0/grad_")));
+            assert!(rep
+                .inputs
+                .iter()
+                .all(|i| i.starts_with("dp/bucket_0/grad_")));
             let sum = node(g, "tp/clip/shards_squared_norm_sum");
             assert_eq!(key(sum), tp_key);
             // Every update reads a clipped sum.
@@ -752,7 +758,11 @@ mod tests {
                 let grad = u.inputs.last().unwrap();
                 assert!(grad.starts_with("tp/clip/grad_"), "{grad}");
                 let c = node(g, grad);
-                assert!(c.inputs[0].starts_with("dp/bucket_0/grad_"), "{:?}", c.inputs);
+                assert!(
+                    c.inputs[0].starts_with("dp/bucket_0/grad_"),
+                    "{:?}",
+                    c.inputs
+                );
             }
         }
         // The collectives are chained in one order, the same on every rank.
@@ -798,7 +808,12 @@ mod tests {
         let groups: Vec<(&str, Vec<&str>)> = plan
             .groups
             .iter()
-            .map(|g| (g.key.as_str(), g.members.iter().map(String::as_str).collect()))
+            .map(|g| {
+                (
+                    g.key.as_str(),
+                    g.members.iter().map(String::as_str).collect(),
+                )
+            })
             .collect();
         let w = |i: u32| crate::job::task_name("worker", i);
         let (w0, w1, w2, w3) = (w(0), w(1), w(2), w(3));
@@ -834,6 +849,9 @@ mod tests {
         let e = mesh_training(&graph, &spec, &Mesh::new(1, 2, 2).unwrap(), 1, "x", "t")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("does not run over a pipeline axis (pp=2)"), "{e}");
+        assert!(
+            e.contains("does not run over a pipeline axis (pp=2)"),
+            "{e}"
+        );
     }
 }
