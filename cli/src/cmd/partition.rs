@@ -196,7 +196,16 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         );
     }
     if kind.name() == "tensor" {
-        let tp = args.tp.unwrap_or_else(|| cluster.num_tasks("worker"));
+        use dflow_partitioner::strategy::tensor::hand;
+        let workers = cluster.num_tasks("worker");
+        let tp = args.tp.unwrap_or(workers);
+        // Placements by hand over several tensor-parallel groups: the tp section shows one
+        // replica, fed its part of the batch, then the data-parallel axis.
+        let dp = (tp > 0
+            && workers % tp == 0
+            && workers > tp
+            && hand::declares_placements(&loaded.graph))
+        .then(|| workers / tp);
         print!(
             "{}",
             dflow_partitioner::strategy::tensor::render_tensor_plan(
@@ -205,9 +214,23 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
                 tp,
                 &args.features,
                 &args.labels,
-                args.batch_size,
+                args.batch_size.map(|b| b / dp.unwrap_or(1)),
             )?
         );
+        if let Some(dp) = dp {
+            let mesh = dflow_partitioner::mesh::Mesh::new(dp, tp, 1)?;
+            print!(
+                "{}",
+                hand::render_data_parallel(
+                    &loaded.graph,
+                    &train,
+                    &mesh,
+                    (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
+                    &args.features,
+                    &args.labels,
+                )?
+            );
+        }
     }
     Ok(())
 }
