@@ -2,7 +2,8 @@
 //! only, 4 tasks in one process (`--local`): a small GPT trained with AdamW and active
 //! global-norm clipping has the losses of a one-process run over 5 steps, and a checkpoint
 //! saved under dp2×pp2 with ZeRO-1 (whole slots joined from the replicas' shards) resumes in
-//! one process with the uninterrupted run's next-step loss.
+//! one process with the uninterrupted run's next-step loss; `dflow partition` shows each stage's
+//! replicas holding their shards of that stage's slots only.
 
 mod support;
 
@@ -149,4 +150,42 @@ fn a_checkpoint_saved_under_dp2_pp2_zero1_resumes_in_one_process() {
     eprintln!(
         "dp2×pp2 ZeRO-1 checkpoint resumed in one process: step-4 relative difference {rel:e}"
     );
+}
+
+#[test]
+fn partition_shows_each_stages_replicas_holding_their_shards_of_that_stages_slots() {
+    let out = stdout(&dflow(&[
+        "partition",
+        "examples/gpt/gpt.json",
+        "--cluster",
+        "examples/gpt/cluster-4workers.json",
+        "--mesh",
+        "dp=2,pp=2",
+        "--zero-stage",
+        "1",
+        "--micro-batches",
+        "2",
+        "--batch-size",
+        "4",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]));
+    assert!(
+        out.contains("ZeRO stage 1 over each stage's data-parallel replicas"),
+        "{out}"
+    );
+    // Stage 0 (the embedding) on workers 0 and 1, stage 1 (the final norm) on 2 and 3
+    // (Megatron-core order: worker s·2 + d), each replica its own half.
+    for (slot, worker) in [
+        ("transformer.wte.weight/adam_m/shard_0_of_2 f32[4864]", 0),
+        ("transformer.wte.weight/adam_m/shard_1_of_2 f32[4864]", 1),
+        ("transformer.ln_f.weight/adam_m/shard_0_of_2 f32[64]", 2),
+        ("transformer.ln_f.weight/adam_v/shard_1_of_2 f32[64]", 3),
+    ] {
+        let line = format!("{slot} on /job:worker/replica:0/task:{worker}\n");
+        assert!(out.contains(&line), "{line} in {out}");
+    }
+    assert!(!out.contains("transformer.wte.weight/adam_m f32"), "{out}");
 }
