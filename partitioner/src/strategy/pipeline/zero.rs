@@ -1,7 +1,7 @@
 //! ZeRO over a pipeline's data-parallel replicas (`--mesh dp=D,pp=P --zero-stage 1|2`): on
 //! every stage, in place of the all-reduce of the stage's gradients over its replicas
-//! ([`super::gradients::all_reduce_gradients`]), `--strategy zero`'s step
-//! ([`zero::shard_step_with`]) over the stage's data-parallel group (`pipeline/stage<s>`, the
+//! (`gradients::all_reduce_gradients`), `--strategy zero`'s step
+//! (`zero::shard_step_with`) over the stage's data-parallel group (`pipeline/stage<s>`, the
 //! workers holding stage `s` in the `D` replicas): the gradients are summed rank-major in
 //! buckets (all-reduced at stage 1, reduce-scattered at stage 2), replica `d` keeps only the
 //! `1/D` shard `d` of the stage's Adam slots (`{slot}/shard_{d}_of_{D}`), updates its window of
