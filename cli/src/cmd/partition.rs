@@ -157,9 +157,13 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
             chunks: args.pipeline.chunks(),
             batch_size: args.batch_size,
         };
-        let (plan, shape) = pipeline
+        let (mut plan, shape) = pipeline
             .plan_with_shape(&input)
             .context("planning the job failed")?;
+        if args.zero_stage.is_some() {
+            // ZeRO over the replicas: the same pipeline, another step.
+            plan = strategy.plan(&input).context("planning the job failed")?;
+        }
         print!("{}", render_job_text(&plan));
         print!(
             "{}",

@@ -164,6 +164,7 @@ pub fn mesh3d_training(
                 replica: d,
                 dp_groups: &dp_groups,
                 tensor: Some(&tensor),
+                zero: None,
             })?;
             g.eval = EvalNames {
                 features: features.to_string(),
