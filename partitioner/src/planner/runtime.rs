@@ -16,14 +16,16 @@
 //! tasks sharing the host's cores (`max(busiest task, Σ tasks / cores)`: 4 tasks on 2 cores
 //! take twice as long as 2), and a task's communication is `calls · job.collective + bytes / β`
 //! over a link inside the host (`job.collective` includes the link's latency α; α alone when it
-//! is 0), the same per value sent to another task.
+//! is 0), the same per value sent to another task and per value received from one (a pipeline's
+//! stages wait on each other: the sender's call and the receiver's wake-up are both on the
+//! step's path).
 
 use super::accounting::{shares_input, traffic, with_rows, AccountingError};
 use super::evaluate::Evaluation;
 use super::flops::forward_flops;
 use super::profile::{ClusterProfile, JobCosts, LinkClass};
 use crate::strategy::JobPlan;
-use dflow_graph::Graph;
+use dflow_graph::{AttrValue, DeviceName, Graph};
 use petgraph::graph::NodeIndex;
 use std::collections::BTreeMap;
 
@@ -49,6 +51,8 @@ pub struct TaskWork {
     pub collective_bytes: u64,
     /// Values it sends to other tasks' Recvs.
     pub values: usize,
+    /// Values other tasks send to its Recvs (each wakes a waiting thread of this task).
+    pub received: usize,
     /// Their bytes.
     pub data_plane_bytes: u64,
 }
@@ -129,6 +133,23 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
     for signature in plan.train_signatures() {
         for (device, part) in &signature.partitions.partitions {
             let task = device.task_name().unwrap_or_else(|| device.to_string());
+            for idx in part.graph.node_indices() {
+                let node = part.graph.node(idx);
+                if node.op != "Send"
+                    || matches!(node.attr("client_terminated"), Some(AttrValue::Bool(true)))
+                {
+                    continue;
+                }
+                let to = match node.attr("recv_device") {
+                    Some(AttrValue::String(d)) => {
+                        DeviceName::parse(&d[..]).ok().and_then(|d| d.task_name())
+                    }
+                    _ => None,
+                };
+                if let Some(to) = to.filter(|t| *t != task) {
+                    compute.entry(to).or_default().received += 1;
+                }
+            }
             let p = partition_compute(&task, &part.graph, rows)?;
             let e = compute.entry(task).or_default();
             e.ops += p.ops;
@@ -244,7 +265,7 @@ pub fn job_step(
         .iter()
         .map(|t| {
             t.collective_calls as f64 * call
-                + t.values as f64 * call
+                + (t.values + t.received) as f64 * call
                 + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
         })
         .fold(0.0, f64::max);
@@ -314,6 +335,16 @@ mod tests {
         p.intra_host.latency = 2e-6;
         let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, 0.0, &p, 2);
         assert!((s.communication - 6e-6).abs() < 1e-12, "{s:?}");
+    }
+
+    #[test]
+    fn a_pipeline_pays_for_its_sends_and_receives() {
+        let p = costs();
+        let mut first = task(10, 0);
+        first.values = 4;
+        first.received = 4;
+        let s = job_step(&[first.clone()], 0.0, 0.0, &p, 2);
+        assert!((s.communication - 80e-6).abs() < 1e-12, "{s:?}");
     }
 
     #[test]
@@ -403,5 +434,25 @@ mod tests {
         // of each of its 12 × 64 tokens and a `Log` of each token's sum.
         let extra = tp[0].transcendentals - dp[0].transcendentals;
         assert_eq!(extra, 12 * 64 * (76 / 2 + 1), "{tp:?}");
+    }
+
+    #[test]
+    fn a_pipeline_stage_receives_what_the_other_sends() {
+        use crate::planner::accounting::job_plan;
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/digits/digits.json"
+        ))
+        .unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let graph = Graph::from_def(&def).unwrap();
+        let train = def.train.as_ref().unwrap();
+        let layout = "pp=2,m=4".parse().unwrap();
+        let plan = job_plan(&graph, train, "pixels", "labels", &layout, 32).unwrap();
+        let w = work(&plan, 32).unwrap();
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].values > 0 && w[1].values > 0, "{w:?}");
+        assert_eq!(w[0].received, w[1].values, "{w:?}");
+        assert_eq!(w[1].received, w[0].values, "{w:?}");
     }
 }
