@@ -487,3 +487,40 @@ fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
     let sent = predicted_traffic(&graph, "idx", "targets", "dp=1,tp=2,pp=2,m=2", 4);
     assert_traffic("tp=2,pp=2,m=2", &sent, trained_steps(&stderr), 1, &ends);
 }
+
+#[test]
+fn pipeline_zero_memory_and_bytes_per_task_are_the_prediction() {
+    // dp2×pp2 with ZeRO-1 over each stage's replicas, 2 micro-batches: each rank holds its
+    // dp-shard of its stage's Adam slots.
+    let graph = small_gpt("plan_vs_measured_pp_zero");
+    let args = [
+        "--mesh",
+        "dp=2,pp=2",
+        "--zero-stage",
+        "1",
+        "--micro-batches",
+        "2",
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--quiet",
+    ];
+    let (ends, stderr) = local_job(
+        graph.to_str().unwrap(),
+        "examples/gpt/cluster-4workers.json",
+        &args,
+    );
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let layout = "dp=2,pp=2,m=2,zero=1";
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
+    let predicted = accounted(&graph, "idx", "targets", layout, 4);
+    assert_memory(layout, &predicted, &ends);
+}

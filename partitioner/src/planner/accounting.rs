@@ -124,7 +124,14 @@ pub fn strategy_for(
         "tensor"
     } else if mesh.pp > 1 {
         if layout.zero > 0 {
-            return Err(refuse("ZeRO over pipeline replicas does not run yet"));
+            // ZeRO over each stage's replicas: stages 1 and 2, over dp ≥ 2.
+            if layout.zero > 2 || mesh.dp < 2 {
+                return Err(refuse(
+                    "ZeRO over a pipeline's replicas runs at stages 1 and 2 over dp ≥ 2",
+                ));
+            }
+            options.zero_stage = layout.zero;
+            options.tensor_zero = true;
         }
         options.stages = Some(mesh.pp);
         options.micro_batches = layout.micro_batches;
@@ -299,9 +306,11 @@ fn collective_call(g: &Graph, idx: NodeIndex) -> Option<Call> {
     let node = g.node(idx);
     match node.op {
         "CollectiveAllReduce" | "CollectiveTpReduce" => Some(Call::AllReduce),
-        "CollectiveAllGather" => Some(Call::AllGather),
-        "CollectiveReduceScatter" => Some(Call::ReduceScatter),
-        "CollectiveAllToAll" => Some(Call::AllToAll),
+        // The tensor-parallel placement changes (hand placements) send what their data-parallel
+        // namesakes send on the same input; `CollectiveTpSlice` sends nothing.
+        "CollectiveAllGather" | "CollectiveTpAllGather" => Some(Call::AllGather),
+        "CollectiveReduceScatter" | "CollectiveTpReduceScatter" => Some(Call::ReduceScatter),
+        "CollectiveAllToAll" | "CollectiveTpAllToAll" => Some(Call::AllToAll),
         "CollectiveBroadcast" => {
             let root = match node.attr("root") {
                 Some(AttrValue::Int(r)) => usize::try_from(r).unwrap_or(0),
