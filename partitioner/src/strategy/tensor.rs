@@ -1379,14 +1379,13 @@ fn shard_parameters(
         &roots,
         device,
     )?;
-    let mut next = instance;
-    for x in training.def.nodes.iter_mut().filter(|x| {
+    let gathers = training.def.nodes.iter_mut().filter(|x| {
         x.op == "CollectiveAllGather"
             && matches!(x.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *group.key)
             && matches!(x.attrs.get("instance_key"), Some(AttrValue::Int(0)))
-    }) {
-        x.attrs.insert("instance_key".into(), AttrValue::Int(next));
-        next += 1;
+    });
+    for (x, key) in gathers.zip(instance..) {
+        x.attrs.insert("instance_key".into(), AttrValue::Int(key));
     }
     Ok(())
 }
