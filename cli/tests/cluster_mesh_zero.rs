@@ -1,7 +1,7 @@
 //! ZeRO over the data-parallel axis beside tensor parallelism (`--mesh dp=2,tp=2
 //! --zero-stage 1|2`), with real `dflow` tasks: a small GPT trained with AdamW and global-norm
 //! clipping active has the losses of a one-process run, every task in one process (`--local`)
-//! at stages 1 and 2 and in 4 processes at stage 2; a checkpoint saved under dp2×tp2 with ZeRO
+//! at stages 1, 2 and 3 and in 4 processes at stages 2 and 3; a checkpoint saved under dp2×tp2 with ZeRO
 //! (each rank holding only its dp-shard of its tensor-parallel shard's Adam slots) resumes in
 //! one process with the uninterrupted run's next-step loss; each rank's variable bytes and
 //! collective bytes are dp2×tp2's with its Adam slots halved and its gradient all-reduce
@@ -134,17 +134,19 @@ fn dp2_tp2_with_zero_1_2_and_3_trains_the_gpt_like_one_process() {
 }
 
 #[test]
-fn dp2_tp2_with_zero_2_in_four_processes_trains_like_one_process() {
+fn dp2_tp2_with_zero_2_and_3_in_four_processes_trains_like_one_process() {
     let _serial = serial();
     let dir = scratch("mesh-zero-dp2-tp2-procs");
     let graph = gpt_file(&dir);
     let one = local_run(&graph, 4, &dir.join("ckpt-one"), &[]);
-    let mut flags = common(4);
-    flags.extend(["--mesh", "dp=2,tp=2", "--zero-stage", "2"].map(String::from));
-    let (mesh, _) = worker_job(&graph, 4, &flags, &dir.join("ckpt-mesh"));
-    assert_eq!(mesh.len(), 4);
-    let worst = assert_same_losses(&mesh, &one, 1e-5);
-    eprintln!("dp=2,tp=2 ZeRO-2 (4 processes): worst relative loss difference {worst:e}");
+    for stage in ["2", "3"] {
+        let mut flags = common(4);
+        flags.extend(["--mesh", "dp=2,tp=2", "--zero-stage", stage].map(String::from));
+        let (mesh, _) = worker_job(&graph, 4, &flags, &dir.join(format!("ckpt-mesh-z{stage}")));
+        assert_eq!(mesh.len(), 4);
+        let worst = assert_same_losses(&mesh, &one, 1e-5);
+        eprintln!("dp=2,tp=2 ZeRO-{stage} (4 processes): worst relative loss difference {worst:e}");
+    }
 }
 
 #[test]
