@@ -43,7 +43,8 @@
 //!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
 //!   ([`data`]), before clipping and the update. With `--zero-stage 1|2` the DP group runs
 //!   ZeRO instead (`data::zero_step`: the rank keeps its `1/D` shard of its weights' Adam
-//!   slots, clipping's norm summed over the DP group and then the TP group).
+//!   slots, clipping's norm summed over the DP group and then the TP group; at stage 3 also
+//!   its `1/D` flat shard of each weight, all-gathered over the DP group before each use).
 //!
 //! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
@@ -108,7 +109,8 @@ pub struct TensorParallel {
     pub pipeline: Option<Pipeline>,
     /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
     /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
-    /// their gradients (`data::zero_step`). Stages 1 and 2, `D > 1`, no pipeline axis.
+    /// their gradients (`data::zero_step`; stage 3 also shards the weights). Stages 1 to 3,
+    /// `D > 1`, no pipeline axis.
     pub zero_stage: Option<u8>,
 }
 
@@ -333,7 +335,7 @@ impl TensorParallel {
     }
 }
 
-/// ZeRO beside tensor parallelism runs at stages 1 and 2 over a data-parallel axis of at least
+/// ZeRO beside tensor parallelism runs at stages 1 to 3 over a data-parallel axis of at least
 /// two replicas; anything else is an error saying what to do.
 fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
     if mesh.pp > 1 {
