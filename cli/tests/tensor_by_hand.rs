@@ -526,3 +526,122 @@ fn shard_to_another_shard_is_an_all_to_all_and_its_gradient_the_reverse() {
     let bytes = ROWS * (32 * 4 / 4 * 2 + 10 * 4 / 2) + STEPS * (32 * 10 * 4 + 10 * 4);
     trains_like_one_process(&dir, &by_hand, &plain, &["w1", "b1", "w2", "b2"], bytes);
 }
+
+/// A cluster file of 4 workers for `--local` runs (nothing listens: one process runs them).
+fn four_workers(dir: &Path) -> String {
+    let path = dir.join("cluster-4.json");
+    std::fs::write(
+        &path,
+        r#"{"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"]}"#,
+    )
+    .unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+/// `--mesh dp=2,tp=2` on the deeper hand-placed MLP (a replicated layer in front, clipping by
+/// the global norm at 0.5, which is active: the unclipped run's losses differ): two replicas of
+/// the hand-placed TP group, each fed half of every batch, train with the losses and the
+/// parameters of the one-process run, in one process and with 4 real processes; `dflow
+/// partition` shows the dp groups beside the placements; the dp2×tp2 checkpoint holds whole
+/// tensors, and one process resumes from it, continuing an uninterrupted two-epoch run.
+#[test]
+fn dp2_tp2_over_hand_placements_trains_like_one_process_and_resumes_in_one() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-dp2-tp2");
+    let (by_hand, plain) = deeper(&dir);
+    let four = four_workers(&dir);
+    let mesh = ["--cluster", four.as_str(), "--mesh", "dp=2,tp=2"];
+    // The plan: the placements on tp and the dp axis's groups.
+    let mut args = vec!["partition", by_hand.as_str()];
+    args.extend(mesh);
+    args.extend([
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+        "--batch-size",
+        "32",
+    ]);
+    let plan = stdout(&dflow(&args));
+    for line in [
+        "tensor parallelism by hand: tp=2",
+        // One replica's section: half of the batch of 32 (and g's bytes halved).
+        "layer1/matmul f32[16, 32]: Shard(1)",
+        "CollectiveTpReduce on layer2/matmul → logits[0]: Partial(sum) → Replicate: all-reduce \
+         (g); forward 640 B, backward 0 B",
+        "data parallelism over the hand-placed groups: dp=2 × tp=2",
+        "every parameter (shard or replicated) Replicate; the batch (pixels, labels) Shard(0)",
+        "tp group tensor_d1: ranks 2, 3 (replica 1)",
+        "dp group data_t0: ranks 0, 2 (shard 0): every gradient summed",
+        "dp group data_t1: ranks 1, 3 (shard 1): every gradient summed",
+        // w0 [64, 64], its half of w1 [64, 16], b1 [16], w2 [16, 10], b2 [10], f32.
+        "gradients each rank sums over its dp group per step: 21224 B (rank 0), sending 21224 B",
+    ] {
+        assert!(plan.contains(line), "{line}\nin\n{plan}");
+    }
+    let (want, _, want_params) = local(&plain, &[], &dir.join("one"));
+    // Clipping is active: without it the losses differ.
+    let unclipped = dir.join("unclipped.dflow");
+    std::fs::write(
+        &unclipped,
+        std::fs::read_to_string(&plain)
+            .unwrap()
+            .replace(", clip_global_norm: 0.5", ""),
+    )
+    .unwrap();
+    let (free, _, _) = local(&unclipped.to_string_lossy(), &[], &dir.join("free"));
+    assert!(
+        want.iter()
+            .zip(&free)
+            .any(|((_, a), (_, b))| (a - b).abs() > 1e-3 * a.abs()),
+        "clipping at 0.5 changes nothing: {want:?}"
+    );
+    // --local: the 4 ranks in one process.
+    let (got, stderr, params) = local(&by_hand, &mesh, &dir.join("local"));
+    assert_eq!(got.len() as u64, STEPS);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("--local dp=2,tp=2: worst relative loss difference {worst:e}");
+    assert_same_parameters(&params, &want_params, 1e-6);
+    let (w0, v0) = (&params["w0"], &want_params["w0"]);
+    for (p, q) in w0
+        .as_slice::<f32>()
+        .unwrap()
+        .iter()
+        .zip(v0.as_slice::<f32>().unwrap())
+    {
+        assert!((p - q).abs() <= 1e-6, "w0: {p} vs {q}");
+    }
+    assert_eq!(end_of_task(&stderr).len(), 4, "{stderr}");
+    // Four real processes.
+    let mut flags = digits_args(1);
+    flags.extend(["--mesh", "dp=2,tp=2"].map(String::from));
+    let ckpt = dir.join("procs-ckpt");
+    let (got, _) = worker_job(Path::new(&by_hand), 4, &flags, &ckpt);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("4 processes dp=2,tp=2: worst relative loss difference {worst:e}");
+    assert_same_parameters(&newest(&ckpt), &want_params, 1e-6);
+    // One process without placements resumes from the dp2×tp2 checkpoint for a second epoch
+    // and continues an uninterrupted two-epoch run.
+    let (two_epochs, _, _) = local_epochs(&plain, 2, &[], &dir.join("two-epochs"));
+    let losses = dir.join("resumed.txt");
+    let (l, c) = (
+        losses.to_string_lossy().into_owned(),
+        ckpt.to_string_lossy().into_owned(),
+    );
+    let args_owned = digits_args(2);
+    let mut args: Vec<&str> = vec!["run", "--local", &plain];
+    args.extend(args_owned.iter().map(String::as_str));
+    args.extend(["--losses-out", &l, "--checkpoint-dir", &c]);
+    stdout(&dflow(&args));
+    let resumed = read_losses(&losses);
+    let first = got.len() as u64;
+    assert!(
+        resumed.first().is_some_and(|(s, _)| *s == first + 1),
+        "{resumed:?}"
+    );
+    let tail: Vec<(u64, f64)> = two_epochs.into_iter().filter(|(s, _)| *s > first).collect();
+    let worst = assert_same_losses(&resumed, &tail, 1e-5);
+    println!(
+        "resumed in one process from the dp2×tp2 checkpoint: worst relative difference {worst:e}"
+    );
+}

@@ -272,21 +272,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     if args.job_runs > 0 {
         let (job, raw) = super::bench_job::measure(&profile, args.job_runs, args.job_epochs)?;
-        eprintln!(
-            "# 2-worker jobs: {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
+        let summary = format!(
+            "{:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s in products, {:.2} GB/s in other ops, {:.1} M transcendental elements/s",
             job.step * 1e6,
             job.op * 1e6,
             job.collective * 1e6,
-            job.flops_per_second / 1e9
+            job.flops_per_second / 1e9,
+            job.bytes_per_second / 1e9,
+            job.transcendentals_per_second / 1e6
         );
+        eprintln!("# 2-worker jobs: {summary}");
         profile.job = job;
         profile.source.push_str(&format!(
-            "; 2-worker all-reduce jobs (median of {} runs each: {raw}): {:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s",
+            "; 2-worker all-reduce jobs (median of {} runs each: {raw}): {summary}",
             args.job_runs,
-            job.step * 1e6,
-            job.op * 1e6,
-            job.collective * 1e6,
-            job.flops_per_second / 1e9
         ));
     }
     profile

@@ -1,23 +1,23 @@
 //! `dflow bench calibrate`'s measurement of a real job's step path (the planner's
 //! [`JobCosts`]): the per-step, per-op and per-collective-call costs of dflow's distributed step,
-//! which dominate a small model's step time on this machine.
+//! which dominate a small model's step time on this machine, and the rates a task of a job gets
+//! on each kind of op (products, memory-bound ops, transcendental ops).
 //!
-//! It runs three tiny synthetic models (a chain of `MatMul`s over 8 features, SGD) as real
-//! 2-worker all-reduce jobs (`dflow run --local`, every task in one child process, TCP on
-//! 127.0.0.1), each `--runs` times, and takes each one's median step (the job's own `trained N
-//! steps in T s` line): the base model; the same with a chain of [`CHAIN`] `Tanh` ops (more ops,
-//! the same collectives); and [`LAYERS`] layers with every gradient its own all-reduce (more
-//! collective calls); and 3 layers of 256 channels on 256 rows a task (more FLOPs: the rate a task of a job
-//! gets, which under load or with memory-bound ops is well below a lone `MatMul`'s). The
-//! planner's own counts of each job's plan (its nodes, calls and bytes,
-//! planner `runtime::work`) and its FLOPs turn the four medians into four equations of the
-//! model of planner `runtime::job_step`, solved for the four costs. None of these models is one
-//! the planner is later compared against (docs/planner.md).
+//! It runs six synthetic models (`MatMul`s from 8 features, a chain of elementwise ops, SGD)
+//! as real 2-worker all-reduce jobs (`dflow run --local`, every task in one child process, TCP
+//! on 127.0.0.1), each `--runs` times, and takes each one's median step (the job's own `trained
+//! N steps in T s` line): the base model; a chain of [`CHAIN`] `Relu` on 16 rows × 8 (more ops); [`LAYERS`] layers with every gradient its own all-reduce (more
+//! collective calls); 3 layers of [`WIDE`] channels on 256 rows a task (product FLOPs); [`BYTES_CHAIN`]
+//! `Relu` on 256 × [`BYTES_WIDTH`] (bytes of memory-bound ops); [`TRANSCENDENTAL_CHAIN`] `Gelu`
+//! on 256 × [`BYTES_WIDTH`] (transcendental elements). The runs go round the variants (one run
+//! of each, `--runs` times), so that a change of the machine's load falls on all of them. The planner's own counts of each job's plan (its
+//! nodes, calls, bytes, product FLOPs, other ops' bytes and transcendental elements, planner
+//! `runtime::work`) turn the six medians into six equations of the model of planner
+//! `runtime::job_step`, solved for the six costs. None of these models
+//! is one the planner is later compared against (docs/planner.md).
 
 use anyhow::{bail, Context};
-use dflow_partitioner::planner::{
-    self, runtime, ClusterProfile, JobCosts, Layout, ModelProfile, PlanOptions,
-};
+use dflow_partitioner::planner::{self, runtime, ClusterProfile, JobCosts};
 use dflow_partitioner::strategy::{JobInput, StrategyKind, StrategyOptions};
 use std::path::Path;
 use std::process::Command;
@@ -25,10 +25,10 @@ use std::process::Command;
 /// Features of the synthetic models (rows × 8 elements: small, batched ops as in the small
 /// models the planner is checked on).
 const WIDTH: usize = 8;
-/// `Tanh` ops of the chain variant.
-pub const CHAIN: usize = 200;
+/// `Relu` ops of the chain variant (16 rows × 8 a task: more nodes, few bytes).
+pub const CHAIN: usize = 800;
 /// Layers of the many-calls variant.
-pub const LAYERS: usize = 12;
+pub const LAYERS: usize = 24;
 /// The global batch of the calibration jobs.
 const BATCH: usize = 32;
 /// Rows of the synthetic data set (16 steps an epoch; `--job-epochs` 100, 1,600 steps a job:
@@ -50,11 +50,13 @@ struct Variant {
     hidden: usize,
     layers: usize,
     chain: usize,
+    /// The op of the chain (`Relu`: memory-bound; `Gelu`: one `tanh` an element).
+    chain_op: &'static str,
     /// Every gradient its own all-reduce (a fusion threshold below one gradient's bytes).
     unfused: bool,
 }
 
-/// The model: `layers` products to `hidden` channels, a chain of `chain` `Tanh`, a `[8, 2]` output, the
+/// The model: `layers` products to `hidden` channels, a chain of `chain` `chain_op`, a `[hidden, 2]` output, the
 /// softmax cross-entropy's mean; SGD.
 fn graph_json(v: Variant) -> String {
     let mut nodes = vec![
@@ -72,8 +74,8 @@ fn graph_json(v: Variant) -> String {
         h = out;
     }
     for c in 0..v.chain {
-        let out = format!("tanh{c}");
-        nodes.push(serde_json::json!({"name": out, "op": "Tanh", "inputs": [h]}));
+        let out = format!("chain{c}");
+        nodes.push(serde_json::json!({"name": out, "op": v.chain_op, "inputs": [h]}));
         h = out;
     }
     nodes.push(variable("w_out", [v.hidden, 2], 99));
@@ -101,15 +103,18 @@ fn data_csv() -> String {
     s
 }
 
+/// Width of the memory-bound variant (256 rows a task × 512: 512 KiB a tensor).
+pub const BYTES_WIDTH: usize = 512;
+/// `Relu` ops of its chain.
+pub const BYTES_CHAIN: usize = 20;
+/// `Gelu` ops of the transcendental variant (256 rows a task × [`BYTES_WIDTH`]).
+pub const TRANSCENDENTAL_CHAIN: usize = 4;
+
 /// The fusion threshold (MiB) that makes every gradient of the models its own all-reduce.
 const UNFUSED_MB: f64 = 1e-4;
 
-/// The planner's view of one variant: its job plan's work per task and its FLOPs per step.
-fn predicted_work(
-    def_text: &str,
-    v: Variant,
-    profile: &ClusterProfile,
-) -> anyhow::Result<(Vec<runtime::TaskWork>, f64)> {
+/// The planner's view of one variant: its job plan's work per task.
+fn predicted_work(def_text: &str, v: Variant) -> anyhow::Result<Vec<runtime::TaskWork>> {
     let parsed = dflow_graph::format::parse_json(def_text, None)?;
     let def = parsed.def;
     let graph = dflow_graph::Graph::from_def(&def)?;
@@ -128,30 +133,14 @@ fn predicted_work(
     let kind: StrategyKind = "allreduce".parse().map_err(anyhow::Error::msg)?;
     let strategy = kind.build(&options)?;
     let plan = strategy.plan(&JobInput::new(&graph, train, &cluster, "pixels", "labels"))?;
-    let work = runtime::work(&plan, v.batch / 2)?;
-    let model = ModelProfile::new(&def, "pixels", "labels")?;
-    let layout: Layout = "dp=2".parse()?;
-    let options = PlanOptions {
-        devices: 2,
-        batch_size: v.batch,
-    };
-    let e = planner::evaluate_layout(&model, profile, &options, &layout)?;
-    Ok((work, e.time.compute))
+    Ok(runtime::work(&plan, v.batch / 2)?)
 }
 
-/// The median step (seconds) of `runs` runs of variant `v` as a 2-worker job of `epochs`
-/// epochs.
-fn measured_step(
-    dir: &Path,
-    v: Variant,
-    graph: &Path,
-    runs: usize,
-    epochs: usize,
-) -> anyhow::Result<f64> {
+/// The step (seconds) of one run of variant `v` as a 2-worker job of `epochs` epochs.
+fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow::Result<f64> {
     let exe = std::env::current_exe().context("finding the dflow binary")?;
     let data = dir.join("data.csv");
-    let mut steps = Vec::new();
-    for _ in 0..runs {
+    {
         let ports: Vec<u16> = (0..2)
             .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
             .collect::<Result<Vec<_>, _>>()
@@ -185,7 +174,7 @@ fn measured_step(
         if !out.status.success() {
             bail!("the calibration job {v:?} failed:\n{stderr}");
         }
-        let step = stderr
+        stderr
             .lines()
             .find_map(|l| {
                 let rest = l.strip_prefix("trained ")?;
@@ -194,27 +183,50 @@ fn measured_step(
                 let secs: f64 = w.nth(2)?.parse().ok()?;
                 (n > 0.0).then_some(secs / n)
             })
-            .with_context(|| format!("no `trained N steps in T s` line from {v:?}:\n{stderr}"))?;
-        steps.push(step);
+            .with_context(|| format!("no `trained N steps in T s` line from {v:?}:\n{stderr}"))
     }
-    steps.sort_by(f64::total_cmp);
-    Ok(steps[steps.len() / 2])
 }
 
-/// The costs that explain four measured steps: `t_i = step + ops_i·op + calls_i·collective +
-/// flops_i / rate + rest_i` (the busiest task's ops, calls and FLOPs; `rest` its bytes over β),
-/// solved exactly (Gaussian elimination); each cost at least 0, the rate positive.
-fn solve(rows: [(f64, f64, f64, f64); 4]) -> Option<JobCosts> {
-    // Unknowns (step, op, collective, seconds per FLOP).
-    let mut m: Vec<[f64; 5]> = rows
+/// One calibration job's counts (the busiest task's, planner `runtime::work`) and its measured
+/// step less its bytes over β.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Row {
+    ops: f64,
+    calls: f64,
+    flops: f64,
+    bytes: f64,
+    transcendentals: f64,
+    seconds: f64,
+}
+
+/// Unknowns of the solve: step, op, collective, seconds per FLOP, per byte, per transcendental
+/// element.
+const UNKNOWNS: usize = 6;
+
+/// The costs that explain six measured steps: `t_i = step + ops_i·op + calls_i·collective + flops_i / flop_rate + bytes_i / byte_rate + tanh_i / element_rate`,
+/// solved exactly (Gaussian
+/// elimination with partial pivoting); each cost at least 0, the rates positive (0 when the
+/// solve gives none).
+fn solve(rows: [Row; UNKNOWNS]) -> Option<JobCosts> {
+    let mut m: Vec<[f64; UNKNOWNS + 1]> = rows
         .iter()
-        .map(|&(ops, calls, flops, t)| [1.0, ops, calls, flops, t])
+        .map(|r| {
+            [
+                1.0,
+                r.ops,
+                r.calls,
+                r.flops,
+                r.bytes,
+                r.transcendentals,
+                r.seconds,
+            ]
+        })
         .collect();
-    for c in 0..4 {
-        let pivot = (c..4).max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))?;
+    for c in 0..UNKNOWNS {
+        let pivot = (c..UNKNOWNS).max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))?;
         m.swap(c, pivot);
         let p = m[c][c];
-        // Relative to the column's scale: FLOPs are ~1e6, the other columns ~1–1e3.
+        // Relative to the column's scale: FLOPs and bytes are ~1e6–1e9, the other columns ~1–1e3.
         let scale = m.iter().map(|r| r[c].abs()).fold(0.0, f64::max);
         if scale == 0.0 || p.abs() < 1e-9 * scale {
             return None;
@@ -229,12 +241,15 @@ fn solve(rows: [(f64, f64, f64, f64); 4]) -> Option<JobCosts> {
             }
         }
     }
-    let x: Vec<f64> = (0..4).map(|c| m[c][4] / m[c][c]).collect();
+    let x: Vec<f64> = (0..UNKNOWNS).map(|c| m[c][UNKNOWNS] / m[c][c]).collect();
+    let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
     Some(JobCosts {
         step: x[0].max(0.0),
         op: x[1].max(0.0),
         collective: x[2].max(0.0),
-        flops_per_second: if x[3] > 0.0 { 1.0 / x[3] } else { 0.0 },
+        flops_per_second: rate(x[3]),
+        bytes_per_second: rate(x[4]),
+        transcendentals_per_second: rate(x[5]),
     })
 }
 
@@ -274,6 +289,7 @@ pub fn measure(
         hidden: WIDTH,
         layers: 1,
         chain: 0,
+        chain_op: "Relu",
         unfused: false,
     };
     let variants = [
@@ -293,49 +309,80 @@ pub fn measure(
             layers: 3,
             ..base
         },
+        // Bytes: 256 rows × 512 a task (512 KiB tensors), memory-bound ops.
+        Variant {
+            batch: WIDE_BATCH,
+            hidden: BYTES_WIDTH,
+            chain: BYTES_CHAIN,
+            ..base
+        },
+        // Transcendentals: `Gelu` (and its gradient) on 256 rows × 512 a task.
+        Variant {
+            batch: WIDE_BATCH,
+            hidden: BYTES_WIDTH,
+            chain: TRANSCENDENTAL_CHAIN,
+            chain_op: "Gelu",
+            ..base
+        },
     ];
     let link = profile.link(planner::LinkClass::IntraHost);
-    let mut rows = [(0.0, 0.0, 0.0, 0.0); 4];
+    let mut rows = [Row::default(); UNKNOWNS];
     let mut raw = Vec::new();
+    let mut jobs = Vec::new();
     for (i, v) in variants.into_iter().enumerate() {
         let text = graph_json(v);
         let graph = dir.path().join(format!("model{i}.json"));
         std::fs::write(&graph, &text)?;
-        let (work, compute) = predicted_work(&text, v, profile)?;
-        let t = measured_step(dir.path(), v, &graph, runs.max(1), epochs.max(1))?;
+        jobs.push((v, graph, predicted_work(&text, v)?, Vec::new()));
+    }
+    // Round the variants, so that a change of load falls on all of them.
+    for _ in 0..runs.max(1) {
+        for (v, graph, _, steps) in jobs.iter_mut() {
+            steps.push(measured_step(dir.path(), *v, graph, epochs.max(1))?);
+        }
+    }
+    for (i, (v, _, work, mut steps)) in jobs.into_iter().enumerate() {
+        steps.sort_by(f64::total_cmp);
+        let t = steps[steps.len() / 2];
         let busiest = work
             .iter()
             .max_by_key(|w| (w.ops, w.collective_calls))
             .context("the calibration job has no tasks")?;
-        let flops = compute * profile.flops_per_second;
         let rest = busiest.values as f64 * link.latency
             + (busiest.collective_bytes + busiest.data_plane_bytes) as f64 / link.bandwidth;
         eprintln!(
-            "# job {v:?}: {} ops, {} collective calls, {:.2} MFLOP per task; median step {:.1} µs",
+            "# job {v:?}: {} ops, {} collective calls, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals per task; median step {:.1} µs",
             busiest.ops,
             busiest.collective_calls,
-            flops / 1e6,
+            busiest.product_flops as f64 / 1e6,
+            busiest.bytes as f64 / 1e6,
+            busiest.transcendentals as f64 / 1e6,
             t * 1e6
         );
         raw.push(format!(
-            "{} ops/{} calls {:.1} µs",
+            "{} ops/{} calls/{:.1} MFLOP/{:.1} MB/{:.2} M tanh {:.1} µs",
             busiest.ops,
             busiest.collective_calls,
+            busiest.product_flops as f64 / 1e6,
+            busiest.bytes as f64 / 1e6,
+            busiest.transcendentals as f64 / 1e6,
             t * 1e6
         ));
-        rows[i] = (
-            busiest.ops as f64,
-            busiest.collective_calls as f64,
-            flops,
-            t - rest,
-        );
+        rows[i] = Row {
+            ops: busiest.ops as f64,
+            calls: busiest.collective_calls as f64,
+            flops: busiest.product_flops as f64,
+            bytes: busiest.bytes as f64,
+            transcendentals: busiest.transcendentals as f64,
+            seconds: t - rest,
+        };
     }
     let costs = solve(rows).context("the calibration jobs' counts do not determine the costs")?;
-    if costs.flops_per_second == 0.0 {
+    if costs.flops_per_second == 0.0 || costs.bytes_per_second == 0.0 {
         eprintln!(
-            "# warning: the FLOP-heavy calibration job was not slower than its FLOPs explain ({}): \
-             the profile keeps the lone MatMul's FLOP/s for jobs (job.flops_per_second 0); a busy \
-             machine? calibrate again",
+            "# warning: a FLOP- or byte-heavy calibration job was not slower than the others \
+             explain ({}): the profile leaves that rate at 0 (the lone MatMul's FLOP/s, the \
+             analytical compute); a busy machine? calibrate again",
             raw.join(", ")
         );
     }
@@ -353,23 +400,29 @@ mod tests {
             op: 0.5e-6,
             collective: 20e-6,
             flops_per_second: 20e9,
+            bytes_per_second: 4e9,
+            transcendentals_per_second: 0.05e9,
         };
-        let t = |ops: f64, calls: f64, flops: f64| {
-            (
-                ops,
-                calls,
-                flops,
-                truth.step
-                    + ops * truth.op
-                    + calls * truth.collective
-                    + flops / truth.flops_per_second,
-            )
+        let t = |ops: f64, calls: f64, flops: f64, bytes: f64, tanh: f64| Row {
+            ops,
+            calls,
+            flops,
+            bytes,
+            transcendentals: tanh,
+            seconds: truth.step
+                + ops * truth.op
+                + calls * truth.collective
+                + flops / truth.flops_per_second
+                + bytes / truth.bytes_per_second
+                + tanh / truth.transcendentals_per_second,
         };
         let got = solve([
-            t(40.0, 2.0, 1e4),
-            t(440.0, 2.0, 1e4),
-            t(120.0, 14.0, 2e4),
-            t(60.0, 2.0, 5e7),
+            t(40.0, 2.0, 1e4, 1e4, 0.0),
+            t(440.0, 2.0, 1e4, 2e4, 0.0),
+            t(120.0, 14.0, 2e4, 3e4, 0.0),
+            t(60.0, 2.0, 5e7, 1e6, 0.0),
+            t(100.0, 2.0, 1e6, 3e7, 0.0),
+            t(80.0, 2.0, 1e6, 1e6, 3e5),
         ])
         .unwrap();
         for (a, b) in [
@@ -383,19 +436,28 @@ mod tests {
             (got.flops_per_second / truth.flops_per_second - 1.0).abs() < 1e-6,
             "{got:?}"
         );
+        for (a, b) in [
+            (got.bytes_per_second, truth.bytes_per_second),
+            (
+                got.transcendentals_per_second,
+                truth.transcendentals_per_second,
+            ),
+        ] {
+            assert!((a / b - 1.0).abs() < 1e-6, "{got:?}");
+        }
         // Counts that cannot tell the costs apart.
-        let same = t(40.0, 2.0, 1e4);
-        assert!(solve([same, same, same, same]).is_none());
+        let same = t(40.0, 2.0, 1e4, 1e4, 0.0);
+        assert!(solve([same; UNKNOWNS]).is_none());
     }
 
     #[test]
     fn the_synthetic_models_plan() {
-        let profile = ClusterProfile::preset("this-machine").unwrap();
         let base = Variant {
             batch: BATCH,
             hidden: WIDTH,
             layers: 1,
             chain: 0,
+            chain_op: "Relu",
             unfused: false,
         };
         let chain = Variant { chain: 20, ..base };
@@ -404,13 +466,32 @@ mod tests {
             unfused: true,
             ..base
         };
-        let (w0, _) = predicted_work(&graph_json(base), base, &profile).unwrap();
-        let (w1, _) = predicted_work(&graph_json(chain), chain, &profile).unwrap();
-        let (w2, _) = predicted_work(&graph_json(many), many, &profile).unwrap();
+        let wide = Variant {
+            batch: WIDE_BATCH,
+            hidden: BYTES_WIDTH,
+            chain: 2,
+            ..base
+        };
+        let gelu = Variant {
+            chain_op: "Gelu",
+            ..wide
+        };
+        let w0 = predicted_work(&graph_json(base), base).unwrap();
+        let w1 = predicted_work(&graph_json(chain), chain).unwrap();
+        let w2 = predicted_work(&graph_json(many), many).unwrap();
+        let w4 = predicted_work(&graph_json(wide), wide).unwrap();
+        let w5 = predicted_work(&graph_json(gelu), gelu).unwrap();
         assert_eq!(w0.len(), 2);
         assert!(w1[0].ops > w0[0].ops + 20, "{w1:?} {w0:?}");
         assert_eq!(w1[0].collective_calls, w0[0].collective_calls);
         // Every gradient its own call, plus the loss.
         assert_eq!(w2[0].collective_calls, 4 + 1 + 1, "{w2:?}");
+        // A Relu on 256 × 512 reads and writes 1 MiB: two of them, forward and backward, more.
+        assert!(w4[0].bytes > w0[0].bytes + 4 * (1 << 20), "{w4:?}");
+        assert_eq!(w4[0].transcendentals, 0, "{w4:?}");
+        // Two Gelu of 256 × 512 elements, and their gradients.
+        assert_eq!(w5[0].transcendentals, 2 * 2 * 256 * 512, "{w5:?}");
+        // The 256 × 8 · 8 × 512 product a task, forward and backward.
+        assert!(w4[0].product_flops >= 2 * 256 * 8 * 512, "{w4:?}");
     }
 }

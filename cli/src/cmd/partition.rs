@@ -157,9 +157,13 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
             chunks: args.pipeline.chunks(),
             batch_size: args.batch_size,
         };
-        let (plan, shape) = pipeline
+        let (mut plan, shape) = pipeline
             .plan_with_shape(&input)
             .context("planning the job failed")?;
+        if args.zero_stage.is_some() {
+            // ZeRO over the replicas: the same pipeline, another step.
+            plan = strategy.plan(&input).context("planning the job failed")?;
+        }
         print!("{}", render_job_text(&plan));
         print!(
             "{}",
@@ -196,7 +200,16 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         );
     }
     if kind.name() == "tensor" {
-        let tp = args.tp.unwrap_or_else(|| cluster.num_tasks("worker"));
+        use dflow_partitioner::strategy::tensor::hand;
+        let workers = cluster.num_tasks("worker");
+        let tp = args.tp.unwrap_or(workers);
+        // Placements by hand over several tensor-parallel groups: the tp section shows one
+        // replica, fed its part of the batch, then the data-parallel axis.
+        let dp = (tp > 0
+            && workers % tp == 0
+            && workers > tp
+            && hand::declares_placements(&loaded.graph))
+        .then(|| workers / tp);
         print!(
             "{}",
             dflow_partitioner::strategy::tensor::render_tensor_plan(
@@ -205,9 +218,23 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
                 tp,
                 &args.features,
                 &args.labels,
-                args.batch_size,
+                args.batch_size.map(|b| b / dp.unwrap_or(1)),
             )?
         );
+        if let Some(dp) = dp {
+            let mesh = dflow_partitioner::mesh::Mesh::new(dp, tp, 1)?;
+            print!(
+                "{}",
+                hand::render_data_parallel(
+                    &loaded.graph,
+                    &train,
+                    &mesh,
+                    (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
+                    &args.features,
+                    &args.labels,
+                )?
+            );
+        }
     }
     Ok(())
 }

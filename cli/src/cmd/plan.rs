@@ -81,9 +81,19 @@ fn executor_count(
     });
     Ok(match counted {
         Ok((kind, tasks, sent, step)) => {
-            render::accounting(&tasks, kind.name(), threads)
+            let mut text = render::accounting(&tasks, kind.name(), threads)
                 + &render::traffic(&sent)
-                + &render::job_step(&step)
+                + &render::job_step(&step);
+            if profile.job == planner::JobCosts::default() {
+                text.push_str("    (profile `");
+                text.push_str(&profile.name);
+                text.push_str(
+                    "` has no job costs: the step above omits dflow's per-step, per-op and per-call \
+                     costs and prices compute analytically; for a step as measured on this machine \
+                     run `dflow bench calibrate --out p.json` and pass `--profile p.json`)\n",
+                );
+            }
+            text
         }
         Err(err) => format!("  as dflow runs it: not counted ({err})\n"),
     })

@@ -328,8 +328,12 @@ fn local_strategy(
     cluster: ClusterSpec,
 ) -> anyhow::Result<()> {
     use dflow_partitioner::strategy::pipeline::Pipeline;
-    if kind.name() != "pipeline" || args.mesh.as_ref().is_some_and(|m| m.dp > 1) {
-        // Collectives between tasks: every task runs in this process under the chief's driver.
+    if kind.name() != "pipeline"
+        || args.mesh.as_ref().is_some_and(|m| m.dp > 1)
+        || args.zero_stage.is_some()
+    {
+        // Collectives between tasks: every task runs in this process under the chief's driver
+        // (ZeRO over a pipeline's replicas too; with one replica the strategy refuses it).
         return super::job::run_in_process(args, &cluster);
     }
     if let Some(limit) = args.memory_limit {

@@ -91,10 +91,12 @@ pub fn build_strategy(
             kind.name()
         );
     }
-    // Beside tensor parallelism, ZeRO runs over the data-parallel axis (--mesh dp=D,tp=T).
-    if let Some(stage) = zero_stage.filter(|_| !matches!(kind.name(), "zero" | "tensor")) {
+    // Beside tensor parallelism or a pipeline, ZeRO runs over the data-parallel axis
+    // (--mesh dp=D,tp=T or dp=D,pp=P).
+    let over_dp = matches!(kind.name(), "tensor" | "pipeline");
+    if let Some(stage) = zero_stage.filter(|_| kind.name() != "zero" && !over_dp) {
         anyhow::bail!(
-            "--zero-stage {stage} applies to --strategy zero (or tensor, over its dp axis), not --strategy {}",
+            "--zero-stage {stage} applies to --strategy zero (or tensor or pipeline, over its dp axis), not --strategy {}",
             kind.name()
         );
     }
@@ -121,7 +123,7 @@ pub fn build_strategy(
         chunks: pipeline.chunks(),
         batch_size,
         zero_stage: zero_stage.unwrap_or(1),
-        tensor_zero: zero_stage.is_some() && kind.name() == "tensor",
+        tensor_zero: zero_stage.is_some() && over_dp,
         tp,
         partition_strategy,
         ep,
@@ -133,7 +135,7 @@ pub fn build_strategy(
 /// the `dp` replicas, inside `pp` balanced pipeline stages when `pp > 1`; `tp = 1, pp > 1` the
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
 /// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
-/// beside `tp > 1, pp = 1` is ZeRO over the dp axis (stages 1 and 2); `ep > 1` (with
+/// beside `tp > 1, pp = 1` or `tp = 1, pp > 1` is ZeRO over the dp axis (stages 1 and 2); `ep > 1` (with
 /// `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep` workers. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
@@ -178,9 +180,7 @@ pub fn apply_mesh(
         }
         "tensor"
     } else if mesh.pp > 1 {
-        if let Some(stage) = zero_stage {
-            anyhow::bail!("--mesh pp={} with --zero-stage {stage}: ZeRO over pipeline replicas does not run yet", mesh.pp);
-        }
+        // ZeRO over each stage's replicas (stages 1 and 2, D ≥ 2, checked by the strategy).
         set_stages(mesh, pipeline)?;
         "pipeline"
     } else if zero_stage.is_some() {

@@ -187,7 +187,12 @@ const VIEWS: &[&str] = &[
 /// pointers and does not count it again): the views, a slice of everything (`Slice`,
 /// `FlatSlice` at offset 0), a `ReduceToShapeOf` to its own shape, a `Concat` or `AddN` of one
 /// input, an identity `Transpose`, a `Dropout` of rate 0.
-fn shares_input(g: &Graph, idx: NodeIndex, bytes: usize, input_bytes: Option<usize>) -> bool {
+pub(super) fn shares_input(
+    g: &Graph,
+    idx: NodeIndex,
+    bytes: usize,
+    input_bytes: Option<usize>,
+) -> bool {
     let node = g.node(idx);
     let Some(input_bytes) = input_bytes else {
         return false;
@@ -215,7 +220,7 @@ fn shares_input(g: &Graph, idx: NodeIndex, bytes: usize, input_bytes: Option<usi
 
 /// `g` validated again with the unknown first dimension of every placeholder and received
 /// tensor set to `rows` (the batch a task is fed), so that every size is known.
-fn with_rows(g: &Graph, rows: usize) -> Result<Graph, String> {
+pub(super) fn with_rows(g: &Graph, rows: usize) -> Result<Graph, String> {
     let mut def = g.to_def();
     for n in def
         .nodes

@@ -88,7 +88,9 @@ pub struct JobCosts {
     /// Per step: the chief's batching, the feeds to every task, the step's dispatch to each
     /// task and the loss fetch (the round trips of a step).
     pub step: f64,
-    /// Per op a task runs in its partition (its executor's dispatch of a node).
+    /// Per op a task runs in its partition (its executor's dispatch of a node). In a job
+    /// nearly every node is dispatched alone: its batch dimension is unknown to the executor's
+    /// plan, so it is not one of the cheap nodes batched on one runner.
     pub op: f64,
     /// Per collective call a task makes, and per value it sends to another task, beyond its
     /// `bytes/β`: the link's latency, the handshake and the waits of a thread woken by the
@@ -98,6 +100,14 @@ pub struct JobCosts {
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
     pub flops_per_second: f64,
+    /// Bytes per second the ops that are not products read and write in a job (elementwise
+    /// ops, normalizations, reductions, copies, the optimizer's updates: memory-bound on a
+    /// CPU; 0: not modelled, their FLOPs are priced at `flops_per_second` instead).
+    pub bytes_per_second: f64,
+    /// Elements per second of the ops that evaluate a transcendental function per element
+    /// (`Gelu`, `GeluGrad`, `Tanh`, `Sigmoid`, `Exp`, `Log`: a `tanh` or `exp` each, an order of
+    /// magnitude slower than a memory-bound op on a CPU; 0: priced by their bytes).
+    pub transcendentals_per_second: f64,
 }
 
 /// Why a profile is refused.
@@ -261,6 +271,11 @@ impl ClusterProfile {
             ("step_overhead", self.step_overhead),
             ("job.step", self.job.step),
             ("job.op", self.job.op),
+            ("job.bytes_per_second", self.job.bytes_per_second),
+            (
+                "job.transcendentals_per_second",
+                self.job.transcendentals_per_second,
+            ),
             ("job.collective", self.job.collective),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {

@@ -16,50 +16,160 @@
 //! tasks sharing the host's cores (`max(busiest task, Σ tasks / cores)`: 4 tasks on 2 cores
 //! take twice as long as 2), and a task's communication is `calls · job.collective + bytes / β`
 //! over a link inside the host (`job.collective` includes the link's latency α; α alone when it
-//! is 0), the same per value sent to another task.
+//! is 0), the same per value sent to another task and per value received from one (a pipeline's
+//! stages wait on each other: the sender's call and the receiver's wake-up are both on the
+//! step's path).
 
-use super::accounting::{traffic, AccountingError};
+use super::accounting::{shares_input, traffic, with_rows, AccountingError};
 use super::evaluate::Evaluation;
+use super::flops::forward_flops;
 use super::profile::{ClusterProfile, JobCosts, LinkClass};
 use crate::strategy::JobPlan;
+use dflow_graph::{AttrValue, DeviceName, Graph};
+use petgraph::graph::NodeIndex;
 use std::collections::BTreeMap;
 
 /// What one task does in a training step, from the job plan.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TaskWork {
     /// The task.
     pub task: String,
     /// Nodes of its training partitions (each dispatched once a step).
     pub ops: usize,
+    /// FLOPs of its matrix products (`MatMul`, `BatchMatMul`: forward, backward and the
+    /// micro-batches all appear as nodes of the partitions).
+    pub product_flops: u64,
+    /// Bytes read and written by its other computing ops (not views, not sends, receives or
+    /// collectives, not constant-time ops).
+    pub bytes: u64,
+    /// Output elements of its ops that evaluate a transcendental function per element
+    /// ([`TRANSCENDENTAL`]: priced per element, not by their bytes).
+    pub transcendentals: u64,
     /// Collective calls it makes.
     pub collective_calls: usize,
     /// Bytes it sends in collectives.
     pub collective_bytes: u64,
     /// Values it sends to other tasks' Recvs.
     pub values: usize,
+    /// Values other tasks send to its Recvs (each wakes a waiting thread of this task).
+    pub received: usize,
     /// Their bytes.
     pub data_plane_bytes: u64,
+}
+
+/// Ops priced by their FLOPs (the rest that compute are priced by their bytes).
+const PRODUCTS: &[&str] = &["MatMul", "BatchMatMul"];
+
+/// Ops whose kernels evaluate `tanh`, `exp` or `log` once per output element.
+pub const TRANSCENDENTAL: &[&str] = &["Gelu", "GeluGrad", "Tanh", "Sigmoid", "Exp", "Log"];
+
+/// Ops that move no bytes a kernel touches: they hand buffers over, block on a peer or register
+/// a callback (their cost is the call's or the dispatch's).
+fn moves_nothing(op: &str) -> bool {
+    matches!(
+        op,
+        "NoOp" | "Const" | "Variable" | "Placeholder" | "Send" | "Recv" | "Shape"
+    ) || op.starts_with("Collective")
+}
+
+/// The compute of one partition `graph` of `task` with `rows` rows where a feed's batch is
+/// unknown.
+fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork, AccountingError> {
+    let fixed = with_rows(graph, rows).map_err(|message| AccountingError::Invalid {
+        task: task.to_string(),
+        rows,
+        message,
+    })?;
+    let g = &fixed;
+    let bytes_of = |idx: NodeIndex, k: usize| -> Option<usize> {
+        let t = g.node(idx).outputs.get(k)?;
+        Some(t.shape.num_elements()? * t.dtype.size_of())
+    };
+    let mut w = TaskWork {
+        task: task.to_string(),
+        ops: g.num_nodes(),
+        ..TaskWork::default()
+    };
+    let mut flops = 0.0;
+    for idx in g.node_indices() {
+        let op = g.node(idx).op;
+        if PRODUCTS.contains(&op) {
+            flops += forward_flops(g, idx);
+            continue;
+        }
+        if moves_nothing(op) {
+            continue;
+        }
+        if TRANSCENDENTAL.contains(&op) {
+            let elements = g
+                .node(idx)
+                .outputs
+                .first()
+                .and_then(|t| t.shape.num_elements());
+            w.transcendentals += elements.unwrap_or(0) as u64;
+            continue;
+        }
+        let inputs: Vec<Option<usize>> =
+            g.inputs(idx).iter().map(|&(s, k)| bytes_of(s, k)).collect();
+        let output = bytes_of(idx, 0);
+        if let Some(out) = output {
+            if shares_input(g, idx, out, inputs.first().copied().flatten()) {
+                continue;
+            }
+        }
+        let outputs: usize = (0..g.node(idx).outputs.len())
+            .filter_map(|k| bytes_of(idx, k))
+            .sum();
+        w.bytes += (inputs.iter().flatten().sum::<usize>() + outputs) as u64;
+    }
+    w.product_flops = flops as u64;
+    Ok(w)
 }
 
 /// The work of every task of `plan` in one training step (every training signature once), with
 /// `rows` rows where a feed's batch dimension is unknown.
 pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingError> {
-    let mut ops: BTreeMap<String, usize> = BTreeMap::new();
+    let mut compute: BTreeMap<String, TaskWork> = BTreeMap::new();
     for signature in plan.train_signatures() {
         for (device, part) in &signature.partitions.partitions {
             let task = device.task_name().unwrap_or_else(|| device.to_string());
-            *ops.entry(task).or_default() += part.graph.num_nodes();
+            for idx in part.graph.node_indices() {
+                let node = part.graph.node(idx);
+                if node.op != "Send"
+                    || matches!(node.attr("client_terminated"), Some(AttrValue::Bool(true)))
+                {
+                    continue;
+                }
+                let to = match node.attr("recv_device") {
+                    Some(AttrValue::String(d)) => {
+                        DeviceName::parse(&d[..]).ok().and_then(|d| d.task_name())
+                    }
+                    _ => None,
+                };
+                if let Some(to) = to.filter(|t| *t != task) {
+                    compute.entry(to).or_default().received += 1;
+                }
+            }
+            let p = partition_compute(&task, &part.graph, rows)?;
+            let e = compute.entry(task).or_default();
+            e.ops += p.ops;
+            e.product_flops += p.product_flops;
+            e.bytes += p.bytes;
+            e.transcendentals += p.transcendentals;
         }
     }
     Ok(traffic(plan, rows)?
         .into_iter()
-        .map(|t| TaskWork {
-            ops: ops.get(&t.task).copied().unwrap_or(0),
-            task: t.task,
-            collective_calls: t.collective_calls,
-            collective_bytes: t.collective,
-            values: t.values,
-            data_plane_bytes: t.data_plane,
+        .map(|t| {
+            let c = compute.remove(&t.task).unwrap_or_default();
+            TaskWork {
+                task: t.task,
+                collective_calls: t.collective_calls,
+                collective_bytes: t.collective,
+                values: t.values,
+                data_plane_bytes: t.data_plane,
+                ..c
+            }
         })
         .collect())
 }
@@ -69,9 +179,11 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
 pub struct JobStep {
     /// The profile's per-step cost.
     pub step: f64,
-    /// The layout's compute on the slowest device (FLOPs over FLOP/s, with the bubble).
+    /// The busiest task's compute: its products' FLOPs over the job's FLOP/s and its other
+    /// ops' bytes over the job's bytes/s (the layout's analytical compute where the profile has
+    /// no bytes/s), with the pipeline's bubble.
     pub compute: f64,
-    /// The busiest task's ops times the per-op cost.
+    /// The busiest task's ops times the per-op costs.
     pub ops: f64,
     /// CPU time of the step: compute and ops of the busiest task, or of all tasks over the
     /// host's cores when they are more than the cores.
@@ -87,28 +199,65 @@ impl JobStep {
     }
 }
 
+/// A task's compute (seconds) from its own nodes under `job`'s rates: products at
+/// `job.flops_per_second` (else `flops_per_second`), the other ops' bytes at
+/// `job.bytes_per_second`, the [`TRANSCENDENTAL`] ops' elements at
+/// `job.transcendentals_per_second`; `None` when the profile has no bytes/s (not calibrated per op kind).
+pub fn task_compute(t: &TaskWork, job: &JobCosts, flops_per_second: f64) -> Option<f64> {
+    if job.bytes_per_second <= 0.0 {
+        return None;
+    }
+    let rate = if job.flops_per_second > 0.0 {
+        job.flops_per_second
+    } else {
+        flops_per_second
+    };
+    let transcendentals = if job.transcendentals_per_second > 0.0 {
+        t.transcendentals as f64 / job.transcendentals_per_second
+    } else {
+        // Priced by their bytes: an input and an output element each.
+        t.transcendentals as f64 * 8.0 / job.bytes_per_second
+    };
+    Some(t.product_flops as f64 / rate + t.bytes as f64 / job.bytes_per_second + transcendentals)
+}
+
+/// The dispatch cost (seconds) of a task's nodes: `job.op` each.
+pub fn task_dispatch(t: &TaskWork, job: &JobCosts) -> f64 {
+    t.ops as f64 * job.op
+}
+
 /// The step of a job whose tasks do `work`, on `profile`'s hosts (`cores` per host: the tasks
-/// of one host share them), each task computing for `compute` seconds.
+/// of one host share them). A task computes for `compute` seconds (the analytical figure) when
+/// the profile has no per-op-kind rates, else for its own nodes' [`task_compute`]; a pipeline
+/// of bubble fraction `bubble` keeps each task busy `1 − bubble` of the step.
 pub fn job_step(
     work: &[TaskWork],
     compute: f64,
+    bubble: f64,
     profile: &ClusterProfile,
     cores: usize,
 ) -> JobStep {
-    let JobCosts {
-        step,
-        op,
-        collective,
-        ..
-    } = profile.job;
+    let job = profile.job;
     let link = profile.link(LinkClass::IntraHost);
-    let cpu_of = |t: &TaskWork| compute + t.ops as f64 * op;
-    let busiest = work.iter().map(cpu_of).fold(0.0, f64::max);
+    let compute_of =
+        |t: &TaskWork| task_compute(t, &job, profile.flops_per_second).map_or(compute, |c| c);
+    let cpu_of = |t: &TaskWork| compute_of(t) + task_dispatch(t, &job);
+    // A pipeline's task waits the bubble out: its work is spread over `1/(1 − bubble)` of it.
+    let stretch = if job.bytes_per_second > 0.0 && bubble > 0.0 && bubble < 1.0 {
+        1.0 / (1.0 - bubble)
+    } else {
+        1.0
+    };
+    let busiest = work.iter().map(cpu_of).fold(0.0, f64::max) * stretch;
     let shared = work.iter().map(cpu_of).sum::<f64>() / cores.max(1) as f64;
-    let ops = work.iter().map(|t| t.ops as f64 * op).fold(0.0, f64::max);
+    let ops = work
+        .iter()
+        .map(|t| task_dispatch(t, &job))
+        .fold(0.0, f64::max);
+    let computes = work.iter().map(compute_of).fold(0.0, f64::max) * stretch;
     // A calibrated call cost includes the link's latency; uncalibrated, the latency alone.
-    let call = if collective > 0.0 {
-        collective
+    let call = if job.collective > 0.0 {
+        job.collective
     } else {
         link.latency
     };
@@ -116,13 +265,13 @@ pub fn job_step(
         .iter()
         .map(|t| {
             t.collective_calls as f64 * call
-                + t.values as f64 * call
+                + (t.values + t.received) as f64 * call
                 + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
         })
         .fold(0.0, f64::max);
     JobStep {
-        step,
-        compute,
+        step: job.step,
+        compute: computes,
         ops,
         cpu: busiest.max(shared),
         communication,
@@ -138,10 +287,12 @@ pub fn predict(
     profile: &ClusterProfile,
 ) -> Result<JobStep, AccountingError> {
     let work = work(plan, rows)?;
-    // The analytical compute is at the job's FLOP/s where the profile has one.
+    // Without per-op-kind rates, the analytical compute (at the job's FLOP/s where the profile
+    // has one), its bubble included.
     Ok(job_step(
         &work,
         e.time.compute + e.time.bubble,
+        e.bubble,
         profile,
         profile.devices_per_host,
     ))
@@ -156,38 +307,152 @@ mod tests {
             task: format!("t{ops}"),
             ops,
             collective_calls: calls,
-            collective_bytes: 0,
-            values: 0,
-            data_plane_bytes: 0,
+            ..TaskWork::default()
         }
     }
 
-    #[test]
-    fn a_step_is_the_fixed_cost_the_busiest_task_and_its_calls() {
+    fn costs() -> ClusterProfile {
         let mut p = ClusterProfile::preset("this-machine").unwrap();
         p.intra_host.latency = 0.0;
         p.job = JobCosts {
             step: 100e-6,
             op: 1e-6,
             collective: 10e-6,
-            flops_per_second: 0.0,
+            ..JobCosts::default()
         };
-        let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, &p, 2);
+        p
+    }
+
+    #[test]
+    fn a_step_is_the_fixed_cost_the_busiest_task_and_its_calls() {
+        let mut p = costs();
+        let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, 0.0, &p, 2);
         assert!((s.cpu - 55e-6).abs() < 1e-12, "{s:?}");
         assert!((s.communication - 30e-6).abs() < 1e-12, "{s:?}");
         assert!((s.total() - 185e-6).abs() < 1e-12, "{s:?}");
-        // Four tasks on two cores share them.
-        let four = job_step(
-            &[task(50, 0), task(50, 0), task(50, 0), task(50, 0)],
-            0.0,
-            &p,
-            2,
-        );
-        assert!((four.cpu - 100e-6).abs() < 1e-12, "{four:?}");
         // Uncalibrated, a call costs the link's latency.
         p.job.collective = 0.0;
         p.intra_host.latency = 2e-6;
-        let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, &p, 2);
+        let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, 0.0, &p, 2);
         assert!((s.communication - 6e-6).abs() < 1e-12, "{s:?}");
+    }
+
+    #[test]
+    fn a_pipeline_pays_for_its_sends_and_receives() {
+        let p = costs();
+        let mut first = task(10, 0);
+        first.values = 4;
+        first.received = 4;
+        let s = job_step(&[first.clone()], 0.0, 0.0, &p, 2);
+        assert!((s.communication - 80e-6).abs() < 1e-12, "{s:?}");
+    }
+
+    #[test]
+    fn tasks_beyond_the_cores_share_them() {
+        let p = costs();
+        let two = job_step(&[task(50, 0), task(50, 0)], 0.0, 0.0, &p, 2);
+        assert!((two.cpu - 50e-6).abs() < 1e-12, "{two:?}");
+        // Four tasks on two cores take twice as long as two; on four cores, as long.
+        let four = [task(50, 0), task(50, 0), task(50, 0), task(50, 0)];
+        let s = job_step(&four, 0.0, 0.0, &p, 2);
+        assert!((s.cpu - 100e-6).abs() < 1e-12, "{s:?}");
+        let s = job_step(&four, 0.0, 0.0, &p, 4);
+        assert!((s.cpu - 50e-6).abs() < 1e-12, "{s:?}");
+        // Uneven tasks: the busiest when it outweighs the share.
+        let s = job_step(&[task(300, 0), task(10, 0), task(10, 0)], 0.0, 0.0, &p, 2);
+        assert!((s.cpu - 300e-6).abs() < 1e-12, "{s:?}");
+    }
+
+    #[test]
+    fn products_are_priced_by_flops_and_the_rest_by_bytes() {
+        let mut p = costs();
+        let mut t = task(0, 0);
+        t.product_flops = 2_000_000_000;
+        t.bytes = 500_000_000;
+        // Without a bytes/s the analytical compute stands.
+        assert_eq!(task_compute(&t, &p.job, p.flops_per_second), None);
+        let s = job_step(&[t.clone()], 7e-3, 0.0, &p, 2);
+        assert!((s.compute - 7e-3).abs() < 1e-12, "{s:?}");
+        p.job.flops_per_second = 20e9;
+        p.job.bytes_per_second = 5e9;
+        // 2 GFLOP at 20 GFLOP/s and 0.5 GB at 5 GB/s.
+        let c = task_compute(&t, &p.job, p.flops_per_second).unwrap();
+        assert!((c - 0.2).abs() < 1e-12, "{c}");
+        let s = job_step(&[t.clone()], 7e-3, 0.0, &p, 2);
+        assert!((s.compute - 0.2).abs() < 1e-12, "{s:?}");
+        // No job FLOP/s: the profile's lone MatMul rate.
+        p.job.flops_per_second = 0.0;
+        let c = task_compute(&t, &p.job, 40e9).unwrap();
+        assert!((c - 0.15).abs() < 1e-12, "{c}");
+        // A pipeline's bubble stretches its tasks' work: a bubble of 1/5 makes 0.2 s 0.25 s.
+        p.job.flops_per_second = 20e9;
+        let s = job_step(&[t], 0.0, 0.2, &p, 2);
+        assert!((s.compute - 0.25).abs() < 1e-12, "{s:?}");
+        assert!((s.cpu - 0.25).abs() < 1e-12, "{s:?}");
+    }
+
+    #[test]
+    fn the_gpt_work_counts_products_and_bytes() {
+        use crate::planner::accounting::job_plan;
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/gpt/gpt.json"
+        ))
+        .unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let graph = Graph::from_def(&def).unwrap();
+        let train = def.train.as_ref().unwrap();
+        let dp = job_plan(
+            &graph,
+            train,
+            "idx",
+            "targets",
+            &"dp=2".parse().unwrap(),
+            12,
+        );
+        let tp = job_plan(
+            &graph,
+            train,
+            "idx",
+            "targets",
+            &"tp=2".parse().unwrap(),
+            12,
+        );
+        let (dp, tp) = (dp.unwrap(), tp.unwrap());
+        let dp = work(&dp, 6).unwrap();
+        let tp = work(&tp, 12).unwrap();
+        assert_eq!((dp.len(), tp.len()), (2, 2));
+        // dp=2: half the rows a task, the same products; tp=2: all the rows, half of each
+        // split product. Either way each task does about half of the step's product FLOPs.
+        let ratio = dp[0].product_flops as f64 / tp[0].product_flops as f64;
+        assert!((0.8..1.25).contains(&ratio), "{ratio} {dp:?} {tp:?}");
+        assert!(dp[0].bytes > 0 && dp[0].ops > 0);
+        // Each task's GELUs and their gradients: 4 blocks of [6 × 64, 512] (dp) or
+        // [12 × 64, 256] (tp) elements, each evaluated forward and again in its gradient.
+        assert_eq!(dp[0].transcendentals, 2 * 4 * 6 * 64 * 512, "{dp:?}");
+        // tp adds the vocabulary-parallel cross-entropy's `Exp` over its half of the 76 logits
+        // of each of its 12 × 64 tokens and a `Log` of each token's sum.
+        let extra = tp[0].transcendentals - dp[0].transcendentals;
+        assert_eq!(extra, 12 * 64 * (76 / 2 + 1), "{tp:?}");
+    }
+
+    #[test]
+    fn a_pipeline_stage_receives_what_the_other_sends() {
+        use crate::planner::accounting::job_plan;
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/digits/digits.json"
+        ))
+        .unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let graph = Graph::from_def(&def).unwrap();
+        let train = def.train.as_ref().unwrap();
+        let layout = "pp=2,m=4".parse().unwrap();
+        let plan = job_plan(&graph, train, "pixels", "labels", &layout, 32).unwrap();
+        let w = work(&plan, 32).unwrap();
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].values > 0 && w[1].values > 0, "{w:?}");
+        assert_eq!(w[0].received, w[1].values, "{w:?}");
+        assert_eq!(w[1].received, w[0].values, "{w:?}");
     }
 }

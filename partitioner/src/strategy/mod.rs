@@ -154,8 +154,9 @@ pub struct StrategyOptions {
     /// The ZeRO stage (`--zero-stage`, read by `--strategy zero`): 1 shards the optimizer slots,
     /// 2 also the summed gradients, 3 also the parameters.
     pub zero_stage: u8,
-    /// `--zero-stage` given beside tensor parallelism (`--mesh dp=D,tp=T`): `--strategy tensor`
-    /// runs ZeRO at `zero_stage` over its data-parallel axis.
+    /// `--zero-stage` given beside tensor parallelism (`--mesh dp=D,tp=T`) or a pipeline
+    /// (`--mesh dp=D,pp=P`): `--strategy tensor` or `pipeline` runs ZeRO at `zero_stage` over
+    /// its data-parallel axis.
     pub tensor_zero: bool,
     /// The tensor-parallel size (`--tp`, read by `--strategy tensor`; `None`: every worker).
     pub tp: Option<usize>,

@@ -707,7 +707,7 @@ pub fn mesh_training(
         }
     }
     if hand::declares_placements(graph) {
-        return hand::mesh_training(graph, spec, mesh, features, labels);
+        return hand::mesh_training(graph, spec, mesh, bucket_bytes, features, labels);
     }
     let tp = mesh.tp;
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
@@ -1280,18 +1280,21 @@ fn clip_across_shards(
         .gradients
         .iter()
         .partition(|(v, _)| sharded.contains(v));
-    let local = n.add(
-        "tp/clip/shards_squared_norm",
-        "SquaredNorm",
-        shard_grads.iter().map(|(_, g)| g.clone()).collect(),
-        vec![],
-    );
-    let mut total = n.collective(
-        "tp/clip/shards_squared_norm_sum",
-        "CollectiveAllReduce",
-        local,
-        false,
-    );
+    // With no shard (placements by hand that shard activations only), no sum over the group.
+    let mut total = (!shard_grads.is_empty()).then(|| {
+        let local = n.add(
+            "tp/clip/shards_squared_norm",
+            "SquaredNorm",
+            shard_grads.iter().map(|(_, g)| g.clone()).collect(),
+            vec![],
+        );
+        n.collective(
+            "tp/clip/shards_squared_norm_sum",
+            "CollectiveAllReduce",
+            local,
+            false,
+        )
+    });
     if !replicated.is_empty() {
         let rep = n.add(
             "tp/clip/replicated_squared_norm",
@@ -1299,8 +1302,14 @@ fn clip_across_shards(
             replicated.iter().map(|(_, g)| g.clone()).collect(),
             vec![],
         );
-        total = n.add("tp/clip/squared_norm", "Add", vec![total, rep], vec![]);
+        total = Some(match total {
+            Some(t) => n.add("tp/clip/squared_norm", "Add", vec![t, rep], vec![]),
+            None => rep,
+        });
     }
+    let Some(total) = total else {
+        return;
+    };
     let scale = n.add(
         "tp/clip/global_norm_scale",
         "GlobalNormScale",

@@ -360,7 +360,7 @@ impl Nodes {
     }
 
     /// A collective of group `key` (of `ranks` ranks), after the previous one.
-    fn collective(
+    pub(crate) fn collective(
         &mut self,
         key: &str,
         base: &str,
@@ -508,6 +508,31 @@ pub(crate) fn shard_step(
     clip: Option<f64>,
     outer: Option<&OuterShards<'_>>,
 ) -> Result<Vec<Param>, StrategyError> {
+    let clip = clip.map_or(Clip::None, Clip::Norm);
+    shard_step_with(training, typed, nodes, ctx, clip, outer).map(|(params, _)| params)
+}
+
+/// How [`shard_step_with`] clips the gradient shards.
+pub(crate) enum Clip<'a> {
+    /// Not at all.
+    None,
+    /// By this global norm of the whole summed gradient (the group's and `outer`'s).
+    Norm(f64),
+    /// By the scalar `scale` the caller computes (under that name, after the step) from the
+    /// `Σ‖g‖²` the step returns and other groups' (a pipeline's stages).
+    Scale(&'a str),
+}
+
+/// [`shard_step`] with the clipping `clip`; also returns, under [`Clip::Scale`], the tensor
+/// holding `Σ‖g‖²` of the group's summed gradients (the caller's scale is computed from it).
+pub(crate) fn shard_step_with(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    nodes: &mut Nodes,
+    ctx: &ShardGroup,
+    clip: Clip<'_>,
+    outer: Option<&OuterShards<'_>>,
+) -> Result<(Vec<Param>, Option<String>), StrategyError> {
     let n = ctx.ranks;
     let mut params: Vec<Param> = Vec::new();
     for (var, grad) in &training.gradients {
@@ -647,17 +672,27 @@ pub(crate) fn shard_step(
     }
 
     // Clipping by the norm of the whole summed gradient.
-    if let Some(clip) = clip {
-        let total = squared_norm(nodes, ctx, &params, &shard_grads, outer);
-        let scale = nodes.add(
-            "zero/clip/global_norm_scale",
-            "GlobalNormScale",
-            vec![total],
-            vec![
-                ("clip_norm", AttrValue::Float(clip)),
-                ("squared_norm", AttrValue::Bool(true)),
-            ],
-        );
+    let mut squared = None;
+    let scale = match clip {
+        Clip::None => None,
+        Clip::Norm(clip) => {
+            let total = squared_norm(nodes, ctx, &params, &shard_grads, outer);
+            Some(nodes.add(
+                "zero/clip/global_norm_scale",
+                "GlobalNormScale",
+                vec![total],
+                vec![
+                    ("clip_norm", AttrValue::Float(clip)),
+                    ("squared_norm", AttrValue::Bool(true)),
+                ],
+            ))
+        }
+        Clip::Scale(scale) => {
+            squared = Some(squared_norm(nodes, ctx, &params, &shard_grads, outer));
+            Some(scale.to_string())
+        }
+    };
+    if let Some(scale) = scale {
         for (p, g) in params.iter().zip(shard_grads.iter_mut()) {
             *g = nodes.add(
                 &format!("zero/clip/{}", p.var),
@@ -785,7 +820,7 @@ pub(crate) fn shard_step(
     {
         t.inputs.extend(assigns.iter().map(|a| format!("^{a}")));
     }
-    Ok(params)
+    Ok((params, squared))
 }
 
 /// `Σ‖g‖²` of the whole summed gradient from the rank's gradient shards `grads` (one per

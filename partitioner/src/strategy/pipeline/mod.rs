@@ -7,6 +7,7 @@
 //! - [`rewrite`]: the training graph (micro-batch copies, one loss, one optimizer step,
 //!   evaluation copy, the schedule as control edges).
 //! - [`schedule`]: the schedules' orders and their unit-cost simulation.
+//! - [`zero`]: ZeRO over the pipeline's data-parallel replicas.
 //!
 //! Every activation and activation gradient between stages is a Send/Recv pair of a static
 //! shape (`B/m` rows), so it is in the job's buffer plan before step 1; everything that can go
@@ -25,6 +26,7 @@ pub mod render;
 pub mod rewrite;
 pub mod schedule;
 pub mod stages;
+pub mod zero;
 
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
 use crate::job::{task_name, CollectiveGroup, Schedule};
@@ -217,13 +219,23 @@ pub(crate) static REGISTRATION: Registration = Registration {
                 message: "a pipeline is synchronous; --async is a parameter-server mode".into(),
             });
         }
-        Ok(Box::new(Pipeline {
+        let pipeline = Pipeline {
             stages: opts.stages,
             micro_batches: opts.micro_batches,
             schedule: opts.schedule,
             chunks: opts.chunks,
             batch_size: opts.batch_size,
-        }))
+        };
+        if opts.tensor_zero {
+            return Ok(Box::new(zero::PipelineZero {
+                pipeline,
+                zero: zero::ReplicaZero {
+                    stage: opts.zero_stage,
+                    bucket_bytes: opts.bucket_bytes,
+                },
+            }));
+        }
+        Ok(Box::new(pipeline))
     },
 };
 
@@ -367,6 +379,16 @@ impl Pipeline {
     /// parallelism over pipelines, in Megatron-core's rank order: worker `w` runs stage `w / d`
     /// of replica `w mod d`), the shape, and the collective groups of the stages' replicas.
     pub fn training_graphs(&self, input: &JobInput<'_>) -> Result<PipelineGraphs, StrategyError> {
+        self.replica_graphs(input, None)
+    }
+
+    /// [`Pipeline::training_graphs`], with ZeRO's step over each stage's replicas in place of
+    /// their all-reduce when `zero` is given ([`zero`]).
+    pub(crate) fn replica_graphs(
+        &self,
+        input: &JobInput<'_>,
+        zero: Option<zero::ReplicaZero>,
+    ) -> Result<PipelineGraphs, StrategyError> {
         let Prepared {
             stages: stage_map,
             shape,
@@ -418,6 +440,7 @@ impl Pipeline {
                 replica: r,
                 dp_groups: &dp_groups,
                 tensor: None,
+                zero,
             })?);
         }
         let groups = if data_parallel > 1 {
@@ -476,11 +499,22 @@ impl Pipeline {
         &self,
         input: &JobInput<'_>,
     ) -> Result<(JobPlan, PipelineShape), StrategyError> {
+        let graphs = self.training_graphs(input)?;
+        self.plan_graphs(input, graphs, self.describe())
+    }
+
+    /// The job plan of a pipeline's training graphs, described as `describe`.
+    pub(crate) fn plan_graphs(
+        &self,
+        input: &JobInput<'_>,
+        graphs: PipelineGraphs,
+        describe: String,
+    ) -> Result<(JobPlan, PipelineShape), StrategyError> {
         let PipelineGraphs {
             replicas,
             shape,
             groups,
-        } = self.training_graphs(input)?;
+        } = graphs;
         let placement = PlacementOptions {
             policy: Policy::Explicit,
             default_device: DeviceName::parse(&worker_device(0)).map_err(|e| {
@@ -493,7 +527,7 @@ impl Pipeline {
             ..input.placement.clone()
         };
         let plan = JobPlan::build(
-            self.describe(),
+            describe,
             input,
             replicas,
             &placement,

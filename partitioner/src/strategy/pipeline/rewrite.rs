@@ -28,6 +28,7 @@ use super::gradients::{
 };
 use super::schedule::{PipelineShape, Unit};
 use super::stages::StageMap;
+use super::zero::shard_stages;
 use super::PipelineError;
 use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
 use dflow_graph::train::{expand_training_graph, TrainSpec};
@@ -72,6 +73,8 @@ pub(crate) struct RewriteInput<'a> {
     pub dp_groups: &'a [String],
     /// Tensor parallelism inside the stages. Without evaluation copy: the caller adds one.
     pub tensor: Option<&'a TensorStages>,
+    /// ZeRO over each stage's replicas (with `replicas > 1`), in place of their all-reduce.
+    pub zero: Option<super::zero::ReplicaZero>,
 }
 
 /// The name scope of everything the rewrite adds.
@@ -381,7 +384,10 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         },
     )?;
     constant_seed(&mut training.def, &loss, loss_dtype)?;
-    if input.replicas > 1 {
+    let zero = input.zero.filter(|_| input.replicas > 1);
+    if let Some(zero) = zero {
+        training.loss = shard_stages(&mut training, &typed, input, zero, &loss_device)?;
+    } else if input.replicas > 1 {
         training.loss = all_reduce_gradients(
             &mut training.def,
             &mut training.gradients,
@@ -392,6 +398,8 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         )?;
     }
     match input.spec.clip_global_norm {
+        // ZeRO clipped the shards.
+        Some(_) if zero.is_some() => {}
         Some(clip) if sums => clip_by_stage_norms(
             &mut training,
             input.tensor,

@@ -15,14 +15,20 @@
 //! - then the training step by autodiff, clipping across the shards and the collectives
 //!   chained, as the GPT rewrite does; evaluation runs on worker 0 on the assembled weights.
 //!
-//! One tensor-parallel group only: a data-parallel axis over hand-placed groups is refused.
+//! On a `dp × tp` mesh (`--mesh dp=D,tp=T`, ranks in Megatron-core order: tp fastest) the
+//! hand-placed group is replicated `D` times, as the GPT's rewrite is: in words of placements,
+//! every parameter is `Replicate` over `dp` and the batch `Shard(0)` over `dp`. Replica `d`
+//! (TP group `tensor_d{d}`) feeds part `d` of each batch, its loss weighted by the part's
+//! share, every gradient summed over the rank's DP group `data_t{t}` ([`super::data`]), then
+//! clipped by the global norm (shards' `Σ‖g‖²` summed over dp, then over tp; the replicated
+//! parameters' counted once). A pipeline axis is refused.
 //!
 //! [`JobPlan::sharded`]: crate::job::JobPlan
 
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
-    add_eval_copy, chain_collectives, clip_across_shards, onto_rank, options, prune, shard_name,
-    shard_variable, Nodes, ShardedWeight, TensorGraphs, GROUP,
+    add_eval_copy, chain_collectives, clip_across_shards, data, dp_group, onto_rank, options,
+    prune, shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
 use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
@@ -63,30 +69,48 @@ fn weights(plan: &PlacementPlan) -> Vec<ShardedWeight> {
         .collect()
 }
 
-/// The training graphs of `graph` with hand placements on `mesh` (tensor axis only), one per
-/// rank on worker task `r`.
+/// The training graphs of `graph` with hand placements on `mesh`, one per rank in
+/// Megatron-core order (rank `t + tp·d` on worker task `t + tp·d`): replica `d` is the
+/// hand-placed tensor-parallel group, fed part `d` of every batch, its gradients summed over
+/// the rank's data-parallel group in buckets of at most `bucket_bytes` (see the module docs).
 pub(super) fn mesh_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
+    bucket_bytes: usize,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
-    if mesh.pp != 1 || mesh.dp != 1 {
+    if mesh.pp != 1 {
         return Err(options(format!(
-            "mesh {mesh}: a graph with placements written by hand (`_sharding`) runs on one \
-             tensor-parallel group: use --tp equal to the worker count, with no dp or pp axis"
+            "mesh {mesh}: a graph with placements written by hand (`_sharding`) does not run \
+             over a pipeline axis (pp={}); use --mesh dp=D,tp=T with D·T workers",
+            mesh.pp
         )));
     }
     let tp = mesh.tp;
-    check_job(graph, spec, tp, features, labels)?;
+    check_job(graph, spec, mesh.size(), features, labels)?;
     let plan = plan(graph, spec, tp)?;
     let shards = weights(&plan);
     let forward = graph.to_def();
-    let mut graphs = Vec::with_capacity(tp);
-    for r in 0..tp {
-        let mut g = rank_graph(&forward, &plan, &shards, spec, r, features, labels)?;
-        if r == 0 {
+    let mut graphs = Vec::with_capacity(mesh.size());
+    for rank in 0..mesh.size() {
+        let (t, d, _) = mesh.coords(rank);
+        let at = RankAt {
+            t,
+            tp,
+            task: rank,
+            group: tp_group(mesh, d),
+            data: (mesh.dp > 1).then(|| data::Replica {
+                part: d,
+                group: dp_group(t),
+                bucket_bytes,
+                ranks: mesh.dp,
+                zero_stage: None,
+            }),
+        };
+        let mut g = rank_graph(&forward, &plan, &shards, spec, &at, features, labels)?;
+        if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
             add_eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false)?;
         }
@@ -138,17 +162,18 @@ fn rename(nodes: &mut [NodeDef], from: &str, to: &str) {
     }
 }
 
+/// Rank `at.t`'s training graph of replica `at.data` (see the module docs).
 fn rank_graph(
     forward: &GraphDef,
     plan: &PlacementPlan,
     shards: &[ShardedWeight],
     spec: &TrainSpec,
-    r: usize,
+    at: &RankAt,
     features: &str,
     labels: &str,
 ) -> Result<ReplicaGraph, StrategyError> {
-    let tp = plan.tp;
-    let device = worker_device("", "", r)?;
+    let (tp, r) = (plan.tp, at.t);
+    let device = worker_device("", "", at.task)?;
     let mut def = forward.clone();
     def.train = None;
     let mut n = Nodes {
@@ -156,7 +181,7 @@ fn rank_graph(
         added: Vec::new(),
         device: device.clone(),
         instance: 1,
-        group: GROUP.to_string(),
+        group: at.group.clone(),
     };
     // The shards, drawn as their part of the whole variable (renamed below).
     let mut renames: HashMap<String, String> = HashMap::new();
@@ -283,16 +308,26 @@ fn rank_graph(
     }
     def.nodes.extend(std::mem::take(&mut n.added));
     // Renamed shards; everything on the rank.
-    onto_rank(&mut def.nodes, &renames, r)?;
+    onto_rank(&mut def.nodes, &renames, at.task)?;
     let mut keep = fetched(spec);
     keep.push(features.to_string());
     keep.push(labels.to_string());
     prune(&mut def, &keep);
-    // Clipping across the shards below (with no shard, the expansion's own clipping).
-    let (mut training, _) = expand_training_graph(
+    // With data parallelism, the replica's loss weighted by its share of the batch.
+    let weighting = at
+        .data
+        .as_ref()
+        .map(|_| data::weight_loss(&mut def, &spec.loss, &device));
+    // Clipping across the shards (and, with data parallelism, after the gradients' sums)
+    // below; with neither, the expansion's own clipping.
+    let own_clip = renames.is_empty() && at.data.is_none();
+    let (mut training, typed) = expand_training_graph(
         &def,
         &TrainSpec {
-            clip_global_norm: spec.clip_global_norm.filter(|_| renames.is_empty()),
+            clip_global_norm: spec.clip_global_norm.filter(|_| own_clip),
+            loss: weighting
+                .as_ref()
+                .map_or_else(|| spec.loss.clone(), |w| w.weighted.clone()),
             ..spec.clone()
         },
     )?;
@@ -301,9 +336,12 @@ fn rank_graph(
         added: Vec::new(),
         device,
         instance: n.instance,
-        group: GROUP.to_string(),
+        group: at.group.clone(),
     };
-    if let Some(clip) = spec.clip_global_norm.filter(|_| !renames.is_empty()) {
+    if let (Some(replica), Some(w)) = (&at.data, &weighting) {
+        data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
+    }
+    if let Some(clip) = spec.clip_global_norm.filter(|_| !own_clip) {
         clip_across_shards(&mut training, &mut n, &renames, clip);
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
@@ -312,11 +350,13 @@ fn rank_graph(
     Ok(ReplicaGraph {
         training,
         graph,
+        // Every rank feeds its replica's part of the batch (the whole batch, unweighted, when
+        // there is one replica).
         replicas: vec![ReplicaFeeds {
-            worker: 0,
+            worker: at.data.as_ref().map_or(0, |d| d.part),
             features: features.to_string(),
             labels: labels.to_string(),
-            weight: None,
+            weight: weighting.map(|w| w.weight),
         }],
         eval: EvalNames {
             features: features.to_string(),
@@ -407,6 +447,92 @@ pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, Stra
     Ok(out)
 }
 
+/// `dflow partition`'s section for a graph with hand placements on a `dp × tp` mesh with
+/// `dp > 1`: the data-parallel axis in words of placements (every parameter `Replicate` over
+/// `dp`, the batch `Shard(0)`), the tensor- and data-parallel groups with their ranks, and the
+/// gradient bytes each rank sums over its DP group per step with what it sends (ring
+/// all-reduce, `2(D−1)/D` of the bytes; the global loss's scalar not counted).
+pub fn render_data_parallel(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    features: &str,
+    labels: &str,
+) -> Result<String, StrategyError> {
+    use crate::mesh::Axis;
+    use std::fmt::Write as _;
+    let tg = mesh_training(graph, spec, mesh, bucket_bytes, features, labels)?;
+    let dp = mesh.dp;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\ndata parallelism over the hand-placed groups: dp={dp} × tp={} (ranks tp fastest; the \
+         tp section above is one replica's, on its part of the batch)",
+        mesh.tp
+    );
+    let _ = writeln!(
+        out,
+        "placements on the dp axis: every parameter (shard or replicated) Replicate; the batch \
+         ({features}, {labels}) Shard(0): replica d feeds part d, its loss weighted by its share"
+    );
+    let ranks = |g: &[usize]| {
+        g.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (d, g) in mesh.groups(Axis::Tp).iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  tp group {}: ranks {} (replica {d})",
+            tp_group(mesh, d),
+            ranks(g)
+        );
+    }
+    let first = tg
+        .graphs
+        .first()
+        .ok_or_else(|| options("the mesh has no rank".into()))?;
+    // Rank 0's gradient buckets: every input of its DP group's PackFlats.
+    let mut grads = 0usize;
+    let typed = &first.graph;
+    for pack in first
+        .training
+        .def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "PackFlat" && n.name.starts_with("dp/bucket_"))
+    {
+        for i in &pack.inputs {
+            if let Ok(InputRef::Data { node, index }) = InputRef::parse(i) {
+                if let Some(t) = typed.find(&node).and_then(|x| typed.output_type(x, index)) {
+                    grads += t
+                        .shape
+                        .as_static()
+                        .map_or(0, |d| d.iter().product::<usize>())
+                        * t.dtype.size_of();
+                }
+            }
+        }
+    }
+    for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  dp group {}: ranks {} (shard {t}): every gradient summed",
+            dp_group(t),
+            ranks(g)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "gradients each rank sums over its dp group per step: {grads} B (rank 0), sending \
+         {} B (ring all-reduce); clipping's norm summed over dp, then tp",
+        2 * (dp - 1) * grads / dp
+    );
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,7 +581,7 @@ mod tests {
             },
         );
         let mesh = Mesh::new(1, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, "x", "t").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "x", "t").unwrap();
         assert_eq!(tg.graphs.len(), 2);
         let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["v", "w", "m"]);
@@ -514,7 +640,15 @@ mod tests {
                 lr: 0.1,
             },
         );
-        let tg = mesh_training(&graph, &spec, &Mesh::new(1, 2, 1).unwrap(), "x", "t").unwrap();
+        let tg = mesh_training(
+            &graph,
+            &spec,
+            &Mesh::new(1, 2, 1).unwrap(),
+            1 << 20,
+            "x",
+            "t",
+        )
+        .unwrap();
         for g in &tg.graphs {
             let a2a = node(g, &node(g, "r").inputs[0]);
             assert_eq!(
@@ -548,8 +682,155 @@ mod tests {
         }
     }
 
+    /// `loss = Σ (x · w + b)` with `w` column-parallel and `b` replicated (it enters the
+    /// sharded bias, so it gets `f`), clipped by the global norm, on a dp=2 × tp=2 mesh.
     #[test]
-    fn a_data_parallel_axis_over_hand_placements_is_refused() {
+    fn dp2_tp2_replicates_the_hand_placed_group_and_sums_gradients_over_the_dp_groups() {
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[-1, 2]);
+        b.placeholder("t", DType::F32, &[-1]);
+        let w = b.variable("w", DType::F32, &[2, 4], "ones");
+        let bias = b.variable("b", DType::F32, &[4], "zeros");
+        b.set_sharding(&w, Shard(1));
+        let h = b.matmul("h", &x, &w);
+        let y = b.op("BiasAdd", "y").input(&h).input(&bias).finish();
+        b.op("Sum", "loss").input(&y).finish();
+        let graph = b.build().unwrap();
+        let mut spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::Sgd,
+                lr: 0.1,
+            },
+        );
+        spec.clip_global_norm = Some(1.0);
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "x", "t").unwrap();
+        assert_eq!(tg.graphs.len(), 4);
+        let key = |n: &NodeDef| match n.attrs.get("group_key") {
+            Some(AttrValue::String(s)) => s.to_string(),
+            _ => String::new(),
+        };
+        for (rank, g) in tg.graphs.iter().enumerate() {
+            let (t, d) = (rank % 2, rank / 2);
+            let nodes = &g.training.def.nodes;
+            // Rank t + 2d holds shard t of `w` on its own task, and feeds part d, weighted.
+            assert!(nodes.iter().any(|n| n.name == shard_name("w", t, 2)));
+            // Everything on the rank's task, but evaluation's copy on rank 0 (it reads rank
+            // 1's shard where it lives).
+            let task = format!("/job:worker/task:{rank}");
+            for n in nodes {
+                let eval = n.name.starts_with("eval/") || (rank == 0 && n.name == "w/tp_1_of_2");
+                assert!(n.device == task || eval, "{}: {}", n.name, n.device);
+            }
+            assert_eq!(g.replicas[0].worker, d);
+            let weight = g.replicas[0].weight.as_deref().expect("a batch weight");
+            assert_eq!(node(g, weight).op, "Placeholder");
+            // TP collectives in the replica's group, gradient sums in the shard's DP group
+            // (keys apart), and nothing else.
+            let (tp_key, dp_key) = (format!("tensor_d{d}"), format!("data_t{t}"));
+            let collectives: Vec<&NodeDef> = nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective") && !n.name.starts_with("eval/"))
+                .collect();
+            for c in &collectives {
+                let k = key(c);
+                assert!(k == tp_key || k == dp_key, "{}: {k}", c.name);
+            }
+            let sums: Vec<&&NodeDef> = collectives.iter().filter(|n| key(n) == dp_key).collect();
+            // One bucket of both gradients (`w`'s shard and `b`), then the global loss.
+            assert_eq!(sums.len(), 2, "{sums:?}");
+            assert_eq!(g.training.loss, sums[1].name);
+            // The clipping norm: the shards' squared norm of the summed gradients, all-reduced
+            // over the TP group, plus the replicated `b`'s counted once.
+            let shards = node(g, "tp/clip/shards_squared_norm");
+            assert_eq!(shards.inputs.len(), 1);
+            assert!(shards.inputs[0].starts_with("dp/bucket_0/grad_"));
+            let rep = node(g, "tp/clip/replicated_squared_norm");
+            assert!(rep
+                .inputs
+                .iter()
+                .all(|i| i.starts_with("dp/bucket_0/grad_")));
+            let sum = node(g, "tp/clip/shards_squared_norm_sum");
+            assert_eq!(key(sum), tp_key);
+            // Every update reads a clipped sum.
+            for u in nodes.iter().filter(|n| n.op.starts_with("Apply")) {
+                let grad = u.inputs.last().unwrap();
+                assert!(grad.starts_with("tp/clip/grad_"), "{grad}");
+                let c = node(g, grad);
+                assert!(
+                    c.inputs[0].starts_with("dp/bucket_0/grad_"),
+                    "{:?}",
+                    c.inputs
+                );
+            }
+        }
+        // The collectives are chained in one order, the same on every rank.
+        let order = |g: &ReplicaGraph| -> Vec<(String, String)> {
+            let mut chain: Vec<(String, String)> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                .map(|n| {
+                    let prev = n
+                        .inputs
+                        .iter()
+                        .find(|i| i.starts_with('^'))
+                        .cloned()
+                        .unwrap_or_default();
+                    let same = |s: &str| s.replace("tp_1_of_2", "tp_0_of_2");
+                    (same(&n.name), same(&prev))
+                })
+                .collect();
+            chain.sort();
+            chain
+        };
+        let first = order(&tg.graphs[0]);
+        assert!(first.len() >= 5, "{first:?}");
+        for g in &tg.graphs[1..] {
+            assert_eq!(order(g), first);
+        }
+        // The plan: TP groups {0,1} {2,3}, DP groups {0,2} {1,3}, two parts per batch.
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = crate::strategy::JobInput::new(&graph, &spec, &cluster, "x", "t");
+        use crate::strategy::Strategy as _;
+        let plan = crate::strategy::tensor::TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+            pipeline: None,
+            zero_stage: None,
+        }
+        .plan(&input)
+        .unwrap();
+        let groups: Vec<(&str, Vec<&str>)> = plan
+            .groups
+            .iter()
+            .map(|g| {
+                (
+                    g.key.as_str(),
+                    g.members.iter().map(String::as_str).collect(),
+                )
+            })
+            .collect();
+        let w = |i: u32| crate::job::task_name("worker", i);
+        let (w0, w1, w2, w3) = (w(0), w(1), w(2), w(3));
+        assert_eq!(
+            groups,
+            [
+                ("tensor_d0", vec![w0.as_str(), &w1]),
+                ("tensor_d1", vec![w2.as_str(), &w3]),
+                ("data_t0", vec![w0.as_str(), &w2]),
+                ("data_t1", vec![w1.as_str(), &w3]),
+            ]
+        );
+        assert_eq!(plan.batch_parts, 2);
+    }
+
+    #[test]
+    fn a_pipeline_axis_over_hand_placements_is_refused_naming_it() {
         let mut b = GraphBuilder::new();
         let x = b.placeholder("x", DType::F32, &[4, 2]);
         b.placeholder("t", DType::F32, &[4]);
@@ -565,9 +846,12 @@ mod tests {
                 lr: 0.1,
             },
         );
-        let e = mesh_training(&graph, &spec, &Mesh::new(2, 2, 1).unwrap(), "x", "t")
+        let e = mesh_training(&graph, &spec, &Mesh::new(1, 2, 2).unwrap(), 1, "x", "t")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("one tensor-parallel group"), "{e}");
+        assert!(
+            e.contains("does not run over a pipeline axis (pp=2)"),
+            "{e}"
+        );
     }
 }

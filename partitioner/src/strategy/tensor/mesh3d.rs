@@ -69,8 +69,8 @@ pub fn mesh3d_training(
     let (tp, dp, pp) = (mesh.tp, mesh.dp, mesh.pp);
     if super::hand::declares_placements(graph) {
         return Err(options(format!(
-            "mesh {mesh}: placements written by hand (`_sharding`) run on one tensor-parallel \
-             group only; drop the pp and dp axes (--tp equal to the worker count)"
+            "mesh {mesh}: placements written by hand (`_sharding`) do not run over a pipeline \
+             axis (pp={pp}); drop the pp axis (--mesh dp=D,tp=T with D·T workers)"
         )));
     }
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
@@ -164,6 +164,7 @@ pub fn mesh3d_training(
                 replica: d,
                 dp_groups: &dp_groups,
                 tensor: Some(&tensor),
+                zero: None,
             })?;
             g.eval = EvalNames {
                 features: features.to_string(),

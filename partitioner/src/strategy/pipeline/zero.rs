@@ -1,0 +1,392 @@
+//! ZeRO over a pipeline's data-parallel replicas (`--mesh dp=D,pp=P --zero-stage 1|2`): on
+//! every stage, in place of the all-reduce of the stage's gradients over its replicas
+//! (`gradients::all_reduce_gradients`), `--strategy zero`'s step
+//! (`zero::shard_step_with`) over the stage's data-parallel group (`pipeline/stage<s>`, the
+//! workers holding stage `s` in the `D` replicas): the gradients are summed rank-major in
+//! buckets (all-reduced at stage 1, reduce-scattered at stage 2), replica `d` keeps only the
+//! `1/D` shard `d` of the stage's Adam slots (`{slot}/shard_{d}_of_{D}`), updates its window of
+//! each weight and all-gathers the updated shards. Clipping by the whole model's global norm:
+//! each stage's `Σ‖g‖²` of its shards is summed over the stage's group, the stages' sums meet
+//! in one `GlobalNormScale` on the loss's stage, and the scale goes back to every stage.
+
+use super::rewrite::{RewriteInput, SCOPE};
+use super::{Pipeline, PipelineError, PipelineGraphs};
+use crate::strategy::allreduce::{fresh, node};
+use crate::strategy::zero::{self, Clip, ShardGroup};
+use crate::strategy::{JobInput, JobPlan, Strategy, StrategyError};
+use dflow_graph::train::TrainingGraph;
+use dflow_graph::{AttrValue, DType, Graph};
+use std::collections::{BTreeMap, HashSet};
+
+/// ZeRO's options over a pipeline's replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplicaZero {
+    /// 1: shard the Adam slots; 2: also reduce-scatter the gradients.
+    pub stage: u8,
+    /// Fusion threshold: the most bytes of (padded) gradients in one bucket.
+    pub bucket_bytes: usize,
+}
+
+/// `--strategy pipeline` with ZeRO over each stage's data-parallel replicas (see the module
+/// docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineZero {
+    /// The pipeline.
+    pub pipeline: Pipeline,
+    /// ZeRO over its replicas.
+    pub zero: ReplicaZero,
+}
+
+impl PipelineZero {
+    /// The training graphs of every replica, ZeRO's step in place of the replicas' sum.
+    pub fn training_graphs(&self, input: &JobInput<'_>) -> Result<PipelineGraphs, StrategyError> {
+        if !(1..=2).contains(&self.zero.stage) {
+            return Err(StrategyError::Options {
+                strategy: "pipeline",
+                message: format!(
+                    "--zero-stage {} over pipeline replicas does not run yet: use --zero-stage 1 or 2 (ZeRO-3 shards the parameters, which a pipeline stage does not gather)",
+                    self.zero.stage
+                ),
+            });
+        }
+        zero::check_optimizer(input.train, "pipeline")?;
+        let graphs = self.pipeline.replica_graphs(input, Some(self.zero))?;
+        if graphs.replicas.len() < 2 {
+            return Err(StrategyError::Options {
+                strategy: "pipeline",
+                message: format!(
+                    "--zero-stage {} shards each stage's Adam slots over the pipeline's data-parallel replicas, and {} workers for {} stages make one replica: use --mesh dp=D,pp=P with D ≥ 2",
+                    self.zero.stage,
+                    input.workers(),
+                    graphs.shape.stages
+                ),
+            });
+        }
+        Ok(graphs)
+    }
+}
+
+impl Strategy for PipelineZero {
+    fn name(&self) -> &'static str {
+        self.pipeline.name()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{}, ZeRO stage {} over each stage's data-parallel replicas",
+            self.pipeline.describe(),
+            self.zero.stage
+        )
+    }
+
+    fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
+        let graphs = self.training_graphs(input)?;
+        let replicas = graphs.replicas.len();
+        let (mut plan, _) = self.pipeline.plan_graphs(input, graphs, self.describe())?;
+        // Each slot `{w}/adam_m` is the concatenation of its replicas' shards.
+        let params: BTreeMap<String, (DType, Vec<usize>)> = input
+            .graph
+            .node_indices()
+            .filter(|&i| input.graph.node(i).op == "Variable")
+            .filter_map(|i| {
+                let ty = input.graph.output_type(i, 0)?;
+                Some((
+                    input.graph.node(i).name.clone(),
+                    (ty.dtype, ty.shape.as_static()?),
+                ))
+            })
+            .collect();
+        plan.sharded = zero::slot_shards(&plan.variables, &params, replicas);
+        Ok(plan)
+    }
+
+    fn full_batches(&self) -> bool {
+        true
+    }
+}
+
+/// ZeRO's step on every stage of one replica's training graph (see the module docs), in place
+/// of the replicas' all-reduce and of the pipeline's clipping; `loss` (this replica's weighted
+/// loss) is summed over the loss stage's group. `typed` is the validated `training.def`.
+/// Returns the name of the global batch's loss.
+pub(super) fn shard_stages(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    input: &RewriteInput<'_>,
+    zero: ReplicaZero,
+    loss_device: &str,
+) -> Result<String, StrategyError> {
+    let internal = |what: String| StrategyError::from(PipelineError::Internal(what));
+    let device_index = |name: &str| {
+        let d = training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .map(|n| n.device.as_str());
+        d.and_then(|d| input.devices.iter().position(|x| x == d))
+    };
+    // Each stage's parameters: those whose variable lives on its device (with its slots and
+    // update).
+    let mut by_device: BTreeMap<usize, Vec<(String, String)>> = BTreeMap::new();
+    for (var, grad) in &training.gradients {
+        let d =
+            device_index(var).ok_or_else(|| internal(format!("the device of variable `{var}`")))?;
+        by_device
+            .entry(d)
+            .or_default()
+            .push((var.clone(), grad.clone()));
+    }
+    let loss_stage = input
+        .devices
+        .iter()
+        .position(|d| d == loss_device)
+        .ok_or_else(|| internal(format!("the loss device {loss_device}")))?;
+    let all = std::mem::take(&mut training.gradients);
+    let mut taken: HashSet<String> = training.def.nodes.iter().map(|n| n.name.clone()).collect();
+    let scale = fresh(&mut taken, &format!("{SCOPE}/zero/clip/global_norm_scale"));
+    let clip = input.spec.clip_global_norm;
+    let mut squared = Vec::new();
+    let mut added = Vec::new();
+    let mut global = None;
+    for (d, device) in input.devices.iter().enumerate() {
+        let key = input
+            .dp_groups
+            .get(d)
+            .ok_or_else(|| internal(format!("no data-parallel group for stage {d}")))?;
+        let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, 1);
+        if let Some(grads) = by_device.remove(&d) {
+            training.gradients = grads;
+            let ctx = ShardGroup {
+                rank: input.replica,
+                ranks: input.replicas,
+                stage: zero.stage,
+                key: key.clone(),
+                bucket_bytes: zero.bucket_bytes,
+            };
+            let how = if clip.is_some() {
+                Clip::Scale(&scale)
+            } else {
+                Clip::None
+            };
+            let (_, sq) = zero::shard_step_with(training, typed, &mut nodes, &ctx, how, None)?;
+            squared.extend(sq);
+        }
+        if d == loss_stage {
+            // Last of the stage's collectives: every replica reports the global batch's loss.
+            global = Some(nodes.collective(
+                key,
+                &format!("{SCOPE}/loss/global"),
+                "CollectiveAllReduce",
+                training.loss.clone(),
+                input.replicas,
+                true,
+            ));
+        }
+        taken = std::mem::take(&mut nodes.taken);
+        added.extend(nodes.added);
+    }
+    training.gradients = all;
+    if let Some(clip) = clip {
+        let total = fresh(&mut taken, &format!("{SCOPE}/zero/clip/squared_norm"));
+        added.push(node(&total, "AddN", squared, loss_device));
+        let mut gns = node(&scale, "GlobalNormScale", vec![total], loss_device);
+        gns.attrs = BTreeMap::from([
+            ("clip_norm".to_string(), AttrValue::Float(clip)),
+            ("squared_norm".to_string(), AttrValue::Bool(true)),
+        ]);
+        added.push(gns);
+    }
+    training.def.nodes.extend(added);
+    global.ok_or_else(|| internal("no global loss".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy::pipeline::gradients::stage_group;
+    use crate::strategy::pipeline::schedule::ScheduleKind;
+    use dflow_graph::layers::{gpt, GptConfig};
+    use dflow_graph::{ClusterSpec, NodeDef, Shape};
+
+    /// A small GPT (AdamW, clipping) with windows of 4 tokens.
+    fn model() -> (Graph, dflow_graph::train::TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs.insert(
+                    "shape".into(),
+                    AttrValue::Shape(Shape::partial(vec![None, Some(4)])),
+                );
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    fn strategy(stage: u8) -> PipelineZero {
+        PipelineZero {
+            pipeline: Pipeline {
+                stages: Some(2),
+                micro_batches: 2,
+                schedule: ScheduleKind::OneFOneB,
+                chunks: 1,
+                batch_size: Some(4),
+            },
+            zero: ReplicaZero {
+                stage,
+                bucket_bytes: 1 << 20,
+            },
+        }
+    }
+
+    fn group_key(n: &NodeDef) -> String {
+        match n.attrs.get("group_key") {
+            Some(AttrValue::String(k)) => k.to_string(),
+            other => panic!("{} group_key: {other:?}", n.name),
+        }
+    }
+
+    #[test]
+    fn dp2_pp2_zero_each_stages_ranks_hold_their_dp_shard_of_that_stages_slots_only() {
+        let (graph, spec) = model();
+        assert!(spec.clip_global_norm.is_some());
+        let cluster = ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let elements = |var: &str| -> usize {
+            let i = graph.find(var).unwrap();
+            let dims = graph.output_type(i, 0).unwrap().shape.as_static().unwrap();
+            dims.iter().product()
+        };
+        for stage in [1u8, 2] {
+            let s = strategy(stage);
+            let graphs = s.training_graphs(&input).unwrap();
+            assert_eq!(graphs.replicas.len(), 2);
+            // Megatron-core order: stage p of replica d is worker 2p + d.
+            let worker = |p: usize, d: usize| super::super::worker_device(2 * p + d);
+            let mut stage_vars: Vec<Vec<String>> = vec![Vec::new(); 2];
+            for (d, g) in graphs.replicas.iter().enumerate() {
+                let nodes = &g.training.def.nodes;
+                let updates: Vec<&NodeDef> =
+                    nodes.iter().filter(|n| n.op == "ApplyAdamW").collect();
+                assert_eq!(updates.len(), g.training.gradients.len());
+                for u in &updates {
+                    let var = &u.inputs[0];
+                    let device = &nodes.iter().find(|n| &n.name == var).unwrap().device;
+                    let p = (0..2).find(|&p| *device == worker(p, d)).unwrap();
+                    if d == 0 {
+                        stage_vars[p].push(var.clone());
+                    }
+                    let shard = elements(var).div_ceil(2);
+                    assert_eq!(
+                        u.attrs.get("shard_offset"),
+                        Some(&AttrValue::Int((d * shard) as i64)),
+                        "{}",
+                        u.name
+                    );
+                    for (k, slot) in [(1, "adam_m"), (2, "adam_v")] {
+                        let name = format!("{var}/{slot}/shard_{d}_of_2");
+                        assert_eq!(u.inputs[k], name);
+                        let v = nodes.iter().find(|x| x.name == name).unwrap();
+                        // The slot shard lives with its variable, on that stage's worker.
+                        assert_eq!(&v.device, device);
+                        assert_eq!(
+                            v.attrs.get("shape"),
+                            Some(&AttrValue::Shape(Shape::known(&[shard])))
+                        );
+                    }
+                }
+                // No whole slot, and no other replica's shard.
+                assert!(!nodes.iter().any(|x| x.name.ends_with("/adam_m")));
+                assert!(nodes
+                    .iter()
+                    .filter(|x| x.op == "Variable" && x.name.ends_with("_of_2"))
+                    .all(|x| x.name.ends_with(&format!("shard_{d}_of_2"))));
+                // The gradients are summed and the shards gathered over the stage's dp group
+                // only; no replica all-reduce of whole gradients is left.
+                let summing = if stage == 1 {
+                    "CollectiveAllReduce"
+                } else {
+                    "CollectiveReduceScatter"
+                };
+                for p in 0..2 {
+                    let on = |op: &str| -> Vec<&NodeDef> {
+                        nodes
+                            .iter()
+                            .filter(|n| n.op == op && n.device == worker(p, d))
+                            .filter(|n| n.name.starts_with("zero/bucket_"))
+                            .collect()
+                    };
+                    let buckets = on(summing);
+                    assert!(!buckets.is_empty(), "stage {p}");
+                    assert!(buckets.iter().all(|n| group_key(n) == stage_group(p)));
+                    let gathers = on("CollectiveAllGather");
+                    assert_eq!(gathers.len(), buckets.len());
+                    assert!(gathers.iter().all(|n| group_key(n) == stage_group(p)));
+                }
+                assert!(!nodes
+                    .iter()
+                    .any(|n| n.name.starts_with("pipeline/allreduce/")));
+                // One clipping scale, from both stages' squared norms, on the loss's stage.
+                let scales: Vec<&NodeDef> =
+                    nodes.iter().filter(|n| n.op == "GlobalNormScale").collect();
+                assert_eq!(scales.len(), 1);
+                assert_eq!(scales[0].device, worker(1, d));
+            }
+            // Both stages hold parameters, and together every one.
+            assert!(stage_vars.iter().all(|v| !v.is_empty()));
+            let total: usize = stage_vars.iter().map(Vec::len).sum();
+            assert_eq!(
+                total,
+                graph
+                    .node_indices()
+                    .filter(|&i| graph.node(i).op == "Variable")
+                    .count()
+            );
+            // The plan joins the shards of every slot for checkpoints.
+            let plan = s.plan(&input).unwrap();
+            let var = &stage_vars[1][0];
+            let joined = plan
+                .sharded
+                .iter()
+                .find(|v| v.logical == format!("{var}/adam_m"))
+                .unwrap();
+            assert_eq!(
+                joined.shards,
+                [
+                    format!("{var}/adam_m/shard_0_of_2"),
+                    format!("{var}/adam_m/shard_1_of_2")
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn zero_over_a_pipeline_refuses_stage_3_one_replica_and_sgd_naming_them() {
+        let (graph, spec) = model();
+        let four = ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &four, "idx", "targets");
+        let e = strategy(3).plan(&input).unwrap_err().to_string();
+        assert!(
+            e.contains("--zero-stage 3 over pipeline replicas does not run yet"),
+            "{e}"
+        );
+        let two = ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &two, "idx", "targets");
+        let e = strategy(1).plan(&input).unwrap_err().to_string();
+        assert!(e.contains("make one replica"), "{e}");
+        let mut sgd = spec.clone();
+        sgd.optimizer.kind = dflow_graph::train::OptimizerKind::Sgd;
+        let input = JobInput::new(&graph, &sgd, &four, "idx", "targets");
+        let e = strategy(1).plan(&input).unwrap_err().to_string();
+        assert!(e.contains("shards the Adam/AdamW slots"), "{e}");
+    }
+}
