@@ -95,7 +95,7 @@ pub struct Args {
     pub timeline: Option<PathBuf>,
     /// With --strategy zero: 1 shards the Adam/AdamW slots over the workers, 2 also the summed
     /// gradients (reduce-scatter instead of all-reduce), 3 also the parameters (all-gathered
-    /// before each use). Default 1. With --mesh dp=D,tp=T: stage 1 or 2 over each rank's
+    /// before each use). Default 1. With --mesh dp=D,tp=T: any stage over each rank's
     /// data-parallel group.
     #[arg(long, requires = "planned", value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,

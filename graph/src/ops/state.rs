@@ -56,7 +56,10 @@ pub(crate) fn register(r: &mut OpRegistry) {
              `shard_parts` > 0, the variable is instead shard `shard_index` of \
              `shard_of` cut along `shard_axis` into `shard_parts` parts, the axis taken as \
              `shard_blocks` blocks cut separately and padded with zeros to `shard_padded` (0: no \
-             padding) — see `axis_split` (tensor parallelism keeps its weights this way). With \
+             padding) — see `axis_split` (tensor parallelism keeps its weights this way); with \
+             `shard_flat` also set, the variable is then the vector of elements \
+             [shard_offset, shard_offset + shape[0]) of that shard flattened and padded with \
+             zeros (ZeRO-3 beside tensor parallelism). With \
              `shard_stride` k > 1 a row shard holds rows shard_offset, shard_offset + k, ... (a \
              `mod`-partitioned embedding shard). `partition_strategy` (`mod` or `div`) marks an \
              embedding table that the ps strategy shards over the ps tasks.",
@@ -376,6 +379,9 @@ enum ShardInit {
         whole: Vec<usize>,
         split: AxisSplit,
         index: usize,
+        /// With `shard_flat`: the variable is the flat elements of the split shard from this
+        /// one on (zero-padded past its end).
+        flat: Option<usize>,
     },
 }
 
@@ -445,6 +451,31 @@ fn shard_init(
     if index >= split.parts {
         return Err(format!("shard_index {index} ≥ shard_parts {}", split.parts));
     }
+    let flat = match attrs.get("shard_flat") {
+        None | Some(AttrValue::Bool(false)) => false,
+        Some(AttrValue::Bool(true)) => true,
+        Some(v) => return Err(format!("attribute `shard_flat` is {}, not bool", v.ty())),
+    };
+    if flat {
+        // A flat shard of the split shard (ZeRO-3's shard of a tensor-parallel shard).
+        let of = split.shard_dims(&whole);
+        let total: usize = of.iter().product();
+        let first = nonneg("shard_offset", 0)?;
+        if dims.len() != 1 || first > total {
+            return Err(format!(
+                "a flat shard must be a vector starting within the split shard: shape {dims:?} \
+                 at element {first} of shard {index} of {whole:?} cut along axis {axis} into {} \
+                 parts, {of:?} ({total} elements)",
+                split.parts
+            ));
+        }
+        return Ok(Some(ShardInit::Split {
+            whole,
+            split,
+            index,
+            flat: Some(first),
+        }));
+    }
     if split.shard_dims(&whole) != dims {
         return Err(format!(
             "a shard of {whole:?} cut along axis {axis} into {} parts is {:?}, not {dims:?}",
@@ -456,6 +487,7 @@ fn shard_init(
         whole,
         split,
         index,
+        flat: None,
     }))
 }
 
@@ -606,7 +638,14 @@ impl Kernel for VariableKernel {
             };
             // The whole variable's value is drawn once, at the first step, and sliced.
             match &self.shard {
-                Some(ShardInit::Split { split, index, .. }) => t = split.shard(&t, *index)?,
+                Some(ShardInit::Split {
+                    split, index, flat, ..
+                }) => {
+                    t = split.shard(&t, *index)?;
+                    if let Some(first) = flat {
+                        t = flat_elements(&t, *first, self.dims[0])?;
+                    }
+                }
                 Some(ShardInit::Rows { first, stride, .. }) => {
                     let row = t.num_elements() / dims[0].max(1) * t.dtype().size_of();
                     let mut bytes = Vec::with_capacity(self.dims[0] * row);
@@ -622,14 +661,7 @@ impl Kernel for VariableKernel {
                         .map_err(|e| e.to_string())?;
                 }
                 Some(ShardInit::Flat { first, .. }) => {
-                    let size = t.dtype().size_of();
-                    let all = t.as_bytes();
-                    let start = (first * size).min(all.len());
-                    let end = ((first + self.dims[0]) * size).min(all.len());
-                    let mut bytes = all[start..end].to_vec();
-                    bytes.resize(self.dims[0] * size, 0);
-                    t = Tensor::from_bytes(self.dtype, &self.dims, &bytes)
-                        .map_err(|e| e.to_string())?;
+                    t = flat_elements(&t, *first, self.dims[0])?;
                 }
                 None => {}
             }
@@ -638,6 +670,21 @@ impl Kernel for VariableKernel {
         })?;
         ctx.set_output(0, value)
     }
+}
+
+/// The `len` flat elements of `t` from element `first` on, as a vector, zero-padded past `t`'s
+/// end (a flat shard).
+fn flat_elements(t: &Tensor, first: usize, len: usize) -> Result<Tensor, String> {
+    let size = t.dtype().size_of();
+    let all = t.as_bytes();
+    let start = first.saturating_mul(size).min(all.len());
+    let end = first
+        .saturating_add(len)
+        .saturating_mul(size)
+        .min(all.len());
+    let mut bytes = all[start..end].to_vec();
+    bytes.resize(len * size, 0);
+    Tensor::from_bytes(t.dtype(), &[len], &bytes).map_err(|e| e.to_string())
 }
 
 // ---- gradients ----
@@ -711,6 +758,71 @@ pub(crate) mod gradients {
         let err =
             run_kernel_with("Variable", "w/tp_1_of_2", &attrs, &[], &[], &cell()).unwrap_err();
         assert!(err.contains("[2, 4]") && err.contains("[1, 4]"), "{err}");
+    }
+
+    #[test]
+    fn flat_shards_of_axis_split_shards_reassemble_the_whole_variable() {
+        use crate::ops::testing::run_kernel_with;
+        let cell = || [std::sync::Arc::new(crate::kernel::VariableCell::default())];
+        let base = |shape: &[usize]| {
+            vec![
+                ("dtype", AttrValue::DType(DType::F32)),
+                ("shape", AttrValue::Shape(Shape::known(shape))),
+                ("initializer", AttrValue::String("normal".into())),
+                ("seed", AttrValue::Int(9)),
+            ]
+        };
+        let whole = run_kernel_with("Variable", "w", &base(&[3, 4]), &[], &[], &cell())
+            .unwrap()
+            .remove(0);
+        let w = whole.as_slice::<f32>().unwrap();
+        // T = 2 column shards of [3, 2] (6 elements), each cut flat over D = 4 ranks: shards of
+        // 2 elements, the last one all padding.
+        let (tp, dp, size) = (2usize, 4usize, 2usize);
+        let mut rebuilt = vec![f32::NAN; 12];
+        for t in 0..tp {
+            let mut joined = Vec::new();
+            for d in 0..dp {
+                let mut attrs = base(&[size]);
+                attrs.extend([
+                    ("shard_of", AttrValue::Shape(Shape::known(&[3, 4]))),
+                    ("shard_name", AttrValue::String("w".into())),
+                    ("shard_axis", AttrValue::Int(1)),
+                    ("shard_parts", AttrValue::Int(tp as i64)),
+                    ("shard_index", AttrValue::Int(t as i64)),
+                    ("shard_flat", AttrValue::Bool(true)),
+                    ("shard_offset", AttrValue::Int((d * size) as i64)),
+                ]);
+                let name = format!("w/tp_{t}_of_2/shard_{d}_of_4");
+                let piece = run_kernel_with("Variable", &name, &attrs, &[], &[], &cell())
+                    .unwrap()
+                    .remove(0);
+                assert_eq!(piece.dims(), &[size]);
+                joined.extend_from_slice(piece.as_slice::<f32>().unwrap());
+            }
+            assert_eq!(&joined[6..], &[0.0, 0.0], "the padding is zeros");
+            // The tensor-parallel shard [3, 2] holds columns 2t, 2t + 1.
+            for i in 0..3 {
+                for j in 0..2 {
+                    rebuilt[i * 4 + t * 2 + j] = joined[i * 2 + j];
+                }
+            }
+        }
+        assert_eq!(
+            rebuilt, w,
+            "the D·T pieces are exactly the one-process value"
+        );
+        // A flat shard starting past the split shard's end is refused, naming it.
+        let mut attrs = base(&[size]);
+        attrs.extend([
+            ("shard_of", AttrValue::Shape(Shape::known(&[3, 4]))),
+            ("shard_axis", AttrValue::Int(1)),
+            ("shard_parts", AttrValue::Int(2)),
+            ("shard_flat", AttrValue::Bool(true)),
+            ("shard_offset", AttrValue::Int(7)),
+        ]);
+        let err = run_kernel_with("Variable", "w/x", &attrs, &[], &[], &cell()).unwrap_err();
+        assert!(err.contains("element 7") && err.contains("[3, 2]"), "{err}");
     }
 
     #[test]

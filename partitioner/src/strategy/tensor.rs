@@ -43,7 +43,8 @@
 //!   over the rank's DP group in fused buckets, exactly as `--strategy allreduce` averages
 //!   ([`data`]), before clipping and the update. With `--zero-stage 1|2` the DP group runs
 //!   ZeRO instead (`data::zero_step`: the rank keeps its `1/D` shard of its weights' Adam
-//!   slots, clipping's norm summed over the DP group and then the TP group).
+//!   slots, clipping's norm summed over the DP group and then the TP group; at stage 3 also
+//!   its `1/D` flat shard of each weight, all-gathered over the DP group before each use).
 //!
 //! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
@@ -108,7 +109,8 @@ pub struct TensorParallel {
     pub pipeline: Option<Pipeline>,
     /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
     /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
-    /// their gradients (`data::zero_step`). Stages 1 and 2, `D > 1`, no pipeline axis.
+    /// their gradients (`data::zero_step`; stage 3 also shards the weights). Stages 1 to 3,
+    /// `D > 1`, no pipeline axis.
     pub zero_stage: Option<u8>,
 }
 
@@ -333,7 +335,7 @@ impl TensorParallel {
     }
 }
 
-/// ZeRO beside tensor parallelism runs at stages 1 and 2 over a data-parallel axis of at least
+/// ZeRO beside tensor parallelism runs at stages 1 to 3 over a data-parallel axis of at least
 /// two replicas; anything else is an error saying what to do.
 fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
     if mesh.pp > 1 {
@@ -348,11 +350,9 @@ fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
              this mesh has one replica; use dp ≥ 2 or drop --zero-stage"
         )));
     }
-    if !matches!(stage, 1 | 2) {
+    if !matches!(stage, 1..=3) {
         return Err(options(format!(
-            "mesh {mesh} with --zero-stage {stage}: beside tensor parallelism ZeRO runs at \
-             stages 1 and 2 (stage 3's parameter shards of tensor-parallel shards do not run \
-             yet); use --zero-stage 1 or 2"
+            "mesh {mesh} with --zero-stage {stage}: ZeRO's stages are 1, 2 and 3"
         )));
     }
     Ok(())
@@ -738,7 +738,8 @@ pub fn mesh_training(
         let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
         if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
-            add_eval_copy(&mut g, &def, &shards, spec, tp, &on_rank, false)?;
+            let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
+            eval_copy(&mut g, &def, &shards, spec, tp, &on_rank, false, zero3)?;
         }
         graphs.push(g);
     }
@@ -1124,10 +1125,12 @@ fn rank_graph(
         group: at.group.clone(),
     };
     let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
+    // ZeRO-3: the parameters to shard over the dp group, and the group.
+    let mut zero3 = None;
     match (&at.data, &weighting, zero_stage) {
         (Some(replica), Some(w), Some(stage)) => {
             let sharded: HashSet<String> = renames.values().cloned().collect();
-            data::zero_step(
+            let params = data::zero_step(
                 &mut training,
                 &typed,
                 &mut n,
@@ -1138,6 +1141,9 @@ fn rank_graph(
                 &sharded,
                 spec.clip_global_norm,
             )?;
+            if stage >= 3 {
+                zero3 = Some((params, data::shard_group(replica, stage)));
+            }
         }
         (data, weighting, _) => {
             if let (Some(replica), Some(w)) = (data, weighting) {
@@ -1149,6 +1155,9 @@ fn rank_graph(
         }
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
+    if let Some((params, group)) = zero3 {
+        shard_parameters(&mut training, &def, &params, &group, &device, n.instance)?;
+    }
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     Ok(ReplicaGraph {
@@ -1353,6 +1362,45 @@ fn chain_collectives(training: &mut TrainingGraph) -> Result<(), StrategyError> 
     Ok(())
 }
 
+/// ZeRO-3 over the data-parallel `group`: each of the rank's trained weights (its
+/// tensor-parallel shards and the replicated parameters, `params` in ZeRO's shard layout)
+/// becomes its flat shard over the group, `{w}/shard_{d}_of_{D}`, all-gathered over the group
+/// just before its forward and its backward uses ([`zero::params::shard_parameters`]); the
+/// gathers are numbered from `instance`, in the graph's order (the same on every rank of the
+/// group). `forward` is the rank's forward graph.
+fn shard_parameters(
+    training: &mut TrainingGraph,
+    forward: &GraphDef,
+    params: &[super::zero::Param],
+    group: &super::zero::ShardGroup,
+    device: &str,
+    instance: i64,
+) -> Result<(), StrategyError> {
+    let passes: HashSet<String> = forward.nodes.iter().map(|x| x.name.clone()).collect();
+    let roots = [training.train_op.clone(), training.loss.clone()];
+    let roots: Vec<&str> = roots
+        .iter()
+        .map(|r| r.split(':').next().unwrap_or(r))
+        .collect();
+    super::zero::params::shard_parameters(
+        &mut training.def,
+        params,
+        group,
+        &passes,
+        &roots,
+        device,
+    )?;
+    let gathers = training.def.nodes.iter_mut().filter(|x| {
+        x.op == "CollectiveAllGather"
+            && matches!(x.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *group.key)
+            && matches!(x.attrs.get("instance_key"), Some(AttrValue::Int(0)))
+    });
+    for (x, key) in gathers.zip(instance..) {
+        x.attrs.insert("instance_key".into(), AttrValue::Int(key));
+    }
+    Ok(())
+}
+
 /// Adds to rank 0's graph a copy of the forward graph, `eval/<name>`, on worker 0, whose
 /// sharded weights are assembled from every rank's shards (rank `r`'s shard of variable
 /// `v` on `shard_device(v, r)`), and points evaluation at it. With `own_placeholders` the copy reads
@@ -1366,6 +1414,33 @@ pub(super) fn add_eval_copy(
     tp: usize,
     shard_device: &dyn Fn(&NodeDef, usize) -> Result<String, StrategyError>,
     own_placeholders: bool,
+) -> Result<(), StrategyError> {
+    eval_copy(
+        g,
+        forward,
+        shards,
+        spec,
+        tp,
+        shard_device,
+        own_placeholders,
+        None,
+    )
+}
+
+/// [`add_eval_copy`], where with `zero3 = Some(D)` every weight is ZeRO-3's flat shards over
+/// the data-parallel groups of `D` replicas (`{w}/shard_{d}_of_{D}` on worker `t + T·d` for
+/// tensor-parallel shard `t`, or `0 + T·d` for a replicated weight): each weight is first
+/// joined from its `D` flat shards, then the tensor-parallel shards into the whole weight.
+#[allow(clippy::too_many_arguments)]
+fn eval_copy(
+    g: &mut ReplicaGraph,
+    forward: &GraphDef,
+    shards: &[ShardedWeight],
+    spec: &TrainSpec,
+    tp: usize,
+    shard_device: &dyn Fn(&NodeDef, usize) -> Result<String, StrategyError>,
+    own_placeholders: bool,
+    zero3: Option<usize>,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
     let by_name: HashMap<&str, &ShardedWeight> =
@@ -1384,17 +1459,72 @@ pub(super) fn add_eval_copy(
         group: GROUP.to_string(),
     };
     let mut map: HashMap<String, String> = HashMap::new();
+    // ZeRO-3: the value of variable `v` (named `name` on rank `t` of replica 0) joined from its
+    // flat shards over the replicas, `None` where it is not sharded so.
+    // `probe`: the variable's name on rank 0, whose shard 0 is there when it is sharded.
+    let joined_flat = |n: &mut Nodes,
+                       v: &NodeDef,
+                       (name, probe): (&str, &str),
+                       dims: &[usize],
+                       t: usize|
+     -> Result<Option<String>, StrategyError> {
+        let Some(dp) = zero3 else {
+            return Ok(None);
+        };
+        if !n
+            .taken
+            .contains(&super::zero::params::shard_name(probe, 0, dp))
+        {
+            return Ok(None);
+        }
+        let mut pieces = Vec::with_capacity(dp);
+        for d in 0..dp {
+            let piece = super::zero::params::shard_name(name, d, dp);
+            if t > 0 || d > 0 {
+                let mut copy = v.clone();
+                super::zero::params::flat_shard(&mut copy, name, dims, d, dp);
+                copy.name = piece.clone();
+                copy.device = worker_device(&v.name, &v.device, t + tp * d)?;
+                copy.colocate_with.clear();
+                n.added.push(copy);
+            }
+            pieces.push(piece);
+        }
+        let joined = n.add(&format!("eval/{name}/flat"), "PackFlat", pieces, vec![]);
+        Ok(Some(n.add(
+            &format!("eval/{name}/whole"),
+            "FlatSlice",
+            vec![joined],
+            vec![
+                ("offset", AttrValue::Int(0)),
+                ("shape", AttrValue::Shape(Shape::known(dims))),
+            ],
+        )))
+    };
     for v in forward.nodes.iter().filter(|v| v.op == "Variable") {
         let Some(s) = by_name.get(v.name.as_str()) else {
+            // A replicated weight: whole on every rank, or ZeRO-3's flat shards.
+            let dims = match v.attrs.get("shape") {
+                Some(AttrValue::Shape(d)) => d.as_static(),
+                _ => None,
+            };
+            if let Some(dims) = dims {
+                if let Some(whole) = joined_flat(&mut n, v, (&v.name, &v.name), &dims, 0)? {
+                    map.insert(v.name.clone(), whole);
+                }
+            }
             continue;
         };
         let dims = s.split.shard_dims(&s.dims);
         let mut parts = Vec::with_capacity(tp);
         for r in 0..tp {
-            let name = shard_name(&v.name, r, tp);
-            if r > 0 {
-                let mut copy = v.clone();
-                shard_variable(&mut copy, s, r);
+            let mut name = shard_name(&v.name, r, tp);
+            let probe = shard_name(&v.name, 0, tp);
+            let mut copy = v.clone();
+            shard_variable(&mut copy, s, r);
+            if let Some(whole) = joined_flat(&mut n, &copy, (&name, &probe), &dims, r)? {
+                name = whole;
+            } else if r > 0 {
                 copy.name = name.clone();
                 copy.device = shard_device(v, r)?;
                 copy.colocate_with.clear();
@@ -1494,7 +1624,9 @@ fn sharded_variables(
         let dtype = variables
             .iter()
             .find(|v| v.name == first)
-            .map_or(DType::F32, |v| v.dtype);
+            .map(|v| v.dtype)
+            .or_else(|| zero.iter().find(|z| z.logical == first).map(|z| z.dtype))
+            .unwrap_or(DType::F32);
         let entry = |logical: String, dtype: DType, shards: Vec<String>| AxisShardedVariable {
             logical,
             dtype,
@@ -1978,15 +2110,15 @@ mod tests {
     }
 
     #[test]
-    fn zero_beside_tp_refuses_stage_3_one_replica_a_pipeline_and_sgd_naming_them() {
+    fn zero_beside_tp_refuses_stage_4_one_replica_a_pipeline_and_sgd_naming_them() {
         let (graph, mut spec) = model(11, 2, 4);
         let refused = |spec: &TrainSpec, mesh: Mesh, stage: u8| {
             mesh_training(&graph, spec, &mesh, 1, Some(stage), "idx", "targets")
                 .unwrap_err()
                 .to_string()
         };
-        let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 3);
-        assert!(e.contains("use --zero-stage 1 or 2"), "{e}");
+        let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 4);
+        assert!(e.contains("stages are 1, 2 and 3"), "{e}");
         let e = refused(&spec, Mesh::new(1, 2, 1).unwrap(), 1);
         assert!(e.contains("this mesh has one replica"), "{e}");
         let e = refused(&spec, Mesh::new(2, 2, 2).unwrap(), 1);
@@ -1994,6 +2126,119 @@ mod tests {
         spec.optimizer.kind = dflow_graph::train::OptimizerKind::Sgd;
         let e = refused(&spec, Mesh::new(2, 2, 1).unwrap(), 1);
         assert!(e.contains("optimizer is sgd"), "{e}");
+    }
+
+    #[test]
+    fn dp2_tp2_zero3_keeps_each_ranks_flat_shard_of_its_tp_shards_and_gathers_it_before_each_use() {
+        let (graph, spec) = model(11, 2, 4);
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let str_attr = |n: &NodeDef, a: &str| match n.attrs.get(a) {
+            Some(AttrValue::String(k)) => k.to_string(),
+            other => panic!("{} {a}: {other:?}", n.name),
+        };
+        let int = |n: &NodeDef, a: &str| match n.attrs.get(a) {
+            Some(AttrValue::Int(v)) => *v,
+            other => panic!("{} {a}: {other:?}", n.name),
+        };
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, Some(3), "idx", "targets").unwrap();
+        let w = "transformer.h.0.attn.c_attn.weight";
+        let mut orders = Vec::new();
+        for (rank, g) in tg.graphs.iter().enumerate() {
+            let (t, d, _) = mesh.coords(rank);
+            let nodes = &g.training.def.nodes;
+            let find = |name: &str| nodes.iter().find(|x| x.name == name);
+            // The rank's flat shard d of its TP shard t of c_attn ([12, 8], 96 elements).
+            let tp = shard_name(w, t, 2);
+            let shard = find(&format!("{tp}/shard_{d}_of_2")).unwrap();
+            assert_eq!(shard.op, "Variable");
+            assert_eq!(
+                shard.attrs.get("shape"),
+                Some(&AttrValue::Shape(Shape::known(&[48])))
+            );
+            assert_eq!(int(shard, "shard_parts"), 2);
+            assert_eq!(int(shard, "shard_index"), t as i64);
+            assert_eq!(int(shard, "shard_offset"), 48 * d as i64);
+            assert_eq!(shard.attrs.get("shard_flat"), Some(&AttrValue::Bool(true)));
+            assert_eq!(str_attr(shard, "shard_name"), w);
+            // Neither the TP shard nor a replicated weight is held whole.
+            assert!(find(&tp).is_none());
+            assert!(find("transformer.wpe.weight").is_none());
+            assert!(find(&format!("transformer.wpe.weight/shard_{d}_of_2")).is_some());
+            // Forward and backward gathers over the dp group, each read only through its slice.
+            for pass in ["forward", "backward"] {
+                let gather = find(&format!("zero/{tp}/all_gather_{pass}")).unwrap();
+                assert_eq!(gather.op, "CollectiveAllGather");
+                assert_eq!(str_attr(gather, "group_key"), dp_group(t));
+                assert!(int(gather, "instance_key") > 0);
+                assert_eq!(gather.inputs[0], format!("{tp}/shard_{d}_of_2"));
+                let value = format!("zero/{tp}/{pass}");
+                assert!(nodes.iter().any(|x| x.inputs.contains(&value)));
+            }
+            // The update writes the shard in place; no assign of gathered values.
+            let update = ops(g, "ApplyAdamW")
+                .into_iter()
+                .find(|u| u.inputs[0] == format!("{tp}/shard_{d}_of_2"))
+                .unwrap();
+            assert!(!update.attrs.contains_key("shard_offset"));
+            assert!(ops(g, "Assign").is_empty());
+            // Every collective (but f) in one chain, numbered alike on every rank.
+            let mut chain: Vec<&NodeDef> = nodes
+                .iter()
+                .filter(|n| {
+                    n.op.starts_with("Collective")
+                        && n.op != "CollectiveTpCopy"
+                        && !n.name.starts_with("eval/")
+                })
+                .collect();
+            chain.sort_by_key(|n| int(n, "instance_key"));
+            let keys: HashSet<i64> = chain.iter().map(|n| int(n, "instance_key")).collect();
+            assert_eq!(keys.len(), chain.len(), "instance keys are unique");
+            orders.push(
+                chain
+                    .iter()
+                    .map(|n| (n.op.clone(), int(n, "instance_key")))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        assert!(orders.windows(2).all(|w| w[0] == w[1]));
+        // Worker 0's evaluation joins every rank's flat shards, then the TP shards.
+        let g0 = &tg.graphs[0];
+        for (t, d) in [(0, 1), (1, 0), (1, 1)] {
+            let name = format!("{}/shard_{d}_of_2", shard_name(w, t, 2));
+            let v = g0
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|x| x.name == name)
+                .unwrap();
+            assert_eq!(v.device, worker_device("", "", t + 2 * d).unwrap());
+        }
+        assert!(g0.graph.find(&format!("eval/{w}/joined")).is_some());
+        // The plan stores whole tensors: flat shards → TP shards → the logical weight.
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+            pipeline: None,
+            zero_stage: Some(3),
+        }
+        .plan(&input)
+        .unwrap();
+        let flat = plan
+            .sharded
+            .iter()
+            .find(|s| s.logical == shard_name(w, 1, 2))
+            .unwrap();
+        assert_eq!(flat.dims, [12, 8]);
+        assert!(plan
+            .sharded
+            .iter()
+            .any(|s| s.logical == "transformer.wpe.weight" && s.dims == [4, 8]));
+        let axis = plan.axis_sharded.iter().find(|s| s.logical == w).unwrap();
+        assert_eq!(axis.dims, [24, 8]);
     }
 
     /// The trained variables of `graph`.

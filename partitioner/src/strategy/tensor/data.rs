@@ -180,7 +180,8 @@ fn global_loss(training: &mut TrainingGraph, n: &mut Nodes, replica: &Replica, w
 /// reduce-scattered (stage 2), and all-gathers the updated shards — with the global norm's
 /// `Σ‖g‖²` of the shards of `tp_sharded` weights summed over the tensor-parallel group
 /// `tp_group` too (the replicated weights' counted once). Then `training.loss` is the global
-/// batch's mean loss, as in [`reduce_gradients`].
+/// batch's mean loss, as in [`reduce_gradients`]. Returns the parameters in the shard layout
+/// (stage 3 shards them next: [`zero::params::shard_parameters`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn zero_step(
     training: &mut TrainingGraph,
@@ -192,23 +193,28 @@ pub(super) fn zero_step(
     tp_group: &str,
     tp_sharded: &HashSet<String>,
     clip: Option<f64>,
-) -> Result<(), StrategyError> {
+) -> Result<Vec<zero::Param>, StrategyError> {
     let mut z = zero::Nodes::new(std::mem::take(&mut n.taken), &n.device, n.instance);
-    let ctx = zero::ShardGroup {
+    let ctx = shard_group(replica, stage);
+    let outer = zero::OuterShards {
+        key: tp_group,
+        sharded: tp_sharded,
+    };
+    let params = zero::shard_step(training, typed, &mut z, &ctx, clip, Some(&outer))?;
+    n.taken = z.taken;
+    n.instance = z.instance;
+    n.added.extend(z.added);
+    global_loss(training, n, replica, weighted);
+    Ok(params)
+}
+
+/// The rank's place in its data-parallel group, as ZeRO at `stage` shards over it.
+pub(super) fn shard_group(replica: &Replica, stage: u8) -> zero::ShardGroup {
+    zero::ShardGroup {
         rank: replica.part,
         ranks: replica.ranks,
         stage,
         key: replica.group.clone(),
         bucket_bytes: replica.bucket_bytes,
-    };
-    let outer = zero::OuterShards {
-        key: tp_group,
-        sharded: tp_sharded,
-    };
-    zero::shard_step(training, typed, &mut z, &ctx, clip, Some(&outer))?;
-    n.taken = z.taken;
-    n.instance = z.instance;
-    n.added.extend(z.added);
-    global_loss(training, n, replica, weighted);
-    Ok(())
+    }
 }

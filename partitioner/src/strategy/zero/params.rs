@@ -14,32 +14,42 @@
 //! Evaluation (worker 0, no collective) reads a copy of the forward graph, `eval/...`, whose
 //! parameters are the shards of every worker joined (sent to worker 0 when it evaluates).
 
-use super::{fresh, node, Param, StrategyError, GROUP};
+use super::{fresh, node, Param, StrategyError};
 use crate::strategy::allreduce::worker_device;
+use crate::strategy::zero::ShardGroup;
 use crate::strategy::ReplicaGraph;
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// The shard variable of parameter `var` on rank `rank` of `ranks`.
-pub(super) fn shard_name(var: &str, rank: usize, ranks: usize) -> String {
+pub(crate) fn shard_name(var: &str, rank: usize, ranks: usize) -> String {
     format!("{var}/shard_{rank}_of_{ranks}")
 }
 
 /// `v` (the Variable node of `p`) made rank `rank`'s flat shard of it, renamed.
 fn shard_variable(v: &mut NodeDef, p: &Param, rank: usize, ranks: usize) {
     v.name = shard_name(&p.var, rank, ranks);
+    flat_shard(v, &p.var, &p.dims, rank, ranks);
+}
+
+/// Makes the Variable node `v` of parameter `var` (of dimensions `dims`) rank `rank`'s flat
+/// shard of it over `ranks` ranks (`⌈len/N⌉` elements from element `rank·⌈len/N⌉`, zero-padded),
+/// keeping its one-process initial value; its name is left to the caller. A variable that is
+/// itself an axis-split shard (`shard_parts` > 0, a tensor-parallel shard) becomes the flat
+/// shard of that shard, still drawn under the whole variable's name.
+pub(crate) fn flat_shard(v: &mut NodeDef, var: &str, dims: &[usize], rank: usize, ranks: usize) {
+    let size = dims.iter().product::<usize>().div_ceil(ranks).max(1);
+    let split = matches!(v.attrs.get("shard_parts"), Some(AttrValue::Int(p)) if *p > 0);
     v.attrs
-        .insert("shape".into(), AttrValue::Shape(Shape::known(&[p.shard])));
+        .insert("shape".into(), AttrValue::Shape(Shape::known(&[size])));
+    if !split {
+        v.attrs
+            .insert("shard_of".into(), AttrValue::Shape(Shape::known(dims)));
+        v.attrs
+            .insert("shard_name".into(), AttrValue::String(var.into()));
+    }
     v.attrs
-        .insert("shard_of".into(), AttrValue::Shape(Shape::known(&p.dims)));
-    v.attrs.insert(
-        "shard_offset".into(),
-        AttrValue::Int((rank * p.shard) as i64),
-    );
-    v.attrs.insert(
-        "shard_name".into(),
-        AttrValue::String(p.var.as_str().into()),
-    );
+        .insert("shard_offset".into(), AttrValue::Int((rank * size) as i64));
     v.attrs.insert("shard_flat".into(), AttrValue::Bool(true));
 }
 
@@ -57,21 +67,20 @@ fn any_producer(input: &str) -> Option<String> {
     }
 }
 
-/// Replaces every trained variable of `def` (rank `rank` of `ranks`) by its shard and its uses
-/// by gathered copies (see the module docs). `forward` names the nodes of the forward pass;
-/// `update` ops read the shard itself. Backward nodes that `roots` (the train op, the loss) do
-/// not need (the gradient of a fed input) are dropped first: their gathers would run for
-/// nothing.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn shard_parameters(
+/// Replaces every trained variable of `def` (rank `group.rank` of `group.ranks`) by its shard
+/// and its uses by gathered copies over `group.key` (see the module docs). `forward` names the
+/// nodes of the forward pass; `update` ops read the shard itself. Backward nodes that `roots`
+/// (the train op, the loss) do not need (the gradient of a fed input) are dropped first: their
+/// gathers would run for nothing. The gathers' `instance_key` is 0: the caller numbers them.
+pub(crate) fn shard_parameters(
     def: &mut GraphDef,
     params: &[Param],
-    rank: usize,
-    ranks: usize,
+    group: &ShardGroup,
     forward: &HashSet<String>,
     roots: &[&str],
     device: &str,
 ) -> Result<(), StrategyError> {
+    let (rank, ranks) = (group.rank, group.ranks);
     drop_dead_backward(def, forward, roots);
     let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
     let mut added: Vec<NodeDef> = Vec::new();
@@ -127,7 +136,10 @@ pub(super) fn shard_parameters(
             let gather = fresh(&mut taken, &format!("zero/{}/all_gather_{pass}", p.var));
             let mut g = node(&gather, "CollectiveAllGather", vec![shard.clone()], device);
             g.attrs = BTreeMap::from([
-                ("group_key".to_string(), AttrValue::String(GROUP.into())),
+                (
+                    "group_key".to_string(),
+                    AttrValue::String(group.key.as_str().into()),
+                ),
                 ("instance_key".to_string(), AttrValue::Int(0)),
                 ("group_size".to_string(), AttrValue::Int(ranks as i64)),
             ]);
