@@ -425,10 +425,10 @@ fn data_and_tensor_parallel_bytes_per_task_are_the_prediction() {
 
 #[test]
 fn data_and_tensor_parallel_zero_memory_and_bytes_per_task_are_the_prediction() {
-    // dp2×tp2 with ZeRO-1 and ZeRO-2 over the dp axis: each rank holds its dp-shard of its
-    // tp-shard's Adam slots.
+    // dp2×tp2 with ZeRO-1, 2 and 3 over the dp axis: each rank holds its dp-shard of its
+    // tp-shard's Adam slots (at stage 3 of its parameters too).
     let graph = small_gpt("plan_vs_measured_dp_tp_zero");
-    for stage in ["1", "2"] {
+    for stage in ["1", "2", "3"] {
         let mut args = vec!["--mesh", "dp=2,tp=2", "--zero-stage", stage];
         args.extend([
             "--data",
