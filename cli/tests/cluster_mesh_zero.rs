@@ -12,86 +12,9 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use support::clipped_gpt::*;
 use support::*;
-
-const CORPUS: &str = "examples/data/shakespeare.txt.gz";
-
-/// A GPT of 2 blocks, 4 heads, 32 channels, context 8, over the corpus's 76 characters,
-/// clipping at 0.5 so that clipping is active (as in `cluster_mesh.rs`).
-fn config() -> dflow::graph::layers::GptConfig {
-    dflow::graph::layers::GptConfig {
-        block_size: 8,
-        n_layer: 2,
-        n_head: 4,
-        n_embd: 32,
-        learning_rate: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 2,
-        decay_steps: 20,
-        grad_clip: Some(0.5),
-        ..dflow::graph::layers::GptConfig::default()
-    }
-}
-
-/// [`config`]'s GPT written to `dir/gpt.json`.
-fn gpt_file(dir: &Path) -> PathBuf {
-    let path = dir.join("gpt.json");
-    std::fs::write(
-        &path,
-        dflow::graph::format::to_json(&dflow::graph::layers::gpt(&config()).unwrap().def),
-    )
-    .unwrap();
-    path
-}
-
-/// The flags every run shares: 4 rows per batch (2 per data-parallel replica).
-fn common(steps: u32) -> Vec<String> {
-    [
-        "--data",
-        CORPUS,
-        "--batch-size",
-        "4",
-        "--steps",
-        &steps.to_string(),
-        "--eval-every",
-        "0",
-        "--eval-batches",
-        "1",
-        "--quiet",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-/// A cluster spec of `n` workers on unused local ports (for `--local`, which binds none).
-fn workers_file(dir: &Path, n: usize) -> PathBuf {
-    let addrs: Vec<String> = (0..n)
-        .map(|i| format!("\"127.0.0.1:{}\"", 2300 + i))
-        .collect();
-    let path = dir.join(format!("cluster-{n}workers.json"));
-    std::fs::write(&path, format!("{{\"worker\": [{}]}}", addrs.join(", "))).unwrap();
-    path
-}
-
-/// `dflow run --local` (plus `extra`): its losses; checkpoints to (and resumes from) `ckpt`.
-fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(u64, f64)> {
-    let losses = ckpt.with_extension("losses.txt");
-    let mut args: Vec<String> = vec!["run".into(), "--local".into()];
-    args.push(graph.to_string_lossy().into_owned());
-    args.extend(common(steps));
-    args.extend([
-        "--losses-out".into(),
-        losses.to_string_lossy().into_owned(),
-        "--checkpoint-dir".into(),
-        ckpt.to_string_lossy().into_owned(),
-    ]);
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    stdout(&dflow(&args));
-    read_losses(&losses)
-}
 
 /// dp2×tp2 with ZeRO at `stage`, its 4 tasks in this process: its losses.
 fn mesh_zero_local(

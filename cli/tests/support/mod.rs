@@ -2,6 +2,8 @@
 //! and the tasks of a job started as processes on 127.0.0.1, bounded in time.
 #![allow(dead_code)] // each test binary uses a different part
 
+pub mod clipped_gpt;
+
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
