@@ -721,20 +721,7 @@ pub fn mesh_training(
     let shards = gpt.layout(graph, tp)?;
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let (t, d, _) = mesh.coords(rank);
-        let at = RankAt {
-            t,
-            tp,
-            task: rank,
-            group: tp_group(mesh, d),
-            data: (mesh.dp > 1).then(|| data::Replica {
-                part: d,
-                group: dp_group(t),
-                bucket_bytes,
-                ranks: mesh.dp,
-                zero_stage,
-            }),
-        };
+        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
         let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
         if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
@@ -759,6 +746,28 @@ struct RankAt {
     group: String,
     /// The replica's part of the batch and data-parallel group, when `dp > 1`.
     data: Option<data::Replica>,
+}
+
+impl RankAt {
+    /// Rank `rank` of a dp × tp `mesh` (Megatron-core order): its shard, its tensor-parallel
+    /// group and, when `dp > 1`, its replica's part of the batch and data-parallel group (with
+    /// ZeRO at `zero_stage` over it, if any).
+    fn on_mesh(mesh: &Mesh, rank: usize, bucket_bytes: usize, zero_stage: Option<u8>) -> RankAt {
+        let (t, d, _) = mesh.coords(rank);
+        RankAt {
+            t,
+            tp: mesh.tp,
+            task: rank,
+            group: tp_group(mesh, d),
+            data: (mesh.dp > 1).then(|| data::Replica {
+                part: d,
+                group: dp_group(t),
+                bucket_bytes,
+                ranks: mesh.dp,
+                zero_stage,
+            }),
+        }
+    }
 }
 
 /// Adds nodes to one rank's graph.

@@ -95,20 +95,7 @@ pub(super) fn mesh_training(
     let forward = graph.to_def();
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let (t, d, _) = mesh.coords(rank);
-        let at = RankAt {
-            t,
-            tp,
-            task: rank,
-            group: tp_group(mesh, d),
-            data: (mesh.dp > 1).then(|| data::Replica {
-                part: d,
-                group: dp_group(t),
-                bucket_bytes,
-                ranks: mesh.dp,
-                zero_stage: None,
-            }),
-        };
+        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, None);
         let mut g = rank_graph(&forward, &plan, &shards, spec, &at, features, labels)?;
         if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
