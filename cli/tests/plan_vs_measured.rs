@@ -376,13 +376,11 @@ fn small_gpt(name: &str) -> std::path::PathBuf {
     graph
 }
 
-/// `--strategy tensor --tp 2` on `cluster` for 3 steps of batch 4, then one evaluation batch.
-fn tensor_job(graph: &Path, cluster: &str) -> (Vec<EndOfTask>, String) {
-    let args = [
-        "--strategy",
-        "tensor",
-        "--tp",
-        "2",
+/// The small GPT laid out by `layout` (e.g. `--mesh dp=2,tp=2`) on `cluster`, every task in
+/// this process, for 3 steps of batch 4, then one evaluation batch.
+fn gpt_job(graph: &Path, cluster: &str, layout: &[&str]) -> (Vec<EndOfTask>, String) {
+    let mut args = layout.to_vec();
+    args.extend([
         "--data",
         "examples/data/shakespeare.txt.gz",
         "--batch-size",
@@ -394,8 +392,13 @@ fn tensor_job(graph: &Path, cluster: &str) -> (Vec<EndOfTask>, String) {
         "--eval-batches",
         "1",
         "--quiet",
-    ];
+    ]);
     local_job(graph.to_str().unwrap(), cluster, &args)
+}
+
+/// `--strategy tensor --tp 2` on `cluster` ([`gpt_job`]).
+fn tensor_job(graph: &Path, cluster: &str) -> (Vec<EndOfTask>, String) {
+    gpt_job(graph, cluster, &["--strategy", "tensor", "--tp", "2"])
 }
 
 #[test]
@@ -429,24 +432,10 @@ fn data_and_tensor_parallel_zero_memory_and_bytes_per_task_are_the_prediction() 
     // tp-shard's Adam slots (at stage 3 of its parameters too).
     let graph = small_gpt("plan_vs_measured_dp_tp_zero");
     for stage in ["1", "2", "3"] {
-        let mut args = vec!["--mesh", "dp=2,tp=2", "--zero-stage", stage];
-        args.extend([
-            "--data",
-            "examples/data/shakespeare.txt.gz",
-            "--batch-size",
-            "4",
-            "--steps",
-            "3",
-            "--eval-every",
-            "0",
-            "--eval-batches",
-            "1",
-            "--quiet",
-        ]);
-        let (ends, stderr) = local_job(
-            graph.to_str().unwrap(),
+        let (ends, stderr) = gpt_job(
+            &graph,
             "examples/gpt/cluster-4workers.json",
-            &args,
+            &["--mesh", "dp=2,tp=2", "--zero-stage", stage],
         );
         assert_eq!(ends.len(), 4, "{stderr}");
         let layout = format!("dp=2,tp=2,zero={stage}");
@@ -461,27 +450,10 @@ fn data_and_tensor_parallel_zero_memory_and_bytes_per_task_are_the_prediction() 
 fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
     // pp2×tp2: 2 stages, each over 2 tensor-parallel ranks, 2 micro-batches.
     let graph = small_gpt("plan_vs_measured_tp_pp");
-    let args = [
-        "--mesh",
-        "dp=1,tp=2,pp=2",
-        "--micro-batches",
-        "2",
-        "--data",
-        "examples/data/shakespeare.txt.gz",
-        "--batch-size",
-        "4",
-        "--steps",
-        "3",
-        "--eval-every",
-        "0",
-        "--eval-batches",
-        "1",
-        "--quiet",
-    ];
-    let (ends, stderr) = local_job(
-        graph.to_str().unwrap(),
+    let (ends, stderr) = gpt_job(
+        &graph,
         "examples/gpt/cluster-4workers.json",
-        &args,
+        &["--mesh", "dp=1,tp=2,pp=2", "--micro-batches", "2"],
     );
     assert_eq!(ends.len(), 4, "{stderr}");
     let sent = predicted_traffic(&graph, "idx", "targets", "dp=1,tp=2,pp=2,m=2", 4);
@@ -493,29 +465,17 @@ fn pipeline_zero_memory_and_bytes_per_task_are_the_prediction() {
     // dp2×pp2 with ZeRO-1 over each stage's replicas, 2 micro-batches: each rank holds its
     // dp-shard of its stage's Adam slots.
     let graph = small_gpt("plan_vs_measured_pp_zero");
-    let args = [
-        "--mesh",
-        "dp=2,pp=2",
-        "--zero-stage",
-        "1",
-        "--micro-batches",
-        "2",
-        "--data",
-        "examples/data/shakespeare.txt.gz",
-        "--batch-size",
-        "4",
-        "--steps",
-        "3",
-        "--eval-every",
-        "0",
-        "--eval-batches",
-        "1",
-        "--quiet",
-    ];
-    let (ends, stderr) = local_job(
-        graph.to_str().unwrap(),
+    let (ends, stderr) = gpt_job(
+        &graph,
         "examples/gpt/cluster-4workers.json",
-        &args,
+        &[
+            "--mesh",
+            "dp=2,pp=2",
+            "--zero-stage",
+            "1",
+            "--micro-batches",
+            "2",
+        ],
     );
     assert_eq!(ends.len(), 4, "{stderr}");
     let layout = "dp=2,pp=2,m=2,zero=1";
