@@ -46,6 +46,10 @@ fn split(axis: usize, parts: usize, len: usize) -> AxisSplit {
 /// Slice `r`…: the `parts` slices of `t` along `axis`, one after the other, as one vector
 /// (what the runtime's collectives split along dimension 0).
 fn slices_in_order(t: &Tensor, axis: usize, parts: usize) -> Result<Tensor, String> {
+    if axis == 0 {
+        // Already in that order: a view, no copy.
+        return t.reshaped(&[t.num_elements()]).map_err(|e| e.to_string());
+    }
     let s = split(axis, parts, t.dims()[axis]);
     let mut bytes = Vec::with_capacity(t.as_bytes().len());
     for r in 0..parts {
@@ -62,6 +66,12 @@ fn join_slices(
     axis: usize,
     parts: usize,
 ) -> Result<Tensor, String> {
+    if axis == 0 {
+        // Slices along the first axis, one after the other, are the joined tensor: a view.
+        let mut whole = slice.to_vec();
+        whole[0] *= parts;
+        return flat.reshaped(&whole).map_err(|e| e.to_string());
+    }
     let size: usize = slice.iter().product::<usize>() * flat.dtype().size_of();
     let pieces = (0..parts)
         .map(|r| {
