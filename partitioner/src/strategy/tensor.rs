@@ -1165,7 +1165,7 @@ fn rank_graph(
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
     if let Some((params, group)) = zero3 {
-        shard_parameters(&mut training, &def, &params, &group, &device, n.instance)?;
+        shard_parameters(&mut training, &def, &params, &group, n.instance)?;
     }
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
@@ -1382,7 +1382,6 @@ fn shard_parameters(
     forward: &GraphDef,
     params: &[super::zero::Param],
     group: &super::zero::ShardGroup,
-    device: &str,
     instance: i64,
 ) -> Result<(), StrategyError> {
     let passes: HashSet<String> = forward.nodes.iter().map(|x| x.name.clone()).collect();
@@ -1391,14 +1390,7 @@ fn shard_parameters(
         .iter()
         .map(|r| r.split(':').next().unwrap_or(r))
         .collect();
-    super::zero::params::shard_parameters(
-        &mut training.def,
-        params,
-        group,
-        &passes,
-        &roots,
-        device,
-    )?;
+    super::zero::params::shard_parameters(&mut training.def, params, group, &passes, &roots)?;
     let gathers = training.def.nodes.iter_mut().filter(|x| {
         x.op == "CollectiveAllGather"
             && matches!(x.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *group.key)

@@ -163,6 +163,7 @@ pub fn mesh3d_training(
                 replicas: dp,
                 replica: d,
                 dp_groups: &dp_groups,
+                replica_devices: &[],
                 tensor: Some(&tensor),
                 zero: None,
             })?;
