@@ -20,7 +20,7 @@
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
 use crate::strategy::allreduce::{fresh, node};
-use crate::strategy::zero::{self, params, Clip, Param, ShardGroup};
+use crate::strategy::zero::{self, params, Clip, OuterShards, Param, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, Strategy, StrategyError};
 use dflow_graph::train::TrainingGraph;
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef};
@@ -199,7 +199,12 @@ pub(super) fn shard_stages(
             .dp_groups
             .get(d)
             .ok_or_else(|| internal(format!("no data-parallel group for stage {d}")))?;
-        let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, 1);
+        // Beside tensor parallelism, after every instance key of the micro-batches' copies
+        // (the tensor-parallel group's too).
+        let first = input.tensor.map_or(1, |t| {
+            t.instance_stride * input.shape.micro_batches as i64 + 1
+        });
+        let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, first);
         if let Some(grads) = by_device.remove(&d) {
             training.gradients = grads;
             let ctx = ShardGroup {
@@ -214,7 +219,19 @@ pub(super) fn shard_stages(
             } else {
                 Clip::None
             };
-            let (params, sq) = zero::shard_step_with(training, typed, &mut nodes, &ctx, how, None)?;
+            // Beside tensor parallelism: the shards' squares summed over the stage's
+            // tensor-parallel group too.
+            let outer = match input.tensor {
+                Some(t) => Some(OuterShards {
+                    key: t.groups.get(d).ok_or_else(|| {
+                        internal(format!("no tensor-parallel group for stage {d}"))
+                    })?,
+                    sharded: &t.shards,
+                }),
+                None => None,
+            };
+            let (params, sq) =
+                zero::shard_step_with(training, typed, &mut nodes, &ctx, how, outer.as_ref())?;
             squared.extend(sq);
             if zero.stage >= 3 {
                 sharded.push((params, ctx, d));

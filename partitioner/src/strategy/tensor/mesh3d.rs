@@ -9,7 +9,12 @@
 //!   replica ([`tp_stage_group`]) under an instance key of its own; each worker chains its
 //!   collectives in one topological order, the same on every rank of a group.
 //! - With `D > 1`, each stage's gradients are summed over the ranks with the same stage and
-//!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas.
+//!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas; with
+//!   ZeRO (`--zero-stage 1|2`), that group runs ZeRO's step instead
+//!   ([`crate::strategy::pipeline::zero`]): each (stage, shard) keeps its replica's `1/D`
+//!   shard of its weights' Adam slots (stage 2: and of their summed gradients), and clipping's
+//!   `Σ‖g‖²` of the tensor-parallel shards is summed over the stage's tensor-parallel group too,
+//!   the replicated weights' counted once.
 //! - Clipping uses the whole model's norm: per stage, the shards' `Σ‖g‖²` all-reduced over the
 //!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
 //!   the loss's stage.
@@ -25,6 +30,7 @@ use crate::mesh::Mesh;
 use crate::strategy::pipeline::gradients::stage_group;
 use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages};
 use crate::strategy::pipeline::schedule::PipelineShape;
+use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared};
 use crate::strategy::{EvalNames, ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
@@ -57,12 +63,14 @@ pub struct MeshGraphs {
 }
 
 /// The training graphs of the GPT `graph` on `mesh` (`pp > 1`), cut and scheduled as
-/// `pipeline` says (see the module docs).
+/// `pipeline` says, with ZeRO over each (stage, shard)'s data-parallel group when `zero` is
+/// given (see the module docs).
 pub fn mesh3d_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     pipeline: &Pipeline,
+    zero: Option<ReplicaZero>,
     features: &str,
     labels: &str,
 ) -> Result<MeshGraphs, StrategyError> {
@@ -165,7 +173,7 @@ pub fn mesh3d_training(
                 dp_groups: &dp_groups,
                 replica_devices: &[],
                 tensor: Some(&tensor),
-                zero: None,
+                zero,
             })?;
             g.eval = EvalNames {
                 features: features.to_string(),
@@ -326,8 +334,16 @@ mod tests {
             .any(|v| v.logical == "transformer.h.1.mlp.c_fc.weight" && v.shards.len() == 2));
 
         let mesh = Mesh::new(2, 2, 2).unwrap();
-        let mg =
-            mesh3d_training(&graph, &spec, &mesh, &pipeline(2, 2, 8), "idx", "targets").unwrap();
+        let mg = mesh3d_training(
+            &graph,
+            &spec,
+            &mesh,
+            &pipeline(2, 2, 8),
+            None,
+            "idx",
+            "targets",
+        )
+        .unwrap();
         assert_eq!(mg.graphs.len(), 4);
         // Graph 3 is shard 1 of replica 1: stage 0 on worker 3, stage 1 on worker 7.
         let g = &mg.graphs[3];
