@@ -572,5 +572,20 @@ mod tests {
         // tp=4 does not divide the 2 heads.
         let e = strategy(4, pipeline(2, 1, 8)).plan(&input).unwrap_err();
         assert!(e.to_string().contains("does not divide by --tp 4"), "{e}");
+        // ZeRO runs beside tp inside the stages at stages 1 and 2, not 3, and over dp ≥ 2.
+        let zero = |stage: u8| TensorParallel {
+            zero_stage: Some(stage),
+            ..strategy(2, pipeline(2, 2, 8))
+        };
+        assert!(zero(2).plan(&input).is_ok());
+        let e = zero(3).plan(&input).unwrap_err().to_string();
+        assert!(
+            e.contains("ZeRO-3 beside tensor parallelism inside pipeline stages does not run yet"),
+            "{e}"
+        );
+        let four = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &four, "idx", "targets");
+        let e = zero(1).plan(&input).unwrap_err().to_string();
+        assert!(e.contains("this mesh has one replica"), "{e}");
     }
 }
