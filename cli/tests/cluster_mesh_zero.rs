@@ -8,7 +8,8 @@
 //! replaced by ZeRO's collectives, exactly. At stage 3 each rank holds only its dp-shard of its
 //! tensor-parallel shards (and of the replicated weights): the losses are the one-process ones,
 //! a checkpoint resumes in one process, and the variable bytes are the formula. The
-//! combinations that do not run (ZeRO inside pipeline stages) are refused naming what to do.
+//! combinations that do not run (ZeRO-3 beside tensor parallelism inside pipeline stages) are
+//! refused naming what to do.
 
 mod support;
 
@@ -120,16 +121,17 @@ fn zero_combinations_that_do_not_run_are_refused_naming_them() {
         assert!(!out.status.success(), "{flags:?} on {workers} workers ran");
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    let e = refused(8, &["--mesh", "dp=2,tp=2,pp=2", "--zero-stage", "1"]);
-    assert!(e.contains("inside pipeline stages does not run yet"), "{e}");
-    let e = refused(2, &["--mesh", "dp=1,tp=2", "--zero-stage", "1"]);
-    assert!(e.contains("this mesh has one replica"), "{e}");
-    // ZeRO over pipeline replicas runs at stages 1 and 2 (cli/tests/cluster_pipeline_zero.rs).
-    let e = refused(4, &["--mesh", "dp=2,pp=2", "--zero-stage", "3"]);
+    // Inside pipeline stages, ZeRO beside tensor parallelism runs at stages 1 and 2
+    // (cli/tests/cluster_pipeline_zero.rs), not 3.
+    let e = refused(8, &["--mesh", "dp=2,tp=2,pp=2", "--zero-stage", "3"]);
     assert!(
-        e.contains("--zero-stage 3 over pipeline replicas does not run yet"),
+        e.contains("ZeRO-3 beside tensor parallelism inside pipeline stages does not run yet"),
         "{e}"
     );
+    let e = refused(2, &["--mesh", "dp=1,tp=2", "--zero-stage", "1"]);
+    assert!(e.contains("this mesh has one replica"), "{e}");
+    // ZeRO over pipeline replicas runs at stages 1 to 3 (cli/tests/cluster_pipeline_zero.rs),
+    // with at least two replicas.
     let e = refused(2, &["--mesh", "dp=1,pp=2", "--zero-stage", "1"]);
     assert!(e.contains("make one replica"), "{e}");
 }

@@ -14,7 +14,8 @@
 //! - bytes per step per task as the planner counts them from the job plan the run uses
 //!   (`accounting::traffic`: Send/Recv pairs between tasks, each collective op by the
 //!   algorithm the transport runs) equal the counters exactly, for the digits MLP under
-//!   all-reduce, ZeRO-1/2/3 and a 2-stage pipeline, and a small GPT under tp=2 and dp=2×tp=2.
+//!   all-reduce, ZeRO-1/2/3 and a 2-stage pipeline, and a small GPT under tp=2 and dp=2×tp=2,
+//!   dp=2×pp=2 with ZeRO-1 and ZeRO-3 (memory too) and dp=2×tp=2×pp=2 with ZeRO-1.
 //!
 //! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
 //! end with one evaluation batch, counted from the plan's evaluation signature.
@@ -483,4 +484,52 @@ fn pipeline_zero_memory_and_bytes_per_task_are_the_prediction() {
     assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
     let predicted = accounted(&graph, "idx", "targets", layout, 4);
     assert_memory(layout, &predicted, &ends);
+}
+
+#[test]
+fn pipeline_zero3_memory_and_bytes_per_task_are_the_prediction() {
+    // dp2×pp2 with ZeRO-3 over each stage's replicas, 2 micro-batches: each rank holds its
+    // dp-shard of its stage's weights and Adam slots, and gathers the weights per micro-batch
+    // and pass.
+    let graph = small_gpt("plan_vs_measured_pp_zero3");
+    let (ends, stderr) = gpt_job(
+        &graph,
+        "examples/gpt/cluster-4workers.json",
+        &[
+            "--mesh",
+            "dp=2,pp=2",
+            "--zero-stage",
+            "3",
+            "--micro-batches",
+            "2",
+        ],
+    );
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let layout = "dp=2,pp=2,m=2,zero=3";
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
+    let predicted = accounted(&graph, "idx", "targets", layout, 4);
+    assert_memory(layout, &predicted, &ends);
+}
+
+#[test]
+fn three_d_zero_bytes_per_task_are_the_prediction() {
+    // dp2×tp2×pp2 with ZeRO-1 over each (stage, shard)'s replicas, 2 micro-batches.
+    let graph = small_gpt("plan_vs_measured_dp_tp_pp_zero");
+    let (ends, stderr) = gpt_job(
+        &graph,
+        "examples/gpt/cluster-8workers.json",
+        &[
+            "--mesh",
+            "dp=2,tp=2,pp=2",
+            "--zero-stage",
+            "1",
+            "--micro-batches",
+            "2",
+        ],
+    );
+    assert_eq!(ends.len(), 8, "{stderr}");
+    let layout = "dp=2,tp=2,pp=2,m=2,zero=1";
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
 }

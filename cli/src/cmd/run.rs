@@ -78,7 +78,8 @@ pub struct Args {
     /// stages (stage s, shard t, replica d on worker s·D·T + d·T + t; --micro-batches,
     /// --schedule apply). tp = 1, pp > 1 runs the pipeline strategy with P stages and D
     /// replicas; tp = pp = 1 runs all-reduce (or ZeRO with --zero-stage). --zero-stage 1|2|3
-    /// beside tp > 1 (pp = 1) shards the Adam slots (3: and the weights) over the DP groups instead. ep = E (dividing D, with
+    /// beside tp > 1 (pp = 1), or over a pipeline's replicas (tp = 1, pp > 1), shards the Adam
+    /// slots (3: and the weights) over the DP groups instead. ep = E (dividing D, with
     /// tp = pp = 1) runs --strategy expert with each MoE layer's experts spread over runs of E
     /// consecutive workers (expert-parallel groups) and each expert's gradient summed over the D/E
     /// workers holding it (docs/experts.md).
@@ -87,7 +88,8 @@ pub struct Args {
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce), 3 also the
     /// parameters (all-gathered just before each use). Default 1. With --mesh dp=D,tp=T (or
-    /// --strategy tensor over D·T workers): any stage over each rank's data-parallel group.
+    /// --strategy tensor over D·T workers), or --mesh dp=D,pp=P: any stage over each rank's
+    /// data-parallel group.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
     /// Distributed: the most bytes this task's variables and step tensors may take. A plan

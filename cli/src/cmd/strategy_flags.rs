@@ -135,7 +135,8 @@ pub fn build_strategy(
 /// the `dp` replicas, inside `pp` balanced pipeline stages when `pp > 1`; `tp = 1, pp > 1` the
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
 /// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
-/// beside `tp > 1, pp = 1` or `tp = 1, pp > 1` is ZeRO over the dp axis (stages 1 and 2); `ep > 1` (with
+/// beside `tp > 1` or `pp > 1` is ZeRO over the dp axis (stages 1 to 3; 1 and 2 when both
+/// are); `ep > 1` (with
 /// `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep` workers. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
@@ -164,15 +165,8 @@ pub fn apply_mesh(
         }
         "expert"
     } else if mesh.tp > 1 {
-        // ZeRO over the dp axis runs beside tp (stages 1 and 2, checked by the strategy), not
-        // inside pipeline stages.
-        if let Some(stage) = zero_stage.filter(|_| mesh.pp > 1) {
-            anyhow::bail!(
-                "--mesh tp={},pp={} with --zero-stage {stage}: ZeRO beside tensor parallelism inside pipeline stages does not run yet (it runs with --mesh dp=D,tp=T)",
-                mesh.tp,
-                mesh.pp
-            );
-        }
+        // ZeRO over the dp axis runs beside tp (stages 1 to 3; inside pipeline stages, 1 and
+        // 2: checked by the strategy).
         *tp = Some(mesh.tp);
         if mesh.pp > 1 {
             // Tensor parallelism inside pipeline stages: the tensor strategy over P stages.
@@ -180,7 +174,7 @@ pub fn apply_mesh(
         }
         "tensor"
     } else if mesh.pp > 1 {
-        // ZeRO over each stage's replicas (stages 1 and 2, D ≥ 2, checked by the strategy).
+        // ZeRO over each stage's replicas (stages 1 to 3, D ≥ 2, checked by the strategy).
         set_stages(mesh, pipeline)?;
         "pipeline"
     } else if zero_stage.is_some() {

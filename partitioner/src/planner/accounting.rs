@@ -104,10 +104,11 @@ pub fn strategy_for(
     };
     let name = if mesh.tp > 1 {
         if layout.zero > 0 {
-            // ZeRO over the dp axis beside tp: stages 1 to 3, no pipeline axis.
-            if mesh.pp > 1 || layout.zero > 3 || mesh.dp < 2 {
+            // ZeRO over the dp axis beside tp: stages 1 to 3 (1 and 2 inside pipeline stages).
+            let top = if mesh.pp > 1 { 2 } else { 3 };
+            if layout.zero > top || mesh.dp < 2 {
                 return Err(refuse(
-                    "ZeRO beside tensor parallelism runs at stages 1 to 3 over dp ≥ 2, without a pipeline axis",
+                    "ZeRO beside tensor parallelism runs at stages 1 to 3 over dp ≥ 2 (1 and 2 inside pipeline stages)",
                 ));
             }
             options.zero_stage = layout.zero;
@@ -124,10 +125,10 @@ pub fn strategy_for(
         "tensor"
     } else if mesh.pp > 1 {
         if layout.zero > 0 {
-            // ZeRO over each stage's replicas: stages 1 and 2, over dp ≥ 2.
-            if layout.zero > 2 || mesh.dp < 2 {
+            // ZeRO over each stage's replicas: stages 1 to 3, over dp ≥ 2.
+            if layout.zero > 3 || mesh.dp < 2 {
                 return Err(refuse(
-                    "ZeRO over a pipeline's replicas runs at stages 1 and 2 over dp ≥ 2",
+                    "ZeRO over a pipeline's replicas runs at stages 1 to 3 over dp ≥ 2",
                 ));
             }
             options.zero_stage = layout.zero;

@@ -61,6 +61,7 @@ pub mod hand;
 pub mod mesh3d;
 
 use super::allreduce::{check_job, fresh, node, worker_device};
+use super::pipeline::zero::ReplicaZero;
 use super::pipeline::Pipeline;
 use super::{
     EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
@@ -244,35 +245,7 @@ impl Strategy for TensorParallel {
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
         if self.zero_stage.is_some() {
-            // ZeRO's slot shards `{w}/adam_m/shard_{d}_of_{D}` make the slots `{w}/adam_m` of
-            // every TP shard `w` and replicated weight; the TP shards' make the logical slots.
-            let mut dims: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
-            for v in input
-                .graph
-                .to_def()
-                .nodes
-                .iter()
-                .filter(|v| v.op == "Variable")
-            {
-                if let Ok(d) = static_dims(input.graph, &v.name) {
-                    let dtype = input
-                        .graph
-                        .find(&v.name)
-                        .and_then(|i| input.graph.output_type(i, 0))
-                        .map_or(DType::F32, |t| t.dtype);
-                    dims.insert(v.name.clone(), (dtype, d));
-                }
-            }
-            for s in &tp_graphs.shards {
-                let dtype = dims.get(&s.name).map_or(DType::F32, |d| d.0);
-                for r in 0..tp {
-                    dims.insert(
-                        shard_name(&s.name, r, tp),
-                        (dtype, s.split.shard_dims(&s.dims)),
-                    );
-                }
-            }
-            plan.sharded = super::zero::slot_shards(&plan.variables, &dims, mesh.dp);
+            plan.sharded = zero_slot_shards(input, &tp_graphs.shards, &plan.variables, &mesh);
         }
         plan.axis_sharded =
             sharded_variables(&tp_graphs.shards, &plan.variables, &plan.sharded, tp);
@@ -300,16 +273,22 @@ impl TensorParallel {
         let mesh = Mesh::new(workers / (tp * pp), tp, pp).map_err(|e| options(e.to_string()))?;
         if let Some(stage) = self.zero_stage {
             check_zero(&mesh, stage)?;
+            super::zero::check_optimizer(input.train, "tensor")?;
         }
         if let Some(batch) = self.batch_size {
             mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
                 .map_err(|e| options(e.to_string()))?;
         }
+        let zero = self.zero_stage.map(|stage| ReplicaZero {
+            stage,
+            bucket_bytes: self.bucket_bytes,
+        });
         let graphs = mesh3d::mesh3d_training(
             input.graph,
             input.train,
             &mesh,
             pipeline,
+            zero,
             input.features,
             input.labels,
         )?;
@@ -335,18 +314,62 @@ impl TensorParallel {
         )?;
         // The ranks of replica d take part d of every batch.
         plan.batch_parts = mesh.dp as u32;
-        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
+        if self.zero_stage.is_some() {
+            plan.sharded = zero_slot_shards(input, &graphs.shards, &plan.variables, &mesh);
+        }
+        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &plan.sharded, tp);
         Ok(plan)
     }
 }
 
+/// ZeRO's shards among the plan's `variables` of a tensor-parallel job on `mesh`: its slot
+/// shards `{w}/adam_m/shard_{d}_of_{D}` (and at stage 3 its weight shards) make the slots
+/// `{w}/adam_m` of every TP shard `w` (of the weights `shards` splits) and replicated weight;
+/// the TP shards' make the logical slots ([`sharded_variables`]).
+fn zero_slot_shards(
+    input: &JobInput<'_>,
+    shards: &[ShardedWeight],
+    variables: &[crate::job::VariablePlan],
+    mesh: &Mesh,
+) -> Vec<crate::shards::ShardedVariable> {
+    let mut dims: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+    for v in input
+        .graph
+        .to_def()
+        .nodes
+        .iter()
+        .filter(|v| v.op == "Variable")
+    {
+        if let Ok(d) = static_dims(input.graph, &v.name) {
+            let dtype = input
+                .graph
+                .find(&v.name)
+                .and_then(|i| input.graph.output_type(i, 0))
+                .map_or(DType::F32, |t| t.dtype);
+            dims.insert(v.name.clone(), (dtype, d));
+        }
+    }
+    for s in shards {
+        let dtype = dims.get(&s.name).map_or(DType::F32, |d| d.0);
+        for r in 0..mesh.tp {
+            dims.insert(
+                shard_name(&s.name, r, mesh.tp),
+                (dtype, s.split.shard_dims(&s.dims)),
+            );
+        }
+    }
+    super::zero::slot_shards(variables, &dims, mesh.dp)
+}
+
 /// ZeRO beside tensor parallelism runs at stages 1 to 3 over a data-parallel axis of at least
-/// two replicas; anything else is an error saying what to do.
+/// two replicas (stages 1 and 2 inside pipeline stages); anything else is an error saying what
+/// to do.
 fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
-    if mesh.pp > 1 {
+    if mesh.pp > 1 && stage >= 3 {
         return Err(options(format!(
-            "mesh {mesh} with --zero-stage {stage}: ZeRO beside a pipeline axis does not run \
-             yet; drop --zero-stage (the gradients are then all-reduced over the dp axis)"
+            "mesh {mesh} with --zero-stage {stage}: ZeRO-3 beside tensor parallelism inside \
+             pipeline stages does not run yet; use --zero-stage 1 or 2 (the weights stay whole \
+             on each tensor-parallel rank), or drop the tp axis (--mesh dp=D,pp=P runs ZeRO-3)"
         )));
     }
     if mesh.dp < 2 {
@@ -1220,7 +1243,7 @@ fn rank_graph(
     }
     training.def.nodes.extend(std::mem::take(&mut n.added));
     if let Some((params, group)) = zero3 {
-        shard_parameters(&mut training, &def, &params, &group, &device, n.instance)?;
+        shard_parameters(&mut training, &def, &params, &group, n.instance)?;
     }
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
@@ -1437,7 +1460,6 @@ fn shard_parameters(
     forward: &GraphDef,
     params: &[super::zero::Param],
     group: &super::zero::ShardGroup,
-    device: &str,
     instance: i64,
 ) -> Result<(), StrategyError> {
     let passes: HashSet<String> = forward.nodes.iter().map(|x| x.name.clone()).collect();
@@ -1446,14 +1468,7 @@ fn shard_parameters(
         .iter()
         .map(|r| r.split(':').next().unwrap_or(r))
         .collect();
-    super::zero::params::shard_parameters(
-        &mut training.def,
-        params,
-        group,
-        &passes,
-        &roots,
-        device,
-    )?;
+    super::zero::params::shard_parameters(&mut training.def, params, group, &passes, &roots)?;
     let gathers = training.def.nodes.iter_mut().filter(|x| {
         x.op == "CollectiveAllGather"
             && matches!(x.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *group.key)

@@ -464,7 +464,7 @@ fn worker_graph(
     training.def.nodes.extend(nodes.added);
     if ctx.stage >= 3 {
         let roots = [training.train_op.as_str(), global.as_str()];
-        params::shard_parameters(&mut training.def, &params, ctx, &passes, &roots, &device)?;
+        params::shard_parameters(&mut training.def, &params, ctx, &passes, &roots)?;
         params::order_collectives(&mut training.def)?;
     }
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;

@@ -420,11 +420,15 @@ impl Pipeline {
                 strategy: "pipeline",
                 message: e.to_string(),
             })?;
+        let replica_devices: Vec<Vec<String>> = (0..data_parallel)
+            .map(|r| {
+                (0..shape.stages)
+                    .map(|s| worker_device(mesh.rank(0, r, s)))
+                    .collect()
+            })
+            .collect();
         let mut replicas = Vec::with_capacity(data_parallel);
-        for r in 0..data_parallel {
-            let devices: Vec<String> = (0..shape.stages)
-                .map(|s| worker_device(mesh.rank(0, r, s)))
-                .collect();
+        for (r, devices) in replica_devices.iter().enumerate() {
             let dp_groups: Vec<String> = (0..shape.stages).map(gradients::stage_group).collect();
             replicas.push(rewrite::rewrite(&rewrite::RewriteInput {
                 graph: input.graph,
@@ -435,10 +439,11 @@ impl Pipeline {
                 features: input.features,
                 labels: input.labels,
                 batch_size: batch / data_parallel,
-                devices: &devices,
+                devices,
                 replicas: data_parallel,
                 replica: r,
                 dp_groups: &dp_groups,
+                replica_devices: &replica_devices,
                 tensor: None,
                 zero,
             })?);

@@ -28,7 +28,7 @@ use super::gradients::{
 };
 use super::schedule::{PipelineShape, Unit};
 use super::stages::StageMap;
-use super::zero::shard_stages;
+use super::zero::{order_collectives_per_device, shard_stages, Passes};
 use super::PipelineError;
 use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
 use dflow_graph::train::{expand_training_graph, TrainSpec};
@@ -71,6 +71,9 @@ pub(crate) struct RewriteInput<'a> {
     pub replica: usize,
     /// The collective group of each stage's data-parallel replicas (with `replicas > 1`).
     pub dp_groups: &'a [String],
+    /// The devices of every replica's stages (`replica_devices[r][s]`; `devices` is this
+    /// replica's): the evaluation copy of a ZeRO-3 pipeline joins every replica's shards.
+    pub replica_devices: &'a [Vec<String>],
     /// Tensor parallelism inside the stages. Without evaluation copy: the caller adds one.
     pub tensor: Option<&'a TensorStages>,
     /// ZeRO over each stage's replicas (with `replicas > 1`), in place of their all-reduce.
@@ -368,6 +371,7 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         colocate_with: vec![],
         attrs: BTreeMap::new(),
     });
+    let forward_names: HashSet<String> = nodes.iter().map(|n| n.name.clone()).collect();
     let def = GraphDef {
         nodes,
         ..forward.clone()
@@ -386,7 +390,11 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
     constant_seed(&mut training.def, &loss, loss_dtype)?;
     let zero = input.zero.filter(|_| input.replicas > 1);
     if let Some(zero) = zero {
-        training.loss = shard_stages(&mut training, &typed, input, zero, &loss_device)?;
+        let passes = Passes {
+            forward: &forward_names,
+            unit_of: &unit_of,
+        };
+        training.loss = shard_stages(&mut training, &typed, input, zero, &loss_device, &passes)?;
     } else if input.replicas > 1 {
         training.loss = all_reduce_gradients(
             &mut training.def,
@@ -413,6 +421,10 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
     add_schedule(&mut training.def, &unit_of, input, p)?;
     if input.tensor.is_some() {
         chain_collectives_per_device(&mut training.def)?;
+    } else if zero.is_some_and(|z| z.stage >= 3) {
+        // The gathers run inside the micro-batches' passes: chained with the step's other
+        // collectives in an order that respects the schedule.
+        order_collectives_per_device(&mut training.def)?;
     }
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.metrics = vec![];

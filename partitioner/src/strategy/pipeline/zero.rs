@@ -1,4 +1,4 @@
-//! ZeRO over a pipeline's data-parallel replicas (`--mesh dp=D,pp=P --zero-stage 1|2`): on
+//! ZeRO over a pipeline's data-parallel replicas (`--mesh dp=D,pp=P --zero-stage 1|2|3`): on
 //! every stage, in place of the all-reduce of the stage's gradients over its replicas
 //! (`gradients::all_reduce_gradients`), `--strategy zero`'s step
 //! (`zero::shard_step_with`) over the stage's data-parallel group (`pipeline/stage<s>`, the
@@ -8,20 +8,30 @@
 //! each weight and all-gathers the updated shards. Clipping by the whole model's global norm:
 //! each stage's `Σ‖g‖²` of its shards is summed over the stage's group, the stages' sums meet
 //! in one `GlobalNormScale` on the loss's stage, and the scale goes back to every stage.
+//!
+//! At stage 3 replica `d` also holds only the flat shard `d` of each of the stage's
+//! parameters (`{w}/shard_{d}_of_{D}`, [`zero::params`]), updated in place, never gathered
+//! back: every micro-batch's forward copy reads an all-gather of the shards over the stage's
+//! group made just before it (`zero/{w}/all_gather_stage{s}_mb{k}_forward`), and its backward
+//! ops another (`..._backward`), each dropped after its last reader; each device's collectives
+//! are then chained in one order that respects the schedule, the same on every replica. The
+//! evaluation copy (on the chief) reads every replica's shards joined, with no collective.
 
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
 use crate::strategy::allreduce::{fresh, node};
-use crate::strategy::zero::{self, Clip, ShardGroup};
+use crate::strategy::zero::{self, params, Clip, OuterShards, Param, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, Strategy, StrategyError};
 use dflow_graph::train::TrainingGraph;
-use dflow_graph::{AttrValue, DType, Graph};
-use std::collections::{BTreeMap, HashSet};
+use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 
 /// ZeRO's options over a pipeline's replicas.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReplicaZero {
-    /// 1: shard the Adam slots; 2: also reduce-scatter the gradients.
+    /// 1: shard the Adam slots; 2: also reduce-scatter the gradients; 3: also shard the
+    /// parameters, gathered before each micro-batch's forward and backward use.
     pub stage: u8,
     /// Fusion threshold: the most bytes of (padded) gradients in one bucket.
     pub bucket_bytes: usize,
@@ -40,13 +50,10 @@ pub struct PipelineZero {
 impl PipelineZero {
     /// The training graphs of every replica, ZeRO's step in place of the replicas' sum.
     pub fn training_graphs(&self, input: &JobInput<'_>) -> Result<PipelineGraphs, StrategyError> {
-        if !(1..=2).contains(&self.zero.stage) {
+        if !(1..=3).contains(&self.zero.stage) {
             return Err(StrategyError::Options {
                 strategy: "pipeline",
-                message: format!(
-                    "--zero-stage {} over pipeline replicas does not run yet: use --zero-stage 1 or 2 (ZeRO-3 shards the parameters, which a pipeline stage does not gather)",
-                    self.zero.stage
-                ),
+                message: format!("--zero-stage must be 1, 2 or 3, got {}", self.zero.stage),
             });
         }
         zero::check_optimizer(input.train, "pipeline")?;
@@ -105,16 +112,52 @@ impl Strategy for PipelineZero {
     }
 }
 
+/// The passes of a pipeline's training graph, to tell which micro-batch's forward or backward
+/// pass reads a parameter (ZeRO-3 gathers it once for each).
+pub(super) struct Passes<'a> {
+    /// The nodes of the forward graph: micro-batch copies, shared ops, the evaluation copy.
+    pub forward: &'a HashSet<String>,
+    /// The (virtual stage, micro-batch) of every forward copy; a backward op is its forward
+    /// op's (the first it is colocated with).
+    pub unit_of: &'a HashMap<String, (usize, usize)>,
+}
+
+impl Passes<'_> {
+    /// The gather a reader `n` of a parameter reads: `stage{v}_mb{k}_forward` (or `_backward`)
+    /// for micro-batch `k`'s copies on virtual stage `v`, `forward` or `backward` for the
+    /// ops shared by the micro-batches.
+    fn use_of(&self, n: &NodeDef) -> String {
+        let unit = match self.unit_of.get(&n.name) {
+            Some(u) => Some((u, "forward")),
+            None => n
+                .colocate_with
+                .first()
+                .filter(|_| n.name.starts_with("gradients/"))
+                .and_then(|f| self.unit_of.get(f))
+                .map(|u| (u, "backward")),
+        };
+        match unit {
+            Some(((v, k), pass)) => format!("stage{v}_mb{k}_{pass}"),
+            None if self.forward.contains(&n.name) => "forward".into(),
+            None => "backward".into(),
+        }
+    }
+}
+
 /// ZeRO's step on every stage of one replica's training graph (see the module docs), in place
 /// of the replicas' all-reduce and of the pipeline's clipping; `loss` (this replica's weighted
-/// loss) is summed over the loss stage's group. `typed` is the validated `training.def`.
-/// Returns the name of the global batch's loss.
+/// loss) is summed over the loss stage's group. At stage 3 every stage's parameters are also
+/// sharded over the stage's group and gathered before each micro-batch's forward and backward
+/// use (`passes` tells them apart); the caller then chains each device's collectives
+/// ([`order_collectives_per_device`]) once the schedule is in the graph. `typed` is the
+/// validated `training.def`. Returns the name of the global batch's loss.
 pub(super) fn shard_stages(
     training: &mut TrainingGraph,
     typed: &Graph,
     input: &RewriteInput<'_>,
     zero: ReplicaZero,
     loss_device: &str,
+    passes: &Passes<'_>,
 ) -> Result<String, StrategyError> {
     let internal = |what: String| StrategyError::from(PipelineError::Internal(what));
     let device_index = |name: &str| {
@@ -149,12 +192,19 @@ pub(super) fn shard_stages(
     let mut squared = Vec::new();
     let mut added = Vec::new();
     let mut global = None;
+    // ZeRO-3: each stage's parameters in the shard layout, its group, and its index.
+    let mut sharded: Vec<(Vec<Param>, ShardGroup, usize)> = Vec::new();
     for (d, device) in input.devices.iter().enumerate() {
         let key = input
             .dp_groups
             .get(d)
             .ok_or_else(|| internal(format!("no data-parallel group for stage {d}")))?;
-        let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, 1);
+        // Beside tensor parallelism, after every instance key of the micro-batches' copies
+        // (the tensor-parallel group's too).
+        let first = input.tensor.map_or(1, |t| {
+            t.instance_stride * input.shape.micro_batches as i64 + 1
+        });
+        let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, first);
         if let Some(grads) = by_device.remove(&d) {
             training.gradients = grads;
             let ctx = ShardGroup {
@@ -169,8 +219,23 @@ pub(super) fn shard_stages(
             } else {
                 Clip::None
             };
-            let (_, sq) = zero::shard_step_with(training, typed, &mut nodes, &ctx, how, None)?;
+            // Beside tensor parallelism: the shards' squares summed over the stage's
+            // tensor-parallel group too.
+            let outer = match input.tensor {
+                Some(t) => Some(OuterShards {
+                    key: t.groups.get(d).ok_or_else(|| {
+                        internal(format!("no tensor-parallel group for stage {d}"))
+                    })?,
+                    sharded: &t.shards,
+                }),
+                None => None,
+            };
+            let (params, sq) =
+                zero::shard_step_with(training, typed, &mut nodes, &ctx, how, outer.as_ref())?;
             squared.extend(sq);
+            if zero.stage >= 3 {
+                sharded.push((params, ctx, d));
+            }
         }
         if d == loss_stage {
             // Last of the stage's collectives: every replica reports the global batch's loss.
@@ -198,7 +263,107 @@ pub(super) fn shard_stages(
         added.push(gns);
     }
     training.def.nodes.extend(added);
-    global.ok_or_else(|| internal("no global loss".into()))
+    let global = global.ok_or_else(|| internal("no global loss".into()))?;
+    if !sharded.is_empty() {
+        // The evaluation copy (on the first stage's device) reads every replica's shards
+        // joined; the training passes read gathers.
+        let mut keep = passes.forward.clone();
+        let eval_device = input
+            .devices
+            .first()
+            .ok_or_else(|| internal("a pipeline with no stage".into()))?;
+        let is_eval = |n: &NodeDef| n.name.starts_with("eval/");
+        for (params, ctx, d) in &sharded {
+            let device_of = |q: usize| input.replica_devices.get(q)?.get(*d).cloned();
+            keep.extend(params::join_for_eval(
+                &mut training.def,
+                params,
+                ctx,
+                &device_of,
+                eval_device,
+                &is_eval,
+            )?);
+        }
+        let roots = [training.train_op.as_str(), global.as_str()];
+        let passes = Passes {
+            forward: &keep,
+            unit_of: passes.unit_of,
+        };
+        for (params, ctx, _) in &sharded {
+            params::shard_parameters_by(&mut training.def, params, ctx, &keep, &roots, &|n| {
+                passes.use_of(n)
+            })?;
+        }
+    }
+    Ok(global)
+}
+
+/// Chains the collectives of every device by control edges in one topological order of the
+/// graph and numbers them from 1 in that order (every device of a ZeRO-3 pipeline talks in
+/// one group, its stage's). The order is Kahn's, taking the first node of the graph's order
+/// among those ready: it depends only on the ancestors of the collectives, so the ranks of a
+/// group, whose graphs differ only in names, devices and their evaluation copy's joins, call
+/// the same collectives in the same order.
+pub(super) fn order_collectives_per_device(def: &mut GraphDef) -> Result<(), StrategyError> {
+    let index: HashMap<&str, usize> = def
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.name.as_str(), i))
+        .collect();
+    let mut successors: Vec<Vec<usize>> = vec![Vec::new(); def.nodes.len()];
+    let mut waiting = vec![0usize; def.nodes.len()];
+    for (i, n) in def.nodes.iter().enumerate() {
+        for input in &n.inputs {
+            let r = InputRef::parse(input).map_err(|e| {
+                StrategyError::from(PipelineError::Input {
+                    node: n.name.clone(),
+                    message: e,
+                })
+            })?;
+            if let Some(&p) = index.get(r.node()) {
+                successors[p].push(i);
+                waiting[i] += 1;
+            }
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..def.nodes.len())
+        .filter(|&i| waiting[i] == 0)
+        .map(Reverse)
+        .collect();
+    let mut chains: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    let mut done = 0;
+    while let Some(Reverse(i)) = ready.pop() {
+        done += 1;
+        let n = &def.nodes[i];
+        if n.op.starts_with("Collective") && n.op != "CollectiveTpCopy" {
+            chains.entry(n.device.as_str()).or_default().push(i);
+        }
+        for &s in &successors[i] {
+            waiting[s] -= 1;
+            if waiting[s] == 0 {
+                ready.push(Reverse(s));
+            }
+        }
+    }
+    if done != def.nodes.len() {
+        return Err(PipelineError::Internal("a cycle among the collectives' inputs".into()).into());
+    }
+    let chains: Vec<Vec<usize>> = chains.into_values().collect();
+    for chain in chains {
+        for (k, &i) in chain.iter().enumerate() {
+            let previous = k
+                .checked_sub(1)
+                .map(|j| format!("^{}", def.nodes[chain[j]].name));
+            let n = &mut def.nodes[i];
+            n.attrs
+                .insert("instance_key".into(), AttrValue::Int(k as i64 + 1));
+            if let Some(p) = previous.filter(|p| !n.inputs.contains(p)) {
+                n.inputs.push(p);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -370,15 +535,125 @@ mod tests {
     }
 
     #[test]
-    fn zero_over_a_pipeline_refuses_stage_3_one_replica_and_sgd_naming_them() {
+    fn dp2_pp2_zero3_shards_each_stages_weights_and_gathers_them_per_micro_batch_and_pass() {
+        let (graph, spec) = model();
+        let cluster = ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let s = strategy(3);
+        let graphs = s.training_graphs(&input).unwrap();
+        let worker = |p: usize, d: usize| super::super::worker_device(2 * p + d);
+        let int = |n: &NodeDef, a: &str| match n.attrs.get(a) {
+            Some(AttrValue::Int(v)) => *v,
+            other => panic!("{} {a}: {other:?}", n.name),
+        };
+        // Per replica, per stage: the collectives in their chain's order.
+        let mut orders: Vec<Vec<Vec<String>>> = Vec::new();
+        for (d, g) in graphs.replicas.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let find = |name: &str| nodes.iter().find(|n| n.name == name);
+            for i in graph
+                .node_indices()
+                .filter(|&i| graph.node(i).op == "Variable")
+            {
+                let var = &graph.node(i).name;
+                let dims = graph.output_type(i, 0).unwrap().shape.as_static().unwrap();
+                let len: usize = dims.iter().product();
+                // The whole weight is gone; the replica holds its flat half, on the stage's
+                // worker, and the update reads that shard.
+                assert!(find(var).is_none(), "{var} still whole");
+                let shard = find(&format!("{var}/shard_{d}_of_2")).unwrap();
+                let p = (0..2).find(|&p| shard.device == worker(p, d)).unwrap();
+                assert_eq!(
+                    shard.attrs.get("shape"),
+                    Some(&AttrValue::Shape(Shape::known(&[len.div_ceil(2)])))
+                );
+                assert_eq!(int(shard, "shard_offset"), (d * len.div_ceil(2)) as i64);
+                // Each micro-batch's forward pass reads a gather of its own, over the
+                // stage's group, on the stage's worker.
+                for k in 0..2 {
+                    let gathers: Vec<&NodeDef> = nodes
+                        .iter()
+                        .filter(|n| {
+                            n.op == "CollectiveAllGather"
+                                && n.name.starts_with(&format!("zero/{var}/all_gather_stage"))
+                                && n.name.ends_with(&format!("_mb{k}_forward"))
+                        })
+                        .collect();
+                    assert!(!gathers.is_empty(), "{var} micro-batch {k}");
+                    for g in gathers {
+                        assert_eq!(g.inputs[0], shard.name);
+                        assert_eq!(g.device, shard.device);
+                        assert_eq!(group_key(g), stage_group(p));
+                    }
+                }
+            }
+            // A matrix is read again by the backward pass of each micro-batch.
+            let w = "transformer.h.1.mlp.c_proj.weight";
+            for k in 0..2 {
+                assert!(
+                    nodes.iter().any(|n| n.op == "CollectiveAllGather"
+                        && n.name.starts_with(&format!("zero/{w}/all_gather_stage"))
+                        && n.name.ends_with(&format!("_mb{k}_backward"))),
+                    "{w} backward {k}"
+                );
+            }
+            // Nothing is assigned back; evaluation reads the replicas' shards joined, with no
+            // collective.
+            assert!(!nodes.iter().any(|n| n.op == "Assign"));
+            let joined = find(&format!("eval/{w}/joined")).unwrap();
+            assert_eq!(
+                joined.inputs,
+                [format!("{w}/shard_0_of_2"), format!("{w}/shard_1_of_2")]
+            );
+            assert!(nodes
+                .iter()
+                .filter(|n| n.name.starts_with("eval/"))
+                .all(|n| !n.op.starts_with("Collective") && n.device == worker(0, d)));
+            // Every stage's collectives form one chain numbered 1, 2, ...
+            let mut per_stage = Vec::new();
+            for p in 0..2 {
+                let mut chain: Vec<&NodeDef> = nodes
+                    .iter()
+                    .filter(|n| n.op.starts_with("Collective") && n.device == worker(p, d))
+                    .collect();
+                chain.sort_by_key(|n| int(n, "instance_key"));
+                for (k, w) in chain.windows(2).enumerate() {
+                    assert_eq!(int(w[0], "instance_key"), k as i64 + 1);
+                    assert!(
+                        w[1].inputs.contains(&format!("^{}", w[0].name)),
+                        "{} does not wait for {}",
+                        w[1].name,
+                        w[0].name
+                    );
+                }
+                per_stage.push(chain.iter().map(|n| n.name.clone()).collect());
+            }
+            orders.push(per_stage);
+        }
+        // The replicas of a stage call the same collectives in the same order.
+        assert_eq!(orders[0], orders[1]);
+        // The plan joins the shards of every weight and slot for checkpoints.
+        let plan = s.plan(&input).unwrap();
+        let w = "transformer.h.0.attn.c_attn.weight";
+        for logical in [w.to_string(), format!("{w}/adam_v")] {
+            let joined = plan.sharded.iter().find(|v| v.logical == logical).unwrap();
+            assert_eq!(
+                joined.shards,
+                [
+                    format!("{logical}/shard_0_of_2"),
+                    format!("{logical}/shard_1_of_2")
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn zero_over_a_pipeline_refuses_stage_4_one_replica_and_sgd_naming_them() {
         let (graph, spec) = model();
         let four = ClusterSpec::local(&[("worker", 4)]).unwrap();
         let input = JobInput::new(&graph, &spec, &four, "idx", "targets");
-        let e = strategy(3).plan(&input).unwrap_err().to_string();
-        assert!(
-            e.contains("--zero-stage 3 over pipeline replicas does not run yet"),
-            "{e}"
-        );
+        let e = strategy(4).plan(&input).unwrap_err().to_string();
+        assert!(e.contains("--zero-stage must be 1, 2 or 3, got 4"), "{e}");
         let two = ClusterSpec::local(&[("worker", 2)]).unwrap();
         let input = JobInput::new(&graph, &spec, &two, "idx", "targets");
         let e = strategy(1).plan(&input).unwrap_err().to_string();

@@ -9,7 +9,12 @@
 //!   replica ([`tp_stage_group`]) under an instance key of its own; each worker chains its
 //!   collectives in one topological order, the same on every rank of a group.
 //! - With `D > 1`, each stage's gradients are summed over the ranks with the same stage and
-//!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas.
+//!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas; with
+//!   ZeRO (`--zero-stage 1|2`), that group runs ZeRO's step instead
+//!   ([`crate::strategy::pipeline::zero`]): each (stage, shard) keeps its replica's `1/D`
+//!   shard of its weights' Adam slots (stage 2: and of their summed gradients), and clipping's
+//!   `Σ‖g‖²` of the tensor-parallel shards is summed over the stage's tensor-parallel group too,
+//!   the replicated weights' counted once.
 //! - Clipping uses the whole model's norm: per stage, the shards' `Σ‖g‖²` all-reduced over the
 //!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
 //!   the loss's stage.
@@ -25,6 +30,7 @@ use crate::mesh::Mesh;
 use crate::strategy::pipeline::gradients::stage_group;
 use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages};
 use crate::strategy::pipeline::schedule::PipelineShape;
+use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared};
 use crate::strategy::{EvalNames, ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
@@ -57,12 +63,14 @@ pub struct MeshGraphs {
 }
 
 /// The training graphs of the GPT `graph` on `mesh` (`pp > 1`), cut and scheduled as
-/// `pipeline` says (see the module docs).
+/// `pipeline` says, with ZeRO over each (stage, shard)'s data-parallel group when `zero` is
+/// given (see the module docs).
 pub fn mesh3d_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     pipeline: &Pipeline,
+    zero: Option<ReplicaZero>,
     features: &str,
     labels: &str,
 ) -> Result<MeshGraphs, StrategyError> {
@@ -163,8 +171,9 @@ pub fn mesh3d_training(
                 replicas: dp,
                 replica: d,
                 dp_groups: &dp_groups,
+                replica_devices: &[],
                 tensor: Some(&tensor),
-                zero: None,
+                zero,
             })?;
             g.eval = EvalNames {
                 features: features.to_string(),
@@ -325,8 +334,16 @@ mod tests {
             .any(|v| v.logical == "transformer.h.1.mlp.c_fc.weight" && v.shards.len() == 2));
 
         let mesh = Mesh::new(2, 2, 2).unwrap();
-        let mg =
-            mesh3d_training(&graph, &spec, &mesh, &pipeline(2, 2, 8), "idx", "targets").unwrap();
+        let mg = mesh3d_training(
+            &graph,
+            &spec,
+            &mesh,
+            &pipeline(2, 2, 8),
+            None,
+            "idx",
+            "targets",
+        )
+        .unwrap();
         assert_eq!(mg.graphs.len(), 4);
         // Graph 3 is shard 1 of replica 1: stage 0 on worker 3, stage 1 on worker 7.
         let g = &mg.graphs[3];
@@ -423,6 +440,116 @@ mod tests {
     }
 
     #[test]
+    fn dp2_tp2_pp2_zero_shards_each_stage_and_shards_slots_over_its_dp_group() {
+        let (graph, spec) = model();
+        let mesh = Mesh::new(2, 2, 2).unwrap();
+        for stage in [1u8, 2] {
+            let zero = ReplicaZero {
+                stage,
+                bucket_bytes: 1 << 20,
+            };
+            let mg = mesh3d_training(
+                &graph,
+                &spec,
+                &mesh,
+                &pipeline(2, 2, 8),
+                Some(zero),
+                "idx",
+                "targets",
+            )
+            .unwrap();
+            // Graph d·2 + t: replica d, shard t; stage s on worker s·4 + d·2 + t.
+            for (i, g) in mg.graphs.iter().enumerate() {
+                let (d, t) = (i / 2, i % 2);
+                let nodes = &g.training.def.nodes;
+                let task_of = |n: &NodeDef| -> usize {
+                    let dev = dflow_graph::DeviceName::parse(&n.device).unwrap();
+                    dev.task.unwrap() as usize
+                };
+                // Every update reads its replica's shard of the slots, on the stage's worker.
+                let updates: Vec<&NodeDef> =
+                    nodes.iter().filter(|n| n.op == "ApplyAdamW").collect();
+                assert!(!updates.is_empty());
+                for u in &updates {
+                    assert!(
+                        u.inputs[1].ends_with(&format!("/adam_m/shard_{d}_of_2")),
+                        "{:?}",
+                        u.inputs
+                    );
+                    assert!(u.attrs.contains_key("shard_offset"), "{}", u.name);
+                }
+                // ZeRO's gradient buckets talk in each (stage, shard)'s dp group; clipping's
+                // norm of the tp shards also crosses the stage's tp group.
+                let summing = if stage == 1 {
+                    "CollectiveAllReduce"
+                } else {
+                    "CollectiveReduceScatter"
+                };
+                for s in 0..2 {
+                    let worker = s * 4 + d * 2 + t;
+                    let on = |prefix: &str, op: &str| -> Vec<&NodeDef> {
+                        nodes
+                            .iter()
+                            .filter(|n| n.op == op && task_of(n) == worker)
+                            .filter(|n| n.name.starts_with(prefix))
+                            .collect()
+                    };
+                    let buckets = on("zero/bucket_", summing);
+                    assert!(!buckets.is_empty(), "stage {s}");
+                    assert!(buckets
+                        .iter()
+                        .all(|n| attr(n, "group_key") == dp_stage_group(s, t)));
+                    let outer = on(
+                        "zero/clip/sharded_squared_norm_outer",
+                        "CollectiveAllReduce",
+                    );
+                    assert_eq!(outer.len(), 1, "stage {s}");
+                    assert_eq!(attr(outer[0], "group_key"), tp_stage_group(s, d));
+                    // No plain all-reduce of whole gradients is left.
+                    assert!(on("pipeline/allreduce", "CollectiveAllReduce").is_empty());
+                    assert!(on("pipeline/clip", "CollectiveAllReduce").is_empty());
+                }
+                // One instance key per collective of a group on each worker.
+                let mut keys: HashSet<(usize, String, String)> = HashSet::new();
+                for n in nodes.iter().filter(|n| n.op.starts_with("Collective")) {
+                    assert!(
+                        keys.insert((task_of(n), attr(n, "group_key"), attr(n, "instance_key"))),
+                        "{} repeats an instance key",
+                        n.name
+                    );
+                }
+                // One clipping scale per graph, on the loss's stage.
+                let scales: Vec<&NodeDef> =
+                    nodes.iter().filter(|n| n.op == "GlobalNormScale").collect();
+                assert_eq!(scales.len(), 1);
+                assert_eq!(task_of(scales[0]), 4 + d * 2 + t);
+            }
+            // The tp ranks of a stage, and the replicas of a (stage, shard), call the same
+            // collectives in the same order.
+            let order = |g: &ReplicaGraph, task: u32| -> Vec<String> {
+                g.graph
+                    .topo_order()
+                    .into_iter()
+                    .map(|i| g.graph.node(i))
+                    .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                    .filter(|n| {
+                        dflow_graph::DeviceName::parse(n.device.as_ref())
+                            .is_ok_and(|d| d.task == Some(task))
+                    })
+                    .map(|n| n.name.clone())
+                    .collect()
+            };
+            for (a, b, ga, gb) in [(0, 1, 0, 1), (0, 2, 0, 2), (5, 7, 1, 3)] {
+                assert_eq!(
+                    order(&mg.graphs[ga], a),
+                    order(&mg.graphs[gb], b),
+                    "workers {a} and {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn meshes_that_do_not_fit_are_refused_naming_them() {
         let (graph, spec) = model();
         let six = dflow_graph::ClusterSpec::local(&[("worker", 6)]).unwrap();
@@ -445,5 +572,20 @@ mod tests {
         // tp=4 does not divide the 2 heads.
         let e = strategy(4, pipeline(2, 1, 8)).plan(&input).unwrap_err();
         assert!(e.to_string().contains("does not divide by --tp 4"), "{e}");
+        // ZeRO runs beside tp inside the stages at stages 1 and 2, not 3, and over dp ≥ 2.
+        let zero = |stage: u8| TensorParallel {
+            zero_stage: Some(stage),
+            ..strategy(2, pipeline(2, 2, 8))
+        };
+        assert!(zero(2).plan(&input).is_ok());
+        let e = zero(3).plan(&input).unwrap_err().to_string();
+        assert!(
+            e.contains("ZeRO-3 beside tensor parallelism inside pipeline stages does not run yet"),
+            "{e}"
+        );
+        let four = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &four, "idx", "targets");
+        let e = zero(1).plan(&input).unwrap_err().to_string();
+        assert!(e.contains("this mesh has one replica"), "{e}");
     }
 }

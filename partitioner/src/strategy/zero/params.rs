@@ -79,7 +79,28 @@ pub(crate) fn shard_parameters(
     group: &ShardGroup,
     forward: &HashSet<String>,
     roots: &[&str],
-    device: &str,
+) -> Result<(), StrategyError> {
+    let pass = |n: &NodeDef| {
+        if forward.contains(&n.name) {
+            "forward".to_string()
+        } else {
+            "backward".to_string()
+        }
+    };
+    shard_parameters_by(def, params, group, forward, roots, &pass)
+}
+
+/// [`shard_parameters`] with one gather per use `use_of` names: every reader `n` of a
+/// parameter reads the gather `zero/{p}/{use_of(n)}` (`forward` and `backward` above; a
+/// pipeline gathers once per micro-batch and pass). Each gather runs on its parameter's
+/// device.
+pub(crate) fn shard_parameters_by(
+    def: &mut GraphDef,
+    params: &[Param],
+    group: &ShardGroup,
+    forward: &HashSet<String>,
+    roots: &[&str],
+    use_of: &dyn Fn(&NodeDef) -> String,
 ) -> Result<(), StrategyError> {
     let (rank, ranks) = (group.rank, group.ranks);
     drop_dead_backward(def, forward, roots);
@@ -104,8 +125,9 @@ pub(crate) fn shard_parameters(
             });
         };
         shard_variable(v, p, rank, ranks);
-        // Who reads p, forward or backward.
-        let mut readers: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+        let device = v.device.clone();
+        // Who reads p, by use (forward, backward, ...), in the graph's order.
+        let mut readers: Vec<(String, Vec<usize>)> = Vec::new();
         for (i, n) in def.nodes.iter_mut().enumerate() {
             for c in &mut n.colocate_with {
                 if *c == p.var {
@@ -127,15 +149,16 @@ pub(crate) fn shard_parameters(
                 }
             }
             if reads {
-                readers[usize::from(!forward.contains(&n.name))].push(i);
+                let pass = use_of(n);
+                match readers.iter_mut().find(|(u, _)| *u == pass) {
+                    Some((_, who)) => who.push(i),
+                    None => readers.push((pass, vec![i])),
+                }
             }
         }
-        for (pass, who) in ["forward", "backward"].iter().zip(readers) {
-            if who.is_empty() {
-                continue;
-            }
+        for (pass, who) in readers {
             let gather = fresh(&mut taken, &format!("zero/{}/all_gather_{pass}", p.var));
-            let mut g = node(&gather, "CollectiveAllGather", vec![shard.clone()], device);
+            let mut g = node(&gather, "CollectiveAllGather", vec![shard.clone()], &device);
             g.attrs = BTreeMap::from([
                 (
                     "group_key".to_string(),
@@ -146,7 +169,7 @@ pub(crate) fn shard_parameters(
             ]);
             added.push(g);
             let value = fresh(&mut taken, &format!("zero/{}/{pass}", p.var));
-            let mut s = node(&value, "FlatSlice", vec![gather.clone()], device);
+            let mut s = node(&value, "FlatSlice", vec![gather.clone()], &device);
             s.attrs = BTreeMap::from([
                 ("offset".to_string(), AttrValue::Int(0)),
                 ("shape".to_string(), AttrValue::Shape(Shape::known(&p.dims))),
@@ -472,4 +495,83 @@ pub(super) fn add_eval_copy(
     g.eval.loss = loss;
     g.eval.metrics = g.eval.metrics.iter().map(|m| remap(m)).collect();
     Ok(())
+}
+
+/// Points the readers `is_eval` picks (an evaluation copy on `eval_device`, which runs no
+/// collective) of every parameter in `params` (sharded over `group`) at the parameter joined
+/// from every rank's shard: rank `q`'s shard variable, on `device_of(q)`, is added for every
+/// rank but `group.rank` (whose shard is the parameter's own variable, renamed by
+/// [`shard_parameters`] after this), and the shards are packed and cut back on
+/// `eval_device`. Call it before [`shard_parameters`], while the variables are whole; returns
+/// the names added.
+pub(crate) fn join_for_eval(
+    def: &mut GraphDef,
+    params: &[Param],
+    group: &ShardGroup,
+    device_of: &dyn Fn(usize) -> Option<String>,
+    eval_device: &str,
+    is_eval: &dyn Fn(&NodeDef) -> bool,
+) -> Result<Vec<String>, StrategyError> {
+    let (rank, ranks) = (group.rank, group.ranks);
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let mut added: Vec<NodeDef> = Vec::new();
+    for p in params {
+        let reads = |n: &NodeDef| {
+            n.inputs.iter().any(|i| {
+                matches!(InputRef::parse(i), Ok(InputRef::Data { node, index: 0 }) if node == p.var)
+            })
+        };
+        if !def.nodes.iter().any(|n| is_eval(n) && reads(n)) {
+            continue;
+        }
+        let Some(whole) = def.nodes.iter().find(|n| n.name == p.var).cloned() else {
+            return Err(StrategyError::UnknownTensor {
+                role: "variable",
+                name: p.var.clone(),
+                message: "not in the training graph".into(),
+            });
+        };
+        let mut shards = Vec::with_capacity(ranks);
+        for q in 0..ranks {
+            let name = shard_name(&p.var, q, ranks);
+            if q != rank {
+                let mut v = whole.clone();
+                shard_variable(&mut v, p, q, ranks);
+                v.device = device_of(q).ok_or_else(|| StrategyError::UnknownTensor {
+                    role: "variable",
+                    name: name.clone(),
+                    message: format!("no device for rank {q} of group `{}`", group.key),
+                })?;
+                v.colocate_with.clear();
+                if !taken.insert(name.clone()) {
+                    return Err(StrategyError::NameTaken {
+                        node: p.var.clone(),
+                        name,
+                    });
+                }
+                added.push(v);
+            }
+            shards.push(name);
+        }
+        let joined = fresh(&mut taken, &format!("eval/{}/joined", p.var));
+        added.push(node(&joined, "PackFlat", shards, eval_device));
+        let value = fresh(&mut taken, &format!("eval/{}", p.var));
+        let mut s = node(&value, "FlatSlice", vec![joined], eval_device);
+        s.attrs = BTreeMap::from([
+            ("offset".to_string(), AttrValue::Int(0)),
+            ("shape".to_string(), AttrValue::Shape(Shape::known(&p.dims))),
+        ]);
+        added.push(s);
+        for n in def.nodes.iter_mut().filter(|n| is_eval(n)) {
+            for input in &mut n.inputs {
+                if matches!(InputRef::parse(input), Ok(InputRef::Data { node, index: 0 }) if node == p.var)
+                {
+                    input.clone_from(&value);
+                }
+            }
+        }
+    }
+    let names = added.iter().map(|n| n.name.clone()).collect();
+    def.nodes.extend(added);
+    Ok(names)
 }
