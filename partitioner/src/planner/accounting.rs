@@ -86,7 +86,8 @@ pub enum AccountingError {
     },
 }
 
-/// The strategy `dflow run` runs `layout` with, and its options: tensor parallelism when
+/// The strategy `dflow run` runs `layout` with, and its options: expert parallelism when
+/// `ep > 1` (over expert-parallel groups of `ep` workers), tensor parallelism when
 /// `tp > 1` (beside a dp axis, inside the stages when `pp > 1`), a pipeline when `pp > 1`
 /// alone, ZeRO at the layout's stage, else all-reduce.
 pub fn strategy_for(
@@ -102,7 +103,15 @@ pub fn strategy_for(
         batch_size: Some(batch),
         ..StrategyOptions::default()
     };
-    let name = if mesh.tp > 1 {
+    let name = if mesh.ep > 1 {
+        if mesh.tp > 1 || mesh.pp > 1 || layout.zero > 0 {
+            return Err(refuse(
+                "expert parallelism runs over dp × ep only, without ZeRO",
+            ));
+        }
+        options.ep = Some(mesh.ep);
+        "expert"
+    } else if mesh.tp > 1 {
         if layout.zero > 0 {
             // ZeRO over the dp axis beside tp: stages 1 to 3, no pipeline axis.
             if mesh.pp > 1 || layout.zero > 3 || mesh.dp < 2 {
