@@ -81,7 +81,8 @@ pub struct Args {
     /// beside tp > 1 (pp = 1) shards the Adam slots (3: and the weights) over the DP groups instead. ep = E (dividing D, with
     /// tp = pp = 1) runs --strategy expert with each MoE layer's experts spread over runs of E
     /// consecutive workers (expert-parallel groups) and each expert's gradient summed over the D/E
-    /// workers holding it (docs/experts.md).
+    /// workers holding it (docs/experts.md); with --zero-stage 1|2 the dense parameters' Adam
+    /// slots are sharded over the D workers and each expert shard's over its D/E holders.
     #[arg(long, value_name = "dp=D,tp=T,pp=P[,ep=E]", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
