@@ -519,16 +519,29 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
     // Adam state), moves tokens by all-to-all inside its expert-parallel group and sums its
     // expert gradients over its expert-data-parallel group, the dense ones over all.
     let graph = small_moe_gpt("plan_vs_measured_ep");
-    for (mesh, cluster, workers) in [
-        ("dp=4,ep=2", "examples/gpt/cluster-4workers.json", 4),
-        ("dp=2,ep=2", "examples/gpt/cluster-2workers.json", 2),
+    for (mesh, zero, cluster, workers) in [
+        ("dp=4,ep=2", None, "examples/gpt/cluster-4workers.json", 4),
+        ("dp=2,ep=2", None, "examples/gpt/cluster-2workers.json", 2),
+        // ZeRO-2: the dense slots over the 4 workers, each expert shard's over its 2 holders.
+        (
+            "dp=4,ep=2",
+            Some("2"),
+            "examples/gpt/cluster-4workers.json",
+            4,
+        ),
     ] {
-        let (ends, stderr) = gpt_job(&graph, cluster, &["--mesh", mesh]);
+        let mut flags = vec!["--mesh", mesh];
+        let mut layout = mesh.to_string();
+        if let Some(stage) = zero {
+            flags.extend(["--zero-stage", stage]);
+            layout = format!("{mesh},zero={stage}");
+        }
+        let (ends, stderr) = gpt_job(&graph, cluster, &flags);
         assert_eq!(ends.len(), workers, "{stderr}");
-        let sent = predicted_traffic(&graph, "idx", "targets", mesh, 4);
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
         assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
-        assert_traffic(mesh, &sent, trained_steps(&stderr), 1, &ends);
-        let predicted = accounted(&graph, "idx", "targets", mesh, 4);
-        assert_memory(mesh, &predicted, &ends);
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
     }
 }
