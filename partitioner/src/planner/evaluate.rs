@@ -721,6 +721,26 @@ mod tests {
         let predicted =
             ep.traffic.expert_parallel.intra_bytes + ep.traffic.expert_parallel.inter_bytes;
         assert_eq!(predicted, a2a as f64);
+        let e = evaluate_layout(
+            &model,
+            &profile,
+            &options,
+            &"dp=4,ep=2,zero=3".parse().unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("ZeRO stage 3 beside ep does not run yet"), "{e}");
+        // ZeRO-2: the dense gradients and Adam state over 4, the experts' over 2.
+        let z2 = evaluate_layout(
+            &model,
+            &profile,
+            &options,
+            &"dp=4,ep=2,zero=2".parse().unwrap(),
+        )
+        .unwrap();
+        let dense = model.parameters() - experts;
+        let want = (dense / 4.0 + experts / 2.0 / 2.0) * 4.0 * 2.0;
+        assert!((z2.peak().optimizer - want).abs() < 1e-6, "{z2:?}");
         // A model without experts has no ep layout, and refuses one by name.
         let cfg = GptConfig {
             vocab_size: 32,

@@ -188,3 +188,173 @@ pub(super) fn zero_step(
         step_metrics: Vec::new(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{expert_training_with, ExpertLayout};
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use dflow_graph::{AttrValue, Graph, NodeDef};
+
+    /// A two-block MoE GPT (4 experts, AdamW), clipped at global norm 0.5.
+    fn graphs(stage: u8, workers: usize, ep: usize) -> Vec<crate::strategy::ReplicaGraph> {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: Some(0.5),
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 4.0,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        let model = gpt(&cfg).unwrap();
+        let spec = model.def.train.clone().unwrap();
+        let graph = Graph::from_def(&model.def).unwrap();
+        let layout = ExpertLayout::new(workers, ep).unwrap();
+        expert_training_with(
+            &graph,
+            &spec,
+            layout,
+            "idx",
+            "targets",
+            1 << 20,
+            Some(stage),
+        )
+        .unwrap()
+    }
+
+    fn group(n: &NodeDef) -> String {
+        match n.attrs.get("group_key") {
+            Some(AttrValue::String(k)) => k.to_string(),
+            other => panic!("{}: group_key {other:?}", n.name),
+        }
+    }
+
+    /// Worker `i`'s collectives in their chained order: (op, group with its index dropped).
+    fn chain(g: &crate::strategy::ReplicaGraph) -> Vec<(String, String)> {
+        let typed = &g.graph;
+        let mut all: Vec<(i64, &NodeDef)> = g
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.op.starts_with("Collective"))
+            .map(|n| match n.attrs.get("instance_key") {
+                Some(AttrValue::Int(k)) => (*k, n),
+                other => panic!("{}: instance_key {other:?}", n.name),
+            })
+            .collect();
+        all.sort_by_key(|(k, _)| *k);
+        // Each waits for the one before (except the dropped count, keyed apart, after the loss).
+        for w in all.windows(2).filter(|w| w[1].0 < (1 << 19)) {
+            assert!(
+                w[1].1.inputs.contains(&format!("^{}", w[0].1.name)),
+                "`{}` does not wait for `{}`",
+                w[1].1.name,
+                w[0].1.name
+            );
+        }
+        assert!(typed.num_nodes() > 0);
+        all.iter()
+            .map(|(_, n)| {
+                let g = group(n)
+                    .trim_end_matches(|c: char| c.is_ascii_digit())
+                    .to_string();
+                (n.op.clone(), g)
+            })
+            .collect()
+    }
+
+    fn variables(g: &crate::strategy::ReplicaGraph) -> Vec<String> {
+        g.training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.op == "Variable")
+            .map(|n| n.name.clone())
+            .collect()
+    }
+
+    #[test]
+    fn dp4_ep2_zero2_shards_dense_slots_over_all_and_expert_slots_over_their_holders() {
+        let graphs = graphs(2, 4, 2);
+        assert_eq!(graphs.len(), 4);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        for (i, g) in graphs.iter().enumerate() {
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            assert!(
+                has(&format!("transformer.wte.weight/adam_m/shard_{i}_of_4")),
+                "{vars:?}"
+            );
+            assert!(!has("transformer.wte.weight/adam_m"), "{vars:?}");
+            let (k, j) = (i % 2, i / 2);
+            assert!(
+                has(&format!("{expert}/shard_{k}/adam_v/shard_{j}_of_2")),
+                "{vars:?}"
+            );
+            assert!(!has(&format!("{expert}/shard_{k}/adam_v")), "{vars:?}");
+            let ops: Vec<(&str, String)> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective"))
+                .map(|n| (n.op.as_str(), group(n)))
+                .collect();
+            // Stage 2: the gradients reduce-scattered over each group; no bucket all-reduce.
+            for key in ["workers".to_string(), format!("experts_dp{k}")] {
+                assert!(
+                    ops.contains(&("CollectiveReduceScatter", key.clone())),
+                    "{key}: {ops:?}"
+                );
+                assert!(
+                    ops.contains(&("CollectiveAllGather", key.clone())),
+                    "{ops:?}"
+                );
+            }
+            // The expert shards' Σ‖g‖² once per shard across the expert-parallel group.
+            let sq = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == "experts/zero/clip/expert_squared_norm")
+                .expect("the experts' squared norm over the ep group");
+            assert_eq!(group(sq), format!("experts_ep{}", i / 2));
+        }
+        // One order of collectives (by kind and group) on every worker.
+        let first = chain(&graphs[0]);
+        for g in &graphs[1..] {
+            assert_eq!(chain(g), first);
+        }
+    }
+
+    #[test]
+    fn with_ep_equal_to_dp_the_experts_slots_stay_whole() {
+        let graphs = graphs(1, 2, 2);
+        let expert = "transformer.h.1.mlp.experts.c_proj.weight";
+        for (i, g) in graphs.iter().enumerate() {
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            assert!(has(&format!("{expert}/shard_{i}/adam_m")), "{vars:?}");
+            assert!(
+                has(&format!("transformer.wte.weight/adam_m/shard_{i}_of_2")),
+                "{vars:?}"
+            );
+            // Clipping scales the local expert gradients before their update.
+            assert!(g
+                .training
+                .def
+                .nodes
+                .iter()
+                .any(|n| n.name == format!("experts/zero/clip/{expert}/shard_{i}")));
+        }
+        assert_eq!(chain(&graphs[0]), chain(&graphs[1]));
+    }
+}
