@@ -372,45 +372,51 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
 }
 
 /// 4 real `dflow` processes on 127.0.0.1 under `--mesh dp=4,ep=2` (the groups' collectives
-/// over the transport, each process building its own worker's graph): 3 steps equal one
-/// process within 1e-5.
+/// over the transport, each process building its own worker's graph), without ZeRO and with
+/// ZeRO-2 (its steps over `workers` and `experts_dp<k>` and the clipping norm over
+/// `experts_ep<g>`, in one order on every process): 3 steps equal one process within 1e-5.
 #[test]
 fn four_processes_under_dp4_ep2_train_like_one_process() {
     use std::time::Duration;
     let _serial = serial();
     let dir = scratch("mesh-expert-processes");
-    let graph = tiny_moe_gpt(&dir, 1, None);
+    let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let graph_s = graph.to_string_lossy().into_owned();
     let local = run(&graph, &[], 3, &dir.join("one"));
-    let cluster = Cluster::new(0, 4);
-    let losses = cluster.path("job-losses.txt");
-    let losses_s = losses.to_string_lossy().into_owned();
-    let common = vec![
-        "--data",
-        "examples/data/shakespeare.txt.gz",
-        "--batch-size",
-        "8",
-        "--steps",
-        "3",
-        "--eval-batches",
-        "1",
-        "--quiet",
-        "--mesh",
-        "dp=4,ep=2",
-    ];
-    let others: Vec<Task> = (1..4)
-        .map(|i| Task::start(&cluster, "worker", i, &common))
-        .collect();
-    let mut chief_args = vec![graph_s.as_str()];
-    chief_args.extend(common.iter().copied());
-    chief_args.extend(["--losses-out", &losses_s]);
-    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(Duration::from_secs(180));
-    chief.assert_success();
-    for t in others {
-        t.wait(Duration::from_secs(30)).assert_success();
+    for zero in [None, Some("2")] {
+        let cluster = Cluster::new(0, 4);
+        let losses = cluster.path("job-losses.txt");
+        let losses_s = losses.to_string_lossy().into_owned();
+        let mut common = vec![
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "8",
+            "--steps",
+            "3",
+            "--eval-batches",
+            "1",
+            "--quiet",
+            "--mesh",
+            "dp=4,ep=2",
+        ];
+        if let Some(stage) = zero {
+            common.extend(["--zero-stage", stage]);
+        }
+        let others: Vec<Task> = (1..4)
+            .map(|i| Task::start(&cluster, "worker", i, &common))
+            .collect();
+        let mut chief_args = vec![graph_s.as_str()];
+        chief_args.extend(common.iter().copied());
+        chief_args.extend(["--losses-out", &losses_s]);
+        let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(Duration::from_secs(180));
+        chief.assert_success();
+        for t in others {
+            t.wait(Duration::from_secs(30)).assert_success();
+        }
+        let job = read_losses(&losses);
+        assert_eq!(job.len(), 3);
+        let worst = assert_same_losses(&job, &local, 1e-5);
+        eprintln!("4 processes, dp=4,ep=2, ZeRO {zero:?}: worst relative difference {worst:e}");
     }
-    let job = read_losses(&losses);
-    assert_eq!(job.len(), 3);
-    let worst = assert_same_losses(&job, &local, 1e-5);
-    eprintln!("4 processes, dp=4,ep=2: worst relative difference {worst:e}");
 }
