@@ -89,6 +89,8 @@ pub struct Args {
     /// workers, 2 also the summed gradients (reduce-scatter instead of all-reduce), 3 also the
     /// parameters (all-gathered just before each use). Default 1. With --mesh dp=D,tp=T (or
     /// --strategy tensor over D·T workers): any stage over each rank's data-parallel group.
+    /// With --mesh dp=D,ep=E (or --strategy expert): 1 or 2, the dense slots over the D
+    /// workers and each expert shard's over its D/E holders.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
     /// Distributed: the most bytes this task's variables and step tensors may take. A plan
