@@ -404,7 +404,7 @@ fn zero_plans_show_each_workers_slot_and_parameter_shards_and_refuse_sgd() {
         "2",
     ]));
     assert!(
-        err.contains("--zero-stage 2 applies to --strategy zero (or tensor or pipeline, over its dp axis), not --strategy allreduce"),
+        err.contains("--zero-stage 2 applies to --strategy zero (or tensor, pipeline or expert, over its dp axis), not --strategy allreduce"),
         "{err}"
     );
     // Micro-batches without pipeline stages would be ignored: refused, naming the strategy.

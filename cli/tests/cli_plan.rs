@@ -46,6 +46,35 @@ fn plan_shows_a_pipeline_layout_in_detail() {
 }
 
 #[test]
+fn plan_lays_out_the_experts_of_the_moe_gpt() {
+    let out = stdout(&dflow(&[
+        "plan",
+        "examples/gpt/gpt-moe.json",
+        "--devices",
+        "4",
+        "--batch-size",
+        "8",
+        "--layout",
+        "dp=4,ep=2",
+    ]));
+    // Both expert-parallel sizes the 4 experts split over are ranked beside the dense layouts.
+    for l in ["dp4 tp1 pp1 ep2 ", "dp4 tp1 pp1 ep4 ", "dp4 tp1 pp1 "] {
+        assert!(out.lines().any(|x| x.contains(l)), "no {l} in {out}");
+    }
+    assert!(
+        out.contains("layout dp4 tp1 pp1 ep2 (dp=4,tp=1,pp=1,ep=2"),
+        "{out}"
+    );
+    assert!(out.contains("expert all-to-alls"), "{out}");
+    // The job plan's own count: 4 workers under --strategy expert.
+    assert!(
+        out.contains("as dflow runs it (--strategy expert;"),
+        "{out}"
+    );
+    assert_eq!(out.matches("collective calls").count(), 4, "{out}");
+}
+
+#[test]
 fn plan_refuses_bad_input_naming_it() {
     for (args, want) in [
         (
@@ -56,7 +85,12 @@ fn plan_refuses_bad_input_naming_it() {
             vec!["--layout", "dp=4"],
             "mesh dp=4,tp=1,pp=1 has 4 ranks but the job has 2 tasks",
         ),
-        (vec!["--layout", "dp=2,ep=2"], "unknown key `ep`"),
+        (vec!["--layout", "dp=2,x=2"], "unknown key `x`"),
+        // The digits MLP has no MoE layer to spread over an ep axis.
+        (
+            vec!["--layout", "dp=2,ep=2"],
+            "ep=2 spreads the experts of MoE layers, and the model has none",
+        ),
         (vec!["--batch-size", "0"], "--batch-size must be at least 1"),
     ] {
         let mut all = vec!["plan", "examples/digits/digits.json", "--devices", "2"];

@@ -533,3 +533,64 @@ fn three_d_zero_bytes_per_task_are_the_prediction() {
     let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
     assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
 }
+
+/// The MoE GPT of examples/gpt/gpt-moe.json (4 experts, top-1, capacity factor 1.25) made
+/// small enough for a debug build on a loaded machine (2 blocks, 2 heads, 16 channels, context
+/// 16), written to a scratch file.
+fn small_moe_gpt(name: &str) -> std::path::PathBuf {
+    use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
+    let cfg = GptConfig {
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        grad_clip: Some(0.5),
+        moe: Some(MoeConfig {
+            num_experts: 4,
+            top_k: 1,
+            capacity_factor: 1.25,
+            ..MoeConfig::default()
+        }),
+        ..GptConfig::default()
+    };
+    let graph = scratch(name).join("gpt-moe.json");
+    std::fs::write(
+        &graph,
+        dflow::graph::format::to_json(&gpt(&cfg).unwrap().def),
+    )
+    .unwrap();
+    graph
+}
+
+#[test]
+fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
+    // The MoE GPT under dp×ep: each rank holds 1/ep of every MoE layer's experts (and their
+    // Adam state), moves tokens by all-to-all inside its expert-parallel group and sums its
+    // expert gradients over its expert-data-parallel group, the dense ones over all.
+    let graph = small_moe_gpt("plan_vs_measured_ep");
+    for (mesh, zero, cluster, workers) in [
+        ("dp=4,ep=2", None, "examples/gpt/cluster-4workers.json", 4),
+        ("dp=2,ep=2", None, "examples/gpt/cluster-2workers.json", 2),
+        // ZeRO-2: the dense slots over the 4 workers, each expert shard's over its 2 holders.
+        (
+            "dp=4,ep=2",
+            Some("2"),
+            "examples/gpt/cluster-4workers.json",
+            4,
+        ),
+    ] {
+        let mut flags = vec!["--mesh", mesh];
+        let mut layout = mesh.to_string();
+        if let Some(stage) = zero {
+            flags.extend(["--zero-stage", stage]);
+            layout = format!("{mesh},zero={stage}");
+        }
+        let (ends, stderr) = gpt_job(&graph, cluster, &flags);
+        assert_eq!(ends.len(), workers, "{stderr}");
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
+    }
+}

@@ -91,12 +91,12 @@ pub fn build_strategy(
             kind.name()
         );
     }
-    // Beside tensor parallelism or a pipeline, ZeRO runs over the data-parallel axis
-    // (--mesh dp=D,tp=T or dp=D,pp=P).
-    let over_dp = matches!(kind.name(), "tensor" | "pipeline");
+    // Beside tensor parallelism, a pipeline or experts, ZeRO runs over the data-parallel axis
+    // (--mesh dp=D,tp=T, dp=D,pp=P or dp=D,ep=E).
+    let over_dp = matches!(kind.name(), "tensor" | "pipeline" | "expert");
     if let Some(stage) = zero_stage.filter(|_| kind.name() != "zero" && !over_dp) {
         anyhow::bail!(
-            "--zero-stage {stage} applies to --strategy zero (or tensor or pipeline, over its dp axis), not --strategy {}",
+            "--zero-stage {stage} applies to --strategy zero (or tensor, pipeline or expert, over its dp axis), not --strategy {}",
             kind.name()
         );
     }
@@ -136,8 +136,9 @@ pub fn build_strategy(
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
 /// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
 /// beside `tp > 1` or `pp > 1` is ZeRO over the dp axis (stages 1 to 3; 1 and 2 when both
-/// are); `ep > 1` (with
-/// `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep` workers. Returns the
+/// are); `ep > 1` (with `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep`
+/// workers (with `--zero-stage 1|2`, ZeRO over the dp axis and the expert-data-parallel
+/// groups). Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -157,9 +158,11 @@ pub fn apply_mesh(
                 mesh_text(mesh)
             );
         }
-        if let Some(stage) = zero_stage {
+        // ZeRO-1/2: the dense states over dp, each expert shard's over its
+        // expert-data-parallel group.
+        if let Some(stage) = zero_stage.filter(|&s| s > 2) {
             anyhow::bail!(
-                "--mesh ep={} with --zero-stage {stage}: ZeRO beside expert parallelism does not run yet",
+                "--mesh ep={} with --zero-stage {stage}: ZeRO-3 beside expert parallelism does not run yet; use --zero-stage 1 or 2",
                 mesh.ep
             );
         }

@@ -86,7 +86,8 @@ pub enum AccountingError {
     },
 }
 
-/// The strategy `dflow run` runs `layout` with, and its options: tensor parallelism when
+/// The strategy `dflow run` runs `layout` with, and its options: expert parallelism when
+/// `ep > 1` (over expert-parallel groups of `ep` workers), tensor parallelism when
 /// `tp > 1` (beside a dp axis, inside the stages when `pp > 1`), a pipeline when `pp > 1`
 /// alone, ZeRO at the layout's stage, else all-reduce.
 pub fn strategy_for(
@@ -102,7 +103,21 @@ pub fn strategy_for(
         batch_size: Some(batch),
         ..StrategyOptions::default()
     };
-    let name = if mesh.tp > 1 {
+    let name = if mesh.ep > 1 {
+        if mesh.tp > 1 || mesh.pp > 1 || layout.zero > 2 {
+            return Err(refuse(
+                "expert parallelism runs over dp × ep only, at ZeRO stages 0 to 2",
+            ));
+        }
+        if layout.zero > 0 {
+            // The dense states over dp, each expert shard's over its expert-data-parallel
+            // group.
+            options.zero_stage = layout.zero;
+            options.tensor_zero = true;
+        }
+        options.ep = Some(mesh.ep);
+        "expert"
+    } else if mesh.tp > 1 {
         if layout.zero > 0 {
             // ZeRO over the dp axis beside tp: stages 1 to 3 (1 and 2 inside pipeline stages).
             let top = if mesh.pp > 1 { 2 } else { 3 };

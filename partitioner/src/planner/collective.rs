@@ -20,6 +20,9 @@ pub enum Collective {
     AllGather,
     /// Everyone gets the sum of one block.
     ReduceScatter,
+    /// Everyone sends block `j` of its buffer to rank `j` directly (the expert strategy's
+    /// token exchange).
+    AllToAll,
 }
 
 /// Time and traffic of one collective (or of several added up).
@@ -78,6 +81,10 @@ pub struct AxisLinks {
     /// Ring edges (rank → next rank of its group) inside and between hosts, over all groups.
     ring_edges: [f64; 2],
     ring_slowest: Link,
+    /// Ordered pairs of distinct ranks of a group (all-to-all's messages) inside and between
+    /// hosts, over all groups.
+    pair_edges: [f64; 2],
+    pair_slowest: Link,
     /// Recursive doubling: fold-in, the log2 rounds, fold-out.
     tree: Vec<Round>,
 }
@@ -108,6 +115,8 @@ impl AxisLinks {
         let fastest = profile.intra_host;
         let mut ring_edges = [0.0; 2];
         let mut ring_slowest = fastest;
+        let mut pair_edges = [0.0; 2];
+        let mut pair_slowest = fastest;
         let p2 = if n == 0 {
             1
         } else {
@@ -123,6 +132,25 @@ impl AxisLinks {
             rounds + 2
         ];
         for g in groups {
+            // Ordered pairs inside a host: Σ c(c − 1) over the group's ranks per host.
+            let mut hosts: Vec<usize> = g
+                .iter()
+                .map(|&r| r / profile.devices_per_host.max(1))
+                .collect();
+            hosts.sort_unstable();
+            let mut inside = 0.0;
+            for run in hosts.chunk_by(|a, b| a == b) {
+                inside += (run.len() * (run.len() - 1)) as f64;
+            }
+            let all = (g.len() * g.len().saturating_sub(1)) as f64;
+            pair_edges[0] += inside;
+            pair_edges[1] += all - inside;
+            if inside > 0.0 {
+                pair_slowest = slower(pair_slowest, profile.intra_host);
+            }
+            if all > inside {
+                pair_slowest = slower(pair_slowest, profile.inter_host);
+            }
             if n > 1 {
                 for i in 0..n {
                     let class = profile.class(g[i], g[(i + 1) % n]);
@@ -149,6 +177,8 @@ impl AxisLinks {
             n,
             ring_edges,
             ring_slowest,
+            pair_edges,
+            pair_slowest,
             tree,
         }
     }
@@ -173,10 +203,19 @@ impl AxisLinks {
                     c.add_bytes(LinkClass::InterHost, round.messages[1] * bytes);
                 }
             }
+            Collective::AllToAll => {
+                // Each rank sends its n − 1 other blocks, one message each.
+                let block = bytes / n;
+                c.seconds =
+                    (n - 1.0) * (self.pair_slowest.latency + block / self.pair_slowest.bandwidth);
+                c.add_bytes(LinkClass::IntraHost, self.pair_edges[0] * block);
+                c.add_bytes(LinkClass::InterHost, self.pair_edges[1] * block);
+            }
             _ => {
                 let steps = match kind {
                     Collective::AllReduce => 2.0 * (n - 1.0),
                     Collective::AllGather | Collective::ReduceScatter => n - 1.0,
+                    Collective::AllToAll => 0.0,
                 };
                 let block = bytes / n;
                 c.seconds =
@@ -333,6 +372,21 @@ mod tests {
         assert_eq!(c.seconds, 4.0 * (1.0 + 10.0));
         let one = AxisLinks::new(&Mesh::new(1, 4, 1).unwrap(), Axis::Dp, &profile(8));
         assert_eq!(one.cost(Collective::AllReduce, 1e9), CommCost::default());
+    }
+
+    #[test]
+    fn all_to_all_sends_every_other_block_once() {
+        // dp=4,ep=2 on hosts of 2: the expert-parallel groups {0,1} {2,3} stay inside a host.
+        let mesh = Mesh::new(4, 1, 1).unwrap().with_ep(2).unwrap();
+        let links = AxisLinks::new(&mesh, Axis::Ep, &profile(2));
+        let c = links.cost(Collective::AllToAll, 4e6);
+        // 2 groups × 2 ranks each send 1 block of 2e6 bytes.
+        assert_eq!(c.intra_bytes, 8e6);
+        assert_eq!(c.inter_bytes, 0.0);
+        assert_eq!(c.seconds, 1.0 + 2e6 / 100.0);
+        // Hosts of 1: every message crosses between hosts.
+        let c = AxisLinks::new(&mesh, Axis::Ep, &profile(1)).cost(Collective::AllToAll, 4e6);
+        assert_eq!((c.intra_bytes, c.inter_bytes), (0.0, 8e6));
     }
 
     #[test]

@@ -15,6 +15,16 @@
 //! and its sends to the neighbouring stages; a step is `(m + p − 1)` slots (`m + (p−1)/v`
 //! interleaved: the bubble formula), then the gradients' data-parallel collectives (buckets of
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
+//!
+//! **Experts** (`ep > 1`, a model with MoE layers; dp × ep only): each rank holds `1/ep` of
+//! every MoE layer's experts (their weights, gradients and Adam state), the dense parameters
+//! whole; ZeRO shards the dense state over the `dp` ranks and the expert shards' over their
+//! expert-data-parallel group (`dp/ep` ranks). Per step and MoE layer, four all-to-alls of the
+//! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
+//! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
+//! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
+//! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
+//! loss's all-gathers and the dropped-token count.
 
 use super::collective::{p2p_seconds, AxisLinks, Collective, CommCost};
 use super::layout::Layout;
@@ -66,8 +76,11 @@ pub struct StepTime {
     pub pipeline: f64,
     /// Idle time of the pipeline fill and drain.
     pub bubble: f64,
-    /// The gradients' data-parallel collectives.
+    /// The gradients' data-parallel collectives (the dense ones over `dp`, the experts' over
+    /// their expert-data-parallel groups).
     pub data_parallel: f64,
+    /// The experts' all-to-alls (tokens to their experts and back, forward and backward).
+    pub expert_parallel: f64,
     /// The runtime's cost per op (and per tensor-parallel call) of the slowest stage over all
     /// micro-batches, plus its cost per step: the profile's `job` costs of a real multi-task
     /// job where calibrated, else `op_overhead` and `step_overhead`.
@@ -83,6 +96,7 @@ impl StepTime {
             + self.pipeline
             + self.bubble
             + self.data_parallel
+            + self.expert_parallel
             + self.overhead
     }
 }
@@ -94,8 +108,11 @@ pub struct Traffic {
     pub tensor_parallel: CommCost,
     /// Activations and gradients between stages.
     pub pipeline: CommCost,
-    /// Data-parallel collectives of gradients (and parameters, ZeRO-3).
+    /// Data-parallel collectives of gradients (and parameters, ZeRO-3), the expert shards'
+    /// over their expert-data-parallel groups included.
     pub data_parallel: CommCost,
+    /// The experts' all-to-alls over the expert-parallel groups.
+    pub expert_parallel: CommCost,
 }
 
 impl Traffic {
@@ -104,6 +121,7 @@ impl Traffic {
         self.tensor_parallel.intra_bytes
             + self.pipeline.intra_bytes
             + self.data_parallel.intra_bytes
+            + self.expert_parallel.intra_bytes
     }
 
     /// Bytes over links between hosts.
@@ -111,6 +129,7 @@ impl Traffic {
         self.tensor_parallel.inter_bytes
             + self.pipeline.inter_bytes
             + self.data_parallel.inter_bytes
+            + self.expert_parallel.inter_bytes
     }
 }
 
@@ -227,6 +246,32 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
             layout.zero
         )));
     }
+    if mesh.ep > 1 {
+        let Some(first) = ctx.model.moe.first() else {
+            return Err(refuse(format!(
+                "ep={} spreads the experts of MoE layers, and the model has none",
+                mesh.ep
+            )));
+        };
+        if mesh.tp > 1 || mesh.pp > 1 {
+            return Err(refuse(format!(
+                "ep={} beside tensor or pipeline parallelism does not run yet: ep goes with dp only",
+                mesh.ep
+            )));
+        }
+        if let Some(l) = ctx.model.moe.iter().find(|l| l.experts % mesh.ep != 0) {
+            return Err(refuse(format!(
+                "MoE layer `{}` has {} experts, which do not split over ep={} (first layer: {} experts)",
+                l.dispatch, l.experts, mesh.ep, first.experts
+            )));
+        }
+        if layout.zero > 2 {
+            return Err(refuse(format!(
+                "ZeRO stage {} beside ep does not run yet: use zero ≤ 2 with ep",
+                layout.zero
+            )));
+        }
+    }
     if mesh.pp == 1 && layout.micro_batches > 1 {
         return Err(refuse(
             "micro-batches need a pipeline (pp > 1); without one a step is one batch".into(),
@@ -260,11 +305,21 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     };
     let zero = layout.zero;
     let shard = |from: u8| if zero >= from { df } else { 1.0 };
+    // The experts' shards are data-parallel over their expert-data-parallel group.
+    let ep = mesh.ep as f64;
+    let expert_shard = |from: u8| if zero >= from { df / ep } else { 1.0 };
+    // Expert parameters held per rank (ep > 1 runs without tp and pp: one stage holds them).
+    let experts = if mesh.ep > 1 {
+        ctx.model.expert_parameters()
+    } else {
+        0.0
+    };
     let stash = stash(layout);
     let mut memory = Vec::with_capacity(p);
     let mut traffic = Traffic::default();
     let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0usize);
     let mut dp_time: f64 = 0.0;
+    let mut ep_time: f64 = 0.0;
     let mut stage0_payload = 0.0;
     // Per device and micro-batch: its activations sent forward, its gradients sent back.
     let mut sends = vec![0.0; p];
@@ -293,10 +348,12 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             .map(|c| c.act_split.at(rows) / tf + c.act_whole.at(rows))
             .sum::<f64>()
             * act_scale;
+        // The dense parameters, and this rank's part of the experts.
+        let (params, local_experts) = (params - experts, experts / ep);
         memory.push(Memory {
-            weights: params * w_bytes / shard(3),
-            gradients: params * g_bytes / shard(2),
-            optimizer: params * opt_bytes / shard(1),
+            weights: (params + local_experts) * w_bytes / shard(3),
+            gradients: params * g_bytes / shard(2) + local_experts * g_bytes / expert_shard(2),
+            optimizer: params * opt_bytes / shard(1) + local_experts * opt_bytes / expert_shard(1),
             activations: act * in_flight,
         });
         // Groups of this stage.
@@ -306,7 +363,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 Axis::Tp => (0..d).map(|di| mesh.rank(0, di, s)).collect(),
                 Axis::Dp => (0..t).map(|ti| mesh.rank(ti, 0, s)).collect(),
                 Axis::Pp => vec![mesh.rank(0, 0, 0)],
-                // The planner lays out no expert axis (ep = 1): one rank per group.
+                // The expert-parallel groups: runs of `ep` data-parallel ranks.
                 Axis::Ep => (0..t)
                     .flat_map(|ti| (0..d).map(move |di| (ti, di)))
                     .filter(|&(_, di)| di % mesh.ep == 0)
@@ -413,8 +470,50 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         if p == 1 {
             dp = dp.then(dp_links.cost(Collective::AllReduce, LOSS_BYTES));
         }
+        // The expert shards' gradients over their expert-data-parallel groups (and, under
+        // ZeRO, their updated shards gathered back).
+        let expert_grad_bytes = local_experts * g_bytes;
+        let mut expert_calls = 0.0;
+        if local_experts > 0.0 && mesh.dp > mesh.ep {
+            let groups = mesh.expert_data_groups();
+            let links = AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile);
+            dp = dp.then(buckets(&links, kind, expert_grad_bytes));
+            if zero >= 1 {
+                dp = dp.then(buckets(
+                    &links,
+                    Collective::AllGather,
+                    local_experts * w_bytes,
+                ));
+            }
+            // Without ZeRO, one all-reduce per expert variable.
+            expert_calls = if zero == 0 {
+                ctx.model.variables.iter().filter(|v| v.expert).count() as f64
+            } else {
+                2.0 * (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
+                    .ceil()
+                    .max(1.0)
+            };
+        }
+        // The experts' tokens: four all-to-alls of each MoE layer's dispatch buffer per step.
+        if mesh.ep > 1 {
+            let ep_links = stage_groups(Axis::Ep);
+            let mut a2a = CommCost::default();
+            for l in &ctx.model.moe {
+                let buffer = l.buffer_bytes(rows.round() as usize) * act_scale;
+                a2a = a2a.then(ep_links.cost(Collective::AllToAll, buffer).times(4.0));
+            }
+            a2a.seconds += 4.0 * ctx.model.moe.len() as f64 * profile.job.collective;
+            ep_time = ep_time.max(a2a.seconds);
+            traffic.expert_parallel = traffic.expert_parallel.then(a2a);
+        }
         if s == 0 {
-            stage0_payload = grad_bytes + if p == 1 { LOSS_BYTES } else { 0.0 };
+            stage0_payload = grad_bytes
+                + if mesh.dp > mesh.ep {
+                    expert_grad_bytes
+                } else {
+                    0.0
+                }
+                + if p == 1 { LOSS_BYTES } else { 0.0 };
         }
         // The calls' own cost in a calibrated job: one per bucket of each collective, and the
         // loss's.
@@ -427,7 +526,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             };
             let calls =
                 count(grad_bytes) + gathers * count(weight_bytes) + if p == 1 { 1.0 } else { 0.0 };
-            dp.seconds += calls * profile.job.collective;
+            dp.seconds += (calls + expert_calls) * profile.job.collective;
         }
         dp_time = dp_time.max(dp.seconds);
         traffic.data_parallel = traffic.data_parallel.then(dp);
@@ -453,6 +552,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         pipeline: sends * mf,
         bubble: slot * (p as f64 - 1.0) / vf,
         data_parallel: dp_time,
+        expert_parallel: ep_time,
         overhead: op_seconds * mf
             + if profile.job.step > 0.0 {
                 profile.job.step
@@ -536,6 +636,147 @@ mod tests {
                 "{per_micro} ops per micro-batch of {stage_ops}"
             );
             assert!(e.time.total() > free.time.total() + 1e-4);
+        }
+    }
+
+    fn moe_model() -> ModelProfile {
+        use dflow_graph::layers::MoeConfig;
+        let cfg = GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        ModelProfile::new(&gpt(&cfg).unwrap().def, "idx", "targets").unwrap()
+    }
+
+    #[test]
+    fn an_ep_layout_holds_its_part_of_the_experts_and_moves_their_tokens() {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, Call};
+        let model = moe_model();
+        assert_eq!(model.moe.len(), 2);
+        assert_eq!(model.ep_sizes(), [1, 2, 4]);
+        let experts = model.expert_parameters();
+        assert!(experts > 0.0 && experts < model.parameters());
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let options = PlanOptions {
+            devices: 4,
+            batch_size: 8,
+        };
+        let dp = evaluate_layout(&model, &profile, &options, &"dp=4".parse().unwrap()).unwrap();
+        let ep =
+            evaluate_layout(&model, &profile, &options, &"dp=4,ep=2".parse().unwrap()).unwrap();
+        // Half of the experts' weights (and gradients, Adam state) leave each rank.
+        let saved = dp.peak().weights - ep.peak().weights;
+        assert!(
+            (saved - experts / 2.0 * 4.0).abs() < 1e-6,
+            "{saved} {experts}"
+        );
+        assert_eq!(dp.traffic.expert_parallel, super::CommCost::default());
+        // The all-to-alls: what the job plan's CollectiveAllToAll ops send, every rank summed.
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let plan = accounting::job_plan(&g, &train, "idx", "targets", &ep.layout, 8).unwrap();
+        let (mut a2a, mut calls) = (0u64, 0usize);
+        for sig in plan.train_signatures() {
+            for part in sig.partitions.partitions.values() {
+                let fixed = accounting::with_rows(&part.graph, 2).unwrap();
+                for i in fixed.node_indices() {
+                    if fixed.node(i).op == "CollectiveAllToAll" {
+                        let (s, k) = fixed.inputs(i)[0];
+                        let elements = fixed.node(s).outputs[k].shape.num_elements().unwrap();
+                        a2a += rank_bytes(Call::AllToAll, 2, 0, elements, 4);
+                        calls += 1;
+                    }
+                }
+            }
+        }
+        // Two each way per layer, forward and backward, on each of the 4 workers.
+        assert_eq!(calls, 4 * 2 * 4);
+        let predicted =
+            ep.traffic.expert_parallel.intra_bytes + ep.traffic.expert_parallel.inter_bytes;
+        assert_eq!(predicted, a2a as f64);
+        let e = evaluate_layout(
+            &model,
+            &profile,
+            &options,
+            &"dp=4,ep=2,zero=3".parse().unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("ZeRO stage 3 beside ep does not run yet"), "{e}");
+        // ZeRO-2: the dense gradients and Adam state over 4, the experts' over 2.
+        let z2 = evaluate_layout(
+            &model,
+            &profile,
+            &options,
+            &"dp=4,ep=2,zero=2".parse().unwrap(),
+        )
+        .unwrap();
+        let dense = model.parameters() - experts;
+        let want = (dense / 4.0 + experts / 2.0 / 2.0) * 4.0 * 2.0;
+        assert!((z2.peak().optimizer - want).abs() < 1e-6, "{z2:?}");
+        // A model without experts has no ep layout, and refuses one by name.
+        let cfg = GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            ..GptConfig::default()
+        };
+        let dense = ModelProfile::new(&gpt(&cfg).unwrap().def, "idx", "targets").unwrap();
+        assert_eq!(dense.ep_sizes(), [1]);
+        let e = evaluate_layout(&dense, &profile, &options, &"dp=4,ep=2".parse().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ep=2 spreads the experts of MoE layers, and the model has none"),
+            "{e}"
+        );
+        let report = super::super::plan(&dense, &profile, &options).unwrap();
+        assert!(report
+            .ranked
+            .iter()
+            .chain(&report.too_big)
+            .all(|e| e.layout.mesh.ep == 1));
+        let report = super::super::plan(&model, &profile, &options).unwrap();
+        let eps: Vec<String> = report
+            .ranked
+            .iter()
+            .chain(&report.too_big)
+            .filter(|e| e.layout.mesh.ep > 1)
+            .map(|e| e.layout.short())
+            .collect();
+        // ZeRO 0, 1 and 2 of each.
+        assert_eq!(eps.len(), 6, "{eps:?}");
+        for l in ["dp4 tp1 pp1 ep2", "dp4 tp1 pp1 ep4", "dp4 tp1 pp1 ep2 z2"] {
+            assert!(eps.iter().any(|e| e == l), "{l} not in {eps:?}");
         }
     }
 }

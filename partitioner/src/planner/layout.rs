@@ -1,7 +1,8 @@
 //! A layout: how many ways the model is replicated (dp), split inside its layers (tp) and cut
-//! into stages (pp), the ZeRO stage over the data-parallel group, the micro-batches per step
-//! and the pipeline schedule; `--layout dp=2,tp=2,pp=2,zero=1,m=8,schedule=1f1b` parses into
-//! one.
+//! into stages (pp), how many data-parallel ranks share one copy of its experts (ep, a model
+//! with MoE layers), the ZeRO stage over the data-parallel group, the micro-batches per step
+//! and the pipeline schedule; `--layout dp=2,tp=2,pp=2,zero=1,m=8,schedule=1f1b` (or
+//! `dp=4,ep=2`) parses into one.
 
 use crate::mesh::{Mesh, MeshError};
 use crate::strategy::pipeline::schedule::ScheduleKind;
@@ -36,9 +37,12 @@ impl Layout {
         }
     }
 
-    /// The layout's short name for tables (`dp=4,tp=2,pp=1 z1 m1`).
+    /// The layout's short name for tables (`dp4 tp2 pp1 z1`, `dp4 tp1 pp1 ep2`).
     pub fn short(&self) -> String {
         let mut s = format!("dp{} tp{} pp{}", self.mesh.dp, self.mesh.tp, self.mesh.pp);
+        if self.mesh.ep > 1 {
+            s.push_str(&format!(" ep{}", self.mesh.ep));
+        }
         if self.zero > 0 {
             s.push_str(&format!(" z{}", self.zero));
         }
@@ -76,7 +80,7 @@ pub enum LayoutError {
     #[error(transparent)]
     Mesh(#[from] MeshError),
     /// Another key is wrong.
-    #[error("layout `{text}`: {message} (write it as dp=2,tp=2,pp=2[,zero=1][,m=8][,schedule=1f1b][,chunks=2])")]
+    #[error("layout `{text}`: {message} (write it as dp=2,tp=2,pp=2[,ep=2][,zero=1][,m=8][,schedule=1f1b][,chunks=2])")]
     Syntax {
         /// The layout as written.
         text: String,
@@ -106,7 +110,7 @@ impl FromStr for Layout {
                     .map_err(|_| syntax(format!("{key}: `{value}` is not a whole number")))
             };
             match key {
-                "dp" | "tp" | "pp" => mesh_parts.push(part.to_string()),
+                "dp" | "tp" | "pp" | "ep" => mesh_parts.push(part.to_string()),
                 "zero" => {
                     let z = number()?;
                     if z > 3 {
@@ -129,8 +133,8 @@ impl FromStr for Layout {
                 "schedule" => layout.schedule = value.parse().map_err(syntax)?,
                 other => {
                     return Err(syntax(format!(
-                        "unknown key `{other}`; the keys are dp, tp, pp, zero, m, schedule, chunks"
-                    )))
+                    "unknown key `{other}`; the keys are dp, tp, pp, ep, zero, m, schedule, chunks"
+                )))
                 }
             }
         }
@@ -176,6 +180,10 @@ mod tests {
         assert_eq!(l.short(), "dp2 tp2 pp2 z1 m8 gpipe");
         let e = "dp=2,zero=4".parse::<Layout>().unwrap_err().to_string();
         assert!(e.contains("the ZeRO stages are 0 to 3"), "{e}");
+        let l: Layout = "dp=4,ep=2".parse().unwrap();
+        assert_eq!(l.mesh, Mesh::new(4, 1, 1).unwrap().with_ep(2).unwrap());
+        assert_eq!(l.short(), "dp4 tp1 pp1 ep2");
+        assert_eq!(l.to_string().parse::<Layout>().unwrap(), l);
         let e = "dp=2,x=1".parse::<Layout>().unwrap_err().to_string();
         assert!(e.contains("unknown key `x`"), "{e}");
     }

@@ -2,7 +2,8 @@
 //!
 //! The planner reads every op, shape and variable of the model ([`model`]), enumerates the
 //! layouts `dp × tp × pp` over the devices (with ZeRO stages 0–3 over the data-parallel group
-//! and the micro-batches that divide the batch; [`layout`]), predicts each one's memory per
+//! and the micro-batches that divide the batch; [`layout`]; for a model with MoE layers also
+//! `dp × ep`, the experts spread over expert-parallel groups of `ep` ranks), predicts each one's memory per
 //! device, bytes per step per link class and step time ([`evaluate`], with the collectives'
 //! costs from the algorithms dflow runs in [`collective`] and the pipeline cut the way the
 //! pipeline strategy cuts it in [`staging`]), prunes those that do not fit in memory, and ranks
@@ -128,8 +129,21 @@ impl Cuts {
 /// Every layout over `devices` devices the enumeration tries: each `pp` dividing the devices,
 /// each `tp` dividing the rest up to a host's devices, `dp` the rest; ZeRO 0–3 with `dp > 1`
 /// (2 and 3 without a pipeline); with a pipeline, every micro-batch count up to
-/// `max(64, 8·pp)` that divides a replica's batch, under 1F1B.
+/// `max(64, 8·pp)` that divides a replica's batch, under 1F1B. A model without experts.
 pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
+    layouts_with_experts(devices, batch, per_host, &[1])
+}
+
+/// [`layouts`], and for a model with experts (`ep_sizes`: the expert-parallel sizes its MoE
+/// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
+/// `dp` and every layer's experts, without tp or pp, with ZeRO 0–2 (the dense states over
+/// `dp`, the experts' over their expert-data-parallel groups).
+pub fn layouts_with_experts(
+    devices: usize,
+    batch: usize,
+    per_host: usize,
+    ep_sizes: &[usize],
+) -> Vec<Layout> {
     let mut out = Vec::new();
     for pp in layout::divisors(devices) {
         for tp in layout::divisors(devices / pp) {
@@ -159,6 +173,20 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
                     out.push(Layout {
                         zero,
                         micro_batches: m,
+                        ..Layout::new(mesh)
+                    });
+                }
+            }
+            if tp > 1 || pp > 1 {
+                continue;
+            }
+            for &ep in ep_sizes.iter().filter(|&&e| e > 1 && dp % e == 0) {
+                let Ok(mesh) = mesh.with_ep(ep) else {
+                    continue;
+                };
+                for zero in [0, 1, 2] {
+                    out.push(Layout {
+                        zero,
                         ..Layout::new(mesh)
                     });
                 }
@@ -213,10 +241,10 @@ fn percent_bucket(seconds: f64) -> i64 {
     }
 }
 
-/// Among equally fast layouts, the simpler first: no ZeRO, then fewer tensor-parallel and
-/// pipeline ranks.
-fn simplicity(l: &Layout) -> (u8, usize, usize) {
-    (l.zero, l.mesh.tp, l.mesh.pp)
+/// Among equally fast layouts, the simpler first: no ZeRO, then fewer tensor-parallel,
+/// pipeline and expert-parallel ranks.
+fn simplicity(l: &Layout) -> (u8, usize, usize, usize) {
+    (l.zero, l.mesh.tp, l.mesh.pp, l.mesh.ep)
 }
 
 /// Plans `model` on `options.devices` devices of `profile`: every layout of [`layouts`],
@@ -243,10 +271,11 @@ pub fn plan(
     let mut ranked = Vec::new();
     let mut too_big = Vec::new();
     let mut refused = Vec::new();
-    for layout in layouts(
+    for layout in layouts_with_experts(
         options.devices,
         options.batch_size,
         profile.devices_per_host,
+        &model.ep_sizes(),
     ) {
         match evaluate_with(model, profile, options, &layout, &mut cuts) {
             Ok(e) if e.fits => ranked.push(e),

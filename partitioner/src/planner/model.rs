@@ -110,6 +110,39 @@ pub struct VariableProfile {
     pub bytes: f64,
     /// Whether tensor parallelism splits it.
     pub split: bool,
+    /// Whether it holds a MoE layer's experts (`[E, ...]`): an `ep` layout splits it over the
+    /// expert-parallel group.
+    pub expert: bool,
+}
+
+/// One MoE layer (`MoeDispatch` … `MoeCombine`; see [`crate::strategy::expert`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeProfile {
+    /// The `MoeDispatch` node.
+    pub dispatch: String,
+    /// Experts (E).
+    pub experts: usize,
+    /// The width of a token (d).
+    pub width: usize,
+    /// The dispatch's capacity factor.
+    pub capacity_factor: f64,
+    /// Tokens per row of the batch (the dispatch's `N` at one row).
+    pub tokens_per_row: usize,
+    /// Bytes of one element of the dispatch buffer.
+    pub element_bytes: usize,
+}
+
+impl MoeProfile {
+    /// Bytes of the dispatch buffer `[E, C, d]` of a replica fed `rows` rows:
+    /// `C = capacity(N, E, capacity_factor)` of its `N = rows · tokens_per_row` tokens.
+    pub fn buffer_bytes(&self, rows: usize) -> f64 {
+        let c = dflow_graph::ops::moe::capacity(
+            rows * self.tokens_per_row,
+            self.experts,
+            self.capacity_factor,
+        );
+        (self.experts * c * self.width * self.element_bytes) as f64
+    }
 }
 
 /// A dimension tensor parallelism splits (it must divide by `tp`).
@@ -136,6 +169,9 @@ pub struct ModelProfile {
     pub variable_of: Vec<Option<usize>>,
     /// Dimensions a tensor-parallel size must divide.
     pub split_dims: Vec<SplitDim>,
+    /// The MoE layers, in graph order (none: the model has no experts, and no layout has an
+    /// `ep` axis).
+    pub moe: Vec<MoeProfile>,
     /// Optimizer moments per parameter (Adam 2, momentum 1, SGD 0).
     pub optimizer_slots: f64,
     /// Bytes of the fed placeholders (features and labels).
@@ -258,6 +294,7 @@ impl ModelProfile {
                     elements: node.outputs[0].shape.num_elements().unwrap_or(0) as f64,
                     bytes: b1,
                     split: false,
+                    expert: false,
                 });
             }
             ops.push(OpProfile {
@@ -285,7 +322,9 @@ impl ModelProfile {
         let forward_ops = def.nodes.len().max(1) as f64;
         let training_ops_per_op = dflow_graph::train::expand_training(&with_batch(def, 1), train)
             .map_or(3.0, |t| t.def.nodes.len() as f64 / forward_ops);
+        let moe = moe_profiles(&g1, def, &mut variables);
         let mut model = ModelProfile {
+            moe,
             training_ops_per_op,
             feed_bytes,
             graph: g1,
@@ -424,6 +463,27 @@ impl ModelProfile {
         self.variables.iter().map(|v| v.elements).sum()
     }
 
+    /// Parameter elements of the MoE layers' experts.
+    pub fn expert_parameters(&self) -> f64 {
+        self.variables
+            .iter()
+            .filter(|v| v.expert)
+            .map(|v| v.elements)
+            .sum()
+    }
+
+    /// The expert-parallel sizes a layout may have: every `ep` dividing the number of experts of
+    /// every MoE layer (`[1]` for a model without experts).
+    pub fn ep_sizes(&self) -> Vec<usize> {
+        let Some(first) = self.moe.first() else {
+            return vec![1];
+        };
+        super::layout::divisors(first.experts)
+            .into_iter()
+            .filter(|&e| self.moe.iter().all(|l| l.experts % e == 0))
+            .collect()
+    }
+
     /// The first dimension tensor parallelism splits that `tp` does not divide, if any.
     pub fn tp_refusal(&self, tp: usize) -> Option<&SplitDim> {
         if tp <= 1 {
@@ -431,4 +491,50 @@ impl ModelProfile {
         }
         self.split_dims.iter().find(|d| d.size % tp != 0)
     }
+}
+
+/// The MoE layers of `g` (the forward graph `def` validated at one row), marking their experts'
+/// variables in `variables`. A graph whose MoE ops the expert strategy cannot lay out (see
+/// [`crate::strategy::expert::moe_layers`]) has none for the planner either: it gets no `ep`
+/// layout.
+fn moe_profiles(g: &Graph, def: &GraphDef, variables: &mut [VariableProfile]) -> Vec<MoeProfile> {
+    let Ok(layers) = crate::strategy::expert::moe_layers(g, def) else {
+        return Vec::new();
+    };
+    let mut out = Vec::with_capacity(layers.len());
+    for l in &layers {
+        let Some(idx) = g.find(&l.dispatch) else {
+            return Vec::new();
+        };
+        let tokens = g.inputs(idx).first().and_then(|&(s, k)| {
+            g.node(s).outputs[k]
+                .shape
+                .dims()?
+                .first()
+                .copied()
+                .flatten()
+        });
+        let element_bytes = g.node(idx).outputs[0].dtype.size_of();
+        let capacity_factor = match g.node(idx).attr("capacity_factor") {
+            Some(AttrValue::Float(f)) => f,
+            _ => 1.0,
+        };
+        let Some(tokens_per_row) = tokens else {
+            return Vec::new();
+        };
+        for v in variables.iter_mut() {
+            if l.variables.contains(&g.node(v.node).name) {
+                v.expert = true;
+            }
+        }
+        out.push(MoeProfile {
+            dispatch: l.dispatch.clone(),
+            experts: l.experts,
+            width: l.width,
+            capacity_factor,
+            tokens_per_row,
+            element_bytes,
+        });
+    }
+    out
 }

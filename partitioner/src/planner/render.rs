@@ -123,7 +123,7 @@ pub fn explain(report: &PlanReport, profile: &ClusterProfile) -> String {
         seconds(t.tensor_parallel),
         seconds(t.pipeline),
         seconds(t.bubble),
-        seconds(t.data_parallel),
+        data_parallel(best),
         seconds(t.overhead),
         bytes(best.peak().total()),
         bytes(profile.memory_per_device as f64),
@@ -137,9 +137,13 @@ pub fn explain(report: &PlanReport, profile: &ClusterProfile) -> String {
             seconds(next.time.total())
         );
     }
-    let pure_dp =
-        |e: &&Evaluation| e.layout.mesh.tp == 1 && e.layout.mesh.pp == 1 && e.layout.zero == 0;
-    if best.layout.mesh.dp != report.devices || best.layout.zero != 0 {
+    let pure_dp = |e: &&Evaluation| {
+        e.layout.mesh.tp == 1
+            && e.layout.mesh.pp == 1
+            && e.layout.mesh.ep == 1
+            && e.layout.zero == 0
+    };
+    if best.layout.mesh.dp != report.devices || best.layout.zero != 0 || best.layout.mesh.ep > 1 {
         if let Some(dp) = report.too_big.iter().find(pure_dp) {
             let _ = writeln!(
                 s,
@@ -155,6 +159,16 @@ pub fn explain(report: &PlanReport, profile: &ClusterProfile) -> String {
                 seconds(dp.time.data_parallel)
             );
         }
+    }
+    s
+}
+
+/// The data-parallel time of `e`, and its experts' all-to-alls where it has an `ep` axis.
+fn data_parallel(e: &Evaluation) -> String {
+    let mut s = seconds(e.time.data_parallel);
+    if e.layout.mesh.ep > 1 {
+        s.push_str(" + expert all-to-alls ");
+        s.push_str(&seconds(e.time.expert_parallel));
     }
     s
 }
@@ -196,7 +210,11 @@ pub fn detail(e: &Evaluation, profile: &ClusterProfile) -> String {
         ("tensor-parallel all-reduces", e.traffic.tensor_parallel),
         ("pipeline sends", e.traffic.pipeline),
         ("data-parallel collectives", e.traffic.data_parallel),
+        ("expert all-to-alls", e.traffic.expert_parallel),
     ] {
+        if what == "expert all-to-alls" && e.layout.mesh.ep == 1 {
+            continue;
+        }
         let _ = writeln!(
             s,
             "    {what:<28} {:>12} / {:>12}",
@@ -223,7 +241,7 @@ pub fn detail(e: &Evaluation, profile: &ClusterProfile) -> String {
         e.bubble * 100.0,
         e.slowest_stage,
         seconds(e.slot),
-        seconds(t.data_parallel),
+        data_parallel(e),
         seconds(t.overhead)
     );
     s

@@ -58,8 +58,14 @@
 //!   sum its gradients by all-reduce before the update, so each expert's gradient counts every
 //!   worker's tokens. `ep` = the worker count is the layout above.
 //!
+//! - **ZeRO** (`--zero-stage 1|2` beside `--mesh dp=D,ep=E`, [`Expert::zero`]): the dense
+//!   parameters' Adam slots sharded over all the workers, each expert shard's over its
+//!   expert-data-parallel group, by `--strategy zero`'s step (see [`zero`]).
+//!
 //! Not supported: asynchronous training; expert parallelism beside tensor or pipeline
-//! parallelism.
+//! parallelism; ZeRO-3 beside it.
+
+pub mod zero;
 
 use super::allreduce::{
     check_job, fresh, node, reduce_gradients, weighted_training, worker_device,
@@ -97,6 +103,10 @@ pub struct Expert {
     /// The expert-parallel size (`--mesh ep=E`): the experts are spread over runs of `ep`
     /// consecutive workers ([`ExpertLayout`]); `None`: over all the workers.
     pub ep: Option<usize>,
+    /// ZeRO's stage (1 or 2) in place of the gradient all-reduces: the dense parameters' Adam
+    /// slots sharded over the workers, each expert shard's over its expert-data-parallel
+    /// group ([`zero`]); `None`: no ZeRO.
+    pub zero: Option<u8>,
 }
 
 /// How a job's workers share the experts: runs of `ep` consecutive workers (expert-parallel
@@ -200,10 +210,23 @@ pub(super) static REGISTRATION: Registration = Registration {
                 message: "expert parallelism is synchronous (every step's all-to-alls need every worker); drop --async".into(),
             });
         }
+        let zero = match (opts.tensor_zero, opts.zero_stage) {
+            (false, _) => None,
+            (true, s @ 1..=2) => Some(s),
+            (true, s) => {
+                return Err(StrategyError::Options {
+                    strategy: "expert",
+                    message: format!(
+                        "--zero-stage {s} beside expert parallelism does not run yet: use --zero-stage 1 or 2 (ZeRO-3 would gather the experts' parameters, which the all-to-alls do not)"
+                    ),
+                })
+            }
+        };
         Ok(Box::new(Expert {
             bucket_bytes: opts.bucket_bytes,
             batch_size: opts.batch_size,
             ep: opts.ep,
+            zero,
         }))
     },
 };
@@ -218,8 +241,14 @@ impl Strategy for Expert {
             Some(ep) => format!("groups of {ep} workers, expert gradients summed over the groups"),
             None => "the workers".to_string(),
         };
+        let zero = match self.zero {
+            Some(stage) => format!(
+                ", ZeRO stage {stage} (dense states over the workers, each expert shard's over its expert-data-parallel group)"
+            ),
+            None => String::new(),
+        };
         format!(
-            "expert-parallel training (experts spread over {over}, all-to-all), buckets of {:.1} MiB",
+            "expert-parallel training (experts spread over {over}, all-to-all){zero}, buckets of {:.1} MiB",
             self.bucket_bytes as f64 / (1u64 << 20) as f64
         )
     }
@@ -234,13 +263,14 @@ impl Strategy for Expert {
             }
         }
         let layout = ExpertLayout::new(workers, self.ep.unwrap_or(workers))?;
-        let graphs = expert_training(
+        let graphs = expert_training_with(
             input.graph,
             input.train,
             layout,
             input.features,
             input.labels,
             self.bucket_bytes,
+            self.zero,
         )?;
         let placement = PlacementOptions {
             policy: Policy::Explicit,
@@ -265,7 +295,11 @@ impl Strategy for Expert {
             groups,
         )?;
         let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        plan.sharded = expert_shards(&layers, &plan.variables, layout.ep());
+        if self.zero.is_some() {
+            zero_shards(&mut plan, input.graph, &layers, layout);
+        } else {
+            plan.sharded = expert_shards(&layers, &plan.variables, layout.ep());
+        }
         Ok(plan)
     }
 
@@ -478,6 +512,91 @@ pub fn expert_shards(
     sharded
 }
 
+/// The logical tensors of a plan under ZeRO beside experts, for checkpoints: the dense
+/// parameters' slots and each expert shard's (`{v}/shard_{k}/adam_m`) as ZeRO's flat shards
+/// (`plan.sharded`, gathered first), then each expert variable and slot whole from its `ep`
+/// row shards (`plan.axis_sharded`, axis 0), so a checkpoint holds the one-process names and
+/// shapes.
+fn zero_shards(plan: &mut JobPlan, graph: &Graph, layers: &[MoeLayer], layout: ExpertLayout) {
+    let (workers, ep) = (layout.workers(), layout.ep());
+    let mut dense: BTreeMap<String, (dflow_graph::DType, Vec<usize>)> = BTreeMap::new();
+    let mut shards: BTreeMap<String, (dflow_graph::DType, Vec<usize>)> = BTreeMap::new();
+    let experts: HashMap<&str, &MoeLayer> = layers
+        .iter()
+        .flat_map(|l| l.variables.iter().map(move |v| (v.as_str(), l)))
+        .collect();
+    for i in graph.node_indices() {
+        let n = graph.node(i);
+        let Some(ty) = graph.output_type(i, 0).filter(|_| n.op == "Variable") else {
+            continue;
+        };
+        let Some(dims) = ty.shape.as_static() else {
+            continue;
+        };
+        match experts.get(n.name.as_str()) {
+            Some(l) => {
+                let mut rows = dims.clone();
+                rows[0] = l.experts / ep;
+                for k in 0..ep {
+                    shards.insert(shard_name(&n.name, k), (ty.dtype, rows.clone()));
+                }
+            }
+            None => {
+                dense.insert(n.name.clone(), (ty.dtype, dims));
+            }
+        }
+    }
+    plan.sharded = super::zero::slot_shards(&plan.variables, &dense, workers);
+    if workers > ep {
+        plan.sharded.extend(super::zero::slot_shards(
+            &plan.variables,
+            &shards,
+            workers / ep,
+        ));
+    }
+    let mut axis = Vec::new();
+    for l in layers {
+        for var in &l.variables {
+            let first = shard_name(var, 0);
+            let Some((dtype, rows)) = shards.get(&first) else {
+                continue;
+            };
+            let mut whole = rows.clone();
+            whole[0] = l.experts;
+            // The variable, and each slot: a variable of the shard's shape, or ZeRO's logical.
+            let mut suffixes: BTreeMap<String, dflow_graph::DType> =
+                BTreeMap::from([(String::new(), *dtype)]);
+            let prefix = format!("{first}/");
+            for v in &plan.variables {
+                if let Some(slot) = v.name.strip_prefix(&prefix) {
+                    if &v.dims == rows {
+                        suffixes.insert(format!("/{slot}"), v.dtype);
+                    }
+                }
+            }
+            for z in &plan.sharded {
+                if let Some(slot) = z.logical.strip_prefix(&prefix) {
+                    suffixes.insert(format!("/{slot}"), z.dtype);
+                }
+            }
+            for (suffix, dtype) in suffixes {
+                axis.push(crate::shards::AxisShardedVariable {
+                    logical: format!("{var}{suffix}"),
+                    dtype,
+                    dims: whole.clone(),
+                    shards: (0..ep)
+                        .map(|k| format!("{}{suffix}", shard_name(var, k)))
+                        .collect(),
+                    axis: 0,
+                    blocks: 1,
+                    padded: l.experts,
+                });
+            }
+        }
+    }
+    plan.axis_sharded = axis;
+}
+
 /// The name of shard `shard` of expert variable `var` (held by the workers at position
 /// `shard` of their expert-parallel groups; [`ExpertLayout::shard`]).
 pub fn shard_name(var: &str, shard: usize) -> String {
@@ -493,8 +612,25 @@ pub fn expert_training(
     labels: &str,
     bucket_bytes: usize,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
+    expert_training_with(graph, spec, layout, features, labels, bucket_bytes, None)
+}
+
+/// [`expert_training`], with ZeRO at stage `zero` (1 or 2) in place of the gradient
+/// all-reduces ([`zero`]).
+pub fn expert_training_with(
+    graph: &Graph,
+    spec: &TrainSpec,
+    layout: ExpertLayout,
+    features: &str,
+    labels: &str,
+    bucket_bytes: usize,
+    zero: Option<u8>,
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
     let (workers, ep) = (layout.workers(), layout.ep());
     let loss_dtype = check_job(graph, spec, workers, features, labels)?;
+    if zero.is_some() {
+        super::zero::check_optimizer(spec, "expert")?;
+    }
     let forward = graph.to_def();
     let layers = moe_layers(graph, &forward)?;
     if layers.is_empty() {
@@ -520,21 +656,31 @@ pub fn expert_training(
             ..spec.clone()
         };
         let mut weighted = weighted_training(&def, &unclipped, i, loss_dtype)?;
-        if let Some(group) = layout.expert_data_group(i) {
-            reduce_expert_gradients(&mut weighted, &local, &group)?;
-        }
-        // Each expert shard's (summed) gradient once per expert-parallel group: the clipping
-        // norm gathers the shards' norms over that group.
-        let mut g = reduce_gradients(
-            weighted,
-            spec,
-            i,
-            features,
-            labels,
-            bucket_bytes,
-            &local,
-            (&layout.ep_group(i), ep),
-        )?;
+        let mut g = if let Some(stage) = zero {
+            let z = zero::ExpertZero {
+                layout,
+                stage,
+                bucket_bytes,
+                feeds: (features, labels),
+            };
+            zero::zero_step(weighted, spec, i, &local, z)?
+        } else {
+            if let Some(group) = layout.expert_data_group(i) {
+                reduce_expert_gradients(&mut weighted, &local, &group)?;
+            }
+            // Each expert shard's (summed) gradient once per expert-parallel group: the
+            // clipping norm gathers the shards' norms over that group.
+            reduce_gradients(
+                weighted,
+                spec,
+                i,
+                features,
+                labels,
+                bucket_bytes,
+                &local,
+                (&layout.ep_group(i), ep),
+            )?
+        };
         add_dropped_count(&mut g, &forward, i)?;
         if i == 0 {
             add_eval_copy(&mut g, &forward, &layers, spec, ep)?;

@@ -274,7 +274,7 @@ fn just_in_time(def: &mut GraphDef, gathers: &[(String, Vec<String>)]) {
 /// Chains every collective of `def` by control edges in one topological order of the graph
 /// (the same on every rank: the ranks' graphs differ only in names and offsets) and numbers
 /// them in that order.
-pub(super) fn order_collectives(def: &mut GraphDef) -> Result<(), StrategyError> {
+pub(crate) fn order_collectives(def: &mut GraphDef) -> Result<(), StrategyError> {
     let graph = Graph::from_def(def).map_err(StrategyError::InvalidGraph)?;
     let chain: Vec<String> = graph
         .topo_order()

@@ -1,0 +1,360 @@
+//! ZeRO beside expert parallelism (`--mesh dp=D,ep=E --zero-stage 1|2`): on every worker, in
+//! place of the all-reduces of the dense gradients (over all `D` workers) and of the expert
+//! shards' gradients (over their expert-data-parallel group of `D/E` workers),
+//! `--strategy zero`'s step ([`zero::shard_step_with`]) over each of those groups:
+//!
+//! - the dense parameters' Adam slots are sharded over the `D` workers
+//!   (`{p}/adam_m/shard_{i}_of_{D}`), their gradients all-reduced (stage 1) or reduce-scattered
+//!   (stage 2) in rank-major buckets over [`GROUP`], the updated shards all-gathered back;
+//! - each expert shard's slots are sharded over its expert-data-parallel group
+//!   (`{v}/shard_{k}/adam_m/shard_{j}_of_{D/E}`, `j` the worker's position in the group),
+//!   summed and gathered over `experts_dp<k>`. With `E = D` no other worker holds a worker's
+//!   experts: their slots stay whole and their update reads the gradient as it comes back
+//!   through the all-to-all (as without ZeRO).
+//!
+//! **Clipping** by the global norm: the dense `Σ‖g‖²` summed over the dense group (once), each
+//! expert shard's over its expert-data-parallel group and then once per shard across the
+//! expert-parallel group; their sum is the one-process `Σ‖g‖²`, one `GlobalNormScale` scales
+//! every shard's update.
+//!
+//! **Order**: the two steps' collectives, the clipping's, the forward all-to-alls and the
+//! load-balancing loss's gathers are chained in one topological order of the worker's graph
+//! (the same on every worker: their graphs differ only in names, offsets and group keys).
+
+use super::{ExpertLayout, GROUP};
+use crate::strategy::allreduce::{fresh, node, WeightedTraining};
+use crate::strategy::zero::{self, params::order_collectives, Clip, ShardGroup};
+use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
+use dflow_graph::train::TrainSpec;
+use dflow_graph::{AttrValue, Graph};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// What [`zero_step`] shards.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ExpertZero<'a> {
+    /// The layout of the experts over the workers.
+    pub layout: ExpertLayout,
+    /// The ZeRO stage (1 or 2).
+    pub stage: u8,
+    /// Fusion threshold: the most bytes of (padded) gradients in one bucket.
+    pub bucket_bytes: usize,
+    /// The fed features and labels.
+    pub feeds: (&'a str, &'a str),
+}
+
+/// Worker `worker`'s training graph from its weighted training `w` (forward graph already
+/// expert-parallel; `local`: its expert shards) with ZeRO's steps in place of the gradient
+/// all-reduces (see the module docs).
+pub(super) fn zero_step(
+    w: WeightedTraining,
+    spec: &TrainSpec,
+    worker: usize,
+    local: &HashSet<String>,
+    z: ExpertZero<'_>,
+) -> Result<ReplicaGraph, StrategyError> {
+    let WeightedTraining {
+        mut training,
+        typed,
+        device,
+        weight,
+        weighted,
+        base,
+    } = w;
+    let layout = z.layout;
+    let (workers, ep) = (layout.workers(), layout.ep());
+    let all = std::mem::take(&mut training.gradients);
+    let (experts, dense): (Vec<_>, Vec<_>) =
+        all.iter().cloned().partition(|(v, _)| local.contains(v));
+    let mut taken: HashSet<String> = training.def.nodes.iter().map(|n| n.name.clone()).collect();
+    let clip = spec.clip_global_norm;
+    let scale = fresh(&mut taken, "experts/zero/clip/global_norm_scale");
+    let how = || match clip {
+        Some(_) => Clip::Scale(&scale),
+        None => Clip::None,
+    };
+
+    // The dense parameters over every worker, then the global batch's loss.
+    let mut nodes = zero::Nodes::new(taken, &device, 1);
+    training.gradients = dense;
+    let ctx = ShardGroup {
+        rank: worker,
+        ranks: workers,
+        stage: z.stage,
+        key: GROUP.to_string(),
+        bucket_bytes: z.bucket_bytes,
+    };
+    let (_, dense_squared) =
+        zero::shard_step_with(&mut training, &typed, &mut nodes, &ctx, how(), None)?;
+    let global = nodes.collective(
+        GROUP,
+        &format!("{base}/global"),
+        "CollectiveAllReduce",
+        weighted,
+        workers,
+        true,
+    );
+    let mut added = std::mem::take(&mut nodes.added);
+    taken = std::mem::take(&mut nodes.taken);
+
+    // The expert shards over their expert-data-parallel group, if another worker holds them.
+    let mut expert_squared = None;
+    if let Some(group) = layout.expert_data_group(worker) {
+        let mut nodes = zero::Nodes::new(taken, &device, 1);
+        training.gradients = experts;
+        let ctx = ShardGroup {
+            rank: worker / ep,
+            ranks: workers / ep,
+            stage: z.stage,
+            key: group,
+            bucket_bytes: z.bucket_bytes,
+        };
+        let (_, sq) = zero::shard_step_with(&mut training, &typed, &mut nodes, &ctx, how(), None)?;
+        expert_squared = sq;
+        added.append(&mut nodes.added);
+        taken = std::mem::take(&mut nodes.taken);
+    } else if clip.is_some() {
+        // Held by this worker alone: the whole gradient is here, scaled before its update.
+        let part = fresh(&mut taken, "experts/zero/clip/squared_norm_part");
+        let grads = experts.iter().map(|(_, g)| g.clone()).collect();
+        added.push(node(&part, "SquaredNorm", grads, &device));
+        expert_squared = Some(part);
+        let mut scaled: HashMap<String, String> = HashMap::new();
+        for (var, g) in &experts {
+            let name = fresh(&mut taken, &format!("experts/zero/clip/{var}"));
+            added.push(node(&name, "Mul", vec![g.clone(), scale.clone()], &device));
+            scaled.insert(g.clone(), name);
+        }
+        for u in training
+            .def
+            .nodes
+            .iter_mut()
+            .filter(|u| u.op.starts_with("Apply"))
+        {
+            for input in &mut u.inputs {
+                if let Some(s) = scaled.get(input.as_str()) {
+                    *input = s.clone();
+                }
+            }
+        }
+    }
+
+    // One scale from the dense Σ‖g‖² and every expert shard's, summed over the
+    // expert-parallel group.
+    if let Some(clip) = clip {
+        let mut terms: Vec<String> = dense_squared.into_iter().collect();
+        if let Some(sq) = expert_squared {
+            let mut nodes = zero::Nodes::new(taken, &device, 1);
+            terms.push(nodes.collective(
+                &layout.ep_group(worker),
+                "experts/zero/clip/expert_squared_norm",
+                "CollectiveAllReduce",
+                sq,
+                ep,
+                true,
+            ));
+            added.append(&mut nodes.added);
+            taken = std::mem::take(&mut nodes.taken);
+        }
+        let total = fresh(&mut taken, "experts/zero/clip/squared_norm");
+        added.push(node(&total, "AddN", terms, &device));
+        let mut gns = node(&scale, "GlobalNormScale", vec![total], &device);
+        gns.attrs = BTreeMap::from([
+            ("clip_norm".to_string(), AttrValue::Float(clip)),
+            ("squared_norm".to_string(), AttrValue::Bool(true)),
+        ]);
+        added.push(gns);
+    }
+    training.def.nodes.extend(added);
+    training.gradients = all;
+    training.loss = global;
+    order_collectives(&mut training.def)?;
+    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+    let (features, labels) = z.feeds;
+    Ok(ReplicaGraph {
+        training,
+        graph,
+        replicas: vec![ReplicaFeeds {
+            worker,
+            features: features.to_string(),
+            labels: labels.to_string(),
+            weight: Some(weight),
+        }],
+        eval: EvalNames {
+            features: features.to_string(),
+            labels: labels.to_string(),
+            loss: spec.loss.clone(),
+            metrics: spec.metrics.clone(),
+        },
+        step_metrics: Vec::new(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{expert_training_with, ExpertLayout};
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use dflow_graph::{AttrValue, Graph, NodeDef};
+
+    /// A two-block MoE GPT (4 experts, AdamW), clipped at global norm 0.5.
+    fn graphs(stage: u8, workers: usize, ep: usize) -> Vec<crate::strategy::ReplicaGraph> {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: Some(0.5),
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 4.0,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        let model = gpt(&cfg).unwrap();
+        let spec = model.def.train.clone().unwrap();
+        let graph = Graph::from_def(&model.def).unwrap();
+        let layout = ExpertLayout::new(workers, ep).unwrap();
+        expert_training_with(
+            &graph,
+            &spec,
+            layout,
+            "idx",
+            "targets",
+            1 << 20,
+            Some(stage),
+        )
+        .unwrap()
+    }
+
+    fn group(n: &NodeDef) -> String {
+        match n.attrs.get("group_key") {
+            Some(AttrValue::String(k)) => k.to_string(),
+            other => panic!("{}: group_key {other:?}", n.name),
+        }
+    }
+
+    /// Worker `i`'s collectives in their chained order: (op, group with its index dropped).
+    fn chain(g: &crate::strategy::ReplicaGraph) -> Vec<(String, String)> {
+        let typed = &g.graph;
+        let mut all: Vec<(i64, &NodeDef)> = g
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.op.starts_with("Collective"))
+            .map(|n| match n.attrs.get("instance_key") {
+                Some(AttrValue::Int(k)) => (*k, n),
+                other => panic!("{}: instance_key {other:?}", n.name),
+            })
+            .collect();
+        all.sort_by_key(|(k, _)| *k);
+        // Each waits for the one before (except the dropped count, keyed apart, after the loss).
+        for w in all.windows(2).filter(|w| w[1].0 < (1 << 19)) {
+            assert!(
+                w[1].1.inputs.contains(&format!("^{}", w[0].1.name)),
+                "`{}` does not wait for `{}`",
+                w[1].1.name,
+                w[0].1.name
+            );
+        }
+        assert!(typed.num_nodes() > 0);
+        all.iter()
+            .map(|(_, n)| {
+                let g = group(n)
+                    .trim_end_matches(|c: char| c.is_ascii_digit())
+                    .to_string();
+                (n.op.clone(), g)
+            })
+            .collect()
+    }
+
+    fn variables(g: &crate::strategy::ReplicaGraph) -> Vec<String> {
+        g.training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.op == "Variable")
+            .map(|n| n.name.clone())
+            .collect()
+    }
+
+    #[test]
+    fn dp4_ep2_zero2_shards_dense_slots_over_all_and_expert_slots_over_their_holders() {
+        let graphs = graphs(2, 4, 2);
+        assert_eq!(graphs.len(), 4);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        for (i, g) in graphs.iter().enumerate() {
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            assert!(
+                has(&format!("transformer.wte.weight/adam_m/shard_{i}_of_4")),
+                "{vars:?}"
+            );
+            assert!(!has("transformer.wte.weight/adam_m"), "{vars:?}");
+            let (k, j) = (i % 2, i / 2);
+            assert!(
+                has(&format!("{expert}/shard_{k}/adam_v/shard_{j}_of_2")),
+                "{vars:?}"
+            );
+            assert!(!has(&format!("{expert}/shard_{k}/adam_v")), "{vars:?}");
+            let ops: Vec<(&str, String)> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective"))
+                .map(|n| (n.op.as_str(), group(n)))
+                .collect();
+            // Stage 2: the gradients reduce-scattered over each group; no bucket all-reduce.
+            for key in ["workers".to_string(), format!("experts_dp{k}")] {
+                assert!(
+                    ops.contains(&("CollectiveReduceScatter", key.clone())),
+                    "{key}: {ops:?}"
+                );
+                assert!(
+                    ops.contains(&("CollectiveAllGather", key.clone())),
+                    "{ops:?}"
+                );
+            }
+            // The expert shards' Σ‖g‖² once per shard across the expert-parallel group.
+            let sq = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == "experts/zero/clip/expert_squared_norm")
+                .expect("the experts' squared norm over the ep group");
+            assert_eq!(group(sq), format!("experts_ep{}", i / 2));
+        }
+        // One order of collectives (by kind and group) on every worker.
+        let first = chain(&graphs[0]);
+        for g in &graphs[1..] {
+            assert_eq!(chain(g), first);
+        }
+    }
+
+    #[test]
+    fn with_ep_equal_to_dp_the_experts_slots_stay_whole() {
+        let graphs = graphs(1, 2, 2);
+        let expert = "transformer.h.1.mlp.experts.c_proj.weight";
+        for (i, g) in graphs.iter().enumerate() {
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            assert!(has(&format!("{expert}/shard_{i}/adam_m")), "{vars:?}");
+            assert!(
+                has(&format!("transformer.wte.weight/adam_m/shard_{i}_of_2")),
+                "{vars:?}"
+            );
+            // Clipping scales the local expert gradients before their update.
+            assert!(g
+                .training
+                .def
+                .nodes
+                .iter()
+                .any(|n| n.name == format!("experts/zero/clip/{expert}/shard_{i}")));
+        }
+        assert_eq!(chain(&graphs[0]), chain(&graphs[1]));
+    }
+}
