@@ -238,7 +238,7 @@ impl Strategy for TensorParallel {
         )?;
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
-        if self.zero_stage.is_some() {
+        if hand::zero_stage(input.graph, &mesh, self.zero_stage)?.is_some() {
             // ZeRO's slot shards `{w}/adam_m/shard_{d}_of_{D}` make the slots `{w}/adam_m` of
             // every TP shard `w` and replicated weight; the TP shards' make the logical slots.
             let mut dims: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
@@ -696,18 +696,21 @@ pub fn mesh_training(
             "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
         )));
     }
+    let zero_stage = hand::zero_stage(graph, mesh, zero_stage)?;
     if let Some(stage) = zero_stage {
         check_zero(mesh, stage)?;
         super::zero::check_optimizer(spec, "tensor")?;
-        if hand::declares_placements(graph) {
-            return Err(options(format!(
-                "--zero-stage {stage}: ZeRO beside placements written by hand does not run yet; \
-                 drop --zero-stage (the gradients are then all-reduced over the dp axis)"
-            )));
-        }
     }
     if hand::declares_placements(graph) {
-        return hand::mesh_training(graph, spec, mesh, bucket_bytes, features, labels);
+        return hand::mesh_training(
+            graph,
+            spec,
+            mesh,
+            bucket_bytes,
+            zero_stage,
+            features,
+            labels,
+        );
     }
     let tp = mesh.tp;
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
@@ -1133,40 +1136,16 @@ fn rank_graph(
         instance,
         group: at.group.clone(),
     };
-    let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
-    // ZeRO-3: the parameters to shard over the dp group, and the group.
-    let mut zero3 = None;
-    match (&at.data, &weighting, zero_stage) {
-        (Some(replica), Some(w), Some(stage)) => {
-            let sharded: HashSet<String> = renames.values().cloned().collect();
-            let params = data::zero_step(
-                &mut training,
-                &typed,
-                &mut n,
-                replica,
-                stage,
-                &w.weighted,
-                &at.group,
-                &sharded,
-                spec.clip_global_norm,
-            )?;
-            if stage >= 3 {
-                zero3 = Some((params, data::shard_group(replica, stage)));
-            }
-        }
-        (data, weighting, _) => {
-            if let (Some(replica), Some(w)) = (data, weighting) {
-                data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
-            }
-            if let Some(clip) = spec.clip_global_norm {
-                clip_across_shards(&mut training, &mut n, &renames, clip);
-            }
-        }
-    }
-    training.def.nodes.extend(std::mem::take(&mut n.added));
-    if let Some((params, group)) = zero3 {
-        shard_parameters(&mut training, &def, &params, &group, &device, n.instance)?;
-    }
+    data_parallel_step(
+        &mut training,
+        &typed,
+        &mut n,
+        at,
+        weighting.as_ref(),
+        &renames,
+        spec.clip_global_norm,
+        &def,
+    )?;
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     Ok(ReplicaGraph {
@@ -1188,6 +1167,61 @@ fn rank_graph(
         },
         step_metrics: Vec::new(),
     })
+}
+
+/// The end of rank `at`'s step after autodiff, shared by the GPT's layout and placements by
+/// hand: with data parallelism, every gradient summed over the rank's data-parallel group
+/// ([`data::reduce_gradients`]) or, with ZeRO at `at.data.zero_stage`, [`data::zero_step`]
+/// over it (stage 3 then shards the parameters: [`shard_parameters`]); clipping by `clip`
+/// across the tensor-parallel shards (`renames`: each sharded variable's name on this rank).
+/// `weighting` is the replica's weighted loss, `forward` the rank's forward graph; the nodes
+/// added are appended to `training`.
+#[allow(clippy::too_many_arguments)]
+fn data_parallel_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    at: &RankAt,
+    weighting: Option<&data::Weighting>,
+    renames: &HashMap<String, String>,
+    clip: Option<f64>,
+    forward: &GraphDef,
+) -> Result<(), StrategyError> {
+    let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
+    // ZeRO-3: the parameters to shard over the dp group, and the group.
+    let mut zero3 = None;
+    match (&at.data, weighting, zero_stage) {
+        (Some(replica), Some(w), Some(stage)) => {
+            let sharded: HashSet<String> = renames.values().cloned().collect();
+            let params = data::zero_step(
+                training,
+                typed,
+                n,
+                replica,
+                stage,
+                &w.weighted,
+                &at.group,
+                &sharded,
+                clip,
+            )?;
+            if stage >= 3 {
+                zero3 = Some((params, data::shard_group(replica, stage)));
+            }
+        }
+        (data, weighting, _) => {
+            if let (Some(replica), Some(w)) = (data, weighting) {
+                data::reduce_gradients(training, typed, n, replica, &w.weighted)?;
+            }
+            if let Some(clip) = clip {
+                clip_across_shards(training, n, renames, clip);
+            }
+        }
+    }
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    if let Some((params, group)) = zero3 {
+        shard_parameters(training, forward, &params, &group, &n.device, n.instance)?;
+    }
+    Ok(())
 }
 
 /// Gives the renamed nodes (a variable's shard) their new names, points every input at them,

@@ -27,8 +27,8 @@
 
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
-    add_eval_copy, chain_collectives, clip_across_shards, data, dp_group, onto_rank, options,
-    prune, shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
+    chain_collectives, data, data_parallel_step, dp_group, eval_copy, onto_rank, options, prune,
+    shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
 use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
@@ -39,6 +39,81 @@ use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
 use std::collections::HashMap;
 
 pub use crate::sharding::propagate::declares_placements;
+
+/// ZeRO's stage over the data-parallel axis of `mesh` for `graph`, from `--zero-stage`
+/// (`flag`) and the variables' placements on the `dp` axis (`_sharding: "dp:…"`): a variable
+/// declared `dp:Shard(0)` has its training state sharded over its data-parallel group (ZeRO;
+/// stage 1 with no flag), one declared `dp:Replicate` keeps it whole on every replica (its
+/// gradient all-reduced), even under the flag; an undeclared one follows the flag. Every
+/// variable must get the same choice: a mix is refused naming both sides (one step shards the
+/// whole training state or none of it). With no flag over one replica, `dp:Shard(0)` is whole
+/// anyway: no ZeRO. A graph without placements by hand gets `flag`.
+pub fn zero_stage(
+    graph: &Graph,
+    mesh: &Mesh,
+    flag: Option<u8>,
+) -> Result<Option<u8>, StrategyError> {
+    use dflow_graph::sharding::{sharding_value, Placement, SHARDING_ATTR};
+    if !declares_placements(graph) {
+        return Ok(flag);
+    }
+    let (mut sharded, mut whole) = (Vec::new(), Vec::new());
+    for i in graph.node_indices() {
+        let v = graph.node(i);
+        if v.op != "Variable" {
+            continue;
+        }
+        let dp = match v.attrs.get(SHARDING_ATTR) {
+            Some(a) => {
+                sharding_value(&v.name, a)
+                    .map_err(|e| options(format!("placements by hand: {e}")))?
+                    .dp
+            }
+            None => None,
+        };
+        let zero = match dp {
+            Some(Placement::Shard(0)) => true,
+            Some(Placement::Replicate) => false,
+            Some(other) => {
+                return Err(options(format!(
+                    "placements by hand: variable `{}` is dp:{other}; a variable's training \
+                     state over the data-parallel axis is Replicate or Shard(0) (ZeRO)",
+                    v.name
+                )))
+            }
+            None => flag.is_some(),
+        };
+        if zero {
+            sharded.push(v.name.clone());
+        } else {
+            whole.push(v.name.clone());
+        }
+    }
+    if sharded.is_empty() || (flag.is_none() && mesh.dp < 2) {
+        return Ok(None);
+    }
+    if !whole.is_empty() {
+        let list = |v: &[String]| {
+            v.iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let why = match flag {
+            Some(s) => format!("--zero-stage {s} shards"),
+            None => "dp:Shard(0) shards".to_string(),
+        };
+        return Err(options(format!(
+            "placements by hand: {why} the training state of {} over the data-parallel axis, \
+             but {} stay whole (dp:Replicate{}); ZeRO for some variables only does not run yet: \
+             give every variable the same dp placement",
+            list(&sharded),
+            list(&whole),
+            if flag.is_some() { "" } else { " or undeclared" }
+        )));
+    }
+    Ok(Some(flag.unwrap_or(1)))
+}
 
 /// The tensors the job fetches: the loss and the metrics.
 fn fetched(spec: &TrainSpec) -> Vec<String> {
@@ -78,6 +153,7 @@ pub(super) fn mesh_training(
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    zero_stage: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -95,11 +171,12 @@ pub(super) fn mesh_training(
     let forward = graph.to_def();
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, None);
+        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
         let mut g = rank_graph(&forward, &plan, &shards, spec, &at, features, labels)?;
         if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
-            add_eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false)?;
+            let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
+            eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false, zero3)?;
         }
         graphs.push(g);
     }
@@ -325,13 +402,16 @@ fn rank_graph(
         instance: n.instance,
         group: at.group.clone(),
     };
-    if let (Some(replica), Some(w)) = (&at.data, &weighting) {
-        data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
-    }
-    if let Some(clip) = spec.clip_global_norm.filter(|_| !own_clip) {
-        clip_across_shards(&mut training, &mut n, &renames, clip);
-    }
-    training.def.nodes.extend(std::mem::take(&mut n.added));
+    data_parallel_step(
+        &mut training,
+        &typed,
+        &mut n,
+        at,
+        weighting.as_ref(),
+        &renames,
+        spec.clip_global_norm.filter(|_| !own_clip),
+        &def,
+    )?;
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     Ok(ReplicaGraph {
@@ -435,21 +515,28 @@ pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, Stra
 }
 
 /// `dflow partition`'s section for a graph with hand placements on a `dp × tp` mesh with
-/// `dp > 1`: the data-parallel axis in words of placements (every parameter `Replicate` over
-/// `dp`, the batch `Shard(0)`), the tensor- and data-parallel groups with their ranks, and the
-/// gradient bytes each rank sums over its DP group per step with what it sends (ring
-/// all-reduce, `2(D−1)/D` of the bytes; the global loss's scalar not counted).
+/// `dp > 1`: every variable's placement on each axis (on `dp`, its training state: `Replicate`,
+/// or `Shard(0)` under ZeRO, see [`zero_stage`]; `flag` is `--zero-stage`), the batch's, the
+/// tensor- and data-parallel groups with their ranks, and what each rank sends over its DP
+/// group per step: without ZeRO the gradient bytes it sums (ring all-reduce, `2(D−1)/D` of the
+/// bytes; the global loss's scalar not counted), under ZeRO every collective of the group with
+/// its bytes (ring: an all-reduce `2(D−1)/D` of its input, a reduce-scatter `(D−1)/D`, an
+/// all-gather `(D−1)` times its input).
+#[allow(clippy::too_many_arguments)]
 pub fn render_data_parallel(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    flag: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<String, StrategyError> {
     use crate::mesh::Axis;
+    use dflow_graph::sharding::{AxisPlacements, Placement};
     use std::fmt::Write as _;
-    let tg = mesh_training(graph, spec, mesh, bucket_bytes, features, labels)?;
+    let stage = zero_stage(graph, mesh, flag)?;
+    let tg = super::mesh_training(graph, spec, mesh, bucket_bytes, stage, features, labels)?;
     let dp = mesh.dp;
     let mut out = String::new();
     let _ = writeln!(
@@ -458,11 +545,56 @@ pub fn render_data_parallel(
          tp section above is one replica's, on its part of the batch)",
         mesh.tp
     );
-    let _ = writeln!(
-        out,
-        "placements on the dp axis: every parameter (shard or replicated) Replicate; the batch \
-         ({features}, {labels}) Shard(0): replica d feeds part d, its loss weighted by its share"
-    );
+    match stage {
+        None => {
+            let _ = writeln!(
+                out,
+                "placements on the dp axis: every parameter (shard or replicated) Replicate; \
+                 the batch ({features}, {labels}) Shard(0): replica d feeds part d, its loss \
+                 weighted by its share"
+            );
+        }
+        Some(s) => {
+            let what = match s {
+                1 => "its Adam slots",
+                2 => "its Adam slots and summed gradient",
+                _ => "its Adam slots, summed gradient and the parameter itself (all-gathered before each use)",
+            };
+            let _ = writeln!(
+                out,
+                "placements on the dp axis: every parameter's training state Shard(0), ZeRO \
+                 stage {s}: {what} flattened and cut in {dp} parts over its dp group; the batch \
+                 ({features}, {labels}) Shard(0): replica d feeds part d, its loss weighted by \
+                 its share"
+            );
+        }
+    }
+    let _ = writeln!(out, "variables' placements per axis:");
+    let tp_plan = plan(graph, spec, mesh.tp)?;
+    for i in graph.node_indices() {
+        let v = graph.node(i);
+        if v.op != "Variable" {
+            continue;
+        }
+        let ty = graph
+            .output_type(i, 0)
+            .map_or_else(|| "?".to_string(), |t| t.to_string());
+        let p = AxisPlacements {
+            dp: Some(if stage.is_some() {
+                Placement::Shard(0)
+            } else {
+                Placement::Replicate
+            }),
+            tp: Some(
+                tp_plan
+                    .placements
+                    .get(&v.name)
+                    .copied()
+                    .unwrap_or(Placement::Replicate),
+            ),
+        };
+        let _ = writeln!(out, "  {} {ty}: {p}", v.name);
+    }
     let ranks = |g: &[usize]| {
         g.iter()
             .map(|r| r.to_string())
@@ -481,41 +613,81 @@ pub fn render_data_parallel(
         .graphs
         .first()
         .ok_or_else(|| options("the mesh has no rank".into()))?;
-    // Rank 0's gradient buckets: every input of its DP group's PackFlats.
-    let mut grads = 0usize;
     let typed = &first.graph;
-    for pack in first
-        .training
-        .def
-        .nodes
-        .iter()
-        .filter(|n| n.op == "PackFlat" && n.name.starts_with("dp/bucket_"))
-    {
-        for i in &pack.inputs {
-            if let Ok(InputRef::Data { node, index }) = InputRef::parse(i) {
-                if let Some(t) = typed.find(&node).and_then(|x| typed.output_type(x, index)) {
-                    grads += t
-                        .shape
+    let bytes_of = |input: &str| -> usize {
+        match InputRef::parse(input) {
+            Ok(InputRef::Data { node, index }) => typed
+                .find(&node)
+                .and_then(|x| typed.output_type(x, index))
+                .map_or(0, |t| {
+                    t.shape
                         .as_static()
                         .map_or(0, |d| d.iter().product::<usize>())
-                        * t.dtype.size_of();
-                }
-            }
+                        * t.dtype.size_of()
+                }),
+            _ => 0,
         }
-    }
+    };
+    let summed = match stage {
+        None => "every gradient summed".to_string(),
+        Some(s) => format!("ZeRO stage {s}, shard d of each weight's training state"),
+    };
     for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
         let _ = writeln!(
             out,
-            "  dp group {}: ranks {} (shard {t}): every gradient summed",
+            "  dp group {}: ranks {} (shard {t}): {summed}",
             dp_group(t),
             ranks(g)
         );
     }
+    if stage.is_none() {
+        // Rank 0's gradient buckets: every input of its DP group's PackFlats.
+        let grads: usize = first
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.op == "PackFlat" && n.name.starts_with("dp/bucket_"))
+            .flat_map(|p| p.inputs.iter())
+            .map(|i| bytes_of(i))
+            .sum();
+        let _ = writeln!(
+            out,
+            "gradients each rank sums over its dp group per step: {grads} B (rank 0), sending \
+             {} B (ring all-reduce); clipping's norm summed over dp, then tp",
+            2 * (dp - 1) * grads / dp
+        );
+        return Ok(out);
+    }
+    // ZeRO: rank 0's collectives over its DP group, in the graph's order.
     let _ = writeln!(
         out,
-        "gradients each rank sums over its dp group per step: {grads} B (rank 0), sending \
-         {} B (ring all-reduce); clipping's norm summed over dp, then tp",
-        2 * (dp - 1) * grads / dp
+        "ZeRO collectives rank 0 runs over its dp group {} per step (bytes it sends, ring):",
+        dp_group(0)
+    );
+    let key = dp_group(0);
+    let mut total = 0usize;
+    for c in first.training.def.nodes.iter().filter(|n| {
+        n.op.starts_with("Collective")
+            && matches!(n.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *key)
+    }) {
+        let Some(input) = c.inputs.first() else {
+            continue;
+        };
+        let b = bytes_of(input);
+        let (what, sent) = match c.op.as_str() {
+            "CollectiveAllReduce" => ("all-reduce", 2 * (dp - 1) * b / dp),
+            "CollectiveReduceScatter" => ("reduce-scatter", (dp - 1) * b / dp),
+            "CollectiveAllGather" => ("all-gather", (dp - 1) * b),
+            other => (other, 0),
+        };
+        total += sent;
+        let _ = writeln!(out, "  {} ({what} of {b} B): {sent} B", c.name);
+    }
+    let _ = writeln!(
+        out,
+        "bytes rank 0 sends over its dp group per step: {total} B (clipping's norm summed over \
+         dp, then tp)"
     );
     Ok(out)
 }
@@ -568,7 +740,7 @@ mod tests {
             },
         );
         let mesh = Mesh::new(1, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "x", "t").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "x", "t").unwrap();
         assert_eq!(tg.graphs.len(), 2);
         let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["v", "w", "m"]);
@@ -632,6 +804,7 @@ mod tests {
             &spec,
             &Mesh::new(1, 2, 1).unwrap(),
             1 << 20,
+            None,
             "x",
             "t",
         )
@@ -692,7 +865,7 @@ mod tests {
         );
         spec.clip_global_norm = Some(1.0);
         let mesh = Mesh::new(2, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "x", "t").unwrap();
+        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "x", "t").unwrap();
         assert_eq!(tg.graphs.len(), 4);
         let key = |n: &NodeDef| match n.attrs.get("group_key") {
             Some(AttrValue::String(s)) => s.to_string(),
@@ -833,9 +1006,17 @@ mod tests {
                 lr: 0.1,
             },
         );
-        let e = mesh_training(&graph, &spec, &Mesh::new(1, 2, 2).unwrap(), 1, "x", "t")
-            .unwrap_err()
-            .to_string();
+        let e = mesh_training(
+            &graph,
+            &spec,
+            &Mesh::new(1, 2, 2).unwrap(),
+            1,
+            None,
+            "x",
+            "t",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("does not run over a pipeline axis (pp=2)"),
             "{e}"
