@@ -767,16 +767,18 @@ fn zero_over_hand_placements_on_dp2_tp2_trains_like_one_process_and_resumes_in_o
     args.extend(["--features", "pixels", "--labels", "labels"]);
     args.extend(["--batch-size", "32"]);
     let plan = stdout(&dflow(&args));
-    // Rank 0's weights: its halves of w1 [64, 16], b1 [16], w2 [16, 10] and b2 [10], 2,234
-    // floats (all even: no padding), 8,936 B.
+    // Rank 0's weights: its halves of w1 [64, 16], b1 [16], w2 [16, 10] and b2 [10], 1,210
+    // floats (all even: no padding), 4,840 B.
     for line in [
         "ZeRO stage 1: its Adam slots flattened and cut in 2 parts over its dp group",
         "  w1 f32[64, 32]: dp:Shard(0),tp:Shard(1)",
         "  b2 f32[10]: dp:Shard(0),tp:Replicate",
         "dp group data_t1: ranks 1, 3 (shard 1): ZeRO stage 1",
         // Stage 1: the gradients all-reduced (2(D−1)/D = 1×), the updated halves gathered.
-        "  zero/bucket_0/all_reduce (all-reduce of 8936 B): 8936 B",
-        "(all-gather of 4468 B): 4468 B",
+        "  zero/bucket_0/all_reduce (all-reduce of 4840 B): 4840 B",
+        "  zero/bucket_0/all_gather (all-gather of 2420 B): 2420 B",
+        // Clipping's two sums and the loss's: 3 × 4 B.
+        "bytes rank 0 sends over its dp group per step: 7272 B",
     ] {
         assert!(plan.contains(line), "{line}\nin\n{plan}");
     }
