@@ -785,11 +785,12 @@ fn zero_over_hand_placements_on_dp2_tp2_trains_like_one_process_and_resumes_in_o
 }
 
 /// Placements per axis written in JSON (`dp:Replicate,tp:Shard(1)`, converted from the DSL by
-/// `dflow convert`) train exactly like the single form on `--mesh dp=2,tp=2`; a mix of ZeRO and
-/// replicated training state, and a dp placement ZeRO has no layout for, are refused naming
-/// the variables.
+/// `dflow convert`) train exactly like the single form on `--mesh dp=2,tp=2`; with Adam and
+/// `--zero-stage 3`, the variables declared `dp:Replicate` stay whole while the others are
+/// sharded, training like one process; a dp placement ZeRO has no layout for is refused naming
+/// the variable.
 #[test]
-fn per_axis_placements_in_json_train_like_the_single_form_and_bad_ones_are_refused() {
+fn per_axis_placements_in_json_train_like_the_single_form_and_dp_replicate_stays_out_of_zero() {
     let _guard = serial();
     let dir = scratch("tensor-by-hand-per-axis");
     let (by_hand, _) = deeper(&dir);
@@ -815,23 +816,40 @@ fn per_axis_placements_in_json_train_like_the_single_form_and_bad_ones_are_refus
     let worst = assert_same_losses(&got, &want, 1e-6);
     println!("per-axis JSON vs single form: worst relative loss difference {worst:e}");
     assert_same_parameters(&params, &want_params, 1e-6);
-    // ZeRO for some variables only: refused, naming both sides.
+    // ZeRO for some variables only: under --zero-stage 3, `w0` and `b2` (no dp placement) are
+    // sharded over their dp group, `w1`, `b1` and `w2` (dp:Replicate) stay whole; one clipping
+    // norm over both; the same training as one process.
     let adamw = per_axis.replace("optimizer: sgd(lr: 0.1)", "optimizer: adam(lr: 0.01)");
     assert_ne!(adamw, per_axis);
     let mixed = write(&dir, "mixed.dflow", &adamw);
-    let mut args = vec!["run", "--local", &mixed];
-    let data = digits_args(1);
-    args.extend(data.iter().map(String::as_str));
+    let plain = write(&dir, "mixed-plain.dflow", &without_placements(&adamw));
+    let (want, _, want_state) = local(&plain, &[], &dir.join("mixed-one"));
+    let mut flags = mesh.to_vec();
+    flags.extend(["--zero-stage", "3"]);
+    let (got, _, state) = local(&mixed, &flags, &dir.join("mixed-zero3"));
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("dp:Replicate beside ZeRO-3: worst relative loss difference {worst:e}");
+    assert_same_parameters(&state, &want_state, 1e-6);
+    assert_same_state(&state, &want_state, 1e-6);
+    let mut args = vec!["partition", mixed.as_str()];
     args.extend(mesh);
-    args.extend(["--zero-stage", "1"]);
-    let out = dflow(&args);
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        e.contains("--zero-stage 1 shards the training state of `b2`, `w0`")
-            && e.contains("but `w1`, `b1`, `w2` stay whole (dp:Replicate)"),
-        "{e}"
-    );
+    args.extend([
+        "--zero-stage",
+        "3",
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+    ]);
+    let plan = stdout(&dflow(&args));
+    for line in [
+        "each parameter below declared so's training state Shard(0), ZeRO stage 3",
+        "  w1 f32[64, 32]: dp:Replicate,tp:Shard(1)",
+        "  w0 f32[64, 64]: dp:Shard(0),tp:Replicate",
+        "  b2 f32[10]: dp:Shard(0),tp:Replicate",
+    ] {
+        assert!(plan.contains(line), "{line}\nin\n{plan}");
+    }
     // A dp placement ZeRO has no layout for: refused at load, naming the node.
     let bad = write(
         &dir,

@@ -36,28 +36,37 @@ use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
 use dflow_graph::axis_split::AxisSplit;
 use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub use crate::sharding::propagate::declares_placements;
 
-/// ZeRO's stage over the data-parallel axis of `mesh` for `graph`, from `--zero-stage`
-/// (`flag`) and the variables' placements on the `dp` axis (`_sharding: "dp:…"`): a variable
-/// declared `dp:Shard(0)` has its training state sharded over its data-parallel group (ZeRO;
-/// stage 1 with no flag), one declared `dp:Replicate` keeps it whole on every replica (its
-/// gradient all-reduced), even under the flag; an undeclared one follows the flag. Every
-/// variable must get the same choice: a mix is refused naming both sides (one step shards the
-/// whole training state or none of it). With no flag over one replica, `dp:Shard(0)` is whole
-/// anyway: no ZeRO. A graph without placements by hand gets `flag`.
+/// ZeRO's stage over the data-parallel axis of `mesh` for `graph` ([`zero_layout`]'s).
 pub fn zero_stage(
     graph: &Graph,
     mesh: &Mesh,
     flag: Option<u8>,
 ) -> Result<Option<u8>, StrategyError> {
+    zero_layout(graph, mesh, flag).map(|(stage, _)| stage)
+}
+
+/// ZeRO over the data-parallel axis of `mesh` for `graph`, from `--zero-stage` (`flag`) and
+/// the variables' placements on the `dp` axis (`_sharding: "dp:…"`): its stage, and the
+/// variables whose training state stays whole. A variable declared `dp:Shard(0)` has its
+/// training state sharded over its data-parallel group (ZeRO; stage 1 with no flag); one
+/// declared `dp:Replicate` stays whole on every replica (its gradient all-reduced), even under
+/// the flag; an undeclared one follows the flag. No variable sharded, or no flag over one
+/// replica (where `dp:Shard(0)` is whole anyway): no ZeRO. A graph without placements by hand
+/// gets `flag` for every variable.
+pub fn zero_layout(
+    graph: &Graph,
+    mesh: &Mesh,
+    flag: Option<u8>,
+) -> Result<(Option<u8>, HashSet<String>), StrategyError> {
     use dflow_graph::sharding::{sharding_value, Placement, SHARDING_ATTR};
     if !declares_placements(graph) {
-        return Ok(flag);
+        return Ok((flag, HashSet::new()));
     }
-    let (mut sharded, mut whole) = (Vec::new(), Vec::new());
+    let (mut sharded, mut whole) = (0usize, HashSet::new());
     for i in graph.node_indices() {
         let v = graph.node(i);
         if v.op != "Variable" {
@@ -84,35 +93,15 @@ pub fn zero_stage(
             None => flag.is_some(),
         };
         if zero {
-            sharded.push(v.name.clone());
+            sharded += 1;
         } else {
-            whole.push(v.name.clone());
+            whole.insert(v.name.clone());
         }
     }
-    if sharded.is_empty() || (flag.is_none() && mesh.dp < 2) {
-        return Ok(None);
+    if sharded == 0 || (flag.is_none() && mesh.dp < 2) {
+        return Ok((None, HashSet::new()));
     }
-    if !whole.is_empty() {
-        let list = |v: &[String]| {
-            v.iter()
-                .map(|n| format!("`{n}`"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let why = match flag {
-            Some(s) => format!("--zero-stage {s} shards"),
-            None => "dp:Shard(0) shards".to_string(),
-        };
-        return Err(options(format!(
-            "placements by hand: {why} the training state of {} over the data-parallel axis, \
-             but {} stay whole (dp:Replicate{}); ZeRO for some variables only does not run yet: \
-             give every variable the same dp placement",
-            list(&sharded),
-            list(&whole),
-            if flag.is_some() { "" } else { " or undeclared" }
-        )));
-    }
-    Ok(Some(flag.unwrap_or(1)))
+    Ok((Some(flag.unwrap_or(1)), whole))
 }
 
 /// The tensors the job fetches: the loss and the metrics.
@@ -147,13 +136,15 @@ fn weights(plan: &PlacementPlan) -> Vec<ShardedWeight> {
 /// The training graphs of `graph` with hand placements on `mesh`, one per rank in
 /// Megatron-core order (rank `t + tp·d` on worker task `t + tp·d`): replica `d` is the
 /// hand-placed tensor-parallel group, fed part `d` of every batch, its gradients summed over
-/// the rank's data-parallel group in buckets of at most `bucket_bytes` (see the module docs).
+/// the rank's data-parallel group in buckets of at most `bucket_bytes` (see the module docs), or
+/// with ZeRO at `zero_stage` over it but for the variables of `zero_whole` ([`zero_layout`]).
 pub(super) fn mesh_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
     zero_stage: Option<u8>,
+    zero_whole: &HashSet<String>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -171,7 +162,10 @@ pub(super) fn mesh_training(
     let forward = graph.to_def();
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
+        let mut at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
+        if let Some(d) = at.data.as_mut() {
+            d.zero_whole = zero_whole.clone();
+        }
         let mut g = rank_graph(&forward, &plan, &shards, spec, &at, features, labels)?;
         if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
@@ -535,8 +529,8 @@ pub fn render_data_parallel(
     use crate::mesh::Axis;
     use dflow_graph::sharding::{AxisPlacements, Placement};
     use std::fmt::Write as _;
-    let stage = zero_stage(graph, mesh, flag)?;
-    let tg = super::mesh_training(graph, spec, mesh, bucket_bytes, stage, features, labels)?;
+    let (stage, whole) = zero_layout(graph, mesh, flag)?;
+    let tg = super::mesh_training(graph, spec, mesh, bucket_bytes, flag, features, labels)?;
     let dp = mesh.dp;
     let mut out = String::new();
     let _ = writeln!(
@@ -562,10 +556,20 @@ pub fn render_data_parallel(
             };
             let _ = writeln!(
                 out,
-                "placements on the dp axis: every parameter's training state Shard(0), ZeRO \
-                 stage {s}: {what} flattened and cut in {dp} parts over its dp group; the batch \
+                "placements on the dp axis: {}'s training state Shard(0), ZeRO stage {s}: \
+                 {what} flattened and cut in {dp} parts over its dp group{}; the batch \
                  ({features}, {labels}) Shard(0): replica d feeds part d, its loss weighted by \
-                 its share"
+                 its share",
+                if whole.is_empty() {
+                    "every parameter"
+                } else {
+                    "each parameter below declared so"
+                },
+                if whole.is_empty() {
+                    ""
+                } else {
+                    " (the others Replicate: their gradients all-reduced)"
+                }
             );
         }
     }
@@ -580,7 +584,7 @@ pub fn render_data_parallel(
             .output_type(i, 0)
             .map_or_else(|| "?".to_string(), |t| t.to_string());
         let p = AxisPlacements {
-            dp: Some(if stage.is_some() {
+            dp: Some(if stage.is_some() && !whole.contains(&v.name) {
                 Placement::Shard(0)
             } else {
                 Placement::Replicate
@@ -740,7 +744,17 @@ mod tests {
             },
         );
         let mesh = Mesh::new(1, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "x", "t").unwrap();
+        let tg = mesh_training(
+            &graph,
+            &spec,
+            &mesh,
+            1 << 20,
+            None,
+            &HashSet::new(),
+            "x",
+            "t",
+        )
+        .unwrap();
         assert_eq!(tg.graphs.len(), 2);
         let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["v", "w", "m"]);
@@ -805,6 +819,7 @@ mod tests {
             &Mesh::new(1, 2, 1).unwrap(),
             1 << 20,
             None,
+            &HashSet::new(),
             "x",
             "t",
         )
@@ -865,7 +880,17 @@ mod tests {
         );
         spec.clip_global_norm = Some(1.0);
         let mesh = Mesh::new(2, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "x", "t").unwrap();
+        let tg = mesh_training(
+            &graph,
+            &spec,
+            &mesh,
+            1 << 20,
+            None,
+            &HashSet::new(),
+            "x",
+            "t",
+        )
+        .unwrap();
         assert_eq!(tg.graphs.len(), 4);
         let key = |n: &NodeDef| match n.attrs.get("group_key") {
             Some(AttrValue::String(s)) => s.to_string(),
@@ -1012,6 +1037,7 @@ mod tests {
             &Mesh::new(1, 2, 2).unwrap(),
             1,
             None,
+            &HashSet::new(),
             "x",
             "t",
         )
@@ -1020,6 +1046,56 @@ mod tests {
         assert!(
             e.contains("does not run over a pipeline axis (pp=2)"),
             "{e}"
+        );
+    }
+
+    /// ZeRO's layout from the flag and the dp placements: undeclared variables follow the
+    /// flag, `dp:Replicate` stays whole under it, `dp:Shard(0)` alone is stage 1 over two
+    /// replicas and nothing over one.
+    #[test]
+    fn zero_layout_follows_the_flag_and_the_dp_placements() {
+        use dflow_graph::sharding::AxisPlacements;
+        let graph = |w_dp: Option<&str>, b_dp: Option<&str>| {
+            let mut b = GraphBuilder::new();
+            let x = b.placeholder("x", DType::F32, &[4, 2]);
+            let w = b.variable("w", DType::F32, &[2, 2], "ones");
+            let bias = b.variable("b", DType::F32, &[2], "zeros");
+            let place = |dp: Option<&str>, tp| {
+                let mut p = AxisPlacements::tp(tp);
+                p.dp = dp.map(|d| dflow_graph::sharding::parse_placement(d).unwrap());
+                p
+            };
+            b.set_placements(&w, place(w_dp, Shard(1)));
+            b.set_placements(&bias, place(b_dp, Placement::Replicate));
+            let h = b.matmul("h", &x, &w);
+            let y = b.op("BiasAdd", "y").input(&h).input(&bias).finish();
+            b.op("Sum", "loss").input(&y).finish();
+            b.build().unwrap()
+        };
+        use crate::sharding::Placement;
+        let dp2 = Mesh::new(2, 2, 1).unwrap();
+        let whole = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<HashSet<_>>();
+        let g = graph(None, None);
+        assert_eq!(zero_layout(&g, &dp2, None).unwrap(), (None, whole(&[])));
+        assert_eq!(
+            zero_layout(&g, &dp2, Some(2)).unwrap(),
+            (Some(2), whole(&[]))
+        );
+        let g = graph(Some("Replicate"), None);
+        assert_eq!(
+            zero_layout(&g, &dp2, Some(3)).unwrap(),
+            (Some(3), whole(&["w"]))
+        );
+        let g = graph(Some("Replicate"), Some("Replicate"));
+        assert_eq!(zero_layout(&g, &dp2, Some(1)).unwrap(), (None, whole(&[])));
+        let g = graph(Some("Shard(0)"), None);
+        assert_eq!(
+            zero_layout(&g, &dp2, None).unwrap(),
+            (Some(1), whole(&["b"]))
+        );
+        assert_eq!(
+            zero_layout(&g, &Mesh::new(1, 2, 1).unwrap(), None).unwrap(),
+            (None, whole(&[]))
         );
     }
 }
