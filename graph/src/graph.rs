@@ -744,7 +744,7 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
     }
     if let Some(v) = n.attrs.get(crate::sharding::SHARDING_ATTR) {
         let checked = crate::sharding::sharding_value(&n.name, v).and_then(|a| {
-            crate::sharding::check_op_placements(&n.op, &a)
+            crate::sharding::check_op_placements(n.op, &a)
                 .map_err(|e| format!("node `{}`: {e}", n.name))
         });
         if let Err(message) = checked {

@@ -138,6 +138,7 @@ fn weights(plan: &PlacementPlan) -> Vec<ShardedWeight> {
 /// hand-placed tensor-parallel group, fed part `d` of every batch, its gradients summed over
 /// the rank's data-parallel group in buckets of at most `bucket_bytes` (see the module docs), or
 /// with ZeRO at `zero_stage` over it but for the variables of `zero_whole` ([`zero_layout`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn mesh_training(
     graph: &Graph,
     spec: &TrainSpec,
