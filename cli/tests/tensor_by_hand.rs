@@ -695,8 +695,8 @@ fn assert_same_state(
 /// ZeRO as the dp placement of the training state over hand placements: the digits MLP with
 /// Megatron's MLP layout on tp and AdamW, clipped by the global norm, on `--mesh dp=2,tp=2`
 /// with `--zero-stage 1` and `3` (and with `dp:Shard(0)` declared on every variable and no
-/// flag: stage 1) trains with the losses, parameters and AdamW slots of the one-process run;
-/// the stage-3 checkpoint holds whole tensors and one process resumes from it, continuing an
+/// flag: stage 1) trains with the losses, parameters and AdamW slots of the one-process run,
+/// and with 4 real processes at stage 3; the stage-3 checkpoint holds whole tensors and one process resumes from it, continuing an
 /// uninterrupted two-epoch run; `dflow partition` shows each variable's placement per axis and
 /// the ZeRO collectives with their bytes.
 #[test]
@@ -739,6 +739,14 @@ fn zero_over_hand_placements_on_dp2_tp2_trains_like_one_process_and_resumes_in_o
         assert_same_state(&state, &want_state, 1e-6);
         assert_eq!(end_of_task(&stderr).len(), 4, "{stderr}");
     }
+    // Four real processes, the dp placements and --zero-stage 3.
+    let mut flags = digits_args(1);
+    flags.extend(["--mesh", "dp=2,tp=2", "--zero-stage", "3"].map(String::from));
+    let ckpt = dir.join("procs-ckpt");
+    let (got, _) = worker_job(Path::new(ZERO_BY_HAND), 4, &flags, &ckpt);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("4 processes dp=2,tp=2 ZeRO-3: worst relative loss difference {worst:e}");
+    assert_same_parameters(&newest(&ckpt), &want_state, 1e-6);
     // One process without placements resumes from the stage-3 checkpoint for a second epoch
     // and continues an uninterrupted two-epoch run.
     let (two_epochs, _, _) = local_epochs(&plain, 2, &[], &dir.join("two-epochs"));
