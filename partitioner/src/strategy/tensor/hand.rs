@@ -1099,4 +1099,71 @@ mod tests {
             (None, whole(&[]))
         );
     }
+
+    /// `w` (tp `Shard(1)`) declared `dp:Replicate`, `b` undeclared, `--zero-stage 2` on
+    /// dp=2 × tp=2 with Adam and clipping: `b`'s slots are ZeRO's halves, `w`'s shard keeps
+    /// whole slots and its gradient is all-reduced over the dp group, and both are clipped by
+    /// one scale from both squared norms.
+    #[test]
+    fn dp_replicate_beside_zero_keeps_whole_slots_and_shares_one_clipping_scale() {
+        use dflow_graph::sharding::{AxisPlacements, Placement};
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[-1, 2]);
+        b.placeholder("t", DType::F32, &[-1]);
+        let w = b.variable("w", DType::F32, &[2, 4], "ones");
+        let bias = b.variable("b", DType::F32, &[4], "zeros");
+        let mut p = AxisPlacements::tp(Shard(1));
+        p.dp = Some(Placement::Replicate);
+        b.set_placements(&w, p);
+        let h = b.matmul("h", &x, &w);
+        let y = b.op("BiasAdd", "y").input(&h).input(&bias).finish();
+        b.op("Sum", "loss").input(&y).finish();
+        let graph = b.build().unwrap();
+        let mut spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::adam(),
+                lr: 0.1,
+            },
+        );
+        spec.clip_global_norm = Some(1.0);
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let tg =
+            super::super::mesh_training(&graph, &spec, &mesh, 1 << 20, Some(2), "x", "t").unwrap();
+        for (rank, g) in tg.graphs.iter().enumerate() {
+            let t = rank % 2;
+            let has = |n: &str| g.training.def.nodes.iter().any(|x| x.name == n);
+            let w = shard_name("w", t, 2);
+            assert!(has("b/adam_m/shard_0_of_2") || has("b/adam_m/shard_1_of_2"));
+            assert!(!has("b/adam_m"));
+            assert!(has(&format!("{w}/adam_m")), "{w}'s whole slot");
+            assert!(!has(&format!("{w}/adam_m/shard_0_of_2")));
+            let scale = node(g, "dp/clip/global_norm_scale");
+            assert_eq!(scale.op, "GlobalNormScale");
+            assert_eq!(node(g, &scale.inputs[0]).op, "Add");
+            let update = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|u| u.op == "ApplyAdam" && u.inputs[0] == w)
+                .expect("w's update");
+            let clipped = node(g, update.inputs.last().unwrap());
+            assert_eq!(clipped.inputs[1], "dp/clip/global_norm_scale");
+            assert!(
+                clipped.inputs[0].starts_with("dp/bucket_0/grad_"),
+                "{clipped:?}"
+            );
+            // b's update reads its clipped ZeRO shard.
+            let update = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|u| u.op == "ApplyAdam" && u.inputs[0] == "b")
+                .expect("b's update");
+            let clipped = node(g, &update.inputs[4]);
+            assert_eq!(clipped.inputs[1], "dp/clip/global_norm_scale");
+        }
+    }
 }
