@@ -238,7 +238,15 @@ impl Strategy for TensorParallel {
         )?;
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
-        if hand::zero_stage(input.graph, &mesh, self.zero_stage)?.is_some() {
+        let zero_stage = hand::zero_stage(input.graph, &mesh, self.zero_stage)?;
+        if let (Some(s), None) = (zero_stage, self.zero_stage) {
+            // ZeRO chosen by the variables' dp placements, not by the flag.
+            plan.strategy = format!(
+                "{}, ZeRO stage {s} over the data-parallel axis (the dp placements)",
+                plan.strategy
+            );
+        }
+        if zero_stage.is_some() {
             // ZeRO's slot shards `{w}/adam_m/shard_{d}_of_{D}` make the slots `{w}/adam_m` of
             // every TP shard `w` and replicated weight; the TP shards' make the logical slots.
             let mut dims: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
