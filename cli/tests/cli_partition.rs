@@ -366,7 +366,9 @@ fn zero_plans_show_each_workers_slot_and_parameter_shards_and_refuse_sgd() {
         "{out}"
     );
     // Stage 3: the parameters are sharded too; no worker holds a whole `w1`. Worker 0
-    // evaluates on every shard, sent to it (a 4096-byte pair from worker 1).
+    // evaluates with each weight all-gathered before its use, worker 1 joining the gathers:
+    // the evaluation runs on both, and no shard is sent point to point (only the zero-byte
+    // control pair of worker 1's last gather).
     let out = stdout(&zero("examples/digits/digits-adamw.json", "3"));
     assert!(out.contains("ZeRO stage 3 data-parallel training"), "{out}");
     assert!(
@@ -374,8 +376,17 @@ fn zero_plans_show_each_workers_slot_and_parameter_shards_and_refuse_sgd() {
         "{out}"
     );
     assert!(!out.contains("w1 f32[64, 32]"), "{out}");
+    let eval = &out[out.find("(Eval)").expect("an evaluation signature")..];
     assert!(
-        out.contains("4096 B  from /job:worker/replica:0/task:1"),
+        eval.contains("/job:worker/replica:0/task:1/device:CPU:0: "),
+        "{out}"
+    );
+    assert!(
+        !out.contains("4096 B  from /job:worker/replica:0/task:1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("0 B  from /job:worker/replica:0/task:1") && out.contains("^eval/zero/"),
         "{out}"
     );
     let o = zero("examples/digits/digits-adamw.json", "4");

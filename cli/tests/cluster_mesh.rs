@@ -139,6 +139,8 @@ fn dp2_tp2_sends_tp2s_bytes_plus_a_ring_all_reduce_of_each_ranks_gradients() {
             cluster.to_string_lossy().into_owned(),
         ];
         args.extend(common_rows(STEPS as u32, rows));
+        // Training only: the evaluation runs over tensor-parallel group 0 on the whole batch.
+        no_evaluation(&mut args);
         args.extend(layout.iter().map(|s| s.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = dflow(&args);

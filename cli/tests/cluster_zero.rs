@@ -188,6 +188,48 @@ fn zero_equals_one_process(workers: usize, stage: u8) {
     assert_eq!(bytes, params + 8 * shards + 8, "worker 1's variable bytes");
 }
 
+/// The `held-out …` lines of a run's stdout.
+fn held_out(stdout: &str) -> Vec<&str> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("held-out"))
+        .collect()
+}
+
+#[test]
+fn zero_3_evaluates_on_gathered_shards_like_one_process() {
+    // Worker 0 evaluates with each weight all-gathered just before its use (the other workers
+    // join the gathers): the held-out loss and accuracy are the one-process run's.
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(["run", "--local", GRAPH])
+        .args(digits_args(1))
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let local = String::from_utf8_lossy(&out.stdout).into_owned();
+    let cluster = Cluster::new(0, 2);
+    let mut common: Vec<String> = digits_args(1);
+    common.extend(["--strategy", "zero", "--zero-stage", "3"].map(String::from));
+    let common: Vec<&str> = common.iter().map(String::as_str).collect();
+    let other = Task::start(&cluster, "worker", 1, &common);
+    let mut chief_args = vec![GRAPH];
+    chief_args.extend(common.iter().copied());
+    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(LIMIT);
+    chief.assert_success();
+    other.wait(Duration::from_secs(30)).assert_success();
+    let want = held_out(&local);
+    assert_eq!(want.len(), 2, "{local}");
+    assert_eq!(held_out(&chief.stdout), want, "{}", chief.stdout);
+    drop(dir);
+}
+
 #[test]
 fn zero_stage_1_on_two_workers_trains_like_one_process() {
     zero_equals_one_process(2, 1);
@@ -349,7 +391,8 @@ fn a_zero_3_checkpoint_saved_at_two_ranks_resumes_in_one_process_and_at_three_an
 ///   whole), ZeRO-1 and ZeRO-2 4Ψ + 8Ψ/N, ZeRO-3 12Ψ/N; the gradients are step tensors,
 ///   released when their last reader finishes, and ZeRO-3's step tensors (gathered layers
 ///   included) peak no higher than all-reduce's;
-/// - collective payload bytes per step, the ring formulas with V = 4Ψ: all-reduce
+/// - collective payload bytes per step, the ring formulas with V = 4Ψ (plus, under ZeRO-3,
+///   (N−1)/N·V per held-out batch: the evaluation gathers every weight once): all-reduce
 ///   2(N−1)/N·V, ZeRO-1 1.5× that (all-reduce, then all-gather of the parameters), ZeRO-2
 ///   2(N−1)/N·V (reduce-scatter + all-gather), ZeRO-3 (N−1)/N·V for the reduce-scatter and
 ///   the forward gathers plus (N−1)/N of the parameters the backward pass reads (here `w2`,
@@ -362,12 +405,20 @@ fn each_stage_holds_and_sends_the_bytes_of_its_formula() {
     let (psi, n) = (2410, 2);
     let v = 4 * psi;
     let ring = 2 * (n - 1) * v / n;
+    // 1,797 digits, round(20%) = 359 held out, in batches of 32.
+    let held_out_batches = 359usize.div_ceil(32);
     let mut peaks = Vec::new();
-    for (strategy, stage, variables, sent) in [
-        ("allreduce", 1, 12 * psi, ring + 4),
-        ("zero", 1, 4 * psi + 8 * psi / n, 3 * ring / 2 + 8),
-        ("zero", 2, 4 * psi + 8 * psi / n, ring + 8),
-        ("zero", 3, 12 * psi / n, ring + (n - 1) * 4 * 320 / n + 8),
+    for (strategy, stage, variables, sent, per_eval) in [
+        ("allreduce", 1, 12 * psi, ring + 4, 0),
+        ("zero", 1, 4 * psi + 8 * psi / n, 3 * ring / 2 + 8, 0),
+        ("zero", 2, 4 * psi + 8 * psi / n, ring + 8, 0),
+        (
+            "zero",
+            3,
+            12 * psi / n,
+            ring + (n - 1) * 4 * 320 / n + 8,
+            (n - 1) * v / n,
+        ),
     ] {
         let ckpt = dir.path().join(format!("{strategy}-{stage}"));
         let (losses, held) = distributed(n, strategy, stage, 1, &ckpt);
@@ -375,8 +426,8 @@ fn each_stage_holds_and_sends_the_bytes_of_its_formula() {
         assert_eq!(held.variables, variables + 8, "{strategy} stage {stage}");
         assert_eq!(
             held.sent,
-            sent * losses.len(),
-            "{strategy} stage {stage}: {} steps",
+            sent * losses.len() + per_eval * held_out_batches,
+            "{strategy} stage {stage}: {} steps, {held_out_batches} held-out batches",
             losses.len()
         );
         peaks.push(held.variables + held.peak);
@@ -505,12 +556,12 @@ fn a_memory_limit_refuses_all_reduce_before_step_1_and_zero_3_fits() {
     );
 }
 
-/// `--eval-batches 0` turns the validation loss off: under ZeRO-3 the evaluation joins every
-/// worker's parameter shards on worker 0 (a whole copy of the model there), so with it off
-/// worker 1 sends nothing over the data plane and the chief reports no validation loss, while
-/// `--eval-batches 1` sends worker 1's shard of every parameter to worker 0 and reports one.
+/// Under ZeRO-3 the evaluation gathers each weight just before its use, as training does: no
+/// shard is sent point to point (no whole copy of the model on worker 0). `--eval-batches 0`
+/// turns it off (no validation loss, no evaluation gathers); `--eval-batches 1` reports one,
+/// worker 1 sending its shard of every parameter once in the evaluation's all-gathers.
 #[test]
-fn eval_batches_0_keeps_zero_3_from_joining_the_model_on_worker_0() {
+fn zero_3_evaluation_gathers_each_weight_and_eval_batches_0_turns_it_off() {
     let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let graph = small_gpt(dir.path(), 1);
@@ -541,22 +592,26 @@ fn eval_batches_0_keeps_zero_3_from_joining_the_model_on_worker_0() {
         chief.assert_success();
         let worker = worker.wait(Duration::from_secs(30));
         worker.assert_success();
-        let sent = end_of_task(&worker.stderr)
+        let end = end_of_task(&worker.stderr)
             .into_iter()
             .find(|e| e.task == "/job:worker/replica:0/task:1")
-            .unwrap_or_else(|| panic!("no end-of-task line in:\n{}", worker.stderr))
-            .data_plane;
-        (chief.stdout, sent)
+            .unwrap_or_else(|| panic!("no end-of-task line in:\n{}", worker.stderr));
+        (chief.stdout, end.data_plane, end.collective)
     };
-    let (stdout, sent) = run("0");
+    let (stdout, sent_off, collective_off) = run("0");
     assert!(
         stdout.contains("no validation loss (--eval-batches 0)"),
         "{stdout}"
     );
     assert!(!stdout.contains("validation loss:"), "{stdout}");
-    assert_eq!(sent, 0, "worker 1 sent its shards to worker 0");
-    let (stdout, sent) = run("1");
+    assert_eq!(sent_off, 0, "worker 1 sent its shards to worker 0");
+    let (stdout, sent_on, collective_on) = run("1");
     assert!(stdout.contains("validation loss: "), "{stdout}");
+    assert_eq!(
+        sent_on, 0,
+        "worker 1 sent its shards to worker 0 point to point"
+    );
+    let sent = collective_on - collective_off;
     // Its half of every parameter (rounded up per parameter), 4 bytes each.
     let cfg = dflow::graph::layers::GptConfig {
         block_size: 16,
@@ -568,7 +623,7 @@ fn eval_batches_0_keeps_zero_3_from_joining_the_model_on_worker_0() {
     let psi = cfg.num_params() as u64;
     assert!(
         sent >= 4 * psi / 2 && sent <= 4 * psi / 2 + 4 * 64,
-        "worker 1 sent {sent} B, not its half of 4Ψ = {}",
+        "worker 1 sent {sent} B more in collectives, not its half of 4Ψ = {}",
         4 * psi
     );
 }

@@ -8,7 +8,8 @@
 # Usage: tests/big_model/run.sh            (after `cargo build --release -p dflow`)
 # Environment: DFLOW (binary, default target/release/dflow), LIMIT (bytes, default 1000000000),
 # STEPS (3), BATCH (windows per step, all workers together, default 4), OUT (logs, default
-# target/big_model), JOB_TIMEOUT (seconds per job, default 900).
+# target/big_model), JOB_TIMEOUT (seconds per job, default 900), EVAL_BATCHES (held-out batches
+# the chief evaluates at the end, default 0: none).
 # Exit status 0 only when all three outcomes hold; the table goes to stdout and OUT/summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +22,7 @@ STEPS=${STEPS:-3}
 BATCH=${BATCH:-4}
 OUT=${OUT:-target/big_model}
 JOB_TIMEOUT=${JOB_TIMEOUT:-900}
+EVAL_BATCHES=${EVAL_BATCHES:-0}
 WORKERS=4
 
 [[ -x $DFLOW ]] || { echo "no $DFLOW: run cargo build --release -p dflow first" >&2; exit 2; }
@@ -54,7 +56,7 @@ job() {
   for p in "${ports[@]}"; do addrs+=("\"127.0.0.1:$p\""); done
   (IFS=,; echo "{\"worker\": [${addrs[*]}]}") >"$dir/cluster.json"
   local common=(--cluster "$dir/cluster.json" --data "$DATA" --batch-size "$BATCH"
-    --steps "$STEPS" --eval-batches 0 --timeout 600 --quiet --memory-limit "$LIMIT" "$@")
+    --steps "$STEPS" --eval-batches "$EVAL_BATCHES" --timeout 600 --quiet --memory-limit "$LIMIT" "$@")
   local pids=()
   for ((i = WORKERS - 1; i >= 1; i--)); do
     /usr/bin/time -v -o "$dir/worker-$i.time" timeout "$JOB_TIMEOUT" \
@@ -88,6 +90,7 @@ report() {
   done
   say "  chief: $(grep -o 'trained .* tokens/s)' "$dir/worker-0.err" || echo 'did not train')"
   say "  losses: $(tr '\n' ' ' <"$dir/losses.txt" 2>/dev/null || true)"
+  say "  $(grep -o 'validation loss: .*\|no validation loss.*' "$dir/worker-0.out" | head -1 || true)"
   return $ok
 }
 

@@ -62,6 +62,15 @@ pub fn common_rows(steps: u32, rows: usize) -> Vec<String> {
     .collect()
 }
 
+/// Turns [`common_rows`]' evaluation off (`--eval-batches 0`) in `args`.
+pub fn no_evaluation(args: &mut [String]) {
+    if let Some(i) = args.iter().position(|a| a == "--eval-batches") {
+        if let Some(v) = args.get_mut(i + 1) {
+            *v = "0".into();
+        }
+    }
+}
+
 /// One process (`--local`, plus `extra`): its losses; checkpoints to (and resumes from) `ckpt`.
 pub fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(u64, f64)> {
     let losses = ckpt.with_extension("losses.txt");

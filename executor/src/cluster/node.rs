@@ -365,11 +365,10 @@ impl Node {
                 }
                 PeerEvent::Gone { peer, cause } => {
                     if *peer == *self.chief {
-                        break Err(JobError::PeerGone {
-                            task: peer.to_string(),
-                            cause,
-                            waiting: describe_waiting(&self.server),
-                        });
+                        let waiting = describe_waiting(&self.server);
+                        break Err(self
+                            .after_chief_gone(peer.to_string(), cause, waiting)
+                            .await);
                     }
                     // Another task: the chief sees it too and ends the job if it matters (a
                     // step waiting on it fails here); at the end of a job tasks leave in any
@@ -380,6 +379,39 @@ impl Node {
         };
         self.rendezvous.close(Duration::from_secs(2)).await;
         result
+    }
+
+    /// Why the job ended, once the chief's connection is gone. A chief that ends a failed job
+    /// sends every task its reason and then closes; this task may see the closed connection
+    /// (a broken pipe on a reply it was writing) before it reads that reason. So it reads what
+    /// is still arriving for up to [`CHIEF_LAST_WORDS`]: the chief's reason (naming the task that
+    /// failed) wins over "the chief is gone", which is the answer only when the chief said
+    /// nothing (it died).
+    async fn after_chief_gone(
+        &mut self,
+        chief: String,
+        cause: String,
+        waiting: String,
+    ) -> JobError {
+        let deadline = tokio::time::Instant::now() + CHIEF_LAST_WORDS;
+        while let Ok(Some(event)) = tokio::time::timeout_at(deadline, self.events.recv()).await {
+            let PeerEvent::Message { peer, body } = event else {
+                continue;
+            };
+            if *peer != *self.chief {
+                continue;
+            }
+            match protocol::decode(&body) {
+                Ok(Message::Shutdown { failure: Some(f) }) => return JobError::Aborted(f),
+                Ok(Message::Shutdown { failure: None }) => break,
+                _ => {}
+            }
+        }
+        JobError::PeerGone {
+            task: chief,
+            cause,
+            waiting,
+        }
     }
 
     /// Splits off the chief's request client; its event pump runs until the data plane stops.
@@ -402,6 +434,10 @@ impl Node {
         }
     }
 }
+
+/// How long a task keeps reading after its chief's connection closed, for the chief's last
+/// message (the reason it ended the job): see `Node::after_chief_gone`.
+const CHIEF_LAST_WORDS: Duration = Duration::from_millis(500);
 
 fn describe_waiting(server: &TaskServer) -> String {
     let waiting = server.waiting_for();

@@ -32,8 +32,11 @@
 //!   names. [`JobPlan::sharded`] lists the shards, so a checkpoint stores whole tensors and
 //!   resumes at any `T` (or in one process).
 //! - All collectives of a rank are chained by control edges in one topological order.
-//! - Evaluation (worker 0, no collective): a copy of the forward graph, `eval/...`, whose
-//!   weights are assembled from every rank's shards.
+//! - Evaluation ([`eval`]): with the batch size known (`--batch-size`), the ranks of
+//!   tensor-parallel group 0 run their own forward graphs on their shards, fed the held-out
+//!   batch by worker 0, so no task holds the whole model; otherwise (and under ZeRO-3) worker 0
+//!   evaluates a copy of the forward graph, `eval/...`, whose weights are joined from every
+//!   rank's shards.
 //!
 //! - **Data parallelism over tensor-parallel groups** (`--mesh dp=D,tp=T`, or `--tp T` over
 //!   `D·T` workers): ranks in Megatron-core order ([`crate::mesh`]: tp fastest, so the TP
@@ -53,6 +56,7 @@
 //! MoE blocks.
 
 mod data;
+mod eval;
 pub mod hand;
 pub mod mesh3d;
 
@@ -195,7 +199,7 @@ impl Strategy for TensorParallel {
             mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
                 .map_err(|e| options(e.to_string()))?;
         }
-        let tp_graphs = mesh_training(
+        let tp_graphs = mesh_training_evaluating(
             input.graph,
             input.train,
             &mesh,
@@ -203,6 +207,7 @@ impl Strategy for TensorParallel {
             self.zero_stage,
             input.features,
             input.labels,
+            self.batch_size,
         )?;
         let placement = PlacementOptions {
             policy: Policy::Explicit,
@@ -699,6 +704,33 @@ pub fn mesh_training(
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
+    mesh_training_evaluating(
+        graph,
+        spec,
+        mesh,
+        bucket_bytes,
+        zero_stage,
+        features,
+        labels,
+        None,
+    )
+}
+
+/// [`mesh_training`], whose evaluation, given the held-out batches' rows (`eval_rows`, the
+/// global batch size), runs over the ranks of tensor-parallel group 0 on their shards (no task
+/// holds the whole model; [`eval`]); without it (or under ZeRO-3) worker 0 evaluates a copy
+/// that joins every rank's shards.
+#[allow(clippy::too_many_arguments)]
+pub fn mesh_training_evaluating(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    zero_stage: Option<u8>,
+    features: &str,
+    labels: &str,
+    eval_rows: Option<usize>,
+) -> Result<TensorGraphs, StrategyError> {
     if mesh.pp != 1 {
         return Err(options(format!(
             "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
@@ -734,13 +766,36 @@ pub fn mesh_training(
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
         let at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
-        let mut g = rank_graph(&def, &gpt, &shards, spec, &at, features, labels)?;
-        if rank == 0 {
-            let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
-            let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
-            eval_copy(&mut g, &def, &shards, spec, tp, &on_rank, false, zero3)?;
+        graphs.push(rank_graph(
+            &def, &gpt, &shards, spec, &at, features, labels,
+        )?);
+    }
+    let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
+    let mut sharded_eval = false;
+    if let (Some(rows), None) = (eval_rows, zero3) {
+        // Tensor-parallel group 0's ranks, without data parallelism: their forward graphs.
+        let ranks = (0..tp)
+            .map(|t| {
+                let at = RankAt::on_mesh(mesh, t, bucket_bytes, None);
+                let at = RankAt { data: None, ..at };
+                rank_forward(&def, &gpt, &shards, spec, &at, features, labels)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let base = eval::first_free_instance(&graphs);
+        let feeds = eval::EvalFeeds {
+            features,
+            labels,
+            rows,
+        };
+        if let Some(g0) = graphs.first_mut() {
+            sharded_eval = eval::add_sharded_eval(g0, &ranks, spec, &feeds, base)?;
         }
-        graphs.push(g);
+    }
+    if !sharded_eval {
+        if let Some(g0) = graphs.first_mut() {
+            let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
+            eval_copy(g0, &def, &shards, spec, tp, &on_rank, false, zero3)?;
+        }
     }
     Ok(TensorGraphs { graphs, shards })
 }
@@ -2596,9 +2651,99 @@ mod tests {
                 "transformer.wte.weight/tp_1_of_2/adam_m"
             ]
         );
-        // Evaluation runs the one-process graph on worker 0 with the assembled weights.
+        // Evaluation runs on both ranks' shards: rank 0's loss, rank 1's copy beside it.
         let eval = plan.eval_signature().unwrap();
         assert_eq!(eval.fetches, ["eval/loss:0"]);
+    }
+
+    #[test]
+    fn evaluation_runs_on_every_ranks_shards_and_moves_no_weight_shard() {
+        let (graph, spec) = model(11, 2, 2);
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let planned = |batch_size| {
+            TensorParallel {
+                tp: Some(2),
+                bucket_bytes: 1 << 20,
+                batch_size,
+                pipeline: None,
+                zero_stage: None,
+            }
+            .plan(&input)
+            .unwrap()
+        };
+        // The model's placeholders hold 2 rows: a batch of 2.
+        let plan = planned(Some(2));
+        let eval = plan.eval_signature().unwrap();
+        let tasks: Vec<String> = eval.tasks().unwrap().into_iter().collect();
+        assert_eq!(tasks, [task_name("worker", 0), task_name("worker", 1)]);
+        // Between the ranks: the batch (static, 4 rows), replicated weights, control edges;
+        // never a shard of a sharded weight.
+        let cross: Vec<_> = eval
+            .partitions
+            .pairs
+            .iter()
+            .filter(|p| !p.client_terminated)
+            .collect();
+        assert!(
+            cross.iter().all(|p| !p.tensor_name.contains("/tp_")),
+            "{cross:?}"
+        );
+        let batch = cross
+            .iter()
+            .find(|p| p.tensor_name.starts_with("eval/idx"))
+            .expect("the batch goes to rank 1");
+        assert_eq!(batch.bytes, Some(2 * 4 * 8));
+        // Rank 1 runs its own copy: its collectives meet rank 0's at the same keys.
+        let keys = |task: usize| -> Vec<(String, i64)> {
+            let dev = eval
+                .partitions
+                .partitions
+                .iter()
+                .find(|(d, _)| d.to_string().contains(&format!("task:{task}")))
+                .unwrap()
+                .1;
+            let mut keys: Vec<(String, i64)> = dev
+                .graph
+                .to_def()
+                .nodes
+                .iter()
+                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                .map(
+                    |n| match (n.attrs.get("group_key"), n.attrs.get("instance_key")) {
+                        (Some(AttrValue::String(g)), Some(AttrValue::Int(k))) => {
+                            (g.to_string(), *k)
+                        }
+                        _ => panic!("{} has no keys", n.name),
+                    },
+                )
+                .collect();
+            keys.sort();
+            keys
+        };
+        assert!(!keys(0).is_empty());
+        assert_eq!(keys(0), keys(1));
+        // Every evaluation key is beyond the training step's.
+        let train_max = (0..2)
+            .flat_map(|i| plan.signatures[i].partitions.partitions.values())
+            .flat_map(|p| p.graph.to_def().nodes)
+            .filter_map(|n| match n.attrs.get("instance_key") {
+                Some(AttrValue::Int(k)) => Some(*k),
+                _ => None,
+            })
+            .max()
+            .unwrap();
+        assert!(keys(0).iter().all(|(_, k)| *k > train_max));
+        // Without a batch size, or with one the placeholders do not hold, worker 0 joins the
+        // shards (the only way without a static batch).
+        for joined in [planned(None), planned(Some(4))] {
+            let eval = joined.eval_signature().unwrap();
+            assert!(eval
+                .partitions
+                .pairs
+                .iter()
+                .any(|p| p.tensor_name.contains("/tp_1_of_2")));
+        }
     }
 
     #[test]

@@ -487,7 +487,7 @@ fn worker_graph(
         step_metrics: Vec::new(),
     };
     if ctx.stage >= 3 && ctx.rank == 0 {
-        params::add_eval_copy(&mut replica, forward, &params, n)?;
+        params::add_eval_copy(&mut replica, forward, &params, ctx)?;
     }
     Ok(replica)
 }
@@ -1223,9 +1223,10 @@ mod tests {
             assert!(ops(g, "Assign").is_empty());
             // 4 forward + 1 backward gathers, 4 reduce-scatters, the clip norm, the loss: in one
             // chain numbered in order, the same order on both ranks.
+            // (Worker 0's graph also holds the evaluation's gathers, `eval/...`.)
             let mut chain: Vec<&NodeDef> = nodes
                 .iter()
-                .filter(|n| n.op.starts_with("Collective"))
+                .filter(|n| n.op.starts_with("Collective") && !n.name.starts_with("eval/"))
                 .collect();
             assert_eq!(chain.len(), 5 + 4 + 1 + 1);
             chain.sort_by_key(|n| int(n, "instance_key"));
@@ -1245,23 +1246,56 @@ mod tests {
                 .def
                 .nodes
                 .iter()
-                .filter(|n| n.op.starts_with("Collective"))
+                .filter(|n| n.op.starts_with("Collective") && !n.name.starts_with("eval/"))
                 .collect();
             c.sort_by_key(|n| int(n, "instance_key"));
             c.iter().map(|n| n.name.clone()).collect()
         };
         assert_eq!(order(&graphs[0]), order(&graphs[1]));
-        // Worker 0 evaluates on a copy that joins both shards, with no collective.
+        // Worker 0 evaluates on a copy that gathers each weight just before its use; worker 1
+        // joins each gather with its shard, in the same order, at the same keys.
         let eval = &graphs[0].eval.loss;
         assert!(eval.starts_with("eval/"), "{eval}");
-        let joined = graphs[0]
-            .training
-            .def
+        let def = &graphs[0].training.def;
+        let gathers = |device_task: &str| -> Vec<(i64, String)> {
+            let mut g: Vec<(i64, String)> = def
+                .nodes
+                .iter()
+                .filter(|n| n.name.starts_with("eval/") && n.op == "CollectiveAllGather")
+                .filter(|n| n.device.contains(device_task))
+                .map(|n| (int(n, "instance_key"), n.inputs[0].clone()))
+                .collect();
+            g.sort();
+            g
+        };
+        let (on0, on1) = (gathers("task:0"), gathers("task:1"));
+        assert_eq!(on0.len(), 4, "{on0:?}");
+        assert_eq!(
+            on0.iter().map(|g| g.0).collect::<Vec<_>>(),
+            on1.iter().map(|g| g.0).collect::<Vec<_>>()
+        );
+        for ((_, a), (_, b)) in on0.iter().zip(&on1) {
+            assert_eq!(a.replace("shard_0_of_2", "shard_1_of_2"), *b);
+        }
+        let training_max = order(&graphs[1])
+            .iter()
+            .filter_map(|name| {
+                graphs[1]
+                    .training
+                    .def
+                    .nodes
+                    .iter()
+                    .find(|n| n.name == *name)
+            })
+            .map(|n| int(n, "instance_key"))
+            .max()
+            .unwrap();
+        assert!(on0.iter().all(|g| g.0 > training_max));
+        // No node joins the shards: nothing reads another worker's whole shard set.
+        assert!(!def
             .nodes
             .iter()
-            .find(|n| n.name == "eval/w1/joined")
-            .unwrap();
-        assert_eq!(joined.inputs, ["w1/shard_0_of_2", "w1/shard_1_of_2"]);
+            .any(|n| n.op == "PackFlat" && n.name.starts_with("eval/")));
         assert_eq!(graphs[1].eval.loss, spec.loss);
     }
 

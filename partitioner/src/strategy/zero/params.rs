@@ -11,8 +11,9 @@
 //! - all collectives of the step are then chained in one topological order of the graph (the
 //!   same on every rank) and numbered in that order.
 //!
-//! Evaluation (worker 0, no collective) reads a copy of the forward graph, `eval/...`, whose
-//! parameters are the shards of every worker joined (sent to worker 0 when it evaluates).
+//! Evaluation runs on worker 0 a copy of the forward graph, `eval/...`, whose parameters are
+//! all-gathered just before their use as in training (every other rank joins the gathers with
+//! its shard), so no task holds the whole model ([`add_eval_copy`]).
 
 use super::{fresh, node, Param, StrategyError};
 use crate::strategy::allreduce::worker_device;
@@ -277,14 +278,19 @@ pub(super) fn order_collectives(def: &mut GraphDef) -> Result<(), StrategyError>
     Ok(())
 }
 
-/// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose parameters read
-/// every worker's shard joined (no collective), and points evaluation at it.
+/// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose parameters are
+/// all-gathered over `group` just before their use and dropped after (as in training), and
+/// points evaluation at it: no task holds the whole model. Every other rank `r` joins each
+/// gather with its shard (`eval/zero/{p}/all_gather_r{r}`, on worker `r`, nothing reading the
+/// result), chained in worker 0's order; worker 0's loss waits for each rank's last gather, so
+/// the evaluation step runs them. The gathers' instance keys follow the training step's.
 pub(super) fn add_eval_copy(
     g: &mut ReplicaGraph,
     forward: &GraphDef,
     params: &[Param],
-    ranks: usize,
+    group: &ShardGroup,
 ) -> Result<(), StrategyError> {
+    let ranks = group.ranks;
     let device = worker_device("", "", 0)?;
     let sharded: HashMap<&str, &Param> = params.iter().map(|p| (p.var.as_str(), p)).collect();
     let mut taken: HashSet<String> = g
@@ -294,8 +300,33 @@ pub(super) fn add_eval_copy(
         .iter()
         .map(|n| n.name.clone())
         .collect();
+    let first_instance = g
+        .training
+        .def
+        .nodes
+        .iter()
+        .filter_map(|n| match n.attrs.get("instance_key") {
+            Some(AttrValue::Int(k)) if n.op.starts_with("Collective") => Some(*k),
+            _ => None,
+        })
+        .max()
+        .map_or(1, |k| k + 1);
+    let gather_node = |name: &str, shard: String, device: &str| {
+        let mut n = node(name, "CollectiveAllGather", vec![shard], device);
+        n.attrs = BTreeMap::from([
+            (
+                "group_key".to_string(),
+                AttrValue::String(group.key.as_str().into()),
+            ),
+            ("instance_key".to_string(), AttrValue::Int(0)),
+            ("group_size".to_string(), AttrValue::Int(ranks as i64)),
+        ]);
+        n
+    };
     let mut map: HashMap<String, String> = HashMap::new();
     let mut added = Vec::new();
+    // Worker 0's gathers, each with the parameter it gathers.
+    let mut gathers: Vec<(String, &Param)> = Vec::new();
     for n in &forward.nodes {
         match n.op.as_str() {
             "Placeholder" => {}
@@ -303,26 +334,17 @@ pub(super) fn add_eval_copy(
                 let Some(p) = sharded.get(n.name.as_str()) else {
                     continue;
                 };
-                let mut shards = Vec::with_capacity(ranks);
-                for r in 0..ranks {
-                    if r > 0 {
-                        let mut v = n.clone();
-                        shard_variable(&mut v, p, r, ranks);
-                        v.device = worker_device(&n.name, &n.device, r)?;
-                        added.push(v);
-                    }
-                    shards.push(shard_name(&p.var, r, ranks));
-                }
-                let joined = fresh(&mut taken, &format!("eval/{}/joined", n.name));
-                added.push(node(&joined, "PackFlat", shards, &device));
+                let gather = fresh(&mut taken, &format!("eval/zero/{}/all_gather", n.name));
+                added.push(gather_node(&gather, shard_name(&p.var, 0, ranks), &device));
                 let value = fresh(&mut taken, &format!("eval/{}", n.name));
-                let mut s = node(&value, "FlatSlice", vec![joined], &device);
+                let mut s = node(&value, "FlatSlice", vec![gather.clone()], &device);
                 s.attrs = BTreeMap::from([
                     ("offset".to_string(), AttrValue::Int(0)),
                     ("shape".to_string(), AttrValue::Shape(Shape::known(&p.dims))),
                 ]);
                 added.push(s);
                 map.insert(n.name.clone(), value);
+                gathers.push((gather, p));
             }
             _ => {
                 let name = fresh(&mut taken, &format!("eval/{}", n.name));
@@ -355,9 +377,99 @@ pub(super) fn add_eval_copy(
         copy.colocate_with.clear();
         added.push(copy);
     }
-    g.training.def.nodes.extend(added);
+    // Each gather just before its first use: it waits for its readers' other inputs.
+    let mut eval = GraphDef {
+        nodes: added,
+        ..GraphDef::default()
+    };
+    let readers: Vec<(String, Vec<String>)> = gathers
+        .iter()
+        .map(|(gather, p)| {
+            let value = &map[&p.var];
+            let who = eval
+                .nodes
+                .iter()
+                .filter(|n| {
+                    n.inputs.iter().any(|i| {
+                        matches!(InputRef::parse(i), Ok(InputRef::Data { node, .. }) if node == *value)
+                    })
+                })
+                .map(|n| n.name.clone())
+                .collect();
+            (gather.clone(), who)
+        })
+        .collect();
+    just_in_time(&mut eval, &readers);
+    g.training.def.nodes.extend(eval.nodes);
+    // Worker 0's gathers in its topological order; the other ranks gather in the same order.
+    let typed = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
+    let is_gather: HashMap<&str, &Param> = gathers.iter().map(|(n, p)| (n.as_str(), *p)).collect();
+    let order: Vec<(String, &Param)> = typed
+        .topo_order()
+        .into_iter()
+        .map(|i| typed.node(i).name.as_str())
+        .filter_map(|n| is_gather.get(n).map(|p| (n.to_string(), *p)))
+        .collect();
+    let mut chains: Vec<Vec<String>> = vec![order.iter().map(|(n, _)| n.clone()).collect()];
+    for r in 1..ranks {
+        let mut chain = Vec::with_capacity(order.len());
+        for (_, p) in &order {
+            let Some(v) = forward.nodes.iter().find(|n| n.name == p.var) else {
+                continue;
+            };
+            let mut shard = v.clone();
+            shard_variable(&mut shard, p, r, ranks);
+            shard.device = worker_device(&v.name, &v.device, r)?;
+            shard.colocate_with.clear();
+            let name = fresh(&mut taken, &format!("eval/zero/{}/all_gather_r{r}", p.var));
+            g.training
+                .def
+                .nodes
+                .push(gather_node(&name, shard.name.clone(), &shard.device));
+            g.training.def.nodes.push(shard);
+            chain.push(name);
+        }
+        chains.push(chain);
+    }
+    let position: HashMap<String, usize> = g
+        .training
+        .def
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.name.clone(), i))
+        .collect();
+    for chain in &chains {
+        for (k, name) in chain.iter().enumerate() {
+            let Some(&i) = position.get(name) else {
+                continue;
+            };
+            let n = &mut g.training.def.nodes[i];
+            n.attrs.insert(
+                "instance_key".into(),
+                AttrValue::Int(first_instance + k as i64),
+            );
+            if k > 0 {
+                n.inputs.push(format!("^{}", chain[k - 1]));
+            }
+        }
+    }
+    // Worker 0's loss waits for every other rank's last gather.
+    let loss = remap(&g.eval.loss);
+    let loss_node = match InputRef::parse(&loss) {
+        Ok(InputRef::Data { node, .. }) => node,
+        _ => loss.clone(),
+    };
+    let waits: Vec<String> = chains
+        .iter()
+        .skip(1)
+        .filter_map(|c| c.last().map(|n| format!("^{n}")))
+        .collect();
+    if let Some(&i) = position.get(&loss_node) {
+        g.training.def.nodes[i].inputs.extend(waits);
+    }
     g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
-    g.eval.loss = remap(&g.eval.loss);
+    g.eval.loss = loss;
     g.eval.metrics = g.eval.metrics.iter().map(|m| remap(m)).collect();
     Ok(())
 }
