@@ -645,3 +645,230 @@ fn dp2_tp2_over_hand_placements_trains_like_one_process_and_resumes_in_one() {
         "resumed in one process from the dp2×tp2 checkpoint: worst relative difference {worst:e}"
     );
 }
+
+/// `examples/digits/digits-tp-zero.dflow`: the digits MLP with AdamW, Megatron's MLP layout on
+/// `tp` and every variable's training state `Shard(0)` on `dp` (ZeRO).
+const ZERO_BY_HAND: &str = "examples/digits/digits-tp-zero.dflow";
+
+/// `text` without its `_sharding` attributes (the one-process twin of a hand-placed graph).
+fn without_placements(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(", _sharding: \"") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + ", _sharding: \"".len()..];
+        let end = after.find('"').expect("a closed _sharding string");
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    assert!(!out.contains("_sharding"));
+    out
+}
+
+/// Writes `text` to `dir/name` and returns the path.
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+/// Asserts every tensor of the one-process checkpoint `want` (parameters, AdamW slots, the
+/// step) is in `got`, whole, within `tol`.
+fn assert_same_state(
+    got: &BTreeMap<String, dflow::graph::Tensor>,
+    want: &BTreeMap<String, dflow::graph::Tensor>,
+    tol: f32,
+) {
+    for (name, w) in want {
+        let g = got
+            .get(name)
+            .unwrap_or_else(|| panic!("`{name}` missing from {:?}", got.keys()));
+        assert_eq!(g.dims(), w.dims(), "{name}");
+        if let (Ok(x), Ok(y)) = (g.as_slice::<f32>(), w.as_slice::<f32>()) {
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                assert!((p - q).abs() <= tol, "{name}[{i}]: {p} vs {q}");
+            }
+        }
+    }
+}
+
+/// ZeRO as the dp placement of the training state over hand placements: the digits MLP with
+/// Megatron's MLP layout on tp and AdamW, clipped by the global norm, on `--mesh dp=2,tp=2`
+/// with `--zero-stage 1` and `3` (and with `dp:Shard(0)` declared on every variable and no
+/// flag: stage 1) trains with the losses, parameters and AdamW slots of the one-process run,
+/// and with 4 real processes at stage 3; the stage-3 checkpoint holds whole tensors and one process resumes from it, continuing an
+/// uninterrupted two-epoch run; `dflow partition` shows each variable's placement per axis and
+/// the ZeRO collectives with their bytes.
+#[test]
+fn zero_over_hand_placements_on_dp2_tp2_trains_like_one_process_and_resumes_in_one() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-zero");
+    let declared = std::fs::read_to_string(repo().join(ZERO_BY_HAND)).unwrap();
+    let plain = write(&dir, "plain.dflow", &without_placements(&declared));
+    // The same placements on tp in the single form, nothing on dp: ZeRO by the flag.
+    let tp_only = write(
+        &dir,
+        "tp-only.dflow",
+        &declared
+            .replace("\"dp:Shard(0),tp:Shard(1)\"", "\"Shard(1)\"")
+            .replace("\"dp:Shard(0),tp:Shard(0)\"", "\"Shard(0)\"")
+            .replace(", _sharding: \"dp:Shard(0)\"", ""),
+    );
+    let four = "examples/gpt/cluster-4workers.json";
+    let mesh = ["--cluster", four, "--mesh", "dp=2,tp=2"];
+    let (want, _, want_state) = local(&plain, &[], &dir.join("one"));
+    assert!(
+        want_state.contains_key("w1/adam_m"),
+        "{:?}",
+        want_state.keys()
+    );
+    for (graph, stage) in [
+        (tp_only.as_str(), Some("1")),
+        (tp_only.as_str(), Some("3")),
+        (ZERO_BY_HAND, None),
+    ] {
+        let mut flags = mesh.to_vec();
+        if let Some(s) = stage {
+            flags.extend(["--zero-stage", s]);
+        }
+        let name = format!("zero-{}", stage.unwrap_or("declared"));
+        let (got, stderr, state) = local(graph, &flags, &dir.join(&name));
+        let worst = assert_same_losses(&got, &want, 1e-6);
+        println!("--local dp=2,tp=2 {name}: worst relative loss difference {worst:e}");
+        assert_same_parameters(&state, &want_state, 1e-6);
+        assert_same_state(&state, &want_state, 1e-6);
+        assert_eq!(end_of_task(&stderr).len(), 4, "{stderr}");
+    }
+    // Four real processes, the dp placements and --zero-stage 3.
+    let mut flags = digits_args(1);
+    flags.extend(["--mesh", "dp=2,tp=2", "--zero-stage", "3"].map(String::from));
+    let ckpt = dir.join("procs-ckpt");
+    let (got, _) = worker_job(Path::new(ZERO_BY_HAND), 4, &flags, &ckpt);
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("4 processes dp=2,tp=2 ZeRO-3: worst relative loss difference {worst:e}");
+    assert_same_parameters(&newest(&ckpt), &want_state, 1e-6);
+    // One process without placements resumes from the stage-3 checkpoint for a second epoch
+    // and continues an uninterrupted two-epoch run.
+    let (two_epochs, _, _) = local_epochs(&plain, 2, &[], &dir.join("two-epochs"));
+    let losses = dir.join("resumed.txt");
+    let (l, c) = (
+        losses.to_string_lossy().into_owned(),
+        dir.join("zero-3/ckpt").to_string_lossy().into_owned(),
+    );
+    let args_owned = digits_args(2);
+    let mut args: Vec<&str> = vec!["run", "--local", &plain];
+    args.extend(args_owned.iter().map(String::as_str));
+    args.extend(["--losses-out", &l, "--checkpoint-dir", &c]);
+    stdout(&dflow(&args));
+    let resumed = read_losses(&losses);
+    let first = want.len() as u64;
+    assert!(
+        resumed.first().is_some_and(|(s, _)| *s == first + 1),
+        "{resumed:?}"
+    );
+    let tail: Vec<(u64, f64)> = two_epochs.into_iter().filter(|(s, _)| *s > first).collect();
+    let worst = assert_same_losses(&resumed, &tail, 1e-5);
+    println!("resumed in one process from the ZeRO-3 dp2×tp2 checkpoint: worst {worst:e}");
+    // The plan: placements per axis, and ZeRO's collectives over the dp group with their bytes.
+    let mut args = vec!["partition", ZERO_BY_HAND];
+    args.extend(mesh);
+    args.extend(["--features", "pixels", "--labels", "labels"]);
+    args.extend(["--batch-size", "32"]);
+    let plan = stdout(&dflow(&args));
+    // Rank 0's weights: its halves of w1 [64, 16], b1 [16], w2 [16, 10] and b2 [10], 1,210
+    // floats (all even: no padding), 4,840 B.
+    for line in [
+        "ZeRO stage 1: its Adam slots flattened and cut in 2 parts over its dp group",
+        "  w1 f32[64, 32]: dp:Shard(0),tp:Shard(1)",
+        "  b2 f32[10]: dp:Shard(0),tp:Replicate",
+        "dp group data_t1: ranks 1, 3 (shard 1): ZeRO stage 1",
+        // Stage 1: the gradients all-reduced (2(D−1)/D = 1×), the updated halves gathered.
+        "  zero/bucket_0/all_reduce (all-reduce of 4840 B): 4840 B",
+        "  zero/bucket_0/all_gather (all-gather of 2420 B): 2420 B",
+        // Clipping's two sums and the loss's: 3 × 4 B.
+        "bytes rank 0 sends over its dp group per step: 7272 B",
+    ] {
+        assert!(plan.contains(line), "{line}\nin\n{plan}");
+    }
+}
+
+/// Placements per axis written in JSON (`dp:Replicate,tp:Shard(1)`, converted from the DSL by
+/// `dflow convert`) train exactly like the single form on `--mesh dp=2,tp=2`; with Adam and
+/// `--zero-stage 3`, the variables declared `dp:Replicate` stay whole while the others are
+/// sharded, training like one process; a dp placement ZeRO has no layout for is refused naming
+/// the variable.
+#[test]
+fn per_axis_placements_in_json_train_like_the_single_form_and_dp_replicate_stays_out_of_zero() {
+    let _guard = serial();
+    let dir = scratch("tensor-by-hand-per-axis");
+    let (by_hand, _) = deeper(&dir);
+    let single = std::fs::read_to_string(&by_hand).unwrap();
+    let per_axis = single
+        .replace("\"Shard(1)\"", "\"dp:Replicate,tp:Shard(1)\"")
+        .replace("\"Shard(0)\"", "\"tp:Shard(0), dp:Replicate\"");
+    assert_ne!(per_axis, single);
+    let dsl = write(&dir, "per-axis.dflow", &per_axis);
+    let json = dir.join("per-axis.json");
+    let json = json.to_string_lossy().into_owned();
+    stdout(&dflow(&["convert", &dsl, "--to", "json", "-o", &json]));
+    let text = std::fs::read_to_string(&json).unwrap();
+    assert!(
+        text.contains("\"_sharding\": \"dp:Replicate,tp:Shard(1)\""),
+        "{text}"
+    );
+    let four = four_workers(&dir);
+    let mesh = ["--cluster", four.as_str(), "--mesh", "dp=2,tp=2"];
+    let (want, _, want_params) = local(&by_hand, &mesh, &dir.join("single"));
+    let (got, _, params) = local(&json, &mesh, &dir.join("json"));
+    assert_eq!(got.len(), want.len());
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("per-axis JSON vs single form: worst relative loss difference {worst:e}");
+    assert_same_parameters(&params, &want_params, 1e-6);
+    // ZeRO for some variables only: under --zero-stage 3, `w0` and `b2` (no dp placement) are
+    // sharded over their dp group, `w1`, `b1` and `w2` (dp:Replicate) stay whole; one clipping
+    // norm over both; the same training as one process.
+    let adamw = per_axis.replace("optimizer: sgd(lr: 0.1)", "optimizer: adam(lr: 0.01)");
+    assert_ne!(adamw, per_axis);
+    let mixed = write(&dir, "mixed.dflow", &adamw);
+    let plain = write(&dir, "mixed-plain.dflow", &without_placements(&adamw));
+    let (want, _, want_state) = local(&plain, &[], &dir.join("mixed-one"));
+    let mut flags = mesh.to_vec();
+    flags.extend(["--zero-stage", "3"]);
+    let (got, _, state) = local(&mixed, &flags, &dir.join("mixed-zero3"));
+    let worst = assert_same_losses(&got, &want, 1e-6);
+    println!("dp:Replicate beside ZeRO-3: worst relative loss difference {worst:e}");
+    assert_same_parameters(&state, &want_state, 1e-6);
+    assert_same_state(&state, &want_state, 1e-6);
+    let mut args = vec!["partition", mixed.as_str()];
+    args.extend(mesh);
+    args.extend([
+        "--zero-stage",
+        "3",
+        "--features",
+        "pixels",
+        "--labels",
+        "labels",
+    ]);
+    let plan = stdout(&dflow(&args));
+    for line in [
+        "each parameter below declared so's training state Shard(0), ZeRO stage 3",
+        "  w1 f32[64, 32]: dp:Replicate,tp:Shard(1)",
+        "  w0 f32[64, 64]: dp:Shard(0),tp:Replicate",
+        "  b2 f32[10]: dp:Shard(0),tp:Replicate",
+    ] {
+        assert!(plan.contains(line), "{line}\nin\n{plan}");
+    }
+    // A dp placement ZeRO has no layout for: refused at load, naming the node.
+    let bad = write(
+        &dir,
+        "bad.dflow",
+        &adamw.replace("dp:Replicate,tp:Shard(1)", "dp:Shard(1),tp:Shard(1)"),
+    );
+    let out = dflow(&["check", &bad]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        e.contains("w1") && e.contains("dp:Shard(1): a variable's training state"),
+        "{e}"
+    );
+}

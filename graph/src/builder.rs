@@ -110,6 +110,15 @@ impl OpBuilder<'_> {
         )
     }
 
+    /// Declares the node's placement on each mesh axis (the `_sharding` attribute written
+    /// axis-named, e.g. `dp:Shard(0),tp:Shard(1)`; see [`crate::sharding`]).
+    pub fn placements(self, p: crate::sharding::AxisPlacements) -> Self {
+        self.attr(
+            crate::sharding::SHARDING_ATTR,
+            crate::sharding::placements_attr(p),
+        )
+    }
+
     /// Requests a device (overrides the enclosing [`GraphBuilder::with_device`] scope).
     pub fn device(mut self, device: &str) -> Self {
         self.node.device = device.to_string();
@@ -203,6 +212,25 @@ impl GraphBuilder {
                 n.attrs.insert(
                     crate::sharding::SHARDING_ATTR.to_string(),
                     crate::sharding::sharding_attr(p),
+                );
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Declares the placements on each mesh axis of the node `node` added earlier (see
+    /// [`OpBuilder::placements`]); false when no node has that name.
+    pub fn set_placements(
+        &mut self,
+        node: &NodeHandle,
+        p: crate::sharding::AxisPlacements,
+    ) -> bool {
+        match self.nodes.iter_mut().find(|n| n.name == node.name) {
+            Some(n) => {
+                n.attrs.insert(
+                    crate::sharding::SHARDING_ATTR.to_string(),
+                    crate::sharding::placements_attr(p),
                 );
                 true
             }

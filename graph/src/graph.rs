@@ -743,7 +743,11 @@ fn check_attrs(n: &Node, op: &OpDef, errs: &mut Vec<GraphError>) {
         }
     }
     if let Some(v) = n.attrs.get(crate::sharding::SHARDING_ATTR) {
-        if let Err(message) = crate::sharding::sharding_value(&n.name, v) {
+        let checked = crate::sharding::sharding_value(&n.name, v).and_then(|a| {
+            crate::sharding::check_op_placements(n.op, &a)
+                .map_err(|e| format!("node `{}`: {e}", n.name))
+        });
+        if let Err(message) = checked {
             errs.push(GraphError::Sharding {
                 node: n.name.clone(),
                 message,

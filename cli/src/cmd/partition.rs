@@ -230,6 +230,7 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
                     &train,
                     &mesh,
                     (args.fusion_threshold_mb * (1u64 << 20) as f64) as usize,
+                    args.zero_stage,
                     &args.features,
                     &args.labels,
                 )?

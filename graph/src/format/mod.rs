@@ -448,8 +448,10 @@ fn build_attrs(
         }
         match attr_from_json(&v.v, a.ty) {
             Ok(AttrValue::String(p)) if k.v == crate::sharding::SHARDING_ATTR => {
-                match crate::sharding::parse_sharding(&p) {
-                    Ok(_) => {
+                match crate::sharding::parse_sharding(&p)
+                    .and_then(|a| crate::sharding::check_op_placements(def.name, &a))
+                {
+                    Ok(()) => {
                         out.insert(k.v, AttrValue::String(p));
                     }
                     Err(e) => errs.push(v.pos, format!("node {node:?}, attr {:?}: {e}", k.v)),

@@ -882,12 +882,16 @@ fn sharding_attrs_round_trip_through_json_and_the_dsl() {
     let w1 = g.nodes.iter().find(|n| n.name == "w1").unwrap();
     assert_eq!(
         crate::sharding::node_sharding(w1),
-        Ok(Some(crate::sharding::Placement::Shard(1)))
+        Ok(Some(crate::sharding::AxisPlacements::tp(
+            crate::sharding::Placement::Shard(1)
+        )))
     );
     let w2 = g.nodes.iter().find(|n| n.name == "w2").unwrap();
     assert_eq!(
         crate::sharding::node_sharding(w2),
-        Ok(Some(crate::sharding::Placement::Replicate))
+        Ok(Some(crate::sharding::AxisPlacements::tp(
+            crate::sharding::Placement::Replicate
+        )))
     );
     let d = to_dsl(&g);
     assert!(d.contains("_sharding: \"Shard(1)\""), "{d}");
@@ -953,9 +957,102 @@ fn the_builder_declares_placements() {
         .sharding(Placement::Replicate)
         .finish();
     let g = b.build().unwrap().to_def();
-    let get =
-        |n: &str| crate::sharding::node_sharding(g.nodes.iter().find(|x| x.name == n).unwrap());
+    let get = |n: &str| {
+        crate::sharding::node_sharding(g.nodes.iter().find(|x| x.name == n).unwrap())
+            .map(|p| p.and_then(|p| p.tp))
+    };
     assert_eq!(get("w"), Ok(Some(Placement::Shard(1))));
     assert_eq!(get("h"), Ok(Some(Placement::Replicate)));
     assert_eq!(get("x"), Ok(None));
+}
+
+#[test]
+fn the_builder_declares_placements_per_axis() {
+    use crate::builder::GraphBuilder;
+    use crate::sharding::{AxisPlacements, Placement};
+    let both = AxisPlacements {
+        dp: Some(Placement::Shard(0)),
+        tp: Some(Placement::Shard(1)),
+    };
+    let mut b = GraphBuilder::new();
+    let w = b.variable("w", DType::F32, &[4, 6], "zeros");
+    assert!(b.set_placements(&w, both));
+    let v = b
+        .op("Variable", "v")
+        .attr("dtype", DType::F32)
+        .attr("shape", Shape::known(&[6]))
+        .attr("initializer", "zeros")
+        .placements(AxisPlacements::dp(Placement::Replicate))
+        .finish();
+    let x = b.placeholder("x", DType::F32, &[-1, 4]);
+    let h = b.matmul("h", &x, &w);
+    b.binary("Add", "y", &h, &v);
+    let g = b.build().unwrap().to_def();
+    let get =
+        |n: &str| crate::sharding::node_sharding(g.nodes.iter().find(|x| x.name == n).unwrap());
+    assert_eq!(get("w"), Ok(Some(both)));
+    assert_eq!(get("v"), Ok(Some(AxisPlacements::dp(Placement::Replicate))));
+    // Written axis-named, read back by both formats.
+    let j = to_json(&g);
+    assert!(
+        j.contains("\"_sharding\": \"dp:Shard(0),tp:Shard(1)\""),
+        "{j}"
+    );
+    assert_eq!(parse_json(&j, None).unwrap().def, g, "{j}");
+    let d = to_dsl(&g);
+    assert!(d.contains("_sharding: \"dp:Shard(0),tp:Shard(1)\""), "{d}");
+    assert_eq!(parse_dsl(&d, None).unwrap().def, g, "{d}");
+    // A dp placement on an op is refused by validation, naming the node.
+    let mut b = GraphBuilder::new();
+    let x = b.placeholder("x", DType::F32, &[-1, 4]);
+    b.op("Relu", "r")
+        .input(&x)
+        .placements(AxisPlacements::dp(Placement::Shard(0)))
+        .finish();
+    let e = b.build().unwrap_err().to_string();
+    assert!(
+        e.contains("node `r`") && e.contains("only variables"),
+        "{e}"
+    );
+}
+
+#[test]
+fn axis_named_sharding_round_trips_through_json_and_the_dsl_and_bad_ones_name_node_and_axis() {
+    let text = "dflow 1\n\
+                w1 = Variable(dtype: f32, shape: [4, 6], initializer: zeros, _sharding: \"dp:Shard(0),tp:Shard(1)\")\n\
+                w2 = Variable(dtype: f32, shape: [6, 2], initializer: zeros, _sharding: \"tp:Replicate, dp:Replicate\")\n";
+    let g = parse_dsl(text, None).unwrap().def;
+    let j = to_json(&g);
+    assert!(j.contains("\"dp:Shard(0),tp:Shard(1)\""), "{j}");
+    let via_json = parse_json(&j, None).unwrap().def;
+    assert_eq!(via_json, g);
+    assert_eq!(parse_dsl(&to_dsl(&via_json), None).unwrap().def, g);
+    let w2 = g.nodes.iter().find(|n| n.name == "w2").unwrap();
+    let p = crate::sharding::node_sharding(w2).unwrap().unwrap();
+    assert_eq!(p.to_string(), "dp:Replicate,tp:Replicate");
+    for (value, want) in [
+        ("ep:Shard(0)", "unknown mesh axis \"ep\""),
+        ("tp:Shard(1),tp:Shard(0)", "axis \"tp\" is given twice"),
+        ("dp:Partial(sum)", "axis \"dp\": placement"),
+        ("dp:Shard(1)", "dp:Shard(1): a variable's training state"),
+    ] {
+        let e = errs_json(&format!(
+            r#"{{"format": "dflow-graph", "version": 1, "nodes": [
+                {{"name": "w", "op": "Variable", "attrs": {{"dtype": "f32", "shape": [2],
+                 "initializer": "zeros", "_sharding": "{value}"}}}}]}}"#
+        ));
+        assert_eq!(e.len(), 1, "{value}: {e:?}");
+        assert!(
+            e[0].message.starts_with("node \"w\", attr \"_sharding\": ")
+                && e[0].message.contains(want),
+            "{value}: {e:?}"
+        );
+    }
+    let e =
+        errs_dsl("dflow 1\nx = Placeholder(dtype: f32, shape: [2], _sharding: \"dp:Shard(0)\")\n");
+    assert!(
+        e[0].message.contains("node \"x\"") && e[0].message.contains("on a Placeholder"),
+        "{e:?}"
+    );
+    assert_eq!(e[0].line, 2);
 }

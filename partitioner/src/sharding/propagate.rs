@@ -404,7 +404,7 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
             continue;
         }
         if let Some(v) = n.attrs.get(SHARDING_ATTR) {
-            if let Shard(d) = sharding_value(&n.name, v)? {
+            if let Some(Shard(d)) = sharding_value(&n.name, v)?.tp {
                 sharded.push(sharded_variable(graph, i, d, tp)?);
             }
         }
@@ -412,7 +412,7 @@ pub fn propagate(graph: &Graph, tp: usize, fetched: &[String]) -> Result<Placeme
     for &i in &order {
         let n = graph.node(i);
         let declared = match n.attrs.get(SHARDING_ATTR) {
-            Some(v) => Some(sharding_value(&n.name, v)?),
+            Some(v) => sharding_value(&n.name, v)?.tp,
             None => None,
         };
         let inputs = graph.inputs(i);

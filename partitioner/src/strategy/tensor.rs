@@ -244,7 +244,15 @@ impl Strategy for TensorParallel {
         )?;
         // Every rank of replica d takes part d of every batch (whole when dp = 1).
         plan.batch_parts = mesh.dp as u32;
-        if self.zero_stage.is_some() {
+        let zero_stage = hand::zero_stage(input.graph, &mesh, self.zero_stage)?;
+        if let (Some(s), None) = (zero_stage, self.zero_stage) {
+            // ZeRO chosen by the variables' dp placements, not by the flag.
+            plan.strategy = format!(
+                "{}, ZeRO stage {s} over the data-parallel axis (the dp placements)",
+                plan.strategy
+            );
+        }
+        if zero_stage.is_some() {
             plan.sharded = zero_slot_shards(input, &tp_graphs.shards, &plan.variables, &mesh);
         }
         plan.axis_sharded =
@@ -751,18 +759,22 @@ pub fn mesh_training_evaluating(
             "mesh {mesh}: tensor parallelism does not run over a pipeline axis yet"
         )));
     }
+    let (zero_stage, zero_whole) = hand::zero_layout(graph, mesh, zero_stage)?;
     if let Some(stage) = zero_stage {
         check_zero(mesh, stage)?;
         super::zero::check_optimizer(spec, "tensor")?;
-        if hand::declares_placements(graph) {
-            return Err(options(format!(
-                "--zero-stage {stage}: ZeRO beside placements written by hand does not run yet; \
-                 drop --zero-stage (the gradients are then all-reduced over the dp axis)"
-            )));
-        }
     }
     if hand::declares_placements(graph) {
-        return hand::mesh_training(graph, spec, mesh, bucket_bytes, features, labels);
+        return hand::mesh_training(
+            graph,
+            spec,
+            mesh,
+            bucket_bytes,
+            zero_stage,
+            &zero_whole,
+            features,
+            labels,
+        );
     }
     let tp = mesh.tp;
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
@@ -843,6 +855,7 @@ impl RankAt {
                 bucket_bytes,
                 ranks: mesh.dp,
                 zero_stage,
+                zero_whole: HashSet::new(),
             }),
         }
     }
@@ -1211,40 +1224,16 @@ fn rank_graph(
         instance,
         group: at.group.clone(),
     };
-    let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
-    // ZeRO-3: the parameters to shard over the dp group, and the group.
-    let mut zero3 = None;
-    match (&at.data, &weighting, zero_stage) {
-        (Some(replica), Some(w), Some(stage)) => {
-            let sharded: HashSet<String> = renames.values().cloned().collect();
-            let params = data::zero_step(
-                &mut training,
-                &typed,
-                &mut n,
-                replica,
-                stage,
-                &w.weighted,
-                &at.group,
-                &sharded,
-                spec.clip_global_norm,
-            )?;
-            if stage >= 3 {
-                zero3 = Some((params, data::shard_group(replica, stage)));
-            }
-        }
-        (data, weighting, _) => {
-            if let (Some(replica), Some(w)) = (data, weighting) {
-                data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
-            }
-            if let Some(clip) = spec.clip_global_norm {
-                clip_across_shards(&mut training, &mut n, &renames, clip);
-            }
-        }
-    }
-    training.def.nodes.extend(std::mem::take(&mut n.added));
-    if let Some((params, group)) = zero3 {
-        shard_parameters(&mut training, &def, &params, &group, n.instance)?;
-    }
+    data_parallel_step(
+        &mut training,
+        &typed,
+        &mut n,
+        at,
+        weighting.as_ref(),
+        &renames,
+        spec.clip_global_norm,
+        &def,
+    )?;
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     Ok(ReplicaGraph {
@@ -1266,6 +1255,68 @@ fn rank_graph(
         },
         step_metrics: Vec::new(),
     })
+}
+
+/// The end of rank `at`'s step after autodiff, shared by the GPT's layout and placements by
+/// hand: with data parallelism, every gradient summed over the rank's data-parallel group
+/// ([`data::reduce_gradients`]) or, with ZeRO at `at.data.zero_stage`, [`data::zero_step`]
+/// over it (stage 3 then shards the parameters: [`shard_parameters`]); clipping by `clip`
+/// across the tensor-parallel shards (`renames`: each sharded variable's name on this rank).
+/// `weighting` is the replica's weighted loss, `forward` the rank's forward graph; the nodes
+/// added are appended to `training`.
+#[allow(clippy::too_many_arguments)]
+fn data_parallel_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    at: &RankAt,
+    weighting: Option<&data::Weighting>,
+    renames: &HashMap<String, String>,
+    clip: Option<f64>,
+    forward: &GraphDef,
+) -> Result<(), StrategyError> {
+    let zero_stage = at.data.as_ref().and_then(|d| d.zero_stage);
+    // ZeRO-3: the parameters to shard over the dp group, and the group.
+    let mut zero3 = None;
+    match (&at.data, weighting, zero_stage) {
+        (Some(replica), Some(w), Some(stage)) if !replica.zero_whole.is_empty() => {
+            let params = mixed_zero_step(training, typed, n, at, replica, stage, renames, clip)?;
+            data::global_loss(training, n, replica, &w.weighted);
+            if stage >= 3 {
+                zero3 = Some((params, data::shard_group(replica, stage)));
+            }
+        }
+        (Some(replica), Some(w), Some(stage)) => {
+            let sharded: HashSet<String> = renames.values().cloned().collect();
+            let params = data::zero_step(
+                training,
+                typed,
+                n,
+                replica,
+                stage,
+                &w.weighted,
+                &at.group,
+                &sharded,
+                clip,
+            )?;
+            if stage >= 3 {
+                zero3 = Some((params, data::shard_group(replica, stage)));
+            }
+        }
+        (data, weighting, _) => {
+            if let (Some(replica), Some(w)) = (data, weighting) {
+                data::reduce_gradients(training, typed, n, replica, &w.weighted)?;
+            }
+            if let Some(clip) = clip {
+                clip_across_shards(training, n, renames, clip);
+            }
+        }
+    }
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    if let Some((params, group)) = zero3 {
+        shard_parameters(training, forward, &params, &group, n.instance)?;
+    }
+    Ok(())
 }
 
 /// Gives the renamed nodes (a variable's shard) their new names, points every input at them,
@@ -1361,12 +1412,39 @@ fn clip_across_shards(
     renames: &HashMap<String, String>,
     clip: f64,
 ) {
+    let Some(total) = squared_norm_across_shards(&training.gradients, n, renames) else {
+        return;
+    };
+    let scale = n.add(
+        "tp/clip/global_norm_scale",
+        "GlobalNormScale",
+        vec![total],
+        global_norm_attrs(clip),
+    );
+    let grads = training.gradients.clone();
+    scale_gradients(training, n, &grads, &scale);
+}
+
+/// `GlobalNormScale`'s attributes clipping at `clip` from a squared norm.
+fn global_norm_attrs(clip: f64) -> Vec<(&'static str, AttrValue)> {
+    vec![
+        ("clip_norm", AttrValue::Float(clip)),
+        ("squared_norm", AttrValue::Bool(true)),
+    ]
+}
+
+/// `Σ‖g‖²` of the whole model's gradients `grads` (variable, gradient): the replicated
+/// parameters' (equal on every rank) plus the sum over the tensor-parallel group of the
+/// shards' (`renames`: each sharded variable's name on this rank); `None` when `grads` is empty.
+fn squared_norm_across_shards(
+    grads: &[(String, String)],
+    n: &mut Nodes,
+    renames: &HashMap<String, String>,
+) -> Option<String> {
     let sharded: HashSet<&String> = renames.values().collect();
     type Grads<'a> = Vec<&'a (String, String)>;
-    let (shard_grads, replicated): (Grads<'_>, Grads<'_>) = training
-        .gradients
-        .iter()
-        .partition(|(v, _)| sharded.contains(v));
+    let (shard_grads, replicated): (Grads<'_>, Grads<'_>) =
+        grads.iter().partition(|(v, _)| sharded.contains(v));
     // With no shard (placements by hand that shard activations only), no sum over the group.
     let mut total = (!shard_grads.is_empty()).then(|| {
         let local = n.add(
@@ -1394,24 +1472,23 @@ fn clip_across_shards(
             None => rep,
         });
     }
-    let Some(total) = total else {
-        return;
-    };
-    let scale = n.add(
-        "tp/clip/global_norm_scale",
-        "GlobalNormScale",
-        vec![total],
-        vec![
-            ("clip_norm", AttrValue::Float(clip)),
-            ("squared_norm", AttrValue::Bool(true)),
-        ],
-    );
+    total
+}
+
+/// Multiplies each gradient of `grads` (variable, gradient) by `scale` where the updates read
+/// it.
+fn scale_gradients(
+    training: &mut TrainingGraph,
+    n: &mut Nodes,
+    grads: &[(String, String)],
+    scale: &str,
+) {
     let mut clipped: HashMap<String, String> = HashMap::new();
-    for (k, (_, g)) in training.gradients.iter().enumerate() {
+    for (k, (_, g)) in grads.iter().enumerate() {
         let c = n.add(
             &format!("tp/clip/grad_{k}"),
             "Mul",
-            vec![g.clone(), scale.clone()],
+            vec![g.clone(), scale.to_string()],
             vec![],
         );
         clipped.insert(g.clone(), c);
@@ -1428,6 +1505,66 @@ fn clip_across_shards(
             }
         }
     }
+}
+
+/// ZeRO over `replica`'s group at `stage` for some of the rank's variables only, the others
+/// (`replica.zero_whole`, by their one-process names) summed over the group as without ZeRO
+/// ([`data::sum_gradients`]); clipping by `clip` takes the global norm over both: ZeRO's
+/// `Σ‖g‖²` (summed over dp, then tp) plus the whole ones' ([`squared_norm_across_shards`]),
+/// one scale for every gradient. `training.gradients` keeps its order (the summed gradients
+/// of the whole ones, the local ones of ZeRO's). Returns ZeRO's parameters in the shard layout.
+#[allow(clippy::too_many_arguments)]
+fn mixed_zero_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    at: &RankAt,
+    replica: &data::Replica,
+    stage: u8,
+    renames: &HashMap<String, String>,
+    clip: Option<f64>,
+) -> Result<Vec<super::zero::Param>, StrategyError> {
+    let original: HashMap<&String, &String> = renames.iter().map(|(o, r)| (r, o)).collect();
+    let all = std::mem::take(&mut training.gradients);
+    let (whole, zeroed): (Vec<_>, Vec<_>) = all.iter().cloned().partition(|(v, _)| {
+        replica
+            .zero_whole
+            .contains(original.get(v).copied().unwrap_or(v))
+    });
+    // The whole ones' gradients summed over the dp group.
+    training.gradients = whole;
+    data::sum_gradients(training, typed, n, replica)?;
+    let whole = std::mem::take(&mut training.gradients);
+    // ZeRO's, clipped by the scale below (its name taken now, its node added after).
+    training.gradients = zeroed;
+    let scale = clip.map(|_| fresh(&mut n.taken, "dp/clip/global_norm_scale"));
+    let zero_clip = scale
+        .as_deref()
+        .map_or(super::zero::Clip::None, super::zero::Clip::Scale);
+    let sharded: HashSet<String> = renames.values().cloned().collect();
+    let (params, zero_squared) = data::zero_step_with(
+        training, typed, n, replica, stage, &at.group, &sharded, zero_clip,
+    )?;
+    let zeroed = std::mem::take(&mut training.gradients);
+    if let (Some(clip), Some(scale), Some(zero_squared)) = (clip, &scale, zero_squared) {
+        let total = match squared_norm_across_shards(&whole, n, renames) {
+            Some(t) => n.add("dp/clip/squared_norm", "Add", vec![t, zero_squared], vec![]),
+            None => zero_squared,
+        };
+        let mut s = node(scale, "GlobalNormScale", vec![total], &n.device);
+        s.attrs = global_norm_attrs(clip)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        n.added.push(s);
+        scale_gradients(training, n, &whole, scale);
+    }
+    let mut now: HashMap<String, String> = whole.into_iter().chain(zeroed).collect();
+    training.gradients = all
+        .into_iter()
+        .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
+        .collect();
+    Ok(params)
 }
 
 /// Chains every collective of the graph by control edges in one topological order (the same on

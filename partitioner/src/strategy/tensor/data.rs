@@ -29,6 +29,10 @@ pub(super) struct Replica {
     /// ZeRO's stage over the group (`--zero-stage` beside tensor parallelism), in place of the
     /// all-reduce of the gradients: [`zero_step`].
     pub zero_stage: Option<u8>,
+    /// Under ZeRO, the variables (as the one-process graph names them) whose training state
+    /// stays whole on every replica (`dp:Replicate` by hand): their gradients are all-reduced
+    /// as without ZeRO ([`sum_gradients`]).
+    pub zero_whole: HashSet<String>,
 }
 
 /// Gradients summed by one all-reduce: their dtype, bytes, and each gradient with its dims.
@@ -77,6 +81,19 @@ pub(super) fn reduce_gradients(
     n: &mut Nodes,
     replica: &Replica,
     weighted: &str,
+) -> Result<(), StrategyError> {
+    sum_gradients(training, typed, n, replica)?;
+    global_loss(training, n, replica, weighted);
+    Ok(())
+}
+
+/// [`reduce_gradients`] but the loss: every gradient of `training.gradients` summed over
+/// `replica.group` in buckets, the updates and `training.gradients` pointed at the sums.
+pub(super) fn sum_gradients(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    replica: &Replica,
 ) -> Result<(), StrategyError> {
     let mut buckets: Vec<Bucket> = Vec::new();
     for (var, grad) in training.gradients.iter().rev() {
@@ -157,13 +174,17 @@ pub(super) fn reduce_gradients(
             *g = s.clone();
         }
     }
-    global_loss(training, n, replica, weighted);
     Ok(())
 }
 
 /// Makes `training.loss` the all-reduced `weighted` loss over the replica's group (the global
 /// batch's mean).
-fn global_loss(training: &mut TrainingGraph, n: &mut Nodes, replica: &Replica, weighted: &str) {
+pub(super) fn global_loss(
+    training: &mut TrainingGraph,
+    n: &mut Nodes,
+    replica: &Replica,
+    weighted: &str,
+) {
     training.loss = n.collective_in(
         &replica.group,
         &format!("{}/global", weighted.split(':').next().unwrap_or(weighted)),
@@ -194,18 +215,39 @@ pub(super) fn zero_step(
     tp_sharded: &HashSet<String>,
     clip: Option<f64>,
 ) -> Result<Vec<zero::Param>, StrategyError> {
+    let clip = clip.map_or(zero::Clip::None, zero::Clip::Norm);
+    let (params, _) = zero_step_with(
+        training, typed, n, replica, stage, tp_group, tp_sharded, clip,
+    )?;
+    global_loss(training, n, replica, weighted);
+    Ok(params)
+}
+
+/// [`zero_step`] but the loss, over the gradients of `training.gradients` only, clipped by
+/// `clip` (under [`zero::Clip::Scale`] also returns the tensor holding their `Σ‖g‖²`, summed
+/// over the group and the tensor-parallel group, for the caller's scale).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn zero_step_with(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    replica: &Replica,
+    stage: u8,
+    tp_group: &str,
+    tp_sharded: &HashSet<String>,
+    clip: zero::Clip<'_>,
+) -> Result<(Vec<zero::Param>, Option<String>), StrategyError> {
     let mut z = zero::Nodes::new(std::mem::take(&mut n.taken), &n.device, n.instance);
     let ctx = shard_group(replica, stage);
     let outer = zero::OuterShards {
         key: tp_group,
         sharded: tp_sharded,
     };
-    let params = zero::shard_step(training, typed, &mut z, &ctx, clip, Some(&outer))?;
+    let out = zero::shard_step_with(training, typed, &mut z, &ctx, clip, Some(&outer))?;
     n.taken = z.taken;
     n.instance = z.instance;
     n.added.extend(z.added);
-    global_loss(training, n, replica, weighted);
-    Ok(params)
+    Ok(out)
 }
 
 /// The rank's place in its data-parallel group, as ZeRO at `stage` shards over it.

@@ -27,8 +27,8 @@
 
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
-    add_eval_copy, chain_collectives, clip_across_shards, data, dp_group, onto_rank, options,
-    prune, shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
+    chain_collectives, data, data_parallel_step, dp_group, eval_copy, onto_rank, options, prune,
+    shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
 use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
@@ -36,9 +36,73 @@ use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
 use dflow_graph::axis_split::AxisSplit;
 use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub use crate::sharding::propagate::declares_placements;
+
+/// ZeRO's stage over the data-parallel axis of `mesh` for `graph` ([`zero_layout`]'s).
+pub fn zero_stage(
+    graph: &Graph,
+    mesh: &Mesh,
+    flag: Option<u8>,
+) -> Result<Option<u8>, StrategyError> {
+    zero_layout(graph, mesh, flag).map(|(stage, _)| stage)
+}
+
+/// ZeRO over the data-parallel axis of `mesh` for `graph`, from `--zero-stage` (`flag`) and
+/// the variables' placements on the `dp` axis (`_sharding: "dp:…"`): its stage, and the
+/// variables whose training state stays whole. A variable declared `dp:Shard(0)` has its
+/// training state sharded over its data-parallel group (ZeRO; stage 1 with no flag); one
+/// declared `dp:Replicate` stays whole on every replica (its gradient all-reduced), even under
+/// the flag; an undeclared one follows the flag. No variable sharded, or no flag over one
+/// replica (where `dp:Shard(0)` is whole anyway): no ZeRO. A graph without placements by hand
+/// gets `flag` for every variable.
+pub fn zero_layout(
+    graph: &Graph,
+    mesh: &Mesh,
+    flag: Option<u8>,
+) -> Result<(Option<u8>, HashSet<String>), StrategyError> {
+    use dflow_graph::sharding::{sharding_value, Placement, SHARDING_ATTR};
+    if !declares_placements(graph) {
+        return Ok((flag, HashSet::new()));
+    }
+    let (mut sharded, mut whole) = (0usize, HashSet::new());
+    for i in graph.node_indices() {
+        let v = graph.node(i);
+        if v.op != "Variable" {
+            continue;
+        }
+        let dp = match v.attrs.get(SHARDING_ATTR) {
+            Some(a) => {
+                sharding_value(&v.name, a)
+                    .map_err(|e| options(format!("placements by hand: {e}")))?
+                    .dp
+            }
+            None => None,
+        };
+        let zero = match dp {
+            Some(Placement::Shard(0)) => true,
+            Some(Placement::Replicate) => false,
+            Some(other) => {
+                return Err(options(format!(
+                    "placements by hand: variable `{}` is dp:{other}; a variable's training \
+                     state over the data-parallel axis is Replicate or Shard(0) (ZeRO)",
+                    v.name
+                )))
+            }
+            None => flag.is_some(),
+        };
+        if zero {
+            sharded += 1;
+        } else {
+            whole.insert(v.name.clone());
+        }
+    }
+    if sharded == 0 || (flag.is_none() && mesh.dp < 2) {
+        return Ok((None, HashSet::new()));
+    }
+    Ok((Some(flag.unwrap_or(1)), whole))
+}
 
 /// The tensors the job fetches: the loss and the metrics.
 fn fetched(spec: &TrainSpec) -> Vec<String> {
@@ -72,12 +136,16 @@ fn weights(plan: &PlacementPlan) -> Vec<ShardedWeight> {
 /// The training graphs of `graph` with hand placements on `mesh`, one per rank in
 /// Megatron-core order (rank `t + tp·d` on worker task `t + tp·d`): replica `d` is the
 /// hand-placed tensor-parallel group, fed part `d` of every batch, its gradients summed over
-/// the rank's data-parallel group in buckets of at most `bucket_bytes` (see the module docs).
+/// the rank's data-parallel group in buckets of at most `bucket_bytes` (see the module docs), or
+/// with ZeRO at `zero_stage` over it but for the variables of `zero_whole` ([`zero_layout`]).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn mesh_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    zero_stage: Option<u8>,
+    zero_whole: &HashSet<String>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -95,11 +163,15 @@ pub(super) fn mesh_training(
     let forward = graph.to_def();
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, None);
+        let mut at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
+        if let Some(d) = at.data.as_mut() {
+            d.zero_whole = zero_whole.clone();
+        }
         let mut g = rank_graph(&forward, &plan, &shards, spec, &at, features, labels)?;
         if rank == 0 {
             let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
-            add_eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false)?;
+            let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
+            eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false, zero3)?;
         }
         graphs.push(g);
     }
@@ -325,13 +397,16 @@ fn rank_graph(
         instance: n.instance,
         group: at.group.clone(),
     };
-    if let (Some(replica), Some(w)) = (&at.data, &weighting) {
-        data::reduce_gradients(&mut training, &typed, &mut n, replica, &w.weighted)?;
-    }
-    if let Some(clip) = spec.clip_global_norm.filter(|_| !own_clip) {
-        clip_across_shards(&mut training, &mut n, &renames, clip);
-    }
-    training.def.nodes.extend(std::mem::take(&mut n.added));
+    data_parallel_step(
+        &mut training,
+        &typed,
+        &mut n,
+        at,
+        weighting.as_ref(),
+        &renames,
+        spec.clip_global_norm.filter(|_| !own_clip),
+        &def,
+    )?;
     chain_collectives(&mut training)?;
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     Ok(ReplicaGraph {
@@ -435,21 +510,28 @@ pub fn render(graph: &Graph, spec: &TrainSpec, tp: usize) -> Result<String, Stra
 }
 
 /// `dflow partition`'s section for a graph with hand placements on a `dp × tp` mesh with
-/// `dp > 1`: the data-parallel axis in words of placements (every parameter `Replicate` over
-/// `dp`, the batch `Shard(0)`), the tensor- and data-parallel groups with their ranks, and the
-/// gradient bytes each rank sums over its DP group per step with what it sends (ring
-/// all-reduce, `2(D−1)/D` of the bytes; the global loss's scalar not counted).
+/// `dp > 1`: every variable's placement on each axis (on `dp`, its training state: `Replicate`,
+/// or `Shard(0)` under ZeRO, see [`zero_stage`]; `flag` is `--zero-stage`), the batch's, the
+/// tensor- and data-parallel groups with their ranks, and what each rank sends over its DP
+/// group per step: without ZeRO the gradient bytes it sums (ring all-reduce, `2(D−1)/D` of the
+/// bytes; the global loss's scalar not counted), under ZeRO every collective of the group with
+/// its bytes (ring: an all-reduce `2(D−1)/D` of its input, a reduce-scatter `(D−1)/D`, an
+/// all-gather `(D−1)` times its input).
+#[allow(clippy::too_many_arguments)]
 pub fn render_data_parallel(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    flag: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<String, StrategyError> {
     use crate::mesh::Axis;
+    use dflow_graph::sharding::{AxisPlacements, Placement};
     use std::fmt::Write as _;
-    let tg = mesh_training(graph, spec, mesh, bucket_bytes, features, labels)?;
+    let (stage, whole) = zero_layout(graph, mesh, flag)?;
+    let tg = super::mesh_training(graph, spec, mesh, bucket_bytes, flag, features, labels)?;
     let dp = mesh.dp;
     let mut out = String::new();
     let _ = writeln!(
@@ -458,11 +540,66 @@ pub fn render_data_parallel(
          tp section above is one replica's, on its part of the batch)",
         mesh.tp
     );
-    let _ = writeln!(
-        out,
-        "placements on the dp axis: every parameter (shard or replicated) Replicate; the batch \
-         ({features}, {labels}) Shard(0): replica d feeds part d, its loss weighted by its share"
-    );
+    match stage {
+        None => {
+            let _ = writeln!(
+                out,
+                "placements on the dp axis: every parameter (shard or replicated) Replicate; \
+                 the batch ({features}, {labels}) Shard(0): replica d feeds part d, its loss \
+                 weighted by its share"
+            );
+        }
+        Some(s) => {
+            let what = match s {
+                1 => "its Adam slots",
+                2 => "its Adam slots and summed gradient",
+                _ => "its Adam slots, summed gradient and the parameter itself (all-gathered before each use)",
+            };
+            let _ = writeln!(
+                out,
+                "placements on the dp axis: {}'s training state Shard(0), ZeRO stage {s}: \
+                 {what} flattened and cut in {dp} parts over its dp group{}; the batch \
+                 ({features}, {labels}) Shard(0): replica d feeds part d, its loss weighted by \
+                 its share",
+                if whole.is_empty() {
+                    "every parameter"
+                } else {
+                    "each parameter below declared so"
+                },
+                if whole.is_empty() {
+                    ""
+                } else {
+                    " (the others Replicate: their gradients all-reduced)"
+                }
+            );
+        }
+    }
+    let _ = writeln!(out, "variables' placements per axis:");
+    let tp_plan = plan(graph, spec, mesh.tp)?;
+    for i in graph.node_indices() {
+        let v = graph.node(i);
+        if v.op != "Variable" {
+            continue;
+        }
+        let ty = graph
+            .output_type(i, 0)
+            .map_or_else(|| "?".to_string(), |t| t.to_string());
+        let p = AxisPlacements {
+            dp: Some(if stage.is_some() && !whole.contains(&v.name) {
+                Placement::Shard(0)
+            } else {
+                Placement::Replicate
+            }),
+            tp: Some(
+                tp_plan
+                    .placements
+                    .get(&v.name)
+                    .copied()
+                    .unwrap_or(Placement::Replicate),
+            ),
+        };
+        let _ = writeln!(out, "  {} {ty}: {p}", v.name);
+    }
     let ranks = |g: &[usize]| {
         g.iter()
             .map(|r| r.to_string())
@@ -481,41 +618,81 @@ pub fn render_data_parallel(
         .graphs
         .first()
         .ok_or_else(|| options("the mesh has no rank".into()))?;
-    // Rank 0's gradient buckets: every input of its DP group's PackFlats.
-    let mut grads = 0usize;
     let typed = &first.graph;
-    for pack in first
-        .training
-        .def
-        .nodes
-        .iter()
-        .filter(|n| n.op == "PackFlat" && n.name.starts_with("dp/bucket_"))
-    {
-        for i in &pack.inputs {
-            if let Ok(InputRef::Data { node, index }) = InputRef::parse(i) {
-                if let Some(t) = typed.find(&node).and_then(|x| typed.output_type(x, index)) {
-                    grads += t
-                        .shape
+    let bytes_of = |input: &str| -> usize {
+        match InputRef::parse(input) {
+            Ok(InputRef::Data { node, index }) => typed
+                .find(&node)
+                .and_then(|x| typed.output_type(x, index))
+                .map_or(0, |t| {
+                    t.shape
                         .as_static()
                         .map_or(0, |d| d.iter().product::<usize>())
-                        * t.dtype.size_of();
-                }
-            }
+                        * t.dtype.size_of()
+                }),
+            _ => 0,
         }
-    }
+    };
+    let summed = match stage {
+        None => "every gradient summed".to_string(),
+        Some(s) => format!("ZeRO stage {s}, shard d of each weight's training state"),
+    };
     for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
         let _ = writeln!(
             out,
-            "  dp group {}: ranks {} (shard {t}): every gradient summed",
+            "  dp group {}: ranks {} (shard {t}): {summed}",
             dp_group(t),
             ranks(g)
         );
     }
+    if stage.is_none() {
+        // Rank 0's gradient buckets: every input of its DP group's PackFlats.
+        let grads: usize = first
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.op == "PackFlat" && n.name.starts_with("dp/bucket_"))
+            .flat_map(|p| p.inputs.iter())
+            .map(|i| bytes_of(i))
+            .sum();
+        let _ = writeln!(
+            out,
+            "gradients each rank sums over its dp group per step: {grads} B (rank 0), sending \
+             {} B (ring all-reduce); clipping's norm summed over dp, then tp",
+            2 * (dp - 1) * grads / dp
+        );
+        return Ok(out);
+    }
+    // ZeRO: rank 0's collectives over its DP group, in the graph's order.
     let _ = writeln!(
         out,
-        "gradients each rank sums over its dp group per step: {grads} B (rank 0), sending \
-         {} B (ring all-reduce); clipping's norm summed over dp, then tp",
-        2 * (dp - 1) * grads / dp
+        "ZeRO collectives rank 0 runs over its dp group {} per step (bytes it sends, ring):",
+        dp_group(0)
+    );
+    let key = dp_group(0);
+    let mut total = 0usize;
+    for c in first.training.def.nodes.iter().filter(|n| {
+        n.op.starts_with("Collective")
+            && matches!(n.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *key)
+    }) {
+        let Some(input) = c.inputs.first() else {
+            continue;
+        };
+        let b = bytes_of(input);
+        let (what, sent) = match c.op.as_str() {
+            "CollectiveAllReduce" => ("all-reduce", 2 * (dp - 1) * b / dp),
+            "CollectiveReduceScatter" => ("reduce-scatter", (dp - 1) * b / dp),
+            "CollectiveAllGather" => ("all-gather", (dp - 1) * b),
+            other => (other, 0),
+        };
+        total += sent;
+        let _ = writeln!(out, "  {} ({what} of {b} B): {sent} B", c.name);
+    }
+    let _ = writeln!(
+        out,
+        "bytes rank 0 sends over its dp group per step: {total} B (clipping's norm summed over \
+         dp, then tp)"
     );
     Ok(out)
 }
@@ -568,7 +745,17 @@ mod tests {
             },
         );
         let mesh = Mesh::new(1, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "x", "t").unwrap();
+        let tg = mesh_training(
+            &graph,
+            &spec,
+            &mesh,
+            1 << 20,
+            None,
+            &HashSet::new(),
+            "x",
+            "t",
+        )
+        .unwrap();
         assert_eq!(tg.graphs.len(), 2);
         let names: Vec<&str> = tg.shards.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["v", "w", "m"]);
@@ -632,6 +819,8 @@ mod tests {
             &spec,
             &Mesh::new(1, 2, 1).unwrap(),
             1 << 20,
+            None,
+            &HashSet::new(),
             "x",
             "t",
         )
@@ -692,7 +881,17 @@ mod tests {
         );
         spec.clip_global_norm = Some(1.0);
         let mesh = Mesh::new(2, 2, 1).unwrap();
-        let tg = mesh_training(&graph, &spec, &mesh, 1 << 20, "x", "t").unwrap();
+        let tg = mesh_training(
+            &graph,
+            &spec,
+            &mesh,
+            1 << 20,
+            None,
+            &HashSet::new(),
+            "x",
+            "t",
+        )
+        .unwrap();
         assert_eq!(tg.graphs.len(), 4);
         let key = |n: &NodeDef| match n.attrs.get("group_key") {
             Some(AttrValue::String(s)) => s.to_string(),
@@ -833,12 +1032,138 @@ mod tests {
                 lr: 0.1,
             },
         );
-        let e = mesh_training(&graph, &spec, &Mesh::new(1, 2, 2).unwrap(), 1, "x", "t")
-            .unwrap_err()
-            .to_string();
+        let e = mesh_training(
+            &graph,
+            &spec,
+            &Mesh::new(1, 2, 2).unwrap(),
+            1,
+            None,
+            &HashSet::new(),
+            "x",
+            "t",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("does not run over a pipeline axis (pp=2)"),
             "{e}"
         );
+    }
+
+    /// ZeRO's layout from the flag and the dp placements: undeclared variables follow the
+    /// flag, `dp:Replicate` stays whole under it, `dp:Shard(0)` alone is stage 1 over two
+    /// replicas and nothing over one.
+    #[test]
+    fn zero_layout_follows_the_flag_and_the_dp_placements() {
+        use dflow_graph::sharding::AxisPlacements;
+        let graph = |w_dp: Option<&str>, b_dp: Option<&str>| {
+            let mut b = GraphBuilder::new();
+            let x = b.placeholder("x", DType::F32, &[4, 2]);
+            let w = b.variable("w", DType::F32, &[2, 2], "ones");
+            let bias = b.variable("b", DType::F32, &[2], "zeros");
+            let place = |dp: Option<&str>, tp| {
+                let mut p = AxisPlacements::tp(tp);
+                p.dp = dp.map(|d| dflow_graph::sharding::parse_placement(d).unwrap());
+                p
+            };
+            b.set_placements(&w, place(w_dp, Shard(1)));
+            b.set_placements(&bias, place(b_dp, Placement::Replicate));
+            let h = b.matmul("h", &x, &w);
+            let y = b.op("BiasAdd", "y").input(&h).input(&bias).finish();
+            b.op("Sum", "loss").input(&y).finish();
+            b.build().unwrap()
+        };
+        use crate::sharding::Placement;
+        let dp2 = Mesh::new(2, 2, 1).unwrap();
+        let whole = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<HashSet<_>>();
+        let g = graph(None, None);
+        assert_eq!(zero_layout(&g, &dp2, None).unwrap(), (None, whole(&[])));
+        assert_eq!(
+            zero_layout(&g, &dp2, Some(2)).unwrap(),
+            (Some(2), whole(&[]))
+        );
+        let g = graph(Some("Replicate"), None);
+        assert_eq!(
+            zero_layout(&g, &dp2, Some(3)).unwrap(),
+            (Some(3), whole(&["w"]))
+        );
+        let g = graph(Some("Replicate"), Some("Replicate"));
+        assert_eq!(zero_layout(&g, &dp2, Some(1)).unwrap(), (None, whole(&[])));
+        let g = graph(Some("Shard(0)"), None);
+        assert_eq!(
+            zero_layout(&g, &dp2, None).unwrap(),
+            (Some(1), whole(&["b"]))
+        );
+        assert_eq!(
+            zero_layout(&g, &Mesh::new(1, 2, 1).unwrap(), None).unwrap(),
+            (None, whole(&[]))
+        );
+    }
+
+    /// `w` (tp `Shard(1)`) declared `dp:Replicate`, `b` undeclared, `--zero-stage 2` on
+    /// dp=2 × tp=2 with Adam and clipping: `b`'s slots are ZeRO's halves, `w`'s shard keeps
+    /// whole slots and its gradient is all-reduced over the dp group, and both are clipped by
+    /// one scale from both squared norms.
+    #[test]
+    fn dp_replicate_beside_zero_keeps_whole_slots_and_shares_one_clipping_scale() {
+        use dflow_graph::sharding::{AxisPlacements, Placement};
+        let mut b = GraphBuilder::new();
+        let x = b.placeholder("x", DType::F32, &[-1, 2]);
+        b.placeholder("t", DType::F32, &[-1]);
+        let w = b.variable("w", DType::F32, &[2, 4], "ones");
+        let bias = b.variable("b", DType::F32, &[4], "zeros");
+        let mut p = AxisPlacements::tp(Shard(1));
+        p.dp = Some(Placement::Replicate);
+        b.set_placements(&w, p);
+        let h = b.matmul("h", &x, &w);
+        let y = b.op("BiasAdd", "y").input(&h).input(&bias).finish();
+        b.op("Sum", "loss").input(&y).finish();
+        let graph = b.build().unwrap();
+        let mut spec = TrainSpec::new(
+            "loss",
+            OptimizerSpec {
+                kind: OptimizerKind::adam(),
+                lr: 0.1,
+            },
+        );
+        spec.clip_global_norm = Some(1.0);
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let tg =
+            super::super::mesh_training(&graph, &spec, &mesh, 1 << 20, Some(2), "x", "t").unwrap();
+        for (rank, g) in tg.graphs.iter().enumerate() {
+            let t = rank % 2;
+            let has = |n: &str| g.training.def.nodes.iter().any(|x| x.name == n);
+            let w = shard_name("w", t, 2);
+            assert!(has("b/adam_m/shard_0_of_2") || has("b/adam_m/shard_1_of_2"));
+            assert!(!has("b/adam_m"));
+            assert!(has(&format!("{w}/adam_m")), "{w}'s whole slot");
+            assert!(!has(&format!("{w}/adam_m/shard_0_of_2")));
+            let scale = node(g, "dp/clip/global_norm_scale");
+            assert_eq!(scale.op, "GlobalNormScale");
+            assert_eq!(node(g, &scale.inputs[0]).op, "Add");
+            let update = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|u| u.op == "ApplyAdam" && u.inputs[0] == w)
+                .expect("w's update");
+            let clipped = node(g, update.inputs.last().unwrap());
+            assert_eq!(clipped.inputs[1], "dp/clip/global_norm_scale");
+            assert!(
+                clipped.inputs[0].starts_with("dp/bucket_0/grad_"),
+                "{clipped:?}"
+            );
+            // b's update reads its clipped ZeRO shard.
+            let update = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|u| u.op == "ApplyAdam" && u.inputs[0] == "b")
+                .expect("b's update");
+            let clipped = node(g, &update.inputs[4]);
+            assert_eq!(clipped.inputs[1], "dp/clip/global_norm_scale");
+        }
     }
 }
