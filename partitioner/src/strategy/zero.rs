@@ -1291,6 +1291,26 @@ mod tests {
             .max()
             .unwrap();
         assert!(on0.iter().all(|g| g.0 > training_max));
+        // Worker 1 holds one gathered weight at a time: a `Size` reads (and so frees) each, and
+        // the next gather waits for it.
+        let mut ones: Vec<&NodeDef> = def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/zero/") && n.name.contains("all_gather_r1"))
+            .collect();
+        ones.sort_by_key(|n| int(n, "instance_key"));
+        for w in ones.windows(2) {
+            let dropped = def
+                .nodes
+                .iter()
+                .find(|n| n.op == "Size" && n.inputs == [w[0].name.clone()])
+                .unwrap();
+            assert!(
+                w[1].inputs.contains(&format!("^{}", dropped.name)),
+                "{:?}",
+                w[1]
+            );
+        }
         // No node joins the shards: nothing reads another worker's whole shard set.
         assert!(!def
             .nodes

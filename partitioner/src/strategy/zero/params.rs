@@ -304,9 +304,9 @@ pub(crate) fn order_collectives(def: &mut GraphDef) -> Result<(), StrategyError>
 /// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose parameters are
 /// all-gathered over `group` just before their use and dropped after (as in training), and
 /// points evaluation at it: no task holds the whole model. Every other rank `r` joins each
-/// gather with its shard (`eval/zero/{p}/all_gather_r{r}`, on worker `r`, nothing reading the
-/// result), chained in worker 0's order; worker 0's loss waits for each rank's last gather, so
-/// the evaluation step runs them. The gathers' instance keys follow the training step's.
+/// gather with its shard (`eval/zero/{p}/all_gather_r{r}`, on worker `r`, read only by a `Size`
+/// that frees it), chained in worker 0's order, one gathered weight at a time; worker 0's loss
+/// waits for each rank's last, so the evaluation step runs them. The gathers' instance keys follow the training step's.
 pub(super) fn add_eval_copy(
     g: &mut ReplicaGraph,
     forward: &GraphDef,
@@ -433,7 +433,12 @@ pub(super) fn add_eval_copy(
         .map(|i| typed.node(i).name.as_str())
         .filter_map(|n| is_gather.get(n).map(|p| (n.to_string(), *p)))
         .collect();
-    let mut chains: Vec<Vec<String>> = vec![order.iter().map(|(n, _)| n.clone()).collect()];
+    // Per rank, its gathers in order, each with the node after which the next may start:
+    // worker 0's next gather follows the previous gather (its readers free the value); another
+    // rank's follows the `Size` that reads (and so frees) the previous gathered value, so that
+    // rank holds one gathered weight at a time.
+    let mut chains: Vec<Vec<(String, String)>> =
+        vec![order.iter().map(|(n, _)| (n.clone(), n.clone())).collect()];
     for r in 1..ranks {
         let mut chain = Vec::with_capacity(order.len());
         for (_, p) in &order {
@@ -445,12 +450,12 @@ pub(super) fn add_eval_copy(
             shard.device = worker_device(&v.name, &v.device, r)?;
             shard.colocate_with.clear();
             let name = fresh(&mut taken, &format!("eval/zero/{}/all_gather_r{r}", p.var));
-            g.training
-                .def
-                .nodes
-                .push(gather_node(&name, shard.name.clone(), &shard.device));
-            g.training.def.nodes.push(shard);
-            chain.push(name);
+            let done = fresh(&mut taken, &format!("eval/zero/{}/dropped_r{r}", p.var));
+            let nodes = &mut g.training.def.nodes;
+            nodes.push(gather_node(&name, shard.name.clone(), &shard.device));
+            nodes.push(node(&done, "Size", vec![name.clone()], &shard.device));
+            nodes.push(shard);
+            chain.push((name, done));
         }
         chains.push(chain);
     }
@@ -463,7 +468,7 @@ pub(super) fn add_eval_copy(
         .map(|(i, n)| (n.name.clone(), i))
         .collect();
     for chain in &chains {
-        for (k, name) in chain.iter().enumerate() {
+        for (k, (name, _)) in chain.iter().enumerate() {
             let Some(&i) = position.get(name) else {
                 continue;
             };
@@ -473,11 +478,11 @@ pub(super) fn add_eval_copy(
                 AttrValue::Int(first_instance + k as i64),
             );
             if k > 0 {
-                n.inputs.push(format!("^{}", chain[k - 1]));
+                n.inputs.push(format!("^{}", chain[k - 1].1));
             }
         }
     }
-    // Worker 0's loss waits for every other rank's last gather.
+    // Worker 0's loss waits for every other rank's last gathered value to be dropped.
     let loss = remap(&g.eval.loss);
     let loss_node = match InputRef::parse(&loss) {
         Ok(InputRef::Data { node, .. }) => node,
@@ -486,7 +491,7 @@ pub(super) fn add_eval_copy(
     let waits: Vec<String> = chains
         .iter()
         .skip(1)
-        .filter_map(|c| c.last().map(|n| format!("^{n}")))
+        .filter_map(|c| c.last().map(|(_, done)| format!("^{done}")))
         .collect();
     if let Some(&i) = position.get(&loss_node) {
         g.training.def.nodes[i].inputs.extend(waits);
