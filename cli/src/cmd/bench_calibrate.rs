@@ -51,8 +51,8 @@ pub struct Args {
     /// Timed calls per measurement (matrix products and all-reduces).
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
-    /// Runs of each 2-worker calibration job (the median counts); 0 skips them (the profile's
-    /// `job` costs stay 0).
+    /// Runs of each synthetic calibration job (2 and 4 tasks, ZeRO-3, a pipeline; the median
+    /// counts); 0 skips them (the profile's `job` costs stay 0).
     #[arg(long, default_value_t = 3)]
     pub job_runs: usize,
     /// Epochs of each calibration job over its 512 rows (16 steps an epoch at batch 32).
@@ -273,18 +273,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.job_runs > 0 {
         let (job, raw) = super::bench_job::measure(&profile, args.job_runs, args.job_epochs)?;
         let summary = format!(
-            "{:.1} µs per step, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s in products, {:.2} GB/s in other ops, {:.1} M transcendental elements/s",
+            "{:.1} µs per step, {:.1} µs per task, {:.3} µs per op, {:.1} µs per collective call, {:.1} GFLOP/s in products, {:.2} GB/s in other ops, {:.1} M transcendental elements/s",
             job.step * 1e6,
+            job.task * 1e6,
             job.op * 1e6,
             job.collective * 1e6,
             job.flops_per_second / 1e9,
             job.bytes_per_second / 1e9,
             job.transcendentals_per_second / 1e6
         );
-        eprintln!("# 2-worker jobs: {summary}");
+        eprintln!("# calibration jobs, fitted: {summary}");
         profile.job = job;
         profile.source.push_str(&format!(
-            "; 2-worker all-reduce jobs (median of {} runs each: {raw}): {summary}",
+            "; synthetic calibration jobs (median of {} runs each: {raw}), non-negative least squares: {summary}",
             args.job_runs,
         ));
     }

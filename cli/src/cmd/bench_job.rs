@@ -1,49 +1,68 @@
 //! `dflow bench calibrate`'s measurement of a real job's step path (the planner's
-//! [`JobCosts`]): the per-step, per-op and per-collective-call costs of dflow's distributed step,
-//! which dominate a small model's step time on this machine, and the rates a task of a job gets
-//! on each kind of op (products, memory-bound ops, transcendental ops).
+//! [`JobCosts`]): the per-step, per-task, per-op and per-collective-call costs of dflow's
+//! distributed step, which dominate a small model's step time on this machine, and the rates a
+//! task of a job gets on each kind of op (products, memory-bound ops, transcendental ops).
 //!
-//! It runs six synthetic models (`MatMul`s from 8 features, a chain of elementwise ops, SGD)
-//! as real 2-worker all-reduce jobs (`dflow run --local`, every task in one child process, TCP
-//! on 127.0.0.1), each `--runs` times, and takes each one's median step (the job's own `trained
-//! N steps in T s` line): the base model; a chain of [`CHAIN`] `Relu` on 16 rows × 8 (more ops); [`LAYERS`] layers with every gradient its own all-reduce (more
-//! collective calls); 3 layers of [`WIDE`] channels on 256 rows a task (product FLOPs); [`BYTES_CHAIN`]
-//! `Relu` on 256 × [`BYTES_WIDTH`] (bytes of memory-bound ops); [`TRANSCENDENTAL_CHAIN`] `Gelu`
-//! on 256 × [`BYTES_WIDTH`] (transcendental elements). The runs go round the variants (one run
-//! of each, `--runs` times), so that a change of the machine's load falls on all of them. The planner's own counts of each job's plan (its
-//! nodes, calls, bytes, product FLOPs, other ops' bytes and transcendental elements, planner
-//! `runtime::work`) turn the six medians into six equations of the model of planner
-//! `runtime::job_step`, solved for the six costs. None of these models
-//! is one the planner is later compared against (docs/planner.md).
+//! It runs [`JOBS`] synthetic models (`MatMul`s from 8 features, a chain of elementwise ops,
+//! SGD or Adam) as real jobs on 127.0.0.1, each `--runs` times, and takes each one's median step
+//! (the job's own `trained N steps in T s` line). The jobs vary one kind of work at a time
+//! against a small base: more ops (a chain of [`CHAIN`] `Relu`), more collective calls
+//! ([`LAYERS`] layers, every gradient its own all-reduce), product FLOPs (3 layers of [`WIDE`]
+//! channels on 256 rows a task), memory-bound bytes ([`BYTES_CHAIN`] `Relu` on 256 ×
+//! [`BYTES_WIDTH`]), transcendental elements ([`TRANSCENDENTAL_CHAIN`] `Gelu`); and they vary
+//! the shape of the job: 4 tasks on the host's cores (the base, the chain and the products
+//! again), calls between computations (ZeRO-3 on a [`DEEP`]-layer MLP: an all-gather before
+//! every layer's product, forward and backward) and a pipeline (2 stages of a [`DEEP`]-layer
+//! MLP, 4 micro-batches, one process a stage as `dflow run --job worker` runs it). The runs go
+//! round the jobs (one run of each, `--runs` times), so that a change of the machine's load
+//! falls on all of them. The planner's own counts of each job plan (planner `runtime::work`)
+//! turn each median into one equation of the model of planner `runtime::job_step`; planner
+//! `runtime::fit_job_costs` fits the costs to all of them by non-negative least squares on
+//! relative errors. None of these models is one the planner is later compared against
+//! (docs/planner.md): the comparison is not circular.
 
 use anyhow::{bail, Context};
-use dflow_partitioner::planner::{self, runtime, ClusterProfile, JobCosts};
-use dflow_partitioner::strategy::{JobInput, StrategyKind, StrategyOptions};
+use dflow_partitioner::planner::{self, accounting, runtime, ClusterProfile, JobCosts, Layout};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// Features of the synthetic models (rows × 8 elements: small, batched ops as in the small
 /// models the planner is checked on).
 const WIDTH: usize = 8;
-/// `Relu` ops of the chain variant (16 rows × 8 a task: more nodes, few bytes).
+/// `Relu` ops of the chain job (16 rows × 8 a task: more nodes, few bytes).
 pub const CHAIN: usize = 800;
-/// Layers of the many-calls variant.
+/// Layers of the many-calls job.
 pub const LAYERS: usize = 24;
-/// The global batch of the calibration jobs.
+/// Layers of the ZeRO-3 and pipeline jobs (of [`DEEP_WIDTH`] channels).
+pub const DEEP: usize = 6;
+/// Channels of the ZeRO-3 and pipeline jobs' layers.
+const DEEP_WIDTH: usize = 64;
+/// The global batch of the small calibration jobs.
 const BATCH: usize = 32;
-/// Rows of the synthetic data set (16 steps an epoch; `--job-epochs` 100, 1,600 steps a job:
-/// the job prints its time to 10 ms, so a step to ~6 µs).
+/// Rows of the synthetic data set (16 steps an epoch at batch 32; `--job-epochs` 100, 1,600
+/// steps a job: the job prints its time to 10 ms, so a step to ~6 µs).
 const ROWS: usize = 512;
-
-/// Hidden width of the FLOP-heavy variant's layers.
+/// Hidden width of the FLOP-heavy job's layers.
 pub const WIDE: usize = 256;
-/// The FLOP-heavy variant's global batch (the whole data set: 256 rows a task, products the
-/// size of a small transformer's).
+/// The FLOP-heavy job's global batch (the whole data set: 256 rows a task on 2 tasks,
+/// products the size of a small transformer's).
 const WIDE_BATCH: usize = ROWS;
+/// Width of the memory-bound job (256 rows a task × 512: 512 KiB a tensor).
+pub const BYTES_WIDTH: usize = 512;
+/// `Relu` ops of its chain.
+pub const BYTES_CHAIN: usize = 20;
+/// `Gelu` ops of the transcendental job (256 rows a task × [`BYTES_WIDTH`]).
+pub const TRANSCENDENTAL_CHAIN: usize = 4;
+/// The fusion threshold (MiB) that makes every gradient of the models its own all-reduce.
+const UNFUSED_MB: f64 = 1e-4;
 
 /// One synthetic job.
 #[derive(Debug, Clone, Copy)]
 struct Variant {
+    /// A name for reports.
+    name: &'static str,
+    /// The layout it runs as (`dp=N`, `dp=2,zero=3`, `pp=2,m=4`).
+    layout: &'static str,
     /// The global batch.
     batch: usize,
     /// Width of the hidden layers (the first maps the 8 features to it).
@@ -56,8 +75,109 @@ struct Variant {
     unfused: bool,
 }
 
-/// The model: `layers` products to `hidden` channels, a chain of `chain` `chain_op`, a `[hidden, 2]` output, the
-/// softmax cross-entropy's mean; SGD.
+impl Variant {
+    /// The parsed layout.
+    fn layout(&self) -> anyhow::Result<Layout> {
+        self.layout
+            .parse()
+            .map_err(|e| anyhow::anyhow!("calibration layout {}: {e}", self.layout))
+    }
+
+    /// The optimizer: Adam where ZeRO needs its slots, else SGD.
+    fn optimizer(&self) -> serde_json::Value {
+        if self.layout.contains("zero") {
+            serde_json::json!({"type": "adam", "lr": 0.001})
+        } else {
+            serde_json::json!({"type": "sgd", "lr": 0.01})
+        }
+    }
+}
+
+/// The base job: one product over the 8 features, 2 tasks, SGD.
+const BASE: Variant = Variant {
+    name: "base",
+    layout: "dp=2",
+    batch: BATCH,
+    hidden: WIDTH,
+    layers: 1,
+    chain: 0,
+    chain_op: "Relu",
+    unfused: false,
+};
+
+/// The calibration jobs (see the module): none is a model of the planner's comparison table.
+const JOBS: [Variant; 11] = [
+    BASE,
+    Variant {
+        name: "chain",
+        chain: CHAIN,
+        ..BASE
+    },
+    Variant {
+        name: "calls",
+        layers: LAYERS,
+        unfused: true,
+        ..BASE
+    },
+    Variant {
+        name: "products",
+        batch: WIDE_BATCH,
+        hidden: WIDE,
+        layers: 3,
+        ..BASE
+    },
+    Variant {
+        name: "bytes",
+        batch: WIDE_BATCH,
+        hidden: BYTES_WIDTH,
+        chain: BYTES_CHAIN,
+        ..BASE
+    },
+    Variant {
+        name: "gelu",
+        batch: WIDE_BATCH,
+        hidden: BYTES_WIDTH,
+        chain: TRANSCENDENTAL_CHAIN,
+        chain_op: "Gelu",
+        ..BASE
+    },
+    Variant {
+        name: "base 4 tasks",
+        layout: "dp=4",
+        ..BASE
+    },
+    Variant {
+        name: "chain 4 tasks",
+        layout: "dp=4",
+        chain: CHAIN / 2,
+        ..BASE
+    },
+    Variant {
+        name: "products 4 tasks",
+        layout: "dp=4",
+        batch: WIDE_BATCH,
+        hidden: WIDE,
+        layers: 3,
+        ..BASE
+    },
+    Variant {
+        name: "zero-3 (calls between products)",
+        layout: "dp=2,zero=3",
+        hidden: DEEP_WIDTH,
+        layers: DEEP,
+        ..BASE
+    },
+    Variant {
+        name: "pipeline",
+        layout: "pp=2,m=4",
+        hidden: DEEP_WIDTH,
+        layers: DEEP,
+        ..BASE
+    },
+];
+
+/// The model: `layers` products to `hidden` channels, a chain of `chain` `chain_op`, a
+/// `[hidden, 2]` output, the softmax cross-entropy's mean.
 fn graph_json(v: Variant) -> String {
     let mut nodes = vec![
         serde_json::json!({"name": "pixels", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [-1, WIDTH]}}),
@@ -86,7 +206,7 @@ fn graph_json(v: Variant) -> String {
         "format": "dflow-graph",
         "version": 1,
         "nodes": nodes,
-        "train": {"loss": "loss", "optimizer": {"type": "sgd", "lr": 0.01}}
+        "train": {"loss": "loss", "optimizer": v.optimizer()}
     })
     .to_string()
 }
@@ -103,18 +223,8 @@ fn data_csv() -> String {
     s
 }
 
-/// Width of the memory-bound variant (256 rows a task × 512: 512 KiB a tensor).
-pub const BYTES_WIDTH: usize = 512;
-/// `Relu` ops of its chain.
-pub const BYTES_CHAIN: usize = 20;
-/// `Gelu` ops of the transcendental variant (256 rows a task × [`BYTES_WIDTH`]).
-pub const TRANSCENDENTAL_CHAIN: usize = 4;
-
-/// The fusion threshold (MiB) that makes every gradient of the models its own all-reduce.
-const UNFUSED_MB: f64 = 1e-4;
-
-/// The planner's view of one variant: its job plan's work per task.
-fn predicted_work(def_text: &str, v: Variant) -> anyhow::Result<Vec<runtime::TaskWork>> {
+/// The planner's view of one job: its job plan's work per task and its pipeline bubble.
+fn predicted_work(def_text: &str, v: Variant) -> anyhow::Result<(Vec<runtime::TaskWork>, f64)> {
     let parsed = dflow_graph::format::parse_json(def_text, None)?;
     let def = parsed.def;
     let graph = dflow_graph::Graph::from_def(&def)?;
@@ -122,135 +232,166 @@ fn predicted_work(def_text: &str, v: Variant) -> anyhow::Result<Vec<runtime::Tas
         .train
         .as_ref()
         .context("the synthetic model has a train section")?;
-    let cluster = dflow_graph::ClusterSpec::local(&[("worker", 2)])?;
-    let mut options = StrategyOptions {
-        batch_size: Some(v.batch),
-        ..StrategyOptions::default()
-    };
+    let layout = v.layout()?;
+    let mesh = layout.mesh;
+    let (kind, mut options) = accounting::strategy_for(&layout, v.batch)?;
     if v.unfused {
         options.bucket_bytes = (UNFUSED_MB * (1u64 << 20) as f64) as usize;
     }
-    let kind: StrategyKind = "allreduce".parse().map_err(anyhow::Error::msg)?;
+    let workers = u32::try_from(mesh.size()).context("calibration mesh too large")?;
+    let cluster = dflow_graph::ClusterSpec::local(&[("worker", workers)])?;
     let strategy = kind.build(&options)?;
-    let plan = strategy.plan(&JobInput::new(&graph, train, &cluster, "pixels", "labels"))?;
-    Ok(runtime::work(&plan, v.batch / 2)?)
+    let input =
+        dflow_partitioner::strategy::JobInput::new(&graph, train, &cluster, "pixels", "labels");
+    let plan = strategy.plan(&input)?;
+    // Each task is fed its replica's rows (a pipeline's micro-batches are nodes of its plan).
+    let rows = v.batch / mesh.dp.max(1);
+    let bubble = if mesh.pp > 1 {
+        let (p, m) = (mesh.pp as f64, layout.micro_batches as f64);
+        (p - 1.0) / (m + p - 1.0)
+    } else {
+        0.0
+    };
+    Ok((runtime::work(&plan, rows)?, bubble))
 }
 
-/// The step (seconds) of one run of variant `v` as a 2-worker job of `epochs` epochs.
+/// A cluster file of `n` workers on free ports of 127.0.0.1.
+fn cluster_file(dir: &Path, n: usize) -> anyhow::Result<std::path::PathBuf> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()
+        .context("finding free ports on 127.0.0.1")?;
+    let addresses = listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| format!("127.0.0.1:{}", a.port())))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cluster = dir.join("cluster.json");
+    std::fs::write(
+        &cluster,
+        serde_json::json!({ "worker": addresses }).to_string(),
+    )?;
+    Ok(cluster)
+}
+
+/// The step (seconds) from a job's `trained N steps in T s` line.
+fn step_of(v: Variant, stderr: &str) -> anyhow::Result<f64> {
+    stderr
+        .lines()
+        .find_map(|l| {
+            let rest = l.strip_prefix("trained ")?;
+            let mut w = rest.split_whitespace();
+            let n: f64 = w.next()?.parse().ok()?;
+            let secs: f64 = w.nth(2)?.parse().ok()?;
+            (n > 0.0).then_some(secs / n)
+        })
+        .with_context(|| {
+            format!(
+                "no `trained N steps in T s` line from the calibration job {}:\n{stderr}",
+                v.name
+            )
+        })
+}
+
+/// How long a calibration job may take before it is taken to hang.
+const JOB_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Waits for `child` at most [`JOB_TIMEOUT`]; kills it past that.
+fn wait_bounded(
+    mut child: std::process::Child,
+    what: &str,
+) -> anyhow::Result<std::process::Output> {
+    let start = std::time::Instant::now();
+    loop {
+        if child.try_wait()?.is_some() {
+            return Ok(child.wait_with_output()?);
+        }
+        if start.elapsed() > JOB_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "the calibration job {what} took over {} s: killed (a hung worker? a busy machine?)",
+                JOB_TIMEOUT.as_secs()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// The step (seconds) of one run of job `v` of `epochs` epochs: all-reduce and ZeRO jobs as
+/// `dflow run --local`, the pipeline as one `dflow run --job worker` process a stage.
 fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow::Result<f64> {
     let exe = std::env::current_exe().context("finding the dflow binary")?;
     let data = dir.join("data.csv");
-    {
-        let ports: Vec<u16> = (0..2)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-            .collect::<Result<Vec<_>, _>>()
-            .context("finding free ports on 127.0.0.1")?
-            .iter()
-            .map(|l| l.local_addr().map(|a| a.port()))
-            .collect::<Result<_, _>>()?;
-        let cluster = dir.join("cluster.json");
-        std::fs::write(
-            &cluster,
-            format!(
-                "{{\"worker\": [\"127.0.0.1:{}\", \"127.0.0.1:{}\"]}}",
-                ports[0], ports[1]
-            ),
-        )?;
-        let mut cmd = Command::new(&exe);
+    let layout = v.layout()?;
+    let mesh = layout.mesh;
+    let cluster = cluster_file(dir, mesh.size())?;
+    let mut cmd = Command::new(&exe);
+    let mut others = Vec::new();
+    if mesh.pp > 1 {
+        for index in 1..mesh.size() {
+            let other = Command::new(&exe)
+                .args(["run", "--job", "worker", "--index", &index.to_string()])
+                .arg("--cluster")
+                .arg(&cluster)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("starting a calibration pipeline stage")?;
+            others.push(other);
+        }
+        cmd.args(["run", "--job", "worker", "--index", "0", "--cluster"])
+            .arg(&cluster)
+            .arg(graph)
+            .args(["--strategy", "pipeline"])
+            .args(["--stages", &mesh.pp.to_string()])
+            .args(["--micro-batches", &layout.micro_batches.to_string()]);
+    } else {
         cmd.args(["run", "--local"])
             .arg(graph)
             .arg("--cluster")
-            .arg(&cluster)
-            .args(["--strategy", "allreduce", "--data"])
-            .arg(&data)
-            .args(["--batch-size", &v.batch.to_string()])
-            .args(["--epochs", &epochs.to_string()])
-            .args(["--test-fraction", "0", "--quiet"]);
-        if v.unfused {
-            cmd.args(["--fusion-threshold-mb", &UNFUSED_MB.to_string()]);
-        }
-        let out = cmd.output().context("running a calibration job")?;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        if !out.status.success() {
-            bail!("the calibration job {v:?} failed:\n{stderr}");
-        }
-        stderr
-            .lines()
-            .find_map(|l| {
-                let rest = l.strip_prefix("trained ")?;
-                let mut w = rest.split_whitespace();
-                let n: f64 = w.next()?.parse().ok()?;
-                let secs: f64 = w.nth(2)?.parse().ok()?;
-                (n > 0.0).then_some(secs / n)
-            })
-            .with_context(|| format!("no `trained N steps in T s` line from {v:?}:\n{stderr}"))
-    }
-}
-
-/// One calibration job's counts (the busiest task's, planner `runtime::work`) and its measured
-/// step less its bytes over β.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct Row {
-    ops: f64,
-    calls: f64,
-    flops: f64,
-    bytes: f64,
-    transcendentals: f64,
-    seconds: f64,
-}
-
-/// Unknowns of the solve: step, op, collective, seconds per FLOP, per byte, per transcendental
-/// element.
-const UNKNOWNS: usize = 6;
-
-/// The costs that explain six measured steps: `t_i = step + ops_i·op + calls_i·collective + flops_i / flop_rate + bytes_i / byte_rate + tanh_i / element_rate`,
-/// solved exactly (Gaussian
-/// elimination with partial pivoting); each cost at least 0, the rates positive (0 when the
-/// solve gives none).
-fn solve(rows: [Row; UNKNOWNS]) -> Option<JobCosts> {
-    let mut m: Vec<[f64; UNKNOWNS + 1]> = rows
-        .iter()
-        .map(|r| {
-            [
-                1.0,
-                r.ops,
-                r.calls,
-                r.flops,
-                r.bytes,
-                r.transcendentals,
-                r.seconds,
-            ]
-        })
-        .collect();
-    for c in 0..UNKNOWNS {
-        let pivot = (c..UNKNOWNS).max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))?;
-        m.swap(c, pivot);
-        let p = m[c][c];
-        // Relative to the column's scale: FLOPs and bytes are ~1e6–1e9, the other columns ~1–1e3.
-        let scale = m.iter().map(|r| r[c].abs()).fold(0.0, f64::max);
-        if scale == 0.0 || p.abs() < 1e-9 * scale {
-            return None;
-        }
-        let pivot_row = m[c];
-        for (r, row) in m.iter_mut().enumerate() {
-            if r != c {
-                let f = row[c] / p;
-                for (x, y) in row.iter_mut().zip(pivot_row).skip(c) {
-                    *x -= f * y;
-                }
-            }
+            .arg(&cluster);
+        if layout.zero > 0 {
+            cmd.args([
+                "--strategy",
+                "zero",
+                "--zero-stage",
+                &layout.zero.to_string(),
+            ]);
+        } else {
+            cmd.args(["--strategy", "allreduce"]);
         }
     }
-    let x: Vec<f64> = (0..UNKNOWNS).map(|c| m[c][UNKNOWNS] / m[c][c]).collect();
-    let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
-    Some(JobCosts {
-        step: x[0].max(0.0),
-        op: x[1].max(0.0),
-        collective: x[2].max(0.0),
-        flops_per_second: rate(x[3]),
-        bytes_per_second: rate(x[4]),
-        transcendentals_per_second: rate(x[5]),
-    })
+    cmd.arg("--data")
+        .arg(&data)
+        .args(["--batch-size", &v.batch.to_string()])
+        .args(["--epochs", &epochs.to_string()])
+        .args(["--test-fraction", "0", "--quiet"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if v.unfused {
+        cmd.args(["--fusion-threshold-mb", &UNFUSED_MB.to_string()]);
+    }
+    let chief = cmd.spawn().context("running a calibration job")?;
+    let out = wait_bounded(chief, v.name);
+    let mut failed = Vec::new();
+    for other in others {
+        match wait_bounded(other, v.name) {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => failed.push(String::from_utf8_lossy(&o.stderr).into_owned()),
+            Err(e) => failed.push(e.to_string()),
+        }
+    }
+    let out = out?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() || !failed.is_empty() {
+        bail!(
+            "the calibration job {} ({}) failed:\n{stderr}{}",
+            v.name,
+            v.layout,
+            failed.join("\n")
+        );
+    }
+    step_of(v, &stderr)
 }
 
 /// A scratch directory under the system's temporary directory, removed when dropped.
@@ -275,8 +416,21 @@ impl Drop for Scratch {
     }
 }
 
-/// Measures the job costs: the four variants' medians of `runs` runs each, solved for
-/// [`JobCosts`] under `profile`'s FLOP/s and links. Prints what it measured.
+/// Where the fit starts choosing each job's busiest task and branches (then at its own costs):
+/// figures of the order this machine shows.
+const START: JobCosts = JobCosts {
+    step: 150e-6,
+    task: 10e-6,
+    op: 0.2e-6,
+    collective: 15e-6,
+    flops_per_second: 50e9,
+    bytes_per_second: 12e9,
+    transcendentals_per_second: 150e6,
+};
+
+/// Measures the job costs: the [`JOBS`]' medians of `runs` runs each, fitted to
+/// [`JobCosts`] under `profile`'s intra-host link and devices per host. Prints what it
+/// measured and each job's error under the fit.
 pub fn measure(
     profile: &ClusterProfile,
     runs: usize,
@@ -284,105 +438,87 @@ pub fn measure(
 ) -> anyhow::Result<(JobCosts, String)> {
     let dir = Scratch::new()?;
     std::fs::write(dir.path().join("data.csv"), data_csv())?;
-    let base = Variant {
-        batch: BATCH,
-        hidden: WIDTH,
-        layers: 1,
-        chain: 0,
-        chain_op: "Relu",
-        unfused: false,
-    };
-    let variants = [
-        base,
-        Variant {
-            chain: CHAIN,
-            ..base
-        },
-        Variant {
-            layers: LAYERS,
-            unfused: true,
-            ..base
-        },
-        Variant {
-            batch: WIDE_BATCH,
-            hidden: WIDE,
-            layers: 3,
-            ..base
-        },
-        // Bytes: 256 rows × 512 a task (512 KiB tensors), memory-bound ops.
-        Variant {
-            batch: WIDE_BATCH,
-            hidden: BYTES_WIDTH,
-            chain: BYTES_CHAIN,
-            ..base
-        },
-        // Transcendentals: `Gelu` (and its gradient) on 256 rows × 512 a task.
-        Variant {
-            batch: WIDE_BATCH,
-            hidden: BYTES_WIDTH,
-            chain: TRANSCENDENTAL_CHAIN,
-            chain_op: "Gelu",
-            ..base
-        },
-    ];
-    let link = profile.link(planner::LinkClass::IntraHost);
-    let mut rows = [Row::default(); UNKNOWNS];
-    let mut raw = Vec::new();
     let mut jobs = Vec::new();
-    for (i, v) in variants.into_iter().enumerate() {
+    for (i, v) in JOBS.into_iter().enumerate() {
         let text = graph_json(v);
         let graph = dir.path().join(format!("model{i}.json"));
         std::fs::write(&graph, &text)?;
-        jobs.push((v, graph, predicted_work(&text, v)?, Vec::new()));
+        let (work, bubble) = predicted_work(&text, v)
+            .with_context(|| format!("planning the calibration job {} ({})", v.name, v.layout))?;
+        jobs.push((v, graph, work, bubble, Vec::new()));
     }
-    // Round the variants, so that a change of load falls on all of them.
+    // Round the jobs, so that a change of load falls on all of them.
     for _ in 0..runs.max(1) {
-        for (v, graph, _, steps) in jobs.iter_mut() {
+        for (v, graph, _, _, steps) in jobs.iter_mut() {
             steps.push(measured_step(dir.path(), *v, graph, epochs.max(1))?);
         }
     }
-    for (i, (v, _, work, mut steps)) in jobs.into_iter().enumerate() {
+    let mut measured = Vec::new();
+    for (v, _, work, bubble, mut steps) in jobs {
         steps.sort_by(f64::total_cmp);
         let t = steps[steps.len() / 2];
-        let busiest = work
+        measured.push((
+            v,
+            runtime::CalibrationJob {
+                name: format!("{} ({})", v.name, v.layout),
+                work,
+                bubble,
+                seconds: t,
+            },
+            steps,
+        ));
+    }
+    let link = profile.link(planner::LinkClass::IntraHost);
+    let calibration: Vec<runtime::CalibrationJob> =
+        measured.iter().map(|(_, j, _)| j.clone()).collect();
+    let (costs, fit) = runtime::fit_job_costs(&calibration, profile.devices_per_host, link, &START)
+        .context("fitting the job costs to the calibration jobs")?;
+    let mut raw = Vec::new();
+    for ((v, job, steps), error) in measured.iter().zip(&fit.relative_errors) {
+        let busiest = job
+            .work
             .iter()
             .max_by_key(|w| (w.ops, w.collective_calls))
             .context("the calibration job has no tasks")?;
-        let rest = busiest.values as f64 * link.latency
-            + (busiest.collective_bytes + busiest.data_plane_bytes) as f64 / link.bandwidth;
         eprintln!(
-            "# job {v:?}: {} ops, {} collective calls, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals per task; median step {:.1} µs",
+            "# job {}: {} tasks; busiest {} ops, {} calls + {} values sent/received, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals; step median {:.1} µs ({:.1}–{:.1}), fit {:+.0}%",
+            job.name,
+            job.work.len(),
             busiest.ops,
             busiest.collective_calls,
+            busiest.values + busiest.received,
             busiest.product_flops as f64 / 1e6,
             busiest.bytes as f64 / 1e6,
             busiest.transcendentals as f64 / 1e6,
-            t * 1e6
+            job.seconds * 1e6,
+            steps.first().copied().unwrap_or(f64::NAN) * 1e6,
+            steps.last().copied().unwrap_or(f64::NAN) * 1e6,
+            error * 100.0
         );
         raw.push(format!(
-            "{} ops/{} calls/{:.1} MFLOP/{:.1} MB/{:.2} M tanh {:.1} µs",
-            busiest.ops,
-            busiest.collective_calls,
-            busiest.product_flops as f64 / 1e6,
-            busiest.bytes as f64 / 1e6,
-            busiest.transcendentals as f64 / 1e6,
-            t * 1e6
+            "{} {:.1} µs (fit {:+.0}%)",
+            v.name,
+            job.seconds * 1e6,
+            error * 100.0
         ));
-        rows[i] = Row {
-            ops: busiest.ops as f64,
-            calls: busiest.collective_calls as f64,
-            flops: busiest.product_flops as f64,
-            bytes: busiest.bytes as f64,
-            transcendentals: busiest.transcendentals as f64,
-            seconds: t - rest,
-        };
     }
-    let costs = solve(rows).context("the calibration jobs' counts do not determine the costs")?;
-    if costs.flops_per_second == 0.0 || costs.bytes_per_second == 0.0 {
+    let worst = fit
+        .relative_errors
+        .iter()
+        .fold(0.0f64, |a, e| a.max(e.abs()));
+    eprintln!(
+        "# the fit explains the {} calibration jobs within {:.0}% (worst)",
+        calibration.len(),
+        worst * 100.0
+    );
+    if costs.flops_per_second == 0.0
+        || costs.bytes_per_second == 0.0
+        || costs.transcendentals_per_second == 0.0
+    {
         eprintln!(
-            "# warning: a FLOP- or byte-heavy calibration job was not slower than the others \
-             explain ({}): the profile leaves that rate at 0 (the lone MatMul's FLOP/s, the \
-             analytical compute); a busy machine? calibrate again",
+            "# warning: a FLOP-, byte- or transcendental-heavy calibration job was not slower \
+             than the others explain ({}): the profile leaves that rate at 0 (not modelled); a \
+             busy machine? calibrate again",
             raw.join(", ")
         );
     }
@@ -394,104 +530,81 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_solve_returns_the_costs_that_made_the_steps() {
-        let truth = JobCosts {
-            step: 300e-6,
-            op: 0.5e-6,
-            collective: 20e-6,
-            flops_per_second: 20e9,
-            bytes_per_second: 4e9,
-            transcendentals_per_second: 0.05e9,
+    fn the_calibration_jobs_plan_and_vary_their_work() {
+        let small = |v: Variant| Variant {
+            chain: v.chain.min(20),
+            layers: v.layers.min(4),
+            ..v
         };
-        let t = |ops: f64, calls: f64, flops: f64, bytes: f64, tanh: f64| Row {
-            ops,
-            calls,
-            flops,
-            bytes,
-            transcendentals: tanh,
-            seconds: truth.step
-                + ops * truth.op
-                + calls * truth.collective
-                + flops / truth.flops_per_second
-                + bytes / truth.bytes_per_second
-                + tanh / truth.transcendentals_per_second,
+        let work: Vec<(Variant, Vec<runtime::TaskWork>, f64)> = JOBS
+            .into_iter()
+            .map(|v| {
+                let v = small(v);
+                let (w, b) = predicted_work(&graph_json(v), v).unwrap();
+                (v, w, b)
+            })
+            .collect();
+        let by = |name: &str| {
+            work.iter()
+                .find(|(v, _, _)| v.name == name)
+                .unwrap_or_else(|| panic!("{name}"))
         };
-        let got = solve([
-            t(40.0, 2.0, 1e4, 1e4, 0.0),
-            t(440.0, 2.0, 1e4, 2e4, 0.0),
-            t(120.0, 14.0, 2e4, 3e4, 0.0),
-            t(60.0, 2.0, 5e7, 1e6, 0.0),
-            t(100.0, 2.0, 1e6, 3e7, 0.0),
-            t(80.0, 2.0, 1e6, 1e6, 3e5),
-        ])
-        .unwrap();
-        for (a, b) in [
-            (got.step, truth.step),
-            (got.op, truth.op),
-            (got.collective, truth.collective),
-        ] {
-            assert!((a - b).abs() < 1e-10, "{got:?}");
-        }
-        assert!(
-            (got.flops_per_second / truth.flops_per_second - 1.0).abs() < 1e-6,
-            "{got:?}"
-        );
-        for (a, b) in [
-            (got.bytes_per_second, truth.bytes_per_second),
-            (
-                got.transcendentals_per_second,
-                truth.transcendentals_per_second,
-            ),
-        ] {
-            assert!((a / b - 1.0).abs() < 1e-6, "{got:?}");
-        }
-        // Counts that cannot tell the costs apart.
-        let same = t(40.0, 2.0, 1e4, 1e4, 0.0);
-        assert!(solve([same; UNKNOWNS]).is_none());
-    }
-
-    #[test]
-    fn the_synthetic_models_plan() {
-        let base = Variant {
-            batch: BATCH,
-            hidden: WIDTH,
-            layers: 1,
-            chain: 0,
-            chain_op: "Relu",
-            unfused: false,
-        };
-        let chain = Variant { chain: 20, ..base };
-        let many = Variant {
-            layers: 4,
-            unfused: true,
-            ..base
-        };
-        let wide = Variant {
-            batch: WIDE_BATCH,
-            hidden: BYTES_WIDTH,
-            chain: 2,
-            ..base
-        };
-        let gelu = Variant {
-            chain_op: "Gelu",
-            ..wide
-        };
-        let w0 = predicted_work(&graph_json(base), base).unwrap();
-        let w1 = predicted_work(&graph_json(chain), chain).unwrap();
-        let w2 = predicted_work(&graph_json(many), many).unwrap();
-        let w4 = predicted_work(&graph_json(wide), wide).unwrap();
-        let w5 = predicted_work(&graph_json(gelu), gelu).unwrap();
-        assert_eq!(w0.len(), 2);
-        assert!(w1[0].ops > w0[0].ops + 20, "{w1:?} {w0:?}");
-        assert_eq!(w1[0].collective_calls, w0[0].collective_calls);
+        let (_, base, _) = by("base");
+        let (_, chain, _) = by("chain");
+        let (_, calls, _) = by("calls");
+        let (_, bytes, _) = by("bytes");
+        let (_, gelu, _) = by("gelu");
+        assert_eq!(base.len(), 2);
+        assert!(chain[0].ops > base[0].ops + 20, "{chain:?} {base:?}");
+        assert_eq!(chain[0].collective_calls, base[0].collective_calls);
         // Every gradient its own call, plus the loss.
-        assert_eq!(w2[0].collective_calls, 4 + 1 + 1, "{w2:?}");
-        // A Relu on 256 × 512 reads and writes 1 MiB: two of them, forward and backward, more.
-        assert!(w4[0].bytes > w0[0].bytes + 4 * (1 << 20), "{w4:?}");
-        assert_eq!(w4[0].transcendentals, 0, "{w4:?}");
-        // Two Gelu of 256 × 512 elements, and their gradients.
-        assert_eq!(w5[0].transcendentals, 2 * 2 * 256 * 512, "{w5:?}");
+        assert_eq!(calls[0].collective_calls, 4 + 1 + 1, "{calls:?}");
+        // A Relu on 256 × 512 reads and writes 1 MiB: twenty of them, forward and backward, more.
+        assert!(bytes[0].bytes > base[0].bytes + 4 * (1 << 20), "{bytes:?}");
+        assert_eq!(bytes[0].transcendentals, 0, "{bytes:?}");
+        // Four Gelu of 256 × 512 elements, and their gradients.
+        assert_eq!(gelu[0].transcendentals, 2 * 4 * 256 * 512, "{gelu:?}");
         // The 256 × 8 · 8 × 512 product a task, forward and backward.
-        assert!(w4[0].product_flops >= 2 * 256 * 8 * 512, "{w4:?}");
+        assert!(bytes[0].product_flops >= 2 * 256 * 8 * 512, "{bytes:?}");
+        assert_eq!(by("base 4 tasks").1.len(), 4);
+        // ZeRO-3 gathers every layer's weight before its use: calls among the products.
+        let (_, zero, _) = by("zero-3 (calls between products)");
+        assert!(zero[0].collective_calls > 2 * 4, "{zero:?}");
+        // The pipeline: 2 stages that send to each other, a bubble of 1/5.
+        let (_, pipe, bubble) = by("pipeline");
+        assert_eq!(pipe.len(), 2, "{pipe:?}");
+        assert!(
+            pipe[0].values > 0 && pipe[0].received == pipe[1].values,
+            "{pipe:?}"
+        );
+        assert!((bubble - 0.2).abs() < 1e-12, "{bubble}");
+        // The full-size jobs determine the seven costs (no cost the others explain).
+        let full: Vec<runtime::CalibrationJob> = JOBS
+            .into_iter()
+            .map(|v| {
+                let (w, b) = predicted_work(&graph_json(v), v).unwrap();
+                runtime::CalibrationJob {
+                    name: v.name.into(),
+                    seconds: 1e-3,
+                    work: w,
+                    bubble: b,
+                }
+            })
+            .collect();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let link = profile.link(planner::LinkClass::IntraHost);
+        let obs: Vec<planner::fit::Observation> = full
+            .iter()
+            .map(|j| {
+                let t = runtime::job_terms(&j.work, j.bubble, 2, link, &START);
+                planner::fit::Observation {
+                    name: j.name.clone(),
+                    counts: t.counts.to_vec(),
+                    fixed: t.fixed,
+                    seconds: j.seconds,
+                }
+            })
+            .collect();
+        planner::fit::check_design(&obs, &runtime::JOB_UNKNOWNS).unwrap();
     }
 }

@@ -27,6 +27,7 @@ pub mod accounting;
 pub mod collective;
 pub mod evaluate;
 mod executor_order;
+pub mod fit;
 pub mod flops;
 pub mod layout;
 pub mod model;

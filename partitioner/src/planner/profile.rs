@@ -88,6 +88,10 @@ pub struct JobCosts {
     /// Per step: the chief's batching, the feeds to every task, the step's dispatch to each
     /// task and the loss fetch (the round trips of a step).
     pub step: f64,
+    /// Per task per step, beyond `step`: the chief's feed to it, its share of the step's
+    /// dispatch and fetch, its threads' wake-ups (a 4-task job pays it twice as often as a
+    /// 2-task one; 0 when not given: older profiles).
+    pub task: f64,
     /// Per op a task runs in its partition (its executor's dispatch of a node). In a job
     /// nearly every node is dispatched alone: its batch dimension is unknown to the executor's
     /// plan, so it is not one of the cheap nodes batched on one runner.
@@ -270,6 +274,7 @@ impl ClusterProfile {
             ("op_overhead", self.op_overhead),
             ("step_overhead", self.step_overhead),
             ("job.step", self.job.step),
+            ("job.task", self.job.task),
             ("job.op", self.job.op),
             ("job.bytes_per_second", self.job.bytes_per_second),
             (
@@ -349,6 +354,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("op_overhead"), "{e}");
+    }
+
+    #[test]
+    fn a_profile_from_before_the_per_task_cost_loads_with_it_at_zero() {
+        // The `job` section as `dflow bench calibrate` wrote it before `task` existed.
+        let mut json =
+            serde_json::to_value(ClusterProfile::preset("this-machine").unwrap()).unwrap();
+        json["job"] = serde_json::json!({
+            "step": 149.9e-6, "op": 0.189e-6, "collective": 16.0e-6,
+            "flops_per_second": 54.9e9, "bytes_per_second": 12.84e9,
+            "transcendentals_per_second": 136.4e6
+        });
+        let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
+        assert_eq!(old.job.task, 0.0);
+        assert_eq!(old.job.step, 149.9e-6);
+        json["job"]["task"] = serde_json::json!(-1e-6);
+        let e = ClusterProfile::from_json(&json.to_string(), "p.json").unwrap_err();
+        assert!(e.to_string().contains("job.task"), "{e}");
     }
 
     #[test]

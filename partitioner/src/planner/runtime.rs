@@ -10,7 +10,7 @@
 //! ([`super::accounting::job_plan`]): its partitions' nodes, its collective ops and their bytes
 //! ([`super::accounting::traffic`]).
 //!
-//! A step is `job.step + cpu + communication`, where a task's cpu time is its share of the
+//! A step is `job.step + tasks · job.task + cpu + communication`, where a task's cpu time is its share of the
 //! layout's compute (the analytical FLOPs, with the pipeline's bubble, at the job's FLOP/s)
 //! plus `ops · job.op`, the
 //! tasks sharing the host's cores (`max(busiest task, Σ tasks / cores)`: 4 tasks on 2 cores
@@ -19,11 +19,15 @@
 //! is 0), the same per value sent to another task and per value received from one (a pipeline's
 //! stages wait on each other: the sender's call and the receiver's wake-up are both on the
 //! step's path).
+//!
+//! The step is linear in the costs once the busiest task and the branches of the maxima are
+//! chosen ([`job_terms`]); [`fit_job_costs`] fits the costs to measured calibration jobs by
+//! non-negative least squares ([`super::fit`]).
 
 use super::accounting::{shares_input, traffic, with_rows, AccountingError};
 use super::evaluate::Evaluation;
 use super::flops::forward_flops;
-use super::profile::{ClusterProfile, JobCosts, LinkClass};
+use super::profile::{ClusterProfile, JobCosts, Link, LinkClass};
 use crate::strategy::JobPlan;
 use dflow_graph::{AttrValue, DeviceName, Graph};
 use petgraph::graph::NodeIndex;
@@ -62,6 +66,12 @@ const PRODUCTS: &[&str] = &["MatMul", "BatchMatMul"];
 
 /// Ops whose kernels evaluate `tanh`, `exp` or `log` once per output element.
 pub const TRANSCENDENTAL: &[&str] = &["Gelu", "GeluGrad", "Tanh", "Sigmoid", "Exp", "Log"];
+
+/// Ops that read only the part of their input they copy out (a slice, the gathered rows), not
+/// the whole input: the data-parallel strategy's `FlatSlice` of each gradient out of a fused
+/// bucket would otherwise count the whole bucket once per gradient (the bundled GPT dp=2: 172
+/// MB of a task's 279 MB a step, 13 ms at 12.8 GB/s, where the slices copy 3.3 MB).
+const READS_WHAT_IT_WRITES: &[&str] = &["FlatSlice", "Slice", "Gather"];
 
 /// Ops that move no bytes a kernel touches: they hand buffers over, block on a peer or register
 /// a callback (their cost is the call's or the dispatch's).
@@ -120,7 +130,12 @@ fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork,
         let outputs: usize = (0..g.node(idx).outputs.len())
             .filter_map(|k| bytes_of(idx, k))
             .sum();
-        w.bytes += (inputs.iter().flatten().sum::<usize>() + outputs) as u64;
+        let read = if READS_WHAT_IT_WRITES.contains(&op) {
+            outputs
+        } else {
+            inputs.iter().flatten().sum::<usize>()
+        };
+        w.bytes += (read + outputs) as u64;
     }
     w.product_flops = flops as u64;
     Ok(w)
@@ -177,7 +192,7 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
 /// A predicted step of a real job, in seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct JobStep {
-    /// The profile's per-step cost.
+    /// The profile's per-step cost and its per-task cost times the tasks.
     pub step: f64,
     /// The busiest task's compute: its products' FLOPs over the job's FLOP/s and its other
     /// ops' bytes over the job's bytes/s (the layout's analytical compute where the profile has
@@ -270,11 +285,189 @@ pub fn job_step(
         })
         .fold(0.0, f64::max);
     JobStep {
-        step: job.step,
+        step: job.step + work.len() as f64 * job.task,
         compute: computes,
         ops,
         cpu: busiest.max(shared),
         communication,
+    }
+}
+
+/// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
+/// [`JobCosts`] as seconds per unit of work (a rate as its inverse).
+pub const JOB_UNKNOWNS: [&str; 7] = [
+    "step",
+    "task",
+    "op",
+    "collective",
+    "seconds per product FLOP",
+    "seconds per byte",
+    "seconds per transcendental element",
+];
+
+impl JobCosts {
+    /// The costs as the unknowns of [`JOB_UNKNOWNS`] (a rate of 0, not modelled, as 0 s).
+    pub fn unknowns(&self) -> [f64; 7] {
+        let inverse = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
+        [
+            self.step,
+            self.task,
+            self.op,
+            self.collective,
+            inverse(self.flops_per_second),
+            inverse(self.bytes_per_second),
+            inverse(self.transcendentals_per_second),
+        ]
+    }
+
+    /// The costs from the unknowns of [`JOB_UNKNOWNS`] (0 s per unit: a rate of 0, which the
+    /// model reads as not modelled).
+    pub fn from_unknowns(x: &[f64; 7]) -> JobCosts {
+        let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
+        JobCosts {
+            step: x[0],
+            task: x[1],
+            op: x[2],
+            collective: x[3],
+            flops_per_second: rate(x[4]),
+            bytes_per_second: rate(x[5]),
+            transcendentals_per_second: rate(x[6]),
+        }
+    }
+}
+
+/// A job's step as a linear function of the [`JOB_UNKNOWNS`]: `fixed + counts · unknowns`
+/// equals [`job_step`]'s total for a calibrated profile whose costs chose the same busiest
+/// task, the same branch of `max(busiest, Σ / cores)` and the same busiest communicator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobTerms {
+    /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes (or all
+    /// tasks' over the cores, with the bubble's stretch), its calls and sent and received
+    /// values, its products' FLOPs, its other ops' bytes, its transcendental elements.
+    pub counts: [f64; 7],
+    /// Seconds not depending on the unknowns: the busiest communicator's bytes over β.
+    pub fixed: f64,
+}
+
+/// The [`JobTerms`] of a job doing `work` with pipeline bubble `bubble` on a host of `cores`
+/// cores over `link`, linearised at the costs `job` (which decide the busiest task and the
+/// branches of the maxima, as [`job_step`] does).
+pub fn job_terms(
+    work: &[TaskWork],
+    bubble: f64,
+    cores: usize,
+    link: Link,
+    job: &JobCosts,
+) -> JobTerms {
+    let x = job.unknowns();
+    let cpu_counts = |t: &TaskWork| {
+        [
+            0.0,
+            0.0,
+            t.ops as f64,
+            0.0,
+            t.product_flops as f64,
+            t.bytes as f64,
+            t.transcendentals as f64,
+        ]
+    };
+    let value = |c: &[f64; 7]| c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+    let stretch = if bubble > 0.0 && bubble < 1.0 {
+        1.0 / (1.0 - bubble)
+    } else {
+        1.0
+    };
+    let busiest = work
+        .iter()
+        .map(cpu_counts)
+        .max_by(|a, b| value(a).total_cmp(&value(b)))
+        .unwrap_or_default()
+        .map(|c| c * stretch);
+    let mut shared = [0.0; 7];
+    for t in work {
+        for (s, c) in shared.iter_mut().zip(cpu_counts(t)) {
+            *s += c / cores.max(1) as f64;
+        }
+    }
+    let mut counts = if value(&busiest) >= value(&shared) {
+        busiest
+    } else {
+        shared
+    };
+    counts[0] = 1.0;
+    counts[1] = work.len() as f64;
+    let communication = |t: &TaskWork| {
+        (
+            (t.collective_calls + t.values + t.received) as f64,
+            (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth,
+        )
+    };
+    let (calls, fixed) = work
+        .iter()
+        .map(communication)
+        .max_by(|a, b| (a.0 * job.collective + a.1).total_cmp(&(b.0 * job.collective + b.1)))
+        .unwrap_or_default();
+    counts[3] = calls;
+    JobTerms { counts, fixed }
+}
+
+/// One measured calibration job: what each task does in a step (its job plan's
+/// [`work`]), its pipeline bubble and its measured step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CalibrationJob {
+    /// A name for reports.
+    pub name: String,
+    /// Each task's work in a step.
+    pub work: Vec<TaskWork>,
+    /// The pipeline bubble fraction (0 without a pipeline).
+    pub bubble: f64,
+    /// The measured step in seconds.
+    pub seconds: f64,
+}
+
+/// The [`JobCosts`] that best explain `jobs` (non-negative least squares on relative errors,
+/// [`super::fit`]) on a host of `cores` cores over `link`. The model is linear in the costs
+/// once the busiest task and the branches of its maxima are chosen: they are chosen at
+/// `start`, then again at each fit's costs until they stop changing (at most 8 fits). Returns
+/// the costs and the last fit (each job's relative error).
+pub fn fit_job_costs(
+    jobs: &[CalibrationJob],
+    cores: usize,
+    link: Link,
+    start: &JobCosts,
+) -> Result<(JobCosts, super::fit::Fit), super::fit::FitError> {
+    let mut costs = *start;
+    let mut last: Option<Vec<super::fit::Observation>> = None;
+    let mut result = None;
+    for _ in 0..8 {
+        let obs: Vec<super::fit::Observation> = jobs
+            .iter()
+            .map(|j| {
+                let t = job_terms(&j.work, j.bubble, cores, link, &costs);
+                super::fit::Observation {
+                    name: j.name.clone(),
+                    counts: t.counts.to_vec(),
+                    fixed: t.fixed,
+                    seconds: j.seconds,
+                }
+            })
+            .collect();
+        if last.as_ref() == Some(&obs) {
+            break;
+        }
+        let f = super::fit::fit(&obs, &JOB_UNKNOWNS)?;
+        let mut x = [0.0; 7];
+        x.copy_from_slice(&f.costs);
+        costs = JobCosts::from_unknowns(&x);
+        result = Some(f);
+        last = Some(obs);
+    }
+    match result {
+        Some(f) => Ok((costs, f)),
+        None => Err(super::fit::FitError::TooFew {
+            observations: 0,
+            unknowns: JOB_UNKNOWNS.len(),
+        }),
     }
 }
 
@@ -335,6 +528,130 @@ mod tests {
         p.intra_host.latency = 2e-6;
         let s = job_step(&[task(50, 2), task(40, 3)], 5e-6, 0.0, &p, 2);
         assert!((s.communication - 6e-6).abs() < 1e-12, "{s:?}");
+    }
+
+    /// A calibrated profile: every cost and rate set.
+    fn calibrated() -> ClusterProfile {
+        let mut p = costs();
+        p.job = JobCosts {
+            step: 150e-6,
+            task: 12e-6,
+            op: 0.2e-6,
+            collective: 15e-6,
+            flops_per_second: 50e9,
+            bytes_per_second: 12e9,
+            transcendentals_per_second: 150e6,
+        };
+        p
+    }
+
+    /// `tasks` tasks doing the same work.
+    fn job(
+        tasks: usize,
+        ops: usize,
+        calls: usize,
+        flops: u64,
+        bytes: u64,
+        tanh: u64,
+    ) -> Vec<TaskWork> {
+        (0..tasks)
+            .map(|i| TaskWork {
+                task: format!("t{i}"),
+                ops,
+                product_flops: flops,
+                bytes,
+                transcendentals: tanh,
+                collective_calls: calls,
+                collective_bytes: 4096,
+                ..TaskWork::default()
+            })
+            .collect()
+    }
+
+    /// Synthetic calibration jobs like `dflow bench calibrate`'s: 2 and 4 tasks, many ops,
+    /// many calls, products, bytes, transcendentals, and a pipeline's sends.
+    fn synthetic_jobs() -> Vec<(String, Vec<TaskWork>, f64)> {
+        let mut pipeline = job(2, 120, 0, 1_000_000, 200_000, 0);
+        pipeline[0].values = 8;
+        pipeline[1].received = 8;
+        pipeline[1].values = 8;
+        pipeline[0].received = 8;
+        vec![
+            ("base".into(), job(2, 40, 2, 10_000, 20_000, 0), 0.0),
+            ("chain".into(), job(2, 1640, 2, 10_000, 300_000, 0), 0.0),
+            ("calls".into(), job(2, 200, 26, 40_000, 60_000, 0), 0.0),
+            ("wide".into(), job(2, 60, 2, 200_000_000, 3_000_000, 0), 0.0),
+            (
+                "bytes".into(),
+                job(2, 100, 2, 2_000_000, 50_000_000, 0),
+                0.0,
+            ),
+            (
+                "gelu".into(),
+                job(2, 60, 2, 2_000_000, 4_000_000, 1_000_000),
+                0.0,
+            ),
+            ("base x4".into(), job(4, 40, 2, 10_000, 20_000, 0), 0.0),
+            ("chain x4".into(), job(4, 1640, 2, 10_000, 300_000, 0), 0.0),
+            ("pipeline".into(), pipeline, 0.2),
+        ]
+    }
+
+    #[test]
+    fn the_linear_terms_give_the_step() {
+        let p = calibrated();
+        let x = p.job.unknowns();
+        for (name, work, bubble) in synthetic_jobs() {
+            let s = job_step(&work, 0.0, bubble, &p, 2);
+            let t = job_terms(&work, bubble, 2, p.intra_host, &p.job);
+            let linear = t.fixed + t.counts.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+            assert!(
+                (linear / s.total() - 1.0).abs() < 1e-12,
+                "{name}: {linear} {s:?}"
+            );
+        }
+        assert_eq!(JobCosts::from_unknowns(&x), p.job);
+    }
+
+    #[test]
+    fn the_fit_recovers_the_costs_that_made_the_steps() {
+        let p = calibrated();
+        let jobs: Vec<CalibrationJob> = synthetic_jobs()
+            .into_iter()
+            .map(|(name, work, bubble)| CalibrationJob {
+                seconds: job_step(&work, 0.0, bubble, &p, 2).total(),
+                name,
+                work,
+                bubble,
+            })
+            .collect();
+        // Started far from the truth: the busiest task and branches are chosen again.
+        let start = JobCosts {
+            step: 1e-3,
+            op: 1e-6,
+            collective: 1e-6,
+            flops_per_second: 1e9,
+            bytes_per_second: 1e9,
+            transcendentals_per_second: 1e9,
+            ..JobCosts::default()
+        };
+        let (got, f) = fit_job_costs(&jobs, 2, p.intra_host, &start).unwrap();
+        for (a, b) in got.unknowns().iter().zip(p.job.unknowns()) {
+            assert!((a / b - 1.0).abs() < 1e-6, "{got:?} {:?}", p.job);
+        }
+        assert!(f.relative_errors.iter().all(|e| e.abs() < 1e-9), "{f:?}");
+        // Without the 4-task jobs the per-task cost is the per-step cost times a constant.
+        let two: Vec<CalibrationJob> = jobs
+            .into_iter()
+            .filter(|j| !j.name.contains("x4"))
+            .collect();
+        let e = fit_job_costs(&two, 2, p.intra_host, &start).unwrap_err();
+        assert_eq!(
+            e,
+            crate::planner::fit::FitError::Collinear {
+                unknown: "task".into()
+            }
+        );
     }
 
     #[test]
@@ -427,6 +744,11 @@ mod tests {
         let ratio = dp[0].product_flops as f64 / tp[0].product_flops as f64;
         assert!((0.8..1.25).contains(&ratio), "{ratio} {dp:?} {tp:?}");
         assert!(dp[0].bytes > 0 && dp[0].ops > 0);
+        // Half the rows, the whole optimizer: a dp task's bytes are of the order of a tp
+        // task's (each `FlatSlice` of the fused gradient bucket reads its own slice, not the
+        // whole 3.2 MB bucket).
+        let bytes = dp[0].bytes as f64 / tp[0].bytes as f64;
+        assert!((0.5..1.5).contains(&bytes), "{bytes} {dp:?} {tp:?}");
         // Each task's GELUs and their gradients: 4 blocks of [6 × 64, 512] (dp) or
         // [12 × 64, 256] (tp) elements, each evaluated forward and again in its gradient.
         assert_eq!(dp[0].transcendentals, 2 * 4 * 6 * 64 * 512, "{dp:?}");
