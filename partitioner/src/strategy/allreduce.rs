@@ -22,9 +22,7 @@
 //! the updates, so clipping equals the one-process run's (clipping each worker's gradient before
 //! the sum would not).
 
-use super::{
-    EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
-};
+use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::place::{PlacementOptions, Policy};
 use dflow_graph::train::{expand_training_graph, TrainSpec};
@@ -483,25 +481,8 @@ pub(super) fn reduce_gradients(
     ]);
     added.push(n);
     training.def.nodes.extend(added);
-    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.loss = global;
-    Ok(ReplicaGraph {
-        training,
-        graph,
-        replicas: vec![ReplicaFeeds {
-            worker,
-            features: features.to_string(),
-            labels: labels.to_string(),
-            weight: Some(weight),
-        }],
-        eval: EvalNames {
-            features: features.to_string(),
-            labels: labels.to_string(),
-            loss: spec.loss.clone(),
-            metrics: spec.metrics.clone(),
-        },
-        step_metrics: Vec::new(),
-    })
+    ReplicaGraph::of_replica(training, worker, (features, labels), Some(weight), spec)
 }
 
 /// Checks a data-parallel job's arguments: 1 to `u32::MAX` workers, `features` and `labels`

@@ -315,6 +315,39 @@ pub struct ReplicaGraph {
     pub step_metrics: Vec<(String, String)>,
 }
 
+impl ReplicaGraph {
+    /// The graph of one worker's replica, `worker`, once its training step is complete:
+    /// `training` validated, fed `features` and `labels` (and the batch share `weight`, when
+    /// there are several replicas), evaluating `spec`'s loss and metrics on the same
+    /// placeholders; no per-step metrics.
+    pub fn of_replica(
+        training: TrainingGraph,
+        worker: usize,
+        (features, labels): (&str, &str),
+        weight: Option<String>,
+        spec: &TrainSpec,
+    ) -> Result<ReplicaGraph, StrategyError> {
+        let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
+        Ok(ReplicaGraph {
+            training,
+            graph,
+            replicas: vec![ReplicaFeeds {
+                worker,
+                features: features.to_string(),
+                labels: labels.to_string(),
+                weight,
+            }],
+            eval: EvalNames {
+                features: features.to_string(),
+                labels: labels.to_string(),
+                loss: spec.loss.clone(),
+                metrics: spec.metrics.clone(),
+            },
+            step_metrics: Vec::new(),
+        })
+    }
+}
+
 /// Why a strategy could not plan the job.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum StrategyError {

@@ -63,9 +63,7 @@ pub mod mesh3d;
 use super::allreduce::{check_job, fresh, node, worker_device};
 use super::pipeline::zero::ReplicaZero;
 use super::pipeline::Pipeline;
-use super::{
-    EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
-};
+use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
 use crate::place::{PlacementOptions, Policy};
@@ -1234,27 +1232,31 @@ fn rank_graph(
         spec.clip_global_norm,
         &def,
     )?;
-    chain_collectives(&mut training)?;
-    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
-    Ok(ReplicaGraph {
+    finish_rank(
         training,
-        graph,
-        // Every rank feeds its replica's part of the batch (the whole batch, unweighted, when
-        // there is one replica).
-        replicas: vec![ReplicaFeeds {
-            worker: at.data.as_ref().map_or(0, |d| d.part),
-            features: features.to_string(),
-            labels: labels.to_string(),
-            weight: weighting.map(|w| w.weight),
-        }],
-        eval: EvalNames {
-            features: features.to_string(),
-            labels: labels.to_string(),
-            loss: spec.loss.clone(),
-            metrics: spec.metrics.clone(),
-        },
-        step_metrics: Vec::new(),
-    })
+        at,
+        weighting.map(|w| w.weight),
+        spec,
+        features,
+        labels,
+    )
+}
+
+/// Rank `at`'s graph once its step is complete: its collectives chained in one order,
+/// validated, fed its replica's part of every batch (weighted by `weight` when there are
+/// several replicas; the whole batch, unweighted, when there is one), evaluated on `spec`'s
+/// loss and metrics.
+fn finish_rank(
+    mut training: TrainingGraph,
+    at: &RankAt,
+    weight: Option<String>,
+    spec: &TrainSpec,
+    features: &str,
+    labels: &str,
+) -> Result<ReplicaGraph, StrategyError> {
+    chain_collectives(&mut training)?;
+    let worker = at.data.as_ref().map_or(0, |d| d.part);
+    ReplicaGraph::of_replica(training, worker, (features, labels), weight, spec)
 }
 
 /// The end of rank `at`'s step after autodiff, shared by the GPT's layout and placements by

@@ -51,9 +51,7 @@
 pub mod params;
 
 use super::allreduce::{check_job, fresh, node, weighted_training, WeightedTraining};
-use super::{
-    EvalNames, JobInput, JobPlan, Registration, ReplicaFeeds, ReplicaGraph, Strategy, StrategyError,
-};
+use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::place::{PlacementOptions, Policy};
 use crate::shards::ShardedVariable;
@@ -467,25 +465,9 @@ fn worker_graph(
         params::shard_parameters(&mut training.def, &params, ctx, &passes, &roots)?;
         params::order_collectives(&mut training.def)?;
     }
-    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.loss = global;
-    let mut replica = ReplicaGraph {
-        training,
-        graph,
-        replicas: vec![ReplicaFeeds {
-            worker: ctx.rank,
-            features: features.to_string(),
-            labels: labels.to_string(),
-            weight: Some(weight),
-        }],
-        eval: EvalNames {
-            features: features.to_string(),
-            labels: labels.to_string(),
-            loss: spec.loss.clone(),
-            metrics: spec.metrics.clone(),
-        },
-        step_metrics: Vec::new(),
-    };
+    let mut replica =
+        ReplicaGraph::of_replica(training, ctx.rank, (features, labels), Some(weight), spec)?;
     if ctx.stage >= 3 && ctx.rank == 0 {
         params::add_eval_copy(&mut replica, forward, &params, ctx)?;
     }

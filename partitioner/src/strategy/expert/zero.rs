@@ -24,9 +24,9 @@
 use super::{ExpertLayout, GROUP};
 use crate::strategy::allreduce::{fresh, node, WeightedTraining};
 use crate::strategy::zero::{self, params::order_collectives, Clip, ShardGroup};
-use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
+use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
-use dflow_graph::{AttrValue, Graph};
+use dflow_graph::AttrValue;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// What [`zero_step`] shards.
@@ -168,25 +168,7 @@ pub(super) fn zero_step(
     training.gradients = all;
     training.loss = global;
     order_collectives(&mut training.def)?;
-    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
-    let (features, labels) = z.feeds;
-    Ok(ReplicaGraph {
-        training,
-        graph,
-        replicas: vec![ReplicaFeeds {
-            worker,
-            features: features.to_string(),
-            labels: labels.to_string(),
-            weight: Some(weight),
-        }],
-        eval: EvalNames {
-            features: features.to_string(),
-            labels: labels.to_string(),
-            loss: spec.loss.clone(),
-            metrics: spec.metrics.clone(),
-        },
-        step_metrics: Vec::new(),
-    })
+    ReplicaGraph::of_replica(training, worker, z.feeds, Some(weight), spec)
 }
 
 #[cfg(test)]

@@ -27,12 +27,12 @@
 
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
-    chain_collectives, data, data_parallel_step, dp_group, eval_copy, onto_rank, options, prune,
-    shard_name, shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
+    data, data_parallel_step, dp_group, eval_copy, onto_rank, options, prune, shard_name,
+    shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
 use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
-use crate::strategy::{EvalNames, ReplicaFeeds, ReplicaGraph, StrategyError};
+use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::axis_split::AxisSplit;
 use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
@@ -407,27 +407,14 @@ fn rank_graph(
         spec.clip_global_norm.filter(|_| !own_clip),
         &def,
     )?;
-    chain_collectives(&mut training)?;
-    let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
-    Ok(ReplicaGraph {
+    super::finish_rank(
         training,
-        graph,
-        // Every rank feeds its replica's part of the batch (the whole batch, unweighted, when
-        // there is one replica).
-        replicas: vec![ReplicaFeeds {
-            worker: at.data.as_ref().map_or(0, |d| d.part),
-            features: features.to_string(),
-            labels: labels.to_string(),
-            weight: weighting.map(|w| w.weight),
-        }],
-        eval: EvalNames {
-            features: features.to_string(),
-            labels: labels.to_string(),
-            loss: spec.loss.clone(),
-            metrics: spec.metrics.clone(),
-        },
-        step_metrics: Vec::new(),
-    })
+        at,
+        weighting.map(|w| w.weight),
+        spec,
+        features,
+        labels,
+    )
 }
 
 /// `dflow partition --strategy tensor`'s section for a graph with hand placements: every
