@@ -300,6 +300,22 @@ mod tests {
         }
     }
 
+    /// The collectives (not `CollectiveTpCopy`) that worker `task` calls in `g`, in the graph's
+    /// topological order.
+    fn order(g: &ReplicaGraph, task: u32) -> Vec<String> {
+        g.graph
+            .topo_order()
+            .into_iter()
+            .map(|i| g.graph.node(i))
+            .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+            .filter(|n| {
+                dflow_graph::DeviceName::parse(n.device.as_ref())
+                    .is_ok_and(|d| d.task == Some(task))
+            })
+            .map(|n| n.name.clone())
+            .collect()
+    }
+
     #[test]
     fn dp2_tp2_pp2_groups_are_megatron_cores_and_each_stage_talks_in_its_own() {
         let (graph, spec) = model();
@@ -393,19 +409,6 @@ mod tests {
         }
         // The tensor-parallel ranks of a stage call the same collectives in the same order,
         // though the last rank's graph has the vocabulary's padding mask (11 tokens, 2 ranks).
-        let order = |g: &ReplicaGraph, task: u32| -> Vec<String> {
-            g.graph
-                .topo_order()
-                .into_iter()
-                .map(|i| g.graph.node(i))
-                .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
-                .filter(|n| {
-                    dflow_graph::DeviceName::parse(n.device.as_ref())
-                        .is_ok_and(|d| d.task == Some(task))
-                })
-                .map(|n| n.name.clone())
-                .collect()
-        };
         assert!(mg.graphs[1]
             .training
             .def
@@ -526,19 +529,6 @@ mod tests {
             }
             // The tp ranks of a stage, and the replicas of a (stage, shard), call the same
             // collectives in the same order.
-            let order = |g: &ReplicaGraph, task: u32| -> Vec<String> {
-                g.graph
-                    .topo_order()
-                    .into_iter()
-                    .map(|i| g.graph.node(i))
-                    .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
-                    .filter(|n| {
-                        dflow_graph::DeviceName::parse(n.device.as_ref())
-                            .is_ok_and(|d| d.task == Some(task))
-                    })
-                    .map(|n| n.name.clone())
-                    .collect()
-            };
             for (a, b, ga, gb) in [(0, 1, 0, 1), (0, 2, 0, 2), (5, 7, 1, 3)] {
                 assert_eq!(
                     order(&mg.graphs[ga], a),
