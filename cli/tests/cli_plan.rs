@@ -145,15 +145,20 @@ fn a_calibrated_profile_feeds_the_planner() {
             .contains("dflow bench calibrate"),
         "{text}"
     );
-    // The 2-worker jobs ran: a step costs something.
-    assert!(json["job"]["step"].as_f64().unwrap() >= 0.0, "{text}");
+    // The synthetic jobs ran and their costs were fitted: none negative, and a step of a
+    // 2-worker job costs something.
+    for cost in ["step", "task", "op", "collective"] {
+        assert!(json["job"][cost].as_f64().unwrap() >= 0.0, "{cost}: {text}");
+    }
+    let job = &json["job"];
     assert!(
-        json["source"]
-            .as_str()
-            .unwrap()
-            .contains("2-worker all-reduce jobs"),
+        job["step"].as_f64().unwrap() + 2.0 * job["task"].as_f64().unwrap() > 0.0,
         "{text}"
     );
+    let source = json["source"].as_str().unwrap();
+    for what in ["synthetic calibration jobs", "non-negative least squares"] {
+        assert!(source.contains(what), "{what}: {text}");
+    }
     let out = stdout(&dflow(&[
         "plan",
         "examples/digits/digits.json",
