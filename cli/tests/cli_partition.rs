@@ -423,3 +423,78 @@ fn zero_plans_show_each_workers_slot_and_parameter_shards_and_refuse_sgd() {
         "{err}"
     );
 }
+
+#[test]
+fn the_gpt_on_dp2_tp2_shows_its_data_parallel_groups_and_collectives_with_bytes() {
+    // The tp section shows one replica on its 6 of 12 rows; the dp section lists rank 0's
+    // collectives over its dp group: bucketed all-reduces, or ZeRO-2's reduce-scatters and
+    // all-gathers, which send the same bytes over 2 ranks (the ring's (N−1)/N·V each way).
+    let partition = |zero: Option<&str>| {
+        let mut args = vec![
+            "partition",
+            "examples/gpt/gpt.json",
+            "--cluster",
+            "examples/gpt/cluster-4workers.json",
+            "--mesh",
+            "dp=2,tp=2",
+            "--features",
+            "idx",
+            "--labels",
+            "targets",
+            "--batch-size",
+            "12",
+        ];
+        if let Some(s) = zero {
+            args.extend(["--zero-stage", s]);
+        }
+        stdout(&dflow(&args))
+    };
+    // The listed bytes, and the total the section states.
+    let dp_bytes = |out: &str, op: &str| -> (usize, usize, usize) {
+        let section = &out[out
+            .find("data parallelism over tensor-parallel groups: dp=2 × tp=2")
+            .unwrap_or_else(|| panic!("no dp section:\n{out}"))..];
+        let mut listed = 0;
+        let mut of_op = 0;
+        for l in section
+            .lines()
+            .filter(|l| l.starts_with("  ") && l.ends_with(" B"))
+        {
+            if let Some(b) = l.rsplit(": ").next().and_then(|b| b.strip_suffix(" B")) {
+                if let Ok(b) = b.parse::<usize>() {
+                    listed += b;
+                    if l.contains(&format!("({op} of ")) {
+                        of_op += 1;
+                    }
+                }
+            }
+        }
+        let total = section
+            .lines()
+            .find_map(|l| l.strip_prefix("bytes rank 0 sends over its dp group per step: "))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|b| b.parse().ok())
+            .unwrap_or_else(|| panic!("no total:\n{section}"));
+        (listed, total, of_op)
+    };
+    let plain = partition(None);
+    assert!(
+        plain.contains("f32[6, 64, 128]"),
+        "one replica's rows:\n{plain}"
+    );
+    assert!(plain.contains("dp group data_t0: ranks 0, 2"), "{plain}");
+    assert!(plain.contains("tp group tensor_d1: ranks 2, 3"), "{plain}");
+    let (listed, total, reduces) = dp_bytes(&plain, "all-reduce");
+    assert_eq!(listed, total);
+    assert!(reduces > 0, "{plain}");
+    let zero2 = partition(Some("2"));
+    let (listed2, total2, scatters) = dp_bytes(&zero2, "reduce-scatter");
+    assert_eq!(listed2, total2);
+    assert!(scatters > 0, "{zero2}");
+    assert!(zero2.contains("(all-gather of "), "{zero2}");
+    // Gradients: all-reduce V ⇒ V sent; reduce-scatter + all-gather ⇒ V/2 + V/2 (plus a few
+    // scalars on each side: the loss, clipping's norms).
+    let diff = total.abs_diff(total2);
+    assert!(diff <= 64, "plain {total} B, ZeRO-2 {total2} B");
+    assert!(total > 100_000, "{total}");
+}

@@ -200,16 +200,11 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         );
     }
     if kind.name() == "tensor" {
-        use dflow_partitioner::strategy::tensor::hand;
         let workers = cluster.num_tasks("worker");
         let tp = args.tp.unwrap_or(workers);
-        // Placements by hand over several tensor-parallel groups: the tp section shows one
-        // replica, fed its part of the batch, then the data-parallel axis.
-        let dp = (tp > 0
-            && workers % tp == 0
-            && workers > tp
-            && hand::declares_placements(&loaded.graph))
-        .then(|| workers / tp);
+        // Several tensor-parallel groups (the GPT's layout or placements by hand): the tp
+        // section shows one replica, fed its part of the batch, then the data-parallel axis.
+        let dp = (tp > 0 && workers % tp == 0 && workers > tp).then(|| workers / tp);
         print!(
             "{}",
             dflow_partitioner::strategy::tensor::render_tensor_plan(
@@ -225,7 +220,7 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
             let mesh = dflow_partitioner::mesh::Mesh::new(dp, tp, 1)?;
             print!(
                 "{}",
-                hand::render_data_parallel(
+                dflow_partitioner::strategy::tensor::render_data_parallel(
                     &loaded.graph,
                     &train,
                     &mesh,

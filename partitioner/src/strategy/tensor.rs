@@ -1918,6 +1918,134 @@ pub fn activation_bytes(g: &ReplicaGraph, tp: usize) -> Option<(usize, usize)> {
     Some((fwd, bwd))
 }
 
+/// Writes to `out` the collectives rank 0 of `first` (its training graph) runs over its
+/// data-parallel group (`dp_group(0)`, `dp` ranks) in one step, in the graph's order, each with
+/// the bytes it sends by the ring algorithms the transport runs; returns their sum.
+fn render_dp_collectives(out: &mut String, first: &ReplicaGraph, dp: usize) -> usize {
+    use std::fmt::Write as _;
+    let typed = &first.graph;
+    let bytes_of = |input: &str| -> usize {
+        match InputRef::parse(input) {
+            Ok(InputRef::Data { node, index }) => typed
+                .find(&node)
+                .and_then(|x| typed.output_type(x, index))
+                .map_or(0, |t| {
+                    t.shape
+                        .as_static()
+                        .map_or(0, |d| d.iter().product::<usize>())
+                        * t.dtype.size_of()
+                }),
+            _ => 0,
+        }
+    };
+    let key = dp_group(0);
+    let mut total = 0usize;
+    for c in first.training.def.nodes.iter().filter(|n| {
+        n.op.starts_with("Collective")
+            && matches!(n.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *key)
+    }) {
+        let Some(input) = c.inputs.first() else {
+            continue;
+        };
+        let b = bytes_of(input);
+        let (what, sent) = match c.op.as_str() {
+            "CollectiveAllReduce" => ("all-reduce", 2 * (dp - 1) * b / dp),
+            "CollectiveReduceScatter" => ("reduce-scatter", (dp - 1) * b / dp),
+            "CollectiveAllGather" => ("all-gather", (dp - 1) * b),
+            other => (other, 0),
+        };
+        total += sent;
+        let _ = writeln!(out, "  {} ({what} of {b} B): {sent} B", c.name);
+    }
+    total
+}
+
+/// `dflow partition`'s data-parallel section for the GPT on a `dp × tp` mesh (the tp section
+/// shows one replica): its groups, and the collectives rank 0 runs over its dp group in one step
+/// (the bucketed gradient all-reduces, or ZeRO's at `zero_stage`) with their bytes, fed `rows`
+/// rows a replica.
+#[allow(clippy::too_many_arguments)]
+pub fn render_data_parallel(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    zero_stage: Option<u8>,
+    features: &str,
+    labels: &str,
+) -> Result<String, StrategyError> {
+    use std::fmt::Write as _;
+    if hand::declares_placements(graph) {
+        return hand::render_data_parallel(
+            graph,
+            spec,
+            mesh,
+            bucket_bytes,
+            zero_stage,
+            features,
+            labels,
+        );
+    }
+    let tg = mesh_training(
+        graph,
+        spec,
+        mesh,
+        bucket_bytes,
+        zero_stage,
+        features,
+        labels,
+    )?;
+    let first = tg
+        .graphs
+        .first()
+        .ok_or_else(|| options("the mesh has no rank".into()))?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\ndata parallelism over tensor-parallel groups: dp={} × tp={} (ranks tp fastest; the tp \
+         section above is one replica's, on its part of the batch)",
+        mesh.dp, mesh.tp
+    );
+    let state = match zero_stage {
+        None => "every gradient summed (bucketed all-reduce)".to_string(),
+        Some(s) => format!("ZeRO stage {s}: shard d of each weight's training state"),
+    };
+    let ranks = |g: &[usize]| {
+        g.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (d, g) in mesh.groups(Axis::Tp).iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  tp group {}: ranks {} (replica {d})",
+            tp_group(mesh, d),
+            ranks(g)
+        );
+    }
+    for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  dp group {}: ranks {} (shard {t}): {state}",
+            dp_group(t),
+            ranks(g)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "collectives rank 0 runs over its dp group {} per step (bytes it sends, ring):",
+        dp_group(0)
+    );
+    let total = render_dp_collectives(&mut out, first, mesh.dp);
+    let _ = writeln!(
+        out,
+        "bytes rank 0 sends over its dp group per step: {total} B (clipping's norm summed over \
+         dp, then tp)"
+    );
+    Ok(out)
+}
+
 /// `dflow partition --strategy tensor`'s section: every weight's placement on the
 /// tensor-parallel axis and every collective rank 0 runs per step with the placement change it
 /// makes and the bytes each rank sends (ring all-reduce, `2(T−1)/T` of the tensor). The

@@ -652,30 +652,7 @@ pub fn render_data_parallel(
         return Ok(out);
     }
     // ZeRO: rank 0's collectives over its DP group, in the graph's order.
-    let _ = writeln!(
-        out,
-        "ZeRO collectives rank 0 runs over its dp group {} per step (bytes it sends, ring):",
-        dp_group(0)
-    );
-    let key = dp_group(0);
-    let mut total = 0usize;
-    for c in first.training.def.nodes.iter().filter(|n| {
-        n.op.starts_with("Collective")
-            && matches!(n.attrs.get("group_key"), Some(AttrValue::String(k)) if **k == *key)
-    }) {
-        let Some(input) = c.inputs.first() else {
-            continue;
-        };
-        let b = bytes_of(input);
-        let (what, sent) = match c.op.as_str() {
-            "CollectiveAllReduce" => ("all-reduce", 2 * (dp - 1) * b / dp),
-            "CollectiveReduceScatter" => ("reduce-scatter", (dp - 1) * b / dp),
-            "CollectiveAllGather" => ("all-gather", (dp - 1) * b),
-            other => (other, 0),
-        };
-        total += sent;
-        let _ = writeln!(out, "  {} ({what} of {b} B): {sent} B", c.name);
-    }
+    let total = super::render_dp_collectives(&mut out, first, dp);
     let _ = writeln!(
         out,
         "bytes rank 0 sends over its dp group per step: {total} B (clipping's norm summed over \
