@@ -782,6 +782,7 @@ fn zero_over_hand_placements_on_dp2_tp2_trains_like_one_process_and_resumes_in_o
         "  w1 f32[64, 32]: dp:Shard(0),tp:Shard(1)",
         "  b2 f32[10]: dp:Shard(0),tp:Replicate",
         "dp group data_t1: ranks 1, 3 (shard 1): ZeRO stage 1",
+        "ZeRO collectives rank 0 runs over its dp group data_t0 per step",
         // Stage 1: the gradients all-reduced (2(D−1)/D = 1×), the updated halves gathered.
         "  zero/bucket_0/all_reduce (all-reduce of 4840 B): 4840 B",
         "  zero/bucket_0/all_gather (all-gather of 2420 B): 2420 B",

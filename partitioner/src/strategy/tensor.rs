@@ -1918,26 +1918,56 @@ pub fn activation_bytes(g: &ReplicaGraph, tp: usize) -> Option<(usize, usize)> {
     Some((fwd, bwd))
 }
 
+/// Bytes of the tensor `input` (`node:index`) names in `g`, 0 when it is not static (or a
+/// control input).
+fn input_bytes(g: &Graph, input: &str) -> usize {
+    match InputRef::parse(input) {
+        Ok(InputRef::Data { node, index }) => g
+            .find(&node)
+            .and_then(|x| g.output_type(x, index))
+            .map_or(0, |t| {
+                t.shape
+                    .as_static()
+                    .map_or(0, |d| d.iter().product::<usize>())
+                    * t.dtype.size_of()
+            }),
+        _ => 0,
+    }
+}
+
+/// Writes to `out` the tensor-parallel and data-parallel groups of `mesh` with their ranks,
+/// each dp group followed by `dp_state` (what it does with the training state).
+fn render_mesh_groups(out: &mut String, mesh: &Mesh, dp_state: &str) {
+    use std::fmt::Write as _;
+    let ranks = |g: &[usize]| {
+        g.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (d, g) in mesh.groups(Axis::Tp).iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  tp group {}: ranks {} (replica {d})",
+            tp_group(mesh, d),
+            ranks(g)
+        );
+    }
+    for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  dp group {}: ranks {} (shard {t}): {dp_state}",
+            dp_group(t),
+            ranks(g)
+        );
+    }
+}
+
 /// Writes to `out` the collectives rank 0 of `first` (its training graph) runs over its
 /// data-parallel group (`dp_group(0)`, `dp` ranks) in one step, in the graph's order, each with
 /// the bytes it sends by the ring algorithms the transport runs; returns their sum.
 fn render_dp_collectives(out: &mut String, first: &ReplicaGraph, dp: usize) -> usize {
     use std::fmt::Write as _;
-    let typed = &first.graph;
-    let bytes_of = |input: &str| -> usize {
-        match InputRef::parse(input) {
-            Ok(InputRef::Data { node, index }) => typed
-                .find(&node)
-                .and_then(|x| typed.output_type(x, index))
-                .map_or(0, |t| {
-                    t.shape
-                        .as_static()
-                        .map_or(0, |d| d.iter().product::<usize>())
-                        * t.dtype.size_of()
-                }),
-            _ => 0,
-        }
-    };
     let key = dp_group(0);
     let mut total = 0usize;
     for c in first.training.def.nodes.iter().filter(|n| {
@@ -1947,7 +1977,7 @@ fn render_dp_collectives(out: &mut String, first: &ReplicaGraph, dp: usize) -> u
         let Some(input) = c.inputs.first() else {
             continue;
         };
-        let b = bytes_of(input);
+        let b = input_bytes(&first.graph, input);
         let (what, sent) = match c.op.as_str() {
             "CollectiveAllReduce" => ("all-reduce", 2 * (dp - 1) * b / dp),
             "CollectiveReduceScatter" => ("reduce-scatter", (dp - 1) * b / dp),
@@ -2010,28 +2040,7 @@ pub fn render_data_parallel(
         None => "every gradient summed (bucketed all-reduce)".to_string(),
         Some(s) => format!("ZeRO stage {s}: shard d of each weight's training state"),
     };
-    let ranks = |g: &[usize]| {
-        g.iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    for (d, g) in mesh.groups(Axis::Tp).iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "  tp group {}: ranks {} (replica {d})",
-            tp_group(mesh, d),
-            ranks(g)
-        );
-    }
-    for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "  dp group {}: ranks {} (shard {t}): {state}",
-            dp_group(t),
-            ranks(g)
-        );
-    }
+    render_mesh_groups(&mut out, mesh, &state);
     let _ = writeln!(
         out,
         "collectives rank 0 runs over its dp group {} per step (bytes it sends, ring):",

@@ -27,8 +27,8 @@
 
 use super::super::allreduce::{check_job, fresh, worker_device};
 use super::{
-    data, data_parallel_step, dp_group, eval_copy, onto_rank, options, prune, shard_name,
-    shard_variable, tp_group, Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
+    data, data_parallel_step, eval_copy, onto_rank, options, prune, shard_name, shard_variable,
+    Nodes, RankAt, ShardedWeight, TensorGraphs, GROUP,
 };
 use crate::mesh::Mesh;
 use crate::sharding::propagate::{propagate, Inserted, PlacementPlan};
@@ -514,7 +514,6 @@ pub fn render_data_parallel(
     features: &str,
     labels: &str,
 ) -> Result<String, StrategyError> {
-    use crate::mesh::Axis;
     use dflow_graph::sharding::{AxisPlacements, Placement};
     use std::fmt::Write as _;
     let (stage, whole) = zero_layout(graph, mesh, flag)?;
@@ -587,51 +586,15 @@ pub fn render_data_parallel(
         };
         let _ = writeln!(out, "  {} {ty}: {p}", v.name);
     }
-    let ranks = |g: &[usize]| {
-        g.iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    for (d, g) in mesh.groups(Axis::Tp).iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "  tp group {}: ranks {} (replica {d})",
-            tp_group(mesh, d),
-            ranks(g)
-        );
-    }
     let first = tg
         .graphs
         .first()
         .ok_or_else(|| options("the mesh has no rank".into()))?;
-    let typed = &first.graph;
-    let bytes_of = |input: &str| -> usize {
-        match InputRef::parse(input) {
-            Ok(InputRef::Data { node, index }) => typed
-                .find(&node)
-                .and_then(|x| typed.output_type(x, index))
-                .map_or(0, |t| {
-                    t.shape
-                        .as_static()
-                        .map_or(0, |d| d.iter().product::<usize>())
-                        * t.dtype.size_of()
-                }),
-            _ => 0,
-        }
-    };
     let summed = match stage {
         None => "every gradient summed".to_string(),
         Some(s) => format!("ZeRO stage {s}, shard d of each weight's training state"),
     };
-    for (t, g) in mesh.groups(Axis::Dp).iter().enumerate() {
-        let _ = writeln!(
-            out,
-            "  dp group {}: ranks {} (shard {t}): {summed}",
-            dp_group(t),
-            ranks(g)
-        );
-    }
+    super::render_mesh_groups(&mut out, mesh, &summed);
     if stage.is_none() {
         // Rank 0's gradient buckets: every input of its DP group's PackFlats.
         let grads: usize = first
@@ -641,7 +604,7 @@ pub fn render_data_parallel(
             .iter()
             .filter(|n| n.op == "PackFlat" && n.name.starts_with("dp/bucket_"))
             .flat_map(|p| p.inputs.iter())
-            .map(|i| bytes_of(i))
+            .map(|i| super::input_bytes(&first.graph, i))
             .sum();
         let _ = writeln!(
             out,
@@ -652,6 +615,11 @@ pub fn render_data_parallel(
         return Ok(out);
     }
     // ZeRO: rank 0's collectives over its DP group, in the graph's order.
+    let _ = writeln!(
+        out,
+        "ZeRO collectives rank 0 runs over its dp group {} per step (bytes it sends, ring):",
+        super::dp_group(0)
+    );
     let total = super::render_dp_collectives(&mut out, first, dp);
     let _ = writeln!(
         out,
