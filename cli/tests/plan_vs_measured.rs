@@ -96,7 +96,8 @@ fn predicted_traffic(
 }
 
 /// Every task of `measured` sent exactly the predicted bytes of `steps` training steps and
-/// `evals` evaluation batches, over the data plane and in collectives.
+/// `evals` evaluation batches, over the data plane and in collectives, and exactly the
+/// predicted collective messages (the step-time model prices each).
 fn assert_traffic(
     what: &str,
     (step, eval): &(Vec<accounting::TaskTraffic>, Vec<accounting::TaskTraffic>),
@@ -129,6 +130,14 @@ fn assert_traffic(
             "{what}, {}: collective bytes in {steps} steps and {evals} evaluation(s), predicted {} B per step and {eval_coll} B per evaluation",
             m.task,
             p.collective
+        );
+        let eval_messages = e.map_or(0, |e| e.collective_messages) as u64;
+        assert_eq!(
+            m.collective_messages,
+            p.collective_messages as u64 * steps + eval_messages * evals,
+            "{what}, {}: collective messages in {steps} steps and {evals} evaluation(s), predicted {} per step and {eval_messages} per evaluation",
+            m.task,
+            p.collective_messages
         );
     }
 }

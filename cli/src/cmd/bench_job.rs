@@ -12,8 +12,9 @@
 //! [`BYTES_WIDTH`]), transcendental elements ([`TRANSCENDENTAL_CHAIN`] `Gelu`); and they vary
 //! the shape of the job: 4 tasks on the host's cores (the base, the chain and the products
 //! again), calls between computations (ZeRO-3 on a [`DEEP`]-layer MLP: an all-gather before
-//! every layer's product, forward and backward) and a pipeline (2 stages of a [`DEEP`]-layer
-//! MLP, 4 micro-batches, one process a stage as `dflow run --job worker` runs it). The runs go
+//! every layer's product, forward and backward; on 2 tasks and on 4 sharing the 2 cores) and a
+//! pipeline (2 stages of a [`DEEP`]-layer MLP, 4 and 8 micro-batches, one process a stage as
+//! `dflow run --job worker` runs it: the values between stages). The runs go
 //! round the jobs (one run of each, `--runs` times), so that a change of the machine's load
 //! falls on all of them. The planner's own counts of each job plan (planner `runtime::work`)
 //! turn each median into one equation of the model of planner `runtime::job_step`; planner
@@ -106,7 +107,7 @@ const BASE: Variant = Variant {
 };
 
 /// The calibration jobs (see the module): none is a model of the planner's comparison table.
-const JOBS: [Variant; 11] = [
+const JOBS: [Variant; 13] = [
     BASE,
     Variant {
         name: "chain",
@@ -168,8 +169,22 @@ const JOBS: [Variant; 11] = [
         ..BASE
     },
     Variant {
+        name: "zero-3 4 tasks (calls between products on shared cores)",
+        layout: "dp=4,zero=3",
+        hidden: DEEP_WIDTH,
+        layers: DEEP,
+        ..BASE
+    },
+    Variant {
         name: "pipeline",
         layout: "pp=2,m=4",
+        hidden: DEEP_WIDTH,
+        layers: DEEP,
+        ..BASE
+    },
+    Variant {
+        name: "pipeline, 8 micro-batches",
+        layout: "pp=2,m=8",
         hidden: DEEP_WIDTH,
         layers: DEEP,
         ..BASE
@@ -423,6 +438,7 @@ const START: JobCosts = JobCosts {
     task: 10e-6,
     op: 0.2e-6,
     collective: 15e-6,
+    value: 25e-6,
     flops_per_second: 50e9,
     bytes_per_second: 12e9,
     transcendentals_per_second: 150e6,
@@ -481,11 +497,12 @@ pub fn measure(
             .max_by_key(|w| (w.ops, w.collective_calls))
             .context("the calibration job has no tasks")?;
         eprintln!(
-            "# job {}: {} tasks; busiest {} ops, {} calls + {} values sent/received, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals; step median {:.1} µs ({:.1}–{:.1}), fit {:+.0}%",
+            "# job {}: {} tasks; busiest {} ops, {} calls ({} messages) + {} values sent/received, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals; step median {:.1} µs ({:.1}–{:.1}), fit {:+.0}%",
             job.name,
             job.work.len(),
             busiest.ops,
             busiest.collective_calls,
+            busiest.collective_messages,
             busiest.values + busiest.received,
             busiest.product_flops as f64 / 1e6,
             busiest.bytes as f64 / 1e6,
@@ -578,7 +595,14 @@ mod tests {
             "{pipe:?}"
         );
         assert!((bubble - 0.2).abs() < 1e-12, "{bubble}");
-        // The full-size jobs determine the seven costs (no cost the others explain).
+        // Twice the micro-batches send twice the values.
+        let (_, pipe8, _) = by("pipeline, 8 micro-batches");
+        assert_eq!(pipe8[0].values, 2 * pipe[0].values, "{pipe8:?} {pipe:?}");
+        // Four tasks on the two cores, each gathering before every layer.
+        let (_, zero4, _) = by("zero-3 4 tasks (calls between products on shared cores)");
+        assert_eq!(zero4.len(), 4);
+        assert_eq!(zero4[0].collective_calls, zero[0].collective_calls, "{zero4:?}");
+        // The full-size jobs determine the eight costs (no cost the others explain).
         let full: Vec<runtime::CalibrationJob> = JOBS
             .into_iter()
             .map(|v| {

@@ -15,7 +15,7 @@
 //! bytes); with more threads the ready nodes run in orders that vary from run to run, and a
 //! measured peak varies around the one-thread count (docs/planner.md gives the spread).
 
-use super::collective::{rank_bytes, Call};
+use super::collective::{rank_bytes, rank_messages, Call};
 use super::executor_order::run_order;
 use super::layout::Layout;
 use crate::strategy::{JobInput, JobPlan, StrategyKind, StrategyOptions};
@@ -315,6 +315,9 @@ pub struct TaskTraffic {
     pub collective: u64,
     /// Collective calls it makes.
     pub collective_calls: usize,
+    /// Messages it sends in them, by the algorithm the transport runs
+    /// ([`super::collective::rank_messages`]: each a step with a peer).
+    pub collective_messages: usize,
 }
 
 /// The transport's call for a collective op of a job plan, if `op` communicates.
@@ -385,6 +388,7 @@ fn signatures_traffic<'a>(
                 values: 0,
                 collective: 0,
                 collective_calls: 0,
+                collective_messages: 0,
             });
             for idx in g.node_indices() {
                 let node = g.node(idx);
@@ -438,6 +442,8 @@ fn signatures_traffic<'a>(
                     let (elements, size) = input_bytes()?;
                     entry.collective += rank_bytes(call, ranks.len(), rank, elements, size);
                     entry.collective_calls += 1;
+                    entry.collective_messages +=
+                        rank_messages(call, ranks.len(), rank, elements, size);
                 }
             }
         }

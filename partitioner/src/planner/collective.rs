@@ -318,6 +318,60 @@ pub fn rank_bytes(call: Call, n: usize, rank: usize, elements: usize, size: usiz
     sent as u64
 }
 
+/// The transport's default chunk (`CommOptions::chunk_bytes`): the rings and chains cut every
+/// block into messages of at most this many bytes.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// The messages rank `rank` of a group of `n` sends in one `call` on an input of `elements`
+/// elements of `size` bytes each, as the transport's algorithms send them (what its channel
+/// counts as messages): each is a step the rank takes with a peer (a handshake and a wait on
+/// the other side), so a call's latency grows with them: one for a 2-rank all-gather, `n − 1`
+/// for a ring's, `2(n − 1)` for a ring all-reduce, each ring step cut into chunks of
+/// [`CHUNK_BYTES`].
+pub fn rank_messages(call: Call, n: usize, rank: usize, elements: usize, size: usize) -> usize {
+    if n <= 1 || rank >= n {
+        return 0;
+    }
+    let bytes = elements * size;
+    let small = bytes as f64 <= SMALL_BYTES;
+    let chunk = (CHUNK_BYTES / size.max(1)).max(1);
+    // A ring step sends as many chunks as block 0 (the longest) needs, at least one.
+    let ring_step = |len: usize| block_len(len, n, 0).div_ceil(chunk).max(1);
+    match call {
+        Call::AllReduce if small => {
+            let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+            if rank >= p2 {
+                1
+            } else {
+                p2.trailing_zeros() as usize + usize::from(rank < n - p2)
+            }
+        }
+        Call::AllReduce => 2 * (n - 1) * ring_step(elements),
+        Call::ReduceScatter => (n - 1) * ring_step(elements),
+        Call::AllGather => (n - 1) * ring_step(elements * n),
+        Call::Broadcast { root } => {
+            let vr = (rank + n - root % n) % n;
+            if small {
+                let top = if vr == 0 {
+                    n.next_power_of_two()
+                } else {
+                    1 << vr.trailing_zeros()
+                };
+                (0..usize::BITS)
+                    .map(|b| 1usize << b)
+                    .take_while(|&m| m < top)
+                    .filter(|&m| vr + m < n)
+                    .count()
+            } else if vr + 1 < n {
+                elements.div_ceil(chunk).max(1)
+            } else {
+                0
+            }
+        }
+        Call::AllToAll => n - 1,
+    }
+}
+
 /// One point-to-point message of `bytes` over `link`.
 pub fn p2p_seconds(link: Link, bytes: f64) -> f64 {
     if bytes <= 0.0 {
@@ -401,7 +455,8 @@ mod tests {
     }
 
     /// Every call on `n` in-process ranks of dflow's transport: each rank's counted bytes
-    /// equal [`rank_bytes`], for sizes on both sides of the small/large switch, lengths that
+    /// equal [`rank_bytes`] and its messages [`rank_messages`], for sizes on both sides of the
+    /// small/large switch and of a chunk, lengths that
     /// do not split evenly, and group sizes that are not powers of two.
     #[test]
     fn rank_bytes_are_what_the_transport_sends() {
@@ -415,14 +470,14 @@ mod tests {
             Call::AllToAll,
         ];
         for n in [2usize, 3, 4, 5] {
-            for elements in [1usize, 7, 1000, 16_385, 40_003] {
+            for elements in [1usize, 7, 1000, 16_385, 40_003, 600_007] {
                 for call in calls {
                     let elements = match call {
                         Call::AllToAll | Call::ReduceScatter => elements.div_ceil(n) * n,
                         _ => elements,
                     };
                     let comms = Communicator::in_process(n, CommOptions::default());
-                    let sent: Vec<u64> = std::thread::scope(|s| {
+                    let sent: Vec<dflow_transport::Traffic> = std::thread::scope(|s| {
                         let handles: Vec<_> = comms
                             .into_iter()
                             .map(|c| {
@@ -445,21 +500,26 @@ mod tests {
                                         }
                                     }
                                     .unwrap();
-                                    c.sent().bytes
+                                    c.sent()
                                 })
                             })
                             .collect();
                         handles.into_iter().map(|h| h.join().unwrap()).collect()
                     });
-                    for (rank, &bytes) in sent.iter().enumerate() {
+                    for (rank, sent) in sent.iter().enumerate() {
                         let call = match call {
                             Call::Broadcast { root } => Call::Broadcast { root: root % n },
                             c => c,
                         };
                         assert_eq!(
-                            bytes,
+                            sent.bytes,
                             rank_bytes(call, n, rank, elements, 4),
                             "{call:?} of {elements} f32 on rank {rank} of {n}"
+                        );
+                        assert_eq!(
+                            sent.messages,
+                            rank_messages(call, n, rank, elements, 4) as u64,
+                            "messages of {call:?} of {elements} f32 on rank {rank} of {n}"
                         );
                     }
                 }

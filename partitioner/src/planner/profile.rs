@@ -96,10 +96,17 @@ pub struct JobCosts {
     /// nearly every node is dispatched alone: its batch dimension is unknown to the executor's
     /// plan, so it is not one of the cheap nodes batched on one runner.
     pub op: f64,
-    /// Per collective call a task makes, and per value it sends to another task, beyond its
-    /// `bytes/β`: the link's latency, the handshake and the waits of a thread woken by the
-    /// other side (0: the link's latency α alone).
+    /// Per message a task sends in its collective calls (each a step with a peer: one for a
+    /// 2-rank all-gather or small all-reduce, `n − 1` for a ring all-gather over `n` ranks),
+    /// beyond its `bytes/β`: the link's latency, the handshake and the waits of a thread woken
+    /// by the other side (0: the link's latency α alone). Profiles before the per-message
+    /// count fitted it per call, which is one message for most 2-rank calls.
     pub collective: f64,
+    /// Per value a task sends to another task's `Recv`, and per value it receives, beyond its
+    /// `bytes/β`: the sender's call, the receiver's wake-up and the stage's wait on it (a
+    /// pipeline's stages wait on each other's values; 0: priced as a collective call, as
+    /// older profiles were).
+    pub value: f64,
     /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
@@ -282,6 +289,7 @@ impl ClusterProfile {
                 self.job.transcendentals_per_second,
             ),
             ("job.collective", self.job.collective),
+            ("job.value", self.job.value),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {

@@ -279,8 +279,8 @@ pub fn traffic(tasks: &[super::accounting::TaskTraffic]) -> String {
     );
     for t in tasks {
         s.push_str(&format!(
-            "    {}: {} B in {} values over the data plane, {} B in {} collective calls\n",
-            t.task, t.data_plane, t.values, t.collective, t.collective_calls
+            "    {}: {} B in {} values over the data plane, {} B in {} collective calls ({} messages)\n",
+            t.task, t.data_plane, t.values, t.collective, t.collective_calls, t.collective_messages
         ));
     }
     s

@@ -4,21 +4,24 @@
 //! a large model on GPUs. A small model on this machine spends most of a step in dflow's own
 //! distributed step path: the chief's batching, feeds and fetch and the step's dispatch to
 //! every task (per step), the executor's dispatch of every node of a task's partition (per op),
-//! and each collective call's handshake and the wake-ups of the threads waiting on it (per
-//! call). Those costs are the profile's [`JobCosts`], measured by `dflow bench calibrate` on
+//! and each collective message's handshake and the wake-ups of the threads waiting on it (per
+//! message). Those costs are the profile's [`JobCosts`], measured by `dflow bench calibrate` on
 //! small 2-worker jobs; the counts come from the job plan `dflow run` makes for the layout
 //! ([`super::accounting::job_plan`]): its partitions' nodes, its collective ops and their bytes
 //! ([`super::accounting::traffic`]).
 //!
-//! A step is `job.step + tasks · job.task + cpu + communication`, where a task's cpu time is its share of the
-//! layout's compute (the analytical FLOPs, with the pipeline's bubble, at the job's FLOP/s)
-//! plus `ops · job.op`, the
-//! tasks sharing the host's cores (`max(busiest task, Σ tasks / cores)`: 4 tasks on 2 cores
-//! take twice as long as 2), and a task's communication is `calls · job.collective + bytes / β`
-//! over a link inside the host (`job.collective` includes the link's latency α; α alone when it
-//! is 0), the same per value sent to another task and per value received from one (a pipeline's
-//! stages wait on each other: the sender's call and the receiver's wake-up are both on the
-//! step's path).
+//! A step is `job.step + tasks · job.task + cpu + communication`, where a task's cpu time is its
+//! share of the layout's compute (the analytical FLOPs, with the pipeline's bubble, at the job's
+//! FLOP/s) plus `ops · job.op`, and a task's communication is `messages · job.collective +
+//! values · job.value + bytes / β` (its collective calls' messages: each a step with a peer, so a
+//! 4-rank ring all-gather pays three where a 2-rank one pays one) over a link inside the host (`job.collective` includes the link's
+//! latency α; α alone when it is 0; `job.value` is the collective's cost when 0): per value
+//! sent to another task and per value received from one (a pipeline's stages wait on each
+//! other: the sender's call and the receiver's wake-up are both on the step's path). The tasks
+//! share the host's cores: the step's cpu and communication are the busiest task's, or all
+//! tasks' over the cores when that is more (`max(busiest, Σ tasks / cores)`: 4 tasks on 2 cores
+//! take twice as long as 2). A call's handshake and wake-ups are work on the cores too: 4 tasks
+//! that synchronize inside the step each wait for a core as well as for their peer.
 //!
 //! The step is linear in the costs once the busiest task and the branches of the maxima are
 //! chosen ([`job_terms`]); [`fit_job_costs`] fits the costs to measured calibration jobs by
@@ -51,6 +54,9 @@ pub struct TaskWork {
     pub transcendentals: u64,
     /// Collective calls it makes.
     pub collective_calls: usize,
+    /// Messages it sends in them (each a step with a peer: 1 for a 2-rank all-gather, 3 for a
+    /// 4-rank ring's; [`super::collective::rank_messages`]).
+    pub collective_messages: usize,
     /// Bytes it sends in collectives.
     pub collective_bytes: u64,
     /// Values it sends to other tasks' Recvs.
@@ -180,6 +186,7 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
             TaskWork {
                 task: t.task,
                 collective_calls: t.collective_calls,
+                collective_messages: t.collective_messages,
                 collective_bytes: t.collective,
                 values: t.values,
                 data_plane_bytes: t.data_plane,
@@ -200,10 +207,11 @@ pub struct JobStep {
     pub compute: f64,
     /// The busiest task's ops times the per-op costs.
     pub ops: f64,
-    /// CPU time of the step: compute and ops of the busiest task, or of all tasks over the
-    /// host's cores when they are more than the cores.
+    /// CPU time of the step: compute and ops of the busiest task, or (when the tasks are more
+    /// than the cores) all tasks' compute, ops and communication over the host's cores less
+    /// [`JobStep::communication`].
     pub cpu: f64,
-    /// The busiest task's collective calls and sends.
+    /// The busiest task's collective messages and its sent and received values.
     pub communication: f64,
 }
 
@@ -241,6 +249,15 @@ pub fn task_dispatch(t: &TaskWork, job: &JobCosts) -> f64 {
     t.ops as f64 * job.op
 }
 
+/// The seconds a value sent or received costs under `job`: `job.value`, else a call's.
+fn value_cost(job: &JobCosts, call: f64) -> f64 {
+    if job.value > 0.0 {
+        job.value
+    } else {
+        call
+    }
+}
+
 /// The step of a job whose tasks do `work`, on `profile`'s hosts (`cores` per host: the tasks
 /// of one host share them). A task computes for `compute` seconds (the analytical figure) when
 /// the profile has no per-op-kind rates, else for its own nodes' [`task_compute`]; a pipeline
@@ -263,43 +280,49 @@ pub fn job_step(
     } else {
         1.0
     };
-    let busiest = work.iter().map(cpu_of).fold(0.0, f64::max) * stretch;
-    let shared = work.iter().map(cpu_of).sum::<f64>() / cores.max(1) as f64;
-    let ops = work
-        .iter()
-        .map(|t| task_dispatch(t, &job))
-        .fold(0.0, f64::max);
-    let computes = work.iter().map(compute_of).fold(0.0, f64::max) * stretch;
     // A calibrated call cost includes the link's latency; uncalibrated, the latency alone.
     let call = if job.collective > 0.0 {
         job.collective
     } else {
         link.latency
     };
-    let communication = work
+    let value = value_cost(&job, call);
+    let communication_of = |t: &TaskWork| {
+        t.collective_messages as f64 * call
+            + (t.values + t.received) as f64 * value
+            + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
+    };
+    let busiest = work.iter().map(cpu_of).fold(0.0, f64::max) * stretch;
+    let communication = work.iter().map(communication_of).fold(0.0, f64::max);
+    // Tasks beyond the cores share them: their computing and their calls' handshakes and
+    // wake-ups alike.
+    let shared = work
         .iter()
-        .map(|t| {
-            t.collective_calls as f64 * call
-                + (t.values + t.received) as f64 * call
-                + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
-        })
+        .map(|t| cpu_of(t) + communication_of(t))
+        .sum::<f64>()
+        / cores.max(1) as f64;
+    let ops = work
+        .iter()
+        .map(|t| task_dispatch(t, &job))
         .fold(0.0, f64::max);
+    let computes = work.iter().map(compute_of).fold(0.0, f64::max) * stretch;
     JobStep {
         step: job.step + work.len() as f64 * job.task,
         compute: computes,
         ops,
-        cpu: busiest.max(shared),
+        cpu: busiest.max(shared - communication),
         communication,
     }
 }
 
 /// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
 /// [`JobCosts`] as seconds per unit of work (a rate as its inverse).
-pub const JOB_UNKNOWNS: [&str; 7] = [
+pub const JOB_UNKNOWNS: [&str; 8] = [
     "step",
     "task",
     "op",
     "collective",
+    "value",
     "seconds per product FLOP",
     "seconds per byte",
     "seconds per transcendental element",
@@ -307,13 +330,14 @@ pub const JOB_UNKNOWNS: [&str; 7] = [
 
 impl JobCosts {
     /// The costs as the unknowns of [`JOB_UNKNOWNS`] (a rate of 0, not modelled, as 0 s).
-    pub fn unknowns(&self) -> [f64; 7] {
+    pub fn unknowns(&self) -> [f64; 8] {
         let inverse = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
         [
             self.step,
             self.task,
             self.op,
             self.collective,
+            self.value,
             inverse(self.flops_per_second),
             inverse(self.bytes_per_second),
             inverse(self.transcendentals_per_second),
@@ -322,30 +346,33 @@ impl JobCosts {
 
     /// The costs from the unknowns of [`JOB_UNKNOWNS`] (0 s per unit: a rate of 0, which the
     /// model reads as not modelled).
-    pub fn from_unknowns(x: &[f64; 7]) -> JobCosts {
+    pub fn from_unknowns(x: &[f64; 8]) -> JobCosts {
         let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
         JobCosts {
             step: x[0],
             task: x[1],
             op: x[2],
             collective: x[3],
-            flops_per_second: rate(x[4]),
-            bytes_per_second: rate(x[5]),
-            transcendentals_per_second: rate(x[6]),
+            value: x[4],
+            flops_per_second: rate(x[5]),
+            bytes_per_second: rate(x[6]),
+            transcendentals_per_second: rate(x[7]),
         }
     }
 }
 
 /// A job's step as a linear function of the [`JOB_UNKNOWNS`]: `fixed + counts · unknowns`
-/// equals [`job_step`]'s total for a calibrated profile whose costs chose the same busiest
-/// task, the same branch of `max(busiest, Σ / cores)` and the same busiest communicator.
+/// equals [`job_step`]'s total for a calibrated profile (its `value` cost given) whose costs
+/// chose the same busiest task, the same branch of `max(busiest, Σ / cores)` and the same
+/// busiest communicator.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobTerms {
-    /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes (or all
-    /// tasks' over the cores, with the bubble's stretch), its calls and sent and received
-    /// values, its products' FLOPs, its other ops' bytes, its transcendental elements.
-    pub counts: [f64; 7],
-    /// Seconds not depending on the unknowns: the busiest communicator's bytes over β.
+    /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes,
+    /// collective messages and sent and received values (or all tasks' over the cores, with the bubble's stretch
+    /// on the nodes), its products' FLOPs, its other ops' bytes, its transcendental elements.
+    pub counts: [f64; 8],
+    /// Seconds not depending on the unknowns: the busiest communicator's bytes over β (or all
+    /// tasks' over the cores).
     pub fixed: f64,
 }
 
@@ -366,48 +393,59 @@ pub fn job_terms(
             0.0,
             t.ops as f64,
             0.0,
+            0.0,
             t.product_flops as f64,
             t.bytes as f64,
             t.transcendentals as f64,
         ]
     };
-    let value = |c: &[f64; 7]| c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+    // A task's communication: its calls, its values, and its bytes over β (fixed).
+    let communication = |t: &TaskWork| {
+        let mut c = [0.0; 8];
+        c[3] = t.collective_messages as f64;
+        c[4] = (t.values + t.received) as f64;
+        (
+            c,
+            (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth,
+        )
+    };
+    let value = |c: &[f64; 8], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
     let stretch = if bubble > 0.0 && bubble < 1.0 {
         1.0 / (1.0 - bubble)
     } else {
         1.0
     };
-    let busiest = work
+    let busiest_cpu = work
         .iter()
         .map(cpu_counts)
-        .max_by(|a, b| value(a).total_cmp(&value(b)))
+        .max_by(|a, b| value(a, 0.0).total_cmp(&value(b, 0.0)))
         .unwrap_or_default()
         .map(|c| c * stretch);
-    let mut shared = [0.0; 7];
-    for t in work {
-        for (s, c) in shared.iter_mut().zip(cpu_counts(t)) {
-            *s += c / cores.max(1) as f64;
-        }
+    let (busiest_comm, comm_fixed) = work
+        .iter()
+        .map(communication)
+        .max_by(|a, b| value(&a.0, a.1).total_cmp(&value(&b.0, b.1)))
+        .unwrap_or_default();
+    let mut busiest = busiest_cpu;
+    for (b, c) in busiest.iter_mut().zip(busiest_comm) {
+        *b += c;
     }
-    let mut counts = if value(&busiest) >= value(&shared) {
-        busiest
+    let mut shared = [0.0; 8];
+    let mut shared_fixed = 0.0;
+    for t in work {
+        let (comm, fixed) = communication(t);
+        for ((s, c), m) in shared.iter_mut().zip(cpu_counts(t)).zip(comm) {
+            *s += (c + m) / cores.max(1) as f64;
+        }
+        shared_fixed += fixed / cores.max(1) as f64;
+    }
+    let (mut counts, fixed) = if value(&busiest, comm_fixed) >= value(&shared, shared_fixed) {
+        (busiest, comm_fixed)
     } else {
-        shared
+        (shared, shared_fixed)
     };
     counts[0] = 1.0;
     counts[1] = work.len() as f64;
-    let communication = |t: &TaskWork| {
-        (
-            (t.collective_calls + t.values + t.received) as f64,
-            (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth,
-        )
-    };
-    let (calls, fixed) = work
-        .iter()
-        .map(communication)
-        .max_by(|a, b| (a.0 * job.collective + a.1).total_cmp(&(b.0 * job.collective + b.1)))
-        .unwrap_or_default();
-    counts[3] = calls;
     JobTerms { counts, fixed }
 }
 
@@ -456,7 +494,7 @@ pub fn fit_job_costs(
             break;
         }
         let f = super::fit::fit(&obs, &JOB_UNKNOWNS)?;
-        let mut x = [0.0; 7];
+        let mut x = [0.0; 8];
         x.copy_from_slice(&f.costs);
         costs = JobCosts::from_unknowns(&x);
         result = Some(f);
@@ -500,6 +538,7 @@ mod tests {
             task: format!("t{ops}"),
             ops,
             collective_calls: calls,
+            collective_messages: calls,
             ..TaskWork::default()
         }
     }
@@ -538,6 +577,7 @@ mod tests {
             task: 12e-6,
             op: 0.2e-6,
             collective: 15e-6,
+            value: 25e-6,
             flops_per_second: 50e9,
             bytes_per_second: 12e9,
             transcendentals_per_second: 150e6,
@@ -562,6 +602,7 @@ mod tests {
                 bytes,
                 transcendentals: tanh,
                 collective_calls: calls,
+                collective_messages: calls,
                 collective_bytes: 4096,
                 ..TaskWork::default()
             })
@@ -576,6 +617,11 @@ mod tests {
         pipeline[1].received = 8;
         pipeline[1].values = 8;
         pipeline[0].received = 8;
+        let mut longer = job(2, 200, 0, 1_500_000, 300_000, 0);
+        for t in &mut longer {
+            t.values = 16;
+            t.received = 16;
+        }
         vec![
             ("base".into(), job(2, 40, 2, 10_000, 20_000, 0), 0.0),
             ("chain".into(), job(2, 1640, 2, 10_000, 300_000, 0), 0.0),
@@ -594,6 +640,7 @@ mod tests {
             ("base x4".into(), job(4, 40, 2, 10_000, 20_000, 0), 0.0),
             ("chain x4".into(), job(4, 1640, 2, 10_000, 300_000, 0), 0.0),
             ("pipeline".into(), pipeline, 0.2),
+            ("pipeline m8".into(), longer, 1.0 / 9.0),
         ]
     }
 
@@ -662,6 +709,13 @@ mod tests {
         first.received = 4;
         let s = job_step(&[first.clone()], 0.0, 0.0, &p, 2);
         assert!((s.communication - 80e-6).abs() < 1e-12, "{s:?}");
+        // With its own cost a value is priced apart from the calls.
+        let mut p = p;
+        p.job.value = 3e-6;
+        first.collective_calls = 1;
+        first.collective_messages = 1;
+        let s = job_step(&[first], 0.0, 0.0, &p, 2);
+        assert!((s.communication - 34e-6).abs() < 1e-12, "{s:?}");
     }
 
     #[test]
@@ -678,6 +732,28 @@ mod tests {
         // Uneven tasks: the busiest when it outweighs the share.
         let s = job_step(&[task(300, 0), task(10, 0), task(10, 0)], 0.0, 0.0, &p, 2);
         assert!((s.cpu - 300e-6).abs() < 1e-12, "{s:?}");
+    }
+
+    #[test]
+    fn tasks_beyond_the_cores_share_them_for_their_calls_too() {
+        let p = costs();
+        // Two tasks on two cores: 50 µs of ops and 2 calls of 10 µs each.
+        let two = job_step(&[task(50, 2), task(50, 2)], 0.0, 0.0, &p, 2);
+        assert!((two.cpu + two.communication - 70e-6).abs() < 1e-12, "{two:?}");
+        // Four on two cores: every task's ops and calls over the cores, twice two's.
+        let four = [task(50, 2), task(50, 2), task(50, 2), task(50, 2)];
+        let s = job_step(&four, 0.0, 0.0, &p, 2);
+        assert!((s.cpu + s.communication - 140e-6).abs() < 1e-12, "{s:?}");
+        assert!((s.communication - 20e-6).abs() < 1e-12, "{s:?}");
+        // The linear terms agree on that branch.
+        let mut c = calibrated();
+        c.job.value = 25e-6;
+        let s = job_step(&four, 0.0, 0.0, &c, 2);
+        let t = job_terms(&four, 0.0, 2, c.intra_host, &c.job);
+        let x = c.job.unknowns();
+        let linear = t.fixed + t.counts.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+        assert!((linear / s.total() - 1.0).abs() < 1e-12, "{linear} {s:?}");
+        assert_eq!(t.counts[3], 4.0 * 2.0 / 2.0, "{t:?}");
     }
 
     #[test]
