@@ -6,9 +6,10 @@
 //! with the uninterrupted run's next-step loss; at stage 3 each rank's variable bytes are its
 //! stage's weights and slots sharded in two, exactly; `dflow partition` shows each stage's
 //! replicas holding their shards of that stage's slots only. Beside tensor parallelism inside
-//! the stages (`--mesh dp=2,tp=2,pp=2 --zero-stage 1|2`, 8 tasks in one process, each
-//! (stage, shard) sharding its Adam slots over its data-parallel group), the losses and final
-//! weights and slots are the one-process run's too, and a checkpoint resumes in one process.
+//! the stages (`--mesh dp=2,tp=2,pp=2 --zero-stage 1|2|3`, 8 tasks in one process, each
+//! (stage, shard) sharding its Adam slots over its data-parallel group, at stage 3 its weights
+//! too, gathered per micro-batch), the losses and final weights and slots are the one-process
+//! run's too, and a checkpoint resumes in one process.
 
 mod support;
 
@@ -287,12 +288,30 @@ fn mesh3d_flags(cluster: &Path, stage: &str) -> Vec<String> {
 #[test]
 fn dp2_tp2_pp2_with_zero_1_and_2_trains_the_gpt_like_one_process_and_resumes_in_one() {
     let _serial = serial();
-    let dir = scratch("mesh3d-zero");
+    mesh3d_zero_trains_like_one_process_and_resumes_in_one("mesh3d-zero", &["1", "2"]);
+}
+
+#[test]
+fn dp2_tp2_pp2_with_zero3_trains_the_gpt_like_one_process_and_resumes_in_one() {
+    let _serial = serial();
+    // Each (stage, tp shard)'s weights are flat-sharded over its dp group and gathered on the
+    // stage's worker before each micro-batch's forward and backward use.
+    mesh3d_zero_trains_like_one_process_and_resumes_in_one("mesh3d-zero3", &["3"]);
+}
+
+/// Under `--mesh dp=2,tp=2,pp=2 --zero-stage <stage>` (each of `stages`, 8 tasks in this
+/// process, in scratch directory `name`), 3 steps have the one-process run's losses and
+/// weights and Adam slots, and their checkpoint resumes in one process with the uninterrupted
+/// run's step-4 loss.
+fn mesh3d_zero_trains_like_one_process_and_resumes_in_one(name: &str, stages: &[&str]) {
+    let dir = scratch(name);
     let graph = gpt_file(&dir);
     let one_ckpt = dir.join("ckpt-one");
     let one = local_run(&graph, 4, &one_ckpt, &[]);
     let cluster = workers_file(&dir, 8);
-    for stage in ["1", "2"] {
+    let straight3 = dir.join("ckpt-one-3");
+    local_run(&graph, 3, &straight3, &[]);
+    for &stage in stages {
         let flags = mesh3d_flags(&cluster, stage);
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         // 3 steps under dp2×tp2×pp2 with ZeRO, checkpointed; its weights and Adam slots (whole
@@ -301,10 +320,6 @@ fn dp2_tp2_pp2_with_zero_1_and_2_trains_the_gpt_like_one_process_and_resumes_in_
         let ckpt = dir.join(format!("ckpt-zero{stage}"));
         let mesh = local_run(&graph, 3, &ckpt, &flags);
         let worst = assert_same_losses(&mesh, &one[..3], 1e-5);
-        let straight3 = dir.join("ckpt-one-3");
-        if stage == "1" {
-            local_run(&graph, 3, &straight3, &[]);
-        }
         let params = assert_same_checkpoints(&ckpt, &straight3, 1e-5);
         let resumed = local_run(&graph, 4, &ckpt, &[]);
         assert_eq!(resumed.iter().map(|l| l.0).collect::<Vec<_>>(), [4]);
