@@ -268,6 +268,64 @@ fn partition_shows_each_stages_replicas_holding_their_shards_of_that_stages_slot
     assert!(!out.contains("transformer.wte.weight/adam_m f32"), "{out}");
 }
 
+#[test]
+fn partition_shows_the_3d_meshs_zero3_shards_on_their_stages_workers_only() {
+    let out = stdout(&dflow(&[
+        "partition",
+        "examples/gpt/gpt.json",
+        "--cluster",
+        "examples/gpt/cluster-8workers.json",
+        "--mesh",
+        "dp=2,tp=2,pp=2",
+        "--zero-stage",
+        "3",
+        "--micro-batches",
+        "2",
+        "--batch-size",
+        "12",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]));
+    assert!(
+        out.contains("ZeRO stage 3 over the data-parallel axis, inside the stages of pipeline"),
+        "{out}"
+    );
+    // Worker s·4 + d·2 + t holds replica d's flat half of shard t of stage s's weights and of
+    // their Adam slots; the replicated final norm (stage 1) on both of its tp ranks.
+    let on = |workers: &[u32]| -> String {
+        let w: Vec<String> = workers
+            .iter()
+            .map(|i| format!("/job:worker/replica:0/task:{i}"))
+            .collect();
+        w.join(", ")
+    };
+    for (var, workers) in [
+        ("transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_0_of_2 f32[16384]", on(&[1])),
+        ("transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_1_of_2 f32[16384]", on(&[3])),
+        ("transformer.wte.weight/tp_1_of_2/shard_1_of_2 f32[2432]", on(&[3])),
+        (
+            "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/adam_v/shard_1_of_2 f32[16384]",
+            on(&[3]),
+        ),
+        ("transformer.ln_f.weight/shard_0_of_2 f32[64]", on(&[4, 5])),
+        ("transformer.ln_f.weight/shard_1_of_2 f32[64]", on(&[6, 7])),
+    ] {
+        let line = format!("  {var} on {workers}\n");
+        assert!(out.contains(&line), "{line} in {out}");
+    }
+    // No rank holds a whole weight or tp shard.
+    assert!(!out.contains("transformer.h.0.mlp.c_fc.weight/tp_1_of_2 f32"), "{out}");
+    assert!(!out.contains("transformer.ln_f.weight f32"), "{out}");
+    // The data-parallel axis is each (stage, shard)'s group, 2 replicas.
+    assert!(
+        out.contains("data parallelism inside the pipeline stages: dp=2 × tp=2 × pp=2"),
+        "{out}"
+    );
+    assert!(!out.contains("dp=4"), "{out}");
+}
+
 /// `--mesh dp=2,tp=2,pp=2 --zero-stage <stage> --micro-batches 2` on 8 tasks in this process.
 fn mesh3d_flags(cluster: &Path, stage: &str) -> Vec<String> {
     [
