@@ -268,6 +268,96 @@ fn partition_shows_each_stages_replicas_holding_their_shards_of_that_stages_slot
     assert!(!out.contains("transformer.wte.weight/adam_m f32"), "{out}");
 }
 
+/// `(Ψ_w, Ψ'_w)` of every worker `w` of dp2×tp2×pp2: the elements of the weights it holds
+/// (its stage's tensor-parallel shards and replicated weights), and the same with each padded
+/// to a multiple of 2 (ZeRO's flat shards), from the plan without ZeRO, not a run.
+fn mesh3d_parameters() -> Vec<(u64, u64)> {
+    use dflow::partitioner::strategy::pipeline::{schedule::ScheduleKind, Pipeline};
+    use dflow::partitioner::strategy::tensor::{shard_name, TensorParallel};
+    use dflow::partitioner::strategy::{JobInput, Strategy};
+    let def = dflow::graph::layers::gpt(&config()).unwrap().def;
+    let spec = def.train.clone().unwrap();
+    let graph = dflow::graph::Graph::from_def(&def).unwrap();
+    let cluster = dflow::graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+    let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+    let pipeline = Pipeline {
+        stages: Some(2),
+        micro_batches: 2,
+        schedule: ScheduleKind::OneFOneB,
+        chunks: 1,
+        batch_size: Some(4),
+    };
+    let plan = TensorParallel {
+        tp: Some(2),
+        bucket_bytes: 1 << 20,
+        batch_size: Some(4),
+        pipeline: Some(pipeline),
+        zero_stage: None,
+    }
+    .plan(&input)
+    .unwrap();
+    let mut held = vec![(0u64, 0u64); 8];
+    for n in def.nodes.iter().filter(|n| n.op == "Variable") {
+        let names = match plan.variables.iter().any(|v| v.name == n.name) {
+            true => vec![n.name.clone()],
+            false => (0..2).map(|t| shard_name(&n.name, t, 2)).collect(),
+        };
+        for name in names {
+            let v = plan.variables.iter().find(|v| v.name == name).unwrap();
+            let len = v.dims.iter().product::<usize>() as u64;
+            for task in &v.holders {
+                let t: usize = task.rsplit(':').next().unwrap().parse().unwrap();
+                held[t].0 += len;
+                held[t].1 += len.div_ceil(2) * 2;
+            }
+        }
+    }
+    held
+}
+
+#[test]
+fn under_3d_zero3_each_rank_holds_half_its_stage_shards_weights() {
+    let _serial = serial();
+    let dir = scratch("mesh3d-zero3-bytes");
+    let graph = gpt_file(&dir);
+    let cluster = workers_file(&dir, 8);
+    // Each task's end-of-task line, by task index.
+    let ends = |stage: &str| -> Vec<EndOfTask> {
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+        ];
+        args.extend(mesh3d_flags(&cluster, stage));
+        args.extend(common(1));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        stdout(&out);
+        let mut ends = end_of_task(&String::from_utf8_lossy(&out.stderr));
+        ends.sort_by(|a, b| a.task.cmp(&b.task));
+        assert_eq!(ends.len(), 8, "one end-of-task line per task");
+        ends
+    };
+    let held = mesh3d_parameters();
+    // Every worker holds weights.
+    assert!(held.iter().all(|&(psi, _)| psi > 0), "{held:?}");
+    let zero1 = ends("1");
+    let zero3 = ends("3");
+    for (rank, ((z3, z1), (psi, padded))) in zero3.iter().zip(&zero1).zip(&held).enumerate() {
+        // The Adam slots are halved under both; at stage 3 the weights' Ψ_w elements
+        // (4·Ψ_w bytes) become flat shards of ⌈L/2⌉ elements each (4·Ψ'_w/2 bytes).
+        assert_eq!(
+            z3.variable_bytes,
+            z1.variable_bytes - 4 * psi + 4 * padded / 2,
+            "ZeRO-3 rank {rank}: variables"
+        );
+        eprintln!(
+            "dp=2,tp=2,pp=2 worker {rank}: variable bytes ZeRO-1 {}, ZeRO-3 {}",
+            z1.variable_bytes, z3.variable_bytes
+        );
+    }
+}
+
 #[test]
 fn partition_shows_the_3d_meshs_zero3_shards_on_their_stages_workers_only() {
     let out = stdout(&dflow(&[

@@ -113,7 +113,8 @@ pub struct TensorParallel {
     /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
     /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
     /// their gradients (`data::zero_step`; stage 3 also shards the weights). Stages 1 to 3,
-    /// `D > 1`, no pipeline axis.
+    /// `D > 1`; inside pipeline stages, over each (stage, shard)'s data-parallel group
+    /// ([`mesh3d`]).
     pub zero_stage: Option<u8>,
 }
 
