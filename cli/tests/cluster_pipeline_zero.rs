@@ -392,9 +392,18 @@ fn partition_shows_the_3d_meshs_zero3_shards_on_their_stages_workers_only() {
         w.join(", ")
     };
     for (var, workers) in [
-        ("transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_0_of_2 f32[16384]", on(&[1])),
-        ("transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_1_of_2 f32[16384]", on(&[3])),
-        ("transformer.wte.weight/tp_1_of_2/shard_1_of_2 f32[2432]", on(&[3])),
+        (
+            "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_0_of_2 f32[16384]",
+            on(&[1]),
+        ),
+        (
+            "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_1_of_2 f32[16384]",
+            on(&[3]),
+        ),
+        (
+            "transformer.wte.weight/tp_1_of_2/shard_1_of_2 f32[2432]",
+            on(&[3]),
+        ),
         (
             "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/adam_v/shard_1_of_2 f32[16384]",
             on(&[3]),
@@ -406,7 +415,10 @@ fn partition_shows_the_3d_meshs_zero3_shards_on_their_stages_workers_only() {
         assert!(out.contains(&line), "{line} in {out}");
     }
     // No rank holds a whole weight or tp shard.
-    assert!(!out.contains("transformer.h.0.mlp.c_fc.weight/tp_1_of_2 f32"), "{out}");
+    assert!(
+        !out.contains("transformer.h.0.mlp.c_fc.weight/tp_1_of_2 f32"),
+        "{out}"
+    );
     assert!(!out.contains("transformer.ln_f.weight f32"), "{out}");
     // The data-parallel axis is each (stage, shard)'s group, 2 replicas.
     assert!(

@@ -206,8 +206,8 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         // section shows one replica, fed its part of the batch, then the data-parallel axis.
         // Inside pipeline stages a replica is tp × pp workers.
         let pp = args.pipeline.stages.unwrap_or(1).max(1);
-        let dp = (tp > 0 && workers % (tp * pp) == 0 && workers > tp * pp)
-            .then(|| workers / (tp * pp));
+        let dp =
+            (tp > 0 && workers % (tp * pp) == 0 && workers > tp * pp).then(|| workers / (tp * pp));
         print!(
             "{}",
             dflow_partitioner::strategy::tensor::render_tensor_plan(

@@ -31,8 +31,8 @@ use crate::strategy::pipeline::gradients::stage_group;
 use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages};
 use crate::strategy::pipeline::schedule::PipelineShape;
 use crate::strategy::pipeline::zero::ReplicaZero;
-use crate::strategy::zero::params::shard_name as zero_shard_name;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared};
+use crate::strategy::zero::params::shard_name as zero_shard_name;
 use crate::strategy::{EvalNames, ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{DType, Graph, NodeDef};
@@ -593,7 +593,10 @@ mod tests {
             let nodes = &g.training.def.nodes;
             let find = |name: &str| nodes.iter().find(|n| n.name == name);
             let mut stages_used: HashSet<usize> = HashSet::new();
-            for v in graph.node_indices().filter(|&i| graph.node(i).op == "Variable") {
+            for v in graph
+                .node_indices()
+                .filter(|&i| graph.node(i).op == "Variable")
+            {
                 let var = &graph.node(v).name;
                 let mine = if sharded.contains(var.as_str()) {
                     shard_name(var, t, 2)
@@ -604,13 +607,15 @@ mod tests {
                 // the graph holds its replica's flat half, on one stage's worker.
                 assert!(find(&mine).is_none(), "{mine} still whole on graph {i}");
                 let shard = find(&zero_shard_name(&mine, d, 2)).unwrap();
-                let s = (0..2).find(|&s| task_of(shard) == s * 4 + d * 2 + t).unwrap();
+                let s = (0..2)
+                    .find(|&s| task_of(shard) == s * 4 + d * 2 + t)
+                    .unwrap();
                 stages_used.insert(s);
                 // No other replica's shard is trained here, and the shard's only training
                 // readers are on its stage's worker: gathers over its (stage, shard)'s dp group
                 // and its update.
-                assert!(find(&zero_shard_name(&mine, 1 - d, 2)).is_none_or(|o| i == 0
-                    && task_of(o) == (s * 4 + (1 - d) * 2 + t)));
+                assert!(find(&zero_shard_name(&mine, 1 - d, 2))
+                    .is_none_or(|o| i == 0 && task_of(o) == (s * 4 + (1 - d) * 2 + t)));
                 let readers: Vec<&NodeDef> = nodes
                     .iter()
                     .filter(|n| !n.name.starts_with("eval/"))
@@ -645,8 +650,7 @@ mod tests {
                                     (
                                         "transformer.wte.weight",
                                         "forward",
-                                        &[format!("pipeline/shared/{mine}/at_stage1").as_str()]
-                                            [..]
+                                        &[format!("pipeline/shared/{mine}/at_stage1").as_str()][..]
                                     ),
                                     "{} outside a micro-batch",
                                     r.name
@@ -674,7 +678,9 @@ mod tests {
                 // A forward gather for each micro-batch.
                 for k in 0..2 {
                     assert!(
-                        passes.iter().any(|p| p.ends_with(&format!("_mb{k}_forward"))),
+                        passes
+                            .iter()
+                            .any(|p| p.ends_with(&format!("_mb{k}_forward"))),
                         "{mine}: {passes:?}"
                     );
                 }
@@ -733,12 +739,18 @@ mod tests {
         // The tp ranks of a (stage, replica) and the replicas of a (stage, shard) call the same
         // collectives under the same instance keys.
         let same = |a: &Vec<(String, i64, String)>, b: &Vec<(String, i64, String)>| {
-            a.iter()
-                .zip(b)
-                .all(|(x, y)| x.0 == y.0 && x.1 == y.1)
-                && a.len() == b.len()
+            a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1 == y.1) && a.len() == b.len()
         };
-        for (a, b) in [(0, 1), (2, 3), (0, 2), (1, 3), (4, 5), (4, 6), (5, 7), (6, 7)] {
+        for (a, b) in [
+            (0, 1),
+            (2, 3),
+            (0, 2),
+            (1, 3),
+            (4, 5),
+            (4, 6),
+            (5, 7),
+            (6, 7),
+        ] {
             assert!(same(&chains[&a], &chains[&b]), "workers {a} and {b}");
         }
         // Evaluation on worker 0 joins every (stage, shard, replica)'s flat shard, with no
@@ -780,7 +792,10 @@ mod tests {
         let plan = s.plan(&input).unwrap();
         for logical in [
             shard_name("transformer.h.1.mlp.c_fc.weight", 1, 2),
-            format!("{}/adam_v", shard_name("transformer.h.0.attn.c_attn.weight", 0, 2)),
+            format!(
+                "{}/adam_v",
+                shard_name("transformer.h.0.attn.c_attn.weight", 0, 2)
+            ),
             "transformer.ln_f.weight".to_string(),
         ] {
             let joined = plan.sharded.iter().find(|v| v.logical == logical).unwrap();
