@@ -619,7 +619,7 @@ mod tests {
                 let readers: Vec<&NodeDef> = nodes
                     .iter()
                     .filter(|n| !n.name.starts_with("eval/"))
-                    .filter(|n| n.inputs.iter().any(|x| *x == shard.name))
+                    .filter(|n| n.inputs.contains(&shard.name))
                     .collect();
                 assert!(readers.len() > 2, "{mine}: {readers:?}");
                 let mut passes: HashSet<String> = HashSet::new();
@@ -642,7 +642,7 @@ mod tests {
                                 let value = format!("zero/{mine}/{pass}");
                                 let uses: Vec<&str> = nodes
                                     .iter()
-                                    .filter(|n| n.inputs.iter().any(|x| *x == value))
+                                    .filter(|n| n.inputs.contains(&value))
                                     .map(|n| n.name.as_str())
                                     .collect();
                                 assert_eq!(
@@ -659,10 +659,8 @@ mod tests {
                             };
                             let k = &k[..1];
                             let value = format!("zero/{mine}/{pass}");
-                            let uses: Vec<&NodeDef> = nodes
-                                .iter()
-                                .filter(|n| n.inputs.iter().any(|x| *x == value))
-                                .collect();
+                            let uses: Vec<&NodeDef> =
+                                nodes.iter().filter(|n| n.inputs.contains(&value)).collect();
                             assert!(!uses.is_empty(), "{value}");
                             for u in uses {
                                 assert!(
