@@ -10,16 +10,20 @@
 //!   collectives in one topological order, the same on every rank of a group.
 //! - With `D > 1`, each stage's gradients are summed over the ranks with the same stage and
 //!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas; with
-//!   ZeRO (`--zero-stage 1|2`), that group runs ZeRO's step instead
+//!   ZeRO (`--zero-stage 1|2|3`), that group runs ZeRO's step instead
 //!   ([`crate::strategy::pipeline::zero`]): each (stage, shard) keeps its replica's `1/D`
-//!   shard of its weights' Adam slots (stage 2: and of their summed gradients), and clipping's
-//!   `Σ‖g‖²` of the tensor-parallel shards is summed over the stage's tensor-parallel group too,
-//!   the replicated weights' counted once.
+//!   shard of its weights' Adam slots (stage 2: and of their summed gradients; stage 3: and of
+//!   the weights themselves, all-gathered over the group on the stage's worker before every
+//!   micro-batch's forward and backward use, each worker's collectives, both groups', then
+//!   chained and numbered in one order), and clipping's `Σ‖g‖²` of the tensor-parallel shards
+//!   is summed over the stage's tensor-parallel group too, the replicated weights' counted
+//!   once.
 //! - Clipping uses the whole model's norm: per stage, the shards' `Σ‖g‖²` all-reduced over the
 //!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
 //!   the loss's stage.
 //! - Evaluation runs on worker 0 without collectives, on a one-process forward copy whose
-//!   weights are assembled from every shard, wherever its stage put it.
+//!   weights are assembled from every shard, wherever its stage put it (under ZeRO-3, from
+//!   every replica's flat shard of it).
 
 use super::{
     check_job, eval_copy, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
