@@ -121,13 +121,10 @@ fn zero_combinations_that_do_not_run_are_refused_naming_them() {
         assert!(!out.status.success(), "{flags:?} on {workers} workers ran");
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    // Inside pipeline stages, ZeRO beside tensor parallelism runs at stages 1 and 2
-    // (cli/tests/cluster_pipeline_zero.rs), not 3.
-    let e = refused(8, &["--mesh", "dp=2,tp=2,pp=2", "--zero-stage", "3"]);
-    assert!(
-        e.contains("ZeRO-3 beside tensor parallelism inside pipeline stages does not run yet"),
-        "{e}"
-    );
+    // Inside pipeline stages, ZeRO beside tensor parallelism runs at stages 1 to 3
+    // (cli/tests/cluster_pipeline_zero.rs), over at least two replicas.
+    let e = refused(4, &["--mesh", "dp=1,tp=2,pp=2", "--zero-stage", "3"]);
+    assert!(e.contains("this mesh has one replica"), "{e}");
     let e = refused(2, &["--mesh", "dp=1,tp=2", "--zero-stage", "1"]);
     assert!(e.contains("this mesh has one replica"), "{e}");
     // ZeRO over pipeline replicas runs at stages 1 to 3 (cli/tests/cluster_pipeline_zero.rs),

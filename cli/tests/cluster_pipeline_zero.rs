@@ -6,9 +6,10 @@
 //! with the uninterrupted run's next-step loss; at stage 3 each rank's variable bytes are its
 //! stage's weights and slots sharded in two, exactly; `dflow partition` shows each stage's
 //! replicas holding their shards of that stage's slots only. Beside tensor parallelism inside
-//! the stages (`--mesh dp=2,tp=2,pp=2 --zero-stage 1|2`, 8 tasks in one process, each
-//! (stage, shard) sharding its Adam slots over its data-parallel group), the losses and final
-//! weights and slots are the one-process run's too, and a checkpoint resumes in one process.
+//! the stages (`--mesh dp=2,tp=2,pp=2 --zero-stage 1|2|3`, 8 tasks in one process, each
+//! (stage, shard) sharding its Adam slots over its data-parallel group, at stage 3 its weights
+//! too, gathered per micro-batch), the losses and final weights and slots are the one-process
+//! run's too, and a checkpoint resumes in one process.
 
 mod support;
 
@@ -267,6 +268,166 @@ fn partition_shows_each_stages_replicas_holding_their_shards_of_that_stages_slot
     assert!(!out.contains("transformer.wte.weight/adam_m f32"), "{out}");
 }
 
+/// `(Ψ_w, Ψ'_w)` of every worker `w` of dp2×tp2×pp2: the elements of the weights it holds
+/// (its stage's tensor-parallel shards and replicated weights), and the same with each padded
+/// to a multiple of 2 (ZeRO's flat shards), from the plan without ZeRO, not a run.
+fn mesh3d_parameters() -> Vec<(u64, u64)> {
+    use dflow::partitioner::strategy::pipeline::{schedule::ScheduleKind, Pipeline};
+    use dflow::partitioner::strategy::tensor::{shard_name, TensorParallel};
+    use dflow::partitioner::strategy::{JobInput, Strategy};
+    let def = dflow::graph::layers::gpt(&config()).unwrap().def;
+    let spec = def.train.clone().unwrap();
+    let graph = dflow::graph::Graph::from_def(&def).unwrap();
+    let cluster = dflow::graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+    let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+    let pipeline = Pipeline {
+        stages: Some(2),
+        micro_batches: 2,
+        schedule: ScheduleKind::OneFOneB,
+        chunks: 1,
+        batch_size: Some(4),
+    };
+    let plan = TensorParallel {
+        tp: Some(2),
+        bucket_bytes: 1 << 20,
+        batch_size: Some(4),
+        pipeline: Some(pipeline),
+        zero_stage: None,
+    }
+    .plan(&input)
+    .unwrap();
+    let mut held = vec![(0u64, 0u64); 8];
+    for n in def.nodes.iter().filter(|n| n.op == "Variable") {
+        let names = match plan.variables.iter().any(|v| v.name == n.name) {
+            true => vec![n.name.clone()],
+            false => (0..2).map(|t| shard_name(&n.name, t, 2)).collect(),
+        };
+        for name in names {
+            let v = plan.variables.iter().find(|v| v.name == name).unwrap();
+            let len = v.dims.iter().product::<usize>() as u64;
+            for task in &v.holders {
+                let t: usize = task.rsplit(':').next().unwrap().parse().unwrap();
+                held[t].0 += len;
+                held[t].1 += len.div_ceil(2) * 2;
+            }
+        }
+    }
+    held
+}
+
+#[test]
+fn under_3d_zero3_each_rank_holds_half_its_stage_shards_weights() {
+    let _serial = serial();
+    let dir = scratch("mesh3d-zero3-bytes");
+    let graph = gpt_file(&dir);
+    let cluster = workers_file(&dir, 8);
+    // Each task's end-of-task line, by task index.
+    let ends = |stage: &str| -> Vec<EndOfTask> {
+        let mut args = vec![
+            "run".to_string(),
+            "--local".into(),
+            graph.to_string_lossy().into_owned(),
+        ];
+        args.extend(mesh3d_flags(&cluster, stage));
+        args.extend(common(1));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = dflow(&args);
+        stdout(&out);
+        let mut ends = end_of_task(&String::from_utf8_lossy(&out.stderr));
+        ends.sort_by(|a, b| a.task.cmp(&b.task));
+        assert_eq!(ends.len(), 8, "one end-of-task line per task");
+        ends
+    };
+    let held = mesh3d_parameters();
+    // Every worker holds weights.
+    assert!(held.iter().all(|&(psi, _)| psi > 0), "{held:?}");
+    let zero1 = ends("1");
+    let zero3 = ends("3");
+    for (rank, ((z3, z1), (psi, padded))) in zero3.iter().zip(&zero1).zip(&held).enumerate() {
+        // The Adam slots are halved under both; at stage 3 the weights' Ψ_w elements
+        // (4·Ψ_w bytes) become flat shards of ⌈L/2⌉ elements each (4·Ψ'_w/2 bytes).
+        assert_eq!(
+            z3.variable_bytes,
+            z1.variable_bytes - 4 * psi + 4 * padded / 2,
+            "ZeRO-3 rank {rank}: variables"
+        );
+        eprintln!(
+            "dp=2,tp=2,pp=2 worker {rank}: variable bytes ZeRO-1 {}, ZeRO-3 {}",
+            z1.variable_bytes, z3.variable_bytes
+        );
+    }
+}
+
+#[test]
+fn partition_shows_the_3d_meshs_zero3_shards_on_their_stages_workers_only() {
+    let out = stdout(&dflow(&[
+        "partition",
+        "examples/gpt/gpt.json",
+        "--cluster",
+        "examples/gpt/cluster-8workers.json",
+        "--mesh",
+        "dp=2,tp=2,pp=2",
+        "--zero-stage",
+        "3",
+        "--micro-batches",
+        "2",
+        "--batch-size",
+        "12",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+    ]));
+    assert!(
+        out.contains("ZeRO stage 3 over the data-parallel axis, inside the stages of pipeline"),
+        "{out}"
+    );
+    // Worker s·4 + d·2 + t holds replica d's flat half of shard t of stage s's weights and of
+    // their Adam slots; the replicated final norm (stage 1) on both of its tp ranks.
+    let on = |workers: &[u32]| -> String {
+        let w: Vec<String> = workers
+            .iter()
+            .map(|i| format!("/job:worker/replica:0/task:{i}"))
+            .collect();
+        w.join(", ")
+    };
+    for (var, workers) in [
+        (
+            "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_0_of_2 f32[16384]",
+            on(&[1]),
+        ),
+        (
+            "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/shard_1_of_2 f32[16384]",
+            on(&[3]),
+        ),
+        (
+            "transformer.wte.weight/tp_1_of_2/shard_1_of_2 f32[2432]",
+            on(&[3]),
+        ),
+        (
+            "transformer.h.0.mlp.c_fc.weight/tp_1_of_2/adam_v/shard_1_of_2 f32[16384]",
+            on(&[3]),
+        ),
+        ("transformer.ln_f.weight/shard_0_of_2 f32[64]", on(&[4, 5])),
+        ("transformer.ln_f.weight/shard_1_of_2 f32[64]", on(&[6, 7])),
+    ] {
+        let line = format!("  {var} on {workers}\n");
+        assert!(out.contains(&line), "{line} in {out}");
+    }
+    // No rank holds a whole weight or tp shard.
+    assert!(
+        !out.contains("transformer.h.0.mlp.c_fc.weight/tp_1_of_2 f32"),
+        "{out}"
+    );
+    assert!(!out.contains("transformer.ln_f.weight f32"), "{out}");
+    // The data-parallel axis is each (stage, shard)'s group, 2 replicas.
+    assert!(
+        out.contains("data parallelism inside the pipeline stages: dp=2 × tp=2 × pp=2"),
+        "{out}"
+    );
+    assert!(!out.contains("dp=4"), "{out}");
+}
+
 /// `--mesh dp=2,tp=2,pp=2 --zero-stage <stage> --micro-batches 2` on 8 tasks in this process.
 fn mesh3d_flags(cluster: &Path, stage: &str) -> Vec<String> {
     [
@@ -287,12 +448,30 @@ fn mesh3d_flags(cluster: &Path, stage: &str) -> Vec<String> {
 #[test]
 fn dp2_tp2_pp2_with_zero_1_and_2_trains_the_gpt_like_one_process_and_resumes_in_one() {
     let _serial = serial();
-    let dir = scratch("mesh3d-zero");
+    mesh3d_zero_trains_like_one_process_and_resumes_in_one("mesh3d-zero", &["1", "2"]);
+}
+
+#[test]
+fn dp2_tp2_pp2_with_zero3_trains_the_gpt_like_one_process_and_resumes_in_one() {
+    let _serial = serial();
+    // Each (stage, tp shard)'s weights are flat-sharded over its dp group and gathered on the
+    // stage's worker before each micro-batch's forward and backward use.
+    mesh3d_zero_trains_like_one_process_and_resumes_in_one("mesh3d-zero3", &["3"]);
+}
+
+/// Under `--mesh dp=2,tp=2,pp=2 --zero-stage <stage>` (each of `stages`, 8 tasks in this
+/// process, in scratch directory `name`), 3 steps have the one-process run's losses and
+/// weights and Adam slots, and their checkpoint resumes in one process with the uninterrupted
+/// run's step-4 loss.
+fn mesh3d_zero_trains_like_one_process_and_resumes_in_one(name: &str, stages: &[&str]) {
+    let dir = scratch(name);
     let graph = gpt_file(&dir);
     let one_ckpt = dir.join("ckpt-one");
     let one = local_run(&graph, 4, &one_ckpt, &[]);
     let cluster = workers_file(&dir, 8);
-    for stage in ["1", "2"] {
+    let straight3 = dir.join("ckpt-one-3");
+    local_run(&graph, 3, &straight3, &[]);
+    for &stage in stages {
         let flags = mesh3d_flags(&cluster, stage);
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         // 3 steps under dp2×tp2×pp2 with ZeRO, checkpointed; its weights and Adam slots (whole
@@ -301,10 +480,6 @@ fn dp2_tp2_pp2_with_zero_1_and_2_trains_the_gpt_like_one_process_and_resumes_in_
         let ckpt = dir.join(format!("ckpt-zero{stage}"));
         let mesh = local_run(&graph, 3, &ckpt, &flags);
         let worst = assert_same_losses(&mesh, &one[..3], 1e-5);
-        let straight3 = dir.join("ckpt-one-3");
-        if stage == "1" {
-            local_run(&graph, 3, &straight3, &[]);
-        }
         let params = assert_same_checkpoints(&ckpt, &straight3, 1e-5);
         let resumed = local_run(&graph, 4, &ckpt, &[]);
         assert_eq!(resumed.iter().map(|l| l.0).collect::<Vec<_>>(), [4]);

@@ -204,7 +204,10 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
         let tp = args.tp.unwrap_or(workers);
         // Several tensor-parallel groups (the GPT's layout or placements by hand): the tp
         // section shows one replica, fed its part of the batch, then the data-parallel axis.
-        let dp = (tp > 0 && workers % tp == 0 && workers > tp).then(|| workers / tp);
+        // Inside pipeline stages a replica is tp × pp workers.
+        let pp = args.pipeline.stages.unwrap_or(1).max(1);
+        let dp =
+            (tp > 0 && workers % (tp * pp) == 0 && workers > tp * pp).then(|| workers / (tp * pp));
         print!(
             "{}",
             dflow_partitioner::strategy::tensor::render_tensor_plan(
@@ -216,7 +219,19 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
                 args.batch_size.map(|b| b / dp.unwrap_or(1)),
             )?
         );
-        if let Some(dp) = dp {
+        if let (Some(dp), true) = (dp, pp > 1) {
+            // The 3D mesh: each (stage, shard) sums its gradients (or runs ZeRO's step) over
+            // its own data-parallel group, listed with the job plan's groups above.
+            let zero = match args.zero_stage {
+                Some(s) => format!(", ZeRO stage {s}'s step"),
+                None => String::new(),
+            };
+            println!(
+                "\ndata parallelism inside the pipeline stages: dp={dp} × tp={tp} × pp={pp}; \
+                 the ranks of stage s and shard t in the {dp} replicas sum their gradients{zero} \
+                 over group pipeline/stage<s>_t<t> (listed above)"
+            );
+        } else if let Some(dp) = dp {
             let mesh = dflow_partitioner::mesh::Mesh::new(dp, tp, 1)?;
             print!(
                 "{}",

@@ -135,8 +135,8 @@ pub fn build_strategy(
 /// the `dp` replicas, inside `pp` balanced pipeline stages when `pp > 1`; `tp = 1, pp > 1` the
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
 /// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
-/// beside `tp > 1` or `pp > 1` is ZeRO over the dp axis (stages 1 to 3; 1 and 2 when both
-/// are); `ep > 1` (with `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep`
+/// beside `tp > 1` or `pp > 1` (or both) is ZeRO over the dp axis (stages 1 to 3; with both,
+/// over each (stage, tp shard)'s dp group); `ep > 1` (with `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep`
 /// workers (with `--zero-stage 1|2`, ZeRO over the dp axis and the expert-data-parallel
 /// groups). Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
@@ -168,8 +168,8 @@ pub fn apply_mesh(
         }
         "expert"
     } else if mesh.tp > 1 {
-        // ZeRO over the dp axis runs beside tp (stages 1 to 3; inside pipeline stages, 1 and
-        // 2: checked by the strategy).
+        // ZeRO over the dp axis runs beside tp (stages 1 to 3, inside pipeline stages too;
+        // D ≥ 2 checked by the strategy).
         *tp = Some(mesh.tp);
         if mesh.pp > 1 {
             // Tensor parallelism inside pipeline stages: the tensor strategy over P stages.

@@ -113,7 +113,8 @@ pub struct TensorParallel {
     /// ZeRO's stage over the data-parallel axis (`--mesh dp=D,tp=T --zero-stage S`): each
     /// rank's weights get ZeRO over its data-parallel group in place of the all-reduce of
     /// their gradients (`data::zero_step`; stage 3 also shards the weights). Stages 1 to 3,
-    /// `D > 1`, no pipeline axis.
+    /// `D > 1`; inside pipeline stages, over each (stage, shard)'s data-parallel group
+    /// ([`mesh3d`]).
     pub zero_stage: Option<u8>,
 }
 
@@ -368,16 +369,8 @@ fn zero_slot_shards(
 }
 
 /// ZeRO beside tensor parallelism runs at stages 1 to 3 over a data-parallel axis of at least
-/// two replicas (stages 1 and 2 inside pipeline stages); anything else is an error saying what
-/// to do.
+/// two replicas (inside pipeline stages too); anything else is an error saying what to do.
 fn check_zero(mesh: &Mesh, stage: u8) -> Result<(), StrategyError> {
-    if mesh.pp > 1 && stage >= 3 {
-        return Err(options(format!(
-            "mesh {mesh} with --zero-stage {stage}: ZeRO-3 beside tensor parallelism inside \
-             pipeline stages does not run yet; use --zero-stage 1 or 2 (the weights stay whole \
-             on each tensor-parallel rank), or drop the tp axis (--mesh dp=D,pp=P runs ZeRO-3)"
-        )));
-    }
     if mesh.dp < 2 {
         return Err(options(format!(
             "mesh {mesh} with --zero-stage {stage}: ZeRO shards over the data-parallel axis, and \
@@ -814,7 +807,8 @@ pub fn mesh_training_evaluating(
     }
     if !sharded_eval {
         if let Some(g0) = graphs.first_mut() {
-            let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
+            let on_rank =
+                |v: &NodeDef, r: usize, d: usize| worker_device(&v.name, &v.device, r + tp * d);
             eval_copy(g0, &def, &shards, spec, tp, &on_rank, false, zero3)?;
         }
     }
@@ -1620,43 +1614,23 @@ fn shard_parameters(
 }
 
 /// Adds to rank 0's graph a copy of the forward graph, `eval/<name>`, on worker 0, whose
-/// sharded weights are assembled from every rank's shards (rank `r`'s shard of variable
-/// `v` on `shard_device(v, r)`), and points evaluation at it. With `own_placeholders` the copy reads
-/// placeholders of its own, `eval/<name>`, as written in `forward` (a pipeline's training
-/// placeholders have a static batch); otherwise the training ones.
-pub(super) fn add_eval_copy(
-    g: &mut ReplicaGraph,
-    forward: &GraphDef,
-    shards: &[ShardedWeight],
-    spec: &TrainSpec,
-    tp: usize,
-    shard_device: &dyn Fn(&NodeDef, usize) -> Result<String, StrategyError>,
-    own_placeholders: bool,
-) -> Result<(), StrategyError> {
-    eval_copy(
-        g,
-        forward,
-        shards,
-        spec,
-        tp,
-        shard_device,
-        own_placeholders,
-        None,
-    )
-}
-
-/// [`add_eval_copy`], where with `zero3 = Some(D)` every weight is ZeRO-3's flat shards over
-/// the data-parallel groups of `D` replicas (`{w}/shard_{d}_of_{D}` on worker `t + T·d` for
-/// tensor-parallel shard `t`, or `0 + T·d` for a replicated weight): each weight is first
-/// joined from its `D` flat shards, then the tensor-parallel shards into the whole weight.
+/// sharded weights are assembled from every rank's shards (rank `r`'s shard of variable `v` in
+/// replica `d` on `shard_device(v, r, d)`), and points evaluation at it. With
+/// `own_placeholders` the copy reads placeholders of its own, `eval/<name>`, as written in
+/// `forward` (a pipeline's training placeholders have a static batch); otherwise the training
+/// ones. With `zero3 = Some(D)` every weight is ZeRO-3's flat shards over the data-parallel
+/// groups of `D` replicas (`{w}/shard_{d}_of_{D}` on `shard_device(v, t, d)` for
+/// tensor-parallel shard `t`, or `shard_device(v, 0, d)` for a replicated weight): each weight
+/// is first joined from its `D` flat shards, then the tensor-parallel shards into the whole
+/// weight.
 #[allow(clippy::too_many_arguments)]
-fn eval_copy(
+pub(super) fn eval_copy(
     g: &mut ReplicaGraph,
     forward: &GraphDef,
     shards: &[ShardedWeight],
     spec: &TrainSpec,
     tp: usize,
-    shard_device: &dyn Fn(&NodeDef, usize) -> Result<String, StrategyError>,
+    shard_device: &dyn Fn(&NodeDef, usize, usize) -> Result<String, StrategyError>,
     own_placeholders: bool,
     zero3: Option<usize>,
 ) -> Result<(), StrategyError> {
@@ -1679,9 +1653,10 @@ fn eval_copy(
     let mut map: HashMap<String, String> = HashMap::new();
     // ZeRO-3: the value of variable `v` (named `name` on rank `t` of replica 0) joined from its
     // flat shards over the replicas, `None` where it is not sharded so.
-    // `probe`: the variable's name on rank 0, whose shard 0 is there when it is sharded.
+    // `probe`: the variable's name on rank 0, whose shard 0 is there when it is sharded;
+    // `whole`: the forward graph's variable, whose shards `shard_device` places.
     let joined_flat = |n: &mut Nodes,
-                       v: &NodeDef,
+                       (v, whole): (&NodeDef, &NodeDef),
                        (name, probe): (&str, &str),
                        dims: &[usize],
                        t: usize|
@@ -1702,7 +1677,7 @@ fn eval_copy(
                 let mut copy = v.clone();
                 super::zero::params::flat_shard(&mut copy, name, dims, d, dp);
                 copy.name = piece.clone();
-                copy.device = worker_device(&v.name, &v.device, t + tp * d)?;
+                copy.device = shard_device(whole, t, d)?;
                 copy.colocate_with.clear();
                 n.added.push(copy);
             }
@@ -1727,7 +1702,7 @@ fn eval_copy(
                 _ => None,
             };
             if let Some(dims) = dims {
-                if let Some(whole) = joined_flat(&mut n, v, (&v.name, &v.name), &dims, 0)? {
+                if let Some(whole) = joined_flat(&mut n, (v, v), (&v.name, &v.name), &dims, 0)? {
                     map.insert(v.name.clone(), whole);
                 }
             }
@@ -1740,11 +1715,11 @@ fn eval_copy(
             let probe = shard_name(&v.name, 0, tp);
             let mut copy = v.clone();
             shard_variable(&mut copy, s, r);
-            if let Some(whole) = joined_flat(&mut n, &copy, (&name, &probe), &dims, r)? {
+            if let Some(whole) = joined_flat(&mut n, (&copy, v), (&name, &probe), &dims, r)? {
                 name = whole;
             } else if r > 0 {
                 copy.name = name.clone();
-                copy.device = shard_device(v, r)?;
+                copy.device = shard_device(v, r, 0)?;
                 copy.colocate_with.clear();
                 n.added.push(copy);
             }

@@ -419,12 +419,13 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         _ => stage_norms(&mut training.def),
     }
     add_schedule(&mut training.def, &unit_of, input, p)?;
-    if input.tensor.is_some() {
-        chain_collectives_per_device(&mut training.def)?;
-    } else if zero.is_some_and(|z| z.stage >= 3) {
+    if zero.is_some_and(|z| z.stage >= 3) {
         // The gathers run inside the micro-batches' passes: chained with the step's other
-        // collectives in an order that respects the schedule.
+        // collectives (beside tensor parallelism, the tensor-parallel group's too) in an
+        // order that respects the schedule, and numbered in it.
         order_collectives_per_device(&mut training.def)?;
+    } else if input.tensor.is_some() {
+        chain_collectives_per_device(&mut training.def)?;
     }
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.metrics = vec![];

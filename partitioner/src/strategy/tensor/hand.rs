@@ -169,7 +169,8 @@ pub(super) fn mesh_training(
         }
         let mut g = rank_graph(&forward, &plan, &shards, spec, &at, features, labels)?;
         if rank == 0 {
-            let on_rank = |v: &NodeDef, r: usize| worker_device(&v.name, &v.device, r);
+            let on_rank =
+                |v: &NodeDef, r: usize, d: usize| worker_device(&v.name, &v.device, r + tp * d);
             let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
             eval_copy(&mut g, &forward, &shards, spec, tp, &on_rank, false, zero3)?;
         }

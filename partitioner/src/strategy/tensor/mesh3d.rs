@@ -10,19 +10,23 @@
 //!   collectives in one topological order, the same on every rank of a group.
 //! - With `D > 1`, each stage's gradients are summed over the ranks with the same stage and
 //!   shard ([`dp_stage_group`]), exactly as a plain pipeline sums them over its replicas; with
-//!   ZeRO (`--zero-stage 1|2`), that group runs ZeRO's step instead
+//!   ZeRO (`--zero-stage 1|2|3`), that group runs ZeRO's step instead
 //!   ([`crate::strategy::pipeline::zero`]): each (stage, shard) keeps its replica's `1/D`
-//!   shard of its weights' Adam slots (stage 2: and of their summed gradients), and clipping's
-//!   `Σ‖g‖²` of the tensor-parallel shards is summed over the stage's tensor-parallel group too,
-//!   the replicated weights' counted once.
+//!   shard of its weights' Adam slots (stage 2: and of their summed gradients; stage 3: and of
+//!   the weights themselves, all-gathered over the group on the stage's worker before every
+//!   micro-batch's forward and backward use, each worker's collectives, both groups', then
+//!   chained and numbered in one order), and clipping's `Σ‖g‖²` of the tensor-parallel shards
+//!   is summed over the stage's tensor-parallel group too, the replicated weights' counted
+//!   once.
 //! - Clipping uses the whole model's norm: per stage, the shards' `Σ‖g‖²` all-reduced over the
 //!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
 //!   the loss's stage.
 //! - Evaluation runs on worker 0 without collectives, on a one-process forward copy whose
-//!   weights are assembled from every shard, wherever its stage put it.
+//!   weights are assembled from every shard, wherever its stage put it (under ZeRO-3, from
+//!   every replica's flat shard of it).
 
 use super::{
-    add_eval_copy, check_job, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
+    check_job, eval_copy, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
     ShardedWeight, GROUP,
 };
 use crate::job::{task_name, CollectiveGroup};
@@ -32,10 +36,11 @@ use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages};
 use crate::strategy::pipeline::schedule::PipelineShape;
 use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared};
+use crate::strategy::zero::params::shard_name as zero_shard_name;
 use crate::strategy::{EvalNames, ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{DType, Graph, NodeDef};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// The tensor-parallel collective group of pipeline stage `s` in replica `d`.
 pub fn tp_stage_group(s: usize, d: usize) -> String {
@@ -184,8 +189,10 @@ pub fn mesh3d_training(
             graphs.push(g);
         }
     }
-    // Evaluation on worker 0, from every shard of replica 0 where its stage holds it.
-    let shard_devices: Vec<HashMap<String, String>> = graphs[..tp]
+    // Evaluation on worker 0, from every shard where its stage holds it (under ZeRO-3, every
+    // replica's flat shard of it).
+    let zero3 = zero.filter(|z| z.stage >= 3).map(|_| dp);
+    let variable_devices: Vec<HashMap<String, String>> = graphs
         .iter()
         .map(|g| {
             g.training
@@ -197,10 +204,18 @@ pub fn mesh3d_training(
                 .collect()
         })
         .collect();
-    let shard_device = |v: &NodeDef, r: usize| -> Result<String, StrategyError> {
-        let name = shard_name(&v.name, r, tp);
-        shard_devices
-            .get(r)
+    let sharded: HashSet<&str> = shards.iter().map(|s| s.name.as_str()).collect();
+    let shard_device = |v: &NodeDef, r: usize, d: usize| -> Result<String, StrategyError> {
+        let mut name = if sharded.contains(v.name.as_str()) {
+            shard_name(&v.name, r, tp)
+        } else {
+            v.name.clone()
+        };
+        if zero3.is_some() {
+            name = zero_shard_name(&name, d, dp);
+        }
+        variable_devices
+            .get(d * tp + r)
             .and_then(|m| m.get(&name))
             .cloned()
             .ok_or_else(|| {
@@ -208,7 +223,7 @@ pub fn mesh3d_training(
             })
     };
     if let Some(g) = graphs.first_mut() {
-        add_eval_copy(g, &def, &shards, spec, tp, &shard_device, true)?;
+        eval_copy(g, &def, &shards, spec, tp, &shard_device, true, zero3)?;
     }
     let task = |t: usize, d: usize, s: usize| task_name("worker", mesh.rank(t, d, s) as u32);
     let mut groups = Vec::new();
@@ -540,6 +555,267 @@ mod tests {
     }
 
     #[test]
+    fn dp2_tp2_pp2_zero3_gathers_each_stage_shards_weights_per_micro_batch_on_its_worker() {
+        let (graph, spec) = model();
+        let mesh = Mesh::new(2, 2, 2).unwrap();
+        let zero = ReplicaZero {
+            stage: 3,
+            bucket_bytes: 1 << 20,
+        };
+        let mg = mesh3d_training(
+            &graph,
+            &spec,
+            &mesh,
+            &pipeline(2, 2, 8),
+            Some(zero),
+            "idx",
+            "targets",
+        )
+        .unwrap();
+        let sharded: HashSet<&str> = mg.shards.iter().map(|s| s.name.as_str()).collect();
+        let int = |n: &NodeDef, a: &str| match n.attrs.get(a) {
+            Some(AttrValue::Int(v)) => *v,
+            other => panic!("{} {a}: {other:?}", n.name),
+        };
+        let task_of = |n: &NodeDef| -> usize {
+            let dev = dflow_graph::DeviceName::parse(&n.device).unwrap();
+            dev.task.unwrap() as usize
+        };
+        // The same collective on every rank: its name without the rank's tp and dp shard.
+        let strip = |name: &str| -> String {
+            let mut s = name.to_string();
+            for r in 0..2 {
+                s = s.replace(&format!("/tp_{r}_of_2"), "/tp");
+                s = s.replace(&format!("/shard_{r}_of_2"), "/shard");
+            }
+            s
+        };
+        // Per worker, its collectives (stripped) with their instance keys and groups, in order.
+        let mut chains: HashMap<usize, Vec<(String, i64, String)>> = HashMap::new();
+        for (i, g) in mg.graphs.iter().enumerate() {
+            let (d, t) = (i / 2, i % 2);
+            let nodes = &g.training.def.nodes;
+            let find = |name: &str| nodes.iter().find(|n| n.name == name);
+            let mut stages_used: HashSet<usize> = HashSet::new();
+            for v in graph
+                .node_indices()
+                .filter(|&i| graph.node(i).op == "Variable")
+            {
+                let var = &graph.node(v).name;
+                let mine = if sharded.contains(var.as_str()) {
+                    shard_name(var, t, 2)
+                } else {
+                    var.clone()
+                };
+                // The rank's weight (its tp shard, or the replicated weight) is never whole:
+                // the graph holds its replica's flat half, on one stage's worker.
+                assert!(find(&mine).is_none(), "{mine} still whole on graph {i}");
+                let shard = find(&zero_shard_name(&mine, d, 2)).unwrap();
+                let s = (0..2)
+                    .find(|&s| task_of(shard) == s * 4 + d * 2 + t)
+                    .unwrap();
+                stages_used.insert(s);
+                // No other replica's shard is trained here, and the shard's only training
+                // readers are on its stage's worker: gathers over its (stage, shard)'s dp group
+                // and its update.
+                assert!(find(&zero_shard_name(&mine, 1 - d, 2))
+                    .is_none_or(|o| i == 0 && task_of(o) == (s * 4 + (1 - d) * 2 + t)));
+                let readers: Vec<&NodeDef> = nodes
+                    .iter()
+                    .filter(|n| !n.name.starts_with("eval/"))
+                    .filter(|n| n.inputs.contains(&shard.name))
+                    .collect();
+                assert!(readers.len() > 2, "{mine}: {readers:?}");
+                let mut passes: HashSet<String> = HashSet::new();
+                for r in readers {
+                    assert_eq!(r.device, shard.device, "{} reads {}", r.name, shard.name);
+                    match r.op.as_str() {
+                        "ApplyAdamW" => {}
+                        "CollectiveAllGather" => {
+                            assert_eq!(attr(r, "group_key"), dp_stage_group(s, t));
+                            let pass = r
+                                .name
+                                .strip_prefix(&format!("zero/{mine}/all_gather_"))
+                                .unwrap();
+                            assert!(passes.insert(pass.to_string()), "{} twice", r.name);
+                            // The gathered copy is read by one micro-batch's pass only, so it
+                            // is dropped after that pass.
+                            let Some((_, k)) = pass.split_once("_mb") else {
+                                // But the tied embedding's shard, gathered once per step for
+                                // the head's stage, where it arrives (as in a plain pipeline).
+                                let value = format!("zero/{mine}/{pass}");
+                                let uses: Vec<&str> = nodes
+                                    .iter()
+                                    .filter(|n| n.inputs.contains(&value))
+                                    .map(|n| n.name.as_str())
+                                    .collect();
+                                assert_eq!(
+                                    (var.as_str(), pass, &uses[..]),
+                                    (
+                                        "transformer.wte.weight",
+                                        "forward",
+                                        &[format!("pipeline/shared/{mine}/at_stage1").as_str()][..]
+                                    ),
+                                    "{} outside a micro-batch",
+                                    r.name
+                                );
+                                continue;
+                            };
+                            let k = &k[..1];
+                            let value = format!("zero/{mine}/{pass}");
+                            let uses: Vec<&NodeDef> =
+                                nodes.iter().filter(|n| n.inputs.contains(&value)).collect();
+                            assert!(!uses.is_empty(), "{value}");
+                            for u in uses {
+                                assert!(
+                                    u.name.contains(&format!("pipeline/mb{k}/")),
+                                    "{} reads {value}",
+                                    u.name
+                                );
+                            }
+                        }
+                        op => panic!("{} ({op}) reads {}", r.name, shard.name),
+                    }
+                }
+                // A forward gather for each micro-batch.
+                for k in 0..2 {
+                    assert!(
+                        passes
+                            .iter()
+                            .any(|p| p.ends_with(&format!("_mb{k}_forward"))),
+                        "{mine}: {passes:?}"
+                    );
+                }
+            }
+            assert_eq!(stages_used.len(), 2);
+            // A matrix's backward reads a gather per micro-batch too.
+            let w = shard_name("transformer.h.1.mlp.c_proj.weight", t, 2);
+            for k in 0..2 {
+                assert!(
+                    nodes.iter().any(|n| n.op == "CollectiveAllGather"
+                        && n.name.starts_with(&format!("zero/{w}/all_gather_stage"))
+                        && n.name.ends_with(&format!("_mb{k}_backward"))),
+                    "{w} backward {k}"
+                );
+            }
+            // Nothing is assigned back.
+            assert!(!nodes.iter().any(|n| n.op == "Assign"));
+            // Every worker's collectives (tp's and dp's) form one chain numbered 1, 2, ...
+            for s in 0..2 {
+                let worker = s * 4 + d * 2 + t;
+                let mut chain: Vec<&NodeDef> = nodes
+                    .iter()
+                    .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+                    .filter(|n| task_of(n) == worker && !n.name.starts_with("eval/"))
+                    .collect();
+                chain.sort_by_key(|n| int(n, "instance_key"));
+                for (k, w) in chain.windows(2).enumerate() {
+                    assert_eq!(int(w[0], "instance_key"), k as i64 + 1);
+                    assert!(
+                        w[1].inputs.contains(&format!("^{}", w[0].name)),
+                        "{} does not wait for {}",
+                        w[1].name,
+                        w[0].name
+                    );
+                }
+                let groups: HashSet<String> = chain.iter().map(|n| attr(n, "group_key")).collect();
+                assert_eq!(
+                    groups,
+                    HashSet::from([tp_stage_group(s, d), dp_stage_group(s, t)]),
+                    "worker {worker}"
+                );
+                chains.insert(
+                    worker,
+                    chain
+                        .iter()
+                        .map(|n| (strip(&n.name), int(n, "instance_key"), attr(n, "group_key")))
+                        .collect(),
+                );
+            }
+            // One clipping scale per graph, on the loss's stage.
+            let scales: Vec<&NodeDef> =
+                nodes.iter().filter(|n| n.op == "GlobalNormScale").collect();
+            assert_eq!(scales.len(), 1);
+            assert_eq!(task_of(scales[0]), 4 + d * 2 + t);
+        }
+        // The tp ranks of a (stage, replica) and the replicas of a (stage, shard) call the same
+        // collectives under the same instance keys.
+        let same = |a: &Vec<(String, i64, String)>, b: &Vec<(String, i64, String)>| {
+            a.iter().zip(b).all(|(x, y)| x.0 == y.0 && x.1 == y.1) && a.len() == b.len()
+        };
+        for (a, b) in [
+            (0, 1),
+            (2, 3),
+            (0, 2),
+            (1, 3),
+            (4, 5),
+            (4, 6),
+            (5, 7),
+            (6, 7),
+        ] {
+            assert!(same(&chains[&a], &chains[&b]), "workers {a} and {b}");
+        }
+        // Evaluation on worker 0 joins every (stage, shard, replica)'s flat shard, with no
+        // collective.
+        let eval = &mg.graphs[0].training.def.nodes;
+        assert!(eval
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+            .all(|n| !n.op.starts_with("Collective") && task_of(n) == 0));
+        let w = "transformer.h.1.mlp.c_fc.weight";
+        let flat = eval
+            .iter()
+            .find(|n| n.name == format!("eval/{}/flat", shard_name(w, 1, 2)))
+            .unwrap();
+        assert_eq!(
+            flat.inputs,
+            [
+                zero_shard_name(&shard_name(w, 1, 2), 0, 2),
+                zero_shard_name(&shard_name(w, 1, 2), 1, 2)
+            ]
+        );
+        // Replica 1's shard of tp shard 1 of a stage-1 weight lives on worker 7.
+        let piece = eval
+            .iter()
+            .find(|n| n.op == "Variable" && n.name == flat.inputs[1])
+            .unwrap();
+        assert_eq!(task_of(piece), 7);
+    }
+
+    #[test]
+    fn dp2_tp2_pp2_zero3_plan_joins_the_flat_shards_then_the_tp_shards_for_checkpoints() {
+        let (graph, spec) = model();
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let s = TensorParallel {
+            zero_stage: Some(3),
+            ..strategy(2, pipeline(2, 2, 8))
+        };
+        let plan = s.plan(&input).unwrap();
+        for logical in [
+            shard_name("transformer.h.1.mlp.c_fc.weight", 1, 2),
+            format!(
+                "{}/adam_v",
+                shard_name("transformer.h.0.attn.c_attn.weight", 0, 2)
+            ),
+            "transformer.ln_f.weight".to_string(),
+        ] {
+            let joined = plan.sharded.iter().find(|v| v.logical == logical).unwrap();
+            assert_eq!(
+                joined.shards,
+                [
+                    zero_shard_name(&logical, 0, 2),
+                    zero_shard_name(&logical, 1, 2)
+                ]
+            );
+        }
+        assert!(plan
+            .axis_sharded
+            .iter()
+            .any(|v| v.logical == "transformer.h.1.mlp.c_fc.weight" && v.shards.len() == 2));
+    }
+
+    #[test]
     fn meshes_that_do_not_fit_are_refused_naming_them() {
         let (graph, spec) = model();
         let six = dflow_graph::ClusterSpec::local(&[("worker", 6)]).unwrap();
@@ -562,17 +838,15 @@ mod tests {
         // tp=4 does not divide the 2 heads.
         let e = strategy(4, pipeline(2, 1, 8)).plan(&input).unwrap_err();
         assert!(e.to_string().contains("does not divide by --tp 4"), "{e}");
-        // ZeRO runs beside tp inside the stages at stages 1 and 2, not 3, and over dp ≥ 2.
+        // ZeRO runs beside tp inside the stages at stages 1 to 3, over dp ≥ 2.
         let zero = |stage: u8| TensorParallel {
             zero_stage: Some(stage),
             ..strategy(2, pipeline(2, 2, 8))
         };
         assert!(zero(2).plan(&input).is_ok());
-        let e = zero(3).plan(&input).unwrap_err().to_string();
-        assert!(
-            e.contains("ZeRO-3 beside tensor parallelism inside pipeline stages does not run yet"),
-            "{e}"
-        );
+        assert!(zero(3).plan(&input).is_ok());
+        let e = zero(4).plan(&input).unwrap_err().to_string();
+        assert!(e.contains("ZeRO's stages are 1, 2 and 3"), "{e}");
         let four = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
         let input = JobInput::new(&graph, &spec, &four, "idx", "targets");
         let e = zero(1).plan(&input).unwrap_err().to_string();
