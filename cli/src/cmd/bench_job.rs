@@ -595,9 +595,11 @@ mod tests {
             "{pipe:?}"
         );
         assert!((bubble - 0.2).abs() < 1e-12, "{bubble}");
-        // Twice the micro-batches send twice the values.
+        // Four more micro-batches: four more activations from the first stage, four more
+        // gradients back to it.
         let (_, pipe8, _) = by("pipeline, 8 micro-batches");
-        assert_eq!(pipe8[0].values, 2 * pipe[0].values, "{pipe8:?} {pipe:?}");
+        assert_eq!(pipe8[0].values, pipe[0].values + 4, "{pipe8:?} {pipe:?}");
+        assert_eq!(pipe8[0].received, pipe[0].received + 4, "{pipe8:?} {pipe:?}");
         // Four tasks on the two cores, each gathering before every layer.
         let (_, zero4, _) = by("zero-3 4 tasks (calls between products on shared cores)");
         assert_eq!(zero4.len(), 4);
