@@ -212,13 +212,11 @@ pub(super) static REGISTRATION: Registration = Registration {
         }
         let zero = match (opts.tensor_zero, opts.zero_stage) {
             (false, _) => None,
-            (true, s @ 1..=2) => Some(s),
+            (true, s @ 1..=3) => Some(s),
             (true, s) => {
                 return Err(StrategyError::Options {
                     strategy: "expert",
-                    message: format!(
-                        "--zero-stage {s} beside expert parallelism does not run yet: use --zero-stage 1 or 2 (ZeRO-3 would gather the experts' parameters, which the all-to-alls do not)"
-                    ),
+                    message: format!("--zero-stage must be 1, 2 or 3, got {s}"),
                 })
             }
         };
@@ -650,6 +648,7 @@ pub fn expert_training_with(
     let mut graphs = Vec::with_capacity(workers);
     for i in 0..workers {
         let (def, local) = worker_forward(&forward, &layers, i, layout)?;
+        let names: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
         // Clipping, if any, comes after the sums (reduce_gradients).
         let unclipped = TrainSpec {
             clip_global_norm: None,
@@ -662,6 +661,7 @@ pub fn expert_training_with(
                 stage,
                 bucket_bytes,
                 feeds: (features, labels),
+                forward: &names,
             };
             zero::zero_step(weighted, spec, i, &local, z)?
         } else {
@@ -683,7 +683,8 @@ pub fn expert_training_with(
         };
         add_dropped_count(&mut g, &forward, i)?;
         if i == 0 {
-            add_eval_copy(&mut g, &forward, &layers, spec, ep)?;
+            let stage3 = zero.is_some_and(|s| s >= 3);
+            add_eval_copy(&mut g, graph, &forward, &layers, spec, layout, stage3)?;
         }
         graphs.push(g);
     }
@@ -990,14 +991,20 @@ fn shard_variable(v: &mut NodeDef, shard: usize, per: i64) -> Result<(), Strateg
 
 /// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose experts read the
 /// shards of its expert-parallel group (workers `0..ep`) joined, and points evaluation at it.
+/// Under ZeRO-3 (`stage3`) every parameter is read joined from its flat shards: a dense one's
+/// from all the workers, each expert shard's from its expert-data-parallel group (`graph`:
+/// the forward graph, for the parameters' dimensions).
 fn add_eval_copy(
     g: &mut ReplicaGraph,
+    graph: &Graph,
     forward: &GraphDef,
     layers: &[MoeLayer],
     spec: &TrainSpec,
-    workers: usize,
+    layout: ExpertLayout,
+    stage3: bool,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
+    let (workers, ep) = (layout.workers(), layout.ep());
     let experts: HashMap<&str, &MoeLayer> = layers
         .iter()
         .flat_map(|l| l.variables.iter().map(move |v| (v.as_str(), l)))
@@ -1015,15 +1022,35 @@ fn add_eval_copy(
         match n.op.as_str() {
             "Placeholder" => {}
             "Variable" => {
+                let dims = graph
+                    .find(&n.name)
+                    .and_then(|i| graph.output_type(i, 0))
+                    .and_then(|t| t.shape.as_static())
+                    .ok_or_else(|| not_moe(&n.name, "the variable's shape is not static".into()))?;
                 if let Some(l) = experts.get(n.name.as_str()) {
-                    let per = (l.experts / workers) as i64;
+                    let per = (l.experts / ep) as i64;
                     let mut shards = Vec::new();
-                    for j in 0..workers {
+                    for j in 0..ep {
                         let name = shard_name(&n.name, j);
+                        let mut v = n.clone();
+                        shard_variable(&mut v, j, per)?;
+                        v.name = name.clone();
+                        if stage3 && workers > ep {
+                            // Its flat shards, over the workers j, j + ep, ...
+                            zero::as_row_split(&mut v, ep, j);
+                            let mut rows = dims.clone();
+                            rows[0] = per as usize;
+                            let holders: Vec<usize> = (j..workers).step_by(ep).collect();
+                            let part = FlatJoin {
+                                var: &v,
+                                name: &name,
+                                dims: &rows,
+                                holders: &holders,
+                            };
+                            shards.push(part.add(&mut taken, &mut added, &device)?);
+                            continue;
+                        }
                         if j > 0 {
-                            let mut v = n.clone();
-                            shard_variable(&mut v, j, per)?;
-                            v.name = name.clone();
                             v.device = worker_device(&n.name, &n.device, j)?;
                             added.push(v);
                         }
@@ -1034,6 +1061,16 @@ fn add_eval_copy(
                     c.attrs = BTreeMap::from([("axis".to_string(), AttrValue::Int(0))]);
                     added.push(c);
                     map.insert(n.name.clone(), joined);
+                } else if stage3 {
+                    let holders: Vec<usize> = (0..workers).collect();
+                    let whole = FlatJoin {
+                        var: n,
+                        name: &n.name,
+                        dims: &dims,
+                        holders: &holders,
+                    };
+                    let value = whole.add(&mut taken, &mut added, &device)?;
+                    map.insert(n.name.clone(), value);
                 }
             }
             _ => {
@@ -1069,6 +1106,56 @@ fn add_eval_copy(
     g.eval.loss = remap(&spec.loss);
     g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
     Ok(())
+}
+
+/// A variable read whole on worker 0 from the flat ZeRO-3 shards `{name}/shard_{r}_of_{R}`
+/// that the workers `holders` (rank `r` is `holders[r]`) keep of it.
+struct FlatJoin<'a> {
+    /// The variable as its holders declare it before ZeRO-3 shards it (whole, or an expert
+    /// row shard in [`zero::as_row_split`]'s form).
+    var: &'a NodeDef,
+    /// The sharded variable's name.
+    name: &'a str,
+    /// Its dimensions.
+    dims: &'a [usize],
+    /// The workers holding its shards, in rank order.
+    holders: &'a [usize],
+}
+
+impl FlatJoin<'_> {
+    /// Adds to `added` the other holders' shard variables (worker 0's own is in its graph) and
+    /// their join cut back to the variable's dimensions, on `device`; returns the join.
+    fn add(
+        &self,
+        taken: &mut HashSet<String>,
+        added: &mut Vec<NodeDef>,
+        device: &str,
+    ) -> Result<String, StrategyError> {
+        let ranks = self.holders.len();
+        let mut pieces = Vec::with_capacity(ranks);
+        for (r, &w) in self.holders.iter().enumerate() {
+            let piece = super::zero::params::shard_name(self.name, r, ranks);
+            if w != 0 {
+                let mut v = self.var.clone();
+                super::zero::params::flat_shard(&mut v, self.name, self.dims, r, ranks);
+                v.name = piece.clone();
+                v.device = worker_device(&self.var.name, &self.var.device, w)?;
+                v.colocate_with.clear();
+                added.push(v);
+            }
+            pieces.push(piece);
+        }
+        let joined = fresh(taken, &format!("eval/{}/joined", self.name));
+        added.push(node(&joined, "PackFlat", pieces, device));
+        let value = fresh(taken, &format!("eval/{}", self.name));
+        let mut s = node(&value, "FlatSlice", vec![joined], device);
+        s.attrs = BTreeMap::from([
+            ("offset".to_string(), AttrValue::Int(0)),
+            ("shape".to_string(), AttrValue::Shape(Shape::known(self.dims))),
+        ]);
+        added.push(s);
+        Ok(value)
+    }
 }
 
 /// What one worker sends to other workers in each all-to-all of its training graph `g` (over
