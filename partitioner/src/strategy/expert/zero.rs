@@ -370,6 +370,94 @@ mod tests {
     }
 
     #[test]
+    fn dp4_ep2_zero3_shards_the_weights_over_the_same_groups_and_gathers_them_before_each_pass() {
+        let graphs = graphs(3, 4, 2);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        let dense = "transformer.wte.weight";
+        for (i, g) in graphs.iter().enumerate() {
+            let (k, j) = (i % 2, i / 2);
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            // The weights are the worker's flat shards; no whole copy stays.
+            let mine = format!("{expert}/shard_{k}/shard_{j}_of_2");
+            assert!(has(&format!("{dense}/shard_{i}_of_4")), "{vars:?}");
+            assert!(has(&mine), "{vars:?}");
+            assert!(has(&format!("{expert}/shard_{k}/adam_m/shard_{j}_of_2")));
+            // Worker 0's evaluation reads every shard (its own among them).
+            if i > 0 {
+                assert!(!has(dense), "{vars:?}");
+                assert!(!has(&format!("{expert}/shard_{k}")), "{vars:?}");
+            }
+            // The expert shard's flat part is drawn from rows k·2.. of the whole variable.
+            let v = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == mine)
+                .unwrap();
+            assert_eq!(v.attrs.get("shard_parts"), Some(&AttrValue::Int(2)));
+            assert_eq!(v.attrs.get("shard_index"), Some(&AttrValue::Int(k as i64)));
+            assert_eq!(v.attrs.get("shard_flat"), Some(&AttrValue::Bool(true)));
+            assert_eq!(
+                v.attrs.get("shard_name"),
+                Some(&AttrValue::String(expert.into()))
+            );
+            // Gathered before the forward and the backward pass, over the holders' group.
+            let nodes = &g.training.def.nodes;
+            for pass in ["forward", "backward"] {
+                for (var, key) in [
+                    (dense.to_string(), "workers".to_string()),
+                    (format!("{expert}/shard_{k}"), format!("experts_dp{k}")),
+                ] {
+                    let name = format!("zero/{var}/all_gather_{pass}");
+                    let n = nodes
+                        .iter()
+                        .find(|n| n.name == name)
+                        .unwrap_or_else(|| panic!("no `{name}`"));
+                    assert_eq!(n.op, "CollectiveAllGather");
+                    assert_eq!(group(n), key, "{name}");
+                }
+            }
+            // Stage 3 keeps the updated shards: no gather of the parameters after the update.
+            assert!(!nodes
+                .iter()
+                .any(|n| n.name.starts_with("zero/bucket_") && n.name.contains("all_gather")));
+        }
+        // Worker 0 evaluates from shard 1's halves on workers 1 and 3, packed.
+        let eval = graphs[0]
+            .training
+            .def
+            .nodes
+            .iter()
+            .find(|n| n.name == format!("eval/{expert}/shard_1/joined"))
+            .expect("the joined shard 1");
+        assert_eq!(
+            eval.inputs,
+            [
+                format!("{expert}/shard_1/shard_0_of_2"),
+                format!("{expert}/shard_1/shard_1_of_2")
+            ]
+        );
+        let on = |name: &str| {
+            graphs[0]
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == name)
+                .map(|n| n.device.clone())
+                .unwrap()
+        };
+        assert!(on(&eval.inputs[0]).ends_with("task:1"));
+        assert!(on(&eval.inputs[1]).ends_with("task:3"));
+        let first = chain(&graphs[0]);
+        for g in &graphs[1..] {
+            assert_eq!(chain(g), first);
+        }
+    }
+
+    #[test]
     fn with_ep_equal_to_dp_the_experts_slots_stay_whole() {
         let graphs = graphs(1, 2, 2);
         let expert = "transformer.h.1.mlp.experts.c_proj.weight";
@@ -388,6 +476,18 @@ mod tests {
                 .nodes
                 .iter()
                 .any(|n| n.name == format!("experts/zero/clip/{expert}/shard_{i}")));
+        }
+        assert_eq!(chain(&graphs[0]), chain(&graphs[1]));
+        // ZeRO-3 with ep = dp: the dense weights sharded over both, the experts whole.
+        let graphs = super::tests::graphs(3, 2, 2);
+        for (i, g) in graphs.iter().enumerate() {
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            assert!(has(&format!("{expert}/shard_{i}")), "{vars:?}");
+            assert!(
+                has(&format!("transformer.wte.weight/shard_{i}_of_2")),
+                "{vars:?}"
+            );
         }
         assert_eq!(chain(&graphs[0]), chain(&graphs[1]));
     }
