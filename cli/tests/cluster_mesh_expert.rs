@@ -354,7 +354,14 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
     // `experts_dp<k>` just before each use.
     let out = partition(
         FOUR,
-        &["--mesh", "dp=4,ep=2", "--zero-stage", "3", "--batch-size", "8"],
+        &[
+            "--mesh",
+            "dp=4,ep=2",
+            "--zero-stage",
+            "3",
+            "--batch-size",
+            "8",
+        ],
     );
     let text = stdout(&out);
     assert!(
@@ -365,8 +372,14 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
     assert!(text.contains("ZeRO stage 3"), "{text}");
     for (var, on) in [
         ("transformer.wte.weight/shard_3_of_4 ", 3),
-        ("transformer.h.0.mlp.experts.c_fc.weight/shard_1/shard_0_of_2 ", 1),
-        ("transformer.h.0.mlp.experts.c_fc.weight/shard_1/shard_1_of_2 ", 3),
+        (
+            "transformer.h.0.mlp.experts.c_fc.weight/shard_1/shard_0_of_2 ",
+            1,
+        ),
+        (
+            "transformer.h.0.mlp.experts.c_fc.weight/shard_1/shard_1_of_2 ",
+            3,
+        ),
     ] {
         let line = text
             .lines()

@@ -58,12 +58,14 @@
 //!   sum its gradients by all-reduce before the update, so each expert's gradient counts every
 //!   worker's tokens. `ep` = the worker count is the layout above.
 //!
-//! - **ZeRO** (`--zero-stage 1|2` beside `--mesh dp=D,ep=E`, [`Expert::zero`]): the dense
-//!   parameters' Adam slots sharded over all the workers, each expert shard's over its
-//!   expert-data-parallel group, by `--strategy zero`'s step (see [`zero`]).
+//! - **ZeRO** (`--zero-stage 1|2|3` beside `--mesh dp=D,ep=E`, [`Expert::zero`]): the dense
+//!   parameters' Adam slots (stage 3: and the parameters, gathered just before each use)
+//!   sharded over all the workers, each expert shard's over its expert-data-parallel group, by
+//!   `--strategy zero`'s step and stage-3 rewrite (see [`zero`]); under ZeRO-3 the evaluation
+//!   copy reads every parameter joined from its flat shards.
 //!
 //! Not supported: asynchronous training; expert parallelism beside tensor or pipeline
-//! parallelism; ZeRO-3 beside it.
+//! parallelism.
 
 pub mod zero;
 
@@ -103,9 +105,9 @@ pub struct Expert {
     /// The expert-parallel size (`--mesh ep=E`): the experts are spread over runs of `ep`
     /// consecutive workers ([`ExpertLayout`]); `None`: over all the workers.
     pub ep: Option<usize>,
-    /// ZeRO's stage (1 or 2) in place of the gradient all-reduces: the dense parameters' Adam
-    /// slots sharded over the workers, each expert shard's over its expert-data-parallel
-    /// group ([`zero`]); `None`: no ZeRO.
+    /// ZeRO's stage (1, 2 or 3) in place of the gradient all-reduces: the dense parameters' Adam
+    /// slots (3: and weights) sharded over the workers, each expert shard's over its
+    /// expert-data-parallel group ([`zero`]); `None`: no ZeRO.
     pub zero: Option<u8>,
 }
 
@@ -613,7 +615,7 @@ pub fn expert_training(
     expert_training_with(graph, spec, layout, features, labels, bucket_bytes, None)
 }
 
-/// [`expert_training`], with ZeRO at stage `zero` (1 or 2) in place of the gradient
+/// [`expert_training`], with ZeRO at stage `zero` (1, 2 or 3) in place of the gradient
 /// all-reduces ([`zero`]).
 pub fn expert_training_with(
     graph: &Graph,
@@ -1151,7 +1153,10 @@ impl FlatJoin<'_> {
         let mut s = node(&value, "FlatSlice", vec![joined], device);
         s.attrs = BTreeMap::from([
             ("offset".to_string(), AttrValue::Int(0)),
-            ("shape".to_string(), AttrValue::Shape(Shape::known(self.dims))),
+            (
+                "shape".to_string(),
+                AttrValue::Shape(Shape::known(self.dims)),
+            ),
         ]);
         added.push(s);
         Ok(value)
