@@ -181,8 +181,9 @@ fn checkpoint(dir: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
 /// equal one process's within 1e-5, and the checkpoint it ends with (gathered whole: the
 /// one-process names and shapes) holds the same parameters and Adam moments within 1e-5; a
 /// ZeRO-2 and a ZeRO-3 checkpoint written after 3 steps resume in one process with the
-/// uninterrupted job's losses. `dp=2,ep=2` ZeRO-1 and ZeRO-3 (the experts held once, their
-/// slots and weights whole) equal one process too.
+/// uninterrupted job's losses, and a one-process checkpoint resumes under ZeRO-3 with the
+/// one-process losses. `dp=2,ep=2` ZeRO-1 and ZeRO-3 (the experts held once, their slots and
+/// weights whole) equal one process too.
 #[test]
 fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-zero");
@@ -281,6 +282,13 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             );
             let worst = assert_same_losses(&two, &local, 1e-5);
             eprintln!("dp=2,ep=2 ZeRO-3: worst relative loss difference {worst:e}");
+            // A one-process checkpoint resumes under dp=4,ep=2 ZeRO-3 (split into the
+            // workers' flat shards of their row shards) with the one-process losses.
+            let from_one = dir.join("one-saved");
+            assert_eq!(run(&graph, &[], 3, &from_one).len(), 3);
+            let resumed = run(&graph, &mesh, 5, &from_one);
+            let worst = assert_same_losses(&resumed, &local[3..], 1e-5);
+            eprintln!("one process's checkpoint under dp=4,ep=2 ZeRO-3: worst {worst:e}");
         }
         if stage != "1" {
             let saved = dir.join(format!("zero{stage}-saved"));
