@@ -1020,6 +1020,8 @@ fn add_eval_copy(
         .collect();
     let mut map: HashMap<String, String> = HashMap::new();
     let mut added = Vec::new();
+    // Under ZeRO-3: each whole value's sends of remote shards, to run just before its readers.
+    let mut sends: Vec<(String, Vec<String>)> = Vec::new();
     for n in &forward.nodes {
         match n.op.as_str() {
             "Placeholder" => {}
@@ -1032,6 +1034,7 @@ fn add_eval_copy(
                 if let Some(l) = experts.get(n.name.as_str()) {
                     let per = (l.experts / ep) as i64;
                     let mut shards = Vec::new();
+                    let mut sent = Vec::new();
                     for j in 0..ep {
                         let name = shard_name(&n.name, j);
                         let mut v = n.clone();
@@ -1049,7 +1052,7 @@ fn add_eval_copy(
                                 dims: &rows,
                                 holders: &holders,
                             };
-                            shards.push(part.add(&mut taken, &mut added, &device)?);
+                            shards.push(part.add(&mut taken, &mut added, &mut sent, &device)?);
                             continue;
                         }
                         if j > 0 {
@@ -1062,6 +1065,7 @@ fn add_eval_copy(
                     let mut c = node(&joined, "Concat", shards, &device);
                     c.attrs = BTreeMap::from([("axis".to_string(), AttrValue::Int(0))]);
                     added.push(c);
+                    sends.push((joined.clone(), sent));
                     map.insert(n.name.clone(), joined);
                 } else if stage3 {
                     let holders: Vec<usize> = (0..workers).collect();
@@ -1071,7 +1075,9 @@ fn add_eval_copy(
                         dims: &dims,
                         holders: &holders,
                     };
-                    let value = whole.add(&mut taken, &mut added, &device)?;
+                    let mut sent = Vec::new();
+                    let value = whole.add(&mut taken, &mut added, &mut sent, &device)?;
+                    sends.push((value.clone(), sent));
                     map.insert(n.name.clone(), value);
                 }
             }
@@ -1103,7 +1109,29 @@ fn add_eval_copy(
         copy.colocate_with.clear();
         added.push(copy);
     }
-    g.training.def.nodes.extend(added);
+    // Each remote shard leaves its holder just before the readers of its value run (it waits
+    // for their other inputs), so worker 0 holds about one weight at a time, not the model.
+    let mut eval = GraphDef {
+        nodes: added,
+        ..GraphDef::default()
+    };
+    let reads = |value: &str, n: &NodeDef| {
+        n.inputs
+            .iter()
+            .any(|i| matches!(producer(i), Some((p, k)) if p == value && k != usize::MAX))
+    };
+    let mut readers: Vec<(String, Vec<String>)> = Vec::new();
+    for (value, sent) in &sends {
+        let who: Vec<String> = eval
+            .nodes
+            .iter()
+            .filter(|n| reads(value, n))
+            .map(|n| n.name.clone())
+            .collect();
+        readers.extend(sent.iter().map(|s| (s.clone(), who.clone())));
+    }
+    super::zero::params::just_in_time(&mut eval, &readers);
+    g.training.def.nodes.extend(eval.nodes);
     g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
     g.eval.loss = remap(&spec.loss);
     g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
@@ -1125,12 +1153,14 @@ struct FlatJoin<'a> {
 }
 
 impl FlatJoin<'_> {
-    /// Adds to `added` the other holders' shard variables (worker 0's own is in its graph) and
-    /// their join cut back to the variable's dimensions, on `device`; returns the join.
+    /// Adds to `added` the other holders' shard variables (worker 0's own is in its graph),
+    /// each read by an `Identity` on its holder (pushed to `sent`: what crosses to worker 0),
+    /// and their join cut back to the variable's dimensions, on `device`; returns the join.
     fn add(
         &self,
         taken: &mut HashSet<String>,
         added: &mut Vec<NodeDef>,
+        sent: &mut Vec<String>,
         device: &str,
     ) -> Result<String, StrategyError> {
         let ranks = self.holders.len();
@@ -1143,9 +1173,14 @@ impl FlatJoin<'_> {
                 v.name = piece.clone();
                 v.device = worker_device(&self.var.name, &self.var.device, w)?;
                 v.colocate_with.clear();
+                let send = fresh(taken, &format!("eval/{piece}/sent"));
+                added.push(node(&send, "Identity", vec![piece.clone()], &v.device));
                 added.push(v);
+                sent.push(send.clone());
+                pieces.push(send);
+            } else {
+                pieces.push(piece);
             }
-            pieces.push(piece);
         }
         let joined = fresh(taken, &format!("eval/{}/joined", self.name));
         added.push(node(&joined, "PackFlat", pieces, device));

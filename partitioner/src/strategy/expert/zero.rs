@@ -424,33 +424,25 @@ mod tests {
                 .iter()
                 .any(|n| n.name.starts_with("zero/bucket_") && n.name.contains("all_gather")));
         }
-        // Worker 0 evaluates from shard 1's halves on workers 1 and 3, packed.
-        let eval = graphs[0]
-            .training
-            .def
-            .nodes
-            .iter()
-            .find(|n| n.name == format!("eval/{expert}/shard_1/joined"))
-            .expect("the joined shard 1");
-        assert_eq!(
-            eval.inputs,
-            [
-                format!("{expert}/shard_1/shard_0_of_2"),
-                format!("{expert}/shard_1/shard_1_of_2")
-            ]
-        );
-        let on = |name: &str| {
-            graphs[0]
-                .training
-                .def
-                .nodes
+        // Worker 0 evaluates from shard 1's halves, sent by workers 1 and 3, packed; each is
+        // sent just before the experts' inputs are ready (it waits for them).
+        let nodes = &graphs[0].training.def.nodes;
+        let find = |name: &str| {
+            nodes
                 .iter()
                 .find(|n| n.name == name)
-                .map(|n| n.device.clone())
-                .unwrap()
+                .unwrap_or_else(|| panic!("no `{name}`"))
         };
-        assert!(on(&eval.inputs[0]).ends_with("task:1"));
-        assert!(on(&eval.inputs[1]).ends_with("task:3"));
+        let eval = find(&format!("eval/{expert}/shard_1/joined"));
+        assert_eq!(eval.inputs.len(), 2, "{:?}", eval.inputs);
+        for (j, on) in [(0, 1), (1, 3)] {
+            let piece = format!("{expert}/shard_1/shard_{j}_of_2");
+            let sent = find(&eval.inputs[j]);
+            assert_eq!(sent.inputs[0], piece);
+            assert!(sent.device.ends_with(&format!("task:{on}")), "{sent:?}");
+            assert!(find(&piece).device.ends_with(&format!("task:{on}")));
+            assert!(sent.inputs.iter().any(|i| i.starts_with('^')), "{sent:?}");
+        }
         let first = chain(&graphs[0]);
         for g in &graphs[1..] {
             assert_eq!(chain(g), first);
