@@ -175,13 +175,15 @@ fn checkpoint(dir: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
         .collect()
 }
 
-/// `dp=4,ep=2` with ZeRO-1 and ZeRO-2 (top-2 routing, clipped at global norm 0.1 every step):
-/// the dense parameters' Adam slots sharded over the 4 workers, each expert shard's over its 2
-/// holders. 5 steps' losses equal one process's within 1e-5, and the checkpoint it ends with
-/// (gathered whole: the one-process names and shapes) holds the same parameters and Adam
-/// moments within 1e-5; a ZeRO-2 checkpoint written after 3 steps resumes in one process with
-/// the uninterrupted job's losses. `dp=2,ep=2` ZeRO-1 (the experts held once, their slots
-/// whole) equals one process too.
+/// `dp=4,ep=2` with ZeRO-1, ZeRO-2 and ZeRO-3 (top-2 routing, clipped at global norm 0.1
+/// every step): the dense parameters' Adam slots (ZeRO-3: and the parameters, gathered just in
+/// time) sharded over the 4 workers, each expert shard's over its 2 holders. 5 steps' losses
+/// equal one process's within 1e-5, and the checkpoint it ends with (gathered whole: the
+/// one-process names and shapes) holds the same parameters and Adam moments within 1e-5; a
+/// ZeRO-2 and a ZeRO-3 checkpoint written after 3 steps resume in one process with the
+/// uninterrupted job's losses, and a one-process checkpoint resumes under ZeRO-3 with the
+/// one-process losses. `dp=2,ep=2` ZeRO-1 and ZeRO-3 (the experts held once, their slots and
+/// weights whole) equal one process too.
 #[test]
 fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-zero");
@@ -189,7 +191,7 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let one = dir.join("one");
     let local = run(&graph, &[], 5, &one);
     let whole = checkpoint(&one);
-    for stage in ["1", "2"] {
+    for stage in ["1", "2", "3"] {
         let mesh = [
             "--cluster",
             FOUR,
@@ -270,12 +272,30 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             let worst = assert_same_losses(&two, &local, 1e-5);
             eprintln!("dp=2,ep=2 ZeRO-1: worst relative loss difference {worst:e}");
         }
-        if stage == "2" {
-            let saved = dir.join("zero2-saved");
+        if stage == "3" {
+            // dp=2,ep=2: the dense weights sharded over both workers, the experts whole.
+            let two = run(
+                &graph,
+                &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"],
+                5,
+                &dir.join("dp2ep2-zero3"),
+            );
+            let worst = assert_same_losses(&two, &local, 1e-5);
+            eprintln!("dp=2,ep=2 ZeRO-3: worst relative loss difference {worst:e}");
+            // A one-process checkpoint resumes under dp=4,ep=2 ZeRO-3 (split into the
+            // workers' flat shards of their row shards) with the one-process losses.
+            let from_one = dir.join("one-saved");
+            assert_eq!(run(&graph, &[], 3, &from_one).len(), 3);
+            let resumed = run(&graph, &mesh, 5, &from_one);
+            let worst = assert_same_losses(&resumed, &local[3..], 1e-5);
+            eprintln!("one process's checkpoint under dp=4,ep=2 ZeRO-3: worst {worst:e}");
+        }
+        if stage != "1" {
+            let saved = dir.join(format!("zero{stage}-saved"));
             assert_eq!(run(&graph, &mesh, 3, &saved).len(), 3);
             let resumed = run(&graph, &[], 5, &saved);
             let worst = assert_same_losses(&resumed, &losses[3..], 1e-6);
-            eprintln!("dp=4,ep=2 ZeRO-2 checkpoint in one process: worst {worst:e}");
+            eprintln!("dp=4,ep=2 ZeRO-{stage} checkpoint in one process: worst {worst:e}");
         }
     }
 }
@@ -337,6 +357,49 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
         "{shard}"
     );
 
+    // ZeRO-3 beside the experts: each worker keeps its flat shard of every dense weight and of
+    // its expert shard (shard 1's halves on workers 1 and 3), gathered over `workers` and
+    // `experts_dp<k>` just before each use.
+    let out = partition(
+        FOUR,
+        &[
+            "--mesh",
+            "dp=4,ep=2",
+            "--zero-stage",
+            "3",
+            "--batch-size",
+            "8",
+        ],
+    );
+    let text = stdout(&out);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("ZeRO stage 3"), "{text}");
+    for (var, on) in [
+        ("transformer.wte.weight/shard_3_of_4 ", 3),
+        (
+            "transformer.h.0.mlp.experts.c_fc.weight/shard_1/shard_0_of_2 ",
+            1,
+        ),
+        (
+            "transformer.h.0.mlp.experts.c_fc.weight/shard_1/shard_1_of_2 ",
+            3,
+        ),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.contains(var))
+            .unwrap_or_else(|| panic!("no `{var}` in:\n{text}"));
+        assert!(line.ends_with(&format!("on {}", w(on))), "{line}");
+    }
+    assert!(
+        !text.contains("transformer.wte.weight "),
+        "a whole dense weight under ZeRO-3:\n{text}"
+    );
+
     for (cluster, extra, want) in [
         (
             FOUR,
@@ -355,11 +418,6 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
         ),
         (
             FOUR,
-            vec!["--mesh", "dp=4,ep=2", "--zero-stage", "3"],
-            "--mesh ep=2 with --zero-stage 3: ZeRO-3 beside expert parallelism does not run yet",
-        ),
-        (
-            FOUR,
             vec!["--mesh", "dp=4,ep=2", "--strategy", "allreduce"],
             "runs --strategy expert, not --strategy allreduce",
         ),
@@ -372,9 +430,11 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
 }
 
 /// 4 real `dflow` processes on 127.0.0.1 under `--mesh dp=4,ep=2` (the groups' collectives
-/// over the transport, each process building its own worker's graph), without ZeRO and with
+/// over the transport, each process building its own worker's graph), without ZeRO, with
 /// ZeRO-2 (its steps over `workers` and `experts_dp<k>` and the clipping norm over
-/// `experts_ep<g>`, in one order on every process): 3 steps equal one process within 1e-5.
+/// `experts_ep<g>`, in one order on every process) and with ZeRO-3 (also the parameters'
+/// just-in-time gathers over those groups, and the evaluation reading other processes'
+/// shards): 3 steps equal one process within 1e-5.
 #[test]
 fn four_processes_under_dp4_ep2_train_like_one_process() {
     use std::time::Duration;
@@ -383,7 +443,7 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let graph_s = graph.to_string_lossy().into_owned();
     let local = run(&graph, &[], 3, &dir.join("one"));
-    for zero in [None, Some("2")] {
+    for zero in [None, Some("2"), Some("3")] {
         let cluster = Cluster::new(0, 4);
         let losses = cluster.path("job-losses.txt");
         let losses_s = losses.to_string_lossy().into_owned();

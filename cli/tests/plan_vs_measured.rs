@@ -575,7 +575,8 @@ fn small_moe_gpt(name: &str) -> std::path::PathBuf {
 fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
     // The MoE GPT under dp×ep: each rank holds 1/ep of every MoE layer's experts (and their
     // Adam state), moves tokens by all-to-all inside its expert-parallel group and sums its
-    // expert gradients over its expert-data-parallel group, the dense ones over all.
+    // expert gradients over its expert-data-parallel group, the dense ones over all; under
+    // ZeRO the states (ZeRO-3: and weights) are sharded over those groups.
     let graph = small_moe_gpt("plan_vs_measured_ep");
     for (mesh, zero, cluster, workers) in [
         ("dp=4,ep=2", None, "examples/gpt/cluster-4workers.json", 4),
@@ -584,6 +585,14 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
         (
             "dp=4,ep=2",
             Some("2"),
+            "examples/gpt/cluster-4workers.json",
+            4,
+        ),
+        // ZeRO-3: the weights too, gathered over the same groups before each pass; the
+        // evaluation batch joins every shard on worker 0 over the data plane.
+        (
+            "dp=4,ep=2",
+            Some("3"),
             "examples/gpt/cluster-4workers.json",
             4,
         ),

@@ -82,8 +82,9 @@ pub struct Args {
     /// slots (3: and the weights) over the DP groups instead. ep = E (dividing D, with
     /// tp = pp = 1) runs --strategy expert with each MoE layer's experts spread over runs of E
     /// consecutive workers (expert-parallel groups) and each expert's gradient summed over the D/E
-    /// workers holding it (docs/experts.md); with --zero-stage 1|2 the dense parameters' Adam
-    /// slots are sharded over the D workers and each expert shard's over its D/E holders.
+    /// workers holding it (docs/experts.md); with --zero-stage 1|2|3 the dense parameters' Adam
+    /// slots (3: and the weights) are sharded over the D workers and each expert shard's over
+    /// its D/E holders.
     #[arg(long, value_name = "dp=D,tp=T,pp=P[,ep=E]", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
@@ -91,8 +92,8 @@ pub struct Args {
     /// parameters (all-gathered just before each use). Default 1. With --mesh dp=D,tp=T (or
     /// --strategy tensor over D·T workers), or --mesh dp=D,pp=P: any stage over each rank's
     /// data-parallel group (1 or 2 with --mesh dp=D,tp=T,pp=P). With --mesh dp=D,ep=E (or
-    /// --strategy expert): 1 or 2, the dense slots over the D workers and each expert shard's
-    /// over its D/E holders.
+    /// --strategy expert): any stage, the dense slots (3: and weights) over the D workers and
+    /// each expert shard's over its D/E holders.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
     /// Distributed: the most bytes this task's variables and step tensors may take. A plan

@@ -136,9 +136,11 @@ pub fn build_strategy(
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
 /// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
 /// beside `tp > 1` or `pp > 1` (or both) is ZeRO over the dp axis (stages 1 to 3; with both,
-/// over each (stage, tp shard)'s dp group); `ep > 1` (with `tp = pp = 1`) expert parallelism over expert-parallel groups of `ep`
-/// workers (with `--zero-stage 1|2`, ZeRO over the dp axis and the expert-data-parallel
-/// groups). Returns the
+/// over each (stage, tp shard)'s dp group); `ep > 1` (with `tp = pp = 1`) expert parallelism
+/// over expert-parallel groups of `ep` workers (with `--zero-stage 1|2|3`, ZeRO over the dp
+/// axis and the expert-data-parallel groups: the dense parameters' states, and at stage 3 the
+/// parameters themselves, sharded over all the workers, each expert shard's over the workers
+/// holding it). Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -158,14 +160,8 @@ pub fn apply_mesh(
                 mesh_text(mesh)
             );
         }
-        // ZeRO-1/2: the dense states over dp, each expert shard's over its
+        // ZeRO (stages 1 to 3): the dense states over dp, each expert shard's over its
         // expert-data-parallel group.
-        if let Some(stage) = zero_stage.filter(|&s| s > 2) {
-            anyhow::bail!(
-                "--mesh ep={} with --zero-stage {stage}: ZeRO-3 beside expert parallelism does not run yet; use --zero-stage 1 or 2",
-                mesh.ep
-            );
-        }
         "expert"
     } else if mesh.tp > 1 {
         // ZeRO over the dp axis runs beside tp (stages 1 to 3, inside pipeline stages too;

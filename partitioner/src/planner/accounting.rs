@@ -104,14 +104,14 @@ pub fn strategy_for(
         ..StrategyOptions::default()
     };
     let name = if mesh.ep > 1 {
-        if mesh.tp > 1 || mesh.pp > 1 || layout.zero > 2 {
+        if mesh.tp > 1 || mesh.pp > 1 || layout.zero > 3 {
             return Err(refuse(
-                "expert parallelism runs over dp × ep only, at ZeRO stages 0 to 2",
+                "expert parallelism runs over dp × ep only, at ZeRO stages 0 to 3",
             ));
         }
         if layout.zero > 0 {
-            // The dense states over dp, each expert shard's over its expert-data-parallel
-            // group.
+            // The dense states (ZeRO-3: and weights) over dp, each expert shard's over its
+            // expert-data-parallel group.
             options.zero_stage = layout.zero;
             options.tensor_zero = true;
         }

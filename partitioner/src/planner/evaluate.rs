@@ -19,7 +19,8 @@
 //! **Experts** (`ep > 1`, a model with MoE layers; dp × ep only): each rank holds `1/ep` of
 //! every MoE layer's experts (their weights, gradients and Adam state), the dense parameters
 //! whole; ZeRO shards the dense state over the `dp` ranks and the expert shards' over their
-//! expert-data-parallel group (`dp/ep` ranks). Per step and MoE layer, four all-to-alls of the
+//! expert-data-parallel group (`dp/ep` ranks), at stage 3 the weights too (gathered before the
+//! forward and the backward pass). Per step and MoE layer, four all-to-alls of the
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
@@ -265,12 +266,6 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 l.dispatch, l.experts, mesh.ep, first.experts
             )));
         }
-        if layout.zero > 2 {
-            return Err(refuse(format!(
-                "ZeRO stage {} beside ep does not run yet: use zero ≤ 2 with ep",
-                layout.zero
-            )));
-        }
     }
     if mesh.pp == 1 && layout.micro_batches > 1 {
         return Err(refuse(
@@ -351,7 +346,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // The dense parameters, and this rank's part of the experts.
         let (params, local_experts) = (params - experts, experts / ep);
         memory.push(Memory {
-            weights: (params + local_experts) * w_bytes / shard(3),
+            weights: params * w_bytes / shard(3) + local_experts * w_bytes / expert_shard(3),
             gradients: params * g_bytes / shard(2) + local_experts * g_bytes / expert_shard(2),
             optimizer: params * opt_bytes / shard(1) + local_experts * opt_bytes / expert_shard(1),
             activations: act * in_flight,
@@ -471,27 +466,32 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             dp = dp.then(dp_links.cost(Collective::AllReduce, LOSS_BYTES));
         }
         // The expert shards' gradients over their expert-data-parallel groups (and, under
-        // ZeRO, their updated shards gathered back).
+        // ZeRO, their updated shards gathered back; ZeRO-3: their weights gathered before the
+        // forward and the backward pass).
         let expert_grad_bytes = local_experts * g_bytes;
         let mut expert_calls = 0.0;
         if local_experts > 0.0 && mesh.dp > mesh.ep {
             let groups = mesh.expert_data_groups();
             let links = AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile);
             dp = dp.then(buckets(&links, kind, expert_grad_bytes));
+            let gathers = match zero {
+                0 => 0.0,
+                1 | 2 => 1.0,
+                _ => 2.0,
+            };
             if zero >= 1 {
-                dp = dp.then(buckets(
-                    &links,
-                    Collective::AllGather,
-                    local_experts * w_bytes,
-                ));
+                dp = dp.then(
+                    buckets(&links, Collective::AllGather, local_experts * w_bytes).times(gathers),
+                );
             }
             // Without ZeRO, one all-reduce per expert variable.
             expert_calls = if zero == 0 {
                 ctx.model.variables.iter().filter(|v| v.expert).count() as f64
             } else {
-                2.0 * (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
-                    .ceil()
-                    .max(1.0)
+                (1.0 + gathers)
+                    * (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
+                        .ceil()
+                        .max(1.0)
             };
         }
         // The experts' tokens: four all-to-alls of each MoE layer's dispatch buffer per step.
@@ -721,15 +721,18 @@ mod tests {
         let predicted =
             ep.traffic.expert_parallel.intra_bytes + ep.traffic.expert_parallel.inter_bytes;
         assert_eq!(predicted, a2a as f64);
-        let e = evaluate_layout(
+        // ZeRO-3: the dense weights over 4, each rank's experts over their 2 holders.
+        let z3 = evaluate_layout(
             &model,
             &profile,
             &options,
             &"dp=4,ep=2,zero=3".parse().unwrap(),
         )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("ZeRO stage 3 beside ep does not run yet"), "{e}");
+        .unwrap();
+        let dense = model.parameters() - experts;
+        let want = (dense / 4.0 + experts / 2.0 / 2.0) * 4.0;
+        assert!((z3.peak().weights - want).abs() < 1e-6, "{z3:?}");
+        assert!((z3.peak().gradients - want).abs() < 1e-6, "{z3:?}");
         // ZeRO-2: the dense gradients and Adam state over 4, the experts' over 2.
         let z2 = evaluate_layout(
             &model,
@@ -773,9 +776,14 @@ mod tests {
             .filter(|e| e.layout.mesh.ep > 1)
             .map(|e| e.layout.short())
             .collect();
-        // ZeRO 0, 1 and 2 of each.
-        assert_eq!(eps.len(), 6, "{eps:?}");
-        for l in ["dp4 tp1 pp1 ep2", "dp4 tp1 pp1 ep4", "dp4 tp1 pp1 ep2 z2"] {
+        // ZeRO 0 to 3 of each.
+        assert_eq!(eps.len(), 8, "{eps:?}");
+        for l in [
+            "dp4 tp1 pp1 ep2",
+            "dp4 tp1 pp1 ep4",
+            "dp4 tp1 pp1 ep2 z2",
+            "dp4 tp1 pp1 ep2 z3",
+        ] {
             assert!(eps.iter().any(|e| e == l), "{l} not in {eps:?}");
         }
     }

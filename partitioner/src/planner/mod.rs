@@ -137,7 +137,7 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 
 /// [`layouts`], and for a model with experts (`ep_sizes`: the expert-parallel sizes its MoE
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
-/// `dp` and every layer's experts, without tp or pp, with ZeRO 0–2 (the dense states over
+/// `dp` and every layer's experts, without tp or pp, with ZeRO 0–3 (the dense states over
 /// `dp`, the experts' over their expert-data-parallel groups).
 pub fn layouts_with_experts(
     devices: usize,
@@ -185,7 +185,7 @@ pub fn layouts_with_experts(
                 let Ok(mesh) = mesh.with_ep(ep) else {
                     continue;
                 };
-                for zero in [0, 1, 2] {
+                for zero in [0, 1, 2, 3] {
                     out.push(Layout {
                         zero,
                         ..Layout::new(mesh)

@@ -58,12 +58,14 @@
 //!   sum its gradients by all-reduce before the update, so each expert's gradient counts every
 //!   worker's tokens. `ep` = the worker count is the layout above.
 //!
-//! - **ZeRO** (`--zero-stage 1|2` beside `--mesh dp=D,ep=E`, [`Expert::zero`]): the dense
-//!   parameters' Adam slots sharded over all the workers, each expert shard's over its
-//!   expert-data-parallel group, by `--strategy zero`'s step (see [`zero`]).
+//! - **ZeRO** (`--zero-stage 1|2|3` beside `--mesh dp=D,ep=E`, [`Expert::zero`]): the dense
+//!   parameters' Adam slots (stage 3: and the parameters, gathered just before each use)
+//!   sharded over all the workers, each expert shard's over its expert-data-parallel group, by
+//!   `--strategy zero`'s step and stage-3 rewrite (see [`zero`]); under ZeRO-3 the evaluation
+//!   copy reads every parameter joined from its flat shards.
 //!
 //! Not supported: asynchronous training; expert parallelism beside tensor or pipeline
-//! parallelism; ZeRO-3 beside it.
+//! parallelism.
 
 pub mod zero;
 
@@ -103,9 +105,9 @@ pub struct Expert {
     /// The expert-parallel size (`--mesh ep=E`): the experts are spread over runs of `ep`
     /// consecutive workers ([`ExpertLayout`]); `None`: over all the workers.
     pub ep: Option<usize>,
-    /// ZeRO's stage (1 or 2) in place of the gradient all-reduces: the dense parameters' Adam
-    /// slots sharded over the workers, each expert shard's over its expert-data-parallel
-    /// group ([`zero`]); `None`: no ZeRO.
+    /// ZeRO's stage (1, 2 or 3) in place of the gradient all-reduces: the dense parameters' Adam
+    /// slots (3: and weights) sharded over the workers, each expert shard's over its
+    /// expert-data-parallel group ([`zero`]); `None`: no ZeRO.
     pub zero: Option<u8>,
 }
 
@@ -212,13 +214,11 @@ pub(super) static REGISTRATION: Registration = Registration {
         }
         let zero = match (opts.tensor_zero, opts.zero_stage) {
             (false, _) => None,
-            (true, s @ 1..=2) => Some(s),
+            (true, s @ 1..=3) => Some(s),
             (true, s) => {
                 return Err(StrategyError::Options {
                     strategy: "expert",
-                    message: format!(
-                        "--zero-stage {s} beside expert parallelism does not run yet: use --zero-stage 1 or 2 (ZeRO-3 would gather the experts' parameters, which the all-to-alls do not)"
-                    ),
+                    message: format!("--zero-stage must be 1, 2 or 3, got {s}"),
                 })
             }
         };
@@ -615,7 +615,7 @@ pub fn expert_training(
     expert_training_with(graph, spec, layout, features, labels, bucket_bytes, None)
 }
 
-/// [`expert_training`], with ZeRO at stage `zero` (1 or 2) in place of the gradient
+/// [`expert_training`], with ZeRO at stage `zero` (1, 2 or 3) in place of the gradient
 /// all-reduces ([`zero`]).
 pub fn expert_training_with(
     graph: &Graph,
@@ -650,6 +650,7 @@ pub fn expert_training_with(
     let mut graphs = Vec::with_capacity(workers);
     for i in 0..workers {
         let (def, local) = worker_forward(&forward, &layers, i, layout)?;
+        let names: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
         // Clipping, if any, comes after the sums (reduce_gradients).
         let unclipped = TrainSpec {
             clip_global_norm: None,
@@ -662,6 +663,7 @@ pub fn expert_training_with(
                 stage,
                 bucket_bytes,
                 feeds: (features, labels),
+                forward: &names,
             };
             zero::zero_step(weighted, spec, i, &local, z)?
         } else {
@@ -683,7 +685,8 @@ pub fn expert_training_with(
         };
         add_dropped_count(&mut g, &forward, i)?;
         if i == 0 {
-            add_eval_copy(&mut g, &forward, &layers, spec, ep)?;
+            let stage3 = zero.is_some_and(|s| s >= 3);
+            add_eval_copy(&mut g, graph, &forward, &layers, spec, layout, stage3)?;
         }
         graphs.push(g);
     }
@@ -990,14 +993,20 @@ fn shard_variable(v: &mut NodeDef, shard: usize, per: i64) -> Result<(), Strateg
 
 /// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose experts read the
 /// shards of its expert-parallel group (workers `0..ep`) joined, and points evaluation at it.
+/// Under ZeRO-3 (`stage3`) every parameter is read joined from its flat shards: a dense one's
+/// from all the workers, each expert shard's from its expert-data-parallel group (`graph`:
+/// the forward graph, for the parameters' dimensions).
 fn add_eval_copy(
     g: &mut ReplicaGraph,
+    graph: &Graph,
     forward: &GraphDef,
     layers: &[MoeLayer],
     spec: &TrainSpec,
-    workers: usize,
+    layout: ExpertLayout,
+    stage3: bool,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
+    let (workers, ep) = (layout.workers(), layout.ep());
     let experts: HashMap<&str, &MoeLayer> = layers
         .iter()
         .flat_map(|l| l.variables.iter().map(move |v| (v.as_str(), l)))
@@ -1011,19 +1020,42 @@ fn add_eval_copy(
         .collect();
     let mut map: HashMap<String, String> = HashMap::new();
     let mut added = Vec::new();
+    // Under ZeRO-3: each whole value's sends of remote shards, to run just before its readers.
+    let mut sends: Vec<(String, Vec<String>)> = Vec::new();
     for n in &forward.nodes {
         match n.op.as_str() {
             "Placeholder" => {}
             "Variable" => {
+                let dims = graph
+                    .find(&n.name)
+                    .and_then(|i| graph.output_type(i, 0))
+                    .and_then(|t| t.shape.as_static())
+                    .ok_or_else(|| not_moe(&n.name, "the variable's shape is not static".into()))?;
                 if let Some(l) = experts.get(n.name.as_str()) {
-                    let per = (l.experts / workers) as i64;
+                    let per = (l.experts / ep) as i64;
                     let mut shards = Vec::new();
-                    for j in 0..workers {
+                    let mut sent = Vec::new();
+                    for j in 0..ep {
                         let name = shard_name(&n.name, j);
+                        let mut v = n.clone();
+                        shard_variable(&mut v, j, per)?;
+                        v.name = name.clone();
+                        if stage3 && workers > ep {
+                            // Its flat shards, over the workers j, j + ep, ...
+                            zero::as_row_split(&mut v, ep, j);
+                            let mut rows = dims.clone();
+                            rows[0] = per as usize;
+                            let holders: Vec<usize> = (j..workers).step_by(ep).collect();
+                            let part = FlatJoin {
+                                var: &v,
+                                name: &name,
+                                dims: &rows,
+                                holders: &holders,
+                            };
+                            shards.push(part.add(&mut taken, &mut added, &mut sent, &device)?);
+                            continue;
+                        }
                         if j > 0 {
-                            let mut v = n.clone();
-                            shard_variable(&mut v, j, per)?;
-                            v.name = name.clone();
                             v.device = worker_device(&n.name, &n.device, j)?;
                             added.push(v);
                         }
@@ -1033,7 +1065,20 @@ fn add_eval_copy(
                     let mut c = node(&joined, "Concat", shards, &device);
                     c.attrs = BTreeMap::from([("axis".to_string(), AttrValue::Int(0))]);
                     added.push(c);
+                    sends.push((joined.clone(), sent));
                     map.insert(n.name.clone(), joined);
+                } else if stage3 {
+                    let holders: Vec<usize> = (0..workers).collect();
+                    let whole = FlatJoin {
+                        var: n,
+                        name: &n.name,
+                        dims: &dims,
+                        holders: &holders,
+                    };
+                    let mut sent = Vec::new();
+                    let value = whole.add(&mut taken, &mut added, &mut sent, &device)?;
+                    sends.push((value.clone(), sent));
+                    map.insert(n.name.clone(), value);
                 }
             }
             _ => {
@@ -1064,11 +1109,93 @@ fn add_eval_copy(
         copy.colocate_with.clear();
         added.push(copy);
     }
-    g.training.def.nodes.extend(added);
+    // Each remote shard leaves its holder just before the readers of its value run (it waits
+    // for their other inputs), so worker 0 holds about one weight at a time, not the model.
+    let mut eval = GraphDef {
+        nodes: added,
+        ..GraphDef::default()
+    };
+    let reads = |value: &str, n: &NodeDef| {
+        n.inputs
+            .iter()
+            .any(|i| matches!(producer(i), Some((p, k)) if p == value && k != usize::MAX))
+    };
+    let mut readers: Vec<(String, Vec<String>)> = Vec::new();
+    for (value, sent) in &sends {
+        let who: Vec<String> = eval
+            .nodes
+            .iter()
+            .filter(|n| reads(value, n))
+            .map(|n| n.name.clone())
+            .collect();
+        readers.extend(sent.iter().map(|s| (s.clone(), who.clone())));
+    }
+    super::zero::params::just_in_time(&mut eval, &readers);
+    g.training.def.nodes.extend(eval.nodes);
     g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
     g.eval.loss = remap(&spec.loss);
     g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
     Ok(())
+}
+
+/// A variable read whole on worker 0 from the flat ZeRO-3 shards `{name}/shard_{r}_of_{R}`
+/// that the workers `holders` (rank `r` is `holders[r]`) keep of it.
+struct FlatJoin<'a> {
+    /// The variable as its holders declare it before ZeRO-3 shards it (whole, or an expert
+    /// row shard in [`zero::as_row_split`]'s form).
+    var: &'a NodeDef,
+    /// The sharded variable's name.
+    name: &'a str,
+    /// Its dimensions.
+    dims: &'a [usize],
+    /// The workers holding its shards, in rank order.
+    holders: &'a [usize],
+}
+
+impl FlatJoin<'_> {
+    /// Adds to `added` the other holders' shard variables (worker 0's own is in its graph),
+    /// each read by an `Identity` on its holder (pushed to `sent`: what crosses to worker 0),
+    /// and their join cut back to the variable's dimensions, on `device`; returns the join.
+    fn add(
+        &self,
+        taken: &mut HashSet<String>,
+        added: &mut Vec<NodeDef>,
+        sent: &mut Vec<String>,
+        device: &str,
+    ) -> Result<String, StrategyError> {
+        let ranks = self.holders.len();
+        let mut pieces = Vec::with_capacity(ranks);
+        for (r, &w) in self.holders.iter().enumerate() {
+            let piece = super::zero::params::shard_name(self.name, r, ranks);
+            if w != 0 {
+                let mut v = self.var.clone();
+                super::zero::params::flat_shard(&mut v, self.name, self.dims, r, ranks);
+                v.name = piece.clone();
+                v.device = worker_device(&self.var.name, &self.var.device, w)?;
+                v.colocate_with.clear();
+                let send = fresh(taken, &format!("eval/{piece}/sent"));
+                added.push(node(&send, "Identity", vec![piece.clone()], &v.device));
+                added.push(v);
+                sent.push(send.clone());
+                pieces.push(send);
+            } else {
+                pieces.push(piece);
+            }
+        }
+        let joined = fresh(taken, &format!("eval/{}/joined", self.name));
+        added.push(node(&joined, "PackFlat", pieces, device));
+        let value = fresh(taken, &format!("eval/{}", self.name));
+        let mut s = node(&value, "FlatSlice", vec![joined], device);
+        s.attrs = BTreeMap::from([
+            ("offset".to_string(), AttrValue::Int(0)),
+            (
+                "shape".to_string(),
+                AttrValue::Shape(Shape::known(self.dims)),
+            ),
+        ]);
+        added.push(s);
+        Ok(value)
+    }
 }
 
 /// What one worker sends to other workers in each all-to-all of its training graph `g` (over

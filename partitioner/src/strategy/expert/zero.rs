@@ -1,4 +1,4 @@
-//! ZeRO beside expert parallelism (`--mesh dp=D,ep=E --zero-stage 1|2`): on every worker, in
+//! ZeRO beside expert parallelism (`--mesh dp=D,ep=E --zero-stage 1|2|3`): on every worker, in
 //! place of the all-reduces of the dense gradients (over all `D` workers) and of the expert
 //! shards' gradients (over their expert-data-parallel group of `D/E` workers),
 //! `--strategy zero`'s step ([`zero::shard_step_with`]) over each of those groups:
@@ -12,6 +12,16 @@
 //!   experts: their slots stay whole and their update reads the gradient as it comes back
 //!   through the all-to-all (as without ZeRO).
 //!
+//! **Stage 3** also shards the parameters themselves, by `--strategy zero`'s
+//! [`params::shard_parameters_by`] over the same groups: each dense parameter becomes the
+//! worker's flat shard `{p}/shard_{i}_of_{D}`, each expert shard the worker's flat shard of it
+//! `{v}/shard_{k}/shard_{j}_of_{D/E}` (drawn as the flat elements of rows
+//! `[k·E/ep, (k+1)·E/ep)` of the one-process variable: [`as_row_split`]), and every use reads a
+//! copy all-gathered over [`GROUP`] or `experts_dp<k>` just before it (once for the forward
+//! pass, once for the backward pass), dropped after its last reader. The gradients are
+//! reduce-scattered over the same groups and each update writes the shard in place. With
+//! `E = D` the expert shards stay whole (no other worker holds them).
+//!
 //! **Clipping** by the global norm: the dense `Σ‖g‖²` summed over the dense group (once), each
 //! expert shard's over its expert-data-parallel group and then once per shard across the
 //! expert-parallel group; their sum is the one-process `Σ‖g‖²`, one `GlobalNormScale` scales
@@ -23,10 +33,10 @@
 
 use super::{ExpertLayout, GROUP};
 use crate::strategy::allreduce::{fresh, node, WeightedTraining};
-use crate::strategy::zero::{self, params::order_collectives, Clip, ShardGroup};
+use crate::strategy::zero::{self, params, params::order_collectives, Clip, ShardGroup};
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
-use dflow_graph::AttrValue;
+use dflow_graph::{AttrValue, NodeDef};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// What [`zero_step`] shards.
@@ -34,12 +44,15 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 pub(super) struct ExpertZero<'a> {
     /// The layout of the experts over the workers.
     pub layout: ExpertLayout,
-    /// The ZeRO stage (1 or 2).
+    /// The ZeRO stage (1, 2 or 3).
     pub stage: u8,
     /// Fusion threshold: the most bytes of (padded) gradients in one bucket.
     pub bucket_bytes: usize,
     /// The fed features and labels.
     pub feeds: (&'a str, &'a str),
+    /// The nodes of the worker's forward graph (stage 3 gathers each parameter once for the
+    /// forward pass and once for the backward pass).
+    pub forward: &'a HashSet<String>,
 }
 
 /// Worker `worker`'s training graph from its weighted training `w` (forward graph already
@@ -62,6 +75,9 @@ pub(super) fn zero_step(
     } = w;
     let layout = z.layout;
     let (workers, ep) = (layout.workers(), layout.ep());
+    // The forward pass: the worker's forward graph and its loss weighting.
+    let mut forward = z.forward.clone();
+    forward.extend([weight.clone(), format!("{weight}/cast"), weighted.clone()]);
     let all = std::mem::take(&mut training.gradients);
     let (experts, dense): (Vec<_>, Vec<_>) =
         all.iter().cloned().partition(|(v, _)| local.contains(v));
@@ -83,8 +99,9 @@ pub(super) fn zero_step(
         key: GROUP.to_string(),
         bucket_bytes: z.bucket_bytes,
     };
-    let (_, dense_squared) =
+    let (dense_params, dense_squared) =
         zero::shard_step_with(&mut training, &typed, &mut nodes, &ctx, how(), None)?;
+    let dense_ctx = ctx;
     let global = nodes.collective(
         GROUP,
         &format!("{base}/global"),
@@ -98,6 +115,7 @@ pub(super) fn zero_step(
 
     // The expert shards over their expert-data-parallel group, if another worker holds them.
     let mut expert_squared = None;
+    let mut expert_shards = None;
     if let Some(group) = layout.expert_data_group(worker) {
         let mut nodes = zero::Nodes::new(taken, &device, 1);
         training.gradients = experts;
@@ -108,8 +126,10 @@ pub(super) fn zero_step(
             key: group,
             bucket_bytes: z.bucket_bytes,
         };
-        let (_, sq) = zero::shard_step_with(&mut training, &typed, &mut nodes, &ctx, how(), None)?;
+        let (expert_params, sq) =
+            zero::shard_step_with(&mut training, &typed, &mut nodes, &ctx, how(), None)?;
         expert_squared = sq;
+        expert_shards = Some((expert_params, ctx));
         added.append(&mut nodes.added);
         taken = std::mem::take(&mut nodes.taken);
     } else if clip.is_some() {
@@ -166,9 +186,41 @@ pub(super) fn zero_step(
     }
     training.def.nodes.extend(added);
     training.gradients = all;
+    if z.stage >= 3 {
+        // The parameters themselves sharded, gathered just before each pass that reads them.
+        let roots = [training.train_op.as_str(), global.as_str()];
+        let pass = |n: &NodeDef| {
+            if forward.contains(&n.name) {
+                "forward".to_string()
+            } else {
+                "backward".to_string()
+            }
+        };
+        let def = &mut training.def;
+        params::shard_parameters_by(def, &dense_params, &dense_ctx, &forward, &roots, &pass)?;
+        if let Some((expert_params, ctx)) = expert_shards {
+            let shard = layout.shard(worker);
+            for v in def.nodes.iter_mut().filter(|n| local.contains(&n.name)) {
+                as_row_split(v, ep, shard);
+            }
+            params::shard_parameters_by(def, &expert_params, &ctx, &forward, &roots, &pass)?;
+        }
+    }
     training.loss = global;
     order_collectives(&mut training.def)?;
     ReplicaGraph::of_replica(training, worker, z.feeds, Some(weight), spec)
+}
+
+/// Marks `v`, the expert row shard `shard` of `ep` (`[E/ep, ...]` rows of its `shard_of`), as
+/// axis-0 part `shard` of `ep` of the whole variable: the same rows, in the form a flat shard of
+/// it keeps ([`params::flat_shard`]: its elements of those rows, zero-padded past their end).
+pub(super) fn as_row_split(v: &mut NodeDef, ep: usize, shard: usize) {
+    v.attrs
+        .insert("shard_parts".into(), AttrValue::Int(ep as i64));
+    v.attrs.insert("shard_axis".into(), AttrValue::Int(0));
+    v.attrs
+        .insert("shard_index".into(), AttrValue::Int(shard as i64));
+    v.attrs.remove("shard_offset");
 }
 
 #[cfg(test)]
@@ -318,6 +370,86 @@ mod tests {
     }
 
     #[test]
+    fn dp4_ep2_zero3_shards_the_weights_over_the_same_groups_and_gathers_them_before_each_pass() {
+        let graphs = graphs(3, 4, 2);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        let dense = "transformer.wte.weight";
+        for (i, g) in graphs.iter().enumerate() {
+            let (k, j) = (i % 2, i / 2);
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            // The weights are the worker's flat shards; no whole copy stays.
+            let mine = format!("{expert}/shard_{k}/shard_{j}_of_2");
+            assert!(has(&format!("{dense}/shard_{i}_of_4")), "{vars:?}");
+            assert!(has(&mine), "{vars:?}");
+            assert!(has(&format!("{expert}/shard_{k}/adam_m/shard_{j}_of_2")));
+            // Worker 0's evaluation reads every shard (its own among them).
+            if i > 0 {
+                assert!(!has(dense), "{vars:?}");
+                assert!(!has(&format!("{expert}/shard_{k}")), "{vars:?}");
+            }
+            // The expert shard's flat part is drawn from rows k·2.. of the whole variable.
+            let v = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .find(|n| n.name == mine)
+                .unwrap();
+            assert_eq!(v.attrs.get("shard_parts"), Some(&AttrValue::Int(2)));
+            assert_eq!(v.attrs.get("shard_index"), Some(&AttrValue::Int(k as i64)));
+            assert_eq!(v.attrs.get("shard_flat"), Some(&AttrValue::Bool(true)));
+            assert_eq!(
+                v.attrs.get("shard_name"),
+                Some(&AttrValue::String(expert.into()))
+            );
+            // Gathered before the forward and the backward pass, over the holders' group.
+            let nodes = &g.training.def.nodes;
+            for pass in ["forward", "backward"] {
+                for (var, key) in [
+                    (dense.to_string(), "workers".to_string()),
+                    (format!("{expert}/shard_{k}"), format!("experts_dp{k}")),
+                ] {
+                    let name = format!("zero/{var}/all_gather_{pass}");
+                    let n = nodes
+                        .iter()
+                        .find(|n| n.name == name)
+                        .unwrap_or_else(|| panic!("no `{name}`"));
+                    assert_eq!(n.op, "CollectiveAllGather");
+                    assert_eq!(group(n), key, "{name}");
+                }
+            }
+            // Stage 3 keeps the updated shards: no gather of the parameters after the update.
+            assert!(!nodes
+                .iter()
+                .any(|n| n.name.starts_with("zero/bucket_") && n.name.contains("all_gather")));
+        }
+        // Worker 0 evaluates from shard 1's halves, sent by workers 1 and 3, packed; each is
+        // sent just before the experts' inputs are ready (it waits for them).
+        let nodes = &graphs[0].training.def.nodes;
+        let find = |name: &str| {
+            nodes
+                .iter()
+                .find(|n| n.name == name)
+                .unwrap_or_else(|| panic!("no `{name}`"))
+        };
+        let eval = find(&format!("eval/{expert}/shard_1/joined"));
+        assert_eq!(eval.inputs.len(), 2, "{:?}", eval.inputs);
+        for (j, on) in [(0, 1), (1, 3)] {
+            let piece = format!("{expert}/shard_1/shard_{j}_of_2");
+            let sent = find(&eval.inputs[j]);
+            assert_eq!(sent.inputs[0], piece);
+            assert!(sent.device.ends_with(&format!("task:{on}")), "{sent:?}");
+            assert!(find(&piece).device.ends_with(&format!("task:{on}")));
+            assert!(sent.inputs.iter().any(|i| i.starts_with('^')), "{sent:?}");
+        }
+        let first = chain(&graphs[0]);
+        for g in &graphs[1..] {
+            assert_eq!(chain(g), first);
+        }
+    }
+
+    #[test]
     fn with_ep_equal_to_dp_the_experts_slots_stay_whole() {
         let graphs = graphs(1, 2, 2);
         let expert = "transformer.h.1.mlp.experts.c_proj.weight";
@@ -336,6 +468,18 @@ mod tests {
                 .nodes
                 .iter()
                 .any(|n| n.name == format!("experts/zero/clip/{expert}/shard_{i}")));
+        }
+        assert_eq!(chain(&graphs[0]), chain(&graphs[1]));
+        // ZeRO-3 with ep = dp: the dense weights sharded over both, the experts whole.
+        let graphs = super::tests::graphs(3, 2, 2);
+        for (i, g) in graphs.iter().enumerate() {
+            let vars = variables(g);
+            let has = |name: &str| vars.iter().any(|v| v == name);
+            assert!(has(&format!("{expert}/shard_{i}")), "{vars:?}");
+            assert!(
+                has(&format!("transformer.wte.weight/shard_{i}_of_2")),
+                "{vars:?}"
+            );
         }
         assert_eq!(chain(&graphs[0]), chain(&graphs[1]));
     }

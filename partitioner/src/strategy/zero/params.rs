@@ -217,8 +217,9 @@ fn drop_dead_backward(def: &mut GraphDef, forward: &HashSet<String>, roots: &[&s
 
 /// Makes each gather wait for the other inputs of its consumers that do not depend on it, so
 /// that it runs just before its first use. Edges are added one gather at a time against the
-/// graph with the edges already added, so no cycle can form.
-fn just_in_time(def: &mut GraphDef, gathers: &[(String, Vec<String>)]) {
+/// graph with the edges already added, so no cycle can form. `gathers` may name any node (an
+/// evaluation's send of a remote shard): `(node, the readers of what it feeds)`.
+pub(crate) fn just_in_time(def: &mut GraphDef, gathers: &[(String, Vec<String>)]) {
     let index: HashMap<String, usize> = def
         .nodes
         .iter()
