@@ -28,9 +28,12 @@
 //! - evaluation runs on worker 0 on a one-process forward copy whose experts read the shards
 //!   of stage `s`'s first expert-parallel group, wherever they live.
 //!
+//! - the step's dropped token assignments (every micro-batch's, every stage's) are summed on
+//!   the loss's stage and over its replicas, and reported as under `--strategy expert`.
+//!
 //! Micro-batches: an MoE layer couples the tokens of a batch (capacity, load-balancing loss),
 //! so more than one micro-batch runs only where that coupling is void (capacity factor ≥ E, α
-//! = 0; see [`crate::strategy::pipeline`]). Not built: ZeRO beside it, the dropped-token count.
+//! = 0; see [`crate::strategy::pipeline`]). Not built: ZeRO beside it.
 
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, ExpertLayout, ForwardGroups, MoeLayer,
@@ -262,6 +265,7 @@ pub fn expert_pipeline_training(
                 stride * m as i64,
             )?;
         }
+        add_dropped_count(&mut g, &devices)?;
         chain_collectives_per_device(&mut g.training.def)?;
         g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
         g.eval.features = features.to_string();
@@ -310,6 +314,60 @@ pub fn expert_pipeline_training(
         shape,
         groups,
     })
+}
+
+/// Adds the step's dropped token assignments of the whole job to replica graph `g` (stages on
+/// `devices`): the `dropped` outputs of every micro-batch copy of every `MoeRoute`, summed on
+/// the loss's stage and all-reduced (sum, i64) over that stage's replicas after the loss;
+/// fetched as [`super::DROPPED_METRIC`] like `--strategy expert`'s.
+fn add_dropped_count(g: &mut ReplicaGraph, devices: &[String]) -> Result<(), StrategyError> {
+    let def = &mut g.training.def;
+    let routes: Vec<String> = def
+        .nodes
+        .iter()
+        .filter(|n| n.op == "MoeRoute")
+        .map(|n| format!("{}:3", n.name))
+        .collect();
+    if routes.is_empty() {
+        return Ok(());
+    }
+    let device = node_device(def, &g.training.loss)?;
+    let stage = devices
+        .iter()
+        .position(|d| *d == device)
+        .ok_or_else(|| PipelineError::Internal(format!("the stage of `{}`", g.training.loss)))?;
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let node = |name: &str, op: &str, inputs: Vec<String>| NodeDef {
+        name: name.to_string(),
+        op: op.into(),
+        inputs,
+        device: device.clone(),
+        colocate_with: vec![],
+        attrs: BTreeMap::new(),
+    };
+    let local = fresh(&mut taken, "moe/dropped/local");
+    def.nodes.push(node(&local, "AddN", routes));
+    let global = fresh(&mut taken, "moe/dropped/global");
+    let mut n = node(
+        &global,
+        "CollectiveAllReduce",
+        vec![local, format!("^{}", g.training.loss)],
+    );
+    n.attrs = BTreeMap::from([
+        (
+            "group_key".to_string(),
+            AttrValue::String(stage_group(stage).into()),
+        ),
+        (
+            "instance_key".to_string(),
+            AttrValue::Int(super::DROPPED_INSTANCE),
+        ),
+        ("reduce".to_string(), AttrValue::String("sum".into())),
+    ]);
+    def.nodes.push(n);
+    g.step_metrics
+        .push((super::DROPPED_METRIC.to_string(), global));
+    Ok(())
 }
 
 /// The largest instance key of `def`'s collectives.
@@ -408,4 +466,314 @@ fn reduce_shard_gradients(
     }
     def.nodes.extend(added);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy::pipeline::schedule::ScheduleKind;
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+
+    /// A two-block GPT with 4-expert MoE MLPs (capacity factor 4: nothing dropped) and no
+    /// load-balancing loss, so it may run several micro-batches.
+    fn moe_gpt(clip: Option<f64>) -> (Graph, TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: clip,
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 2,
+                capacity_factor: 4.0,
+                aux_loss_coef: 0.0,
+            }),
+            ..GptConfig::default()
+        };
+        let model = gpt(&cfg).unwrap();
+        let spec = model.def.train.clone().unwrap();
+        (Graph::from_def(&model.def).unwrap(), spec)
+    }
+
+    fn pipeline(micro_batches: usize, schedule: ScheduleKind) -> Pipeline {
+        Pipeline {
+            stages: Some(2),
+            micro_batches,
+            schedule,
+            chunks: 1,
+            batch_size: Some(8),
+        }
+    }
+
+    fn attr(n: &NodeDef, key: &str) -> String {
+        match n.attrs.get(key) {
+            Some(AttrValue::String(s)) => s.to_string(),
+            Some(AttrValue::Int(i)) => i.to_string(),
+            _ => String::new(),
+        }
+    }
+
+    fn task_of(device: &str) -> u32 {
+        dflow_graph::DeviceName::parse(device)
+            .ok()
+            .and_then(|d| d.task)
+            .unwrap_or(u32::MAX)
+    }
+
+    /// `dp=4,ep=2,pp=2` (worker `s·4 + d` runs stage `s` of replica `d`), 2 micro-batches:
+    /// the groups are Megatron-core's; every collective of a worker is in a group of its stage
+    /// under a key of its own; the ranks of every group call its collectives in one order (the
+    /// same ops, keys and sizes), each worker's chained; each expert shard's gradient is summed
+    /// over its stage's holders, the clipping norm of the shards over the stage's
+    /// expert-parallel group.
+    #[test]
+    fn dp4_ep2_pp2_collectives_keys_and_order_match_on_every_groups_ranks() {
+        let (graph, spec) = moe_gpt(Some(0.5));
+        let mesh = Mesh::new(4, 1, 2).unwrap().with_ep(2).unwrap();
+        let staged = expert_pipeline_training(
+            &graph,
+            &spec,
+            &mesh,
+            &pipeline(2, ScheduleKind::OneFOneB),
+            "idx",
+            "targets",
+        )
+        .unwrap();
+        let w = |i: u32| task_name("worker", i);
+        let groups: Vec<(String, Vec<String>)> = staged
+            .groups
+            .iter()
+            .map(|g| (g.key.clone(), g.members.clone()))
+            .collect();
+        let want = |key: &str, m: &[u32]| (key.to_string(), m.iter().map(|&i| w(i)).collect());
+        assert_eq!(
+            groups,
+            [
+                want("pipeline/stage0", &[0, 1, 2, 3]),
+                want("experts_ep0_s0", &[0, 1]),
+                want("experts_ep1_s0", &[2, 3]),
+                want("experts_dp0_s0", &[0, 2]),
+                want("experts_dp1_s0", &[1, 3]),
+                want("pipeline/stage1", &[4, 5, 6, 7]),
+                want("experts_ep0_s1", &[4, 5]),
+                want("experts_ep1_s1", &[6, 7]),
+                want("experts_dp0_s1", &[4, 6]),
+                want("experts_dp1_s1", &[5, 7]),
+            ]
+        );
+        assert_eq!(staged.graphs.len(), 4);
+        // Per group and member task: its collectives in the worker's order.
+        type Call = (String, String, String);
+        let mut calls: BTreeMap<String, BTreeMap<u32, Vec<Call>>> = BTreeMap::new();
+        for (d, g) in staged.graphs.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let by_name: HashMap<&str, &NodeDef> =
+                nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+            let mut keys = HashSet::new();
+            let mut last_on: HashMap<u32, String> = HashMap::new();
+            for i in g.graph.topo_order() {
+                let n = by_name[g.graph.node(i).name.as_str()];
+                if !n.op.starts_with("Collective") {
+                    continue;
+                }
+                let task = task_of(&n.device);
+                let s = (task / 4) as usize;
+                assert_eq!(task % 4, d as u32, "{} on worker {task}", n.name);
+                let group = attr(n, "group_key");
+                let mine = [
+                    stage_group(s),
+                    ep_stage_group(s, d / 2),
+                    expert_data_stage_group(s, d % 2),
+                ];
+                assert!(mine.contains(&group), "{} in {group} on stage {s}", n.name);
+                assert!(
+                    keys.insert((group.clone(), attr(n, "instance_key"))),
+                    "{} repeats a key of {group}",
+                    n.name
+                );
+                // Every collective of a worker waits for the one before.
+                if let Some(prev) = last_on.insert(task, n.name.clone()) {
+                    assert!(
+                        n.inputs.contains(&format!("^{prev}")),
+                        "{} does not wait for {prev}",
+                        n.name
+                    );
+                }
+                calls
+                    .entry(group)
+                    .or_default()
+                    .entry(task)
+                    .or_default()
+                    .push((n.op.clone(), attr(n, "instance_key"), attr(n, "group_size")));
+            }
+        }
+        assert_eq!(calls.len(), 10, "{:?}", calls.keys().collect::<Vec<_>>());
+        for (group, by_task) in &calls {
+            let members = &staged
+                .groups
+                .iter()
+                .find(|g| &g.key == group)
+                .unwrap()
+                .members;
+            assert_eq!(by_task.len(), members.len(), "{group}");
+            let first = by_task.values().next().unwrap();
+            assert!(!first.is_empty());
+            for (task, seq) in by_task {
+                assert_eq!(seq, first, "{group}: worker {task}'s order");
+            }
+        }
+        // 2 layers × 2 micro-batches × (2 forward + 2 backward) all-to-alls per expert group.
+        let a2a = calls["experts_ep0_s0"]
+            .values()
+            .next()
+            .unwrap()
+            .iter()
+            .filter(|c| c.0 == "CollectiveAllToAll")
+            .count();
+        let a2a_1 = calls["experts_ep0_s1"][&4]
+            .iter()
+            .filter(|c| c.0 == "CollectiveAllToAll")
+            .count();
+        assert_eq!(a2a + a2a_1, 2 * 2 * 4);
+
+        // Expert gradients: summed over the stage's holders, and clipped by the norm
+        // gathered over the stage's expert-parallel group.
+        let g = &staged.graphs[1];
+        let nodes = &g.training.def.nodes;
+        let find = |name: &str| nodes.iter().find(|n| n.name == name).unwrap();
+        for var in staged.layers.iter().flat_map(|l| &l.variables) {
+            let shard = crate::strategy::expert::shard_name(var, 1);
+            let (_, grad) = g
+                .training
+                .gradients
+                .iter()
+                .find(|(v, _)| *v == shard)
+                .unwrap();
+            let clipped = find(grad);
+            assert_eq!(clipped.op, "Mul", "{shard}");
+            let sum = find(&clipped.inputs[0]);
+            assert_eq!(sum.op, "CollectiveAllReduce", "{shard}");
+            let s = (task_of(&sum.device) / 4) as usize;
+            assert_eq!(attr(sum, "group_key"), expert_data_stage_group(s, 1));
+        }
+        let norms: Vec<&NodeDef> = nodes
+            .iter()
+            .filter(|n| n.name.ends_with("shards_squared_norm_sum"))
+            .collect();
+        assert_eq!(norms.len(), 2);
+        for n in norms {
+            let s = (task_of(&n.device) / 4) as usize;
+            assert_eq!(attr(n, "group_key"), ep_stage_group(s, 0));
+        }
+    }
+
+    /// No expert weight shard crosses stages: each MoE layer's shards live on one stage (block
+    /// 0's on stage 0, block 1's on stage 1) and every op of the training step that reads one
+    /// runs there (the evaluation copy on worker 0 reads them all by design). With `E = D`,
+    /// no gradient of a shard is summed over other replicas.
+    #[test]
+    fn dp2_ep2_pp2_expert_shards_stay_on_their_stage() {
+        let (graph, spec) = moe_gpt(None);
+        let mesh = Mesh::new(2, 1, 2).unwrap().with_ep(2).unwrap();
+        let staged = expert_pipeline_training(
+            &graph,
+            &spec,
+            &mesh,
+            &pipeline(2, ScheduleKind::GPipe),
+            "idx",
+            "targets",
+        )
+        .unwrap();
+        assert_eq!(staged.groups.len(), 4);
+        for (d, g) in staged.graphs.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let device: HashMap<&str, &str> = nodes
+                .iter()
+                .map(|n| (n.name.as_str(), n.device.as_str()))
+                .collect();
+            for (b, layer) in staged.layers.iter().enumerate() {
+                for var in &layer.variables {
+                    let shard = crate::strategy::expert::shard_name(var, d);
+                    let on = device[shard.as_str()];
+                    // Block b on stage b: worker b·2 + d.
+                    assert_eq!(task_of(on), (b * 2 + d) as u32, "{shard}");
+                    for n in nodes.iter().filter(|n| !n.name.starts_with("eval/")) {
+                        let reads = n
+                            .inputs
+                            .iter()
+                            .any(|i| InputRef::parse(i).is_ok_and(|r| r.node() == shard.as_str()));
+                        if reads {
+                            assert_eq!(n.device, on, "{} reads {shard}", n.name);
+                        }
+                    }
+                    let (_, grad) = g
+                        .training
+                        .gradients
+                        .iter()
+                        .find(|(v, _)| *v == shard)
+                        .unwrap();
+                    let op = &nodes.iter().find(|n| &n.name == grad).unwrap().op;
+                    assert!(
+                        !op.starts_with("Collective") && op != "FlatSlice",
+                        "{shard}: {op}"
+                    );
+                }
+            }
+            assert_eq!(
+                g.step_metrics
+                    .iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>(),
+                [crate::strategy::expert::DROPPED_METRIC]
+            );
+        }
+    }
+
+    /// More than one micro-batch of a MoE layer runs only where it treats every token alone:
+    /// a capacity factor below E (tokens may be dropped) or a load-balancing loss (α > 0) is
+    /// refused naming the op; capacity factor E and α = 0 run.
+    #[test]
+    fn micro_batches_need_a_capacity_of_every_token_and_no_load_balancing_loss() {
+        let mesh = Mesh::new(2, 1, 2).unwrap().with_ep(2).unwrap();
+        let p = pipeline(2, ScheduleKind::OneFOneB);
+        for (factor, alpha, refused) in [
+            (
+                1.25,
+                0.0,
+                Some("(MoeRoute) couples the examples of a batch"),
+            ),
+            (
+                4.0,
+                0.01,
+                Some("(MoeAuxLoss) couples the examples of a batch"),
+            ),
+            (4.0, 0.0, None),
+        ] {
+            let cfg = GptConfig {
+                vocab_size: 11,
+                block_size: 4,
+                n_layer: 2,
+                n_head: 2,
+                n_embd: 8,
+                moe: Some(MoeConfig {
+                    num_experts: 4,
+                    top_k: 1,
+                    capacity_factor: factor,
+                    aux_loss_coef: alpha,
+                }),
+                ..GptConfig::default()
+            };
+            let model = gpt(&cfg).unwrap();
+            let spec = model.def.train.clone().unwrap();
+            let graph = Graph::from_def(&model.def).unwrap();
+            let got = expert_pipeline_training(&graph, &spec, &mesh, &p, "idx", "targets");
+            match (refused, got) {
+                (Some(want), Err(e)) => assert!(e.to_string().contains(want), "{e}"),
+                (None, Ok(_)) => {}
+                (want, got) => panic!("factor {factor}, α {alpha}: {want:?} vs {:?}", got.err()),
+            }
+        }
+    }
 }
