@@ -256,3 +256,72 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
     let worst = assert_same_losses(&job, &local, 1e-5);
     eprintln!("4 processes, dp=2,ep=2,pp=2: worst relative difference {worst:e}");
 }
+
+/// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
+/// expert-parallel groups, and each block's expert shards on its own stage's replicas
+/// (block 0 on workers 0 and 1, block 1 on workers 2 and 3); `ep` beside `tp` and ZeRO beside
+/// `ep` × `pp` are refused naming what runs.
+#[test]
+fn partition_shows_each_stages_expert_groups_and_shards() {
+    let dir = scratch("mesh-expert-pipeline-partition");
+    let graph = tiny_moe_gpt(&dir, 1, 0.01, None);
+    let partition = |extra: &[&str]| {
+        let mut args = vec![
+            "partition",
+            graph.to_str().unwrap(),
+            "--cluster",
+            FOUR,
+            "--features",
+            "idx",
+            "--labels",
+            "targets",
+            "--batch-size",
+            "8",
+        ];
+        args.extend(extra);
+        dflow(&args)
+    };
+    let out = partition(&["--mesh", "dp=2,ep=2,pp=2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    let w = |i: u32| format!("/job:worker/replica:0/task:{i}");
+    for (group, members) in [
+        ("pipeline/stage0", [0, 1]),
+        ("experts_ep0_s0", [0, 1]),
+        ("pipeline/stage1", [2, 3]),
+        ("experts_ep0_s1", [2, 3]),
+    ] {
+        let line = format!(
+            "collective group {group}: {}, {}",
+            w(members[0]),
+            w(members[1])
+        );
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
+    }
+    for (block, shard, on) in [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)] {
+        let line = format!(
+            "transformer.h.{block}.mlp.experts.c_fc.weight/shard_{shard} f32[2, 64, 16] on {}\n",
+            w(on)
+        );
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
+    }
+    for (extra, want) in [
+        (
+            vec!["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "1"],
+            "ZeRO beside expert parallelism inside pipeline stages does not run yet",
+        ),
+        (
+            vec!["--mesh", "dp=2,tp=2,ep=2"],
+            "expert parallelism (ep) beside tensor parallelism does not run yet",
+        ),
+    ] {
+        let out = partition(&extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(err.contains(want), "{extra:?}: no `{want}` in:\n{err}");
+    }
+}
