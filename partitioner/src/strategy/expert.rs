@@ -62,8 +62,12 @@
 //!   parameters' Adam slots sharded over all the workers, each expert shard's over its
 //!   expert-data-parallel group, by `--strategy zero`'s step (see [`zero`]).
 //!
-//! Not supported: asynchronous training; expert parallelism beside tensor or pipeline
-//! parallelism; ZeRO-3 beside it.
+//! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
+//!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
+//!   replicas (see [`pipeline`]).
+//!
+//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO-3
+//! beside it, and ZeRO beside it inside pipeline stages.
 
 pub mod pipeline;
 pub mod zero;
@@ -268,8 +272,12 @@ impl Strategy for Expert {
             None => String::new(),
         };
         if let Some(p) = &self.pipeline {
+            let groups = match self.ep {
+                Some(ep) => format!("groups of {ep} of its replicas"),
+                None => "its replicas".to_string(),
+            };
             return format!(
-                "expert-parallel training inside {} pipeline stages (experts spread over {over} of each stage, all-to-all), {} micro-batches, {} schedule",
+                "expert-parallel training inside {} pipeline stages (each stage's experts spread over {groups}, all-to-all), {} micro-batches, {} schedule",
                 p.stages.unwrap_or(1),
                 p.micro_batches,
                 p.schedule
