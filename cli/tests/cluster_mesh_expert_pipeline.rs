@@ -21,9 +21,20 @@ const EIGHT: &str = "examples/gpt/cluster-8workers.json";
 /// routing at capacity factor 4 (nothing dropped), load-balancing coefficient `aux`, clipped
 /// at global norm `grad_clip`.
 fn tiny_moe_gpt(dir: &Path, top_k: usize, aux: f64, grad_clip: Option<f64>) -> PathBuf {
+    moe_gpt_of(dir, 2, top_k, aux, grad_clip)
+}
+
+/// [`tiny_moe_gpt`] with `layers` blocks.
+fn moe_gpt_of(
+    dir: &Path,
+    layers: usize,
+    top_k: usize,
+    aux: f64,
+    grad_clip: Option<f64>,
+) -> PathBuf {
     let cfg = GptConfig {
         block_size: 16,
-        n_layer: 2,
+        n_layer: layers,
         n_head: 2,
         n_embd: 16,
         learning_rate: 3e-3,
@@ -41,7 +52,7 @@ fn tiny_moe_gpt(dir: &Path, top_k: usize, aux: f64, grad_clip: Option<f64>) -> P
     };
     let model = gpt(&cfg).unwrap();
     let path = dir.join(format!(
-        "tiny-moe-top{top_k}-aux{aux}-clip{grad_clip:?}.json"
+        "tiny-moe-{layers}-top{top_k}-aux{aux}-clip{grad_clip:?}.json"
     ));
     std::fs::write(&path, dflow::graph::format::to_json(&model.def)).unwrap();
     path
@@ -157,7 +168,8 @@ fn dp2_ep2_pp2_trains_like_one_process_and_resumes_in_one() {
 /// Without the load-balancing loss (α = 0) and at capacity factor E, a MoE layer treats every
 /// token alone, so a step may be cut into micro-batches: `dp=2,ep=2,pp=2` with 2 micro-batches
 /// (1F1B) and 4 (GPipe), and `dp=4,ep=2,pp=2` (8 tasks: each expert shard's gradient summed over
-/// the 2 replicas of its stage that hold it) with 2, equal one process within 1e-5 over 4 steps.
+/// the 2 replicas of its stage that hold it) with 2, equal one process within 1e-5 over 4 steps;
+/// so does a four-block model under the interleaved schedule (2 chunks per device) over 3.
 /// With α > 0, more than one micro-batch is refused naming the load-balancing loss.
 #[test]
 fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
@@ -188,6 +200,22 @@ fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{mesh} {extra:?}: worst relative loss difference {worst:e}");
     }
+    // The interleaved schedule: 4 blocks in 4 virtual stages, 2 chunks per device.
+    let four = moe_gpt_of(&dir, 4, 1, 0.0, Some(0.1));
+    let local = run(&four, &[], 3, &dir.join("one-4"));
+    let args = [
+        "--cluster",
+        FOUR,
+        "--mesh",
+        "dp=2,ep=2,pp=2",
+        "--micro-batches",
+        "2",
+        "--schedule",
+        "interleaved",
+    ];
+    let job = run(&four, &args, 3, &dir.join("interleaved"));
+    let worst = assert_same_losses(&job, &local, 1e-5);
+    eprintln!("dp=2,ep=2,pp=2 interleaved, 4 blocks: worst relative loss difference {worst:e}");
     let coupled = tiny_moe_gpt(&dir, 1, 0.01, None);
     let out = dflow(&[
         "partition",

@@ -522,6 +522,77 @@ mod tests {
             .unwrap_or(u32::MAX)
     }
 
+    type Call = (String, String, String);
+
+    /// Every collective of `staged` (a `dp × ep × pp` job) is in a group of its worker's stage
+    /// under a key of its own and waits for the worker's one before; the ranks of every group
+    /// call its collectives in one order (the same ops, keys and sizes). Returns them, per
+    /// group and member task.
+    fn one_order_per_group(
+        staged: &ExpertPipelineGraphs,
+        dp: usize,
+        ep: usize,
+    ) -> BTreeMap<String, BTreeMap<u32, Vec<Call>>> {
+        let mut calls: BTreeMap<String, BTreeMap<u32, Vec<Call>>> = BTreeMap::new();
+        for (d, g) in staged.graphs.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let by_name: HashMap<&str, &NodeDef> =
+                nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+            let mut keys = HashSet::new();
+            let mut last_on: HashMap<u32, String> = HashMap::new();
+            for i in g.graph.topo_order() {
+                let n = by_name[g.graph.node(i).name.as_str()];
+                if !n.op.starts_with("Collective") {
+                    continue;
+                }
+                let task = task_of(&n.device);
+                let s = task as usize / dp;
+                assert_eq!(task as usize % dp, d, "{} on worker {task}", n.name);
+                let group = attr(n, "group_key");
+                let mine = [
+                    stage_group(s),
+                    ep_stage_group(s, d / ep),
+                    expert_data_stage_group(s, d % ep),
+                ];
+                assert!(mine.contains(&group), "{} in {group} on stage {s}", n.name);
+                assert!(
+                    keys.insert((group.clone(), attr(n, "instance_key"))),
+                    "{} repeats a key of {group}",
+                    n.name
+                );
+                // Every collective of a worker waits for the one before.
+                if let Some(prev) = last_on.insert(task, n.name.clone()) {
+                    assert!(
+                        n.inputs.contains(&format!("^{prev}")),
+                        "{} does not wait for {prev}",
+                        n.name
+                    );
+                }
+                calls
+                    .entry(group)
+                    .or_default()
+                    .entry(task)
+                    .or_default()
+                    .push((n.op.clone(), attr(n, "instance_key"), attr(n, "group_size")));
+            }
+        }
+        for (group, by_task) in &calls {
+            let members = &staged
+                .groups
+                .iter()
+                .find(|g| &g.key == group)
+                .unwrap()
+                .members;
+            assert_eq!(by_task.len(), members.len(), "{group}");
+            let first = by_task.values().next().unwrap();
+            assert!(!first.is_empty());
+            for (task, seq) in by_task {
+                assert_eq!(seq, first, "{group}: worker {task}'s order");
+            }
+        }
+        calls
+    }
+
     /// `dp=4,ep=2,pp=2` (worker `s·4 + d` runs stage `s` of replica `d`), 2 micro-batches:
     /// the groups are Megatron-core's; every collective of a worker is in a group of its stage
     /// under a key of its own; the ranks of every group call its collectives in one order (the
@@ -564,66 +635,8 @@ mod tests {
             ]
         );
         assert_eq!(staged.graphs.len(), 4);
-        // Per group and member task: its collectives in the worker's order.
-        type Call = (String, String, String);
-        let mut calls: BTreeMap<String, BTreeMap<u32, Vec<Call>>> = BTreeMap::new();
-        for (d, g) in staged.graphs.iter().enumerate() {
-            let nodes = &g.training.def.nodes;
-            let by_name: HashMap<&str, &NodeDef> =
-                nodes.iter().map(|n| (n.name.as_str(), n)).collect();
-            let mut keys = HashSet::new();
-            let mut last_on: HashMap<u32, String> = HashMap::new();
-            for i in g.graph.topo_order() {
-                let n = by_name[g.graph.node(i).name.as_str()];
-                if !n.op.starts_with("Collective") {
-                    continue;
-                }
-                let task = task_of(&n.device);
-                let s = (task / 4) as usize;
-                assert_eq!(task % 4, d as u32, "{} on worker {task}", n.name);
-                let group = attr(n, "group_key");
-                let mine = [
-                    stage_group(s),
-                    ep_stage_group(s, d / 2),
-                    expert_data_stage_group(s, d % 2),
-                ];
-                assert!(mine.contains(&group), "{} in {group} on stage {s}", n.name);
-                assert!(
-                    keys.insert((group.clone(), attr(n, "instance_key"))),
-                    "{} repeats a key of {group}",
-                    n.name
-                );
-                // Every collective of a worker waits for the one before.
-                if let Some(prev) = last_on.insert(task, n.name.clone()) {
-                    assert!(
-                        n.inputs.contains(&format!("^{prev}")),
-                        "{} does not wait for {prev}",
-                        n.name
-                    );
-                }
-                calls
-                    .entry(group)
-                    .or_default()
-                    .entry(task)
-                    .or_default()
-                    .push((n.op.clone(), attr(n, "instance_key"), attr(n, "group_size")));
-            }
-        }
+        let calls = one_order_per_group(&staged, 4, 2);
         assert_eq!(calls.len(), 10, "{:?}", calls.keys().collect::<Vec<_>>());
-        for (group, by_task) in &calls {
-            let members = &staged
-                .groups
-                .iter()
-                .find(|g| &g.key == group)
-                .unwrap()
-                .members;
-            assert_eq!(by_task.len(), members.len(), "{group}");
-            let first = by_task.values().next().unwrap();
-            assert!(!first.is_empty());
-            for (task, seq) in by_task {
-                assert_eq!(seq, first, "{group}: worker {task}'s order");
-            }
-        }
         // 2 layers × 2 micro-batches × (2 forward + 2 backward) all-to-alls per expert group.
         let a2a = calls["experts_ep0_s0"]
             .values()
@@ -774,6 +787,49 @@ mod tests {
                 (None, Ok(_)) => {}
                 (want, got) => panic!("factor {factor}, α {alpha}: {want:?} vs {:?}", got.err()),
             }
+        }
+    }
+
+    /// The interleaved schedule: a four-block MoE GPT in 4 virtual stages over 2 pipeline
+    /// devices (2 chunks each), `dp=2,ep=2`, 2 micro-batches: each device's MoE layers talk in
+    /// its own groups, under keys of their own, in one order on both replicas.
+    #[test]
+    fn interleaved_chunks_keep_each_devices_groups_and_one_order() {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 4,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: Some(0.5),
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 4.0,
+                aux_loss_coef: 0.0,
+            }),
+            ..GptConfig::default()
+        };
+        let model = gpt(&cfg).unwrap();
+        let spec = model.def.train.clone().unwrap();
+        let graph = Graph::from_def(&model.def).unwrap();
+        let mesh = Mesh::new(2, 1, 2).unwrap().with_ep(2).unwrap();
+        let p = Pipeline {
+            chunks: 2,
+            ..pipeline(2, ScheduleKind::Interleaved)
+        };
+        let staged = expert_pipeline_training(&graph, &spec, &mesh, &p, "idx", "targets").unwrap();
+        let calls = one_order_per_group(&staged, 2, 2);
+        // Each device's expert-parallel group runs the all-to-alls of its MoE layers.
+        for s in 0..2 {
+            let a2a = calls[&ep_stage_group(s, 0)]
+                .values()
+                .next()
+                .unwrap()
+                .iter()
+                .filter(|c| c.0 == "CollectiveAllToAll")
+                .count();
+            assert!(a2a > 0 && a2a % (2 * 4) == 0, "device {s}: {a2a}");
         }
     }
 }
