@@ -414,7 +414,7 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
         (
             FOUR,
             vec!["--mesh", "dp=2,tp=2,ep=2"],
-            "expert parallelism (ep) beside tensor or pipeline parallelism does not run yet",
+            "expert parallelism (ep) beside tensor parallelism does not run yet",
         ),
         (
             FOUR,

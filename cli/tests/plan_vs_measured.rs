@@ -612,3 +612,39 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
         assert_memory(&layout, &predicted, &ends);
     }
 }
+
+#[test]
+fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
+    // The MoE GPT under dp×ep×pp: 2 stages (a MoE block each), each stage's 2 replicas
+    // splitting its experts and moving their tokens by all-to-all, the dense gradients summed
+    // over the stage's replicas. `dflow plan --layout`'s job-plan count of every task's bytes
+    // and memory is what it measures. No evaluation: worker 0 would evaluate the whole model
+    // on whole batches, past its training step's peak (the count is the training step's).
+    let graph = small_moe_gpt("plan_vs_measured_ep_pp");
+    let (ends, stderr) = local_job(
+        graph.to_str().unwrap(),
+        "examples/gpt/cluster-4workers.json",
+        &[
+            "--mesh",
+            "dp=2,ep=2,pp=2",
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "4",
+            "--steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "0",
+            "--quiet",
+        ],
+    );
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let layout = "dp=2,ep=2,pp=2";
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+    assert_traffic(layout, &sent, trained_steps(&stderr), 0, &ends);
+    let predicted = accounted(&graph, "idx", "targets", layout, 4);
+    assert_memory(layout, &predicted, &ends);
+}

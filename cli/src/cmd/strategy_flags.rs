@@ -101,8 +101,8 @@ pub fn build_strategy(
         );
     }
     // Micro-batches split a pipeline's batch: a strategy without stages would ignore them.
-    let staged =
-        kind.name() == "pipeline" || (kind.name() == "tensor" && pipeline.stages.is_some());
+    let staged = kind.name() == "pipeline"
+        || (matches!(kind.name(), "tensor" | "expert") && pipeline.stages.is_some());
     if pipeline.micro_batches > 1 && !staged {
         anyhow::bail!(
             "--micro-batches {} splits the batch of pipeline stages; --strategy {} has none \
@@ -136,11 +136,12 @@ pub fn build_strategy(
 /// pipeline strategy with `pp` balanced stages and `dp` replicas (Megatron-core rank order);
 /// `pp = tp = 1` data parallelism (all-reduce, or ZeRO with `--zero-stage`); `--zero-stage`
 /// beside `tp > 1` or `pp > 1` (or both) is ZeRO over the dp axis (stages 1 to 3; with both,
-/// over each (stage, tp shard)'s dp group); `ep > 1` (with `tp = pp = 1`) expert parallelism
-/// over expert-parallel groups of `ep` workers (with `--zero-stage 1|2|3`, ZeRO over the dp
-/// axis and the expert-data-parallel groups: the dense parameters' states, and at stage 3 the
-/// parameters themselves, sharded over all the workers, each expert shard's over the workers
-/// holding it). Returns the
+/// over each (stage, tp shard)'s dp group); `ep > 1` (with `tp = 1`) expert parallelism over
+/// expert-parallel groups of `ep` workers (with `--zero-stage 1|2|3` and `pp = 1`, ZeRO over the
+/// dp axis and the expert-data-parallel groups: the dense parameters' states, and at stage 3
+/// the parameters themselves, sharded over all the workers, each expert shard's over the
+/// workers holding it), inside `pp` balanced pipeline stages when `pp > 1` (each stage's `dp`
+/// replicas in groups of `ep`; no ZeRO there yet); `ep` beside `tp > 1` is refused. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -154,14 +155,24 @@ pub fn apply_mesh(
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
     let name = if mesh.ep > 1 {
-        if mesh.tp > 1 || mesh.pp > 1 {
+        if mesh.tp > 1 {
             anyhow::bail!(
-                "--mesh {}: expert parallelism (ep) beside tensor or pipeline parallelism does not run yet; use ep with dp only (tp=1, pp=1)",
+                "--mesh {}: expert parallelism (ep) beside tensor parallelism does not run yet; use ep with dp (and pp) only (tp=1)",
+                mesh_text(mesh)
+            );
+        }
+        if let Some(stage) = zero_stage.filter(|_| mesh.pp > 1) {
+            anyhow::bail!(
+                "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism inside pipeline stages does not run yet; drop --zero-stage, or the pp axis",
                 mesh_text(mesh)
             );
         }
         // ZeRO (stages 1 to 3): the dense states over dp, each expert shard's over its
         // expert-data-parallel group.
+        if mesh.pp > 1 {
+            // Expert parallelism inside each of pp balanced pipeline stages.
+            set_stages(mesh, pipeline)?;
+        }
         "expert"
     } else if mesh.tp > 1 {
         // ZeRO over the dp axis runs beside tp (stages 1 to 3, inside pipeline stages too;

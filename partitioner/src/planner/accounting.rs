@@ -87,7 +87,7 @@ pub enum AccountingError {
 }
 
 /// The strategy `dflow run` runs `layout` with, and its options: expert parallelism when
-/// `ep > 1` (over expert-parallel groups of `ep` workers), tensor parallelism when
+/// `ep > 1` (over expert-parallel groups of `ep` workers, inside the stages when `pp > 1`), tensor parallelism when
 /// `tp > 1` (beside a dp axis, inside the stages when `pp > 1`), a pipeline when `pp > 1`
 /// alone, ZeRO at the layout's stage, else all-reduce.
 pub fn strategy_for(
@@ -104,10 +104,17 @@ pub fn strategy_for(
         ..StrategyOptions::default()
     };
     let name = if mesh.ep > 1 {
-        if mesh.tp > 1 || mesh.pp > 1 || layout.zero > 3 {
+        if mesh.tp > 1 || layout.zero > 3 || (mesh.pp > 1 && layout.zero > 0) {
             return Err(refuse(
-                "expert parallelism runs over dp × ep only, at ZeRO stages 0 to 3",
+                "expert parallelism runs over dp × ep at ZeRO stages 0 to 3, or dp × ep × pp without ZeRO",
             ));
+        }
+        if mesh.pp > 1 {
+            // Expert parallelism inside the pipeline's stages.
+            options.stages = Some(mesh.pp);
+            options.micro_batches = layout.micro_batches;
+            options.schedule = layout.schedule;
+            options.chunks = layout.chunks;
         }
         if layout.zero > 0 {
             // The dense states (ZeRO-3: and weights) over dp, each expert shard's over its

@@ -16,11 +16,12 @@
 //! interleaved: the bubble formula), then the gradients' data-parallel collectives (buckets of
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
 //!
-//! **Experts** (`ep > 1`, a model with MoE layers; dp × ep only): each rank holds `1/ep` of
-//! every MoE layer's experts (their weights, gradients and Adam state), the dense parameters
-//! whole; ZeRO shards the dense state over the `dp` ranks and the expert shards' over their
-//! expert-data-parallel group (`dp/ep` ranks), at stage 3 the weights too (gathered before the
-//! forward and the backward pass). Per step and MoE layer, four all-to-alls of the
+//! **Experts** (`ep > 1`, a model with MoE layers; dp × ep, or dp × ep × pp with one
+//! micro-batch and no ZeRO): each rank holds `1/ep` of every MoE layer's experts of its stage
+//! (their weights, gradients and Adam state), the dense parameters whole; ZeRO shards the dense
+//! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
+//! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
+//! pass). Per step and MoE layer, four all-to-alls of the
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
@@ -254,9 +255,16 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        if mesh.tp > 1 || mesh.pp > 1 {
+        if mesh.tp > 1 {
             return Err(refuse(format!(
-                "ep={} beside tensor or pipeline parallelism does not run yet: ep goes with dp only",
+                "ep={} beside tensor parallelism does not run yet: ep goes with dp (and pp) only",
+                mesh.ep
+            )));
+        }
+        // An MoE layer couples a micro-batch's tokens (capacity, load-balancing loss).
+        if mesh.pp > 1 && (layout.zero > 0 || layout.micro_batches > 1) {
+            return Err(refuse(format!(
+                "ep={} beside pp runs one micro-batch without ZeRO: use m=1, zero=0",
                 mesh.ep
             )));
         }
@@ -303,12 +311,6 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     // The experts' shards are data-parallel over their expert-data-parallel group.
     let ep = mesh.ep as f64;
     let expert_shard = |from: u8| if zero >= from { df / ep } else { 1.0 };
-    // Expert parameters held per rank (ep > 1 runs without tp and pp: one stage holds them).
-    let experts = if mesh.ep > 1 {
-        ctx.model.expert_parameters()
-    } else {
-        0.0
-    };
     let stash = stash(layout);
     let mut memory = Vec::with_capacity(p);
     let mut traffic = Traffic::default();
@@ -343,7 +345,12 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             .map(|c| c.act_split.at(rows) / tf + c.act_whole.at(rows))
             .sum::<f64>()
             * act_scale;
-        // The dense parameters, and this rank's part of the experts.
+        // The dense parameters, and this rank's part of this stage's experts.
+        let experts: f64 = if mesh.ep > 1 {
+            chunks.iter().map(|c| c.params_expert).sum()
+        } else {
+            0.0
+        };
         let (params, local_experts) = (params - experts, experts / ep);
         memory.push(Memory {
             weights: params * w_bytes / shard(3) + local_experts * w_bytes / expert_shard(3),
@@ -471,7 +478,12 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let expert_grad_bytes = local_experts * g_bytes;
         let mut expert_calls = 0.0;
         if local_experts > 0.0 && mesh.dp > mesh.ep {
-            let groups = mesh.expert_data_groups();
+            // This stage's expert-data-parallel groups.
+            let groups: Vec<Vec<usize>> = mesh
+                .expert_data_groups()
+                .into_iter()
+                .filter(|g| g.first().is_some_and(|&r| mesh.coords(r).2 == s))
+                .collect();
             let links = AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile);
             dp = dp.then(buckets(&links, kind, expert_grad_bytes));
             let gathers = match zero {
@@ -486,7 +498,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             }
             // Without ZeRO, one all-reduce per expert variable.
             expert_calls = if zero == 0 {
-                ctx.model.variables.iter().filter(|v| v.expert).count() as f64
+                chunks.iter().map(|c| c.expert_variables).sum::<usize>() as f64
             } else {
                 (1.0 + gathers)
                     * (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
@@ -494,15 +506,17 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                         .max(1.0)
             };
         }
-        // The experts' tokens: four all-to-alls of each MoE layer's dispatch buffer per step.
+        // The experts' tokens: four all-to-alls of the dispatch buffer of each MoE layer of
+        // this stage per micro-batch.
         if mesh.ep > 1 {
             let ep_links = stage_groups(Axis::Ep);
             let mut a2a = CommCost::default();
-            for l in &ctx.model.moe {
+            let layers: Vec<usize> = chunks.iter().flat_map(|c| c.moe.iter().copied()).collect();
+            for l in layers.iter().filter_map(|&k| ctx.model.moe.get(k)) {
                 let buffer = l.buffer_bytes(rows.round() as usize) * act_scale;
-                a2a = a2a.then(ep_links.cost(Collective::AllToAll, buffer).times(4.0));
+                a2a = a2a.then(ep_links.cost(Collective::AllToAll, buffer).times(4.0 * mf));
             }
-            a2a.seconds += 4.0 * ctx.model.moe.len() as f64 * profile.job.collective;
+            a2a.seconds += 4.0 * mf * layers.len() as f64 * profile.job.collective;
             ep_time = ep_time.max(a2a.seconds);
             traffic.expert_parallel = traffic.expert_parallel.then(a2a);
         }
@@ -658,6 +672,95 @@ mod tests {
         ModelProfile::new(&gpt(&cfg).unwrap().def, "idx", "targets").unwrap()
     }
 
+    /// `dp=2,ep=2,pp=2`: each stage's ranks hold the dense parameters of their stage and half
+    /// of its experts, as the job plan's variables (weights and Adam slots) count them, and
+    /// the all-to-alls move what the job plan's `CollectiveAllToAll` ops send; more
+    /// micro-batches or ZeRO beside it are refused.
+    #[test]
+    fn an_ep_pp_layout_holds_half_its_stages_experts_as_the_job_plan_does() {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, Call};
+        let model = moe_model();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let options = PlanOptions {
+            devices: 4,
+            batch_size: 8,
+        };
+        let layout: crate::planner::Layout = "dp=2,ep=2,pp=2".parse().unwrap();
+        let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+        assert_eq!(e.memory.len(), 2);
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+        let tasks = accounting::account(&plan, 4, 1).unwrap();
+        for (s, mem) in e.memory.iter().enumerate() {
+            // Worker 2·s holds replica 0 of stage s; adam/t (8 bytes) lives on stage 0 only.
+            let task = format!("/job:worker/replica:0/task:{}", 2 * s);
+            let held = tasks
+                .iter()
+                .find(|t| t.task == task)
+                .unwrap()
+                .variable_bytes as f64;
+            let predicted = mem.weights + mem.optimizer;
+            assert!(
+                (held - predicted).abs() <= 8.0,
+                "stage {s}: held {held}, predicted {predicted}"
+            );
+        }
+        let mut a2a = 0u64;
+        for sig in plan.train_signatures() {
+            for part in sig.partitions.partitions.values() {
+                let fixed = accounting::with_rows(&part.graph, 4).unwrap();
+                for i in fixed.node_indices() {
+                    if fixed.node(i).op == "CollectiveAllToAll" {
+                        let (src, k) = fixed.inputs(i)[0];
+                        let elements = fixed.node(src).outputs[k].shape.num_elements().unwrap();
+                        a2a += rank_bytes(Call::AllToAll, 2, 0, elements, 4);
+                    }
+                }
+            }
+        }
+        let predicted =
+            e.traffic.expert_parallel.intra_bytes + e.traffic.expert_parallel.inter_bytes;
+        assert!(a2a > 0);
+        assert_eq!(predicted, a2a as f64);
+        for (bad, want) in [
+            (
+                "dp=2,ep=2,pp=2,m=2",
+                "beside pp runs one micro-batch without ZeRO",
+            ),
+            (
+                "dp=2,ep=2,pp=2,zero=1",
+                "beside pp runs one micro-batch without ZeRO",
+            ),
+            (
+                "dp=2,ep=2,tp=2",
+                "beside tensor parallelism does not run yet",
+            ),
+        ] {
+            let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn an_ep_layout_holds_its_part_of_the_experts_and_moves_their_tokens() {
         use super::super::accounting;
@@ -776,13 +879,15 @@ mod tests {
             .filter(|e| e.layout.mesh.ep > 1)
             .map(|e| e.layout.short())
             .collect();
-        // ZeRO 0 to 3 of each.
-        assert_eq!(eps.len(), 8, "{eps:?}");
+        // ZeRO 0 to 3 of each dp × ep; dp2 × ep2 inside 2 pipeline stages, one micro-batch
+        // without ZeRO.
+        assert_eq!(eps.len(), 9, "{eps:?}");
         for l in [
             "dp4 tp1 pp1 ep2",
             "dp4 tp1 pp1 ep4",
             "dp4 tp1 pp1 ep2 z2",
             "dp4 tp1 pp1 ep2 z3",
+            "dp2 tp1 pp2 ep2 m1",
         ] {
             assert!(eps.iter().any(|e| e == l), "{l} not in {eps:?}");
         }

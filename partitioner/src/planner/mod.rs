@@ -137,8 +137,9 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 
 /// [`layouts`], and for a model with experts (`ep_sizes`: the expert-parallel sizes its MoE
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
-/// `dp` and every layer's experts, without tp or pp, with ZeRO 0–3 (the dense states over
-/// `dp`, the experts' over their expert-data-parallel groups).
+/// `dp` and every layer's experts, without tp, with ZeRO 0–3 (the dense states over `dp`, the
+/// experts' over their expert-data-parallel groups) when `pp = 1`, and with one micro-batch and
+/// no ZeRO inside pipeline stages.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
@@ -178,14 +179,17 @@ pub fn layouts_with_experts(
                     });
                 }
             }
-            if tp > 1 || pp > 1 {
+            if tp > 1 {
                 continue;
             }
             for &ep in ep_sizes.iter().filter(|&&e| e > 1 && dp % e == 0) {
                 let Ok(mesh) = mesh.with_ep(ep) else {
                     continue;
                 };
-                for zero in [0, 1, 2, 3] {
+                // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
+                // tokens), no ZeRO.
+                let zeros: &[u8] = if pp > 1 { &[0] } else { &[0, 1, 2, 3] };
+                for &zero in zeros {
                     out.push(Layout {
                         zero,
                         ..Layout::new(mesh)

@@ -29,6 +29,12 @@ pub struct StageCosts {
     pub tp_backward: Vec<PerRows>,
     /// Forward ops (variables and constants included).
     pub ops: f64,
+    /// Parameter elements of MoE experts (part of `params_whole`).
+    pub params_expert: f64,
+    /// Expert variables.
+    pub expert_variables: usize,
+    /// The MoE layers on this stage (indices into the model's `moe`).
+    pub moe: Vec<usize>,
 }
 
 /// A tensor sent from one stage to another.
@@ -76,6 +82,15 @@ impl StagedModel {
                 s.params_split += var.elements;
             } else {
                 s.params_whole += var.elements;
+            }
+            if var.expert {
+                s.params_expert += var.elements;
+                s.expert_variables += 1;
+            }
+        }
+        for (k, l) in model.moe.iter().enumerate() {
+            if let Some(i) = g.find(&l.dispatch) {
+                costs[stage_of[i.index()]].moe.push(k);
             }
         }
         for op in &model.ops {

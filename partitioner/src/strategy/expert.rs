@@ -64,9 +64,14 @@
 //!   `--strategy zero`'s step and stage-3 rewrite (see [`zero`]); under ZeRO-3 the evaluation
 //!   copy reads every parameter joined from its flat shards.
 //!
-//! Not supported: asynchronous training; expert parallelism beside tensor or pipeline
-//! parallelism.
+//! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
+//!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
+//!   replicas (see [`pipeline`]).
+//!
+//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO
+//! beside it inside pipeline stages.
 
+pub mod pipeline;
 pub mod zero;
 
 use super::allreduce::{
@@ -109,6 +114,9 @@ pub struct Expert {
     /// slots (3: and weights) sharded over the workers, each expert shard's over its
     /// expert-data-parallel group ([`zero`]); `None`: no ZeRO.
     pub zero: Option<u8>,
+    /// Pipeline stages (`--mesh dp=D,ep=E,pp=P`): the model cut into `P` stages, the experts
+    /// shared inside each stage's replicas ([`pipeline`]); `None`: no pipeline.
+    pub pipeline: Option<super::pipeline::Pipeline>,
 }
 
 /// How a job's workers share the experts: runs of `ep` consecutive workers (expert-parallel
@@ -222,11 +230,27 @@ pub(super) static REGISTRATION: Registration = Registration {
                 })
             }
         };
+        let pipeline = opts.stages.map(|stages| super::pipeline::Pipeline {
+            stages: Some(stages),
+            micro_batches: opts.micro_batches,
+            schedule: opts.schedule,
+            chunks: opts.chunks,
+            batch_size: opts.batch_size,
+        });
+        if let (Some(stage), Some(_)) = (zero, pipeline) {
+            return Err(StrategyError::Options {
+                strategy: "expert",
+                message: format!(
+                    "--zero-stage {stage} beside expert parallelism inside pipeline stages does not run yet: drop --zero-stage, or the pp axis"
+                ),
+            });
+        }
         Ok(Box::new(Expert {
             bucket_bytes: opts.bucket_bytes,
             batch_size: opts.batch_size,
             ep: opts.ep,
             zero,
+            pipeline,
         }))
     },
 };
@@ -247,6 +271,18 @@ impl Strategy for Expert {
             ),
             None => String::new(),
         };
+        if let Some(p) = &self.pipeline {
+            let groups = match self.ep {
+                Some(ep) => format!("groups of {ep} of its replicas"),
+                None => "its replicas".to_string(),
+            };
+            return format!(
+                "expert-parallel training inside {} pipeline stages (each stage's experts spread over {groups}, all-to-all), {} micro-batches, {} schedule",
+                p.stages.unwrap_or(1),
+                p.micro_batches,
+                p.schedule
+            );
+        }
         format!(
             "expert-parallel training (experts spread over {over}, all-to-all){zero}, buckets of {:.1} MiB",
             self.bucket_bytes as f64 / (1u64 << 20) as f64
@@ -255,6 +291,9 @@ impl Strategy for Expert {
 
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
         let workers = input.workers();
+        if let Some(p) = &self.pipeline {
+            return self.plan_stages(input, p);
+        }
         if let Some(b) = self.batch_size {
             if workers > 0 && b % workers != 0 {
                 return Err(options(format!(
@@ -306,6 +345,59 @@ impl Strategy for Expert {
     fn full_batches(&self) -> bool {
         // Every worker's part of every batch must be the same size.
         true
+    }
+}
+
+impl Expert {
+    /// The job plan of `--mesh dp=D,ep=E,pp=P` ([`pipeline`]).
+    fn plan_stages(
+        &self,
+        input: &JobInput<'_>,
+        p: &super::pipeline::Pipeline,
+    ) -> Result<JobPlan, StrategyError> {
+        let workers = input.workers();
+        let pp = p.stages.unwrap_or(1);
+        if pp == 0 || workers % pp != 0 {
+            return Err(super::pipeline::PipelineError::Workers {
+                stages: pp,
+                workers,
+            }
+            .into());
+        }
+        let dp = workers / pp;
+        let mesh = Mesh::new(dp, 1, pp)
+            .and_then(|m| m.with_ep(self.ep.unwrap_or(dp)))
+            .map_err(|e| options(e.to_string()))?;
+        let staged = pipeline::expert_pipeline_training(
+            input.graph,
+            input.train,
+            &mesh,
+            p,
+            input.features,
+            input.labels,
+        )?;
+        let device = super::pipeline::worker_device(0);
+        let placement = PlacementOptions {
+            policy: Policy::Explicit,
+            default_device: dflow_graph::DeviceName::parse(&device).map_err(|e| {
+                StrategyError::InvalidDevice {
+                    node: String::new(),
+                    device: device.clone(),
+                    message: e.to_string(),
+                }
+            })?,
+            ..input.placement.clone()
+        };
+        let mut plan = JobPlan::build(
+            self.describe(),
+            input,
+            staged.graphs,
+            &placement,
+            Schedule::Lockstep,
+            staged.groups,
+        )?;
+        plan.sharded = expert_shards(&staged.layers, &plan.variables, mesh.ep);
+        Ok(plan)
     }
 }
 
@@ -633,23 +725,14 @@ pub fn expert_training_with(
     }
     let forward = graph.to_def();
     let layers = moe_layers(graph, &forward)?;
-    if layers.is_empty() {
-        return Err(options(
-            "the graph has no MoE layer (MoeDispatch … MoeCombine); use --strategy allreduce"
-                .into(),
-        ));
-    }
-    for l in &layers {
-        if l.experts % ep != 0 {
-            return Err(options(format!(
-                "MoE layer `{}` has {} experts, which do not split evenly over the {ep} workers of an expert-parallel group (ep={ep}); use an expert-parallel size (the worker count, or --mesh ep) that divides {}",
-                l.dispatch, l.experts, l.experts
-            )));
-        }
-    }
+    check_layers(&layers, ep)?;
     let mut graphs = Vec::with_capacity(workers);
     for i in 0..workers {
-        let (def, local) = worker_forward(&forward, &layers, i, layout)?;
+        let groups = ForwardGroups {
+            experts: layout.ep_group(i),
+            all: GROUP.to_string(),
+        };
+        let (def, local) = worker_forward(&forward, &layers, i, layout, &groups)?;
         let names: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
         // Clipping, if any, comes after the sums (reduce_gradients).
         let unclipped = TrainSpec {
@@ -686,31 +769,68 @@ pub fn expert_training_with(
         add_dropped_count(&mut g, &forward, i)?;
         if i == 0 {
             let stage3 = zero.is_some_and(|s| s >= 3);
-            add_eval_copy(&mut g, graph, &forward, &layers, spec, layout, stage3)?;
+            let device = |_: &str, j: usize| worker_device("", "", j);
+            let copy = EvalCopy {
+                layout,
+                stage3,
+                shard_device: &device,
+                own_placeholders: false,
+            };
+            add_eval_copy(&mut g, graph, &forward, &layers, spec, copy)?;
         }
         graphs.push(g);
     }
     Ok(graphs)
 }
 
+/// Refuses a graph without MoE layer, or with a layer whose experts do not split over `ep`.
+fn check_layers(layers: &[MoeLayer], ep: usize) -> Result<(), StrategyError> {
+    if layers.is_empty() {
+        return Err(options(
+            "the graph has no MoE layer (MoeDispatch … MoeCombine); use --strategy allreduce"
+                .into(),
+        ));
+    }
+    for l in layers {
+        if l.experts % ep != 0 {
+            return Err(options(format!(
+                "MoE layer `{}` has {} experts, which do not split evenly over the {ep} workers of an expert-parallel group (ep={ep}); use an expert-parallel size (the worker count, or --mesh ep) that divides {}",
+                l.dispatch, l.experts, l.experts
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn int_list(v: &[i64]) -> AttrValue {
     AttrValue::IntList(v.to_vec())
 }
 
+/// The collective groups of a worker's forward graph ([`worker_forward`]).
+#[derive(Clone, Debug)]
+pub(crate) struct ForwardGroups {
+    /// The all-to-alls' group: the worker's expert-parallel group.
+    pub experts: String,
+    /// The router all-gathers' group: every worker that trains on a part of the batch.
+    pub all: String,
+}
+
 /// Worker `worker`'s forward graph: expert variables sharded, all-to-alls (over its
-/// expert-parallel group) around the experts, the auxiliary losses on inputs gathered from
-/// every worker. Returns it and the shards' names.
-fn worker_forward(
+/// expert-parallel group, `groups.experts`) around the experts, the auxiliary losses on inputs
+/// gathered from every worker (`groups.all`). Returns it and the shards' names. Every
+/// collective's instance key is [`FIRST_INSTANCE`] or above, one per collective.
+pub(crate) fn worker_forward(
     forward: &GraphDef,
     layers: &[MoeLayer],
     worker: usize,
     layout: ExpertLayout,
+    groups: &ForwardGroups,
 ) -> Result<(GraphDef, HashSet<String>), StrategyError> {
     let mut def = forward.clone();
     let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
     let device = worker_device("", "", worker)?;
     let n = layout.ep() as i64;
-    let ep_group = layout.ep_group(worker);
+    let ep_group = groups.experts.clone();
     let index = layout.shard(worker);
     let mut instance = FIRST_INSTANCE;
     // One instance counter for both groups: every key is unique in either.
@@ -844,7 +964,7 @@ fn worker_forward(
                 &g,
                 "CollectiveAllGather",
                 input.clone(),
-                GROUP,
+                &groups.all,
                 layout.workers(),
             ));
             gathered.push(g);
@@ -991,21 +1111,36 @@ fn shard_variable(v: &mut NodeDef, shard: usize, per: i64) -> Result<(), Strateg
     Ok(())
 }
 
+/// How [`add_eval_copy`] finds the shards it joins.
+pub(crate) struct EvalCopy<'a> {
+    /// The workers and their expert-parallel groups (`ep` shards of each expert variable).
+    pub layout: ExpertLayout,
+    /// ZeRO-3: the parameters are flat shards, joined before each use.
+    pub stage3: bool,
+    /// The device of shard `j` of an expert variable.
+    pub shard_device: &'a dyn Fn(&str, usize) -> Result<String, StrategyError>,
+    /// Read placeholders of the one-process shapes (`eval/<name>`).
+    pub own_placeholders: bool,
+}
+
 /// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose experts read the
-/// shards of its expert-parallel group (workers `0..ep`) joined, and points evaluation at it.
-/// Under ZeRO-3 (`stage3`) every parameter is read joined from its flat shards: a dense one's
-/// from all the workers, each expert shard's from its expert-data-parallel group (`graph`:
-/// the forward graph, for the parameters' dimensions).
-fn add_eval_copy(
+/// shards of its expert-parallel group joined (shard `j` of variable `v` on
+/// `copy.shard_device(v, j)`, shard 0 in `g`), and points evaluation at it. Under ZeRO-3
+/// (`copy.stage3`) every parameter is read joined from its flat shards: a dense one's from all
+/// the workers, each expert shard's from its expert-data-parallel group (`graph`: the forward
+/// graph, for the parameters' dimensions). With `copy.own_placeholders`, the copy reads
+/// placeholders `eval/<name>` of the one-process shapes (the training ones have a fixed
+/// batch), else the training ones.
+pub(crate) fn add_eval_copy(
     g: &mut ReplicaGraph,
     graph: &Graph,
     forward: &GraphDef,
     layers: &[MoeLayer],
     spec: &TrainSpec,
-    layout: ExpertLayout,
-    stage3: bool,
+    copy: EvalCopy<'_>,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
+    let (layout, stage3, own_placeholders) = (copy.layout, copy.stage3, copy.own_placeholders);
     let (workers, ep) = (layout.workers(), layout.ep());
     let experts: HashMap<&str, &MoeLayer> = layers
         .iter()
@@ -1024,6 +1159,15 @@ fn add_eval_copy(
     let mut sends: Vec<(String, Vec<String>)> = Vec::new();
     for n in &forward.nodes {
         match n.op.as_str() {
+            "Placeholder" if own_placeholders => {
+                let name = fresh(&mut taken, &format!("eval/{}", n.name));
+                let mut ph = n.clone();
+                ph.name = name.clone();
+                ph.device = device.clone();
+                ph.colocate_with.clear();
+                added.push(ph);
+                map.insert(n.name.clone(), name);
+            }
             "Placeholder" => {}
             "Variable" => {
                 let dims = graph
@@ -1056,7 +1200,7 @@ fn add_eval_copy(
                             continue;
                         }
                         if j > 0 {
-                            v.device = worker_device(&n.name, &n.device, j)?;
+                            v.device = (copy.shard_device)(&n.name, j)?;
                             added.push(v);
                         }
                         shards.push(name);
@@ -1135,6 +1279,10 @@ fn add_eval_copy(
     g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
     g.eval.loss = remap(&spec.loss);
     g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
+    if own_placeholders {
+        g.eval.features = remap(&g.eval.features);
+        g.eval.labels = remap(&g.eval.labels);
+    }
     Ok(())
 }
 

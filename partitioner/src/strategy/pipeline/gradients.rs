@@ -24,7 +24,7 @@ pub fn stage_group(s: usize) -> String {
 /// by `1/replicas`, so the sum is the gradient of the global batch's mean loss. Last, the loss
 /// is summed over the last stage's replicas: every replica reports the global batch's loss.
 /// Returns the name of the global loss.
-pub(super) fn all_reduce_gradients(
+pub(crate) fn all_reduce_gradients(
     def: &mut GraphDef,
     gradients: &mut [(String, String)],
     typed: &Graph,
@@ -225,7 +225,7 @@ pub(super) fn stage_norms(def: &mut GraphDef) {
 /// plus `Σ‖g‖²` of its other parameters' (whole on every rank); the stages' sums meet in one
 /// `GlobalNormScale` on the loss's device, whose scale goes back to each stage and multiplies
 /// its gradients there. The updates and `training.gradients` read the clipped gradients.
-pub(super) fn clip_by_stage_norms(
+pub(crate) fn clip_by_stage_norms(
     training: &mut TrainingGraph,
     tensor: Option<&TensorStages>,
     devices: &[String],
@@ -337,7 +337,7 @@ pub(super) fn clip_by_stage_norms(
 /// whole graph, so that the ranks of every group (a stage's tensor-parallel ranks, or its
 /// data-parallel replicas, whose graphs differ only in names and devices) call them in the
 /// same order. Megatron's `f` forward (`CollectiveTpCopy`, the identity) calls none.
-pub(super) fn chain_collectives_per_device(def: &mut GraphDef) -> Result<(), StrategyError> {
+pub(crate) fn chain_collectives_per_device(def: &mut GraphDef) -> Result<(), StrategyError> {
     let typed = Graph::from_def(def).map_err(StrategyError::InvalidGraph)?;
     let mut chains: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for i in typed.topo_order() {

@@ -80,6 +80,32 @@ pub(crate) struct Prepared {
 /// cut into micro-batches, they would not compute what the whole batch computes.
 const BATCH_COUPLED: &[&str] = &["MoeRoute", "MoeAuxLoss"];
 
+/// Whether `n` couples the examples of its batch as configured: a [`BATCH_COUPLED`] op, unless
+/// a `MoeRoute` whose capacity factor is at least its experts (every expert has a slot for
+/// every token, so none is dropped whatever the batch) or a `MoeAuxLoss` with α = 0 (it adds
+/// nothing to the loss or the gradients).
+fn couples_batch(n: &dflow_graph::Node) -> bool {
+    let float = |name: &str| match n.attrs.get(name) {
+        Some(dflow_graph::AttrValue::Float(v)) => Some(*v),
+        _ => None,
+    };
+    match n.op {
+        "MoeRoute" => {
+            // Output 4 (`load`) is `[E]`.
+            let experts = n
+                .outputs
+                .get(4)
+                .and_then(|t| t.shape.dims()?.first().copied().flatten())
+                .map_or(f64::INFINITY, |e| e as f64);
+            // The attribute's default is 1.
+            float("capacity_factor").unwrap_or(1.0) < experts
+        }
+        // The attribute's default is α = 0.01.
+        "MoeAuxLoss" => !matches!(float("alpha"), Some(a) if a == 0.0),
+        op => BATCH_COUPLED.contains(&op),
+    }
+}
+
 /// Why a pipeline cannot be planned.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PipelineError {
@@ -316,7 +342,7 @@ impl Pipeline {
         }
         if let Some(coupled) = g
             .node_indices()
-            .find(|i| m > 1 && BATCH_COUPLED.contains(&g.node(*i).op))
+            .find(|i| m > 1 && couples_batch(g.node(*i)))
         {
             let n = g.node(coupled);
             return Err(PipelineError::BatchCoupled {

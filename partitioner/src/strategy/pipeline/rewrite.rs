@@ -80,6 +80,11 @@ pub(crate) struct RewriteInput<'a> {
     pub zero: Option<super::zero::ReplicaZero>,
 }
 
+/// In a collective's group key of a graph cut with [`TensorStages`], the stage (pipeline
+/// device) the micro-batch copy runs on: `pipeline/stage{stage}` is the group of the stage's
+/// data-parallel replicas ([`super::gradients::stage_group`]) on every stage.
+pub(crate) const STAGE_MARK: &str = "{stage}";
+
 /// The name scope of everything the rewrite adds.
 pub(super) const SCOPE: &str = "pipeline";
 
@@ -482,7 +487,8 @@ fn constant_seed(def: &mut GraphDef, loss: &str, dtype: DType) -> Result<(), Pip
 }
 
 /// Micro-batch `k`'s copy `c` of a collective of a tensor-parallel rank's graph, on pipeline
-/// device `device`: into that stage's tensor-parallel group, under an instance key of its own.
+/// device `device`: into that stage's tensor-parallel group (or, for a group key naming
+/// [`STAGE_MARK`], that group of the stage), under an instance key of its own.
 fn retarget_collective(
     c: &mut NodeDef,
     tensor: &TensorStages,
@@ -500,6 +506,14 @@ fn retarget_collective(
                 c.name
             )))
         }
+    };
+    // A group key naming [`STAGE_MARK`] is a group of this stage's own (expert parallelism's
+    // router gathers over the stage's replicas): the mark becomes the device.
+    let group = match c.attrs.get("group_key") {
+        Some(AttrValue::String(own)) if own.contains(STAGE_MARK) => {
+            own.replace(STAGE_MARK, &device.to_string())
+        }
+        _ => group.clone(),
     };
     c.attrs
         .insert("group_key".into(), AttrValue::String(group.as_str().into()));

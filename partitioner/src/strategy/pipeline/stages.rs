@@ -7,7 +7,7 @@
 //!   is its stage; `V` is the highest task index plus one.
 //! - **Balanced** (`--stages N`): the batch ops, in topological order, are cut at the points
 //!   where the fewest batch tensors cross (one, between two transformer blocks or two MLP
-//!   layers), choosing the cuts whose cumulative *parameter count* (the elements of the
+//!   layers; scalars, such as an MoE block's load-balancing loss, are not counted), choosing the cuts whose cumulative *parameter count* (the elements of the
 //!   variables each op is the first to read) is closest to `k·total/V`. The cost is the
 //!   parameter count, not FLOPs: it is what a stage must hold, and for a stack of equal layers
 //!   it balances compute too.
@@ -100,10 +100,20 @@ pub fn balanced(
         }
         p
     };
-    // live[k]: batch tensors produced before position k and read at k or later.
+    // live[k]: batch tensors produced before position k and read at k or later. Scalars
+    // cross for free (an MoE block's load-balancing loss on its way to the total loss), so
+    // they do not count: the residual stream between two MoE blocks is one tensor.
+    let scalar = |src: NodeIndex, out: usize| {
+        g.output_type(src, out)
+            .and_then(|t| t.shape.dims().map(<[_]>::is_empty))
+            .unwrap_or(false)
+    };
     let mut last_use: std::collections::BTreeMap<(usize, usize), usize> = Default::default();
     for (k, &i) in order.iter().enumerate() {
         for (src, out) in g.inputs(i) {
+            if scalar(src, out) {
+                continue;
+            }
             if let Some(ps) = position[src.index()] {
                 let e = last_use.entry((ps, out)).or_insert(k);
                 *e = (*e).max(k);
