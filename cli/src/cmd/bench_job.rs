@@ -599,11 +599,18 @@ mod tests {
         // gradients back to it.
         let (_, pipe8, _) = by("pipeline, 8 micro-batches");
         assert_eq!(pipe8[0].values, pipe[0].values + 4, "{pipe8:?} {pipe:?}");
-        assert_eq!(pipe8[0].received, pipe[0].received + 4, "{pipe8:?} {pipe:?}");
+        assert_eq!(
+            pipe8[0].received,
+            pipe[0].received + 4,
+            "{pipe8:?} {pipe:?}"
+        );
         // Four tasks on the two cores, each gathering before every layer.
         let (_, zero4, _) = by("zero-3 4 tasks (calls between products on shared cores)");
         assert_eq!(zero4.len(), 4);
-        assert_eq!(zero4[0].collective_calls, zero[0].collective_calls, "{zero4:?}");
+        assert_eq!(
+            zero4[0].collective_calls, zero[0].collective_calls,
+            "{zero4:?}"
+        );
         // The full-size jobs determine the eight costs (no cost the others explain).
         let full: Vec<runtime::CalibrationJob> = JOBS
             .into_iter()

@@ -409,7 +409,8 @@ pub fn job_terms(
             (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth,
         )
     };
-    let value = |c: &[f64; 8], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+    let value =
+        |c: &[f64; 8], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
     let stretch = if bubble > 0.0 && bubble < 1.0 {
         1.0 / (1.0 - bubble)
     } else {
@@ -739,7 +740,10 @@ mod tests {
         let p = costs();
         // Two tasks on two cores: 50 µs of ops and 2 calls of 10 µs each.
         let two = job_step(&[task(50, 2), task(50, 2)], 0.0, 0.0, &p, 2);
-        assert!((two.cpu + two.communication - 70e-6).abs() < 1e-12, "{two:?}");
+        assert!(
+            (two.cpu + two.communication - 70e-6).abs() < 1e-12,
+            "{two:?}"
+        );
         // Four on two cores: every task's ops and calls over the cores, twice two's.
         let four = [task(50, 2), task(50, 2), task(50, 2), task(50, 2)];
         let s = job_step(&four, 0.0, 0.0, &p, 2);
