@@ -414,7 +414,12 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
         (
             FOUR,
             vec!["--mesh", "dp=2,tp=2,ep=2"],
-            "expert parallelism (ep) beside tensor parallelism does not run yet",
+            "--mesh dp=2,tp=2,pp=1,ep=2: expert parallelism (ep=2) beside tensor parallelism (tp=2) does not run yet: the tensor strategy splits dense MLPs only and the expert strategy's groups hold data-parallel ranks only (docs/experts.md, \"ep beside tp: design, not built\"); use --mesh dp=4,ep=2 on the same 4 workers",
+        ),
+        (
+            FOUR,
+            vec!["--mesh", "dp=2,tp=2", "--batch-size", "8"],
+            "tensor parallelism splits dense MLPs only, and expert parallelism beside it (--mesh dp=D,tp=T,ep=E) does not run yet (docs/experts.md, \"ep beside tp: design, not built\"); train this model with --mesh dp=D,ep=E (tp=1) or --strategy expert",
         ),
         (
             FOUR,

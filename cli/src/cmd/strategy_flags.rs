@@ -154,13 +154,8 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
+    check_ep_beside_tp(mesh)?;
     let name = if mesh.ep > 1 {
-        if mesh.tp > 1 {
-            anyhow::bail!(
-                "--mesh {}: expert parallelism (ep) beside tensor parallelism does not run yet; use ep with dp (and pp) only (tp=1)",
-                mesh_text(mesh)
-            );
-        }
         if let Some(stage) = zero_stage.filter(|_| mesh.pp > 1) {
             anyhow::bail!(
                 "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism inside pipeline stages does not run yet; drop --zero-stage, or the pp axis",
@@ -200,6 +195,32 @@ pub fn apply_mesh(
         ),
         _ => Ok(kind),
     }
+}
+
+/// `ep > 1` beside `tp > 1` is refused: the tensor strategy splits dense MLPs only, and the
+/// expert strategy's groups hold data-parallel ranks only (docs/experts.md, "ep beside tp:
+/// design, not built"). The message names the mesh and, without a pipeline axis, the mesh of
+/// the same workers that runs (`dp = D·T`).
+fn check_ep_beside_tp(mesh: &dflow_partitioner::mesh::Mesh) -> anyhow::Result<()> {
+    if mesh.ep <= 1 || mesh.tp <= 1 {
+        return Ok(());
+    }
+    let instead = if mesh.pp == 1 {
+        format!(
+            "use --mesh dp={},ep={} on the same {} workers (experts over ep, everything else data-parallel)",
+            mesh.dp * mesh.tp,
+            mesh.ep,
+            mesh.dp * mesh.tp
+        )
+    } else {
+        "use ep with tp=1".to_string()
+    };
+    anyhow::bail!(
+        "--mesh {}: expert parallelism (ep={}) beside tensor parallelism (tp={}) does not run yet: the tensor strategy splits dense MLPs only and the expert strategy's groups hold data-parallel ranks only (docs/experts.md, \"ep beside tp: design, not built\"); {instead}",
+        mesh_text(mesh),
+        mesh.ep,
+        mesh.tp
+    )
 }
 
 /// The pipeline's stages from `--mesh pp=P`; a contradicting `--stages` is an error.

@@ -470,7 +470,10 @@ impl Gpt {
         }
         if let Some(m) = def.nodes.iter().find(|n| n.op.starts_with("Moe")) {
             return Err(options(format!(
-                "MoE node `{}`: tensor parallelism shards dense MLPs; use --strategy expert",
+                "MoE node `{}`: tensor parallelism splits dense MLPs only, and expert \
+                 parallelism beside it (--mesh dp=D,tp=T,ep=E) does not run yet (docs/experts.md, \
+                 \"ep beside tp: design, not built\"); train this model with --mesh dp=D,ep=E \
+                 (tp=1) or --strategy expert",
                 m.name
             )));
         }
@@ -2960,5 +2963,66 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("transformer.wte.weight"), "{e}");
+    }
+
+    /// A MoE GPT is refused on a dp×tp mesh, naming its first MoE node and the design note of
+    /// expert parallelism beside tensor parallelism (not built).
+    #[test]
+    fn a_moe_gpt_is_refused_naming_the_moe_node_and_the_ep_beside_tp_note() {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 2,
+                top_k: 1,
+                capacity_factor: 2.0,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        };
+        let m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        let graph = Graph::from_def(&m.def).unwrap();
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let e = mesh_training(&graph, &spec, &mesh, 1 << 20, None, "idx", "targets")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("MoE node `transformer.h.0.mlp"), "{e}");
+        assert!(
+            e.contains("expert parallelism beside it (--mesh dp=D,tp=T,ep=E) does not run yet"),
+            "{e}"
+        );
+        assert!(e.contains("\"ep beside tp: design, not built\""), "{e}");
+    }
+
+    /// The groups of docs/experts.md's "ep beside tp" table: inside a dp×tp mesh the
+    /// expert-parallel groups are dp ranks of one tp coordinate (the members of `data_t<t>`
+    /// at ep = dp), and the expert-data-parallel groups stride over them.
+    #[test]
+    fn ep_groups_inside_a_dp_tp_mesh_are_those_of_the_ep_beside_tp_note() {
+        let mesh: Mesh = "dp=2,tp=2,ep=2".parse().unwrap();
+        assert_eq!(mesh.groups(Axis::Tp), [[0, 1], [2, 3]].map(Vec::from));
+        assert_eq!(mesh.groups(Axis::Dp), [[0, 2], [1, 3]].map(Vec::from));
+        assert_eq!(mesh.groups(Axis::Ep), [[0, 2], [1, 3]].map(Vec::from));
+        assert_eq!(
+            mesh.expert_data_groups(),
+            [[0], [1], [2], [3]].map(Vec::from)
+        );
+        let mesh: Mesh = "dp=4,tp=2,ep=2".parse().unwrap();
+        assert_eq!(
+            mesh.groups(Axis::Ep),
+            [[0, 2], [1, 3], [4, 6], [5, 7]].map(Vec::from)
+        );
+        assert_eq!(
+            mesh.expert_data_groups(),
+            [[0, 4], [1, 5], [2, 6], [3, 7]].map(Vec::from)
+        );
+        assert_eq!(
+            (0..8).map(|w| mesh.expert_rank(w)).collect::<Vec<_>>(),
+            [0, 0, 1, 1, 0, 0, 1, 1]
+        );
     }
 }
