@@ -188,3 +188,51 @@ fn calibrate_refuses_impossible_measurements_naming_the_flag() {
         assert!(err.contains(want), "{err}");
     }
 }
+
+/// Every layout `dflow plan` ranks (fitting or not) is one `dflow run` runs: the planner's
+/// enumeration never offers a layout whose job plan the strategies refuse. The bundled GPT on 4
+/// and 8 devices (dp, tp, pp, ZeRO 0–3, micro-batches, their 3D combinations) and the MoE GPT
+/// on 4 (ep beside dp and inside pipeline stages).
+#[test]
+fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
+    use dflow::partitioner::planner::{
+        self, accounting, ClusterProfile, ModelProfile, PlanOptions,
+    };
+    let profile = ClusterProfile::preset("this-machine").unwrap();
+    for (graph, devices, batch) in [
+        ("examples/gpt/gpt.json", 4, 8),
+        ("examples/gpt/gpt.json", 8, 16),
+        ("examples/gpt/gpt-moe.json", 4, 8),
+    ] {
+        let text = std::fs::read_to_string(support::repo().join(graph)).unwrap();
+        let def = dflow::graph::format::parse_json(&text, None).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let options = PlanOptions {
+            devices,
+            batch_size: batch,
+        };
+        let report = planner::plan(&model, &profile, &options).unwrap();
+        let g = dflow::graph::Graph::from_def(&def).unwrap();
+        let train = def.train.as_ref().unwrap();
+        let offered: Vec<_> = report.ranked.iter().chain(&report.too_big).collect();
+        assert!(offered.len() >= 8, "{graph} on {devices}: {offered:?}");
+        for e in &offered {
+            if let Err(err) = accounting::job_plan(&g, train, "idx", "targets", &e.layout, batch) {
+                panic!(
+                    "{graph} on {devices} devices: the planner ranks {} but dflow runs no job plan for it: {err}",
+                    e.layout.short()
+                );
+            }
+        }
+        let kinds = |f: fn(&planner::Layout) -> bool| offered.iter().any(|e| f(&e.layout));
+        assert!(kinds(|l| l.zero == 3), "{graph}");
+        if graph.ends_with("moe.json") {
+            assert!(kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1), "{graph}");
+            // Tensor parallelism splits dense MLPs only, and the MoE layers couple a batch's
+            // examples: no tp layout, no micro-batches.
+            assert!(!kinds(|l| l.mesh.tp > 1 || l.micro_batches > 1), "{graph}");
+        } else {
+            assert!(kinds(|l| l.mesh.tp > 1 && l.mesh.pp > 1), "{graph}");
+        }
+    }
+}

@@ -238,6 +238,14 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
             ctx.batch, mesh.dp, layout.micro_batches
         )));
     }
+    if mesh.tp > 1 && mesh.ep == 1 {
+        if let Some(l) = ctx.model.moe.first() {
+            return Err(refuse(format!(
+                "tp={} splits dense MLPs only, and MoE layer `{}` is not one: use ep (beside dp or pp) for the experts",
+                mesh.tp, l.dispatch
+            )));
+        }
+    }
     if let Some(d) = ctx.model.tp_refusal(mesh.tp) {
         mesh.check_divides(Axis::Tp, d.size, &d.what)
             .map_err(|e| refuse(e.to_string()))?;
@@ -274,6 +282,17 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 l.dispatch, l.experts, mesh.ep, first.experts
             )));
         }
+    }
+    if let Some(op) = ctx
+        .model
+        .batch_coupled
+        .as_ref()
+        .filter(|_| layout.micro_batches > 1)
+    {
+        return Err(refuse(format!(
+            "op `{op}` couples the examples of a batch (an expert's capacity, the load-balancing loss), so {} micro-batches would not train like the whole batch: dflow runs it with one",
+            layout.micro_batches
+        )));
     }
     if mesh.pp == 1 && layout.micro_batches > 1 {
         return Err(refuse(
@@ -670,6 +689,29 @@ mod tests {
             ..GptConfig::default()
         };
         ModelProfile::new(&gpt(&cfg).unwrap().def, "idx", "targets").unwrap()
+    }
+
+    /// What `dflow run` refuses for an MoE model the planner refuses too, naming the op: tp
+    /// (the tensor strategy splits dense MLPs only) and several micro-batches (the router
+    /// drops tokens by a share of the batch).
+    #[test]
+    fn an_moe_model_has_no_tp_layout_and_no_micro_batches() {
+        let model = moe_model();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let options = PlanOptions {
+            devices: 4,
+            batch_size: 8,
+        };
+        for (layout, want) in [
+            ("dp=2,tp=2", "splits dense MLPs only"),
+            ("dp=2,pp=2,m=2", "couples the examples of a batch"),
+        ] {
+            let layout: crate::planner::Layout = layout.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap_err();
+            assert!(e.to_string().contains(want), "{layout:?}: {e}");
+        }
+        let one: crate::planner::Layout = "dp=2,pp=2,m=1".parse().unwrap();
+        assert!(evaluate_layout(&model, &profile, &options, &one).is_ok());
     }
 
     /// `dp=2,ep=2,pp=2`: each stage's ranks hold the dense parameters of their stage and half

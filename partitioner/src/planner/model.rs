@@ -172,6 +172,11 @@ pub struct ModelProfile {
     /// The MoE layers, in graph order (none: the model has no experts, and no layout has an
     /// `ep` axis).
     pub moe: Vec<MoeProfile>,
+    /// The first op that couples the examples of a batch as configured (an MoE router that can
+    /// drop tokens, a load-balancing loss with α > 0): a pipeline cut into several
+    /// micro-batches would train another model, so `dflow run` refuses them (the pipeline
+    /// strategy's check, which this mirrors).
+    pub batch_coupled: Option<String>,
     /// Optimizer moments per parameter (Adam 2, momentum 1, SGD 0).
     pub optimizer_slots: f64,
     /// Bytes of the fed placeholders (features and labels).
@@ -323,8 +328,14 @@ impl ModelProfile {
         let training_ops_per_op = dflow_graph::train::expand_training(&with_batch(def, 1), train)
             .map_or(3.0, |t| t.def.nodes.len() as f64 / forward_ops);
         let moe = moe_profiles(&g1, def, &mut variables);
+        let batch_coupled = g1
+            .node_indices()
+            .map(|i| g1.node(i))
+            .find(|n| crate::strategy::pipeline::couples_batch(n))
+            .map(|n| n.name.clone());
         let mut model = ModelProfile {
             moe,
+            batch_coupled,
             training_ops_per_op,
             feed_bytes,
             graph: g1,

@@ -84,7 +84,7 @@ const BATCH_COUPLED: &[&str] = &["MoeRoute", "MoeAuxLoss"];
 /// a `MoeRoute` whose capacity factor is at least its experts (every expert has a slot for
 /// every token, so none is dropped whatever the batch) or a `MoeAuxLoss` with α = 0 (it adds
 /// nothing to the loss or the gradients).
-fn couples_batch(n: &dflow_graph::Node) -> bool {
+pub(crate) fn couples_batch(n: &dflow_graph::Node) -> bool {
     let float = |name: &str| match n.attrs.get(name) {
         Some(dflow_graph::AttrValue::Float(v)) => Some(*v),
         _ => None,
