@@ -255,6 +255,22 @@ fn block_len(len: usize, parts: usize, i: usize) -> usize {
     len / parts + usize::from(i < len % parts)
 }
 
+/// The children of virtual rank `vr` (its rank counted from the root) in the transport's
+/// binomial broadcast tree over `n` ranks: `vr + mask` for every mask below `vr`'s lowest set
+/// bit (below `n` for the root).
+fn tree_children(n: usize, vr: usize) -> usize {
+    let top = if vr == 0 {
+        n.next_power_of_two()
+    } else {
+        1 << vr.trailing_zeros()
+    };
+    (0..usize::BITS)
+        .map(|b| 1usize << b)
+        .take_while(|&m| m < top)
+        .filter(|&m| vr + m < n)
+        .count()
+}
+
 /// The payload bytes rank `rank` of a group of `n` sends in one `call` on an input of
 /// `elements` elements of `size` bytes each, exactly as the transport's algorithms send them
 /// (`transport/src/collective/algo/`: `tree.rs`, `ring.rs`, `chain.rs`, `direct.rs`; what
@@ -294,19 +310,7 @@ pub fn rank_bytes(call: Call, n: usize, rank: usize, elements: usize, size: usiz
         Call::Broadcast { root } => {
             let vr = (rank + n - root % n) % n;
             if small {
-                // Binomial tree: children vr + mask for every mask below vr's lowest set bit
-                // (below n for the root).
-                let top = if vr == 0 {
-                    n.next_power_of_two()
-                } else {
-                    1 << vr.trailing_zeros()
-                };
-                let children = (0..usize::BITS)
-                    .map(|b| 1usize << b)
-                    .take_while(|&m| m < top)
-                    .filter(|&m| vr + m < n)
-                    .count();
-                bytes * children
+                bytes * tree_children(n, vr)
             } else if vr + 1 < n {
                 bytes
             } else {
@@ -352,16 +356,7 @@ pub fn rank_messages(call: Call, n: usize, rank: usize, elements: usize, size: u
         Call::Broadcast { root } => {
             let vr = (rank + n - root % n) % n;
             if small {
-                let top = if vr == 0 {
-                    n.next_power_of_two()
-                } else {
-                    1 << vr.trailing_zeros()
-                };
-                (0..usize::BITS)
-                    .map(|b| 1usize << b)
-                    .take_while(|&m| m < top)
-                    .filter(|&m| vr + m < n)
-                    .count()
+                tree_children(n, vr)
             } else if vr + 1 < n {
                 elements.div_ceil(chunk).max(1)
             } else {

@@ -299,18 +299,7 @@ impl TensorParallel {
             input.features,
             input.labels,
         )?;
-        let chief = crate::strategy::pipeline::worker_device(0);
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            default_device: dflow_graph::DeviceName::parse(&chief).map_err(|e| {
-                StrategyError::InvalidDevice {
-                    node: String::new(),
-                    device: chief.clone(),
-                    message: e.to_string(),
-                }
-            })?,
-            ..input.placement.clone()
-        };
+        let placement = crate::strategy::pipeline::placement_on_worker_0(input)?;
         let mut plan = JobPlan::build(
             self.describe(),
             input,

@@ -265,6 +265,23 @@ pub(crate) static REGISTRATION: Registration = Registration {
     },
 };
 
+/// Placement of a job whose every node names its worker (the pipeline's rewrites place each
+/// node): explicit, with worker 0 for any node left without a device.
+pub(crate) fn placement_on_worker_0(
+    input: &JobInput<'_>,
+) -> Result<PlacementOptions, StrategyError> {
+    let device = worker_device(0);
+    Ok(PlacementOptions {
+        policy: Policy::Explicit,
+        default_device: DeviceName::parse(&device).map_err(|e| StrategyError::InvalidDevice {
+            node: String::new(),
+            device: device.clone(),
+            message: e.to_string(),
+        })?,
+        ..input.placement.clone()
+    })
+}
+
 pub(crate) fn worker_device(task: usize) -> String {
     format!("/job:worker/replica:0/task:{task}/device:cpu:0")
 }
@@ -546,17 +563,7 @@ impl Pipeline {
             shape,
             groups,
         } = graphs;
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            default_device: DeviceName::parse(&worker_device(0)).map_err(|e| {
-                StrategyError::InvalidDevice {
-                    node: String::new(),
-                    device: worker_device(0),
-                    message: e.to_string(),
-                }
-            })?,
-            ..input.placement.clone()
-        };
+        let placement = placement_on_worker_0(input)?;
         let plan = JobPlan::build(
             describe,
             input,
