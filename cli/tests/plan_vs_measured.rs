@@ -463,27 +463,30 @@ fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
 
 #[test]
 fn pipeline_zero_memory_and_bytes_per_task_are_the_prediction() {
-    // dp2×pp2 with ZeRO-1 over each stage's replicas, 2 micro-batches: each rank holds its
-    // dp-shard of its stage's Adam slots.
+    // dp2×pp2 with ZeRO-1 and ZeRO-2 over each stage's replicas, 2 micro-batches: each rank
+    // holds its dp-shard of its stage's Adam slots (ZeRO-2: and reduce-scatters the gradients
+    // it accumulated over the micro-batches).
     let graph = small_gpt("plan_vs_measured_pp_zero");
-    let (ends, stderr) = gpt_job(
-        &graph,
-        "examples/gpt/cluster-4workers.json",
-        &[
-            "--mesh",
-            "dp=2,pp=2",
-            "--zero-stage",
-            "1",
-            "--micro-batches",
-            "2",
-        ],
-    );
-    assert_eq!(ends.len(), 4, "{stderr}");
-    let layout = "dp=2,pp=2,m=2,zero=1";
-    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
-    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
-    let predicted = accounted(&graph, "idx", "targets", layout, 4);
-    assert_memory(layout, &predicted, &ends);
+    for stage in ["1", "2"] {
+        let (ends, stderr) = gpt_job(
+            &graph,
+            "examples/gpt/cluster-4workers.json",
+            &[
+                "--mesh",
+                "dp=2,pp=2",
+                "--zero-stage",
+                stage,
+                "--micro-batches",
+                "2",
+            ],
+        );
+        assert_eq!(ends.len(), 4, "{stderr}");
+        let layout = format!("dp=2,pp=2,m=2,zero={stage}");
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
+    }
 }
 
 #[test]
@@ -514,24 +517,27 @@ fn pipeline_zero3_memory_and_bytes_per_task_are_the_prediction() {
 
 #[test]
 fn three_d_zero_bytes_per_task_are_the_prediction() {
-    // dp2×tp2×pp2 with ZeRO-1 over each (stage, shard)'s replicas, 2 micro-batches.
+    // dp2×tp2×pp2 with ZeRO-1 and ZeRO-2 over each (stage, shard)'s replicas, 2
+    // micro-batches.
     let graph = small_gpt("plan_vs_measured_dp_tp_pp_zero");
-    let (ends, stderr) = gpt_job(
-        &graph,
-        "examples/gpt/cluster-8workers.json",
-        &[
-            "--mesh",
-            "dp=2,tp=2,pp=2",
-            "--zero-stage",
-            "1",
-            "--micro-batches",
-            "2",
-        ],
-    );
-    assert_eq!(ends.len(), 8, "{stderr}");
-    let layout = "dp=2,tp=2,pp=2,m=2,zero=1";
-    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
-    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
+    for stage in ["1", "2"] {
+        let (ends, stderr) = gpt_job(
+            &graph,
+            "examples/gpt/cluster-8workers.json",
+            &[
+                "--mesh",
+                "dp=2,tp=2,pp=2",
+                "--zero-stage",
+                stage,
+                "--micro-batches",
+                "2",
+            ],
+        );
+        assert_eq!(ends.len(), 8, "{stderr}");
+        let layout = format!("dp=2,tp=2,pp=2,m=2,zero={stage}");
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+    }
 }
 
 /// The MoE GPT of examples/gpt/gpt-moe.json (4 experts, top-1, capacity factor 1.25) made
