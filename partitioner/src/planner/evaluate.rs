@@ -510,6 +510,18 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             // Updated parameters gathered after the sharded step.
             dp = dp.then(buckets(&dp_links, Collective::AllGather, weight_bytes));
         }
+        // ZeRO-3 over a pipeline: a weight another stage reads (a tied embedding) is gathered
+        // once more per step, for its send.
+        let mut shared_gathers = 0.0;
+        if gathers_per_micro_batch && d > 1 {
+            for c in by_sender[s].iter().map(|&i| &staged.crossings[i]) {
+                if c.per_step {
+                    let bytes = c.bytes.at(rows) * act_scale / if c.split { tf } else { 1.0 };
+                    dp = dp.then(dp_links.cost(Collective::AllGather, bytes));
+                    shared_gathers += 1.0;
+                }
+            }
+        }
         // The loss summed over the loss stage's group (the last stage's), and under ZeRO with
         // clipping each stage's squared norm of its shards (4 bytes each).
         let loss_stage = s == p - 1;
@@ -572,7 +584,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             // ZeRO-3's gathers are in each micro-batch's slot (above).
             let gathers = if zero == 1 || zero == 2 { 1.0 } else { 0.0 };
             let scalars = f64::from(u8::from(loss_stage)) + f64::from(u8::from(clip_norm));
-            let calls = count(grad_bytes) + gathers * count(weight_bytes) + scalars;
+            let calls = count(grad_bytes) + gathers * count(weight_bytes) + scalars + shared_gathers;
             dp.seconds += (calls + expert_calls) * profile.job.collective;
         }
         dp_time = dp_time.max(dp.seconds);
@@ -923,5 +935,50 @@ mod tests {
             .chain(&report.too_big)
             .any(|e| e.layout.mesh.pp > 1 && e.layout.zero == 3));
         assert!(report.refused.iter().all(|r| !r.reason.contains("ZeRO")));
+    }
+
+    /// The small GPT of `cli/tests/plan_vs_measured.rs` (tied embedding, clipped): the
+    /// table's data-parallel bytes over a pipeline, every ZeRO stage, are the job plan's
+    /// collectives exactly (ZeRO-3: the gathers of every micro-batch and pass, and the tied
+    /// embedding's gather for its send to the last stage).
+    #[test]
+    fn gpt_zero_over_a_pipeline_table_against_the_job_plan() {
+        use super::super::accounting;
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        for (layout, devices) in [
+            ("dp=2,pp=2,m=2,zero=0", 4),
+            ("dp=2,pp=2,m=2,zero=1", 4),
+            ("dp=2,pp=2,m=2,zero=2", 4),
+            ("dp=2,pp=2,m=2,zero=3", 4),
+            ("dp=2,zero=3", 2),
+        ] {
+            let options = PlanOptions {
+                devices,
+                batch_size: 4,
+            };
+            let l: super::Layout = layout.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
+            let job: u64 = accounting::traffic(&plan, 2)
+                .unwrap()
+                .iter()
+                .map(|t| t.collective)
+                .sum();
+            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
+            assert_eq!(table, job as f64, "{layout}");
+        }
     }
 }
