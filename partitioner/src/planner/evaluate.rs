@@ -370,8 +370,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let (params, local_experts) = (params - experts, experts / ep);
         memory.push(Memory {
             weights: (params + local_experts) * w_bytes / shard(3),
-            gradients: params * g_bytes / grad_shard(2)
-                + local_experts * g_bytes / expert_shard(2),
+            gradients: params * g_bytes / grad_shard(2) + local_experts * g_bytes / expert_shard(2),
             optimizer: params * opt_bytes / shard(1) + local_experts * opt_bytes / expert_shard(1),
             activations: act * in_flight,
         });
@@ -482,8 +481,11 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 .iter()
                 .map(|c| c.variables + c.backward_variables)
                 .sum();
-            gather_mb = buckets(&dp_links, Collective::AllGather, weight_bytes)
-                .then(buckets(&dp_links, Collective::AllGather, backward * w_bytes));
+            gather_mb = buckets(&dp_links, Collective::AllGather, weight_bytes).then(buckets(
+                &dp_links,
+                Collective::AllGather,
+                backward * w_bytes,
+            ));
             gather_mb.seconds += calls * profile.job.collective;
         }
         if compute + tp_seconds + send_seconds + op_seconds + gather_mb.seconds
@@ -584,14 +586,12 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             // ZeRO-3's gathers are in each micro-batch's slot (above).
             let gathers = if zero == 1 || zero == 2 { 1.0 } else { 0.0 };
             let scalars = f64::from(u8::from(loss_stage)) + f64::from(u8::from(clip_norm));
-            let calls = count(grad_bytes) + gathers * count(weight_bytes) + scalars + shared_gathers;
+            let calls =
+                count(grad_bytes) + gathers * count(weight_bytes) + scalars + shared_gathers;
             dp.seconds += (calls + expert_calls) * profile.job.collective;
         }
         dp_time = dp_time.max(dp.seconds);
-        traffic.data_parallel = traffic
-            .data_parallel
-            .then(dp)
-            .then(gather_mb.times(mf));
+        traffic.data_parallel = traffic.data_parallel.then(dp).then(gather_mb.times(mf));
     }
     let (compute, tp_seconds, sends, op_seconds, gather_seconds, slowest_stage) = slowest;
     let slot = compute + tp_seconds + sends + op_seconds + gather_seconds;
@@ -858,8 +858,7 @@ mod tests {
         let g = dflow_graph::Graph::from_def(def).unwrap();
         let train = def.train.clone().unwrap();
         let layout: super::Layout = layout.parse().unwrap();
-        let plan =
-            accounting::job_plan(&g, &train, "pixels", "labels", &layout, batch).unwrap();
+        let plan = accounting::job_plan(&g, &train, "pixels", "labels", &layout, batch).unwrap();
         accounting::traffic(&plan, batch / layout.mesh.dp)
             .unwrap()
             .iter()
@@ -878,10 +877,7 @@ mod tests {
             .map(|v| model.graph.node(v.node).name.as_str())
             .collect();
         assert!(
-            names
-                .iter()
-                .zip(&backward)
-                .all(|(n, &b)| b == (*n == "w2")),
+            names.iter().zip(&backward).all(|(n, &b)| b == (*n == "w2")),
             "{names:?} {backward:?}"
         );
         let profile = ClusterProfile::preset("this-machine").unwrap();

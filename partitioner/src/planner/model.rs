@@ -17,8 +17,8 @@ use super::flops::forward_flops;
 use crate::strategy::pipeline::stages::batch_ops;
 use dflow_graph::train::{OptimizerKind, TrainingGraph};
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, Shape};
-use std::collections::{HashMap, HashSet};
 use petgraph::graph::NodeIndex;
+use std::collections::{HashMap, HashSet};
 
 /// A quantity linear in the batch rows: `fixed + per_row · rows`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
