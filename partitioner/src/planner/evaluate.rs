@@ -349,9 +349,14 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let (from, to) = (c.from % p, c.to % p);
         let link = profile.link(profile.class(mesh.rank(0, 0, from), mesh.rank(0, 0, to)));
         let per_rank = c.bytes.at(rows) * act_scale / if c.split { tf } else { 1.0 };
-        sends[from] += p2p_seconds(link, per_rank);
+        // A calibrated job's cost per value sent and per value received (as
+        // `runtime::job_step` prices a job plan's Send/Recv pairs).
+        let call = profile.job.collective;
+        sends[from] += p2p_seconds(link, per_rank) + call;
+        sends[to] += call;
         if c.gradient {
-            sends[to] += p2p_seconds(link, per_rank);
+            sends[to] += p2p_seconds(link, per_rank) + call;
+            sends[from] += call;
         }
     }
     for (s, &in_flight) in stash.iter().enumerate() {
@@ -615,9 +620,11 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         bubble: slot * (p as f64 - 1.0) / vf,
         data_parallel: dp_time + gather_seconds * mf,
         expert_parallel: ep_time,
+        // A calibrated job's cost per step, and per task per step (the chief's feed of
+        // each task, its share of the dispatch and fetch), as `runtime::job_step` has them.
         overhead: op_seconds * mf
-            + if profile.job.step > 0.0 {
-                profile.job.step
+            + if profile.job.step > 0.0 || profile.job.task > 0.0 {
+                profile.job.step + mesh.size() as f64 * profile.job.task
             } else {
                 profile.step_overhead
             },
@@ -975,6 +982,50 @@ mod tests {
                 .sum();
             let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
             assert_eq!(table, job as f64, "{layout}");
+        }
+    }
+
+    /// Under a calibrated profile the table's step prices what the job plan's price
+    /// (`runtime::predict`, "step as dflow runs it") prices: a value sent between stages and
+    /// received costs a call each side, every task its per-step cost. Before, the table put a
+    /// 2-stage pipeline of the digits MLP at a sixth of the job plan's step.
+    #[test]
+    fn a_calibrated_table_prices_sends_and_tasks_as_the_job_plan_does() {
+        use super::super::{accounting, runtime, JobCosts};
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/digits/digits.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let model = ModelProfile::new(&def, "pixels", "labels").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let mut profile = ClusterProfile::preset("this-machine").unwrap();
+        // tests/planner/this-machine-calibrated.json (2026-11-25 06:44 UTC).
+        profile.job = JobCosts {
+            step: 0.0,
+            task: 74.9e-6,
+            op: 0.148e-6,
+            collective: 16.7e-6,
+            flops_per_second: 46.4e9,
+            bytes_per_second: 15.32e9,
+            transcendentals_per_second: 251.1e6,
+        };
+        let options = PlanOptions {
+            devices: 2,
+            batch_size: 32,
+        };
+        for layout in ["dp=2", "pp=2,m=4", "pp=2,m=8"] {
+            let l: super::Layout = layout.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "pixels", "labels", &l, 32).unwrap();
+            let job = runtime::predict(&plan, 32 / l.mesh.dp, &e, &profile).unwrap();
+            let gap = e.time.total() / job.total() - 1.0;
+            assert!(
+                gap.abs() < 0.15,
+                "{layout}: table {} s, job plan {} s",
+                e.time.total(),
+                job.total()
+            );
         }
     }
 }
