@@ -536,8 +536,19 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         if loss_stage {
             dp = dp.then(dp_links.cost(Collective::AllReduce, LOSS_BYTES));
         }
+        // Beside tensor parallelism the sharded and the replicated parameters' squared norms
+        // are summed over the group apart.
+        let clip_norms = if clip_norm {
+            1.0 + f64::from(u8::from(t > 1))
+        } else {
+            0.0
+        };
         if clip_norm {
-            dp = dp.then(dp_links.cost(Collective::AllReduce, CLIP_NORM_BYTES));
+            dp = dp.then(
+                dp_links
+                    .cost(Collective::AllReduce, CLIP_NORM_BYTES)
+                    .times(clip_norms),
+            );
         }
         // The expert shards' gradients over their expert-data-parallel groups (and, under
         // ZeRO, their updated shards gathered back).
@@ -590,7 +601,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             let count = |bytes: f64| (bytes / DEFAULT_BUCKET_BYTES as f64).ceil().max(1.0);
             // ZeRO-3's gathers are in each micro-batch's slot (above).
             let gathers = if zero == 1 || zero == 2 { 1.0 } else { 0.0 };
-            let scalars = f64::from(u8::from(loss_stage)) + f64::from(u8::from(clip_norm));
+            let scalars = f64::from(u8::from(loss_stage)) + clip_norms;
             let calls =
                 count(grad_bytes) + gathers * count(weight_bytes) + scalars + shared_gathers;
             dp.seconds += (calls + expert_calls) * profile.job.collective;
@@ -982,6 +993,76 @@ mod tests {
                 .sum();
             let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
             assert_eq!(table, job as f64, "{layout}");
+        }
+    }
+
+    /// The small GPT on the 3D mesh: the table's data-parallel bytes are the job plan's
+    /// collectives over the (stage, shard) data-parallel groups (`pipeline/stage<s>_t<t>`),
+    /// every task summed, exactly, at ZeRO 0–2 (its tensor-parallel bytes are the Megatron
+    /// count, not dflow's: docs/planner.md).
+    #[test]
+    fn gpt_3d_table_data_parallel_bytes_are_the_job_plans() {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, Call};
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let options = PlanOptions {
+            devices: 8,
+            batch_size: 4,
+        };
+        for zero in 0..3 {
+            let l: super::Layout = format!("dp=2,tp=2,pp=2,m=2,zero={zero}").parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
+            let mut job = 0u64;
+            for sig in plan.train_signatures() {
+                for (device, part) in &sig.partitions.partitions {
+                    let task = device.task_name().unwrap();
+                    let f = accounting::with_rows(&part.graph, 2).unwrap();
+                    for i in f.node_indices() {
+                        let node = f.node(i);
+                        let call = match node.op {
+                            "CollectiveAllReduce" => Call::AllReduce,
+                            "CollectiveReduceScatter" => Call::ReduceScatter,
+                            "CollectiveAllGather" => Call::AllGather,
+                            _ => continue,
+                        };
+                        let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key")
+                        else {
+                            continue;
+                        };
+                        if !key.starts_with("pipeline/stage") {
+                            continue;
+                        }
+                        let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                        let rank = group.members.iter().position(|m| *m == task).unwrap();
+                        let (src, k) = f.inputs(i)[0];
+                        let t = &f.node(src).outputs[k];
+                        let elements = t.shape.num_elements().unwrap();
+                        job += rank_bytes(
+                            call,
+                            group.members.len(),
+                            rank,
+                            elements,
+                            t.dtype.size_of(),
+                        );
+                    }
+                }
+            }
+            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
+            assert_eq!(table, job as f64, "zero {zero}");
         }
     }
 
