@@ -169,6 +169,9 @@ pub struct Evaluation {
     pub bubble: f64,
     /// Seconds of one micro-batch on the slowest stage (forward, backward, sends).
     pub slot: f64,
+    /// Of [`Self::slot`], ZeRO-3's gathers of the stage's weights (0 otherwise); `m` times it
+    /// is in [`StepTime::data_parallel`].
+    pub slot_gathers: f64,
     /// The slowest stage.
     pub slowest_stage: usize,
 }
@@ -655,6 +658,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         time,
         bubble,
         slot,
+        slot_gathers: gather_seconds,
         slowest_stage,
     }
 }
@@ -941,6 +945,8 @@ mod tests {
         let m4 = eval("dp=2,pp=2,m=4,zero=3").unwrap();
         assert!(bytes(&m4) > bytes(&z[3]));
         assert!(z[3].time.data_parallel > z[2].time.data_parallel);
+        assert!(z[3].slot_gathers > 0.0 && z[2].slot_gathers == 0.0);
+        assert!(z[3].time.data_parallel >= 2.0 * z[3].slot_gathers);
         // No refusal left for ZeRO over a pipeline, and the enumeration has them.
         let report = super::super::plan(&model, &profile, &options).unwrap();
         assert!(report
