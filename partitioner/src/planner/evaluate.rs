@@ -1002,10 +1002,10 @@ mod tests {
         }
     }
 
-    /// The small GPT on the 3D mesh: the table's data-parallel bytes are the job plan's
-    /// collectives over the (stage, shard) data-parallel groups (`pipeline/stage<s>_t<t>`),
-    /// every task summed, exactly, at ZeRO 0–2 (its tensor-parallel bytes are the Megatron
-    /// count, not dflow's: docs/planner.md).
+    /// The small GPT beside tensor parallelism: the table's data-parallel bytes are the job
+    /// plan's collectives over its data-parallel groups (every group but the tensor-parallel
+    /// ones), every task summed, exactly: the 3D mesh at ZeRO 0–2 and dp2×tp2 at ZeRO 1–3 (the
+    /// tensor-parallel bytes are the Megatron count, not dflow's: docs/planner.md).
     #[test]
     fn gpt_3d_table_data_parallel_bytes_are_the_job_plans() {
         use super::super::accounting;
@@ -1024,12 +1024,19 @@ mod tests {
         let profile = ClusterProfile::preset("this-machine").unwrap();
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
-        let options = PlanOptions {
-            devices: 8,
-            batch_size: 4,
-        };
-        for zero in 0..3 {
-            let l: super::Layout = format!("dp=2,tp=2,pp=2,m=2,zero={zero}").parse().unwrap();
+        for (layout, devices) in [
+            ("dp=2,tp=2,pp=2,m=2,zero=0", 8),
+            ("dp=2,tp=2,pp=2,m=2,zero=1", 8),
+            ("dp=2,tp=2,pp=2,m=2,zero=2", 8),
+            ("dp=2,tp=2,zero=1", 4),
+            ("dp=2,tp=2,zero=2", 4),
+            ("dp=2,tp=2,zero=3", 4),
+        ] {
+            let options = PlanOptions {
+                devices,
+                batch_size: 4,
+            };
+            let l: super::Layout = layout.parse().unwrap();
             let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
             let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
             let mut job = 0u64;
@@ -1049,7 +1056,7 @@ mod tests {
                         else {
                             continue;
                         };
-                        if !key.starts_with("pipeline/stage") {
+                        if key.starts_with("tensor") {
                             continue;
                         }
                         let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
@@ -1068,7 +1075,7 @@ mod tests {
                 }
             }
             let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
-            assert_eq!(table, job as f64, "zero {zero}");
+            assert_eq!(table, job as f64, "{layout}");
         }
     }
 
