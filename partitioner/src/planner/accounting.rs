@@ -126,11 +126,10 @@ pub fn strategy_for(
         "expert"
     } else if mesh.tp > 1 {
         if layout.zero > 0 {
-            // ZeRO over the dp axis beside tp: stages 1 to 3 (1 and 2 inside pipeline stages).
-            let top = if mesh.pp > 1 { 2 } else { 3 };
-            if layout.zero > top || mesh.dp < 2 {
+            // ZeRO over the dp axis beside tp (inside pipeline stages too): stages 1 to 3.
+            if layout.zero > 3 || mesh.dp < 2 {
                 return Err(refuse(
-                    "ZeRO beside tensor parallelism runs at stages 1 to 3 over dp ≥ 2 (1 and 2 inside pipeline stages)",
+                    "ZeRO beside tensor parallelism runs at stages 1 to 3 over dp ≥ 2",
                 ));
             }
             options.zero_stage = layout.zero;

@@ -9,6 +9,16 @@
 //! [`schedule::simulate`]). Not included: workspace of kernels, temporary buffers of the
 //! backward pass, collective buffers, the allocator's fragmentation.
 //!
+//! **ZeRO over a pipeline** (`pp > 1`, as `strategy/pipeline/zero.rs` runs it): a stage's
+//! gradients add up whole over the micro-batches and are summed over its data-parallel group
+//! once after the last backward pass, so ZeRO-2 and 3 divide the optimizer state (and, 3, the
+//! weights) by `dp` but not the gradients. ZeRO-3 holds the stage's weight shards and gathers
+//! them over the stage's group just in time, for every micro-batch: all of them before its
+//! forward pass, those the backward pass reads ([`super::model::VariableProfile::backward_read`])
+//! before its backward pass; the gathers are in each micro-batch's slot (so in the bubble
+//! too) and in the data-parallel time and bytes (`m` times each). The updated shards are not
+//! gathered back. The gathered copies are transient and not counted, as for `pp = 1`.
+//!
 //! **Step time**: the batch fed from the client (each tensor-parallel rank gets its replica's
 //! rows: `tp` copies of the batch over a link between hosts), then a pipeline slot is the slowest stage's forward (FLOPs / device FLOP/s, plus
 //! its tensor-parallel all-reduces), backward (twice the forward FLOPs, plus its all-reduces)
@@ -39,6 +49,9 @@ use crate::strategy::pipeline::schedule::{self, PipelineShape, ScheduleKind};
 
 /// Bytes of the loss the all-reduce strategy sums after the gradients.
 pub const LOSS_BYTES: f64 = 4.0;
+
+/// Bytes of the squared norm of a rank's shards that ZeRO with clipping sums over the group.
+pub const CLIP_NORM_BYTES: f64 = 4.0;
 
 /// Memory of one device, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -158,6 +171,9 @@ pub struct Evaluation {
     pub bubble: f64,
     /// Seconds of one micro-batch on the slowest stage (forward, backward, sends).
     pub slot: f64,
+    /// Of [`Self::slot`], ZeRO-3's gathers of the stage's weights (0 otherwise); `m` times it
+    /// is in [`StepTime::data_parallel`].
+    pub slot_gathers: f64,
     /// The slowest stage.
     pub slowest_stage: usize,
 }
@@ -250,12 +266,6 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
         mesh.check_divides(Axis::Tp, d.size, &d.what)
             .map_err(|e| refuse(e.to_string()))?;
     }
-    if layout.zero >= 2 && mesh.pp > 1 {
-        return Err(refuse(format!(
-            "ZeRO stage {} shards gradients, which a pipeline accumulates over micro-batches: use zero ≤ 1 with pp > 1",
-            layout.zero
-        )));
-    }
     if mesh.ep > 1 {
         let Some(first) = ctx.model.moe.first() else {
             return Err(refuse(format!(
@@ -327,13 +337,24 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     };
     let zero = layout.zero;
     let shard = |from: u8| if zero >= from { df } else { 1.0 };
+    // Over a pipeline every micro-batch's gradients add up on the stage's device until the
+    // last backward pass, and only then are they reduce-scattered: ZeRO-2 and 3 do not shard
+    // the gradients a pipeline holds (`strategy/pipeline/zero.rs`).
+    let grad_shard = |from: u8| if p > 1 { 1.0 } else { shard(from) };
+    // ZeRO-3 gathers each stage's weights over its data-parallel group before every
+    // micro-batch's forward pass, and again before its backward pass where that reads them;
+    // the shards are updated in place and never gathered back (`strategy/zero`,
+    // `strategy/pipeline/zero.rs`).
+    let gathers_per_micro_batch = zero >= 3;
     // The experts' shards are data-parallel over their expert-data-parallel group.
     let ep = mesh.ep as f64;
     let expert_shard = |from: u8| if zero >= from { df / ep } else { 1.0 };
     let stash = stash(layout);
     let mut memory = Vec::with_capacity(p);
     let mut traffic = Traffic::default();
-    let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0usize);
+    // The slowest stage per micro-batch: compute, tensor-parallel, sends, ops, ZeRO-3's
+    // gathers over a pipeline; and its index.
+    let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64, 0usize);
     let mut dp_time: f64 = 0.0;
     let mut ep_time: f64 = 0.0;
     let mut stage0_payload = 0.0;
@@ -347,9 +368,14 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let (from, to) = (c.from % p, c.to % p);
         let link = profile.link(profile.class(mesh.rank(0, 0, from), mesh.rank(0, 0, to)));
         let per_rank = c.bytes.at(rows) * act_scale / if c.split { tf } else { 1.0 };
-        sends[from] += p2p_seconds(link, per_rank);
+        // A calibrated job's cost per value sent and per value received (as
+        // `runtime::job_step` prices a job plan's Send/Recv pairs).
+        let call = profile.job.value_cost();
+        sends[from] += p2p_seconds(link, per_rank) + call;
+        sends[to] += call;
         if c.gradient {
-            sends[to] += p2p_seconds(link, per_rank);
+            sends[to] += p2p_seconds(link, per_rank) + call;
+            sends[from] += call;
         }
     }
     for (s, &in_flight) in stash.iter().enumerate() {
@@ -373,7 +399,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let (params, local_experts) = (params - experts, experts / ep);
         memory.push(Memory {
             weights: params * w_bytes / shard(3) + local_experts * w_bytes / expert_shard(3),
-            gradients: params * g_bytes / shard(2) + local_experts * g_bytes / expert_shard(2),
+            gradients: params * g_bytes / grad_shard(2) + local_experts * g_bytes / expert_shard(2),
             optimizer: params * opt_bytes / shard(1) + local_experts * opt_bytes / expert_shard(1),
             activations: act * in_flight,
         });
@@ -468,28 +494,85 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             0
         };
         let op_seconds = ops * per_op + tp_calls as f64 * profile.job.collective;
-        if compute + tp_seconds + send_seconds + op_seconds
-            > slowest.0 + slowest.1 + slowest.2 + slowest.3
-        {
-            slowest = (compute, tp_seconds, send_seconds, op_seconds, s);
-        }
         // Data parallelism: the stage's gradients in buckets (and parameters under ZeRO).
         let grad_bytes = params * g_bytes;
         let weight_bytes = params * w_bytes;
-        let kind = if zero == 0 {
+        // ZeRO-3: each micro-batch's gathers of the stage's weights (every weight for the
+        // forward pass, those the backward pass reads for it), one call per weight, on the
+        // stage's critical path.
+        let mut gather_mb = CommCost::default();
+        if gathers_per_micro_batch && d > 1 {
+            let backward: f64 = chunks
+                .iter()
+                .map(|c| c.backward_split / tf + c.backward_whole)
+                .sum();
+            let calls: f64 = chunks
+                .iter()
+                .map(|c| c.variables + c.backward_variables)
+                .sum();
+            gather_mb = buckets(&dp_links, Collective::AllGather, weight_bytes).then(buckets(
+                &dp_links,
+                Collective::AllGather,
+                backward * w_bytes,
+            ));
+            gather_mb.seconds += calls * profile.job.collective;
+        }
+        if compute + tp_seconds + send_seconds + op_seconds + gather_mb.seconds
+            > slowest.0 + slowest.1 + slowest.2 + slowest.3 + slowest.4
+        {
+            slowest = (
+                compute,
+                tp_seconds,
+                send_seconds,
+                op_seconds,
+                gather_mb.seconds,
+                s,
+            );
+        }
+        // dflow's ZeRO-1 all-reduces the gradients (then each rank updates its shard and the
+        // shards are all-gathered); ZeRO-2 and 3 reduce-scatter them.
+        let kind = if zero <= 1 {
             Collective::AllReduce
         } else {
             Collective::ReduceScatter
         };
         let mut dp = buckets(&dp_links, kind, grad_bytes);
-        if zero >= 1 {
-            // Updated parameters gathered after the sharded step (ZeRO-3: before the forward
-            // and again before the backward pass).
-            let gathers = if zero >= 3 { 2.0 } else { 1.0 };
-            dp = dp.then(buckets(&dp_links, Collective::AllGather, weight_bytes).times(gathers));
+        if zero == 1 || zero == 2 {
+            // Updated parameters gathered after the sharded step.
+            dp = dp.then(buckets(&dp_links, Collective::AllGather, weight_bytes));
         }
-        if p == 1 {
+        // ZeRO-3 over a pipeline: a weight another stage reads (a tied embedding) is gathered
+        // once more per step, for its send.
+        let mut shared_gathers = 0.0;
+        if gathers_per_micro_batch && d > 1 {
+            for c in by_sender[s].iter().map(|&i| &staged.crossings[i]) {
+                if c.per_step {
+                    let bytes = c.bytes.at(rows) * act_scale / if c.split { tf } else { 1.0 };
+                    dp = dp.then(dp_links.cost(Collective::AllGather, bytes));
+                    shared_gathers += 1.0;
+                }
+            }
+        }
+        // The loss summed over the loss stage's group (the last stage's), and under ZeRO with
+        // clipping each stage's squared norm of its shards (4 bytes each).
+        let loss_stage = s == p - 1;
+        let clip_norm = zero >= 1 && ctx.model.clips;
+        if loss_stage {
             dp = dp.then(dp_links.cost(Collective::AllReduce, LOSS_BYTES));
+        }
+        // Beside tensor parallelism the sharded and the replicated parameters' squared norms
+        // are summed over the group apart.
+        let clip_norms = if clip_norm {
+            1.0 + f64::from(u8::from(t > 1))
+        } else {
+            0.0
+        };
+        if clip_norm {
+            dp = dp.then(
+                dp_links
+                    .cost(Collective::AllReduce, CLIP_NORM_BYTES)
+                    .times(clip_norms),
+            );
         }
         // The expert shards' gradients over their expert-data-parallel groups (and, under
         // ZeRO, their updated shards gathered back; ZeRO-3: their weights gathered before the
@@ -548,24 +631,22 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 }
                 + if p == 1 { LOSS_BYTES } else { 0.0 };
         }
-        // The calls' own cost in a calibrated job: one per bucket of each collective, and the
-        // loss's.
+        // The calls' own cost in a calibrated job: one per bucket of each collective, the
+        // loss's and the clipping norm's.
         if d > 1 {
             let count = |bytes: f64| (bytes / DEFAULT_BUCKET_BYTES as f64).ceil().max(1.0);
-            let gathers = match zero {
-                0 => 0.0,
-                1 | 2 => 1.0,
-                _ => 2.0,
-            };
+            // ZeRO-3's gathers are in each micro-batch's slot (above).
+            let gathers = if zero == 1 || zero == 2 { 1.0 } else { 0.0 };
+            let scalars = f64::from(u8::from(loss_stage)) + clip_norms;
             let calls =
-                count(grad_bytes) + gathers * count(weight_bytes) + if p == 1 { 1.0 } else { 0.0 };
+                count(grad_bytes) + gathers * count(weight_bytes) + scalars + shared_gathers;
             dp.seconds += (calls + expert_calls) * profile.job.collective;
         }
         dp_time = dp_time.max(dp.seconds);
-        traffic.data_parallel = traffic.data_parallel.then(dp);
+        traffic.data_parallel = traffic.data_parallel.then(dp).then(gather_mb.times(mf));
     }
-    let (compute, tp_seconds, sends, op_seconds, slowest_stage) = slowest;
-    let slot = compute + tp_seconds + sends + op_seconds;
+    let (compute, tp_seconds, sends, op_seconds, gather_seconds, slowest_stage) = slowest;
+    let slot = compute + tp_seconds + sends + op_seconds + gather_seconds;
     let vf = v as f64;
     let bubble = if p > 1 {
         (p as f64 - 1.0) / (vf * mf + p as f64 - 1.0)
@@ -584,11 +665,13 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         tensor_parallel: tp_seconds * mf,
         pipeline: sends * mf,
         bubble: slot * (p as f64 - 1.0) / vf,
-        data_parallel: dp_time,
+        data_parallel: dp_time + gather_seconds * mf,
         expert_parallel: ep_time,
+        // A calibrated job's cost per step, and per task per step (the chief's feed of
+        // each task, its share of the dispatch and fetch), as `runtime::job_step` has them.
         overhead: op_seconds * mf
-            + if profile.job.step > 0.0 {
-                profile.job.step
+            + if profile.job.step > 0.0 || profile.job.task > 0.0 {
+                profile.job.step + mesh.size() as f64 * profile.job.task
             } else {
                 profile.step_overhead
             },
@@ -608,6 +691,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         time,
         bubble,
         slot,
+        slot_gathers: gather_seconds,
         slowest_stage,
     }
 }
@@ -932,6 +1016,266 @@ mod tests {
             "dp2 tp1 pp2 ep2 m1",
         ] {
             assert!(eps.iter().any(|e| e == l), "{l} not in {eps:?}");
+        }
+    }
+
+    /// The digits MLP with AdamW (clipped), as `examples/digits/digits-adamw.json`.
+    fn digits_adamw() -> (dflow_graph::GraphDef, ModelProfile) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/digits/digits-adamw.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let model = ModelProfile::new(&def, "pixels", "labels").unwrap();
+        (def, model)
+    }
+
+    /// Every task's collective bytes per step of `layout`'s job plan, summed.
+    fn job_collective_bytes(def: &dflow_graph::GraphDef, layout: &str, batch: usize) -> u64 {
+        use super::super::accounting;
+        let g = dflow_graph::Graph::from_def(def).unwrap();
+        let train = def.train.clone().unwrap();
+        let layout: super::Layout = layout.parse().unwrap();
+        let plan = accounting::job_plan(&g, &train, "pixels", "labels", &layout, batch).unwrap();
+        accounting::traffic(&plan, batch / layout.mesh.dp)
+            .unwrap()
+            .iter()
+            .map(|t| t.collective)
+            .sum()
+    }
+
+    #[test]
+    fn zero_over_a_pipeline_is_what_the_job_does() {
+        let (def, model) = digits_adamw();
+        // w1 (first layer) is read by no backward op: its input, the pixels, needs no gradient.
+        let backward: Vec<bool> = model.variables.iter().map(|v| v.backward_read).collect();
+        let names: Vec<&str> = model
+            .variables
+            .iter()
+            .map(|v| model.graph.node(v.node).name.as_str())
+            .collect();
+        assert!(
+            names.iter().zip(&backward).all(|(n, &b)| b == (*n == "w2")),
+            "{names:?} {backward:?}"
+        );
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let options = PlanOptions {
+            devices: 4,
+            batch_size: 32,
+        };
+        let eval = |l: &str| evaluate_layout(&model, &profile, &options, &l.parse().unwrap());
+        let z: Vec<_> = (0..4)
+            .map(|zero| eval(&format!("dp=2,pp=2,m=2,zero={zero}")).unwrap())
+            .collect();
+        for s in 0..2 {
+            let m: Vec<_> = z.iter().map(|e| e.memory[s]).collect();
+            // The gradients add up over the micro-batches, whole, at every stage.
+            assert!(m.iter().all(|x| x.gradients == m[0].gradients), "{m:?}");
+            assert_eq!(m[1].optimizer, m[0].optimizer / 2.0);
+            assert_eq!(m[2], m[1]);
+            assert_eq!(m[3].weights, m[0].weights / 2.0);
+            assert_eq!(m[3].optimizer, m[1].optimizer);
+        }
+        // The data-parallel bytes: the table's collectives (the gradients, ZeRO's gathers, the
+        // loss and the clipping norm) are the job plan's, every task summed, exactly.
+        let bytes = |e: &super::Evaluation| {
+            e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes
+        };
+        for zero in 0..4 {
+            for layout in [
+                format!("dp=2,pp=2,m=2,zero={zero}"),
+                format!("dp=2,zero={zero}"),
+            ] {
+                let devices = if layout.contains("pp") { 4 } else { 2 };
+                let options = PlanOptions {
+                    devices,
+                    batch_size: 32,
+                };
+                let e = evaluate_layout(&model, &profile, &options, &layout.parse().unwrap());
+                let table = bytes(&e.unwrap());
+                let job = job_collective_bytes(&def, &layout, 32);
+                assert_eq!(table, job as f64, "{layout}");
+            }
+        }
+        // ZeRO-3's gathers sit in every micro-batch's slot: more micro-batches, more gathers.
+        let m4 = eval("dp=2,pp=2,m=4,zero=3").unwrap();
+        assert!(bytes(&m4) > bytes(&z[3]));
+        assert!(z[3].time.data_parallel > z[2].time.data_parallel);
+        assert!(z[3].slot_gathers > 0.0 && z[2].slot_gathers == 0.0);
+        assert!(z[3].time.data_parallel >= 2.0 * z[3].slot_gathers);
+        // No refusal left for ZeRO over a pipeline, and the enumeration has them.
+        let report = super::super::plan(&model, &profile, &options).unwrap();
+        assert!(report
+            .ranked
+            .iter()
+            .chain(&report.too_big)
+            .any(|e| e.layout.mesh.pp > 1 && e.layout.zero == 3));
+        assert!(report.refused.iter().all(|r| !r.reason.contains("ZeRO")));
+    }
+
+    /// The small GPT of `cli/tests/plan_vs_measured.rs` (tied embedding, clipped): the
+    /// table's data-parallel bytes over a pipeline, every ZeRO stage, are the job plan's
+    /// collectives exactly (ZeRO-3: the gathers of every micro-batch and pass, and the tied
+    /// embedding's gather for its send to the last stage).
+    #[test]
+    fn gpt_zero_over_a_pipeline_table_against_the_job_plan() {
+        use super::super::accounting;
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        for (layout, devices) in [
+            ("dp=2,pp=2,m=2,zero=0", 4),
+            ("dp=2,pp=2,m=2,zero=1", 4),
+            ("dp=2,pp=2,m=2,zero=2", 4),
+            ("dp=2,pp=2,m=2,zero=3", 4),
+            ("dp=2,zero=3", 2),
+        ] {
+            let options = PlanOptions {
+                devices,
+                batch_size: 4,
+            };
+            let l: super::Layout = layout.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
+            let job: u64 = accounting::traffic(&plan, 2)
+                .unwrap()
+                .iter()
+                .map(|t| t.collective)
+                .sum();
+            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
+            assert_eq!(table, job as f64, "{layout}");
+        }
+    }
+
+    /// The small GPT beside tensor parallelism: the table's data-parallel bytes are the job
+    /// plan's collectives over its data-parallel groups (every group but the tensor-parallel
+    /// ones), every task summed, exactly: the 3D mesh at ZeRO 0–2 and dp2×tp2 at ZeRO 1–3 (the
+    /// tensor-parallel bytes are the Megatron count, not dflow's: docs/planner.md).
+    #[test]
+    fn gpt_3d_table_data_parallel_bytes_are_the_job_plans() {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, Call};
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        for (layout, devices) in [
+            ("dp=2,tp=2,pp=2,m=2,zero=0", 8),
+            ("dp=2,tp=2,pp=2,m=2,zero=1", 8),
+            ("dp=2,tp=2,pp=2,m=2,zero=2", 8),
+            ("dp=2,tp=2,zero=1", 4),
+            ("dp=2,tp=2,zero=2", 4),
+            ("dp=2,tp=2,zero=3", 4),
+        ] {
+            let options = PlanOptions {
+                devices,
+                batch_size: 4,
+            };
+            let l: super::Layout = layout.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
+            let mut job = 0u64;
+            for sig in plan.train_signatures() {
+                for (device, part) in &sig.partitions.partitions {
+                    let task = device.task_name().unwrap();
+                    let f = accounting::with_rows(&part.graph, 2).unwrap();
+                    for i in f.node_indices() {
+                        let node = f.node(i);
+                        let call = match node.op {
+                            "CollectiveAllReduce" => Call::AllReduce,
+                            "CollectiveReduceScatter" => Call::ReduceScatter,
+                            "CollectiveAllGather" => Call::AllGather,
+                            _ => continue,
+                        };
+                        let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key")
+                        else {
+                            continue;
+                        };
+                        if key.starts_with("tensor") {
+                            continue;
+                        }
+                        let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                        let rank = group.members.iter().position(|m| *m == task).unwrap();
+                        let (src, k) = f.inputs(i)[0];
+                        let t = &f.node(src).outputs[k];
+                        let elements = t.shape.num_elements().unwrap();
+                        job += rank_bytes(
+                            call,
+                            group.members.len(),
+                            rank,
+                            elements,
+                            t.dtype.size_of(),
+                        );
+                    }
+                }
+            }
+            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
+            assert_eq!(table, job as f64, "{layout}");
+        }
+    }
+
+    /// Under a calibrated profile the table's step prices what the job plan's price
+    /// (`runtime::predict`, "step as dflow runs it") prices: a value sent between stages and
+    /// received costs a call each side, every task its per-step cost. Before, the table put a
+    /// 2-stage pipeline of the digits MLP at a sixth of the job plan's step.
+    #[test]
+    fn a_calibrated_table_prices_sends_and_tasks_as_the_job_plan_does() {
+        use super::super::{accounting, runtime, JobCosts};
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/digits/digits.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let model = ModelProfile::new(&def, "pixels", "labels").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let mut profile = ClusterProfile::preset("this-machine").unwrap();
+        // tests/planner/this-machine-calibrated.json (2026-11-25 06:44 UTC).
+        profile.job = JobCosts {
+            step: 0.0,
+            task: 74.9e-6,
+            op: 0.148e-6,
+            collective: 16.7e-6,
+            value: 0.0,
+            flops_per_second: 46.4e9,
+            bytes_per_second: 15.32e9,
+            transcendentals_per_second: 251.1e6,
+        };
+        let options = PlanOptions {
+            devices: 2,
+            batch_size: 32,
+        };
+        for layout in ["dp=2", "pp=2,m=4", "pp=2,m=8"] {
+            let l: super::Layout = layout.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "pixels", "labels", &l, 32).unwrap();
+            let job = runtime::predict(&plan, 32 / l.mesh.dp, &e, &profile).unwrap();
+            let gap = e.time.total() / job.total() - 1.0;
+            assert!(
+                gap.abs() < 0.15,
+                "{layout}: table {} s, job plan {} s",
+                e.time.total(),
+                job.total()
+            );
         }
     }
 }

@@ -129,7 +129,7 @@ impl Cuts {
 
 /// Every layout over `devices` devices the enumeration tries: each `pp` dividing the devices,
 /// each `tp` dividing the rest up to a host's devices, `dp` the rest; ZeRO 0–3 with `dp > 1`
-/// (2 and 3 without a pipeline); with a pipeline, every micro-batch count up to
+/// (over a pipeline too: `--mesh dp=D,pp=P --zero-stage 1|2|3` runs); with a pipeline, every micro-batch count up to
 /// `max(64, 8·pp)` that divides a replica's batch, under 1F1B. A model without experts.
 pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
     layouts_with_experts(devices, batch, per_host, &[1])
@@ -156,11 +156,7 @@ pub fn layouts_with_experts(
             let Ok(mesh) = Mesh::new(dp, tp, pp) else {
                 continue;
             };
-            let zeros: &[u8] = match (dp > 1, pp > 1) {
-                (false, _) => &[0],
-                (true, true) => &[0, 1],
-                (true, false) => &[0, 1, 2, 3],
-            };
+            let zeros: &[u8] = if dp > 1 { &[0, 1, 2, 3] } else { &[0] };
             // More micro-batches than max(64, 8·pp) shrink the bubble by little.
             let micro: Vec<usize> = if pp == 1 || batch % dp != 0 {
                 vec![1]

@@ -15,9 +15,10 @@
 
 use super::flops::forward_flops;
 use crate::strategy::pipeline::stages::batch_ops;
-use dflow_graph::train::OptimizerKind;
-use dflow_graph::{AttrValue, Graph, GraphDef, Shape};
+use dflow_graph::train::{OptimizerKind, TrainingGraph};
+use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, Shape};
 use petgraph::graph::NodeIndex;
+use std::collections::{HashMap, HashSet};
 
 /// A quantity linear in the batch rows: `fixed + per_row · rows`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -113,6 +114,11 @@ pub struct VariableProfile {
     /// Whether it holds a MoE layer's experts (`[E, ...]`): an `ep` layout splits it over the
     /// expert-parallel group.
     pub expert: bool,
+    /// Whether the backward pass reads it (an op of dflow's gradient expansion takes it as an
+    /// input: a product's weight for its input's gradient, a layer norm's scale; not a bias,
+    /// nor the first layer's weight whose input needs no gradient). ZeRO-3 gathers a weight
+    /// for the backward pass only then.
+    pub backward_read: bool,
 }
 
 /// One MoE layer (`MoeDispatch` … `MoeCombine`; see [`crate::strategy::expert`]).
@@ -262,6 +268,49 @@ fn output_bytes(g: &Graph, idx: NodeIndex) -> Result<f64, ModelError> {
     Ok(total)
 }
 
+/// The nodes a live op of the gradient expansion (a node named `gradients/...` that the
+/// training step runs: an ancestor of its `train_op`) reads as data. The expansion also makes
+/// gradients nobody reads (the first layer's input gradient), which no strategy runs.
+fn backward_reads(training: &TrainingGraph) -> HashSet<&str> {
+    let def = &training.def;
+    let index: HashMap<&str, usize> = def
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.name.as_str(), i))
+        .collect();
+    let name_of = |input: &str| -> String {
+        InputRef::parse(input).map_or_else(|_| input.to_string(), |r| r.node().to_string())
+    };
+    let mut live = vec![false; def.nodes.len()];
+    let mut todo: Vec<usize> = index
+        .get(training.train_op.as_str())
+        .copied()
+        .into_iter()
+        .collect();
+    while let Some(i) = todo.pop() {
+        if std::mem::replace(&mut live[i], true) {
+            continue;
+        }
+        for input in &def.nodes[i].inputs {
+            if let Some(&j) = index.get(name_of(input).as_str()) {
+                if !live[j] {
+                    todo.push(j);
+                }
+            }
+        }
+    }
+    def.nodes
+        .iter()
+        .enumerate()
+        .filter(|&(i, n)| live[i] && n.name.starts_with("gradients/"))
+        .flat_map(|(_, n)| n.inputs.iter())
+        .filter(|i| !i.starts_with('^'))
+        .filter_map(|i| index.get(name_of(i).as_str()))
+        .map(|&j| def.nodes[j].name.as_str())
+        .collect()
+}
+
 impl ModelProfile {
     /// Profiles the forward graph `def` fed through `features` and `labels`.
     pub fn new(def: &GraphDef, features: &str, labels: &str) -> Result<ModelProfile, ModelError> {
@@ -300,6 +349,7 @@ impl ModelProfile {
                     bytes: b1,
                     split: false,
                     expert: false,
+                    backward_read: false,
                 });
             }
             ops.push(OpProfile {
@@ -325,8 +375,16 @@ impl ModelProfile {
             .fold(PerRows::default(), PerRows::plus);
         // The training graph dflow builds (before any strategy's rewrite): its ops per forward op.
         let forward_ops = def.nodes.len().max(1) as f64;
-        let training_ops_per_op = dflow_graph::train::expand_training(&with_batch(def, 1), train)
+        let expanded = dflow_graph::train::expand_training(&with_batch(def, 1), train).ok();
+        let training_ops_per_op = expanded
+            .as_ref()
             .map_or(3.0, |t| t.def.nodes.len() as f64 / forward_ops);
+        if let Some(t) = &expanded {
+            let read = backward_reads(t);
+            for v in &mut variables {
+                v.backward_read = read.contains(g1.node(v.node).name.as_str());
+            }
+        }
         let moe = moe_profiles(&g1, def, &mut variables);
         let batch_coupled = g1
             .node_indices()

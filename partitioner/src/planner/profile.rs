@@ -121,6 +121,18 @@ pub struct JobCosts {
     pub transcendentals_per_second: f64,
 }
 
+impl JobCosts {
+    /// The seconds a value sent to another task or received from one costs: `value`, else (an
+    /// older profile) a collective message's.
+    pub fn value_cost(&self) -> f64 {
+        if self.value > 0.0 {
+            self.value
+        } else {
+            self.collective
+        }
+    }
+}
+
 /// Why a profile is refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {

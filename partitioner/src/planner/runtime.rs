@@ -249,15 +249,6 @@ pub fn task_dispatch(t: &TaskWork, job: &JobCosts) -> f64 {
     t.ops as f64 * job.op
 }
 
-/// The seconds a value sent or received costs under `job`: `job.value`, else a call's.
-fn value_cost(job: &JobCosts, call: f64) -> f64 {
-    if job.value > 0.0 {
-        job.value
-    } else {
-        call
-    }
-}
-
 /// The step of a job whose tasks do `work`, on `profile`'s hosts (`cores` per host: the tasks
 /// of one host share them). A task computes for `compute` seconds (the analytical figure) when
 /// the profile has no per-op-kind rates, else for its own nodes' [`task_compute`]; a pipeline
@@ -286,7 +277,7 @@ pub fn job_step(
     } else {
         link.latency
     };
-    let value = value_cost(&job, call);
+    let value = if job.value > 0.0 { job.value } else { call };
     let communication_of = |t: &TaskWork| {
         t.collective_messages as f64 * call
             + (t.values + t.received) as f64 * value

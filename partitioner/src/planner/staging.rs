@@ -15,6 +15,15 @@ pub struct StageCosts {
     pub params_split: f64,
     /// Parameter elements every tensor-parallel rank holds whole.
     pub params_whole: f64,
+    /// Of [`Self::params_split`], the elements the backward pass reads (ZeRO-3 gathers them
+    /// again for it).
+    pub backward_split: f64,
+    /// Of [`Self::params_whole`], the elements the backward pass reads.
+    pub backward_whole: f64,
+    /// Variables of the stage.
+    pub variables: f64,
+    /// Of them, those the backward pass reads.
+    pub backward_variables: f64,
     /// Forward FLOPs of ops divided over the tensor-parallel ranks.
     pub flops_split: PerRows,
     /// Forward FLOPs of replicated ops.
@@ -86,6 +95,15 @@ impl StagedModel {
             if var.expert {
                 s.params_expert += var.elements;
                 s.expert_variables += 1;
+            }
+            s.variables += 1.0;
+            if var.backward_read {
+                s.backward_variables += 1.0;
+                if var.split {
+                    s.backward_split += var.elements;
+                } else {
+                    s.backward_whole += var.elements;
+                }
             }
         }
         for (k, l) in model.moe.iter().enumerate() {

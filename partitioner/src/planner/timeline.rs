@@ -40,11 +40,13 @@ pub fn chrome_trace(e: &Evaluation) -> Result<Value, String> {
                 "args": {"micro_batch": unit.micro, "chunk": unit.chunk}
             }));
         }
-        if e.time.data_parallel > 0.0 {
+        // ZeRO-3's gathers are inside each unit already (part of the slot).
+        let after = e.time.data_parallel - e.slot_gathers * l.micro_batches as f64;
+        if after > 0.0 {
             events.push(json!({
                 "name": "data-parallel gradients", "cat": "collective",
                 "ph": "X", "pid": 0, "tid": stage,
-                "ts": sim.makespan as f64 / 1e3, "dur": e.time.data_parallel * 1e6,
+                "ts": sim.makespan as f64 / 1e3, "dur": after * 1e6,
             }));
         }
     }
