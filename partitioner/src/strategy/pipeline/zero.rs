@@ -20,6 +20,7 @@
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
 use crate::strategy::allreduce::{fresh, node};
+use crate::strategy::expert::zero::expert_shard_step;
 use crate::strategy::zero::{self, params, Clip, OuterShards, Param, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, Strategy, StrategyError};
 use dflow_graph::train::TrainingGraph;
@@ -206,6 +207,14 @@ pub(super) fn shard_stages(
         });
         let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, first);
         if let Some(grads) = by_device.remove(&d) {
+            // Beside expert parallelism: the expert shards apart, over their own groups.
+            let experts = input
+                .tensor
+                .and_then(|t| Some((t, t.experts.as_ref()?)));
+            let (grads, expert_grads): (Vec<_>, Vec<_>) = match experts {
+                Some((t, _)) => grads.into_iter().partition(|(v, _)| !t.shards.contains(v)),
+                None => (grads, Vec::new()),
+            };
             training.gradients = grads;
             let ctx = ShardGroup {
                 rank: input.replica,
@@ -221,7 +230,7 @@ pub(super) fn shard_stages(
             };
             // Beside tensor parallelism: the shards' squares summed over the stage's
             // tensor-parallel group too.
-            let outer = match input.tensor {
+            let outer = match input.tensor.filter(|t| t.experts.is_none()) {
                 Some(t) => Some(OuterShards {
                     key: t.groups.get(d).ok_or_else(|| {
                         internal(format!("no tensor-parallel group for stage {d}"))
@@ -233,6 +242,47 @@ pub(super) fn shard_stages(
             let (params, sq) =
                 zero::shard_step_with(training, typed, &mut nodes, &ctx, how, outer.as_ref())?;
             squared.extend(sq);
+            if let Some((t, e)) = experts.filter(|_| !expert_grads.is_empty()) {
+                if zero.stage >= 3 {
+                    return Err(internal(
+                        "ZeRO-3 beside expert parallelism inside pipeline stages".into(),
+                    ));
+                }
+                let data = match &e.data_groups {
+                    Some(groups) => Some(ShardGroup {
+                        rank: e.rank,
+                        ranks: e.ranks,
+                        stage: zero.stage,
+                        key: groups
+                            .get(d)
+                            .ok_or_else(|| {
+                                internal(format!("no expert-data-parallel group for stage {d}"))
+                            })?
+                            .clone(),
+                        bucket_bytes: zero.bucket_bytes,
+                    }),
+                    None => None,
+                };
+                let ep_key = t
+                    .groups
+                    .get(d)
+                    .ok_or_else(|| internal(format!("no expert-parallel group for stage {d}")))?;
+                let mut en =
+                    zero::Nodes::new(std::mem::take(&mut nodes.taken), device, nodes.instance);
+                let (_, sq) = expert_shard_step(
+                    training,
+                    typed,
+                    &mut en,
+                    device,
+                    expert_grads,
+                    data.as_ref(),
+                    (ep_key, e.ep),
+                    clip.map(|_| scale.as_str()),
+                )?;
+                squared.extend(sq);
+                nodes.taken = std::mem::take(&mut en.taken);
+                nodes.added.append(&mut en.added);
+            }
             if zero.stage >= 3 {
                 sharded.push((params, ctx, d));
             }
