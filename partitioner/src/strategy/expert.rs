@@ -66,9 +66,9 @@
 //!
 //! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
-//!   replicas (see [`pipeline`]).
+//!   replicas (see [`pipeline`]); with `--zero-stage 1|2`, ZeRO over each stage's groups.
 //!
-//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO
+//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO-3
 //! beside it inside pipeline stages.
 
 pub mod pipeline;
@@ -115,7 +115,8 @@ pub struct Expert {
     /// expert-data-parallel group ([`zero`]); `None`: no ZeRO.
     pub zero: Option<u8>,
     /// Pipeline stages (`--mesh dp=D,ep=E,pp=P`): the model cut into `P` stages, the experts
-    /// shared inside each stage's replicas ([`pipeline`]); `None`: no pipeline.
+    /// shared inside each stage's replicas ([`pipeline`]; ZeRO stages 1 and 2 beside it);
+    /// `None`: no pipeline.
     pub pipeline: Option<super::pipeline::Pipeline>,
 }
 

@@ -33,7 +33,15 @@
 //!
 //! Micro-batches: an MoE layer couples the tokens of a batch (capacity, load-balancing loss),
 //! so more than one micro-batch runs only where that coupling is void (capacity factor ≥ E, α
-//! = 0; see [`crate::strategy::pipeline`]). Not built: ZeRO beside it.
+//! = 0; see [`crate::strategy::pipeline`]).
+//!
+//! - **ZeRO** (`--zero-stage 1|2`, [`ReplicaZero`]): the pipeline's per-stage ZeRO
+//!   (`pipeline::zero::shard_stages`) in place of the sums and the clipping above, told by
+//!   `rewrite::ExpertStages` which parameters are expert shards: each stage's dense Adam
+//!   slots sharded over the stage's `D` replicas, each expert shard's over the stage's
+//!   replicas holding it (`super::zero::expert_shard_step`; none when `E = D`, their slots
+//!   stay whole), one global clipping norm from every stage's dense and expert `Σ‖g‖²`.
+//!   Not built: ZeRO-3 beside it.
 
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, EvalCopy, ExpertLayout, ForwardGroups,
