@@ -56,8 +56,8 @@ use crate::strategy::pipeline::gradients::{
 use crate::strategy::pipeline::rewrite::{
     rewrite, ExpertStages, RewriteInput, TensorStages, STAGE_MARK,
 };
-use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::schedule::PipelineShape;
+use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError};
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::{TrainSpec, TrainingGraph};
@@ -734,8 +734,7 @@ mod tests {
     /// ranks of every group call its collectives in one order under keys of their own. ZeRO-3
     /// is refused.
     #[test]
-    fn dp4_ep2_pp2_zero2_shards_dense_slots_over_the_stage_and_expert_slots_over_their_holders()
-    {
+    fn dp4_ep2_pp2_zero2_shards_dense_slots_over_the_stage_and_expert_slots_over_their_holders() {
         let (graph, spec) = moe_gpt(Some(0.5));
         let mesh = Mesh::new(4, 1, 2).unwrap().with_ep(2).unwrap();
         let zero = |stage| {
@@ -782,7 +781,10 @@ mod tests {
         let e = expert_pipeline_training(&graph, &spec, &mesh, &p, zero(3), "idx", "targets")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("--zero-stage 3 beside expert parallelism"), "{e}");
+        assert!(
+            e.contains("--zero-stage 3 beside expert parallelism"),
+            "{e}"
+        );
     }
 
     /// No expert weight shard crosses stages: each MoE layer's shards live on one stage (block
@@ -922,7 +924,8 @@ mod tests {
             chunks: 2,
             ..pipeline(2, ScheduleKind::Interleaved)
         };
-        let staged = expert_pipeline_training(&graph, &spec, &mesh, &p, None, "idx", "targets").unwrap();
+        let staged =
+            expert_pipeline_training(&graph, &spec, &mesh, &p, None, "idx", "targets").unwrap();
         let calls = one_order_per_group(&staged, 2, 2);
         // Each device's expert-parallel group runs the all-to-alls of its MoE layers.
         for s in 0..2 {

@@ -208,9 +208,7 @@ pub(super) fn shard_stages(
         let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, first);
         if let Some(grads) = by_device.remove(&d) {
             // Beside expert parallelism: the expert shards apart, over their own groups.
-            let experts = input
-                .tensor
-                .and_then(|t| Some((t, t.experts.as_ref()?)));
+            let experts = input.tensor.and_then(|t| Some((t, t.experts.as_ref()?)));
             let (grads, expert_grads): (Vec<_>, Vec<_>) = match experts {
                 Some((t, _)) => grads.into_iter().partition(|(v, _)| !t.shards.contains(v)),
                 None => (grads, Vec::new()),
