@@ -347,8 +347,8 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
 
 /// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
 /// expert-parallel groups, and each block's expert shards on its own stage's replicas
-/// (block 0 on workers 0 and 1, block 1 on workers 2 and 3); `ep` beside `tp` and ZeRO-3 beside
-/// `ep` × `pp` are refused naming what runs.
+/// (block 0 on workers 0 and 1, block 1 on workers 2 and 3), and under ZeRO-2 where the slot
+/// shards live; `ep` beside `tp` and ZeRO-3 beside `ep` × `pp` are refused naming what runs.
 #[test]
 fn partition_shows_each_stages_expert_groups_and_shards() {
     let dir = scratch("mesh-expert-pipeline-partition");
@@ -395,6 +395,26 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
             "transformer.h.{block}.mlp.experts.c_fc.weight/shard_{shard} f32[2, 64, 16] on {}\n",
             w(on)
         );
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
+    }
+    // ZeRO-2: stage 1's dense slots halved over workers 2 and 3, its experts' whole (E = D).
+    let out = partition(&["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    for line in [
+        format!(
+            "transformer.h.1.attn.c_attn.weight/adam_m/shard_1_of_2 f32[384] on {}\n",
+            w(3)
+        ),
+        format!(
+            "transformer.h.1.mlp.experts.c_fc.weight/shard_1/adam_m f32[2, 64, 16] on {}\n",
+            w(3)
+        ),
+    ] {
         assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
     for (extra, want) in [
