@@ -16,6 +16,10 @@
 //! ops another (`..._backward`), each dropped after its last reader; each device's collectives
 //! are then chained in one order that respects the schedule, the same on every replica. The
 //! evaluation copy (on the chief) reads every replica's shards joined, with no collective.
+//!
+//! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2`,
+//! `crate::strategy::expert::pipeline`) each stage's expert shards take their own step over the
+//! stage's replicas holding them; their `Σ‖g‖²` joins the stages' sums.
 
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
@@ -150,8 +154,11 @@ impl Passes<'_> {
 /// loss) is summed over the loss stage's group. At stage 3 every stage's parameters are also
 /// sharded over the stage's group and gathered before each micro-batch's forward and backward
 /// use (`passes` tells them apart); the caller then chains each device's collectives
-/// ([`order_collectives_per_device`]) once the schedule is in the graph. `typed` is the
-/// validated `training.def`. Returns the name of the global batch's loss.
+/// ([`order_collectives_per_device`]) once the schedule is in the graph. Beside expert
+/// parallelism (`input.tensor`'s `experts`, stages 1 and 2) each stage's expert shards are left
+/// out of the stage's step and given their own (`expert::zero::expert_shard_step`) over the
+/// stage's replicas holding them. `typed` is the validated `training.def`. Returns the name of
+/// the global batch's loss.
 pub(super) fn shard_stages(
     training: &mut TrainingGraph,
     typed: &Graph,
