@@ -165,11 +165,55 @@ fn dp2_ep2_pp2_trains_like_one_process_and_resumes_in_one() {
     eprintln!("dp=2,ep=2,pp=2 checkpoint in one process: steps 4-5 worst {worst:e}");
 }
 
+/// ZeRO beside `ep` × `pp` (`--zero-stage 1` and `2`): on each stage the dense parameters'
+/// Adam slots sharded over the stage's replicas, each expert shard's over the stage's replicas
+/// holding it (`dp=4,ep=2,pp=2`; with `E = D` they stay whole), one global clipping norm (0.1,
+/// with the load-balancing loss): 4 steps' losses and the final parameters and Adam moments
+/// equal one process's within 1e-5, the checkpoint holds every tensor under its one-process
+/// name, and one written after 2 steps resumes in one process with the job's steps 3-4.
+#[test]
+fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
+    let dir = scratch("mesh-expert-pipeline-zero");
+    let graph = tiny_moe_gpt(&dir, 2, 0.01, Some(0.1));
+    let one = dir.join("one");
+    let local = run(&graph, &[], 4, &one);
+    let want = checkpoint(&one);
+    for (cluster, mesh, stage) in [
+        (FOUR, "dp=2,ep=2,pp=2", "1"),
+        (FOUR, "dp=2,ep=2,pp=2", "2"),
+        (EIGHT, "dp=4,ep=2,pp=2", "1"),
+        (EIGHT, "dp=4,ep=2,pp=2", "2"),
+    ] {
+        let args = ["--cluster", cluster, "--mesh", mesh, "--zero-stage", stage];
+        let tag = format!("{mesh}-zero{stage}").replace([',', '='], "_");
+        let full = dir.join(&tag);
+        let job = run(&graph, &args, 4, &full);
+        let worst = assert_same_losses(&job, &local, 1e-5);
+        eprintln!("{mesh} --zero-stage {stage}: worst relative loss difference {worst:e}");
+        let saved = checkpoint(&full);
+        assert!(
+            !saved.keys().any(|n| n.contains("/shard_")),
+            "shards saved by their per-worker names: {:?}",
+            saved.keys().collect::<Vec<_>>()
+        );
+        let worst = assert_same_tensors(&saved, &want, 1e-5);
+        eprintln!("{mesh} --zero-stage {stage}: worst parameter/slot difference {worst:e}");
+        if mesh == "dp=2,ep=2,pp=2" {
+            let part = dir.join(format!("{tag}-part"));
+            assert_eq!(run(&graph, &args, 2, &part).len(), 2);
+            let resumed = run(&graph, &[], 4, &part);
+            let worst = assert_same_losses(&resumed, &job[2..], 1e-5);
+            eprintln!("{mesh} --zero-stage {stage} checkpoint in one process: worst {worst:e}");
+        }
+    }
+}
+
 /// Without the load-balancing loss (α = 0) and at capacity factor E, a MoE layer treats every
 /// token alone, so a step may be cut into micro-batches: `dp=2,ep=2,pp=2` with 2 micro-batches
 /// (1F1B) and 4 (GPipe), and `dp=4,ep=2,pp=2` (8 tasks: each expert shard's gradient summed over
 /// the 2 replicas of its stage that hold it) with 2, equal one process within 1e-5 over 4 steps;
-/// so does a four-block model under the interleaved schedule (2 chunks per device) over 3.
+/// so does `dp=4,ep=2,pp=2 --zero-stage 2` with 2, and a four-block model under the
+/// interleaved schedule (2 chunks per device) over 3.
 /// With α > 0, more than one micro-batch is refused naming the load-balancing loss.
 #[test]
 fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
@@ -200,6 +244,22 @@ fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{mesh} {extra:?}: worst relative loss difference {worst:e}");
     }
+    // ZeRO-2 over each stage's groups, 2 micro-batches accumulated before the reduce-scatters.
+    let args = [
+        "--cluster",
+        EIGHT,
+        "--mesh",
+        "dp=4,ep=2,pp=2",
+        "--micro-batches",
+        "2",
+        "--zero-stage",
+        "2",
+    ];
+    let job = run(&graph, &args, 4, &dir.join("zero2-m2"));
+    let worst = assert_same_losses(&job, &local, 1e-5);
+    eprintln!(
+        "dp=4,ep=2,pp=2 --zero-stage 2, 2 micro-batches: worst relative loss difference {worst:e}"
+    );
     // The interleaved schedule: 4 blocks in 4 virtual stages, 2 chunks per device.
     let four = moe_gpt_of(&dir, 4, 1, 0.0, Some(0.1));
     let local = run(&four, &[], 3, &dir.join("one-4"));
@@ -287,8 +347,8 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
 
 /// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
 /// expert-parallel groups, and each block's expert shards on its own stage's replicas
-/// (block 0 on workers 0 and 1, block 1 on workers 2 and 3); `ep` beside `tp` and ZeRO beside
-/// `ep` × `pp` are refused naming what runs.
+/// (block 0 on workers 0 and 1, block 1 on workers 2 and 3), and under ZeRO-2 where the slot
+/// shards live; `ep` beside `tp` and ZeRO-3 beside `ep` × `pp` are refused naming what runs.
 #[test]
 fn partition_shows_each_stages_expert_groups_and_shards() {
     let dir = scratch("mesh-expert-pipeline-partition");
@@ -337,10 +397,30 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
         );
         assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
+    // ZeRO-2: stage 1's dense slots halved over workers 2 and 3, its experts' whole (E = D).
+    let out = partition(&["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    for line in [
+        format!(
+            "transformer.h.1.attn.c_attn.weight/adam_m/shard_1_of_2 f32[384] on {}\n",
+            w(3)
+        ),
+        format!(
+            "transformer.h.1.mlp.experts.c_fc.weight/shard_1/adam_m f32[2, 64, 16] on {}\n",
+            w(3)
+        ),
+    ] {
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
+    }
     for (extra, want) in [
         (
-            vec!["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "1"],
-            "ZeRO beside expert parallelism inside pipeline stages does not run yet",
+            vec!["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "3"],
+            "ZeRO-3 beside expert parallelism inside pipeline stages does not run yet",
         ),
         (
             vec!["--mesh", "dp=2,tp=2,ep=2"],

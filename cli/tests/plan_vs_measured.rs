@@ -659,11 +659,11 @@ fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
     // over the stage's replicas. `dflow plan --layout`'s job-plan count of every task's bytes
     // and memory is what it measures. No evaluation: worker 0 would evaluate the whole model
     // on whole batches, past its training step's peak (the count is the training step's).
+    // Under ZeRO-1 each stage's dense slots are sharded over its replicas (the experts' stay
+    // whole: ep = dp).
     let graph = small_moe_gpt("plan_vs_measured_ep_pp");
-    let (ends, stderr) = local_job(
-        graph.to_str().unwrap(),
-        "examples/gpt/cluster-4workers.json",
-        &[
+    for zero in [None, Some("1"), Some("2")] {
+        let mut flags = vec![
             "--mesh",
             "dp=2,ep=2,pp=2",
             "--data",
@@ -677,13 +677,22 @@ fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
             "--eval-batches",
             "0",
             "--quiet",
-        ],
-    );
-    assert_eq!(ends.len(), 4, "{stderr}");
-    let layout = "dp=2,ep=2,pp=2";
-    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
-    assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
-    assert_traffic(layout, &sent, trained_steps(&stderr), 0, &ends);
-    let predicted = accounted(&graph, "idx", "targets", layout, 4);
-    assert_memory(layout, &predicted, &ends);
+        ];
+        let mut layout = "dp=2,ep=2,pp=2".to_string();
+        if let Some(stage) = zero {
+            flags.extend(["--zero-stage", stage]);
+            layout = format!("{layout},zero={stage}");
+        }
+        let (ends, stderr) = local_job(
+            graph.to_str().unwrap(),
+            "examples/gpt/cluster-4workers.json",
+            &flags,
+        );
+        assert_eq!(ends.len(), 4, "{stderr}");
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+        assert_traffic(&layout, &sent, trained_steps(&stderr), 0, &ends);
+        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
+    }
 }

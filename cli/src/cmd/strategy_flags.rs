@@ -141,7 +141,9 @@ pub fn build_strategy(
 /// dp axis and the expert-data-parallel groups: the dense parameters' states, and at stage 3
 /// the parameters themselves, sharded over all the workers, each expert shard's over the
 /// workers holding it), inside `pp` balanced pipeline stages when `pp > 1` (each stage's `dp`
-/// replicas in groups of `ep`; no ZeRO there yet); `ep` beside `tp > 1` is refused. Returns the
+/// replicas in groups of `ep`; with `--zero-stage 1|2`, ZeRO over each stage's replicas for the
+/// dense states and over the stage's expert-data-parallel groups for each expert shard's, one
+/// global clipping norm; ZeRO-3 there is refused); `ep` beside `tp > 1` is refused. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -156,14 +158,14 @@ pub fn apply_mesh(
     }
     check_ep_beside_tp(mesh)?;
     let name = if mesh.ep > 1 {
-        if let Some(stage) = zero_stage.filter(|_| mesh.pp > 1) {
+        if let Some(stage) = zero_stage.filter(|&s| mesh.pp > 1 && s >= 3) {
             anyhow::bail!(
-                "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism inside pipeline stages does not run yet; drop --zero-stage, or the pp axis",
+                "--mesh {} with --zero-stage {stage}: ZeRO-3 beside expert parallelism inside pipeline stages does not run yet (ZeRO beside expert parallelism inside pipeline stages runs at stages 1 and 2); use --zero-stage 1 or 2, or drop the pp axis",
                 mesh_text(mesh)
             );
         }
-        // ZeRO (stages 1 to 3): the dense states over dp, each expert shard's over its
-        // expert-data-parallel group.
+        // ZeRO (stages 1 to 3; inside pipeline stages 1 and 2): the dense states over dp (each
+        // stage's replicas), each expert shard's over its expert-data-parallel group.
         if mesh.pp > 1 {
             // Expert parallelism inside each of pp balanced pipeline stages.
             set_stages(mesh, pipeline)?;

@@ -104,9 +104,9 @@ pub fn strategy_for(
         ..StrategyOptions::default()
     };
     let name = if mesh.ep > 1 {
-        if mesh.tp > 1 || layout.zero > 3 || (mesh.pp > 1 && layout.zero > 0) {
+        if mesh.tp > 1 || layout.zero > 3 || (mesh.pp > 1 && layout.zero > 2) {
             return Err(refuse(
-                "expert parallelism runs over dp × ep at ZeRO stages 0 to 3, or dp × ep × pp without ZeRO",
+                "expert parallelism runs over dp × ep at ZeRO stages 0 to 3, or dp × ep × pp at ZeRO stages 0 to 2",
             ));
         }
         if mesh.pp > 1 {
@@ -117,8 +117,8 @@ pub fn strategy_for(
             options.chunks = layout.chunks;
         }
         if layout.zero > 0 {
-            // The dense states (ZeRO-3: and weights) over dp, each expert shard's over its
-            // expert-data-parallel group.
+            // The dense states (ZeRO-3: and weights) over dp (each stage's replicas), each
+            // expert shard's over its (stage's) expert-data-parallel group.
             options.zero_stage = layout.zero;
             options.tensor_zero = true;
         }

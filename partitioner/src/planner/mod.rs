@@ -183,8 +183,8 @@ pub fn layouts_with_experts(
                     continue;
                 };
                 // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), no ZeRO.
-                let zeros: &[u8] = if pp > 1 { &[0] } else { &[0, 1, 2, 3] };
+                // tokens), ZeRO 0 or 1 (as a dense pipeline's).
+                let zeros: &[u8] = if pp > 1 { &[0, 1] } else { &[0, 1, 2, 3] };
                 for &zero in zeros {
                     out.push(Layout {
                         zero,

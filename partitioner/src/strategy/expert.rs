@@ -66,9 +66,9 @@
 //!
 //! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
-//!   replicas (see [`pipeline`]).
+//!   replicas (see [`pipeline`]); with `--zero-stage 1|2`, ZeRO over each stage's groups.
 //!
-//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO
+//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO-3
 //! beside it inside pipeline stages.
 
 pub mod pipeline;
@@ -115,7 +115,8 @@ pub struct Expert {
     /// expert-data-parallel group ([`zero`]); `None`: no ZeRO.
     pub zero: Option<u8>,
     /// Pipeline stages (`--mesh dp=D,ep=E,pp=P`): the model cut into `P` stages, the experts
-    /// shared inside each stage's replicas ([`pipeline`]); `None`: no pipeline.
+    /// shared inside each stage's replicas ([`pipeline`]; ZeRO stages 1 and 2 beside it);
+    /// `None`: no pipeline.
     pub pipeline: Option<super::pipeline::Pipeline>,
 }
 
@@ -237,11 +238,11 @@ pub(super) static REGISTRATION: Registration = Registration {
             chunks: opts.chunks,
             batch_size: opts.batch_size,
         });
-        if let (Some(stage), Some(_)) = (zero, pipeline) {
+        if let (Some(stage @ 3..), Some(_)) = (zero, pipeline) {
             return Err(StrategyError::Options {
                 strategy: "expert",
                 message: format!(
-                    "--zero-stage {stage} beside expert parallelism inside pipeline stages does not run yet: drop --zero-stage, or the pp axis"
+                    "--zero-stage {stage} beside expert parallelism inside pipeline stages does not run yet (stages 1 and 2 do): use --zero-stage 1 or 2, or drop the pp axis"
                 ),
             });
         }
@@ -276,8 +277,14 @@ impl Strategy for Expert {
                 Some(ep) => format!("groups of {ep} of its replicas"),
                 None => "its replicas".to_string(),
             };
+            let zero = match self.zero {
+                Some(stage) => format!(
+                    ", ZeRO stage {stage} (each stage's dense states over its replicas, each expert shard's over the stage's replicas holding it)"
+                ),
+                None => String::new(),
+            };
             return format!(
-                "expert-parallel training inside {} pipeline stages (each stage's experts spread over {groups}, all-to-all), {} micro-batches, {} schedule",
+                "expert-parallel training inside {} pipeline stages (each stage's experts spread over {groups}, all-to-all), {} micro-batches, {} schedule{zero}",
                 p.stages.unwrap_or(1),
                 p.micro_batches,
                 p.schedule
@@ -373,6 +380,10 @@ impl Expert {
             input.train,
             &mesh,
             p,
+            self.zero.map(|stage| super::pipeline::zero::ReplicaZero {
+                stage,
+                bucket_bytes: self.bucket_bytes,
+            }),
             input.features,
             input.labels,
         )?;
@@ -396,7 +407,12 @@ impl Expert {
             Schedule::Lockstep,
             staged.groups,
         )?;
-        plan.sharded = expert_shards(&staged.layers, &plan.variables, mesh.ep);
+        if self.zero.is_some() {
+            let layout = ExpertLayout::new(dp, mesh.ep)?;
+            zero_shards(&mut plan, input.graph, &staged.layers, layout);
+        } else {
+            plan.sharded = expert_shards(&staged.layers, &plan.variables, mesh.ep);
+        }
         Ok(plan)
     }
 }

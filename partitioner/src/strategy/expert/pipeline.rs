@@ -33,7 +33,15 @@
 //!
 //! Micro-batches: an MoE layer couples the tokens of a batch (capacity, load-balancing loss),
 //! so more than one micro-batch runs only where that coupling is void (capacity factor ≥ E, α
-//! = 0; see [`crate::strategy::pipeline`]). Not built: ZeRO beside it.
+//! = 0; see [`crate::strategy::pipeline`]).
+//!
+//! - **ZeRO** (`--zero-stage 1|2`, [`ReplicaZero`]): the pipeline's per-stage ZeRO
+//!   (`pipeline::zero::shard_stages`) in place of the sums and the clipping above, told by
+//!   `rewrite::ExpertStages` which parameters are expert shards: each stage's dense Adam
+//!   slots sharded over the stage's `D` replicas, each expert shard's over the stage's
+//!   replicas holding it (`super::zero::expert_shard_step`; none when `E = D`, their slots
+//!   stay whole), one global clipping norm from every stage's dense and expert `Σ‖g‖²`.
+//!   Not built: ZeRO-3 beside it.
 
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, EvalCopy, ExpertLayout, ForwardGroups,
@@ -45,8 +53,11 @@ use crate::strategy::allreduce::{check_job, fresh};
 use crate::strategy::pipeline::gradients::{
     all_reduce_gradients, chain_collectives_per_device, clip_by_stage_norms, stage_group,
 };
-use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages, STAGE_MARK};
+use crate::strategy::pipeline::rewrite::{
+    rewrite, ExpertStages, RewriteInput, TensorStages, STAGE_MARK,
+};
 use crate::strategy::pipeline::schedule::PipelineShape;
+use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError};
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::{TrainSpec, TrainingGraph};
@@ -80,12 +91,14 @@ pub struct ExpertPipelineGraphs {
 }
 
 /// The training graphs of the MoE model `graph` on `mesh` (`tp = 1`, `pp > 1`, `ep > 1`), cut
-/// and scheduled as `pipeline` says (see the module docs).
+/// and scheduled as `pipeline` says, with ZeRO (stages 1 and 2) over each stage's groups when
+/// `zero` says (see the module docs).
 pub fn expert_pipeline_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     pipeline: &Pipeline,
+    zero: Option<ReplicaZero>,
     features: &str,
     labels: &str,
 ) -> Result<ExpertPipelineGraphs, StrategyError> {
@@ -94,6 +107,15 @@ pub fn expert_pipeline_training(
         return Err(options(format!(
             "mesh {mesh}: expert parallelism beside tensor parallelism does not run yet; drop the tp axis"
         )));
+    }
+    if let Some(z) = zero {
+        if !(1..=2).contains(&z.stage) {
+            return Err(options(format!(
+                "mesh {mesh}: --zero-stage {} beside expert parallelism inside pipeline stages does not run yet (stages 1 and 2 do)",
+                z.stage
+            )));
+        }
+        crate::strategy::zero::check_optimizer(spec, "expert")?;
     }
     if pipeline.stages != Some(pp) {
         return Err(options(format!(
@@ -111,6 +133,7 @@ pub fn expert_pipeline_training(
     // The pipeline device of each expert variable (by its one-process name).
     let mut expert_stage: HashMap<String, usize> = HashMap::new();
     let mut shape_of = None;
+    let dp_groups: Vec<String> = (0..pp).map(stage_group).collect();
     for d in 0..dp {
         let groups = ForwardGroups {
             experts: layout.ep_group(d),
@@ -197,6 +220,16 @@ pub fn expert_pipeline_training(
             groups: (0..pp).map(|s| ep_stage_group(s, d / ep)).collect(),
             instance_stride: stride,
             shards: local.clone(),
+            experts: Some(ExpertStages {
+                data_groups: (ep < dp).then(|| {
+                    (0..pp)
+                        .map(|s| expert_data_stage_group(s, layout.shard(d)))
+                        .collect()
+                }),
+                rank: d / ep,
+                ranks: dp / ep,
+                ep,
+            }),
         };
         let unclipped = TrainSpec {
             clip_global_norm: None,
@@ -207,18 +240,20 @@ pub fn expert_pipeline_training(
             stages: &prepared.stages,
             shape,
             orders: &prepared.orders,
-            spec: &unclipped,
+            // ZeRO clips by the global norm itself; without it, clipping is added below.
+            spec: if zero.is_some() { spec } else { &unclipped },
             features,
             labels,
             batch_size: batch / dp,
             devices: &devices,
-            // The replicas' sums are added below (the expert shards' apart).
-            replicas: 1,
+            // Without ZeRO, the replicas' sums are added below (the expert shards' apart);
+            // with it, ZeRO's steps over the stage's groups take their place.
+            replicas: if zero.is_some() { dp } else { 1 },
             replica: d,
-            dp_groups: &[],
+            dp_groups: &dp_groups,
             replica_devices: &[],
             tensor: Some(&tensor),
-            zero: None,
+            zero,
         })?;
         set_scalar(
             &mut g.training.def,
@@ -226,45 +261,47 @@ pub fn expert_pipeline_training(
             1.0 / (m * dp) as f64,
             loss_dtype,
         )?;
-        if ep < dp {
-            let shard = layout.shard(d);
-            reduce_shard_gradients(&mut g.training, &local, &devices, |s| {
-                expert_data_stage_group(s, shard)
-            })?;
-        }
-        // The dense gradients over the stage's replicas, the loss over the last stage's.
-        let mut dense: Vec<(String, String)> = g
-            .training
-            .gradients
-            .iter()
-            .filter(|(v, _)| !local.contains(v))
-            .cloned()
-            .collect();
-        let dp_groups: Vec<String> = (0..pp).map(stage_group).collect();
-        g.training.loss = all_reduce_gradients(
-            &mut g.training.def,
-            &mut dense,
-            &g.graph,
-            &devices,
-            &dp_groups,
-            &g.training.loss,
-        )?;
-        let summed: HashMap<String, String> = dense.into_iter().collect();
-        for (v, grad) in &mut g.training.gradients {
-            if let Some(s) = summed.get(v) {
-                *grad = s.clone();
+        // With ZeRO, its steps summed, clipped and updated every stage's parameters.
+        if zero.is_none() {
+            if ep < dp {
+                let shard = layout.shard(d);
+                reduce_shard_gradients(&mut g.training, &local, &devices, |s| {
+                    expert_data_stage_group(s, shard)
+                })?;
             }
-        }
-        if let Some(clip) = spec.clip_global_norm {
-            let loss_device = node_device(&g.training.def, &g.training.loss)?;
-            clip_by_stage_norms(
-                &mut g.training,
-                Some(&tensor),
+            // The dense gradients over the stage's replicas, the loss over the last stage's.
+            let mut dense: Vec<(String, String)> = g
+                .training
+                .gradients
+                .iter()
+                .filter(|(v, _)| !local.contains(v))
+                .cloned()
+                .collect();
+            g.training.loss = all_reduce_gradients(
+                &mut g.training.def,
+                &mut dense,
+                &g.graph,
                 &devices,
-                &loss_device,
-                clip,
-                stride * m as i64,
+                &dp_groups,
+                &g.training.loss,
             )?;
+            let summed: HashMap<String, String> = dense.into_iter().collect();
+            for (v, grad) in &mut g.training.gradients {
+                if let Some(s) = summed.get(v) {
+                    *grad = s.clone();
+                }
+            }
+            if let Some(clip) = spec.clip_global_norm {
+                let loss_device = node_device(&g.training.def, &g.training.loss)?;
+                clip_by_stage_norms(
+                    &mut g.training,
+                    Some(&tensor),
+                    &devices,
+                    &loss_device,
+                    clip,
+                    stride * m as i64,
+                )?;
+            }
         }
         add_dropped_count(&mut g, &devices)?;
         chain_collectives_per_device(&mut g.training.def)?;
@@ -615,6 +652,7 @@ mod tests {
             &spec,
             &mesh,
             &pipeline(2, ScheduleKind::OneFOneB),
+            None,
             "idx",
             "targets",
         )
@@ -689,6 +727,66 @@ mod tests {
         }
     }
 
+    /// ZeRO-2 beside `dp=4,ep=2,pp=2`: replica `d` holds shard `d` of 4 of each dense
+    /// parameter's Adam slots and shard `d / 2` of 2 of its expert shard's (`k = d mod 2`),
+    /// each on the parameter's stage; the gradients are reduce-scattered over the stage's
+    /// replicas and over the stage's holders of the shard; one clipping scale per replica; the
+    /// ranks of every group call its collectives in one order under keys of their own. ZeRO-3
+    /// is refused.
+    #[test]
+    fn dp4_ep2_pp2_zero2_shards_dense_slots_over_the_stage_and_expert_slots_over_their_holders() {
+        let (graph, spec) = moe_gpt(Some(0.5));
+        let mesh = Mesh::new(4, 1, 2).unwrap().with_ep(2).unwrap();
+        let zero = |stage| {
+            Some(ReplicaZero {
+                stage,
+                bucket_bytes: 1 << 20,
+            })
+        };
+        let p = pipeline(2, ScheduleKind::OneFOneB);
+        let staged =
+            expert_pipeline_training(&graph, &spec, &mesh, &p, zero(2), "idx", "targets").unwrap();
+        one_order_per_group(&staged, 4, 2);
+        let dense = "transformer.wte.weight";
+        let expert = "transformer.h.1.mlp.experts.c_fc.weight";
+        for (d, g) in staged.graphs.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let find = |name: &str| nodes.iter().find(|n| n.name == name);
+            let (k, j) = (d % 2, d / 2);
+            for (slot, stage) in [
+                (format!("{dense}/adam_m/shard_{d}_of_4"), 0),
+                (format!("{expert}/shard_{k}/adam_v/shard_{j}_of_2"), 1),
+            ] {
+                let v = find(&slot).unwrap_or_else(|| panic!("replica {d}: no `{slot}`"));
+                assert_eq!(task_of(&v.device) as usize, stage * 4 + d, "{slot}");
+            }
+            assert!(find(&format!("{dense}/adam_m")).is_none());
+            assert!(find(&format!("{expert}/shard_{k}/adam_v")).is_none());
+            let scattered: HashSet<String> = nodes
+                .iter()
+                .filter(|n| n.op == "CollectiveReduceScatter")
+                .map(|n| attr(n, "group_key"))
+                .collect();
+            for s in 0..2 {
+                assert!(scattered.contains(&stage_group(s)), "{scattered:?}");
+                assert!(
+                    scattered.contains(&expert_data_stage_group(s, k)),
+                    "{scattered:?}"
+                );
+            }
+            let scales = nodes.iter().filter(|n| n.op == "GlobalNormScale").count();
+            assert_eq!(scales, 1);
+            assert!(!nodes.iter().any(|n| n.name.starts_with("experts/grad_")));
+        }
+        let e = expert_pipeline_training(&graph, &spec, &mesh, &p, zero(3), "idx", "targets")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--zero-stage 3 beside expert parallelism"),
+            "{e}"
+        );
+    }
+
     /// No expert weight shard crosses stages: each MoE layer's shards live on one stage (block
     /// 0's on stage 0, block 1's on stage 1) and every op of the training step that reads one
     /// runs there (the evaluation copy on worker 0 reads them all by design). With `E = D`,
@@ -702,6 +800,7 @@ mod tests {
             &spec,
             &mesh,
             &pipeline(2, ScheduleKind::GPipe),
+            None,
             "idx",
             "targets",
         )
@@ -788,7 +887,7 @@ mod tests {
             let model = gpt(&cfg).unwrap();
             let spec = model.def.train.clone().unwrap();
             let graph = Graph::from_def(&model.def).unwrap();
-            let got = expert_pipeline_training(&graph, &spec, &mesh, &p, "idx", "targets");
+            let got = expert_pipeline_training(&graph, &spec, &mesh, &p, None, "idx", "targets");
             match (refused, got) {
                 (Some(want), Err(e)) => assert!(e.to_string().contains(want), "{e}"),
                 (None, Ok(_)) => {}
@@ -825,7 +924,8 @@ mod tests {
             chunks: 2,
             ..pipeline(2, ScheduleKind::Interleaved)
         };
-        let staged = expert_pipeline_training(&graph, &spec, &mesh, &p, "idx", "targets").unwrap();
+        let staged =
+            expert_pipeline_training(&graph, &spec, &mesh, &p, None, "idx", "targets").unwrap();
         let calls = one_order_per_group(&staged, 2, 2);
         // Each device's expert-parallel group runs the all-to-alls of its MoE layers.
         for s in 0..2 {

@@ -33,10 +33,10 @@
 
 use super::{ExpertLayout, GROUP};
 use crate::strategy::allreduce::{fresh, node, WeightedTraining};
-use crate::strategy::zero::{self, params, params::order_collectives, Clip, ShardGroup};
+use crate::strategy::zero::{self, params, params::order_collectives, Clip, Param, ShardGroup};
 use crate::strategy::{ReplicaGraph, StrategyError};
-use dflow_graph::train::TrainSpec;
-use dflow_graph::{AttrValue, NodeDef};
+use dflow_graph::train::{TrainSpec, TrainingGraph};
+use dflow_graph::{AttrValue, Graph, NodeDef};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// What [`zero_step`] shards.
@@ -114,67 +114,33 @@ pub(super) fn zero_step(
     taken = std::mem::take(&mut nodes.taken);
 
     // The expert shards over their expert-data-parallel group, if another worker holds them.
-    let mut expert_squared = None;
-    let mut expert_shards = None;
-    if let Some(group) = layout.expert_data_group(worker) {
-        let mut nodes = zero::Nodes::new(taken, &device, 1);
-        training.gradients = experts;
-        let ctx = ShardGroup {
-            rank: worker / ep,
-            ranks: workers / ep,
-            stage: z.stage,
-            key: group,
-            bucket_bytes: z.bucket_bytes,
-        };
-        let (expert_params, sq) =
-            zero::shard_step_with(&mut training, &typed, &mut nodes, &ctx, how(), None)?;
-        expert_squared = sq;
-        expert_shards = Some((expert_params, ctx));
-        added.append(&mut nodes.added);
-        taken = std::mem::take(&mut nodes.taken);
-    } else if clip.is_some() {
-        // Held by this worker alone: the whole gradient is here, scaled before its update.
-        let part = fresh(&mut taken, "experts/zero/clip/squared_norm_part");
-        let grads = experts.iter().map(|(_, g)| g.clone()).collect();
-        added.push(node(&part, "SquaredNorm", grads, &device));
-        expert_squared = Some(part);
-        let mut scaled: HashMap<String, String> = HashMap::new();
-        for (var, g) in &experts {
-            let name = fresh(&mut taken, &format!("experts/zero/clip/{var}"));
-            added.push(node(&name, "Mul", vec![g.clone(), scale.clone()], &device));
-            scaled.insert(g.clone(), name);
-        }
-        for u in training
-            .def
-            .nodes
-            .iter_mut()
-            .filter(|u| u.op.starts_with("Apply"))
-        {
-            for input in &mut u.inputs {
-                if let Some(s) = scaled.get(input.as_str()) {
-                    *input = s.clone();
-                }
-            }
-        }
-    }
+    let data = layout.expert_data_group(worker).map(|group| ShardGroup {
+        rank: worker / ep,
+        ranks: workers / ep,
+        stage: z.stage,
+        key: group,
+        bucket_bytes: z.bucket_bytes,
+    });
+    let mut nodes = zero::Nodes::new(taken, &device, 1);
+    let ep_group = layout.ep_group(worker);
+    let (expert_params, expert_squared) = expert_shard_step(
+        &mut training,
+        &typed,
+        &mut nodes,
+        &device,
+        experts,
+        data.as_ref(),
+        (&ep_group, ep),
+        clip.map(|_| scale.as_str()),
+    )?;
+    let expert_shards = data.map(|ctx| (expert_params, ctx));
+    added.append(&mut nodes.added);
+    taken = std::mem::take(&mut nodes.taken);
 
-    // One scale from the dense Σ‖g‖² and every expert shard's, summed over the
-    // expert-parallel group.
+    // One scale from the dense Σ‖g‖² and every expert shard's.
     if let Some(clip) = clip {
         let mut terms: Vec<String> = dense_squared.into_iter().collect();
-        if let Some(sq) = expert_squared {
-            let mut nodes = zero::Nodes::new(taken, &device, 1);
-            terms.push(nodes.collective(
-                &layout.ep_group(worker),
-                "experts/zero/clip/expert_squared_norm",
-                "CollectiveAllReduce",
-                sq,
-                ep,
-                true,
-            ));
-            added.append(&mut nodes.added);
-            taken = std::mem::take(&mut nodes.taken);
-        }
+        terms.extend(expert_squared);
         let total = fresh(&mut taken, "experts/zero/clip/squared_norm");
         added.push(node(&total, "AddN", terms, &device));
         let mut gns = node(&scale, "GlobalNormScale", vec![total], &device);
@@ -209,6 +175,84 @@ pub(super) fn zero_step(
     training.loss = global;
     order_collectives(&mut training.def)?;
     ReplicaGraph::of_replica(training, worker, z.feeds, Some(weight), spec)
+}
+
+/// ZeRO's step for one worker's expert shards, whose gradients are `experts`, on `device`:
+/// with `data` (the group of the workers holding the same shards) `--strategy zero`'s step over
+/// it; without (no other worker holds them) their slots stay whole and, with `scale`, each
+/// whole gradient is scaled before its update. With `scale` (clipping by the global norm
+/// named so, made by the caller) the shards' `Σ‖g‖²` summed over the expert-parallel group
+/// `ep_group` (key, size: each shard once) is returned. Used beside expert parallelism
+/// ([`zero_step`]) and inside pipeline stages (`pipeline::zero::shard_stages`). Leaves
+/// `training.gradients` as `experts`. Returns the parameters in the shard layout (none
+/// without `data`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn expert_shard_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    nodes: &mut zero::Nodes,
+    device: &str,
+    experts: Vec<(String, String)>,
+    data: Option<&ShardGroup>,
+    ep_group: (&str, usize),
+    scale: Option<&str>,
+) -> Result<(Vec<Param>, Option<String>), StrategyError> {
+    training.gradients = experts;
+    let mut params = Vec::new();
+    let squared = if let Some(ctx) = data {
+        let how = scale.map_or(Clip::None, Clip::Scale);
+        let (p, sq) = zero::shard_step_with(training, typed, nodes, ctx, how, None)?;
+        params = p;
+        sq
+    } else if let Some(scale) = scale {
+        // Held by this worker alone: the whole gradient is here, scaled before its update.
+        let part = fresh(&mut nodes.taken, "experts/zero/clip/squared_norm_part");
+        let grads = training.gradients.iter().map(|(_, g)| g.clone()).collect();
+        nodes.added.push(node(&part, "SquaredNorm", grads, device));
+        let mut scaled: HashMap<String, String> = HashMap::new();
+        for (var, g) in &training.gradients {
+            let name = fresh(&mut nodes.taken, &format!("experts/zero/clip/{var}"));
+            nodes.added.push(node(
+                &name,
+                "Mul",
+                vec![g.clone(), scale.to_string()],
+                device,
+            ));
+            scaled.insert(g.clone(), name);
+        }
+        for u in training
+            .def
+            .nodes
+            .iter_mut()
+            .filter(|u| u.op.starts_with("Apply"))
+        {
+            for input in &mut u.inputs {
+                if let Some(s) = scaled.get(input.as_str()) {
+                    *input = s.clone();
+                }
+            }
+        }
+        Some(part)
+    } else {
+        None
+    };
+    let Some(sq) = squared.filter(|_| scale.is_some()) else {
+        return Ok((params, None));
+    };
+    // Not chained after the step's gathers, which wait for the updates, which wait for it.
+    let mut apart = zero::Nodes::new(std::mem::take(&mut nodes.taken), device, nodes.instance);
+    let squared = apart.collective(
+        ep_group.0,
+        "experts/zero/clip/expert_squared_norm",
+        "CollectiveAllReduce",
+        sq,
+        ep_group.1,
+        true,
+    );
+    nodes.taken = std::mem::take(&mut apart.taken);
+    nodes.added.append(&mut apart.added);
+    nodes.instance = apart.instance;
+    Ok((params, Some(squared)))
 }
 
 /// Marks `v`, the expert row shard `shard` of `ep` (`[E/ep, ...]` rows of its `shard_of`), as

@@ -49,6 +49,26 @@ pub(crate) struct TensorStages {
     /// The rank's sharded variables: clipping sums their gradients' squares over the
     /// tensor-parallel group (the replicated ones are whole on every rank).
     pub shards: HashSet<String>,
+    /// Expert parallelism in place of tensor parallelism: `shards` are the replica's expert
+    /// shards and `groups` each stage's expert-parallel group; ZeRO shards their states over
+    /// their expert-data-parallel groups, not over the stage's replicas.
+    pub experts: Option<ExpertStages>,
+}
+
+/// Where ZeRO over a pipeline's replicas ([`super::zero::shard_stages`]) puts the states of the
+/// expert shards of one replica of a `dp × ep × pp` job.
+#[derive(Clone, Debug)]
+pub(crate) struct ExpertStages {
+    /// Each stage's expert-data-parallel group of the replica's shard (the stage's replicas
+    /// holding the same experts), or `None` when no other replica holds them (`E = D`).
+    pub data_groups: Option<Vec<String>>,
+    /// The replica's rank in those groups.
+    pub rank: usize,
+    /// The groups' size (`D / E`).
+    pub ranks: usize,
+    /// The expert-parallel size: the clipping norm of the shards is summed over the stage's
+    /// expert-parallel group of this many replicas.
+    pub ep: usize,
 }
 
 /// What the rewrite needs besides the graph and its stages.

@@ -16,10 +16,15 @@
 //! ops another (`..._backward`), each dropped after its last reader; each device's collectives
 //! are then chained in one order that respects the schedule, the same on every replica. The
 //! evaluation copy (on the chief) reads every replica's shards joined, with no collective.
+//!
+//! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2`,
+//! `crate::strategy::expert::pipeline`) each stage's expert shards take their own step over the
+//! stage's replicas holding them; their `Σ‖g‖²` joins the stages' sums.
 
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
 use crate::strategy::allreduce::{fresh, node};
+use crate::strategy::expert::zero::expert_shard_step;
 use crate::strategy::zero::{self, params, Clip, OuterShards, Param, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, Strategy, StrategyError};
 use dflow_graph::train::TrainingGraph;
@@ -149,8 +154,11 @@ impl Passes<'_> {
 /// loss) is summed over the loss stage's group. At stage 3 every stage's parameters are also
 /// sharded over the stage's group and gathered before each micro-batch's forward and backward
 /// use (`passes` tells them apart); the caller then chains each device's collectives
-/// ([`order_collectives_per_device`]) once the schedule is in the graph. `typed` is the
-/// validated `training.def`. Returns the name of the global batch's loss.
+/// ([`order_collectives_per_device`]) once the schedule is in the graph. Beside expert
+/// parallelism (`input.tensor`'s `experts`, stages 1 and 2) each stage's expert shards are left
+/// out of the stage's step and given their own (`expert::zero::expert_shard_step`) over the
+/// stage's replicas holding them. `typed` is the validated `training.def`. Returns the name of
+/// the global batch's loss.
 pub(super) fn shard_stages(
     training: &mut TrainingGraph,
     typed: &Graph,
@@ -206,6 +214,12 @@ pub(super) fn shard_stages(
         });
         let mut nodes = zero::Nodes::new(std::mem::take(&mut taken), device, first);
         if let Some(grads) = by_device.remove(&d) {
+            // Beside expert parallelism: the expert shards apart, over their own groups.
+            let experts = input.tensor.and_then(|t| Some((t, t.experts.as_ref()?)));
+            let (grads, expert_grads): (Vec<_>, Vec<_>) = match experts {
+                Some((t, _)) => grads.into_iter().partition(|(v, _)| !t.shards.contains(v)),
+                None => (grads, Vec::new()),
+            };
             training.gradients = grads;
             let ctx = ShardGroup {
                 rank: input.replica,
@@ -221,7 +235,7 @@ pub(super) fn shard_stages(
             };
             // Beside tensor parallelism: the shards' squares summed over the stage's
             // tensor-parallel group too.
-            let outer = match input.tensor {
+            let outer = match input.tensor.filter(|t| t.experts.is_none()) {
                 Some(t) => Some(OuterShards {
                     key: t.groups.get(d).ok_or_else(|| {
                         internal(format!("no tensor-parallel group for stage {d}"))
@@ -233,6 +247,47 @@ pub(super) fn shard_stages(
             let (params, sq) =
                 zero::shard_step_with(training, typed, &mut nodes, &ctx, how, outer.as_ref())?;
             squared.extend(sq);
+            if let Some((t, e)) = experts.filter(|_| !expert_grads.is_empty()) {
+                if zero.stage >= 3 {
+                    return Err(internal(
+                        "ZeRO-3 beside expert parallelism inside pipeline stages".into(),
+                    ));
+                }
+                let data = match &e.data_groups {
+                    Some(groups) => Some(ShardGroup {
+                        rank: e.rank,
+                        ranks: e.ranks,
+                        stage: zero.stage,
+                        key: groups
+                            .get(d)
+                            .ok_or_else(|| {
+                                internal(format!("no expert-data-parallel group for stage {d}"))
+                            })?
+                            .clone(),
+                        bucket_bytes: zero.bucket_bytes,
+                    }),
+                    None => None,
+                };
+                let ep_key = t
+                    .groups
+                    .get(d)
+                    .ok_or_else(|| internal(format!("no expert-parallel group for stage {d}")))?;
+                let mut en =
+                    zero::Nodes::new(std::mem::take(&mut nodes.taken), device, nodes.instance);
+                let (_, sq) = expert_shard_step(
+                    training,
+                    typed,
+                    &mut en,
+                    device,
+                    expert_grads,
+                    data.as_ref(),
+                    (ep_key, e.ep),
+                    clip.map(|_| scale.as_str()),
+                )?;
+                squared.extend(sq);
+                nodes.taken = std::mem::take(&mut en.taken);
+                nodes.added.append(&mut en.added);
+            }
             if zero.stage >= 3 {
                 sharded.push((params, ctx, d));
             }

@@ -162,6 +162,7 @@ pub fn mesh3d_training(
                 groups: (0..pp).map(|s| tp_stage_group(s, d)).collect(),
                 instance_stride: stride,
                 shards: forward.renames.values().cloned().collect(),
+                experts: None,
             };
             let mut g = rewrite(&RewriteInput {
                 graph: typed,
