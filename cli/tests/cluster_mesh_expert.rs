@@ -305,7 +305,8 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
 /// load-balancing loss, clipped at global norm 0.1 every step: 5 steps' losses equal one
 /// process's within 1e-5, the final checkpoint (the one-process names and shapes: tp shards
 /// and expert shards joined) holds the same parameters and Adam moments within 1e-5, and a
-/// checkpoint written after 3 steps resumes in one process with the uninterrupted job's losses.
+/// checkpoint written after 3 steps resumes in one process with the uninterrupted job's losses;
+/// `dp=4,tp=2,ep=2` on 8 workers equals one process too.
 #[test]
 fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-tp");
@@ -340,6 +341,17 @@ fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let resumed = run(&graph, &[], 5, &resume);
     let worst = assert_same_losses(&resumed, &losses[3..], 1e-6);
     eprintln!("dp=2,tp=2,ep=2 checkpoint in one process: worst {worst:e}");
+    // dp=4,tp=2,ep=2 on 8: each expert shard held by 2 replicas, its gradient summed over
+    // them (experts_dp<s>_t<t>).
+    let eight = [
+        "--cluster",
+        "examples/gpt/cluster-8workers.json",
+        "--mesh",
+        "dp=4,tp=2,ep=2",
+    ];
+    let losses = run(&graph, &eight, 5, &dir.join("dp4"));
+    let worst = assert_same_losses(&losses, &local, 1e-5);
+    eprintln!("dp=4,tp=2,ep=2: worst relative loss difference {worst:e}");
 }
 
 /// `dflow partition --mesh dp=4,ep=2` prints the expert-parallel groups {0,1} {2,3} and the

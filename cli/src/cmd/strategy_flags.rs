@@ -143,7 +143,9 @@ pub fn build_strategy(
 /// dp axis and the expert-data-parallel groups: the dense parameters' states, and at stage 3
 /// the parameters themselves, sharded over all the workers, each expert shard's over the
 /// workers holding it), inside `pp` balanced pipeline stages when `pp > 1` (each stage's `dp`
-/// replicas in groups of `ep`; no ZeRO there yet); `ep` beside `tp > 1` is refused. Returns the
+/// replicas in groups of `ep`; no ZeRO there yet); `ep` beside `tp > 1` (pp = 1, no ZeRO) the
+/// tensor strategy with the MoE layers replicated over tp and their experts over `ep` replicas,
+/// refused beside a pipeline axis or ZeRO. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(

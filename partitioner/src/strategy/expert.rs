@@ -68,8 +68,9 @@
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
 //!   replicas (see [`pipeline`]).
 //!
-//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO
-//! beside it inside pipeline stages.
+//! Not supported: asynchronous training; ZeRO beside it inside pipeline stages. Beside tensor
+//! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
+//! ([`super::tensor::experts`], through `worker_forward`).
 
 pub mod pipeline;
 pub mod zero;

@@ -52,8 +52,11 @@
 //! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
 //!
+//! - **Beside expert parallelism** (`--mesh dp=D,tp=T,ep=E`): each MoE MLP replicated over
+//!   tp, its experts spread over ep replicas ([`experts`]).
+//!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
-//! MoE blocks.
+//! MoE blocks without an expert-parallel axis.
 
 mod data;
 mod eval;
@@ -137,7 +140,9 @@ pub(super) static REGISTRATION: Registration = Registration {
         if let Some(ep) = opts.ep {
             // --mesh dp=D,tp=T,ep=E: the MoE layers' experts over ep (experts.rs).
             let tp = opts.tp.ok_or_else(|| {
-                options(format!("ep={ep} beside tensor parallelism needs --tp (or --mesh tp=T)"))
+                options(format!(
+                    "ep={ep} beside tensor parallelism needs --tp (or --mesh tp=T)"
+                ))
             })?;
             if opts.stages.is_some_and(|p| p > 1) || opts.tensor_zero {
                 return Err(options(format!(

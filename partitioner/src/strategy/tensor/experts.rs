@@ -1,10 +1,10 @@
 //! Expert parallelism beside tensor parallelism (`--mesh dp=D,tp=T,ep=E`, pp = 1), as
 //! Megatron-core runs it at expert-tensor-parallel size 1: attention, the embedding and the
 //! loss are Megatron-split over each replica's tp group exactly as `--mesh dp=D,tp=T` does
-//! ([`super::rank_forward`]), and each MoE MLP is **replicated over tp** (no `f`/`g` around
+//! (`rank_forward`), and each MoE MLP is **replicated over tp** (no `f`/`g` around
 //! it: every tp rank routes all of its replica's tokens on the full hidden width), its experts
 //! spread over the expert-parallel group of the dp ranks with the same tp coordinate by the
-//! expert rewrite's per-worker step ([`expert::worker_forward`]).
+//! expert rewrite's per-worker step (`expert::worker_forward`).
 //!
 //! Rank `w = t + T·d` (tp coordinate `t`, replica `d`) holds shard `d mod E` of every expert
 //! variable (`<name>/shard_<d mod E>`, the same name on the T tp ranks of its replica: they
@@ -27,8 +27,8 @@
 //! (`dflow run` refuses them before planning).
 
 use super::{
-    data, eval_copy, finish_rank, global_norm_attrs, options, rank_forward, scale_gradients,
-    sharded_variables, squared_norm_across_shards, tp_group, dp_group, Gpt, Nodes, RankAt,
+    data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
+    scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, Gpt, Nodes, RankAt,
     RankForward, ShardedWeight, TensorGraphs,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
@@ -301,10 +301,8 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
         group: at.group.clone(),
     };
     let all = std::mem::take(&mut training.gradients);
-    let (mut expert_grads, dense): (Vec<_>, Vec<_>) = all
-        .iter()
-        .cloned()
-        .partition(|(v, _)| local.contains(v));
+    let (mut expert_grads, dense): (Vec<_>, Vec<_>) =
+        all.iter().cloned().partition(|(v, _)| local.contains(v));
     // The dense gradients (tp shards and replicated) bucketed over data_t<t>; the loss made
     // the global batch's.
     training.gradients = dense;
@@ -356,8 +354,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
                 vec![total],
                 global_norm_attrs(clip),
             );
-            let grads: Vec<(String, String)> =
-                dense.iter().chain(&expert_grads).cloned().collect();
+            let grads: Vec<(String, String)> = dense.iter().chain(&expert_grads).cloned().collect();
             scale_gradients(&mut training, &mut n, &grads, &scale);
         }
     }
@@ -428,7 +425,10 @@ fn add_dropped_count(
         device,
     );
     c.attrs = [
-        ("group_key", AttrValue::String(dp_group(at.t).as_str().into())),
+        (
+            "group_key",
+            AttrValue::String(dp_group(at.t).as_str().into()),
+        ),
         ("instance_key", AttrValue::Int(DROPPED_INSTANCE)),
         ("reduce", AttrValue::String("sum".into())),
     ]
@@ -439,7 +439,7 @@ fn add_dropped_count(
     Some(global)
 }
 
-/// Worker 0's evaluation: a copy of the forward graph (`eval/...`, [`eval_copy`]) reading the
+/// Worker 0's evaluation: a copy of the forward graph (`eval/...`, `eval_copy`) reading the
 /// tp shards joined and each expert variable joined from the ep shards that the ranks of tp
 /// coordinate 0 hold (shard `j` on rank `T·j`).
 fn add_eval(
@@ -598,8 +598,7 @@ mod tests {
             ),
         ] {
             let mesh: Mesh = text.parse().unwrap();
-            let tg =
-                mesh_expert_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
             assert_eq!(tg.graphs.len(), mesh.size());
             let tasks: Vec<String> = (0..mesh.size()).map(|r| r.to_string()).collect();
             let plan_groups = groups(&mesh, &tasks);
