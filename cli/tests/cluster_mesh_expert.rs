@@ -498,7 +498,8 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
 /// ZeRO-2 (its steps over `workers` and `experts_dp<k>` and the clipping norm over
 /// `experts_ep<g>`, in one order on every process) and with ZeRO-3 (also the parameters'
 /// just-in-time gathers over those groups, and the evaluation reading other processes'
-/// shards): 3 steps equal one process within 1e-5.
+/// shards), and under `--mesh dp=2,tp=2,ep=2` (four kinds of groups, the evaluation joining
+/// tp and expert shards from other processes): 3 steps equal one process within 1e-5.
 #[test]
 fn four_processes_under_dp4_ep2_train_like_one_process() {
     use std::time::Duration;
@@ -507,7 +508,12 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let graph_s = graph.to_string_lossy().into_owned();
     let local = run(&graph, &[], 3, &dir.join("one"));
-    for zero in [None, Some("2"), Some("3")] {
+    for (mesh, zero) in [
+        ("dp=4,ep=2", None),
+        ("dp=4,ep=2", Some("2")),
+        ("dp=4,ep=2", Some("3")),
+        ("dp=2,tp=2,ep=2", None),
+    ] {
         let cluster = Cluster::new(0, 4);
         let losses = cluster.path("job-losses.txt");
         let losses_s = losses.to_string_lossy().into_owned();
@@ -522,7 +528,7 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
             "1",
             "--quiet",
             "--mesh",
-            "dp=4,ep=2",
+            mesh,
         ];
         if let Some(stage) = zero {
             common.extend(["--zero-stage", stage]);
@@ -541,6 +547,6 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
         let job = read_losses(&losses);
         assert_eq!(job.len(), 3);
         let worst = assert_same_losses(&job, &local, 1e-5);
-        eprintln!("4 processes, dp=4,ep=2, ZeRO {zero:?}: worst relative difference {worst:e}");
+        eprintln!("4 processes, {mesh}, ZeRO {zero:?}: worst relative difference {worst:e}");
     }
 }
