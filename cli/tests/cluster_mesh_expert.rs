@@ -49,6 +49,11 @@ fn tiny_moe_gpt(dir: &Path, top_k: usize, grad_clip: Option<f64>) -> PathBuf {
 /// cluster and a mesh or strategy, or none: one process), checkpointing to (and resuming from)
 /// `ckpt`: its losses.
 fn run(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)> {
+    run_out(graph, extra, steps, ckpt).0
+}
+
+/// [`run`]: its losses and the final validation loss line (`validation loss: …`).
+fn run_out(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> (Vec<(u64, f64)>, String) {
     let losses = ckpt.with_extension(format!("losses-{steps}.txt"));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"))
         .args(["run", "--local"])
@@ -77,7 +82,13 @@ fn run(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)>
         "{extra:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    read_losses(&losses)
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let validation = stdout
+        .lines()
+        .find(|l| l.starts_with("validation loss: "))
+        .unwrap_or_default()
+        .to_string();
+    (read_losses(&losses), validation)
 }
 
 /// The losses of `dp=4,ep=2` equal one process's within 1e-5 over 5 steps, for top-1 and for
@@ -304,7 +315,8 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
 /// its experts over the replicas of one tp coordinate, {0,2} and {1,3}), top-2 routing with the
 /// load-balancing loss, clipped at global norm 0.1 every step: 5 steps' losses equal one
 /// process's within 1e-5, the final checkpoint (the one-process names and shapes: tp shards
-/// and expert shards joined) holds the same parameters and Adam moments within 1e-5, and a
+/// and expert shards joined) holds the same parameters and Adam moments within 1e-5, the
+/// validation loss (worker 0's copy joining every shard) is one process's, and a
 /// checkpoint written after 3 steps resumes in one process with the uninterrupted job's losses;
 /// `dp=4,tp=2,ep=2` on 8 workers equals one process too.
 #[test]
@@ -312,13 +324,16 @@ fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-tp");
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let one = dir.join("one");
-    let local = run(&graph, &[], 5, &one);
+    let (local, one_validation) = run_out(&graph, &[], 5, &one);
     assert_eq!(local.len(), 5);
     let mesh = ["--cluster", FOUR, "--mesh", "dp=2,tp=2,ep=2"];
     let full = dir.join("full");
-    let losses = run(&graph, &mesh, 5, &full);
+    let (losses, validation) = run_out(&graph, &mesh, 5, &full);
     let worst = assert_same_losses(&losses, &local, 1e-5);
     eprintln!("dp=2,tp=2,ep=2: worst relative loss difference {worst:e}");
+    // Worker 0's evaluation copy joins the tp and expert shards: the one-process model's loss.
+    assert!(!one_validation.is_empty(), "no validation loss printed");
+    assert_eq!(validation, one_validation);
     let (whole, saved) = (checkpoint(&one), checkpoint(&full));
     assert_eq!(
         saved.keys().collect::<Vec<_>>(),
