@@ -84,7 +84,8 @@ pub struct Args {
     /// consecutive workers (expert-parallel groups) and each expert's gradient summed over the D/E
     /// workers holding it (docs/experts.md); with --zero-stage 1|2|3 the dense parameters' Adam
     /// slots (3: and the weights) are sharded over the D workers and each expert shard's over
-    /// its D/E holders.
+    /// its D/E holders. ep = E beside tp > 1 (pp = 1, no --zero-stage) runs --strategy tensor
+    /// with each MoE layer replicated over tp and its experts spread over E replicas.
     #[arg(long, value_name = "dp=D,tp=T,pp=P[,ep=E]", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the

@@ -73,9 +73,11 @@ pub fn build_strategy(
         partition_strategy,
         ep,
     } = flags;
-    if let Some(e) = ep.filter(|_| kind.name() != "expert") {
+    // ep beside tp (--mesh dp=D,tp=T,ep=E) is the tensor strategy's.
+    let ep_beside_tp = kind.name() == "tensor" && tp.is_some_and(|t| t > 1);
+    if let Some(e) = ep.filter(|_| kind.name() != "expert" && !ep_beside_tp) {
         anyhow::bail!(
-            "--mesh ep={e} spreads experts: it applies to --strategy expert, not --strategy {}",
+            "--mesh ep={e} spreads experts: it applies to --strategy expert (or tensor, with --mesh tp=T), not --strategy {}",
             kind.name()
         );
     }
@@ -143,7 +145,9 @@ pub fn build_strategy(
 /// workers holding it), inside `pp` balanced pipeline stages when `pp > 1` (each stage's `dp`
 /// replicas in groups of `ep`; with `--zero-stage 1|2`, ZeRO over each stage's replicas for the
 /// dense states and over the stage's expert-data-parallel groups for each expert shard's, one
-/// global clipping norm; ZeRO-3 there is refused); `ep` beside `tp > 1` is refused. Returns the
+/// global clipping norm; ZeRO-3 there is refused); `ep` beside `tp > 1` (pp = 1, no ZeRO) the
+/// tensor strategy with the MoE layers replicated over tp and their experts over `ep` replicas,
+/// refused beside a pipeline axis or ZeRO. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -156,8 +160,12 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    check_ep_beside_tp(mesh)?;
-    let name = if mesh.ep > 1 {
+    check_ep_beside_tp(mesh, zero_stage)?;
+    let name = if mesh.ep > 1 && mesh.tp > 1 {
+        // Tensor parallelism, the MoE layers replicated over tp and their experts over ep.
+        *tp = Some(mesh.tp);
+        "tensor"
+    } else if mesh.ep > 1 {
         if let Some(stage) = zero_stage.filter(|&s| mesh.pp > 1 && s >= 3) {
             anyhow::bail!(
                 "--mesh {} with --zero-stage {stage}: ZeRO-3 beside expert parallelism inside pipeline stages does not run yet (ZeRO beside expert parallelism inside pipeline stages runs at stages 1 and 2); use --zero-stage 1 or 2, or drop the pp axis",
@@ -199,30 +207,37 @@ pub fn apply_mesh(
     }
 }
 
-/// `ep > 1` beside `tp > 1` is refused: the tensor strategy splits dense MLPs only, and the
-/// expert strategy's groups hold data-parallel ranks only (docs/experts.md, "ep beside tp:
-/// design, not built"). The message names the mesh and, without a pipeline axis, the mesh of
-/// the same workers that runs (`dp = D·T`).
-fn check_ep_beside_tp(mesh: &dflow_partitioner::mesh::Mesh) -> anyhow::Result<()> {
+/// `ep > 1` beside `tp > 1` runs with `pp = 1` and no ZeRO (docs/experts.md, "ep beside
+/// tp"); beside a pipeline axis or `--zero-stage` it is refused, the message naming the mesh
+/// and what runs instead.
+fn check_ep_beside_tp(
+    mesh: &dflow_partitioner::mesh::Mesh,
+    zero_stage: Option<u8>,
+) -> anyhow::Result<()> {
     if mesh.ep <= 1 || mesh.tp <= 1 {
         return Ok(());
     }
-    let instead = if mesh.pp == 1 {
-        format!(
-            "use --mesh dp={},ep={} on the same {} workers (experts over ep, everything else data-parallel)",
-            mesh.dp * mesh.tp,
+    if mesh.pp > 1 {
+        anyhow::bail!(
+            "--mesh {}: expert parallelism (ep={}) beside tensor parallelism (tp={}) inside pipeline stages (pp={}) does not run yet (docs/experts.md, \"ep beside tp\"); use --mesh dp={},tp={},ep={} (pp=1), or ep with tp=1 inside the stages",
+            mesh_text(mesh),
             mesh.ep,
-            mesh.dp * mesh.tp
-        )
-    } else {
-        "use ep with tp=1".to_string()
-    };
-    anyhow::bail!(
-        "--mesh {}: expert parallelism (ep={}) beside tensor parallelism (tp={}) does not run yet: the tensor strategy splits dense MLPs only and the expert strategy's groups hold data-parallel ranks only (docs/experts.md, \"ep beside tp: design, not built\"); {instead}",
-        mesh_text(mesh),
-        mesh.ep,
-        mesh.tp
-    )
+            mesh.tp,
+            mesh.pp,
+            mesh.dp,
+            mesh.tp,
+            mesh.ep
+        );
+    }
+    if let Some(stage) = zero_stage {
+        anyhow::bail!(
+            "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism and tensor parallelism does not run yet (docs/experts.md, \"ep beside tp\"); drop --zero-stage, or use --mesh dp={},ep={} with it",
+            mesh_text(mesh),
+            mesh.dp * mesh.tp,
+            mesh.ep
+        );
+    }
+    Ok(())
 }
 
 /// The pipeline's stages from `--mesh pp=P`; a contradicting `--stages` is an error.

@@ -275,7 +275,7 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
         };
         if mesh.tp > 1 {
             return Err(refuse(format!(
-                "ep={} beside tensor parallelism does not run yet: ep goes with dp (and pp) only",
+                "ep={} beside tensor parallelism is not modelled by the planner yet (dflow run runs --mesh dp=D,tp=T,ep=E: docs/experts.md, \"ep beside tp\"); plan ep with dp (and pp)",
                 mesh.ep
             )));
         }
@@ -878,7 +878,7 @@ mod tests {
             ("dp=2,ep=2,pp=2,m=2", "beside pp runs one micro-batch"),
             (
                 "dp=2,ep=2,tp=2",
-                "beside tensor parallelism does not run yet",
+                "beside tensor parallelism is not modelled by the planner yet",
             ),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())

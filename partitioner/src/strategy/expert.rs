@@ -68,8 +68,9 @@
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
 //!   replicas (see [`pipeline`]); with `--zero-stage 1|2`, ZeRO over each stage's groups.
 //!
-//! Not supported: asynchronous training; expert parallelism beside tensor parallelism; ZeRO-3
-//! beside it inside pipeline stages.
+//! Not supported: asynchronous training; ZeRO-3 beside it inside pipeline stages. Beside tensor
+//! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
+//! ([`super::tensor::experts`], through `worker_forward`).
 
 pub mod pipeline;
 pub mod zero;
@@ -94,7 +95,7 @@ const FIRST_INSTANCE: i64 = 1 << 20;
 
 /// The instance key of the dropped-token count's all-reduce (after the buckets and the loss,
 /// before the forward collectives' keys).
-const DROPPED_INSTANCE: i64 = FIRST_INSTANCE - 1;
+pub(crate) const DROPPED_INSTANCE: i64 = FIRST_INSTANCE - 1;
 
 /// The name under which the chief reports the step's dropped token assignments
 /// ([`ReplicaGraph::step_metrics`]).
@@ -1101,7 +1102,7 @@ fn reduce_expert_gradients(
 }
 
 /// Makes `v` (an `[E, ...]` variable) shard `shard` of it, `per` rows (the caller renames it).
-fn shard_variable(v: &mut NodeDef, shard: usize, per: i64) -> Result<(), StrategyError> {
+pub(crate) fn shard_variable(v: &mut NodeDef, shard: usize, per: i64) -> Result<(), StrategyError> {
     let whole = match v.attrs.get("shape") {
         Some(AttrValue::Shape(s)) => s.clone(),
         _ => {

@@ -52,11 +52,15 @@
 //! - **Inside pipeline stages** (`--mesh dp=D,tp=T,pp=P`, `P > 1`): each rank's forward
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
 //!
+//! - **Beside expert parallelism** (`--mesh dp=D,tp=T,ep=E`): each MoE MLP replicated over
+//!   tp, its experts spread over ep replicas ([`experts`]).
+//!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
-//! MoE blocks.
+//! MoE blocks without an expert-parallel axis.
 
 mod data;
 mod eval;
+pub mod experts;
 pub mod hand;
 pub mod mesh3d;
 
@@ -132,6 +136,25 @@ pub(super) static REGISTRATION: Registration = Registration {
         }
         if opts.tp == Some(0) {
             return Err(options("--tp must be at least 1".into()));
+        }
+        if let Some(ep) = opts.ep {
+            // --mesh dp=D,tp=T,ep=E: the MoE layers' experts over ep (experts.rs).
+            let tp = opts.tp.ok_or_else(|| {
+                options(format!(
+                    "ep={ep} beside tensor parallelism needs --tp (or --mesh tp=T)"
+                ))
+            })?;
+            if opts.stages.is_some_and(|p| p > 1) || opts.tensor_zero {
+                return Err(options(format!(
+                    "ep={ep} beside tp={tp} runs without pipeline stages and without ZeRO"
+                )));
+            }
+            return Ok(Box::new(experts::TensorExpert {
+                tp,
+                ep,
+                bucket_bytes: opts.bucket_bytes,
+                batch_size: opts.batch_size,
+            }));
         }
         Ok(Box::new(TensorParallel {
             tp: opts.tp,
@@ -417,6 +440,9 @@ struct Gpt {
     hidden: usize,
     /// The head's weight (`transformer.wte.weight` when tied).
     head: String,
+    /// Per block: its MLP is a mixture-of-experts layer, left unsplit (replicated over tp;
+    /// only [`experts`] accepts such blocks).
+    moe: Vec<bool>,
 }
 
 fn missing(what: &str) -> StrategyError {
@@ -450,6 +476,12 @@ fn int_list(n: &NodeDef, attr: &str) -> Result<Vec<i64>, StrategyError> {
 
 impl Gpt {
     fn of(graph: &Graph, def: &GraphDef) -> Result<Gpt, StrategyError> {
+        Gpt::of_with_moe(graph, def, false)
+    }
+
+    /// [`Gpt::of`]; with `allow_moe`, blocks whose MLP is an MoE layer (no `mlp.c_fc`) are
+    /// accepted and marked in `moe` instead of refused.
+    fn of_with_moe(graph: &Graph, def: &GraphDef, allow_moe: bool) -> Result<Gpt, StrategyError> {
         if let Some(d) = def.nodes.iter().find(|n| n.op == "Dropout") {
             return Err(options(format!(
                 "dropout node `{}`: tensor parallelism does not run dropout (each shard would \
@@ -457,12 +489,16 @@ impl Gpt {
                 d.name
             )));
         }
-        if let Some(m) = def.nodes.iter().find(|n| n.op.starts_with("Moe")) {
+        if let Some(m) = def
+            .nodes
+            .iter()
+            .find(|n| n.op.starts_with("Moe"))
+            .filter(|_| !allow_moe)
+        {
             return Err(options(format!(
-                "MoE node `{}`: tensor parallelism splits dense MLPs only, and expert \
-                 parallelism beside it (--mesh dp=D,tp=T,ep=E) does not run yet (docs/experts.md, \
-                 \"ep beside tp: design, not built\"); train this model with --mesh dp=D,ep=E \
-                 (tp=1) or --strategy expert",
+                "MoE node `{}`: tensor parallelism splits dense MLPs only; an MoE GPT runs \
+                 beside tensor parallelism with its experts over ep (--mesh dp=D,tp=T,ep=E), or \
+                 with --mesh dp=D,ep=E (tp=1) or --strategy expert",
                 m.name
             )));
         }
@@ -493,15 +529,26 @@ impl Gpt {
         let (Some(&block_size), Some(&heads)) = (q.get(1), q.get(2)) else {
             return Err(missing("[-1, T, heads, head_dim] reshape `q_4d`"));
         };
-        let fc = static_dims(graph, &format!("{first}.mlp.c_fc.weight"))?;
+        let moe: Vec<bool> = blocks
+            .iter()
+            .map(|b| allow_moe && graph.find(&format!("{b}.mlp.c_fc.weight")).is_none())
+            .collect();
+        let hidden = match blocks.iter().zip(&moe).find(|(_, &m)| !m) {
+            Some((dense, _)) => static_dims(graph, &format!("{dense}.mlp.c_fc.weight"))?
+                .first()
+                .copied()
+                .unwrap_or(0),
+            None => 0,
+        };
         Ok(Gpt {
             vocab,
             embd,
             block_size,
             blocks,
             heads: heads.max(0) as usize,
-            hidden: fc.first().copied().unwrap_or(0),
+            hidden,
             head,
+            moe,
         })
     }
 
@@ -512,14 +559,14 @@ impl Gpt {
                 "{what} is {n}, which does not divide by --tp {tp}; pick a --tp that divides it"
             ))
         };
-        for b in &self.blocks {
+        for (b, &moe) in self.blocks.iter().zip(&self.moe) {
             if self.heads % tp != 0 {
                 return Err(indivisible(
                     format!("the number of heads (n_head) of {b}.attn"),
                     self.heads,
                 ));
             }
-            if self.hidden % tp != 0 {
+            if !moe && self.hidden % tp != 0 {
                 return Err(indivisible(
                     format!("the MLP width (4·n_embd) of {b}.mlp"),
                     self.hidden,
@@ -551,12 +598,16 @@ impl Gpt {
         if self.head != "transformer.wte.weight" {
             add(self.head.clone(), 0, 1, Some(padded))?;
         }
-        for b in &self.blocks {
+        for (b, &moe) in self.blocks.iter().zip(&self.moe) {
             add(format!("{b}.attn.c_attn.weight"), 0, 3, None)?;
             if graph.find(&format!("{b}.attn.c_attn.bias")).is_some() {
                 add(format!("{b}.attn.c_attn.bias"), 0, 3, None)?;
             }
             add(format!("{b}.attn.c_proj.weight"), 1, 1, None)?;
+            if moe {
+                // The MoE MLP stays whole (replicated over tp).
+                continue;
+            }
             add(format!("{b}.mlp.c_fc.weight"), 0, 1, None)?;
             if graph.find(&format!("{b}.mlp.c_fc.bias")).is_some() {
                 add(format!("{b}.mlp.c_fc.bias"), 0, 1, None)?;
@@ -1047,7 +1098,7 @@ fn rank_forward(
     redirect(&mut def.nodes, &lookup.name, &summed, "");
     def.nodes.retain(|x| x.name != lookup.name);
 
-    for b in &gpt.blocks {
+    for (b, &moe) in gpt.blocks.iter().zip(&gpt.moe) {
         let attn = format!("{b}.attn");
         // Column-parallel c_attn on f(x); attention on the rank's heads.
         let mm = format!("{attn}.c_attn/matmul");
@@ -1075,10 +1126,12 @@ fn rank_forward(
                 .insert("shape".into(), AttrValue::IntList(vec![-1, heads * hd]));
         }
         // Row-parallel c_proj: partial sums made whole by g before the bias.
-        for (proj, act) in [
+        let projs = [
             (format!("{attn}.c_proj"), "attn.c_proj/matmul"),
             (format!("{b}.mlp.c_proj"), "mlp.c_proj/matmul"),
-        ] {
+        ];
+        // An MoE MLP is replicated over tp: no f or g around it.
+        for (proj, act) in projs.into_iter().take(if moe { 1 } else { 2 }) {
             let mm = format!("{proj}/matmul");
             find(&def, &mm)?;
             let g = n.collective(
@@ -1088,6 +1141,9 @@ fn rank_forward(
                 false,
             );
             redirect(&mut def.nodes, &mm, &g, "");
+        }
+        if moe {
+            continue;
         }
         // Column-parallel c_fc on f(x).
         let mm = format!("{b}.mlp.c_fc/matmul");
@@ -2981,10 +3037,9 @@ mod tests {
             .to_string();
         assert!(e.contains("MoE node `transformer.h.0.mlp"), "{e}");
         assert!(
-            e.contains("expert parallelism beside it (--mesh dp=D,tp=T,ep=E) does not run yet"),
+            e.contains("an MoE GPT runs beside tensor parallelism with its experts over ep (--mesh dp=D,tp=T,ep=E)"),
             "{e}"
         );
-        assert!(e.contains("\"ep beside tp: design, not built\""), "{e}");
     }
 
     /// The groups of docs/experts.md's "ep beside tp" table: inside a dp×tp mesh the

@@ -1,0 +1,654 @@
+//! Expert parallelism beside tensor parallelism (`--mesh dp=D,tp=T,ep=E`, pp = 1), as
+//! Megatron-core runs it at expert-tensor-parallel size 1: attention, the embedding and the
+//! loss are Megatron-split over each replica's tp group exactly as `--mesh dp=D,tp=T` does
+//! (`rank_forward`), and each MoE MLP is **replicated over tp** (no `f`/`g` around
+//! it: every tp rank routes all of its replica's tokens on the full hidden width), its experts
+//! spread over the expert-parallel group of the dp ranks with the same tp coordinate by the
+//! expert rewrite's per-worker step (`expert::worker_forward`).
+//!
+//! Rank `w = t + T·d` (tp coordinate `t`, replica `d`) holds shard `d mod E` of every expert
+//! variable (`<name>/shard_<d mod E>`, the same name on the T tp ranks of its replica: they
+//! are replicas). Its collectives run in four kinds of groups (docs/experts.md):
+//!
+//! - `tensor_d<d>`: Megatron's `f`/`g`, the vocabulary-parallel loss, clipping's sum of the
+//!   tp shards' `Σ‖g‖²`;
+//! - `data_t<t>`: the dense gradients' buckets (tp shards and replicated parameters, the
+//!   routers included), the loss, the load-balancing loss's router all-gathers, the dropped
+//!   count;
+//! - `experts_ep<g>_t<t>` ([`ep_group`]): the two all-to-alls each way per MoE layer, and
+//!   clipping's sum of the expert shards' `Σ‖g‖²`;
+//! - `experts_dp<s>_t<t>` ([`expert_data_group`], when `D > E`): each expert shard's gradient
+//!   summed over the replicas holding it.
+//!
+//! An expert shard's gradient is the same on the T tp ranks (same tokens, and the MoE output
+//! is consumed replicated, so the same upstream gradient): it is never reduced over tp and is
+//! kept out of the dense buckets. Worker 0 evaluates a copy of the forward graph reading the
+//! tp shards and the expert shards joined. ZeRO and pipeline stages beside it are refused
+//! (`dflow run` refuses them before planning).
+
+use super::{
+    data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
+    scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, Gpt, Nodes, RankAt,
+    RankForward, ShardedWeight, TensorGraphs,
+};
+use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::mesh::{Axis, Mesh};
+use crate::place::{PlacementOptions, Policy};
+use crate::strategy::allreduce::{check_job, fresh, node, worker_device};
+use crate::strategy::expert::{
+    self, expert_shards, moe_layers, ExpertLayout, ForwardGroups, MoeLayer, DROPPED_INSTANCE,
+    DROPPED_METRIC,
+};
+use crate::strategy::{JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
+use dflow_graph::train::{expand_training_graph, TrainSpec};
+use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef};
+use std::collections::{HashMap, HashSet};
+
+/// Megatron tensor parallelism with each MoE layer's experts spread over `ep` replicas
+/// (`--mesh dp=D,tp=T,ep=E`; see the module docs); the strategy `tensor` builds it when given
+/// an expert-parallel size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorExpert {
+    /// The tensor-parallel size.
+    pub tp: usize,
+    /// The expert-parallel size (divides the data-parallel size `workers / tp`).
+    pub ep: usize,
+    /// Data parallelism's fusion threshold: the most bytes of gradients in one all-reduce.
+    pub bucket_bytes: usize,
+    /// The global batch, when known: the data-parallel size must divide it.
+    pub batch_size: Option<usize>,
+}
+
+/// The collective group of rank `rank`'s all-to-alls: `experts_ep<g>_t<t>`, its
+/// expert-parallel group (the dp ranks of tp coordinate `t` in run `g` of `ep`).
+pub fn ep_group(mesh: &Mesh, rank: usize) -> String {
+    let (t, d, _) = mesh.coords(rank);
+    format!("experts_ep{}_t{t}", d / mesh.ep.max(1))
+}
+
+/// The collective group that sums rank `rank`'s expert gradients, `experts_dp<s>_t<t>`
+/// (`s` its expert shard), or `None` when no other replica holds its experts (`dp = ep`).
+pub fn expert_data_group(mesh: &Mesh, rank: usize) -> Option<String> {
+    let (t, _, _) = mesh.coords(rank);
+    (mesh.dp > mesh.ep).then(|| format!("experts_dp{}_t{t}", mesh.expert_rank(rank)))
+}
+
+/// Every collective group of `mesh` (pp = 1) over the worker tasks `tasks` (rank `r` is
+/// `tasks[r]`): tensor, data, expert-parallel and (when `dp > ep`) expert-data-parallel.
+pub fn groups(mesh: &Mesh, tasks: &[String]) -> Vec<CollectiveGroup> {
+    let members = |ranks: &[usize]| -> Vec<String> {
+        ranks
+            .iter()
+            .filter_map(|&r| tasks.get(r).cloned())
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (d, ranks) in mesh.groups(Axis::Tp).into_iter().enumerate() {
+        out.push(CollectiveGroup {
+            key: tp_group(mesh, d),
+            members: members(&ranks),
+        });
+    }
+    for (t, ranks) in mesh.groups(Axis::Dp).into_iter().enumerate() {
+        out.push(CollectiveGroup {
+            key: dp_group(t),
+            members: members(&ranks),
+        });
+    }
+    for ranks in mesh.groups(Axis::Ep) {
+        out.push(CollectiveGroup {
+            key: ep_group(mesh, ranks[0]),
+            members: members(&ranks),
+        });
+    }
+    for ranks in mesh.expert_data_groups() {
+        if let Some(key) = expert_data_group(mesh, ranks[0]) {
+            out.push(CollectiveGroup {
+                key,
+                members: members(&ranks),
+            });
+        }
+    }
+    out
+}
+
+impl Strategy for TensorExpert {
+    fn name(&self) -> &'static str {
+        super::REGISTRATION.name
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all)",
+            self.tp, self.ep
+        )
+    }
+
+    fn full_batches(&self) -> bool {
+        // Every replica's part of every batch must be the same size (equal expert capacity).
+        true
+    }
+
+    fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
+        let workers = input.workers();
+        let tp = self.tp;
+        if tp == 0 || workers % tp != 0 {
+            return Err(options(format!(
+                "--tp {tp} does not divide the cluster's {workers} workers: the workers are \
+                 dp × tp ranks; use a tp that divides {workers}"
+            )));
+        }
+        let mesh = Mesh::new(workers / tp, tp, 1)
+            .and_then(|m| m.with_ep(self.ep))
+            .map_err(|e| options(e.to_string()))?;
+        if let Some(batch) = self.batch_size {
+            mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
+                .map_err(|e| options(e.to_string()))?;
+        }
+        let graphs = mesh_expert_training(
+            input.graph,
+            input.train,
+            &mesh,
+            self.bucket_bytes,
+            input.features,
+            input.labels,
+        )?;
+        let placement = PlacementOptions {
+            policy: Policy::Explicit,
+            ..input.placement.clone()
+        };
+        let tasks: Vec<String> = input
+            .cluster
+            .tasks("worker")
+            .map(|(i, _)| task_name("worker", i))
+            .collect();
+        let mut plan = JobPlan::build(
+            self.describe(),
+            input,
+            graphs.graphs,
+            &placement,
+            Schedule::Lockstep,
+            groups(&mesh, &tasks),
+        )?;
+        plan.batch_parts = mesh.dp as u32;
+        let layers = moe_layers(input.graph, &input.graph.to_def())?;
+        plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
+        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
+        Ok(plan)
+    }
+}
+
+/// The training graphs of the MoE GPT `graph` on a `dp × tp` `mesh` with `ep` (pp = 1), one
+/// per rank in Megatron-core order (see the module docs); worker 0's evaluates a copy of the
+/// forward graph reading every shard joined.
+pub fn mesh_expert_training(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    features: &str,
+    labels: &str,
+) -> Result<TensorGraphs, StrategyError> {
+    if mesh.pp != 1 || mesh.ep < 2 || mesh.dp < 2 {
+        return Err(options(format!(
+            "mesh {mesh}: expert parallelism beside tensor parallelism runs with pp = 1 and \
+             ep ≥ 2 dividing dp"
+        )));
+    }
+    if super::hand::declares_placements(graph) {
+        return Err(options(
+            "expert parallelism beside tensor parallelism runs on the GPT's layout, not on \
+             placements by hand"
+                .into(),
+        ));
+    }
+    let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
+    if loss_dtype != DType::F32 {
+        return Err(options(format!(
+            "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
+        )));
+    }
+    let def = graph.to_def();
+    let gpt = Gpt::of_with_moe(graph, &def, true)?;
+    let layers = moe_layers(graph, &def)?;
+    if layers.is_empty() {
+        return Err(options(
+            "--mesh with ep spreads MoE experts, and the graph has no MoE layer (MoeDispatch … \
+             MoeCombine); drop ep from the mesh"
+                .into(),
+        ));
+    }
+    for l in &layers {
+        if l.experts % mesh.ep != 0 {
+            return Err(options(format!(
+                "MoE layer `{}` has {} experts, which do not split evenly over ep={}; use an \
+                 ep that divides {}",
+                l.dispatch, l.experts, mesh.ep, l.experts
+            )));
+        }
+    }
+    let shards = gpt.layout(graph, mesh.tp)?;
+    let mut graphs = Vec::with_capacity(mesh.size());
+    for rank in 0..mesh.size() {
+        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, None);
+        let parts = RankParts {
+            forward: &def,
+            gpt: &gpt,
+            shards: &shards,
+            layers: &layers,
+            spec,
+            mesh,
+            feeds: (features, labels),
+        };
+        graphs.push(rank_graph(&parts, &at)?);
+    }
+    if let Some(g0) = graphs.first_mut() {
+        add_eval(g0, &def, &shards, &layers, spec, mesh)?;
+    }
+    Ok(TensorGraphs { graphs, shards })
+}
+
+/// What every rank's graph is built from.
+struct RankParts<'a> {
+    forward: &'a GraphDef,
+    gpt: &'a Gpt,
+    shards: &'a [ShardedWeight],
+    layers: &'a [MoeLayer],
+    spec: &'a TrainSpec,
+    mesh: &'a Mesh,
+    feeds: (&'a str, &'a str),
+}
+
+/// Rank `at`'s training graph: the tensor rewrite's forward graph, its MoE layers rewritten by
+/// the expert rewrite over the rank's groups, the loss weighted by the replica's share; the
+/// dense gradients bucketed over `data_t<t>`, the expert shards' summed over their
+/// expert-data-parallel group (if any); clipping by one global norm of the three kinds of
+/// gradients; the dropped count over `data_t<t>`.
+fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyError> {
+    let (features, labels) = p.feeds;
+    let device = worker_device("", "", at.task)?;
+    let RankForward {
+        def: tensor_def,
+        renames,
+        instance,
+    } = rank_forward(p.forward, p.gpt, p.shards, p.spec, at, features, labels)?;
+    let ep_key = ep_group(p.mesh, at.task);
+    let forward_groups = ForwardGroups {
+        experts: ep_key.clone(),
+        all: dp_group(at.t),
+    };
+    let layout = ExpertLayout { mesh: *p.mesh };
+    let (mut def, local) =
+        expert::worker_forward(&tensor_def, p.layers, at.task, layout, &forward_groups)?;
+    let replica = at
+        .data
+        .as_ref()
+        .ok_or_else(|| options("expert parallelism beside tp needs dp ≥ 2".into()))?;
+    let weighting = data::weight_loss(&mut def, &p.spec.loss, &device);
+    let (mut training, typed) = expand_training_graph(
+        &def,
+        &TrainSpec {
+            clip_global_norm: None,
+            loss: weighting.weighted.clone(),
+            ..p.spec.clone()
+        },
+    )?;
+    let mut n = Nodes {
+        taken: training.def.nodes.iter().map(|x| x.name.clone()).collect(),
+        added: Vec::new(),
+        device: device.clone(),
+        instance,
+        group: at.group.clone(),
+    };
+    let all = std::mem::take(&mut training.gradients);
+    let (mut expert_grads, dense): (Vec<_>, Vec<_>) =
+        all.iter().cloned().partition(|(v, _)| local.contains(v));
+    // The dense gradients (tp shards and replicated) bucketed over data_t<t>; the loss made
+    // the global batch's.
+    training.gradients = dense;
+    data::reduce_gradients(&mut training, &typed, &mut n, replica, &weighting.weighted)?;
+    let dense = std::mem::take(&mut training.gradients);
+    // Each expert shard's gradient summed over the replicas holding it.
+    if let Some(group) = expert_data_group(p.mesh, at.task) {
+        let mut summed: HashMap<String, String> = HashMap::new();
+        for (k, (_, g)) in expert_grads.iter_mut().enumerate() {
+            let s = n.collective_in(
+                &group,
+                &format!("experts/grad_{k}/all_reduce"),
+                "CollectiveAllReduce",
+                g.clone(),
+                "sum",
+            );
+            summed.insert(g.clone(), s.clone());
+            *g = s;
+        }
+        point_updates(&mut training.def.nodes, &summed);
+    }
+    if let Some(clip) = p.spec.clip_global_norm {
+        // Σ‖g‖²: the replicated (equal everywhere) + the tp shards' over tensor_d<d> + the
+        // expert shards' over experts_ep<g>_t<t> (each shard once: not over tp).
+        let mut total = squared_norm_across_shards(&dense, &mut n, &renames);
+        if !expert_grads.is_empty() {
+            let local_sq = n.add(
+                "ep/clip/experts_squared_norm",
+                "SquaredNorm",
+                expert_grads.iter().map(|(_, g)| g.clone()).collect(),
+                vec![],
+            );
+            let sum = n.collective_in(
+                &ep_key,
+                "ep/clip/experts_squared_norm_sum",
+                "CollectiveAllReduce",
+                local_sq,
+                "sum",
+            );
+            total = Some(match total {
+                Some(t) => n.add("ep/clip/squared_norm", "Add", vec![t, sum], vec![]),
+                None => sum,
+            });
+        }
+        if let Some(total) = total {
+            let scale = n.add(
+                "ep/clip/global_norm_scale",
+                "GlobalNormScale",
+                vec![total],
+                global_norm_attrs(clip),
+            );
+            let grads: Vec<(String, String)> = dense.iter().chain(&expert_grads).cloned().collect();
+            scale_gradients(&mut training, &mut n, &grads, &scale);
+        }
+    }
+    let mut now: HashMap<String, String> = dense.into_iter().chain(expert_grads).collect();
+    training.gradients = all
+        .into_iter()
+        .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
+        .collect();
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    let dropped = add_dropped_count(&mut training.def, &training.loss, p.forward, at, &device);
+    let mut g = finish_rank(
+        training,
+        at,
+        Some(weighting.weight),
+        p.spec,
+        features,
+        labels,
+    )?;
+    if let Some(d) = dropped {
+        g.step_metrics.push((DROPPED_METRIC.to_string(), d));
+    }
+    Ok(g)
+}
+
+/// Points every update reading a gradient of `summed` at its sum.
+fn point_updates(nodes: &mut [NodeDef], summed: &HashMap<String, String>) {
+    for u in nodes.iter_mut().filter(|u| u.op.starts_with("Apply")) {
+        for i in &mut u.inputs {
+            if let Some(s) = summed.get(i.as_str()) {
+                *i = s.clone();
+            }
+        }
+    }
+}
+
+/// The step's dropped token assignments of the whole job: the sum of every `MoeRoute`'s
+/// `dropped` output (the replica's tokens), all-reduced over `data_t<t>` after the loss (every
+/// replica's once). Returns its node, `None` without MoE route.
+fn add_dropped_count(
+    def: &mut GraphDef,
+    loss: &str,
+    forward: &GraphDef,
+    at: &RankAt,
+    device: &str,
+) -> Option<String> {
+    let routes: Vec<String> = forward
+        .nodes
+        .iter()
+        .filter(|n| n.op == "MoeRoute")
+        .map(|n| format!("{}:3", n.name))
+        .collect();
+    if routes.is_empty() {
+        return None;
+    }
+    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
+    let local = if routes.len() == 1 {
+        routes[0].clone()
+    } else {
+        let sum = fresh(&mut taken, "moe/dropped/local");
+        def.nodes.push(node(&sum, "AddN", routes, device));
+        sum
+    };
+    let global = fresh(&mut taken, "moe/dropped/global");
+    let mut c = node(
+        &global,
+        "CollectiveAllReduce",
+        vec![local, format!("^{loss}")],
+        device,
+    );
+    c.attrs = [
+        (
+            "group_key",
+            AttrValue::String(dp_group(at.t).as_str().into()),
+        ),
+        ("instance_key", AttrValue::Int(DROPPED_INSTANCE)),
+        ("reduce", AttrValue::String("sum".into())),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    def.nodes.push(c);
+    Some(global)
+}
+
+/// Worker 0's evaluation: a copy of the forward graph (`eval/...`, `eval_copy`) reading the
+/// tp shards joined and each expert variable joined from the ep shards that the ranks of tp
+/// coordinate 0 hold (shard `j` on rank `T·j`).
+fn add_eval(
+    g0: &mut ReplicaGraph,
+    forward: &GraphDef,
+    shards: &[ShardedWeight],
+    layers: &[MoeLayer],
+    spec: &TrainSpec,
+    mesh: &Mesh,
+) -> Result<(), StrategyError> {
+    let device = worker_device("", "", 0)?;
+    let mut taken: HashSet<String> = g0
+        .training
+        .def
+        .nodes
+        .iter()
+        .map(|n| n.name.clone())
+        .collect();
+    let mut fwd = forward.clone();
+    for l in layers {
+        let per = (l.experts / mesh.ep) as i64;
+        for var in &l.variables {
+            let Some(v) = forward.nodes.iter().find(|n| &n.name == var) else {
+                continue;
+            };
+            let mut pieces = Vec::with_capacity(mesh.ep);
+            for j in 0..mesh.ep {
+                let name = expert::shard_name(var, j);
+                if j > 0 {
+                    let mut copy = v.clone();
+                    expert::shard_variable(&mut copy, j, per)?;
+                    copy.name = name.clone();
+                    copy.device = worker_device("", "", mesh.rank(0, j, 0))?;
+                    copy.colocate_with.clear();
+                    g0.training.def.nodes.push(copy);
+                    taken.insert(name.clone());
+                }
+                pieces.push(name);
+            }
+            let joined = fresh(&mut taken, &format!("eval/{var}/experts_joined"));
+            let mut c = node(&joined, "Concat", pieces, &device);
+            c.attrs.insert("axis".into(), AttrValue::Int(0));
+            g0.training.def.nodes.push(c);
+            // The copy reads the joined shards where it read the variable.
+            if let Some(x) = fwd.nodes.iter_mut().find(|n| &n.name == var) {
+                *x = node(var, "Identity", vec![joined], &device);
+            }
+        }
+    }
+    let tp = mesh.tp;
+    let on_rank = |v: &NodeDef, r: usize, d: usize| worker_device(&v.name, &v.device, r + tp * d);
+    eval_copy(g0, &fwd, shards, spec, tp, &on_rank, false, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use dflow_graph::Shape;
+    use std::collections::BTreeMap;
+
+    /// A two-block GPT with 4-expert MoE MLPs (top-2, load-balancing loss), clipped at 1.0,
+    /// fed `batch` rows per replica.
+    fn moe_gpt(batch: usize) -> (Graph, TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            grad_clip: Some(1.0),
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 2,
+                capacity_factor: 4.0,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs
+                    .insert("shape".into(), AttrValue::Shape(Shape::known(&[batch, 4])));
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    /// One collective as its group's members must agree on it.
+    type Call = (i64, String, String);
+
+    /// Every rank's collectives in its graph's (chained) order, by group key.
+    fn calls(g: &ReplicaGraph) -> BTreeMap<String, Vec<Call>> {
+        let typed = &g.graph;
+        let mut out: BTreeMap<String, Vec<Call>> = BTreeMap::new();
+        for i in typed.topo_order() {
+            let n = typed.node(i);
+            if !n.op.starts_with("Collective") {
+                continue;
+            }
+            let (Some(AttrValue::String(group)), Some(AttrValue::Int(key))) =
+                (n.attrs.get("group_key"), n.attrs.get("instance_key"))
+            else {
+                panic!("collective `{}` without group or instance key", n.name);
+            };
+            let shape = typed
+                .output_type(i, 0)
+                .map(|t| format!("{} {}", t.dtype, t.shape))
+                .unwrap_or_default();
+            out.entry(group.to_string())
+                .or_default()
+                .push((*key, n.op.to_string(), shape));
+        }
+        out
+    }
+
+    /// dp=2,tp=2,ep=2 and dp=4,tp=2,ep=2: every rank's collectives fall in the groups of the
+    /// plan (docs/experts.md's table), each group's members run the same sequence of
+    /// (instance key, op, dtype and shape) in the same order, keys unique inside a group; the
+    /// expert shards sit outside the dense buckets (their gradients are never packed).
+    #[test]
+    fn every_group_member_runs_the_same_collectives_in_the_same_order() {
+        let (graph, spec) = moe_gpt(2);
+        for (text, want_keys) in [
+            (
+                "dp=2,tp=2,ep=2",
+                vec![
+                    "data_t0",
+                    "data_t1",
+                    "experts_ep0_t0",
+                    "experts_ep0_t1",
+                    "tensor_d0",
+                    "tensor_d1",
+                ],
+            ),
+            (
+                "dp=4,tp=2,ep=2",
+                vec![
+                    "data_t0",
+                    "data_t1",
+                    "experts_dp0_t0",
+                    "experts_dp0_t1",
+                    "experts_dp1_t0",
+                    "experts_dp1_t1",
+                    "experts_ep0_t0",
+                    "experts_ep0_t1",
+                    "experts_ep1_t0",
+                    "experts_ep1_t1",
+                    "tensor_d0",
+                    "tensor_d1",
+                    "tensor_d2",
+                    "tensor_d3",
+                ],
+            ),
+        ] {
+            let mesh: Mesh = text.parse().unwrap();
+            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+            assert_eq!(tg.graphs.len(), mesh.size());
+            let tasks: Vec<String> = (0..mesh.size()).map(|r| r.to_string()).collect();
+            let plan_groups = groups(&mesh, &tasks);
+            let mut keys: Vec<&str> = plan_groups.iter().map(|g| g.key.as_str()).collect();
+            keys.sort();
+            assert_eq!(keys, want_keys, "{text}");
+            let per_rank: Vec<BTreeMap<String, Vec<Call>>> = tg.graphs.iter().map(calls).collect();
+            for g in &plan_groups {
+                let members: Vec<usize> = g.members.iter().map(|m| m.parse().unwrap()).collect();
+                let first = &per_rank[members[0]][&g.key];
+                assert!(!first.is_empty(), "{text}: no collective in `{}`", g.key);
+                let unique: HashSet<i64> = first.iter().map(|c| c.0).collect();
+                assert_eq!(unique.len(), first.len(), "{text} `{}`: keys reused", g.key);
+                for &m in &members[1..] {
+                    assert_eq!(
+                        &per_rank[m][&g.key], first,
+                        "{text}: rank {m} vs rank {} in `{}`",
+                        members[0], g.key
+                    );
+                }
+            }
+            for (r, calls) in per_rank.iter().enumerate() {
+                for key in calls.keys() {
+                    let g = plan_groups.iter().find(|g| &g.key == key);
+                    assert!(
+                        g.is_some_and(|g| g.members.contains(&r.to_string())),
+                        "{text}: rank {r} runs a collective in `{key}` and is no member"
+                    );
+                }
+                // Two all-to-alls forward and two backward per MoE layer, over its ep group.
+                let a2a = calls[&ep_group(&mesh, r)]
+                    .iter()
+                    .filter(|c| c.1 == "CollectiveAllToAll")
+                    .count();
+                assert_eq!(a2a, 8, "{text}: rank {r}");
+            }
+            // Rank 0 holds expert shard 0; its expert gradients are in no bucket.
+            let g0 = &tg.graphs[0].training.def;
+            let shard = "transformer.h.0.mlp.experts.c_fc.weight/shard_0";
+            assert!(g0.nodes.iter().any(|n| n.name == shard), "{text}");
+            let grad = tg.graphs[0]
+                .training
+                .gradients
+                .iter()
+                .find(|(v, _)| v == shard)
+                .map(|(_, g)| g.clone())
+                .unwrap();
+            for n in g0.nodes.iter().filter(|n| n.op == "PackFlat") {
+                assert!(!n.inputs.iter().any(|i| i.starts_with(&grad)), "{text}");
+            }
+        }
+    }
+}
