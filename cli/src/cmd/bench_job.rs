@@ -439,6 +439,7 @@ const START: JobCosts = JobCosts {
     op: 0.2e-6,
     collective: 15e-6,
     value: 25e-6,
+    product: 1e-6,
     flops_per_second: 50e9,
     bytes_per_second: 12e9,
     transcendentals_per_second: 150e6,

@@ -1258,6 +1258,7 @@ mod tests {
             op: 0.148e-6,
             collective: 16.7e-6,
             value: 0.0,
+            product: 0.0,
             flops_per_second: 46.4e9,
             bytes_per_second: 15.32e9,
             transcendentals_per_second: 251.1e6,

@@ -107,6 +107,10 @@ pub struct JobCosts {
     /// pipeline's stages wait on each other's values; 0: priced as a collective call, as
     /// older profiles were).
     pub value: f64,
+    /// Per matrix product (`MatMul`, `BatchMatMul`) beyond its FLOPs and its dispatch: a small
+    /// product's floor (the GEMM's setup and packing: ~1 µs on this machine where a `Relu` on as
+    /// few elements costs ~0.1 µs; 0: not modelled, older profiles).
+    pub product: f64,
     /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
@@ -302,6 +306,7 @@ impl ClusterProfile {
             ),
             ("job.collective", self.job.collective),
             ("job.value", self.job.value),
+            ("job.product", self.job.product),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {

@@ -46,6 +46,9 @@ pub struct TaskWork {
     /// FLOPs of its matrix products (`MatMul`, `BatchMatMul`: forward, backward and the
     /// micro-batches all appear as nodes of the partitions).
     pub product_flops: u64,
+    /// Its matrix-product nodes (each pays `job.product` beyond its FLOPs: a small product's
+    /// floor, the GEMM's setup and packing).
+    pub products: usize,
     /// Bytes read and written by its other computing ops (not views, not sends, receives or
     /// collectives, not constant-time ops).
     pub bytes: u64,
@@ -111,6 +114,7 @@ fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork,
         let op = g.node(idx).op;
         if PRODUCTS.contains(&op) {
             flops += forward_flops(g, idx);
+            w.products += 1;
             continue;
         }
         if moves_nothing(op) {
@@ -175,6 +179,7 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
             let e = compute.entry(task).or_default();
             e.ops += p.ops;
             e.product_flops += p.product_flops;
+            e.products += p.products;
             e.bytes += p.bytes;
             e.transcendentals += p.transcendentals;
         }
@@ -244,9 +249,10 @@ pub fn task_compute(t: &TaskWork, job: &JobCosts, flops_per_second: f64) -> Opti
     Some(t.product_flops as f64 / rate + t.bytes as f64 / job.bytes_per_second + transcendentals)
 }
 
-/// The dispatch cost (seconds) of a task's nodes: `job.op` each.
+/// The fixed cost (seconds) of a task's nodes: `job.op` each for its dispatch, and
+/// `job.product` more for each matrix product (the floor of a small GEMM).
 pub fn task_dispatch(t: &TaskWork, job: &JobCosts) -> f64 {
-    t.ops as f64 * job.op
+    t.ops as f64 * job.op + t.products as f64 * job.product
 }
 
 /// The step of a job whose tasks do `work`, on `profile`'s hosts (`cores` per host: the tasks
@@ -308,12 +314,13 @@ pub fn job_step(
 
 /// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
 /// [`JobCosts`] as seconds per unit of work (a rate as its inverse).
-pub const JOB_UNKNOWNS: [&str; 8] = [
+pub const JOB_UNKNOWNS: [&str; 9] = [
     "step",
     "task",
     "op",
     "collective",
     "value",
+    "product",
     "seconds per product FLOP",
     "seconds per byte",
     "seconds per transcendental element",
@@ -321,7 +328,7 @@ pub const JOB_UNKNOWNS: [&str; 8] = [
 
 impl JobCosts {
     /// The costs as the unknowns of [`JOB_UNKNOWNS`] (a rate of 0, not modelled, as 0 s).
-    pub fn unknowns(&self) -> [f64; 8] {
+    pub fn unknowns(&self) -> [f64; 9] {
         let inverse = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
         [
             self.step,
@@ -329,6 +336,7 @@ impl JobCosts {
             self.op,
             self.collective,
             self.value,
+            self.product,
             inverse(self.flops_per_second),
             inverse(self.bytes_per_second),
             inverse(self.transcendentals_per_second),
@@ -337,7 +345,7 @@ impl JobCosts {
 
     /// The costs from the unknowns of [`JOB_UNKNOWNS`] (0 s per unit: a rate of 0, which the
     /// model reads as not modelled).
-    pub fn from_unknowns(x: &[f64; 8]) -> JobCosts {
+    pub fn from_unknowns(x: &[f64; 9]) -> JobCosts {
         let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
         JobCosts {
             step: x[0],
@@ -345,9 +353,10 @@ impl JobCosts {
             op: x[2],
             collective: x[3],
             value: x[4],
-            flops_per_second: rate(x[5]),
-            bytes_per_second: rate(x[6]),
-            transcendentals_per_second: rate(x[7]),
+            product: x[5],
+            flops_per_second: rate(x[6]),
+            bytes_per_second: rate(x[7]),
+            transcendentals_per_second: rate(x[8]),
         }
     }
 }
@@ -361,7 +370,7 @@ pub struct JobTerms {
     /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes,
     /// collective messages and sent and received values (or all tasks' over the cores, with the bubble's stretch
     /// on the nodes), its products' FLOPs, its other ops' bytes, its transcendental elements.
-    pub counts: [f64; 8],
+    pub counts: [f64; 9],
     /// Seconds not depending on the unknowns: the busiest communicator's bytes over β (or all
     /// tasks' over the cores).
     pub fixed: f64,
@@ -385,6 +394,7 @@ pub fn job_terms(
             t.ops as f64,
             0.0,
             0.0,
+            t.products as f64,
             t.product_flops as f64,
             t.bytes as f64,
             t.transcendentals as f64,
@@ -392,7 +402,7 @@ pub fn job_terms(
     };
     // A task's communication: its calls, its values, and its bytes over β (fixed).
     let communication = |t: &TaskWork| {
-        let mut c = [0.0; 8];
+        let mut c = [0.0; 9];
         c[3] = t.collective_messages as f64;
         c[4] = (t.values + t.received) as f64;
         (
@@ -401,7 +411,7 @@ pub fn job_terms(
         )
     };
     let value =
-        |c: &[f64; 8], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+        |c: &[f64; 9], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
     let stretch = if bubble > 0.0 && bubble < 1.0 {
         1.0 / (1.0 - bubble)
     } else {
@@ -422,7 +432,7 @@ pub fn job_terms(
     for (b, c) in busiest.iter_mut().zip(busiest_comm) {
         *b += c;
     }
-    let mut shared = [0.0; 8];
+    let mut shared = [0.0; 9];
     let mut shared_fixed = 0.0;
     for t in work {
         let (comm, fixed) = communication(t);
@@ -486,7 +496,7 @@ pub fn fit_job_costs(
             break;
         }
         let f = super::fit::fit(&obs, &JOB_UNKNOWNS)?;
-        let mut x = [0.0; 8];
+        let mut x = [0.0; 9];
         x.copy_from_slice(&f.costs);
         costs = JobCosts::from_unknowns(&x);
         result = Some(f);
@@ -570,6 +580,7 @@ mod tests {
             op: 0.2e-6,
             collective: 15e-6,
             value: 25e-6,
+            product: 0.8e-6,
             flops_per_second: 50e9,
             bytes_per_second: 12e9,
             transcendentals_per_second: 150e6,
@@ -633,7 +644,26 @@ mod tests {
             ("chain x4".into(), job(4, 1640, 2, 10_000, 300_000, 0), 0.0),
             ("pipeline".into(), pipeline, 0.2),
             ("pipeline m8".into(), longer, 1.0 / 9.0),
+            ("deep".into(), job(2, 300, 12, 3_000_000, 500_000, 0), 0.0),
         ]
+        .into_iter()
+        .map(|(name, mut work, bubble): (String, Vec<TaskWork>, f64)| {
+            // Matrix products, not a function of the other counts.
+            let products = match name.as_str() {
+                "calls" => 48,
+                "wide" => 6,
+                "bytes" | "gelu" => 4,
+                "pipeline" => 12,
+                "pipeline m8" => 24,
+                "deep" => 36,
+                _ => 2,
+            };
+            for t in &mut work {
+                t.products = products;
+            }
+            (name, work, bubble)
+        })
+        .collect()
     }
 
     #[test]
@@ -815,6 +845,30 @@ mod tests {
         let ratio = dp[0].product_flops as f64 / tp[0].product_flops as f64;
         assert!((0.8..1.25).contains(&ratio), "{ratio} {dp:?} {tp:?}");
         assert!(dp[0].bytes > 0 && dp[0].ops > 0);
+        // Every matrix product of a dp task's partition, forward and backward: the product
+        // nodes of its training graph.
+        let dp_plan = job_plan(
+            &graph,
+            train,
+            "idx",
+            "targets",
+            &"dp=2".parse().unwrap(),
+            12,
+        )
+        .unwrap();
+        let product_nodes: usize = dp_plan
+            .train_signatures()
+            .flat_map(|s| s.partitions.partitions.iter())
+            .filter(|(d, _)| d.task_name().as_deref() == Some(dp[0].task.as_str()))
+            .map(|(_, p)| {
+                p.graph
+                    .node_indices()
+                    .filter(|&i| PRODUCTS.contains(&p.graph.node(i).op))
+                    .count()
+            })
+            .sum();
+        assert_eq!(dp[0].products, product_nodes, "{dp:?}");
+        assert!(dp[0].products > 4 * 4, "{dp:?}");
         // Half the rows, the whole optimizer: a dp task's bytes are of the order of a tp
         // task's (each `FlatSlice` of the fused gradient bucket reads its own slice, not the
         // whole 3.2 MB bucket).
