@@ -254,6 +254,12 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
             ctx.batch, mesh.dp, layout.micro_batches
         )));
     }
+    if let Some(why) = ctx.model.tensor_refusal.as_ref().filter(|_| mesh.tp > 1) {
+        return Err(refuse(format!(
+            "tp={}: --strategy tensor cannot split this graph ({why}); write `_sharding` placements (docs/tensor-parallel.md) to run tensor parallelism",
+            mesh.tp
+        )));
+    }
     if mesh.tp > 1 && mesh.ep == 1 {
         if let Some(l) = ctx.model.moe.first() {
             return Err(refuse(format!(

@@ -183,6 +183,10 @@ pub struct ModelProfile {
     /// micro-batches would train another model, so `dflow run` refuses them (the pipeline
     /// strategy's check, which this mirrors).
     pub batch_coupled: Option<String>,
+    /// Why `dflow run --strategy tensor` cannot split this graph, if it cannot (neither a GPT
+    /// it knows by its layer names nor `_sharding` placements written by hand): the planner
+    /// then ranks no tp layout, as it ranks only what dflow runs.
+    pub tensor_refusal: Option<String>,
     /// Optimizer moments per parameter (Adam 2, momentum 1, SGD 0).
     pub optimizer_slots: f64,
     /// Bytes of the fed placeholders (features and labels).
@@ -391,9 +395,11 @@ impl ModelProfile {
             .map(|i| g1.node(i))
             .find(|n| crate::strategy::pipeline::couples_batch(n))
             .map(|n| n.name.clone());
+        let tensor_refusal = crate::strategy::tensor::tensor_refusal(&g1, def, !moe.is_empty());
         let mut model = ModelProfile {
             moe,
             batch_coupled,
+            tensor_refusal,
             training_ops_per_op,
             feed_bytes,
             graph: g1,

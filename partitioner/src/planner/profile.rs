@@ -177,6 +177,22 @@ const THIS_MACHINE_OP_OVERHEAD: f64 = 0.24e-6;
 /// `this-machine`'s executor cost per in-process step (the same run: 23.4 µs).
 const THIS_MACHINE_STEP_OVERHEAD: f64 = 23.4e-6;
 
+/// `this-machine`'s job costs: `dflow bench calibrate` (release build, 2026-11-25 07:19 UTC,
+/// load average 3.8 from the calibration itself, nothing else running; the 13 jobs within 12%
+/// of the fit; `tests/planner/this-machine-calibrated.json`, docs/planner.md). A loaded
+/// machine's steps are slower: calibrate at the time and pass `--profile`.
+const THIS_MACHINE_JOB: JobCosts = JobCosts {
+    step: 49.2e-6,
+    task: 34.7e-6,
+    op: 0.113e-6,
+    collective: 10.9e-6,
+    value: 22.7e-6,
+    product: 0.74e-6,
+    flops_per_second: 76.4e9,
+    bytes_per_second: 19.48e9,
+    transcendentals_per_second: 353.3e6,
+};
+
 impl ClusterProfile {
     /// A preset by name (see [`PRESETS`] and docs/planner.md for the sources).
     pub fn preset(name: &str) -> Result<ClusterProfile, ProfileError> {
@@ -201,11 +217,9 @@ impl ClusterProfile {
                 precision: Precision::F32,
                 op_overhead: THIS_MACHINE_OP_OVERHEAD,
                 step_overhead: THIS_MACHINE_STEP_OVERHEAD,
-                // Not in the preset: a job's step costs depend on the load at the time more
-                // than anything here; calibrate (`dflow bench calibrate`) and pass --profile.
-                job: JobCosts::default(),
+                job: THIS_MACHINE_JOB,
                 source: "BENCHMARKS.md (MatMul issue 4; collectives over shm and TCP, issue 8; \
-                         executor overheads: dflow bench calibrate, docs/planner.md)"
+                         executor overheads and job costs: dflow bench calibrate, docs/planner.md)"
                     .into(),
             },
             // NVIDIA A100 80GB SXM data sheet: 312 TFLOPS BF16 dense, 600 GB/s NVLink (300 per

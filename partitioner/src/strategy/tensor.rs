@@ -474,6 +474,18 @@ fn int_list(n: &NodeDef, attr: &str) -> Result<Vec<i64>, StrategyError> {
     }
 }
 
+/// Why `--strategy tensor` cannot split `graph` (its forward graph `def`), if it cannot: it
+/// splits placements written by hand (`_sharding`), or a GPT by its layer names (with MoE
+/// blocks beside an ep axis, `with_experts`).
+pub fn tensor_refusal(graph: &Graph, def: &GraphDef, with_experts: bool) -> Option<String> {
+    if hand::declares_placements(graph) {
+        return None;
+    }
+    Gpt::of_with_moe(graph, def, with_experts)
+        .err()
+        .map(|e| e.to_string())
+}
+
 impl Gpt {
     fn of(graph: &Graph, def: &GraphDef) -> Result<Gpt, StrategyError> {
         Gpt::of_with_moe(graph, def, false)
