@@ -1257,7 +1257,8 @@ mod tests {
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
         let mut profile = ClusterProfile::preset("this-machine").unwrap();
-        // tests/planner/this-machine-calibrated.json (2026-11-25 06:44 UTC).
+        // A calibration of this machine (2026-11-25 06:44 UTC, the per-call model: no value or
+        // product cost).
         profile.job = JobCosts {
             step: 0.0,
             task: 74.9e-6,
