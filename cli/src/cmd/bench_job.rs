@@ -7,7 +7,8 @@
 //! SGD or Adam) as real jobs on 127.0.0.1, each `--runs` times, and takes each one's median step
 //! (the job's own `trained N steps in T s` line). The jobs vary one kind of work at a time
 //! against a small base: more ops (a chain of [`CHAIN`] `Relu`), more collective calls
-//! ([`LAYERS`] layers, every gradient its own all-reduce), product FLOPs (3 layers of [`WIDE`]
+//! ([`LAYERS`] layers, every gradient its own all-reduce), many small products (the same
+//! layers in one fused all-reduce: a product's floor beside its FLOPs), product FLOPs (3 layers of [`WIDE`]
 //! channels on 256 rows a task), memory-bound bytes ([`BYTES_CHAIN`] `Relu` on 256 ×
 //! [`BYTES_WIDTH`]), transcendental elements ([`TRANSCENDENTAL_CHAIN`] `Gelu`); and they vary
 //! the shape of the job: 4 tasks on the host's cores (the base, the chain and the products
@@ -107,7 +108,7 @@ const BASE: Variant = Variant {
 };
 
 /// The calibration jobs (see the module): none is a model of the planner's comparison table.
-const JOBS: [Variant; 13] = [
+const JOBS: [Variant; 14] = [
     BASE,
     Variant {
         name: "chain",
@@ -118,6 +119,11 @@ const JOBS: [Variant; 13] = [
         name: "calls",
         layers: LAYERS,
         unfused: true,
+        ..BASE
+    },
+    Variant {
+        name: "small products",
+        layers: LAYERS,
         ..BASE
     },
     Variant {
@@ -577,6 +583,14 @@ mod tests {
         assert_eq!(chain[0].collective_calls, base[0].collective_calls);
         // Every gradient its own call, plus the loss.
         assert_eq!(calls[0].collective_calls, 4 + 1 + 1, "{calls:?}");
+        // The same layers fused: as many products, far fewer calls.
+        let (_, small, _) = by("small products");
+        assert_eq!(small[0].products, calls[0].products, "{small:?}");
+        assert!(small[0].products > 2 * base[0].products, "{small:?}");
+        assert!(
+            small[0].collective_calls < calls[0].collective_calls,
+            "{small:?}"
+        );
         // A Relu on 256 × 512 reads and writes 1 MiB: twenty of them, forward and backward, more.
         assert!(bytes[0].bytes > base[0].bytes + 4 * (1 << 20), "{bytes:?}");
         assert_eq!(bytes[0].transcendentals, 0, "{bytes:?}");
