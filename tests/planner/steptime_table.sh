@@ -56,11 +56,15 @@ measure() {
     if [ "$kind" = local ]; then
       "$DFLOW" run --local "$graph" --cluster "$SCRATCH/cluster.json" "$@" > /dev/null 2> "$SCRATCH/err"
     else
-      # A pipeline of one replica: one process per stage.
-      "$DFLOW" run --job worker --index 1 --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err1" &
-      local other=$!
+      # Pipelines: one process per task (their values between stages cross processes, as the
+      # calibration's pipeline jobs' do).
+      local others=()
+      for i in $(seq 1 $((workers - 1))); do
+        "$DFLOW" run --job worker --index "$i" --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err$i" &
+        others+=($!)
+      done
       "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" > /dev/null 2> "$SCRATCH/err"
-      wait "$other"
+      wait "${others[@]}"
     fi
     step_of "$SCRATCH/err"
   done
@@ -91,6 +95,8 @@ done
 row "GPT 2×32 tp=2" "$(predicted $S 2 4 tp=2)" $(measure local 2 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
 row "GPT 2×32 dp=2" "$(predicted $S 2 4 dp=2)" $(measure local 2 $S --strategy allreduce "${GPT_SMALL[@]}")
 row "GPT 2×32 dp=2×tp=2 (4 tasks)" "$(predicted $S 4 4 dp=2,tp=2)" $(measure local 4 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2×pp=2 m=2 (4 tasks)" "$(predicted $S 4 4 dp=2,pp=2,m=2)" $(measure procs 4 $S --mesh dp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2×tp=2×pp=2 m=2 (8 tasks)" "$(predicted $S 8 4 dp=2,tp=2,pp=2,m=2)" $(measure procs 8 $S --mesh dp=2,tp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
 row "bundled GPT tp=2" "$(predicted $G 2 12 tp=2)" $(measure local 2 $G --strategy tensor --tp 2 "${GPT[@]}")
 row "bundled GPT dp=2" "$(predicted $G 2 12 dp=2)" $(measure local 2 $G --strategy allreduce "${GPT[@]}")
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

@@ -62,9 +62,11 @@ pub struct TaskWork {
     pub collective_messages: usize,
     /// Bytes it sends in collectives.
     pub collective_bytes: u64,
-    /// Values it sends to other tasks' Recvs.
+    /// Values carrying data it sends to other tasks' Recvs (the zero-byte values of control
+    /// edges are not counted: they leave together at the step's end).
     pub values: usize,
-    /// Values other tasks send to its Recvs (each wakes a waiting thread of this task).
+    /// Values carrying data other tasks send to its Recvs (each wakes a waiting thread of this
+    /// task).
     pub received: usize,
     /// Their bytes.
     pub data_plane_bytes: u64,
@@ -151,6 +153,16 @@ fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork,
     Ok(w)
 }
 
+/// Whether the Send `idx` of `g` carries data: not the zero-byte value of a control edge (a
+/// stage's "updates done" for the other stage's readers), which leave together at the step's
+/// end and are not priced one by one.
+fn carries_data(g: &Graph, idx: NodeIndex) -> bool {
+    g.inputs(idx)
+        .first()
+        .and_then(|&(s, k)| g.node(s).outputs.get(k))
+        .is_none_or(|t| t.shape.num_elements() != Some(0))
+}
+
 /// The work of every task of `plan` in one training step (every training signature once), with
 /// `rows` rows where a feed's batch dimension is unknown.
 pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingError> {
@@ -172,7 +184,10 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
                     _ => None,
                 };
                 if let Some(to) = to.filter(|t| *t != task) {
-                    compute.entry(to).or_default().received += 1;
+                    if carries_data(&part.graph, idx) {
+                        compute.entry(to).or_default().received += 1;
+                        compute.entry(task.clone()).or_default().values += 1;
+                    }
                 }
             }
             let p = partition_compute(&task, &part.graph, rows)?;
@@ -193,7 +208,6 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
                 collective_calls: t.collective_calls,
                 collective_messages: t.collective_messages,
                 collective_bytes: t.collective,
-                values: t.values,
                 data_plane_bytes: t.data_plane,
                 ..c
             }
