@@ -653,6 +653,29 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
 }
 
 #[test]
+fn expert_and_tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
+    // The MoE GPT under dp2×tp2×ep2 (the tensor strategy with ep): attention, the embedding
+    // and the loss split over each replica's tp pair, each MoE MLP replicated over tp with
+    // half of its experts on each replica, every tp rank moving its replica's tokens by
+    // all-to-all. `dflow plan --layout`'s job-plan count of every task's bytes (and
+    // collective messages) and memory is what the run measures; the evaluation batch at the
+    // end joins the tp and expert shards on worker 0 over the data plane.
+    let graph = small_moe_gpt("plan_vs_measured_ep_tp");
+    let layout = "dp=2,tp=2,ep=2";
+    let (ends, stderr) = gpt_job(
+        &graph,
+        "examples/gpt/cluster-4workers.json",
+        &["--mesh", layout],
+    );
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
+    let predicted = accounted(&graph, "idx", "targets", layout, 4);
+    assert_memory(layout, &predicted, &ends);
+}
+
+#[test]
 fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
     // The MoE GPT under dp×ep×pp: 2 stages (a MoE block each), each stage's 2 replicas
     // splitting its experts and moving their tokens by all-to-all, the dense gradients summed

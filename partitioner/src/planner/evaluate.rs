@@ -257,7 +257,7 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
     if mesh.tp > 1 && mesh.ep == 1 {
         if let Some(l) = ctx.model.moe.first() {
             return Err(refuse(format!(
-                "tp={} splits dense MLPs only, and MoE layer `{}` is not one: use ep (beside dp or pp) for the experts",
+                "tp={} splits dense MLPs only, and MoE layer `{}` is not one: use ep for the experts (beside dp, inside pp, or beside tp: dp=D,tp=T,ep=E replicates the MoE MLPs over tp)",
                 mesh.tp, l.dispatch
             )));
         }
