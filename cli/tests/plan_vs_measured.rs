@@ -17,7 +17,8 @@
 //!   all-reduce, ZeRO-1/2/3 and a 2-stage pipeline, and a small GPT under tp=2 and dp=2×tp=2,
 //!   dp=2×pp=2 with ZeRO-1, 2 and 3 (memory too), tp=2×pp=2 and dp=2×tp=2×pp=2 with ZeRO-1
 //!   and 2 (memory too, from runs without the final evaluation: its peak on worker 0 depends
-//!   on when the other workers' weights land).
+//!   on when the other workers' weights land), and the MoE GPT under dp×ep (ZeRO 0, 2, 3),
+//!   dp×ep×pp (ZeRO 0–2) and dp×tp×ep (memory too).
 //!
 //! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
 //! end with one evaluation batch, counted from the plan's evaluation signature.

@@ -35,6 +35,11 @@
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
+//! Beside `tp > 1` (dp × tp × ep, pp = 1, no ZeRO: the tensor strategy with ep) the MoE layers
+//! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
+//! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
+//! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
+//! those of the rank's tp coordinate.
 //! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
 //! loss's all-gathers and the dropped-token count.
 
