@@ -72,6 +72,29 @@ fn plan_lays_out_the_experts_of_the_moe_gpt() {
         "{out}"
     );
     assert_eq!(out.matches("collective calls").count(), 4, "{out}");
+    // Beside tensor parallelism (dp × tp × ep): the MoE MLPs replicated over tp, the job
+    // plan's count that of --strategy tensor with ep.
+    let out = stdout(&dflow(&[
+        "plan",
+        "examples/gpt/gpt-moe.json",
+        "--devices",
+        "4",
+        "--batch-size",
+        "8",
+        "--layout",
+        "dp=2,tp=2,ep=2",
+    ]));
+    assert!(out.lines().any(|x| x.contains("dp2 tp2 pp1 ep2 ")), "{out}");
+    assert!(
+        out.contains("layout dp2 tp2 pp1 ep2 (dp=2,tp=2,pp=1,ep=2"),
+        "{out}"
+    );
+    assert!(out.contains("expert all-to-alls"), "{out}");
+    assert!(
+        out.contains("as dflow runs it (--strategy tensor;"),
+        "{out}"
+    );
+    assert_eq!(out.matches("collective calls").count(), 4, "{out}");
 }
 
 #[test]
@@ -192,7 +215,7 @@ fn calibrate_refuses_impossible_measurements_naming_the_flag() {
 /// Every layout `dflow plan` ranks (fitting or not) is one `dflow run` runs: the planner's
 /// enumeration never offers a layout whose job plan the strategies refuse. The bundled GPT on 4
 /// and 8 devices (dp, tp, pp, ZeRO 0–3, micro-batches, their 3D combinations) and the MoE GPT
-/// on 4 (ep beside dp and inside pipeline stages).
+/// on 4 (ep beside dp, inside pipeline stages and beside tp).
 #[test]
 fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
     use dflow::partitioner::planner::{
@@ -228,9 +251,14 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
         assert!(kinds(|l| l.zero == 3), "{graph}");
         if graph.ends_with("moe.json") {
             assert!(kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1), "{graph}");
-            // Tensor parallelism splits dense MLPs only, and the MoE layers couple a batch's
-            // examples: no tp layout, no micro-batches.
-            assert!(!kinds(|l| l.mesh.tp > 1 || l.micro_batches > 1), "{graph}");
+            // Tensor parallelism splits dense MLPs only (beside it the MoE MLPs are
+            // replicated over tp with their experts over ep), and the MoE layers couple a
+            // batch's examples: tp only beside ep (dp × tp × ep), no micro-batches.
+            assert!(kinds(|l| l.mesh.tp > 1 && l.mesh.ep > 1), "{graph}");
+            assert!(
+                !kinds(|l| (l.mesh.tp > 1 && l.mesh.ep == 1) || l.micro_batches > 1),
+                "{graph}"
+            );
         } else {
             assert!(kinds(|l| l.mesh.tp > 1 && l.mesh.pp > 1), "{graph}");
         }

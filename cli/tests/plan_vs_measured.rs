@@ -17,7 +17,8 @@
 //!   all-reduce, ZeRO-1/2/3 and a 2-stage pipeline, and a small GPT under tp=2 and dp=2×tp=2,
 //!   dp=2×pp=2 with ZeRO-1, 2 and 3 (memory too), tp=2×pp=2 and dp=2×tp=2×pp=2 with ZeRO-1
 //!   and 2 (memory too, from runs without the final evaluation: its peak on worker 0 depends
-//!   on when the other workers' weights land).
+//!   on when the other workers' weights land), and the MoE GPT under dp×ep (ZeRO 0, 2, 3),
+//!   dp×ep×pp (ZeRO 0–2) and dp×tp×ep (memory too).
 //!
 //! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
 //! end with one evaluation batch, counted from the plan's evaluation signature.
@@ -650,6 +651,29 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
         let predicted = accounted(&graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
     }
+}
+
+#[test]
+fn expert_and_tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
+    // The MoE GPT under dp2×tp2×ep2 (the tensor strategy with ep): attention, the embedding
+    // and the loss split over each replica's tp pair, each MoE MLP replicated over tp with
+    // half of its experts on each replica, every tp rank moving its replica's tokens by
+    // all-to-all. `dflow plan --layout`'s job-plan count of every task's bytes (and
+    // collective messages) and memory is what the run measures; the evaluation batch at the
+    // end joins the tp and expert shards on worker 0 over the data plane.
+    let graph = small_moe_gpt("plan_vs_measured_ep_tp");
+    let layout = "dp=2,tp=2,ep=2";
+    let (ends, stderr) = gpt_job(
+        &graph,
+        "examples/gpt/cluster-4workers.json",
+        &["--mesh", layout],
+    );
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
+    let predicted = accounted(&graph, "idx", "targets", layout, 4);
+    assert_memory(layout, &predicted, &ends);
 }
 
 #[test]

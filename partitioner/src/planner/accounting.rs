@@ -87,7 +87,8 @@ pub enum AccountingError {
 }
 
 /// The strategy `dflow run` runs `layout` with, and its options: expert parallelism when
-/// `ep > 1` (over expert-parallel groups of `ep` workers, inside the stages when `pp > 1`), tensor parallelism when
+/// `ep > 1` (over expert-parallel groups of `ep` workers, inside the stages when `pp > 1`; beside
+/// `tp > 1` the tensor strategy with the experts over `ep` replicas), tensor parallelism when
 /// `tp > 1` (beside a dp axis, inside the stages when `pp > 1`), a pipeline when `pp > 1`
 /// alone, ZeRO at the layout's stage, else all-reduce.
 pub fn strategy_for(
@@ -103,8 +104,24 @@ pub fn strategy_for(
         batch_size: Some(batch),
         ..StrategyOptions::default()
     };
-    let name = if mesh.ep > 1 {
-        if mesh.tp > 1 || layout.zero > 3 || (mesh.pp > 1 && layout.zero > 2) {
+    let name = if mesh.ep > 1 && mesh.tp > 1 {
+        // ep beside tp (`--mesh dp=D,tp=T,ep=E`): the tensor strategy, the MoE layers
+        // replicated over tp and their experts over ep (pp = 1).
+        if mesh.pp > 1 {
+            return Err(refuse(
+                "expert parallelism beside tensor parallelism runs without pipeline stages (pp = 1)",
+            ));
+        }
+        if layout.zero > 0 {
+            // The strategy says which ZeRO stages run beside ep × tp.
+            options.zero_stage = layout.zero;
+            options.tensor_zero = true;
+        }
+        options.tp = Some(mesh.tp);
+        options.ep = Some(mesh.ep);
+        "tensor"
+    } else if mesh.ep > 1 {
+        if layout.zero > 3 || (mesh.pp > 1 && layout.zero > 2) {
             return Err(refuse(
                 "expert parallelism runs over dp × ep at ZeRO stages 0 to 3, or dp × ep × pp at ZeRO stages 0 to 2",
             ));

@@ -35,6 +35,11 @@
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
+//! Beside `tp > 1` (dp × tp × ep, pp = 1, no ZeRO: the tensor strategy with ep) the MoE layers
+//! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
+//! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
+//! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
+//! those of the rank's tp coordinate.
 //! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
 //! loss's all-gathers and the dropped-token count.
 
@@ -263,7 +268,7 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
     if mesh.tp > 1 && mesh.ep == 1 {
         if let Some(l) = ctx.model.moe.first() {
             return Err(refuse(format!(
-                "tp={} splits dense MLPs only, and MoE layer `{}` is not one: use ep (beside dp or pp) for the experts",
+                "tp={} splits dense MLPs only, and MoE layer `{}` is not one: use ep for the experts (beside dp, inside pp, or beside tp: dp=D,tp=T,ep=E replicates the MoE MLPs over tp)",
                 mesh.tp, l.dispatch
             )));
         }
@@ -279,10 +284,11 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        if mesh.tp > 1 {
+        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1, no ZeRO.
+        if mesh.tp > 1 && (mesh.pp > 1 || layout.zero > 0) {
             return Err(refuse(format!(
-                "ep={} beside tensor parallelism is not modelled by the planner yet (dflow run runs --mesh dp=D,tp=T,ep=E: docs/experts.md, \"ep beside tp\"); plan ep with dp (and pp)",
-                mesh.ep
+                "ep={} beside tp={} runs without pipeline stages (pp = 1) and without ZeRO: docs/experts.md, \"ep beside tp\"",
+                mesh.ep, mesh.tp
             )));
         }
         // An MoE layer couples a micro-batch's tokens (capacity, load-balancing loss); ZeRO
@@ -882,15 +888,146 @@ mod tests {
         assert_eq!(predicted, a2a as f64);
         for (bad, want) in [
             ("dp=2,ep=2,pp=2,m=2", "beside pp runs one micro-batch"),
-            (
-                "dp=2,ep=2,tp=2",
-                "beside tensor parallelism is not modelled by the planner yet",
-            ),
+            ("dp=2,ep=2,tp=2,zero=1", "without ZeRO"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(want), "{bad}: {e}");
+        }
+    }
+
+    /// `dp × tp × ep` (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): every rank holds its
+    /// tp shard of the dense parameters, the routers whole and `1/ep` of the experts
+    /// (replicated over tp), as the job plan's variables count them; the all-to-alls are the
+    /// job plan's (each tp rank repeats its replica's), and the data-parallel bytes (the dense
+    /// gradients over `data_t<t>`, the experts' over `experts_dp<s>_t<t>`) are the job plan's
+    /// collectives over those groups but the load-balancing loss's all-gathers and the
+    /// dropped-token count (which the table leaves out). No tensor-parallel all-reduce is
+    /// around an MoE MLP.
+    #[test]
+    fn a_dp_tp_ep_layout_holds_its_expert_shard_on_every_tp_rank_as_the_job_plan_does() {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, Call};
+        let model = moe_model();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        // Tensor-parallel all-reduces: Megatron's around attention (one each way per block),
+        // the vocabulary-parallel embedding, the head's input gradient and the split loss;
+        // none around an MoE MLP (`transformer.h.<i>.mlp`).
+        let tp_ops: Vec<&str> = model
+            .ops
+            .iter()
+            .filter(|o| o.tp_forward.at(4.0) > 0.0 || o.tp_backward.at(4.0) > 0.0)
+            .map(|o| model.graph.node(o.node).name.as_str())
+            .collect();
+        assert_eq!(tp_ops.len(), 2 * 2 + 3, "{tp_ops:?}");
+        assert!(tp_ops.iter().all(|n| !n.contains("mlp")), "{tp_ops:?}");
+        // No MoE weight is split by tp (the routers and experts stay whole on each tp rank).
+        for v in &model.variables {
+            let name = &model.graph.node(v.node).name;
+            if v.expert || name.contains("router") {
+                assert!(!v.split, "{name} split");
+            }
+        }
+        for (text, devices) in [("dp=2,tp=2,ep=2", 4), ("dp=4,tp=2,ep=2", 8)] {
+            let options = PlanOptions {
+                devices,
+                batch_size: 8,
+            };
+            let layout: crate::planner::Layout = text.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            let rows = 8 / layout.mesh.dp;
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+            let tasks = accounting::account(&plan, rows, 1).unwrap();
+            assert_eq!(tasks.len(), devices);
+            let mem = e.memory[0];
+            for t in &tasks {
+                let held = t.variable_bytes as f64;
+                let predicted = mem.weights + mem.optimizer;
+                assert!(
+                    (held - predicted).abs() <= 8.0,
+                    "{text}, {}: held {held}, predicted {predicted}",
+                    t.task
+                );
+            }
+            let (mut a2a, mut data) = (0u64, 0u64);
+            for sig in plan.train_signatures() {
+                for (device, part) in &sig.partitions.partitions {
+                    let task = device.task_name().unwrap();
+                    let f = accounting::with_rows(&part.graph, rows).unwrap();
+                    for i in f.node_indices() {
+                        let node = f.node(i);
+                        let call = match node.op {
+                            "CollectiveAllReduce" => Call::AllReduce,
+                            "CollectiveReduceScatter" => Call::ReduceScatter,
+                            "CollectiveAllGather" => Call::AllGather,
+                            "CollectiveAllToAll" => Call::AllToAll,
+                            _ => continue,
+                        };
+                        let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key")
+                        else {
+                            continue;
+                        };
+                        let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                        let rank = group.members.iter().position(|m| *m == task).unwrap();
+                        let (src, k) = f.inputs(i)[0];
+                        let t = &f.node(src).outputs[k];
+                        let elements = t.shape.num_elements().unwrap();
+                        let bytes = rank_bytes(
+                            call,
+                            group.members.len(),
+                            rank,
+                            elements,
+                            t.dtype.size_of(),
+                        );
+                        if call == Call::AllToAll {
+                            a2a += bytes;
+                        } else if call == Call::AllReduce
+                            && t.dtype.is_float()
+                            && (key.starts_with("data_") || key.starts_with("experts_dp"))
+                        {
+                            // Not the load-balancing loss's all-gathers, not the dropped count.
+                            data += bytes;
+                        }
+                    }
+                }
+            }
+            let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+            assert!(a2a > 0);
+            assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
+            assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
+        }
+        // Refused beside tp: a pipeline, ZeRO.
+        let options = PlanOptions {
+            devices: 8,
+            batch_size: 8,
+        };
+        for bad in ["dp=2,tp=2,pp=2,ep=2", "dp=4,tp=2,ep=2,zero=2"] {
+            let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("without pipeline stages (pp = 1) and without ZeRO"),
+                "{bad}: {e}"
+            );
         }
     }
 
@@ -1013,9 +1150,10 @@ mod tests {
             .map(|e| e.layout.short())
             .collect();
         // ZeRO 0 to 3 of each dp × ep; dp2 × ep2 inside 2 pipeline stages, one micro-batch
-        // at ZeRO 0 or 1.
-        assert_eq!(eps.len(), 10, "{eps:?}");
+        // at ZeRO 0 or 1; dp2 × tp2 × ep2 without ZeRO.
+        assert_eq!(eps.len(), 11, "{eps:?}");
         for l in [
+            "dp2 tp2 pp1 ep2",
             "dp4 tp1 pp1 ep2",
             "dp4 tp1 pp1 ep4",
             "dp4 tp1 pp1 ep2 z2",

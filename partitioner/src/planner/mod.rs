@@ -3,7 +3,7 @@
 //! The planner reads every op, shape and variable of the model ([`model`]), enumerates the
 //! layouts `dp × tp × pp` over the devices (with ZeRO stages 0–3 over the data-parallel group
 //! and the micro-batches that divide the batch; [`layout`]; for a model with MoE layers also
-//! `dp × ep`, the experts spread over expert-parallel groups of `ep` ranks), predicts each one's memory per
+//! `dp × ep` and `dp × tp × ep`, the experts spread over expert-parallel groups of `ep` ranks), predicts each one's memory per
 //! device, bytes per step per link class and step time ([`evaluate`], with the collectives'
 //! costs from the algorithms dflow runs in [`collective`] and the pipeline cut the way the
 //! pipeline strategy cuts it in [`staging`]), prunes those that do not fit in memory, and ranks
@@ -137,9 +137,10 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 
 /// [`layouts`], and for a model with experts (`ep_sizes`: the expert-parallel sizes its MoE
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
-/// `dp` and every layer's experts, without tp, with ZeRO 0–3 (the dense states over `dp`, the
-/// experts' over their expert-data-parallel groups) when `pp = 1`, and with one micro-batch and
-/// no ZeRO inside pipeline stages.
+/// `dp` and every layer's experts, with ZeRO 0–3 (the dense states over `dp`, the
+/// experts' over their expert-data-parallel groups) when `pp = 1`, with one micro-batch and
+/// ZeRO 0 or 1 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
+/// no ZeRO.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
@@ -175,7 +176,9 @@ pub fn layouts_with_experts(
                     });
                 }
             }
-            if tp > 1 {
+            // Beside tp the experts run without pipeline stages and without ZeRO
+            // (`--mesh dp=D,tp=T,ep=E`).
+            if tp > 1 && pp > 1 {
                 continue;
             }
             for &ep in ep_sizes.iter().filter(|&&e| e > 1 && dp % e == 0) {
@@ -184,7 +187,13 @@ pub fn layouts_with_experts(
                 };
                 // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
                 // tokens), ZeRO 0 or 1 (as a dense pipeline's).
-                let zeros: &[u8] = if pp > 1 { &[0, 1] } else { &[0, 1, 2, 3] };
+                let zeros: &[u8] = if tp > 1 {
+                    &[0]
+                } else if pp > 1 {
+                    &[0, 1]
+                } else {
+                    &[0, 1, 2, 3]
+                };
                 for &zero in zeros {
                     out.push(Layout {
                         zero,

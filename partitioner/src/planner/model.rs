@@ -389,7 +389,7 @@ impl ModelProfile {
                 v.backward_read = read.contains(g1.node(v.node).name.as_str());
             }
         }
-        let moe = moe_profiles(&g1, def, &mut variables);
+        let (moe, moe_region) = moe_profiles(&g1, def, &mut variables);
         let batch_coupled = g1
             .node_indices()
             .map(|i| g1.node(i))
@@ -413,7 +413,7 @@ impl ModelProfile {
             step_count,
         };
         model.mark_gradients();
-        model.assign_tp_roles();
+        model.assign_tp_roles(&moe_region);
         Ok(model)
     }
 
@@ -456,13 +456,17 @@ impl ModelProfile {
         }
     }
 
-    /// Assigns every op its tensor-parallel role, in topological order (module docs).
-    fn assign_tp_roles(&mut self) {
+    /// Assigns every op its tensor-parallel role, in topological order (module docs). The ops
+    /// of `moe_region` (the MoE layers' routers, dispatches, experts and combines) are
+    /// replicated: the tensor strategy runs each MoE MLP whole on every tp rank
+    /// (`strategy/tensor/experts.rs`), so their weights are not split and no all-reduce is
+    /// around them.
+    fn assign_tp_roles(&mut self, moe_region: &HashSet<NodeIndex>) {
         let g = self.graph.clone();
         for idx in g.topo_order() {
             let node = g.node(idx);
             let inputs = g.inputs(idx);
-            if !self.ops[idx.index()].batch || inputs.is_empty() {
+            if !self.ops[idx.index()].batch || inputs.is_empty() || moe_region.contains(&idx) {
                 continue;
             }
             let split_in = |k: usize| -> bool {
@@ -572,15 +576,38 @@ impl ModelProfile {
 /// variables in `variables`. A graph whose MoE ops the expert strategy cannot lay out (see
 /// [`crate::strategy::expert::moe_layers`]) has none for the planner either: it gets no `ep`
 /// layout.
-fn moe_profiles(g: &Graph, def: &GraphDef, variables: &mut [VariableProfile]) -> Vec<MoeProfile> {
+///
+/// Also the ops of the MoE layers (every op the layer's `MoeCombine` depends on that its tokens'
+/// producer, the dispatch's first input, does not: router, routing, dispatch, experts,
+/// combine), which tensor parallelism replicates.
+fn moe_profiles(
+    g: &Graph,
+    def: &GraphDef,
+    variables: &mut [VariableProfile],
+) -> (Vec<MoeProfile>, HashSet<NodeIndex>) {
+    let none = || (Vec::new(), HashSet::new());
     let Ok(layers) = crate::strategy::expert::moe_layers(g, def) else {
-        return Vec::new();
+        return none();
     };
     let mut out = Vec::with_capacity(layers.len());
+    let mut region = HashSet::new();
     for l in &layers {
         let Some(idx) = g.find(&l.dispatch) else {
-            return Vec::new();
+            return none();
         };
+        let Some(combine) = g.find(&l.combine) else {
+            return none();
+        };
+        let before: HashSet<NodeIndex> = g
+            .inputs(idx)
+            .first()
+            .map(|&(x, _)| ancestors(g, x))
+            .unwrap_or_default();
+        region.extend(
+            ancestors(g, combine)
+                .into_iter()
+                .filter(|n| !before.contains(n)),
+        );
         let tokens = g.inputs(idx).first().and_then(|&(s, k)| {
             g.node(s).outputs[k]
                 .shape
@@ -595,7 +622,7 @@ fn moe_profiles(g: &Graph, def: &GraphDef, variables: &mut [VariableProfile]) ->
             _ => 1.0,
         };
         let Some(tokens_per_row) = tokens else {
-            return Vec::new();
+            return none();
         };
         for v in variables.iter_mut() {
             if l.variables.contains(&g.node(v.node).name) {
@@ -611,5 +638,17 @@ fn moe_profiles(g: &Graph, def: &GraphDef, variables: &mut [VariableProfile]) ->
             element_bytes,
         });
     }
-    out
+    (out, region)
+}
+
+/// Every node `from` depends on by data, `from` included.
+fn ancestors(g: &Graph, from: NodeIndex) -> HashSet<NodeIndex> {
+    let mut seen = HashSet::new();
+    let mut stack = vec![from];
+    while let Some(n) = stack.pop() {
+        if seen.insert(n) {
+            stack.extend(g.inputs(n).into_iter().map(|(s, _)| s));
+        }
+    }
+    seen
 }
