@@ -104,9 +104,9 @@ pub fn strategy_for(
         ..StrategyOptions::default()
     };
     let name = if mesh.ep > 1 {
-        if mesh.tp > 1 || layout.zero > 3 || (mesh.pp > 1 && layout.zero > 2) {
+        if mesh.tp > 1 || layout.zero > 3 {
             return Err(refuse(
-                "expert parallelism runs over dp × ep at ZeRO stages 0 to 3, or dp × ep × pp at ZeRO stages 0 to 2",
+                "expert parallelism runs over dp × ep (inside pipeline stages too) at ZeRO stages 0 to 3",
             ));
         }
         if mesh.pp > 1 {
