@@ -66,9 +66,9 @@
 //!
 //! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
-//!   replicas (see [`pipeline`]); with `--zero-stage 1|2`, ZeRO over each stage's groups.
+//!   replicas (see [`pipeline`]); with `--zero-stage 1|2|3`, ZeRO over each stage's groups.
 //!
-//! Not supported: asynchronous training; ZeRO-3 beside it inside pipeline stages. Beside tensor
+//! Not supported: asynchronous training. Beside tensor
 //! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
 //! ([`super::tensor::experts`], through `worker_forward`).
 

@@ -35,13 +35,17 @@
 //! so more than one micro-batch runs only where that coupling is void (capacity factor ≥ E, α
 //! = 0; see [`crate::strategy::pipeline`]).
 //!
-//! - **ZeRO** (`--zero-stage 1|2`, [`ReplicaZero`]): the pipeline's per-stage ZeRO
+//! - **ZeRO** (`--zero-stage 1|2|3`, [`ReplicaZero`]): the pipeline's per-stage ZeRO
 //!   (`pipeline::zero::shard_stages`) in place of the sums and the clipping above, told by
 //!   `rewrite::ExpertStages` which parameters are expert shards: each stage's dense Adam
 //!   slots sharded over the stage's `D` replicas, each expert shard's over the stage's
 //!   replicas holding it (`super::zero::expert_shard_step`; none when `E = D`, their slots
 //!   stay whole), one global clipping norm from every stage's dense and expert `Σ‖g‖²`.
-//!   Not built: ZeRO-3 beside it.
+//!   At stage 3 the weights too: each stage's dense weights flat-sharded over the stage's
+//!   replicas, each expert shard's over its holders (drawn from its rows of the one-process
+//!   variable, `super::zero::as_row_split`), gathered over those groups before each
+//!   micro-batch's forward and backward use; worker 0's evaluation copy ([`EvalCopy`]) joins
+//!   every stage's shards from the workers holding them.
 
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, EvalCopy, ExpertLayout, ForwardGroups,
@@ -91,7 +95,7 @@ pub struct ExpertPipelineGraphs {
 }
 
 /// The training graphs of the MoE model `graph` on `mesh` (`tp = 1`, `pp > 1`, `ep > 1`), cut
-/// and scheduled as `pipeline` says, with ZeRO (stages 1 and 2) over each stage's groups when
+/// and scheduled as `pipeline` says, with ZeRO (stages 1 to 3) over each stage's groups when
 /// `zero` says (see the module docs).
 pub fn expert_pipeline_training(
     graph: &Graph,

@@ -17,9 +17,12 @@
 //! are then chained in one order that respects the schedule, the same on every replica. The
 //! evaluation copy (on the chief) reads every replica's shards joined, with no collective.
 //!
-//! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2`,
+//! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2|3`,
 //! `crate::strategy::expert::pipeline`) each stage's expert shards take their own step over the
-//! stage's replicas holding them; their `Σ‖g‖²` joins the stages' sums.
+//! stage's replicas holding them; their `Σ‖g‖²` joins the stages' sums. At stage 3 their flat
+//! shards (of rows `r mod E` of the one-process variable on replica `r`) are gathered over
+//! those replicas per micro-batch and pass, as the dense ones over the stage's; the caller
+//! adds the evaluation copy.
 
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
@@ -155,9 +158,9 @@ impl Passes<'_> {
 /// sharded over the stage's group and gathered before each micro-batch's forward and backward
 /// use (`passes` tells them apart); the caller then chains each device's collectives
 /// ([`order_collectives_per_device`]) once the schedule is in the graph. Beside expert
-/// parallelism (`input.tensor`'s `experts`, stages 1 and 2) each stage's expert shards are left
-/// out of the stage's step and given their own (`expert::zero::expert_shard_step`) over the
-/// stage's replicas holding them. `typed` is the validated `training.def`. Returns the name of
+/// parallelism (`input.tensor`'s `experts`) each stage's expert shards are left out of the
+/// stage's step and given their own (`expert::zero::expert_shard_step`) over the stage's
+/// replicas holding them, at stage 3 sharded and gathered over those replicas too. `typed` is the validated `training.def`. Returns the name of
 /// the global batch's loss.
 pub(super) fn shard_stages(
     training: &mut TrainingGraph,
