@@ -62,6 +62,11 @@ fn moe_gpt_of(
 /// cluster and a mesh, or none: one process), checkpointing to (and resuming from) `ckpt`: its
 /// losses.
 fn run(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)> {
+    run_out(graph, extra, steps, ckpt).0
+}
+
+/// [`run`]: its losses and the final validation loss line (`validation loss: …`).
+fn run_out(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> (Vec<(u64, f64)>, String) {
     let losses = ckpt.with_extension(format!("losses-{steps}.txt"));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"))
         .args(["run", "--local"])
@@ -90,7 +95,13 @@ fn run(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)>
         "{extra:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    read_losses(&losses)
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let validation = stdout
+        .lines()
+        .find(|l| l.starts_with("validation loss: "))
+        .unwrap_or_default()
+        .to_string();
+    (read_losses(&losses), validation)
 }
 
 /// The latest checkpoint in `dir`: its f32 tensors by name.
@@ -165,31 +176,38 @@ fn dp2_ep2_pp2_trains_like_one_process_and_resumes_in_one() {
     eprintln!("dp=2,ep=2,pp=2 checkpoint in one process: steps 4-5 worst {worst:e}");
 }
 
-/// ZeRO beside `ep` × `pp` (`--zero-stage 1` and `2`): on each stage the dense parameters'
-/// Adam slots sharded over the stage's replicas, each expert shard's over the stage's replicas
-/// holding it (`dp=4,ep=2,pp=2`; with `E = D` they stay whole), one global clipping norm (0.1,
-/// with the load-balancing loss): 4 steps' losses and the final parameters and Adam moments
-/// equal one process's within 1e-5, the checkpoint holds every tensor under its one-process
+/// ZeRO beside `ep` × `pp` (`--zero-stage 1`, `2` and `3`): on each stage the dense
+/// parameters' Adam slots (and at stage 3 the weights, gathered per micro-batch) sharded over
+/// the stage's replicas, each expert shard's over the stage's replicas holding it
+/// (`dp=4,ep=2,pp=2`; with `E = D` they stay whole), one global clipping norm (0.1, with the
+/// load-balancing loss): 4 steps' losses, the final validation loss, and the final parameters
+/// and Adam moments equal one process's within 1e-5, the checkpoint holds every tensor under its one-process
 /// name, and one written after 2 steps resumes in one process with the job's steps 3-4.
 #[test]
 fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
     let dir = scratch("mesh-expert-pipeline-zero");
     let graph = tiny_moe_gpt(&dir, 2, 0.01, Some(0.1));
     let one = dir.join("one");
-    let local = run(&graph, &[], 4, &one);
+    let (local, one_validation) = run_out(&graph, &[], 4, &one);
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     let want = checkpoint(&one);
     for (cluster, mesh, stage) in [
         (FOUR, "dp=2,ep=2,pp=2", "1"),
         (FOUR, "dp=2,ep=2,pp=2", "2"),
         (EIGHT, "dp=4,ep=2,pp=2", "1"),
         (EIGHT, "dp=4,ep=2,pp=2", "2"),
+        (FOUR, "dp=2,ep=2,pp=2", "3"),
+        (EIGHT, "dp=4,ep=2,pp=2", "3"),
     ] {
         let args = ["--cluster", cluster, "--mesh", mesh, "--zero-stage", stage];
         let tag = format!("{mesh}-zero{stage}").replace([',', '='], "_");
         let full = dir.join(&tag);
-        let job = run(&graph, &args, 4, &full);
+        let (job, validation) = run_out(&graph, &args, 4, &full);
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{mesh} --zero-stage {stage}: worst relative loss difference {worst:e}");
+        // Worker 0's evaluation copy (at stage 3 joining every stage's dense and expert weight
+        // shards from the workers holding them): the one-process model's loss.
+        assert_eq!(validation, one_validation, "{mesh} --zero-stage {stage}");
         let saved = checkpoint(&full);
         assert!(
             !saved.keys().any(|n| n.contains("/shard_")),
@@ -212,7 +230,7 @@ fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
 /// token alone, so a step may be cut into micro-batches: `dp=2,ep=2,pp=2` with 2 micro-batches
 /// (1F1B) and 4 (GPipe), and `dp=4,ep=2,pp=2` (8 tasks: each expert shard's gradient summed over
 /// the 2 replicas of its stage that hold it) with 2, equal one process within 1e-5 over 4 steps;
-/// so does `dp=4,ep=2,pp=2 --zero-stage 2` with 2, and a four-block model under the
+/// so does `dp=4,ep=2,pp=2 --zero-stage 2` (and `3`) with 2, and a four-block model under the
 /// interleaved schedule (2 chunks per device) over 3.
 /// With α > 0, more than one micro-batch is refused naming the load-balancing loss.
 #[test]
@@ -244,22 +262,25 @@ fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{mesh} {extra:?}: worst relative loss difference {worst:e}");
     }
-    // ZeRO-2 over each stage's groups, 2 micro-batches accumulated before the reduce-scatters.
-    let args = [
-        "--cluster",
-        EIGHT,
-        "--mesh",
-        "dp=4,ep=2,pp=2",
-        "--micro-batches",
-        "2",
-        "--zero-stage",
-        "2",
-    ];
-    let job = run(&graph, &args, 4, &dir.join("zero2-m2"));
-    let worst = assert_same_losses(&job, &local, 1e-5);
-    eprintln!(
-        "dp=4,ep=2,pp=2 --zero-stage 2, 2 micro-batches: worst relative loss difference {worst:e}"
-    );
+    // ZeRO-2 over each stage's groups, 2 micro-batches accumulated before the reduce-scatters;
+    // ZeRO-3, each micro-batch's passes gathering the stage's dense and expert weight shards.
+    for stage in ["2", "3"] {
+        let args = [
+            "--cluster",
+            EIGHT,
+            "--mesh",
+            "dp=4,ep=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--zero-stage",
+            stage,
+        ];
+        let job = run(&graph, &args, 4, &dir.join(format!("zero{stage}-m2")));
+        let worst = assert_same_losses(&job, &local, 1e-5);
+        eprintln!(
+            "dp=4,ep=2,pp=2 --zero-stage {stage}, 2 micro-batches: worst relative loss difference {worst:e}"
+        );
+    }
     // The interleaved schedule: 4 blocks in 4 virtual stages, 2 chunks per device.
     let four = moe_gpt_of(&dir, 4, 1, 0.0, Some(0.1));
     let local = run(&four, &[], 3, &dir.join("one-4"));
@@ -348,7 +369,8 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
 /// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
 /// expert-parallel groups, and each block's expert shards on its own stage's replicas
 /// (block 0 on workers 0 and 1, block 1 on workers 2 and 3), and under ZeRO-2 where the slot
-/// shards live; `ep` beside `tp` and ZeRO-3 beside `ep` × `pp` are refused naming what runs.
+/// shards live, and under ZeRO-3 the weights' shards; ZeRO beside `ep` and `tp` is refused
+/// naming what runs.
 #[test]
 fn partition_shows_each_stages_expert_groups_and_shards() {
     let dir = scratch("mesh-expert-pipeline-partition");
@@ -417,19 +439,30 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
     ] {
         assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
-    for (extra, want) in [
-        (
-            vec!["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "3"],
-            "ZeRO-3 beside expert parallelism inside pipeline stages does not run yet",
+    // ZeRO-3: stage 1's dense weights halved over workers 2 and 3, its experts whole (E = D).
+    let out = partition(&["--mesh", "dp=2,ep=2,pp=2", "--zero-stage", "3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    for line in [
+        format!(
+            "transformer.h.1.attn.c_attn.weight/shard_1_of_2 f32[384] on {}\n",
+            w(3)
         ),
-        (
-            vec!["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "1"],
-            "ZeRO beside expert parallelism and tensor parallelism does not run yet",
+        format!(
+            "transformer.h.1.mlp.experts.c_fc.weight/shard_1 f32[2, 64, 16] on {}\n",
+            w(3)
         ),
     ] {
-        let out = partition(&extra);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{extra:?} was accepted");
-        assert!(err.contains(want), "{extra:?}: no `{want}` in:\n{err}");
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
+    let extra = ["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "1"];
+    let want = "ZeRO beside expert parallelism and tensor parallelism does not run yet";
+    let out = partition(&extra);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{extra:?} was accepted");
+    assert!(err.contains(want), "{extra:?}: no `{want}` in:\n{err}");
 }

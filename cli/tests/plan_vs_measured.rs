@@ -684,9 +684,9 @@ fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
     // and memory is what it measures. No evaluation: worker 0 would evaluate the whole model
     // on whole batches, past its training step's peak (the count is the training step's).
     // Under ZeRO-1 each stage's dense slots are sharded over its replicas (the experts' stay
-    // whole: ep = dp).
+    // whole: ep = dp); under ZeRO-3 its dense weights too, gathered before each pass.
     let graph = small_moe_gpt("plan_vs_measured_ep_pp");
-    for zero in [None, Some("1"), Some("2")] {
+    for zero in [None, Some("1"), Some("2"), Some("3")] {
         let mut flags = vec![
             "--mesh",
             "dp=2,ep=2,pp=2",

@@ -143,9 +143,10 @@ pub fn build_strategy(
 /// dp axis and the expert-data-parallel groups: the dense parameters' states, and at stage 3
 /// the parameters themselves, sharded over all the workers, each expert shard's over the
 /// workers holding it), inside `pp` balanced pipeline stages when `pp > 1` (each stage's `dp`
-/// replicas in groups of `ep`; with `--zero-stage 1|2`, ZeRO over each stage's replicas for the
-/// dense states and over the stage's expert-data-parallel groups for each expert shard's, one
-/// global clipping norm; ZeRO-3 there is refused); `ep` beside `tp > 1` (pp = 1, no ZeRO) the
+/// replicas in groups of `ep`; with `--zero-stage 1|2|3`, ZeRO over each stage's replicas for
+/// the dense states and over the stage's expert-data-parallel groups for each expert shard's,
+/// one global clipping norm, and at stage 3 each stage's dense and expert weights sharded so,
+/// gathered per micro-batch); `ep` beside `tp > 1` (pp = 1, no ZeRO) the
 /// tensor strategy with the MoE layers replicated over tp and their experts over `ep` replicas,
 /// refused beside a pipeline axis or ZeRO. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
@@ -166,13 +167,7 @@ pub fn apply_mesh(
         *tp = Some(mesh.tp);
         "tensor"
     } else if mesh.ep > 1 {
-        if let Some(stage) = zero_stage.filter(|&s| mesh.pp > 1 && s >= 3) {
-            anyhow::bail!(
-                "--mesh {} with --zero-stage {stage}: ZeRO-3 beside expert parallelism inside pipeline stages does not run yet (ZeRO beside expert parallelism inside pipeline stages runs at stages 1 and 2); use --zero-stage 1 or 2, or drop the pp axis",
-                mesh_text(mesh)
-            );
-        }
-        // ZeRO (stages 1 to 3; inside pipeline stages 1 and 2): the dense states over dp (each
+        // ZeRO (stages 1 to 3, inside pipeline stages too): the dense states over dp (each
         // stage's replicas), each expert shard's over its expert-data-parallel group.
         if mesh.pp > 1 {
             // Expert parallelism inside each of pp balanced pipeline stages.

@@ -121,9 +121,9 @@ pub fn strategy_for(
         options.ep = Some(mesh.ep);
         "tensor"
     } else if mesh.ep > 1 {
-        if layout.zero > 3 || (mesh.pp > 1 && layout.zero > 2) {
+        if layout.zero > 3 {
             return Err(refuse(
-                "expert parallelism runs over dp × ep at ZeRO stages 0 to 3, or dp × ep × pp at ZeRO stages 0 to 2",
+                "expert parallelism runs over dp × ep (inside pipeline stages too) at ZeRO stages 0 to 3",
             ));
         }
         if mesh.pp > 1 {

@@ -291,11 +291,11 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep, mesh.tp
             )));
         }
-        // An MoE layer couples a micro-batch's tokens (capacity, load-balancing loss); ZeRO
-        // beside ep × pp runs at stages 1 and 2 (2: refused above beside any pipeline).
+        // The table models ep × pp with one micro-batch at ZeRO ≤ 2 (dflow run also runs
+        // ZeRO-3 there, and several micro-batches where no router couples the batch).
         if mesh.pp > 1 && (layout.zero > 2 || layout.micro_batches > 1) {
             return Err(refuse(format!(
-                "ep={} beside pp runs one micro-batch at ZeRO ≤ 2: use m=1",
+                "ep={} beside pp is modelled with one micro-batch at ZeRO ≤ 2 (dflow run runs ZeRO-3 there too: --layout shows its job plan's count): use m=1, zero ≤ 2",
                 mesh.ep
             )));
         }
@@ -887,7 +887,7 @@ mod tests {
         assert!(a2a > 0);
         assert_eq!(predicted, a2a as f64);
         for (bad, want) in [
-            ("dp=2,ep=2,pp=2,m=2", "beside pp runs one micro-batch"),
+            ("dp=2,ep=2,pp=2,m=2", "beside pp is modelled with one micro-batch"),
             ("dp=2,ep=2,tp=2,zero=1", "without ZeRO"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())

@@ -66,9 +66,9 @@
 //!
 //! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
-//!   replicas (see [`pipeline`]); with `--zero-stage 1|2`, ZeRO over each stage's groups.
+//!   replicas (see [`pipeline`]); with `--zero-stage 1|2|3`, ZeRO over each stage's groups.
 //!
-//! Not supported: asynchronous training; ZeRO-3 beside it inside pipeline stages. Beside tensor
+//! Not supported: asynchronous training. Beside tensor
 //! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
 //! ([`super::tensor::experts`], through `worker_forward`).
 
@@ -239,14 +239,6 @@ pub(super) static REGISTRATION: Registration = Registration {
             chunks: opts.chunks,
             batch_size: opts.batch_size,
         });
-        if let (Some(stage @ 3..), Some(_)) = (zero, pipeline) {
-            return Err(StrategyError::Options {
-                strategy: "expert",
-                message: format!(
-                    "--zero-stage {stage} beside expert parallelism inside pipeline stages does not run yet (stages 1 and 2 do): use --zero-stage 1 or 2, or drop the pp axis"
-                ),
-            });
-        }
         Ok(Box::new(Expert {
             bucket_bytes: opts.bucket_bytes,
             batch_size: opts.batch_size,
@@ -1134,7 +1126,9 @@ pub(crate) struct EvalCopy<'a> {
     pub layout: ExpertLayout,
     /// ZeRO-3: the parameters are flat shards, joined before each use.
     pub stage3: bool,
-    /// The device of shard `j` of an expert variable.
+    /// The device of variable `v` (its one-process name) on worker `j` (beside a pipeline,
+    /// replica `j`'s stage holding it): expert shard `j` of an expert variable, and under
+    /// ZeRO-3 rank `j`'s flat shards.
     pub shard_device: &'a dyn Fn(&str, usize) -> Result<String, StrategyError>,
     /// Read placeholders of the one-process shapes (`eval/<name>`).
     pub own_placeholders: bool,
@@ -1212,6 +1206,7 @@ pub(crate) fn add_eval_copy(
                                 name: &name,
                                 dims: &rows,
                                 holders: &holders,
+                                device: &|w| (copy.shard_device)(&n.name, w),
                             };
                             shards.push(part.add(&mut taken, &mut added, &mut sent, &device)?);
                             continue;
@@ -1235,6 +1230,7 @@ pub(crate) fn add_eval_copy(
                         name: &n.name,
                         dims: &dims,
                         holders: &holders,
+                        device: &|w| (copy.shard_device)(&n.name, w),
                     };
                     let mut sent = Vec::new();
                     let value = whole.add(&mut taken, &mut added, &mut sent, &device)?;
@@ -1315,6 +1311,8 @@ struct FlatJoin<'a> {
     dims: &'a [usize],
     /// The workers holding its shards, in rank order.
     holders: &'a [usize],
+    /// The device of worker `w`'s shard.
+    device: &'a dyn Fn(usize) -> Result<String, StrategyError>,
 }
 
 impl FlatJoin<'_> {
@@ -1336,7 +1334,7 @@ impl FlatJoin<'_> {
                 let mut v = self.var.clone();
                 super::zero::params::flat_shard(&mut v, self.name, self.dims, r, ranks);
                 v.name = piece.clone();
-                v.device = worker_device(&self.var.name, &self.var.device, w)?;
+                v.device = (self.device)(w)?;
                 v.colocate_with.clear();
                 let send = fresh(taken, &format!("eval/{piece}/sent"));
                 added.push(node(&send, "Identity", vec![piece.clone()], &v.device));

@@ -35,13 +35,17 @@
 //! so more than one micro-batch runs only where that coupling is void (capacity factor ≥ E, α
 //! = 0; see [`crate::strategy::pipeline`]).
 //!
-//! - **ZeRO** (`--zero-stage 1|2`, [`ReplicaZero`]): the pipeline's per-stage ZeRO
+//! - **ZeRO** (`--zero-stage 1|2|3`, [`ReplicaZero`]): the pipeline's per-stage ZeRO
 //!   (`pipeline::zero::shard_stages`) in place of the sums and the clipping above, told by
 //!   `rewrite::ExpertStages` which parameters are expert shards: each stage's dense Adam
 //!   slots sharded over the stage's `D` replicas, each expert shard's over the stage's
 //!   replicas holding it (`super::zero::expert_shard_step`; none when `E = D`, their slots
 //!   stay whole), one global clipping norm from every stage's dense and expert `Σ‖g‖²`.
-//!   Not built: ZeRO-3 beside it.
+//!   At stage 3 the weights too: each stage's dense weights flat-sharded over the stage's
+//!   replicas, each expert shard's over its holders (drawn from its rows of the one-process
+//!   variable, `super::zero::as_row_split`), gathered over those groups before each
+//!   micro-batch's forward and backward use; worker 0's evaluation copy ([`EvalCopy`]) joins
+//!   every stage's shards from the workers holding them.
 
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, EvalCopy, ExpertLayout, ForwardGroups,
@@ -91,7 +95,7 @@ pub struct ExpertPipelineGraphs {
 }
 
 /// The training graphs of the MoE model `graph` on `mesh` (`tp = 1`, `pp > 1`, `ep > 1`), cut
-/// and scheduled as `pipeline` says, with ZeRO (stages 1 and 2) over each stage's groups when
+/// and scheduled as `pipeline` says, with ZeRO (stages 1 to 3) over each stage's groups when
 /// `zero` says (see the module docs).
 pub fn expert_pipeline_training(
     graph: &Graph,
@@ -109,9 +113,9 @@ pub fn expert_pipeline_training(
         )));
     }
     if let Some(z) = zero {
-        if !(1..=2).contains(&z.stage) {
+        if !(1..=3).contains(&z.stage) {
             return Err(options(format!(
-                "mesh {mesh}: --zero-stage {} beside expert parallelism inside pipeline stages does not run yet (stages 1 and 2 do)",
+                "mesh {mesh}: --zero-stage must be 1, 2 or 3, got {}",
                 z.stage
             )));
         }
@@ -314,17 +318,22 @@ pub fn expert_pipeline_training(
     let Some(shape) = shape_of else {
         return Err(options(format!("mesh {mesh}: no data-parallel replica")));
     };
-    // Evaluation on worker 0: shard j of a stage-s expert lives on replica j's stage s.
+    // Evaluation on worker 0: shard j of a stage-s expert lives on replica j's stage s, and so
+    // does replica j's flat ZeRO-3 shard of a stage-s parameter.
     let shard_device = |var: &str, j: usize| -> Result<String, StrategyError> {
-        let s = expert_stage
-            .get(var)
-            .ok_or_else(|| PipelineError::Internal(format!("no stage for expert `{var}`")))?;
-        Ok(worker_device(mesh.rank(0, j, *s)))
+        let s = match expert_stage.get(var) {
+            Some(&s) => s,
+            None => first_cut
+                .get(var)
+                .map(|&v| shape.device_of(v))
+                .ok_or_else(|| PipelineError::Internal(format!("no stage for `{var}`")))?,
+        };
+        Ok(worker_device(mesh.rank(0, j, s)))
     };
     if let Some(g) = graphs.first_mut() {
         let copy = EvalCopy {
             layout: ExpertLayout::new(dp, ep)?,
-            stage3: false,
+            stage3: zero.is_some_and(|z| z.stage >= 3),
             shard_device: &shard_device,
             own_placeholders: true,
         };
@@ -731,7 +740,7 @@ mod tests {
     /// parameter's Adam slots and shard `d / 2` of 2 of its expert shard's (`k = d mod 2`),
     /// each on the parameter's stage; the gradients are reduce-scattered over the stage's
     /// replicas and over the stage's holders of the shard; one clipping scale per replica; the
-    /// ranks of every group call its collectives in one order under keys of their own. ZeRO-3
+    /// ranks of every group call its collectives in one order under keys of their own. ZeRO-4
     /// is refused.
     #[test]
     fn dp4_ep2_pp2_zero2_shards_dense_slots_over_the_stage_and_expert_slots_over_their_holders() {
@@ -778,13 +787,177 @@ mod tests {
             assert_eq!(scales, 1);
             assert!(!nodes.iter().any(|n| n.name.starts_with("experts/grad_")));
         }
-        let e = expert_pipeline_training(&graph, &spec, &mesh, &p, zero(3), "idx", "targets")
+        let e = expert_pipeline_training(&graph, &spec, &mesh, &p, zero(4), "idx", "targets")
             .unwrap_err()
             .to_string();
-        assert!(
-            e.contains("--zero-stage 3 beside expert parallelism"),
-            "{e}"
-        );
+        assert!(e.contains("--zero-stage must be 1, 2 or 3, got 4"), "{e}");
+    }
+
+    /// ZeRO-3 beside `dp=4,ep=2,pp=2` (2 micro-batches): replica `d` holds the flat shard `d`
+    /// of 4 of each dense weight and the flat shard `d / 2` of 2 of its expert shard
+    /// `k = d mod 2` (rows `k` of 2 of the one-process variable), each only on the worker of
+    /// its stage; no whole weight is left; every micro-batch's forward pass reads a gather of
+    /// its own over the stage's replicas (dense) or the stage's holders of the shard (experts),
+    /// on that worker, and its backward pass another; the ranks of every group call its
+    /// collectives in one order. Worker 0's evaluation copy joins every stage's shards from
+    /// the workers holding them, with no collective.
+    #[test]
+    fn dp4_ep2_pp2_zero3_shards_each_stages_weights_on_its_workers_and_gathers_them_per_micro_batch(
+    ) {
+        let (graph, spec) = moe_gpt(Some(0.5));
+        let mesh = Mesh::new(4, 1, 2).unwrap().with_ep(2).unwrap();
+        let zero = ReplicaZero {
+            stage: 3,
+            bucket_bytes: 1 << 20,
+        };
+        let p = pipeline(2, ScheduleKind::OneFOneB);
+        let staged =
+            expert_pipeline_training(&graph, &spec, &mesh, &p, Some(zero), "idx", "targets")
+                .unwrap();
+        one_order_per_group(&staged, 4, 2);
+        let experts: HashSet<&str> = staged
+            .layers
+            .iter()
+            .flat_map(|l| l.variables.iter().map(String::as_str))
+            .collect();
+        // Every shard variable's device, from the replica that trains it.
+        let mut home: HashMap<String, String> = HashMap::new();
+        for (d, g) in staged.graphs.iter().enumerate() {
+            let nodes = &g.training.def.nodes;
+            let find = |name: &str| nodes.iter().find(|n| n.name == name);
+            let (k, j) = (d % 2, d / 2);
+            for i in graph
+                .node_indices()
+                .filter(|&i| graph.node(i).op == "Variable")
+            {
+                let var = graph.node(i).name.as_str();
+                let len: usize = graph
+                    .output_type(i, 0)
+                    .unwrap()
+                    .shape
+                    .as_static()
+                    .unwrap()
+                    .iter()
+                    .product();
+                let (owned, whole, group, elements) = if experts.contains(var) {
+                    let row = crate::strategy::expert::shard_name(var, k);
+                    assert!(find(&row).is_none(), "replica {d}: {row} still whole");
+                    (
+                        format!("{row}/shard_{j}_of_2"),
+                        row,
+                        "experts_dp",
+                        len / 2 / 2,
+                    )
+                } else {
+                    (
+                        format!("{var}/shard_{d}_of_4"),
+                        var.to_string(),
+                        "pipeline/stage",
+                        len.div_ceil(4),
+                    )
+                };
+                assert!(find(&whole).is_none(), "replica {d}: {whole} still whole");
+                let v = find(&owned).unwrap_or_else(|| panic!("replica {d}: no `{owned}`"));
+                assert_eq!(
+                    v.attrs.get("shape"),
+                    Some(&AttrValue::Shape(dflow_graph::Shape::known(&[elements]))),
+                    "{owned}"
+                );
+                let task = task_of(&v.device) as usize;
+                assert_eq!(task % 4, d, "{owned} on worker {task}");
+                let s = task / 4;
+                let key = if experts.contains(var) {
+                    assert_eq!(
+                        v.attrs.get("shard_parts"),
+                        Some(&AttrValue::Int(2)),
+                        "{owned}"
+                    );
+                    assert_eq!(
+                        v.attrs.get("shard_index"),
+                        Some(&AttrValue::Int(k as i64)),
+                        "{owned}"
+                    );
+                    expert_data_stage_group(s, k)
+                } else {
+                    stage_group(s)
+                };
+                assert!(key.starts_with(group));
+                home.insert(owned.clone(), v.device.clone());
+                // Every gather of it runs on the shard's worker, over the shard's group; each
+                // micro-batch's forward pass reads one of its own (an expert bias, reshaped
+                // once for the micro-batches, is gathered once for their forward passes).
+                let gathers: Vec<&NodeDef> = nodes
+                    .iter()
+                    .filter(|n| n.op == "CollectiveAllGather" && n.inputs.first() == Some(&owned))
+                    .collect();
+                for g in &gathers {
+                    assert_eq!(g.device, v.device, "{}", g.name);
+                    assert_eq!(attr(g, "group_key"), key, "{}", g.name);
+                }
+                let shared = var.contains(".experts.") && var.ends_with(".bias");
+                for m in 0..2 {
+                    let pass = if shared {
+                        "forward".to_string()
+                    } else {
+                        format!("_mb{m}_forward")
+                    };
+                    assert!(
+                        gathers.iter().any(|n| n.name.ends_with(&pass)),
+                        "{owned}: micro-batch {m}: {:?}",
+                        gathers.iter().map(|n| &n.name).collect::<Vec<_>>()
+                    );
+                }
+            }
+            // An expert matrix and a dense one are read again by each backward pass.
+            for w in [
+                format!(
+                    "{}/shard_{k}/shard_{j}_of_2",
+                    "transformer.h.1.mlp.experts.c_proj.weight"
+                ),
+                format!("transformer.h.1.attn.c_proj.weight/shard_{d}_of_4"),
+            ] {
+                for m in 0..2 {
+                    assert!(
+                        nodes.iter().any(|n| n.op == "CollectiveAllGather"
+                            && n.inputs.first() == Some(&w)
+                            && n.name.ends_with(&format!("_mb{m}_backward"))),
+                        "{w}: backward {m}"
+                    );
+                }
+            }
+            assert!(!nodes.iter().any(|n| n.op == "Assign"));
+        }
+        // Worker 0's evaluation copy reads each shard where its replica keeps it, joined with
+        // no collective, and every stage's expert shards from their holders.
+        let nodes = &staged.graphs[0].training.def.nodes;
+        let weight_shards = nodes.iter().filter(|n| {
+            n.op == "Variable" && n.name.contains("_of_") && !n.name.contains("/adam_")
+        });
+        for n in weight_shards {
+            assert_eq!(home.get(&n.name), Some(&n.device), "{}", n.name);
+        }
+        let eval: Vec<&NodeDef> = nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+            .collect();
+        assert!(eval.iter().all(|n| !n.op.starts_with("Collective")));
+        let joined = |name: &str| {
+            let n = eval
+                .iter()
+                .find(|n| n.name == format!("eval/{name}/joined"))
+                .unwrap();
+            assert_eq!(n.op, "PackFlat");
+            n.inputs.clone()
+        };
+        assert_eq!(joined("transformer.wte.weight").len(), 4);
+        let row = crate::strategy::expert::shard_name("transformer.h.1.mlp.experts.c_fc.weight", 1);
+        let pieces = joined(&row);
+        assert_eq!(pieces.len(), 2);
+        for (r, piece) in pieces.iter().enumerate() {
+            let send = eval.iter().find(|n| &n.name == piece).unwrap();
+            // Rows 1 of stage 1's expert: replicas 1 and 3, on stage 1 (workers 5 and 7).
+            assert_eq!(task_of(&send.device) as usize, 4 + 1 + 2 * r, "{piece}");
+        }
     }
 
     /// No expert weight shard crosses stages: each MoE layer's shards live on one stage (block

@@ -258,7 +258,7 @@ pub(crate) fn expert_shard_step(
 /// Marks `v`, the expert row shard `shard` of `ep` (`[E/ep, ...]` rows of its `shard_of`), as
 /// axis-0 part `shard` of `ep` of the whole variable: the same rows, in the form a flat shard of
 /// it keeps ([`params::flat_shard`]: its elements of those rows, zero-padded past their end).
-pub(super) fn as_row_split(v: &mut NodeDef, ep: usize, shard: usize) {
+pub(crate) fn as_row_split(v: &mut NodeDef, ep: usize, shard: usize) {
     v.attrs
         .insert("shard_parts".into(), AttrValue::Int(ep as i64));
     v.attrs.insert("shard_axis".into(), AttrValue::Int(0));

@@ -17,14 +17,17 @@
 //! are then chained in one order that respects the schedule, the same on every replica. The
 //! evaluation copy (on the chief) reads every replica's shards joined, with no collective.
 //!
-//! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2`,
+//! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2|3`,
 //! `crate::strategy::expert::pipeline`) each stage's expert shards take their own step over the
-//! stage's replicas holding them; their `Σ‖g‖²` joins the stages' sums.
+//! stage's replicas holding them; their `Σ‖g‖²` joins the stages' sums. At stage 3 their flat
+//! shards (of rows `r mod E` of the one-process variable on replica `r`) are gathered over
+//! those replicas per micro-batch and pass, as the dense ones over the stage's; the caller
+//! adds the evaluation copy.
 
 use super::rewrite::{RewriteInput, SCOPE};
 use super::{Pipeline, PipelineError, PipelineGraphs};
 use crate::strategy::allreduce::{fresh, node};
-use crate::strategy::expert::zero::expert_shard_step;
+use crate::strategy::expert::zero::{as_row_split, expert_shard_step};
 use crate::strategy::zero::{self, params, Clip, OuterShards, Param, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, Strategy, StrategyError};
 use dflow_graph::train::TrainingGraph;
@@ -155,9 +158,9 @@ impl Passes<'_> {
 /// sharded over the stage's group and gathered before each micro-batch's forward and backward
 /// use (`passes` tells them apart); the caller then chains each device's collectives
 /// ([`order_collectives_per_device`]) once the schedule is in the graph. Beside expert
-/// parallelism (`input.tensor`'s `experts`, stages 1 and 2) each stage's expert shards are left
-/// out of the stage's step and given their own (`expert::zero::expert_shard_step`) over the
-/// stage's replicas holding them. `typed` is the validated `training.def`. Returns the name of
+/// parallelism (`input.tensor`'s `experts`) each stage's expert shards are left out of the
+/// stage's step and given their own (`expert::zero::expert_shard_step`) over the stage's
+/// replicas holding them, at stage 3 sharded and gathered over those replicas too. `typed` is the validated `training.def`. Returns the name of
 /// the global batch's loss.
 pub(super) fn shard_stages(
     training: &mut TrainingGraph,
@@ -200,8 +203,9 @@ pub(super) fn shard_stages(
     let mut squared = Vec::new();
     let mut added = Vec::new();
     let mut global = None;
-    // ZeRO-3: each stage's parameters in the shard layout, its group, and its index.
-    let mut sharded: Vec<(Vec<Param>, ShardGroup, usize)> = Vec::new();
+    // ZeRO-3: each stage's parameters in the shard layout, their group, the stage's index,
+    // and whether they are expert shards.
+    let mut sharded: Vec<(Vec<Param>, ShardGroup, usize, bool)> = Vec::new();
     for (d, device) in input.devices.iter().enumerate() {
         let key = input
             .dp_groups
@@ -248,11 +252,6 @@ pub(super) fn shard_stages(
                 zero::shard_step_with(training, typed, &mut nodes, &ctx, how, outer.as_ref())?;
             squared.extend(sq);
             if let Some((t, e)) = experts.filter(|_| !expert_grads.is_empty()) {
-                if zero.stage >= 3 {
-                    return Err(internal(
-                        "ZeRO-3 beside expert parallelism inside pipeline stages".into(),
-                    ));
-                }
                 let data = match &e.data_groups {
                     Some(groups) => Some(ShardGroup {
                         rank: e.rank,
@@ -274,7 +273,7 @@ pub(super) fn shard_stages(
                     .ok_or_else(|| internal(format!("no expert-parallel group for stage {d}")))?;
                 let mut en =
                     zero::Nodes::new(std::mem::take(&mut nodes.taken), device, nodes.instance);
-                let (_, sq) = expert_shard_step(
+                let (expert_params, sq) = expert_shard_step(
                     training,
                     typed,
                     &mut en,
@@ -287,9 +286,14 @@ pub(super) fn shard_stages(
                 squared.extend(sq);
                 nodes.taken = std::mem::take(&mut en.taken);
                 nodes.added.append(&mut en.added);
+                // ZeRO-3: the expert shards' flat shards over their holders (none when no
+                // other replica holds them: they stay whole).
+                if let Some(data) = data.filter(|_| zero.stage >= 3) {
+                    sharded.push((expert_params, data, d, true));
+                }
             }
             if zero.stage >= 3 {
-                sharded.push((params, ctx, d));
+                sharded.push((params, ctx, d, false));
             }
         }
         if d == loss_stage {
@@ -328,7 +332,7 @@ pub(super) fn shard_stages(
             .first()
             .ok_or_else(|| internal("a pipeline with no stage".into()))?;
         let is_eval = |n: &NodeDef| n.name.starts_with("eval/");
-        for (params, ctx, d) in &sharded {
+        for (params, ctx, d, _) in sharded.iter().filter(|s| !s.3) {
             let device_of = |q: usize| input.replica_devices.get(q)?.get(*d).cloned();
             keep.extend(params::join_for_eval(
                 &mut training.def,
@@ -344,7 +348,22 @@ pub(super) fn shard_stages(
             forward: &keep,
             unit_of: passes.unit_of,
         };
-        for (params, ctx, _) in &sharded {
+        // Each expert shard's flat shards are drawn from its rows of the one-process
+        // variable, as beside `--mesh dp=D,ep=E` (`expert::zero`): replica `r` holds rows
+        // `r mod E` of `E`.
+        if let Some((t, e)) = input.tensor.and_then(|t| Some((t, t.experts.as_ref()?))) {
+            if sharded.iter().any(|s| s.3) {
+                for v in training
+                    .def
+                    .nodes
+                    .iter_mut()
+                    .filter(|n| n.op == "Variable" && t.shards.contains(&n.name))
+                {
+                    as_row_split(v, e.ep, input.replica % e.ep);
+                }
+            }
+        }
+        for (params, ctx, _, _) in &sharded {
             params::shard_parameters_by(&mut training.def, params, ctx, &keep, &roots, &|n| {
                 passes.use_of(n)
             })?;
