@@ -295,7 +295,7 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
         // ZeRO-3 there, and several micro-batches where no router couples the batch).
         if mesh.pp > 1 && (layout.zero > 2 || layout.micro_batches > 1) {
             return Err(refuse(format!(
-                "ep={} beside pp is modelled with one micro-batch at ZeRO ≤ 2 (dflow run runs ZeRO-3 there too: --layout shows its job plan's count): use m=1, zero ≤ 2",
+                "ep={} beside pp is modelled with one micro-batch at ZeRO ≤ 2 (dflow run runs ZeRO-3 there too): use m=1, zero ≤ 2",
                 mesh.ep
             )));
         }
