@@ -423,8 +423,8 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
             "ZeRO-3 beside expert parallelism inside pipeline stages does not run yet",
         ),
         (
-            vec!["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "1"],
-            "ZeRO beside expert parallelism and tensor parallelism does not run yet",
+            vec!["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "3"],
+            "ZeRO-3 beside expert parallelism and tensor parallelism does not run yet",
         ),
     ] {
         let out = partition(&extra);

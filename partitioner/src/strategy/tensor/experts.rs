@@ -29,7 +29,7 @@
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
     scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, Gpt, Nodes, RankAt,
-    RankForward, ShardedWeight, TensorGraphs,
+    RankForward, ShardedWeight, TensorGraphs, zero_slot_shards,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
@@ -40,7 +40,8 @@ use crate::strategy::expert::{
     DROPPED_METRIC,
 };
 use crate::strategy::{JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
-use dflow_graph::train::{expand_training_graph, TrainSpec};
+use crate::strategy::zero::{self, Clip, ShardGroup};
+use dflow_graph::train::{expand_training_graph, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef};
 use std::collections::{HashMap, HashSet};
 
@@ -57,6 +58,10 @@ pub struct TensorExpert {
     pub bucket_bytes: usize,
     /// The global batch, when known: the data-parallel size must divide it.
     pub batch_size: Option<usize>,
+    /// ZeRO's stage (1 or 2; `--mesh dp=D,tp=T,ep=E --zero-stage S`): each rank's dense Adam
+    /// slots sharded over its `data_t<t>` group, each expert shard's over its
+    /// `experts_dp<s>_t<t>` group (whole when `D = E`); `None`: no ZeRO.
+    pub zero_stage: Option<u8>,
 }
 
 /// The collective group of rank `rank`'s all-to-alls: `experts_ep<g>_t<t>`, its
@@ -118,8 +123,14 @@ impl Strategy for TensorExpert {
     }
 
     fn describe(&self) -> String {
+        let zero = match self.zero_stage {
+            Some(s) => format!(
+                ", ZeRO stage {s} over the data-parallel axis and the expert-data-parallel groups"
+            ),
+            None => String::new(),
+        };
         format!(
-            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all)",
+            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all){zero}",
             self.tp, self.ep
         )
     }
@@ -150,6 +161,7 @@ impl Strategy for TensorExpert {
             input.train,
             &mesh,
             self.bucket_bytes,
+            self.zero_stage,
             input.features,
             input.labels,
         )?;
@@ -172,8 +184,33 @@ impl Strategy for TensorExpert {
         )?;
         plan.batch_parts = mesh.dp as u32;
         let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
-        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
+        if self.zero_stage.is_some() {
+            // ZeRO's flat shards gathered first: the dense slots over data_t<t> (tp shards'
+            // and replicated), each expert shard's over experts_dp<s>_t<t>; then the tp
+            // shards and the expert row shards joined along their axes.
+            let (_, rows) = expert::zero_dims(input.graph, &layers, mesh.ep);
+            let mut sharded = zero_slot_shards(input, &graphs.shards, &plan.variables, &mesh);
+            if mesh.dp > mesh.ep {
+                sharded.extend(crate::strategy::zero::slot_shards(
+                    &plan.variables,
+                    &rows,
+                    mesh.dp / mesh.ep,
+                ));
+            }
+            let mut axis = sharded_variables(&graphs.shards, &plan.variables, &sharded, tp);
+            axis.extend(expert::expert_row_shards(
+                &plan.variables,
+                &sharded,
+                &layers,
+                &rows,
+                mesh.ep,
+            ));
+            plan.sharded = sharded;
+            plan.axis_sharded = axis;
+        } else {
+            plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
+            plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
+        }
         Ok(plan)
     }
 }
@@ -186,6 +223,7 @@ pub fn mesh_expert_training(
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    zero_stage: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -201,6 +239,15 @@ pub fn mesh_expert_training(
              placements by hand"
                 .into(),
         ));
+    }
+    if let Some(stage) = zero_stage {
+        if !matches!(stage, 1 | 2) {
+            return Err(options(format!(
+                "mesh {mesh} with --zero-stage {stage}: ZeRO beside expert parallelism and \
+                 tensor parallelism runs at stages 1 and 2; use --zero-stage 1 or 2"
+            )));
+        }
+        crate::strategy::zero::check_optimizer(spec, "tensor")?;
     }
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
     if loss_dtype != DType::F32 {
@@ -230,7 +277,7 @@ pub fn mesh_expert_training(
     let shards = gpt.layout(graph, mesh.tp)?;
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, None);
+        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
         let parts = RankParts {
             forward: &def,
             gpt: &gpt,
@@ -301,12 +348,84 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
         group: at.group.clone(),
     };
     let all = std::mem::take(&mut training.gradients);
-    let (mut expert_grads, dense): (Vec<_>, Vec<_>) =
+    let (expert_grads, dense): (Vec<_>, Vec<_>) =
         all.iter().cloned().partition(|(v, _)| local.contains(v));
-    // The dense gradients (tp shards and replicated) bucketed over data_t<t>; the loss made
-    // the global batch's.
+    let grads = Gradients {
+        dense,
+        experts: expert_grads,
+    };
+    let (dense, expert_grads) = match replica.zero_stage {
+        Some(stage) => {
+            let step = ZeroStep {
+                stage,
+                replica,
+                weighted: &weighting.weighted,
+                renames: &renames,
+            };
+            zero_step(&mut training, &typed, &mut n, p, at, &step, grads)?
+        }
+        None => all_reduce_step(
+            &mut training,
+            &typed,
+            &mut n,
+            p,
+            at,
+            replica,
+            &weighting.weighted,
+            &renames,
+            grads,
+        )?,
+    };
+    let mut now: HashMap<String, String> = dense.into_iter().chain(expert_grads).collect();
+    training.gradients = all
+        .into_iter()
+        .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
+        .collect();
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    let dropped = add_dropped_count(&mut training.def, &training.loss, p.forward, at, &device);
+    let mut g = finish_rank(
+        training,
+        at,
+        Some(weighting.weight),
+        p.spec,
+        features,
+        labels,
+    )?;
+    if let Some(d) = dropped {
+        g.step_metrics.push((DROPPED_METRIC.to_string(), d));
+    }
+    Ok(g)
+}
+
+/// A rank's gradients (variable, gradient): the dense ones (tp shards and replicated) and its
+/// expert shards'.
+struct Gradients {
+    dense: Vec<(String, String)>,
+    experts: Vec<(String, String)>,
+}
+
+/// Without ZeRO: the dense gradients bucketed over `data_t<t>` (the loss made the global
+/// batch's), each expert shard's summed over its expert-data-parallel group (if any), clipping
+/// by one global norm of the three kinds. Returns the gradients the updates read (dense,
+/// experts).
+#[allow(clippy::too_many_arguments)]
+fn all_reduce_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    p: &RankParts<'_>,
+    at: &RankAt,
+    replica: &data::Replica,
+    weighted: &str,
+    renames: &HashMap<String, String>,
+    grads: Gradients,
+) -> Result<Grads, StrategyError> {
+    let Gradients {
+        dense,
+        experts: mut expert_grads,
+    } = grads;
     training.gradients = dense;
-    data::reduce_gradients(&mut training, &typed, &mut n, replica, &weighting.weighted)?;
+    data::reduce_gradients(training, typed, n, replica, weighted)?;
     let dense = std::mem::take(&mut training.gradients);
     // Each expert shard's gradient summed over the replicas holding it.
     if let Some(group) = expert_data_group(p.mesh, at.task) {
@@ -327,7 +446,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
     if let Some(clip) = p.spec.clip_global_norm {
         // Σ‖g‖²: the replicated (equal everywhere) + the tp shards' over tensor_d<d> + the
         // expert shards' over experts_ep<g>_t<t> (each shard once: not over tp).
-        let mut total = squared_norm_across_shards(&dense, &mut n, &renames);
+        let mut total = squared_norm_across_shards(&dense, n, renames);
         if !expert_grads.is_empty() {
             let local_sq = n.add(
                 "ep/clip/experts_squared_norm",
@@ -336,7 +455,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
                 vec![],
             );
             let sum = n.collective_in(
-                &ep_key,
+                &ep_group(p.mesh, at.task),
                 "ep/clip/experts_squared_norm_sum",
                 "CollectiveAllReduce",
                 local_sq,
@@ -355,28 +474,100 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
                 global_norm_attrs(clip),
             );
             let grads: Vec<(String, String)> = dense.iter().chain(&expert_grads).cloned().collect();
-            scale_gradients(&mut training, &mut n, &grads, &scale);
+            scale_gradients(training, n, &grads, &scale);
         }
     }
-    let mut now: HashMap<String, String> = dense.into_iter().chain(expert_grads).collect();
-    training.gradients = all
-        .into_iter()
-        .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
-        .collect();
-    training.def.nodes.extend(std::mem::take(&mut n.added));
-    let dropped = add_dropped_count(&mut training.def, &training.loss, p.forward, at, &device);
-    let mut g = finish_rank(
+    Ok((dense, expert_grads))
+}
+
+/// (dense, experts) gradients, as the updates read them.
+type Grads = (Vec<(String, String)>, Vec<(String, String)>);
+
+/// What [`zero_step`] shards with.
+struct ZeroStep<'a> {
+    /// ZeRO's stage (1 or 2).
+    stage: u8,
+    /// The rank's replica: its `data_t<t>` group.
+    replica: &'a data::Replica,
+    /// The replica's weighted loss.
+    weighted: &'a str,
+    /// Each tp-sharded variable's name on this rank.
+    renames: &'a HashMap<String, String>,
+}
+
+/// ZeRO at `z.stage` in place of [`all_reduce_step`]'s all-reduces, composed of the steps
+/// dp × tp ZeRO and dp × ep ZeRO run: the dense gradients get [`data::zero_step_with`] over
+/// `data_t<t>` (each rank keeps its `1/D` shard of its tp shards' and replicated parameters'
+/// Adam slots; `Σ‖g‖²` summed over `data_t<t>`, the tp shards' then over `tensor_d<d>`), the
+/// loss is made the global batch's, and the expert shards get
+/// [`expert::zero::expert_shard_step`] over `experts_dp<s>_t<t>` (the rank's position in it
+/// `d / E` of `D / E`; whole slots when `D = E`; `Σ‖g‖²` summed over `experts_ep<g>_t<t>`).
+/// With clipping, one `GlobalNormScale` of the two sums scales every shard's update. Returns
+/// the gradients as the step left them (dense, experts).
+fn zero_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    p: &RankParts<'_>,
+    at: &RankAt,
+    z: &ZeroStep<'_>,
+    grads: Gradients,
+) -> Result<Grads, StrategyError> {
+    let clip = p.spec.clip_global_norm;
+    let scale = clip.map(|_| fresh(&mut n.taken, "ep/zero/clip/global_norm_scale"));
+    let how = scale.as_deref().map_or(Clip::None, Clip::Scale);
+    // The dense parameters over data_t<t>, then the global batch's loss.
+    training.gradients = grads.dense;
+    let tp_sharded: HashSet<String> = z.renames.values().cloned().collect();
+    let (_, dense_squared) = data::zero_step_with(
         training,
-        at,
-        Some(weighting.weight),
-        p.spec,
-        features,
-        labels,
+        typed,
+        n,
+        z.replica,
+        z.stage,
+        &at.group,
+        &tp_sharded,
+        how,
     )?;
-    if let Some(d) = dropped {
-        g.step_metrics.push((DROPPED_METRIC.to_string(), d));
+    data::global_loss(training, n, z.replica, z.weighted);
+    let dense = std::mem::take(&mut training.gradients);
+    // The expert shards over the replicas holding them (of the same tp coordinate).
+    let mesh = p.mesh;
+    let (_, d, _) = mesh.coords(at.task);
+    let holders = expert_data_group(mesh, at.task).map(|key| ShardGroup {
+        rank: d / mesh.ep,
+        ranks: mesh.dp / mesh.ep,
+        stage: z.stage,
+        key,
+        bucket_bytes: z.replica.bucket_bytes,
+    });
+    let ep_key = ep_group(mesh, at.task);
+    let mut nodes = zero::Nodes::new(std::mem::take(&mut n.taken), &n.device, n.instance);
+    let (_, experts_squared) = expert::zero::expert_shard_step(
+        training,
+        typed,
+        &mut nodes,
+        &n.device,
+        grads.experts,
+        holders.as_ref(),
+        (&ep_key, mesh.ep),
+        scale.as_deref(),
+    )?;
+    n.taken = nodes.taken;
+    n.instance = nodes.instance;
+    n.added.extend(nodes.added);
+    let experts = std::mem::take(&mut training.gradients);
+    if let (Some(clip), Some(scale)) = (clip, &scale) {
+        let terms: Vec<String> = dense_squared.into_iter().chain(experts_squared).collect();
+        let total = n.add("ep/zero/clip/squared_norm", "AddN", terms, vec![]);
+        let mut s = node(scale, "GlobalNormScale", vec![total], &n.device);
+        s.attrs = global_norm_attrs(clip)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        n.added.push(s);
     }
-    Ok(g)
+    Ok((dense, experts))
 }
 
 /// Points every update reading a gradient of `summed` at its sum.
