@@ -446,6 +446,52 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     eprintln!("dp=4,tp=2,ep=2 ZeRO-2: worst relative loss difference {worst:e}");
     let worst = assert_same_tensors("dp=4,tp=2,ep=2 ZeRO-2", &checkpoint(&ckpt), &whole);
     eprintln!("dp=4,tp=2,ep=2 ZeRO-2: worst parameter/slot difference {worst:e}");
+    // Where the slots live: a tp shard's in 4 flat shards over its data_t<t> group; an expert
+    // shard's in 2 over its holders of one tp coordinate (experts_dp<s>_t<t>), the same name on
+    // both tp ranks of a replica.
+    let out = dflow(&[
+        "partition",
+        graph.to_str().unwrap(),
+        "--cluster",
+        "examples/gpt/cluster-8workers.json",
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+        "--mesh",
+        "dp=4,tp=2,ep=2",
+        "--zero-stage",
+        "1",
+        "--batch-size",
+        "8",
+    ]);
+    let text = stdout(&out);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w = |i: usize| format!("/job:worker/replica:0/task:{i}");
+    for (var, on) in [
+        (
+            "transformer.wte.weight/tp_1_of_2/adam_m/shard_2_of_4 ",
+            w(5),
+        ),
+        (
+            "transformer.h.0.mlp.experts.c_fc.weight/shard_1/adam_v/shard_1_of_2 ",
+            format!("{}, {}", w(6), w(7)),
+        ),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.contains(var))
+            .unwrap_or_else(|| panic!("no `{var}` in:\n{text}"));
+        assert!(line.ends_with(&format!("on {on}")), "{line}");
+    }
+    assert!(
+        !text.contains("transformer.wte.weight/tp_1_of_2/adam_m "),
+        "a whole dense slot:\n{text}"
+    );
 }
 
 /// `dflow partition --mesh dp=4,ep=2` prints the expert-parallel groups {0,1} {2,3} and the

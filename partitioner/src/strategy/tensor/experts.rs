@@ -28,8 +28,8 @@
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
-    scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, Gpt, Nodes, RankAt,
-    RankForward, ShardedWeight, TensorGraphs, zero_slot_shards,
+    scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, zero_slot_shards,
+    Gpt, Nodes, RankAt, RankForward, ShardedWeight, TensorGraphs,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
@@ -39,8 +39,8 @@ use crate::strategy::expert::{
     self, expert_shards, moe_layers, ExpertLayout, ForwardGroups, MoeLayer, DROPPED_INSTANCE,
     DROPPED_METRIC,
 };
-use crate::strategy::{JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
 use crate::strategy::zero::{self, Clip, ShardGroup};
+use crate::strategy::{JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
 use dflow_graph::train::{expand_training_graph, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef};
 use std::collections::{HashMap, HashSet};
@@ -789,7 +789,8 @@ mod tests {
             ),
         ] {
             let mesh: Mesh = text.parse().unwrap();
-            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, None, "idx", "targets")
+                .unwrap();
             assert_eq!(tg.graphs.len(), mesh.size());
             let tasks: Vec<String> = (0..mesh.size()).map(|r| r.to_string()).collect();
             let plan_groups = groups(&mesh, &tasks);
@@ -841,5 +842,147 @@ mod tests {
                 assert!(!n.inputs.iter().any(|i| i.starts_with(&grad)), "{text}");
             }
         }
+    }
+
+    /// Every group's members run the same collectives in the same order, no rank runs one in a
+    /// group it is not a member of; returns each rank's calls.
+    fn same_order_per_group(
+        text: &str,
+        mesh: &Mesh,
+        tg: &TensorGraphs,
+    ) -> Vec<BTreeMap<String, Vec<Call>>> {
+        let tasks: Vec<String> = (0..mesh.size()).map(|r| r.to_string()).collect();
+        let plan_groups = groups(mesh, &tasks);
+        let per_rank: Vec<BTreeMap<String, Vec<Call>>> = tg.graphs.iter().map(calls).collect();
+        for g in &plan_groups {
+            let members: Vec<usize> = g.members.iter().map(|m| m.parse().unwrap()).collect();
+            let first = &per_rank[members[0]][&g.key];
+            let unique: HashSet<i64> = first.iter().map(|c| c.0).collect();
+            assert_eq!(unique.len(), first.len(), "{text} `{}`: keys reused", g.key);
+            for &m in &members[1..] {
+                assert_eq!(
+                    &per_rank[m][&g.key], first,
+                    "{text}: rank {m} in `{}`",
+                    g.key
+                );
+            }
+        }
+        for (r, calls) in per_rank.iter().enumerate() {
+            for key in calls.keys() {
+                let g = plan_groups.iter().find(|g| &g.key == key);
+                assert!(
+                    g.is_some_and(|g| g.members.contains(&r.to_string())),
+                    "{text}: rank {r} runs a collective in `{key}` and is no member"
+                );
+            }
+        }
+        per_rank
+    }
+
+    /// ZeRO-1 and ZeRO-2 beside ep × tp: rank `t + T·d` keeps shard `d` of `D` of its tp
+    /// shards' and replicated parameters' Adam slots (over `data_t<t>`) and, when `D > E`,
+    /// shard `d / E` of `D / E` of its expert shard's (over `experts_dp<s>_t<t>`), whole when
+    /// `D = E`; stage 2 reduce-scatters over both; one `GlobalNormScale` whose `Σ‖g‖²` sums
+    /// the dense part over `data_t<t>` then `tensor_d<d>` and the experts' over
+    /// `experts_ep<g>_t<t>`; every group's members run the same collectives in one order.
+    #[test]
+    fn zero_beside_ep_and_tp_shards_dense_slots_over_data_t_and_expert_slots_over_their_holders() {
+        let (graph, spec) = moe_gpt(2);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        for text in ["dp=2,tp=2,ep=2", "dp=4,tp=2,ep=2"] {
+            let mesh: Mesh = text.parse().unwrap();
+            for stage in [1u8, 2] {
+                let tg = mesh_expert_training(
+                    &graph,
+                    &spec,
+                    &mesh,
+                    1 << 20,
+                    Some(stage),
+                    "idx",
+                    "targets",
+                )
+                .unwrap();
+                let what = format!("{text} ZeRO-{stage}");
+                let per_rank = same_order_per_group(&what, &mesh, &tg);
+                let (dp, ep) = (mesh.dp, mesh.ep);
+                for (r, g) in tg.graphs.iter().enumerate() {
+                    let (t, d, _) = mesh.coords(r);
+                    let nodes = &g.training.def.nodes;
+                    let vars: HashSet<&str> = nodes
+                        .iter()
+                        .filter(|n| n.op == "Variable")
+                        .map(|n| n.name.as_str())
+                        .collect();
+                    let dense = format!(
+                        "{}/adam_m",
+                        super::super::shard_name("transformer.wte.weight", t, 2)
+                    );
+                    assert!(
+                        vars.contains(format!("{dense}/shard_{d}_of_{dp}").as_str()),
+                        "{what} rank {r}: {vars:?}"
+                    );
+                    assert!(!vars.contains(dense.as_str()), "{what} rank {r}");
+                    let replicated = "transformer.ln_f.weight/adam_v";
+                    assert!(vars.contains(format!("{replicated}/shard_{d}_of_{dp}").as_str()));
+                    let mine = format!("{expert}/shard_{}/adam_m", d % ep);
+                    if dp > ep {
+                        let piece = format!("{mine}/shard_{}_of_{}", d / ep, dp / ep);
+                        assert!(vars.contains(piece.as_str()), "{what} rank {r}: {vars:?}");
+                        assert!(!vars.contains(mine.as_str()), "{what} rank {r}");
+                    } else {
+                        assert!(vars.contains(mine.as_str()), "{what} rank {r}: {vars:?}");
+                    }
+                    let ops = &per_rank[r];
+                    let has = |key: &str, op: &str| {
+                        ops.get(key).is_some_and(|c| c.iter().any(|c| c.1 == op))
+                    };
+                    let scatter = if stage >= 2 {
+                        "CollectiveReduceScatter"
+                    } else {
+                        "CollectiveAllReduce"
+                    };
+                    assert!(has(&dp_group(t), scatter), "{what} rank {r}: {ops:?}");
+                    assert!(has(&dp_group(t), "CollectiveAllGather"), "{what} rank {r}");
+                    if let Some(holders) = expert_data_group(&mesh, r) {
+                        assert!(has(&holders, scatter), "{what} rank {r}: {ops:?}");
+                        assert!(has(&holders, "CollectiveAllGather"), "{what} rank {r}");
+                    }
+                    // No bucket all-reduce of the plain dp step.
+                    assert!(!nodes.iter().any(|n| n.name.starts_with("dp/bucket_")));
+                    // One scale: the dense Σ‖g‖² over data_t<t> (the tp shards' then over
+                    // tensor_d<d>), the experts' over experts_ep<g>_t<t>.
+                    let scales: Vec<&NodeDef> =
+                        nodes.iter().filter(|n| n.op == "GlobalNormScale").collect();
+                    assert_eq!(scales.len(), 1, "{what} rank {r}");
+                    let key = |name: &str| {
+                        let n = nodes
+                            .iter()
+                            .find(|n| n.name == name)
+                            .unwrap_or_else(|| panic!("{what} rank {r}: no `{name}`"));
+                        match n.attrs.get("group_key") {
+                            Some(AttrValue::String(k)) => k.to_string(),
+                            other => panic!("`{name}`: {other:?}"),
+                        }
+                    };
+                    assert_eq!(key("zero/clip/sharded_squared_norm"), dp_group(t));
+                    assert_eq!(
+                        key("zero/clip/sharded_squared_norm_outer"),
+                        tp_group(&mesh, d)
+                    );
+                    assert_eq!(key("zero/clip/replicated_squared_norm"), dp_group(t));
+                    assert_eq!(
+                        key("experts/zero/clip/expert_squared_norm"),
+                        ep_group(&mesh, r)
+                    );
+                }
+            }
+        }
+        // ZeRO-3 is refused, naming the stages that run.
+        let mesh: Mesh = "dp=2,tp=2,ep=2".parse().unwrap();
+        let e = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, Some(3), "idx", "targets")
+            .err()
+            .expect("ZeRO-3 refused")
+            .to_string();
+        assert!(e.contains("runs at stages 1 and 2"), "{e}");
     }
 }
