@@ -402,7 +402,8 @@ fn assert_same_tensors(
 /// shards joined) holds the same parameters and Adam moments within 1e-5, and a checkpoint
 /// written after 2 steps resumes in one process with the job's steps 3–4. `dp=4,tp=2,ep=2`
 /// on 8 workers (each expert shard's slots sharded over its 2 holders, `experts_dp<s>_t<t>`)
-/// at ZeRO-2 equals one process too.
+/// at ZeRO-1 and ZeRO-2 equals one process too (losses, parameters and moments), and `dflow
+/// partition` shows where its slot shards live.
 #[test]
 fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-tp-zero");
@@ -432,20 +433,23 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
         let worst = assert_same_losses(&resumed, &losses[2..], 1e-6);
         eprintln!("dp=2,tp=2,ep=2 ZeRO-{stage} checkpoint in one process: worst {worst:e}");
     }
-    let eight = [
-        "--cluster",
-        "examples/gpt/cluster-8workers.json",
-        "--mesh",
-        "dp=4,tp=2,ep=2",
-        "--zero-stage",
-        "2",
-    ];
-    let ckpt = dir.join("dp4-zero2");
-    let losses = run(&graph, &eight, 4, &ckpt);
-    let worst = assert_same_losses(&losses, &local, 1e-5);
-    eprintln!("dp=4,tp=2,ep=2 ZeRO-2: worst relative loss difference {worst:e}");
-    let worst = assert_same_tensors("dp=4,tp=2,ep=2 ZeRO-2", &checkpoint(&ckpt), &whole);
-    eprintln!("dp=4,tp=2,ep=2 ZeRO-2: worst parameter/slot difference {worst:e}");
+    for stage in ["1", "2"] {
+        let eight = [
+            "--cluster",
+            "examples/gpt/cluster-8workers.json",
+            "--mesh",
+            "dp=4,tp=2,ep=2",
+            "--zero-stage",
+            stage,
+        ];
+        let ckpt = dir.join(format!("dp4-zero{stage}"));
+        let losses = run(&graph, &eight, 4, &ckpt);
+        let worst = assert_same_losses(&losses, &local, 1e-5);
+        eprintln!("dp=4,tp=2,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
+        let what = format!("dp=4,tp=2,ep=2 ZeRO-{stage}");
+        let worst = assert_same_tensors(&what, &checkpoint(&ckpt), &whole);
+        eprintln!("{what}: worst parameter/slot difference {worst:e}");
+    }
     // Where the slots live: a tp shard's in 4 flat shards over its data_t<t> group; an expert
     // shard's in 2 over its holders of one tp coordinate (experts_dp<s>_t<t>), the same name on
     // both tp ranks of a replica.

@@ -348,7 +348,7 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
 /// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
 /// expert-parallel groups, and each block's expert shards on its own stage's replicas
 /// (block 0 on workers 0 and 1, block 1 on workers 2 and 3), and under ZeRO-2 where the slot
-/// shards live; `ep` beside `tp` and ZeRO-3 beside `ep` × `pp` are refused naming what runs.
+/// shards live; ZeRO-3 beside `ep` × `pp` and beside `ep` × `tp` is refused naming what runs.
 #[test]
 fn partition_shows_each_stages_expert_groups_and_shards() {
     let dir = scratch("mesh-expert-pipeline-partition");
