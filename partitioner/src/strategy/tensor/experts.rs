@@ -980,8 +980,7 @@ mod tests {
         // ZeRO-3 is refused, naming the stages that run.
         let mesh: Mesh = "dp=2,tp=2,ep=2".parse().unwrap();
         let e = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, Some(3), "idx", "targets")
-            .err()
-            .expect("ZeRO-3 refused")
+            .expect_err("ZeRO-3 refused")
             .to_string();
         assert!(e.contains("runs at stages 1 and 2"), "{e}");
     }
