@@ -53,7 +53,8 @@
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
 //!
 //! - **Beside expert parallelism** (`--mesh dp=D,tp=T,ep=E`): each MoE MLP replicated over
-//!   tp, its experts spread over ep replicas ([`experts`]).
+//!   tp, its experts spread over ep replicas ([`experts`]); with `--zero-stage 1|2`, the
+//!   dense slots sharded over `data_t<t>` and each expert shard's over its holders.
 //!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
 //! MoE blocks without an expert-parallel axis.

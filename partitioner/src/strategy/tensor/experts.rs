@@ -23,8 +23,14 @@
 //! An expert shard's gradient is the same on the T tp ranks (same tokens, and the MoE output
 //! is consumed replicated, so the same upstream gradient): it is never reduced over tp and is
 //! kept out of the dense buckets. Worker 0 evaluates a copy of the forward graph reading the
-//! tp shards and the expert shards joined. ZeRO and pipeline stages beside it are refused
-//! (`dflow run` refuses them before planning).
+//! tp shards and the expert shards joined.
+//!
+//! **ZeRO-1/2** ([`TensorExpert::zero_stage`], `zero_step`): the dense parameters' Adam slots
+//! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
+//! shard's over `experts_dp<s>_t<t>` by the step dp × ep ZeRO runs
+//! ([`expert::zero::expert_shard_step`]; whole when `D = E`), one clipping scale from both
+//! `Σ‖g‖²`. ZeRO-3 and pipeline stages beside it are refused (`dflow run` refuses them before
+//! planning).
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
