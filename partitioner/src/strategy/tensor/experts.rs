@@ -28,7 +28,7 @@
 //! **ZeRO-1/2** ([`TensorExpert::zero_stage`], `zero_step`): the dense parameters' Adam slots
 //! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
 //! shard's over `experts_dp<s>_t<t>` by the step dp × ep ZeRO runs
-//! ([`expert::zero::expert_shard_step`]; whole when `D = E`), one clipping scale from both
+//! (`expert::zero::expert_shard_step`; whole when `D = E`), one clipping scale from both
 //! `Σ‖g‖²`. ZeRO-3 and pipeline stages beside it are refused (`dflow run` refuses them before
 //! planning).
 
