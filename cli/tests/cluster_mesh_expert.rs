@@ -400,7 +400,8 @@ fn assert_same_tensors(
 /// (dp = ep: no other replica holds them), one global clipping norm. 4 steps' losses equal one
 /// process's within 1e-5, the final checkpoint (ZeRO's flat shards, the tp shards and the expert
 /// shards joined) holds the same parameters and Adam moments within 1e-5, and a checkpoint
-/// written after 2 steps resumes in one process with the job's steps 3–4. `dp=4,tp=2,ep=2`
+/// written after 2 steps resumes in one process with the job's steps 3–4 (and a one-process
+/// checkpoint under `dp=4,tp=2,ep=2` ZeRO-2 with one process's). `dp=4,tp=2,ep=2`
 /// on 8 workers (each expert shard's slots sharded over its 2 holders, `experts_dp<s>_t<t>`)
 /// at ZeRO-1 and ZeRO-2 equals one process too (losses, parameters and moments), and `dflow
 /// partition` shows where its slot shards live.
@@ -433,6 +434,21 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
         let worst = assert_same_losses(&resumed, &losses[2..], 1e-6);
         eprintln!("dp=2,tp=2,ep=2 ZeRO-{stage} checkpoint in one process: worst {worst:e}");
     }
+    // A one-process checkpoint resumes under dp=4,tp=2,ep=2 ZeRO-2 (split into tp shards,
+    // expert row shards and ZeRO's flat slot shards) with the one-process losses.
+    let from_one = dir.join("one-saved");
+    assert_eq!(run(&graph, &[], 2, &from_one).len(), 2);
+    let eight_zero2 = [
+        "--cluster",
+        "examples/gpt/cluster-8workers.json",
+        "--mesh",
+        "dp=4,tp=2,ep=2",
+        "--zero-stage",
+        "2",
+    ];
+    let resumed = run(&graph, &eight_zero2, 4, &from_one);
+    let worst = assert_same_losses(&resumed, &local[2..], 1e-5);
+    eprintln!("one process's checkpoint under dp=4,tp=2,ep=2 ZeRO-2: worst {worst:e}");
     for stage in ["1", "2"] {
         let eight = [
             "--cluster",
