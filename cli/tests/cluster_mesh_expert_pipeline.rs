@@ -369,7 +369,7 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
 /// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
 /// expert-parallel groups, and each block's expert shards on its own stage's replicas
 /// (block 0 on workers 0 and 1, block 1 on workers 2 and 3), and under ZeRO-2 where the slot
-/// shards live, and under ZeRO-3 the weights' shards; ZeRO beside `ep` and `tp` is refused
+/// shards live, and under ZeRO-3 the weights' shards; ZeRO-3 beside `ep` and `tp` is refused
 /// naming what runs.
 #[test]
 fn partition_shows_each_stages_expert_groups_and_shards() {
@@ -459,8 +459,8 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
     ] {
         assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
-    let extra = ["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "1"];
-    let want = "ZeRO beside expert parallelism and tensor parallelism does not run yet";
+    let extra = ["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "3"];
+    let want = "ZeRO-3 beside expert parallelism and tensor parallelism does not run yet";
     let out = partition(&extra);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{extra:?} was accepted");

@@ -199,7 +199,16 @@ fn plan(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::Result<()
              micro-batch, in group tensor_s<s>_d<d>"
         );
     }
-    if kind.name() == "tensor" {
+    let ep_beside_tp = args.mesh.is_some_and(|m| m.ep > 1);
+    if kind.name() == "tensor" && ep_beside_tp {
+        // The tensor-parallel layout alone refuses the MoE layers, which ep × tp replicates
+        // over tp: the job plan above is the whole story (docs/experts.md, "ep beside tp").
+        println!(
+            "\nthe MoE layers are replicated over tp and their experts spread over ep: the groups \
+             and each rank's shards are listed above"
+        );
+    }
+    if kind.name() == "tensor" && !ep_beside_tp {
         let workers = cluster.num_tasks("worker");
         let tp = args.tp.unwrap_or(workers);
         // Several tensor-parallel groups (the GPT's layout or placements by hand): the tp

@@ -146,9 +146,11 @@ pub fn build_strategy(
 /// replicas in groups of `ep`; with `--zero-stage 1|2|3`, ZeRO over each stage's replicas for
 /// the dense states and over the stage's expert-data-parallel groups for each expert shard's,
 /// one global clipping norm, and at stage 3 each stage's dense and expert weights sharded so,
-/// gathered per micro-batch); `ep` beside `tp > 1` (pp = 1, no ZeRO) the
-/// tensor strategy with the MoE layers replicated over tp and their experts over `ep` replicas,
-/// refused beside a pipeline axis or ZeRO. Returns the
+/// gathered per micro-batch); `ep` beside `tp > 1` (pp = 1) the tensor strategy with the MoE
+/// layers replicated over tp and their experts over `ep` replicas (with `--zero-stage 1|2`,
+/// each rank's dense states sharded over its `data_t<t>` group and each expert shard's over its
+/// `experts_dp<s>_t<t>` group, one global clipping norm), refused beside a pipeline axis or
+/// ZeRO-3. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -202,9 +204,9 @@ pub fn apply_mesh(
     }
 }
 
-/// `ep > 1` beside `tp > 1` runs with `pp = 1` and no ZeRO (docs/experts.md, "ep beside
-/// tp"); beside a pipeline axis or `--zero-stage` it is refused, the message naming the mesh
-/// and what runs instead.
+/// `ep > 1` beside `tp > 1` runs with `pp = 1`, with or without ZeRO-1/2 (docs/experts.md,
+/// "ep beside tp"); beside a pipeline axis or `--zero-stage 3` it is refused, the message
+/// naming the mesh and what runs instead.
 fn check_ep_beside_tp(
     mesh: &dflow_partitioner::mesh::Mesh,
     zero_stage: Option<u8>,
@@ -224,9 +226,9 @@ fn check_ep_beside_tp(
             mesh.ep
         );
     }
-    if let Some(stage) = zero_stage {
+    if let Some(stage) = zero_stage.filter(|&s| s >= 3) {
         anyhow::bail!(
-            "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism and tensor parallelism does not run yet (docs/experts.md, \"ep beside tp\"); drop --zero-stage, or use --mesh dp={},ep={} with it",
+            "--mesh {} with --zero-stage {stage}: ZeRO-3 beside expert parallelism and tensor parallelism does not run yet (ZeRO-1 and ZeRO-2 do: docs/experts.md, \"ep beside tp\"); use --zero-stage 1 or 2, or --mesh dp={},ep={} with ZeRO-3",
             mesh_text(mesh),
             mesh.dp * mesh.tp,
             mesh.ep

@@ -887,7 +887,10 @@ mod tests {
         assert!(a2a > 0);
         assert_eq!(predicted, a2a as f64);
         for (bad, want) in [
-            ("dp=2,ep=2,pp=2,m=2", "beside pp is modelled with one micro-batch"),
+            (
+                "dp=2,ep=2,pp=2,m=2",
+                "beside pp is modelled with one micro-batch",
+            ),
             ("dp=2,ep=2,tp=2,zero=1", "without ZeRO"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())

@@ -620,8 +620,26 @@ pub fn expert_shards(
 /// shapes.
 fn zero_shards(plan: &mut JobPlan, graph: &Graph, layers: &[MoeLayer], layout: ExpertLayout) {
     let (workers, ep) = (layout.workers(), layout.ep());
-    let mut dense: BTreeMap<String, (dflow_graph::DType, Vec<usize>)> = BTreeMap::new();
-    let mut shards: BTreeMap<String, (dflow_graph::DType, Vec<usize>)> = BTreeMap::new();
+    let (dense, shards) = zero_dims(graph, layers, ep);
+    plan.sharded = super::zero::slot_shards(&plan.variables, &dense, workers);
+    if workers > ep {
+        plan.sharded.extend(super::zero::slot_shards(
+            &plan.variables,
+            &shards,
+            workers / ep,
+        ));
+    }
+    plan.axis_sharded = expert_row_shards(&plan.variables, &plan.sharded, layers, &shards, ep);
+}
+
+/// Dtype and dimensions by name.
+pub(crate) type Dims = BTreeMap<String, (dflow_graph::DType, Vec<usize>)>;
+
+/// The one-process graph's trained variables, split for ZeRO's checkpoint entries: the dense
+/// ones (by name) and each expert variable's `ep` row shards (`{v}/shard_{k}`, `[E/ep, ...]`).
+pub(crate) fn zero_dims(graph: &Graph, layers: &[MoeLayer], ep: usize) -> (Dims, Dims) {
+    let mut dense = Dims::new();
+    let mut shards = Dims::new();
     let experts: HashMap<&str, &MoeLayer> = layers
         .iter()
         .flat_map(|l| l.variables.iter().map(move |v| (v.as_str(), l)))
@@ -647,14 +665,19 @@ fn zero_shards(plan: &mut JobPlan, graph: &Graph, layers: &[MoeLayer], layout: E
             }
         }
     }
-    plan.sharded = super::zero::slot_shards(&plan.variables, &dense, workers);
-    if workers > ep {
-        plan.sharded.extend(super::zero::slot_shards(
-            &plan.variables,
-            &shards,
-            workers / ep,
-        ));
-    }
+    (dense, shards)
+}
+
+/// Each expert variable and its slots whole from its `ep` row shards (axis 0): a slot is a
+/// variable of the plan (`variables`) of the shard's shape, or one of ZeRO's logical tensors
+/// (`zero`, gathered first). `shards`: [`zero_dims`]'s row shards.
+pub(crate) fn expert_row_shards(
+    variables: &[VariablePlan],
+    zero: &[ShardedVariable],
+    layers: &[MoeLayer],
+    shards: &Dims,
+    ep: usize,
+) -> Vec<crate::shards::AxisShardedVariable> {
     let mut axis = Vec::new();
     for l in layers {
         for var in &l.variables {
@@ -668,14 +691,14 @@ fn zero_shards(plan: &mut JobPlan, graph: &Graph, layers: &[MoeLayer], layout: E
             let mut suffixes: BTreeMap<String, dflow_graph::DType> =
                 BTreeMap::from([(String::new(), *dtype)]);
             let prefix = format!("{first}/");
-            for v in &plan.variables {
+            for v in variables {
                 if let Some(slot) = v.name.strip_prefix(&prefix) {
                     if &v.dims == rows {
                         suffixes.insert(format!("/{slot}"), v.dtype);
                     }
                 }
             }
-            for z in &plan.sharded {
+            for z in zero {
                 if let Some(slot) = z.logical.strip_prefix(&prefix) {
                     suffixes.insert(format!("/{slot}"), z.dtype);
                 }
@@ -695,7 +718,7 @@ fn zero_shards(plan: &mut JobPlan, graph: &Graph, layers: &[MoeLayer], layout: E
             }
         }
     }
-    plan.axis_sharded = axis;
+    axis
 }
 
 /// The name of shard `shard` of expert variable `var` (held by the workers at position

@@ -53,7 +53,8 @@
 //!   graph cut into stages by the pipeline rewrite ([`mesh3d`]).
 //!
 //! - **Beside expert parallelism** (`--mesh dp=D,tp=T,ep=E`): each MoE MLP replicated over
-//!   tp, its experts spread over ep replicas ([`experts`]).
+//!   tp, its experts spread over ep replicas ([`experts`]); with `--zero-stage 1|2`, the
+//!   dense slots sharded over `data_t<t>` and each expert shard's over its holders.
 //!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
 //! MoE blocks without an expert-parallel axis.
@@ -144,9 +145,16 @@ pub(super) static REGISTRATION: Registration = Registration {
                     "ep={ep} beside tensor parallelism needs --tp (or --mesh tp=T)"
                 ))
             })?;
-            if opts.stages.is_some_and(|p| p > 1) || opts.tensor_zero {
+            if opts.stages.is_some_and(|p| p > 1) {
                 return Err(options(format!(
-                    "ep={ep} beside tp={tp} runs without pipeline stages and without ZeRO"
+                    "ep={ep} beside tp={tp} runs without pipeline stages"
+                )));
+            }
+            let zero_stage = opts.tensor_zero.then_some(opts.zero_stage);
+            if let Some(stage) = zero_stage.filter(|s| !matches!(s, 1 | 2)) {
+                return Err(options(format!(
+                    "--zero-stage {stage} beside ep={ep} and tp={tp} does not run (ZeRO-1 and \
+                     ZeRO-2 do); use --zero-stage 1 or 2"
                 )));
             }
             return Ok(Box::new(experts::TensorExpert {
@@ -154,6 +162,7 @@ pub(super) static REGISTRATION: Registration = Registration {
                 ep,
                 bucket_bytes: opts.bucket_bytes,
                 batch_size: opts.batch_size,
+                zero_stage,
             }));
         }
         Ok(Box::new(TensorParallel {

@@ -23,13 +23,19 @@
 //! An expert shard's gradient is the same on the T tp ranks (same tokens, and the MoE output
 //! is consumed replicated, so the same upstream gradient): it is never reduced over tp and is
 //! kept out of the dense buckets. Worker 0 evaluates a copy of the forward graph reading the
-//! tp shards and the expert shards joined. ZeRO and pipeline stages beside it are refused
-//! (`dflow run` refuses them before planning).
+//! tp shards and the expert shards joined.
+//!
+//! **ZeRO-1/2** ([`TensorExpert::zero_stage`], `zero_step`): the dense parameters' Adam slots
+//! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
+//! shard's over `experts_dp<s>_t<t>` by the step dp × ep ZeRO runs
+//! (`expert::zero::expert_shard_step`; whole when `D = E`), one clipping scale from both
+//! `Σ‖g‖²`. ZeRO-3 and pipeline stages beside it are refused (`dflow run` refuses them before
+//! planning).
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
-    scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, Gpt, Nodes, RankAt,
-    RankForward, ShardedWeight, TensorGraphs,
+    scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, zero_slot_shards,
+    Gpt, Nodes, RankAt, RankForward, ShardedWeight, TensorGraphs,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
@@ -39,8 +45,9 @@ use crate::strategy::expert::{
     self, expert_shards, moe_layers, ExpertLayout, ForwardGroups, MoeLayer, DROPPED_INSTANCE,
     DROPPED_METRIC,
 };
+use crate::strategy::zero::{self, Clip, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
-use dflow_graph::train::{expand_training_graph, TrainSpec};
+use dflow_graph::train::{expand_training_graph, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef};
 use std::collections::{HashMap, HashSet};
 
@@ -57,6 +64,10 @@ pub struct TensorExpert {
     pub bucket_bytes: usize,
     /// The global batch, when known: the data-parallel size must divide it.
     pub batch_size: Option<usize>,
+    /// ZeRO's stage (1 or 2; `--mesh dp=D,tp=T,ep=E --zero-stage S`): each rank's dense Adam
+    /// slots sharded over its `data_t<t>` group, each expert shard's over its
+    /// `experts_dp<s>_t<t>` group (whole when `D = E`); `None`: no ZeRO.
+    pub zero_stage: Option<u8>,
 }
 
 /// The collective group of rank `rank`'s all-to-alls: `experts_ep<g>_t<t>`, its
@@ -118,8 +129,14 @@ impl Strategy for TensorExpert {
     }
 
     fn describe(&self) -> String {
+        let zero = match self.zero_stage {
+            Some(s) => format!(
+                ", ZeRO stage {s} over the data-parallel axis and the expert-data-parallel groups"
+            ),
+            None => String::new(),
+        };
         format!(
-            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all)",
+            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all){zero}",
             self.tp, self.ep
         )
     }
@@ -150,6 +167,7 @@ impl Strategy for TensorExpert {
             input.train,
             &mesh,
             self.bucket_bytes,
+            self.zero_stage,
             input.features,
             input.labels,
         )?;
@@ -172,8 +190,33 @@ impl Strategy for TensorExpert {
         )?;
         plan.batch_parts = mesh.dp as u32;
         let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
-        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
+        if self.zero_stage.is_some() {
+            // ZeRO's flat shards gathered first: the dense slots over data_t<t> (tp shards'
+            // and replicated), each expert shard's over experts_dp<s>_t<t>; then the tp
+            // shards and the expert row shards joined along their axes.
+            let (_, rows) = expert::zero_dims(input.graph, &layers, mesh.ep);
+            let mut sharded = zero_slot_shards(input, &graphs.shards, &plan.variables, &mesh);
+            if mesh.dp > mesh.ep {
+                sharded.extend(crate::strategy::zero::slot_shards(
+                    &plan.variables,
+                    &rows,
+                    mesh.dp / mesh.ep,
+                ));
+            }
+            let mut axis = sharded_variables(&graphs.shards, &plan.variables, &sharded, tp);
+            axis.extend(expert::expert_row_shards(
+                &plan.variables,
+                &sharded,
+                &layers,
+                &rows,
+                mesh.ep,
+            ));
+            plan.sharded = sharded;
+            plan.axis_sharded = axis;
+        } else {
+            plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
+            plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
+        }
         Ok(plan)
     }
 }
@@ -186,6 +229,7 @@ pub fn mesh_expert_training(
     spec: &TrainSpec,
     mesh: &Mesh,
     bucket_bytes: usize,
+    zero_stage: Option<u8>,
     features: &str,
     labels: &str,
 ) -> Result<TensorGraphs, StrategyError> {
@@ -201,6 +245,15 @@ pub fn mesh_expert_training(
              placements by hand"
                 .into(),
         ));
+    }
+    if let Some(stage) = zero_stage {
+        if !matches!(stage, 1 | 2) {
+            return Err(options(format!(
+                "mesh {mesh} with --zero-stage {stage}: ZeRO beside expert parallelism and \
+                 tensor parallelism runs at stages 1 and 2; use --zero-stage 1 or 2"
+            )));
+        }
+        crate::strategy::zero::check_optimizer(spec, "tensor")?;
     }
     let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
     if loss_dtype != DType::F32 {
@@ -230,7 +283,7 @@ pub fn mesh_expert_training(
     let shards = gpt.layout(graph, mesh.tp)?;
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
-        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, None);
+        let at = RankAt::on_mesh(mesh, rank, bucket_bytes, zero_stage);
         let parts = RankParts {
             forward: &def,
             gpt: &gpt,
@@ -301,12 +354,84 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
         group: at.group.clone(),
     };
     let all = std::mem::take(&mut training.gradients);
-    let (mut expert_grads, dense): (Vec<_>, Vec<_>) =
+    let (expert_grads, dense): (Vec<_>, Vec<_>) =
         all.iter().cloned().partition(|(v, _)| local.contains(v));
-    // The dense gradients (tp shards and replicated) bucketed over data_t<t>; the loss made
-    // the global batch's.
+    let grads = Gradients {
+        dense,
+        experts: expert_grads,
+    };
+    let (dense, expert_grads) = match replica.zero_stage {
+        Some(stage) => {
+            let step = ZeroStep {
+                stage,
+                replica,
+                weighted: &weighting.weighted,
+                renames: &renames,
+            };
+            zero_step(&mut training, &typed, &mut n, p, at, &step, grads)?
+        }
+        None => all_reduce_step(
+            &mut training,
+            &typed,
+            &mut n,
+            p,
+            at,
+            replica,
+            &weighting.weighted,
+            &renames,
+            grads,
+        )?,
+    };
+    let mut now: HashMap<String, String> = dense.into_iter().chain(expert_grads).collect();
+    training.gradients = all
+        .into_iter()
+        .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
+        .collect();
+    training.def.nodes.extend(std::mem::take(&mut n.added));
+    let dropped = add_dropped_count(&mut training.def, &training.loss, p.forward, at, &device);
+    let mut g = finish_rank(
+        training,
+        at,
+        Some(weighting.weight),
+        p.spec,
+        features,
+        labels,
+    )?;
+    if let Some(d) = dropped {
+        g.step_metrics.push((DROPPED_METRIC.to_string(), d));
+    }
+    Ok(g)
+}
+
+/// A rank's gradients (variable, gradient): the dense ones (tp shards and replicated) and its
+/// expert shards'.
+struct Gradients {
+    dense: Vec<(String, String)>,
+    experts: Vec<(String, String)>,
+}
+
+/// Without ZeRO: the dense gradients bucketed over `data_t<t>` (the loss made the global
+/// batch's), each expert shard's summed over its expert-data-parallel group (if any), clipping
+/// by one global norm of the three kinds. Returns the gradients the updates read (dense,
+/// experts).
+#[allow(clippy::too_many_arguments)]
+fn all_reduce_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    p: &RankParts<'_>,
+    at: &RankAt,
+    replica: &data::Replica,
+    weighted: &str,
+    renames: &HashMap<String, String>,
+    grads: Gradients,
+) -> Result<Grads, StrategyError> {
+    let Gradients {
+        dense,
+        experts: mut expert_grads,
+    } = grads;
     training.gradients = dense;
-    data::reduce_gradients(&mut training, &typed, &mut n, replica, &weighting.weighted)?;
+    data::reduce_gradients(training, typed, n, replica, weighted)?;
     let dense = std::mem::take(&mut training.gradients);
     // Each expert shard's gradient summed over the replicas holding it.
     if let Some(group) = expert_data_group(p.mesh, at.task) {
@@ -327,7 +452,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
     if let Some(clip) = p.spec.clip_global_norm {
         // Σ‖g‖²: the replicated (equal everywhere) + the tp shards' over tensor_d<d> + the
         // expert shards' over experts_ep<g>_t<t> (each shard once: not over tp).
-        let mut total = squared_norm_across_shards(&dense, &mut n, &renames);
+        let mut total = squared_norm_across_shards(&dense, n, renames);
         if !expert_grads.is_empty() {
             let local_sq = n.add(
                 "ep/clip/experts_squared_norm",
@@ -336,7 +461,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
                 vec![],
             );
             let sum = n.collective_in(
-                &ep_key,
+                &ep_group(p.mesh, at.task),
                 "ep/clip/experts_squared_norm_sum",
                 "CollectiveAllReduce",
                 local_sq,
@@ -355,28 +480,100 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
                 global_norm_attrs(clip),
             );
             let grads: Vec<(String, String)> = dense.iter().chain(&expert_grads).cloned().collect();
-            scale_gradients(&mut training, &mut n, &grads, &scale);
+            scale_gradients(training, n, &grads, &scale);
         }
     }
-    let mut now: HashMap<String, String> = dense.into_iter().chain(expert_grads).collect();
-    training.gradients = all
-        .into_iter()
-        .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
-        .collect();
-    training.def.nodes.extend(std::mem::take(&mut n.added));
-    let dropped = add_dropped_count(&mut training.def, &training.loss, p.forward, at, &device);
-    let mut g = finish_rank(
+    Ok((dense, expert_grads))
+}
+
+/// (dense, experts) gradients, as the updates read them.
+type Grads = (Vec<(String, String)>, Vec<(String, String)>);
+
+/// What [`zero_step`] shards with.
+struct ZeroStep<'a> {
+    /// ZeRO's stage (1 or 2).
+    stage: u8,
+    /// The rank's replica: its `data_t<t>` group.
+    replica: &'a data::Replica,
+    /// The replica's weighted loss.
+    weighted: &'a str,
+    /// Each tp-sharded variable's name on this rank.
+    renames: &'a HashMap<String, String>,
+}
+
+/// ZeRO at `z.stage` in place of [`all_reduce_step`]'s all-reduces, composed of the steps
+/// dp × tp ZeRO and dp × ep ZeRO run: the dense gradients get [`data::zero_step_with`] over
+/// `data_t<t>` (each rank keeps its `1/D` shard of its tp shards' and replicated parameters'
+/// Adam slots; `Σ‖g‖²` summed over `data_t<t>`, the tp shards' then over `tensor_d<d>`), the
+/// loss is made the global batch's, and the expert shards get
+/// [`expert::zero::expert_shard_step`] over `experts_dp<s>_t<t>` (the rank's position in it
+/// `d / E` of `D / E`; whole slots when `D = E`; `Σ‖g‖²` summed over `experts_ep<g>_t<t>`).
+/// With clipping, one `GlobalNormScale` of the two sums scales every shard's update. Returns
+/// the gradients as the step left them (dense, experts).
+fn zero_step(
+    training: &mut TrainingGraph,
+    typed: &Graph,
+    n: &mut Nodes,
+    p: &RankParts<'_>,
+    at: &RankAt,
+    z: &ZeroStep<'_>,
+    grads: Gradients,
+) -> Result<Grads, StrategyError> {
+    let clip = p.spec.clip_global_norm;
+    let scale = clip.map(|_| fresh(&mut n.taken, "ep/zero/clip/global_norm_scale"));
+    let how = scale.as_deref().map_or(Clip::None, Clip::Scale);
+    // The dense parameters over data_t<t>, then the global batch's loss.
+    training.gradients = grads.dense;
+    let tp_sharded: HashSet<String> = z.renames.values().cloned().collect();
+    let (_, dense_squared) = data::zero_step_with(
         training,
-        at,
-        Some(weighting.weight),
-        p.spec,
-        features,
-        labels,
+        typed,
+        n,
+        z.replica,
+        z.stage,
+        &at.group,
+        &tp_sharded,
+        how,
     )?;
-    if let Some(d) = dropped {
-        g.step_metrics.push((DROPPED_METRIC.to_string(), d));
+    data::global_loss(training, n, z.replica, z.weighted);
+    let dense = std::mem::take(&mut training.gradients);
+    // The expert shards over the replicas holding them (of the same tp coordinate).
+    let mesh = p.mesh;
+    let (_, d, _) = mesh.coords(at.task);
+    let holders = expert_data_group(mesh, at.task).map(|key| ShardGroup {
+        rank: d / mesh.ep,
+        ranks: mesh.dp / mesh.ep,
+        stage: z.stage,
+        key,
+        bucket_bytes: z.replica.bucket_bytes,
+    });
+    let ep_key = ep_group(mesh, at.task);
+    let mut nodes = zero::Nodes::new(std::mem::take(&mut n.taken), &n.device, n.instance);
+    let (_, experts_squared) = expert::zero::expert_shard_step(
+        training,
+        typed,
+        &mut nodes,
+        &n.device,
+        grads.experts,
+        holders.as_ref(),
+        (&ep_key, mesh.ep),
+        scale.as_deref(),
+    )?;
+    n.taken = nodes.taken;
+    n.instance = nodes.instance;
+    n.added.extend(nodes.added);
+    let experts = std::mem::take(&mut training.gradients);
+    if let (Some(clip), Some(scale)) = (clip, &scale) {
+        let terms: Vec<String> = dense_squared.into_iter().chain(experts_squared).collect();
+        let total = n.add("ep/zero/clip/squared_norm", "AddN", terms, vec![]);
+        let mut s = node(scale, "GlobalNormScale", vec![total], &n.device);
+        s.attrs = global_norm_attrs(clip)
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        n.added.push(s);
     }
-    Ok(g)
+    Ok((dense, experts))
 }
 
 /// Points every update reading a gradient of `summed` at its sum.
@@ -598,7 +795,8 @@ mod tests {
             ),
         ] {
             let mesh: Mesh = text.parse().unwrap();
-            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, "idx", "targets").unwrap();
+            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, None, "idx", "targets")
+                .unwrap();
             assert_eq!(tg.graphs.len(), mesh.size());
             let tasks: Vec<String> = (0..mesh.size()).map(|r| r.to_string()).collect();
             let plan_groups = groups(&mesh, &tasks);
@@ -650,5 +848,146 @@ mod tests {
                 assert!(!n.inputs.iter().any(|i| i.starts_with(&grad)), "{text}");
             }
         }
+    }
+
+    /// Every group's members run the same collectives in the same order, no rank runs one in a
+    /// group it is not a member of; returns each rank's calls.
+    fn same_order_per_group(
+        text: &str,
+        mesh: &Mesh,
+        tg: &TensorGraphs,
+    ) -> Vec<BTreeMap<String, Vec<Call>>> {
+        let tasks: Vec<String> = (0..mesh.size()).map(|r| r.to_string()).collect();
+        let plan_groups = groups(mesh, &tasks);
+        let per_rank: Vec<BTreeMap<String, Vec<Call>>> = tg.graphs.iter().map(calls).collect();
+        for g in &plan_groups {
+            let members: Vec<usize> = g.members.iter().map(|m| m.parse().unwrap()).collect();
+            let first = &per_rank[members[0]][&g.key];
+            let unique: HashSet<i64> = first.iter().map(|c| c.0).collect();
+            assert_eq!(unique.len(), first.len(), "{text} `{}`: keys reused", g.key);
+            for &m in &members[1..] {
+                assert_eq!(
+                    &per_rank[m][&g.key], first,
+                    "{text}: rank {m} in `{}`",
+                    g.key
+                );
+            }
+        }
+        for (r, calls) in per_rank.iter().enumerate() {
+            for key in calls.keys() {
+                let g = plan_groups.iter().find(|g| &g.key == key);
+                assert!(
+                    g.is_some_and(|g| g.members.contains(&r.to_string())),
+                    "{text}: rank {r} runs a collective in `{key}` and is no member"
+                );
+            }
+        }
+        per_rank
+    }
+
+    /// ZeRO-1 and ZeRO-2 beside ep × tp: rank `t + T·d` keeps shard `d` of `D` of its tp
+    /// shards' and replicated parameters' Adam slots (over `data_t<t>`) and, when `D > E`,
+    /// shard `d / E` of `D / E` of its expert shard's (over `experts_dp<s>_t<t>`), whole when
+    /// `D = E`; stage 2 reduce-scatters over both; one `GlobalNormScale` whose `Σ‖g‖²` sums
+    /// the dense part over `data_t<t>` then `tensor_d<d>` and the experts' over
+    /// `experts_ep<g>_t<t>`; every group's members run the same collectives in one order.
+    #[test]
+    fn zero_beside_ep_and_tp_shards_dense_slots_over_data_t_and_expert_slots_over_their_holders() {
+        let (graph, spec) = moe_gpt(2);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        for text in ["dp=2,tp=2,ep=2", "dp=4,tp=2,ep=2"] {
+            let mesh: Mesh = text.parse().unwrap();
+            for stage in [1u8, 2] {
+                let tg = mesh_expert_training(
+                    &graph,
+                    &spec,
+                    &mesh,
+                    1 << 20,
+                    Some(stage),
+                    "idx",
+                    "targets",
+                )
+                .unwrap();
+                let what = format!("{text} ZeRO-{stage}");
+                let per_rank = same_order_per_group(&what, &mesh, &tg);
+                let (dp, ep) = (mesh.dp, mesh.ep);
+                for (r, g) in tg.graphs.iter().enumerate() {
+                    let (t, d, _) = mesh.coords(r);
+                    let nodes = &g.training.def.nodes;
+                    let vars: HashSet<&str> = nodes
+                        .iter()
+                        .filter(|n| n.op == "Variable")
+                        .map(|n| n.name.as_str())
+                        .collect();
+                    let dense = format!(
+                        "{}/adam_m",
+                        super::super::shard_name("transformer.wte.weight", t, 2)
+                    );
+                    assert!(
+                        vars.contains(format!("{dense}/shard_{d}_of_{dp}").as_str()),
+                        "{what} rank {r}: {vars:?}"
+                    );
+                    assert!(!vars.contains(dense.as_str()), "{what} rank {r}");
+                    let replicated = "transformer.ln_f.weight/adam_v";
+                    assert!(vars.contains(format!("{replicated}/shard_{d}_of_{dp}").as_str()));
+                    let mine = format!("{expert}/shard_{}/adam_m", d % ep);
+                    if dp > ep {
+                        let piece = format!("{mine}/shard_{}_of_{}", d / ep, dp / ep);
+                        assert!(vars.contains(piece.as_str()), "{what} rank {r}: {vars:?}");
+                        assert!(!vars.contains(mine.as_str()), "{what} rank {r}");
+                    } else {
+                        assert!(vars.contains(mine.as_str()), "{what} rank {r}: {vars:?}");
+                    }
+                    let ops = &per_rank[r];
+                    let has = |key: &str, op: &str| {
+                        ops.get(key).is_some_and(|c| c.iter().any(|c| c.1 == op))
+                    };
+                    let scatter = if stage >= 2 {
+                        "CollectiveReduceScatter"
+                    } else {
+                        "CollectiveAllReduce"
+                    };
+                    assert!(has(&dp_group(t), scatter), "{what} rank {r}: {ops:?}");
+                    assert!(has(&dp_group(t), "CollectiveAllGather"), "{what} rank {r}");
+                    if let Some(holders) = expert_data_group(&mesh, r) {
+                        assert!(has(&holders, scatter), "{what} rank {r}: {ops:?}");
+                        assert!(has(&holders, "CollectiveAllGather"), "{what} rank {r}");
+                    }
+                    // No bucket all-reduce of the plain dp step.
+                    assert!(!nodes.iter().any(|n| n.name.starts_with("dp/bucket_")));
+                    // One scale: the dense Σ‖g‖² over data_t<t> (the tp shards' then over
+                    // tensor_d<d>), the experts' over experts_ep<g>_t<t>.
+                    let scales: Vec<&NodeDef> =
+                        nodes.iter().filter(|n| n.op == "GlobalNormScale").collect();
+                    assert_eq!(scales.len(), 1, "{what} rank {r}");
+                    let key = |name: &str| {
+                        let n = nodes
+                            .iter()
+                            .find(|n| n.name == name)
+                            .unwrap_or_else(|| panic!("{what} rank {r}: no `{name}`"));
+                        match n.attrs.get("group_key") {
+                            Some(AttrValue::String(k)) => k.to_string(),
+                            other => panic!("`{name}`: {other:?}"),
+                        }
+                    };
+                    assert_eq!(key("zero/clip/sharded_squared_norm"), dp_group(t));
+                    assert_eq!(
+                        key("zero/clip/sharded_squared_norm_outer"),
+                        tp_group(&mesh, d)
+                    );
+                    assert_eq!(key("zero/clip/replicated_squared_norm"), dp_group(t));
+                    assert_eq!(
+                        key("experts/zero/clip/expert_squared_norm"),
+                        ep_group(&mesh, r)
+                    );
+                }
+            }
+        }
+        // ZeRO-3 is refused, naming the stages that run.
+        let mesh: Mesh = "dp=2,tp=2,ep=2".parse().unwrap();
+        let e = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, Some(3), "idx", "targets")
+            .expect_err("ZeRO-3 refused")
+            .to_string();
+        assert!(e.contains("runs at stages 1 and 2"), "{e}");
     }
 }
