@@ -177,20 +177,20 @@ const THIS_MACHINE_OP_OVERHEAD: f64 = 0.24e-6;
 /// `this-machine`'s executor cost per in-process step (the same run: 23.4 µs).
 const THIS_MACHINE_STEP_OVERHEAD: f64 = 23.4e-6;
 
-/// `this-machine`'s job costs: `dflow bench calibrate` (release build, 2026-11-25 07:19 UTC,
-/// load average 3.8 from the calibration itself, nothing else running; the 13 jobs within 12%
-/// of the fit; `tests/planner/this-machine-calibrated.json`, docs/planner.md). A loaded
-/// machine's steps are slower: calibrate at the time and pass `--profile`.
+/// `this-machine`'s job costs: `dflow bench calibrate` (release build, 2026-11-25 07:44 UTC,
+/// load average 2.9, nothing else running; the 14 jobs within 9% of the fit;
+/// `tests/planner/this-machine-calibrated.json`, docs/planner.md). A loaded machine's steps are
+/// slower: calibrate at the time and pass `--profile`.
 const THIS_MACHINE_JOB: JobCosts = JobCosts {
-    step: 49.2e-6,
-    task: 34.7e-6,
-    op: 0.113e-6,
-    collective: 10.9e-6,
-    value: 22.7e-6,
-    product: 0.74e-6,
-    flops_per_second: 76.4e9,
-    bytes_per_second: 19.48e9,
-    transcendentals_per_second: 353.3e6,
+    step: 18.2e-6,
+    task: 43.1e-6,
+    op: 0.091e-6,
+    collective: 7.9e-6,
+    value: 22.6e-6,
+    product: 0.47e-6,
+    flops_per_second: 71.5e9,
+    bytes_per_second: 18.06e9,
+    transcendentals_per_second: 329.3e6,
 };
 
 impl ClusterProfile {
