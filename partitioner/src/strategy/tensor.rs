@@ -219,18 +219,7 @@ impl Strategy for TensorParallel {
         }
         let workers = input.workers();
         let tp = self.tp.unwrap_or(workers);
-        if tp == 0 || workers % tp != 0 {
-            return Err(options(format!(
-                "--tp {tp} does not divide the cluster's {workers} workers: the workers are \
-                 dp × tp ranks (data parallelism over tensor-parallel groups of tp consecutive \
-                 workers); use a tp that divides {workers}, or dp × tp workers"
-            )));
-        }
-        let mesh = Mesh::new(workers / tp, tp, 1).map_err(|e| options(e.to_string()))?;
-        if let Some(batch) = self.batch_size {
-            mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
-                .map_err(|e| options(e.to_string()))?;
-        }
+        let mesh = dp_tp_mesh(workers, tp, 1, self.batch_size)?;
         let tp_graphs = mesh_training_evaluating(
             input.graph,
             input.train,
@@ -290,6 +279,31 @@ impl Strategy for TensorParallel {
             sharded_variables(&tp_graphs.shards, &plan.variables, &plan.sharded, tp);
         Ok(plan)
     }
+}
+
+/// The `dp × tp` mesh of `workers` (with `ep` carved out of dp), checked against the global
+/// batch `batch_size` when given: tp must divide the workers and dp the batch.
+pub(crate) fn dp_tp_mesh(
+    workers: usize,
+    tp: usize,
+    ep: usize,
+    batch_size: Option<usize>,
+) -> Result<Mesh, StrategyError> {
+    if tp == 0 || workers % tp != 0 {
+        return Err(options(format!(
+            "--tp {tp} does not divide the cluster's {workers} workers: the workers are \
+             dp × tp ranks (data parallelism over tensor-parallel groups of tp consecutive \
+             workers); use a tp that divides {workers}, or dp × tp workers"
+        )));
+    }
+    let mesh = Mesh::new(workers / tp, tp, 1)
+        .and_then(|m| m.with_ep(ep))
+        .map_err(|e| options(e.to_string()))?;
+    if let Some(batch) = batch_size {
+        mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
+            .map_err(|e| options(e.to_string()))?;
+    }
+    Ok(mesh)
 }
 
 impl TensorParallel {

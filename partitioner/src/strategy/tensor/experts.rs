@@ -149,19 +149,7 @@ impl Strategy for TensorExpert {
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
         let workers = input.workers();
         let tp = self.tp;
-        if tp == 0 || workers % tp != 0 {
-            return Err(options(format!(
-                "--tp {tp} does not divide the cluster's {workers} workers: the workers are \
-                 dp × tp ranks; use a tp that divides {workers}"
-            )));
-        }
-        let mesh = Mesh::new(workers / tp, tp, 1)
-            .and_then(|m| m.with_ep(self.ep))
-            .map_err(|e| options(e.to_string()))?;
-        if let Some(batch) = self.batch_size {
-            mesh.check_divides(Axis::Dp, batch, "the global batch (--batch-size)")
-                .map_err(|e| options(e.to_string()))?;
-        }
+        let mesh = super::dp_tp_mesh(workers, tp, self.ep, self.batch_size)?;
         let graphs = mesh_expert_training(
             input.graph,
             input.train,
