@@ -160,7 +160,7 @@ fn carries_data(g: &Graph, idx: NodeIndex) -> bool {
     g.inputs(idx)
         .first()
         .and_then(|&(s, k)| g.node(s).outputs.get(k))
-        .is_none_or(|t| t.shape.num_elements() != Some(0))
+        .map_or(true, |t| t.shape.num_elements() != Some(0))
 }
 
 /// The work of every task of `plan` in one training step (every training signature once), with
