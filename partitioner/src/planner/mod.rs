@@ -176,8 +176,7 @@ pub fn layouts_with_experts(
                     });
                 }
             }
-            // Beside tp the experts run without pipeline stages and without ZeRO
-            // (`--mesh dp=D,tp=T,ep=E`).
+            // Beside tp the experts run without pipeline stages (`--mesh dp=D,tp=T,ep=E`).
             if tp > 1 && pp > 1 {
                 continue;
             }
@@ -186,14 +185,8 @@ pub fn layouts_with_experts(
                     continue;
                 };
                 // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), ZeRO 0 or 1 (as a dense pipeline's).
-                let zeros: &[u8] = if tp > 1 {
-                    &[0]
-                } else if pp > 1 {
-                    &[0, 1]
-                } else {
-                    &[0, 1, 2, 3]
-                };
+                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 2.
+                let zeros: &[u8] = if tp > 1 { &[0, 1, 2] } else { &[0, 1, 2, 3] };
                 for &zero in zeros {
                     out.push(Layout {
                         zero,
