@@ -27,15 +27,16 @@
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
 //!
 //! **Experts** (`ep > 1`, a model with MoE layers; dp × ep, or dp × ep × pp with one
-//! micro-batch and ZeRO ≤ 1): each rank holds `1/ep` of every MoE layer's experts of its stage
+//! micro-batch, ZeRO 0 to 3 both): each rank holds `1/ep` of every MoE layer's experts of its stage
 //! (their weights, gradients and Adam state), the dense parameters whole; ZeRO shards the dense
 //! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
 //! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
-//! pass). Per step and MoE layer, four all-to-alls of the
+//! pass: over a pipeline the stage's dense weights over its replicas, the experts' shards over
+//! their group), and with clipping each group sums its shards' squared norm. Per step and MoE layer, four all-to-alls of the
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
-//! Beside `tp > 1` (dp × tp × ep, pp = 1, no ZeRO: the tensor strategy with ep) the MoE layers
+//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 2: the tensor strategy with ep) the MoE layers
 //! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
 //! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
 //! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
@@ -1170,6 +1171,17 @@ mod tests {
         let dense = model.parameters() - experts;
         let want = (dense / 4.0 + experts / 2.0 / 2.0) * 4.0 * 2.0;
         assert!((z2.peak().optimizer - want).abs() < 1e-6, "{z2:?}");
+        // At every ZeRO stage the data-parallel bytes (the dense states over 4, the experts'
+        // over their 2 holders, the expert shards' clipping norm over those 2 too) are the
+        // job plan's.
+        for zero in 0..4 {
+            let layout: crate::planner::Layout = format!("dp=4,ep=2,zero={zero}").parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+            let (_, data) = expert_job_bytes(&plan, 2);
+            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
+            assert_eq!(table, data as f64, "zero={zero}");
+        }
         // A model without experts has no ep layout, and refuses one by name.
         let cfg = GptConfig {
             vocab_size: 32,

@@ -139,8 +139,8 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
 /// `dp` and every layer's experts, with ZeRO 0–3 (the dense states over `dp`, the
 /// experts' over their expert-data-parallel groups) when `pp = 1`, with one micro-batch and
-/// ZeRO 0 or 1 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
-/// no ZeRO.
+/// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
+/// ZeRO 0–2.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
