@@ -951,7 +951,6 @@ mod tests {
     #[test]
     fn a_dp_tp_ep_layout_holds_its_expert_shard_on_every_tp_rank_as_the_job_plan_does() {
         use super::super::accounting;
-        use crate::planner::collective::{rank_bytes, Call};
         let model = moe_model();
         let profile = ClusterProfile::preset("this-machine").unwrap();
         let def = gpt(&GptConfig {
@@ -1038,10 +1037,10 @@ mod tests {
         }
     }
 
-
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
-    /// collectives of floats over the `data_*` and `experts_dp*` groups but the load-balancing
-    /// loss's all-gathers (which the table leaves out; the dropped-token count is an integer).
+    /// collectives of floats (over `workers`, `pipeline/stage<s>`, `data_t<t>` and the
+    /// `experts_dp*` groups) but the load-balancing loss's all-gathers (which the table leaves
+    /// out; the dropped-token count is an integer).
     fn expert_job_bytes(plan: &crate::strategy::JobPlan, rows: usize) -> (u64, u64) {
         use super::super::accounting;
         use crate::planner::collective::{rank_bytes, Call};
@@ -1073,7 +1072,7 @@ mod tests {
                         a2a += bytes;
                     } else if t.dtype.is_float()
                         && !node.name.contains("aux_loss")
-                        && ["data_", "experts_dp", "pipeline/stage"]
+                        && ["data_", "experts_dp", "pipeline/stage", "workers"]
                             .iter()
                             .any(|g| key.starts_with(g))
                     {
