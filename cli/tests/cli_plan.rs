@@ -251,6 +251,15 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
         assert!(kinds(|l| l.zero == 3), "{graph}");
         if graph.ends_with("moe.json") {
             assert!(kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1), "{graph}");
+            // ZeRO: up to 3 beside ep × pp, up to 2 beside ep × tp (each built above).
+            assert!(
+                kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1 && l.zero == 3),
+                "{graph}"
+            );
+            assert!(
+                kinds(|l| l.mesh.ep > 1 && l.mesh.tp > 1 && l.zero == 2),
+                "{graph}"
+            );
             // Tensor parallelism splits dense MLPs only (beside it the MoE MLPs are
             // replicated over tp with their experts over ep), and the MoE layers couple a
             // batch's examples: tp only beside ep (dp × tp × ep), no micro-batches.

@@ -27,15 +27,16 @@
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
 //!
 //! **Experts** (`ep > 1`, a model with MoE layers; dp × ep, or dp × ep × pp with one
-//! micro-batch and ZeRO ≤ 1): each rank holds `1/ep` of every MoE layer's experts of its stage
+//! micro-batch, ZeRO 0 to 3 both): each rank holds `1/ep` of every MoE layer's experts of its stage
 //! (their weights, gradients and Adam state), the dense parameters whole; ZeRO shards the dense
 //! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
 //! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
-//! pass). Per step and MoE layer, four all-to-alls of the
+//! pass: over a pipeline the stage's dense weights over its replicas, the experts' shards over
+//! their group), and with clipping each group sums its shards' squared norm. Per step and MoE layer, four all-to-alls of the
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
-//! Beside `tp > 1` (dp × tp × ep, pp = 1, no ZeRO: the tensor strategy with ep) the MoE layers
+//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 2: the tensor strategy with ep) the MoE layers
 //! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
 //! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
 //! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
@@ -284,18 +285,18 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1, no ZeRO.
-        if mesh.tp > 1 && (mesh.pp > 1 || layout.zero > 0) {
+        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1, ZeRO ≤ 2.
+        if mesh.tp > 1 && (mesh.pp > 1 || layout.zero > 2) {
             return Err(refuse(format!(
-                "ep={} beside tp={} runs without pipeline stages (pp = 1) and without ZeRO: docs/experts.md, \"ep beside tp\"",
+                "ep={} beside tp={} is modelled without pipeline stages (pp = 1) at ZeRO ≤ 2: docs/experts.md, \"ep beside tp\"",
                 mesh.ep, mesh.tp
             )));
         }
-        // The table models ep × pp with one micro-batch at ZeRO ≤ 2 (dflow run also runs
-        // ZeRO-3 there, and several micro-batches where no router couples the batch).
-        if mesh.pp > 1 && (layout.zero > 2 || layout.micro_batches > 1) {
+        // The table models ep × pp with one micro-batch (dflow run also runs several where no
+        // router couples the batch), at ZeRO 0 to 3.
+        if mesh.pp > 1 && layout.micro_batches > 1 {
             return Err(refuse(format!(
-                "ep={} beside pp is modelled with one micro-batch at ZeRO ≤ 2 (dflow run runs ZeRO-3 there too): use m=1, zero ≤ 2",
+                "ep={} beside pp is modelled with one micro-batch: use m=1",
                 mesh.ep
             )));
         }
@@ -515,14 +516,27 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // stage's critical path.
         let mut gather_mb = CommCost::default();
         if gathers_per_micro_batch && d > 1 {
+            // The dense weights (the experts' shards are gathered over their own groups).
+            let (backward_experts, expert_calls) = if mesh.ep > 1 {
+                chunks.iter().fold((0.0, 0.0), |(b, n), c| {
+                    (
+                        b + c.backward_expert,
+                        n + c.expert_variables as f64 + c.backward_expert_variables,
+                    )
+                })
+            } else {
+                (0.0, 0.0)
+            };
             let backward: f64 = chunks
                 .iter()
                 .map(|c| c.backward_split / tf + c.backward_whole)
-                .sum();
+                .sum::<f64>()
+                - backward_experts;
             let calls: f64 = chunks
                 .iter()
                 .map(|c| c.variables + c.backward_variables)
-                .sum();
+                .sum::<f64>()
+                - expert_calls;
             gather_mb = buckets(&dp_links, Collective::AllGather, weight_bytes).then(buckets(
                 &dp_links,
                 Collective::AllGather,
@@ -611,8 +625,14 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                     buckets(&links, Collective::AllGather, local_experts * w_bytes).times(gathers),
                 );
             }
+            // Under ZeRO with clipping, the squared norm of the expert shards is summed over
+            // their expert-data-parallel group too.
+            if clip_norm {
+                dp = dp.then(links.cost(Collective::AllReduce, CLIP_NORM_BYTES));
+                expert_calls += 1.0;
+            }
             // Without ZeRO, one all-reduce per expert variable.
-            expert_calls = if zero == 0 {
+            expert_calls += if zero == 0 {
                 chunks.iter().map(|c| c.expert_variables).sum::<usize>() as f64
             } else {
                 (1.0 + gathers)
@@ -844,16 +864,35 @@ mod tests {
         .def;
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
-        // ZeRO-1 too: each stage's dense slots halved over its replicas, the experts' whole.
-        for text in ["dp=2,ep=2,pp=2,zero=1", "dp=2,ep=2,pp=2"] {
+        // ZeRO too: each stage's dense slots (ZeRO-3: and weights) halved over its replicas,
+        // the experts' whole (dp = ep); the gradients whole over the micro-batch. The dense
+        // gradients' collectives (ZeRO-3: and each pass's gathers) over the stage's replicas
+        // are the job plan's.
+        for text in [
+            "dp=2,ep=2,pp=2",
+            "dp=2,ep=2,pp=2,zero=1",
+            "dp=2,ep=2,pp=2,zero=2",
+            "dp=2,ep=2,pp=2,zero=3",
+            "dp=4,ep=2,pp=2,zero=2",
+            "dp=4,ep=2,pp=2,zero=3",
+        ] {
             let layout: crate::planner::Layout = text.parse().unwrap();
+            let devices = layout.mesh.size();
+            let options = PlanOptions {
+                devices,
+                batch_size: 8,
+            };
+            let rows = 8 / layout.mesh.dp;
             let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
             assert_eq!(e.memory.len(), 2);
             let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let tasks = accounting::account(&plan, 4, 1).unwrap();
+            let (_, data) = expert_job_bytes(&plan, rows);
+            let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+            assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
+            let tasks = accounting::account(&plan, rows, 1).unwrap();
             for (s, mem) in e.memory.iter().enumerate() {
-                // Worker 2·s holds replica 0 of stage s; adam/t (8 bytes) lives on stage 0 only.
-                let task = format!("/job:worker/replica:0/task:{}", 2 * s);
+                // Worker dp·s holds replica 0 of stage s; adam/t (8 bytes) lives on stage 0 only.
+                let task = format!("/job:worker/replica:0/task:{}", layout.mesh.dp * s);
                 let held = tasks
                     .iter()
                     .find(|t| t.task == task)
@@ -891,7 +930,8 @@ mod tests {
                 "dp=2,ep=2,pp=2,m=2",
                 "beside pp is modelled with one micro-batch",
             ),
-            ("dp=2,ep=2,tp=2,zero=1", "without ZeRO"),
+            ("dp=2,ep=2,tp=2,zero=3", "at ZeRO ≤ 2"),
+            ("dp=2,ep=2,pp=2,m=2,zero=3", "with one micro-batch"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
                 .unwrap_err()
@@ -911,7 +951,6 @@ mod tests {
     #[test]
     fn a_dp_tp_ep_layout_holds_its_expert_shard_on_every_tp_rank_as_the_job_plan_does() {
         use super::super::accounting;
-        use crate::planner::collective::{rank_bytes, Call};
         let model = moe_model();
         let profile = ClusterProfile::preset("this-machine").unwrap();
         let def = gpt(&GptConfig {
@@ -950,7 +989,12 @@ mod tests {
                 assert!(!v.split, "{name} split");
             }
         }
-        for (text, devices) in [("dp=2,tp=2,ep=2", 4), ("dp=4,tp=2,ep=2", 8)] {
+        for (text, devices) in [
+            ("dp=2,tp=2,ep=2", 4),
+            ("dp=4,tp=2,ep=2", 8),
+            ("dp=4,tp=2,ep=2,zero=1", 8),
+            ("dp=4,tp=2,ep=2,zero=2", 8),
+        ] {
             let options = PlanOptions {
                 devices,
                 batch_size: 8,
@@ -971,48 +1015,7 @@ mod tests {
                     t.task
                 );
             }
-            let (mut a2a, mut data) = (0u64, 0u64);
-            for sig in plan.train_signatures() {
-                for (device, part) in &sig.partitions.partitions {
-                    let task = device.task_name().unwrap();
-                    let f = accounting::with_rows(&part.graph, rows).unwrap();
-                    for i in f.node_indices() {
-                        let node = f.node(i);
-                        let call = match node.op {
-                            "CollectiveAllReduce" => Call::AllReduce,
-                            "CollectiveReduceScatter" => Call::ReduceScatter,
-                            "CollectiveAllGather" => Call::AllGather,
-                            "CollectiveAllToAll" => Call::AllToAll,
-                            _ => continue,
-                        };
-                        let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key")
-                        else {
-                            continue;
-                        };
-                        let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
-                        let rank = group.members.iter().position(|m| *m == task).unwrap();
-                        let (src, k) = f.inputs(i)[0];
-                        let t = &f.node(src).outputs[k];
-                        let elements = t.shape.num_elements().unwrap();
-                        let bytes = rank_bytes(
-                            call,
-                            group.members.len(),
-                            rank,
-                            elements,
-                            t.dtype.size_of(),
-                        );
-                        if call == Call::AllToAll {
-                            a2a += bytes;
-                        } else if call == Call::AllReduce
-                            && t.dtype.is_float()
-                            && (key.starts_with("data_") || key.starts_with("experts_dp"))
-                        {
-                            // Not the load-balancing loss's all-gathers, not the dropped count.
-                            data += bytes;
-                        }
-                    }
-                }
-            }
+            let (a2a, data) = expert_job_bytes(&plan, rows);
             let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
             assert!(a2a > 0);
             assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
@@ -1023,15 +1026,62 @@ mod tests {
             devices: 8,
             batch_size: 8,
         };
-        for bad in ["dp=2,tp=2,pp=2,ep=2", "dp=4,tp=2,ep=2,zero=2"] {
+        for bad in ["dp=2,tp=2,pp=2,ep=2", "dp=4,tp=2,ep=2,zero=3"] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
                 .unwrap_err()
                 .to_string();
             assert!(
-                e.contains("without pipeline stages (pp = 1) and without ZeRO"),
+                e.contains("without pipeline stages (pp = 1) at ZeRO ≤ 2"),
                 "{bad}: {e}"
             );
         }
+    }
+
+    /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
+    /// collectives of floats (over `workers`, `pipeline/stage<s>`, `data_t<t>` and the
+    /// `experts_dp*` groups) but the load-balancing loss's all-gathers (which the table leaves
+    /// out; the dropped-token count is an integer).
+    fn expert_job_bytes(plan: &crate::strategy::JobPlan, rows: usize) -> (u64, u64) {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, Call};
+        let (mut a2a, mut data) = (0u64, 0u64);
+        for sig in plan.train_signatures() {
+            for (device, part) in &sig.partitions.partitions {
+                let task = device.task_name().unwrap();
+                let f = accounting::with_rows(&part.graph, rows).unwrap();
+                for i in f.node_indices() {
+                    let node = f.node(i);
+                    let call = match node.op {
+                        "CollectiveAllReduce" => Call::AllReduce,
+                        "CollectiveReduceScatter" => Call::ReduceScatter,
+                        "CollectiveAllGather" => Call::AllGather,
+                        "CollectiveAllToAll" => Call::AllToAll,
+                        _ => continue,
+                    };
+                    let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key") else {
+                        continue;
+                    };
+                    let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                    let rank = group.members.iter().position(|m| *m == task).unwrap();
+                    let (src, k) = f.inputs(i)[0];
+                    let t = &f.node(src).outputs[k];
+                    let elements = t.shape.num_elements().unwrap();
+                    let bytes =
+                        rank_bytes(call, group.members.len(), rank, elements, t.dtype.size_of());
+                    if call == Call::AllToAll {
+                        a2a += bytes;
+                    } else if t.dtype.is_float()
+                        && !node.name.contains("aux_loss")
+                        && ["data_", "experts_dp", "pipeline/stage", "workers"]
+                            .iter()
+                            .any(|g| key.starts_with(g))
+                    {
+                        data += bytes;
+                    }
+                }
+            }
+        }
+        (a2a, data)
     }
 
     #[test]
@@ -1120,6 +1170,17 @@ mod tests {
         let dense = model.parameters() - experts;
         let want = (dense / 4.0 + experts / 2.0 / 2.0) * 4.0 * 2.0;
         assert!((z2.peak().optimizer - want).abs() < 1e-6, "{z2:?}");
+        // At every ZeRO stage the data-parallel bytes (the dense states over 4, the experts'
+        // over their 2 holders, the expert shards' clipping norm over those 2 too) are the
+        // job plan's.
+        for zero in 0..4 {
+            let layout: crate::planner::Layout = format!("dp=4,ep=2,zero={zero}").parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+            let (_, data) = expert_job_bytes(&plan, 2);
+            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
+            assert_eq!(table, data as f64, "zero={zero}");
+        }
         // A model without experts has no ep layout, and refuses one by name.
         let cfg = GptConfig {
             vocab_size: 32,
@@ -1153,9 +1214,13 @@ mod tests {
             .map(|e| e.layout.short())
             .collect();
         // ZeRO 0 to 3 of each dp × ep; dp2 × ep2 inside 2 pipeline stages, one micro-batch
-        // at ZeRO 0 or 1; dp2 × tp2 × ep2 without ZeRO.
-        assert_eq!(eps.len(), 11, "{eps:?}");
+        // at ZeRO 0 to 3; dp2 × tp2 × ep2 at ZeRO 0 to 2.
+        assert_eq!(eps.len(), 15, "{eps:?}");
         for l in [
+            "dp2 tp2 pp1 ep2 z1",
+            "dp2 tp2 pp1 ep2 z2",
+            "dp2 tp1 pp2 ep2 z2 m1",
+            "dp2 tp1 pp2 ep2 z3 m1",
             "dp2 tp2 pp1 ep2",
             "dp4 tp1 pp1 ep2",
             "dp4 tp1 pp1 ep4",

@@ -139,8 +139,8 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
 /// `dp` and every layer's experts, with ZeRO 0–3 (the dense states over `dp`, the
 /// experts' over their expert-data-parallel groups) when `pp = 1`, with one micro-batch and
-/// ZeRO 0 or 1 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
-/// no ZeRO.
+/// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
+/// ZeRO 0–2.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
@@ -176,8 +176,7 @@ pub fn layouts_with_experts(
                     });
                 }
             }
-            // Beside tp the experts run without pipeline stages and without ZeRO
-            // (`--mesh dp=D,tp=T,ep=E`).
+            // Beside tp the experts run without pipeline stages (`--mesh dp=D,tp=T,ep=E`).
             if tp > 1 && pp > 1 {
                 continue;
             }
@@ -186,14 +185,8 @@ pub fn layouts_with_experts(
                     continue;
                 };
                 // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), ZeRO 0 or 1 (as a dense pipeline's).
-                let zeros: &[u8] = if tp > 1 {
-                    &[0]
-                } else if pp > 1 {
-                    &[0, 1]
-                } else {
-                    &[0, 1, 2, 3]
-                };
+                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 2.
+                let zeros: &[u8] = if tp > 1 { &[0, 1, 2] } else { &[0, 1, 2, 3] };
                 for &zero in zeros {
                     out.push(Layout {
                         zero,

@@ -42,6 +42,10 @@ pub struct StageCosts {
     pub params_expert: f64,
     /// Expert variables.
     pub expert_variables: usize,
+    /// Of [`Self::params_expert`], the elements the backward pass reads.
+    pub backward_expert: f64,
+    /// Of the expert variables, those the backward pass reads.
+    pub backward_expert_variables: f64,
     /// The MoE layers on this stage (indices into the model's `moe`).
     pub moe: Vec<usize>,
 }
@@ -103,6 +107,10 @@ impl StagedModel {
                     s.backward_split += var.elements;
                 } else {
                     s.backward_whole += var.elements;
+                }
+                if var.expert {
+                    s.backward_expert += var.elements;
+                    s.backward_expert_variables += 1.0;
                 }
             }
         }
