@@ -471,10 +471,7 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
     let text = stdout(&out);
     assert!(text.contains("ZeRO stage 3"), "{text}");
     for (var, on) in [
-        (
-            "transformer.wte.weight/tp_1_of_2/shard_1_of_2 ",
-            w(3),
-        ),
+        ("transformer.wte.weight/tp_1_of_2/shard_1_of_2 ", w(3)),
         (
             "transformer.h.1.mlp.experts.c_fc.weight/shard_1 ",
             format!("{}, {}", w(2), w(3)),
