@@ -29,8 +29,10 @@
 //! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
 //! shard's over `experts_dp<s>_t<t>` by the step dp × ep ZeRO runs
 //! (`expert::zero::expert_shard_step`; whole when `D = E`), one clipping scale from both
-//! `Σ‖g‖²`. ZeRO-3 and pipeline stages beside it are refused (`dflow run` refuses them before
-//! planning).
+//! `Σ‖g‖²`. **ZeRO-3** (`shard_parameters`) also shards the weights over those groups (the
+//! expert shards marked as row shards first), gathered just before each pass, the gathers
+//! numbered in one order per group; worker 0's evaluation copy joins them from their flat
+//! shards. Pipeline stages beside it are refused (`dflow run` refuses them before planning).
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
@@ -64,8 +66,8 @@ pub struct TensorExpert {
     pub bucket_bytes: usize,
     /// The global batch, when known: the data-parallel size must divide it.
     pub batch_size: Option<usize>,
-    /// ZeRO's stage (1 or 2; `--mesh dp=D,tp=T,ep=E --zero-stage S`): each rank's dense Adam
-    /// slots sharded over its `data_t<t>` group, each expert shard's over its
+    /// ZeRO's stage (1 to 3; `--mesh dp=D,tp=T,ep=E --zero-stage S`): each rank's dense Adam
+    /// slots (3: and weights) sharded over its `data_t<t>` group, each expert shard's over its
     /// `experts_dp<s>_t<t>` group (whole when `D = E`); `None`: no ZeRO.
     pub zero_stage: Option<u8>,
 }
@@ -565,7 +567,7 @@ fn shard_parameters(
 
 /// What [`zero_step`] shards with.
 struct ZeroStep<'a> {
-    /// ZeRO's stage (1 or 2).
+    /// ZeRO's stage (1 to 3; stage 3's weights are sharded after the step).
     stage: u8,
     /// The rank's replica: its `data_t<t>` group.
     replica: &'a data::Replica,
