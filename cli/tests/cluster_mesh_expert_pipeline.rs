@@ -369,8 +369,8 @@ fn four_processes_under_dp2_ep2_pp2_train_like_one_process() {
 /// `dflow partition --mesh dp=2,ep=2,pp=2` prints each stage's data-parallel and
 /// expert-parallel groups, and each block's expert shards on its own stage's replicas
 /// (block 0 on workers 0 and 1, block 1 on workers 2 and 3), and under ZeRO-2 where the slot
-/// shards live, and under ZeRO-3 the weights' shards; ZeRO-3 beside `ep` and `tp` is refused
-/// naming what runs.
+/// shards live, and under ZeRO-3 the weights' shards; beside `ep` and `tp` (pp = 1) ZeRO-3
+/// keeps each rank's flat shard of its tp shards.
 #[test]
 fn partition_shows_each_stages_expert_groups_and_shards() {
     let dir = scratch("mesh-expert-pipeline-partition");
@@ -459,10 +459,32 @@ fn partition_shows_each_stages_expert_groups_and_shards() {
     ] {
         assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
-    let extra = ["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "3"];
-    let want = "ZeRO-3 beside expert parallelism and tensor parallelism does not run yet";
-    let out = partition(&extra);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{extra:?} was accepted");
-    assert!(err.contains(want), "{extra:?}: no `{want}` in:\n{err}");
+    // ZeRO-3 beside ep and tp (pp = 1): rank t + 2·d keeps flat shard d of its tp shard of
+    // every dense weight (over data_t<t>); the expert shards stay whole on their replica's
+    // two tp ranks (E = D: no other replica holds them); no whole tp shard remains.
+    let out = partition(&["--mesh", "dp=2,tp=2,ep=2", "--zero-stage", "3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    assert!(text.contains("ZeRO stage 3"), "{text}");
+    for (var, on) in [
+        ("transformer.wte.weight/tp_1_of_2/shard_1_of_2 ", w(3)),
+        (
+            "transformer.h.1.mlp.experts.c_fc.weight/shard_1 ",
+            format!("{}, {}", w(2), w(3)),
+        ),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.contains(var))
+            .unwrap_or_else(|| panic!("no `{var}` in:\n{text}"));
+        assert!(line.ends_with(&format!("on {on}")), "{line}");
+    }
+    assert!(
+        !text.contains("transformer.wte.weight/tp_1_of_2 "),
+        "a whole tp shard under ZeRO-3:\n{text}"
+    );
 }

@@ -85,9 +85,9 @@ pub struct Args {
     /// workers holding it (docs/experts.md); with --zero-stage 1|2|3 the dense parameters' Adam
     /// slots (3: and the weights) are sharded over the D workers and each expert shard's over
     /// its D/E holders. ep = E beside tp > 1 (pp = 1) runs --strategy tensor with each MoE
-    /// layer replicated over tp and its experts spread over E replicas; with --zero-stage 1|2
-    /// each rank's dense slots are sharded over its DP group and each expert shard's over the
-    /// D/E replicas of its tp coordinate holding it.
+    /// layer replicated over tp and its experts spread over E replicas; with --zero-stage 1|2|3
+    /// each rank's dense slots (3: and weights) are sharded over its DP group and each expert
+    /// shard's over the D/E replicas of its tp coordinate holding it.
     #[arg(long, value_name = "dp=D,tp=T,pp=P[,ep=E]", value_parser = |s: &str| s.parse::<dflow_partitioner::mesh::Mesh>())]
     pub mesh: Option<dflow_partitioner::mesh::Mesh>,
     /// Distributed training with --strategy zero: 1 shards the Adam/AdamW slots over the
@@ -96,8 +96,9 @@ pub struct Args {
     /// --strategy tensor over D·T workers), or --mesh dp=D,pp=P: any stage over each rank's
     /// data-parallel group (1 or 2 with --mesh dp=D,tp=T,pp=P). With --mesh dp=D,ep=E (or
     /// --strategy expert): any stage, the dense slots (3: and weights) over the D workers and
-    /// each expert shard's over its D/E holders. With --mesh dp=D,tp=T,ep=E: 1 or 2, the dense
-    /// slots over each rank's DP group, each expert shard's over its D/E holders.
+    /// each expert shard's over its D/E holders. With --mesh dp=D,tp=T,ep=E: any stage, the
+    /// dense slots (3: and weights) over each rank's DP group, each expert shard's over its D/E
+    /// holders.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     pub zero_stage: Option<u8>,
     /// Distributed: the most bytes this task's variables and step tensors may take. A plan

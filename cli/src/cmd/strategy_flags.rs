@@ -147,10 +147,10 @@ pub fn build_strategy(
 /// the dense states and over the stage's expert-data-parallel groups for each expert shard's,
 /// one global clipping norm, and at stage 3 each stage's dense and expert weights sharded so,
 /// gathered per micro-batch); `ep` beside `tp > 1` (pp = 1) the tensor strategy with the MoE
-/// layers replicated over tp and their experts over `ep` replicas (with `--zero-stage 1|2`,
+/// layers replicated over tp and their experts over `ep` replicas (with `--zero-stage 1|2|3`,
 /// each rank's dense states sharded over its `data_t<t>` group and each expert shard's over its
-/// `experts_dp<s>_t<t>` group, one global clipping norm), refused beside a pipeline axis or
-/// ZeRO-3. Returns the
+/// `experts_dp<s>_t<t>` group, one global clipping norm, and at stage 3 the weights themselves
+/// sharded so, gathered just before each pass), refused beside a pipeline axis. Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -163,7 +163,7 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    check_ep_beside_tp(mesh, zero_stage)?;
+    check_ep_beside_tp(mesh)?;
     let name = if mesh.ep > 1 && mesh.tp > 1 {
         // Tensor parallelism, the MoE layers replicated over tp and their experts over ep.
         *tp = Some(mesh.tp);
@@ -204,13 +204,10 @@ pub fn apply_mesh(
     }
 }
 
-/// `ep > 1` beside `tp > 1` runs with `pp = 1`, with or without ZeRO-1/2 (docs/experts.md,
-/// "ep beside tp"); beside a pipeline axis or `--zero-stage 3` it is refused, the message
-/// naming the mesh and what runs instead.
-fn check_ep_beside_tp(
-    mesh: &dflow_partitioner::mesh::Mesh,
-    zero_stage: Option<u8>,
-) -> anyhow::Result<()> {
+/// `ep > 1` beside `tp > 1` runs with `pp = 1`, with or without ZeRO (stages 1 to 3;
+/// docs/experts.md, "ep beside tp" and "ZeRO beside ep × tp"); beside a pipeline axis it is
+/// refused, the message naming the mesh and what runs instead.
+fn check_ep_beside_tp(mesh: &dflow_partitioner::mesh::Mesh) -> anyhow::Result<()> {
     if mesh.ep <= 1 || mesh.tp <= 1 {
         return Ok(());
     }
@@ -223,14 +220,6 @@ fn check_ep_beside_tp(
             mesh.pp,
             mesh.dp,
             mesh.tp,
-            mesh.ep
-        );
-    }
-    if let Some(stage) = zero_stage.filter(|&s| s >= 3) {
-        anyhow::bail!(
-            "--mesh {} with --zero-stage {stage}: ZeRO-3 beside expert parallelism and tensor parallelism does not run yet (ZeRO-1 and ZeRO-2 do: docs/experts.md, \"ep beside tp\"); use --zero-stage 1 or 2, or --mesh dp={},ep={} with ZeRO-3",
-            mesh_text(mesh),
-            mesh.dp * mesh.tp,
             mesh.ep
         );
     }

@@ -151,10 +151,10 @@ pub(super) static REGISTRATION: Registration = Registration {
                 )));
             }
             let zero_stage = opts.tensor_zero.then_some(opts.zero_stage);
-            if let Some(stage) = zero_stage.filter(|s| !matches!(s, 1 | 2)) {
+            if let Some(stage) = zero_stage.filter(|s| !matches!(s, 1..=3)) {
                 return Err(options(format!(
-                    "--zero-stage {stage} beside ep={ep} and tp={tp} does not run (ZeRO-1 and \
-                     ZeRO-2 do); use --zero-stage 1 or 2"
+                    "--zero-stage {stage} beside ep={ep} and tp={tp} does not run (ZeRO-1 to \
+                     ZeRO-3 do); use --zero-stage 1, 2 or 3"
                 )));
             }
             return Ok(Box::new(experts::TensorExpert {

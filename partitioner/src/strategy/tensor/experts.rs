@@ -29,8 +29,10 @@
 //! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
 //! shard's over `experts_dp<s>_t<t>` by the step dp × ep ZeRO runs
 //! (`expert::zero::expert_shard_step`; whole when `D = E`), one clipping scale from both
-//! `Σ‖g‖²`. ZeRO-3 and pipeline stages beside it are refused (`dflow run` refuses them before
-//! planning).
+//! `Σ‖g‖²`. **ZeRO-3** (`shard_parameters`) also shards the weights over those groups (the
+//! expert shards marked as row shards first), gathered just before each pass, the gathers
+//! numbered in one order per group; worker 0's evaluation copy joins them from their flat
+//! shards. Pipeline stages beside it are refused (`dflow run` refuses them before planning).
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
@@ -45,7 +47,7 @@ use crate::strategy::expert::{
     self, expert_shards, moe_layers, ExpertLayout, ForwardGroups, MoeLayer, DROPPED_INSTANCE,
     DROPPED_METRIC,
 };
-use crate::strategy::zero::{self, Clip, ShardGroup};
+use crate::strategy::zero::{self, params, Clip, Param, ShardGroup};
 use crate::strategy::{JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
 use dflow_graph::train::{expand_training_graph, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef};
@@ -64,8 +66,8 @@ pub struct TensorExpert {
     pub bucket_bytes: usize,
     /// The global batch, when known: the data-parallel size must divide it.
     pub batch_size: Option<usize>,
-    /// ZeRO's stage (1 or 2; `--mesh dp=D,tp=T,ep=E --zero-stage S`): each rank's dense Adam
-    /// slots sharded over its `data_t<t>` group, each expert shard's over its
+    /// ZeRO's stage (1 to 3; `--mesh dp=D,tp=T,ep=E --zero-stage S`): each rank's dense Adam
+    /// slots (3: and weights) sharded over its `data_t<t>` group, each expert shard's over its
     /// `experts_dp<s>_t<t>` group (whole when `D = E`); `None`: no ZeRO.
     pub zero_stage: Option<u8>,
 }
@@ -235,10 +237,10 @@ pub fn mesh_expert_training(
         ));
     }
     if let Some(stage) = zero_stage {
-        if !matches!(stage, 1 | 2) {
+        if !matches!(stage, 1..=3) {
             return Err(options(format!(
                 "mesh {mesh} with --zero-stage {stage}: ZeRO beside expert parallelism and \
-                 tensor parallelism runs at stages 1 and 2; use --zero-stage 1 or 2"
+                 tensor parallelism runs at stages 1 to 3; use --zero-stage 1, 2 or 3"
             )));
         }
         crate::strategy::zero::check_optimizer(spec, "tensor")?;
@@ -284,7 +286,8 @@ pub fn mesh_expert_training(
         graphs.push(rank_graph(&parts, &at)?);
     }
     if let Some(g0) = graphs.first_mut() {
-        add_eval(g0, &def, &shards, &layers, spec, mesh)?;
+        let zero3 = zero_stage.is_some_and(|s| s >= 3);
+        add_eval(g0, &def, &shards, &layers, spec, mesh, zero3)?;
     }
     Ok(TensorGraphs { graphs, shards })
 }
@@ -326,6 +329,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
         .as_ref()
         .ok_or_else(|| options("expert parallelism beside tp needs dp ≥ 2".into()))?;
     let weighting = data::weight_loss(&mut def, &p.spec.loss, &device);
+    let forward_names: HashSet<String> = def.nodes.iter().map(|x| x.name.clone()).collect();
     let (mut training, typed) = expand_training_graph(
         &def,
         &TrainSpec {
@@ -348,6 +352,7 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
         dense,
         experts: expert_grads,
     };
+    let mut zero3 = None;
     let (dense, expert_grads) = match replica.zero_stage {
         Some(stage) => {
             let step = ZeroStep {
@@ -356,7 +361,9 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
                 weighted: &weighting.weighted,
                 renames: &renames,
             };
-            zero_step(&mut training, &typed, &mut n, p, at, &step, grads)?
+            let (grads, params) = zero_step(&mut training, &typed, &mut n, p, at, &step, grads)?;
+            zero3 = (stage >= 3).then_some(params);
+            grads
         }
         None => all_reduce_step(
             &mut training,
@@ -376,6 +383,17 @@ fn rank_graph(p: &RankParts<'_>, at: &RankAt) -> Result<ReplicaGraph, StrategyEr
         .filter_map(|(v, _)| now.remove(&v).map(|g| (v, g)))
         .collect();
     training.def.nodes.extend(std::mem::take(&mut n.added));
+    if let Some(params) = zero3 {
+        shard_parameters(
+            &mut training,
+            &forward_names,
+            &local,
+            p.mesh,
+            at,
+            params,
+            n.instance,
+        )?;
+    }
     let dropped = add_dropped_count(&mut training.def, &training.loss, p.forward, at, &device);
     let mut g = finish_rank(
         training,
@@ -477,9 +495,67 @@ fn all_reduce_step(
 /// (dense, experts) gradients, as the updates read them.
 type Grads = (Vec<(String, String)>, Vec<(String, String)>);
 
+/// The parameters [`zero_step`] left in ZeRO's shard layout, with the groups they are sharded
+/// over: the dense ones over `data_t<t>`, the expert shards over `experts_dp<s>_t<t>` (none
+/// when `D = E`: each expert shard stays whole on its holders).
+struct ShardedParams {
+    dense: (Vec<Param>, ShardGroup),
+    experts: Option<(Vec<Param>, ShardGroup)>,
+}
+
+/// ZeRO-3 beside ep × tp: each of the rank's dense weights (tp shards and replicated) becomes
+/// its flat shard over `data_t<t>` and each of its expert shards (`local`, marked as row
+/// shards first) its flat shard over `experts_dp<s>_t<t>` (when `D > E`), every use reading
+/// a gather just before its pass (`forward`: the forward graph's nodes) over the same group
+/// ([`params::shard_parameters_by`]). The gathers are numbered from `instance` in the graph's
+/// order, which every member of a group shares, so each group runs them in one order.
+fn shard_parameters(
+    training: &mut TrainingGraph,
+    forward: &HashSet<String>,
+    local: &HashSet<String>,
+    mesh: &Mesh,
+    at: &RankAt,
+    params: ShardedParams,
+    instance: i64,
+) -> Result<(), StrategyError> {
+    let roots = [training.train_op.clone(), training.loss.clone()];
+    let roots: Vec<&str> = roots
+        .iter()
+        .map(|r| r.split(':').next().unwrap_or(r))
+        .collect();
+    let pass = |x: &NodeDef| {
+        if forward.contains(&x.name) {
+            "forward".to_string()
+        } else {
+            "backward".to_string()
+        }
+    };
+    let def = &mut training.def;
+    let (dense, dense_group) = &params.dense;
+    params::shard_parameters_by(def, dense, dense_group, forward, &roots, &pass)?;
+    let mut keys = vec![dense_group.key.clone()];
+    if let Some((experts, group)) = &params.experts {
+        let shard = mesh.expert_rank(at.task);
+        for v in def.nodes.iter_mut().filter(|x| local.contains(&x.name)) {
+            expert::zero::as_row_split(v, mesh.ep, shard);
+        }
+        params::shard_parameters_by(def, experts, group, forward, &roots, &pass)?;
+        keys.push(group.key.clone());
+    }
+    let gathers = def.nodes.iter_mut().filter(|x| {
+        x.op == "CollectiveAllGather"
+            && matches!(x.attrs.get("group_key"), Some(AttrValue::String(k)) if keys.iter().any(|g| **k == **g))
+            && matches!(x.attrs.get("instance_key"), Some(AttrValue::Int(0)))
+    });
+    for (x, key) in gathers.zip(instance..) {
+        x.attrs.insert("instance_key".into(), AttrValue::Int(key));
+    }
+    Ok(())
+}
+
 /// What [`zero_step`] shards with.
 struct ZeroStep<'a> {
-    /// ZeRO's stage (1 or 2).
+    /// ZeRO's stage (1 to 3; stage 3's weights are sharded after the step).
     stage: u8,
     /// The rank's replica: its `data_t<t>` group.
     replica: &'a data::Replica,
@@ -506,14 +582,14 @@ fn zero_step(
     at: &RankAt,
     z: &ZeroStep<'_>,
     grads: Gradients,
-) -> Result<Grads, StrategyError> {
+) -> Result<(Grads, ShardedParams), StrategyError> {
     let clip = p.spec.clip_global_norm;
     let scale = clip.map(|_| fresh(&mut n.taken, "ep/zero/clip/global_norm_scale"));
     let how = scale.as_deref().map_or(Clip::None, Clip::Scale);
     // The dense parameters over data_t<t>, then the global batch's loss.
     training.gradients = grads.dense;
     let tp_sharded: HashSet<String> = z.renames.values().cloned().collect();
-    let (_, dense_squared) = data::zero_step_with(
+    let (dense_params, dense_squared) = data::zero_step_with(
         training,
         typed,
         n,
@@ -537,7 +613,7 @@ fn zero_step(
     });
     let ep_key = ep_group(mesh, at.task);
     let mut nodes = zero::Nodes::new(std::mem::take(&mut n.taken), &n.device, n.instance);
-    let (_, experts_squared) = expert::zero::expert_shard_step(
+    let (expert_params, experts_squared) = expert::zero::expert_shard_step(
         training,
         typed,
         &mut nodes,
@@ -561,7 +637,11 @@ fn zero_step(
             .collect();
         n.added.push(s);
     }
-    Ok((dense, experts))
+    let sharded = ShardedParams {
+        dense: (dense_params, data::shard_group(z.replica, z.stage)),
+        experts: holders.map(|g| (expert_params, g)),
+    };
+    Ok(((dense, experts), sharded))
 }
 
 /// Points every update reading a gradient of `summed` at its sum.
@@ -626,7 +706,10 @@ fn add_dropped_count(
 
 /// Worker 0's evaluation: a copy of the forward graph (`eval/...`, `eval_copy`) reading the
 /// tp shards joined and each expert variable joined from the ep shards that the ranks of tp
-/// coordinate 0 hold (shard `j` on rank `T·j`).
+/// coordinate 0 hold (shard `j` on rank `T·j`). Under ZeRO-3 (`zero3`) every weight is first
+/// joined from its flat shards: a dense one's over `data_t<t>` (flat shard `d` on rank
+/// `t + T·d`), expert shard `j`'s over its holders of tp coordinate 0 (flat shard `k` of `D/E`
+/// on rank `T·(j + E·k)`; whole on rank `T·j` when `D = E`).
 fn add_eval(
     g0: &mut ReplicaGraph,
     forward: &GraphDef,
@@ -634,6 +717,7 @@ fn add_eval(
     layers: &[MoeLayer],
     spec: &TrainSpec,
     mesh: &Mesh,
+    zero3: bool,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
     let mut taken: HashSet<String> = g0
@@ -651,8 +735,20 @@ fn add_eval(
                 continue;
             };
             let mut pieces = Vec::with_capacity(mesh.ep);
+            let holders = mesh.dp / mesh.ep;
             for j in 0..mesh.ep {
                 let name = expert::shard_name(var, j);
+                if zero3 && holders > 1 {
+                    pieces.push(joined_expert_shard(
+                        g0,
+                        &mut taken,
+                        (v, &name),
+                        (j, per),
+                        mesh,
+                        &device,
+                    )?);
+                    continue;
+                }
                 if j > 0 {
                     let mut copy = v.clone();
                     expert::shard_variable(&mut copy, j, per)?;
@@ -676,7 +772,63 @@ fn add_eval(
     }
     let tp = mesh.tp;
     let on_rank = |v: &NodeDef, r: usize, d: usize| worker_device(&v.name, &v.device, r + tp * d);
-    eval_copy(g0, &fwd, shards, spec, tp, &on_rank, false, None)
+    let flat = zero3.then_some(mesh.dp);
+    eval_copy(g0, &fwd, shards, spec, tp, &on_rank, false, flat)
+}
+
+/// Under ZeRO-3 with `D > E`: expert shard `j` (`name`, `per` experts' rows) of the expert
+/// variable `v` joined on worker 0 from the flat shards `{name}/shard_{k}_of_{D/E}` that its
+/// holders of tp coordinate 0 keep (flat shard `k` on rank `T·(j + E·k)`; worker 0's own is in
+/// `g0`). Returns the joined value.
+fn joined_expert_shard(
+    g0: &mut ReplicaGraph,
+    taken: &mut HashSet<String>,
+    (v, name): (&NodeDef, &str),
+    (j, per): (usize, i64),
+    mesh: &Mesh,
+    device: &str,
+) -> Result<String, StrategyError> {
+    let holders = mesh.dp / mesh.ep;
+    let mut rows = match v.attrs.get("shape") {
+        Some(AttrValue::Shape(s)) => s.as_static(),
+        _ => None,
+    }
+    .ok_or_else(|| options(format!("expert variable `{}` has no static shape", v.name)))?;
+    if let Some(r) = rows.first_mut() {
+        *r = per as usize;
+    }
+    let mut shard = v.clone();
+    expert::shard_variable(&mut shard, j, per)?;
+    expert::zero::as_row_split(&mut shard, mesh.ep, j);
+    let mut pieces = Vec::with_capacity(holders);
+    for k in 0..holders {
+        let piece = params::shard_name(name, k, holders);
+        let rank = mesh.rank(0, j + mesh.ep * k, 0);
+        if rank != 0 {
+            let mut copy = shard.clone();
+            params::flat_shard(&mut copy, name, &rows, k, holders);
+            copy.name = piece.clone();
+            copy.device = worker_device("", "", rank)?;
+            copy.colocate_with.clear();
+            g0.training.def.nodes.push(copy);
+            taken.insert(piece.clone());
+        }
+        pieces.push(piece);
+    }
+    let joined = fresh(taken, &format!("eval/{name}/flat"));
+    g0.training
+        .def
+        .nodes
+        .push(node(&joined, "PackFlat", pieces, device));
+    let value = fresh(taken, &format!("eval/{name}/whole"));
+    let mut s = node(&value, "FlatSlice", vec![joined], device);
+    s.attrs.insert("offset".into(), AttrValue::Int(0));
+    s.attrs.insert(
+        "shape".into(),
+        AttrValue::Shape(dflow_graph::Shape::known(&rows)),
+    );
+    g0.training.def.nodes.push(s);
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -971,11 +1123,99 @@ mod tests {
                 }
             }
         }
-        // ZeRO-3 is refused, naming the stages that run.
+        // Stage 4 is refused, naming the stages that run.
         let mesh: Mesh = "dp=2,tp=2,ep=2".parse().unwrap();
-        let e = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, Some(3), "idx", "targets")
-            .expect_err("ZeRO-3 refused")
+        let e = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, Some(4), "idx", "targets")
+            .expect_err("ZeRO-4 refused")
             .to_string();
-        assert!(e.contains("runs at stages 1 and 2"), "{e}");
+        assert!(e.contains("runs at stages 1 to 3"), "{e}");
+    }
+
+    /// ZeRO-3 beside ep × tp: no rank keeps a whole weight — each dense weight (tp shard or
+    /// replicated) is its flat shard `d` of `D` over `data_t<t>`, each expert shard its flat
+    /// shard `d / E` of `D / E` over `experts_dp<s>_t<t>` (whole on its holders when `D = E`)
+    /// — and every use reads a gather over that group; each group's members run the gathers
+    /// (and every other collective) with the same keys in the same order; worker 0's
+    /// evaluation copy joins the flat shards and reads no training gather.
+    #[test]
+    fn zero3_beside_ep_and_tp_leaves_no_whole_weight_and_gathers_in_one_order_per_group() {
+        let (graph, spec) = moe_gpt(2);
+        let expert = "transformer.h.0.mlp.experts.c_fc.weight";
+        for text in ["dp=2,tp=2,ep=2", "dp=4,tp=2,ep=2"] {
+            let mesh: Mesh = text.parse().unwrap();
+            let tg = mesh_expert_training(&graph, &spec, &mesh, 1 << 20, Some(3), "idx", "targets")
+                .unwrap();
+            let what = format!("{text} ZeRO-3");
+            let per_rank = same_order_per_group(&what, &mesh, &tg);
+            let (dp, ep) = (mesh.dp, mesh.ep);
+            for (r, g) in tg.graphs.iter().enumerate() {
+                let (t, d, _) = mesh.coords(r);
+                let nodes = &g.training.def.nodes;
+                let vars: HashSet<&str> = nodes
+                    .iter()
+                    .filter(|n| n.op == "Variable" && !n.name.contains("/adam_"))
+                    .map(|n| n.name.as_str())
+                    .collect();
+                let tp_shard = super::super::shard_name("transformer.wte.weight", t, 2);
+                let mine = format!("{expert}/shard_{}", d % ep);
+                for whole in ["transformer.ln_f.weight", tp_shard.as_str()] {
+                    let flat = format!("{whole}/shard_{d}_of_{dp}");
+                    assert!(vars.contains(flat.as_str()), "{what} rank {r}: {vars:?}");
+                    assert!(!vars.contains(whole), "{what} rank {r}: whole `{whole}`");
+                }
+                if dp > ep {
+                    let flat = format!("{mine}/shard_{}_of_{}", d / ep, dp / ep);
+                    assert!(vars.contains(flat.as_str()), "{what} rank {r}: {vars:?}");
+                    assert!(!vars.contains(mine.as_str()), "{what} rank {r}");
+                } else {
+                    assert!(vars.contains(mine.as_str()), "{what} rank {r}: {vars:?}");
+                }
+                // No rank keeps any weight whole (worker 0's evaluation copy's pieces are
+                // other ranks' flat shards): neither the one-process variable nor its tp shard.
+                for w in graph.to_def().nodes.iter().filter(|n| n.op == "Variable") {
+                    let tp_name = super::super::shard_name(&w.name, t, 2);
+                    for name in [w.name.as_str(), tp_name.as_str()] {
+                        assert!(!vars.contains(name), "{what} rank {r}: whole `{name}`");
+                    }
+                    if dp > ep {
+                        let own = expert::shard_name(&w.name, d % ep);
+                        assert!(!vars.contains(own.as_str()), "{what} rank {r}: `{own}`");
+                    }
+                }
+                let gathers = |key: &str| {
+                    per_rank[r].get(key).map_or(0, |c| {
+                        c.iter().filter(|c| c.1 == "CollectiveAllGather").count()
+                    })
+                };
+                // A forward and a backward gather of (nearly) every weight, beside ZeRO's
+                // gathers of the updated shards.
+                assert!(gathers(&dp_group(t)) > 20, "{what} rank {r}");
+                let ln_f = "zero/transformer.ln_f.weight/forward";
+                assert!(
+                    nodes.iter().any(|n| n.inputs.iter().any(|i| i == ln_f)),
+                    "{what} rank {r}: ln_f read from no gather"
+                );
+                if let Some(holders) = expert_data_group(&mesh, r) {
+                    let gathered = nodes.iter().any(|n| {
+                        n.op == "CollectiveAllGather"
+                            && n.name
+                                .starts_with(&format!("zero/{mine}/all_gather_forward"))
+                    });
+                    assert!(
+                        gathered,
+                        "{what} rank {r}: `{mine}` not gathered over {holders}"
+                    );
+                }
+            }
+            // Worker 0's evaluation copy reads the joined flat shards, no training gather.
+            let g0 = &tg.graphs[0].training.def;
+            for n in g0.nodes.iter().filter(|n| n.name.starts_with("eval/")) {
+                assert!(
+                    !n.inputs.iter().any(|i| i.starts_with("zero/")),
+                    "{what}: `{}` reads a training gather",
+                    n.name
+                );
+            }
+        }
     }
 }
