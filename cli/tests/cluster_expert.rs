@@ -249,37 +249,11 @@ fn collective_bytes_per_rank_from_the_counters_are_exact_and_all_to_all_is_the_o
 /// `cluster` under `--strategy expert` (every task in this process), or in one process with no
 /// strategy when `cluster` is `None`, checkpointing to (and resuming from) `ckpt`: its losses.
 fn moe_run(graph: &Path, cluster: Option<&str>, steps: u32, ckpt: &Path) -> Vec<(u64, f64)> {
-    let losses = ckpt.with_extension(format!("losses-{steps}.txt"));
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"));
-    cmd.args(["run", "--local"]).arg(graph);
-    if let Some(c) = cluster {
-        cmd.args(["--cluster", c, "--strategy", "expert"]);
-    }
-    let out = cmd
-        .args([
-            "--data",
-            "examples/data/shakespeare.txt.gz",
-            "--batch-size",
-            "8",
-            "--eval-batches",
-            "1",
-            "--quiet",
-            "--steps",
-        ])
-        .arg(steps.to_string())
-        .arg("--checkpoint-dir")
-        .arg(ckpt)
-        .arg("--losses-out")
-        .arg(&losses)
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    read_losses(&losses)
+    let extra = match cluster {
+        Some(c) => vec!["--cluster", c, "--strategy", "expert"],
+        None => Vec::new(),
+    };
+    run_text_local(graph, &extra, steps, ckpt).0
 }
 
 /// A checkpoint of a 2-worker expert job holds every expert variable and its Adam moments whole

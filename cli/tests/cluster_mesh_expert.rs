@@ -52,43 +52,9 @@ fn run(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> Vec<(u64, f64)>
     run_out(graph, extra, steps, ckpt).0
 }
 
-/// [`run`]: its losses and the final validation loss line (`validation loss: …`).
+/// [`run`]: its losses and the final validation loss line ([`support::run_text_local`]).
 fn run_out(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> (Vec<(u64, f64)>, String) {
-    let losses = ckpt.with_extension(format!("losses-{steps}.txt"));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"))
-        .args(["run", "--local"])
-        .arg(graph)
-        .args(extra)
-        .args([
-            "--data",
-            "examples/data/shakespeare.txt.gz",
-            "--batch-size",
-            "8",
-            "--eval-batches",
-            "1",
-            "--quiet",
-            "--steps",
-        ])
-        .arg(steps.to_string())
-        .arg("--checkpoint-dir")
-        .arg(ckpt)
-        .arg("--losses-out")
-        .arg(&losses)
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{extra:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let validation = stdout
-        .lines()
-        .find(|l| l.starts_with("validation loss: "))
-        .unwrap_or_default()
-        .to_string();
-    (read_losses(&losses), validation)
+    run_text_local(graph, extra, steps, ckpt)
 }
 
 /// The losses of `dp=4,ep=2` equal one process's within 1e-5 over 5 steps, for top-1 and for

@@ -526,3 +526,51 @@ pub fn small_gpt(dir: &Path, n_layer: usize) -> PathBuf {
     .unwrap();
     path
 }
+
+/// `dflow run --local GRAPH` on the bundled Shakespeare for `steps` steps of a global batch of 8
+/// with `extra` flags (a cluster and a mesh or strategy, or none: one process), one evaluation
+/// batch, checkpointing to (and resuming from) `ckpt`: its losses and its final validation
+/// line (`validation loss: …`; the MoE tests' job).
+#[allow(dead_code)]
+pub fn run_text_local(
+    graph: &Path,
+    extra: &[&str],
+    steps: u32,
+    ckpt: &Path,
+) -> (Vec<(u64, f64)>, String) {
+    let losses = ckpt.with_extension(format!("losses-{steps}.txt"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflow"))
+        .args(["run", "--local"])
+        .arg(graph)
+        .args(extra)
+        .args([
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "8",
+            "--eval-batches",
+            "1",
+            "--quiet",
+            "--steps",
+        ])
+        .arg(steps.to_string())
+        .arg("--checkpoint-dir")
+        .arg(ckpt)
+        .arg("--losses-out")
+        .arg(&losses)
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{extra:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let validation = stdout
+        .lines()
+        .find(|l| l.starts_with("validation loss: "))
+        .unwrap_or_default()
+        .to_string();
+    (read_losses(&losses), validation)
+}
