@@ -531,7 +531,6 @@ pub fn small_gpt(dir: &Path, n_layer: usize) -> PathBuf {
 /// with `extra` flags (a cluster and a mesh or strategy, or none: one process), one evaluation
 /// batch, checkpointing to (and resuming from) `ckpt`: its losses and its final validation
 /// line (`validation loss: …`; the MoE tests' job).
-#[allow(dead_code)]
 pub fn run_text_local(
     graph: &Path,
     extra: &[&str],
