@@ -1085,16 +1085,34 @@ fn reduce_expert_gradients(
     local: &HashSet<String>,
     group: &str,
 ) -> Result<(), StrategyError> {
-    let def = &mut w.training.def;
+    let device = w.device.clone();
+    sum_shard_gradients(&mut w.training, local, |_, _| {
+        Ok((device.clone(), group.to_string()))
+    })?;
+    w.typed = Graph::from_def(&w.training.def).map_err(StrategyError::InvalidGraph)?;
+    Ok(())
+}
+
+/// Sums the gradient of each expert shard in `local` by an all-reduce (`experts/grad_{k}/all_reduce`,
+/// instance key `k + 1`) on the device and over the group `place(def, gradient)` names, and
+/// points the updates and `training.gradients` at the sums: the one sum of the expert shards
+/// held by several workers (the expert-data-parallel groups, per stage inside a pipeline).
+pub(crate) fn sum_shard_gradients(
+    training: &mut dflow_graph::train::TrainingGraph,
+    local: &HashSet<String>,
+    place: impl Fn(&GraphDef, &str) -> Result<(String, String), StrategyError>,
+) -> Result<(), StrategyError> {
+    let def = &mut training.def;
     let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
     let mut summed: HashMap<String, String> = HashMap::new();
     let mut added = Vec::new();
-    for (k, (var, grad)) in w.training.gradients.iter_mut().enumerate() {
+    for (k, (var, grad)) in training.gradients.iter_mut().enumerate() {
         if !local.contains(var.as_str()) {
             continue;
         }
+        let (device, group) = place(def, grad)?;
         let name = fresh(&mut taken, &format!("experts/grad_{k}/all_reduce"));
-        let mut n = node(&name, "CollectiveAllReduce", vec![grad.clone()], &w.device);
+        let mut n = node(&name, "CollectiveAllReduce", vec![grad.clone()], &device);
         n.attrs = BTreeMap::from([
             ("group_key".to_string(), AttrValue::String(group.into())),
             ("instance_key".to_string(), AttrValue::Int(k as i64 + 1)),
@@ -1112,7 +1130,6 @@ fn reduce_expert_gradients(
         }
     }
     def.nodes.extend(added);
-    w.typed = Graph::from_def(def).map_err(StrategyError::InvalidGraph)?;
     Ok(())
 }
 

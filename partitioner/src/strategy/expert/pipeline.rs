@@ -473,52 +473,21 @@ fn set_scalar(
 
 /// Sums each expert shard's gradient (the shards are `local`) over `group(s)` of its stage `s`
 /// (the replicas that hold the same shard) by all-reduce where it is computed, and points the
-/// updates and `training.gradients` at the sums.
+/// updates and `training.gradients` at the sums ([`super::sum_shard_gradients`]).
 fn reduce_shard_gradients(
     training: &mut TrainingGraph,
     local: &HashSet<String>,
     devices: &[String],
     group: impl Fn(usize) -> String,
 ) -> Result<(), StrategyError> {
-    let def = &mut training.def;
-    let mut taken: HashSet<String> = def.nodes.iter().map(|n| n.name.clone()).collect();
-    let mut summed: HashMap<String, String> = HashMap::new();
-    let mut added = Vec::new();
-    for (k, (var, grad)) in training.gradients.iter_mut().enumerate() {
-        if !local.contains(var.as_str()) {
-            continue;
-        }
+    super::sum_shard_gradients(training, local, |def, grad| {
         let device = node_device(def, grad)?;
         let s = devices
             .iter()
             .position(|d| *d == device)
             .ok_or_else(|| PipelineError::Internal(format!("the stage of `{grad}`")))?;
-        let name = fresh(&mut taken, &format!("experts/grad_{k}/all_reduce"));
-        let n = NodeDef {
-            name: name.clone(),
-            op: "CollectiveAllReduce".into(),
-            inputs: vec![grad.clone()],
-            device,
-            colocate_with: vec![],
-            attrs: BTreeMap::from([
-                ("group_key".to_string(), AttrValue::String(group(s).into())),
-                ("instance_key".to_string(), AttrValue::Int(k as i64 + 1)),
-                ("reduce".to_string(), AttrValue::String("sum".into())),
-            ]),
-        };
-        added.push(n);
-        summed.insert(grad.clone(), name.clone());
-        *grad = name;
-    }
-    for n in def.nodes.iter_mut().filter(|n| n.op.starts_with("Apply")) {
-        for input in &mut n.inputs {
-            if let Some(s) = summed.get(input.as_str()) {
-                *input = s.clone();
-            }
-        }
-    }
-    def.nodes.extend(added);
-    Ok(())
+        Ok((device, group(s)))
+    })
 }
 
 #[cfg(test)]
