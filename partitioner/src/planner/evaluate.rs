@@ -808,6 +808,37 @@ mod tests {
         ModelProfile::new(&gpt(&cfg).unwrap().def, "idx", "targets").unwrap()
     }
 
+    /// A graph `--strategy tensor` cannot split (the digits MLP: no GPT layer names, no
+    /// `_sharding` placements) gets no tp layout, the refusal saying why and what to write.
+    #[test]
+    fn a_graph_the_tensor_strategy_cannot_split_has_no_tp_layout() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/digits/digits.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let model = ModelProfile::new(&def, "pixels", "labels").unwrap();
+        assert!(model.tensor_refusal.is_some());
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let options = PlanOptions {
+            devices: 2,
+            batch_size: 32,
+        };
+        let tp: crate::planner::Layout = "tp=2".parse().unwrap();
+        let e = evaluate_layout(&model, &profile, &options, &tp)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot split this graph") && e.contains("_sharding"),
+            "{e}"
+        );
+        let report = super::super::plan(&model, &profile, &options).unwrap();
+        assert_eq!(
+            report.best().map(|b| b.layout.short()),
+            Some("dp2 tp1 pp1".into())
+        );
+        assert!(report.ranked.iter().all(|e| e.layout.mesh.tp == 1));
+    }
+
     /// What `dflow run` refuses for an MoE model the planner refuses too, naming the op: tp
     /// (the tensor strategy splits dense MLPs only) and several micro-batches (the router
     /// drops tokens by a share of the batch).

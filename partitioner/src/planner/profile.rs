@@ -395,6 +395,29 @@ mod tests {
         assert!(e.contains("op_overhead"), "{e}");
     }
 
+    /// The per-value and per-product costs are optional (0 in older profiles, which still
+    /// load; a value then costs a collective message) and never negative.
+    #[test]
+    fn value_and_product_costs_default_to_zero_and_must_not_be_negative() {
+        let p = ClusterProfile::preset("this-machine").unwrap();
+        let mut json = serde_json::to_value(&p).unwrap();
+        let job = json["job"].as_object_mut().unwrap();
+        job.remove("value");
+        job.remove("product");
+        let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
+        assert_eq!((old.job.value, old.job.product), (0.0, 0.0));
+        assert_eq!(old.job.value_cost(), old.job.collective);
+        assert_eq!(p.job.value_cost(), p.job.value);
+        for field in ["value", "product"] {
+            let mut bad = serde_json::to_value(&p).unwrap();
+            bad["job"][field] = serde_json::json!(-1e-6);
+            let e = ClusterProfile::from_json(&bad.to_string(), "p.json")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("job.{field}")), "{e}");
+        }
+    }
+
     #[test]
     fn a_profile_from_before_the_per_task_cost_loads_with_it_at_zero() {
         // The `job` section as `dflow bench calibrate` wrote it before `task` existed.
