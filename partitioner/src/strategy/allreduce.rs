@@ -23,8 +23,7 @@
 //! the sum would not).
 
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
-use crate::job::{task_name, CollectiveGroup, Schedule};
-use crate::place::{PlacementOptions, Policy};
+use crate::job::{CollectiveGroup, Schedule};
 use dflow_graph::train::{expand_training_graph, TrainSpec};
 use dflow_graph::{AttrValue, DType, DeviceName, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -130,17 +129,10 @@ impl Strategy for AllReduce {
             self.bucket_bytes,
         )?;
         // Every node of a worker's graph stays on that worker: no device setter.
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            ..input.placement.clone()
-        };
+        let placement = input.explicit_placement();
         let group = CollectiveGroup {
             key: GROUP.to_string(),
-            members: input
-                .cluster
-                .tasks("worker")
-                .map(|(i, _)| task_name("worker", i))
-                .collect(),
+            members: input.worker_task_names(),
         };
         JobPlan::build(
             self.describe(),

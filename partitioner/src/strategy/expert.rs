@@ -79,7 +79,7 @@ use super::allreduce::{
     check_job, fresh, node, reduce_gradients, weighted_training, worker_device,
 };
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
-use crate::job::{task_name, CollectiveGroup, Schedule, VariablePlan};
+use crate::job::{CollectiveGroup, Schedule, VariablePlan};
 use crate::mesh::{Axis, Mesh};
 use crate::place::{PlacementOptions, Policy};
 use crate::shards::ShardedVariable;
@@ -311,15 +311,8 @@ impl Strategy for Expert {
             self.bucket_bytes,
             self.zero,
         )?;
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            ..input.placement.clone()
-        };
-        let tasks: Vec<String> = input
-            .cluster
-            .tasks("worker")
-            .map(|(i, _)| task_name("worker", i))
-            .collect();
+        let placement = input.explicit_placement();
+        let tasks: Vec<String> = input.worker_task_names();
         let mut groups = vec![CollectiveGroup {
             key: GROUP.to_string(),
             members: tasks.clone(),
@@ -1427,6 +1420,7 @@ pub fn all_to_all_bytes(g: &ReplicaGraph, workers: usize) -> Vec<(String, Option
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::task_name;
     use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
     use dflow_graph::DType;
 

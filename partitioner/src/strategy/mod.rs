@@ -131,6 +131,23 @@ impl<'a> JobInput<'a> {
     pub fn workers(&self) -> usize {
         self.cluster.num_tasks("worker")
     }
+
+    /// The worker tasks' names (`/job:worker/replica:0/task:i`), in task order.
+    pub fn worker_task_names(&self) -> Vec<String> {
+        self.cluster
+            .tasks("worker")
+            .map(|(i, _)| crate::job::task_name("worker", i))
+            .collect()
+    }
+
+    /// The caller's placement options with every node kept where the strategy put it (the
+    /// strategies that build one graph per worker place every node themselves).
+    pub fn explicit_placement(&self) -> crate::place::PlacementOptions {
+        crate::place::PlacementOptions {
+            policy: crate::place::Policy::Explicit,
+            ..self.placement.clone()
+        }
+    }
 }
 
 /// Options a strategy may read when it is built; each strategy uses the ones that concern it

@@ -69,9 +69,8 @@ use super::allreduce::{check_job, fresh, node, worker_device};
 use super::pipeline::zero::ReplicaZero;
 use super::pipeline::Pipeline;
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
-use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::job::{CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
-use crate::place::{PlacementOptions, Policy};
 use crate::sharding::Placement;
 use crate::shards::AxisShardedVariable;
 use dflow_graph::axis_split::AxisSplit;
@@ -230,15 +229,8 @@ impl Strategy for TensorParallel {
             input.labels,
             self.batch_size,
         )?;
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            ..input.placement.clone()
-        };
-        let tasks: Vec<String> = input
-            .cluster
-            .tasks("worker")
-            .map(|(i, _)| task_name("worker", i))
-            .collect();
+        let placement = input.explicit_placement();
+        let tasks: Vec<String> = input.worker_task_names();
         let mut groups = Vec::new();
         for (d, ranks) in mesh.groups(Axis::Tp).into_iter().enumerate() {
             groups.push(CollectiveGroup {
@@ -2278,6 +2270,7 @@ pub fn render_tensor_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::task_name;
     use dflow_graph::layers::{gpt, GptConfig};
 
     fn model(vocab: usize, heads: usize, batch: i64) -> (Graph, TrainSpec) {

@@ -52,8 +52,7 @@ pub mod params;
 
 use super::allreduce::{check_job, fresh, node, weighted_training, WeightedTraining};
 use super::{JobInput, JobPlan, Registration, ReplicaGraph, Strategy, StrategyError};
-use crate::job::{task_name, CollectiveGroup, Schedule};
-use crate::place::{PlacementOptions, Policy};
+use crate::job::{CollectiveGroup, Schedule};
 use crate::shards::ShardedVariable;
 use dflow_graph::train::{OptimizerKind, TrainSpec, TrainingGraph};
 use dflow_graph::{AttrValue, DType, Graph, GraphDef, NodeDef, Shape, Tensor};
@@ -125,17 +124,10 @@ impl Strategy for Zero {
             input.labels,
             self,
         )?;
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            ..input.placement.clone()
-        };
+        let placement = input.explicit_placement();
         let group = CollectiveGroup {
             key: GROUP.to_string(),
-            members: input
-                .cluster
-                .tasks("worker")
-                .map(|(i, _)| task_name("worker", i))
-                .collect(),
+            members: input.worker_task_names(),
         };
         let workers = input.workers();
         let mut plan = JobPlan::build(

@@ -39,9 +39,8 @@ use super::{
     scale_gradients, sharded_variables, squared_norm_across_shards, tp_group, zero_slot_shards,
     Gpt, Nodes, RankAt, RankForward, ShardedWeight, TensorGraphs,
 };
-use crate::job::{task_name, CollectiveGroup, Schedule};
+use crate::job::{CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
-use crate::place::{PlacementOptions, Policy};
 use crate::strategy::allreduce::{check_job, fresh, node, worker_device};
 use crate::strategy::expert::{
     self, expert_shards, moe_layers, ExpertLayout, ForwardGroups, MoeLayer, DROPPED_INSTANCE,
@@ -161,15 +160,8 @@ impl Strategy for TensorExpert {
             input.features,
             input.labels,
         )?;
-        let placement = PlacementOptions {
-            policy: Policy::Explicit,
-            ..input.placement.clone()
-        };
-        let tasks: Vec<String> = input
-            .cluster
-            .tasks("worker")
-            .map(|(i, _)| task_name("worker", i))
-            .collect();
+        let placement = input.explicit_placement();
+        let tasks: Vec<String> = input.worker_task_names();
         let mut plan = JobPlan::build(
             self.describe(),
             input,
