@@ -15,7 +15,11 @@
 //! again), calls between computations (ZeRO-3 on a [`DEEP`]-layer MLP: an all-gather before
 //! every layer's product, forward and backward; on 2 tasks and on 4 sharing the 2 cores) and a
 //! pipeline (2 stages of a [`DEEP`]-layer MLP, 4 and 8 micro-batches, one process a stage as
-//! `dflow run --job worker` runs it: the values between stages). The runs go
+//! `dflow run --job worker` runs it: the values between stages); 8 tasks on the 2 cores (the
+//! base on 8 tasks; 4 replicas of the 2-stage pipeline as 8 processes); and the op kinds of a
+//! transformer (one small [`TRANSFORMER`] block, data parallel on 2 tasks: layer norms,
+//! attention's batched products, softmax, reshapes, AdamW and clipping, whose dispatch costs
+//! more than a `Relu`'s). The runs go
 //! round the jobs (one run of each, `--runs` times), so that a change of the machine's load
 //! falls on all of them. The planner's own counts of each job plan (planner `runtime::work`)
 //! turn each median into one equation of the model of planner `runtime::job_step`; planner
@@ -75,6 +79,10 @@ struct Variant {
     chain_op: &'static str,
     /// Every gradient its own all-reduce (a fusion threshold below one gradient's bytes).
     unfused: bool,
+    /// A small transformer ([`TRANSFORMER`]) in place of the MLP (`hidden`, `layers`, `chain`
+    /// unused): the op kinds a GPT dispatches (layer norms, attention's batched products,
+    /// softmax, reshapes, the embedding's gather), not a `Relu` chain's.
+    transformer: bool,
 }
 
 impl Variant {
@@ -105,10 +113,38 @@ const BASE: Variant = Variant {
     chain: 0,
     chain_op: "Relu",
     unfused: false,
+    transformer: false,
 };
 
+/// The transformer job's model: one block of 16 channels, 2 heads, a context of 16 characters
+/// (none of the planner's comparison models: those are 2 × 32 over 8 characters and the
+/// bundled 4 × 128 over 64).
+const TRANSFORMER: dflow_graph::layers::GptConfig = dflow_graph::layers::GptConfig {
+    vocab_size: 32,
+    block_size: 16,
+    n_layer: 1,
+    n_head: 2,
+    n_embd: 16,
+    dropout: 0.0,
+    bias: true,
+    tie_weights: true,
+    seed: 7,
+    learning_rate: 1e-3,
+    min_lr: 1e-4,
+    warmup_steps: 0,
+    decay_steps: 0,
+    weight_decay: 0.1,
+    beta1: 0.9,
+    beta2: 0.99,
+    grad_clip: Some(1.0),
+    moe: None,
+};
+
+/// Sequences a step of the transformer job (2 a task).
+const TRANSFORMER_BATCH: usize = 4;
+
 /// The calibration jobs (see the module): none is a model of the planner's comparison table.
-const JOBS: [Variant; 14] = [
+const JOBS: [Variant; 17] = [
     BASE,
     Variant {
         name: "chain",
@@ -195,11 +231,34 @@ const JOBS: [Variant; 14] = [
         layers: DEEP,
         ..BASE
     },
+    Variant {
+        name: "base 8 tasks",
+        layout: "dp=8",
+        ..BASE
+    },
+    Variant {
+        name: "pipeline 8 processes (4 replicas of 2 stages)",
+        layout: "dp=4,pp=2,m=2",
+        hidden: DEEP_WIDTH,
+        layers: DEEP,
+        ..BASE
+    },
+    Variant {
+        name: "transformer",
+        batch: TRANSFORMER_BATCH,
+        transformer: true,
+        ..BASE
+    },
 ];
 
 /// The model: `layers` products to `hidden` channels, a chain of `chain` `chain_op`, a
-/// `[hidden, 2]` output, the softmax cross-entropy's mean.
-fn graph_json(v: Variant) -> String {
+/// `[hidden, 2]` output, the softmax cross-entropy's mean (or the [`TRANSFORMER`]).
+fn graph_json(v: Variant) -> anyhow::Result<String> {
+    if v.transformer {
+        let gpt = dflow_graph::layers::gpt(&TRANSFORMER)
+            .map_err(|e| anyhow::anyhow!("the calibration transformer: {e}"))?;
+        return Ok(dflow_graph::format::to_json(&gpt.def));
+    }
     let mut nodes = vec![
         serde_json::json!({"name": "pixels", "op": "Placeholder", "attrs": {"dtype": "f32", "shape": [-1, WIDTH]}}),
         serde_json::json!({"name": "labels", "op": "Placeholder", "attrs": {"dtype": "i64", "shape": [-1]}}),
@@ -223,13 +282,35 @@ fn graph_json(v: Variant) -> String {
     nodes.push(serde_json::json!({"name": "logits", "op": "MatMul", "inputs": [h, "w_out"]}));
     nodes.push(serde_json::json!({"name": "xent", "op": "SparseSoftmaxCrossEntropyWithLogits", "inputs": ["logits", "labels"]}));
     nodes.push(serde_json::json!({"name": "loss", "op": "Mean", "inputs": ["xent"]}));
-    serde_json::json!({
+    Ok(serde_json::json!({
         "format": "dflow-graph",
         "version": 1,
         "nodes": nodes,
         "train": {"loss": "loss", "optimizer": v.optimizer()}
     })
-    .to_string()
+    .to_string())
+}
+
+/// The transformer job's corpus: 64 KiB of a deterministic sequence over 26 letters, a space
+/// and 5 punctuation marks (fewer characters than [`TRANSFORMER`]'s vocabulary).
+fn text_corpus() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz .,;!?";
+    let mut state: u32 = 12345;
+    (0..65536)
+        .map(|_| {
+            state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            ALPHABET[(state >> 16) as usize % ALPHABET.len()] as char
+        })
+        .collect()
+}
+
+/// The feeds of `v`'s model: its inputs and its labels.
+fn feeds(v: Variant) -> (&'static str, &'static str) {
+    if v.transformer {
+        ("idx", "targets")
+    } else {
+        ("pixels", "labels")
+    }
 }
 
 /// `ROWS` rows of 8 features and a 0/1 label (deterministic).
@@ -262,8 +343,8 @@ fn predicted_work(def_text: &str, v: Variant) -> anyhow::Result<(Vec<runtime::Ta
     let workers = u32::try_from(mesh.size()).context("calibration mesh too large")?;
     let cluster = dflow_graph::ClusterSpec::local(&[("worker", workers)])?;
     let strategy = kind.build(&options)?;
-    let input =
-        dflow_partitioner::strategy::JobInput::new(&graph, train, &cluster, "pixels", "labels");
+    let (inputs, labels) = feeds(v);
+    let input = dflow_partitioner::strategy::JobInput::new(&graph, train, &cluster, inputs, labels);
     let plan = strategy.plan(&input)?;
     // Each task is fed its replica's rows (a pipeline's micro-batches are nodes of its plan).
     let rows = v.batch / mesh.dp.max(1);
@@ -342,7 +423,11 @@ fn wait_bounded(
 /// `dflow run --local`, the pipeline as one `dflow run --job worker` process a stage.
 fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow::Result<f64> {
     let exe = std::env::current_exe().context("finding the dflow binary")?;
-    let data = dir.join("data.csv");
+    let data = dir.join(if v.transformer {
+        "corpus.txt"
+    } else {
+        "data.csv"
+    });
     let layout = v.layout()?;
     let mesh = layout.mesh;
     let cluster = cluster_file(dir, mesh.size())?;
@@ -363,8 +448,7 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow:
         cmd.args(["run", "--job", "worker", "--index", "0", "--cluster"])
             .arg(&cluster)
             .arg(graph)
-            .args(["--strategy", "pipeline"])
-            .args(["--stages", &mesh.pp.to_string()])
+            .args(["--mesh", &format!("dp={},pp={}", mesh.dp, mesh.pp)])
             .args(["--micro-batches", &layout.micro_batches.to_string()]);
     } else {
         cmd.args(["run", "--local"])
@@ -385,10 +469,22 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow:
     cmd.arg("--data")
         .arg(&data)
         .args(["--batch-size", &v.batch.to_string()])
-        .args(["--epochs", &epochs.to_string()])
-        .args(["--test-fraction", "0", "--quiet"])
+        .args(["--quiet"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    if v.transformer {
+        // As many steps as an epoch of the MLP jobs' rows, evaluation only once at the end.
+        let steps = epochs * (ROWS / BATCH);
+        cmd.args(["--steps", &steps.to_string()]).args([
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "1",
+        ]);
+    } else {
+        cmd.args(["--epochs", &epochs.to_string()])
+            .args(["--test-fraction", "0"]);
+    }
     if v.unfused {
         cmd.args(["--fusion-threshold-mb", &UNFUSED_MB.to_string()]);
     }
@@ -461,9 +557,10 @@ pub fn measure(
 ) -> anyhow::Result<(JobCosts, String)> {
     let dir = Scratch::new()?;
     std::fs::write(dir.path().join("data.csv"), data_csv())?;
+    std::fs::write(dir.path().join("corpus.txt"), text_corpus())?;
     let mut jobs = Vec::new();
     for (i, v) in JOBS.into_iter().enumerate() {
-        let text = graph_json(v);
+        let text = graph_json(v)?;
         let graph = dir.path().join(format!("model{i}.json"));
         std::fs::write(&graph, &text)?;
         let (work, bubble) = predicted_work(&text, v)
@@ -564,7 +661,7 @@ mod tests {
             .into_iter()
             .map(|v| {
                 let v = small(v);
-                let (w, b) = predicted_work(&graph_json(v), v).unwrap();
+                let (w, b) = predicted_work(&graph_json(v).unwrap(), v).unwrap();
                 (v, w, b)
             })
             .collect();
@@ -619,6 +716,21 @@ mod tests {
             pipe[0].received + 4,
             "{pipe8:?} {pipe:?}"
         );
+        // Eight tasks on the two cores: the base, and 4 replicas of a 2-stage pipeline whose
+        // stages send to each other.
+        assert_eq!(by("base 8 tasks").1.len(), 8);
+        let (_, pipe8x, _) = by("pipeline 8 processes (4 replicas of 2 stages)");
+        assert_eq!(pipe8x.len(), 8, "{pipe8x:?}");
+        assert!(
+            pipe8x.iter().all(|t| t.values > 0 && t.received > 0),
+            "{pipe8x:?}"
+        );
+        // The transformer: batched products (attention), Gelu's transcendental elements, and
+        // more ops than the base.
+        let (_, gpt, _) = by("transformer");
+        assert_eq!(gpt.len(), 2, "{gpt:?}");
+        assert!(gpt[0].ops > 4 * base[0].ops, "{gpt:?}");
+        assert!(gpt[0].products > 8 && gpt[0].transcendentals > 0, "{gpt:?}");
         // Four tasks on the two cores, each gathering before every layer.
         let (_, zero4, _) = by("zero-3 4 tasks (calls between products on shared cores)");
         assert_eq!(zero4.len(), 4);
@@ -630,7 +742,7 @@ mod tests {
         let full: Vec<runtime::CalibrationJob> = JOBS
             .into_iter()
             .map(|v| {
-                let (w, b) = predicted_work(&graph_json(v), v).unwrap();
+                let (w, b) = predicted_work(&graph_json(v).unwrap(), v).unwrap();
                 runtime::CalibrationJob {
                     name: v.name.into(),
                     seconds: 1e-3,

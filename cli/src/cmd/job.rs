@@ -588,7 +588,7 @@ async fn chief(
     match &cfg.data {
         ChiefData::Text { block_size, .. } => {
             eprintln!(
-                "trained {} steps in {secs:.2} s ({:.0} tokens/s) on {} characters ({} held out)",
+                "trained {} steps in {secs:.3} s ({:.0} tokens/s) on {} characters ({} held out)",
                 report.losses.len(),
                 report.examples as f64 * *block_size as f64 / secs,
                 report.train_examples,
@@ -598,7 +598,7 @@ async fn chief(
         }
         ChiefData::Csv { .. } => {
             eprintln!(
-                "trained {} steps in {secs:.2} s ({:.0} examples/s) on {} examples ({} held out)",
+                "trained {} steps in {secs:.3} s ({:.0} examples/s) on {} examples ({} held out)",
                 report.losses.len(),
                 report.examples as f64 / secs,
                 report.train_examples,

@@ -146,7 +146,7 @@ pub fn train(
         eprintln!("checkpoint: {}", path.display());
     }
     eprintln!(
-        "trained {} steps in {:.2} s ({:.0} examples/s)",
+        "trained {} steps in {:.3} s ({:.0} examples/s)",
         summary.losses.len(),
         summary.elapsed.as_secs_f64(),
         summary.examples as f64 / summary.elapsed.as_secs_f64().max(1e-9)

@@ -160,7 +160,7 @@ pub fn train_text(
     }
     let secs = summary.elapsed.as_secs_f64().max(1e-9);
     eprintln!(
-        "trained {} steps in {secs:.2} s ({:.0} tokens/s)",
+        "trained {} steps in {secs:.3} s ({:.0} tokens/s)",
         summary.losses.len(),
         summary.examples as f64 * block_size as f64 / secs
     );
