@@ -48,24 +48,19 @@ print(json.dumps({"worker": ["127.0.0.1:%d" % s.getsockname()[1] for s in socks]
 PY
 }
 
-# measure KIND WORKERS GRAPH ARGS...: RUNS step times in µs, one per line.
+# measure WORKERS GRAPH ARGS...: RUNS step times in µs, one per line. One process per task,
+# as a job runs on a cluster and as `dflow bench calibrate` runs its jobs.
 measure() {
-  local kind=$1 workers=$2 graph=$3; shift 3
+  local workers=$1 graph=$2; shift 2
   for _ in $(seq "$RUNS"); do
     cluster_file "$workers" > "$SCRATCH/cluster.json"
-    if [ "$kind" = local ]; then
-      "$DFLOW" run --local "$graph" --cluster "$SCRATCH/cluster.json" "$@" > /dev/null 2> "$SCRATCH/err"
-    else
-      # Pipelines: one process per task (their values between stages cross processes, as the
-      # calibration's pipeline jobs' do).
-      local others=()
-      for i in $(seq 1 $((workers - 1))); do
-        "$DFLOW" run --job worker --index "$i" --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err$i" &
-        others+=($!)
-      done
-      "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" > /dev/null 2> "$SCRATCH/err"
-      wait "${others[@]}"
-    fi
+    local others=()
+    for i in $(seq 1 $((workers - 1))); do
+      "$DFLOW" run --job worker --index "$i" --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err$i" &
+      others+=($!)
+    done
+    "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" > /dev/null 2> "$SCRATCH/err"
+    wait "${others[@]}"
     step_of "$SCRATCH/err"
   done
 }
@@ -87,16 +82,16 @@ D=examples/digits/digits.json
 A=examples/digits/digits-adamw.json
 S=tests/planner/gpt-2x32.json
 G=examples/gpt/gpt.json
-row "digits dp=2" "$(predicted $D 2 32 dp=2)" $(measure local 2 $D --strategy allreduce "${DIGITS[@]}")
-row "digits pp=2 m=4" "$(predicted $D 2 32 pp=2,m=4)" $(measure procs 2 $D --strategy pipeline --stages 2 --micro-batches 4 "${DIGITS[@]}")
+row "digits dp=2" "$(predicted $D 2 32 dp=2)" $(measure 2 $D --strategy allreduce "${DIGITS[@]}")
+row "digits pp=2 m=4" "$(predicted $D 2 32 pp=2,m=4)" $(measure 2 $D --strategy pipeline --stages 2 --micro-batches 4 "${DIGITS[@]}")
 for z in 1 2 3; do
-  row "digits-adamw dp=2 zero=$z" "$(predicted $A 2 32 dp=2,zero=$z)" $(measure local 2 $A --strategy zero --zero-stage $z "${DIGITS[@]}")
+  row "digits-adamw dp=2 zero=$z" "$(predicted $A 2 32 dp=2,zero=$z)" $(measure 2 $A --strategy zero --zero-stage $z "${DIGITS[@]}")
 done
-row "GPT 2×32 tp=2" "$(predicted $S 2 4 tp=2)" $(measure local 2 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
-row "GPT 2×32 dp=2" "$(predicted $S 2 4 dp=2)" $(measure local 2 $S --strategy allreduce "${GPT_SMALL[@]}")
-row "GPT 2×32 dp=2×tp=2 (4 tasks)" "$(predicted $S 4 4 dp=2,tp=2)" $(measure local 4 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
-row "GPT 2×32 dp=2×pp=2 m=2 (4 tasks)" "$(predicted $S 4 4 dp=2,pp=2,m=2)" $(measure procs 4 $S --mesh dp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
-row "GPT 2×32 dp=2×tp=2×pp=2 m=2 (8 tasks)" "$(predicted $S 8 4 dp=2,tp=2,pp=2,m=2)" $(measure procs 8 $S --mesh dp=2,tp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
-row "bundled GPT tp=2" "$(predicted $G 2 12 tp=2)" $(measure local 2 $G --strategy tensor --tp 2 "${GPT[@]}")
-row "bundled GPT dp=2" "$(predicted $G 2 12 dp=2)" $(measure local 2 $G --strategy allreduce "${GPT[@]}")
+row "GPT 2×32 tp=2" "$(predicted $S 2 4 tp=2)" $(measure 2 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2" "$(predicted $S 2 4 dp=2)" $(measure 2 $S --strategy allreduce "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2×tp=2 (4 tasks)" "$(predicted $S 4 4 dp=2,tp=2)" $(measure 4 $S --strategy tensor --tp 2 "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2×pp=2 m=2 (4 tasks)" "$(predicted $S 4 4 dp=2,pp=2,m=2)" $(measure 4 $S --mesh dp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
+row "GPT 2×32 dp=2×tp=2×pp=2 m=2 (8 tasks)" "$(predicted $S 8 4 dp=2,tp=2,pp=2,m=2)" $(measure 8 $S --mesh dp=2,tp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
+row "bundled GPT tp=2" "$(predicted $G 2 12 tp=2)" $(measure 2 $G --strategy tensor --tp 2 "${GPT[@]}")
+row "bundled GPT dp=2" "$(predicted $G 2 12 dp=2)" $(measure 2 $G --strategy allreduce "${GPT[@]}")
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

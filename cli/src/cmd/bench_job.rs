@@ -4,7 +4,8 @@
 //! task of a job gets on each kind of op (products, memory-bound ops, transcendental ops).
 //!
 //! It runs [`JOBS`] synthetic models (`MatMul`s from 8 features, a chain of elementwise ops,
-//! SGD or Adam) as real jobs on 127.0.0.1, each `--runs` times, and takes each one's median step
+//! SGD or Adam) as real jobs on 127.0.0.1, one `dflow run --job worker` process a task as a
+//! cluster runs them, each `--runs` times, and takes each one's median step
 //! (the job's own `trained N steps in T s` line). The jobs vary one kind of work at a time
 //! against a small base: more ops (a chain of [`CHAIN`] `Relu`), more collective calls
 //! ([`LAYERS`] layers, every gradient its own all-reduce), many small products (the same
@@ -14,9 +15,9 @@
 //! the shape of the job: 4 tasks on the host's cores (the base, the chain and the products
 //! again), calls between computations (ZeRO-3 on a [`DEEP`]-layer MLP: an all-gather before
 //! every layer's product, forward and backward; on 2 tasks and on 4 sharing the 2 cores) and a
-//! pipeline (2 stages of a [`DEEP`]-layer MLP, 4 and 8 micro-batches, one process a stage as
-//! `dflow run --job worker` runs it: the values between stages); 8 tasks on the 2 cores (the
-//! base on 8 tasks; 4 replicas of the 2-stage pipeline as 8 processes); and the op kinds of a
+//! pipeline (2 stages of a [`DEEP`]-layer MLP, 4 and 8 micro-batches: the values between
+//! stages); 8 tasks on the 2 cores (the
+//! base on 8 tasks; 4 replicas of the 2-stage pipeline); and the op kinds of a
 //! transformer (one small [`TRANSFORMER`] block, data parallel on 2 tasks: layer norms,
 //! attention's batched products, softmax, reshapes, AdamW and clipping, whose dispatch costs
 //! more than a `Relu`'s). The runs go
@@ -237,7 +238,7 @@ const JOBS: [Variant; 17] = [
         ..BASE
     },
     Variant {
-        name: "pipeline 8 processes (4 replicas of 2 stages)",
+        name: "pipeline 8 tasks (4 replicas of 2 stages)",
         layout: "dp=4,pp=2,m=2",
         hidden: DEEP_WIDTH,
         layers: DEEP,
@@ -419,8 +420,8 @@ fn wait_bounded(
     }
 }
 
-/// The step (seconds) of one run of job `v` of `epochs` epochs: all-reduce and ZeRO jobs as
-/// `dflow run --local`, the pipeline as one `dflow run --job worker` process a stage.
+/// The step (seconds) of one run of job `v` of `epochs` epochs, one `dflow run --job worker`
+/// process a task.
 fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow::Result<f64> {
     let exe = std::env::current_exe().context("finding the dflow binary")?;
     let data = dir.join(if v.transformer {
@@ -431,40 +432,36 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow:
     let layout = v.layout()?;
     let mesh = layout.mesh;
     let cluster = cluster_file(dir, mesh.size())?;
-    let mut cmd = Command::new(&exe);
+    // One process a task, as a job runs on a cluster: the chief (task 0) runs the job, the
+    // others serve it.
     let mut others = Vec::new();
-    if mesh.pp > 1 {
-        for index in 1..mesh.size() {
-            let other = Command::new(&exe)
-                .args(["run", "--job", "worker", "--index", &index.to_string()])
-                .arg("--cluster")
-                .arg(&cluster)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("starting a calibration pipeline stage")?;
-            others.push(other);
-        }
-        cmd.args(["run", "--job", "worker", "--index", "0", "--cluster"])
-            .arg(&cluster)
-            .arg(graph)
-            .args(["--mesh", &format!("dp={},pp={}", mesh.dp, mesh.pp)])
-            .args(["--micro-batches", &layout.micro_batches.to_string()]);
-    } else {
-        cmd.args(["run", "--local"])
-            .arg(graph)
+    for index in 1..mesh.size() {
+        let other = Command::new(&exe)
+            .args(["run", "--job", "worker", "--index", &index.to_string()])
             .arg("--cluster")
-            .arg(&cluster);
-        if layout.zero > 0 {
-            cmd.args([
-                "--strategy",
-                "zero",
-                "--zero-stage",
-                &layout.zero.to_string(),
-            ]);
-        } else {
-            cmd.args(["--strategy", "allreduce"]);
-        }
+            .arg(&cluster)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting task {index} of the calibration job {}", v.name))?;
+        others.push(other);
+    }
+    let mut cmd = Command::new(&exe);
+    cmd.args(["run", "--job", "worker", "--index", "0", "--cluster"])
+        .arg(&cluster)
+        .arg(graph);
+    if mesh.pp > 1 {
+        cmd.args(["--mesh", &format!("dp={},pp={}", mesh.dp, mesh.pp)])
+            .args(["--micro-batches", &layout.micro_batches.to_string()]);
+    } else if layout.zero > 0 {
+        cmd.args([
+            "--strategy",
+            "zero",
+            "--zero-stage",
+            &layout.zero.to_string(),
+        ]);
+    } else {
+        cmd.args(["--strategy", "allreduce"]);
     }
     cmd.arg("--data")
         .arg(&data)
@@ -719,7 +716,7 @@ mod tests {
         // Eight tasks on the two cores: the base, and 4 replicas of a 2-stage pipeline whose
         // stages send to each other.
         assert_eq!(by("base 8 tasks").1.len(), 8);
-        let (_, pipe8x, _) = by("pipeline 8 processes (4 replicas of 2 stages)");
+        let (_, pipe8x, _) = by("pipeline 8 tasks (4 replicas of 2 stages)");
         assert_eq!(pipe8x.len(), 8, "{pipe8x:?}");
         assert!(
             pipe8x.iter().all(|t| t.values > 0 && t.received > 0),
