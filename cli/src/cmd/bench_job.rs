@@ -539,6 +539,7 @@ const START: JobCosts = JobCosts {
     collective: 15e-6,
     value: 25e-6,
     product: 1e-6,
+    beyond_cores: 2e-6,
     flops_per_second: 50e9,
     bytes_per_second: 12e9,
     transcendentals_per_second: 150e6,
@@ -735,7 +736,7 @@ mod tests {
             zero4[0].collective_calls, zero[0].collective_calls,
             "{zero4:?}"
         );
-        // The full-size jobs determine the eight costs (no cost the others explain).
+        // The full-size jobs determine the ten costs (no cost the others explain).
         let full: Vec<runtime::CalibrationJob> = JOBS
             .into_iter()
             .map(|v| {

@@ -111,6 +111,11 @@ pub struct JobCosts {
     /// product's floor (the GEMM's setup and packing: ~1 µs on this machine where a `Relu` on as
     /// few elements costs ~0.1 µs; 0: not modelled, older profiles).
     pub product: f64,
+    /// CPU seconds each collective message and each value sent or received costs the host,
+    /// beyond `collective` and `value`, when its tasks outnumber its cores: the waiting
+    /// thread's bounded spin (it yields the core, once per switch) and the switches to and
+    /// from it, which the other tasks on the cores pay for (0: not modelled, older profiles).
+    pub beyond_cores: f64,
     /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
@@ -188,6 +193,7 @@ const THIS_MACHINE_JOB: JobCosts = JobCosts {
     collective: 7.9e-6,
     value: 22.6e-6,
     product: 0.47e-6,
+    beyond_cores: 0.0,
     flops_per_second: 71.5e9,
     bytes_per_second: 18.06e9,
     transcendentals_per_second: 329.3e6,
@@ -321,6 +327,7 @@ impl ClusterProfile {
             ("job.collective", self.job.collective),
             ("job.value", self.job.value),
             ("job.product", self.job.product),
+            ("job.beyond_cores", self.job.beyond_cores),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {
@@ -395,20 +402,24 @@ mod tests {
         assert!(e.contains("op_overhead"), "{e}");
     }
 
-    /// The per-value and per-product costs are optional (0 in older profiles, which still
-    /// load; a value then costs a collective message) and never negative.
+    /// The per-value, per-product and beyond-the-cores costs are optional (0 in older
+    /// profiles, which still load; a value then costs a collective message) and never negative.
     #[test]
-    fn value_and_product_costs_default_to_zero_and_must_not_be_negative() {
+    fn value_product_and_beyond_cores_costs_default_to_zero_and_must_not_be_negative() {
         let p = ClusterProfile::preset("this-machine").unwrap();
         let mut json = serde_json::to_value(&p).unwrap();
         let job = json["job"].as_object_mut().unwrap();
         job.remove("value");
         job.remove("product");
+        job.remove("beyond_cores");
         let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
-        assert_eq!((old.job.value, old.job.product), (0.0, 0.0));
+        assert_eq!(
+            (old.job.value, old.job.product, old.job.beyond_cores),
+            (0.0, 0.0, 0.0)
+        );
         assert_eq!(old.job.value_cost(), old.job.collective);
         assert_eq!(p.job.value_cost(), p.job.value);
-        for field in ["value", "product"] {
+        for field in ["value", "product", "beyond_cores"] {
             let mut bad = serde_json::to_value(&p).unwrap();
             bad["job"][field] = serde_json::json!(-1e-6);
             let e = ClusterProfile::from_json(&bad.to_string(), "p.json")
