@@ -1504,6 +1504,7 @@ mod tests {
             value: 0.0,
             product: 0.0,
             beyond_cores: 0.0,
+            spawn: 0.0,
             flops_per_second: 46.4e9,
             bytes_per_second: 15.32e9,
             transcendentals_per_second: 251.1e6,

@@ -116,6 +116,10 @@ pub struct JobCosts {
     /// thread's bounded spin (it yields the core, once per switch) and the switches to and
     /// from it, which the other tasks on the cores pay for (0: not modelled, older profiles).
     pub beyond_cores: f64,
+    /// Per node a task's executor hands to its compute pool alone (one of several expensive
+    /// nodes readied at once; `runtime::spawns`), beyond `op`: the hand-off and another pool
+    /// thread's wake-up (0: not modelled, older profiles).
+    pub spawn: f64,
     /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
@@ -194,6 +198,7 @@ const THIS_MACHINE_JOB: JobCosts = JobCosts {
     value: 22.6e-6,
     product: 0.47e-6,
     beyond_cores: 0.0,
+    spawn: 0.0,
     flops_per_second: 71.5e9,
     bytes_per_second: 18.06e9,
     transcendentals_per_second: 329.3e6,
@@ -328,6 +333,7 @@ impl ClusterProfile {
             ("job.value", self.job.value),
             ("job.product", self.job.product),
             ("job.beyond_cores", self.job.beyond_cores),
+            ("job.spawn", self.job.spawn),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {
@@ -412,14 +418,20 @@ mod tests {
         job.remove("value");
         job.remove("product");
         job.remove("beyond_cores");
+        job.remove("spawn");
         let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
         assert_eq!(
-            (old.job.value, old.job.product, old.job.beyond_cores),
-            (0.0, 0.0, 0.0)
+            (
+                old.job.value,
+                old.job.product,
+                old.job.beyond_cores,
+                old.job.spawn
+            ),
+            (0.0, 0.0, 0.0, 0.0)
         );
         assert_eq!(old.job.value_cost(), old.job.collective);
         assert_eq!(p.job.value_cost(), p.job.value);
-        for field in ["value", "product", "beyond_cores"] {
+        for field in ["value", "product", "beyond_cores", "spawn"] {
             let mut bad = serde_json::to_value(&p).unwrap();
             bad["job"][field] = serde_json::json!(-1e-6);
             let e = ClusterProfile::from_json(&bad.to_string(), "p.json")

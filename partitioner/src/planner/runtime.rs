@@ -52,6 +52,9 @@ pub struct TaskWork {
     /// Its matrix-product nodes (each pays `job.product` beyond its FLOPs: a small product's
     /// floor, the GEMM's setup and packing).
     pub products: usize,
+    /// Nodes its executor hands to the compute pool alone ([`spawns`]: each pays `job.spawn`,
+    /// the hand-off and the wake-up of another pool thread).
+    pub spawns: usize,
     /// Bytes read and written by its other computing ops (not views, not sends, receives or
     /// collectives, not constant-time ops).
     pub bytes: u64,
@@ -112,6 +115,7 @@ fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork,
     let mut w = TaskWork {
         task: task.to_string(),
         ops: g.num_nodes(),
+        spawns: spawns(graph),
         ..TaskWork::default()
     };
     let mut flops = 0.0;
@@ -156,6 +160,63 @@ fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork,
     Ok(w)
 }
 
+/// Ops the executor runs in constant time whatever their tensors' sizes: always cheap
+/// (`dflow_executor`'s plan).
+const CONSTANT_TIME_OPS: &[&str] = &["NoOp", "Const", "Identity", "Recv", "Variable"];
+
+/// Elements (inputs and outputs together) up to which the executor batches a node with other
+/// cheap ones on one thread (`dflow_executor`'s plan).
+const CHEAP_ELEMENTS: usize = 1024;
+
+/// Whether the executor batches node `idx` of `g` with other cheap nodes (its plan's rule: a
+/// constant-time op, or at most [`CHEAP_ELEMENTS`] elements in and out, all static; never a
+/// collective).
+fn executor_cheap(g: &Graph, idx: NodeIndex) -> bool {
+    let op = g.node(idx).op;
+    if op.starts_with("Collective") {
+        return false;
+    }
+    if CONSTANT_TIME_OPS.contains(&op) {
+        return true;
+    }
+    let inputs = g.inputs(idx).into_iter().map(|(s, k)| {
+        g.node(s)
+            .outputs
+            .get(k)
+            .and_then(|t| t.shape.num_elements())
+    });
+    let outputs = g.node(idx).outputs.iter().map(|t| t.shape.num_elements());
+    let mut total = 0usize;
+    for n in inputs.chain(outputs) {
+        match n {
+            Some(n) => total = total.saturating_add(n),
+            None => return false,
+        }
+    }
+    total <= CHEAP_ELEMENTS
+}
+
+/// The nodes of a partition its executor hands to the compute pool alone in a step: when a
+/// node completes, every expensive consumer it readies beyond the first (which its thread runs
+/// next) is spawned on its own. Counted as each node's expensive consumers less one — a chain
+/// spawns nothing, a fan-out of `k` spawns `k − 1`. `g` as the executor plans it: a feed's
+/// batch dimension unknown, so a node of the batch is expensive whatever its size.
+pub fn spawns(g: &Graph) -> usize {
+    g.node_indices()
+        .map(|idx| {
+            let mut consumers: Vec<NodeIndex> = g
+                .out_edges(idx)
+                .into_iter()
+                .map(|(c, _)| c)
+                .filter(|&c| !executor_cheap(g, c))
+                .collect();
+            consumers.sort_unstable();
+            consumers.dedup();
+            consumers.len().saturating_sub(1)
+        })
+        .sum()
+}
+
 /// Whether the Send `idx` of `g` carries data: not the zero-byte value of a control edge (a
 /// stage's "updates done" for the other stage's readers), which leave together at the step's
 /// end and are not priced one by one.
@@ -198,6 +259,7 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
             e.ops += p.ops;
             e.product_flops += p.product_flops;
             e.products += p.products;
+            e.spawns += p.spawns;
             e.bytes += p.bytes;
             e.transcendentals += p.transcendentals;
         }
@@ -266,10 +328,11 @@ pub fn task_compute(t: &TaskWork, job: &JobCosts, flops_per_second: f64) -> Opti
     Some(t.product_flops as f64 / rate + t.bytes as f64 / job.bytes_per_second + transcendentals)
 }
 
-/// The fixed cost (seconds) of a task's nodes: `job.op` each for its dispatch, and
-/// `job.product` more for each matrix product (the floor of a small GEMM).
+/// The fixed cost (seconds) of a task's nodes: `job.op` each for its dispatch,
+/// `job.product` more for each matrix product (the floor of a small GEMM) and `job.spawn` more
+/// for each node handed to the pool alone.
 pub fn task_dispatch(t: &TaskWork, job: &JobCosts) -> f64 {
-    t.ops as f64 * job.op + t.products as f64 * job.product
+    t.ops as f64 * job.op + t.products as f64 * job.product + t.spawns as f64 * job.spawn
 }
 
 /// The step of a job whose tasks do `work`, on `profile`'s hosts (`cores` per host: the tasks
@@ -347,7 +410,7 @@ fn waits(t: &TaskWork) -> usize {
 
 /// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
 /// [`JobCosts`] as seconds per unit of work (a rate as its inverse).
-pub const JOB_UNKNOWNS: [&str; 10] = [
+pub const JOB_UNKNOWNS: [&str; 11] = [
     "step",
     "task",
     "op",
@@ -355,6 +418,7 @@ pub const JOB_UNKNOWNS: [&str; 10] = [
     "value",
     "product",
     "beyond the cores, per wait",
+    "spawn",
     "seconds per product FLOP",
     "seconds per byte",
     "seconds per transcendental element",
@@ -362,7 +426,7 @@ pub const JOB_UNKNOWNS: [&str; 10] = [
 
 impl JobCosts {
     /// The costs as the unknowns of [`JOB_UNKNOWNS`] (a rate of 0, not modelled, as 0 s).
-    pub fn unknowns(&self) -> [f64; 10] {
+    pub fn unknowns(&self) -> [f64; 11] {
         let inverse = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
         [
             self.step,
@@ -372,6 +436,7 @@ impl JobCosts {
             self.value,
             self.product,
             self.beyond_cores,
+            self.spawn,
             inverse(self.flops_per_second),
             inverse(self.bytes_per_second),
             inverse(self.transcendentals_per_second),
@@ -380,7 +445,7 @@ impl JobCosts {
 
     /// The costs from the unknowns of [`JOB_UNKNOWNS`] (0 s per unit: a rate of 0, which the
     /// model reads as not modelled).
-    pub fn from_unknowns(x: &[f64; 10]) -> JobCosts {
+    pub fn from_unknowns(x: &[f64; 11]) -> JobCosts {
         let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
         JobCosts {
             step: x[0],
@@ -390,9 +455,10 @@ impl JobCosts {
             value: x[4],
             product: x[5],
             beyond_cores: x[6],
-            flops_per_second: rate(x[7]),
-            bytes_per_second: rate(x[8]),
-            transcendentals_per_second: rate(x[9]),
+            spawn: x[7],
+            flops_per_second: rate(x[8]),
+            bytes_per_second: rate(x[9]),
+            transcendentals_per_second: rate(x[10]),
         }
     }
 }
@@ -406,7 +472,7 @@ pub struct JobTerms {
     /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes,
     /// collective messages and sent and received values (or all tasks' over the cores, with the bubble's stretch
     /// on the nodes), its products' FLOPs, its other ops' bytes, its transcendental elements.
-    pub counts: [f64; 10],
+    pub counts: [f64; 11],
     /// Seconds not depending on the unknowns: the busiest communicator's bytes over β (or all
     /// tasks' over the cores).
     pub fixed: f64,
@@ -432,6 +498,7 @@ pub fn job_terms(
             0.0,
             t.products as f64,
             0.0,
+            t.spawns as f64,
             t.product_flops as f64,
             t.bytes as f64,
             t.transcendentals as f64,
@@ -439,7 +506,7 @@ pub fn job_terms(
     };
     // A task's communication: its calls, its values, and its bytes over β (fixed).
     let communication = |t: &TaskWork| {
-        let mut c = [0.0; 10];
+        let mut c = [0.0; 11];
         c[3] = t.collective_messages as f64;
         c[4] = (t.values + t.received) as f64;
         (
@@ -448,7 +515,7 @@ pub fn job_terms(
         )
     };
     let value =
-        |c: &[f64; 10], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+        |c: &[f64; 11], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
     let stretch = if bubble > 0.0 && bubble < 1.0 {
         1.0 / (1.0 - bubble)
     } else {
@@ -469,7 +536,7 @@ pub fn job_terms(
     for (b, c) in busiest.iter_mut().zip(busiest_comm) {
         *b += c;
     }
-    let mut shared = [0.0; 10];
+    let mut shared = [0.0; 11];
     let mut shared_fixed = 0.0;
     let beyond = beyond_cores(work.len(), cores);
     for t in work {
@@ -535,7 +602,7 @@ pub fn fit_job_costs(
             break;
         }
         let f = super::fit::fit(&obs, &JOB_UNKNOWNS)?;
-        let mut x = [0.0; 10];
+        let mut x = [0.0; 11];
         x.copy_from_slice(&f.costs);
         costs = JobCosts::from_unknowns(&x);
         result = Some(f);
@@ -621,6 +688,7 @@ mod tests {
             value: 25e-6,
             product: 0.8e-6,
             beyond_cores: 3e-6,
+            spawn: 1.5e-6,
             flops_per_second: 50e9,
             bytes_per_second: 12e9,
             transcendentals_per_second: 150e6,
@@ -695,6 +763,11 @@ mod tests {
                 job(2, 80, 6, 50_000_000, 1_000_000, 0),
                 0.0,
             ),
+            (
+                "fan-outs".into(),
+                job(2, 400, 4, 1_000_000, 2_000_000, 10_000),
+                0.0,
+            ),
         ]
         .into_iter()
         .map(|(name, mut work, bubble): (String, Vec<TaskWork>, f64)| {
@@ -708,12 +781,43 @@ mod tests {
                 "deep" | "deep x4" => 36,
                 _ => 2,
             };
+            // Nodes spawned alone: fan-outs, not a function of the other counts.
+            let spawns = match name.as_str() {
+                "calls" => 30,
+                "deep" | "deep x4" => 18,
+                "wide calls" => 9,
+                "pipeline m8" => 5,
+                "fan-outs" => 120,
+                _ => 1,
+            };
             for t in &mut work {
                 t.products = products;
+                t.spawns = spawns;
             }
             (name, work, bubble)
         })
         .collect()
+    }
+
+    /// A fan-out of `k` expensive nodes spawns `k − 1`; a chain spawns none; nodes the
+    /// executor batches (static and small) spawn nothing.
+    #[test]
+    fn a_fan_out_of_expensive_nodes_spawns_all_but_one() {
+        use dflow_graph::builder::GraphBuilder;
+        use dflow_graph::DType;
+        let graph = |batch: i64| {
+            let mut b = GraphBuilder::new();
+            let x = b.placeholder("x", DType::F32, &[batch, 8]);
+            let y: Vec<_> = (0..3)
+                .map(|i| b.op("Neg", &format!("y{i}")).input(&x).finish())
+                .collect();
+            // A chain behind the first: no spawn.
+            let z = b.op("Neg", "z").input(&y[0]).finish();
+            b.op("Neg", "w").input(&z).finish();
+            b.build().unwrap()
+        };
+        assert_eq!(spawns(&graph(-1)), 2);
+        assert_eq!(spawns(&graph(4)), 0);
     }
 
     #[test]
