@@ -605,8 +605,8 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
         ),
         (
             "examples/gpt/cluster-8workers.json",
-            vec!["--mesh", "dp=2,tp=2,pp=2,ep=2"],
-            "--mesh dp=2,tp=2,pp=2,ep=2: expert parallelism (ep=2) beside tensor parallelism (tp=2) inside pipeline stages (pp=2) does not run yet (docs/experts.md, \"ep beside tp\"); use --mesh dp=2,tp=2,ep=2 (pp=1), or ep with tp=1 inside the stages",
+            vec!["--mesh", "dp=2,tp=2,pp=2,ep=2", "--zero-stage", "2"],
+            "--mesh dp=2,tp=2,pp=2,ep=2 with --zero-stage 2: ZeRO beside expert parallelism (ep=2) and tensor parallelism (tp=2) inside pipeline stages (pp=2) does not run yet (docs/experts.md, \"The 4-axis mesh\"); drop --zero-stage, or use ZeRO on --mesh dp=2,tp=2,ep=2 (pp=1) or dp=2,ep=2,pp=2 (tp=1)",
         ),
         (
             FOUR,

@@ -163,10 +163,14 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    check_ep_beside_tp(mesh)?;
+    check_ep_beside_tp(mesh, zero_stage)?;
     let name = if mesh.ep > 1 && mesh.tp > 1 {
-        // Tensor parallelism, the MoE layers replicated over tp and their experts over ep.
+        // Tensor parallelism, the MoE layers replicated over tp and their experts over ep,
+        // inside pp balanced pipeline stages when pp > 1 (the 4-axis mesh).
         *tp = Some(mesh.tp);
+        if mesh.pp > 1 {
+            set_stages(mesh, pipeline)?;
+        }
         "tensor"
     } else if mesh.ep > 1 {
         // ZeRO (stages 1 to 3, inside pipeline stages too): the dense states over dp (each
@@ -205,22 +209,29 @@ pub fn apply_mesh(
 }
 
 /// `ep > 1` beside `tp > 1` runs with `pp = 1`, with or without ZeRO (stages 1 to 3;
-/// docs/experts.md, "ep beside tp" and "ZeRO beside ep × tp"); beside a pipeline axis it is
-/// refused, the message naming the mesh and what runs instead.
-fn check_ep_beside_tp(mesh: &dflow_partitioner::mesh::Mesh) -> anyhow::Result<()> {
-    if mesh.ep <= 1 || mesh.tp <= 1 {
+/// docs/experts.md, "ep beside tp" and "ZeRO beside ep × tp"), and inside pipeline stages
+/// (`pp > 1`, the 4-axis mesh) without ZeRO; ZeRO on the 4-axis mesh is refused, the message
+/// naming the mesh and what runs instead.
+fn check_ep_beside_tp(
+    mesh: &dflow_partitioner::mesh::Mesh,
+    zero_stage: Option<u8>,
+) -> anyhow::Result<()> {
+    if mesh.ep <= 1 || mesh.tp <= 1 || mesh.pp <= 1 {
         return Ok(());
     }
-    if mesh.pp > 1 {
+    if let Some(stage) = zero_stage {
         anyhow::bail!(
-            "--mesh {}: expert parallelism (ep={}) beside tensor parallelism (tp={}) inside pipeline stages (pp={}) does not run yet (docs/experts.md, \"ep beside tp\"); use --mesh dp={},tp={},ep={} (pp=1), or ep with tp=1 inside the stages",
+            "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism (ep={}) and tensor parallelism (tp={}) inside pipeline stages (pp={}) does not run yet (docs/experts.md, \"The 4-axis mesh\"); drop --zero-stage, or use ZeRO on --mesh dp={},tp={},ep={} (pp=1) or dp={},ep={},pp={} (tp=1)",
             mesh_text(mesh),
             mesh.ep,
             mesh.tp,
             mesh.pp,
             mesh.dp,
             mesh.tp,
-            mesh.ep
+            mesh.ep,
+            mesh.dp,
+            mesh.ep,
+            mesh.pp
         );
     }
     Ok(())

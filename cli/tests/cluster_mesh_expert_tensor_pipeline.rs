@@ -1,0 +1,237 @@
+//! The 4-axis mesh `--mesh dp=D,tp=T,pp=P,ep=E`: a MoE GPT's ranks as `--mesh dp=D,tp=T,ep=E`
+//! builds them (attention, embedding and loss split over tp, the MoE MLPs replicated over tp
+//! with their experts spread over ep replicas) cut into P pipeline stages, each stage's
+//! collectives in groups of their own
+//! (partitioner/src/strategy/tensor/experts_pipeline.rs).
+//!
+//! The two-block GPT with 4-expert MoE MLPs at capacity factor 4 drops no token, so the job
+//! equals one process. With the load-balancing loss on (α = 0.01) the job runs one
+//! micro-batch (the loss couples a batch's tokens); with α = 0 it runs several. Every task runs
+//! in this process (`--local --cluster`).
+
+mod support;
+
+use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use support::*;
+
+const EIGHT: &str = "examples/gpt/cluster-8workers.json";
+const MESH: &str = "dp=2,tp=2,pp=2,ep=2";
+
+/// A two-block GPT (16 characters of context, 16 channels, 2 heads) with 4-expert MoE MLPs,
+/// top-`top_k` routing at capacity factor 4 (nothing dropped), load-balancing coefficient
+/// `aux`, clipped at global norm `grad_clip`.
+fn tiny_moe_gpt(dir: &Path, top_k: usize, aux: f64, grad_clip: Option<f64>) -> PathBuf {
+    let cfg = GptConfig {
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        learning_rate: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 2,
+        decay_steps: 20,
+        grad_clip,
+        moe: Some(MoeConfig {
+            num_experts: 4,
+            top_k,
+            capacity_factor: 4.0,
+            aux_loss_coef: aux,
+        }),
+        ..GptConfig::default()
+    };
+    let model = gpt(&cfg).unwrap();
+    let path = dir.join(format!(
+        "tiny-moe-top{top_k}-aux{aux}-clip{grad_clip:?}.json"
+    ));
+    std::fs::write(&path, dflow::graph::format::to_json(&model.def)).unwrap();
+    path
+}
+
+/// The latest checkpoint in `dir`: its f32 tensors by name.
+fn checkpoint(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    let path = dflow::executor::checkpoint::latest(dir)
+        .unwrap()
+        .expect("a checkpoint");
+    dflow::executor::checkpoint::load(&path)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .filter_map(|(n, t)| Some((n, t.as_slice::<f32>().ok()?.to_vec())))
+        .collect()
+}
+
+/// Every tensor of `got` equals `want`'s within `tol` (relative, or absolute below 1); the
+/// same names. Returns the worst difference.
+fn assert_same_tensors(
+    got: &BTreeMap<String, Vec<f32>>,
+    want: &BTreeMap<String, Vec<f32>>,
+    tol: f32,
+) -> f32 {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "the checkpoints' tensors"
+    );
+    let mut worst = 0.0f32;
+    for (name, w) in want {
+        let g = &got[name];
+        assert_eq!(g.len(), w.len(), "`{name}`");
+        for (a, b) in g.iter().zip(w) {
+            let gap = (a - b).abs() / b.abs().max(1.0);
+            assert!(gap <= tol, "`{name}`: {a} vs {b}");
+            worst = worst.max(gap);
+        }
+    }
+    worst
+}
+
+/// `dp=2,tp=2,pp=2,ep=2` (8 tasks: stage 0 on workers 0-3, stage 1 on 4-7; in each stage the
+/// tp pairs {0,1} {2,3} and each tp coordinate's replicas sharing the experts), top-2 routing
+/// with the load-balancing loss, clipped at global norm 0.1: 4 steps' losses, the validation
+/// loss (worker 0's copy joining the tp and expert shards of both stages), and the final
+/// parameters and Adam moments equal one process's within 1e-5; the checkpoint holds every
+/// tensor whole under its one-process name, and one written after 2 steps resumes in one
+/// process with the uninterrupted job's steps 3-4.
+#[test]
+fn dp2_tp2_pp2_ep2_trains_like_one_process_and_resumes_in_one() {
+    let dir = scratch("mesh-expert-tensor-pipeline");
+    let graph = tiny_moe_gpt(&dir, 2, 0.01, Some(0.1));
+    let one = dir.join("one");
+    let (local, one_validation) = run_text_local(&graph, &[], 4, &one);
+    assert_eq!(local.len(), 4);
+    assert!(!one_validation.is_empty(), "no validation loss printed");
+    let mesh = ["--cluster", EIGHT, "--mesh", MESH];
+    let full = dir.join("full");
+    let (job, validation) = run_text_local(&graph, &mesh, 4, &full);
+    let worst = assert_same_losses(&job, &local, 1e-5);
+    eprintln!("{MESH}: worst relative loss difference {worst:e}");
+    assert_eq!(validation, one_validation);
+    let saved = checkpoint(&full);
+    assert!(
+        !saved
+            .keys()
+            .any(|n| n.contains("/shard_") || n.contains("/tp_")),
+        "shards saved by their per-worker names: {:?}",
+        saved.keys().collect::<Vec<_>>()
+    );
+    let worst = assert_same_tensors(&saved, &checkpoint(&one), 1e-5);
+    eprintln!("{MESH}: worst parameter/slot difference {worst:e}");
+
+    let part = dir.join("part");
+    assert_eq!(run_text_local(&graph, &mesh, 2, &part).0.len(), 2);
+    let resumed = run_text_local(&graph, &[], 4, &part).0;
+    let worst = assert_same_losses(&resumed, &job[2..], 1e-5);
+    eprintln!("{MESH} checkpoint in one process: steps 3-4 worst {worst:e}");
+}
+
+/// Without the load-balancing loss (α = 0) and at capacity factor E, a MoE layer treats every
+/// token alone, so a step may be cut into micro-batches: `dp=2,tp=2,pp=2,ep=2` with 2
+/// micro-batches (1F1B) and with 4 (GPipe), each micro-batch's all-to-alls, Megatron
+/// collectives and router gathers under keys of their own, equal one process within 1e-5
+/// over 3 steps. With α > 0, more than one micro-batch is refused naming the load-balancing
+/// loss.
+#[test]
+fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
+    let dir = scratch("mesh-expert-tensor-pipeline-micro");
+    let graph = tiny_moe_gpt(&dir, 1, 0.0, Some(0.1));
+    let local = run_text_local(&graph, &[], 3, &dir.join("one")).0;
+    for extra in [
+        ["--micro-batches", "2", "--schedule", "1f1b"],
+        ["--micro-batches", "4", "--schedule", "gpipe"],
+    ] {
+        let mut args = vec!["--cluster", EIGHT, "--mesh", MESH];
+        args.extend(extra);
+        let tag = format!("m{}-{}", extra[1], extra[3]);
+        let job = run_text_local(&graph, &args, 3, &dir.join(tag)).0;
+        let worst = assert_same_losses(&job, &local, 1e-5);
+        eprintln!("{MESH} {extra:?}: worst relative loss difference {worst:e}");
+    }
+    let coupled = tiny_moe_gpt(&dir, 1, 0.01, None);
+    let out = partition(&coupled, &["--mesh", MESH, "--micro-batches", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "2 micro-batches with α > 0 accepted");
+    assert!(
+        err.contains("(MoeAuxLoss) couples the examples of a batch"),
+        "{err}"
+    );
+}
+
+/// `dflow partition GRAPH --cluster EIGHT --batch-size 8 ...` for the features `idx` and the
+/// labels `targets`.
+fn partition(graph: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "partition",
+        graph.to_str().unwrap(),
+        "--cluster",
+        EIGHT,
+        "--features",
+        "idx",
+        "--labels",
+        "targets",
+        "--batch-size",
+        "8",
+    ];
+    args.extend(extra);
+    dflow(&args)
+}
+
+/// `dflow partition --mesh dp=2,tp=2,pp=2,ep=2` prints each stage's tp, dp and
+/// expert-parallel groups (Megatron-core's rank order: tp fastest, then dp, then pp), each
+/// block's expert shards on its own stage's replicas (held by both tp ranks of a replica), and
+/// the tp shards on their stage's ranks; ZeRO beside this mesh is refused naming what runs.
+#[test]
+fn partition_shows_each_stages_groups_and_shards() {
+    let dir = scratch("mesh-expert-tensor-pipeline-partition");
+    let graph = tiny_moe_gpt(&dir, 1, 0.01, None);
+    let out = partition(&graph, &["--mesh", MESH]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    let w = |i: u32| format!("/job:worker/replica:0/task:{i}");
+    for (group, members) in [
+        ("tensor_s0_d0", [0, 1]),
+        ("tensor_s0_d1", [2, 3]),
+        ("tensor_s1_d1", [6, 7]),
+        ("pipeline/stage0_t0", [0, 2]),
+        ("pipeline/stage0_t1", [1, 3]),
+        ("pipeline/stage1_t1", [5, 7]),
+        ("experts_ep0_s0_t0", [0, 2]),
+        ("experts_ep0_s1_t1", [5, 7]),
+    ] {
+        let line = format!(
+            "collective group {group}: {}, {}",
+            w(members[0]),
+            w(members[1])
+        );
+        assert!(text.contains(&line), "no `{line}` in:\n{text}");
+    }
+    assert!(!text.contains("experts_dp"), "E = D: no expert-data group");
+    for (block, shard, on) in [
+        (0, 0, [0, 1]),
+        (0, 1, [2, 3]),
+        (1, 0, [4, 5]),
+        (1, 1, [6, 7]),
+    ] {
+        let var = format!("transformer.h.{block}.mlp.experts.c_fc.weight/shard_{shard} ");
+        let line = text
+            .lines()
+            .find(|l| l.contains(&var))
+            .unwrap_or_else(|| panic!("no `{var}` in:\n{text}"));
+        assert!(
+            line.ends_with(&format!("on {}, {}", w(on[0]), w(on[1]))),
+            "{line}"
+        );
+    }
+    let out = partition(&graph, &["--mesh", MESH, "--zero-stage", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "ZeRO on the 4-axis mesh accepted");
+    assert!(
+        err.contains("ZeRO beside expert parallelism (ep=2) and tensor parallelism (tp=2) inside pipeline stages (pp=2) does not run yet"),
+        "{err}"
+    );
+}
