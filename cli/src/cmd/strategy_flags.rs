@@ -150,7 +150,12 @@ pub fn build_strategy(
 /// layers replicated over tp and their experts over `ep` replicas (with `--zero-stage 1|2|3`,
 /// each rank's dense states sharded over its `data_t<t>` group and each expert shard's over its
 /// `experts_dp<s>_t<t>` group, one global clipping norm, and at stage 3 the weights themselves
-/// sharded so, gathered just before each pass), refused beside a pipeline axis. Returns the
+/// sharded so, gathered just before each pass), and inside `pp` balanced pipeline stages when
+/// `pp > 1` (the 4-axis mesh: each (stage, replica)'s tp group, each (stage, shard)'s dp group
+/// and expert-parallel groups; with `--zero-stage 1|2|3`, ZeRO over each (stage, shard)'s dp
+/// group for the dense states and over its expert-data-parallel groups for each expert
+/// shard's, one global clipping norm, and at stage 3 the weights sharded so, gathered per
+/// micro-batch; docs/experts.md, "The 4-axis mesh"). Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -163,7 +168,6 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    check_ep_beside_tp(mesh, zero_stage)?;
     let name = if mesh.ep > 1 && mesh.tp > 1 {
         // Tensor parallelism, the MoE layers replicated over tp and their experts over ep,
         // inside pp balanced pipeline stages when pp > 1 (the 4-axis mesh).
@@ -206,35 +210,6 @@ pub fn apply_mesh(
         ),
         _ => Ok(kind),
     }
-}
-
-/// `ep > 1` beside `tp > 1` runs with `pp = 1`, with or without ZeRO (stages 1 to 3;
-/// docs/experts.md, "ep beside tp" and "ZeRO beside ep × tp"), and inside pipeline stages
-/// (`pp > 1`, the 4-axis mesh) without ZeRO; ZeRO on the 4-axis mesh is refused, the message
-/// naming the mesh and what runs instead.
-fn check_ep_beside_tp(
-    mesh: &dflow_partitioner::mesh::Mesh,
-    zero_stage: Option<u8>,
-) -> anyhow::Result<()> {
-    if mesh.ep <= 1 || mesh.tp <= 1 || mesh.pp <= 1 {
-        return Ok(());
-    }
-    if let Some(stage) = zero_stage {
-        anyhow::bail!(
-            "--mesh {} with --zero-stage {stage}: ZeRO beside expert parallelism (ep={}) and tensor parallelism (tp={}) inside pipeline stages (pp={}) does not run yet (docs/experts.md, \"The 4-axis mesh\"); drop --zero-stage, or use ZeRO on --mesh dp={},tp={},ep={} (pp=1) or dp={},ep={},pp={} (tp=1)",
-            mesh_text(mesh),
-            mesh.ep,
-            mesh.tp,
-            mesh.pp,
-            mesh.dp,
-            mesh.tp,
-            mesh.ep,
-            mesh.dp,
-            mesh.ep,
-            mesh.pp
-        );
-    }
-    Ok(())
 }
 
 /// The pipeline's stages from `--mesh pp=P`; a contradicting `--stages` is an error.

@@ -57,7 +57,7 @@
 //!   dense slots sharded over `data_t<t>` and each expert shard's over its holders.
 //!
 //! - **The 4-axis mesh** (`--mesh dp=D,tp=T,pp=P,ep=E`): the ep × tp ranks' graphs cut into
-//!   pipeline stages ([`experts_pipeline`]; without ZeRO).
+//!   pipeline stages ([`experts_pipeline`]; ZeRO 1 to 3 over each (stage, shard)'s groups).
 //!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
 //! MoE blocks without an expert-parallel axis.
@@ -161,6 +161,7 @@ pub(super) static REGISTRATION: Registration = Registration {
                         chunks: opts.chunks,
                         batch_size: opts.batch_size,
                     },
+                    bucket_bytes: opts.bucket_bytes,
                     zero_stage,
                 }));
             }

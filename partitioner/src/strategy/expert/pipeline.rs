@@ -233,6 +233,7 @@ pub fn expert_pipeline_training(
                 rank: d / ep,
                 ranks: dp / ep,
                 ep,
+                beside_tp: None,
             }),
         };
         let unclipped = TrainSpec {

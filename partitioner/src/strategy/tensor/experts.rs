@@ -32,7 +32,8 @@
 //! `Σ‖g‖²`. **ZeRO-3** (`shard_parameters`) also shards the weights over those groups (the
 //! expert shards marked as row shards first), gathered just before each pass, the gathers
 //! numbered in one order per group; worker 0's evaluation copy joins them from their flat
-//! shards. Pipeline stages beside it are refused (`dflow run` refuses them before planning).
+//! shards. Inside pipeline stages (`--mesh dp=D,tp=T,pp=P,ep=E`) the same rank graphs are cut
+//! into stages by [`super::experts_pipeline`].
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
@@ -830,8 +831,8 @@ pub(super) fn add_eval(
 
 /// Under ZeRO-3 with `D > E`: expert shard `j` (`name`, `per` experts' rows) of the expert
 /// variable `v` joined on worker 0 from the flat shards `{name}/shard_{k}_of_{D/E}` that its
-/// holders of tp coordinate 0 keep (flat shard `k` on rank `T·(j + E·k)`; worker 0's own is in
-/// `g0`). Returns the joined value.
+/// holders of tp coordinate 0 keep (flat shard `k` on replica `j + E·k`'s rank of the
+/// variable's stage, `at`; replica 0's own is in `g0`). Returns the joined value.
 fn joined_expert_shard(
     g0: &mut ReplicaGraph,
     taken: &mut HashSet<String>,
@@ -855,8 +856,10 @@ fn joined_expert_shard(
     let mut pieces = Vec::with_capacity(holders);
     for k in 0..holders {
         let piece = params::shard_name(name, k, holders);
-        let rank = mesh.rank(0, j + mesh.ep * k, at.stage_of(&v.name)?);
-        if rank != 0 {
+        let replica = j + mesh.ep * k;
+        let rank = mesh.rank(0, replica, at.stage_of(&v.name)?);
+        // Replica 0's shard is in `g0` already (on its stage's worker).
+        if replica != 0 {
             let mut copy = shard.clone();
             params::flat_shard(&mut copy, name, &rows, k, holders);
             copy.name = piece.clone();

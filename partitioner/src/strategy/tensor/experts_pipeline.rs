@@ -30,13 +30,25 @@
 //!   joined from the stages holding them.
 //!
 //! Micro-batches: as beside `dp × ep × pp`, more than one only where the MoE layers do not
-//! couple a batch's tokens (α = 0, capacity factor ≥ E; the pipeline's check). ZeRO does not
-//! run on this mesh yet (refused naming the meshes where it runs).
+//! couple a batch's tokens (α = 0, capacity factor ≥ E; the pipeline's check).
+//!
+//! **ZeRO** (`--zero-stage 1|2|3`): the pipeline's per-stage ZeRO
+//! (`pipeline::zero::shard_stages`) in place of the sums and the clipping above, told by
+//! `rewrite::ExpertStages` (with `beside_tp`) which parameters are tp shards and which expert
+//! shards: each (stage, shard)'s dense Adam slots sharded over its dp group (the tp shards'
+//! `Σ‖g‖²` then summed over the stage's tp group), each expert shard's over its
+//! expert-data-parallel group (`expert::zero::expert_shard_step`; whole when `D = E`, its
+//! `Σ‖g‖²` summed over the expert-parallel group), one global clipping norm. At stage 3 the
+//! weights too, gathered over those groups before each micro-batch's forward and backward use
+//! (the expert shards' flat shards drawn from their rows of the one-process variable), every
+//! worker's collectives then chained and numbered in one order; worker 0's evaluation copy
+//! joins every flat shard from the worker holding it.
 
 use super::experts::{add_eval, EvalAt};
 use super::mesh3d::{dp_stage_group, tp_stage_group};
 use super::{
-    check_job, options, rank_forward, sharded_variables, Gpt, RankAt, ShardedWeight, GROUP,
+    check_job, options, rank_forward, sharded_variables, zero_slot_shards, Gpt, RankAt,
+    ShardedWeight, GROUP,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
@@ -45,8 +57,11 @@ use crate::strategy::expert::pipeline::{
 };
 use crate::strategy::expert::{self, expert_shards, moe_layers, ExpertLayout, ForwardGroups};
 use crate::strategy::pipeline::gradients::{all_reduce_gradients, chain_collectives_per_device};
-use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages, STAGE_MARK};
+use crate::strategy::pipeline::rewrite::{
+    rewrite, ExpertStages, ExpertsBesideTp, RewriteInput, TensorStages, STAGE_MARK,
+};
 use crate::strategy::pipeline::schedule::PipelineShape;
+use crate::strategy::pipeline::zero::ReplicaZero;
 use crate::strategy::pipeline::{worker_device, Pipeline, PipelineError, Prepared};
 use crate::strategy::{EvalNames, JobInput, JobPlan, ReplicaGraph, Strategy, StrategyError};
 use dflow_graph::train::{TrainSpec, TrainingGraph};
@@ -75,7 +90,11 @@ pub struct TensorExpertPipeline {
     pub ep: usize,
     /// The pipeline: its stages (`Some(P)`), micro-batches and schedule.
     pub pipeline: Pipeline,
-    /// ZeRO's stage: not run on this mesh yet (refused).
+    /// ZeRO's fusion threshold: the most bytes of (padded) gradients in one bucket.
+    pub bucket_bytes: usize,
+    /// ZeRO's stage (1 to 3): each (stage, shard)'s dense Adam slots (3: and weights) sharded
+    /// over its dp group, each expert shard's over its expert-data-parallel group (whole when
+    /// `D = E`); `None`: no ZeRO.
     pub zero_stage: Option<u8>,
 }
 
@@ -106,8 +125,14 @@ impl Strategy for TensorExpertPipeline {
     }
 
     fn describe(&self) -> String {
+        let zero = match self.zero_stage {
+            Some(s) => format!(
+                ", ZeRO stage {s} over each (stage, shard)'s data-parallel group and the expert-data-parallel groups"
+            ),
+            None => String::new(),
+        };
         format!(
-            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all), inside the stages of {}",
+            "Megatron tensor-parallel training, tp={}, MoE layers replicated over tp with their experts spread over ep={} replicas (all-to-all){zero}, inside the stages of {}",
             self.tp,
             self.ep,
             Strategy::describe(&self.pipeline)
@@ -122,12 +147,16 @@ impl Strategy for TensorExpertPipeline {
 
     fn plan(&self, input: &JobInput<'_>) -> Result<JobPlan, StrategyError> {
         let mesh = self.mesh(input.workers())?;
+        let zero = self.zero_stage.map(|stage| ReplicaZero {
+            stage,
+            bucket_bytes: self.bucket_bytes,
+        });
         let graphs = expert_tensor_pipeline_training(
             input.graph,
             input.train,
             &mesh,
             &self.pipeline,
-            self.zero_stage,
+            zero,
             input.features,
             input.labels,
         )?;
@@ -143,8 +172,33 @@ impl Strategy for TensorExpertPipeline {
         // The ranks of replica d take part d of every batch.
         plan.batch_parts = mesh.dp as u32;
         let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
-        plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], mesh.tp);
+        if self.zero_stage.is_some() {
+            // As beside ep × tp (pp = 1): ZeRO's flat shards gathered first (the dense slots
+            // over each (stage, shard)'s dp group, each expert shard's over its holders), then
+            // the tp shards and the expert row shards joined along their axes.
+            let (_, rows) = expert::zero_dims(input.graph, &layers, mesh.ep);
+            let mut sharded = zero_slot_shards(input, &graphs.shards, &plan.variables, &mesh);
+            if mesh.dp > mesh.ep {
+                sharded.extend(crate::strategy::zero::slot_shards(
+                    &plan.variables,
+                    &rows,
+                    mesh.dp / mesh.ep,
+                ));
+            }
+            let mut axis = sharded_variables(&graphs.shards, &plan.variables, &sharded, mesh.tp);
+            axis.extend(expert::expert_row_shards(
+                &plan.variables,
+                &sharded,
+                &layers,
+                &rows,
+                mesh.ep,
+            ));
+            plan.sharded = sharded;
+            plan.axis_sharded = axis;
+        } else {
+            plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
+            plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], mesh.tp);
+        }
         Ok(plan)
     }
 }
@@ -220,14 +274,14 @@ struct RankCut {
 }
 
 /// The training graphs of the MoE GPT `graph` on the 4-axis `mesh` (`tp > 1`, `pp > 1`,
-/// `ep > 1`), cut and scheduled as `pipeline` says (see the module docs). ZeRO (`zero_stage`)
-/// is refused: it does not run on this mesh yet.
+/// `ep > 1`), cut and scheduled as `pipeline` says, with ZeRO (stages 1 to 3) over each
+/// (stage, shard)'s groups when `zero` says (see the module docs).
 pub fn expert_tensor_pipeline_training(
     graph: &Graph,
     spec: &TrainSpec,
     mesh: &Mesh,
     pipeline: &Pipeline,
-    zero_stage: Option<u8>,
+    zero: Option<ReplicaZero>,
     features: &str,
     labels: &str,
 ) -> Result<ExpertTensorPipelineGraphs, StrategyError> {
@@ -237,13 +291,14 @@ pub fn expert_tensor_pipeline_training(
             "mesh {mesh}: the 4-axis mesh runs with tp ≥ 2, pp ≥ 2 and ep ≥ 2"
         )));
     }
-    if let Some(stage) = zero_stage {
-        return Err(options(format!(
-            "mesh {mesh} with --zero-stage {stage}: ZeRO beside expert and tensor parallelism \
-             inside pipeline stages does not run yet; drop --zero-stage, or use it on \
-             --mesh dp={dp},tp={tp},ep={ep} (pp=1), dp={dp},ep={ep},pp={pp} (tp=1) or \
-             dp={dp},tp={tp},pp={pp} (no ep)"
-        )));
+    if let Some(z) = zero {
+        if !(1..=3).contains(&z.stage) {
+            return Err(options(format!(
+                "mesh {mesh} with --zero-stage {}: ZeRO's stages are 1, 2 and 3",
+                z.stage
+            )));
+        }
+        crate::strategy::zero::check_optimizer(spec, "tensor")?;
     }
     if super::hand::declares_placements(graph) {
         return Err(options(format!(
@@ -394,84 +449,71 @@ pub fn expert_tensor_pipeline_training(
         clip_global_norm: None,
         ..spec.clone()
     };
+    let sums = Sums {
+        clip: spec.clip_global_norm,
+        loss_dtype,
+        loss_share: 1.0 / (m * dp) as f64,
+        instance: stride * m as i64,
+    };
     let mut graphs = Vec::with_capacity(dp * tp);
     for (i, cut) in cuts.iter().enumerate() {
         let (d, t) = (i / tp, i % tp);
         let devices: Vec<String> = (0..pp).map(|s| worker_device(mesh.rank(t, d, s))).collect();
         let dp_groups: Vec<String> = (0..pp).map(|s| dp_stage_group(s, t)).collect();
+        let shard = layout.shard(flat.rank(t, d, 0));
+        let ep_groups: Vec<String> = (0..pp).map(|s| ep_stage_group(s, d / ep, t)).collect();
         let tensor = TensorStages {
             groups: (0..pp).map(|s| tp_stage_group(s, d)).collect(),
             instance_stride: stride,
             shards: cut.tp_shards.clone(),
-            experts: None,
+            // ZeRO's step tells the expert shards apart by these.
+            experts: zero.map(|_| ExpertStages {
+                data_groups: (ep < dp).then(|| {
+                    (0..pp)
+                        .map(|s| expert_data_stage_group(s, shard, t))
+                        .collect()
+                }),
+                rank: d / ep,
+                ranks: dp / ep,
+                ep,
+                beside_tp: Some(ExpertsBesideTp {
+                    shards: cut.expert_shards.clone(),
+                    groups: ep_groups.clone(),
+                }),
+            }),
         };
         let mut g = rewrite(&RewriteInput {
             graph: &cut.typed,
             stages: &cut.prepared.stages,
             shape,
             orders: &cut.prepared.orders,
-            // Clipping is added below, after the sums.
-            spec: &unclipped,
+            // ZeRO clips by the global norm itself; without it, clipping is added below.
+            spec: if zero.is_some() { spec } else { &unclipped },
             features,
             labels,
             batch_size: batch / dp,
             devices: &devices,
-            // The replicas' sums are added below (the expert shards' apart).
-            replicas: 1,
+            // Without ZeRO, the replicas' sums are added below (the expert shards' apart);
+            // with it, ZeRO's steps over the stage's groups take their place.
+            replicas: if zero.is_some() { dp } else { 1 },
             replica: d,
             dp_groups: &dp_groups,
             replica_devices: &[],
             tensor: Some(&tensor),
-            zero: None,
+            zero,
         })?;
-        set_scalar(
-            &mut g.training.def,
-            "pipeline/loss_share",
-            1.0 / (m * dp) as f64,
-            loss_dtype,
-        )?;
-        let local = &cut.expert_shards;
-        if ep < dp {
-            let shard = layout.shard(flat.rank(t, d, 0));
-            reduce_shard_gradients(&mut g.training, local, &devices, |s| {
-                expert_data_stage_group(s, shard, t)
-            })?;
-        }
-        // The dense gradients over the stage's replicas, the loss over the last stage's.
-        let mut dense: Vec<(String, String)> = g
-            .training
-            .gradients
-            .iter()
-            .filter(|(v, _)| !local.contains(v))
-            .cloned()
-            .collect();
-        g.training.loss = all_reduce_gradients(
-            &mut g.training.def,
-            &mut dense,
-            &g.graph,
-            &devices,
-            &dp_groups,
-            &g.training.loss,
-        )?;
-        let summed: HashMap<String, String> = dense.into_iter().collect();
-        for (v, grad) in &mut g.training.gradients {
-            if let Some(s) = summed.get(v) {
-                *grad = s.clone();
-            }
-        }
-        if let Some(clip) = spec.clip_global_norm {
-            let loss_device = node_device(&g.training.def, &g.training.loss)?;
-            let norms = StageNorms {
+        if zero.is_none() {
+            let stages = RankStages {
                 devices: &devices,
-                tp_shards: &cut.tp_shards,
-                expert_shards: local,
-                tp_groups: &tensor.groups,
-                ep_groups: &(0..pp)
-                    .map(|s| ep_stage_group(s, d / ep, t))
-                    .collect::<Vec<_>>(),
-                instance: stride * m as i64,
+                dp_groups: &dp_groups,
+                ep_groups: &ep_groups,
+                expert_data: (ep < dp).then(|| {
+                    (0..pp)
+                        .map(|s| expert_data_stage_group(s, shard, t))
+                        .collect()
+                }),
             };
-            clip_by_three_norms(&mut g.training, &norms, &loss_device, clip)?;
+            sum_and_clip(&mut g, cut, &tensor, &stages, &sums)?;
         }
         add_dropped_count(&mut g, &devices, &|s| dp_stage_group(s, t))?;
         chain_collectives_per_device(&mut g.training.def)?;
@@ -499,7 +541,8 @@ pub fn expert_tensor_pipeline_training(
             stage: Some(&stage_of),
             own_placeholders: true,
         };
-        add_eval(g0, &def, &shards, &layers, spec, mesh, false, &at)?;
+        let zero3 = zero.is_some_and(|z| z.stage >= 3);
+        add_eval(g0, &def, &shards, &layers, spec, mesh, zero3, &at)?;
     }
     Ok(ExpertTensorPipelineGraphs {
         graphs,
@@ -507,6 +550,90 @@ pub fn expert_tensor_pipeline_training(
         shape,
         groups: groups(mesh),
     })
+}
+
+/// What every rank's sums without ZeRO ([`sum_and_clip`]) share.
+struct Sums {
+    /// The clipping norm, if any.
+    clip: Option<f64>,
+    /// The loss's dtype.
+    loss_dtype: DType,
+    /// Each replica's micro-batch loss weight, `1/(m·D)`.
+    loss_share: f64,
+    /// The clipping sums' instance key (above every micro-batch's forward key).
+    instance: i64,
+}
+
+/// One rank's groups on every stage (pipeline device).
+struct RankStages<'a> {
+    /// The rank's device on each stage.
+    devices: &'a [String],
+    /// Its dp group on each stage.
+    dp_groups: &'a [String],
+    /// Its expert-parallel group on each stage.
+    ep_groups: &'a [String],
+    /// Its expert-data-parallel group on each stage (when `D > E`).
+    expert_data: Option<Vec<String>>,
+}
+
+/// Without ZeRO, on rank graph `g` (cut as `cut`, its tp groups in `tensor`): the loss
+/// weighted by `1/(m·D)`; each expert shard's gradient summed over the stage's
+/// expert-data-parallel group (if any); every other gradient over the stage's dp group, the
+/// loss over the last stage's; clipping by the whole model's norm ([`clip_by_three_norms`]).
+fn sum_and_clip(
+    g: &mut ReplicaGraph,
+    cut: &RankCut,
+    tensor: &TensorStages,
+    at: &RankStages<'_>,
+    sums: &Sums,
+) -> Result<(), StrategyError> {
+    set_scalar(
+        &mut g.training.def,
+        "pipeline/loss_share",
+        sums.loss_share,
+        sums.loss_dtype,
+    )?;
+    let local = &cut.expert_shards;
+    if let Some(groups) = &at.expert_data {
+        reduce_shard_gradients(&mut g.training, local, at.devices, |s| {
+            groups.get(s).cloned().unwrap_or_default()
+        })?;
+    }
+    // The dense gradients over the stage's replicas, the loss over the last stage's.
+    let mut dense: Vec<(String, String)> = g
+        .training
+        .gradients
+        .iter()
+        .filter(|(v, _)| !local.contains(v))
+        .cloned()
+        .collect();
+    g.training.loss = all_reduce_gradients(
+        &mut g.training.def,
+        &mut dense,
+        &g.graph,
+        at.devices,
+        at.dp_groups,
+        &g.training.loss,
+    )?;
+    let summed: HashMap<String, String> = dense.into_iter().collect();
+    for (v, grad) in &mut g.training.gradients {
+        if let Some(s) = summed.get(v) {
+            *grad = s.clone();
+        }
+    }
+    if let Some(clip) = sums.clip {
+        let loss_device = node_device(&g.training.def, &g.training.loss)?;
+        let norms = StageNorms {
+            devices: at.devices,
+            tp_shards: &cut.tp_shards,
+            expert_shards: local,
+            tp_groups: &tensor.groups,
+            ep_groups: at.ep_groups,
+            instance: sums.instance,
+        };
+        clip_by_three_norms(&mut g.training, &norms, &loss_device, clip)?;
+    }
+    Ok(())
 }
 
 /// [`ep_stage_group`] of every stage: the stage a pipeline device's copy runs on fills in
