@@ -7,7 +7,7 @@
 //! The two-block GPT with 4-expert MoE MLPs at capacity factor 4 drops no token, so the job
 //! equals one process. With the load-balancing loss on (α = 0.01) the job runs one
 //! micro-batch (the loss couples a batch's tokens); with α = 0 it runs several. Every task runs
-//! in this process (`--local --cluster`).
+//! in this process (`--local --cluster`) but one test, which starts 8 real processes.
 
 mod support;
 
@@ -336,4 +336,49 @@ fn partition_shows_each_stages_groups_and_shards() {
         !text.contains("transformer.h.1.attn.c_attn.weight/tp_1_of_2 "),
         "a whole tp shard under ZeRO-3:\n{text}"
     );
+}
+
+/// 8 real `dflow` processes on 127.0.0.1 under `--mesh dp=2,tp=2,pp=2,ep=2` (each process
+/// building its own worker's graph; Megatron's collectives, the all-to-alls, router gathers,
+/// gradient sums and clipping norms over the transport): 3 steps equal one process within
+/// 1e-5.
+#[test]
+fn eight_processes_under_the_4_axis_mesh_train_like_one_process() {
+    use std::time::Duration;
+    let _serial = serial();
+    let dir = scratch("mesh-expert-tensor-pipeline-processes");
+    let graph = tiny_moe_gpt(&dir, 2, 0.01, Some(0.1));
+    let graph_s = graph.to_string_lossy().into_owned();
+    let local = run_text_local(&graph, &[], 3, &dir.join("one")).0;
+    let cluster = Cluster::new(0, 8);
+    let losses = cluster.path("job-losses.txt");
+    let losses_s = losses.to_string_lossy().into_owned();
+    let common = vec![
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "8",
+        "--steps",
+        "3",
+        "--eval-batches",
+        "1",
+        "--quiet",
+        "--mesh",
+        MESH,
+    ];
+    let others: Vec<Task> = (1..8)
+        .map(|i| Task::start(&cluster, "worker", i, &common))
+        .collect();
+    let mut chief_args = vec![graph_s.as_str()];
+    chief_args.extend(common.iter().copied());
+    chief_args.extend(["--losses-out", &losses_s]);
+    let chief = Task::start(&cluster, "worker", 0, &chief_args).wait(Duration::from_secs(240));
+    chief.assert_success();
+    for t in others {
+        t.wait(Duration::from_secs(30)).assert_success();
+    }
+    let job = read_losses(&losses);
+    assert_eq!(job.len(), 3);
+    let worst = assert_same_losses(&job, &local, 1e-5);
+    eprintln!("8 processes, {MESH}: worst relative difference {worst:e}");
 }
