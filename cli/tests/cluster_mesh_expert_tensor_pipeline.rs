@@ -23,9 +23,20 @@ const MESH: &str = "dp=2,tp=2,pp=2,ep=2";
 /// top-`top_k` routing at capacity factor 4 (nothing dropped), load-balancing coefficient
 /// `aux`, clipped at global norm `grad_clip`.
 fn tiny_moe_gpt(dir: &Path, top_k: usize, aux: f64, grad_clip: Option<f64>) -> PathBuf {
+    moe_gpt_of(dir, 2, top_k, aux, grad_clip)
+}
+
+/// [`tiny_moe_gpt`] with `layers` blocks.
+fn moe_gpt_of(
+    dir: &Path,
+    layers: usize,
+    top_k: usize,
+    aux: f64,
+    grad_clip: Option<f64>,
+) -> PathBuf {
     let cfg = GptConfig {
         block_size: 16,
-        n_layer: 2,
+        n_layer: layers,
         n_head: 2,
         n_embd: 16,
         learning_rate: 3e-3,
@@ -43,7 +54,7 @@ fn tiny_moe_gpt(dir: &Path, top_k: usize, aux: f64, grad_clip: Option<f64>) -> P
     };
     let model = gpt(&cfg).unwrap();
     let path = dir.join(format!(
-        "tiny-moe-top{top_k}-aux{aux}-clip{grad_clip:?}.json"
+        "tiny-moe-{layers}-top{top_k}-aux{aux}-clip{grad_clip:?}.json"
     ));
     std::fs::write(&path, dflow::graph::format::to_json(&model.def)).unwrap();
     path
@@ -209,8 +220,9 @@ fn dp4_tp2_pp2_ep2_sums_each_expert_shard_over_its_holders() {
 /// token alone, so a step may be cut into micro-batches: `dp=2,tp=2,pp=2,ep=2` with 2
 /// micro-batches (1F1B) and with 4 (GPipe), each micro-batch's all-to-alls, Megatron
 /// collectives and router gathers under keys of their own, equal one process within 1e-5
-/// over 3 steps. With α > 0, more than one micro-batch is refused naming the load-balancing
-/// loss.
+/// over 3 steps; so does a four-block model under the interleaved schedule (2 chunks per
+/// device, 2 micro-batches). With α > 0, more than one micro-batch is refused naming the
+/// load-balancing loss.
 #[test]
 fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
     let dir = scratch("mesh-expert-tensor-pipeline-micro");
@@ -227,6 +239,21 @@ fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{MESH} {extra:?}: worst relative loss difference {worst:e}");
     }
+    let four = moe_gpt_of(&dir, 4, 1, 0.0, Some(0.1));
+    let local = run_text_local(&four, &[], 3, &dir.join("one-4")).0;
+    let args = [
+        "--cluster",
+        EIGHT,
+        "--mesh",
+        MESH,
+        "--micro-batches",
+        "2",
+        "--schedule",
+        "interleaved",
+    ];
+    let job = run_text_local(&four, &args, 3, &dir.join("interleaved")).0;
+    let worst = assert_same_losses(&job, &local, 1e-5);
+    eprintln!("{MESH} interleaved, 4 blocks: worst relative loss difference {worst:e}");
     let coupled = tiny_moe_gpt(&dir, 1, 0.01, None);
     let out = partition(&coupled, &["--mesh", MESH, "--micro-batches", "2"]);
     let err = String::from_utf8_lossy(&out.stderr);

@@ -842,9 +842,18 @@ mod tests {
 
     /// dp=2,tp=2,pp=2,ep=2 with 2 micro-batches.
     fn staged() -> ExpertTensorPipelineGraphs {
+        staged_with(2, None)
+    }
+
+    /// dp=`dp`,tp=2,pp=2,ep=2 with 2 micro-batches, ZeRO at `zero`.
+    fn staged_with(dp: usize, zero: Option<u8>) -> ExpertTensorPipelineGraphs {
         let (graph, spec) = moe_gpt();
-        let mesh = Mesh::new(2, 2, 2).unwrap().with_ep(2).unwrap();
-        expert_tensor_pipeline_training(&graph, &spec, &mesh, &pipeline(2), None, "idx", "targets")
+        let mesh = Mesh::new(dp, 2, 2).unwrap().with_ep(2).unwrap();
+        let zero = zero.map(|stage| ReplicaZero {
+            stage,
+            bucket_bytes: 1 << 20,
+        });
+        expert_tensor_pipeline_training(&graph, &spec, &mesh, &pipeline(2), zero, "idx", "targets")
             .unwrap()
     }
 
@@ -902,7 +911,66 @@ mod tests {
     /// each micro-batch's copies of a forward collective have keys of their own.
     #[test]
     fn dp2_tp2_pp2_ep2_each_group_has_its_own_keys_and_one_order() {
-        let staged = staged();
+        let calls = one_order_per_group(&staged());
+        // Both micro-batches' all-to-alls on stage 1's expert-parallel groups.
+        let a2a = calls["experts_ep0_s1_t0"][&4]
+            .iter()
+            .filter(|c| c.0 == "CollectiveAllToAll")
+            .count();
+        // Block 1: two forward all-to-alls and their two gradients, per micro-batch.
+        assert_eq!(a2a, 2 * 2 * 2);
+    }
+
+    /// The same under ZeRO-2 and ZeRO-3 (its gathers over the dp and expert-data-parallel
+    /// groups, every worker's collectives renumbered in one order), and over
+    /// `dp=4,tp=2,pp=2,ep=2` (16 workers: each expert shard's gradient, or its ZeRO step, over
+    /// `experts_dp<k>_s<s>_t<t>` of 2 replicas), where ZeRO-3 gathers the expert shards over
+    /// those groups.
+    #[test]
+    fn zero_and_dp4_keep_one_order_per_group() {
+        for (dp, zero) in [
+            (2, Some(2)),
+            (2, Some(3)),
+            (4, None),
+            (4, Some(2)),
+            (4, Some(3)),
+        ] {
+            let calls = one_order_per_group(&staged_with(dp, zero));
+            if dp == 4 {
+                let sums = &calls["experts_dp1_s1_t1"];
+                assert_eq!(
+                    sums.keys().copied().collect::<Vec<_>>(),
+                    [8 + 2 + 1, 8 + 6 + 1]
+                );
+                let ops: HashSet<&str> = sums
+                    .values()
+                    .next()
+                    .unwrap()
+                    .iter()
+                    .map(|c| c.0.as_str())
+                    .collect();
+                // Without ZeRO the sum; with it the reduce-scatter, the updated shard's
+                // gather (at stage 3 the weights' per-pass gathers too) and clipping's sum of
+                // the holders' `Σ‖g‖²`.
+                let want: HashSet<&str> = match zero {
+                    None => HashSet::from(["CollectiveAllReduce"]),
+                    Some(_) => HashSet::from([
+                        "CollectiveReduceScatter",
+                        "CollectiveAllGather",
+                        "CollectiveAllReduce",
+                    ]),
+                };
+                assert_eq!(ops, want, "dp=4, ZeRO {zero:?}");
+            }
+        }
+    }
+
+    /// Every collective of every graph of `staged` (see
+    /// [`dp2_tp2_pp2_ep2_each_group_has_its_own_keys_and_one_order`]); returns them per group
+    /// and member worker.
+    fn one_order_per_group(
+        staged: &ExpertTensorPipelineGraphs,
+    ) -> BTreeMap<String, BTreeMap<usize, Vec<Call>>> {
         let members: HashMap<&str, &Vec<String>> = staged
             .groups
             .iter()
@@ -930,15 +998,17 @@ mod tests {
                     "{} on worker {task} in {group} ({m:?})",
                     n.name
                 );
+                // Megatron's `f` forward (the identity) calls no collective: ZeRO-3's
+                // renumbering leaves its key.
+                if n.op == "CollectiveTpCopy" {
+                    continue;
+                }
                 let key = attr(n, "instance_key");
                 assert!(
                     keys.insert((task, group.clone(), key.clone())),
                     "{} repeats key {key} of {group}",
                     n.name
                 );
-                if n.op == "CollectiveTpCopy" {
-                    continue;
-                }
                 if let Some(prev) = last_on.insert(task, n.name.clone()) {
                     assert!(
                         n.inputs.contains(&format!("^{prev}")),
@@ -971,12 +1041,6 @@ mod tests {
                 assert_eq!(seq, first, "{group}: worker {task}'s order");
             }
         }
-        // Both micro-batches' all-to-alls on stage 1's expert-parallel groups.
-        let a2a = calls["experts_ep0_s1_t0"][&4]
-            .iter()
-            .filter(|c| c.0 == "CollectiveAllToAll")
-            .count();
-        // Block 1: two forward all-to-alls and their two gradients, per micro-batch.
-        assert_eq!(a2a, 2 * 2 * 2);
+        calls
     }
 }
