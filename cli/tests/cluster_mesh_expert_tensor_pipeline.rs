@@ -103,8 +103,9 @@ fn assert_same_tensors(
 /// with the load-balancing loss, clipped at global norm 0.1: 4 steps' losses, the validation
 /// loss (worker 0's copy joining the tp and expert shards of both stages), and the final
 /// parameters and Adam moments equal one process's within 1e-5; the checkpoint holds every
-/// tensor whole under its one-process name, and one written after 2 steps resumes in one
-/// process with the uninterrupted job's steps 3-4.
+/// tensor whole under its one-process name, one written after 2 steps resumes in one process
+/// with the uninterrupted job's steps 3-4, and one process's after 2 steps resumes on the mesh
+/// with one process's steps 3-4.
 #[test]
 fn dp2_tp2_pp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-tensor-pipeline");
@@ -135,6 +136,13 @@ fn dp2_tp2_pp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let resumed = run_text_local(&graph, &[], 4, &part).0;
     let worst = assert_same_losses(&resumed, &job[2..], 1e-5);
     eprintln!("{MESH} checkpoint in one process: steps 3-4 worst {worst:e}");
+
+    // And back: one process's checkpoint after 2 steps resumes on the mesh.
+    let back = dir.join("back");
+    assert_eq!(run_text_local(&graph, &[], 2, &back).0.len(), 2);
+    let resumed = run_text_local(&graph, &mesh, 4, &back).0;
+    let worst = assert_same_losses(&resumed, &local[2..], 1e-5);
+    eprintln!("one-process checkpoint on {MESH}: steps 3-4 worst {worst:e}");
 }
 
 /// ZeRO over the 4-axis mesh (`--zero-stage 1`, `2` and `3`): each (stage, shard)'s dense
