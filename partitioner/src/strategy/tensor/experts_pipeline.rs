@@ -861,7 +861,8 @@ mod tests {
     /// stage, TP {0,1} {2,3} / {4,5} {6,7}, DP {0,2} {1,3} / {4,6} {5,7}, and the
     /// expert-parallel groups of each tp coordinate (E = D: the DP groups' members, no
     /// expert-data-parallel group); block 0 (its tp shards and expert shards) on stage 0,
-    /// block 1 on stage 1.
+    /// block 1 on stage 1; clipping sums each stage's tp shards over its tp group and its
+    /// expert shards over its expert-parallel group, one scale on the loss's stage.
     #[test]
     fn dp2_tp2_pp2_ep2_groups_are_megatron_cores_per_stage() {
         let staged = staged();
@@ -897,7 +898,29 @@ mod tests {
                 assert_eq!(on(&expert), s * 4 + d * 2 + t, "{expert}");
                 let tp = format!("transformer.h.{block}.attn.c_attn.weight/tp_{t}_of_2");
                 assert_eq!(on(&tp), s * 4 + d * 2 + t, "{tp}");
+                // Clipping's sums: the tp shards' over the stage's tp group, the expert
+                // shards' over its expert-parallel group (each shard once, not over tp).
+                let group = |name: &str| {
+                    let n = g.training.def.nodes.iter().find(|n| n.name == name);
+                    attr(
+                        n.unwrap_or_else(|| panic!("no {name} in graph {i}")),
+                        "group_key",
+                    )
+                };
+                let sum = |kind: &str| format!("pipeline/clip/stage{s}/{kind}_squared_norm_sum");
+                assert_eq!(group(&sum("shards")), tp_stage_group(s, d));
+                assert_eq!(group(&sum("experts")), ep_stage_group(s, 0, t));
             }
+            // One clipping scale, on the loss's stage.
+            let scales: Vec<&NodeDef> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.op == "GlobalNormScale")
+                .collect();
+            assert_eq!(scales.len(), 1);
+            assert_eq!(task_of(&scales[0].device), 4 + d * 2 + t);
         }
     }
 
