@@ -604,11 +604,6 @@ fn partition_shows_the_expert_groups_and_bad_meshes_are_refused() {
             "has 4 experts, which do not split evenly over the 8 workers of an expert-parallel group (ep=8)",
         ),
         (
-            "examples/gpt/cluster-8workers.json",
-            vec!["--mesh", "dp=2,tp=2,pp=2,ep=2"],
-            "--mesh dp=2,tp=2,pp=2,ep=2: expert parallelism (ep=2) beside tensor parallelism (tp=2) inside pipeline stages (pp=2) does not run yet (docs/experts.md, \"ep beside tp\"); use --mesh dp=2,tp=2,ep=2 (pp=1), or ep with tp=1 inside the stages",
-        ),
-        (
             FOUR,
             vec!["--mesh", "dp=2,tp=2", "--batch-size", "8"],
             "tensor parallelism splits dense MLPs only; an MoE GPT runs beside tensor parallelism with its experts over ep (--mesh dp=D,tp=T,ep=E), or with --mesh dp=D,ep=E (tp=1) or --strategy expert",

@@ -150,7 +150,12 @@ pub fn build_strategy(
 /// layers replicated over tp and their experts over `ep` replicas (with `--zero-stage 1|2|3`,
 /// each rank's dense states sharded over its `data_t<t>` group and each expert shard's over its
 /// `experts_dp<s>_t<t>` group, one global clipping norm, and at stage 3 the weights themselves
-/// sharded so, gathered just before each pass), refused beside a pipeline axis. Returns the
+/// sharded so, gathered just before each pass), and inside `pp` balanced pipeline stages when
+/// `pp > 1` (the 4-axis mesh: each (stage, replica)'s tp group, each (stage, shard)'s dp group
+/// and expert-parallel groups; with `--zero-stage 1|2|3`, ZeRO over each (stage, shard)'s dp
+/// group for the dense states and over its expert-data-parallel groups for each expert
+/// shard's, one global clipping norm, and at stage 3 the weights sharded so, gathered per
+/// micro-batch; docs/experts.md, "The 4-axis mesh"). Returns the
 /// strategy to run and sets `tp` and the pipeline's stages; a contradicting `--strategy`,
 /// `--tp` or `--stages` is an error naming both.
 pub fn apply_mesh(
@@ -163,10 +168,13 @@ pub fn apply_mesh(
     if let Some(t) = tp.filter(|&t| t != mesh.tp) {
         anyhow::bail!("--mesh tp={} but --tp {t}: give one of them", mesh.tp);
     }
-    check_ep_beside_tp(mesh)?;
     let name = if mesh.ep > 1 && mesh.tp > 1 {
-        // Tensor parallelism, the MoE layers replicated over tp and their experts over ep.
+        // Tensor parallelism, the MoE layers replicated over tp and their experts over ep,
+        // inside pp balanced pipeline stages when pp > 1 (the 4-axis mesh).
         *tp = Some(mesh.tp);
+        if mesh.pp > 1 {
+            set_stages(mesh, pipeline)?;
+        }
         "tensor"
     } else if mesh.ep > 1 {
         // ZeRO (stages 1 to 3, inside pipeline stages too): the dense states over dp (each
@@ -202,28 +210,6 @@ pub fn apply_mesh(
         ),
         _ => Ok(kind),
     }
-}
-
-/// `ep > 1` beside `tp > 1` runs with `pp = 1`, with or without ZeRO (stages 1 to 3;
-/// docs/experts.md, "ep beside tp" and "ZeRO beside ep × tp"); beside a pipeline axis it is
-/// refused, the message naming the mesh and what runs instead.
-fn check_ep_beside_tp(mesh: &dflow_partitioner::mesh::Mesh) -> anyhow::Result<()> {
-    if mesh.ep <= 1 || mesh.tp <= 1 {
-        return Ok(());
-    }
-    if mesh.pp > 1 {
-        anyhow::bail!(
-            "--mesh {}: expert parallelism (ep={}) beside tensor parallelism (tp={}) inside pipeline stages (pp={}) does not run yet (docs/experts.md, \"ep beside tp\"); use --mesh dp={},tp={},ep={} (pp=1), or ep with tp=1 inside the stages",
-            mesh_text(mesh),
-            mesh.ep,
-            mesh.tp,
-            mesh.pp,
-            mesh.dp,
-            mesh.tp,
-            mesh.ep
-        );
-    }
-    Ok(())
 }
 
 /// The pipeline's stages from `--mesh pp=P`; a contradicting `--stages` is an error.

@@ -56,12 +56,16 @@
 //!   tp, its experts spread over ep replicas ([`experts`]); with `--zero-stage 1|2`, the
 //!   dense slots sharded over `data_t<t>` and each expert shard's over its holders.
 //!
+//! - **The 4-axis mesh** (`--mesh dp=D,tp=T,pp=P,ep=E`): the ep × tp ranks' graphs cut into
+//!   pipeline stages ([`experts_pipeline`]; ZeRO 1 to 3 over each (stage, shard)'s groups).
+//!
 //! Not supported: dropout (a random mask per shard does not equal the one-process mask),
 //! MoE blocks without an expert-parallel axis.
 
 mod data;
 mod eval;
 pub mod experts;
+pub mod experts_pipeline;
 pub mod hand;
 pub mod mesh3d;
 
@@ -144,12 +148,23 @@ pub(super) static REGISTRATION: Registration = Registration {
                     "ep={ep} beside tensor parallelism needs --tp (or --mesh tp=T)"
                 ))
             })?;
-            if opts.stages.is_some_and(|p| p > 1) {
-                return Err(options(format!(
-                    "ep={ep} beside tp={tp} runs without pipeline stages"
-                )));
-            }
             let zero_stage = opts.tensor_zero.then_some(opts.zero_stage);
+            if let Some(p) = opts.stages.filter(|&p| p > 1) {
+                // --mesh dp=D,tp=T,pp=P,ep=E (experts_pipeline.rs).
+                return Ok(Box::new(experts_pipeline::TensorExpertPipeline {
+                    tp,
+                    ep,
+                    pipeline: Pipeline {
+                        stages: Some(p),
+                        micro_batches: opts.micro_batches,
+                        schedule: opts.schedule,
+                        chunks: opts.chunks,
+                        batch_size: opts.batch_size,
+                    },
+                    bucket_bytes: opts.bucket_bytes,
+                    zero_stage,
+                }));
+            }
             if let Some(stage) = zero_stage.filter(|s| !matches!(s, 1..=3)) {
                 return Err(options(format!(
                     "--zero-stage {stage} beside ep={ep} and tp={tp} does not run (ZeRO-1 to \

@@ -233,6 +233,7 @@ pub fn expert_pipeline_training(
                 rank: d / ep,
                 ranks: dp / ep,
                 ep,
+                beside_tp: None,
             }),
         };
         let unclipped = TrainSpec {
@@ -307,7 +308,7 @@ pub fn expert_pipeline_training(
                 )?;
             }
         }
-        add_dropped_count(&mut g, &devices)?;
+        add_dropped_count(&mut g, &devices, &stage_group)?;
         chain_collectives_per_device(&mut g.training.def)?;
         g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
         g.eval.features = features.to_string();
@@ -371,9 +372,13 @@ pub fn expert_pipeline_training(
 
 /// Adds the step's dropped token assignments of the whole job to replica graph `g` (stages on
 /// `devices`): the `dropped` outputs of every micro-batch copy of every `MoeRoute`, summed on
-/// the loss's stage and all-reduced (sum, i64) over that stage's replicas after the loss;
-/// fetched as [`super::DROPPED_METRIC`] like `--strategy expert`'s.
-fn add_dropped_count(g: &mut ReplicaGraph, devices: &[String]) -> Result<(), StrategyError> {
+/// the loss's stage and all-reduced (sum, i64) over that stage's replicas (`group(stage)`)
+/// after the loss; fetched as [`super::DROPPED_METRIC`] like `--strategy expert`'s.
+pub(crate) fn add_dropped_count(
+    g: &mut ReplicaGraph,
+    devices: &[String],
+    group: &dyn Fn(usize) -> String,
+) -> Result<(), StrategyError> {
     let def = &mut g.training.def;
     let routes: Vec<String> = def
         .nodes
@@ -409,7 +414,7 @@ fn add_dropped_count(g: &mut ReplicaGraph, devices: &[String]) -> Result<(), Str
     n.attrs = BTreeMap::from([
         (
             "group_key".to_string(),
-            AttrValue::String(stage_group(stage).into()),
+            AttrValue::String(group(stage).into()),
         ),
         (
             "instance_key".to_string(),
@@ -424,7 +429,7 @@ fn add_dropped_count(g: &mut ReplicaGraph, devices: &[String]) -> Result<(), Str
 }
 
 /// The largest instance key of `def`'s collectives.
-fn max_instance(def: &GraphDef) -> i64 {
+pub(crate) fn max_instance(def: &GraphDef) -> i64 {
     def.nodes
         .iter()
         .filter(|n| n.op.starts_with("Collective"))
@@ -437,7 +442,7 @@ fn max_instance(def: &GraphDef) -> i64 {
 }
 
 /// The device of the node of tensor `tensor`.
-fn node_device(def: &GraphDef, tensor: &str) -> Result<String, StrategyError> {
+pub(crate) fn node_device(def: &GraphDef, tensor: &str) -> Result<String, StrategyError> {
     let node = InputRef::parse(tensor)
         .map(|r| r.node().to_string())
         .map_err(PipelineError::Internal)?;
@@ -449,7 +454,7 @@ fn node_device(def: &GraphDef, tensor: &str) -> Result<String, StrategyError> {
 }
 
 /// Sets the scalar constant `name` to `value`.
-fn set_scalar(
+pub(crate) fn set_scalar(
     def: &mut GraphDef,
     name: &str,
     value: f64,
@@ -474,7 +479,7 @@ fn set_scalar(
 /// Sums each expert shard's gradient (the shards are `local`) over `group(s)` of its stage `s`
 /// (the replicas that hold the same shard) by all-reduce where it is computed, and points the
 /// updates and `training.gradients` at the sums ([`super::sum_shard_gradients`]).
-fn reduce_shard_gradients(
+pub(crate) fn reduce_shard_gradients(
     training: &mut TrainingGraph,
     local: &HashSet<String>,
     devices: &[String],

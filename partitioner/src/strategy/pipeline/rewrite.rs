@@ -69,6 +69,44 @@ pub(crate) struct ExpertStages {
     /// The expert-parallel size: the clipping norm of the shards is summed over the stage's
     /// expert-parallel group of this many replicas.
     pub ep: usize,
+    /// Beside tensor parallelism too (`--mesh dp=D,tp=T,pp=P,ep=E`): the expert shards and
+    /// expert-parallel groups, while [`TensorStages::shards`] and [`TensorStages::groups`] are
+    /// the rank's tp shards and its stages' tp groups; `None`: they are the expert ones.
+    pub beside_tp: Option<ExpertsBesideTp>,
+}
+
+/// A rank's experts beside tensor parallelism inside pipeline stages ([`ExpertStages`]).
+#[derive(Clone, Debug)]
+pub(crate) struct ExpertsBesideTp {
+    /// The rank's expert shards.
+    pub shards: HashSet<String>,
+    /// Each stage's expert-parallel group of the rank.
+    pub groups: Vec<String>,
+}
+
+impl TensorStages {
+    /// The expert shards, when the rank holds some ([`ExpertStages`]).
+    pub(crate) fn expert_shards(&self) -> Option<&HashSet<String>> {
+        let e = self.experts.as_ref()?;
+        Some(e.beside_tp.as_ref().map_or(&self.shards, |b| &b.shards))
+    }
+
+    /// The expert-parallel group of stage `s`, when the rank holds expert shards.
+    pub(crate) fn expert_group(&self, s: usize) -> Option<&String> {
+        let e = self.experts.as_ref()?;
+        e.beside_tp
+            .as_ref()
+            .map_or(&self.groups, |b| &b.groups)
+            .get(s)
+    }
+
+    /// Whether [`TensorStages::shards`] are tensor-parallel shards (summed over the stage's
+    /// tp group), not expert shards.
+    pub(crate) fn tp_shards(&self) -> bool {
+        self.experts
+            .as_ref()
+            .map_or(true, |e| e.beside_tp.is_some())
+    }
 }
 
 /// What the rewrite needs besides the graph and its stages.

@@ -133,8 +133,11 @@ pub fn balanced(
         running += diff[k];
         *l = running.max(0) as usize;
     }
-    let fewest = live[1..].iter().copied().min().unwrap_or(1);
-    let candidates: Vec<usize> = (1..order.len()).filter(|&k| live[k] == fewest).collect();
+    // A point where no batch tensor crosses (only scalars: beside tensor parallelism, an MoE
+    // GPT's `loss = xent_loss + aux` after its last batch tensor) is as good a cut as one
+    // where one crosses, so it does not rule the others out.
+    let fewest = live[1..].iter().copied().min().unwrap_or(1).max(1);
+    let candidates: Vec<usize> = (1..order.len()).filter(|&k| live[k] <= fewest).collect();
     if candidates.len() < virtual_stages - 1 {
         return Err(PipelineError::TooFewCuts {
             stages: virtual_stages,

@@ -220,10 +220,11 @@ pub(super) fn shard_stages(
         if let Some(grads) = by_device.remove(&d) {
             // Beside expert parallelism: the expert shards apart, over their own groups.
             let experts = input.tensor.and_then(|t| Some((t, t.experts.as_ref()?)));
-            let (grads, expert_grads): (Vec<_>, Vec<_>) = match experts {
-                Some((t, _)) => grads.into_iter().partition(|(v, _)| !t.shards.contains(v)),
-                None => (grads, Vec::new()),
-            };
+            let (grads, expert_grads): (Vec<_>, Vec<_>) =
+                match input.tensor.and_then(|t| t.expert_shards()) {
+                    Some(shards) => grads.into_iter().partition(|(v, _)| !shards.contains(v)),
+                    None => (grads, Vec::new()),
+                };
             training.gradients = grads;
             let ctx = ShardGroup {
                 rank: input.replica,
@@ -239,7 +240,7 @@ pub(super) fn shard_stages(
             };
             // Beside tensor parallelism: the shards' squares summed over the stage's
             // tensor-parallel group too.
-            let outer = match input.tensor.filter(|t| t.experts.is_none()) {
+            let outer = match input.tensor.filter(|t| t.tp_shards()) {
                 Some(t) => Some(OuterShards {
                     key: t.groups.get(d).ok_or_else(|| {
                         internal(format!("no tensor-parallel group for stage {d}"))
@@ -268,8 +269,7 @@ pub(super) fn shard_stages(
                     None => None,
                 };
                 let ep_key = t
-                    .groups
-                    .get(d)
+                    .expert_group(d)
                     .ok_or_else(|| internal(format!("no expert-parallel group for stage {d}")))?;
                 let mut en =
                     zero::Nodes::new(std::mem::take(&mut nodes.taken), device, nodes.instance);
@@ -352,12 +352,13 @@ pub(super) fn shard_stages(
         // variable, as beside `--mesh dp=D,ep=E` (`expert::zero`): replica `r` holds rows
         // `r mod E` of `E`.
         if let Some((t, e)) = input.tensor.and_then(|t| Some((t, t.experts.as_ref()?))) {
+            let shards = t.expert_shards().unwrap_or(&t.shards);
             if sharded.iter().any(|s| s.3) {
                 for v in training
                     .def
                     .nodes
                     .iter_mut()
-                    .filter(|n| n.op == "Variable" && t.shards.contains(&n.name))
+                    .filter(|n| n.op == "Variable" && shards.contains(&n.name))
                 {
                     as_row_split(v, e.ep, input.replica % e.ep);
                 }

@@ -32,7 +32,8 @@
 //! `Σ‖g‖²`. **ZeRO-3** (`shard_parameters`) also shards the weights over those groups (the
 //! expert shards marked as row shards first), gathered just before each pass, the gathers
 //! numbered in one order per group; worker 0's evaluation copy joins them from their flat
-//! shards. Pipeline stages beside it are refused (`dflow run` refuses them before planning).
+//! shards. Inside pipeline stages (`--mesh dp=D,tp=T,pp=P,ep=E`) the same rank graphs are cut
+//! into stages by [`super::experts_pipeline`].
 
 use super::{
     data, dp_group, eval_copy, finish_rank, global_norm_attrs, options, rank_forward,
@@ -279,7 +280,16 @@ pub fn mesh_expert_training(
     }
     if let Some(g0) = graphs.first_mut() {
         let zero3 = zero_stage.is_some_and(|s| s >= 3);
-        add_eval(g0, &def, &shards, &layers, spec, mesh, zero3)?;
+        add_eval(
+            g0,
+            &def,
+            &shards,
+            &layers,
+            spec,
+            mesh,
+            zero3,
+            &EvalAt::one_stage(),
+        )?;
     }
     Ok(TensorGraphs { graphs, shards })
 }
@@ -696,13 +706,51 @@ fn add_dropped_count(
     Some(global)
 }
 
+/// The stage (pp coordinate) holding a one-process variable.
+pub(super) type StageOf<'a> = dyn Fn(&str) -> Result<usize, StrategyError> + 'a;
+
+/// Where worker 0's evaluation copy ([`add_eval`]) finds the shards it joins.
+pub(super) struct EvalAt<'a> {
+    /// Inside pipeline stages: the stage (pp coordinate) holding each one-process variable;
+    /// `None`: one stage (pp = 1).
+    pub stage: Option<&'a StageOf<'a>>,
+    /// The copy reads placeholders of its own (`eval/<name>`, as the one-process graph writes
+    /// them: a pipeline's training placeholders have a static batch), else the training ones.
+    pub own_placeholders: bool,
+}
+
+impl EvalAt<'_> {
+    /// One stage: the training placeholders, every rank's devices as `--mesh dp=D,tp=T,ep=E`
+    /// places them.
+    pub(super) fn one_stage() -> EvalAt<'static> {
+        EvalAt {
+            stage: None,
+            own_placeholders: false,
+        }
+    }
+
+    /// The stage of one-process variable `var` (0 with one stage).
+    fn stage_of(&self, var: &str) -> Result<usize, StrategyError> {
+        self.stage.map_or(Ok(0), |f| f(var))
+    }
+
+    /// The device of mesh rank `rank`.
+    fn device(&self, rank: usize) -> Result<String, StrategyError> {
+        match self.stage {
+            None => worker_device("", "", rank),
+            Some(_) => Ok(crate::strategy::pipeline::worker_device(rank)),
+        }
+    }
+}
+
 /// Worker 0's evaluation: a copy of the forward graph (`eval/...`, `eval_copy`) reading the
 /// tp shards joined and each expert variable joined from the ep shards that the ranks of tp
 /// coordinate 0 hold (shard `j` on rank `T·j`). Under ZeRO-3 (`zero3`) every weight is first
 /// joined from its flat shards: a dense one's over `data_t<t>` (flat shard `d` on rank
 /// `t + T·d`), expert shard `j`'s over its holders of tp coordinate 0 (flat shard `k` of `D/E`
 /// on rank `T·(j + E·k)`; whole on rank `T·j` when `D = E`).
-fn add_eval(
+#[allow(clippy::too_many_arguments)]
+pub(super) fn add_eval(
     g0: &mut ReplicaGraph,
     forward: &GraphDef,
     shards: &[ShardedWeight],
@@ -710,6 +758,7 @@ fn add_eval(
     spec: &TrainSpec,
     mesh: &Mesh,
     zero3: bool,
+    at: &EvalAt<'_>,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
     let mut taken: HashSet<String> = g0
@@ -736,7 +785,7 @@ fn add_eval(
                         &mut taken,
                         (v, &name),
                         (j, per),
-                        mesh,
+                        (mesh, at),
                         &device,
                     )?);
                     continue;
@@ -745,7 +794,7 @@ fn add_eval(
                     let mut copy = v.clone();
                     expert::shard_variable(&mut copy, j, per)?;
                     copy.name = name.clone();
-                    copy.device = worker_device("", "", mesh.rank(0, j, 0))?;
+                    copy.device = at.device(mesh.rank(0, j, at.stage_of(var)?))?;
                     copy.colocate_with.clear();
                     g0.training.def.nodes.push(copy);
                     taken.insert(name.clone());
@@ -763,21 +812,33 @@ fn add_eval(
         }
     }
     let tp = mesh.tp;
-    let on_rank = |v: &NodeDef, r: usize, d: usize| worker_device(&v.name, &v.device, r + tp * d);
+    let on_rank = |v: &NodeDef, r: usize, d: usize| match at.stage {
+        None => worker_device(&v.name, &v.device, r + tp * d),
+        Some(_) => at.device(mesh.rank(r, d, at.stage_of(&v.name)?)),
+    };
     let flat = zero3.then_some(mesh.dp);
-    eval_copy(g0, &fwd, shards, spec, tp, &on_rank, false, flat)
+    eval_copy(
+        g0,
+        &fwd,
+        shards,
+        spec,
+        tp,
+        &on_rank,
+        at.own_placeholders,
+        flat,
+    )
 }
 
 /// Under ZeRO-3 with `D > E`: expert shard `j` (`name`, `per` experts' rows) of the expert
 /// variable `v` joined on worker 0 from the flat shards `{name}/shard_{k}_of_{D/E}` that its
-/// holders of tp coordinate 0 keep (flat shard `k` on rank `T·(j + E·k)`; worker 0's own is in
-/// `g0`). Returns the joined value.
+/// holders of tp coordinate 0 keep (flat shard `k` on replica `j + E·k`'s rank of the
+/// variable's stage, `at`; replica 0's own is in `g0`). Returns the joined value.
 fn joined_expert_shard(
     g0: &mut ReplicaGraph,
     taken: &mut HashSet<String>,
     (v, name): (&NodeDef, &str),
     (j, per): (usize, i64),
-    mesh: &Mesh,
+    (mesh, at): (&Mesh, &EvalAt<'_>),
     device: &str,
 ) -> Result<String, StrategyError> {
     let holders = mesh.dp / mesh.ep;
@@ -795,12 +856,14 @@ fn joined_expert_shard(
     let mut pieces = Vec::with_capacity(holders);
     for k in 0..holders {
         let piece = params::shard_name(name, k, holders);
-        let rank = mesh.rank(0, j + mesh.ep * k, 0);
-        if rank != 0 {
+        let replica = j + mesh.ep * k;
+        let rank = mesh.rank(0, replica, at.stage_of(&v.name)?);
+        // Replica 0's shard is in `g0` already (on its stage's worker).
+        if replica != 0 {
             let mut copy = shard.clone();
             params::flat_shard(&mut copy, name, &rows, k, holders);
             copy.name = piece.clone();
-            copy.device = worker_device("", "", rank)?;
+            copy.device = at.device(rank)?;
             copy.colocate_with.clear();
             g0.training.def.nodes.push(copy);
             taken.insert(piece.clone());
