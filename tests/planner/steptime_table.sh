@@ -22,7 +22,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs; profile $PROFILE" >&2
 
 DIGITS=(--data examples/data/digits.csv.gz --epochs 20 --test-fraction 0 --quiet)
-GPT_SMALL=(--data examples/data/shakespeare.txt.gz --batch-size 4 --steps 300 --eval-every 0 --eval-batches 1 --quiet)
+GPT_SMALL=(--data examples/data/shakespeare.txt.gz --batch-size 4 --steps 1000 --eval-every 0 --eval-batches 1 --quiet)
 GPT=(--data examples/data/shakespeare.txt.gz --batch-size 12 --steps 20 --eval-every 0 --eval-batches 1 --quiet)
 
 # predicted GRAPH DEVICES BATCH LAYOUT: the predicted step in µs.

@@ -19,8 +19,9 @@
 //! stages); 8 tasks on the 2 cores (the
 //! base on 8 tasks; 4 replicas of the 2-stage pipeline); and the op kinds of a
 //! transformer (one small [`TRANSFORMER`] block, data parallel on 2 tasks: layer norms,
-//! attention's batched products, softmax, reshapes, AdamW and clipping, whose dispatch costs
-//! more than a `Relu`'s). The runs go
+//! attention's batched products, softmax, reshapes, AdamW and clipping, and their fan-outs,
+//! each of which the executor hands to its pool; and tensor parallel (tp=2) in 2 replicas on
+//! 4 tasks: all-reduces between computations, on the step's path, on shared cores). The runs go
 //! round the jobs (one run of each, `--runs` times), so that a change of the machine's load
 //! falls on all of them. The planner's own counts of each job plan (planner `runtime::work`)
 //! turn each median into one equation of the model of planner `runtime::job_step`; planner
@@ -145,7 +146,7 @@ const TRANSFORMER: dflow_graph::layers::GptConfig = dflow_graph::layers::GptConf
 const TRANSFORMER_BATCH: usize = 4;
 
 /// The calibration jobs (see the module): none is a model of the planner's comparison table.
-const JOBS: [Variant; 17] = [
+const JOBS: [Variant; 18] = [
     BASE,
     Variant {
         name: "chain",
@@ -246,6 +247,13 @@ const JOBS: [Variant; 17] = [
     },
     Variant {
         name: "transformer",
+        batch: TRANSFORMER_BATCH,
+        transformer: true,
+        ..BASE
+    },
+    Variant {
+        name: "transformer, tp=2 in 2 replicas (calls between computations on shared cores)",
+        layout: "dp=2,tp=2",
         batch: TRANSFORMER_BATCH,
         transformer: true,
         ..BASE
@@ -453,6 +461,8 @@ fn measured_step(dir: &Path, v: Variant, graph: &Path, epochs: usize) -> anyhow:
     if mesh.pp > 1 {
         cmd.args(["--mesh", &format!("dp={},pp={}", mesh.dp, mesh.pp)])
             .args(["--micro-batches", &layout.micro_batches.to_string()]);
+    } else if mesh.tp > 1 {
+        cmd.args(["--mesh", &format!("dp={},tp={}", mesh.dp, mesh.tp)]);
     } else if layout.zero > 0 {
         cmd.args([
             "--strategy",
@@ -600,13 +610,15 @@ pub fn measure(
             .max_by_key(|w| (w.ops, w.collective_calls))
             .context("the calibration job has no tasks")?;
         eprintln!(
-            "# job {}: {} tasks; busiest {} ops, {} calls ({} messages) + {} values sent/received, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals; step median {:.1} µs ({:.1}–{:.1}), fit {:+.0}%",
+            "# job {}: {} tasks; busiest {} ops, {} calls ({} messages, {} on the path) + {} values sent/received, {} nodes spawned alone, {:.2} MFLOP in products, {:.2} MB other ops, {:.2} M transcendentals; step median {:.1} µs ({:.1}–{:.1}), fit {:+.0}%",
             job.name,
             job.work.len(),
             busiest.ops,
             busiest.collective_calls,
             busiest.collective_messages,
+            busiest.path_messages,
             busiest.values + busiest.received,
+            busiest.spawns,
             busiest.product_flops as f64 / 1e6,
             busiest.bytes as f64 / 1e6,
             busiest.transcendentals as f64 / 1e6,
@@ -726,10 +738,16 @@ mod tests {
         );
         // The transformer: batched products (attention), Gelu's transcendental elements, and
         // more ops than the base.
+        let (_, gpt_tp, _) =
+            by("transformer, tp=2 in 2 replicas (calls between computations on shared cores)");
+        assert_eq!(gpt_tp.len(), 4, "{gpt_tp:?}");
+        assert!(gpt_tp.iter().all(|t| t.path_messages > 4), "{gpt_tp:?}");
         let (_, gpt, _) = by("transformer");
         assert_eq!(gpt.len(), 2, "{gpt:?}");
         assert!(gpt[0].ops > 4 * base[0].ops, "{gpt:?}");
         assert!(gpt[0].products > 8 && gpt[0].transcendentals > 0, "{gpt:?}");
+        assert!(gpt[0].spawns > chain[0].spawns + 10, "{gpt:?} {chain:?}");
+        assert_eq!(gpt[0].path_messages, 0, "{gpt:?}");
         // Four tasks on the two cores, each gathering before every layer.
         let (_, zero4, _) = by("zero-3 4 tasks (calls between products on shared cores)");
         assert_eq!(zero4.len(), 4);

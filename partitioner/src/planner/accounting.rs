@@ -341,6 +341,39 @@ pub struct TaskTraffic {
     /// Messages it sends in them, by the algorithm the transport runs
     /// ([`super::collective::rank_messages`]: each a step with a peer).
     pub collective_messages: usize,
+    /// Of those, the messages of calls between two computations ([`between_products`]: a
+    /// tensor-parallel all-reduce, an MoE all-to-all), which the step waits on as a pipeline's
+    /// stage waits on a value; not a gradient's all-reduce at the step's end, nor a ZeRO-3
+    /// gather of a weight shard (its input is a variable: issued ahead of its use).
+    pub path_messages: usize,
+}
+
+/// The matrix products: the computations a call on the step's path sits between.
+const PRODUCTS: &[&str] = &["MatMul", "BatchMatMul"];
+
+/// The nodes of `g` that read, through data edges, what a matrix product computed in the step
+/// and whose result a later product reads: a collective among them waits for one
+/// computation's result and holds up the next.
+pub fn between_products(g: &Graph) -> Vec<bool> {
+    let order = g.topo_order();
+    let n = g.num_nodes();
+    let is_product = |i: NodeIndex| PRODUCTS.contains(&g.node(i).op);
+    let mut after = vec![false; n];
+    for &i in &order {
+        after[i.index()] = g
+            .inputs(i)
+            .iter()
+            .any(|&(p, _)| after[p.index()] || is_product(p));
+    }
+    let mut before = vec![false; n];
+    for &i in order.iter().rev() {
+        before[i.index()] = g
+            .out_edges(i)
+            .iter()
+            .filter(|(_, e)| matches!(e, dflow_graph::Edge::Data { .. }))
+            .any(|&(c, _)| before[c.index()] || is_product(c));
+    }
+    after.iter().zip(&before).map(|(a, b)| *a && *b).collect()
 }
 
 /// The transport's call for a collective op of a job plan, if `op` communicates.
@@ -405,6 +438,7 @@ fn signatures_traffic<'a>(
                     message,
                 })?;
             let g = &fixed;
+            let on_path = between_products(g);
             let entry = tasks.entry(task.clone()).or_insert(TaskTraffic {
                 task: task.clone(),
                 data_plane: 0,
@@ -412,6 +446,7 @@ fn signatures_traffic<'a>(
                 collective: 0,
                 collective_calls: 0,
                 collective_messages: 0,
+                path_messages: 0,
             });
             for idx in g.node_indices() {
                 let node = g.node(idx);
@@ -465,8 +500,11 @@ fn signatures_traffic<'a>(
                     let (elements, size) = input_bytes()?;
                     entry.collective += rank_bytes(call, ranks.len(), rank, elements, size);
                     entry.collective_calls += 1;
-                    entry.collective_messages +=
-                        rank_messages(call, ranks.len(), rank, elements, size);
+                    let messages = rank_messages(call, ranks.len(), rank, elements, size);
+                    entry.collective_messages += messages;
+                    if on_path[idx.index()] {
+                        entry.path_messages += messages;
+                    }
                 }
             }
         }
@@ -655,6 +693,39 @@ mod tests {
             "{two:?} {one:?}"
         );
         assert!(two[0].total() < one[0].total(), "{two:?} {one:?}");
+    }
+
+    /// Tensor parallelism's all-reduces sit between two products (the step waits on them);
+    /// data parallelism's gradient all-reduces and ZeRO-3's gathers of weight shards do not.
+    #[test]
+    fn only_calls_between_two_products_are_on_the_steps_path() {
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let g = Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let traffic_of = |layout: &str| {
+            let plan = job_plan(&g, &train, "idx", "targets", &layout.parse().unwrap(), 4).unwrap();
+            traffic(&plan, 4).unwrap()
+        };
+        for t in traffic_of("tp=2") {
+            // The blocks' f/g all-reduces and the split cross-entropy's, forward and backward;
+            // not clipping's norm or the loss's report.
+            assert!(t.path_messages >= 4 * cfg.n_layer, "{t:?}");
+            assert!(t.path_messages < t.collective_messages, "{t:?}");
+        }
+        for layout in ["dp=2", "dp=2,zero=3"] {
+            for t in traffic_of(layout) {
+                assert!(t.collective_messages > 0, "{layout}: {t:?}");
+                assert_eq!(t.path_messages, 0, "{layout}: {t:?}");
+            }
+        }
     }
 
     #[test]

@@ -111,10 +111,10 @@ pub struct JobCosts {
     /// product's floor (the GEMM's setup and packing: ~1 µs on this machine where a `Relu` on as
     /// few elements costs ~0.1 µs; 0: not modelled, older profiles).
     pub product: f64,
-    /// CPU seconds each collective message and each value sent or received costs the host,
-    /// beyond `collective` and `value`, when its tasks outnumber its cores: the waiting
-    /// thread's bounded spin (it yields the core, once per switch) and the switches to and
-    /// from it, which the other tasks on the cores pay for (0: not modelled, older profiles).
+    /// CPU seconds each wait on the step's path (a value sent or received, a collective
+    /// message between two computations) costs the host, beyond `collective` and `value`, when
+    /// its tasks outnumber its cores: the peer may be without a core, and the waiting thread's
+    /// bounded spin yields its core once per switch (0: not modelled, older profiles).
     pub beyond_cores: f64,
     /// Per node a task's executor hands to its compute pool alone (one of several expensive
     /// nodes readied at once; `runtime::spawns`), beyond `op`: the hand-off and another pool

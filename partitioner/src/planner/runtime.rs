@@ -22,9 +22,12 @@
 //! tasks' over the cores when that is more (`max(busiest, Σ tasks / cores)`: 4 tasks on 2 cores
 //! take twice as long as 2). A call's handshake and wake-ups are work on the cores too: 4 tasks
 //! that synchronize inside the step each wait for a core as well as for their peer. When the
-//! tasks outnumber the cores, each wait (a collective message, a value sent or received) costs
-//! the cores `job.beyond_cores` more: the waiting thread's bounded spin, which yields its core
-//! once per switch, and the switches to and from it.
+//! tasks outnumber the cores, each wait on the step's path (a value sent or received, a
+//! collective message between two computations: a tensor-parallel all-reduce, an MoE
+//! all-to-all, [`super::accounting::between_products`]) costs the cores `job.beyond_cores`
+//! more: the peer it waits for may be without a core, and the waiting thread's bounded spin
+//! yields its core once per switch. A gradient's all-reduce at the step's end and a ZeRO-3
+//! gather (issued ahead of its use) are not on the path.
 //!
 //! The step is linear in the costs once the busiest task and the branches of the maxima are
 //! chosen ([`job_terms`]); [`fit_job_costs`] fits the costs to measured calibration jobs by
@@ -66,6 +69,10 @@ pub struct TaskWork {
     /// Messages it sends in them (each a step with a peer: 1 for a 2-rank all-gather, 3 for a
     /// 4-rank ring's; [`super::collective::rank_messages`]).
     pub collective_messages: usize,
+    /// Of those, the messages of calls between two computations (a tensor-parallel
+    /// all-reduce, an MoE all-to-all: [`super::accounting::between_products`]), on the step's
+    /// path as a pipeline's values are.
+    pub path_messages: usize,
     /// Bytes it sends in collectives.
     pub collective_bytes: u64,
     /// Values carrying data it sends to other tasks' Recvs (the zero-byte values of control
@@ -272,6 +279,7 @@ pub fn work(plan: &JobPlan, rows: usize) -> Result<Vec<TaskWork>, AccountingErro
                 task: t.task,
                 collective_calls: t.collective_calls,
                 collective_messages: t.collective_messages,
+                path_messages: t.path_messages,
                 collective_bytes: t.collective,
                 data_plane_bytes: t.data_plane,
                 ..c
@@ -403,9 +411,11 @@ fn beyond_cores(tasks: usize, cores: usize) -> f64 {
     }
 }
 
-/// The waits of a task in a step: its collective messages and the values it sends and receives.
+/// The waits of a task on the step's path: the values it sends and receives and its
+/// collective messages between two computations. Beyond the cores each may find its peer
+/// without a core: the woken thread waits for one.
 fn waits(t: &TaskWork) -> usize {
-    t.collective_messages + t.values + t.received
+    t.values + t.received + t.path_messages.min(t.collective_messages)
 }
 
 /// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
@@ -790,9 +800,16 @@ mod tests {
                 "fan-outs" => 120,
                 _ => 1,
             };
+            // Calls between two computations (tensor parallelism's).
+            let path = match name.as_str() {
+                "deep" | "deep x4" => 8,
+                "fan-outs" => 2,
+                _ => 0,
+            };
             for t in &mut work {
                 t.products = products;
                 t.spawns = spawns;
+                t.path_messages = path;
             }
             (name, work, bubble)
         })
