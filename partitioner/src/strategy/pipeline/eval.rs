@@ -1,0 +1,580 @@
+//! The pipeline's evaluation: one forward pass of the held-out batch through the stages of the
+//! replica, each op on its own stage's worker reading that stage's weights, so that no stage's
+//! weights are joined on one task (the point of a pipeline for a model too big for one device).
+//!
+//! The evaluation signature holds:
+//! - `eval/<features>` and `eval/<labels>`: the held-out batch's placeholders (batch dimension as
+//!   written), on the first stage's worker (the chief, which feeds them);
+//! - `eval/<op>`: one copy of every batch op, on the worker of the op's stage, reading the
+//!   weights of that stage in place;
+//! - `eval/pipeline/cross/<tensor>/...`: every tensor that one stage's copy makes and another
+//!   stage's reads (an activation, or the labels for the last stage) crosses once per reading
+//!   stage. Tensors between tasks need static shapes (their receive buffers are allocated once),
+//!   and a held-out batch may be partial (the last batch of a CSV test set), so a tensor whose
+//!   first dimension follows the batch is sent padded to its size at the global batch `B`
+//!   (`padded = Gather(x, [0, 1, …, R−1] mod n)`, `n` its rows, `R` its rows at `B`), with
+//!   `n`, and the reading stage takes its first `n` rows back (`Gather(padded, Range(0, n))`):
+//!   each stage computes on exactly the held-out rows, so the loss is the one-process loss of
+//!   the batch. A tensor of a static shape (a scalar, or the batch at a placeholder's fixed
+//!   size) crosses as it is;
+//! - `eval/pipeline/fetch/...`: the loss and metrics of the last stage, sent to the chief, which
+//!   the executor fetches them from.
+//!
+//! A weight read by two stages (a tied embedding, read by the first stage's lookup and the
+//! last stage's head) crosses once per evaluation batch, as it does once per training step;
+//! no other weight leaves its stage. When a crossing tensor has an unknown dimension besides
+//! its first (so no static size can hold it), the whole evaluation runs on the first stage's
+//! worker instead, reading every stage's weights ([`joined`], the older evaluation).
+
+use super::schedule::PipelineShape;
+use super::stages::StageMap;
+use super::PipelineError;
+use crate::strategy::{EvalNames, StrategyError};
+use dflow_graph::train::TrainSpec;
+use dflow_graph::{AttrValue, DType, Graph, GraphDef, InputRef, NodeDef, Shape, Tensor};
+use petgraph::graph::NodeIndex;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+/// The name scope of what the staged evaluation adds besides the copies of the forward ops.
+const SCOPE: &str = "eval/pipeline";
+
+/// What the evaluation of one pipeline replica needs.
+pub(super) struct EvalInput<'a> {
+    /// The forward graph.
+    pub graph: &'a Graph,
+    /// The stage of every op of `graph`.
+    pub stages: &'a StageMap,
+    /// Stages, micro-batches, chunks.
+    pub shape: PipelineShape,
+    /// The device of each pipeline stage; `devices[0]` is the chief for replica 0.
+    pub devices: &'a [String],
+    /// The features placeholder.
+    pub features: &'a str,
+    /// The labels placeholder.
+    pub labels: &'a str,
+    /// The batch ops of `graph`, placeholders aside.
+    pub batch: &'a HashSet<&'a str>,
+    /// The loss and metrics to evaluate.
+    pub spec: &'a TrainSpec,
+    /// Rows of a whole held-out batch (the global batch size): the padded size of what crosses.
+    pub rows: usize,
+}
+
+/// The evaluation nodes to add to the replica's graph and the names the executor feeds and
+/// fetches: on the stages when every crossing tensor has a static size at the global batch,
+/// else joined on the first stage's worker (see the module docs).
+pub(super) fn evaluation(
+    input: &EvalInput<'_>,
+) -> Result<(Vec<NodeDef>, EvalNames), StrategyError> {
+    match staged(input)? {
+        Some(done) => Ok(done),
+        None => joined(input),
+    }
+}
+
+/// `eval/<name>`.
+pub(super) fn eval_name(name: &str) -> String {
+    format!("eval/{name}")
+}
+
+/// `loss` or `loss:1` of the evaluation copy.
+pub(super) fn eval_tensor(name: &str) -> String {
+    match InputRef::parse(name) {
+        Ok(InputRef::Data { node, index }) => InputRef::Data {
+            node: eval_name(&node),
+            index,
+        }
+        .to_string(),
+        _ => eval_name(name),
+    }
+}
+
+fn node(name: String, op: &str, inputs: Vec<String>, device: &str) -> NodeDef {
+    NodeDef {
+        name,
+        op: op.into(),
+        inputs,
+        device: device.to_string(),
+        colocate_with: vec![],
+        attrs: BTreeMap::new(),
+    }
+}
+
+fn constant(name: String, value: Tensor, device: &str) -> NodeDef {
+    let mut c = node(name, "Const", vec![], device);
+    c.attrs
+        .insert("value".into(), AttrValue::Tensor(Arc::new(value)));
+    c
+}
+
+/// The evaluation placeholder of feed `n`, on `device`.
+fn placeholder(n: &NodeDef, device: &str) -> NodeDef {
+    let mut p = n.clone();
+    p.name = eval_name(&n.name);
+    p.device = device.to_string();
+    p.colocate_with.clear();
+    p
+}
+
+/// The copy `eval/<op>` of batch op `n`, its data inputs mapped by `map` (`None`: kept).
+fn copy_of(
+    n: &NodeDef,
+    device: &str,
+    batch: &HashSet<&str>,
+    feeds: &[&str],
+    map: &mut dyn FnMut(&str, usize) -> Result<Option<String>, StrategyError>,
+) -> Result<NodeDef, StrategyError> {
+    let mut e = n.clone();
+    e.name = eval_name(&n.name);
+    e.device = device.to_string();
+    let mut inputs = Vec::with_capacity(n.inputs.len());
+    for i in &n.inputs {
+        let r = InputRef::parse(i).map_err(|message| PipelineError::Input {
+            node: n.name.clone(),
+            message,
+        })?;
+        inputs.push(match r {
+            InputRef::Data { node, index }
+                if feeds.contains(&node.as_str()) || batch.contains(node.as_str()) =>
+            {
+                match map(&node, index)? {
+                    Some(to) => to,
+                    None => InputRef::Data {
+                        node: eval_name(&node),
+                        index,
+                    }
+                    .to_string(),
+                }
+            }
+            InputRef::Control(node) if batch.contains(node.as_str()) => {
+                format!("^{}", eval_name(&node))
+            }
+            _ => i.clone(),
+        });
+    }
+    e.inputs = inputs;
+    e.colocate_with = n
+        .colocate_with
+        .iter()
+        .filter(|w| batch.contains(w.as_str()))
+        .map(|w| eval_name(w))
+        .collect();
+    Ok(e)
+}
+
+/// The evaluation on the first stage's worker, reading every stage's weights (the older
+/// evaluation; see the module docs).
+pub(super) fn joined(input: &EvalInput<'_>) -> Result<(Vec<NodeDef>, EvalNames), StrategyError> {
+    let chief = input.devices[0].as_str();
+    let feeds = [input.features, input.labels];
+    let mut nodes = Vec::new();
+    for n in input.graph.to_def().nodes {
+        if feeds.contains(&n.name.as_str()) {
+            nodes.push(placeholder(&n, chief));
+        } else if input.batch.contains(n.name.as_str()) {
+            nodes.push(copy_of(&n, chief, input.batch, &feeds, &mut |_, _| {
+                Ok(None)
+            })?);
+        }
+    }
+    let names = EvalNames {
+        features: eval_name(input.features),
+        labels: eval_name(input.labels),
+        loss: eval_tensor(&input.spec.loss),
+        metrics: input.spec.metrics.iter().map(|m| eval_tensor(m)).collect(),
+    };
+    Ok((nodes, names))
+}
+
+/// `def` with the features' and labels' batch dimension set to `rows` where it is unknown.
+fn at_rows(def: &GraphDef, feeds: &[&str], rows: usize) -> GraphDef {
+    let mut def = def.clone();
+    for n in def
+        .nodes
+        .iter_mut()
+        .filter(|n| feeds.contains(&n.name.as_str()))
+    {
+        if let Some(AttrValue::Shape(s)) = n.attrs.get_mut("shape") {
+            if let Some(dims) = s.dims() {
+                let mut dims = dims.to_vec();
+                if let Some(first @ None) = dims.first_mut() {
+                    *first = Some(rows);
+                }
+                *s = Shape::partial(dims);
+            }
+        }
+    }
+    def
+}
+
+/// How a tensor crosses from one stage to another.
+enum Crossing {
+    /// Its shape is static: as it is.
+    AsIs,
+    /// Its first dimension follows the batch: padded to this static shape.
+    Padded(Vec<usize>),
+}
+
+/// The evaluation on the stages (see the module docs); `None` when a crossing tensor has no
+/// static size at the global batch.
+fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, StrategyError> {
+    let g = input.graph;
+    let feeds = [input.features, input.labels];
+    let forward = g.to_def();
+    let Ok(at_b) = Graph::from_def(&at_rows(&forward, &feeds, input.rows)) else {
+        return Ok(None);
+    };
+    let device_index = |name: &str| -> Result<usize, StrategyError> {
+        if feeds.contains(&name) {
+            return Ok(0);
+        }
+        let i = g
+            .find(name)
+            .ok_or_else(|| PipelineError::Internal(name.to_string()))?;
+        Ok(input.shape.device_of(input.stages.stage[i.index()]))
+    };
+    let crossing = |name: &str, index: usize| -> Option<Crossing> {
+        let ty = |g: &Graph| -> Option<Shape> {
+            let i: NodeIndex = g.find(name)?;
+            Some(g.output_type(i, index)?.shape.clone())
+        };
+        let (shape, padded) = (ty(g)?, ty(&at_b)?);
+        if shape.as_static().is_some() {
+            return Some(Crossing::AsIs);
+        }
+        let dims = shape.dims()?;
+        let padded = padded.as_static()?;
+        (dims.len() == padded.len() && !dims.is_empty() && dims[1..].iter().all(Option::is_some))
+            .then_some(Crossing::Padded(padded))
+    };
+    let mut nodes: Vec<NodeDef> = Vec::new();
+    // Sender-side nodes made per tensor, receiver-side ones per (tensor, reading device).
+    let mut sent: HashMap<String, (String, String)> = HashMap::new();
+    let mut arrived: HashMap<(String, usize), String> = HashMap::new();
+    let mut unsendable = false;
+    for n in &forward.nodes {
+        if feeds.contains(&n.name.as_str()) {
+            nodes.push(placeholder(n, &input.devices[0]));
+            continue;
+        }
+        if !input.batch.contains(n.name.as_str()) {
+            continue;
+        }
+        let here = device_index(&n.name)?;
+        let mut extra: Vec<NodeDef> = Vec::new();
+        let mut route = |from: &str, index: usize| -> Result<Option<String>, StrategyError> {
+            let there = device_index(from)?;
+            if there == here {
+                return Ok(None);
+            }
+            let tensor = InputRef::Data {
+                node: eval_name(from),
+                index,
+            }
+            .to_string();
+            let padded = match crossing(from, index) {
+                Some(Crossing::AsIs) => return Ok(None),
+                Some(Crossing::Padded(dims)) => dims,
+                None => {
+                    unsendable = true;
+                    return Ok(None);
+                }
+            };
+            if let Some(name) = arrived.get(&(tensor.clone(), here)) {
+                return Ok(Some(name.clone()));
+            }
+            let base = format!("{SCOPE}/cross/{}", tensor.replace(':', "_"));
+            let (rows, padded_name) = match sent.get(&tensor) {
+                Some(s) => s.clone(),
+                None => {
+                    let dev = input.devices[there].as_str();
+                    let shape = format!("{base}/shape");
+                    let mut s = node(shape.clone(), "Shape", vec![tensor.clone()], dev);
+                    s.attrs
+                        .insert("out_type".into(), AttrValue::DType(DType::I32));
+                    extra.push(s);
+                    let first = format!("{base}/first");
+                    extra.push(constant(first.clone(), Tensor::scalar(0i32), dev));
+                    let rows = format!("{base}/rows");
+                    extra.push(node(rows.clone(), "Gather", vec![shape, first], dev));
+                    let r = padded[0];
+                    let slots: Vec<i32> = (0..r)
+                        .map(|k| i32::try_from(k).map_err(|_| PipelineError::Internal(base.clone())))
+                        .collect::<Result<_, _>>()?;
+                    let slots_name = format!("{base}/slots");
+                    extra.push(constant(
+                        slots_name.clone(),
+                        Tensor::from_slice(&[r], &slots)
+                            .map_err(|e| PipelineError::Internal(format!("{base}: {e}")))?,
+                        dev,
+                    ));
+                    let index = format!("{base}/index");
+                    extra.push(node(
+                        index.clone(),
+                        "FloorMod",
+                        vec![slots_name, rows.clone()],
+                        dev,
+                    ));
+                    let padded_name = format!("{base}/padded");
+                    extra.push(node(
+                        padded_name.clone(),
+                        "Gather",
+                        vec![tensor.clone(), index],
+                        dev,
+                    ));
+                    sent.insert(tensor.clone(), (rows.clone(), padded_name.clone()));
+                    (rows, padded_name)
+                }
+            };
+            let dev = input.devices[here].as_str();
+            let at = format!("{base}/at_stage{here}");
+            let (zero, one, keep) = (
+                format!("{at}/zero"),
+                format!("{at}/one"),
+                format!("{at}/keep"),
+            );
+            extra.push(constant(zero.clone(), Tensor::scalar(0i32), dev));
+            extra.push(constant(one.clone(), Tensor::scalar(1i32), dev));
+            extra.push(node(keep.clone(), "Range", vec![zero, rows, one], dev));
+            extra.push(node(at.clone(), "Gather", vec![padded_name, keep], dev));
+            arrived.insert((tensor, here), at.clone());
+            Ok(Some(at))
+        };
+        let copy = copy_of(n, &input.devices[here], input.batch, &feeds, &mut route)?;
+        nodes.push(copy);
+        nodes.extend(extra);
+    }
+    if unsendable {
+        return Ok(None);
+    }
+    // The loss and metrics, on the last stage, go to the chief, where the executor fetches them.
+    let chief = input.devices[0].as_str();
+    let mut fetch = |what: &str, name: &str| -> Result<Option<String>, StrategyError> {
+        let copied = eval_tensor(name);
+        let Ok(InputRef::Data { node: n, index }) = InputRef::parse(name) else {
+            return Ok(Some(copied));
+        };
+        if !input.batch.contains(n.as_str()) || device_index(&n)? == 0 {
+            return Ok(Some(copied));
+        }
+        if !matches!(crossing(&n, index), Some(Crossing::AsIs)) {
+            return Ok(None);
+        }
+        let to = format!("{SCOPE}/fetch/{what}");
+        nodes.push(node(to.clone(), "Identity", vec![copied], chief));
+        Ok(Some(to))
+    };
+    let Some(loss) = fetch("loss", &input.spec.loss)? else {
+        return Ok(None);
+    };
+    let mut metrics = Vec::with_capacity(input.spec.metrics.len());
+    for (k, m) in input.spec.metrics.iter().enumerate() {
+        let Some(name) = fetch(&format!("metric{k}"), m)? else {
+            return Ok(None);
+        };
+        metrics.push(name);
+    }
+    let names = EvalNames {
+        features: eval_name(input.features),
+        labels: eval_name(input.labels),
+        loss,
+        metrics,
+    };
+    Ok(Some((nodes, names)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::schedule::ScheduleKind;
+    use super::super::Pipeline;
+    use crate::job::{task_name, JobPlan};
+    use crate::strategy::{JobInput, Strategy};
+    use dflow_graph::layers::{gpt, GptConfig};
+    use dflow_graph::{AttrValue, ClusterSpec, Graph, Shape};
+    use std::collections::BTreeSet;
+
+    /// A small GPT (4-token windows, 8 channels) whose placeholders take any batch.
+    fn model(tie_weights: bool) -> (Graph, dflow_graph::train::TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            tie_weights,
+            ..GptConfig::default()
+        };
+        let mut m = gpt(&cfg).unwrap();
+        let spec = m.def.train.clone().unwrap();
+        for n in &mut m.def.nodes {
+            if n.op == "Placeholder" {
+                n.attrs.insert(
+                    "shape".into(),
+                    AttrValue::Shape(Shape::partial(vec![None, Some(4)])),
+                );
+            }
+        }
+        (Graph::from_def(&m.def).unwrap(), spec)
+    }
+
+    /// The plan of `model(tie_weights)` on `workers` workers, 2 balanced stages, a global
+    /// batch of 4 in 2 micro-batches.
+    fn plan(tie_weights: bool, workers: u32) -> (Graph, JobPlan) {
+        let (graph, spec) = model(tie_weights);
+        let cluster = ClusterSpec::local(&[("worker", workers)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = Pipeline {
+            stages: Some(2),
+            micro_batches: 2,
+            schedule: ScheduleKind::OneFOneB,
+            chunks: 1,
+            batch_size: Some(4),
+        }
+        .plan(&input)
+        .unwrap();
+        (graph, plan)
+    }
+
+    /// The evaluation signature's pairs between tasks: (tensor, bytes).
+    fn crossing(plan: &JobPlan) -> Vec<(String, Option<usize>)> {
+        plan.eval_signature()
+            .unwrap()
+            .partitions
+            .pairs
+            .iter()
+            .filter(|p| !p.client_terminated && !p.is_control)
+            .map(|p| (p.tensor_name.to_string(), p.bytes))
+            .collect()
+    }
+
+    #[test]
+    fn evaluation_runs_on_each_stage_and_sends_activations_only() {
+        // dp2×pp2: replica 0's stages are workers 0 and 2.
+        let (graph, plan) = plan(false, 4);
+        let eval = plan.eval_signature().unwrap();
+        let tasks: Vec<String> = eval.tasks().unwrap().into_iter().collect();
+        assert_eq!(tasks, [task_name("worker", 0), task_name("worker", 2)]);
+        // The chief feeds the batch and fetches the loss.
+        assert!(eval.feeds.iter().all(|f| f.task == task_name("worker", 0)));
+        assert_eq!(eval.fetch_task.as_deref(), Some(&*task_name("worker", 0)));
+        assert_eq!(eval.fetches, ["eval/pipeline/fetch/loss:0"]);
+        // Each stage evaluates with its own weights: every variable the evaluation reads is
+        // in the partition of the task that holds it, and none crosses.
+        let variables: BTreeSet<&str> = graph
+            .node_indices()
+            .map(|i| graph.node(i))
+            .filter(|n| n.op_def().is_variable)
+            .map(|n| n.name.as_str())
+            .collect();
+        let cross = crossing(&plan);
+        let weights: Vec<_> = cross
+            .iter()
+            .filter(|(t, _)| variables.contains(t.split(':').next().unwrap()))
+            .collect();
+        assert!(weights.is_empty(), "weights cross: {weights:?}");
+        // What crosses is the evaluation's own: stage 0's residual stream (4 rows × 4 tokens
+        // × 8 channels, padded to the global batch) and its rows, the labels (4 × 4 ids) and
+        // their rows to the last stage, and the loss back to the chief.
+        assert!(
+            cross
+                .iter()
+                .all(|(t, _)| t.starts_with("eval/pipeline/cross/") || t == "eval/loss:0"),
+            "{cross:?}"
+        );
+        let padded: Vec<_> = cross
+            .iter()
+            .filter(|(t, _)| t.ends_with("/padded:0"))
+            .collect();
+        assert!(!padded.is_empty(), "{cross:?}");
+        assert!(
+            padded
+                .iter()
+                .any(|(t, b)| t.contains("eval/targets") && *b == Some(4 * 4 * 8)),
+            "{padded:?}"
+        );
+        assert!(
+            padded
+                .iter()
+                .any(|(t, b)| !t.contains("eval/targets") && *b == Some(4 * 4 * 8 * 4)),
+            "{padded:?}"
+        );
+        assert_eq!(
+            cross.iter().filter(|(t, _)| t.ends_with("/rows:0")).count(),
+            padded.len()
+        );
+        assert!(cross.contains(&("eval/loss:0".to_string(), Some(4))));
+        // Every weight read by an evaluation op is on that op's device.
+        for part in eval.partitions.partitions.values() {
+            let def = part.graph.to_def();
+            let here: BTreeSet<&str> = def.nodes.iter().map(|n| n.name.as_str()).collect();
+            for n in def.nodes.iter().filter(|n| n.name.starts_with("eval/")) {
+                for i in &n.inputs {
+                    let src = i.trim_start_matches('^').split(':').next().unwrap();
+                    if variables.contains(src) {
+                        assert!(here.contains(src), "{} reads {src} from elsewhere", n.name);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_tied_embedding_is_the_only_weight_the_evaluation_sends_as_training_does() {
+        // The head on the last stage reads the first stage's `wte`: it crosses once per
+        // evaluation batch, as once per training step; nothing else.
+        let (graph, plan) = plan(true, 2);
+        let variables: BTreeSet<&str> = graph
+            .node_indices()
+            .map(|i| graph.node(i))
+            .filter(|n| n.op_def().is_variable)
+            .map(|n| n.name.as_str())
+            .collect();
+        let weights: Vec<String> = crossing(&plan)
+            .into_iter()
+            .map(|(t, _)| t)
+            .filter(|t| variables.contains(t.split(':').next().unwrap()))
+            .collect();
+        assert_eq!(weights.len(), 1, "{weights:?}");
+        let train: BTreeSet<String> = plan
+            .train_signatures()
+            .flat_map(|s| s.partitions.pairs.iter())
+            .map(|p| p.tensor_name.to_string())
+            .collect();
+        assert!(train.contains(&weights[0]), "{weights:?}");
+    }
+
+    #[test]
+    fn one_stage_per_worker_evaluates_in_the_one_process_graph_too() {
+        // The single-replica graph (what `--local` runs in one process) has the same
+        // evaluation: placeholders of any batch on the chief, copies on their stages.
+        let (graph, spec) = model(false);
+        let cluster = ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let pipeline = Pipeline {
+            stages: Some(2),
+            micro_batches: 2,
+            schedule: ScheduleKind::GPipe,
+            chunks: 1,
+            batch_size: Some(4),
+        };
+        let (g, _) = pipeline.training_graph(&input).unwrap();
+        let nodes = &g.training.def.nodes;
+        let find = |name: &str| nodes.iter().find(|n| n.name == name).unwrap();
+        let worker = super::super::worker_device;
+        assert_eq!(find("eval/idx").device, worker(0));
+        assert_eq!(find("eval/targets").device, worker(0));
+        assert_eq!(
+            find("eval/idx").attrs.get("shape"),
+            Some(&AttrValue::Shape(Shape::partial(vec![None, Some(4)])))
+        );
+        let devices: BTreeSet<&str> = nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+            .map(|n| n.device.as_str())
+            .collect();
+        assert_eq!(devices.len(), 2, "{devices:?}");
+        assert_eq!(g.eval.loss, "eval/pipeline/fetch/loss");
+        assert_eq!(find("eval/pipeline/fetch/loss").device, worker(0));
+    }
+}
