@@ -182,12 +182,13 @@ fn run_local(args: &[&str]) -> String {
 fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
     // The evaluation is a forward pass through the stages (each on its own weights; see
     // `partitioner::strategy::pipeline::eval`): the one-process validation loss after 3 steps,
-    // as printed, under 2 stages and under dp2×pp2 (plain and ZeRO-1).
+    // as printed, under 2 stages and under dp2×pp2 (plain, ZeRO-1, and ZeRO-3, whose
+    // evaluation joins each stage's replicas' shards on that stage's worker).
     let dir = scratch("pipeline-eval-gpt");
     let graph = small_gpt(&dir, 2);
     let (one_losses, one) = run_text_local(&graph, &[], 3, &dir.join("ckpt-one"));
     assert!(one.starts_with("validation loss: "), "{one}");
-    let layouts: [&[&str]; 3] = [
+    let layouts: [&[&str]; 4] = [
         &[
             "--cluster",
             "examples/gpt/cluster-2workers.json",
@@ -215,6 +216,16 @@ fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
             "2",
             "--zero-stage",
             "1",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-4workers.json",
+            "--mesh",
+            "dp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--zero-stage",
+            "3",
         ],
     ];
     for (k, layout) in layouts.iter().enumerate() {
