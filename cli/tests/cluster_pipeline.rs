@@ -254,7 +254,10 @@ fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
         "0",
         "--quiet",
     ]);
-    assert!(off.contains("no validation loss (--eval-batches 0)"), "{off}");
+    assert!(
+        off.contains("no validation loss (--eval-batches 0)"),
+        "{off}"
+    );
 }
 
 #[test]

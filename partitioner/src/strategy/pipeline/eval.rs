@@ -117,13 +117,17 @@ fn placeholder(n: &NodeDef, device: &str) -> NodeDef {
     p
 }
 
+/// Where a copy reads output `index` of batch op (or placeholder) `node`: `Some(tensor)`, or
+/// `None` for its own evaluation copy `eval/<node>:<index>`.
+type MapInput<'a> = dyn FnMut(&str, usize) -> Result<Option<String>, StrategyError> + 'a;
+
 /// The copy `eval/<op>` of batch op `n`, its data inputs mapped by `map` (`None`: kept).
 fn copy_of(
     n: &NodeDef,
     device: &str,
     batch: &HashSet<&str>,
     feeds: &[&str],
-    map: &mut dyn FnMut(&str, usize) -> Result<Option<String>, StrategyError>,
+    map: &mut MapInput<'_>,
 ) -> Result<NodeDef, StrategyError> {
     let mut e = n.clone();
     e.name = eval_name(&n.name);
@@ -300,7 +304,9 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
                     extra.push(node(rows.clone(), "Gather", vec![shape, first], dev));
                     let r = padded[0];
                     let slots: Vec<i32> = (0..r)
-                        .map(|k| i32::try_from(k).map_err(|_| PipelineError::Internal(base.clone())))
+                        .map(|k| {
+                            i32::try_from(k).map_err(|_| PipelineError::Internal(base.clone()))
+                        })
                         .collect::<Result<_, _>>()?;
                     let slots_name = format!("{base}/slots");
                     extra.push(constant(
