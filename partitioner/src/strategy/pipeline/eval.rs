@@ -118,19 +118,31 @@ fn placeholder(n: &NodeDef, device: &str) -> NodeDef {
 }
 
 /// Where a copy reads output `index` of batch op (or placeholder) `node`: `Some(tensor)`, or
-/// `None` for its own evaluation copy `eval/<node>:<index>`.
+/// `None` for its own evaluation copy.
 type MapInput<'a> = dyn FnMut(&str, usize) -> Result<Option<String>, StrategyError> + 'a;
 
-/// The copy `eval/<op>` of batch op `n`, its data inputs mapped by `map` (`None`: kept).
+/// The name of `name`'s evaluation copy under `prefix` (`eval`, `eval/tp1`): the placeholders'
+/// are `eval/<name>` whatever the prefix (one batch, fed once).
+fn copy_name(prefix: &str, feeds: &[&str], name: &str) -> String {
+    if feeds.contains(&name) {
+        eval_name(name)
+    } else {
+        format!("{prefix}/{name}")
+    }
+}
+
+/// The copy `<prefix>/<op>` of batch op `n`, its data inputs mapped by `map` (`None`: the
+/// input's own copy).
 fn copy_of(
     n: &NodeDef,
     device: &str,
+    prefix: &str,
     batch: &HashSet<&str>,
     feeds: &[&str],
     map: &mut MapInput<'_>,
 ) -> Result<NodeDef, StrategyError> {
     let mut e = n.clone();
-    e.name = eval_name(&n.name);
+    e.name = copy_name(prefix, feeds, &n.name);
     e.device = device.to_string();
     let mut inputs = Vec::with_capacity(n.inputs.len());
     for i in &n.inputs {
@@ -145,14 +157,14 @@ fn copy_of(
                 match map(&node, index)? {
                     Some(to) => to,
                     None => InputRef::Data {
-                        node: eval_name(&node),
+                        node: copy_name(prefix, feeds, &node),
                         index,
                     }
                     .to_string(),
                 }
             }
             InputRef::Control(node) if batch.contains(node.as_str()) => {
-                format!("^{}", eval_name(&node))
+                format!("^{}", copy_name(prefix, feeds, &node))
             }
             _ => i.clone(),
         });
@@ -162,7 +174,7 @@ fn copy_of(
         .colocate_with
         .iter()
         .filter(|w| batch.contains(w.as_str()))
-        .map(|w| eval_name(w))
+        .map(|w| copy_name(prefix, feeds, w))
         .collect();
     Ok(e)
 }
@@ -177,9 +189,14 @@ pub(super) fn joined(input: &EvalInput<'_>) -> Result<(Vec<NodeDef>, EvalNames),
         if feeds.contains(&n.name.as_str()) {
             nodes.push(placeholder(&n, chief));
         } else if input.batch.contains(n.name.as_str()) {
-            nodes.push(copy_of(&n, chief, input.batch, &feeds, &mut |_, _| {
-                Ok(None)
-            })?);
+            nodes.push(copy_of(
+                &n,
+                chief,
+                "eval",
+                input.batch,
+                &feeds,
+                &mut |_, _| Ok(None),
+            )?);
         }
     }
     let names = EvalNames {
@@ -220,24 +237,69 @@ enum Crossing {
     Padded(Vec<usize>),
 }
 
-/// The evaluation on the stages (see the module docs); `None` when a crossing tensor has no
-/// static size at the global batch.
-fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, StrategyError> {
-    let g = input.graph;
-    let feeds = [input.features, input.labels];
+/// One forward graph cut into stages (a plain pipeline's, or one tensor-parallel rank's) whose
+/// evaluation copy [`stage_copy`] makes.
+pub(crate) struct StageCopy<'a> {
+    /// The forward graph.
+    pub graph: &'a Graph,
+    /// The stage of every op of `graph`.
+    pub stages: &'a StageMap,
+    /// Stages, micro-batches, chunks.
+    pub shape: PipelineShape,
+    /// The device of each of this copy's pipeline stages.
+    pub devices: &'a [String],
+    /// The chief's device, where the placeholders are fed.
+    pub chief: &'a str,
+    /// The copies' name prefix: `eval`, or `eval/tp{t}` for tensor-parallel rank `t > 0`.
+    pub prefix: &'a str,
+    /// The features placeholder.
+    pub features: &'a str,
+    /// The labels placeholder.
+    pub labels: &'a str,
+    /// Whether to add the placeholders `eval/<features>` and `eval/<labels>` (once per job).
+    pub placeholders: bool,
+    /// Rows of a whole held-out batch (the global batch size).
+    pub rows: usize,
+}
+
+/// What [`stage_copy`] made.
+pub(crate) struct Copied {
+    /// The nodes to add: the copies, the crossings, the placeholders if asked.
+    pub nodes: Vec<NodeDef>,
+    /// The copy of each batch op, by its forward name.
+    pub names: HashMap<String, String>,
+    /// The pipeline device (index into [`StageCopy::devices`]) of each copy, by the copy's name.
+    pub device: HashMap<String, usize>,
+}
+
+/// The evaluation copy of `c.graph` on its stages (see the module docs): every batch op's copy
+/// on its stage's device, reading the weights there, and every tensor one device makes and
+/// another reads sent across (padded where its first dimension follows the batch). `None`
+/// when a crossing tensor has no static size at the global batch.
+pub(crate) fn stage_copy(c: &StageCopy<'_>) -> Result<Option<Copied>, StrategyError> {
+    let g = c.graph;
+    let feeds = [c.features, c.labels];
+    let batch: HashSet<&str> = g
+        .node_indices()
+        .filter(|i| c.stages.batch_op[i.index()])
+        .map(|i| g.node(i).name.as_str())
+        .filter(|n| !feeds.contains(n))
+        .collect();
     let forward = g.to_def();
-    let Ok(at_b) = Graph::from_def(&at_rows(&forward, &feeds, input.rows)) else {
+    let Ok(at_b) = Graph::from_def(&at_rows(&forward, &feeds, c.rows)) else {
         return Ok(None);
     };
-    let device_index = |name: &str| -> Result<usize, StrategyError> {
+    // The pipeline device of a node (`None`: the chief, for the placeholders).
+    let device_index = |name: &str| -> Result<Option<usize>, StrategyError> {
         if feeds.contains(&name) {
-            return Ok(0);
+            return Ok(None);
         }
         let i = g
             .find(name)
             .ok_or_else(|| PipelineError::Internal(name.to_string()))?;
-        Ok(input.shape.device_of(input.stages.stage[i.index()]))
+        Ok(Some(c.shape.device_of(c.stages.stage[i.index()])))
     };
+    let device_name = |d: Option<usize>| d.map_or(c.chief, |d| c.devices[d].as_str());
     let crossing = |name: &str, index: usize| -> Option<Crossing> {
         let ty = |g: &Graph| -> Option<Shape> {
             let i: NodeIndex = g.find(name)?;
@@ -252,28 +314,34 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
         (dims.len() == padded.len() && !dims.is_empty() && dims[1..].iter().all(Option::is_some))
             .then_some(Crossing::Padded(padded))
     };
-    let mut nodes: Vec<NodeDef> = Vec::new();
+    let mut copied = Copied {
+        nodes: Vec::new(),
+        names: HashMap::new(),
+        device: HashMap::new(),
+    };
     // Sender-side nodes made per tensor, receiver-side ones per (tensor, reading device).
     let mut sent: HashMap<String, (String, String)> = HashMap::new();
     let mut arrived: HashMap<(String, usize), String> = HashMap::new();
     let mut unsendable = false;
     for n in &forward.nodes {
         if feeds.contains(&n.name.as_str()) {
-            nodes.push(placeholder(n, &input.devices[0]));
+            if c.placeholders {
+                copied.nodes.push(placeholder(n, c.chief));
+            }
             continue;
         }
-        if !input.batch.contains(n.name.as_str()) {
+        if !batch.contains(n.name.as_str()) {
             continue;
         }
-        let here = device_index(&n.name)?;
+        let here = device_index(&n.name)?.ok_or_else(|| PipelineError::Internal(n.name.clone()))?;
         let mut extra: Vec<NodeDef> = Vec::new();
         let mut route = |from: &str, index: usize| -> Result<Option<String>, StrategyError> {
             let there = device_index(from)?;
-            if there == here {
+            if device_name(there) == c.devices[here] {
                 return Ok(None);
             }
             let tensor = InputRef::Data {
-                node: eval_name(from),
+                node: copy_name(c.prefix, &feeds, from),
                 index,
             }
             .to_string();
@@ -292,7 +360,7 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
             let (rows, padded_name) = match sent.get(&tensor) {
                 Some(s) => s.clone(),
                 None => {
-                    let dev = input.devices[there].as_str();
+                    let dev = device_name(there);
                     let shape = format!("{base}/shape");
                     let mut s = node(shape.clone(), "Shape", vec![tensor.clone()], dev);
                     s.attrs
@@ -333,7 +401,7 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
                     (rows, padded_name)
                 }
             };
-            let dev = input.devices[here].as_str();
+            let dev = c.devices[here].as_str();
             let at = format!("{base}/at_stage{here}");
             let (zero, one, keep) = (
                 format!("{at}/zero"),
@@ -347,40 +415,54 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
             arrived.insert((tensor, here), at.clone());
             Ok(Some(at))
         };
-        let copy = copy_of(n, &input.devices[here], input.batch, &feeds, &mut route)?;
-        nodes.push(copy);
-        nodes.extend(extra);
+        let copy = copy_of(n, &c.devices[here], c.prefix, &batch, &feeds, &mut route)?;
+        copied.names.insert(n.name.clone(), copy.name.clone());
+        copied.device.insert(copy.name.clone(), here);
+        copied.nodes.push(copy);
+        copied.nodes.extend(extra);
     }
-    if unsendable {
-        return Ok(None);
-    }
-    // The loss and metrics, on the last stage, go to the chief, where the executor fetches them.
+    Ok((!unsendable).then_some(copied))
+}
+
+/// The plain pipeline's evaluation on its stages (see the module docs); `None` when a crossing
+/// tensor has no static size at the global batch.
+fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, StrategyError> {
     let chief = input.devices[0].as_str();
-    let mut fetch = |what: &str, name: &str| -> Result<Option<String>, StrategyError> {
-        let copied = eval_tensor(name);
-        let Ok(InputRef::Data { node: n, index }) = InputRef::parse(name) else {
-            return Ok(Some(copied));
-        };
-        if !input.batch.contains(n.as_str()) || device_index(&n)? == 0 {
-            return Ok(Some(copied));
-        }
-        if !matches!(crossing(&n, index), Some(Crossing::AsIs)) {
-            return Ok(None);
-        }
-        let to = format!("{SCOPE}/fetch/{what}");
-        nodes.push(node(to.clone(), "Identity", vec![copied], chief));
-        Ok(Some(to))
-    };
-    let Some(loss) = fetch("loss", &input.spec.loss)? else {
+    let Some(copied) = stage_copy(&StageCopy {
+        graph: input.graph,
+        stages: input.stages,
+        shape: input.shape,
+        devices: input.devices,
+        chief,
+        prefix: "eval",
+        features: input.features,
+        labels: input.labels,
+        placeholders: true,
+        rows: input.rows,
+    })?
+    else {
         return Ok(None);
     };
-    let mut metrics = Vec::with_capacity(input.spec.metrics.len());
-    for (k, m) in input.spec.metrics.iter().enumerate() {
-        let Some(name) = fetch(&format!("metric{k}"), m)? else {
-            return Ok(None);
+    let mut nodes = copied.nodes;
+    // The loss and metrics, on the last stage, go to the chief, where the executor fetches them.
+    let mut fetch = |what: &str, name: &str| -> String {
+        let copy = eval_tensor(name);
+        let Ok(InputRef::Data { node: n, .. }) = InputRef::parse(&copy) else {
+            return copy;
         };
-        metrics.push(name);
-    }
+        match copied.device.get(&n) {
+            Some(&d) if input.devices[d] != chief => {
+                let to = format!("{SCOPE}/fetch/{what}");
+                nodes.push(node(to.clone(), "Identity", vec![copy], chief));
+                to
+            }
+            _ => copy,
+        }
+    };
+    let loss = fetch("loss", &input.spec.loss);
+    let metrics = (input.spec.metrics.iter().enumerate())
+        .map(|(k, m)| fetch(&format!("metric{k}"), m))
+        .collect();
     let names = EvalNames {
         features: eval_name(input.features),
         labels: eval_name(input.labels),
