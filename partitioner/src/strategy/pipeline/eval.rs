@@ -258,6 +258,10 @@ pub(crate) struct StageCopy<'a> {
     pub labels: &'a str,
     /// Whether to add the placeholders `eval/<features>` and `eval/<labels>` (once per job).
     pub placeholders: bool,
+    /// Whether to copy the ops that do not read the batch too (constants, ops on weights):
+    /// for a tensor-parallel rank `t > 0`, whose graph shares their names with rank 0's but
+    /// not always their inputs (its shards).
+    pub copy_shared: bool,
     /// Rows of a whole held-out batch (the global batch size).
     pub rows: usize,
 }
@@ -279,12 +283,22 @@ pub(crate) struct Copied {
 pub(crate) fn stage_copy(c: &StageCopy<'_>) -> Result<Option<Copied>, StrategyError> {
     let g = c.graph;
     let feeds = [c.features, c.labels];
+    // The ops copied: the batch ops, and with `copy_shared` every other op but the
+    // variables.
     let batch: HashSet<&str> = g
         .node_indices()
-        .filter(|i| c.stages.batch_op[i.index()])
+        .filter(|i| {
+            let n = g.node(*i);
+            c.stages.batch_op[i.index()]
+                || (c.copy_shared && !n.op_def().is_variable && n.op != "Placeholder")
+        })
         .map(|i| g.node(i).name.as_str())
         .filter(|n| !feeds.contains(n))
         .collect();
+    let scope = match c.prefix.strip_prefix("eval/") {
+        Some(rank) => format!("{SCOPE}/{rank}"),
+        None => SCOPE.to_string(),
+    };
     let forward = g.to_def();
     let Ok(at_b) = Graph::from_def(&at_rows(&forward, &feeds, c.rows)) else {
         return Ok(None);
@@ -356,7 +370,7 @@ pub(crate) fn stage_copy(c: &StageCopy<'_>) -> Result<Option<Copied>, StrategyEr
             if let Some(name) = arrived.get(&(tensor.clone(), here)) {
                 return Ok(Some(name.clone()));
             }
-            let base = format!("{SCOPE}/cross/{}", tensor.replace(':', "_"));
+            let base = format!("{scope}/cross/{}", tensor.replace(':', "_"));
             let (rows, padded_name) = match sent.get(&tensor) {
                 Some(s) => s.clone(),
                 None => {
@@ -438,6 +452,7 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
         features: input.features,
         labels: input.labels,
         placeholders: true,
+        copy_shared: false,
         rows: input.rows,
     })?
     else {
@@ -470,6 +485,200 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
         metrics,
     };
     Ok(Some((nodes, names)))
+}
+
+/// One tensor-parallel rank of replica 0 of a `dp × tp × pp` job, for
+/// [`add_sharded_stage_eval`].
+pub(crate) struct RankStages<'a> {
+    /// The rank's forward graph (its shards in place of the sharded weights).
+    pub graph: &'a Graph,
+    /// Its cut into stages.
+    pub stages: &'a StageMap,
+    /// The device of each of the rank's pipeline stages.
+    pub devices: Vec<String>,
+    /// The tensor-parallel collective group of each of those devices.
+    pub groups: Vec<String>,
+    /// The rank's own variables (its shards), added to the evaluation where they live.
+    pub own: HashSet<String>,
+    /// Where the rank's training graph put each variable.
+    pub variable_device: &'a HashMap<String, String>,
+}
+
+/// Points `g0`'s evaluation (the graph of rank 0 of replica 0) at one forward pass of the
+/// held-out batch through the stages of every tensor-parallel rank of replica 0: rank `t`'s
+/// copy (`eval/...` for rank 0, `eval/tp{t}/...`) [`stage_copy`]'s, each op on the rank's
+/// stage device reading the rank's shards there, its collectives in the stage's
+/// tensor-parallel group at instance keys from `instance_base` (beyond every training key),
+/// chained per device in the rank's forward order (the same on every rank). Worker 0 is fed
+/// the batch and sends it to the other ranks' first stages (and the labels to every rank's last
+/// stage); the replicated weights (layer norms, biases, a few KB) of ranks `t > 0` are read
+/// from rank 0's copies on the same stage. Rank 0's loss goes to worker 0, after every other
+/// rank's (control edges), so the step runs every rank's collectives. Returns `false`,
+/// changing nothing, when a crossing tensor has no static size at the global batch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn add_sharded_stage_eval(
+    g0: &mut crate::strategy::ReplicaGraph,
+    ranks: &[RankStages<'_>],
+    shape: PipelineShape,
+    spec: &TrainSpec,
+    features: &str,
+    labels: &str,
+    rows: usize,
+    instance_base: i64,
+) -> Result<bool, StrategyError> {
+    let Some(chief) = ranks.first().and_then(|r| r.devices.first()).cloned() else {
+        return Ok(false);
+    };
+    let mut added: Vec<NodeDef> = Vec::new();
+    let mut losses: Vec<String> = Vec::new();
+    let mut rank0: HashMap<String, String> = HashMap::new();
+    let fetched: Vec<&str> = std::iter::once(spec.loss.as_str())
+        .chain(spec.metrics.iter().map(String::as_str))
+        .collect();
+    for (t, rank) in ranks.iter().enumerate() {
+        let prefix = if t == 0 {
+            "eval".to_string()
+        } else {
+            format!("eval/tp{t}")
+        };
+        let Some(mut copied) = stage_copy(&StageCopy {
+            graph: rank.graph,
+            stages: rank.stages,
+            shape,
+            devices: &rank.devices,
+            chief: &chief,
+            prefix: &prefix,
+            features,
+            labels,
+            placeholders: t == 0,
+            copy_shared: t > 0,
+            rows,
+        })?
+        else {
+            return Ok(false);
+        };
+        // The rank's collectives: into its stage's group, at keys of the evaluation's own.
+        for n in copied
+            .nodes
+            .iter_mut()
+            .filter(|n| n.op.starts_with("Collective"))
+        {
+            let d = *copied
+                .device
+                .get(&n.name)
+                .ok_or_else(|| PipelineError::Internal(n.name.clone()))?;
+            let group = rank
+                .groups
+                .get(d)
+                .ok_or_else(|| PipelineError::Internal(n.name.clone()))?;
+            n.attrs
+                .insert("group_key".into(), AttrValue::String(group.as_str().into()));
+            match n.attrs.get_mut("instance_key") {
+                Some(AttrValue::Int(k)) => *k += instance_base,
+                _ => {
+                    return Err(
+                        PipelineError::Internal(format!("{} has no instance_key", n.name)).into(),
+                    )
+                }
+            }
+        }
+        // ... chained per device in the rank's forward order.
+        let mut last: HashMap<usize, String> = HashMap::new();
+        let mut waits: Vec<(String, String)> = Vec::new();
+        for i in rank.graph.topo_order() {
+            let n = rank.graph.node(i);
+            if !n.op.starts_with("Collective") || n.op == "CollectiveTpCopy" {
+                continue;
+            }
+            let Some(copy) = copied.names.get(&n.name) else {
+                continue;
+            };
+            let d = copied.device[copy];
+            if let Some(before) = last.insert(d, copy.clone()) {
+                waits.push((copy.clone(), before));
+            }
+        }
+        for (after, before) in waits {
+            if let Some(n) = copied.nodes.iter_mut().find(|n| n.name == after) {
+                n.inputs.push(format!("^{before}"));
+            }
+        }
+        // Rank 0's loss and metrics are fetched; every other rank's loss is waited for.
+        for f in &fetched {
+            let Ok(InputRef::Data { node: n, index }) = InputRef::parse(f) else {
+                return Ok(false);
+            };
+            let Some(copy) = copied.names.get(&n) else {
+                return Ok(false);
+            };
+            if t == 0 {
+                rank0.insert(f.to_string(), format!("{copy}:{index}"));
+            } else if *f == spec.loss {
+                losses.push(format!("^{copy}"));
+            }
+        }
+        // Rank t's own shards, where its training graph holds them.
+        if t > 0 {
+            let def = rank.graph.to_def();
+            for i in rank.graph.node_indices() {
+                let n = rank.graph.node(i);
+                if n.op != "Variable" || !rank.own.contains(&n.name) {
+                    continue;
+                }
+                let device = rank.variable_device.get(&n.name).ok_or_else(|| {
+                    PipelineError::Internal(format!("no device for `{}`", n.name))
+                })?;
+                let mut v = def
+                    .nodes
+                    .iter()
+                    .find(|x| x.name == n.name)
+                    .cloned()
+                    .ok_or_else(|| PipelineError::Internal(n.name.clone()))?;
+                v.device = device.clone();
+                v.colocate_with.clear();
+                added.push(v);
+            }
+        }
+        added.extend(copied.nodes);
+    }
+    let mut fetch = |what: &str, name: &str, waits: Vec<String>| -> Result<String, StrategyError> {
+        let tensor = rank0
+            .get(name)
+            .cloned()
+            .ok_or_else(|| PipelineError::Internal(name.to_string()))?;
+        let to = format!("{SCOPE}/fetch/{what}");
+        let mut inputs = vec![tensor];
+        inputs.extend(waits);
+        added.push(node(to.clone(), "Identity", inputs, &chief));
+        Ok(to)
+    };
+    let loss = fetch("loss", &spec.loss, losses)?;
+    let mut metrics = Vec::with_capacity(spec.metrics.len());
+    for (k, m) in spec.metrics.iter().enumerate() {
+        metrics.push(fetch(&format!("metric{k}"), m, Vec::new())?);
+    }
+    let taken: HashSet<&str> = g0
+        .training
+        .def
+        .nodes
+        .iter()
+        .map(|n| n.name.as_str())
+        .collect();
+    if let Some(clash) = added.iter().find(|n| taken.contains(n.name.as_str())) {
+        return Err(StrategyError::NameTaken {
+            node: clash.name.clone(),
+            name: clash.name.clone(),
+        });
+    }
+    g0.training.def.nodes.extend(added);
+    g0.graph = Graph::from_def(&g0.training.def).map_err(StrategyError::InvalidGraph)?;
+    g0.eval = EvalNames {
+        features: eval_name(features),
+        labels: eval_name(labels),
+        loss,
+        metrics,
+    };
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -664,5 +873,108 @@ mod tests {
         assert_eq!(devices.len(), 2, "{devices:?}");
         assert_eq!(g.eval.loss, "eval/pipeline/fetch/loss");
         assert_eq!(find("eval/pipeline/fetch/loss").device, worker(0));
+    }
+
+    #[test]
+    fn under_dp2_tp2_pp2_each_rank_of_replica_0_evaluates_its_stages_on_its_shards() {
+        // Megatron-core's order at d = t = p = 2: replica 0 is workers 0, 1 (stage 0) and 4, 5
+        // (stage 1).
+        let (graph, spec) = model(false);
+        let cluster = ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let tensor = |zero_stage| crate::strategy::tensor::TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(8),
+            pipeline: Some(Pipeline {
+                stages: Some(2),
+                micro_batches: 2,
+                schedule: ScheduleKind::OneFOneB,
+                chunks: 1,
+                batch_size: Some(8),
+            }),
+            zero_stage,
+        };
+        for zero_stage in [None, Some(1)] {
+            let plan = tensor(zero_stage).plan(&input).unwrap();
+            let eval = plan.eval_signature().unwrap();
+            let tasks: Vec<String> = eval.tasks().unwrap().into_iter().collect();
+            let w = |i: u32| task_name("worker", i);
+            assert_eq!(tasks, [w(0), w(1), w(4), w(5)], "{zero_stage:?}");
+            assert!(eval.feeds.iter().all(|f| f.task == w(0)));
+            assert_eq!(eval.fetch_task.as_deref(), Some(&*w(0)));
+            // No tensor-parallel shard crosses; what crosses is the evaluation's own (the
+            // batch, the residual stream, the loss) and a few replicated weights that rank 1
+            // reads from rank 0's copies (layer norms, biases).
+            let cross = crossing(&plan);
+            assert!(cross.iter().all(|(t, _)| !t.contains("/tp_")), "{cross:?}");
+            let variables: BTreeSet<&str> = graph
+                .node_indices()
+                .map(|i| graph.node(i))
+                .filter(|n| n.op_def().is_variable)
+                .map(|n| n.name.as_str())
+                .collect();
+            let weights: Vec<&str> = cross
+                .iter()
+                .map(|(t, _)| t.split(':').next().unwrap())
+                .filter(|n| variables.contains(n))
+                .collect();
+            assert!(!weights.is_empty());
+            assert!(
+                weights.iter().all(|w| w.contains(".ln_")
+                    || w.ends_with(".bias")
+                    || *w == "transformer.wpe.weight"),
+                "{weights:?}"
+            );
+            // The activations between stages: each rank's residual stream, padded to 8 rows.
+            let activations: Vec<_> = cross
+                .iter()
+                .filter(|(t, _)| t.ends_with("/padded:0") && t.contains("mlp_residual"))
+                .collect();
+            assert_eq!(activations.len(), 2, "{cross:?}");
+            assert!(activations.iter().all(|(_, b)| *b == Some(8 * 4 * 8 * 4)));
+            // Every rank's collectives of the evaluation are in its stage's group, at keys
+            // beyond the training step's, and the ranks of a stage call the same ones.
+            let train_max = plan
+                .train_signatures()
+                .flat_map(|s| s.partitions.partitions.values())
+                .flat_map(|p| p.graph.to_def().nodes)
+                .filter_map(|n| match n.attrs.get("instance_key") {
+                    Some(AttrValue::Int(k)) => Some(*k),
+                    _ => None,
+                })
+                .max()
+                .unwrap();
+            let keys = |task: u32| -> Vec<(String, i64)> {
+                let (_, part) = eval
+                    .partitions
+                    .partitions
+                    .iter()
+                    .find(|(d, _)| d.task == Some(task))
+                    .unwrap();
+                let mut keys: Vec<(String, i64)> = part
+                    .graph
+                    .to_def()
+                    .nodes
+                    .iter()
+                    .filter(|n| n.op.starts_with("Collective"))
+                    .map(
+                        |n| match (n.attrs.get("group_key"), n.attrs.get("instance_key")) {
+                            (Some(AttrValue::String(g)), Some(AttrValue::Int(k))) => {
+                                (g.to_string(), *k)
+                            }
+                            _ => panic!("{} has no keys", n.name),
+                        },
+                    )
+                    .collect();
+                keys.sort();
+                keys
+            };
+            for (a, b, group) in [(0, 1, "tensor_s0_d0"), (4, 5, "tensor_s1_d0")] {
+                assert!(!keys(a).is_empty());
+                assert_eq!(keys(a), keys(b));
+                assert!(keys(a).iter().all(|(g, k)| g == group && *k > train_max));
+            }
+        }
     }
 }

@@ -20,7 +20,7 @@
 
 mod arrivals;
 mod barriers;
-mod eval;
+pub(crate) mod eval;
 pub mod gradients;
 pub mod measure;
 pub mod render;
