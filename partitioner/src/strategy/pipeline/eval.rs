@@ -258,6 +258,11 @@ pub(crate) struct StageCopy<'a> {
     pub labels: &'a str,
     /// Whether to add the placeholders `eval/<features>` and `eval/<labels>` (once per job).
     pub placeholders: bool,
+    /// Whether the placeholders take exactly `rows` rows (a text's held-out batches are whole):
+    /// then every tensor has a static shape and crosses as it is, and every collective's size
+    /// is known to the planner. Otherwise they take the batch as written and what follows the
+    /// batch crosses padded.
+    pub static_batch: bool,
     /// Whether to copy the ops that do not read the batch too (constants, ops on weights):
     /// for a tensor-parallel rank `t > 0`, whose graph shares their names with rank 0's but
     /// not always their inputs (its shards).
@@ -319,7 +324,7 @@ pub(crate) fn stage_copy(c: &StageCopy<'_>) -> Result<Option<Copied>, StrategyEr
             let i: NodeIndex = g.find(name)?;
             Some(g.output_type(i, index)?.shape.clone())
         };
-        let (shape, padded) = (ty(g)?, ty(&at_b)?);
+        let (shape, padded) = (ty(if c.static_batch { &at_b } else { g })?, ty(&at_b)?);
         if shape.as_static().is_some() {
             return Some(Crossing::AsIs);
         }
@@ -340,7 +345,17 @@ pub(crate) fn stage_copy(c: &StageCopy<'_>) -> Result<Option<Copied>, StrategyEr
     for n in &forward.nodes {
         if feeds.contains(&n.name.as_str()) {
             if c.placeholders {
-                copied.nodes.push(placeholder(n, c.chief));
+                let mut p = placeholder(n, c.chief);
+                if c.static_batch {
+                    match at_b.find(&n.name).and_then(|i| at_b.output_type(i, 0)) {
+                        Some(t) if t.shape.as_static().is_some() => {
+                            p.attrs
+                                .insert("shape".into(), AttrValue::Shape(t.shape.clone()));
+                        }
+                        _ => return Ok(None),
+                    }
+                }
+                copied.nodes.push(p);
             }
             continue;
         }
@@ -453,6 +468,7 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
         labels: input.labels,
         placeholders: true,
         copy_shared: false,
+        static_batch: false,
         rows: input.rows,
     })?
     else {
@@ -510,8 +526,9 @@ pub(crate) struct RankStages<'a> {
 /// stage device reading the rank's shards there, its collectives in the stage's
 /// tensor-parallel group at instance keys from `instance_base` (beyond every training key),
 /// chained per device in the rank's forward order (the same on every rank). Worker 0 is fed
-/// the batch and sends it to the other ranks' first stages (and the labels to every rank's last
-/// stage); the replicated weights (layer norms, biases, a few KB) of ranks `t > 0` are read
+/// the batch through placeholders of the global batch size (static, as
+/// `tensor::eval`'s: every collective's size is known) and sends it to the other ranks' first
+/// stages (and the labels to every rank's last stage); the replicated weights (layer norms, biases, a few KB) of ranks `t > 0` are read
 /// from rank 0's copies on the same stage. Rank 0's loss goes to worker 0, after every other
 /// rank's (control edges), so the step runs every rank's collectives. Returns `false`,
 /// changing nothing, when a crossing tensor has no static size at the global batch.
@@ -552,6 +569,7 @@ pub(crate) fn add_sharded_stage_eval(
             labels,
             placeholders: t == 0,
             copy_shared: t > 0,
+            static_batch: true,
             rows,
         })?
         else {
@@ -926,10 +944,15 @@ mod tests {
                     || *w == "transformer.wpe.weight"),
                 "{weights:?}"
             );
-            // The activations between stages: each rank's residual stream, padded to 8 rows.
+            // The activations between stages: each rank's residual stream, 8 rows (the
+            // placeholders take whole batches, so nothing is padded).
+            assert!(
+                cross.iter().all(|(t, _)| !t.ends_with("/padded:0")),
+                "{cross:?}"
+            );
             let activations: Vec<_> = cross
                 .iter()
-                .filter(|(t, _)| t.ends_with("/padded:0") && t.contains("mlp_residual"))
+                .filter(|(t, _)| t.contains("mlp_residual"))
                 .collect();
             assert_eq!(activations.len(), 2, "{cross:?}");
             assert!(activations.iter().all(|(_, b)| *b == Some(8 * 4 * 8 * 4)));
