@@ -182,21 +182,35 @@ fn run_local(args: &[&str]) -> String {
 fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
     // The evaluation is a forward pass through the stages (each on its own weights; see
     // `partitioner::strategy::pipeline::eval`): the one-process validation loss after 3 steps,
-    // as printed, under 2 stages, under dp2×pp2 (plain, ZeRO-1, and ZeRO-3, whose
-    // evaluation joins each stage's replicas' shards on that stage's worker), and with tensor
-    // parallelism inside the stages (tp2×pp2, dp2×tp2×pp2 with ZeRO-1: each rank of replica 0
-    // evaluates on its own shards).
+    // as printed, under 2 stages (1F1B, and interleaved: activations go 0 → 1 → 0 → 1), under
+    // dp2×pp2 (plain, ZeRO-1, and ZeRO-3, whose evaluation joins each stage's replicas' shards
+    // on that stage's worker), and with tensor parallelism inside the stages (tp2×pp2,
+    // dp2×tp2×pp2 with ZeRO-1: each rank of replica 0 evaluates on its own shards).
     let dir = scratch("pipeline-eval-gpt");
     let graph = small_gpt(&dir, 2);
     let (one_losses, one) = run_text_local(&graph, &[], 3, &dir.join("ckpt-one"));
     assert!(one.starts_with("validation loss: "), "{one}");
-    let layouts: [&[&str]; 6] = [
+    let layouts: [&[&str]; 7] = [
         &[
             "--cluster",
             "examples/gpt/cluster-2workers.json",
             "--strategy",
             "pipeline",
             "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-2workers.json",
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "2",
+            "--schedule",
+            "interleaved",
+            "--chunks",
             "2",
             "--micro-batches",
             "2",

@@ -474,8 +474,22 @@ fn staged(input: &EvalInput<'_>) -> Result<Option<(Vec<NodeDef>, EvalNames)>, St
     else {
         return Ok(None);
     };
+    // The loss and metrics, on the last stage, go to the chief, where the executor fetches
+    // them: they need static shapes (scalars, as a rule) to cross.
+    let g = input.graph;
+    let fetched_static = std::iter::once(&input.spec.loss)
+        .chain(&input.spec.metrics)
+        .all(|f| match InputRef::parse(f) {
+            Ok(InputRef::Data { node, index }) => g
+                .find(&node)
+                .and_then(|i| g.output_type(i, index))
+                .is_some_and(|t| t.shape.as_static().is_some()),
+            _ => false,
+        });
+    if !fetched_static {
+        return Ok(None);
+    }
     let mut nodes = copied.nodes;
-    // The loss and metrics, on the last stage, go to the chief, where the executor fetches them.
     let mut fetch = |what: &str, name: &str| -> String {
         let copy = eval_tensor(name);
         let Ok(InputRef::Data { node: n, .. }) = InputRef::parse(&copy) else {
