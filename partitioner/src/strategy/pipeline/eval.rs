@@ -1014,4 +1014,58 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn a_fetched_tensor_of_no_static_shape_keeps_the_evaluation_joined_on_worker_0() {
+        // The digits MLP on 2 stages: its loss and accuracy are scalars, so the evaluation
+        // runs on both stages; with the logits (`[?, 10]`, on the last stage) as a metric,
+        // which cannot be sent to the chief at a static size, it stays on worker 0.
+        let text = include_str!("../../../../examples/digits/digits.json");
+        let def = dflow_graph::format::parse_json(text, None).unwrap().def;
+        let graph = Graph::from_def(&def).unwrap();
+        let cluster = ClusterSpec::local(&[("worker", 2)]).unwrap();
+        let pipeline = Pipeline {
+            stages: Some(2),
+            micro_batches: 2,
+            schedule: ScheduleKind::OneFOneB,
+            chunks: 1,
+            batch_size: Some(32),
+        };
+        let mut spec = def.train.clone().unwrap();
+        let tasks = |spec: &dflow_graph::train::TrainSpec| -> Vec<String> {
+            let input = JobInput::new(&graph, spec, &cluster, "pixels", "labels");
+            let plan = pipeline.plan(&input).unwrap();
+            let eval = plan.eval_signature().unwrap();
+            eval.tasks().unwrap().into_iter().collect()
+        };
+        let w = |i: u32| task_name("worker", i);
+        assert_eq!(tasks(&spec), [w(0), w(1)]);
+        spec.metrics.push("logits".into());
+        assert_eq!(
+            tasks(&spec),
+            [w(0), w(1)],
+            "worker 1 still sends its weights"
+        );
+        let input = JobInput::new(&graph, &spec, &cluster, "pixels", "labels");
+        let plan = pipeline.plan(&input).unwrap();
+        let eval = plan.eval_signature().unwrap();
+        assert_eq!(
+            eval.fetches,
+            ["eval/loss:0", "eval/accuracy:0", "eval/logits:0"]
+        );
+        // Joined: every evaluation op on worker 0, the weights of stage 1 sent to it.
+        let (_, part) = eval
+            .partitions
+            .partitions
+            .iter()
+            .find(|(d, _)| d.task == Some(1))
+            .unwrap();
+        assert!(part
+            .graph
+            .to_def()
+            .nodes
+            .iter()
+            .all(|n| !n.name.starts_with("eval/")));
+        assert!(crossing(&plan).iter().any(|(t, _)| t == "w2:0"));
+    }
 }
