@@ -22,9 +22,15 @@
 //!
 //! A weight read by two stages (a tied embedding, read by the first stage's lookup and the
 //! last stage's head) crosses once per evaluation batch, as it does once per training step;
-//! no other weight leaves its stage. When a crossing tensor has an unknown dimension besides
-//! its first (so no static size can hold it), the whole evaluation runs on the first stage's
-//! worker instead, reading every stage's weights ([`joined`], the older evaluation).
+//! no other weight leaves its stage (under ZeRO-3 each stage's replicas' flat shards are joined
+//! on the stage's worker, `super::zero`). When a crossing tensor has an unknown dimension
+//! besides its first, or a fetched loss or metric has no static shape (so no static size can
+//! hold it), the whole evaluation runs on the first stage's worker instead, reading every
+//! stage's weights ([`joined`], the older evaluation).
+//!
+//! With tensor parallelism inside the stages ([`add_sharded_stage_eval`], the 3D mesh) every
+//! tensor-parallel rank of replica 0 runs its own [`stage_copy`] on its shards, with its stage's
+//! collectives, fed whole batches of a static size.
 
 use super::schedule::PipelineShape;
 use super::stages::StageMap;
