@@ -16,7 +16,7 @@
 //! - `eval/<op>`: one copy of the batch ops for evaluation, fed by its own placeholders
 //!   `eval/<features>` and `eval/<labels>` (batch dimension as written, so a partial last batch
 //!   evaluates) on the chief, each copy on its op's stage, activations sent stage to stage
-//!   ([`super::eval`]);
+//!   (`super::eval`);
 //! - `pipeline/schedule/stage<s>/<i>`: per stage, a `NoOp` after the `i`-th unit of the stage's
 //!   order (see [`super::schedule`]) that the first ops of the next unit wait for, so the step's
 //!   trace shows the schedule.

@@ -22,7 +22,7 @@
 //!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
 //!   the loss's stage.
 //! - Evaluation runs on replica 0's stages, each tensor-parallel rank's forward copy on its own
-//!   shards with its stage's collectives ([`crate::strategy::pipeline::eval`]); under ZeRO-3
+//!   shards with its stage's collectives (`crate::strategy::pipeline::eval`); under ZeRO-3
 //!   (flat shards), on worker 0 without collectives, on a one-process forward copy whose
 //!   weights are assembled from every replica's flat shard, wherever its stage put it.
 
