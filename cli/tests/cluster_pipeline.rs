@@ -171,6 +171,166 @@ fn a_gpt_on_two_stage_processes_trains_on_text_like_one_process() {
     assert_eq!(val(&out), val(&local_out));
 }
 
+/// `dflow run --local` with `args`: its stdout (asserting success).
+fn run_local(args: &[&str]) -> String {
+    let mut all = vec!["run", "--local"];
+    all.extend_from_slice(args);
+    stdout(&dflow(&all))
+}
+
+#[test]
+fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
+    // The evaluation is a forward pass through the stages (each on its own weights; see
+    // `partitioner::strategy::pipeline::eval`): the one-process validation loss after 3 steps,
+    // as printed, under 2 stages (1F1B, and interleaved: activations go 0 → 1 → 0 → 1), under
+    // dp2×pp2 (plain, ZeRO-1, and ZeRO-3, whose evaluation joins each stage's replicas' shards
+    // on that stage's worker), and with tensor parallelism inside the stages (tp2×pp2,
+    // dp2×tp2×pp2 with ZeRO-1: each rank of replica 0 evaluates on its own shards).
+    let dir = scratch("pipeline-eval-gpt");
+    let graph = small_gpt(&dir, 2);
+    let (one_losses, one) = run_text_local(&graph, &[], 3, &dir.join("ckpt-one"));
+    assert!(one.starts_with("validation loss: "), "{one}");
+    let layouts: [&[&str]; 7] = [
+        &[
+            "--cluster",
+            "examples/gpt/cluster-2workers.json",
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-2workers.json",
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "2",
+            "--schedule",
+            "interleaved",
+            "--chunks",
+            "2",
+            "--micro-batches",
+            "2",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-4workers.json",
+            "--mesh",
+            "dp=2,pp=2",
+            "--micro-batches",
+            "2",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-4workers.json",
+            "--mesh",
+            "dp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--zero-stage",
+            "1",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-4workers.json",
+            "--mesh",
+            "dp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--zero-stage",
+            "3",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-4workers.json",
+            "--mesh",
+            "dp=1,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-8workers.json",
+            "--mesh",
+            "dp=2,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--zero-stage",
+            "1",
+        ],
+    ];
+    for (k, layout) in layouts.iter().enumerate() {
+        let (losses, validation) =
+            run_text_local(&graph, layout, 3, &dir.join(format!("ckpt-{k}")));
+        assert_same_losses(&losses, &one_losses, 1e-5);
+        assert_eq!(validation, one, "{layout:?}");
+    }
+    // `--eval-batches 0` still turns it off.
+    let graph_s = graph.to_string_lossy().into_owned();
+    let off = run_local(&[
+        &graph_s,
+        "--cluster",
+        "examples/gpt/cluster-2workers.json",
+        "--strategy",
+        "pipeline",
+        "--stages",
+        "2",
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "8",
+        "--steps",
+        "1",
+        "--eval-batches",
+        "0",
+        "--quiet",
+    ]);
+    assert!(
+        off.contains("no validation loss (--eval-batches 0)"),
+        "{off}"
+    );
+}
+
+#[test]
+fn a_partial_held_out_batch_crosses_the_stages_padded_and_scores_like_one_process() {
+    // 1797 digits, 357 held out: 11 batches of 32 and one of 5, which crosses the stages
+    // padded to 32 rows with its row count; 1440 training examples make 45 full batches, so
+    // the pipeline trains on what one process does.
+    let common = [
+        "examples/digits/digits.json",
+        "--data",
+        "examples/data/digits.csv.gz",
+        "--epochs",
+        "2",
+        "--test-fraction",
+        "0.19866",
+    ];
+    let one = run_local(&common);
+    let mut piped = common.to_vec();
+    piped.extend([
+        "--cluster",
+        "examples/digits/cluster-allreduce.json",
+        "--strategy",
+        "pipeline",
+        "--stages",
+        "2",
+        "--micro-batches",
+        "4",
+    ]);
+    let two = run_local(&piped);
+    let held = |s: &str| {
+        s.lines()
+            .filter(|l| l.starts_with("held-out"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(held(&one).len(), 2, "{one}");
+    assert_eq!(held(&two), held(&one));
+}
+
 #[test]
 fn killing_a_stage_ends_the_other_naming_it() {
     let _serial = serial();

@@ -482,9 +482,9 @@ fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
     let layout = "dp=1,tp=2,pp=2,m=2";
     let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
     assert_traffic("tp=2,pp=2,m=2", &sent, trained_steps(&stderr), 1, &ends);
-    // Memory of the training steps alone: the evaluation at the end runs on worker 0 from
-    // weights the other workers send it, and its peak depends on when they land (worker 0's
-    // peak was 76,100 or 96,640 B in identical runs with it, always 76,100 B without).
+    // Memory of the training steps alone. (When the evaluation ran on worker 0 from weights
+    // the other workers sent it, worker 0's peak was 76,100 or 96,640 B in identical runs with
+    // it, always 76,100 B without; on the stages, it measured 76,100 B with it in 3 of 3 runs.)
     let (ends, stderr) = gpt_job_evaluating(
         &graph,
         "examples/gpt/cluster-4workers.json",

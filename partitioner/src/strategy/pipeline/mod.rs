@@ -20,6 +20,7 @@
 
 mod arrivals;
 mod barriers;
+pub(crate) mod eval;
 pub mod gradients;
 pub mod measure;
 pub mod render;

@@ -15,14 +15,15 @@
 //!   sum of the `m` micro-batch gradients, applied once per step);
 //! - `eval/<op>`: one copy of the batch ops for evaluation, fed by its own placeholders
 //!   `eval/<features>` and `eval/<labels>` (batch dimension as written, so a partial last batch
-//!   evaluates), all on the first stage's worker (the chief), which reads each stage's weights
-//!   once per evaluation batch;
+//!   evaluates) on the chief, each copy on its op's stage, activations sent stage to stage
+//!   (`super::eval`);
 //! - `pipeline/schedule/stage<s>/<i>`: per stage, a `NoOp` after the `i`-th unit of the stage's
 //!   order (see [`super::schedule`]) that the first ops of the next unit wait for, so the step's
 //!   trace shows the schedule.
 
 use super::arrivals::Arrivals;
 use super::barriers::add_schedule;
+use super::eval::{eval_name, eval_tensor};
 use super::gradients::{
     all_reduce_gradients, chain_collectives_per_device, clip_by_stage_norms, stage_norms,
 };
@@ -154,35 +155,23 @@ fn split_name(name: &str) -> String {
     format!("{SCOPE}/split/{name}")
 }
 
-fn eval_name(name: &str) -> String {
-    format!("eval/{name}")
-}
-
-/// Maps an input reference of a batch op's copy: placeholders to their split (micro-batch
-/// `Some(k)`) or to the evaluation placeholders (`None`), batch ops to their copies, the rest
-/// kept.
+/// Maps an input reference of micro-batch `k`'s copy of a batch op: placeholders to their
+/// split, batch ops to their copies, the rest kept.
 fn map_input(
     input: &str,
     copy: &dyn Fn(&str) -> String,
     batch: &HashSet<&str>,
     feeds: &[&str],
-    micro: Option<usize>,
+    k: usize,
 ) -> Result<String, String> {
     let r = InputRef::parse(input)?;
     Ok(match r {
-        InputRef::Data { node, index } if feeds.contains(&node.as_str()) => match micro {
-            Some(k) => {
-                if index != 0 {
-                    return Err(format!("input `{input}`: a placeholder has one output"));
-                }
-                format!("{}:{k}", split_name(&node))
+        InputRef::Data { node, index } if feeds.contains(&node.as_str()) => {
+            if index != 0 {
+                return Err(format!("input `{input}`: a placeholder has one output"));
             }
-            None => InputRef::Data {
-                node: eval_name(&node),
-                index,
-            }
-            .to_string(),
-        },
+            format!("{}:{k}", split_name(&node))
+        }
         InputRef::Data { node, index } if batch.contains(node.as_str()) => InputRef::Data {
             node: copy(&node),
             index,
@@ -303,13 +292,6 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
             fixed[0] = Some(input.batch_size);
             ph.attrs
                 .insert("shape".into(), AttrValue::Shape(Shape::partial(fixed)));
-            if input.tensor.is_none() {
-                let mut eval_ph = n.clone();
-                eval_ph.name = eval_name(&n.name);
-                eval_ph.device = input.devices[0].clone();
-                eval_ph.colocate_with.clear();
-                nodes.push(eval_ph);
-            }
             nodes.push(ph);
             nodes.push(NodeDef {
                 name: split_name(&n.name),
@@ -339,7 +321,7 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
             c.device = device.clone();
             let mut inputs = Vec::with_capacity(n.inputs.len());
             for i in &n.inputs {
-                let mapped = map_input(i, &copy, &batch, &feeds, Some(k)).map_err(|message| {
+                let mapped = map_input(i, &copy, &batch, &feeds, k).map_err(|message| {
                     PipelineError::Input {
                         node: n.name.clone(),
                         message,
@@ -365,30 +347,26 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
             unit_of.insert(c.name.clone(), (vstage, k));
             nodes.push(c);
         }
-        if input.tensor.is_some() {
-            continue;
-        }
-        let copy = |name: &str| eval_name(name);
-        let mut e = n.clone();
-        e.name = eval_name(&n.name);
-        e.device = input.devices[0].clone();
-        e.inputs = n
-            .inputs
-            .iter()
-            .map(|i| map_input(i, &copy, &batch, &feeds, None))
-            .collect::<Result<_, _>>()
-            .map_err(|message| PipelineError::Input {
-                node: n.name.clone(),
-                message,
-            })?;
-        e.colocate_with = n
-            .colocate_with
-            .iter()
-            .filter(|w| batch.contains(w.as_str()))
-            .map(|w| copy(w))
-            .collect();
-        nodes.push(e);
     }
+    // The evaluation (beside tensor parallelism, the caller adds its own).
+    let eval = match input.tensor {
+        Some(_) => None,
+        None => {
+            let (added, names) = super::eval::evaluation(&super::eval::EvalInput {
+                graph: g,
+                stages: st,
+                shape: input.shape,
+                devices: input.devices,
+                features: input.features,
+                labels: input.labels,
+                batch: &batch,
+                spec: input.spec,
+                rows: input.batch_size * input.replicas.max(1),
+            })?;
+            nodes.extend(added);
+            Some(names)
+        }
+    };
     for (node, unit) in arrivals.nodes {
         if let Some(u) = unit {
             unit_of.insert(node.name.clone(), u);
@@ -492,12 +470,12 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
     }
     let graph = Graph::from_def(&training.def).map_err(StrategyError::InvalidGraph)?;
     training.metrics = vec![];
-    let eval = EvalNames {
+    let eval = eval.unwrap_or_else(|| EvalNames {
         features: eval_name(input.features),
         labels: eval_name(input.labels),
         loss: eval_tensor(&input.spec.loss),
         metrics: input.spec.metrics.iter().map(|m| eval_tensor(m)).collect(),
-    };
+    });
     Ok(ReplicaGraph {
         training,
         graph,
@@ -510,18 +488,6 @@ pub(crate) fn rewrite(input: &RewriteInput<'_>) -> Result<ReplicaGraph, Strategy
         eval,
         step_metrics: Vec::new(),
     })
-}
-
-/// `loss` or `loss:1` of the evaluation copy.
-fn eval_tensor(name: &str) -> String {
-    match InputRef::parse(name) {
-        Ok(InputRef::Data { node, index }) => InputRef::Data {
-            node: eval_name(&node),
-            index,
-        }
-        .to_string(),
-        _ => eval_name(name),
-    }
 }
 
 /// Replaces the gradient seed `OnesLike(loss)` by a constant 1 (the loss is a scalar), so the

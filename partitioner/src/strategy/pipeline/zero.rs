@@ -15,7 +15,8 @@
 //! group made just before it (`zero/{w}/all_gather_stage{s}_mb{k}_forward`), and its backward
 //! ops another (`..._backward`), each dropped after its last reader; each device's collectives
 //! are then chained in one order that respects the schedule, the same on every replica. The
-//! evaluation copy (on the chief) reads every replica's shards joined, with no collective.
+//! evaluation (each op on its stage's worker, `super::eval`) reads every replica's shards of the
+//! stage joined on that worker, with no collective.
 //!
 //! Beside expert parallelism (`--mesh dp=D,ep=E,pp=P --zero-stage 1|2|3`,
 //! `crate::strategy::expert::pipeline`) each stage's expert shards take their own step over the
@@ -324,15 +325,15 @@ pub(super) fn shard_stages(
     training.def.nodes.extend(added);
     let global = global.ok_or_else(|| internal("no global loss".into()))?;
     if !sharded.is_empty() {
-        // The evaluation copy (on the first stage's device) reads every replica's shards
-        // joined; the training passes read gathers.
+        // The evaluation copy (each op on its stage's device) reads every replica's shards
+        // joined on the stage's device; the training passes read gathers.
         let mut keep = passes.forward.clone();
-        let eval_device = input
-            .devices
-            .first()
-            .ok_or_else(|| internal("a pipeline with no stage".into()))?;
         let is_eval = |n: &NodeDef| n.name.starts_with("eval/");
         for (params, ctx, d, _) in sharded.iter().filter(|s| !s.3) {
+            let eval_device = input
+                .devices
+                .get(*d)
+                .ok_or_else(|| internal(format!("no device for pipeline device {d}")))?;
             let device_of = |q: usize| input.replica_devices.get(q)?.get(*d).cloned();
             keep.extend(params::join_for_eval(
                 &mut training.def,
@@ -672,18 +673,22 @@ mod tests {
                     "{w} backward {k}"
                 );
             }
-            // Nothing is assigned back; evaluation reads the replicas' shards joined, with no
-            // collective.
+            // Nothing is assigned back; evaluation reads the replicas' shards joined on the
+            // stage's worker of this replica, with no collective.
             assert!(!nodes.iter().any(|n| n.op == "Assign"));
             let joined = find(&format!("eval/{w}/joined")).unwrap();
             assert_eq!(
                 joined.inputs,
                 [format!("{w}/shard_0_of_2"), format!("{w}/shard_1_of_2")]
             );
-            assert!(nodes
+            assert_eq!(joined.device, worker(1, d), "{w} is on stage 1");
+            let evaluation: Vec<&NodeDef> = nodes
                 .iter()
                 .filter(|n| n.name.starts_with("eval/"))
-                .all(|n| !n.op.starts_with("Collective") && n.device == worker(0, d)));
+                .collect();
+            assert!(evaluation.iter().all(|n| !n.op.starts_with("Collective")
+                && (n.device == worker(0, d) || n.device == worker(1, d))));
+            assert!(evaluation.iter().any(|n| n.device == worker(1, d)));
             // Every stage's collectives form one chain numbered 1, 2, ...
             let mut per_stage = Vec::new();
             for p in 0..2 {

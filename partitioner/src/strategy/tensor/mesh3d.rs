@@ -21,9 +21,10 @@
 //! - Clipping uses the whole model's norm: per stage, the shards' `Σ‖g‖²` all-reduced over the
 //!   stage's tensor-parallel group plus the replicated parameters'; the stages' sums meet on
 //!   the loss's stage.
-//! - Evaluation runs on worker 0 without collectives, on a one-process forward copy whose
-//!   weights are assembled from every shard, wherever its stage put it (under ZeRO-3, from
-//!   every replica's flat shard of it).
+//! - Evaluation runs on replica 0's stages, each tensor-parallel rank's forward copy on its own
+//!   shards with its stage's collectives (`crate::strategy::pipeline::eval`); under ZeRO-3
+//!   (flat shards), on worker 0 without collectives, on a one-process forward copy whose
+//!   weights are assembled from every replica's flat shard, wherever its stage put it.
 
 use super::{
     check_job, eval_copy, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
@@ -31,6 +32,7 @@ use super::{
 };
 use crate::job::{task_name, CollectiveGroup};
 use crate::mesh::Mesh;
+use crate::strategy::pipeline::eval::{add_sharded_stage_eval, RankStages};
 use crate::strategy::pipeline::gradients::stage_group;
 use crate::strategy::pipeline::rewrite::{rewrite, RewriteInput, TensorStages};
 use crate::strategy::pipeline::schedule::PipelineShape;
@@ -223,7 +225,35 @@ pub fn mesh3d_training(
                 StrategyError::from(PipelineError::Internal(format!("no variable `{name}`")))
             })
     };
-    if let Some(g) = graphs.first_mut() {
+    // Without ZeRO-3 (whose weights are flat shards), the evaluation runs on replica 0's
+    // stages, each rank on its own shards ([`crate::strategy::pipeline::eval`]).
+    let instance_base = super::eval::first_free_instance(&graphs);
+    let staged = match (zero3, graphs.first_mut()) {
+        (None, Some(g)) => {
+            let ranks: Vec<RankStages<'_>> = (ranks.iter().enumerate())
+                .map(|(t, (forward, typed, prepared))| RankStages {
+                    graph: typed,
+                    stages: &prepared.stages,
+                    devices: (0..pp).map(|s| worker_device(mesh.rank(t, 0, s))).collect(),
+                    groups: (0..pp).map(|s| tp_stage_group(s, 0)).collect(),
+                    own: forward.renames.values().cloned().collect(),
+                    variable_device: &variable_devices[t],
+                })
+                .collect();
+            add_sharded_stage_eval(
+                g,
+                &ranks,
+                shape,
+                spec,
+                features,
+                labels,
+                batch,
+                instance_base,
+            )?
+        }
+        _ => false,
+    };
+    if let Some(g) = graphs.first_mut().filter(|_| !staged) {
         eval_copy(g, &def, &shards, spec, tp, &shard_device, true, zero3)?;
     }
     let task = |t: usize, d: usize, s: usize| task_name("worker", mesh.rank(t, d, s) as u32);
@@ -316,7 +346,8 @@ mod tests {
         }
     }
 
-    /// The collectives (not `CollectiveTpCopy`) that worker `task` calls in `g`, in the graph's
+    /// The collectives (not `CollectiveTpCopy`) that worker `task` calls in `g`'s training
+    /// step (not the evaluation's, `eval/...`, which graph 0 holds), in the graph's
     /// topological order.
     fn order(g: &ReplicaGraph, task: u32) -> Vec<String> {
         g.graph
@@ -324,6 +355,7 @@ mod tests {
             .into_iter()
             .map(|i| g.graph.node(i))
             .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
+            .filter(|n| !n.name.starts_with("eval/"))
             .filter(|n| {
                 dflow_graph::DeviceName::parse(n.device.as_ref())
                     .is_ok_and(|d| d.task == Some(task))
@@ -446,16 +478,24 @@ mod tests {
                 .any(|n| n.op == "CollectiveTpReduce"
                     && n.name.starts_with(&format!("pipeline/mb{k}/"))));
         }
-        // Evaluation on worker 0 only reads the shards, with no collective.
+        // Evaluation runs on replica 0's ranks (workers 0, 1 on stage 0, 4, 5 on stage 1),
+        // their collectives in their stage's tensor-parallel group
+        // (`pipeline::eval::tests` checks the plan).
         let eval = &mg.graphs[0];
         assert_eq!(eval.eval.features, "eval/idx");
-        assert!(eval
+        for n in eval
             .training
             .def
             .nodes
             .iter()
             .filter(|n| n.name.starts_with("eval/"))
-            .all(|n| !n.op.starts_with("Collective") && task_of(n) == 0));
+        {
+            assert!([0, 1, 4, 5].contains(&task_of(n)), "{}", n.name);
+            if n.op.starts_with("Collective") {
+                let s = task_of(n) as usize / 4;
+                assert_eq!(attr(n, "group_key"), tp_stage_group(s, 0), "{}", n.name);
+            }
+        }
     }
 
     #[test]
