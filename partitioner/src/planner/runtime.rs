@@ -205,23 +205,31 @@ fn executor_cheap(g: &Graph, idx: NodeIndex) -> bool {
 
 /// The nodes of a partition its executor hands to the compute pool alone in a step: when a
 /// node completes, every expensive consumer it readies beyond the first (which its thread runs
-/// next) is spawned on its own. Counted as each node's expensive consumers less one — a chain
-/// spawns nothing, a fan-out of `k` spawns `k − 1`. `g` as the executor plans it: a feed's
-/// batch dimension unknown, so a node of the batch is expensive whatever its size.
+/// next) is spawned on its own. A consumer is readied by its last predecessor to complete,
+/// taken as its last in topological order (data or control edges): a chain spawns nothing (a
+/// forward op's gradient reader waits for the backward pass), a fan-out of `k` ready nodes
+/// spawns `k − 1`. `g` as the executor plans it: a feed's batch dimension unknown, so a node of
+/// the batch is expensive whatever its size.
 pub fn spawns(g: &Graph) -> usize {
-    g.node_indices()
-        .map(|idx| {
-            let mut consumers: Vec<NodeIndex> = g
-                .out_edges(idx)
-                .into_iter()
-                .map(|(c, _)| c)
-                .filter(|&c| !executor_cheap(g, c))
-                .collect();
-            consumers.sort_unstable();
-            consumers.dedup();
-            consumers.len().saturating_sub(1)
-        })
-        .sum()
+    let order = g.topo_order();
+    let mut position = vec![0usize; g.num_nodes()];
+    for (k, &i) in order.iter().enumerate() {
+        position[i.index()] = k;
+    }
+    let mut readied = vec![0usize; g.num_nodes()];
+    for &i in &order {
+        if executor_cheap(g, i) {
+            continue;
+        }
+        let last = g
+            .petgraph()
+            .neighbors_directed(i, petgraph::Direction::Incoming)
+            .max_by_key(|p| position[p.index()]);
+        if let Some(p) = last {
+            readied[p.index()] += 1;
+        }
+    }
+    readied.iter().map(|k| k.saturating_sub(1)).sum()
 }
 
 /// Whether the Send `idx` of `g` carries data: not the zero-byte value of a control edge (a
@@ -816,8 +824,9 @@ mod tests {
         .collect()
     }
 
-    /// A fan-out of `k` expensive nodes spawns `k − 1`; a chain spawns none; nodes the
-    /// executor batches (static and small) spawn nothing.
+    /// A fan-out of `k` expensive nodes spawns `k − 1`; a chain spawns none, nor a node whose
+    /// other consumer waits for a later input; nodes the executor batches (static and small)
+    /// spawn nothing.
     #[test]
     fn a_fan_out_of_expensive_nodes_spawns_all_but_one() {
         use dflow_graph::builder::GraphBuilder;
@@ -830,7 +839,9 @@ mod tests {
                 .collect();
             // A chain behind the first: no spawn.
             let z = b.op("Neg", "z").input(&y[0]).finish();
-            b.op("Neg", "w").input(&z).finish();
+            let w = b.op("Neg", "w").input(&z).finish();
+            // Read by z's chain and, later, beside w: readied by w, not by y1.
+            b.op("Add", "late").input(&y[1]).input(&w).finish();
             b.build().unwrap()
         };
         assert_eq!(spawns(&graph(-1)), 2);
