@@ -11,7 +11,8 @@
 //! sum, all-reduced in the forward pass); a column-parallel product all-reduces its input's
 //! gradient in the backward pass. A `Gather` from a variable is a vocabulary-parallel embedding
 //! (its output all-reduced), ops reading a split tensor are split too, and a cross-entropy over a
-//! split tensor all-reduces its per-row output. Everything else is replicated.
+//! split tensor all-reduces its per-row output three times (dflow's vocabulary-parallel
+//! cross-entropy: the max, `Σ exp` and the target's logit). Everything else is replicated.
 
 use super::flops::forward_flops;
 use crate::strategy::pipeline::stages::batch_ops;
@@ -76,6 +77,12 @@ impl TpRole {
     }
 }
 
+/// The all-reduces of dflow's vocabulary-parallel cross-entropy in the forward pass, each of
+/// its per-row output's size (`strategy/tensor.rs`: the logits' max, `Σ exp` and the target's
+/// logit); their gradients need none (the max is behind `StopGradient`, a sum's gradient is the
+/// identity).
+pub const SPLIT_REDUCTION_CALLS: usize = 3;
+
 /// One forward op.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OpProfile {
@@ -91,7 +98,8 @@ pub struct OpProfile {
     pub split_output: bool,
     /// Its role under tensor parallelism.
     pub role: TpRole,
-    /// Bytes all-reduced over the tensor-parallel group in the forward pass.
+    /// Bytes of each all-reduce over the tensor-parallel group in the forward pass (there are
+    /// [`Self::tp_forward_calls`]).
     pub tp_forward: PerRows,
     /// Bytes all-reduced over the tensor-parallel group in the backward pass.
     pub tp_backward: PerRows,
@@ -315,6 +323,20 @@ fn backward_reads(training: &TrainingGraph) -> HashSet<&str> {
         .collect()
 }
 
+impl OpProfile {
+    /// The all-reduces of [`Self::tp_forward`] bytes each the op makes in the forward pass:
+    /// [`SPLIT_REDUCTION_CALLS`] for a split cross-entropy, one for any other op with some.
+    pub fn tp_forward_calls(&self) -> usize {
+        if self.tp_forward == PerRows::default() {
+            0
+        } else if self.role == TpRole::SplitReduction {
+            SPLIT_REDUCTION_CALLS
+        } else {
+            1
+        }
+    }
+}
+
 impl ModelProfile {
     /// Profiles the forward graph `def` fed through `features` and `labels`.
     pub fn new(def: &GraphDef, features: &str, labels: &str) -> Result<ModelProfile, ModelError> {
@@ -333,6 +355,8 @@ impl ModelProfile {
         let mut ops: Vec<OpProfile> = Vec::with_capacity(n);
         let mut variables = Vec::new();
         let mut variable_of = vec![None; n];
+        // Every output's bytes on its own (an op's input is one output of its producer).
+        let mut slot_bytes: Vec<Vec<PerRows>> = Vec::with_capacity(n);
         for idx in g1.node_indices() {
             let node = g1.node(idx);
             let idx2 = if g2.node(idx).name == node.name {
@@ -345,6 +369,21 @@ impl ModelProfile {
                 Some(i2) => (forward_flops(&g2, i2), output_bytes(&g2, i2)?),
                 None => (f1, b1),
             };
+            let slots = |g: &Graph, i: NodeIndex| -> Vec<f64> {
+                g.node(i)
+                    .outputs
+                    .iter()
+                    .map(|t| t.byte_size().unwrap_or(0) as f64)
+                    .collect()
+            };
+            let s1 = slots(&g1, idx);
+            let s2 = idx2.map_or_else(|| s1.clone(), |i2| slots(&g2, i2));
+            slot_bytes.push(
+                s1.iter()
+                    .zip(&s2)
+                    .map(|(&a, &b)| PerRows::from_points(a, b))
+                    .collect(),
+            );
             if node.op_def().is_variable {
                 variable_of[idx.index()] = Some(variables.len());
                 variables.push(VariableProfile {
@@ -413,7 +452,7 @@ impl ModelProfile {
             step_count,
         };
         model.mark_gradients();
-        model.assign_tp_roles(&moe_region);
+        model.assign_tp_roles(&moe_region, &slot_bytes);
         Ok(model)
     }
 
@@ -460,8 +499,19 @@ impl ModelProfile {
     /// of `moe_region` (the MoE layers' routers, dispatches, experts and combines) are
     /// replicated: the tensor strategy runs each MoE MLP whole on every tp rank
     /// (`strategy/tensor/experts.rs`), so their weights are not split and no all-reduce is
-    /// around them.
-    fn assign_tp_roles(&mut self, moe_region: &HashSet<NodeIndex>) {
+    /// around them. The all-reduces' sizes are those of the tensors dflow sums (`slot_bytes`:
+    /// each node's outputs apart): a row-parallel product's or an embedding's output, a
+    /// column-parallel product's input (the one output of its producer it reads, not a layer
+    /// norm's mean and deviation beside it), a split cross-entropy's per-row loss (not its
+    /// gradient output).
+    fn assign_tp_roles(&mut self, moe_region: &HashSet<NodeIndex>, slot_bytes: &[Vec<PerRows>]) {
+        let slot = |(s, k): (NodeIndex, usize)| -> PerRows {
+            slot_bytes
+                .get(s.index())
+                .and_then(|o| o.get(k))
+                .copied()
+                .unwrap_or_default()
+        };
         let g = self.graph.clone();
         for idx in g.topo_order() {
             let node = g.node(idx);
@@ -476,11 +526,8 @@ impl ModelProfile {
             };
             let any_split = (0..inputs.len()).any(split_in);
             let weight_rhs = inputs.len() >= 2 && self.is_variable(inputs[1].0);
-            let in_bytes0 = inputs
-                .first()
-                .map(|(s, _)| self.ops[s.index()].out_bytes)
-                .unwrap_or_default();
-            let out = self.ops[idx.index()].out_bytes;
+            let in_bytes0 = inputs.first().copied().map(slot).unwrap_or_default();
+            let out = slot((idx, 0));
             let (role, split_output) = match node.op {
                 "MatMul" | "BatchMatMul" if weight_rhs => {
                     let transpose = matches!(

@@ -134,7 +134,7 @@ impl StagedModel {
                     s.act_whole = s.act_whole.plus(op.out_bytes);
                 }
             }
-            if op.tp_forward != PerRows::default() {
+            for _ in 0..op.tp_forward_calls() {
                 s.tp_forward.push(op.tp_forward);
             }
             if op.tp_backward != PerRows::default() {
