@@ -36,11 +36,21 @@
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
-//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 2: the tensor strategy with ep) the MoE layers
+//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 3: the tensor strategy with ep) the MoE layers
 //! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
 //! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
 //! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
-//! those of the rank's tp coordinate.
+//! those of the rank's tp coordinate (`data_t<t>` for the dense states, `experts_dp<s>_t<t>`
+//! for the expert shards'; ZeRO-3 shards the weights over the same groups and gathers them
+//! before the forward and the backward pass, as `strategy/tensor/experts.rs` runs it).
+//!
+//! **Tensor parallelism** counts dflow's calls (`strategy/tensor.rs`), each an all-reduce over
+//! the rank's tensor-parallel group: per dense block `g` after both row-parallel products
+//! forward and `f`'s input gradient before both column-parallel ones backward; the
+//! vocabulary-parallel embedding's `g`; the tied head's `f`; the split cross-entropy's three
+//! all-reduces of its per-row values (max, `Σ exp`, target logit); and with clipping each
+//! device's squared norm of its shards, once per step. Bytes and messages
+//! ([`Evaluation::tensor_parallel_messages`]) are the job plan's over its `tensor*` groups.
 //! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
 //! loss's all-gathers and the dropped-token count.
 
@@ -289,10 +299,10 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1, ZeRO ≤ 2.
-        if mesh.tp > 1 && (mesh.pp > 1 || layout.zero > 2) {
+        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1 (ZeRO 0 to 3).
+        if mesh.tp > 1 && mesh.pp > 1 {
             return Err(refuse(format!(
-                "ep={} beside tp={} is modelled without pipeline stages (pp = 1) at ZeRO ≤ 2: docs/experts.md, \"ep beside tp\"",
+                "ep={} beside tp={} runs without pipeline stages (pp = 1): docs/experts.md, \"ep beside tp\"",
                 mesh.ep, mesh.tp
             )));
         }
@@ -1010,7 +1020,6 @@ mod tests {
                 "dp=2,ep=2,pp=2,m=2",
                 "beside pp is modelled with one micro-batch",
             ),
-            ("dp=2,ep=2,tp=2,zero=3", "at ZeRO ≤ 2"),
             ("dp=2,ep=2,pp=2,m=2,zero=3", "with one micro-batch"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
@@ -1020,7 +1029,8 @@ mod tests {
         }
     }
 
-    /// `dp × tp × ep` (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): every rank holds its
+    /// `dp × tp × ep` (`--mesh dp=D,tp=T,ep=E`, the tensor strategy), ZeRO 0 to 3 (at 3 the
+    /// weights sharded as the slots are, and gathered before each pass): every rank holds its
     /// tp shard of the dense parameters, the routers whole and `1/ep` of the experts
     /// (replicated over tp), as the job plan's variables count them; the all-to-alls are the
     /// job plan's (each tp rank repeats its replica's), and the data-parallel bytes (the dense
@@ -1074,6 +1084,8 @@ mod tests {
             ("dp=4,tp=2,ep=2", 8),
             ("dp=4,tp=2,ep=2,zero=1", 8),
             ("dp=4,tp=2,ep=2,zero=2", 8),
+            ("dp=2,tp=2,ep=2,zero=3", 4),
+            ("dp=4,tp=2,ep=2,zero=3", 8),
         ] {
             let options = PlanOptions {
                 devices,
@@ -1101,20 +1113,20 @@ mod tests {
             assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
             assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
         }
-        // Refused beside tp: a pipeline, ZeRO.
+        // Refused beside tp: a pipeline.
         let options = PlanOptions {
             devices: 8,
             batch_size: 8,
         };
-        for bad in ["dp=2,tp=2,pp=2,ep=2", "dp=4,tp=2,ep=2,zero=3"] {
-            let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains("without pipeline stages (pp = 1) at ZeRO ≤ 2"),
-                "{bad}: {e}"
-            );
-        }
+        let e = evaluate_layout(
+            &model,
+            &profile,
+            &options,
+            &"dp=2,tp=2,pp=2,ep=2".parse().unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("without pipeline stages (pp = 1)"), "{e}");
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
@@ -1294,11 +1306,12 @@ mod tests {
             .map(|e| e.layout.short())
             .collect();
         // ZeRO 0 to 3 of each dp × ep; dp2 × ep2 inside 2 pipeline stages, one micro-batch
-        // at ZeRO 0 to 3; dp2 × tp2 × ep2 at ZeRO 0 to 2.
-        assert_eq!(eps.len(), 15, "{eps:?}");
+        // at ZeRO 0 to 3; dp2 × tp2 × ep2 at ZeRO 0 to 3.
+        assert_eq!(eps.len(), 16, "{eps:?}");
         for l in [
             "dp2 tp2 pp1 ep2 z1",
             "dp2 tp2 pp1 ep2 z2",
+            "dp2 tp2 pp1 ep2 z3",
             "dp2 tp1 pp2 ep2 z2 m1",
             "dp2 tp1 pp2 ep2 z3 m1",
             "dp2 tp2 pp1 ep2",
@@ -1662,6 +1675,8 @@ mod tests {
             (&def, "dp=2,tp=2,pp=2,m=2,zero=2"),
             (&moe, "dp=2,tp=2,ep=2"),
             (&moe, "dp=2,tp=2,ep=2,zero=2"),
+            (&moe, "dp=2,tp=2,ep=2,zero=3"),
+            (&moe, "dp=4,tp=2,ep=2,zero=3"),
         ];
         for (def, layout) in cases {
             let model = ModelProfile::new(def, "idx", "targets").unwrap();
