@@ -525,6 +525,25 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             }
             traffic.pipeline = traffic.pipeline.then(cost);
         }
+        // Under tensor parallelism each tp rank sends its vocabulary ids to the loss's stage
+        // once per step.
+        if let Some(c) = staged
+            .vocab_ids
+            .as_ref()
+            .filter(|c| t > 1 && c.from % p == s)
+        {
+            let per_rank = c.bytes.at(rows) / tf;
+            let mut cost = CommCost::default();
+            for ti in 0..t {
+                for di in 0..d {
+                    match profile.class(mesh.rank(ti, di, s), mesh.rank(ti, di, c.to % p)) {
+                        LinkClass::IntraHost => cost.intra_bytes += per_rank,
+                        LinkClass::InterHost => cost.inter_bytes += per_rank,
+                    }
+                }
+            }
+            traffic.pipeline = traffic.pipeline.then(cost);
+        }
         if s > 0 {
             let class = profile.class(mesh.rank(0, 0, 0), mesh.rank(0, 0, s));
             let bytes = staged.scalars_per_later_stage * df * tf;
@@ -1694,6 +1713,60 @@ mod tests {
             assert!(bytes > 0, "{layout}");
             assert_eq!(tp.intra_bytes + tp.inter_bytes, bytes as f64, "{layout}");
             assert_eq!(e.tensor_parallel_messages, messages as f64, "{layout}");
+        }
+    }
+
+    /// Tensor parallelism inside pipeline stages: the table's bytes between stages are the
+    /// job plan's Send/Recv pairs, every task summed, exactly: each tp rank sends its
+    /// replica's activations whole, its shard of the tied embedding (and gets its shard's
+    /// gradient back) and its vocabulary ids (`tp/vocab_ids`) to the loss's stage once per
+    /// step; and the table's collectives (tensor- and data-parallel) are the job plan's, but
+    /// at ZeRO-3 (its gathers of the tied embedding for the backward pass, which the 3D job
+    /// does not make: docs/planner.md, "Not built yet").
+    #[test]
+    fn tp_pp_bytes_between_stages_are_the_job_plans() {
+        use super::super::accounting;
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        for layout in [
+            "dp=2,pp=2,m=2",
+            "tp=2,pp=2,m=1",
+            "tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2,zero=1",
+            "dp=2,tp=2,pp=2,m=2,zero=2",
+            "dp=2,tp=2,pp=2,m=2,zero=3",
+        ] {
+            let l: super::Layout = layout.parse().unwrap();
+            let options = PlanOptions {
+                devices: l.mesh.size(),
+                batch_size: 4,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
+            let tasks = accounting::traffic(&plan, 4 / l.mesh.dp).unwrap();
+            let sent: u64 = tasks.iter().map(|t| t.data_plane).sum();
+            let collective: u64 = tasks.iter().map(|t| t.collective).sum();
+            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{layout}");
+            let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
+            if l.zero < 3 || l.mesh.tp == 1 {
+                assert_eq!(table, collective as f64, "{layout}");
+            } else {
+                assert!(table > collective as f64, "{layout}");
+            }
         }
     }
 }

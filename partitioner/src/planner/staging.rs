@@ -74,6 +74,9 @@ pub struct StagedModel {
     pub stages: Vec<StageCosts>,
     /// Every crossing tensor.
     pub crossings: Vec<Crossing>,
+    /// Under tensor parallelism only: the vocabulary-parallel embedding's ids, sent once per
+    /// step from the lookup's stage to the split cross-entropy's (see `vocab_ids_crossing`).
+    pub vocab_ids: Option<Crossing>,
     /// Scalar bytes each later stage exchanges with the first per step (the clipping norm and
     /// scale, the optimizer's step count).
     pub scalars_per_later_stage: f64,
@@ -179,18 +182,28 @@ impl StagedModel {
                             fixed: op.out_bytes.fixed * share,
                             per_row: op.out_bytes.per_row * share,
                         },
-                        split: op.split_output,
+                        // A shared weight split by tensor parallelism (the tied embedding):
+                        // each tp rank sends its shard (and gets its shard's gradient back).
+                        split: op.split_output
+                            || model.variable_of[idx.index()]
+                                .is_some_and(|v| model.variables[v].split),
                         gradient: t.dtype.is_float() && op.needs_gradient,
                         per_step: variable,
                     });
                 }
             }
         }
+        let vocab_ids = if stages > 1 {
+            vocab_ids_crossing(model, &stage_of)
+        } else {
+            None
+        };
         let scalars =
             if model.clips { 8.0 } else { 0.0 } + if model.step_count { 8.0 } else { 0.0 };
         Ok(StagedModel {
             stages: costs,
             crossings,
+            vocab_ids,
             scalars_per_later_stage: scalars,
         })
     }
@@ -207,4 +220,35 @@ impl StagedModel {
         }
         total + (self.stages.len().saturating_sub(1)) as f64 * self.scalars_per_later_stage
     }
+}
+
+/// The vocabulary-parallel embedding's ids under tensor parallelism (`tp/vocab_ids` of
+/// `strategy/tensor.rs`: the `V/T` int64 ids of the rank's rows, a constant the lookup and the
+/// split cross-entropy both read): placed with the lookup, sent once per step to the
+/// cross-entropy's stage when that is another (each tp rank its own `V/T`; no gradient).
+fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossing> {
+    use super::model::TpRole;
+    let g = &model.graph;
+    let lookup = model.ops.iter().find(|o| o.role == TpRole::VocabParallel)?;
+    let loss = model
+        .ops
+        .iter()
+        .find(|o| o.role == TpRole::SplitReduction)?;
+    let (from, to) = (stage_of[lookup.node.index()], stage_of[loss.node.index()]);
+    if from == to {
+        return None;
+    }
+    let (table, _) = g.inputs(lookup.node).first().copied()?;
+    let vocab = *g.node(table).outputs.first()?.shape.as_static()?.first()?;
+    Some(Crossing {
+        from,
+        to,
+        bytes: PerRows {
+            fixed: (vocab * 8) as f64,
+            per_row: 0.0,
+        },
+        split: true,
+        gradient: false,
+        per_step: true,
+    })
 }
