@@ -22,7 +22,7 @@
 //! - the table row's bytes per step (`dflow plan`'s analytical count: tensor-parallel
 //!   all-reduces and data-parallel collectives, sends between stages), every task summed,
 //!   equal the counters too for the small GPT's tensor-parallel layouts: tp=2, dp=2×tp=2
-//!   (ZeRO 0–3), tp=2×pp=2 and dp=2×tp=2×pp=2 (ZeRO 1 and 2).
+//!   (ZeRO 0–3), tp=2×pp=2 and dp=2×tp=2×pp=2 (ZeRO 1–3).
 //!
 //! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
 //! end with one evaluation batch, counted from the plan's evaluation signature.
@@ -654,19 +654,15 @@ fn three_d_zero_bytes_per_task_are_the_prediction() {
         let layout = format!("dp=2,tp=2,pp=2,m=2,zero={stage}");
         let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
         assert_traffic(&layout, &sent, trained_steps(&stderr), evals, &ends);
-        // The table row's collectives too, but at ZeRO-3 (its gathers there are not the job
-        // plan's yet: docs/planner.md, "Not built yet").
-        if stage != "3" {
-            let table = table_bytes(&graph, &layout, 4);
-            assert_table_bytes(
-                &layout,
-                table,
-                &sent.1,
-                trained_steps(&stderr),
-                evals,
-                &ends,
-            );
-        }
+        let table = table_bytes(&graph, &layout, 4);
+        assert_table_bytes(
+            &layout,
+            table,
+            &sent.1,
+            trained_steps(&stderr),
+            evals,
+            &ends,
+        );
         if evals == 0 {
             let predicted = accounted(&graph, "idx", "targets", &layout, 4);
             assert_memory(&layout, &predicted, &ends);

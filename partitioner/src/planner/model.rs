@@ -127,6 +127,11 @@ pub struct VariableProfile {
     /// nor the first layer's weight whose input needs no gradient). ZeRO-3 gathers a weight
     /// for the backward pass only then.
     pub backward_read: bool,
+    /// The forward ops whose gradients read it (in [`ModelProfile::graph`]; a gradient op
+    /// `gradients/<op>/...` counts for `<op>`): on which stage the backward pass reads it, and
+    /// through which op (a lookup's gradient reads the table; under tensor parallelism the
+    /// vocabulary-parallel lookup is a one-hot product, whose gradient does not).
+    pub backward_readers: Vec<NodeIndex>,
 }
 
 /// One MoE layer (`MoeDispatch` … `MoeCombine`; see [`crate::strategy::expert`]).
@@ -283,7 +288,7 @@ fn output_bytes(g: &Graph, idx: NodeIndex) -> Result<f64, ModelError> {
 /// The nodes a live op of the gradient expansion (a node named `gradients/...` that the
 /// training step runs: an ancestor of its `train_op`) reads as data. The expansion also makes
 /// gradients nobody reads (the first layer's input gradient), which no strategy runs.
-fn backward_reads(training: &TrainingGraph) -> HashSet<&str> {
+fn backward_reads(training: &TrainingGraph) -> HashMap<&str, Vec<&str>> {
     let def = &training.def;
     let index: HashMap<&str, usize> = def
         .nodes
@@ -312,15 +317,35 @@ fn backward_reads(training: &TrainingGraph) -> HashSet<&str> {
             }
         }
     }
-    def.nodes
+    let mut reads: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (_, n) in def
+        .nodes
         .iter()
         .enumerate()
         .filter(|&(i, n)| live[i] && n.name.starts_with("gradients/"))
-        .flat_map(|(_, n)| n.inputs.iter())
-        .filter(|i| !i.starts_with('^'))
-        .filter_map(|i| index.get(name_of(i).as_str()))
-        .map(|&j| def.nodes[j].name.as_str())
-        .collect()
+    {
+        for i in n.inputs.iter().filter(|i| !i.starts_with('^')) {
+            if let Some(&j) = index.get(name_of(i).as_str()) {
+                reads
+                    .entry(def.nodes[j].name.as_str())
+                    .or_default()
+                    .push(n.name.as_str());
+            }
+        }
+    }
+    reads
+}
+
+/// The forward op of `g` a gradient op named `gradients/<op>/...` belongs to: the longest
+/// `/`-prefix of the rest that names a node.
+fn forward_op_of(g: &Graph, gradient: &str) -> Option<NodeIndex> {
+    let mut rest = gradient.strip_prefix("gradients/")?;
+    loop {
+        if let Some(i) = g.find(rest) {
+            return Some(i);
+        }
+        rest = &rest[..rest.rfind('/')?];
+    }
 }
 
 impl OpProfile {
@@ -393,6 +418,7 @@ impl ModelProfile {
                     split: false,
                     expert: false,
                     backward_read: false,
+                    backward_readers: Vec::new(),
                 });
             }
             ops.push(OpProfile {
@@ -425,7 +451,12 @@ impl ModelProfile {
         if let Some(t) = &expanded {
             let read = backward_reads(t);
             for v in &mut variables {
-                v.backward_read = read.contains(g1.node(v.node).name.as_str());
+                if let Some(by) = read.get(g1.node(v.node).name.as_str()) {
+                    v.backward_read = true;
+                    v.backward_readers = by.iter().filter_map(|n| forward_op_of(&g1, n)).collect();
+                    v.backward_readers.sort_unstable();
+                    v.backward_readers.dedup();
+                }
             }
         }
         let (moe, moe_region) = moe_profiles(&g1, def, &mut variables);

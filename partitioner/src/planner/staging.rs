@@ -3,7 +3,7 @@
 //! activations and tensor-parallel all-reduces, and every tensor that crosses between stages
 //! (once per reading stage, as the pipeline rewrite sends it).
 
-use super::model::{ModelProfile, PerRows};
+use super::model::{ModelProfile, PerRows, TpRole};
 use crate::strategy::pipeline::stages::balanced;
 use crate::strategy::pipeline::PipelineError;
 use std::collections::BTreeSet;
@@ -20,6 +20,16 @@ pub struct StageCosts {
     pub backward_split: f64,
     /// Of [`Self::params_whole`], the elements the backward pass reads.
     pub backward_whole: f64,
+    /// Under tensor parallelism, of [`Self::backward_split`], the elements the backward pass
+    /// reads on this stage: through an op of this stage other than the vocabulary-parallel
+    /// lookup (a one-hot product, whose gradient does not read the table); not a tied
+    /// embedding read only by the head on another stage (the tensor strategy's ZeRO-3 inside
+    /// pipeline stages gathers nothing for it there).
+    pub backward_split_tp: f64,
+    /// Under tensor parallelism, of [`Self::backward_whole`], those read on this stage.
+    pub backward_whole_tp: f64,
+    /// Under tensor parallelism, the variables the backward pass reads on this stage.
+    pub backward_variables_tp: f64,
     /// Variables of the stage.
     pub variables: f64,
     /// Of them, those the backward pass reads.
@@ -104,6 +114,18 @@ impl StagedModel {
                 s.expert_variables += 1;
             }
             s.variables += 1.0;
+            let home = stage_of[var.node.index()];
+            let read_here_tp = var.backward_readers.iter().any(|r| {
+                stage_of[r.index()] == home && model.ops[r.index()].role != TpRole::VocabParallel
+            });
+            if read_here_tp {
+                s.backward_variables_tp += 1.0;
+                if var.split {
+                    s.backward_split_tp += var.elements;
+                } else {
+                    s.backward_whole_tp += var.elements;
+                }
+            }
             if var.backward_read {
                 s.backward_variables += 1.0;
                 if var.split {
@@ -227,7 +249,6 @@ impl StagedModel {
 /// split cross-entropy both read): placed with the lookup, sent once per step to the
 /// cross-entropy's stage when that is another (each tp rank its own `V/T`; no gradient).
 fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossing> {
-    use super::model::TpRole;
     let g = &model.graph;
     let lookup = model.ops.iter().find(|o| o.role == TpRole::VocabParallel)?;
     let loss = model
