@@ -95,6 +95,27 @@ fn plan_lays_out_the_experts_of_the_moe_gpt() {
         "{out}"
     );
     assert_eq!(out.matches("collective calls").count(), 4, "{out}");
+    // ZeRO-3 beside ep × tp is ranked and shown (the weights sharded over data_t<t> and the
+    // experts' holders, gathered before each pass).
+    let out = stdout(&dflow(&[
+        "plan",
+        "examples/gpt/gpt-moe.json",
+        "--devices",
+        "4",
+        "--batch-size",
+        "8",
+        "--layout",
+        "dp=2,tp=2,ep=2,zero=3",
+    ]));
+    assert!(
+        out.lines().any(|x| x.contains("dp2 tp2 pp1 ep2 z3 ")),
+        "{out}"
+    );
+    assert!(out.contains("layout dp2 tp2 pp1 ep2 z3 ("), "{out}");
+    assert!(
+        out.contains("as dflow runs it (--strategy tensor;"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -215,7 +236,7 @@ fn calibrate_refuses_impossible_measurements_naming_the_flag() {
 /// Every layout `dflow plan` ranks (fitting or not) is one `dflow run` runs: the planner's
 /// enumeration never offers a layout whose job plan the strategies refuse. The bundled GPT on 4
 /// and 8 devices (dp, tp, pp, ZeRO 0–3, micro-batches, their 3D combinations) and the MoE GPT
-/// on 4 (ep beside dp, inside pipeline stages and beside tp).
+/// on 4 (ep beside dp, inside pipeline stages and beside tp, ZeRO 0–3 each).
 #[test]
 fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
     use dflow::partitioner::planner::{
@@ -251,13 +272,17 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
         assert!(kinds(|l| l.zero == 3), "{graph}");
         if graph.ends_with("moe.json") {
             assert!(kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1), "{graph}");
-            // ZeRO: up to 3 beside ep × pp, up to 2 beside ep × tp (each built above).
+            // ZeRO: up to 3 beside ep × pp and beside ep × tp (each built above).
             assert!(
                 kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1 && l.zero == 3),
                 "{graph}"
             );
             assert!(
                 kinds(|l| l.mesh.ep > 1 && l.mesh.tp > 1 && l.zero == 2),
+                "{graph}"
+            );
+            assert!(
+                kinds(|l| l.mesh.ep > 1 && l.mesh.tp > 1 && l.zero == 3),
                 "{graph}"
             );
             // Tensor parallelism splits dense MLPs only (beside it the MoE MLPs are

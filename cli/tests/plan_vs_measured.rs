@@ -18,7 +18,11 @@
 //!   dp=2×pp=2 with ZeRO-1, 2 and 3 (memory too), tp=2×pp=2 and dp=2×tp=2×pp=2 with ZeRO-1
 //!   and 2 (memory too, from runs without the final evaluation: its peak on worker 0 depends
 //!   on when the other workers' weights land), and the MoE GPT under dp×ep (ZeRO 0, 2, 3),
-//!   dp×ep×pp (ZeRO 0–2) and dp×tp×ep (memory too).
+//!   dp×ep×pp (ZeRO 0–2) and dp×tp×ep (memory too);
+//! - the table row's bytes per step (`dflow plan`'s analytical count: tensor-parallel
+//!   all-reduces and data-parallel collectives, sends between stages), every task summed,
+//!   equal the counters too for the small GPT's tensor-parallel layouts: tp=2, dp=2×tp=2
+//!   (ZeRO 0–3), tp=2×pp=2 and dp=2×tp=2×pp=2 (ZeRO 1–3).
 //!
 //! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
 //! end with one evaluation batch, counted from the plan's evaluation signature.
@@ -141,6 +145,65 @@ fn assert_traffic(
             "{what}, {}: collective messages in {steps} steps and {evals} evaluation(s), predicted {} per step and {eval_messages} per evaluation",
             m.task,
             p.collective_messages
+        );
+    }
+}
+
+/// The table row's bytes per step of `layout` for the model in `graph` fed `batch` rows a step
+/// (`dflow plan`'s analytical count on this machine's preset, every task summed): in
+/// collectives (its tensor-parallel all-reduces, data-parallel collectives and all-to-alls),
+/// and between stages.
+fn table_bytes(graph: &Path, layout: &str, batch: usize) -> (f64, f64) {
+    let text = std::fs::read_to_string(graph).unwrap();
+    let def = dflow::graph::format::parse_json(&text, None).unwrap().def;
+    let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+    let profile = ClusterProfile::preset("this-machine").unwrap();
+    let layout: Layout = layout.parse().unwrap();
+    let options = PlanOptions {
+        devices: layout.mesh.size(),
+        batch_size: batch,
+    };
+    let e = planner::evaluate_layout(&model, &profile, &options, &layout).unwrap();
+    let t = e.traffic;
+    let bytes = |c: planner::collective::CommCost| c.intra_bytes + c.inter_bytes;
+    (
+        bytes(t.tensor_parallel) + bytes(t.data_parallel) + bytes(t.expert_parallel),
+        bytes(t.pipeline),
+    )
+}
+
+/// The tasks of `measured` together sent the table row's bytes (`table`: per step, in
+/// collectives and between stages) of `steps` training steps, plus the job plan's count of
+/// `evals` evaluation batches (the table models training steps only).
+fn assert_table_bytes(
+    what: &str,
+    (collective, pipeline): (f64, f64),
+    eval: &[accounting::TaskTraffic],
+    steps: u64,
+    evals: u64,
+    measured: &[EndOfTask],
+) {
+    for (kind, table, sent, eval_bytes) in [
+        (
+            "collective",
+            collective,
+            measured.iter().map(|m| m.collective).sum::<u64>(),
+            eval.iter().map(|e| e.collective).sum::<u64>(),
+        ),
+        (
+            "data-plane",
+            pipeline,
+            measured.iter().map(|m| m.data_plane).sum::<u64>(),
+            eval.iter().map(|e| e.data_plane).sum::<u64>(),
+        ),
+    ] {
+        eprintln!(
+            "{what}: the table's {table} B of {kind} bytes per step × {steps} steps + {eval_bytes} B per evaluation × {evals}; measured {sent} B, every task summed"
+        );
+        assert_eq!(
+            sent as f64,
+            table * steps as f64 + (eval_bytes * evals) as f64,
+            "{what}: every task's {kind} bytes in {steps} steps and {evals} evaluation(s) against the table's {table} B per step"
         );
     }
 }
@@ -436,6 +499,8 @@ fn tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
     // weight shards over the data plane.
     assert!(sent.1.iter().any(|t| t.data_plane > 0), "{sent:?}");
     assert_traffic("tp=2", &sent, trained_steps(&stderr), 1, &ends);
+    let table = table_bytes(&graph, "tp=2", 4);
+    assert_table_bytes("tp=2", table, &sent.1, trained_steps(&stderr), 1, &ends);
 }
 
 #[test]
@@ -445,6 +510,15 @@ fn data_and_tensor_parallel_bytes_per_task_are_the_prediction() {
     assert_eq!(ends.len(), 4, "{stderr}");
     let sent = predicted_traffic(&graph, "idx", "targets", "dp=2,tp=2", 4);
     assert_traffic("dp=2,tp=2", &sent, trained_steps(&stderr), 1, &ends);
+    let table = table_bytes(&graph, "dp=2,tp=2", 4);
+    assert_table_bytes(
+        "dp=2,tp=2",
+        table,
+        &sent.1,
+        trained_steps(&stderr),
+        1,
+        &ends,
+    );
     let predicted = accounted(&graph, "idx", "targets", "dp=2,tp=2", 4);
     assert_memory("dp=2,tp=2", &predicted, &ends);
 }
@@ -464,6 +538,8 @@ fn data_and_tensor_parallel_zero_memory_and_bytes_per_task_are_the_prediction() 
         let layout = format!("dp=2,tp=2,zero={stage}");
         let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
         assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+        let table = table_bytes(&graph, &layout, 4);
+        assert_table_bytes(&layout, table, &sent.1, trained_steps(&stderr), 1, &ends);
         let predicted = accounted(&graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
     }
@@ -482,6 +558,8 @@ fn tensor_parallel_pipeline_bytes_per_task_are_the_prediction() {
     let layout = "dp=1,tp=2,pp=2,m=2";
     let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
     assert_traffic("tp=2,pp=2,m=2", &sent, trained_steps(&stderr), 1, &ends);
+    let table = table_bytes(&graph, layout, 4);
+    assert_table_bytes(layout, table, &sent.1, trained_steps(&stderr), 1, &ends);
     // Memory of the training steps alone. (When the evaluation ran on worker 0 from weights
     // the other workers sent it, worker 0's peak was 76,100 or 96,640 B in identical runs with
     // it, always 76,100 B without; on the stages, it measured 76,100 B with it in 3 of 3 runs.)
@@ -576,6 +654,15 @@ fn three_d_zero_bytes_per_task_are_the_prediction() {
         let layout = format!("dp=2,tp=2,pp=2,m=2,zero={stage}");
         let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
         assert_traffic(&layout, &sent, trained_steps(&stderr), evals, &ends);
+        let table = table_bytes(&graph, &layout, 4);
+        assert_table_bytes(
+            &layout,
+            table,
+            &sent.1,
+            trained_steps(&stderr),
+            evals,
+            &ends,
+        );
         if evals == 0 {
             let predicted = accounted(&graph, "idx", "targets", &layout, 4);
             assert_memory(&layout, &predicted, &ends);

@@ -36,15 +36,25 @@
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
-//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 2: the tensor strategy with ep) the MoE layers
+//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 3: the tensor strategy with ep) the MoE layers
 //! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
 //! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
 //! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
-//! those of the rank's tp coordinate.
+//! those of the rank's tp coordinate (`data_t<t>` for the dense states, `experts_dp<s>_t<t>`
+//! for the expert shards'; ZeRO-3 shards the weights over the same groups and gathers them
+//! before the forward and the backward pass, as `strategy/tensor/experts.rs` runs it).
+//!
+//! **Tensor parallelism** counts dflow's calls (`strategy/tensor.rs`), each an all-reduce over
+//! the rank's tensor-parallel group: per dense block `g` after both row-parallel products
+//! forward and `f`'s input gradient before both column-parallel ones backward; the
+//! vocabulary-parallel embedding's `g`; the tied head's `f`; the split cross-entropy's three
+//! all-reduces of its per-row values (max, `Σ exp`, target logit); and with clipping each
+//! device's squared norm of its shards, once per step. Bytes and messages
+//! ([`Evaluation::tensor_parallel_messages`]) are the job plan's over its `tensor*` groups.
 //! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
 //! loss's all-gathers and the dropped-token count.
 
-use super::collective::{p2p_seconds, AxisLinks, Collective, CommCost};
+use super::collective::{p2p_seconds, rank_messages, AxisLinks, Call, Collective, CommCost};
 use super::layout::Layout;
 use super::model::ModelProfile;
 use super::profile::{ClusterProfile, LinkClass, Precision};
@@ -167,6 +177,10 @@ pub struct Evaluation {
     pub fits: bool,
     /// Bytes per step.
     pub traffic: Traffic,
+    /// Messages per step of the tensor-parallel collectives, every rank summed (each a step
+    /// with a peer: [`super::collective::rank_messages`]), as the job plan's collectives over
+    /// its `tensor*` groups send them.
+    pub tensor_parallel_messages: f64,
     /// Bytes between stages per step over all replicas (Send/Recv pairs in a job plan).
     pub pipeline_bytes: f64,
     /// Bytes each rank of stage 0 puts into data-parallel collectives per step.
@@ -285,10 +299,10 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1, ZeRO ≤ 2.
-        if mesh.tp > 1 && (mesh.pp > 1 || layout.zero > 2) {
+        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1 (ZeRO 0 to 3).
+        if mesh.tp > 1 && mesh.pp > 1 {
             return Err(refuse(format!(
-                "ep={} beside tp={} is modelled without pipeline stages (pp = 1) at ZeRO ≤ 2: docs/experts.md, \"ep beside tp\"",
+                "ep={} beside tp={} runs without pipeline stages (pp = 1): docs/experts.md, \"ep beside tp\"",
                 mesh.ep, mesh.tp
             )));
         }
@@ -371,6 +385,9 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     let mut slowest = (0.0f64, 0.0f64, 0.0f64, 0.0f64, 0.0f64, 0usize);
     let mut dp_time: f64 = 0.0;
     let mut ep_time: f64 = 0.0;
+    // Tensor-parallel collectives once per step (clipping's norm) on the slowest device.
+    let mut tp_step_time: f64 = 0.0;
+    let mut tensor_parallel_messages = 0.0;
     let mut stage0_payload = 0.0;
     // Per device and micro-batch: its activations sent forward, its gradients sent back.
     let mut sends = vec![0.0; p];
@@ -450,15 +467,45 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         let compute_f = flops / rate;
         let mut tp_f = CommCost::default();
         let mut tp_b = CommCost::default();
+        // Messages of one tensor-parallel group per micro-batch (every rank) and of its
+        // rank 0 (the busiest: recursive doubling folds the ranks past a power of two into
+        // the first ones).
+        let (mut tp_msgs, mut tp_rank0_msgs) = (0.0, 0.0);
+        let mut count_messages = |bytes: f64, size: usize| {
+            let (group, first) = tp_messages(t, bytes, size);
+            tp_msgs += group;
+            tp_rank0_msgs += first;
+        };
+        let act_size = act_element_bytes(profile.precision);
         for c in &chunks {
             for b in &c.tp_forward {
-                tp_f = tp_f.then(tp_links.cost(Collective::AllReduce, b.at(rows) * act_scale));
+                let bytes = b.at(rows) * act_scale;
+                tp_f = tp_f.then(tp_links.cost(Collective::AllReduce, bytes));
+                count_messages(bytes, act_size);
             }
             for b in &c.tp_backward {
-                tp_b = tp_b.then(tp_links.cost(Collective::AllReduce, b.at(rows) * act_scale));
+                let bytes = b.at(rows) * act_scale;
+                tp_b = tp_b.then(tp_links.cost(Collective::AllReduce, bytes));
+                count_messages(bytes, act_size);
             }
         }
         traffic.tensor_parallel = traffic.tensor_parallel.then(tp_f.then(tp_b).times(mf));
+        tensor_parallel_messages += tp_msgs * mf * df;
+        // Clipping by global norm: once per step, the squared norm of this device's shards
+        // summed over its tensor-parallel group (`tp/clip/shards_squared_norm_sum`; over a
+        // pipeline each stage's, under ZeRO `zero/clip/sharded_squared_norm_outer`), where it
+        // holds a shard.
+        let mut tp_step = CommCost::default();
+        let mut tp_step_rank0_msgs = 0.0;
+        if t > 1 && ctx.model.clips && chunks.iter().any(|c| c.params_split > 0.0) {
+            tp_step = tp_links.cost(Collective::AllReduce, CLIP_NORM_BYTES);
+            let (group, first) = tp_messages(t, CLIP_NORM_BYTES, CLIP_NORM_BYTES as usize);
+            tensor_parallel_messages += group * df;
+            tp_step_rank0_msgs += first;
+        }
+        traffic.tensor_parallel = traffic.tensor_parallel.then(tp_step);
+        tp_step_time =
+            tp_step_time.max(tp_step.seconds + tp_step_rank0_msgs * profile.job.collective);
         // Sends of this device per micro-batch: activations forward, gradients back.
         let send_seconds = sends[s];
         for c in by_sender[s].iter().map(|&i| &staged.crossings[i]) {
@@ -473,6 +520,25 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                     match class {
                         LinkClass::IntraHost => cost.intra_bytes += sent * times,
                         LinkClass::InterHost => cost.inter_bytes += sent * times,
+                    }
+                }
+            }
+            traffic.pipeline = traffic.pipeline.then(cost);
+        }
+        // Under tensor parallelism each tp rank sends its vocabulary ids to the loss's stage
+        // once per step.
+        if let Some(c) = staged
+            .vocab_ids
+            .as_ref()
+            .filter(|c| t > 1 && c.from % p == s)
+        {
+            let per_rank = c.bytes.at(rows) / tf;
+            let mut cost = CommCost::default();
+            for ti in 0..t {
+                for di in 0..d {
+                    match profile.class(mesh.rank(ti, di, s), mesh.rank(ti, di, c.to % p)) {
+                        LinkClass::IntraHost => cost.intra_bytes += per_rank,
+                        LinkClass::InterHost => cost.inter_bytes += per_rank,
                     }
                 }
             }
@@ -499,15 +565,9 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         } else {
             profile.op_overhead
         };
-        let tp_calls: usize = if t > 1 {
-            chunks
-                .iter()
-                .map(|c| c.tp_forward.len() + c.tp_backward.len())
-                .sum()
-        } else {
-            0
-        };
-        let op_seconds = ops * per_op + tp_calls as f64 * profile.job.collective;
+        // A calibrated job's cost per collective message (each a step with a peer, as
+        // `runtime::job_step` prices the job plan's).
+        let op_seconds = ops * per_op + tp_rank0_msgs * profile.job.collective;
         // Data parallelism: the stage's gradients in buckets (and parameters under ZeRO).
         let grad_bytes = params * g_bytes;
         let weight_bytes = params * w_bytes;
@@ -527,14 +587,30 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             } else {
                 (0.0, 0.0)
             };
+            // Under tensor parallelism the weights the backward pass reads on this stage
+            // (not the vocabulary-parallel lookup's table, nor a tied embedding read by the
+            // head on another stage).
             let backward: f64 = chunks
                 .iter()
-                .map(|c| c.backward_split / tf + c.backward_whole)
+                .map(|c| {
+                    if t > 1 {
+                        c.backward_split_tp / tf + c.backward_whole_tp
+                    } else {
+                        c.backward_split / tf + c.backward_whole
+                    }
+                })
                 .sum::<f64>()
                 - backward_experts;
             let calls: f64 = chunks
                 .iter()
-                .map(|c| c.variables + c.backward_variables)
+                .map(|c| {
+                    c.variables
+                        + if t > 1 {
+                            c.backward_variables_tp
+                        } else {
+                            c.backward_variables
+                        }
+                })
                 .sum::<f64>()
                 - expert_calls;
             gather_mb = buckets(&dp_links, Collective::AllGather, weight_bytes).then(buckets(
@@ -695,7 +771,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     let time = StepTime {
         input,
         compute: compute * mf,
-        tensor_parallel: tp_seconds * mf,
+        tensor_parallel: tp_seconds * mf + tp_step_time,
         pipeline: sends * mf,
         bubble: slot * (p as f64 - 1.0) / vf,
         data_parallel: dp_time + gather_seconds * mf,
@@ -719,6 +795,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         memory,
         fits,
         traffic,
+        tensor_parallel_messages,
         pipeline_bytes,
         data_parallel_payload: stage0_payload,
         time,
@@ -727,6 +804,23 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         slot_gathers: gather_seconds,
         slowest_stage,
     }
+}
+
+/// Bytes of one element of the activations (and their gradients) the tensor-parallel
+/// all-reduces sum.
+fn act_element_bytes(precision: Precision) -> usize {
+    match precision {
+        Precision::F32 => 4,
+        Precision::Mixed => 2,
+    }
+}
+
+/// The messages of one all-reduce of `bytes` (elements of `size` bytes) over a group of `n`:
+/// every rank's, and rank 0's (the most any rank sends).
+fn tp_messages(n: usize, bytes: f64, size: usize) -> (f64, f64) {
+    let elements = (bytes / size.max(1) as f64).round() as usize;
+    let rank = |r: usize| rank_messages(Call::AllReduce, n, r, elements, size) as f64;
+    ((0..n).map(rank).sum(), rank(0))
 }
 
 /// The cost of `kind` on `bytes` cut into the all-reduce strategy's buckets of at most 25 MiB.
@@ -961,7 +1055,6 @@ mod tests {
                 "dp=2,ep=2,pp=2,m=2",
                 "beside pp is modelled with one micro-batch",
             ),
-            ("dp=2,ep=2,tp=2,zero=3", "at ZeRO ≤ 2"),
             ("dp=2,ep=2,pp=2,m=2,zero=3", "with one micro-batch"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
@@ -971,7 +1064,8 @@ mod tests {
         }
     }
 
-    /// `dp × tp × ep` (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): every rank holds its
+    /// `dp × tp × ep` (`--mesh dp=D,tp=T,ep=E`, the tensor strategy), ZeRO 0 to 3 (at 3 the
+    /// weights sharded as the slots are, and gathered before each pass): every rank holds its
     /// tp shard of the dense parameters, the routers whole and `1/ep` of the experts
     /// (replicated over tp), as the job plan's variables count them; the all-to-alls are the
     /// job plan's (each tp rank repeats its replica's), and the data-parallel bytes (the dense
@@ -1025,6 +1119,8 @@ mod tests {
             ("dp=4,tp=2,ep=2", 8),
             ("dp=4,tp=2,ep=2,zero=1", 8),
             ("dp=4,tp=2,ep=2,zero=2", 8),
+            ("dp=2,tp=2,ep=2,zero=3", 4),
+            ("dp=4,tp=2,ep=2,zero=3", 8),
         ] {
             let options = PlanOptions {
                 devices,
@@ -1052,20 +1148,20 @@ mod tests {
             assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
             assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
         }
-        // Refused beside tp: a pipeline, ZeRO.
+        // Refused beside tp: a pipeline.
         let options = PlanOptions {
             devices: 8,
             batch_size: 8,
         };
-        for bad in ["dp=2,tp=2,pp=2,ep=2", "dp=4,tp=2,ep=2,zero=3"] {
-            let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains("without pipeline stages (pp = 1) at ZeRO ≤ 2"),
-                "{bad}: {e}"
-            );
-        }
+        let e = evaluate_layout(
+            &model,
+            &profile,
+            &options,
+            &"dp=2,tp=2,pp=2,ep=2".parse().unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("without pipeline stages (pp = 1)"), "{e}");
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
@@ -1245,11 +1341,12 @@ mod tests {
             .map(|e| e.layout.short())
             .collect();
         // ZeRO 0 to 3 of each dp × ep; dp2 × ep2 inside 2 pipeline stages, one micro-batch
-        // at ZeRO 0 to 3; dp2 × tp2 × ep2 at ZeRO 0 to 2.
-        assert_eq!(eps.len(), 15, "{eps:?}");
+        // at ZeRO 0 to 3; dp2 × tp2 × ep2 at ZeRO 0 to 3.
+        assert_eq!(eps.len(), 16, "{eps:?}");
         for l in [
             "dp2 tp2 pp1 ep2 z1",
             "dp2 tp2 pp1 ep2 z2",
+            "dp2 tp2 pp1 ep2 z3",
             "dp2 tp1 pp2 ep2 z2 m1",
             "dp2 tp1 pp2 ep2 z3 m1",
             "dp2 tp2 pp1 ep2",
@@ -1405,7 +1502,7 @@ mod tests {
     /// The small GPT beside tensor parallelism: the table's data-parallel bytes are the job
     /// plan's collectives over its data-parallel groups (every group but the tensor-parallel
     /// ones), every task summed, exactly: the 3D mesh at ZeRO 0–2 and dp2×tp2 at ZeRO 1–3 (the
-    /// tensor-parallel bytes are the Megatron count, not dflow's: docs/planner.md).
+    /// tensor-parallel bytes: `the_tensor_parallel_bytes_and_messages_are_the_job_plans`).
     #[test]
     fn gpt_3d_table_data_parallel_bytes_are_the_job_plans() {
         use super::super::accounting;
@@ -1525,6 +1622,165 @@ mod tests {
                 e.time.total(),
                 job.total()
             );
+        }
+    }
+
+    /// A job plan's collectives over its tensor-parallel groups (`tensor*`), every task
+    /// summed: bytes and messages, as [`super::super::accounting::traffic`] counts them.
+    fn tensor_job_traffic(plan: &crate::strategy::JobPlan, rows: usize) -> (u64, u64) {
+        use super::super::accounting;
+        use crate::planner::collective::{rank_bytes, rank_messages, Call};
+        let (mut bytes, mut messages) = (0u64, 0u64);
+        for sig in plan.train_signatures() {
+            for (device, part) in &sig.partitions.partitions {
+                let task = device.task_name().unwrap();
+                let f = accounting::with_rows(&part.graph, rows).unwrap();
+                for i in f.node_indices() {
+                    let node = f.node(i);
+                    let call = match node.op {
+                        "CollectiveAllReduce" | "CollectiveTpReduce" => Call::AllReduce,
+                        "CollectiveReduceScatter" => Call::ReduceScatter,
+                        "CollectiveAllGather" => Call::AllGather,
+                        "CollectiveAllToAll" => Call::AllToAll,
+                        _ => continue,
+                    };
+                    let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key") else {
+                        continue;
+                    };
+                    if !key.starts_with("tensor") {
+                        continue;
+                    }
+                    let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                    let n = group.members.len();
+                    let rank = group.members.iter().position(|m| *m == task).unwrap();
+                    let (src, k) = f.inputs(i)[0];
+                    let t = &f.node(src).outputs[k];
+                    let elements = t.shape.num_elements().unwrap();
+                    let size = t.dtype.size_of();
+                    bytes += rank_bytes(call, n, rank, elements, size);
+                    messages += rank_messages(call, n, rank, elements, size) as u64;
+                }
+            }
+        }
+        (bytes, messages)
+    }
+
+    /// The table's tensor-parallel bytes and messages are the job plan's collectives over its
+    /// `tensor*` groups, every task summed, exactly: dflow's `f`/`g` (two all-reduces per
+    /// dense block forward, two backward), the vocabulary-parallel embedding's `g`, the tied
+    /// head's `f`, the split cross-entropy's three all-reduces of its per-row values (the
+    /// max, `Σ exp`, the target's logit; not its gradient output), the column-parallel
+    /// products' input gradients at the size of that input alone (not a layer norm's other
+    /// outputs), and under clipping each device's squared norm of its shards once per step.
+    /// For the bundled GPT over tp, dp × tp and pipelines (1 and 2 micro-batches, ZeRO too),
+    /// and the MoE GPT over dp × tp × ep (no all-reduce around an MoE MLP).
+    #[test]
+    fn the_tensor_parallel_bytes_and_messages_are_the_job_plans() {
+        use super::super::accounting;
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/gpt/gpt.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
+        let moe = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let cases: Vec<(&dflow_graph::GraphDef, &str)> = vec![
+            (&def, "tp=2"),
+            (&def, "tp=4"),
+            (&def, "dp=2,tp=2"),
+            (&def, "dp=2,tp=2,zero=1"),
+            (&def, "dp=2,tp=2,zero=3"),
+            (&def, "tp=2,pp=2,m=1"),
+            (&def, "tp=2,pp=2,m=2"),
+            (&def, "dp=2,tp=2,pp=2,m=1"),
+            (&def, "dp=2,tp=2,pp=2,m=2"),
+            (&def, "dp=2,tp=2,pp=2,m=2,zero=2"),
+            (&moe, "dp=2,tp=2,ep=2"),
+            (&moe, "dp=2,tp=2,ep=2,zero=2"),
+            (&moe, "dp=2,tp=2,ep=2,zero=3"),
+            (&moe, "dp=4,tp=2,ep=2,zero=3"),
+        ];
+        for (def, layout) in cases {
+            let model = ModelProfile::new(def, "idx", "targets").unwrap();
+            let g = dflow_graph::Graph::from_def(def).unwrap();
+            let train = def.train.clone().unwrap();
+            let l: super::Layout = layout.parse().unwrap();
+            let options = PlanOptions {
+                devices: l.mesh.size(),
+                batch_size: 8,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 8).unwrap();
+            let (bytes, messages) = tensor_job_traffic(&plan, 8 / l.mesh.dp);
+            let tp = e.traffic.tensor_parallel;
+            assert!(bytes > 0, "{layout}");
+            assert_eq!(tp.intra_bytes + tp.inter_bytes, bytes as f64, "{layout}");
+            assert_eq!(e.tensor_parallel_messages, messages as f64, "{layout}");
+        }
+    }
+
+    /// Tensor parallelism inside pipeline stages: the table's bytes between stages are the
+    /// job plan's Send/Recv pairs, every task summed, exactly: each tp rank sends its
+    /// replica's activations whole, its shard of the tied embedding (and gets its shard's
+    /// gradient back) and its vocabulary ids (`tp/vocab_ids`) to the loss's stage once per
+    /// step; and the table's collectives (tensor- and data-parallel) are the job plan's, at
+    /// ZeRO-3 too (the 3D job gathers the tied embedding on stage 0 for no backward pass: its
+    /// one-hot lookup does not read it, the head on the last stage reads the copy it was sent).
+    #[test]
+    fn tp_pp_bytes_between_stages_are_the_job_plans() {
+        use super::super::accounting;
+        let cfg = GptConfig {
+            vocab_size: 76,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 32,
+            grad_clip: Some(0.5),
+            ..GptConfig::default()
+        };
+        let def = gpt(&cfg).unwrap().def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        for layout in [
+            "dp=2,pp=2,m=2",
+            "tp=2,pp=2,m=1",
+            "tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2,zero=1",
+            "dp=2,tp=2,pp=2,m=2,zero=2",
+            "dp=2,tp=2,pp=2,m=2,zero=3",
+        ] {
+            let l: super::Layout = layout.parse().unwrap();
+            let options = PlanOptions {
+                devices: l.mesh.size(),
+                batch_size: 4,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 4).unwrap();
+            let tasks = accounting::traffic(&plan, 4 / l.mesh.dp).unwrap();
+            let sent: u64 = tasks.iter().map(|t| t.data_plane).sum();
+            let collective: u64 = tasks.iter().map(|t| t.collective).sum();
+            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{layout}");
+            let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
+            assert_eq!(table, collective as f64, "{layout}");
         }
     }
 }

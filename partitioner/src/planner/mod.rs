@@ -140,7 +140,7 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 /// `dp` and every layer's experts, with ZeRO 0–3 (the dense states over `dp`, the
 /// experts' over their expert-data-parallel groups) when `pp = 1`, with one micro-batch and
 /// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
-/// ZeRO 0–2.
+/// ZeRO 0–3.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
@@ -185,9 +185,8 @@ pub fn layouts_with_experts(
                     continue;
                 };
                 // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 2.
-                let zeros: &[u8] = if tp > 1 { &[0, 1, 2] } else { &[0, 1, 2, 3] };
-                for &zero in zeros {
+                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 3 too.
+                for zero in 0..=3 {
                     out.push(Layout {
                         zero,
                         ..Layout::new(mesh)

@@ -11,7 +11,8 @@
 //! sum, all-reduced in the forward pass); a column-parallel product all-reduces its input's
 //! gradient in the backward pass. A `Gather` from a variable is a vocabulary-parallel embedding
 //! (its output all-reduced), ops reading a split tensor are split too, and a cross-entropy over a
-//! split tensor all-reduces its per-row output. Everything else is replicated.
+//! split tensor all-reduces its per-row output three times (dflow's vocabulary-parallel
+//! cross-entropy: the max, `Σ exp` and the target's logit). Everything else is replicated.
 
 use super::flops::forward_flops;
 use crate::strategy::pipeline::stages::batch_ops;
@@ -76,6 +77,12 @@ impl TpRole {
     }
 }
 
+/// The all-reduces of dflow's vocabulary-parallel cross-entropy in the forward pass, each of
+/// its per-row output's size (`strategy/tensor.rs`: the logits' max, `Σ exp` and the target's
+/// logit); their gradients need none (the max is behind `StopGradient`, a sum's gradient is the
+/// identity).
+pub const SPLIT_REDUCTION_CALLS: usize = 3;
+
 /// One forward op.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OpProfile {
@@ -91,7 +98,8 @@ pub struct OpProfile {
     pub split_output: bool,
     /// Its role under tensor parallelism.
     pub role: TpRole,
-    /// Bytes all-reduced over the tensor-parallel group in the forward pass.
+    /// Bytes of each all-reduce over the tensor-parallel group in the forward pass (there are
+    /// [`Self::tp_forward_calls`]).
     pub tp_forward: PerRows,
     /// Bytes all-reduced over the tensor-parallel group in the backward pass.
     pub tp_backward: PerRows,
@@ -119,6 +127,11 @@ pub struct VariableProfile {
     /// nor the first layer's weight whose input needs no gradient). ZeRO-3 gathers a weight
     /// for the backward pass only then.
     pub backward_read: bool,
+    /// The forward ops whose gradients read it (in [`ModelProfile::graph`]; a gradient op
+    /// `gradients/<op>/...` counts for `<op>`): on which stage the backward pass reads it, and
+    /// through which op (a lookup's gradient reads the table; under tensor parallelism the
+    /// vocabulary-parallel lookup is a one-hot product, whose gradient does not).
+    pub backward_readers: Vec<NodeIndex>,
 }
 
 /// One MoE layer (`MoeDispatch` … `MoeCombine`; see [`crate::strategy::expert`]).
@@ -275,7 +288,7 @@ fn output_bytes(g: &Graph, idx: NodeIndex) -> Result<f64, ModelError> {
 /// The nodes a live op of the gradient expansion (a node named `gradients/...` that the
 /// training step runs: an ancestor of its `train_op`) reads as data. The expansion also makes
 /// gradients nobody reads (the first layer's input gradient), which no strategy runs.
-fn backward_reads(training: &TrainingGraph) -> HashSet<&str> {
+fn backward_reads(training: &TrainingGraph) -> HashMap<&str, Vec<&str>> {
     let def = &training.def;
     let index: HashMap<&str, usize> = def
         .nodes
@@ -304,15 +317,49 @@ fn backward_reads(training: &TrainingGraph) -> HashSet<&str> {
             }
         }
     }
-    def.nodes
+    let mut reads: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (_, n) in def
+        .nodes
         .iter()
         .enumerate()
         .filter(|&(i, n)| live[i] && n.name.starts_with("gradients/"))
-        .flat_map(|(_, n)| n.inputs.iter())
-        .filter(|i| !i.starts_with('^'))
-        .filter_map(|i| index.get(name_of(i).as_str()))
-        .map(|&j| def.nodes[j].name.as_str())
-        .collect()
+    {
+        for i in n.inputs.iter().filter(|i| !i.starts_with('^')) {
+            if let Some(&j) = index.get(name_of(i).as_str()) {
+                reads
+                    .entry(def.nodes[j].name.as_str())
+                    .or_default()
+                    .push(n.name.as_str());
+            }
+        }
+    }
+    reads
+}
+
+/// The forward op of `g` a gradient op named `gradients/<op>/...` belongs to: the longest
+/// `/`-prefix of the rest that names a node.
+fn forward_op_of(g: &Graph, gradient: &str) -> Option<NodeIndex> {
+    let mut rest = gradient.strip_prefix("gradients/")?;
+    loop {
+        if let Some(i) = g.find(rest) {
+            return Some(i);
+        }
+        rest = &rest[..rest.rfind('/')?];
+    }
+}
+
+impl OpProfile {
+    /// The all-reduces of [`Self::tp_forward`] bytes each the op makes in the forward pass:
+    /// [`SPLIT_REDUCTION_CALLS`] for a split cross-entropy, one for any other op with some.
+    pub fn tp_forward_calls(&self) -> usize {
+        if self.tp_forward == PerRows::default() {
+            0
+        } else if self.role == TpRole::SplitReduction {
+            SPLIT_REDUCTION_CALLS
+        } else {
+            1
+        }
+    }
 }
 
 impl ModelProfile {
@@ -333,6 +380,8 @@ impl ModelProfile {
         let mut ops: Vec<OpProfile> = Vec::with_capacity(n);
         let mut variables = Vec::new();
         let mut variable_of = vec![None; n];
+        // Every output's bytes on its own (an op's input is one output of its producer).
+        let mut slot_bytes: Vec<Vec<PerRows>> = Vec::with_capacity(n);
         for idx in g1.node_indices() {
             let node = g1.node(idx);
             let idx2 = if g2.node(idx).name == node.name {
@@ -345,6 +394,21 @@ impl ModelProfile {
                 Some(i2) => (forward_flops(&g2, i2), output_bytes(&g2, i2)?),
                 None => (f1, b1),
             };
+            let slots = |g: &Graph, i: NodeIndex| -> Vec<f64> {
+                g.node(i)
+                    .outputs
+                    .iter()
+                    .map(|t| t.byte_size().unwrap_or(0) as f64)
+                    .collect()
+            };
+            let s1 = slots(&g1, idx);
+            let s2 = idx2.map_or_else(|| s1.clone(), |i2| slots(&g2, i2));
+            slot_bytes.push(
+                s1.iter()
+                    .zip(&s2)
+                    .map(|(&a, &b)| PerRows::from_points(a, b))
+                    .collect(),
+            );
             if node.op_def().is_variable {
                 variable_of[idx.index()] = Some(variables.len());
                 variables.push(VariableProfile {
@@ -354,6 +418,7 @@ impl ModelProfile {
                     split: false,
                     expert: false,
                     backward_read: false,
+                    backward_readers: Vec::new(),
                 });
             }
             ops.push(OpProfile {
@@ -386,7 +451,12 @@ impl ModelProfile {
         if let Some(t) = &expanded {
             let read = backward_reads(t);
             for v in &mut variables {
-                v.backward_read = read.contains(g1.node(v.node).name.as_str());
+                if let Some(by) = read.get(g1.node(v.node).name.as_str()) {
+                    v.backward_read = true;
+                    v.backward_readers = by.iter().filter_map(|n| forward_op_of(&g1, n)).collect();
+                    v.backward_readers.sort_unstable();
+                    v.backward_readers.dedup();
+                }
             }
         }
         let (moe, moe_region) = moe_profiles(&g1, def, &mut variables);
@@ -413,7 +483,7 @@ impl ModelProfile {
             step_count,
         };
         model.mark_gradients();
-        model.assign_tp_roles(&moe_region);
+        model.assign_tp_roles(&moe_region, &slot_bytes);
         Ok(model)
     }
 
@@ -460,8 +530,19 @@ impl ModelProfile {
     /// of `moe_region` (the MoE layers' routers, dispatches, experts and combines) are
     /// replicated: the tensor strategy runs each MoE MLP whole on every tp rank
     /// (`strategy/tensor/experts.rs`), so their weights are not split and no all-reduce is
-    /// around them.
-    fn assign_tp_roles(&mut self, moe_region: &HashSet<NodeIndex>) {
+    /// around them. The all-reduces' sizes are those of the tensors dflow sums (`slot_bytes`:
+    /// each node's outputs apart): a row-parallel product's or an embedding's output, a
+    /// column-parallel product's input (the one output of its producer it reads, not a layer
+    /// norm's mean and deviation beside it), a split cross-entropy's per-row loss (not its
+    /// gradient output).
+    fn assign_tp_roles(&mut self, moe_region: &HashSet<NodeIndex>, slot_bytes: &[Vec<PerRows>]) {
+        let slot = |(s, k): (NodeIndex, usize)| -> PerRows {
+            slot_bytes
+                .get(s.index())
+                .and_then(|o| o.get(k))
+                .copied()
+                .unwrap_or_default()
+        };
         let g = self.graph.clone();
         for idx in g.topo_order() {
             let node = g.node(idx);
@@ -476,11 +557,8 @@ impl ModelProfile {
             };
             let any_split = (0..inputs.len()).any(split_in);
             let weight_rhs = inputs.len() >= 2 && self.is_variable(inputs[1].0);
-            let in_bytes0 = inputs
-                .first()
-                .map(|(s, _)| self.ops[s.index()].out_bytes)
-                .unwrap_or_default();
-            let out = self.ops[idx.index()].out_bytes;
+            let in_bytes0 = inputs.first().copied().map(slot).unwrap_or_default();
+            let out = slot((idx, 0));
             let (role, split_output) = match node.op {
                 "MatMul" | "BatchMatMul" if weight_rhs => {
                     let transpose = matches!(

@@ -3,7 +3,7 @@
 //! activations and tensor-parallel all-reduces, and every tensor that crosses between stages
 //! (once per reading stage, as the pipeline rewrite sends it).
 
-use super::model::{ModelProfile, PerRows};
+use super::model::{ModelProfile, PerRows, TpRole};
 use crate::strategy::pipeline::stages::balanced;
 use crate::strategy::pipeline::PipelineError;
 use std::collections::BTreeSet;
@@ -20,6 +20,16 @@ pub struct StageCosts {
     pub backward_split: f64,
     /// Of [`Self::params_whole`], the elements the backward pass reads.
     pub backward_whole: f64,
+    /// Under tensor parallelism, of [`Self::backward_split`], the elements the backward pass
+    /// reads on this stage: through an op of this stage other than the vocabulary-parallel
+    /// lookup (a one-hot product, whose gradient does not read the table); not a tied
+    /// embedding read only by the head on another stage (the tensor strategy's ZeRO-3 inside
+    /// pipeline stages gathers nothing for it there).
+    pub backward_split_tp: f64,
+    /// Under tensor parallelism, of [`Self::backward_whole`], those read on this stage.
+    pub backward_whole_tp: f64,
+    /// Under tensor parallelism, the variables the backward pass reads on this stage.
+    pub backward_variables_tp: f64,
     /// Variables of the stage.
     pub variables: f64,
     /// Of them, those the backward pass reads.
@@ -74,6 +84,9 @@ pub struct StagedModel {
     pub stages: Vec<StageCosts>,
     /// Every crossing tensor.
     pub crossings: Vec<Crossing>,
+    /// Under tensor parallelism only: the vocabulary-parallel embedding's ids, sent once per
+    /// step from the lookup's stage to the split cross-entropy's (see `vocab_ids_crossing`).
+    pub vocab_ids: Option<Crossing>,
     /// Scalar bytes each later stage exchanges with the first per step (the clipping norm and
     /// scale, the optimizer's step count).
     pub scalars_per_later_stage: f64,
@@ -101,6 +114,18 @@ impl StagedModel {
                 s.expert_variables += 1;
             }
             s.variables += 1.0;
+            let home = stage_of[var.node.index()];
+            let read_here_tp = var.backward_readers.iter().any(|r| {
+                stage_of[r.index()] == home && model.ops[r.index()].role != TpRole::VocabParallel
+            });
+            if read_here_tp {
+                s.backward_variables_tp += 1.0;
+                if var.split {
+                    s.backward_split_tp += var.elements;
+                } else {
+                    s.backward_whole_tp += var.elements;
+                }
+            }
             if var.backward_read {
                 s.backward_variables += 1.0;
                 if var.split {
@@ -134,7 +159,7 @@ impl StagedModel {
                     s.act_whole = s.act_whole.plus(op.out_bytes);
                 }
             }
-            if op.tp_forward != PerRows::default() {
+            for _ in 0..op.tp_forward_calls() {
                 s.tp_forward.push(op.tp_forward);
             }
             if op.tp_backward != PerRows::default() {
@@ -179,18 +204,28 @@ impl StagedModel {
                             fixed: op.out_bytes.fixed * share,
                             per_row: op.out_bytes.per_row * share,
                         },
-                        split: op.split_output,
+                        // A shared weight split by tensor parallelism (the tied embedding):
+                        // each tp rank sends its shard (and gets its shard's gradient back).
+                        split: op.split_output
+                            || model.variable_of[idx.index()]
+                                .is_some_and(|v| model.variables[v].split),
                         gradient: t.dtype.is_float() && op.needs_gradient,
                         per_step: variable,
                     });
                 }
             }
         }
+        let vocab_ids = if stages > 1 {
+            vocab_ids_crossing(model, &stage_of)
+        } else {
+            None
+        };
         let scalars =
             if model.clips { 8.0 } else { 0.0 } + if model.step_count { 8.0 } else { 0.0 };
         Ok(StagedModel {
             stages: costs,
             crossings,
+            vocab_ids,
             scalars_per_later_stage: scalars,
         })
     }
@@ -207,4 +242,34 @@ impl StagedModel {
         }
         total + (self.stages.len().saturating_sub(1)) as f64 * self.scalars_per_later_stage
     }
+}
+
+/// The vocabulary-parallel embedding's ids under tensor parallelism (`tp/vocab_ids` of
+/// `strategy/tensor.rs`: the `V/T` int64 ids of the rank's rows, a constant the lookup and the
+/// split cross-entropy both read): placed with the lookup, sent once per step to the
+/// cross-entropy's stage when that is another (each tp rank its own `V/T`; no gradient).
+fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossing> {
+    let g = &model.graph;
+    let lookup = model.ops.iter().find(|o| o.role == TpRole::VocabParallel)?;
+    let loss = model
+        .ops
+        .iter()
+        .find(|o| o.role == TpRole::SplitReduction)?;
+    let (from, to) = (stage_of[lookup.node.index()], stage_of[loss.node.index()]);
+    if from == to {
+        return None;
+    }
+    let (table, _) = g.inputs(lookup.node).first().copied()?;
+    let vocab = *g.node(table).outputs.first()?.shape.as_static()?.first()?;
+    Some(Crossing {
+        from,
+        to,
+        bytes: PerRows {
+            fixed: (vocab * 8) as f64,
+            per_row: 0.0,
+        },
+        split: true,
+        gradient: false,
+        per_step: true,
+    })
 }
