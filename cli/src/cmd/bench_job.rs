@@ -551,6 +551,7 @@ const START: JobCosts = JobCosts {
     product: 1e-6,
     beyond_cores: 2e-6,
     spawn: 1e-6,
+    beyond_cores_per_flop: 2e-12,
     flops_per_second: 50e9,
     bytes_per_second: 12e9,
     transcendentals_per_second: 150e6,
@@ -755,7 +756,7 @@ mod tests {
             zero4[0].collective_calls, zero[0].collective_calls,
             "{zero4:?}"
         );
-        // The full-size jobs determine the eleven costs (no cost the others explain).
+        // The full-size jobs determine the twelve costs (no cost the others explain).
         let full: Vec<runtime::CalibrationJob> = JOBS
             .into_iter()
             .map(|v| {

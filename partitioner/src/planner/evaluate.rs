@@ -1602,6 +1602,7 @@ mod tests {
             product: 0.0,
             beyond_cores: 0.0,
             spawn: 0.0,
+            beyond_cores_per_flop: 0.0,
             flops_per_second: 46.4e9,
             bytes_per_second: 15.32e9,
             transcendentals_per_second: 251.1e6,

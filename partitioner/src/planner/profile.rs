@@ -120,6 +120,10 @@ pub struct JobCosts {
     /// nodes readied at once; `runtime::spawns`), beyond `op`: the hand-off and another pool
     /// thread's wake-up (0: not modelled, older profiles).
     pub spawn: f64,
+    /// Seconds per matrix-product FLOP, beyond `1 / flops_per_second`, when a host's tasks
+    /// outnumber its cores: a product split over a task's pool threads waits for whichever has
+    /// no core (0: not modelled, older profiles).
+    pub beyond_cores_per_flop: f64,
     /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
@@ -199,6 +203,7 @@ const THIS_MACHINE_JOB: JobCosts = JobCosts {
     product: 0.47e-6,
     beyond_cores: 0.0,
     spawn: 0.0,
+    beyond_cores_per_flop: 0.0,
     flops_per_second: 71.5e9,
     bytes_per_second: 18.06e9,
     transcendentals_per_second: 329.3e6,
@@ -334,6 +339,7 @@ impl ClusterProfile {
             ("job.product", self.job.product),
             ("job.beyond_cores", self.job.beyond_cores),
             ("job.spawn", self.job.spawn),
+            ("job.beyond_cores_per_flop", self.job.beyond_cores_per_flop),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {
@@ -419,19 +425,27 @@ mod tests {
         job.remove("product");
         job.remove("beyond_cores");
         job.remove("spawn");
+        job.remove("beyond_cores_per_flop");
         let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
         assert_eq!(
             (
                 old.job.value,
                 old.job.product,
                 old.job.beyond_cores,
-                old.job.spawn
+                old.job.spawn,
+                old.job.beyond_cores_per_flop
             ),
-            (0.0, 0.0, 0.0, 0.0)
+            (0.0, 0.0, 0.0, 0.0, 0.0)
         );
         assert_eq!(old.job.value_cost(), old.job.collective);
         assert_eq!(p.job.value_cost(), p.job.value);
-        for field in ["value", "product", "beyond_cores", "spawn"] {
+        for field in [
+            "value",
+            "product",
+            "beyond_cores",
+            "spawn",
+            "beyond_cores_per_flop",
+        ] {
             let mut bad = serde_json::to_value(&p).unwrap();
             bad["job"][field] = serde_json::json!(-1e-6);
             let e = ClusterProfile::from_json(&bad.to_string(), "p.json")

@@ -27,7 +27,9 @@
 //! all-to-all, [`super::accounting::between_products`]) costs the cores `job.beyond_cores`
 //! more: the peer it waits for may be without a core, and the waiting thread's bounded spin
 //! yields its core once per switch. A gradient's all-reduce at the step's end and a ZeRO-3
-//! gather (issued ahead of its use) are not on the path.
+//! gather (issued ahead of its use) are not on the path. And the products run slower beyond the cores
+//! (`job.beyond_cores_per_flop` more a FLOP): a product split over a task's pool threads
+//! waits for whichever of them has no core.
 //!
 //! The step is linear in the costs once the busiest task and the branches of the maxima are
 //! chosen ([`job_terms`]); [`fit_job_costs`] fits the costs to measured calibration jobs by
@@ -392,7 +394,13 @@ pub fn job_step(
     let beyond = beyond_cores(work.len(), cores);
     let shared = work
         .iter()
-        .map(|t| cpu_of(t) + communication_of(t) + beyond * waits(t) as f64 * job.beyond_cores)
+        .map(|t| {
+            cpu_of(t)
+                + communication_of(t)
+                + beyond
+                    * (waits(t) as f64 * job.beyond_cores
+                        + t.product_flops as f64 * job.beyond_cores_per_flop)
+        })
         .sum::<f64>()
         / cores.max(1) as f64;
     let ops = work
@@ -428,7 +436,7 @@ fn waits(t: &TaskWork) -> usize {
 
 /// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
 /// [`JobCosts`] as seconds per unit of work (a rate as its inverse).
-pub const JOB_UNKNOWNS: [&str; 11] = [
+pub const JOB_UNKNOWNS: [&str; 12] = [
     "step",
     "task",
     "op",
@@ -437,6 +445,7 @@ pub const JOB_UNKNOWNS: [&str; 11] = [
     "product",
     "beyond the cores, per wait",
     "spawn",
+    "seconds per product FLOP beyond the cores",
     "seconds per product FLOP",
     "seconds per byte",
     "seconds per transcendental element",
@@ -444,7 +453,7 @@ pub const JOB_UNKNOWNS: [&str; 11] = [
 
 impl JobCosts {
     /// The costs as the unknowns of [`JOB_UNKNOWNS`] (a rate of 0, not modelled, as 0 s).
-    pub fn unknowns(&self) -> [f64; 11] {
+    pub fn unknowns(&self) -> [f64; 12] {
         let inverse = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
         [
             self.step,
@@ -455,6 +464,7 @@ impl JobCosts {
             self.product,
             self.beyond_cores,
             self.spawn,
+            self.beyond_cores_per_flop,
             inverse(self.flops_per_second),
             inverse(self.bytes_per_second),
             inverse(self.transcendentals_per_second),
@@ -463,7 +473,7 @@ impl JobCosts {
 
     /// The costs from the unknowns of [`JOB_UNKNOWNS`] (0 s per unit: a rate of 0, which the
     /// model reads as not modelled).
-    pub fn from_unknowns(x: &[f64; 11]) -> JobCosts {
+    pub fn from_unknowns(x: &[f64; 12]) -> JobCosts {
         let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
         JobCosts {
             step: x[0],
@@ -474,9 +484,10 @@ impl JobCosts {
             product: x[5],
             beyond_cores: x[6],
             spawn: x[7],
-            flops_per_second: rate(x[8]),
-            bytes_per_second: rate(x[9]),
-            transcendentals_per_second: rate(x[10]),
+            beyond_cores_per_flop: x[8],
+            flops_per_second: rate(x[9]),
+            bytes_per_second: rate(x[10]),
+            transcendentals_per_second: rate(x[11]),
         }
     }
 }
@@ -490,7 +501,7 @@ pub struct JobTerms {
     /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes,
     /// collective messages and sent and received values (or all tasks' over the cores, with the bubble's stretch
     /// on the nodes), its products' FLOPs, its other ops' bytes, its transcendental elements.
-    pub counts: [f64; 11],
+    pub counts: [f64; 12],
     /// Seconds not depending on the unknowns: the busiest communicator's bytes over β (or all
     /// tasks' over the cores).
     pub fixed: f64,
@@ -517,6 +528,7 @@ pub fn job_terms(
             t.products as f64,
             0.0,
             t.spawns as f64,
+            0.0,
             t.product_flops as f64,
             t.bytes as f64,
             t.transcendentals as f64,
@@ -524,7 +536,7 @@ pub fn job_terms(
     };
     // A task's communication: its calls, its values, and its bytes over β (fixed).
     let communication = |t: &TaskWork| {
-        let mut c = [0.0; 11];
+        let mut c = [0.0; 12];
         c[3] = t.collective_messages as f64;
         c[4] = (t.values + t.received) as f64;
         (
@@ -533,7 +545,7 @@ pub fn job_terms(
         )
     };
     let value =
-        |c: &[f64; 11], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+        |c: &[f64; 12], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
     let stretch = if bubble > 0.0 && bubble < 1.0 {
         1.0 / (1.0 - bubble)
     } else {
@@ -554,7 +566,7 @@ pub fn job_terms(
     for (b, c) in busiest.iter_mut().zip(busiest_comm) {
         *b += c;
     }
-    let mut shared = [0.0; 11];
+    let mut shared = [0.0; 12];
     let mut shared_fixed = 0.0;
     let beyond = beyond_cores(work.len(), cores);
     for t in work {
@@ -563,6 +575,7 @@ pub fn job_terms(
             *s += (c + m) / cores.max(1) as f64;
         }
         shared[6] += beyond * waits(t) as f64 / cores.max(1) as f64;
+        shared[8] += beyond * t.product_flops as f64 / cores.max(1) as f64;
         shared_fixed += fixed / cores.max(1) as f64;
     }
     let (mut counts, fixed) = if value(&busiest, comm_fixed) >= value(&shared, shared_fixed) {
@@ -620,7 +633,7 @@ pub fn fit_job_costs(
             break;
         }
         let f = super::fit::fit(&obs, &JOB_UNKNOWNS)?;
-        let mut x = [0.0; 11];
+        let mut x = [0.0; 12];
         x.copy_from_slice(&f.costs);
         costs = JobCosts::from_unknowns(&x);
         result = Some(f);
@@ -707,6 +720,7 @@ mod tests {
             product: 0.8e-6,
             beyond_cores: 3e-6,
             spawn: 1.5e-6,
+            beyond_cores_per_flop: 5e-12,
             flops_per_second: 50e9,
             bytes_per_second: 12e9,
             transcendentals_per_second: 150e6,
@@ -777,6 +791,11 @@ mod tests {
                 0.0,
             ),
             (
+                "wide x4".into(),
+                job(4, 60, 2, 100_000_000, 1_500_000, 0),
+                0.0,
+            ),
+            (
                 "wide calls".into(),
                 job(2, 80, 6, 50_000_000, 1_000_000, 0),
                 0.0,
@@ -786,13 +805,18 @@ mod tests {
                 job(2, 400, 4, 1_000_000, 2_000_000, 10_000),
                 0.0,
             ),
+            (
+                "mixed".into(),
+                job(2, 90, 3, 20_000_000, 8_000_000, 2_000_000),
+                0.0,
+            ),
         ]
         .into_iter()
         .map(|(name, mut work, bubble): (String, Vec<TaskWork>, f64)| {
             // Matrix products, not a function of the other counts.
             let products = match name.as_str() {
                 "calls" => 48,
-                "wide" => 6,
+                "wide" | "wide x4" => 6,
                 "bytes" | "gelu" => 4,
                 "pipeline" => 12,
                 "pipeline m8" => 24,
