@@ -14,8 +14,8 @@
 use crate::arena::Arena;
 use crate::error::ExecError;
 use crate::variables::VariableStore;
-use dflow_graph::kernel::{Kernel, KernelContext, KernelInit, VariableCell};
-use dflow_graph::ops::{OpDef, TensorType};
+use dflow_graph::kernel::{is_cheap, Kernel, KernelContext, KernelInit, VariableCell};
+use dflow_graph::ops::TensorType;
 use dflow_graph::{AttrValue, DeviceName, DeviceType, Graph, Tensor};
 use dflow_transport::RendezvousKey;
 use std::sync::Arc;
@@ -48,34 +48,6 @@ pub(crate) struct PlanNode {
     pub(crate) output_sends: Vec<Option<Arc<RendezvousKey>>>,
 }
 
-/// Ops whose kernels take constant time whatever the size of their tensors (they hand buffers
-/// over or register a callback): always cheap.
-const CONSTANT_TIME_OPS: &[&str] = &["NoOp", "Const", "Identity", "Recv", "Variable"];
-
-/// A node whose inputs and outputs hold at most this many elements in all is cheap: it may run
-/// in a batch with other cheap nodes on one thread instead of being handed to the pool alone.
-const CHEAP_ELEMENTS: usize = 1024;
-
-/// True when a node of `op` with these static types is cheap (see [`CHEAP_ELEMENTS`]). A
-/// collective blocks until its peers join, so it is never cheap: it must not hold back the nodes
-/// queued behind it on its thread.
-fn is_cheap(op: &OpDef, inputs: &[&TensorType], outputs: &[TensorType]) -> bool {
-    if op.name.starts_with("Collective") {
-        return false;
-    }
-    if CONSTANT_TIME_OPS.contains(&op.name) {
-        return true;
-    }
-    let mut total = 0usize;
-    for t in inputs.iter().copied().chain(outputs) {
-        match t.shape.num_elements() {
-            Some(n) => total = total.saturating_add(n),
-            None => return false,
-        }
-    }
-    total <= CHEAP_ELEMENTS
-}
-
 /// When a step drops the value in one slot, so that a big intermediate tensor (a gathered
 /// parameter, an activation) does not stay resident until the step ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,7 +75,7 @@ pub struct ExecutionPlan {
     /// Per node, the number of distinct nodes it waits for (data and control edges): the
     /// pending counts every step starts from.
     pub(crate) initial_pending: Vec<u32>,
-    /// Per node, whether it may run batched with other ready nodes (see [`is_cheap`]).
+    /// Per node, whether it may run batched with other ready nodes (see `dflow_graph::kernel::is_cheap`).
     pub(crate) cheap: Vec<bool>,
     /// `successors[succ_start[n]..succ_start[n + 1]]`: the distinct nodes `n` notifies.
     succ_start: Vec<u32>,
@@ -235,7 +207,7 @@ impl ExecutionPlan {
                     })?)
                 }
             };
-            cheap.push(is_cheap(op, &input_types, &node.outputs));
+            cheap.push(is_cheap(op.name, &input_types, &node.outputs));
             let bound = op.name == "Const"
                 && inputs.is_empty()
                 && graph.control_inputs(idx).is_empty()

@@ -327,3 +327,57 @@ impl Kernel for FnKernel {
         (self.0)(ctx)
     }
 }
+
+/// Ops whose kernels take constant time whatever the size of their tensors (they hand buffers
+/// over or register a callback): always cheap ([`is_cheap`]).
+pub const CONSTANT_TIME_OPS: &[&str] = &["NoOp", "Const", "Identity", "Recv", "Variable"];
+
+/// A node whose inputs and outputs hold at most this many elements in all is cheap
+/// ([`is_cheap`]).
+pub const CHEAP_ELEMENTS: usize = 1024;
+
+/// Whether a node of `op` with these static types is cheap: the executor may run it in a batch
+/// with other cheap nodes on one thread instead of handing it to its pool alone (and the
+/// planner counts the nodes handed over alone by this rule). A constant-time op is cheap; a
+/// collective never is (it blocks until its peers join and must not hold back the nodes
+/// queued behind it on its thread); any other op is cheap when its tensors' shapes are all
+/// static and hold at most [`CHEAP_ELEMENTS`] elements in all (an op on a batch whose size the
+/// plan does not know is not).
+pub fn is_cheap(op: &str, inputs: &[&TensorType], outputs: &[TensorType]) -> bool {
+    if op.starts_with("Collective") {
+        return false;
+    }
+    if CONSTANT_TIME_OPS.contains(&op) {
+        return true;
+    }
+    let mut total = 0usize;
+    for t in inputs.iter().copied().chain(outputs) {
+        match t.shape.num_elements() {
+            Some(n) => total = total.saturating_add(n),
+            None => return false,
+        }
+    }
+    total <= CHEAP_ELEMENTS
+}
+
+#[cfg(test)]
+mod cheap_tests {
+    use super::*;
+    use crate::Shape;
+
+    #[test]
+    fn small_static_and_constant_time_nodes_are_cheap_collectives_and_batches_are_not() {
+        let t = |dims: &[usize]| TensorType::new(DType::F32, Shape::known(dims));
+        let batch = TensorType::new(DType::F32, Shape::partial(vec![None, Some(8)]));
+        let (small, big) = (t(&[16, 8]), t(&[64, 64]));
+        assert!(is_cheap("Relu", &[&small], std::slice::from_ref(&small)));
+        assert!(!is_cheap("Relu", &[&big], std::slice::from_ref(&big)));
+        assert!(!is_cheap("Relu", &[&batch], std::slice::from_ref(&batch)));
+        assert!(is_cheap("Variable", &[], std::slice::from_ref(&big)));
+        assert!(!is_cheap(
+            "CollectiveAllReduce",
+            &[&small],
+            std::slice::from_ref(&small)
+        ));
+    }
+}

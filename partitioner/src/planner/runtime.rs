@@ -169,40 +169,16 @@ fn partition_compute(task: &str, graph: &Graph, rows: usize) -> Result<TaskWork,
     Ok(w)
 }
 
-/// Ops the executor runs in constant time whatever their tensors' sizes: always cheap
-/// (`dflow_executor`'s plan).
-const CONSTANT_TIME_OPS: &[&str] = &["NoOp", "Const", "Identity", "Recv", "Variable"];
-
-/// Elements (inputs and outputs together) up to which the executor batches a node with other
-/// cheap ones on one thread (`dflow_executor`'s plan).
-const CHEAP_ELEMENTS: usize = 1024;
-
-/// Whether the executor batches node `idx` of `g` with other cheap nodes (its plan's rule: a
-/// constant-time op, or at most [`CHEAP_ELEMENTS`] elements in and out, all static; never a
-/// collective).
+/// Whether the executor batches node `idx` of `g` with other cheap nodes
+/// ([`dflow_graph::kernel::is_cheap`], the rule its plan applies).
 fn executor_cheap(g: &Graph, idx: NodeIndex) -> bool {
-    let op = g.node(idx).op;
-    if op.starts_with("Collective") {
-        return false;
-    }
-    if CONSTANT_TIME_OPS.contains(&op) {
-        return true;
-    }
-    let inputs = g.inputs(idx).into_iter().map(|(s, k)| {
-        g.node(s)
-            .outputs
-            .get(k)
-            .and_then(|t| t.shape.num_elements())
-    });
-    let outputs = g.node(idx).outputs.iter().map(|t| t.shape.num_elements());
-    let mut total = 0usize;
-    for n in inputs.chain(outputs) {
-        match n {
-            Some(n) => total = total.saturating_add(n),
-            None => return false,
-        }
-    }
-    total <= CHEAP_ELEMENTS
+    let node = g.node(idx);
+    let inputs: Vec<&dflow_graph::ops::TensorType> = g
+        .inputs(idx)
+        .into_iter()
+        .filter_map(|(s, k)| g.node(s).outputs.get(k))
+        .collect();
+    dflow_graph::kernel::is_cheap(node.op, &inputs, &node.outputs)
 }
 
 /// The nodes of a partition its executor hands to the compute pool alone in a step: when a
