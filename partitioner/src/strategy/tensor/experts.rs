@@ -238,31 +238,8 @@ pub fn mesh_expert_training(
         }
         crate::strategy::zero::check_optimizer(spec, "tensor")?;
     }
-    let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
-    if loss_dtype != DType::F32 {
-        return Err(options(format!(
-            "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
-        )));
-    }
     let def = graph.to_def();
-    let gpt = Gpt::of_with_moe(graph, &def, true)?;
-    let layers = moe_layers(graph, &def)?;
-    if layers.is_empty() {
-        return Err(options(
-            "--mesh with ep spreads MoE experts, and the graph has no MoE layer (MoeDispatch … \
-             MoeCombine); drop ep from the mesh"
-                .into(),
-        ));
-    }
-    for l in &layers {
-        if l.experts % mesh.ep != 0 {
-            return Err(options(format!(
-                "MoE layer `{}` has {} experts, which do not split evenly over ep={}; use an \
-                 ep that divides {}",
-                l.dispatch, l.experts, mesh.ep, l.experts
-            )));
-        }
-    }
+    let (gpt, layers) = moe_gpt(graph, &def, spec, mesh, features, labels)?;
     let shards = gpt.layout(graph, mesh.tp)?;
     let mut graphs = Vec::with_capacity(mesh.size());
     for rank in 0..mesh.size() {
@@ -292,6 +269,45 @@ pub fn mesh_expert_training(
         )?;
     }
     Ok(TensorGraphs { graphs, shards })
+}
+
+/// The MoE GPT `graph` (as `def`) as ep beside tp splits it on `mesh`: the job checked (its
+/// feeds, an f32 loss for the vocabulary-parallel loss), its GPT (the MoE MLPs replicated over
+/// tp) and its MoE layers, each with experts that divide evenly over `mesh.ep`. Shared by
+/// `dp × tp × ep` and the 4-axis mesh.
+pub(super) fn moe_gpt(
+    graph: &Graph,
+    def: &GraphDef,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    features: &str,
+    labels: &str,
+) -> Result<(Gpt, Vec<MoeLayer>), StrategyError> {
+    let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
+    if loss_dtype != DType::F32 {
+        return Err(options(format!(
+            "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
+        )));
+    }
+    let gpt = Gpt::of_with_moe(graph, def, true)?;
+    let layers = moe_layers(graph, def)?;
+    if layers.is_empty() {
+        return Err(options(
+            "--mesh with ep spreads MoE experts, and the graph has no MoE layer (MoeDispatch … \
+             MoeCombine); drop ep from the mesh"
+                .into(),
+        ));
+    }
+    for l in &layers {
+        if l.experts % mesh.ep != 0 {
+            return Err(options(format!(
+                "MoE layer `{}` has {} experts, which do not split evenly over ep={}; use an \
+                 ep that divides {}",
+                l.dispatch, l.experts, mesh.ep, l.experts
+            )));
+        }
+    }
+    Ok((gpt, layers))
 }
 
 /// What every rank's graph is built from.

@@ -47,8 +47,7 @@
 use super::experts::{add_eval, EvalAt};
 use super::mesh3d::{dp_stage_group, tp_stage_group};
 use super::{
-    check_job, options, rank_forward, sharded_variables, zero_slot_shards, Gpt, RankAt,
-    ShardedWeight, GROUP,
+    options, rank_forward, sharded_variables, zero_slot_shards, RankAt, ShardedWeight, GROUP,
 };
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
@@ -311,31 +310,8 @@ pub fn expert_tensor_pipeline_training(
             "mesh {mesh}: the pipeline must cut {pp} balanced stages"
         )));
     }
-    let loss_dtype = check_job(graph, spec, mesh.size(), features, labels)?;
-    if loss_dtype != DType::F32 {
-        return Err(options(format!(
-            "the loss is {loss_dtype}; the vocabulary-parallel loss is built in f32"
-        )));
-    }
     let def = graph.to_def();
-    let gpt = Gpt::of_with_moe(graph, &def, true)?;
-    let layers = moe_layers(graph, &def)?;
-    if layers.is_empty() {
-        return Err(options(
-            "--mesh with ep spreads MoE experts, and the graph has no MoE layer (MoeDispatch … \
-             MoeCombine); drop ep from the mesh"
-                .into(),
-        ));
-    }
-    for l in &layers {
-        if l.experts % ep != 0 {
-            return Err(options(format!(
-                "MoE layer `{}` has {} experts, which do not split evenly over ep={ep}; use an \
-                 ep that divides {}",
-                l.dispatch, l.experts, l.experts
-            )));
-        }
-    }
+    let (gpt, layers) = super::experts::moe_gpt(graph, &def, spec, mesh, features, labels)?;
     let shards = gpt.layout(graph, tp)?;
     // The ranks of one stage as `--mesh dp=D,tp=T,ep=E` numbers them: rank t + T·d.
     let flat = Mesh::new(dp, tp, 1)
@@ -451,7 +427,8 @@ pub fn expert_tensor_pipeline_training(
     };
     let sums = Sums {
         clip: spec.clip_global_norm,
-        loss_dtype,
+        // `moe_gpt` checked the loss is f32 (the vocabulary-parallel loss's).
+        loss_dtype: DType::F32,
         loss_share: 1.0 / (m * dp) as f64,
         instance: stride * m as i64,
     };
