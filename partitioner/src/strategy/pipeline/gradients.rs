@@ -302,6 +302,32 @@ pub(crate) fn clip_by_stage_norms(
     }
     let total = format!("{base}/squared_norm");
     added.push(node(total.clone(), "AddN", totals, loss_device));
+    scale_by_global_norm(training, added, &base, total, clip, loss_device, |grad| {
+        Ok(devices[device_index(grad)?].clone())
+    })
+}
+
+/// Clipping's last part on a pipeline's stages: the scale `GlobalNormScale` of the whole
+/// model's squared norm `total` (a node of `added`, on `loss_device`), each gradient of
+/// `training` multiplied by it on its own stage's device (`device_of`), every update rewired to
+/// read the clipped gradient, and `added` (the norms' nodes) with these joined to the graph.
+pub(crate) fn scale_by_global_norm<E>(
+    training: &mut TrainingGraph,
+    mut added: Vec<NodeDef>,
+    base: &str,
+    total: String,
+    clip: f64,
+    loss_device: &str,
+    device_of: impl Fn(&str) -> Result<String, E>,
+) -> Result<(), E> {
+    let node = |name: String, op: &str, inputs: Vec<String>, device: &str| NodeDef {
+        name,
+        op: op.into(),
+        inputs,
+        device: device.to_string(),
+        colocate_with: vec![],
+        attrs: BTreeMap::new(),
+    };
     let scale = format!("{base}/global_norm_scale");
     let mut gns = node(scale.clone(), "GlobalNormScale", vec![total], loss_device);
     gns.attrs = BTreeMap::from([
@@ -311,17 +337,18 @@ pub(crate) fn clip_by_stage_norms(
     added.push(gns);
     let mut clipped: HashMap<String, String> = HashMap::new();
     for (j, (_, grad)) in training.gradients.iter_mut().enumerate() {
-        let device = &devices[device_index(grad)?];
+        let device = device_of(grad)?;
         let name = format!("{base}/grad_{j}");
         added.push(node(
             name.clone(),
             "Mul",
             vec![grad.clone(), scale.clone()],
-            device,
+            &device,
         ));
         clipped.insert(grad.clone(), name.clone());
         *grad = name;
     }
+    let def = &mut training.def;
     for u in def.nodes.iter_mut().filter(|u| u.op.starts_with("Apply")) {
         for i in &mut u.inputs {
             if let Some(c) = clipped.get(i) {

@@ -55,7 +55,9 @@ use crate::strategy::expert::pipeline::{
     add_dropped_count, max_instance, node_device, reduce_shard_gradients, set_scalar,
 };
 use crate::strategy::expert::{self, expert_shards, moe_layers, ExpertLayout, ForwardGroups};
-use crate::strategy::pipeline::gradients::{all_reduce_gradients, chain_collectives_per_device};
+use crate::strategy::pipeline::gradients::{
+    all_reduce_gradients, chain_collectives_per_device, scale_by_global_norm,
+};
 use crate::strategy::pipeline::rewrite::{
     rewrite, ExpertStages, ExpertsBesideTp, RewriteInput, TensorStages, STAGE_MARK,
 };
@@ -732,35 +734,9 @@ fn clip_by_three_norms(
     }
     let total = format!("{base}/squared_norm");
     added.push(node(total.clone(), "AddN", totals, loss_device));
-    let scale = format!("{base}/global_norm_scale");
-    let mut gns = node(scale.clone(), "GlobalNormScale", vec![total], loss_device);
-    gns.attrs = BTreeMap::from([
-        ("clip_norm".to_string(), AttrValue::Float(clip)),
-        ("squared_norm".to_string(), AttrValue::Bool(true)),
-    ]);
-    added.push(gns);
-    let mut clipped: HashMap<String, String> = HashMap::new();
-    for (j, (_, grad)) in training.gradients.iter_mut().enumerate() {
-        let device = &n.devices[stage_of(grad)?];
-        let name = format!("{base}/grad_{j}");
-        added.push(node(
-            name.clone(),
-            "Mul",
-            vec![grad.clone(), scale.clone()],
-            device,
-        ));
-        clipped.insert(grad.clone(), name.clone());
-        *grad = name;
-    }
-    for u in def.nodes.iter_mut().filter(|u| u.op.starts_with("Apply")) {
-        for i in &mut u.inputs {
-            if let Some(c) = clipped.get(i) {
-                *i = c.clone();
-            }
-        }
-    }
-    def.nodes.extend(added);
-    Ok(())
+    scale_by_global_norm(training, added, base, total, clip, loss_device, |grad| {
+        Ok(n.devices[stage_of(grad)?].clone())
+    })
 }
 
 #[cfg(test)]
