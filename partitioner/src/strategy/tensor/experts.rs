@@ -172,34 +172,13 @@ impl Strategy for TensorExpert {
             groups(&mesh, &tasks),
         )?;
         plan.batch_parts = mesh.dp as u32;
-        let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        if self.zero_stage.is_some() {
-            // ZeRO's flat shards gathered first: the dense slots over data_t<t> (tp shards'
-            // and replicated), each expert shard's over experts_dp<s>_t<t>; then the tp
-            // shards and the expert row shards joined along their axes.
-            let (_, rows) = expert::zero_dims(input.graph, &layers, mesh.ep);
-            let mut sharded = zero_slot_shards(input, &graphs.shards, &plan.variables, &mesh);
-            if mesh.dp > mesh.ep {
-                sharded.extend(crate::strategy::zero::slot_shards(
-                    &plan.variables,
-                    &rows,
-                    mesh.dp / mesh.ep,
-                ));
-            }
-            let mut axis = sharded_variables(&graphs.shards, &plan.variables, &sharded, tp);
-            axis.extend(expert::expert_row_shards(
-                &plan.variables,
-                &sharded,
-                &layers,
-                &rows,
-                mesh.ep,
-            ));
-            plan.sharded = sharded;
-            plan.axis_sharded = axis;
-        } else {
-            plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
-            plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], tp);
-        }
+        mark_shards(
+            &mut plan,
+            input,
+            &graphs.shards,
+            &mesh,
+            self.zero_stage.is_some(),
+        )?;
         Ok(plan)
     }
 }
@@ -269,6 +248,46 @@ pub fn mesh_expert_training(
         )?;
     }
     Ok(TensorGraphs { graphs, shards })
+}
+
+/// Marks the variables of `plan` that ep beside tp splits (on `mesh`, with or without a
+/// pipeline axis), for checkpoints to join: without ZeRO the expert shards (over ep) and the
+/// tp shards (`shards`, along their axes); with ZeRO, ZeRO's flat shards first (the dense
+/// slots over each dp group of a tp shard, each expert shard's over its holders), then the tp
+/// shards and the expert row shards along their axes.
+pub(super) fn mark_shards(
+    plan: &mut JobPlan,
+    input: &JobInput<'_>,
+    shards: &[ShardedWeight],
+    mesh: &Mesh,
+    zero: bool,
+) -> Result<(), StrategyError> {
+    let layers = moe_layers(input.graph, &input.graph.to_def())?;
+    if zero {
+        let (_, rows) = expert::zero_dims(input.graph, &layers, mesh.ep);
+        let mut sharded = zero_slot_shards(input, shards, &plan.variables, mesh);
+        if mesh.dp > mesh.ep {
+            sharded.extend(crate::strategy::zero::slot_shards(
+                &plan.variables,
+                &rows,
+                mesh.dp / mesh.ep,
+            ));
+        }
+        let mut axis = sharded_variables(shards, &plan.variables, &sharded, mesh.tp);
+        axis.extend(expert::expert_row_shards(
+            &plan.variables,
+            &sharded,
+            &layers,
+            &rows,
+            mesh.ep,
+        ));
+        plan.sharded = sharded;
+        plan.axis_sharded = axis;
+    } else {
+        plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
+        plan.axis_sharded = sharded_variables(shards, &plan.variables, &[], mesh.tp);
+    }
+    Ok(())
 }
 
 /// The MoE GPT `graph` (as `def`) as ep beside tp splits it on `mesh`: the job checked (its

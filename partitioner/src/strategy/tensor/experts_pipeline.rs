@@ -46,15 +46,13 @@
 
 use super::experts::{add_eval, EvalAt};
 use super::mesh3d::{dp_stage_group, tp_stage_group};
-use super::{
-    options, rank_forward, sharded_variables, zero_slot_shards, RankAt, ShardedWeight, GROUP,
-};
+use super::{options, rank_forward, RankAt, ShardedWeight, GROUP};
 use crate::job::{task_name, CollectiveGroup, Schedule};
 use crate::mesh::{Axis, Mesh};
 use crate::strategy::expert::pipeline::{
     add_dropped_count, max_instance, node_device, reduce_shard_gradients, set_scalar,
 };
-use crate::strategy::expert::{self, expert_shards, moe_layers, ExpertLayout, ForwardGroups};
+use crate::strategy::expert::{self, ExpertLayout, ForwardGroups};
 use crate::strategy::pipeline::gradients::{
     all_reduce_gradients, chain_collectives_per_device, scale_by_global_norm,
 };
@@ -172,34 +170,13 @@ impl Strategy for TensorExpertPipeline {
         )?;
         // The ranks of replica d take part d of every batch.
         plan.batch_parts = mesh.dp as u32;
-        let layers = moe_layers(input.graph, &input.graph.to_def())?;
-        if self.zero_stage.is_some() {
-            // As beside ep × tp (pp = 1): ZeRO's flat shards gathered first (the dense slots
-            // over each (stage, shard)'s dp group, each expert shard's over its holders), then
-            // the tp shards and the expert row shards joined along their axes.
-            let (_, rows) = expert::zero_dims(input.graph, &layers, mesh.ep);
-            let mut sharded = zero_slot_shards(input, &graphs.shards, &plan.variables, &mesh);
-            if mesh.dp > mesh.ep {
-                sharded.extend(crate::strategy::zero::slot_shards(
-                    &plan.variables,
-                    &rows,
-                    mesh.dp / mesh.ep,
-                ));
-            }
-            let mut axis = sharded_variables(&graphs.shards, &plan.variables, &sharded, mesh.tp);
-            axis.extend(expert::expert_row_shards(
-                &plan.variables,
-                &sharded,
-                &layers,
-                &rows,
-                mesh.ep,
-            ));
-            plan.sharded = sharded;
-            plan.axis_sharded = axis;
-        } else {
-            plan.sharded = expert_shards(&layers, &plan.variables, mesh.ep);
-            plan.axis_sharded = sharded_variables(&graphs.shards, &plan.variables, &[], mesh.tp);
-        }
+        super::experts::mark_shards(
+            &mut plan,
+            input,
+            &graphs.shards,
+            &mesh,
+            self.zero_stage.is_some(),
+        )?;
         Ok(plan)
     }
 }
