@@ -69,6 +69,10 @@ pub const LOSS_BYTES: f64 = 4.0;
 /// Bytes of the squared norm of a rank's shards that ZeRO with clipping sums over the group.
 pub const CLIP_NORM_BYTES: f64 = 4.0;
 
+/// Bytes of an MoE layer's count of dropped assignments (`MoeRoute`'s i64 output 3), which a
+/// pipeline sends to the loss's stage per micro-batch beside ep.
+pub const DROPPED_COUNT_BYTES: f64 = 8.0;
+
 /// Memory of one device, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Memory {
@@ -299,13 +303,6 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1 (ZeRO 0 to 3).
-        if mesh.tp > 1 && mesh.pp > 1 {
-            return Err(refuse(format!(
-                "ep={} beside tp={} runs without pipeline stages (pp = 1): docs/experts.md, \"ep beside tp\"",
-                mesh.ep, mesh.tp
-            )));
-        }
         // The table models ep × pp with one micro-batch (dflow run also runs several where no
         // router couples the batch), at ZeRO 0 to 3.
         if mesh.pp > 1 && layout.micro_batches > 1 {
@@ -389,6 +386,9 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     let mut tp_step_time: f64 = 0.0;
     let mut tensor_parallel_messages = 0.0;
     let mut stage0_payload = 0.0;
+    // Bytes of the MoE layers' dropped counts (and under ZeRO with clipping the expert shards'
+    // squared norms) sent to the loss's stage, every replica summed.
+    let mut dropped_bytes = 0.0;
     // Per device and micro-batch: its activations sent forward, its gradients sent back.
     let mut sends = vec![0.0; p];
     let mut by_sender: Vec<Vec<usize>> = vec![Vec::new(); p];
@@ -542,6 +542,31 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                     }
                 }
             }
+            traffic.pipeline = traffic.pipeline.then(cost);
+        }
+        // Beside ep over a pipeline each MoE layer's count of dropped assignments (an i64,
+        // per micro-batch) goes to the loss's stage, where they are summed
+        // (`strategy/expert/pipeline.rs`, `add_dropped_count`).
+        if mesh.ep > 1 && s != p - 1 {
+            let layers = chunks.iter().map(|c| c.moe.len()).sum::<usize>() as f64;
+            // Under ZeRO with clipping the squared norm of the stage's expert shards goes
+            // there too, apart from the dense one (`strategy/pipeline/zero.rs`), once per step.
+            let expert_norm = if zero >= 1 && ctx.model.clips && local_experts > 0.0 {
+                CLIP_NORM_BYTES
+            } else {
+                0.0
+            };
+            let sent = DROPPED_COUNT_BYTES * layers * mf + expert_norm;
+            let mut cost = CommCost::default();
+            for ti in 0..t {
+                for di in 0..d {
+                    match profile.class(mesh.rank(ti, di, s), mesh.rank(ti, di, p - 1)) {
+                        LinkClass::IntraHost => cost.intra_bytes += sent,
+                        LinkClass::InterHost => cost.inter_bytes += sent,
+                    }
+                }
+            }
+            dropped_bytes += sent * df;
             traffic.pipeline = traffic.pipeline.then(cost);
         }
         if s > 0 {
@@ -785,7 +810,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 profile.step_overhead
             },
     };
-    let pipeline_bytes = staged.bytes_per_step(m, rows) * df;
+    let pipeline_bytes = staged.bytes_per_step(m, rows) * df + dropped_bytes;
     let fits = memory
         .iter()
         .all(|mem| mem.total() <= profile.memory_per_device as f64);
@@ -1148,20 +1173,82 @@ mod tests {
             assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
             assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
         }
-        // Refused beside tp: a pipeline.
+    }
+
+    /// The 4-axis mesh `dp × tp × pp × ep` (`--mesh dp=2,tp=2,pp=2,ep=2`, the tensor strategy
+    /// inside pipeline stages, one micro-batch), ZeRO 0 to 3, the MoE GPT clipped: per stage,
+    /// each rank holds its tp shard of the stage's dense parameters and `1/ep` of the stage's
+    /// experts, as the job plan's variables count them on every task of that stage; the
+    /// all-to-alls (each tp rank repeats its replica's per micro-batch), the tensor-parallel
+    /// bytes and messages (`tensor_s<s>_d<d>`), the data-parallel bytes (the dense gradients
+    /// over `pipeline/stage<s>_t<t>`, the experts' over `experts_dp<k>_s<s>_t<t>`) and the
+    /// bytes between stages are the job plan's, every task summed.
+    #[test]
+    fn a_dp_tp_pp_ep_layout_holds_its_stages_tp_shard_and_expert_shard_as_the_job_plan_does() {
+        use super::super::accounting;
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
         let options = PlanOptions {
             devices: 8,
             batch_size: 8,
         };
-        let e = evaluate_layout(
-            &model,
-            &profile,
-            &options,
-            &"dp=2,tp=2,pp=2,ep=2".parse().unwrap(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("without pipeline stages (pp = 1)"), "{e}");
+        for zero in 0..=3 {
+            let text = format!("dp=2,tp=2,pp=2,ep=2,m=1,zero={zero}");
+            let layout: crate::planner::Layout = text.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            assert_eq!(e.memory.len(), 2);
+            let rows = 8 / layout.mesh.dp;
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+            let tasks = accounting::account(&plan, rows, 1).unwrap();
+            assert_eq!(tasks.len(), 8);
+            for t in &tasks {
+                let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+                let (_, _, s) = layout.mesh.coords(index);
+                let held = t.variable_bytes as f64;
+                let mem = e.memory[s];
+                let predicted = mem.weights + mem.optimizer;
+                assert!(
+                    (held - predicted).abs() <= 8.0,
+                    "{text}, {} (stage {s}): held {held}, predicted {predicted}",
+                    t.task
+                );
+            }
+            let (a2a, data) = expert_job_bytes(&plan, rows);
+            assert!(a2a > 0);
+            assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
+            assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+            let (tp, messages) = tensor_job_traffic(&plan, rows);
+            assert!(tp > 0);
+            assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
+            assert_eq!(e.tensor_parallel_messages, messages as f64, "{text}");
+            let sent: u64 = accounting::traffic(&plan, rows)
+                .unwrap()
+                .iter()
+                .map(|t| t.data_plane)
+                .sum();
+            assert!(sent > 0);
+            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+        }
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel

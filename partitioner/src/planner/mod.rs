@@ -139,8 +139,8 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
 /// `dp` and every layer's experts, with ZeRO 0–3 (the dense states over `dp`, the
 /// experts' over their expert-data-parallel groups) when `pp = 1`, with one micro-batch and
-/// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
-/// ZeRO 0–3.
+/// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`, and inside pipeline
+/// stages the 4-axis `dp × tp × pp × ep` with one micro-batch) with ZeRO 0–3.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
@@ -176,16 +176,13 @@ pub fn layouts_with_experts(
                     });
                 }
             }
-            // Beside tp the experts run without pipeline stages (`--mesh dp=D,tp=T,ep=E`).
-            if tp > 1 && pp > 1 {
-                continue;
-            }
             for &ep in ep_sizes.iter().filter(|&&e| e > 1 && dp % e == 0) {
                 let Ok(mesh) = mesh.with_ep(ep) else {
                     continue;
                 };
                 // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 3 too.
+                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 3 too,
+                // inside pipeline stages as well (the 4-axis mesh `dp × tp × pp × ep`).
                 for zero in 0..=3 {
                     out.push(Layout {
                         zero,
