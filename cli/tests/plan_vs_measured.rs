@@ -807,3 +807,56 @@ fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
         assert_memory(&layout, &predicted, &ends);
     }
 }
+
+#[test]
+fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
+    // The MoE GPT on the 4-axis mesh dp2·tp2·pp2·ep2 (8 tasks, one micro-batch): 2 stages (a
+    // MoE block each), attention, the embedding and the loss split over each replica's tp
+    // pair, each stage's MoE MLP replicated over tp with half of its experts on each replica.
+    // `dflow plan --layout`'s job-plan count of every task's bytes (and collective messages)
+    // and memory is what the run measures, and the table's bytes between stages are what the
+    // tasks send over the data plane. No evaluation (as beside dp × ep × pp). ZeRO-3: each
+    // (stage, shard)'s weights over its replicas, gathered before each pass.
+    let graph = small_moe_gpt("plan_vs_measured_4axis");
+    for zero in [None, Some("3")] {
+        let mut flags = vec![
+            "--mesh",
+            "dp=2,tp=2,pp=2,ep=2",
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "0",
+            "--quiet",
+        ];
+        let mut layout = "dp=2,tp=2,pp=2,ep=2".to_string();
+        if let Some(stage) = zero {
+            flags.extend(["--zero-stage", stage]);
+            layout = format!("{layout},zero={stage}");
+        }
+        let (ends, stderr) = local_job(
+            graph.to_str().unwrap(),
+            "examples/gpt/cluster-8workers.json",
+            &flags,
+        );
+        assert_eq!(ends.len(), 8, "{stderr}");
+        let steps = trained_steps(&stderr);
+        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+        assert_traffic(&layout, &sent, steps, 0, &ends);
+        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
+        let (_, between) = table_bytes(&graph, &layout, 4);
+        let measured: u64 = ends.iter().map(|e| e.data_plane).sum();
+        assert_eq!(
+            measured as f64,
+            between * steps as f64,
+            "{layout}: the table's {between} B between stages per step × {steps} steps"
+        );
+    }
+}
