@@ -278,7 +278,9 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
         }
         let kinds = |f: fn(&planner::Layout) -> bool| offered.iter().any(|e| f(&e.layout));
         let kinds_at = |zero: u8, f: fn(&planner::Layout) -> bool| {
-            offered.iter().any(|e| e.layout.zero == zero && f(&e.layout))
+            offered
+                .iter()
+                .any(|e| e.layout.zero == zero && f(&e.layout))
         };
         assert!(kinds(|l| l.zero == 3), "{graph}");
         if graph.ends_with("moe.json") {

@@ -36,13 +36,19 @@
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
-//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 3: the tensor strategy with ep) the MoE layers
+//! Beside `tp > 1` (dp × tp × ep, ZeRO 0 to 3: the tensor strategy with ep) the MoE layers
 //! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
 //! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
 //! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
 //! those of the rank's tp coordinate (`data_t<t>` for the dense states, `experts_dp<s>_t<t>`
 //! for the expert shards'; ZeRO-3 shards the weights over the same groups and gathers them
-//! before the forward and the backward pass, as `strategy/tensor/experts.rs` runs it).
+//! before the forward and the backward pass, as `strategy/tensor/experts.rs` runs it). Inside
+//! pipeline stages too (the 4-axis mesh dp × tp × pp × ep, one micro-batch, ZeRO 0 to 3, as
+//! `strategy/tensor/experts_pipeline.rs` runs it): per stage the same, over that stage's groups
+//! (`pipeline/stage<s>_t<t>` for the dense states, `experts_dp<k>_s<s>_t<t>` for the expert
+//! shards'), ZeRO as for dp × tp × pp. Beside ep over a pipeline each MoE layer's dropped count
+//! (an i64 per micro-batch) goes to the loss's stage, and under ZeRO with clipping each stage's
+//! expert shards' squared norm: both in the bytes between stages.
 //!
 //! **Tensor parallelism** counts dflow's calls (`strategy/tensor.rs`), each an all-reduce over
 //! the rank's tensor-parallel group: per dense block `g` after both row-parallel products
