@@ -309,11 +309,12 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        // The table models ep × pp with one micro-batch (dflow run also runs several where no
-        // router couples the batch), at ZeRO 0 to 3.
-        if mesh.pp > 1 && layout.micro_batches > 1 {
+        // The table models ep × pp with several micro-batches where no router couples the
+        // batch (as dflow run runs them; refused below otherwise), at ZeRO 0 to 3; under
+        // ZeRO-3 beside expert-data-parallel groups with one.
+        if mesh.pp > 1 && layout.micro_batches > 1 && layout.zero >= 3 && mesh.dp > mesh.ep {
             return Err(refuse(format!(
-                "ep={} beside pp is modelled with one micro-batch: use m=1",
+                "ep={} beside pp at ZeRO-3 with dp > ep (expert-data-parallel groups) is modelled with one micro-batch: use m=1",
                 mesh.ep
             )));
         }
@@ -1082,11 +1083,11 @@ mod tests {
         assert!(a2a > 0);
         assert_eq!(predicted, a2a as f64);
         for (bad, want) in [
+            ("dp=2,ep=2,pp=2,m=2", "couples the examples of a batch"),
             (
-                "dp=2,ep=2,pp=2,m=2",
-                "beside pp is modelled with one micro-batch",
+                "dp=2,ep=2,pp=2,m=2,zero=3",
+                "couples the examples of a batch",
             ),
-            ("dp=2,ep=2,pp=2,m=2,zero=3", "with one micro-batch"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
                 .unwrap_err()
@@ -1255,6 +1256,97 @@ mod tests {
             assert!(sent > 0);
             assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
         }
+    }
+
+    /// Where no router couples the batch (capacity factor ≥ E, no load-balancing loss) the
+    /// planner ranks several micro-batches beside `ep × pp` (beside tp too), and the table's
+    /// variables and bytes are the job plan's: `dp=2,ep=2,pp=2` and `dp=2,tp=2,pp=2,ep=2` with
+    /// 2 micro-batches, ZeRO 0 to 3, and `dp=4,ep=2,pp=2` (the expert shards' sums over their
+    /// expert-data-parallel groups) at ZeRO 0 to 2; ZeRO-3 there is refused (modelled with
+    /// one micro-batch).
+    #[test]
+    fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
+        use super::super::accounting;
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 4.0,
+                aux_loss_coef: 0.0,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        assert_eq!(model.batch_coupled, None);
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        for (mesh, top) in [
+            ("dp=2,ep=2,pp=2", 3),
+            ("dp=2,tp=2,pp=2,ep=2", 3),
+            ("dp=4,ep=2,pp=2", 2),
+        ] {
+            for zero in 0..=top {
+                let text = format!("{mesh},m=2,zero={zero}");
+                let layout: crate::planner::Layout = text.parse().unwrap();
+                let options = PlanOptions {
+                    devices: layout.mesh.size(),
+                    batch_size: 8,
+                };
+                let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+                let rows = 8 / layout.mesh.dp;
+                let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+                let tasks = accounting::account(&plan, rows, 1).unwrap();
+                for t in &tasks {
+                    let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+                    let (_, _, s) = layout.mesh.coords(index);
+                    let held = t.variable_bytes as f64;
+                    let mem = e.memory[s];
+                    let predicted = mem.weights + mem.optimizer;
+                    assert!(
+                        (held - predicted).abs() <= 8.0,
+                        "{text}, {} (stage {s}): held {held}, predicted {predicted}",
+                        t.task
+                    );
+                }
+                let (a2a, data) = expert_job_bytes(&plan, rows);
+                assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
+                assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+                let (tp, _) = tensor_job_traffic(&plan, rows);
+                assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
+                let sent: u64 = accounting::traffic(&plan, rows)
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.data_plane)
+                    .sum();
+                assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+            }
+        }
+        let options = PlanOptions {
+            devices: 8,
+            batch_size: 8,
+        };
+        let z3: crate::planner::Layout = "dp=4,ep=2,pp=2,m=2,zero=3".parse().unwrap();
+        let e = evaluate_layout(&model, &profile, &options, &z3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("modelled with one micro-batch"), "{e}");
+        let report = super::super::plan(&model, &profile, &options).unwrap();
+        assert!(report
+            .ranked
+            .iter()
+            .chain(&report.too_big)
+            .any(|e| e.layout.mesh.ep > 1 && e.layout.mesh.tp > 1 && e.layout.micro_batches > 1));
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel

@@ -147,6 +147,19 @@ pub fn layouts_with_experts(
     per_host: usize,
     ep_sizes: &[usize],
 ) -> Vec<Layout> {
+    layouts_with_expert_micro_batches(devices, batch, per_host, ep_sizes, false)
+}
+
+/// [`layouts_with_experts`], and when `micro_batched_experts` (no MoE router couples a batch's
+/// examples: [`ModelProfile::batch_coupled`] is `None`) the `ep × pp` layouts (beside tp too)
+/// with every micro-batch count a dense pipeline gets, as `dflow run` runs them.
+pub fn layouts_with_expert_micro_batches(
+    devices: usize,
+    batch: usize,
+    per_host: usize,
+    ep_sizes: &[usize],
+    micro_batched_experts: bool,
+) -> Vec<Layout> {
     let mut out = Vec::new();
     for pp in layout::divisors(devices) {
         for tp in layout::divisors(devices / pp) {
@@ -180,14 +193,19 @@ pub fn layouts_with_experts(
                 let Ok(mesh) = mesh.with_ep(ep) else {
                     continue;
                 };
-                // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 3 too,
-                // inside pipeline stages as well (the 4-axis mesh `dp × tp × pp × ep`).
+                // Inside pipeline stages: one micro-batch where an MoE layer couples a batch's
+                // tokens (else every count), ZeRO 0 to 3 (as a dense pipeline's); beside tp
+                // ZeRO 0 to 3 too, inside pipeline stages as well (the 4-axis mesh
+                // `dp × tp × pp × ep`).
+                let counts: &[usize] = if micro_batched_experts { &micro } else { &[1] };
                 for zero in 0..=3 {
-                    out.push(Layout {
-                        zero,
-                        ..Layout::new(mesh)
-                    });
+                    for &m in counts {
+                        out.push(Layout {
+                            zero,
+                            micro_batches: m,
+                            ..Layout::new(mesh)
+                        });
+                    }
                 }
             }
         }
@@ -270,11 +288,12 @@ pub fn plan(
     let mut ranked = Vec::new();
     let mut too_big = Vec::new();
     let mut refused = Vec::new();
-    for layout in layouts_with_experts(
+    for layout in layouts_with_expert_micro_batches(
         options.devices,
         options.batch_size,
         profile.devices_per_host,
         &model.ep_sizes(),
+        model.batch_coupled.is_none(),
     ) {
         match evaluate_with(model, profile, options, &layout, &mut cuts) {
             Ok(e) if e.fits => ranked.push(e),
