@@ -674,6 +674,13 @@ fn three_d_zero_bytes_per_task_are_the_prediction() {
 /// small enough for a debug build on a loaded machine (2 blocks, 2 heads, 16 channels, context
 /// 16), written to a scratch file.
 fn small_moe_gpt(name: &str) -> std::path::PathBuf {
+    let d = dflow::graph::layers::MoeConfig::default();
+    small_moe_gpt_with(name, d.capacity_factor, d.aux_loss_coef)
+}
+
+/// [`small_moe_gpt`] with the router's capacity factor and load-balancing loss coefficient
+/// (capacity ≥ the experts and no loss: no router couples the batch, so micro-batches run).
+fn small_moe_gpt_with(name: &str, capacity_factor: f64, aux_loss_coef: f64) -> std::path::PathBuf {
     use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
     let cfg = GptConfig {
         block_size: 16,
@@ -684,7 +691,8 @@ fn small_moe_gpt(name: &str) -> std::path::PathBuf {
         moe: Some(MoeConfig {
             num_experts: 4,
             top_k: 1,
-            capacity_factor: 1.25,
+            capacity_factor,
+            aux_loss_coef,
             ..MoeConfig::default()
         }),
         ..GptConfig::default()
@@ -818,8 +826,16 @@ fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
     // tasks send over the data plane. No evaluation (as beside dp × ep × pp). ZeRO-3: each
     // (stage, shard)'s weights over its replicas, gathered before each pass.
     let graph = small_moe_gpt("plan_vs_measured_4axis");
-    for zero in [None, Some("3")] {
+    // No router coupling the batch (capacity ≥ E, no load-balancing loss): 2 micro-batches.
+    let uncoupled = small_moe_gpt_with("plan_vs_measured_4axis_m2", 4.0, 0.0);
+    for (graph, zero, m) in [
+        (&graph, None, "1"),
+        (&graph, Some("3"), "1"),
+        (&uncoupled, Some("1"), "2"),
+    ] {
         let mut flags = vec![
+            "--micro-batches",
+            m,
             "--mesh",
             "dp=2,tp=2,pp=2,ep=2",
             "--data",
@@ -834,7 +850,7 @@ fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
             "0",
             "--quiet",
         ];
-        let mut layout = "dp=2,tp=2,pp=2,ep=2".to_string();
+        let mut layout = format!("dp=2,tp=2,pp=2,ep=2,m={m}");
         if let Some(stage) = zero {
             flags.extend(["--zero-stage", stage]);
             layout = format!("{layout},zero={stage}");
@@ -846,12 +862,12 @@ fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
         );
         assert_eq!(ends.len(), 8, "{stderr}");
         let steps = trained_steps(&stderr);
-        let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
+        let sent = predicted_traffic(graph, "idx", "targets", &layout, 4);
         assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
         assert_traffic(&layout, &sent, steps, 0, &ends);
-        let predicted = accounted(&graph, "idx", "targets", &layout, 4);
+        let predicted = accounted(graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
-        let (_, between) = table_bytes(&graph, &layout, 4);
+        let (_, between) = table_bytes(graph, &layout, 4);
         let measured: u64 = ends.iter().map(|e| e.data_plane).sum();
         assert_eq!(
             measured as f64,
