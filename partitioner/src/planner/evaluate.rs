@@ -27,7 +27,7 @@
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
 //!
 //! **Experts** (`ep > 1`, a model with MoE layers; dp × ep, or dp × ep × pp with one
-//! micro-batch, ZeRO 0 to 3 both): each rank holds `1/ep` of every MoE layer's experts of its stage
+//! micro-batch where a router couples the batch, else several, ZeRO 0 to 3 both): each rank holds `1/ep` of every MoE layer's experts of its stage
 //! (their weights, gradients and Adam state), the dense parameters whole; ZeRO shards the dense
 //! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
 //! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
