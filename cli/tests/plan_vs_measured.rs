@@ -693,7 +693,6 @@ fn small_moe_gpt_with(name: &str, capacity_factor: f64, aux_loss_coef: f64) -> s
             top_k: 1,
             capacity_factor,
             aux_loss_coef,
-            ..MoeConfig::default()
         }),
         ..GptConfig::default()
     };

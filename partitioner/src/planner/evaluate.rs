@@ -1280,7 +1280,6 @@ mod tests {
                 top_k: 1,
                 capacity_factor: 4.0,
                 aux_loss_coef: 0.0,
-                ..Default::default()
             }),
             ..GptConfig::default()
         })
