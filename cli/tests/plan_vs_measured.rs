@@ -674,6 +674,13 @@ fn three_d_zero_bytes_per_task_are_the_prediction() {
 /// small enough for a debug build on a loaded machine (2 blocks, 2 heads, 16 channels, context
 /// 16), written to a scratch file.
 fn small_moe_gpt(name: &str) -> std::path::PathBuf {
+    let d = dflow::graph::layers::MoeConfig::default();
+    small_moe_gpt_with(name, d.capacity_factor, d.aux_loss_coef)
+}
+
+/// [`small_moe_gpt`] with the router's capacity factor and load-balancing loss coefficient
+/// (capacity ≥ the experts and no loss: no router couples the batch, so micro-batches run).
+fn small_moe_gpt_with(name: &str, capacity_factor: f64, aux_loss_coef: f64) -> std::path::PathBuf {
     use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
     let cfg = GptConfig {
         block_size: 16,
@@ -684,8 +691,8 @@ fn small_moe_gpt(name: &str) -> std::path::PathBuf {
         moe: Some(MoeConfig {
             num_experts: 4,
             top_k: 1,
-            capacity_factor: 1.25,
-            ..MoeConfig::default()
+            capacity_factor,
+            aux_loss_coef,
         }),
         ..GptConfig::default()
     };
@@ -805,5 +812,66 @@ fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
         assert_traffic(&layout, &sent, trained_steps(&stderr), 0, &ends);
         let predicted = accounted(&graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
+    }
+}
+
+#[test]
+fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
+    // The MoE GPT on the 4-axis mesh dp2·tp2·pp2·ep2 (8 tasks, one micro-batch): 2 stages (a
+    // MoE block each), attention, the embedding and the loss split over each replica's tp
+    // pair, each stage's MoE MLP replicated over tp with half of its experts on each replica.
+    // `dflow plan --layout`'s job-plan count of every task's bytes (and collective messages)
+    // and memory is what the run measures, and the table's bytes between stages are what the
+    // tasks send over the data plane. No evaluation (as beside dp × ep × pp). ZeRO-3: each
+    // (stage, shard)'s weights over its replicas, gathered before each pass.
+    let graph = small_moe_gpt("plan_vs_measured_4axis");
+    // No router coupling the batch (capacity ≥ E, no load-balancing loss): 2 micro-batches.
+    let uncoupled = small_moe_gpt_with("plan_vs_measured_4axis_m2", 4.0, 0.0);
+    for (graph, zero, m) in [
+        (&graph, None, "1"),
+        (&graph, Some("3"), "1"),
+        (&uncoupled, Some("1"), "2"),
+    ] {
+        let mut flags = vec![
+            "--micro-batches",
+            m,
+            "--mesh",
+            "dp=2,tp=2,pp=2,ep=2",
+            "--data",
+            "examples/data/shakespeare.txt.gz",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "0",
+            "--quiet",
+        ];
+        let mut layout = format!("dp=2,tp=2,pp=2,ep=2,m={m}");
+        if let Some(stage) = zero {
+            flags.extend(["--zero-stage", stage]);
+            layout = format!("{layout},zero={stage}");
+        }
+        let (ends, stderr) = local_job(
+            graph.to_str().unwrap(),
+            "examples/gpt/cluster-8workers.json",
+            &flags,
+        );
+        assert_eq!(ends.len(), 8, "{stderr}");
+        let steps = trained_steps(&stderr);
+        let sent = predicted_traffic(graph, "idx", "targets", &layout, 4);
+        assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
+        assert_traffic(&layout, &sent, steps, 0, &ends);
+        let predicted = accounted(graph, "idx", "targets", &layout, 4);
+        assert_memory(&layout, &predicted, &ends);
+        let (_, between) = table_bytes(graph, &layout, 4);
+        let measured: u64 = ends.iter().map(|e| e.data_plane).sum();
+        assert_eq!(
+            measured as f64,
+            between * steps as f64,
+            "{layout}: the table's {between} B between stages per step × {steps} steps"
+        );
     }
 }

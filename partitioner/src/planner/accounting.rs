@@ -88,7 +88,8 @@ pub enum AccountingError {
 
 /// The strategy `dflow run` runs `layout` with, and its options: expert parallelism when
 /// `ep > 1` (over expert-parallel groups of `ep` workers, inside the stages when `pp > 1`; beside
-/// `tp > 1` the tensor strategy with the experts over `ep` replicas), tensor parallelism when
+/// `tp > 1` the tensor strategy with the experts over `ep` replicas, inside the stages too),
+/// tensor parallelism when
 /// `tp > 1` (beside a dp axis, inside the stages when `pp > 1`), a pipeline when `pp > 1`
 /// alone, ZeRO at the layout's stage, else all-reduce.
 pub fn strategy_for(
@@ -106,11 +107,13 @@ pub fn strategy_for(
     };
     let name = if mesh.ep > 1 && mesh.tp > 1 {
         // ep beside tp (`--mesh dp=D,tp=T,ep=E`): the tensor strategy, the MoE layers
-        // replicated over tp and their experts over ep (pp = 1).
+        // replicated over tp and their experts over ep; inside pipeline stages when pp > 1
+        // (the 4-axis mesh `--mesh dp=D,tp=T,pp=P,ep=E`).
         if mesh.pp > 1 {
-            return Err(refuse(
-                "expert parallelism beside tensor parallelism runs without pipeline stages (pp = 1)",
-            ));
+            options.stages = Some(mesh.pp);
+            options.micro_batches = layout.micro_batches;
+            options.schedule = layout.schedule;
+            options.chunks = layout.chunks;
         }
         if layout.zero > 0 {
             // The strategy says which ZeRO stages run beside ep × tp.

@@ -27,7 +27,7 @@
 //! 25 MiB, as the all-reduce strategy fuses them; not overlapped with the backward pass).
 //!
 //! **Experts** (`ep > 1`, a model with MoE layers; dp × ep, or dp × ep × pp with one
-//! micro-batch, ZeRO 0 to 3 both): each rank holds `1/ep` of every MoE layer's experts of its stage
+//! micro-batch where a router couples the batch, else several, ZeRO 0 to 3 both): each rank holds `1/ep` of every MoE layer's experts of its stage
 //! (their weights, gradients and Adam state), the dense parameters whole; ZeRO shards the dense
 //! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
 //! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
@@ -36,13 +36,19 @@
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
-//! Beside `tp > 1` (dp × tp × ep, pp = 1, ZeRO 0 to 3: the tensor strategy with ep) the MoE layers
+//! Beside `tp > 1` (dp × tp × ep, ZeRO 0 to 3: the tensor strategy with ep) the MoE layers
 //! are replicated over tp ([`super::model`] leaves their ops out of the tensor-parallel
 //! analysis): each rank holds its tp shard of the dense parameters, the routers whole and
 //! `1/ep` of the experts, every tp rank repeats its replica's all-to-alls, and the groups are
 //! those of the rank's tp coordinate (`data_t<t>` for the dense states, `experts_dp<s>_t<t>`
 //! for the expert shards'; ZeRO-3 shards the weights over the same groups and gathers them
-//! before the forward and the backward pass, as `strategy/tensor/experts.rs` runs it).
+//! before the forward and the backward pass, as `strategy/tensor/experts.rs` runs it). Inside
+//! pipeline stages too (the 4-axis mesh dp × tp × pp × ep, one micro-batch, ZeRO 0 to 3, as
+//! `strategy/tensor/experts_pipeline.rs` runs it): per stage the same, over that stage's groups
+//! (`pipeline/stage<s>_t<t>` for the dense states, `experts_dp<k>_s<s>_t<t>` for the expert
+//! shards'), ZeRO as for dp × tp × pp. Beside ep over a pipeline each MoE layer's dropped count
+//! (an i64 per micro-batch) goes to the loss's stage, and under ZeRO with clipping each stage's
+//! expert shards' squared norm: both in the bytes between stages.
 //!
 //! **Tensor parallelism** counts dflow's calls (`strategy/tensor.rs`), each an all-reduce over
 //! the rank's tensor-parallel group: per dense block `g` after both row-parallel products
@@ -68,6 +74,10 @@ pub const LOSS_BYTES: f64 = 4.0;
 
 /// Bytes of the squared norm of a rank's shards that ZeRO with clipping sums over the group.
 pub const CLIP_NORM_BYTES: f64 = 4.0;
+
+/// Bytes of an MoE layer's count of dropped assignments (`MoeRoute`'s i64 output 3), which a
+/// pipeline sends to the loss's stage per micro-batch beside ep.
+pub const DROPPED_COUNT_BYTES: f64 = 8.0;
 
 /// Memory of one device, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -299,18 +309,12 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
                 mesh.ep
             )));
         };
-        // Beside tp (`--mesh dp=D,tp=T,ep=E`, the tensor strategy): pp = 1 (ZeRO 0 to 3).
-        if mesh.tp > 1 && mesh.pp > 1 {
+        // The table models ep × pp with several micro-batches where no router couples the
+        // batch (as dflow run runs them; refused below otherwise), at ZeRO 0 to 3; under
+        // ZeRO-3 beside expert-data-parallel groups with one.
+        if mesh.pp > 1 && layout.micro_batches > 1 && layout.zero >= 3 && mesh.dp > mesh.ep {
             return Err(refuse(format!(
-                "ep={} beside tp={} runs without pipeline stages (pp = 1): docs/experts.md, \"ep beside tp\"",
-                mesh.ep, mesh.tp
-            )));
-        }
-        // The table models ep × pp with one micro-batch (dflow run also runs several where no
-        // router couples the batch), at ZeRO 0 to 3.
-        if mesh.pp > 1 && layout.micro_batches > 1 {
-            return Err(refuse(format!(
-                "ep={} beside pp is modelled with one micro-batch: use m=1",
+                "ep={} beside pp at ZeRO-3 with dp > ep (expert-data-parallel groups) is modelled with one micro-batch: use m=1",
                 mesh.ep
             )));
         }
@@ -389,6 +393,9 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     let mut tp_step_time: f64 = 0.0;
     let mut tensor_parallel_messages = 0.0;
     let mut stage0_payload = 0.0;
+    // Bytes of the MoE layers' dropped counts (and under ZeRO with clipping the expert shards'
+    // squared norms) sent to the loss's stage, every replica summed.
+    let mut dropped_bytes = 0.0;
     // Per device and micro-batch: its activations sent forward, its gradients sent back.
     let mut sends = vec![0.0; p];
     let mut by_sender: Vec<Vec<usize>> = vec![Vec::new(); p];
@@ -542,6 +549,31 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                     }
                 }
             }
+            traffic.pipeline = traffic.pipeline.then(cost);
+        }
+        // Beside ep over a pipeline each MoE layer's count of dropped assignments (an i64,
+        // per micro-batch) goes to the loss's stage, where they are summed
+        // (`strategy/expert/pipeline.rs`, `add_dropped_count`).
+        if mesh.ep > 1 && s != p - 1 {
+            let layers = chunks.iter().map(|c| c.moe.len()).sum::<usize>() as f64;
+            // Under ZeRO with clipping the squared norm of the stage's expert shards goes
+            // there too, apart from the dense one (`strategy/pipeline/zero.rs`), once per step.
+            let expert_norm = if zero >= 1 && ctx.model.clips && local_experts > 0.0 {
+                CLIP_NORM_BYTES
+            } else {
+                0.0
+            };
+            let sent = DROPPED_COUNT_BYTES * layers * mf + expert_norm;
+            let mut cost = CommCost::default();
+            for ti in 0..t {
+                for di in 0..d {
+                    match profile.class(mesh.rank(ti, di, s), mesh.rank(ti, di, p - 1)) {
+                        LinkClass::IntraHost => cost.intra_bytes += sent,
+                        LinkClass::InterHost => cost.inter_bytes += sent,
+                    }
+                }
+            }
+            dropped_bytes += sent * df;
             traffic.pipeline = traffic.pipeline.then(cost);
         }
         if s > 0 {
@@ -785,7 +817,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 profile.step_overhead
             },
     };
-    let pipeline_bytes = staged.bytes_per_step(m, rows) * df;
+    let pipeline_bytes = staged.bytes_per_step(m, rows) * df + dropped_bytes;
     let fits = memory
         .iter()
         .all(|mem| mem.total() <= profile.memory_per_device as f64);
@@ -1051,11 +1083,11 @@ mod tests {
         assert!(a2a > 0);
         assert_eq!(predicted, a2a as f64);
         for (bad, want) in [
+            ("dp=2,ep=2,pp=2,m=2", "couples the examples of a batch"),
             (
-                "dp=2,ep=2,pp=2,m=2",
-                "beside pp is modelled with one micro-batch",
+                "dp=2,ep=2,pp=2,m=2,zero=3",
+                "couples the examples of a batch",
             ),
-            ("dp=2,ep=2,pp=2,m=2,zero=3", "with one micro-batch"),
         ] {
             let e = evaluate_layout(&model, &profile, &options, &bad.parse().unwrap())
                 .unwrap_err()
@@ -1148,20 +1180,172 @@ mod tests {
             assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
             assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
         }
-        // Refused beside tp: a pipeline.
+    }
+
+    /// The 4-axis mesh `dp × tp × pp × ep` (`--mesh dp=2,tp=2,pp=2,ep=2`, the tensor strategy
+    /// inside pipeline stages, one micro-batch), ZeRO 0 to 3, the MoE GPT clipped: per stage,
+    /// each rank holds its tp shard of the stage's dense parameters and `1/ep` of the stage's
+    /// experts, as the job plan's variables count them on every task of that stage; the
+    /// all-to-alls (each tp rank repeats its replica's per micro-batch), the tensor-parallel
+    /// bytes and messages (`tensor_s<s>_d<d>`), the data-parallel bytes (the dense gradients
+    /// over `pipeline/stage<s>_t<t>`, the experts' over `experts_dp<k>_s<s>_t<t>`) and the
+    /// bytes between stages are the job plan's, every task summed.
+    #[test]
+    fn a_dp_tp_pp_ep_layout_holds_its_stages_tp_shard_and_expert_shard_as_the_job_plan_does() {
+        use super::super::accounting;
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
         let options = PlanOptions {
             devices: 8,
             batch_size: 8,
         };
-        let e = evaluate_layout(
-            &model,
-            &profile,
-            &options,
-            &"dp=2,tp=2,pp=2,ep=2".parse().unwrap(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("without pipeline stages (pp = 1)"), "{e}");
+        for zero in 0..=3 {
+            let text = format!("dp=2,tp=2,pp=2,ep=2,m=1,zero={zero}");
+            let layout: crate::planner::Layout = text.parse().unwrap();
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            assert_eq!(e.memory.len(), 2);
+            let rows = 8 / layout.mesh.dp;
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+            let tasks = accounting::account(&plan, rows, 1).unwrap();
+            assert_eq!(tasks.len(), 8);
+            for t in &tasks {
+                let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+                let (_, _, s) = layout.mesh.coords(index);
+                let held = t.variable_bytes as f64;
+                let mem = e.memory[s];
+                let predicted = mem.weights + mem.optimizer;
+                assert!(
+                    (held - predicted).abs() <= 8.0,
+                    "{text}, {} (stage {s}): held {held}, predicted {predicted}",
+                    t.task
+                );
+            }
+            let (a2a, data) = expert_job_bytes(&plan, rows);
+            assert!(a2a > 0);
+            assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
+            assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+            let (tp, messages) = tensor_job_traffic(&plan, rows);
+            assert!(tp > 0);
+            assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
+            assert_eq!(e.tensor_parallel_messages, messages as f64, "{text}");
+            let sent: u64 = accounting::traffic(&plan, rows)
+                .unwrap()
+                .iter()
+                .map(|t| t.data_plane)
+                .sum();
+            assert!(sent > 0);
+            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+        }
+    }
+
+    /// Where no router couples the batch (capacity factor ≥ E, no load-balancing loss) the
+    /// planner ranks several micro-batches beside `ep × pp` (beside tp too), and the table's
+    /// variables and bytes are the job plan's: `dp=2,ep=2,pp=2` and `dp=2,tp=2,pp=2,ep=2` with
+    /// 2 micro-batches, ZeRO 0 to 3, and `dp=4,ep=2,pp=2` (the expert shards' sums over their
+    /// expert-data-parallel groups) at ZeRO 0 to 2; ZeRO-3 there is refused (modelled with
+    /// one micro-batch).
+    #[test]
+    fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
+        use super::super::accounting;
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 4.0,
+                aux_loss_coef: 0.0,
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        assert_eq!(model.batch_coupled, None);
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        for (mesh, top) in [
+            ("dp=2,ep=2,pp=2", 3),
+            ("dp=2,tp=2,pp=2,ep=2", 3),
+            ("dp=4,ep=2,pp=2", 2),
+        ] {
+            for zero in 0..=top {
+                let text = format!("{mesh},m=2,zero={zero}");
+                let layout: crate::planner::Layout = text.parse().unwrap();
+                let options = PlanOptions {
+                    devices: layout.mesh.size(),
+                    batch_size: 8,
+                };
+                let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+                let rows = 8 / layout.mesh.dp;
+                let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+                let tasks = accounting::account(&plan, rows, 1).unwrap();
+                for t in &tasks {
+                    let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+                    let (_, _, s) = layout.mesh.coords(index);
+                    let held = t.variable_bytes as f64;
+                    let mem = e.memory[s];
+                    let predicted = mem.weights + mem.optimizer;
+                    assert!(
+                        (held - predicted).abs() <= 8.0,
+                        "{text}, {} (stage {s}): held {held}, predicted {predicted}",
+                        t.task
+                    );
+                }
+                let (a2a, data) = expert_job_bytes(&plan, rows);
+                assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
+                assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+                let (tp, _) = tensor_job_traffic(&plan, rows);
+                assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
+                let sent: u64 = accounting::traffic(&plan, rows)
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.data_plane)
+                    .sum();
+                assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+            }
+        }
+        let options = PlanOptions {
+            devices: 8,
+            batch_size: 8,
+        };
+        let z3: crate::planner::Layout = "dp=4,ep=2,pp=2,m=2,zero=3".parse().unwrap();
+        let e = evaluate_layout(&model, &profile, &options, &z3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("modelled with one micro-batch"), "{e}");
+        let report = super::super::plan(&model, &profile, &options).unwrap();
+        assert!(report
+            .ranked
+            .iter()
+            .chain(&report.too_big)
+            .any(|e| e.layout.mesh.ep > 1 && e.layout.mesh.tp > 1 && e.layout.micro_batches > 1));
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel

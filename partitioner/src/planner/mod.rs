@@ -139,13 +139,26 @@ pub fn layouts(devices: usize, batch: usize, per_host: usize) -> Vec<Layout> {
 /// layers split over, [`ModelProfile::ep_sizes`]) every `dp × ep` layout: `ep > 1` dividing
 /// `dp` and every layer's experts, with ZeRO 0–3 (the dense states over `dp`, the
 /// experts' over their expert-data-parallel groups) when `pp = 1`, with one micro-batch and
-/// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`) with `pp = 1` and
-/// ZeRO 0–3.
+/// ZeRO 0–3 inside pipeline stages, and beside `tp > 1` (`dp × tp × ep`, and inside pipeline
+/// stages the 4-axis `dp × tp × pp × ep` with one micro-batch) with ZeRO 0–3.
 pub fn layouts_with_experts(
     devices: usize,
     batch: usize,
     per_host: usize,
     ep_sizes: &[usize],
+) -> Vec<Layout> {
+    layouts_with_expert_micro_batches(devices, batch, per_host, ep_sizes, false)
+}
+
+/// [`layouts_with_experts`], and when `micro_batched_experts` (no MoE router couples a batch's
+/// examples: [`ModelProfile::batch_coupled`] is `None`) the `ep × pp` layouts (beside tp too)
+/// with every micro-batch count a dense pipeline gets, as `dflow run` runs them.
+pub fn layouts_with_expert_micro_batches(
+    devices: usize,
+    batch: usize,
+    per_host: usize,
+    ep_sizes: &[usize],
+    micro_batched_experts: bool,
 ) -> Vec<Layout> {
     let mut out = Vec::new();
     for pp in layout::divisors(devices) {
@@ -176,21 +189,23 @@ pub fn layouts_with_experts(
                     });
                 }
             }
-            // Beside tp the experts run without pipeline stages (`--mesh dp=D,tp=T,ep=E`).
-            if tp > 1 && pp > 1 {
-                continue;
-            }
             for &ep in ep_sizes.iter().filter(|&&e| e > 1 && dp % e == 0) {
                 let Ok(mesh) = mesh.with_ep(ep) else {
                     continue;
                 };
-                // Inside pipeline stages: one micro-batch (an MoE layer couples a batch's
-                // tokens), ZeRO 0 to 3 (as a dense pipeline's); beside tp ZeRO 0 to 3 too.
+                // Inside pipeline stages: one micro-batch where an MoE layer couples a batch's
+                // tokens (else every count), ZeRO 0 to 3 (as a dense pipeline's); beside tp
+                // ZeRO 0 to 3 too, inside pipeline stages as well (the 4-axis mesh
+                // `dp × tp × pp × ep`).
+                let counts: &[usize] = if micro_batched_experts { &micro } else { &[1] };
                 for zero in 0..=3 {
-                    out.push(Layout {
-                        zero,
-                        ..Layout::new(mesh)
-                    });
+                    for &m in counts {
+                        out.push(Layout {
+                            zero,
+                            micro_batches: m,
+                            ..Layout::new(mesh)
+                        });
+                    }
                 }
             }
         }
@@ -273,11 +288,12 @@ pub fn plan(
     let mut ranked = Vec::new();
     let mut too_big = Vec::new();
     let mut refused = Vec::new();
-    for layout in layouts_with_experts(
+    for layout in layouts_with_expert_micro_batches(
         options.devices,
         options.batch_size,
         profile.devices_per_host,
         &model.ep_sizes(),
+        model.batch_coupled.is_none(),
     ) {
         match evaluate_with(model, profile, options, &layout, &mut cuts) {
             Ok(e) if e.fits => ranked.push(e),
