@@ -47,6 +47,7 @@
 //!   micro-batch's forward and backward use; worker 0's evaluation copy ([`EvalCopy`]) joins
 //!   every stage's shards from the workers holding them.
 
+use super::eval::{add_staged_eval, StagedEval};
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, EvalCopy, ExpertLayout, ForwardGroups,
     MoeLayer,
@@ -313,14 +314,15 @@ pub fn expert_pipeline_training(
         g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
         g.eval.features = features.to_string();
         g.eval.labels = labels.to_string();
-        shape_of = Some(shape);
+        shape_of = Some((shape, batch));
         graphs.push(g);
     }
-    let Some(shape) = shape_of else {
+    let Some((shape, batch)) = shape_of else {
         return Err(options(format!("mesh {mesh}: no data-parallel replica")));
     };
-    // Evaluation on worker 0: shard j of a stage-s expert lives on replica j's stage s, and so
-    // does replica j's flat ZeRO-3 shard of a stage-s parameter.
+    // Evaluation on replica 0's stages (`super::eval`), else on worker 0: shard j of a stage-s
+    // expert lives on replica j's stage s, and so does replica j's flat ZeRO-3 shard of a
+    // stage-s parameter.
     let shard_device = |var: &str, j: usize| -> Result<String, StrategyError> {
         let s = match expert_stage.get(var) {
             Some(&s) => s,
@@ -331,14 +333,31 @@ pub fn expert_pipeline_training(
         };
         Ok(worker_device(mesh.rank(0, j, s)))
     };
-    if let Some(g) = graphs.first_mut() {
-        let copy = EvalCopy {
+    let copy = || -> Result<EvalCopy<'_>, StrategyError> {
+        Ok(EvalCopy {
             layout: ExpertLayout::new(dp, ep)?,
             stage3: zero.is_some_and(|z| z.stage >= 3),
             shard_device: &shard_device,
             own_placeholders: true,
+        })
+    };
+    if let Some(g) = graphs.first_mut() {
+        let staged = StagedEval {
+            graph,
+            forward: &forward,
+            layers: &layers,
+            cut: &first_cut,
+            shape,
+            devices: (0..pp).map(|s| worker_device(mesh.rank(0, 0, s))).collect(),
+            copy: copy()?,
+            spec,
+            features,
+            labels,
+            rows: batch,
         };
-        add_eval_copy(g, graph, &forward, &layers, spec, copy)?;
+        if !add_staged_eval(g, &staged, 0)? {
+            add_eval_copy(g, graph, &forward, &layers, spec, copy()?)?;
+        }
     }
     let task = |d: usize, s: usize| task_name("worker", mesh.rank(0, d, s) as u32);
     let mut groups = Vec::new();
