@@ -23,8 +23,10 @@
 //!   the loss's stage.
 //! - Evaluation runs on replica 0's stages, each tensor-parallel rank's forward copy on its own
 //!   shards with its stage's collectives (`crate::strategy::pipeline::eval`); under ZeRO-3
-//!   (flat shards), on worker 0 without collectives, on a one-process forward copy whose
-//!   weights are assembled from every replica's flat shard, wherever its stage put it.
+//!   (flat shards) each rank's weights joined first from their flat shards over the stage's
+//!   data-parallel group on the rank's stage worker ([`zero3_weights`]): no weight crosses
+//!   stages. The older evaluation on worker 0 (`eval_copy`) remains for a crossing tensor of
+//!   no static size.
 
 use super::{
     check_job, eval_copy, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
@@ -230,7 +232,7 @@ pub fn mesh3d_training(
     // from their flat shards over the stage's data-parallel group on the rank's stage worker
     // of replica 0 ([`zero3_weights`]).
     let instance_base = super::eval::first_free_instance(&graphs);
-    let joins: Vec<(HashMap<String, String>, Vec<NodeDef>)> = match zero3 {
+    let joins: Vec<RankWeights> = match zero3 {
         Some(dp) => zero3_weights(&ranks, &graphs, tp, dp)?,
         None => (0..tp).map(|_| (HashMap::new(), Vec::new())).collect(),
     };
@@ -297,6 +299,10 @@ pub fn mesh3d_training(
     })
 }
 
+/// One rank's evaluation weights: the tensor each variable is read from, and the nodes that
+/// make them.
+type RankWeights = (HashMap<String, String>, Vec<NodeDef>);
+
 /// Under ZeRO-3 over `dp` replicas, per tensor-parallel rank `t` of replica 0: the tensor each
 /// variable of the rank's forward graph is read from in the evaluation, and the nodes that
 /// make it. Each of the rank's own weights (its shards, and for rank 0 the replicated ones) is
@@ -311,7 +317,7 @@ fn zero3_weights(
     graphs: &[ReplicaGraph],
     tp: usize,
     dp: usize,
-) -> Result<Vec<(HashMap<String, String>, Vec<NodeDef>)>, StrategyError> {
+) -> Result<Vec<RankWeights>, StrategyError> {
     let variables: Vec<HashMap<&str, &NodeDef>> = graphs
         .iter()
         .map(|g| {
@@ -321,7 +327,7 @@ fn zero3_weights(
                 .collect()
         })
         .collect();
-    let mut out: Vec<(HashMap<String, String>, Vec<NodeDef>)> = Vec::with_capacity(tp);
+    let mut out: Vec<RankWeights> = Vec::with_capacity(tp);
     for (t, (forward, typed, _)) in ranks.iter().enumerate() {
         let own: HashSet<&String> = forward.renames.values().collect();
         let mut weights = HashMap::new();
