@@ -30,7 +30,9 @@
 //!
 //! With tensor parallelism inside the stages ([`add_sharded_stage_eval`], the 3D mesh) every
 //! tensor-parallel rank of replica 0 runs its own [`stage_copy`] on its shards, with its stage's
-//! collectives, fed whole batches of a static size.
+//! collectives, fed whole batches of a static size; under ZeRO-3 each rank's flat shards are
+//! joined first on its own stage's worker (`tensor::mesh3d`). `expert::eval` runs the
+//! `dp × ep × pp` evaluation through it as one rank, each stage's experts joined on its worker.
 
 use super::schedule::PipelineShape;
 use super::stages::StageMap;
@@ -538,10 +540,11 @@ pub(crate) struct RankStages<'a> {
     pub own: HashSet<String>,
     /// Where the rank's training graph put each variable.
     pub variable_device: &'a HashMap<String, String>,
-    /// Under ZeRO-3 (whose weights are flat shards over the stage's data-parallel group): the
-    /// tensor each of the rank's variables is read from instead (its flat shards joined on
-    /// the stage's worker of replica 0, or rank 0's join of a replicated weight); empty
-    /// otherwise.
+    /// The tensor each of the rank's variables is read from instead, where it is not read as
+    /// it is: under ZeRO-3 (flat shards over the stage's data-parallel group) its flat shards
+    /// joined on the rank's stage worker of replica 0 (or rank 0's join of a replicated
+    /// weight); beside expert parallelism an expert variable's shards joined on its stage's
+    /// worker (`expert::eval`). Empty otherwise.
     pub weights: HashMap<String, String>,
     /// The nodes that make `weights` (the other replicas' flat shards and their joins).
     pub weight_nodes: Vec<NodeDef>,
@@ -561,7 +564,9 @@ pub(crate) struct RankStages<'a> {
 /// the batch through placeholders of the global batch size (static, as
 /// `tensor::eval`'s: every collective's size is known) and sends it to the other ranks' first
 /// stages (and the labels to every rank's last stage); the replicated weights (layer norms, biases, a few KB) of ranks `t > 0` are read
-/// from rank 0's copies on the same stage. Rank 0's loss goes to worker 0, after every other
+/// from rank 0's copies on the same stage; a variable in a rank's `weights` is read from the
+/// tensor named there (its joined shards, made by `weight_nodes`). Rank 0's loss goes to
+/// worker 0, after every other
 /// rank's (control edges), so the step runs every rank's collectives. Returns `false`,
 /// changing nothing, when a crossing tensor has no static size at the global batch.
 #[allow(clippy::too_many_arguments)]
@@ -1053,8 +1058,7 @@ mod tests {
     fn under_dp2_tp2_pp2_zero3_each_stage_joins_its_flat_shards_and_sends_activations_only() {
         // Replica 0 is workers 0, 1 (stage 0) and 4, 5 (stage 1); replica 1's flat shards of a
         // stage's weights are on workers 2, 3 (stage 0) and 6, 7 (stage 1).
-        let (_, spec) = model(false);
-        let (graph, _) = model(false);
+        let (graph, spec) = model(false);
         let cluster = ClusterSpec::local(&[("worker", 8)]).unwrap();
         let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
         let pipeline = Pipeline {
