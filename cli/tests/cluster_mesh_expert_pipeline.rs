@@ -111,7 +111,8 @@ fn assert_same_tensors(
 /// `dp=2,ep=2,pp=2` (4 tasks: stage 0 on workers 0 and 1, stage 1 on 2 and 3; each stage's
 /// experts split over its two replicas), top-2 routing with the load-balancing loss, clipped
 /// at global norm 0.1: 5 steps' losses and the final parameters and Adam moments equal one
-/// process's within 1e-5; the checkpoint holds the experts whole under their one-process
+/// process's within 1e-5, and the validation loss (evaluated on replica 0's stages, each MoE
+/// layer's experts joined on its stage's worker) as printed; the checkpoint holds the experts whole under their one-process
 /// names, and one written after 3 steps resumes in one process with the uninterrupted job's
 /// steps 4-5.
 #[test]
@@ -119,13 +120,15 @@ fn dp2_ep2_pp2_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-pipeline");
     let graph = tiny_moe_gpt(&dir, 2, 0.01, Some(0.1));
     let one = dir.join("one");
-    let local = run(&graph, &[], 5, &one);
+    let (local, one_validation) = run_out(&graph, &[], 5, &one);
     assert_eq!(local.len(), 5);
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     let mesh = ["--cluster", FOUR, "--mesh", "dp=2,ep=2,pp=2"];
     let full = dir.join("full");
-    let job = run(&graph, &mesh, 5, &full);
+    let (job, validation) = run_out(&graph, &mesh, 5, &full);
     let worst = assert_same_losses(&job, &local, 1e-5);
     eprintln!("dp=2,ep=2,pp=2: worst relative loss difference {worst:e}");
+    assert_eq!(validation, one_validation);
     let saved = checkpoint(&full);
     assert!(
         !saved.keys().any(|n| n.contains("/shard_")),
@@ -171,8 +174,8 @@ fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
         let (job, validation) = run_out(&graph, &args, 4, &full);
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{mesh} --zero-stage {stage}: worst relative loss difference {worst:e}");
-        // Worker 0's evaluation copy (at stage 3 joining every stage's dense and expert weight
-        // shards from the workers holding them): the one-process model's loss.
+        // The evaluation on replica 0's stages (each stage's expert shards, at stage 3 its dense
+        // and expert flat shards, joined on its worker of replica 0): the one-process loss.
         assert_eq!(validation, one_validation, "{mesh} --zero-stage {stage}");
         let saved = checkpoint(&full);
         assert!(

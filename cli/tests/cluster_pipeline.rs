@@ -185,12 +185,13 @@ fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
     // as printed, under 2 stages (1F1B, and interleaved: activations go 0 → 1 → 0 → 1), under
     // dp2×pp2 (plain, ZeRO-1, and ZeRO-3, whose evaluation joins each stage's replicas' shards
     // on that stage's worker), and with tensor parallelism inside the stages (tp2×pp2,
-    // dp2×tp2×pp2 with ZeRO-1: each rank of replica 0 evaluates on its own shards).
+    // dp2×tp2×pp2 with ZeRO-1: each rank of replica 0 evaluates on its own shards; with ZeRO-3
+    // each rank first joins its flat shards over its stage's dp group on its stage's worker).
     let dir = scratch("pipeline-eval-gpt");
     let graph = small_gpt(&dir, 2);
     let (one_losses, one) = run_text_local(&graph, &[], 3, &dir.join("ckpt-one"));
     assert!(one.starts_with("validation loss: "), "{one}");
-    let layouts: [&[&str]; 7] = [
+    let layouts: [&[&str]; 8] = [
         &[
             "--cluster",
             "examples/gpt/cluster-2workers.json",
@@ -260,6 +261,16 @@ fn a_pipelines_validation_loss_runs_on_its_stages_and_is_one_process_s() {
             "2",
             "--zero-stage",
             "1",
+        ],
+        &[
+            "--cluster",
+            "examples/gpt/cluster-8workers.json",
+            "--mesh",
+            "dp=2,tp=2,pp=2",
+            "--micro-batches",
+            "2",
+            "--zero-stage",
+            "3",
         ],
     ];
     for (k, layout) in layouts.iter().enumerate() {

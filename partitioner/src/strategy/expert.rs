@@ -72,6 +72,7 @@
 //! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
 //! ([`super::tensor::experts`], through `worker_forward`).
 
+mod eval;
 pub mod pipeline;
 pub mod zero;
 
@@ -1167,6 +1168,105 @@ pub(crate) struct EvalCopy<'a> {
     pub own_placeholders: bool,
 }
 
+/// The evaluation's reads of the forward graph's weights, [`eval_weights`]'s.
+pub(crate) struct EvalWeights {
+    /// The tensor each variable (one-process name) is read from, where it is not read as it
+    /// is: an expert variable's shards joined, under ZeRO-3 every parameter's flat shards.
+    pub map: HashMap<String, String>,
+    /// The nodes that make them (the other workers' shard variables, the joins).
+    pub nodes: Vec<NodeDef>,
+    /// Under ZeRO-3: each joined value's sends of remote shards.
+    pub sends: Vec<(String, Vec<String>)>,
+}
+
+/// The whole values of `forward`'s expert variables (and under ZeRO-3 of all its parameters)
+/// joined from their shards on `join_device(variable)` (shard `j` of variable `v` on
+/// `copy.shard_device(v, j)`, shard 0, and ZeRO-3 rank 0's flat shard, in the graph of the
+/// evaluation already), named apart from `taken`.
+pub(crate) fn eval_weights(
+    graph: &Graph,
+    forward: &GraphDef,
+    layers: &[MoeLayer],
+    copy: &EvalCopy<'_>,
+    taken: &mut HashSet<String>,
+    join_device: &dyn Fn(&str) -> Result<String, StrategyError>,
+) -> Result<EvalWeights, StrategyError> {
+    let (layout, stage3) = (copy.layout, copy.stage3);
+    let (workers, ep) = (layout.workers(), layout.ep());
+    let experts: HashMap<&str, &MoeLayer> = layers
+        .iter()
+        .flat_map(|l| l.variables.iter().map(move |v| (v.as_str(), l)))
+        .collect();
+    let mut map: HashMap<String, String> = HashMap::new();
+    let mut added = Vec::new();
+    // Under ZeRO-3: each whole value's sends of remote shards, to run just before its readers.
+    let mut sends: Vec<(String, Vec<String>)> = Vec::new();
+    for n in forward.nodes.iter().filter(|n| n.op == "Variable") {
+        let device = join_device(&n.name)?;
+        let dims = graph
+            .find(&n.name)
+            .and_then(|i| graph.output_type(i, 0))
+            .and_then(|t| t.shape.as_static())
+            .ok_or_else(|| not_moe(&n.name, "the variable's shape is not static".into()))?;
+        if let Some(l) = experts.get(n.name.as_str()) {
+            let per = (l.experts / ep) as i64;
+            let mut shards = Vec::new();
+            let mut sent = Vec::new();
+            for j in 0..ep {
+                let name = shard_name(&n.name, j);
+                let mut v = n.clone();
+                shard_variable(&mut v, j, per)?;
+                v.name = name.clone();
+                if stage3 && workers > ep {
+                    // Its flat shards, over the workers j, j + ep, ...
+                    zero::as_row_split(&mut v, ep, j);
+                    let mut rows = dims.clone();
+                    rows[0] = per as usize;
+                    let holders: Vec<usize> = (j..workers).step_by(ep).collect();
+                    let part = FlatJoin {
+                        var: &v,
+                        name: &name,
+                        dims: &rows,
+                        holders: &holders,
+                        device: &|w| (copy.shard_device)(&n.name, w),
+                    };
+                    shards.push(part.add(taken, &mut added, &mut sent, &device)?);
+                    continue;
+                }
+                if j > 0 {
+                    v.device = (copy.shard_device)(&n.name, j)?;
+                    added.push(v);
+                }
+                shards.push(name);
+            }
+            let joined = fresh(taken, &format!("eval/{}", n.name));
+            let mut c = node(&joined, "Concat", shards, &device);
+            c.attrs = BTreeMap::from([("axis".to_string(), AttrValue::Int(0))]);
+            added.push(c);
+            sends.push((joined.clone(), sent));
+            map.insert(n.name.clone(), joined);
+        } else if stage3 {
+            let holders: Vec<usize> = (0..workers).collect();
+            let whole = FlatJoin {
+                var: n,
+                name: &n.name,
+                dims: &dims,
+                holders: &holders,
+                device: &|w| (copy.shard_device)(&n.name, w),
+            };
+            let mut sent = Vec::new();
+            let value = whole.add(taken, &mut added, &mut sent, &device)?;
+            sends.push((value.clone(), sent));
+            map.insert(n.name.clone(), value);
+        }
+    }
+    Ok(EvalWeights {
+        map,
+        nodes: added,
+        sends,
+    })
+}
+
 /// Adds to worker 0's graph a copy of the forward graph, `eval/<name>`, whose experts read the
 /// shards of its expert-parallel group joined (shard `j` of variable `v` on
 /// `copy.shard_device(v, j)`, shard 0 in `g`), and points evaluation at it. Under ZeRO-3
@@ -1184,12 +1284,7 @@ pub(crate) fn add_eval_copy(
     copy: EvalCopy<'_>,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
-    let (layout, stage3, own_placeholders) = (copy.layout, copy.stage3, copy.own_placeholders);
-    let (workers, ep) = (layout.workers(), layout.ep());
-    let experts: HashMap<&str, &MoeLayer> = layers
-        .iter()
-        .flat_map(|l| l.variables.iter().map(move |v| (v.as_str(), l)))
-        .collect();
+    let own_placeholders = copy.own_placeholders;
     let mut taken: HashSet<String> = g
         .training
         .def
@@ -1197,10 +1292,10 @@ pub(crate) fn add_eval_copy(
         .iter()
         .map(|n| n.name.clone())
         .collect();
-    let mut map: HashMap<String, String> = HashMap::new();
-    let mut added = Vec::new();
-    // Under ZeRO-3: each whole value's sends of remote shards, to run just before its readers.
-    let mut sends: Vec<(String, Vec<String>)> = Vec::new();
+    let joined = eval_weights(graph, forward, layers, &copy, &mut taken, &|_| {
+        Ok(device.clone())
+    })?;
+    let (mut map, mut added, sends) = (joined.map, joined.nodes, joined.sends);
     for n in &forward.nodes {
         match n.op.as_str() {
             "Placeholder" if own_placeholders => {
@@ -1212,65 +1307,7 @@ pub(crate) fn add_eval_copy(
                 added.push(ph);
                 map.insert(n.name.clone(), name);
             }
-            "Placeholder" => {}
-            "Variable" => {
-                let dims = graph
-                    .find(&n.name)
-                    .and_then(|i| graph.output_type(i, 0))
-                    .and_then(|t| t.shape.as_static())
-                    .ok_or_else(|| not_moe(&n.name, "the variable's shape is not static".into()))?;
-                if let Some(l) = experts.get(n.name.as_str()) {
-                    let per = (l.experts / ep) as i64;
-                    let mut shards = Vec::new();
-                    let mut sent = Vec::new();
-                    for j in 0..ep {
-                        let name = shard_name(&n.name, j);
-                        let mut v = n.clone();
-                        shard_variable(&mut v, j, per)?;
-                        v.name = name.clone();
-                        if stage3 && workers > ep {
-                            // Its flat shards, over the workers j, j + ep, ...
-                            zero::as_row_split(&mut v, ep, j);
-                            let mut rows = dims.clone();
-                            rows[0] = per as usize;
-                            let holders: Vec<usize> = (j..workers).step_by(ep).collect();
-                            let part = FlatJoin {
-                                var: &v,
-                                name: &name,
-                                dims: &rows,
-                                holders: &holders,
-                                device: &|w| (copy.shard_device)(&n.name, w),
-                            };
-                            shards.push(part.add(&mut taken, &mut added, &mut sent, &device)?);
-                            continue;
-                        }
-                        if j > 0 {
-                            v.device = (copy.shard_device)(&n.name, j)?;
-                            added.push(v);
-                        }
-                        shards.push(name);
-                    }
-                    let joined = fresh(&mut taken, &format!("eval/{}", n.name));
-                    let mut c = node(&joined, "Concat", shards, &device);
-                    c.attrs = BTreeMap::from([("axis".to_string(), AttrValue::Int(0))]);
-                    added.push(c);
-                    sends.push((joined.clone(), sent));
-                    map.insert(n.name.clone(), joined);
-                } else if stage3 {
-                    let holders: Vec<usize> = (0..workers).collect();
-                    let whole = FlatJoin {
-                        var: n,
-                        name: &n.name,
-                        dims: &dims,
-                        holders: &holders,
-                        device: &|w| (copy.shard_device)(&n.name, w),
-                    };
-                    let mut sent = Vec::new();
-                    let value = whole.add(&mut taken, &mut added, &mut sent, &device)?;
-                    sends.push((value.clone(), sent));
-                    map.insert(n.name.clone(), value);
-                }
-            }
+            "Placeholder" | "Variable" => {}
             _ => {
                 let name = fresh(&mut taken, &format!("eval/{}", n.name));
                 map.insert(n.name.clone(), name);

@@ -25,8 +25,11 @@
 //!   sums meeting on the loss's stage;
 //! - every device's collectives are chained in one topological order, the same on the ranks
 //!   of each group (their graphs differ only in names and devices);
-//! - evaluation runs on worker 0 on a one-process forward copy whose experts read the shards
-//!   of stage `s`'s first expert-parallel group, wherever they live.
+//! - evaluation runs on replica 0's stages ([`super::eval`]): the one-process forward graph
+//!   cut as replica 0's is, each MoE layer's experts joined on its stage's worker of replica 0
+//!   from the shards of the stage's first expert-parallel group (weights move within a stage,
+//!   never between stages); on worker 0 ([`EvalCopy`]) only if a crossing tensor has no static
+//!   size.
 //!
 //! - the step's dropped token assignments (every micro-batch's, every stage's) are summed on
 //!   the loss's stage and over its replicas, and reported as under `--strategy expert`.
@@ -44,9 +47,10 @@
 //!   At stage 3 the weights too: each stage's dense weights flat-sharded over the stage's
 //!   replicas, each expert shard's over its holders (drawn from its rows of the one-process
 //!   variable, `super::zero::as_row_split`), gathered over those groups before each
-//!   micro-batch's forward and backward use; worker 0's evaluation copy ([`EvalCopy`]) joins
-//!   every stage's shards from the workers holding them.
+//!   micro-batch's forward and backward use; the evaluation joins each stage's flat shards on
+//!   that stage's worker of replica 0.
 
+use super::eval::{add_staged_eval, StagedEval};
 use super::{
     add_eval_copy, moe_layers, options, worker_forward, EvalCopy, ExpertLayout, ForwardGroups,
     MoeLayer,
@@ -313,14 +317,15 @@ pub fn expert_pipeline_training(
         g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
         g.eval.features = features.to_string();
         g.eval.labels = labels.to_string();
-        shape_of = Some(shape);
+        shape_of = Some((shape, batch));
         graphs.push(g);
     }
-    let Some(shape) = shape_of else {
+    let Some((shape, batch)) = shape_of else {
         return Err(options(format!("mesh {mesh}: no data-parallel replica")));
     };
-    // Evaluation on worker 0: shard j of a stage-s expert lives on replica j's stage s, and so
-    // does replica j's flat ZeRO-3 shard of a stage-s parameter.
+    // Evaluation on replica 0's stages (`super::eval`), else on worker 0: shard j of a stage-s
+    // expert lives on replica j's stage s, and so does replica j's flat ZeRO-3 shard of a
+    // stage-s parameter.
     let shard_device = |var: &str, j: usize| -> Result<String, StrategyError> {
         let s = match expert_stage.get(var) {
             Some(&s) => s,
@@ -331,14 +336,31 @@ pub fn expert_pipeline_training(
         };
         Ok(worker_device(mesh.rank(0, j, s)))
     };
-    if let Some(g) = graphs.first_mut() {
-        let copy = EvalCopy {
+    let copy = || -> Result<EvalCopy<'_>, StrategyError> {
+        Ok(EvalCopy {
             layout: ExpertLayout::new(dp, ep)?,
             stage3: zero.is_some_and(|z| z.stage >= 3),
             shard_device: &shard_device,
             own_placeholders: true,
+        })
+    };
+    if let Some(g) = graphs.first_mut() {
+        let staged = StagedEval {
+            graph,
+            forward: &forward,
+            layers: &layers,
+            cut: &first_cut,
+            shape,
+            devices: (0..pp).map(|s| worker_device(mesh.rank(0, 0, s))).collect(),
+            copy: copy()?,
+            spec,
+            features,
+            labels,
+            rows: batch,
         };
-        add_eval_copy(g, graph, &forward, &layers, spec, copy)?;
+        if !add_staged_eval(g, &staged, 0)? {
+            add_eval_copy(g, graph, &forward, &layers, spec, copy()?)?;
+        }
     }
     let task = |d: usize, s: usize| task_name("worker", mesh.rank(0, d, s) as u32);
     let mut groups = Vec::new();
@@ -773,8 +795,8 @@ mod tests {
     /// its stage; no whole weight is left; every micro-batch's forward pass reads a gather of
     /// its own over the stage's replicas (dense) or the stage's holders of the shard (experts),
     /// on that worker, and its backward pass another; the ranks of every group call its
-    /// collectives in one order. Worker 0's evaluation copy joins every stage's shards from
-    /// the workers holding them, with no collective.
+    /// collectives in one order. The evaluation joins each stage's shards on that stage's
+    /// worker of replica 0, with no collective.
     #[test]
     fn dp4_ep2_pp2_zero3_shards_each_stages_weights_on_its_workers_and_gathers_them_per_micro_batch(
     ) {
@@ -901,8 +923,9 @@ mod tests {
             }
             assert!(!nodes.iter().any(|n| n.op == "Assign"));
         }
-        // Worker 0's evaluation copy reads each shard where its replica keeps it, joined with
-        // no collective, and every stage's expert shards from their holders.
+        // The evaluation reads each shard where its replica keeps it, joined on the stage's
+        // worker of replica 0 (workers 0 and 4) with no collective, and every stage's expert
+        // shards from their holders on that stage.
         let nodes = &staged.graphs[0].training.def.nodes;
         let weight_shards = nodes.iter().filter(|n| {
             n.op == "Variable" && n.name.contains("_of_") && !n.name.contains("/adam_")
@@ -924,6 +947,21 @@ mod tests {
             n.inputs.clone()
         };
         assert_eq!(joined("transformer.wte.weight").len(), 4);
+        let join_task = |name: &str| {
+            let n = eval
+                .iter()
+                .find(|n| n.name == format!("eval/{name}/joined"))
+                .unwrap();
+            task_of(&n.device)
+        };
+        assert_eq!(join_task("transformer.wte.weight"), 0);
+        assert_eq!(
+            join_task(&crate::strategy::expert::shard_name(
+                "transformer.h.1.mlp.experts.c_fc.weight",
+                1
+            )),
+            4
+        );
         let row = crate::strategy::expert::shard_name("transformer.h.1.mlp.experts.c_fc.weight", 1);
         let pieces = joined(&row);
         assert_eq!(pieces.len(), 2);
@@ -936,7 +974,7 @@ mod tests {
 
     /// No expert weight shard crosses stages: each MoE layer's shards live on one stage (block
     /// 0's on stage 0, block 1's on stage 1) and every op of the training step that reads one
-    /// runs there (the evaluation copy on worker 0 reads them all by design). With `E = D`,
+    /// runs there (the evaluation too: `super::super::eval`'s tests). With `E = D`,
     /// no gradient of a shard is summed over other replicas.
     #[test]
     fn dp2_ep2_pp2_expert_shards_stay_on_their_stage() {

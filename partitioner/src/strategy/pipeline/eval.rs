@@ -30,7 +30,9 @@
 //!
 //! With tensor parallelism inside the stages ([`add_sharded_stage_eval`], the 3D mesh) every
 //! tensor-parallel rank of replica 0 runs its own [`stage_copy`] on its shards, with its stage's
-//! collectives, fed whole batches of a static size.
+//! collectives, fed whole batches of a static size; under ZeRO-3 each rank's flat shards are
+//! joined first on its own stage's worker (`tensor::mesh3d`). `expert::eval` runs the
+//! `dp × ep × pp` evaluation through it as one rank, each stage's experts joined on its worker.
 
 use super::schedule::PipelineShape;
 use super::stages::StageMap;
@@ -538,6 +540,19 @@ pub(crate) struct RankStages<'a> {
     pub own: HashSet<String>,
     /// Where the rank's training graph put each variable.
     pub variable_device: &'a HashMap<String, String>,
+    /// The tensor each of the rank's variables is read from instead, where it is not read as
+    /// it is: under ZeRO-3 (flat shards over the stage's data-parallel group) its flat shards
+    /// joined on the rank's stage worker of replica 0 (or rank 0's join of a replicated
+    /// weight); beside expert parallelism an expert variable's shards joined on its stage's
+    /// worker (`expert::eval`). Empty otherwise.
+    pub weights: HashMap<String, String>,
+    /// The nodes that make `weights` (the other replicas' flat shards and their joins).
+    pub weight_nodes: Vec<NodeDef>,
+    /// Whether to copy the ops that do not read the batch too (constants, ops on weights),
+    /// [`StageCopy::copy_shared`]: for a rank `t > 0`, and wherever the training graph's ops
+    /// of those names do not compute what the evaluation reads (under ZeRO-3, or a graph
+    /// other than the training graph's).
+    pub copy_shared: bool,
 }
 
 /// Points `g0`'s evaluation (the graph of rank 0 of replica 0) at one forward pass of the
@@ -549,7 +564,9 @@ pub(crate) struct RankStages<'a> {
 /// the batch through placeholders of the global batch size (static, as
 /// `tensor::eval`'s: every collective's size is known) and sends it to the other ranks' first
 /// stages (and the labels to every rank's last stage); the replicated weights (layer norms, biases, a few KB) of ranks `t > 0` are read
-/// from rank 0's copies on the same stage. Rank 0's loss goes to worker 0, after every other
+/// from rank 0's copies on the same stage; a variable in a rank's `weights` is read from the
+/// tensor named there (its joined shards, made by `weight_nodes`). Rank 0's loss goes to
+/// worker 0, after every other
 /// rank's (control edges), so the step runs every rank's collectives. Returns `false`,
 /// changing nothing, when a crossing tensor has no static size at the global batch.
 #[allow(clippy::too_many_arguments)]
@@ -588,13 +605,25 @@ pub(crate) fn add_sharded_stage_eval(
             features,
             labels,
             placeholders: t == 0,
-            copy_shared: t > 0,
+            copy_shared: rank.copy_shared,
             static_batch: true,
             rows,
         })?
         else {
             return Ok(false);
         };
+        // Under ZeRO-3, the copies read the joined flat shards in place of the variables.
+        if !rank.weights.is_empty() {
+            for n in &mut copied.nodes {
+                for i in &mut n.inputs {
+                    if let Ok(InputRef::Data { node, index: 0 }) = InputRef::parse(i) {
+                        if let Some(w) = rank.weights.get(&node) {
+                            *i = w.clone();
+                        }
+                    }
+                }
+            }
+        }
         // The rank's collectives: into its stage's group, at keys of the evaluation's own.
         for n in copied
             .nodes
@@ -660,7 +689,10 @@ pub(crate) fn add_sharded_stage_eval(
             let def = rank.graph.to_def();
             for i in rank.graph.node_indices() {
                 let n = rank.graph.node(i);
-                if n.op != "Variable" || !rank.own.contains(&n.name) {
+                if n.op != "Variable"
+                    || !rank.own.contains(&n.name)
+                    || rank.weights.contains_key(&n.name)
+                {
                     continue;
                 }
                 let device = rank.variable_device.get(&n.name).ok_or_else(|| {
@@ -677,6 +709,7 @@ pub(crate) fn add_sharded_stage_eval(
                 added.push(v);
             }
         }
+        added.extend(rank.weight_nodes.iter().cloned());
         added.extend(copied.nodes);
     }
     let mut fetch = |what: &str, name: &str, waits: Vec<String>| -> Result<String, StrategyError> {
@@ -1019,6 +1052,113 @@ mod tests {
                 assert!(keys(a).iter().all(|(g, k)| g == group && *k > train_max));
             }
         }
+    }
+
+    #[test]
+    fn under_dp2_tp2_pp2_zero3_each_stage_joins_its_flat_shards_and_sends_activations_only() {
+        // Replica 0 is workers 0, 1 (stage 0) and 4, 5 (stage 1); replica 1's flat shards of a
+        // stage's weights are on workers 2, 3 (stage 0) and 6, 7 (stage 1).
+        let (graph, spec) = model(false);
+        let cluster = ClusterSpec::local(&[("worker", 8)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let pipeline = Pipeline {
+            stages: Some(2),
+            micro_batches: 2,
+            schedule: ScheduleKind::OneFOneB,
+            chunks: 1,
+            batch_size: Some(8),
+        };
+        let plan = crate::strategy::tensor::TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(8),
+            pipeline: Some(pipeline),
+            zero_stage: Some(3),
+        }
+        .plan(&input)
+        .unwrap();
+        let eval = plan.eval_signature().unwrap();
+        let w = |i: u32| task_name("worker", i);
+        let tasks: Vec<String> = eval.tasks().unwrap().into_iter().collect();
+        assert_eq!(
+            tasks,
+            [0, 1, 2, 3, 4, 5, 6, 7].map(w),
+            "every flat shard is read"
+        );
+        assert!(eval.feeds.iter().all(|f| f.task == w(0)));
+        assert_eq!(eval.fetch_task.as_deref(), Some(&*w(0)));
+        // The ops of the evaluation run on replica 0's stage workers only.
+        let mut evaluating = BTreeSet::new();
+        for (d, part) in &eval.partitions.partitions {
+            if part
+                .graph
+                .to_def()
+                .nodes
+                .iter()
+                .any(|n| n.name.starts_with("eval/") && n.op != "Variable")
+            {
+                evaluating.insert(d.task.unwrap());
+            }
+        }
+        assert_eq!(evaluating, BTreeSet::from([0, 1, 4, 5]));
+        let variables: BTreeSet<String> = eval
+            .partitions
+            .partitions
+            .values()
+            .flat_map(|p| p.graph.to_def().nodes)
+            .filter(|n| n.op == "Variable")
+            .map(|n| n.name)
+            .collect();
+        let consts: BTreeSet<String> = eval
+            .partitions
+            .partitions
+            .values()
+            .flat_map(|p| p.graph.to_def().nodes)
+            .filter(|n| n.op == "Const")
+            .map(|n| n.name)
+            .collect();
+        let task = |d: &str| dflow_graph::DeviceName::parse(d).unwrap().task.unwrap();
+        let stage = |t: u32| t / 4;
+        let pairs: Vec<_> = eval
+            .partitions
+            .pairs
+            .iter()
+            .filter(|p| !p.client_terminated && !p.is_control)
+            .collect();
+        let mut within = 0;
+        let mut between = Vec::new();
+        for p in &pairs {
+            let node = p.tensor_name.split(':').next().unwrap();
+            let (from, to) = (task(&p.send_device), task(&p.recv_device));
+            if stage(from) == stage(to) {
+                within += usize::from(variables.contains(node));
+            } else {
+                between.push(p.tensor_name.to_string());
+                // Between stages: the evaluation's own tensors (and the training graph's
+                // constants it reads, the vocabulary's ids), never a weight or its join.
+                assert!(!variables.contains(node), "{node} crosses stages");
+                assert!(!node.starts_with("eval/zero3/"), "{node} crosses stages");
+                assert!(
+                    node.starts_with("eval/") || consts.contains(node),
+                    "{node} crosses stages"
+                );
+            }
+        }
+        // Replica 1's flat shards go to replica 0's worker of their stage.
+        assert!(within > 0);
+        // Each rank's residual stream goes to its next stage (8 rows, whole batches).
+        assert!(
+            between
+                .iter()
+                .filter(|t| t.contains("mlp_residual"))
+                .count()
+                == 2,
+            "{between:?}"
+        );
+        assert!(
+            between.iter().all(|t| !t.ends_with("/padded:0")),
+            "{between:?}"
+        );
     }
 
     #[test]

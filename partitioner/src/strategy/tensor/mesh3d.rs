@@ -23,8 +23,10 @@
 //!   the loss's stage.
 //! - Evaluation runs on replica 0's stages, each tensor-parallel rank's forward copy on its own
 //!   shards with its stage's collectives (`crate::strategy::pipeline::eval`); under ZeRO-3
-//!   (flat shards), on worker 0 without collectives, on a one-process forward copy whose
-//!   weights are assembled from every replica's flat shard, wherever its stage put it.
+//!   (flat shards) each rank's weights joined first from their flat shards over the stage's
+//!   data-parallel group on the rank's stage worker ([`zero3_weights`]): no weight crosses
+//!   stages. The older evaluation on worker 0 (`eval_copy`) remains for a crossing tensor of
+//!   no static size.
 
 use super::{
     check_job, eval_copy, options, rank_forward, shard_name, Gpt, RankAt, RankForward,
@@ -225,20 +227,33 @@ pub fn mesh3d_training(
                 StrategyError::from(PipelineError::Internal(format!("no variable `{name}`")))
             })
     };
-    // Without ZeRO-3 (whose weights are flat shards), the evaluation runs on replica 0's
-    // stages, each rank on its own shards ([`crate::strategy::pipeline::eval`]).
+    // The evaluation runs on replica 0's stages, each rank on its own shards
+    // ([`crate::strategy::pipeline::eval`]); under ZeRO-3 each rank's weights are first joined
+    // from their flat shards over the stage's data-parallel group on the rank's stage worker
+    // of replica 0 ([`zero3_weights`]).
     let instance_base = super::eval::first_free_instance(&graphs);
-    let staged = match (zero3, graphs.first_mut()) {
-        (None, Some(g)) => {
-            let ranks: Vec<RankStages<'_>> = (ranks.iter().enumerate())
-                .map(|(t, (forward, typed, prepared))| RankStages {
-                    graph: typed,
-                    stages: &prepared.stages,
-                    devices: (0..pp).map(|s| worker_device(mesh.rank(t, 0, s))).collect(),
-                    groups: (0..pp).map(|s| tp_stage_group(s, 0)).collect(),
-                    own: forward.renames.values().cloned().collect(),
-                    variable_device: &variable_devices[t],
-                })
+    let joins: Vec<RankWeights> = match zero3 {
+        Some(dp) => zero3_weights(&ranks, &graphs, tp, dp)?,
+        None => (0..tp).map(|_| (HashMap::new(), Vec::new())).collect(),
+    };
+    let staged = match graphs.first_mut() {
+        Some(g) => {
+            let ranks: Vec<RankStages<'_>> = (ranks.iter().zip(joins))
+                .enumerate()
+                .map(
+                    |(t, ((forward, typed, prepared), (weights, weight_nodes)))| RankStages {
+                        graph: typed,
+                        stages: &prepared.stages,
+                        devices: (0..pp).map(|s| worker_device(mesh.rank(t, 0, s))).collect(),
+                        groups: (0..pp).map(|s| tp_stage_group(s, 0)).collect(),
+                        own: forward.renames.values().cloned().collect(),
+                        variable_device: &variable_devices[t],
+                        weights,
+                        weight_nodes,
+                        // Under ZeRO-3 rank 0's ops on weights read the joined shards too.
+                        copy_shared: t > 0 || zero3.is_some(),
+                    },
+                )
                 .collect();
             add_sharded_stage_eval(
                 g,
@@ -251,7 +266,7 @@ pub fn mesh3d_training(
                 instance_base,
             )?
         }
-        _ => false,
+        None => false,
     };
     if let Some(g) = graphs.first_mut().filter(|_| !staged) {
         eval_copy(g, &def, &shards, spec, tp, &shard_device, true, zero3)?;
@@ -282,6 +297,109 @@ pub fn mesh3d_training(
         shape,
         groups,
     })
+}
+
+/// One rank's evaluation weights: the tensor each variable is read from, and the nodes that
+/// make them.
+type RankWeights = (HashMap<String, String>, Vec<NodeDef>);
+
+/// Under ZeRO-3 over `dp` replicas, per tensor-parallel rank `t` of replica 0: the tensor each
+/// variable of the rank's forward graph is read from in the evaluation, and the nodes that
+/// make it. Each of the rank's own weights (its shards, and for rank 0 the replicated ones) is
+/// joined from its `dp` flat shards (`{w}/shard_{d}_of_{dp}`, the variables of graph
+/// `d·tp + t`, on the worker of the weight's stage in replica `d`) on replica 0's worker of
+/// its stage (`PackFlat`, then `FlatSlice` to the weight's shape): the shards cross within the
+/// stage's data-parallel group only, never between stages. A rank `t > 0` reads the replicated
+/// weights from rank 0's joins (its stage's worker, as without ZeRO-3). A variable without
+/// flat shards is read as it is.
+fn zero3_weights(
+    ranks: &[(RankForward, Graph, Prepared)],
+    graphs: &[ReplicaGraph],
+    tp: usize,
+    dp: usize,
+) -> Result<Vec<RankWeights>, StrategyError> {
+    let variables: Vec<HashMap<&str, &NodeDef>> = graphs
+        .iter()
+        .map(|g| {
+            (g.training.def.nodes.iter())
+                .filter(|n| n.op == "Variable")
+                .map(|n| (n.name.as_str(), n))
+                .collect()
+        })
+        .collect();
+    let mut out: Vec<RankWeights> = Vec::with_capacity(tp);
+    for (t, (forward, typed, _)) in ranks.iter().enumerate() {
+        let own: HashSet<&String> = forward.renames.values().collect();
+        let mut weights = HashMap::new();
+        let mut nodes = Vec::new();
+        for i in typed.node_indices() {
+            let v = typed.node(i);
+            if !v.op_def().is_variable {
+                continue;
+            }
+            if t > 0 && !own.contains(&v.name) {
+                if let Some(w) = out.first().and_then(|(w, _)| w.get(&v.name)) {
+                    weights.insert(v.name.clone(), w.clone());
+                }
+                continue;
+            }
+            let mut pieces = Vec::with_capacity(dp);
+            for d in 0..dp {
+                let piece = zero_shard_name(&v.name, d, dp);
+                match variables
+                    .get(d * tp + t)
+                    .and_then(|g| g.get(piece.as_str()))
+                {
+                    Some(p) => {
+                        if t > 0 || d > 0 {
+                            let mut p = (*p).clone();
+                            p.colocate_with.clear();
+                            nodes.push(p);
+                        }
+                        pieces.push(p);
+                    }
+                    None => break,
+                }
+            }
+            if pieces.len() != dp {
+                continue; // not flat-sharded: read as it is
+            }
+            let dims = typed
+                .output_type(i, 0)
+                .and_then(|o| o.shape.as_static())
+                .ok_or_else(|| {
+                    PipelineError::Internal(format!("`{}` has no static shape", v.name))
+                })?;
+            let device = pieces[0].device.clone();
+            let flat = format!("eval/zero3/{}/flat", v.name);
+            let whole = format!("eval/zero3/{}/whole", v.name);
+            let op = |name: &str, op: &str, inputs: Vec<String>| NodeDef {
+                name: name.to_string(),
+                op: op.into(),
+                inputs,
+                device: device.clone(),
+                colocate_with: vec![],
+                attrs: Default::default(),
+            };
+            nodes.push(op(
+                &flat,
+                "PackFlat",
+                pieces.iter().map(|p| p.name.clone()).collect(),
+            ));
+            let mut slice = op(&whole, "FlatSlice", vec![flat]);
+            slice
+                .attrs
+                .insert("offset".into(), dflow_graph::AttrValue::Int(0));
+            slice.attrs.insert(
+                "shape".into(),
+                dflow_graph::AttrValue::Shape(dflow_graph::Shape::known(&dims)),
+            );
+            nodes.push(slice);
+            weights.insert(v.name.clone(), whole);
+        }
+        out.push((weights, nodes));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -796,18 +914,21 @@ mod tests {
         ] {
             assert!(same(&chains[&a], &chains[&b]), "workers {a} and {b}");
         }
-        // Evaluation on worker 0 joins every (stage, shard, replica)'s flat shard, with no
-        // collective.
+        // Evaluation runs on replica 0's stages (workers 0, 1, 4, 5), each rank's weights joined
+        // from their flat shards on the rank's stage worker of replica 0.
         let eval = &mg.graphs[0].training.def.nodes;
-        assert!(eval
+        let evaluated: HashSet<usize> = eval
             .iter()
             .filter(|n| n.name.starts_with("eval/"))
-            .all(|n| !n.op.starts_with("Collective") && task_of(n) == 0));
+            .map(task_of)
+            .collect();
+        assert_eq!(evaluated, HashSet::from([0, 1, 4, 5]));
         let w = "transformer.h.1.mlp.c_fc.weight";
         let flat = eval
             .iter()
-            .find(|n| n.name == format!("eval/{}/flat", shard_name(w, 1, 2)))
+            .find(|n| n.name == format!("eval/zero3/{}/flat", shard_name(w, 1, 2)))
             .unwrap();
+        assert_eq!(task_of(flat), 5);
         assert_eq!(
             flat.inputs,
             [
@@ -815,7 +936,8 @@ mod tests {
                 zero_shard_name(&shard_name(w, 1, 2), 1, 2)
             ]
         );
-        // Replica 1's shard of tp shard 1 of a stage-1 weight lives on worker 7.
+        // Replica 1's shard of tp shard 1 of a stage-1 weight lives on worker 7, in the same
+        // (stage, shard)'s data-parallel group.
         let piece = eval
             .iter()
             .find(|n| n.op == "Variable" && n.name == flat.inputs[1])
