@@ -151,8 +151,9 @@ pub struct Args {
     /// (0: no validation loss, not even at the end, and a distributed job does not register
     /// its evaluation graph). A pipeline (with tp, ep or ZeRO) evaluates on its stages, tensor
     /// parallelism on tp group 0's shards, ZeRO-3 gathers each weight just before its use;
-    /// experts without a pipeline (`dp,ep`, `dp,tp,ep`), ZeRO-3 beside tp without a pipeline,
-    /// the 4-axis mesh and placements written by hand join the weights on worker 0.
+    /// the 4-axis mesh on replica 0's stages, each joining its own shards; experts without a
+    /// pipeline (`dp,ep`, `dp,tp,ep`), ZeRO-3 beside tp without a pipeline and placements
+    /// written by hand join the weights on worker 0.
     #[arg(long, default_value_t = 20)]
     pub eval_batches: u64,
     /// Training: load these variables (a safetensors file, names as the graph's variables)

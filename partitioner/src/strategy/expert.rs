@@ -72,7 +72,7 @@
 //! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
 //! ([`super::tensor::experts`], through `worker_forward`).
 
-mod eval;
+pub(crate) mod eval;
 pub mod pipeline;
 pub mod zero;
 

@@ -1725,18 +1725,100 @@ pub(super) fn eval_copy(
     zero3: Option<usize>,
 ) -> Result<(), StrategyError> {
     let device = worker_device("", "", 0)?;
+    let taken: HashSet<String> = g
+        .training
+        .def
+        .nodes
+        .iter()
+        .map(|x| x.name.clone())
+        .collect();
+    let joined = joined_weights(taken, forward, shards, tp, shard_device, zero3, &|_| {
+        Ok(device.clone())
+    })?;
+    let mut map = joined.map;
+    let mut n = Nodes {
+        taken: joined.taken,
+        added: joined.nodes,
+        device: device.clone(),
+        instance: 0,
+        group: GROUP.to_string(),
+    };
+    let copied = |op: &str| match op {
+        "Variable" => false,
+        "Placeholder" => own_placeholders,
+        _ => true,
+    };
+    for x in &forward.nodes {
+        if !copied(&x.op) {
+            continue;
+        }
+        let name = fresh(&mut n.taken, &format!("eval/{}", x.name));
+        map.insert(x.name.clone(), name);
+    }
+    let remap = |input: &str| -> String {
+        match InputRef::parse(input) {
+            Ok(InputRef::Data { node: p, index }) => match map.get(&p) {
+                Some(new) if index == 0 => new.clone(),
+                Some(new) => format!("{new}:{index}"),
+                None => input.to_string(),
+            },
+            Ok(InputRef::Control(p)) => match map.get(&p) {
+                Some(new) => format!("^{new}"),
+                None => input.to_string(),
+            },
+            Err(_) => input.to_string(),
+        }
+    };
+    for x in &forward.nodes {
+        if !copied(&x.op) {
+            continue;
+        }
+        let mut copy = x.clone();
+        copy.name = remap(&x.name);
+        copy.inputs = x.inputs.iter().map(|i| remap(i)).collect();
+        copy.device = worker_device(&x.name, &x.device, 0)?;
+        copy.colocate_with.clear();
+        n.added.push(copy);
+    }
+    g.training.def.nodes.extend(n.added);
+    g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
+    g.eval.features = remap(&g.eval.features);
+    g.eval.labels = remap(&g.eval.labels);
+    g.eval.loss = remap(&spec.loss);
+    g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
+    Ok(())
+}
+
+/// [`joined_weights`]' answer.
+pub(super) struct JoinedWeights {
+    /// The tensor each sharded (under ZeRO-3 each flat-sharded) variable of the forward graph
+    /// is read from: its shards joined.
+    pub map: HashMap<String, String>,
+    /// The nodes that make them (the other ranks' shard variables, the joins).
+    pub nodes: Vec<NodeDef>,
+    /// `taken` and the names of `nodes`.
+    pub taken: HashSet<String>,
+}
+
+/// The whole values of `forward`'s tensor-parallel sharded weights (and under ZeRO-3,
+/// `zero3 = Some(D)`, of every weight flat-sharded over `D` replicas) joined from their shards
+/// (as [`eval_copy`] places them, `shard_device`) on `join_device(variable)`, named apart from
+/// `taken`; rank 0's shards (and replica 0's flat shards) are read where they are.
+pub(super) fn joined_weights(
+    taken: HashSet<String>,
+    forward: &GraphDef,
+    shards: &[ShardedWeight],
+    tp: usize,
+    shard_device: &dyn Fn(&NodeDef, usize, usize) -> Result<String, StrategyError>,
+    zero3: Option<usize>,
+    join_device: &dyn Fn(&str) -> Result<String, StrategyError>,
+) -> Result<JoinedWeights, StrategyError> {
     let by_name: HashMap<&str, &ShardedWeight> =
         shards.iter().map(|s| (s.name.as_str(), s)).collect();
     let mut n = Nodes {
-        taken: g
-            .training
-            .def
-            .nodes
-            .iter()
-            .map(|x| x.name.clone())
-            .collect(),
+        taken,
         added: Vec::new(),
-        device: device.clone(),
+        device: String::new(),
         instance: 0,
         group: GROUP.to_string(),
     };
@@ -1785,6 +1867,7 @@ pub(super) fn eval_copy(
         )))
     };
     for v in forward.nodes.iter().filter(|v| v.op == "Variable") {
+        n.device = join_device(&v.name)?;
         let Some(s) = by_name.get(v.name.as_str()) else {
             // A replicated weight: whole on every rank, or ZeRO-3's flat shards.
             let dims = match v.attrs.get("shape") {
@@ -1846,50 +1929,11 @@ pub(super) fn eval_copy(
         }
         map.insert(v.name.clone(), whole);
     }
-    let copied = |op: &str| match op {
-        "Variable" => false,
-        "Placeholder" => own_placeholders,
-        _ => true,
-    };
-    for x in &forward.nodes {
-        if !copied(&x.op) {
-            continue;
-        }
-        let name = fresh(&mut n.taken, &format!("eval/{}", x.name));
-        map.insert(x.name.clone(), name);
-    }
-    let remap = |input: &str| -> String {
-        match InputRef::parse(input) {
-            Ok(InputRef::Data { node: p, index }) => match map.get(&p) {
-                Some(new) if index == 0 => new.clone(),
-                Some(new) => format!("{new}:{index}"),
-                None => input.to_string(),
-            },
-            Ok(InputRef::Control(p)) => match map.get(&p) {
-                Some(new) => format!("^{new}"),
-                None => input.to_string(),
-            },
-            Err(_) => input.to_string(),
-        }
-    };
-    for x in &forward.nodes {
-        if !copied(&x.op) {
-            continue;
-        }
-        let mut copy = x.clone();
-        copy.name = remap(&x.name);
-        copy.inputs = x.inputs.iter().map(|i| remap(i)).collect();
-        copy.device = worker_device(&x.name, &x.device, 0)?;
-        copy.colocate_with.clear();
-        n.added.push(copy);
-    }
-    g.training.def.nodes.extend(n.added);
-    g.graph = Graph::from_def(&g.training.def).map_err(StrategyError::InvalidGraph)?;
-    g.eval.features = remap(&g.eval.features);
-    g.eval.labels = remap(&g.eval.labels);
-    g.eval.loss = remap(&spec.loss);
-    g.eval.metrics = spec.metrics.iter().map(|m| remap(m)).collect();
-    Ok(())
+    Ok(JoinedWeights {
+        map,
+        nodes: n.added,
+        taken: n.taken,
+    })
 }
 
 /// The plan's sharded variables: every shard weight and each of its optimizer slots (named

@@ -59,10 +59,25 @@ pub(crate) struct StagedEval<'a> {
 /// else (an op of an MoE layer's one-process form) the latest stage among its inputs', or for
 /// an op without inputs the earliest among its readers'.
 fn stage_map(s: &StagedEval<'_>) -> Result<StageMap, StrategyError> {
-    let g = s.graph;
+    Ok(one_process_stages(
+        s.graph, s.cut, s.shape, s.features, s.labels,
+    ))
+}
+
+/// The stage of every op of the one-process graph `g` from `cut` (the virtual stage of a
+/// replica's ops under their one-process names): `cut`'s where the op is in it; else the
+/// latest stage among its inputs', or for an op without inputs the earliest among its
+/// readers' (stage 0 where none is known).
+pub(crate) fn one_process_stages(
+    g: &Graph,
+    cut: &HashMap<String, usize>,
+    shape: PipelineShape,
+    features: &str,
+    labels: &str,
+) -> StageMap {
     let mut stage: Vec<Option<usize>> = g
         .node_indices()
-        .map(|i| s.cut.get(&g.node(i).name).copied())
+        .map(|i| cut.get(&g.node(i).name).copied())
         .collect();
     let order = g.topo_order();
     for &i in &order {
@@ -85,15 +100,15 @@ fn stage_map(s: &StagedEval<'_>) -> Result<StageMap, StrategyError> {
             stage[i.index()] = readers[i.index()].iter().filter_map(|&r| stage[r]).min();
         }
     }
-    let feeds: Vec<_> = [s.features, s.labels]
+    let feeds: Vec<_> = [features, labels]
         .iter()
         .filter_map(|f| g.find(f))
         .collect();
-    Ok(StageMap {
+    StageMap {
         stage: stage.into_iter().map(|x| x.unwrap_or(0)).collect(),
         batch_op: batch_ops(g, &feeds),
-        virtual_stages: s.shape.virtual_stages(),
-    })
+        virtual_stages: shape.virtual_stages(),
+    }
 }
 
 /// Points replica 0's graph `g0`'s evaluation at the one-process forward pass on its stages

@@ -804,46 +804,13 @@ pub(super) fn add_eval(
         .map(|n| n.name.clone())
         .collect();
     let mut fwd = forward.clone();
-    for l in layers {
-        let per = (l.experts / mesh.ep) as i64;
-        for var in &l.variables {
-            let Some(v) = forward.nodes.iter().find(|n| &n.name == var) else {
-                continue;
-            };
-            let mut pieces = Vec::with_capacity(mesh.ep);
-            let holders = mesh.dp / mesh.ep;
-            for j in 0..mesh.ep {
-                let name = expert::shard_name(var, j);
-                if zero3 && holders > 1 {
-                    pieces.push(joined_expert_shard(
-                        g0,
-                        &mut taken,
-                        (v, &name),
-                        (j, per),
-                        (mesh, at),
-                        &device,
-                    )?);
-                    continue;
-                }
-                if j > 0 {
-                    let mut copy = v.clone();
-                    expert::shard_variable(&mut copy, j, per)?;
-                    copy.name = name.clone();
-                    copy.device = at.device(mesh.rank(0, j, at.stage_of(var)?))?;
-                    copy.colocate_with.clear();
-                    g0.training.def.nodes.push(copy);
-                    taken.insert(name.clone());
-                }
-                pieces.push(name);
-            }
-            let joined = fresh(&mut taken, &format!("eval/{var}/experts_joined"));
-            let mut c = node(&joined, "Concat", pieces, &device);
-            c.attrs.insert("axis".into(), AttrValue::Int(0));
-            g0.training.def.nodes.push(c);
-            // The copy reads the joined shards where it read the variable.
-            if let Some(x) = fwd.nodes.iter_mut().find(|n| &n.name == var) {
-                *x = node(var, "Identity", vec![joined], &device);
-            }
+    let joined = join_experts(g0, &mut taken, forward, layers, mesh, zero3, at, &|_| {
+        Ok(device.clone())
+    })?;
+    for (var, joined) in joined {
+        // The copy reads the joined shards where it read the variable.
+        if let Some(x) = fwd.nodes.iter_mut().find(|n| n.name == var) {
+            *x = node(&var, "Identity", vec![joined], &device);
         }
     }
     let tp = mesh.tp;
@@ -864,10 +831,168 @@ pub(super) fn add_eval(
     )
 }
 
+/// What [`add_staged_eval`] needs of the 4-axis mesh's pipeline.
+pub(super) struct Staged<'a> {
+    /// The one-process graph (`forward`'s).
+    pub graph: &'a Graph,
+    /// The virtual stage of replica 0's ops, under their one-process names.
+    pub cut: &'a HashMap<String, usize>,
+    /// Stages, micro-batches, chunks.
+    pub shape: crate::strategy::pipeline::schedule::PipelineShape,
+    /// The features and labels placeholders.
+    pub feeds: (&'a str, &'a str),
+    /// Rows of a whole held-out batch (the global batch size).
+    pub rows: usize,
+}
+
+/// The 4-axis mesh's evaluation on replica 0's stages: each stage's tp shards, expert shards
+/// (and under ZeRO-3 flat shards) joined on that stage's worker of replica 0, tp rank 0
+/// (`at` places the shards as [`add_eval`] says), and the one-process forward graph run
+/// there as one rank (`pipeline::eval::add_sharded_stage_eval`), so no weight crosses
+/// stages. Returns `false`, changing nothing, where the stages cannot carry it (a crossing
+/// tensor of no static size): the caller joins on worker 0 instead ([`add_eval`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn add_staged_eval(
+    g0: &mut ReplicaGraph,
+    forward: &GraphDef,
+    shards: &[ShardedWeight],
+    layers: &[MoeLayer],
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    zero3: bool,
+    at: &EvalAt<'_>,
+    staged: &Staged<'_>,
+) -> Result<bool, StrategyError> {
+    use crate::strategy::expert::eval::one_process_stages;
+    use crate::strategy::pipeline::eval::{add_sharded_stage_eval, RankStages};
+    let backup = g0.clone();
+    let join_device = |var: &str| at.device(mesh.rank(0, 0, at.stage_of(var)?));
+    let mut taken: HashSet<String> = g0
+        .training
+        .def
+        .nodes
+        .iter()
+        .map(|n| n.name.clone())
+        .collect();
+    let experts = join_experts(
+        g0,
+        &mut taken,
+        forward,
+        layers,
+        mesh,
+        zero3,
+        at,
+        &join_device,
+    )?;
+    let on_rank =
+        |v: &NodeDef, r: usize, d: usize| at.device(mesh.rank(r, d, at.stage_of(&v.name)?));
+    let joined = super::joined_weights(
+        taken,
+        forward,
+        shards,
+        mesh.tp,
+        &on_rank,
+        zero3.then_some(mesh.dp),
+        &join_device,
+    )?;
+    let mut weights = joined.map;
+    weights.extend(experts);
+    let (features, labels) = staged.feeds;
+    let stages = one_process_stages(staged.graph, staged.cut, staged.shape, features, labels);
+    let devices = (0..mesh.pp)
+        .map(|s| at.device(mesh.rank(0, 0, s)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let no_devices = HashMap::new();
+    let rank = RankStages {
+        graph: staged.graph,
+        stages: &stages,
+        devices,
+        groups: Vec::new(),
+        own: HashSet::new(),
+        variable_device: &no_devices,
+        weights,
+        weight_nodes: joined.nodes,
+        copy_shared: true,
+    };
+    let base = crate::strategy::expert::pipeline::max_instance(&g0.training.def) + 1;
+    let done = add_sharded_stage_eval(
+        g0,
+        &[rank],
+        staged.shape,
+        spec,
+        features,
+        labels,
+        staged.rows,
+        base,
+    )?;
+    if !done {
+        *g0 = backup;
+    }
+    Ok(done)
+}
+
+/// Each expert variable of `forward` joined from its ep shards (tp coordinate 0's, as
+/// [`add_eval`] says) on `join_device(variable)`, the shards and joins added to `g0`: the
+/// pairs (variable, its joined value).
+#[allow(clippy::too_many_arguments)]
+fn join_experts(
+    g0: &mut ReplicaGraph,
+    taken: &mut HashSet<String>,
+    forward: &GraphDef,
+    layers: &[MoeLayer],
+    mesh: &Mesh,
+    zero3: bool,
+    at: &EvalAt<'_>,
+    join_device: &dyn Fn(&str) -> Result<String, StrategyError>,
+) -> Result<Vec<(String, String)>, StrategyError> {
+    let mut out = Vec::new();
+    for l in layers {
+        let per = (l.experts / mesh.ep) as i64;
+        for var in &l.variables {
+            let Some(v) = forward.nodes.iter().find(|n| &n.name == var) else {
+                continue;
+            };
+            let device = join_device(var)?;
+            let mut pieces = Vec::with_capacity(mesh.ep);
+            let holders = mesh.dp / mesh.ep;
+            for j in 0..mesh.ep {
+                let name = expert::shard_name(var, j);
+                if zero3 && holders > 1 {
+                    pieces.push(joined_expert_shard(
+                        g0,
+                        taken,
+                        (v, &name),
+                        (j, per),
+                        (mesh, at),
+                        &device,
+                    )?);
+                    continue;
+                }
+                if j > 0 {
+                    let mut copy = v.clone();
+                    expert::shard_variable(&mut copy, j, per)?;
+                    copy.name = name.clone();
+                    copy.device = at.device(mesh.rank(0, j, at.stage_of(var)?))?;
+                    copy.colocate_with.clear();
+                    g0.training.def.nodes.push(copy);
+                    taken.insert(name.clone());
+                }
+                pieces.push(name);
+            }
+            let joined = fresh(taken, &format!("eval/{var}/experts_joined"));
+            let mut c = node(&joined, "Concat", pieces, &device);
+            c.attrs.insert("axis".into(), AttrValue::Int(0));
+            g0.training.def.nodes.push(c);
+            out.push((var.clone(), joined));
+        }
+    }
+    Ok(out)
+}
+
 /// Under ZeRO-3 with `D > E`: expert shard `j` (`name`, `per` experts' rows) of the expert
-/// variable `v` joined on worker 0 from the flat shards `{name}/shard_{k}_of_{D/E}` that its
+/// variable `v` joined from the flat shards `{name}/shard_{k}_of_{D/E}` that its
 /// holders of tp coordinate 0 keep (flat shard `k` on replica `j + E·k`'s rank of the
-/// variable's stage, `at`; replica 0's own is in `g0`). Returns the joined value.
+/// variable's stage, `at`; replica 0's own is in `g0`) on `device`. Returns the joined value.
 fn joined_expert_shard(
     g0: &mut ReplicaGraph,
     taken: &mut HashSet<String>,

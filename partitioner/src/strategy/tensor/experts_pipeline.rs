@@ -26,8 +26,9 @@
 //! - the dropped token assignments summed on the loss's stage over its dp group;
 //! - every worker's collectives chained in one topological order, the same on the members of
 //!   every group (their graphs differ only in names and devices);
-//! - worker 0 evaluates a one-process forward copy reading the tp shards and the expert shards
-//!   joined from the stages holding them.
+//! - replica 0's stages evaluate the one-process forward graph (`add_staged_eval`), each
+//!   stage's tp shards and expert shards joined on its worker of tp rank 0, so no weight
+//!   crosses stages (worker 0 joins them all where the stages cannot carry it, `add_eval`).
 //!
 //! Micro-batches: as beside `dp × ep × pp`, more than one only where the MoE layers do not
 //! couple a batch's tokens (α = 0, capacity factor ≥ E; the pipeline's check).
@@ -41,10 +42,10 @@
 //! `Σ‖g‖²` summed over the expert-parallel group), one global clipping norm. At stage 3 the
 //! weights too, gathered over those groups before each micro-batch's forward and backward use
 //! (the expert shards' flat shards drawn from their rows of the one-process variable), every
-//! worker's collectives then chained and numbered in one order; worker 0's evaluation copy
-//! joins every flat shard from the worker holding it.
+//! worker's collectives then chained and numbered in one order; the evaluation joins every
+//! flat shard on its stage's worker of replica 0.
 
-use super::experts::{add_eval, EvalAt};
+use super::experts::{add_eval, add_staged_eval, EvalAt, Staged};
 use super::mesh3d::{dp_stage_group, tp_stage_group};
 use super::{options, rank_forward, RankAt, ShardedWeight, GROUP};
 use crate::job::{task_name, CollectiveGroup, Schedule};
@@ -482,7 +483,8 @@ pub fn expert_tensor_pipeline_training(
         };
         graphs.push(g);
     }
-    // Worker 0 evaluates the one-process graph, reading every shard on its stage.
+    // Replica 0's stages evaluate the one-process graph, each joining its stage's shards
+    // (worker 0 joins them all where the stages cannot carry it).
     let stage_of = |var: &str| -> Result<usize, StrategyError> {
         match expert_stage.get(var) {
             Some(&s) => Ok(s),
@@ -498,7 +500,16 @@ pub fn expert_tensor_pipeline_training(
             own_placeholders: true,
         };
         let zero3 = zero.is_some_and(|z| z.stage >= 3);
-        add_eval(g0, &def, &shards, &layers, spec, mesh, zero3, &at)?;
+        let staged = Staged {
+            graph,
+            cut: &first_cut,
+            shape,
+            feeds: (features, labels),
+            rows: batch,
+        };
+        if !add_staged_eval(g0, &def, &shards, &layers, spec, mesh, zero3, &at, &staged)? {
+            add_eval(g0, &def, &shards, &layers, spec, mesh, zero3, &at)?;
+        }
     }
     Ok(ExpertTensorPipelineGraphs {
         graphs,
@@ -721,11 +732,18 @@ mod tests {
     use super::*;
     use crate::strategy::pipeline::schedule::ScheduleKind;
     use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use std::collections::BTreeSet;
 
     /// A two-block GPT with 4-expert MoE MLPs (capacity factor 4: nothing dropped), no
     /// load-balancing loss (so it may run several micro-batches), clipped at 0.5.
     fn moe_gpt() -> (Graph, TrainSpec) {
+        moe_gpt_tied(true)
+    }
+
+    /// [`moe_gpt`], its head tied to the embedding or not.
+    fn moe_gpt_tied(tie_weights: bool) -> (Graph, TrainSpec) {
         let cfg = GptConfig {
+            tie_weights,
             vocab_size: 11,
             block_size: 4,
             n_layer: 2,
@@ -785,6 +803,86 @@ mod tests {
         });
         expert_tensor_pipeline_training(&graph, &spec, &mesh, &pipeline(2), zero, "idx", "targets")
             .unwrap()
+    }
+
+    /// The evaluation runs on replica 0's stages (tp rank 0: workers 0 and `D·T`), each
+    /// stage's tp, expert (and ZeRO-3 flat) shards joined there: no weight, and nothing
+    /// computed from weights only, crosses stages (the head untied; a tied embedding would
+    /// cross once per evaluation batch), with and without ZeRO, over dp=2 and dp=4.
+    #[test]
+    fn evaluates_on_replica_0s_stages_and_moves_weights_within_a_stage_only() {
+        let (graph, spec) = moe_gpt_tied(false);
+        for (dp, zero) in [
+            (2, None),
+            (2, Some(1)),
+            (2, Some(3)),
+            (4, None),
+            (4, Some(3)),
+        ] {
+            let mesh = Mesh::new(dp, 2, 2).unwrap().with_ep(2).unwrap();
+            let zero = zero.map(|stage| ReplicaZero {
+                stage,
+                bucket_bytes: 1 << 20,
+            });
+            let out = expert_tensor_pipeline_training(
+                &graph,
+                &spec,
+                &mesh,
+                &pipeline(1),
+                zero,
+                "idx",
+                "targets",
+            )
+            .unwrap();
+            let def = &out.graphs[0].training.def;
+            let per_stage = dp * 2;
+            let by_name: HashMap<&str, &NodeDef> =
+                def.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+            // Computed from weights only: a variable, or an op all of whose data inputs are.
+            let g = &out.graphs[0].graph;
+            let mut weighty: HashSet<String> = HashSet::new();
+            for i in g.topo_order() {
+                let n = g.node(i);
+                let inputs = g.inputs(i);
+                if n.op_def().is_variable
+                    || (!inputs.is_empty()
+                        && inputs
+                            .iter()
+                            .all(|(p, _)| weighty.contains(&g.node(*p).name)))
+                {
+                    weighty.insert(n.name.clone());
+                }
+            }
+            let mut evaluating = BTreeSet::new();
+            let mut crossing = 0;
+            for n in def.nodes.iter().filter(|n| n.name.starts_with("eval/")) {
+                let stage = task_of(&n.device) / per_stage;
+                if !matches!(n.op.as_str(), "Variable" | "Identity") {
+                    evaluating.insert(task_of(&n.device));
+                }
+                for i in &n.inputs {
+                    let Ok(InputRef::Data { node: p, .. }) = InputRef::parse(i) else {
+                        continue;
+                    };
+                    let from = by_name[p.as_str()];
+                    if task_of(&from.device) / per_stage != stage {
+                        crossing += 1;
+                        assert!(
+                            !weighty.contains(&p),
+                            "dp={dp}, {zero:?}: `{p}` crosses stages to `{}`",
+                            n.name
+                        );
+                    }
+                }
+            }
+            assert_eq!(
+                evaluating,
+                BTreeSet::from([0, per_stage]),
+                "dp={dp}, {zero:?}"
+            );
+            // The activations do cross.
+            assert!(crossing > 0, "dp={dp}, {zero:?}");
+        }
     }
 
     /// The groups of `dp=2,tp=2,pp=2,ep=2` are Megatron-core's (worker `s·4 + d·2 + t`): per
