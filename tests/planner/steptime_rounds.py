@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Combine rounds of `steptime_table.sh` into one table: each cell predicted / measured median /
+predicted - measured, then each layout's error range, and per round how many layouts are
+within 25%.
+
+    python3 tests/planner/steptime_rounds.py round1.md round2.md round3.md
+"""
+import re
+import sys
+
+
+def rows(path):
+    out = {}
+    for line in open(path, encoding="utf-8"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[3].endswith("%") or cells[0] == "layout":
+            continue
+        measured = cells[2].split(" (")[0]
+        out[cells[0]] = (cells[1], measured, int(cells[3].rstrip("%")))
+    return out
+
+
+def main(paths):
+    rounds = [rows(p) for p in paths]
+    names = list(rounds[0])
+    head = " | ".join(f"round {i + 1}" for i in range(len(rounds)))
+    print(f"| layout | {head} | error range |")
+    print("|---|" + "---|" * len(rounds) + "---|")
+    for name in names:
+        cells, errors = [], []
+        for r in rounds:
+            if name in r:
+                p, m, e = r[name]
+                cells.append(f"{p} / {m} / {e:+d}%")
+                errors.append(e)
+            else:
+                cells.append("—")
+        span = f"{min(errors):+d}…{max(errors):+d}%" if errors else "—"
+        print(f"| {name} | " + " | ".join(cells) + f" | {span} |")
+    within = [sum(1 for v in r.values() if abs(v[2]) <= 25) for r in rounds]
+    print()
+    print("Within 25%: " + ", ".join(f"{w} of {len(r)}" for w, r in zip(within, rounds)))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
