@@ -139,19 +139,6 @@ fn a_dp4_ep2_checkpoint_resumes_in_one_process() {
     eprintln!("dp=4,ep=2 checkpoint in one process: steps 4-5 worst relative difference {worst:e}");
 }
 
-/// The latest checkpoint in `dir`: its tensors by name.
-fn checkpoint(dir: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
-    let path = dflow::executor::checkpoint::latest(dir)
-        .unwrap()
-        .expect("a checkpoint");
-    dflow::executor::checkpoint::load(&path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .filter_map(|(n, t)| Some((n, t.as_slice::<f32>().ok()?.to_vec())))
-        .collect()
-}
-
 /// `dp=4,ep=2` with ZeRO-1, ZeRO-2 and ZeRO-3 (top-2 routing, clipped at global norm 0.1
 /// every step): the dense parameters' Adam slots (ZeRO-3: and the parameters, gathered just in
 /// time) sharded over the 4 workers, each expert shard's over its 2 holders. 5 steps' losses
@@ -167,7 +154,7 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let one = dir.join("one");
     let local = run(&graph, &[], 5, &one);
-    let whole = checkpoint(&one);
+    let whole = checkpoint_f32(&one);
     for stage in ["1", "2", "3"] {
         let mesh = [
             "--cluster",
@@ -181,7 +168,7 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
         let losses = run(&graph, &mesh, 5, &ckpt);
         let worst = assert_same_losses(&losses, &local, 1e-5);
         eprintln!("dp=4,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
-        let saved = checkpoint(&ckpt);
+        let saved = checkpoint_f32(&ckpt);
         assert_eq!(
             saved.keys().collect::<Vec<_>>(),
             whole.keys().collect::<Vec<_>>(),
@@ -300,7 +287,7 @@ fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
     // Worker 0's evaluation copy joins the tp and expert shards: the one-process model's loss.
     assert!(!one_validation.is_empty(), "no validation loss printed");
     assert_eq!(validation, one_validation);
-    let (whole, saved) = (checkpoint(&one), checkpoint(&full));
+    let (whole, saved) = (checkpoint_f32(&one), checkpoint_f32(&full));
     assert_eq!(
         saved.keys().collect::<Vec<_>>(),
         whole.keys().collect::<Vec<_>>(),
@@ -335,31 +322,6 @@ fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
     eprintln!("dp=4,tp=2,ep=2: worst relative loss difference {worst:e}");
 }
 
-/// Every tensor of one-process checkpoint `whole` equals `saved`'s within 1e-5 (relative,
-/// against max(1, |b|)), the same names; returns the worst gap.
-fn assert_same_tensors(
-    what: &str,
-    saved: &std::collections::BTreeMap<String, Vec<f32>>,
-    whole: &std::collections::BTreeMap<String, Vec<f32>>,
-) -> f32 {
-    assert_eq!(
-        saved.keys().collect::<Vec<_>>(),
-        whole.keys().collect::<Vec<_>>(),
-        "{what}: the checkpoint's tensors"
-    );
-    let mut worst = 0.0f32;
-    for (name, want) in whole {
-        let got = &saved[name];
-        assert_eq!(got.len(), want.len(), "{what} `{name}`");
-        for (a, b) in got.iter().zip(want) {
-            let gap = (a - b).abs() / b.abs().max(1.0);
-            assert!(gap <= 1e-5, "{what} `{name}`: {a} vs {b}");
-            worst = worst.max(gap);
-        }
-    }
-    worst
-}
-
 /// `dp=2,tp=2,ep=2 --zero-stage 1|2|3` on 4 workers (top-2 with the load-balancing loss,
 /// clipped at global norm 0.1 every step): each rank's dense Adam slots (its tp shards' and
 /// the replicated parameters') sharded over its `data_t<t>` group, the expert shards' whole
@@ -382,7 +344,7 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let (local, one_validation) = run_out(&graph, &[], 4, &one);
     assert!(!one_validation.is_empty(), "no validation loss printed");
     assert_eq!(local.len(), 4);
-    let whole = checkpoint(&one);
+    let whole = checkpoint_f32(&one);
     for stage in ["1", "2", "3"] {
         let mesh = [
             "--cluster",
@@ -400,7 +362,12 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             // Worker 0's evaluation copy joins the weights from their flat shards.
             assert_eq!(validation, one_validation, "dp=2,tp=2,ep=2 ZeRO-3");
         }
-        let worst = assert_same_tensors(&format!("ZeRO-{stage}"), &checkpoint(&ckpt), &whole);
+        let worst = assert_same_tensors_f32(
+            &format!("ZeRO-{stage}"),
+            &checkpoint_f32(&ckpt),
+            &whole,
+            1e-5,
+        );
         eprintln!("dp=2,tp=2,ep=2 ZeRO-{stage}: worst parameter/slot difference {worst:e}");
         let saved = dir.join(format!("zero{stage}-saved"));
         assert_eq!(run(&graph, &mesh, 2, &saved).len(), 2);
@@ -441,7 +408,7 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
         }
         eprintln!("dp=4,tp=2,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
         let what = format!("dp=4,tp=2,ep=2 ZeRO-{stage}");
-        let worst = assert_same_tensors(&what, &checkpoint(&ckpt), &whole);
+        let worst = assert_same_tensors_f32(&what, &checkpoint_f32(&ckpt), &whole, 1e-5);
         eprintln!("{what}: worst parameter/slot difference {worst:e}");
     }
     // Where the slots live: a tp shard's in 4 flat shards over its data_t<t> group; an expert

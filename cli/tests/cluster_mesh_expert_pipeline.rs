@@ -10,7 +10,6 @@
 mod support;
 
 use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use support::*;
 
@@ -70,44 +69,6 @@ fn run_out(graph: &Path, extra: &[&str], steps: u32, ckpt: &Path) -> (Vec<(u64, 
     run_text_local(graph, extra, steps, ckpt)
 }
 
-/// The latest checkpoint in `dir`: its f32 tensors by name.
-fn checkpoint(dir: &Path) -> BTreeMap<String, Vec<f32>> {
-    let path = dflow::executor::checkpoint::latest(dir)
-        .unwrap()
-        .expect("a checkpoint");
-    dflow::executor::checkpoint::load(&path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .filter_map(|(n, t)| Some((n, t.as_slice::<f32>().ok()?.to_vec())))
-        .collect()
-}
-
-/// Every tensor of `got` equals `want`'s within `tol` (relative, or absolute below 1); the
-/// same names. Returns the worst difference.
-fn assert_same_tensors(
-    got: &BTreeMap<String, Vec<f32>>,
-    want: &BTreeMap<String, Vec<f32>>,
-    tol: f32,
-) -> f32 {
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "the checkpoints' tensors"
-    );
-    let mut worst = 0.0f32;
-    for (name, w) in want {
-        let g = &got[name];
-        assert_eq!(g.len(), w.len(), "`{name}`");
-        for (a, b) in g.iter().zip(w) {
-            let gap = (a - b).abs() / b.abs().max(1.0);
-            assert!(gap <= tol, "`{name}`: {a} vs {b}");
-            worst = worst.max(gap);
-        }
-    }
-    worst
-}
-
 /// `dp=2,ep=2,pp=2` (4 tasks: stage 0 on workers 0 and 1, stage 1 on 2 and 3; each stage's
 /// experts split over its two replicas), top-2 routing with the load-balancing loss, clipped
 /// at global norm 0.1: 5 steps' losses and the final parameters and Adam moments equal one
@@ -129,13 +90,13 @@ fn dp2_ep2_pp2_trains_like_one_process_and_resumes_in_one() {
     let worst = assert_same_losses(&job, &local, 1e-5);
     eprintln!("dp=2,ep=2,pp=2: worst relative loss difference {worst:e}");
     assert_eq!(validation, one_validation);
-    let saved = checkpoint(&full);
+    let saved = checkpoint_f32(&full);
     assert!(
         !saved.keys().any(|n| n.contains("/shard_")),
         "shards saved by their per-worker names: {:?}",
         saved.keys().collect::<Vec<_>>()
     );
-    let worst = assert_same_tensors(&saved, &checkpoint(&one), 1e-5);
+    let worst = assert_same_tensors_f32("checkpoint", &saved, &checkpoint_f32(&one), 1e-5);
     eprintln!("dp=2,ep=2,pp=2: worst parameter/slot difference {worst:e}");
 
     let part = dir.join("part");
@@ -159,7 +120,7 @@ fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
     let one = dir.join("one");
     let (local, one_validation) = run_out(&graph, &[], 4, &one);
     assert!(!one_validation.is_empty(), "no validation loss printed");
-    let want = checkpoint(&one);
+    let want = checkpoint_f32(&one);
     for (cluster, mesh, stage) in [
         (FOUR, "dp=2,ep=2,pp=2", "1"),
         (FOUR, "dp=2,ep=2,pp=2", "2"),
@@ -177,13 +138,13 @@ fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
         // The evaluation on replica 0's stages (each stage's expert shards, at stage 3 its dense
         // and expert flat shards, joined on its worker of replica 0): the one-process loss.
         assert_eq!(validation, one_validation, "{mesh} --zero-stage {stage}");
-        let saved = checkpoint(&full);
+        let saved = checkpoint_f32(&full);
         assert!(
             !saved.keys().any(|n| n.contains("/shard_")),
             "shards saved by their per-worker names: {:?}",
             saved.keys().collect::<Vec<_>>()
         );
-        let worst = assert_same_tensors(&saved, &want, 1e-5);
+        let worst = assert_same_tensors_f32("checkpoint", &saved, &want, 1e-5);
         eprintln!("{mesh} --zero-stage {stage}: worst parameter/slot difference {worst:e}");
         if mesh == "dp=2,ep=2,pp=2" {
             let part = dir.join(format!("{tag}-part"));

@@ -12,7 +12,6 @@
 mod support;
 
 use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use support::*;
 
@@ -60,44 +59,6 @@ fn moe_gpt_of(
     path
 }
 
-/// The latest checkpoint in `dir`: its f32 tensors by name.
-fn checkpoint(dir: &Path) -> BTreeMap<String, Vec<f32>> {
-    let path = dflow::executor::checkpoint::latest(dir)
-        .unwrap()
-        .expect("a checkpoint");
-    dflow::executor::checkpoint::load(&path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .filter_map(|(n, t)| Some((n, t.as_slice::<f32>().ok()?.to_vec())))
-        .collect()
-}
-
-/// Every tensor of `got` equals `want`'s within `tol` (relative, or absolute below 1); the
-/// same names. Returns the worst difference.
-fn assert_same_tensors(
-    got: &BTreeMap<String, Vec<f32>>,
-    want: &BTreeMap<String, Vec<f32>>,
-    tol: f32,
-) -> f32 {
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>(),
-        "the checkpoints' tensors"
-    );
-    let mut worst = 0.0f32;
-    for (name, w) in want {
-        let g = &got[name];
-        assert_eq!(g.len(), w.len(), "`{name}`");
-        for (a, b) in g.iter().zip(w) {
-            let gap = (a - b).abs() / b.abs().max(1.0);
-            assert!(gap <= tol, "`{name}`: {a} vs {b}");
-            worst = worst.max(gap);
-        }
-    }
-    worst
-}
-
 /// `dp=2,tp=2,pp=2,ep=2` (8 tasks: stage 0 on workers 0-3, stage 1 on 4-7; in each stage the
 /// tp pairs {0,1} {2,3} and each tp coordinate's replicas sharing the experts), top-2 routing
 /// with the load-balancing loss, clipped at global norm 0.1: 4 steps' losses, the validation
@@ -120,7 +81,7 @@ fn dp2_tp2_pp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let worst = assert_same_losses(&job, &local, 1e-5);
     eprintln!("{MESH}: worst relative loss difference {worst:e}");
     assert_eq!(validation, one_validation);
-    let saved = checkpoint(&full);
+    let saved = checkpoint_f32(&full);
     assert!(
         !saved
             .keys()
@@ -128,7 +89,7 @@ fn dp2_tp2_pp2_ep2_trains_like_one_process_and_resumes_in_one() {
         "shards saved by their per-worker names: {:?}",
         saved.keys().collect::<Vec<_>>()
     );
-    let worst = assert_same_tensors(&saved, &checkpoint(&one), 1e-5);
+    let worst = assert_same_tensors_f32("checkpoint", &saved, &checkpoint_f32(&one), 1e-5);
     eprintln!("{MESH}: worst parameter/slot difference {worst:e}");
 
     let part = dir.join("part");
@@ -158,7 +119,7 @@ fn zero_1_2_and_3_over_the_4_axis_mesh_train_like_one_process_and_resume_in_one(
     let graph = tiny_moe_gpt(&dir, 2, 0.01, Some(0.1));
     let one = dir.join("one");
     let (local, one_validation) = run_text_local(&graph, &[], 3, &one);
-    let want = checkpoint(&one);
+    let want = checkpoint_f32(&one);
     for stage in ["1", "2", "3"] {
         let args = ["--cluster", EIGHT, "--mesh", MESH, "--zero-stage", stage];
         let full = dir.join(format!("zero{stage}"));
@@ -166,7 +127,7 @@ fn zero_1_2_and_3_over_the_4_axis_mesh_train_like_one_process_and_resume_in_one(
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("{MESH} --zero-stage {stage}: worst relative loss difference {worst:e}");
         assert_eq!(validation, one_validation, "--zero-stage {stage}");
-        let saved = checkpoint(&full);
+        let saved = checkpoint_f32(&full);
         assert!(
             !saved
                 .keys()
@@ -174,7 +135,7 @@ fn zero_1_2_and_3_over_the_4_axis_mesh_train_like_one_process_and_resume_in_one(
             "shards saved by their per-worker names: {:?}",
             saved.keys().collect::<Vec<_>>()
         );
-        let worst = assert_same_tensors(&saved, &want, 1e-5);
+        let worst = assert_same_tensors_f32("checkpoint", &saved, &want, 1e-5);
         eprintln!("{MESH} --zero-stage {stage}: worst parameter/slot difference {worst:e}");
         let part = dir.join(format!("zero{stage}-part"));
         assert_eq!(run_text_local(&graph, &args, 2, &part).0.len(), 2);

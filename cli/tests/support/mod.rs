@@ -573,3 +573,42 @@ pub fn run_text_local(
         .to_string();
     (read_losses(&losses), validation)
 }
+
+/// The latest checkpoint in `dir`: its f32 tensors by name.
+pub fn checkpoint_f32(dir: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let path = dflow::executor::checkpoint::latest(dir)
+        .unwrap()
+        .expect("a checkpoint");
+    dflow::executor::checkpoint::load(&path)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .filter_map(|(n, t)| Some((n, t.as_slice::<f32>().ok()?.to_vec())))
+        .collect()
+}
+
+/// Every tensor of `got` equals `want`'s within `tol` (relative, or absolute below 1), the same
+/// names and sizes; `what` names the comparison in a failure. Returns the worst difference.
+pub fn assert_same_tensors_f32(
+    what: &str,
+    got: &std::collections::BTreeMap<String, Vec<f32>>,
+    want: &std::collections::BTreeMap<String, Vec<f32>>,
+    tol: f32,
+) -> f32 {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}: the checkpoints' tensors"
+    );
+    let mut worst = 0.0f32;
+    for (name, w) in want {
+        let g = &got[name];
+        assert_eq!(g.len(), w.len(), "{what} `{name}`");
+        for (a, b) in g.iter().zip(w) {
+            let gap = (a - b).abs() / b.abs().max(1.0);
+            assert!(gap <= tol, "{what} `{name}`: {a} vs {b}");
+            worst = worst.max(gap);
+        }
+    }
+    worst
+}
