@@ -1192,8 +1192,6 @@ mod tests {
     /// bytes between stages are the job plan's, every task summed.
     #[test]
     fn a_dp_tp_pp_ep_layout_holds_its_stages_tp_shard_and_expert_shard_as_the_job_plan_does() {
-        use super::super::accounting;
-        let profile = ClusterProfile::preset("this-machine").unwrap();
         let def = gpt(&GptConfig {
             vocab_size: 32,
             block_size: 8,
@@ -1214,47 +1212,77 @@ mod tests {
         let model = ModelProfile::new(&def, "idx", "targets").unwrap();
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
-        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
-        let options = PlanOptions {
-            devices: 8,
-            batch_size: 8,
-        };
         for zero in 0..=3 {
             let text = format!("dp=2,tp=2,pp=2,ep=2,m=1,zero={zero}");
-            let layout: crate::planner::Layout = text.parse().unwrap();
-            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
-            assert_eq!(e.memory.len(), 2);
-            let rows = 8 / layout.mesh.dp;
-            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let tasks = accounting::account(&plan, rows, 1).unwrap();
-            assert_eq!(tasks.len(), 8);
-            for t in &tasks {
-                let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
-                let (_, _, s) = layout.mesh.coords(index);
-                let held = t.variable_bytes as f64;
-                let mem = e.memory[s];
-                let predicted = mem.weights + mem.optimizer;
-                assert!(
-                    (held - predicted).abs() <= 8.0,
-                    "{text}, {} (stage {s}): held {held}, predicted {predicted}",
-                    t.task
-                );
-            }
-            let (a2a, data) = expert_job_bytes(&plan, rows);
-            assert!(a2a > 0);
-            assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
-            assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
-            let (tp, messages) = tensor_job_traffic(&plan, rows);
-            assert!(tp > 0);
-            assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
-            assert_eq!(e.tensor_parallel_messages, messages as f64, "{text}");
-            let sent: u64 = accounting::traffic(&plan, rows)
-                .unwrap()
-                .iter()
-                .map(|t| t.data_plane)
-                .sum();
-            assert!(sent > 0);
-            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+            let sums = assert_staged_experts_are_the_job_plans(&model, &g, &train, &text);
+            assert_eq!(sums.stages, 2);
+            assert!(sums.all_to_all > 0 && sums.tensor > 0 && sums.between_stages > 0);
+        }
+    }
+
+    /// What [`assert_staged_experts_are_the_job_plans`] compared: the layout's stages and
+    /// the job plan's bytes summed over its tasks.
+    struct StagedSums {
+        stages: usize,
+        all_to_all: u64,
+        tensor: u64,
+        between_stages: u64,
+    }
+
+    /// The table row of `layout` (an MoE GPT `model` with experts over a pipeline) against
+    /// the job plan of `g` dflow runs: each task's variables equal its stage's weights and
+    /// optimizer state (within `adam/t`'s 8 bytes), and the all-to-all, data-parallel,
+    /// tensor-parallel (bytes and messages) and between-stage bytes equal the plan's, every
+    /// task summed.
+    fn assert_staged_experts_are_the_job_plans(
+        model: &ModelProfile,
+        g: &dflow_graph::Graph,
+        train: &dflow_graph::train::TrainSpec,
+        layout: &str,
+    ) -> StagedSums {
+        use super::super::accounting;
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        let text = layout;
+        let layout: crate::planner::Layout = layout.parse().unwrap();
+        let options = PlanOptions {
+            devices: layout.mesh.size(),
+            batch_size: 8,
+        };
+        let e = evaluate_layout(model, &profile, &options, &layout).unwrap();
+        let rows = 8 / layout.mesh.dp;
+        let plan = accounting::job_plan(g, train, "idx", "targets", &layout, 8).unwrap();
+        let tasks = accounting::account(&plan, rows, 1).unwrap();
+        assert_eq!(tasks.len(), layout.mesh.size(), "{text}");
+        for t in &tasks {
+            let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+            let (_, _, s) = layout.mesh.coords(index);
+            let held = t.variable_bytes as f64;
+            let mem = e.memory[s];
+            let predicted = mem.weights + mem.optimizer;
+            assert!(
+                (held - predicted).abs() <= 8.0,
+                "{text}, {} (stage {s}): held {held}, predicted {predicted}",
+                t.task
+            );
+        }
+        let (a2a, data) = expert_job_bytes(&plan, rows);
+        assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
+        assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+        let (tp, messages) = tensor_job_traffic(&plan, rows);
+        assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
+        assert_eq!(e.tensor_parallel_messages, messages as f64, "{text}");
+        let sent: u64 = accounting::traffic(&plan, rows)
+            .unwrap()
+            .iter()
+            .map(|t| t.data_plane)
+            .sum();
+        assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+        StagedSums {
+            stages: e.memory.len(),
+            all_to_all: a2a,
+            tensor: tp,
+            between_stages: sent,
         }
     }
 
@@ -1266,7 +1294,6 @@ mod tests {
     /// one micro-batch).
     #[test]
     fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
-        use super::super::accounting;
         let profile = ClusterProfile::preset("this-machine").unwrap();
         let def = gpt(&GptConfig {
             vocab_size: 32,
@@ -1289,7 +1316,6 @@ mod tests {
         assert_eq!(model.batch_coupled, None);
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
-        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
         for (mesh, top) in [
             ("dp=2,ep=2,pp=2", 3),
             ("dp=2,tp=2,pp=2,ep=2", 3),
@@ -1297,38 +1323,8 @@ mod tests {
         ] {
             for zero in 0..=top {
                 let text = format!("{mesh},m=2,zero={zero}");
-                let layout: crate::planner::Layout = text.parse().unwrap();
-                let options = PlanOptions {
-                    devices: layout.mesh.size(),
-                    batch_size: 8,
-                };
-                let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
-                let rows = 8 / layout.mesh.dp;
-                let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-                let tasks = accounting::account(&plan, rows, 1).unwrap();
-                for t in &tasks {
-                    let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
-                    let (_, _, s) = layout.mesh.coords(index);
-                    let held = t.variable_bytes as f64;
-                    let mem = e.memory[s];
-                    let predicted = mem.weights + mem.optimizer;
-                    assert!(
-                        (held - predicted).abs() <= 8.0,
-                        "{text}, {} (stage {s}): held {held}, predicted {predicted}",
-                        t.task
-                    );
-                }
-                let (a2a, data) = expert_job_bytes(&plan, rows);
-                assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
-                assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
-                let (tp, _) = tensor_job_traffic(&plan, rows);
-                assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
-                let sent: u64 = accounting::traffic(&plan, rows)
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.data_plane)
-                    .sum();
-                assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{text}");
+                let sums = assert_staged_experts_are_the_job_plans(&model, &g, &train, &text);
+                assert!(sums.all_to_all > 0 && sums.between_stages > 0, "{text}");
             }
         }
         let options = PlanOptions {
