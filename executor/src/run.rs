@@ -13,10 +13,12 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The pool kernels run on: `num_threads` threads, or one per CPU this process may use when 0.
+/// The pool kernels run on: `num_threads` threads, or one per CPU this process may use when 0
+/// (at least 2 then: a collective kernel holds its thread until its peers join, and a peer
+/// may wait for a value only another thread of this pool can send).
 pub(crate) fn compute_pool(num_threads: usize) -> Result<rayon::ThreadPool, ExecError> {
     let threads = if num_threads == 0 {
-        std::thread::available_parallelism().map_or(2, |n| n.get())
+        std::thread::available_parallelism().map_or(2, |n| n.get().max(2))
     } else {
         num_threads
     };

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Combine rounds of `steptime_table.sh` into one table: each cell predicted / measured median /
-predicted - measured, then each layout's error range, and per round how many layouts are
-within 25%.
+"""Combine rounds of `steptime_table.sh` into one table: each cell predicted / measured median
+step / predicted - measured, then each layout's error range, and per round how many layouts are
+within 25% (of the median step; and, for tables that have it, of the mean step T/N).
 
     python3 tests/planner/steptime_rounds.py round1.md round2.md round3.md
 """
@@ -13,10 +13,11 @@ def rows(path):
     out = {}
     for line in open(path, encoding="utf-8"):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not cells[3].endswith("%") or cells[0] == "layout":
+        if len(cells) not in (4, 6) or not cells[3].endswith("%") or cells[0] == "layout":
             continue
         measured = cells[2].split(" (")[0]
-        out[cells[0]] = (cells[1], measured, int(cells[3].rstrip("%")))
+        mean_error = int(cells[5].rstrip("%")) if len(cells) == 6 else None
+        out[cells[0]] = (cells[1], measured, int(cells[3].rstrip("%")), mean_error)
     return out
 
 
@@ -30,7 +31,7 @@ def main(paths):
         cells, errors = [], []
         for r in rounds:
             if name in r:
-                p, m, e = r[name]
+                p, m, e, _ = r[name]
                 cells.append(f"{p} / {m} / {e:+d}%")
                 errors.append(e)
             else:
@@ -39,7 +40,10 @@ def main(paths):
         print(f"| {name} | " + " | ".join(cells) + f" | {span} |")
     within = [sum(1 for v in r.values() if abs(v[2]) <= 25) for r in rounds]
     print()
-    print("Within 25%: " + ", ".join(f"{w} of {len(r)}" for w, r in zip(within, rounds)))
+    print("Within 25% of the median step: " + ", ".join(f"{w} of {len(r)}" for w, r in zip(within, rounds)))
+    if all(v[3] is not None for r in rounds for v in r.values()):
+        means = [sum(1 for v in r.values() if abs(v[3]) <= 25) for r in rounds]
+        print("Within 25% of the mean step (T/N): " + ", ".join(f"{w} of {len(r)}" for w, r in zip(means, rounds)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Predicted (`dflow plan --layout`, "step as dflow runs it") against measured step time
-# (`dflow run`, the job's own `trained N steps in T s` line, T/N) for every layout dflow runs
-# on this machine, median of RUNS runs (range in brackets). Prints a Markdown table.
+# Predicted (`dflow plan --layout`, "step as dflow runs it") against measured step time for
+# every layout dflow runs on this machine: the job's `step time: median X µs` (the median
+# interval between its steps: a steady step, as the planner predicts one and `dflow bench
+# calibrate` fits), median of RUNS runs (range in brackets); beside it the mean step of the
+# job's `trained N steps in T s` line (T/N: with the first step's warm-up and every stall a
+# shared machine causes), median of the runs. Prints a Markdown table.
 #
 #   bash tests/planner/steptime_table.sh [PROFILE.json] [RUNS]
 #
@@ -32,9 +35,11 @@ predicted() {
            if (u == "ms") v *= 1000; else if (u == "s") v *= 1e6; else if (u == "ns") v /= 1000; print v }'
 }
 
-# step_of STDERR_FILE: µs per step from `trained N steps in T s`.
+# step_of STDERR_FILE: `MEDIAN:MEAN`, µs per step, from `step time: median X µs` and from
+# `trained N steps in T s`.
 step_of() {
-  awk '/^trained [0-9]+ steps in/ { printf "%.1f\n", $5 / $2 * 1e6 }' "$1"
+  awk '/^step time: median/ { med = $4 } /^trained [0-9]+ steps in/ { mean = $5 / $2 * 1e6 }
+       END { printf "%.1f:%.1f\n", med, mean }' "$1"
 }
 
 # cluster_file N: a cluster of N workers on free ports of 127.0.0.1.
@@ -48,7 +53,7 @@ print(json.dumps({"worker": ["127.0.0.1:%d" % s.getsockname()[1] for s in socks]
 PY
 }
 
-# measure WORKERS GRAPH ARGS...: RUNS step times in µs, one per line. One process per task,
+# measure WORKERS GRAPH ARGS...: RUNS step times (`MEDIAN:MEAN` µs), one per line. One process per task,
 # as a job runs on a cluster and as `dflow bench calibrate` runs its jobs.
 measure() {
   local workers=$1 graph=$2; shift 2
@@ -65,19 +70,22 @@ measure() {
   done
 }
 
-# row NAME PREDICTED_µs MEASURED_µs...: a table row.
+# row NAME PREDICTED_µs MEDIAN:MEAN...: a table row.
 row() {
   local name=$1 pred=$2; shift 2
   python3 - "$name" "$pred" "$@" <<'PY'
 import sys, statistics
-name, pred, xs = sys.argv[1], float(sys.argv[2]), [float(x) for x in sys.argv[3:]]
-med = statistics.median(xs)
-print(f"| {name} | {pred:,.0f} µs | {med:,.0f} µs ({min(xs):,.0f}–{max(xs):,.0f}) | {(pred - med) / med * 100:+.0f}% |")
+name, pred = sys.argv[1], float(sys.argv[2])
+runs = [tuple(float(v) for v in x.split(":")) for x in sys.argv[3:]]
+xs, means = [r[0] for r in runs], [r[1] for r in runs]
+med, mean = statistics.median(xs), statistics.median(means)
+print(f"| {name} | {pred:,.0f} µs | {med:,.0f} µs ({min(xs):,.0f}–{max(xs):,.0f}) | {(pred - med) / med * 100:+.0f}% "
+      f"| {mean:,.0f} µs ({min(means):,.0f}–{max(means):,.0f}) | {(pred - mean) / mean * 100:+.0f}% |")
 PY
 }
 
-echo "| layout | predicted | measured, median (range) of $RUNS | predicted − measured |"
-echo "|---|---|---|---|"
+echo "| layout | predicted | median step, median (range) of $RUNS runs | predicted − measured | mean step (T/N), median (range) | predicted − mean |"
+echo "|---|---|---|---|---|---|"
 D=examples/digits/digits.json
 A=examples/digits/digits-adamw.json
 S=tests/planner/gpt-2x32.json

@@ -273,7 +273,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.job_runs > 0 {
         let (job, raw) = super::bench_job::measure(&profile, args.job_runs, args.job_epochs)?;
         let summary = format!(
-            "{:.1} µs per step, {:.1} µs per task, {:.3} µs per op, {:.1} µs per collective message, {:.1} µs per value sent or received, {:.2} µs per product, {:.1} µs per wait beyond the cores, {:.2} µs per node spawned alone, {:.1} ps per product FLOP beyond the cores, {:.1} GFLOP/s in products, {:.2} GB/s in other ops, {:.1} M transcendental elements/s",
+            "{:.1} µs per step, {:.1} µs per task, {:.3} µs per op, {:.1} µs per collective message, {:.1} µs per value sent or received, {:.2} µs per product, {:.1} µs per wait beyond the cores, {:.2} µs per node spawned alone, {:.1} ps per product FLOP beyond the cores, {:.3} ns per byte sent beyond the link's 1/β, {:.1} GFLOP/s in products, {:.2} GB/s in other ops, {:.1} M transcendental elements/s",
             job.step * 1e6,
             job.task * 1e6,
             job.op * 1e6,
@@ -283,6 +283,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             job.beyond_cores * 1e6,
             job.spawn * 1e6,
             job.beyond_cores_per_flop * 1e12,
+            job.transfer_per_byte * 1e9,
             job.flops_per_second / 1e9,
             job.bytes_per_second / 1e9,
             job.transcendentals_per_second / 1e6

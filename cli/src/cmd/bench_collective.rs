@@ -91,14 +91,6 @@ impl Bind {
     }
 }
 
-/// The CPUs this process may run on, in ascending order.
-fn allowed_cpus() -> anyhow::Result<Vec<usize>> {
-    let set = rustix::thread::sched_getaffinity(None).context("reading this process's CPU set")?;
-    Ok((0..rustix::thread::CpuSet::MAX_CPU)
-        .filter(|&c| set.is_set(c))
-        .collect())
-}
-
 /// The CPU of each rank under `bind`, or `None` when the ranks run unpinned.
 fn rank_cpus(bind: Bind, ranks: usize, cpus: &[usize]) -> Option<Vec<usize>> {
     let pin = match bind {
@@ -111,15 +103,7 @@ fn rank_cpus(bind: Bind, ranks: usize, cpus: &[usize]) -> Option<Vec<usize>> {
 
 /// Pins the calling process (all of its threads created afterwards) to `cpu`.
 fn pin_to_cpu(cpu: usize) -> anyhow::Result<()> {
-    if cpu >= rustix::thread::CpuSet::MAX_CPU {
-        bail!(
-            "CPU {cpu} is out of range (this system names at most {} CPUs)",
-            rustix::thread::CpuSet::MAX_CPU
-        );
-    }
-    let mut set = rustix::thread::CpuSet::new();
-    set.set(cpu);
-    rustix::thread::sched_setaffinity(None, &set).with_context(|| format!("pinning to CPU {cpu}"))
+    super::host_cpus::bind_to(&[cpu])
 }
 
 /// The collectives this command measures.
@@ -505,7 +489,7 @@ fn parse_row(line: &str) -> anyhow::Result<Row> {
 fn run_procs(args: &Args) -> anyhow::Result<(Vec<Row>, String)> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let mut workers = Workers(Vec::new());
-    let cpus = rank_cpus(args.bind, args.ranks, &allowed_cpus()?);
+    let cpus = rank_cpus(args.bind, args.ranks, &super::host_cpus::allowed_cpus()?);
     let bind = args.bind.name();
     let placement = match &cpus {
         Some(c) => format!("ranks pinned to CPUs {c:?} (--bind {bind})"),
@@ -656,7 +640,7 @@ mod tests {
         assert_eq!(rank_cpus(Bind::Core, 4, &cpus), Some(vec![0, 1, 0, 1]));
         assert_eq!(rank_cpus(Bind::None, 2, &cpus), None);
         assert_eq!(rank_cpus(Bind::Core, 3, &[2, 5]), Some(vec![2, 5, 2]));
-        assert!(!allowed_cpus().unwrap().is_empty());
+        assert!(!super::super::host_cpus::allowed_cpus().unwrap().is_empty());
     }
 
     #[test]

@@ -6,12 +6,13 @@
 //! It runs [`JOBS`] synthetic models (`MatMul`s from 8 features, a chain of elementwise ops,
 //! SGD or Adam) as real jobs on 127.0.0.1, one `dflow run --job worker` process a task as a
 //! cluster runs them, each `--runs` times, and takes each one's median step
-//! (the job's own `trained N steps in T s` line). The jobs vary one kind of work at a time
+//! (the median interval between its steps, `step time: median X µs`). The jobs vary one kind of work at a time
 //! against a small base: more ops (a chain of [`CHAIN`] `Relu`), more collective calls
 //! ([`LAYERS`] layers, every gradient its own all-reduce), many small products (the same
 //! layers in one fused all-reduce: a product's floor beside its FLOPs), product FLOPs (3 layers of [`WIDE`]
 //! channels on 256 rows a task), memory-bound bytes ([`BYTES_CHAIN`] `Relu` on 256 ×
-//! [`BYTES_WIDTH`]), transcendental elements ([`TRANSCENDENTAL_CHAIN`] `Gelu`); and they vary
+//! [`BYTES_WIDTH`]), transcendental elements ([`TRANSCENDENTAL_CHAIN`] `Gelu`), the bytes of a large gradient all-reduce
+//! (2 layers of [`WIDE`] channels on 2 rows a task: 272 KiB a step); and they vary
 //! the shape of the job: 4 tasks on the host's cores (the base, the chain and the products
 //! again), calls between computations (ZeRO-3 on a [`DEEP`]-layer MLP: an all-gather before
 //! every layer's product, forward and backward; on 2 tasks and on 4 sharing the 2 cores) and a
@@ -55,6 +56,9 @@ pub const WIDE: usize = 256;
 /// The FLOP-heavy job's global batch (the whole data set: 256 rows a task on 2 tasks,
 /// products the size of a small transformer's).
 const WIDE_BATCH: usize = ROWS;
+/// The gradient-bytes job's global batch: 2 rows a task, so that its 2 layers of [`WIDE`]
+/// channels (272 KiB of gradients, one fused all-reduce) cost little but their bytes.
+const GRADIENT_BATCH: usize = 4;
 /// Width of the memory-bound job (256 rows a task × 512: 512 KiB a tensor).
 pub const BYTES_WIDTH: usize = 512;
 /// `Relu` ops of its chain.
@@ -146,7 +150,7 @@ const TRANSFORMER: dflow_graph::layers::GptConfig = dflow_graph::layers::GptConf
 const TRANSFORMER_BATCH: usize = 4;
 
 /// The calibration jobs (see the module): none is a model of the planner's comparison table.
-const JOBS: [Variant; 18] = [
+const JOBS: [Variant; 19] = [
     BASE,
     Variant {
         name: "chain",
@@ -184,6 +188,13 @@ const JOBS: [Variant; 18] = [
         hidden: BYTES_WIDTH,
         chain: TRANSCENDENTAL_CHAIN,
         chain_op: "Gelu",
+        ..BASE
+    },
+    Variant {
+        name: "gradient bytes",
+        batch: GRADIENT_BATCH,
+        hidden: WIDE,
+        layers: 2,
         ..BASE
     },
     Variant {
@@ -384,23 +395,30 @@ fn cluster_file(dir: &Path, n: usize) -> anyhow::Result<std::path::PathBuf> {
     Ok(cluster)
 }
 
-/// The step (seconds) from a job's `trained N steps in T s` line.
+/// The step (seconds) of a job: the median interval between its steps (`step time: median X
+/// µs`, [`super::step_clock`]: a steady step, as the planner predicts one), else the mean of
+/// its `trained N steps in T s` line (a job of one step).
 fn step_of(v: Variant, stderr: &str) -> anyhow::Result<f64> {
-    stderr
-        .lines()
-        .find_map(|l| {
+    let median = stderr.lines().find_map(|l| {
+        let rest = l.strip_prefix("step time: median ")?;
+        let us: f64 = rest.split_whitespace().next()?.parse().ok()?;
+        (us > 0.0).then_some(us * 1e-6)
+    });
+    let mean = || {
+        stderr.lines().find_map(|l| {
             let rest = l.strip_prefix("trained ")?;
             let mut w = rest.split_whitespace();
             let n: f64 = w.next()?.parse().ok()?;
             let secs: f64 = w.nth(2)?.parse().ok()?;
             (n > 0.0).then_some(secs / n)
         })
-        .with_context(|| {
-            format!(
-                "no `trained N steps in T s` line from the calibration job {}:\n{stderr}",
-                v.name
-            )
-        })
+    };
+    median.or_else(mean).with_context(|| {
+        format!(
+            "no `step time: median X µs` or `trained N steps in T s` line from the calibration job {}:\n{stderr}",
+            v.name
+        )
+    })
 }
 
 /// How long a calibration job may take before it is taken to hang.
@@ -552,6 +570,7 @@ const START: JobCosts = JobCosts {
     beyond_cores: 2e-6,
     spawn: 1e-6,
     beyond_cores_per_flop: 2e-12,
+    transfer_per_byte: 0.2e-9,
     flops_per_second: 50e9,
     bytes_per_second: 12e9,
     transcendentals_per_second: 150e6,

@@ -5,8 +5,10 @@
 //! evaluates, saves checkpoints and shuts every task down. The other tasks serve it; a ps needs
 //! nothing but the cluster.
 
+use super::host_cpus::{self, HostShare};
 use super::progress::Progress;
 use super::run::Args;
+use super::step_clock::StepClock;
 use super::train_text::{TextProgress, TIED_ALIASES};
 use super::transport_choice::TransportChoice;
 use anyhow::{bail, Context};
@@ -111,6 +113,18 @@ pub fn role(rank: u32, world_size: u32, num_ps: u32) -> anyhow::Result<(String, 
 }
 
 fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> anyhow::Result<()> {
+    // Bound before any thread starts: the network runtime's and the compute pool's threads
+    // inherit the binding.
+    let share = match &membership {
+        Membership::Known(c) => HostShare::in_cluster(c, job, index),
+        Membership::Register(r) => HostShare::from_launcher(r.local_rank),
+    };
+    let threads = host_cpus::bind_task(
+        &dflow_executor::cluster::task_name(job, index),
+        args.cpu_binding,
+        share,
+        args.compute_threads,
+    );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -150,7 +164,7 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
         secret: secret(args)?,
         timeout: Duration::from_secs(args.timeout.max(1)),
         startup_timeout: Duration::from_secs(args.startup_timeout),
-        server: server_options(args),
+        server: server_options(args, threads),
         transport,
         quic_identity,
     };
@@ -208,10 +222,10 @@ fn run_member(args: &Args, job: &str, index: u32, membership: Membership) -> any
 }
 
 /// How a task's server runs steps, from `dflow run`'s flags (the address and the secret are
-/// filled in when the task joins).
-fn server_options(args: &Args) -> ServerOptions {
+/// filled in when the task joins), with `threads` compute threads.
+fn server_options(args: &Args, threads: usize) -> ServerOptions {
     ServerOptions {
-        num_threads: 0,
+        num_threads: threads,
         step_timeout: Duration::from_secs(args.timeout.max(1)),
         trace: args.trace.is_some(),
         data_path: args.data.clone(),
@@ -249,6 +263,15 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
         .jobs()
         .flat_map(|job| cluster.tasks(job).map(move |(i, _)| (job.to_string(), i)))
         .collect();
+    let threads = host_cpus::compute_threads(
+        args.compute_threads,
+        None,
+        host_cpus::allowed_cpus().map_or(1, |c| c.len()),
+        HostShare {
+            local_index: 0,
+            local_tasks: tasks.len(),
+        },
+    );
     let options = |job: &str, index: u32| NodeOptions {
         cluster: cluster.clone(),
         job: job.to_string(),
@@ -256,7 +279,8 @@ pub fn run_in_process(args: &Args, cluster: &ClusterSpec) -> anyhow::Result<()> 
         secret: None,
         timeout: Duration::from_secs(args.timeout.max(1)),
         startup_timeout: Duration::from_secs(args.startup_timeout),
-        server: server_options(args),
+        // Every task runs in this process: they share its CPUs, unbound.
+        server: server_options(args, threads),
         transport,
         quic_identity: None,
     };
@@ -521,6 +545,13 @@ fn check_elastic(args: &Args, kind: dflow_partitioner::StrategyKind) -> anyhow::
     Ok(())
 }
 
+/// The median step of the run (after `trained N steps in T s`, the mean).
+fn print_step_times(clock: &StepClock) {
+    if let Some(t) = clock.times() {
+        eprintln!("{t}");
+    }
+}
+
 /// How the chief shows its progress: epochs of a table, or steps of a text in tokens/s.
 enum ChiefProgress {
     Table(Option<Progress>),
@@ -552,11 +583,15 @@ async fn chief(
         )),
         ChiefData::Csv { .. } => ChiefProgress::Table(None),
     };
-    let result = run_chief(&rpc, cluster, &cfg, |r| match &mut progress {
-        ChiefProgress::Text(p) => p.step(r),
-        ChiefProgress::Table(p) => p
-            .get_or_insert_with(|| Progress::new(epochs, r.total_steps / epochs.max(1), quiet))
-            .step(r),
+    let mut clock = StepClock::default();
+    let result = run_chief(&rpc, cluster, &cfg, |r| {
+        clock.tick();
+        match &mut progress {
+            ChiefProgress::Text(p) => p.step(r),
+            ChiefProgress::Table(p) => p
+                .get_or_insert_with(|| Progress::new(epochs, r.total_steps / epochs.max(1), quiet))
+                .step(r),
+        }
     })
     .await;
     match &progress {
@@ -594,6 +629,7 @@ async fn chief(
                 report.train_examples,
                 report.test_examples
             );
+            print_step_times(&clock);
             super::train_text::print_validation(&report.held_out, args.eval_batches);
         }
         ChiefData::Csv { .. } => {
@@ -604,6 +640,7 @@ async fn chief(
                 report.train_examples,
                 report.test_examples
             );
+            print_step_times(&clock);
             if report.held_out.is_empty() {
                 println!("no held-out examples: nothing to evaluate");
             }

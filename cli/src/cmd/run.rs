@@ -2,6 +2,7 @@
 //! `--job J --index I` (or the launcher's environment, [`dflow::identity`]) runs one task of a distributed job (see
 //! [`super::cluster`]).
 
+use super::host_cpus::CpuBinding;
 use super::train::Targets;
 use anyhow::{bail, Context};
 use dflow::identity::{self, Place, ProcessEnv, Source};
@@ -170,6 +171,18 @@ pub struct Args {
     /// is trusted before it is declared dead.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
+    /// Distributed: compute threads of each task this process runs (default: one per CPU the
+    /// task is bound to; unbound, the CPUs this process may use shared among the cluster's
+    /// tasks on its host). At least 2: a collective holds its thread until its peers join.
+    #[arg(long, value_name = "N")]
+    pub compute_threads: Option<usize>,
+    /// Distributed: `auto` binds each of the tasks sharing a host (same address host in the
+    /// cluster; with registration, the launcher's local rank and `LOCAL_WORLD_SIZE` or
+    /// `OMPI_COMM_WORLD_LOCAL_SIZE`) to its share of the CPUs this process may use, round
+    /// robin when the tasks outnumber them, as `mpirun` binds ranks; a task alone on its host
+    /// stays unbound. `none` never binds. `--local` runs every task in one process, unbound.
+    #[arg(long, value_enum, default_value_t = CpuBinding::Auto)]
+    pub cpu_binding: CpuBinding,
     /// Training: the data set (CSV, gzip detected; label in the last column). Requires a graph
     /// with a `train` section.
     #[arg(long, value_name = "FILE")]

@@ -1783,6 +1783,7 @@ mod tests {
             beyond_cores: 0.0,
             spawn: 0.0,
             beyond_cores_per_flop: 0.0,
+            transfer_per_byte: 0.0,
             flops_per_second: 46.4e9,
             bytes_per_second: 15.32e9,
             transcendentals_per_second: 251.1e6,

@@ -124,6 +124,12 @@ pub struct JobCosts {
     /// outnumber its cores: a product split over a task's pool threads waits for whichever has
     /// no core (0: not modelled, older profiles).
     pub beyond_cores_per_flop: f64,
+    /// Seconds per byte a task sends (in collectives and to other tasks' `Recv`s), beyond the
+    /// link's `1/β`: a job's messages of tens to hundreds of KiB move well below the bandwidth
+    /// a 16 MiB call reaches (each chunk through a shared-memory slot waits for the peer's
+    /// wake-up; the 2×32 GPT's 110 KiB gradient all-reduce at dp=2 took ~100 µs in a trace
+    /// where `bytes/β` said 26 µs; 0: not modelled, older profiles).
+    pub transfer_per_byte: f64,
     /// The FLOP/s a task of a job gets on the model's ops (0: the profile's
     /// `flops_per_second`): below a lone `MatMul`'s rate when the machine is loaded or the ops
     /// are memory-bound.
@@ -204,6 +210,7 @@ const THIS_MACHINE_JOB: JobCosts = JobCosts {
     beyond_cores: 6.6e-6,
     spawn: 0.031e-6,
     beyond_cores_per_flop: 4.0e-12,
+    transfer_per_byte: 0.0,
     flops_per_second: 74.0e9,
     bytes_per_second: 15.34e9,
     transcendentals_per_second: 330.0e6,
@@ -340,6 +347,7 @@ impl ClusterProfile {
             ("job.beyond_cores", self.job.beyond_cores),
             ("job.spawn", self.job.spawn),
             ("job.beyond_cores_per_flop", self.job.beyond_cores_per_flop),
+            ("job.transfer_per_byte", self.job.transfer_per_byte),
             ("job.flops_per_second", self.job.flops_per_second),
         ] {
             if !(value.is_finite() && value >= 0.0) {
@@ -426,6 +434,7 @@ mod tests {
         job.remove("beyond_cores");
         job.remove("spawn");
         job.remove("beyond_cores_per_flop");
+        job.remove("transfer_per_byte");
         let old = ClusterProfile::from_json(&json.to_string(), "old.json").unwrap();
         assert_eq!(
             (
@@ -433,9 +442,10 @@ mod tests {
                 old.job.product,
                 old.job.beyond_cores,
                 old.job.spawn,
-                old.job.beyond_cores_per_flop
+                old.job.beyond_cores_per_flop,
+                old.job.transfer_per_byte
             ),
-            (0.0, 0.0, 0.0, 0.0, 0.0)
+            (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         );
         assert_eq!(old.job.value_cost(), old.job.collective);
         assert_eq!(p.job.value_cost(), p.job.value);
@@ -445,6 +455,7 @@ mod tests {
             "beyond_cores",
             "spawn",
             "beyond_cores_per_flop",
+            "transfer_per_byte",
         ] {
             let mut bad = serde_json::to_value(&p).unwrap();
             bad["job"][field] = serde_json::json!(-1e-6);

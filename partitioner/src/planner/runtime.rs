@@ -359,9 +359,11 @@ pub fn job_step(
     };
     let value = if job.value > 0.0 { job.value } else { call };
     let communication_of = |t: &TaskWork| {
+        let bytes = (t.collective_bytes + t.data_plane_bytes) as f64;
         t.collective_messages as f64 * call
             + (t.values + t.received) as f64 * value
-            + (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth
+            + bytes / link.bandwidth
+            + bytes * job.transfer_per_byte
     };
     let busiest = work.iter().map(cpu_of).fold(0.0, f64::max) * stretch;
     let communication = work.iter().map(communication_of).fold(0.0, f64::max);
@@ -412,7 +414,7 @@ fn waits(t: &TaskWork) -> usize {
 
 /// The unknowns `dflow bench calibrate` fits, in the order of [`JobTerms::counts`]: the
 /// [`JobCosts`] as seconds per unit of work (a rate as its inverse).
-pub const JOB_UNKNOWNS: [&str; 12] = [
+pub const JOB_UNKNOWNS: [&str; JOB_COSTS] = [
     "step",
     "task",
     "op",
@@ -425,11 +427,15 @@ pub const JOB_UNKNOWNS: [&str; 12] = [
     "seconds per product FLOP",
     "seconds per byte",
     "seconds per transcendental element",
+    "seconds per byte sent beyond the link's 1/β",
 ];
+
+/// How many costs [`JOB_UNKNOWNS`] names.
+pub const JOB_COSTS: usize = 13;
 
 impl JobCosts {
     /// The costs as the unknowns of [`JOB_UNKNOWNS`] (a rate of 0, not modelled, as 0 s).
-    pub fn unknowns(&self) -> [f64; 12] {
+    pub fn unknowns(&self) -> [f64; JOB_COSTS] {
         let inverse = |r: f64| if r > 0.0 { 1.0 / r } else { 0.0 };
         [
             self.step,
@@ -444,12 +450,13 @@ impl JobCosts {
             inverse(self.flops_per_second),
             inverse(self.bytes_per_second),
             inverse(self.transcendentals_per_second),
+            self.transfer_per_byte,
         ]
     }
 
     /// The costs from the unknowns of [`JOB_UNKNOWNS`] (0 s per unit: a rate of 0, which the
     /// model reads as not modelled).
-    pub fn from_unknowns(x: &[f64; 12]) -> JobCosts {
+    pub fn from_unknowns(x: &[f64; JOB_COSTS]) -> JobCosts {
         let rate = |s: f64| if s > 0.0 { 1.0 / s } else { 0.0 };
         JobCosts {
             step: x[0],
@@ -464,6 +471,7 @@ impl JobCosts {
             flops_per_second: rate(x[9]),
             bytes_per_second: rate(x[10]),
             transcendentals_per_second: rate(x[11]),
+            transfer_per_byte: x[12],
         }
     }
 }
@@ -477,7 +485,7 @@ pub struct JobTerms {
     /// The work multiplying each unknown: 1 step, the tasks, the busiest task's nodes,
     /// collective messages and sent and received values (or all tasks' over the cores, with the bubble's stretch
     /// on the nodes), its products' FLOPs, its other ops' bytes, its transcendental elements.
-    pub counts: [f64; 12],
+    pub counts: [f64; JOB_COSTS],
     /// Seconds not depending on the unknowns: the busiest communicator's bytes over β (or all
     /// tasks' over the cores).
     pub fixed: f64,
@@ -508,20 +516,23 @@ pub fn job_terms(
             t.product_flops as f64,
             t.bytes as f64,
             t.transcendentals as f64,
+            0.0,
         ]
     };
     // A task's communication: its calls, its values, and its bytes over β (fixed).
     let communication = |t: &TaskWork| {
-        let mut c = [0.0; 12];
+        let mut c = [0.0; JOB_COSTS];
         c[3] = t.collective_messages as f64;
         c[4] = (t.values + t.received) as f64;
+        c[12] = (t.collective_bytes + t.data_plane_bytes) as f64;
         (
             c,
             (t.collective_bytes + t.data_plane_bytes) as f64 / link.bandwidth,
         )
     };
-    let value =
-        |c: &[f64; 12], fixed: f64| fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>();
+    let value = |c: &[f64; JOB_COSTS], fixed: f64| {
+        fixed + c.iter().zip(&x).map(|(a, b)| a * b).sum::<f64>()
+    };
     let stretch = if bubble > 0.0 && bubble < 1.0 {
         1.0 / (1.0 - bubble)
     } else {
@@ -542,7 +553,7 @@ pub fn job_terms(
     for (b, c) in busiest.iter_mut().zip(busiest_comm) {
         *b += c;
     }
-    let mut shared = [0.0; 12];
+    let mut shared = [0.0; JOB_COSTS];
     let mut shared_fixed = 0.0;
     let beyond = beyond_cores(work.len(), cores);
     for t in work {
@@ -609,7 +620,7 @@ pub fn fit_job_costs(
             break;
         }
         let f = super::fit::fit(&obs, &JOB_UNKNOWNS)?;
-        let mut x = [0.0; 12];
+        let mut x = [0.0; JOB_COSTS];
         x.copy_from_slice(&f.costs);
         costs = JobCosts::from_unknowns(&x);
         result = Some(f);
@@ -697,6 +708,7 @@ mod tests {
             beyond_cores: 3e-6,
             spawn: 1.5e-6,
             beyond_cores_per_flop: 5e-12,
+            transfer_per_byte: 0.3e-9,
             flops_per_second: 50e9,
             bytes_per_second: 12e9,
             transcendentals_per_second: 150e6,
@@ -786,6 +798,11 @@ mod tests {
                 job(2, 90, 3, 20_000_000, 8_000_000, 2_000_000),
                 0.0,
             ),
+            (
+                "gradient bytes".into(),
+                job(2, 50, 2, 800_000, 900_000, 0),
+                0.0,
+            ),
         ]
         .into_iter()
         .map(|(name, mut work, bubble): (String, Vec<TaskWork>, f64)| {
@@ -814,10 +831,20 @@ mod tests {
                 "fan-outs" => 2,
                 _ => 0,
             };
+            // Bytes sent: a gradient all-reduce's, not a function of the other counts.
+            let sent = match name.as_str() {
+                "gradient bytes" => 1_100_000,
+                "wide" | "wide x4" => 800_000,
+                "mixed" => 300_000,
+                "deep" | "deep x4" => 60_000,
+                "pipeline" | "pipeline m8" => 20_000,
+                _ => 4_000,
+            };
             for t in &mut work {
                 t.products = products;
                 t.spawns = spawns;
                 t.path_messages = path;
+                t.collective_bytes = sent;
             }
             (name, work, bubble)
         })
