@@ -64,7 +64,7 @@ use super::collective::{p2p_seconds, rank_messages, AxisLinks, Call, Collective,
 use super::layout::Layout;
 use super::model::ModelProfile;
 use super::profile::{ClusterProfile, LinkClass, Precision};
-use super::staging::StagedModel;
+use super::staging::{PassGathers, StagedModel};
 use crate::mesh::Axis;
 use crate::strategy::allreduce::DEFAULT_BUCKET_BYTES;
 use crate::strategy::pipeline::schedule::{self, PipelineShape, ScheduleKind};
@@ -310,14 +310,8 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
             )));
         };
         // The table models ep × pp with several micro-batches where no router couples the
-        // batch (as dflow run runs them; refused below otherwise), at ZeRO 0 to 3; under
-        // ZeRO-3 beside expert-data-parallel groups with one.
-        if mesh.pp > 1 && layout.micro_batches > 1 && layout.zero >= 3 && mesh.dp > mesh.ep {
-            return Err(refuse(format!(
-                "ep={} beside pp at ZeRO-3 with dp > ep (expert-data-parallel groups) is modelled with one micro-batch: use m=1",
-                mesh.ep
-            )));
-        }
+        // batch (as dflow run runs them; refused below otherwise), at ZeRO 0 to 3 (at 3 beside
+        // expert-data-parallel groups each micro-batch gathers its expert shards).
         if let Some(l) = ctx.model.moe.iter().find(|l| l.experts % mesh.ep != 0) {
             return Err(refuse(format!(
                 "MoE layer `{}` has {} experts, which do not split over ep={} (first layer: {} experts)",
@@ -606,6 +600,22 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // ZeRO-3: each micro-batch's gathers of the stage's weights (every weight for the
         // forward pass, those the backward pass reads for it), one call per weight, on the
         // stage's critical path.
+        // This stage's expert-data-parallel groups (the ranks holding the same expert shard),
+        // where there are some.
+        let expert_links = (local_experts > 0.0 && mesh.dp > mesh.ep).then(|| {
+            let groups: Vec<Vec<usize>> = mesh
+                .expert_data_groups()
+                .into_iter()
+                .filter(|g| g.first().is_some_and(|&r| mesh.coords(r).2 == s))
+                .collect();
+            AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile)
+        });
+        // ZeRO-3 over a pipeline: the expert shards' gathers over those groups, per
+        // micro-batch and once per step (elements of this rank's shards, calls).
+        let expert_gathers = chunks
+            .iter()
+            .fold(PassGathers::default(), |a, c| a.plus(c.expert_gathers));
+        let pipeline_expert_gathers = p > 1 && zero >= 3 && expert_links.is_some();
         let mut gather_mb = CommCost::default();
         if gathers_per_micro_batch && d > 1 {
             // The dense weights (the experts' shards are gathered over their own groups).
@@ -651,6 +661,17 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 backward * w_bytes,
             ));
             gather_mb.seconds += calls * profile.job.collective;
+            // The expert shards a micro-batch's forward and backward copies read, gathered
+            // over their expert-data-parallel group for every micro-batch.
+            if let Some(links) = expert_links.as_ref().filter(|_| pipeline_expert_gathers) {
+                let mut experts = buckets(
+                    links,
+                    Collective::AllGather,
+                    expert_gathers.per_micro_batch / ep * w_bytes,
+                );
+                experts.seconds += expert_gathers.calls_per_micro_batch * profile.job.collective;
+                gather_mb = gather_mb.then(experts);
+            }
         }
         if compute + tp_seconds + send_seconds + op_seconds + gather_mb.seconds
             > slowest.0 + slowest.1 + slowest.2 + slowest.3 + slowest.4
@@ -714,23 +735,24 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // forward and the backward pass).
         let expert_grad_bytes = local_experts * g_bytes;
         let mut expert_calls = 0.0;
-        if local_experts > 0.0 && mesh.dp > mesh.ep {
-            // This stage's expert-data-parallel groups.
-            let groups: Vec<Vec<usize>> = mesh
-                .expert_data_groups()
-                .into_iter()
-                .filter(|g| g.first().is_some_and(|&r| mesh.coords(r).2 == s))
-                .collect();
-            let links = AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile);
-            dp = dp.then(buckets(&links, kind, expert_grad_bytes));
+        if let Some(links) = &expert_links {
+            dp = dp.then(buckets(links, kind, expert_grad_bytes));
             let gathers = match zero {
                 0 => 0.0,
                 1 | 2 => 1.0,
                 _ => 2.0,
             };
-            if zero >= 1 {
+            if pipeline_expert_gathers {
+                // Over a pipeline, the shards the micro-batches' shared ops read (an expert
+                // bias's reshape) once per step; the rest per micro-batch, above.
+                dp = dp.then(buckets(
+                    links,
+                    Collective::AllGather,
+                    expert_gathers.per_step / ep * w_bytes,
+                ));
+            } else if zero >= 1 {
                 dp = dp.then(
-                    buckets(&links, Collective::AllGather, local_experts * w_bytes).times(gathers),
+                    buckets(links, Collective::AllGather, local_experts * w_bytes).times(gathers),
                 );
             }
             // Under ZeRO with clipping, the squared norm of the expert shards is summed over
@@ -739,14 +761,16 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 dp = dp.then(links.cost(Collective::AllReduce, CLIP_NORM_BYTES));
                 expert_calls += 1.0;
             }
+            let count = (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
+                .ceil()
+                .max(1.0);
             // Without ZeRO, one all-reduce per expert variable.
             expert_calls += if zero == 0 {
                 chunks.iter().map(|c| c.expert_variables).sum::<usize>() as f64
+            } else if pipeline_expert_gathers {
+                count + expert_gathers.calls_per_step
             } else {
-                (1.0 + gathers)
-                    * (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
-                        .ceil()
-                        .max(1.0)
+                (1.0 + gathers) * count
             };
         }
         // The experts' tokens: four all-to-alls of the dispatch buffer of each MoE layer of
@@ -1290,8 +1314,8 @@ mod tests {
     /// planner ranks several micro-batches beside `ep × pp` (beside tp too), and the table's
     /// variables and bytes are the job plan's: `dp=2,ep=2,pp=2` and `dp=2,tp=2,pp=2,ep=2` with
     /// 2 micro-batches, ZeRO 0 to 3, and `dp=4,ep=2,pp=2` (the expert shards' sums over their
-    /// expert-data-parallel groups) at ZeRO 0 to 2; ZeRO-3 there is refused (modelled with
-    /// one micro-batch).
+    /// expert-data-parallel groups) at ZeRO 0 to 3 (at 3 the expert shards gathered over those
+    /// groups for every micro-batch's forward and backward pass, the biases once per pass).
     #[test]
     fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
         let profile = ClusterProfile::preset("this-machine").unwrap();
@@ -1319,7 +1343,7 @@ mod tests {
         for (mesh, top) in [
             ("dp=2,ep=2,pp=2", 3),
             ("dp=2,tp=2,pp=2,ep=2", 3),
-            ("dp=4,ep=2,pp=2", 2),
+            ("dp=4,ep=2,pp=2", 3),
         ] {
             for zero in 0..=top {
                 let text = format!("{mesh},m=2,zero={zero}");
@@ -1331,17 +1355,22 @@ mod tests {
             devices: 8,
             batch_size: 8,
         };
+        // ZeRO-3 beside expert-data-parallel groups: every micro-batch gathers the expert
+        // matrices its forward and backward copies read, and the expert biases (read through a
+        // reshape the micro-batches share) are gathered once per pass: 522,880 B per step.
         let z3: crate::planner::Layout = "dp=4,ep=2,pp=2,m=2,zero=3".parse().unwrap();
-        let e = evaluate_layout(&model, &profile, &options, &z3)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("modelled with one micro-batch"), "{e}");
+        let e = evaluate_layout(&model, &profile, &options, &z3).unwrap();
+        let data = e.traffic.data_parallel;
+        assert_eq!(data.intra_bytes + data.inter_bytes, 522_880.0);
         let report = super::super::plan(&model, &profile, &options).unwrap();
-        assert!(report
-            .ranked
-            .iter()
-            .chain(&report.too_big)
+        let all = || report.ranked.iter().chain(&report.too_big);
+        assert!(all()
             .any(|e| e.layout.mesh.ep > 1 && e.layout.mesh.tp > 1 && e.layout.micro_batches > 1));
+        assert!(all().any(|e| e.layout == z3), "{z3} not ranked");
+        assert!(report
+            .refused
+            .iter()
+            .all(|r| !r.reason.contains("micro-batch")));
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel

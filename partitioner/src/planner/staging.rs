@@ -58,6 +58,61 @@ pub struct StageCosts {
     pub backward_expert_variables: f64,
     /// The MoE layers on this stage (indices into the model's `moe`).
     pub moe: Vec<usize>,
+    /// ZeRO-3 over a pipeline: the expert variables' gathers (see [`PassGathers`]).
+    pub expert_gathers: PassGathers,
+}
+
+/// What ZeRO-3 over a pipeline gathers of a set of variables, as
+/// `strategy/pipeline/zero.rs` places the gathers (`Passes::use_of`): a variable a
+/// micro-batch's forward copy reads (a batch op) is gathered for every micro-batch's forward
+/// pass, one read by an op the micro-batches share (an expert bias's reshape) once per step
+/// for the forward passes; likewise for the backward pass by where the gradient ops that read
+/// it belong. Each sum counts a variable once per pass that gathers it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassGathers {
+    /// Elements gathered for each micro-batch (forward and backward passes summed).
+    pub per_micro_batch: f64,
+    /// Gather calls for each micro-batch (one per variable and pass).
+    pub calls_per_micro_batch: f64,
+    /// Elements gathered once per step for the ops the micro-batches share.
+    pub per_step: f64,
+    /// Gather calls once per step.
+    pub calls_per_step: f64,
+}
+
+impl PassGathers {
+    /// Adds a variable of `elements` whose readers in each pass are `batch` (a micro-batch's
+    /// copy) or shared (the rest): `forward` and `backward` list the readers' kinds.
+    fn add(&mut self, elements: f64, forward: &[bool], backward: &[bool]) {
+        for pass in [forward, backward] {
+            if pass.iter().any(|&batch| batch) {
+                self.per_micro_batch += elements;
+                self.calls_per_micro_batch += 1.0;
+            }
+            if pass.iter().any(|&batch| !batch) {
+                self.per_step += elements;
+                self.calls_per_step += 1.0;
+            }
+        }
+    }
+
+    /// `self + other`.
+    pub fn plus(self, other: PassGathers) -> PassGathers {
+        PassGathers {
+            per_micro_batch: self.per_micro_batch + other.per_micro_batch,
+            calls_per_micro_batch: self.calls_per_micro_batch + other.calls_per_micro_batch,
+            per_step: self.per_step + other.per_step,
+            calls_per_step: self.calls_per_step + other.calls_per_step,
+        }
+    }
+
+    /// Elements gathered and gather calls per step with `m` micro-batches.
+    pub fn per_step_of(&self, m: f64) -> (f64, f64) {
+        (
+            m * self.per_micro_batch + self.per_step,
+            m * self.calls_per_micro_batch + self.calls_per_step,
+        )
+    }
 }
 
 /// A tensor sent from one stage to another.
@@ -112,6 +167,18 @@ impl StagedModel {
             if var.expert {
                 s.params_expert += var.elements;
                 s.expert_variables += 1;
+                let forward: Vec<bool> = g
+                    .out_edges(var.node)
+                    .into_iter()
+                    .filter(|(_, e)| matches!(e, dflow_graph::Edge::Data { .. }))
+                    .map(|(r, _)| model.ops[r.index()].batch)
+                    .collect();
+                let backward: Vec<bool> = var
+                    .backward_readers
+                    .iter()
+                    .map(|r| model.ops[r.index()].batch)
+                    .collect();
+                s.expert_gathers.add(var.elements, &forward, &backward);
             }
             s.variables += 1.0;
             let home = stage_of[var.node.index()];
