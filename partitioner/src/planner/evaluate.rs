@@ -32,7 +32,9 @@
 //! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
 //! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
 //! pass: over a pipeline the stage's dense weights over its replicas, the experts' shards over
-//! their group), and with clipping each group sums its shards' squared norm. Per step and MoE layer, four all-to-alls of the
+//! their group, for every micro-batch those its copies read and once per step those the
+//! micro-batches' shared ops read: [`super::staging::PassGathers`]), and with clipping each
+//! group sums its shards' squared norm. Per step and MoE layer, four all-to-alls of the
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
@@ -57,6 +59,10 @@
 //! all-reduces of its per-row values (max, `Σ exp`, target logit); and with clipping each
 //! device's squared norm of its shards, once per step. Bytes and messages
 //! ([`Evaluation::tensor_parallel_messages`]) are the job plan's over its `tensor*` groups.
+//! **A vocabulary tp does not divide** is padded to a multiple of tp, as `--strategy tensor`
+//! pads it: the stage sums come from [`StagedModel::at_tp`], every vocabulary-split tensor at
+//! the padded vocabulary.
+//!
 //! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
 //! loss's all-gathers and the dropped-token count.
 
@@ -1992,5 +1998,89 @@ mod tests {
             let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
             assert_eq!(table, collective as f64, "{layout}");
         }
+    }
+
+    /// A vocabulary no tp divides (33 at tp = 2 and 4): `--strategy tensor` pads it with zero
+    /// rows to a multiple of tp (34, 36), and the planner ranks those layouts at the padded
+    /// vocabulary: every task's variables are its stage's weights and optimizer state (within
+    /// `adam/t`'s 8 bytes), and the tensor-parallel bytes and messages, the collectives
+    /// (tensor- and data-parallel, ZeRO 0 to 3) and the bytes between stages (the tied
+    /// embedding's padded shard, the padded vocabulary ids) are the job plan's, every task
+    /// summed. A tp the heads do not divide is still refused.
+    #[test]
+    fn a_vocabulary_tp_does_not_divide_is_padded_as_the_job_plan_pads_it() {
+        use super::super::accounting;
+        let def = gpt(&GptConfig {
+            vocab_size: 33,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        assert_eq!(model.vocabulary, Some(33));
+        assert_eq!(model.padded_vocabulary(2), Some(34));
+        assert_eq!(model.padded_vocabulary(4), Some(36));
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        for layout in [
+            "tp=2",
+            "tp=4",
+            "dp=2,tp=2",
+            "dp=2,tp=2,zero=1",
+            "dp=2,tp=2,zero=2",
+            "dp=2,tp=2,zero=3",
+            "tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2,zero=2",
+            "dp=2,tp=2,pp=2,m=2,zero=3",
+        ] {
+            let l: super::Layout = layout.parse().unwrap();
+            let options = PlanOptions {
+                devices: l.mesh.size(),
+                batch_size: 8,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let rows = 8 / l.mesh.dp;
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 8).unwrap();
+            let tasks = accounting::account(&plan, rows, 1).unwrap();
+            assert_eq!(tasks.len(), l.mesh.size(), "{layout}");
+            for t in &tasks {
+                let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+                let (_, _, s) = l.mesh.coords(index);
+                let held = t.variable_bytes as f64;
+                let predicted = e.memory[s].weights + e.memory[s].optimizer;
+                assert!(
+                    (held - predicted).abs() <= 8.0,
+                    "{layout}, {} (stage {s}): held {held}, predicted {predicted}",
+                    t.task
+                );
+            }
+            let (tp, messages) = tensor_job_traffic(&plan, rows);
+            assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{layout}");
+            assert_eq!(e.tensor_parallel_messages, messages as f64, "{layout}");
+            let traffic = accounting::traffic(&plan, rows).unwrap();
+            let sent: u64 = traffic.iter().map(|t| t.data_plane).sum();
+            let collective: u64 = traffic.iter().map(|t| t.collective).sum();
+            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{layout}");
+            let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
+            assert_eq!(table, collective as f64, "{layout}");
+        }
+        // The heads (4) are not padded: tp = 8 is refused naming them.
+        let l: super::Layout = "tp=8".parse().unwrap();
+        let options = PlanOptions {
+            devices: 8,
+            batch_size: 8,
+        };
+        let e = evaluate_layout(&model, &profile, &options, &l)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("heads"), "{e}");
     }
 }

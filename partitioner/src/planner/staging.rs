@@ -105,14 +105,6 @@ impl PassGathers {
             calls_per_step: self.calls_per_step + other.calls_per_step,
         }
     }
-
-    /// Elements gathered and gather calls per step with `m` micro-batches.
-    pub fn per_step_of(&self, m: f64) -> (f64, f64) {
-        (
-            m * self.per_micro_batch + self.per_step,
-            m * self.calls_per_micro_batch + self.calls_per_step,
-        )
-    }
 }
 
 /// A tensor sent from one stage to another.
@@ -150,7 +142,28 @@ pub struct StagedModel {
 impl StagedModel {
     /// Cuts `model` into `stages` stages (1: the whole model, no cut).
     pub fn new(model: &ModelProfile, stages: usize) -> Result<StagedModel, PipelineError> {
+        StagedModel::at_tp(model, stages, 1)
+    }
+
+    /// [`Self::new`] for a tensor-parallel size `tp`: every vocabulary-split tensor (the
+    /// vocabulary-parallel table, an untied head's weight, the logits; `OpProfile::vocab_split`)
+    /// at the vocabulary padded to a multiple of `tp`, as `--strategy tensor` runs it
+    /// ([`ModelProfile::padded_vocabulary`]): its elements, bytes and FLOPs, and the
+    /// vocabulary ids sent to the loss's stage.
+    pub fn at_tp(
+        model: &ModelProfile,
+        stages: usize,
+        tp: usize,
+    ) -> Result<StagedModel, PipelineError> {
         let g = &model.graph;
+        let padding = model.vocabulary_padding(tp);
+        let pad = |node: petgraph::graph::NodeIndex| {
+            if model.ops[node.index()].vocab_split {
+                padding
+            } else {
+                1.0
+            }
+        };
         let stage_of: Vec<usize> = if stages <= 1 {
             vec![0; g.num_nodes()]
         } else {
@@ -159,8 +172,9 @@ impl StagedModel {
         let mut costs = vec![StageCosts::default(); stages.max(1)];
         for var in &model.variables {
             let s = &mut costs[stage_of[var.node.index()]];
+            let elements = var.elements * pad(var.node);
             if var.split {
-                s.params_split += var.elements;
+                s.params_split += elements;
             } else {
                 s.params_whole += var.elements;
             }
@@ -188,7 +202,7 @@ impl StagedModel {
             if read_here_tp {
                 s.backward_variables_tp += 1.0;
                 if var.split {
-                    s.backward_split_tp += var.elements;
+                    s.backward_split_tp += elements;
                 } else {
                     s.backward_whole_tp += var.elements;
                 }
@@ -196,7 +210,7 @@ impl StagedModel {
             if var.backward_read {
                 s.backward_variables += 1.0;
                 if var.split {
-                    s.backward_split += var.elements;
+                    s.backward_split += elements;
                 } else {
                     s.backward_whole += var.elements;
                 }
@@ -214,14 +228,21 @@ impl StagedModel {
         for op in &model.ops {
             let s = &mut costs[stage_of[op.node.index()]];
             s.ops += 1.0;
+            let grown = |x: PerRows| {
+                let f = pad(op.node);
+                PerRows {
+                    fixed: x.fixed * f,
+                    per_row: x.per_row * f,
+                }
+            };
             if op.role.divided() {
-                s.flops_split = s.flops_split.plus(op.flops);
+                s.flops_split = s.flops_split.plus(grown(op.flops));
             } else {
                 s.flops_whole = s.flops_whole.plus(op.flops);
             }
             if op.batch {
                 if op.split_output {
-                    s.act_split = s.act_split.plus(op.out_bytes);
+                    s.act_split = s.act_split.plus(grown(op.out_bytes));
                 } else {
                     s.act_whole = s.act_whole.plus(op.out_bytes);
                 }
@@ -268,8 +289,8 @@ impl StagedModel {
                         from,
                         to,
                         bytes: PerRows {
-                            fixed: op.out_bytes.fixed * share,
-                            per_row: op.out_bytes.per_row * share,
+                            fixed: op.out_bytes.fixed * share * pad(idx),
+                            per_row: op.out_bytes.per_row * share * pad(idx),
                         },
                         // A shared weight split by tensor parallelism (the tied embedding):
                         // each tp rank sends its shard (and gets its shard's gradient back).
@@ -283,7 +304,7 @@ impl StagedModel {
             }
         }
         let vocab_ids = if stages > 1 {
-            vocab_ids_crossing(model, &stage_of)
+            vocab_ids_crossing(model, &stage_of, tp)
         } else {
             None
         };
@@ -314,8 +335,9 @@ impl StagedModel {
 /// The vocabulary-parallel embedding's ids under tensor parallelism (`tp/vocab_ids` of
 /// `strategy/tensor.rs`: the `V/T` int64 ids of the rank's rows, a constant the lookup and the
 /// split cross-entropy both read): placed with the lookup, sent once per step to the
-/// cross-entropy's stage when that is another (each tp rank its own `V/T`; no gradient).
-fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossing> {
+/// cross-entropy's stage when that is another (each tp rank its own `V/T`, of the vocabulary
+/// padded to a multiple of `tp`; no gradient).
+fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize], tp: usize) -> Option<Crossing> {
     let g = &model.graph;
     let lookup = model.ops.iter().find(|o| o.role == TpRole::VocabParallel)?;
     let loss = model
@@ -327,7 +349,8 @@ fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossi
         return None;
     }
     let (table, _) = g.inputs(lookup.node).first().copied()?;
-    let vocab = *g.node(table).outputs.first()?.shape.as_static()?.first()?;
+    let rows = *g.node(table).outputs.first()?.shape.as_static()?.first()?;
+    let vocab = model.padded_vocabulary(tp).unwrap_or(rows);
     Some(Crossing {
         from,
         to,
