@@ -603,9 +603,6 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // Data parallelism: the stage's gradients in buckets (and parameters under ZeRO).
         let grad_bytes = params * g_bytes;
         let weight_bytes = params * w_bytes;
-        // ZeRO-3: each micro-batch's gathers of the stage's weights (every weight for the
-        // forward pass, those the backward pass reads for it), one call per weight, on the
-        // stage's critical path.
         // This stage's expert-data-parallel groups (the ranks holding the same expert shard),
         // where there are some.
         let expert_links = (local_experts > 0.0 && mesh.dp > mesh.ep).then(|| {
@@ -622,6 +619,9 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
             .iter()
             .fold(PassGathers::default(), |a, c| a.plus(c.expert_gathers));
         let pipeline_expert_gathers = p > 1 && zero >= 3 && expert_links.is_some();
+        // ZeRO-3: each micro-batch's gathers of the stage's weights (every weight for the
+        // forward pass, those the backward pass reads for it), one call per weight, on the
+        // stage's critical path.
         let mut gather_mb = CommCost::default();
         if gathers_per_micro_batch && d > 1 {
             // The dense weights (the experts' shards are gathered over their own groups).
@@ -1321,7 +1321,8 @@ mod tests {
     /// variables and bytes are the job plan's: `dp=2,ep=2,pp=2` and `dp=2,tp=2,pp=2,ep=2` with
     /// 2 micro-batches, ZeRO 0 to 3, and `dp=4,ep=2,pp=2` (the expert shards' sums over their
     /// expert-data-parallel groups) at ZeRO 0 to 3 (at 3 the expert shards gathered over those
-    /// groups for every micro-batch's forward and backward pass, the biases once per pass).
+    /// groups for every micro-batch's forward and backward pass, the biases once per pass), and
+    /// beside tp `dp=4,tp=2,pp=2,ep=2` at ZeRO-3.
     #[test]
     fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
         let profile = ClusterProfile::preset("this-machine").unwrap();
@@ -1346,12 +1347,14 @@ mod tests {
         assert_eq!(model.batch_coupled, None);
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
-        for (mesh, top) in [
-            ("dp=2,ep=2,pp=2", 3),
-            ("dp=2,tp=2,pp=2,ep=2", 3),
-            ("dp=4,ep=2,pp=2", 3),
+        // (16 tasks beside tp: ZeRO-3 only, the stage the others do not cover.)
+        for (mesh, zeros) in [
+            ("dp=2,ep=2,pp=2", 0..=3),
+            ("dp=2,tp=2,pp=2,ep=2", 0..=3),
+            ("dp=4,ep=2,pp=2", 0..=3),
+            ("dp=4,tp=2,pp=2,ep=2", 3..=3),
         ] {
-            for zero in 0..=top {
+            for zero in zeros {
                 let text = format!("{mesh},m=2,zero={zero}");
                 let sums = assert_staged_experts_are_the_job_plans(&model, &g, &train, &text);
                 assert!(sums.all_to_all > 0 && sums.between_stages > 0, "{text}");
@@ -2006,7 +2009,8 @@ mod tests {
     /// `adam/t`'s 8 bytes), and the tensor-parallel bytes and messages, the collectives
     /// (tensor- and data-parallel, ZeRO 0 to 3) and the bytes between stages (the tied
     /// embedding's padded shard, the padded vocabulary ids) are the job plan's, every task
-    /// summed. A tp the heads do not divide is still refused.
+    /// summed; for the MoE GPT of 33 tokens beside tp too (`dp=2,tp=2,ep=2` at ZeRO-3, the
+    /// 4-axis `dp=2,tp=2,pp=2,ep=2` at ZeRO-2). A tp the heads do not divide is still refused.
     #[test]
     fn a_vocabulary_tp_does_not_divide_is_padded_as_the_job_plan_pads_it() {
         use super::super::accounting;
@@ -2071,6 +2075,33 @@ mod tests {
             assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{layout}");
             let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
             assert_eq!(table, collective as f64, "{layout}");
+        }
+        // The MoE GPT of 33 tokens beside tp (`dp=2,tp=2,ep=2`, the tensor strategy with ep;
+        // `dp=2,tp=2,pp=2,ep=2`, the 4-axis mesh): padded the same way.
+        let moe = gpt(&GptConfig {
+            vocab_size: 33,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let moe_model = ModelProfile::new(&moe, "idx", "targets").unwrap();
+        assert_eq!(moe_model.vocabulary, Some(33));
+        let g = dflow_graph::Graph::from_def(&moe).unwrap();
+        let train = moe.train.clone().unwrap();
+        for layout in ["dp=2,tp=2,ep=2,zero=3", "dp=2,tp=2,pp=2,ep=2,m=1,zero=2"] {
+            let sums = assert_staged_experts_are_the_job_plans(&moe_model, &g, &train, layout);
+            assert!(sums.all_to_all > 0 && sums.tensor > 0, "{layout}");
         }
         // The heads (4) are not padded: tp = 8 is refused naming them.
         let l: super::Layout = "tp=8".parse().unwrap();
