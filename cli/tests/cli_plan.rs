@@ -237,7 +237,9 @@ fn calibrate_refuses_impossible_measurements_naming_the_flag() {
 /// enumeration never offers a layout whose job plan the strategies refuse. The bundled GPT on 4
 /// and 8 devices (dp, tp, pp, ZeRO 0–3, micro-batches, their 3D combinations) and the MoE GPT
 /// on 4 (ep beside dp, inside pipeline stages and beside tp, ZeRO 0–3 each) and 8 (the 4-axis
-/// mesh dp × tp × pp × ep too, ZeRO 0–3).
+/// mesh dp × tp × pp × ep too, ZeRO 0–3); an MoE GPT no router couples on 8 (ep × pp with 2
+/// micro-batches and dp > ep, ZeRO-3 too); a GPT whose vocabulary (33) tp = 2 does not divide
+/// on 4 (the tensor strategy pads it).
 #[test]
 fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
     use dflow::partitioner::planner::{
@@ -249,9 +251,10 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
         ("examples/gpt/gpt.json", 8, 16),
         ("examples/gpt/gpt-moe.json", 4, 8),
         ("examples/gpt/gpt-moe.json", 8, 8),
+        (UNCOUPLED_MOE, 8, 8),
+        (ODD_VOCABULARY, 4, 8),
     ] {
-        let text = std::fs::read_to_string(support::repo().join(graph)).unwrap();
-        let def = dflow::graph::format::parse_json(&text, None).unwrap().def;
+        let def = plan_graph(graph);
         let model = ModelProfile::new(&def, "idx", "targets").unwrap();
         let options = PlanOptions {
             devices,
@@ -263,9 +266,13 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
         let offered: Vec<_> = report.ranked.iter().chain(&report.too_big).collect();
         assert!(offered.len() >= 8, "{graph} on {devices}: {offered:?}");
         // On 8 devices the MoE GPT's job plans of the 4-axis layouts only (the others are
-        // the 4-device ones' kinds; each job plan takes a while in a debug build).
+        // the 4-device ones' kinds; each job plan takes a while in a debug build); of the
+        // uncoupled MoE GPT those of ep × pp with several micro-batches and dp > ep.
         let four_axis = |e: &&&planner::Evaluation| {
-            let m = e.layout.mesh;
+            let (m, l) = (e.layout.mesh, e.layout);
+            if graph == UNCOUPLED_MOE {
+                return m.ep > 1 && m.pp > 1 && m.dp > m.ep && l.micro_batches > 1;
+            }
             !(graph.ends_with("moe.json") && devices == 8) || (m.tp > 1 && m.pp > 1 && m.ep > 1)
         };
         for e in offered.iter().filter(four_axis) {
@@ -283,7 +290,23 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
                 .any(|e| e.layout.zero == zero && f(&e.layout))
         };
         assert!(kinds(|l| l.zero == 3), "{graph}");
-        if graph.ends_with("moe.json") {
+        if graph == UNCOUPLED_MOE {
+            // ZeRO-3 beside ep × pp with 2 micro-batches and expert-data-parallel groups
+            // (`dp=4,ep=2,pp=2,m=2,zero=3`, built above).
+            assert!(
+                kinds(|l| l.mesh.ep > 1
+                    && l.mesh.pp > 1
+                    && l.mesh.dp > l.mesh.ep
+                    && l.micro_batches > 1
+                    && l.zero == 3),
+                "{graph}"
+            );
+        } else if graph == ODD_VOCABULARY {
+            // A vocabulary of 33 at tp = 2 (padded to 34, as dflow runs it; the preset's
+            // hosts have 2 devices, so no tp = 4), beside dp and inside pipeline stages.
+            assert!(kinds(|l| l.mesh.tp == 2 && l.mesh.dp == 2), "{graph}");
+            assert!(kinds(|l| l.mesh.tp == 2 && l.mesh.pp == 2), "{graph}");
+        } else if graph.ends_with("moe.json") {
             assert!(kinds(|l| l.mesh.ep > 1 && l.mesh.pp > 1), "{graph}");
             // ZeRO: up to 3 beside ep × pp and beside ep × tp (each built above).
             assert!(
@@ -317,6 +340,54 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
             );
         } else {
             assert!(kinds(|l| l.mesh.tp > 1 && l.mesh.pp > 1), "{graph}");
+        }
+    }
+}
+
+/// A GPT of two MoE blocks (4 experts) that no router couples (capacity factor 4, α = 0), so
+/// its `ep × pp` layouts take micro-batches; built by [`plan_graph`].
+const UNCOUPLED_MOE: &str = "uncoupled MoE GPT";
+
+/// A small GPT whose vocabulary (33) no tp > 1 divides: the tensor strategy pads it.
+const ODD_VOCABULARY: &str = "GPT with a vocabulary of 33";
+
+/// The graph `name` names: a file of the repository, or one of the GPTs built here.
+fn plan_graph(name: &str) -> dflow::graph::GraphDef {
+    use dflow::graph::layers::{gpt, GptConfig, MoeConfig};
+    let small = GptConfig {
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        ..GptConfig::default()
+    };
+    match name {
+        UNCOUPLED_MOE => {
+            gpt(&GptConfig {
+                vocab_size: 32,
+                moe: Some(MoeConfig {
+                    num_experts: 4,
+                    top_k: 1,
+                    capacity_factor: 4.0,
+                    aux_loss_coef: 0.0,
+                }),
+                ..small
+            })
+            .unwrap()
+            .def
+        }
+        ODD_VOCABULARY => {
+            gpt(&GptConfig {
+                vocab_size: 33,
+                n_head: 4,
+                ..small
+            })
+            .unwrap()
+            .def
+        }
+        file => {
+            let text = std::fs::read_to_string(support::repo().join(file)).unwrap();
+            dflow::graph::format::parse_json(&text, None).unwrap().def
         }
     }
 }

@@ -160,7 +160,8 @@ fn zero_1_and_2_beside_ep_and_pp_train_like_one_process_and_resume_in_one() {
 /// token alone, so a step may be cut into micro-batches: `dp=2,ep=2,pp=2` with 2 micro-batches
 /// (1F1B) and 4 (GPipe), and `dp=4,ep=2,pp=2` (8 tasks: each expert shard's gradient summed over
 /// the 2 replicas of its stage that hold it) with 2, equal one process within 1e-5 over 4 steps;
-/// so does `dp=4,ep=2,pp=2 --zero-stage 2` (and `3`) with 2, and a four-block model under the
+/// so does `dp=4,ep=2,pp=2 --zero-stage 2` (and `3`) with 2 (its final parameters and Adam
+/// moments too), and a four-block model under the
 /// interleaved schedule (2 chunks per device) over 3.
 /// With α > 0, more than one micro-batch is refused naming the load-balancing loss.
 #[test]
@@ -205,10 +206,21 @@ fn micro_batches_of_an_uncoupled_moe_train_like_one_process() {
             "--zero-stage",
             stage,
         ];
-        let job = run(&graph, &args, 4, &dir.join(format!("zero{stage}-m2")));
+        let ckpt = dir.join(format!("zero{stage}-m2"));
+        let job = run(&graph, &args, 4, &ckpt);
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!(
             "dp=4,ep=2,pp=2 --zero-stage {stage}, 2 micro-batches: worst relative loss difference {worst:e}"
+        );
+        // The final parameters and Adam moments too (the checkpoint joins the shards).
+        let worst = assert_same_tensors_f32(
+            "checkpoint",
+            &checkpoint_f32(&ckpt),
+            &checkpoint_f32(&dir.join("one")),
+            1e-5,
+        );
+        eprintln!(
+            "dp=4,ep=2,pp=2 --zero-stage {stage}, 2 micro-batches: worst parameter/slot difference {worst:e}"
         );
     }
     // The interleaved schedule: 4 blocks in 4 virtual stages, 2 chunks per device.

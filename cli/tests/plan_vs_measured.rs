@@ -433,9 +433,14 @@ fn zero_memory_per_task_is_the_prediction() {
 /// The GPT of cluster_tensor.rs (2 blocks, 4 heads, 32 channels, context 8), written to a
 /// scratch file.
 fn small_gpt(name: &str) -> std::path::PathBuf {
+    small_gpt_of(name, 76)
+}
+
+/// [`small_gpt`] with a vocabulary of `vocab` tokens (at least the data's 76).
+fn small_gpt_of(name: &str, vocab: usize) -> std::path::PathBuf {
     use dflow::graph::layers::{gpt, GptConfig};
     let cfg = GptConfig {
-        vocab_size: 76,
+        vocab_size: vocab,
         block_size: 8,
         n_layer: 2,
         n_head: 4,
@@ -501,6 +506,50 @@ fn tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
     assert_traffic("tp=2", &sent, trained_steps(&stderr), 1, &ends);
     let table = table_bytes(&graph, "tp=2", 4);
     assert_table_bytes("tp=2", table, &sent.1, trained_steps(&stderr), 1, &ends);
+}
+
+/// A vocabulary tp does not divide (77 tokens at tp = 2, beside dp = 2): `--strategy tensor`
+/// pads it to 78, and the table row (the planner ranks it at the padded vocabulary), the job
+/// plan's count and what the 4 tasks measured agree: every task's variables are the table's
+/// weights and Adam state (within `adam/t`'s 8 bytes) and the job plan's exactly, the bytes
+/// (the padded embedding shard's gradient among the data-parallel ones) the table's and the
+/// job plan's exactly.
+#[test]
+fn a_padded_vocabulary_under_tensor_parallelism_is_the_prediction() {
+    let graph = small_gpt_of("plan_vs_measured_tp_padded", 77);
+    let layout = "dp=2,tp=2";
+    let what = "dp=2,tp=2, 77 tokens";
+    let (ends, stderr) = tensor_job(&graph, "examples/gpt/cluster-4workers.json");
+    assert_eq!(ends.len(), 4, "{stderr}");
+    let predicted = accounted(&graph, "idx", "targets", layout, 4);
+    assert_memory(what, &predicted, &ends);
+    let text = std::fs::read_to_string(&graph).unwrap();
+    let def = dflow::graph::format::parse_json(&text, None).unwrap().def;
+    let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+    let profile = ClusterProfile::preset("this-machine").unwrap();
+    let options = PlanOptions {
+        devices: 4,
+        batch_size: 4,
+    };
+    let e = planner::evaluate_layout(&model, &profile, &options, &layout.parse().unwrap()).unwrap();
+    let table = e.memory[0].weights + e.memory[0].optimizer;
+    for m in &ends {
+        let gap = m.variable_bytes as f64 - table;
+        eprintln!(
+            "{what}, {}: variables measured {} B, the table's {table} B",
+            m.task, m.variable_bytes
+        );
+        assert!(
+            gap.abs() <= 8.0,
+            "{what}, {}: variables measured {} B, the table's {table} B",
+            m.task,
+            m.variable_bytes
+        );
+    }
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
+    assert_traffic(what, &sent, trained_steps(&stderr), 1, &ends);
+    let table = table_bytes(&graph, layout, 4);
+    assert_table_bytes(what, table, &sent.1, trained_steps(&stderr), 1, &ends);
 }
 
 #[test]
@@ -668,6 +717,59 @@ fn three_d_zero_bytes_per_task_are_the_prediction() {
             assert_memory(&layout, &predicted, &ends);
         }
     }
+}
+
+/// ZeRO-3 beside `ep × pp` with 2 micro-batches and expert-data-parallel groups
+/// (`--mesh dp=4,ep=2,pp=2 --micro-batches 2 --zero-stage 3`, the MoE GPT no router couples;
+/// 8 tasks, 2 steps of batch 8, no evaluation): every task's bytes (each micro-batch gathering
+/// its expert matrices over their holders, the expert biases once per pass) and memory are the
+/// job plan's count, and the table row's bytes between stages are what the tasks sent over the
+/// data plane.
+#[test]
+fn expert_pipeline_zero3_micro_batches_bytes_are_the_prediction() {
+    let graph = small_moe_gpt_with("plan_vs_measured_ep_pp_zero3_m2", 4.0, 0.0);
+    let flags = [
+        "--mesh",
+        "dp=4,ep=2,pp=2",
+        "--micro-batches",
+        "2",
+        "--zero-stage",
+        "3",
+        "--data",
+        "examples/data/shakespeare.txt.gz",
+        "--batch-size",
+        "8",
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "0",
+        "--quiet",
+    ];
+    let (ends, stderr) = local_job(
+        graph.to_str().unwrap(),
+        "examples/gpt/cluster-8workers.json",
+        &flags,
+    );
+    assert_eq!(ends.len(), 8, "{stderr}");
+    let layout = "dp=4,ep=2,pp=2,m=2,zero=3";
+    let steps = trained_steps(&stderr);
+    let sent = predicted_traffic(&graph, "idx", "targets", layout, 8);
+    assert_traffic(layout, &sent, steps, 0, &ends);
+    let predicted = accounted(&graph, "idx", "targets", layout, 8);
+    assert_memory(layout, &predicted, &ends);
+    // The table's collectives leave out the load-balancing loss's all-gathers and the
+    // dropped-token counts' sums (docs/planner.md), which the job plan's count above has; its
+    // other bytes equal the job plan's (`planner::evaluate::tests`). Between stages:
+    let (_, between) = table_bytes(&graph, layout, 8);
+    let measured: u64 = ends.iter().map(|e| e.data_plane).sum();
+    assert!(between > 0.0);
+    assert_eq!(
+        measured as f64,
+        between * steps as f64,
+        "{layout}: the table's {between} B between stages per step × {steps} steps"
+    );
 }
 
 /// The MoE GPT of examples/gpt/gpt-moe.json (4 experts, top-1, capacity factor 1.25) made

@@ -32,7 +32,9 @@
 //! state over the `dp` ranks and the expert shards' over their expert-data-parallel group
 //! (`dp/ep` ranks), at stage 3 the weights too (gathered before the forward and the backward
 //! pass: over a pipeline the stage's dense weights over its replicas, the experts' shards over
-//! their group), and with clipping each group sums its shards' squared norm. Per step and MoE layer, four all-to-alls of the
+//! their group, for every micro-batch those its copies read and once per step those the
+//! micro-batches' shared ops read: [`super::staging::PassGathers`]), and with clipping each
+//! group sums its shards' squared norm. Per step and MoE layer, four all-to-alls of the
 //! dispatch buffer `[E, C, d]` over each expert-parallel group (tokens to their experts and
 //! back, forward and backward; `C` from the replica's tokens as `MoeDispatch` sizes it), the
 //! expert gradients summed over the expert-data-parallel groups, the dense ones over `dp`.
@@ -57,6 +59,10 @@
 //! all-reduces of its per-row values (max, `Σ exp`, target logit); and with clipping each
 //! device's squared norm of its shards, once per step. Bytes and messages
 //! ([`Evaluation::tensor_parallel_messages`]) are the job plan's over its `tensor*` groups.
+//! **A vocabulary tp does not divide** is padded to a multiple of tp, as `--strategy tensor`
+//! pads it: the stage sums come from [`StagedModel::at_tp`], every vocabulary-split tensor at
+//! the padded vocabulary.
+//!
 //! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
 //! loss's all-gathers and the dropped-token count.
 
@@ -64,7 +70,7 @@ use super::collective::{p2p_seconds, rank_messages, AxisLinks, Call, Collective,
 use super::layout::Layout;
 use super::model::ModelProfile;
 use super::profile::{ClusterProfile, LinkClass, Precision};
-use super::staging::StagedModel;
+use super::staging::{PassGathers, StagedModel};
 use crate::mesh::Axis;
 use crate::strategy::allreduce::DEFAULT_BUCKET_BYTES;
 use crate::strategy::pipeline::schedule::{self, PipelineShape, ScheduleKind};
@@ -310,14 +316,8 @@ pub fn check(ctx: &Context<'_>, layout: &Layout, devices: usize) -> Result<(), L
             )));
         };
         // The table models ep × pp with several micro-batches where no router couples the
-        // batch (as dflow run runs them; refused below otherwise), at ZeRO 0 to 3; under
-        // ZeRO-3 beside expert-data-parallel groups with one.
-        if mesh.pp > 1 && layout.micro_batches > 1 && layout.zero >= 3 && mesh.dp > mesh.ep {
-            return Err(refuse(format!(
-                "ep={} beside pp at ZeRO-3 with dp > ep (expert-data-parallel groups) is modelled with one micro-batch: use m=1",
-                mesh.ep
-            )));
-        }
+        // batch (as dflow run runs them; refused below otherwise), at ZeRO 0 to 3 (at 3 beside
+        // expert-data-parallel groups each micro-batch gathers its expert shards).
         if let Some(l) = ctx.model.moe.iter().find(|l| l.experts % mesh.ep != 0) {
             return Err(refuse(format!(
                 "MoE layer `{}` has {} experts, which do not split over ep={} (first layer: {} experts)",
@@ -603,6 +603,22 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // Data parallelism: the stage's gradients in buckets (and parameters under ZeRO).
         let grad_bytes = params * g_bytes;
         let weight_bytes = params * w_bytes;
+        // This stage's expert-data-parallel groups (the ranks holding the same expert shard),
+        // where there are some.
+        let expert_links = (local_experts > 0.0 && mesh.dp > mesh.ep).then(|| {
+            let groups: Vec<Vec<usize>> = mesh
+                .expert_data_groups()
+                .into_iter()
+                .filter(|g| g.first().is_some_and(|&r| mesh.coords(r).2 == s))
+                .collect();
+            AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile)
+        });
+        // ZeRO-3 over a pipeline: the expert shards' gathers over those groups, per
+        // micro-batch and once per step (elements of this rank's shards, calls).
+        let expert_gathers = chunks
+            .iter()
+            .fold(PassGathers::default(), |a, c| a.plus(c.expert_gathers));
+        let pipeline_expert_gathers = p > 1 && zero >= 3 && expert_links.is_some();
         // ZeRO-3: each micro-batch's gathers of the stage's weights (every weight for the
         // forward pass, those the backward pass reads for it), one call per weight, on the
         // stage's critical path.
@@ -651,6 +667,17 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 backward * w_bytes,
             ));
             gather_mb.seconds += calls * profile.job.collective;
+            // The expert shards a micro-batch's forward and backward copies read, gathered
+            // over their expert-data-parallel group for every micro-batch.
+            if let Some(links) = expert_links.as_ref().filter(|_| pipeline_expert_gathers) {
+                let mut experts = buckets(
+                    links,
+                    Collective::AllGather,
+                    expert_gathers.per_micro_batch / ep * w_bytes,
+                );
+                experts.seconds += expert_gathers.calls_per_micro_batch * profile.job.collective;
+                gather_mb = gather_mb.then(experts);
+            }
         }
         if compute + tp_seconds + send_seconds + op_seconds + gather_mb.seconds
             > slowest.0 + slowest.1 + slowest.2 + slowest.3 + slowest.4
@@ -714,23 +741,24 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         // forward and the backward pass).
         let expert_grad_bytes = local_experts * g_bytes;
         let mut expert_calls = 0.0;
-        if local_experts > 0.0 && mesh.dp > mesh.ep {
-            // This stage's expert-data-parallel groups.
-            let groups: Vec<Vec<usize>> = mesh
-                .expert_data_groups()
-                .into_iter()
-                .filter(|g| g.first().is_some_and(|&r| mesh.coords(r).2 == s))
-                .collect();
-            let links = AxisLinks::of_groups(&groups, mesh.dp / mesh.ep, profile);
-            dp = dp.then(buckets(&links, kind, expert_grad_bytes));
+        if let Some(links) = &expert_links {
+            dp = dp.then(buckets(links, kind, expert_grad_bytes));
             let gathers = match zero {
                 0 => 0.0,
                 1 | 2 => 1.0,
                 _ => 2.0,
             };
-            if zero >= 1 {
+            if pipeline_expert_gathers {
+                // Over a pipeline, the shards the micro-batches' shared ops read (an expert
+                // bias's reshape) once per step; the rest per micro-batch, above.
+                dp = dp.then(buckets(
+                    links,
+                    Collective::AllGather,
+                    expert_gathers.per_step / ep * w_bytes,
+                ));
+            } else if zero >= 1 {
                 dp = dp.then(
-                    buckets(&links, Collective::AllGather, local_experts * w_bytes).times(gathers),
+                    buckets(links, Collective::AllGather, local_experts * w_bytes).times(gathers),
                 );
             }
             // Under ZeRO with clipping, the squared norm of the expert shards is summed over
@@ -739,14 +767,16 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 dp = dp.then(links.cost(Collective::AllReduce, CLIP_NORM_BYTES));
                 expert_calls += 1.0;
             }
+            let count = (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
+                .ceil()
+                .max(1.0);
             // Without ZeRO, one all-reduce per expert variable.
             expert_calls += if zero == 0 {
                 chunks.iter().map(|c| c.expert_variables).sum::<usize>() as f64
+            } else if pipeline_expert_gathers {
+                count + expert_gathers.calls_per_step
             } else {
-                (1.0 + gathers)
-                    * (expert_grad_bytes / DEFAULT_BUCKET_BYTES as f64)
-                        .ceil()
-                        .max(1.0)
+                (1.0 + gathers) * count
             };
         }
         // The experts' tokens: four all-to-alls of the dispatch buffer of each MoE layer of
@@ -1290,8 +1320,9 @@ mod tests {
     /// planner ranks several micro-batches beside `ep × pp` (beside tp too), and the table's
     /// variables and bytes are the job plan's: `dp=2,ep=2,pp=2` and `dp=2,tp=2,pp=2,ep=2` with
     /// 2 micro-batches, ZeRO 0 to 3, and `dp=4,ep=2,pp=2` (the expert shards' sums over their
-    /// expert-data-parallel groups) at ZeRO 0 to 2; ZeRO-3 there is refused (modelled with
-    /// one micro-batch).
+    /// expert-data-parallel groups) at ZeRO 0 to 3 (at 3 the expert shards gathered over those
+    /// groups for every micro-batch's forward and backward pass, the biases once per pass), and
+    /// beside tp `dp=4,tp=2,pp=2,ep=2` at ZeRO-3.
     #[test]
     fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
         let profile = ClusterProfile::preset("this-machine").unwrap();
@@ -1316,12 +1347,14 @@ mod tests {
         assert_eq!(model.batch_coupled, None);
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
-        for (mesh, top) in [
-            ("dp=2,ep=2,pp=2", 3),
-            ("dp=2,tp=2,pp=2,ep=2", 3),
-            ("dp=4,ep=2,pp=2", 2),
+        // (16 tasks beside tp: ZeRO-3 only, the stage the others do not cover.)
+        for (mesh, zeros) in [
+            ("dp=2,ep=2,pp=2", 0..=3),
+            ("dp=2,tp=2,pp=2,ep=2", 0..=3),
+            ("dp=4,ep=2,pp=2", 0..=3),
+            ("dp=4,tp=2,pp=2,ep=2", 3..=3),
         ] {
-            for zero in 0..=top {
+            for zero in zeros {
                 let text = format!("{mesh},m=2,zero={zero}");
                 let sums = assert_staged_experts_are_the_job_plans(&model, &g, &train, &text);
                 assert!(sums.all_to_all > 0 && sums.between_stages > 0, "{text}");
@@ -1331,17 +1364,22 @@ mod tests {
             devices: 8,
             batch_size: 8,
         };
+        // ZeRO-3 beside expert-data-parallel groups: every micro-batch gathers the expert
+        // matrices its forward and backward copies read, and the expert biases (read through a
+        // reshape the micro-batches share) are gathered once per pass: 522,880 B per step.
         let z3: crate::planner::Layout = "dp=4,ep=2,pp=2,m=2,zero=3".parse().unwrap();
-        let e = evaluate_layout(&model, &profile, &options, &z3)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("modelled with one micro-batch"), "{e}");
+        let e = evaluate_layout(&model, &profile, &options, &z3).unwrap();
+        let data = e.traffic.data_parallel;
+        assert_eq!(data.intra_bytes + data.inter_bytes, 522_880.0);
         let report = super::super::plan(&model, &profile, &options).unwrap();
-        assert!(report
-            .ranked
-            .iter()
-            .chain(&report.too_big)
+        let all = || report.ranked.iter().chain(&report.too_big);
+        assert!(all()
             .any(|e| e.layout.mesh.ep > 1 && e.layout.mesh.tp > 1 && e.layout.micro_batches > 1));
+        assert!(all().any(|e| e.layout == z3), "{z3} not ranked");
+        assert!(report
+            .refused
+            .iter()
+            .all(|r| !r.reason.contains("micro-batch")));
     }
 
     /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
@@ -1964,5 +2002,117 @@ mod tests {
             let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
             assert_eq!(table, collective as f64, "{layout}");
         }
+    }
+
+    /// A vocabulary no tp divides (33 at tp = 2 and 4): `--strategy tensor` pads it with zero
+    /// rows to a multiple of tp (34, 36), and the planner ranks those layouts at the padded
+    /// vocabulary: every task's variables are its stage's weights and optimizer state (within
+    /// `adam/t`'s 8 bytes), and the tensor-parallel bytes and messages, the collectives
+    /// (tensor- and data-parallel, ZeRO 0 to 3) and the bytes between stages (the tied
+    /// embedding's padded shard, the padded vocabulary ids) are the job plan's, every task
+    /// summed; for the MoE GPT of 33 tokens beside tp too (`dp=2,tp=2,ep=2` at ZeRO-3, the
+    /// 4-axis `dp=2,tp=2,pp=2,ep=2` at ZeRO-2). A tp the heads do not divide is still refused.
+    #[test]
+    fn a_vocabulary_tp_does_not_divide_is_padded_as_the_job_plan_pads_it() {
+        use super::super::accounting;
+        let def = gpt(&GptConfig {
+            vocab_size: 33,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        assert_eq!(model.vocabulary, Some(33));
+        assert_eq!(model.padded_vocabulary(2), Some(34));
+        assert_eq!(model.padded_vocabulary(4), Some(36));
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        for layout in [
+            "tp=2",
+            "tp=4",
+            "dp=2,tp=2",
+            "dp=2,tp=2,zero=1",
+            "dp=2,tp=2,zero=2",
+            "dp=2,tp=2,zero=3",
+            "tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2",
+            "dp=2,tp=2,pp=2,m=2,zero=2",
+            "dp=2,tp=2,pp=2,m=2,zero=3",
+        ] {
+            let l: super::Layout = layout.parse().unwrap();
+            let options = PlanOptions {
+                devices: l.mesh.size(),
+                batch_size: 8,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &l).unwrap();
+            let rows = 8 / l.mesh.dp;
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &l, 8).unwrap();
+            let tasks = accounting::account(&plan, rows, 1).unwrap();
+            assert_eq!(tasks.len(), l.mesh.size(), "{layout}");
+            for t in &tasks {
+                let index: usize = t.task.rsplit(':').next().unwrap().parse().unwrap();
+                let (_, _, s) = l.mesh.coords(index);
+                let held = t.variable_bytes as f64;
+                let predicted = e.memory[s].weights + e.memory[s].optimizer;
+                assert!(
+                    (held - predicted).abs() <= 8.0,
+                    "{layout}, {} (stage {s}): held {held}, predicted {predicted}",
+                    t.task
+                );
+            }
+            let (tp, messages) = tensor_job_traffic(&plan, rows);
+            assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{layout}");
+            assert_eq!(e.tensor_parallel_messages, messages as f64, "{layout}");
+            let traffic = accounting::traffic(&plan, rows).unwrap();
+            let sent: u64 = traffic.iter().map(|t| t.data_plane).sum();
+            let collective: u64 = traffic.iter().map(|t| t.collective).sum();
+            assert_eq!(bytes(e.traffic.pipeline), sent as f64, "{layout}");
+            let table = bytes(e.traffic.tensor_parallel) + bytes(e.traffic.data_parallel);
+            assert_eq!(table, collective as f64, "{layout}");
+        }
+        // The MoE GPT of 33 tokens beside tp (`dp=2,tp=2,ep=2`, the tensor strategy with ep;
+        // `dp=2,tp=2,pp=2,ep=2`, the 4-axis mesh): padded the same way.
+        let moe = gpt(&GptConfig {
+            vocab_size: 33,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let moe_model = ModelProfile::new(&moe, "idx", "targets").unwrap();
+        assert_eq!(moe_model.vocabulary, Some(33));
+        let g = dflow_graph::Graph::from_def(&moe).unwrap();
+        let train = moe.train.clone().unwrap();
+        for layout in ["dp=2,tp=2,ep=2,zero=3", "dp=2,tp=2,pp=2,ep=2,m=1,zero=2"] {
+            let sums = assert_staged_experts_are_the_job_plans(&moe_model, &g, &train, layout);
+            assert!(sums.all_to_all > 0 && sums.tensor > 0, "{layout}");
+        }
+        // The heads (4) are not padded: tp = 8 is refused naming them.
+        let l: super::Layout = "tp=8".parse().unwrap();
+        let options = PlanOptions {
+            devices: 8,
+            batch_size: 8,
+        };
+        let e = evaluate_layout(&model, &profile, &options, &l)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("heads"), "{e}");
     }
 }

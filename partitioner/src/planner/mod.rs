@@ -115,15 +115,22 @@ impl PlanReport {
     }
 }
 
-/// Cuts of the model by number of virtual stages, made once each.
+/// Cuts of the model by number of virtual stages and padded vocabulary (the tensor strategy
+/// pads the vocabulary to a multiple of tp: [`ModelProfile::padded_vocabulary`]), made once
+/// each.
 #[derive(Debug, Default)]
-struct Cuts(BTreeMap<usize, Result<StagedModel, PipelineError>>);
+struct Cuts(BTreeMap<(usize, Option<usize>), Result<StagedModel, PipelineError>>);
 
 impl Cuts {
-    fn get(&mut self, model: &ModelProfile, stages: usize) -> &Result<StagedModel, PipelineError> {
+    fn get(
+        &mut self,
+        model: &ModelProfile,
+        stages: usize,
+        tp: usize,
+    ) -> &Result<StagedModel, PipelineError> {
         self.0
-            .entry(stages)
-            .or_insert_with(|| StagedModel::new(model, stages))
+            .entry((stages, model.padded_vocabulary(tp)))
+            .or_insert_with(|| StagedModel::at_tp(model, stages, tp))
     }
 }
 
@@ -237,7 +244,7 @@ fn evaluate_with(
         batch: options.batch_size,
     };
     evaluate::check(&ctx, layout, options.devices)?;
-    let staged = match cuts.get(model, layout.mesh.pp * layout.chunks) {
+    let staged = match cuts.get(model, layout.mesh.pp * layout.chunks, layout.mesh.tp) {
         Ok(s) => s,
         Err(e) => {
             return Err(PlanError::Stages {

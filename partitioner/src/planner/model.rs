@@ -106,6 +106,11 @@ pub struct OpProfile {
     /// Whether its first output is a float that depends on a variable (a gradient flows back
     /// through it).
     pub needs_gradient: bool,
+    /// Whether its output is split over the tensor-parallel ranks along the vocabulary (a
+    /// vocabulary-split weight, the head's logits and the split ops on them), which
+    /// `--strategy tensor` pads to a multiple of tp: its bytes and FLOPs grow by
+    /// [`ModelProfile::vocabulary_padding`].
+    pub vocab_split: bool,
 }
 
 /// One variable.
@@ -171,6 +176,11 @@ pub struct SplitDim {
     pub what: String,
     /// Its size.
     pub size: usize,
+    /// The weight it belongs to (none for the heads of a reshape).
+    pub variable: Option<NodeIndex>,
+    /// Whether `--strategy tensor` pads it to a multiple of tp (the vocabulary: see
+    /// [`ModelProfile::vocabulary`]) instead of refusing a tp that does not divide it.
+    pub padded: bool,
 }
 
 /// Everything the planner needs from a model.
@@ -186,8 +196,13 @@ pub struct ModelProfile {
     pub variables: Vec<VariableProfile>,
     /// Per node: its index in `variables`, if it is one.
     pub variable_of: Vec<Option<usize>>,
-    /// Dimensions a tensor-parallel size must divide.
+    /// Dimensions a tensor-parallel size must divide (but those marked `padded`).
     pub split_dims: Vec<SplitDim>,
+    /// The vocabulary `--strategy tensor` pads with zero rows to a multiple of tp (the rows of
+    /// the vocabulary-parallel lookup's table, `transformer.wte.weight`, and of an untied
+    /// head), where it pads: a GPT it lays out by its layer names (`_sharding` placements
+    /// written by hand are cut as written, and a tp that does not divide them is refused).
+    pub vocabulary: Option<usize>,
     /// The MoE layers, in graph order (none: the model has no experts, and no layout has an
     /// `ep` axis).
     pub moe: Vec<MoeProfile>,
@@ -431,6 +446,7 @@ impl ModelProfile {
                 tp_forward: PerRows::default(),
                 tp_backward: PerRows::default(),
                 needs_gradient: false,
+                vocab_split: false,
             });
         }
         let (optimizer_slots, step_count) = match train.optimizer.kind {
@@ -478,12 +494,18 @@ impl ModelProfile {
             variables,
             variable_of,
             split_dims: Vec::new(),
+            vocabulary: None,
             optimizer_slots,
             clips: train.clip_global_norm.is_some(),
             step_count,
         };
         model.mark_gradients();
         model.assign_tp_roles(&moe_region, &slot_bytes);
+        if model.tensor_refusal.is_none()
+            && !crate::strategy::tensor::hand::declares_placements(&model.graph)
+        {
+            model.mark_vocabulary();
+        }
         Ok(model)
     }
 
@@ -501,6 +523,8 @@ impl ModelProfile {
                         self.split_dims.push(SplitDim {
                             what: format!("weight {} dim {d}", node.name),
                             size,
+                            variable: Some(idx),
+                            padded: false,
                         });
                     }
                 }
@@ -602,6 +626,8 @@ impl ModelProfile {
                                 self.split_dims.push(SplitDim {
                                     what: format!("the heads of {} (dim 2)", node.name),
                                     size: d[2],
+                                    variable: None,
+                                    padded: false,
                                 });
                             }
                         }
@@ -641,12 +667,100 @@ impl ModelProfile {
             .collect()
     }
 
-    /// The first dimension tensor parallelism splits that `tp` does not divide, if any.
+    /// The first dimension tensor parallelism splits that `tp` does not divide, if any (the
+    /// vocabulary, which `--strategy tensor` pads, is not one).
     pub fn tp_refusal(&self, tp: usize) -> Option<&SplitDim> {
         if tp <= 1 {
             return None;
         }
-        self.split_dims.iter().find(|d| d.size % tp != 0)
+        self.split_dims
+            .iter()
+            .find(|d| !d.padded && d.size % tp != 0)
+    }
+
+    /// The vocabulary at `tp` as `--strategy tensor` pads it (`V.div_ceil(tp) · tp`), if the
+    /// model has one it pads ([`Self::vocabulary`]).
+    pub fn padded_vocabulary(&self, tp: usize) -> Option<usize> {
+        self.vocabulary.map(|v| v.div_ceil(tp.max(1)) * tp.max(1))
+    }
+
+    /// The factor the vocabulary's padding at `tp` grows every vocabulary-split tensor by
+    /// (`Vp / V`; 1 when tp divides the vocabulary, or the model has none padded).
+    pub fn vocabulary_padding(&self, tp: usize) -> f64 {
+        match (self.vocabulary, self.padded_vocabulary(tp)) {
+            (Some(v), Some(p)) if v > 0 => p as f64 / v as f64,
+            _ => 1.0,
+        }
+    }
+
+    /// Marks what `--strategy tensor` splits along the vocabulary and pads to a multiple of
+    /// tp (`strategy/tensor.rs`: `transformer.wte.weight` and the head's weight padded with
+    /// zero rows, the rank's logits `Vp/T` wide): the vocabulary-parallel lookup's table, and
+    /// back from the split cross-entropy the split ops on the logits, the column-parallel
+    /// head and its weight (when its split dimension is the vocabulary). Sets
+    /// [`Self::vocabulary`] and marks those weights' split dimensions `padded`.
+    fn mark_vocabulary(&mut self) {
+        let g = &self.graph;
+        let Some(lookup) = self.ops.iter().find(|o| o.role == TpRole::VocabParallel) else {
+            return;
+        };
+        let Some(&(table, _)) = g.inputs(lookup.node).first() else {
+            return;
+        };
+        let Some(vocab) = g.node(table).outputs[0]
+            .shape
+            .as_static()
+            .and_then(|d| d.first().copied())
+        else {
+            return;
+        };
+        let mut marked = vec![table];
+        let mut todo: Vec<NodeIndex> = self
+            .ops
+            .iter()
+            .filter(|o| o.role == TpRole::SplitReduction)
+            .flat_map(|o| g.inputs(o.node))
+            .map(|(s, _)| s)
+            .filter(|s| self.ops[s.index()].split_output)
+            .collect();
+        let mut seen = HashSet::new();
+        while let Some(i) = todo.pop() {
+            if !seen.insert(i) {
+                continue;
+            }
+            let inputs = g.inputs(i);
+            match self.ops[i.index()].role {
+                TpRole::ColumnParallel => {
+                    let Some(&(w, _)) = inputs.get(1) else {
+                        continue;
+                    };
+                    let rows = g.node(w).outputs[0]
+                        .shape
+                        .as_static()
+                        .and_then(|d| d.first().copied());
+                    if rows == Some(vocab) {
+                        marked.extend([i, w]);
+                    }
+                }
+                TpRole::Split => {
+                    marked.push(i);
+                    todo.extend(
+                        inputs
+                            .into_iter()
+                            .map(|(s, _)| s)
+                            .filter(|s| self.ops[s.index()].split_output),
+                    );
+                }
+                _ => {}
+            }
+        }
+        for &i in &marked {
+            self.ops[i.index()].vocab_split = true;
+        }
+        for d in &mut self.split_dims {
+            d.padded = d.variable.is_some_and(|v| self.ops[v.index()].vocab_split);
+        }
+        self.vocabulary = Some(vocab);
     }
 }
 

@@ -58,6 +58,53 @@ pub struct StageCosts {
     pub backward_expert_variables: f64,
     /// The MoE layers on this stage (indices into the model's `moe`).
     pub moe: Vec<usize>,
+    /// ZeRO-3 over a pipeline: the expert variables' gathers (see [`PassGathers`]).
+    pub expert_gathers: PassGathers,
+}
+
+/// What ZeRO-3 over a pipeline gathers of a set of variables, as
+/// `strategy/pipeline/zero.rs` places the gathers (`Passes::use_of`): a variable a
+/// micro-batch's forward copy reads (a batch op) is gathered for every micro-batch's forward
+/// pass, one read by an op the micro-batches share (an expert bias's reshape) once per step
+/// for the forward passes; likewise for the backward pass by where the gradient ops that read
+/// it belong. Each sum counts a variable once per pass that gathers it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassGathers {
+    /// Elements gathered for each micro-batch (forward and backward passes summed).
+    pub per_micro_batch: f64,
+    /// Gather calls for each micro-batch (one per variable and pass).
+    pub calls_per_micro_batch: f64,
+    /// Elements gathered once per step for the ops the micro-batches share.
+    pub per_step: f64,
+    /// Gather calls once per step.
+    pub calls_per_step: f64,
+}
+
+impl PassGathers {
+    /// Adds a variable of `elements` whose readers in each pass are `batch` (a micro-batch's
+    /// copy) or shared (the rest): `forward` and `backward` list the readers' kinds.
+    fn add(&mut self, elements: f64, forward: &[bool], backward: &[bool]) {
+        for pass in [forward, backward] {
+            if pass.iter().any(|&batch| batch) {
+                self.per_micro_batch += elements;
+                self.calls_per_micro_batch += 1.0;
+            }
+            if pass.iter().any(|&batch| !batch) {
+                self.per_step += elements;
+                self.calls_per_step += 1.0;
+            }
+        }
+    }
+
+    /// `self + other`.
+    pub fn plus(self, other: PassGathers) -> PassGathers {
+        PassGathers {
+            per_micro_batch: self.per_micro_batch + other.per_micro_batch,
+            calls_per_micro_batch: self.calls_per_micro_batch + other.calls_per_micro_batch,
+            per_step: self.per_step + other.per_step,
+            calls_per_step: self.calls_per_step + other.calls_per_step,
+        }
+    }
 }
 
 /// A tensor sent from one stage to another.
@@ -95,7 +142,28 @@ pub struct StagedModel {
 impl StagedModel {
     /// Cuts `model` into `stages` stages (1: the whole model, no cut).
     pub fn new(model: &ModelProfile, stages: usize) -> Result<StagedModel, PipelineError> {
+        StagedModel::at_tp(model, stages, 1)
+    }
+
+    /// [`Self::new`] for a tensor-parallel size `tp`: every vocabulary-split tensor (the
+    /// vocabulary-parallel table, an untied head's weight, the logits; `OpProfile::vocab_split`)
+    /// at the vocabulary padded to a multiple of `tp`, as `--strategy tensor` runs it
+    /// ([`ModelProfile::padded_vocabulary`]): its elements, bytes and FLOPs, and the
+    /// vocabulary ids sent to the loss's stage.
+    pub fn at_tp(
+        model: &ModelProfile,
+        stages: usize,
+        tp: usize,
+    ) -> Result<StagedModel, PipelineError> {
         let g = &model.graph;
+        let padding = model.vocabulary_padding(tp);
+        let pad = |node: petgraph::graph::NodeIndex| {
+            if model.ops[node.index()].vocab_split {
+                padding
+            } else {
+                1.0
+            }
+        };
         let stage_of: Vec<usize> = if stages <= 1 {
             vec![0; g.num_nodes()]
         } else {
@@ -104,14 +172,27 @@ impl StagedModel {
         let mut costs = vec![StageCosts::default(); stages.max(1)];
         for var in &model.variables {
             let s = &mut costs[stage_of[var.node.index()]];
+            let elements = var.elements * pad(var.node);
             if var.split {
-                s.params_split += var.elements;
+                s.params_split += elements;
             } else {
                 s.params_whole += var.elements;
             }
             if var.expert {
                 s.params_expert += var.elements;
                 s.expert_variables += 1;
+                let forward: Vec<bool> = g
+                    .out_edges(var.node)
+                    .into_iter()
+                    .filter(|(_, e)| matches!(e, dflow_graph::Edge::Data { .. }))
+                    .map(|(r, _)| model.ops[r.index()].batch)
+                    .collect();
+                let backward: Vec<bool> = var
+                    .backward_readers
+                    .iter()
+                    .map(|r| model.ops[r.index()].batch)
+                    .collect();
+                s.expert_gathers.add(var.elements, &forward, &backward);
             }
             s.variables += 1.0;
             let home = stage_of[var.node.index()];
@@ -121,7 +202,7 @@ impl StagedModel {
             if read_here_tp {
                 s.backward_variables_tp += 1.0;
                 if var.split {
-                    s.backward_split_tp += var.elements;
+                    s.backward_split_tp += elements;
                 } else {
                     s.backward_whole_tp += var.elements;
                 }
@@ -129,7 +210,7 @@ impl StagedModel {
             if var.backward_read {
                 s.backward_variables += 1.0;
                 if var.split {
-                    s.backward_split += var.elements;
+                    s.backward_split += elements;
                 } else {
                     s.backward_whole += var.elements;
                 }
@@ -147,14 +228,21 @@ impl StagedModel {
         for op in &model.ops {
             let s = &mut costs[stage_of[op.node.index()]];
             s.ops += 1.0;
+            let grown = |x: PerRows| {
+                let f = pad(op.node);
+                PerRows {
+                    fixed: x.fixed * f,
+                    per_row: x.per_row * f,
+                }
+            };
             if op.role.divided() {
-                s.flops_split = s.flops_split.plus(op.flops);
+                s.flops_split = s.flops_split.plus(grown(op.flops));
             } else {
                 s.flops_whole = s.flops_whole.plus(op.flops);
             }
             if op.batch {
                 if op.split_output {
-                    s.act_split = s.act_split.plus(op.out_bytes);
+                    s.act_split = s.act_split.plus(grown(op.out_bytes));
                 } else {
                     s.act_whole = s.act_whole.plus(op.out_bytes);
                 }
@@ -201,8 +289,8 @@ impl StagedModel {
                         from,
                         to,
                         bytes: PerRows {
-                            fixed: op.out_bytes.fixed * share,
-                            per_row: op.out_bytes.per_row * share,
+                            fixed: op.out_bytes.fixed * share * pad(idx),
+                            per_row: op.out_bytes.per_row * share * pad(idx),
                         },
                         // A shared weight split by tensor parallelism (the tied embedding):
                         // each tp rank sends its shard (and gets its shard's gradient back).
@@ -216,7 +304,7 @@ impl StagedModel {
             }
         }
         let vocab_ids = if stages > 1 {
-            vocab_ids_crossing(model, &stage_of)
+            vocab_ids_crossing(model, &stage_of, tp)
         } else {
             None
         };
@@ -247,8 +335,9 @@ impl StagedModel {
 /// The vocabulary-parallel embedding's ids under tensor parallelism (`tp/vocab_ids` of
 /// `strategy/tensor.rs`: the `V/T` int64 ids of the rank's rows, a constant the lookup and the
 /// split cross-entropy both read): placed with the lookup, sent once per step to the
-/// cross-entropy's stage when that is another (each tp rank its own `V/T`; no gradient).
-fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossing> {
+/// cross-entropy's stage when that is another (each tp rank its own `V/T`, of the vocabulary
+/// padded to a multiple of `tp`; no gradient).
+fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize], tp: usize) -> Option<Crossing> {
     let g = &model.graph;
     let lookup = model.ops.iter().find(|o| o.role == TpRole::VocabParallel)?;
     let loss = model
@@ -260,7 +349,8 @@ fn vocab_ids_crossing(model: &ModelProfile, stage_of: &[usize]) -> Option<Crossi
         return None;
     }
     let (table, _) = g.inputs(lookup.node).first().copied()?;
-    let vocab = *g.node(table).outputs.first()?.shape.as_static()?.first()?;
+    let rows = *g.node(table).outputs.first()?.shape.as_static()?.first()?;
+    let vocab = model.padded_vocabulary(tp).unwrap_or(rows);
     Some(Crossing {
         from,
         to,
