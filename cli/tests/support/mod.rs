@@ -41,12 +41,40 @@ pub fn stdout(o: &std::process::Output) -> String {
     String::from_utf8(o.stdout.clone()).unwrap()
 }
 
-/// A fresh scratch directory `NAME-PID` under the target dir.
+/// A fresh scratch directory `NAME-PID` under the target dir. The first call of a test binary
+/// also removes the scratch directories of test binaries that have exited (their `PID` is no
+/// longer a process), so they do not pile up run after run.
 pub fn scratch(name: &str) -> PathBuf {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(sweep_exited_scratch);
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// Removes the `NAME-PID` scratch directories whose `PID` has exited (Linux: no
+/// `/proc/PID`); a live process's (another test binary running now) are kept.
+fn sweep_exited_scratch() {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(env!("CARGO_TARGET_TMPDIR")) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.rsplit_once('-'))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if entry.path().is_dir() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// `n` ports that were free a moment ago.
