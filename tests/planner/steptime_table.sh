@@ -90,6 +90,7 @@ D=examples/digits/digits.json
 A=examples/digits/digits-adamw.json
 S=tests/planner/gpt-2x32.json
 G=examples/gpt/gpt.json
+M=examples/gpt/gpt-moe.json
 row "digits dp=2" "$(predicted $D 2 32 dp=2)" $(measure 2 $D --strategy allreduce "${DIGITS[@]}")
 row "digits pp=2 m=4" "$(predicted $D 2 32 pp=2,m=4)" $(measure 2 $D --strategy pipeline --stages 2 --micro-batches 4 "${DIGITS[@]}")
 for z in 1 2 3; do
@@ -102,4 +103,5 @@ row "GPT 2×32 dp=2×pp=2 m=2 (4 tasks)" "$(predicted $S 4 4 dp=2,pp=2,m=2)" $(m
 row "GPT 2×32 dp=2×tp=2×pp=2 m=2 (8 tasks)" "$(predicted $S 8 4 dp=2,tp=2,pp=2,m=2)" $(measure 8 $S --mesh dp=2,tp=2,pp=2 --micro-batches 2 "${GPT_SMALL[@]}")
 row "bundled GPT tp=2" "$(predicted $G 2 12 tp=2)" $(measure 2 $G --strategy tensor --tp 2 "${GPT[@]}")
 row "bundled GPT dp=2" "$(predicted $G 2 12 dp=2)" $(measure 2 $G --strategy allreduce "${GPT[@]}")
+row "bundled MoE GPT dp=2×ep=2" "$(predicted $M 2 12 dp=2,ep=2)" $(measure 2 $M --mesh dp=2,ep=2 "${GPT[@]}")
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

@@ -76,13 +76,15 @@ fn executor_count(
             kind,
             accounting::account(&plan, rows, threads)?,
             accounting::traffic(&plan, rows)?,
+            runtime::work(&plan, rows)?,
             runtime::predict(&plan, rows, e, profile)?,
         ))
     });
     Ok(match counted {
-        Ok((kind, tasks, sent, step)) => {
+        Ok((kind, tasks, sent, work, step)) => {
             let mut text = render::accounting(&tasks, kind.name(), threads)
                 + &render::traffic(&sent)
+                + &render::work(&work)
                 + &render::job_step(&step);
             if profile.job == planner::JobCosts::default() {
                 text.push_str("    (profile `");

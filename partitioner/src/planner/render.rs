@@ -286,6 +286,28 @@ pub fn traffic(tasks: &[super::accounting::TaskTraffic]) -> String {
     s
 }
 
+/// What each task of a layout's job plan computes per training step ([`super::runtime::work`]:
+/// the counts the step-time line prices), as `dflow plan --layout` prints it under the bytes.
+pub fn work(tasks: &[super::runtime::TaskWork]) -> String {
+    let mut s = String::from(
+        "  work per step as dflow runs it (what the step below prices):
+",
+    );
+    for t in tasks {
+        s.push_str(&format!(
+            "    {}: {} nodes ({} spawned alone), {} products {:.2} MFLOP, {} of other ops, {} transcendental elements\n",
+            t.task,
+            t.ops,
+            t.spawns,
+            t.products,
+            t.product_flops as f64 / 1e6,
+            bytes(t.bytes as f64),
+            t.transcendentals
+        ));
+    }
+    s
+}
+
 /// A step of the layout's job as dflow runs it ([`super::runtime`]), one line.
 pub fn job_step(step: &super::runtime::JobStep) -> String {
     format!(
