@@ -282,12 +282,12 @@ fn local_job(graph: &str, cluster: &str, args: &[&str]) -> (Vec<EndOfTask>, Stri
     } else {
         Command::new(env!("CARGO_BIN_EXE_dflow"))
     };
-    let out = cmd
-        .args(["run", "--local", graph, "--cluster", cluster])
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap();
+    cmd.args(["run", "--local", graph, "--cluster", cluster]);
+    if taskset {
+        // One thread a task, as one CPU gives it (dflow gives at least 2 unless asked).
+        cmd.args(["--compute-threads", "1"]);
+    }
+    let out = cmd.args(args).current_dir(repo()).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{stderr}");
     (end_of_task(&stderr), stderr)

@@ -9,7 +9,8 @@
 //! torchrun sets `OMP_NUM_THREADS=1` for several processes per node, each of `L` tasks on a
 //! host of `C` CPUs is bound to its own `C / L` of them (task `k` of the host to CPU `k mod C`
 //! when `L > C`) and runs one compute thread per CPU it is bound to
-//! (`--cpu-binding none`: unbound, `C / L` threads), at least [`MIN_COMPUTE_THREADS`]. Measured on this 2-CPU machine
+//! (`--cpu-binding none`: unbound, `C / L` threads), at least [`MIN_COMPUTE_THREADS`] unless
+//! `--compute-threads` asks for fewer. Measured on this 2-CPU machine
 //! (BENCHMARKS.md "CPU binding"): the 2×32 GPT dp=2×pp=2 on 4 processes took 1.78–2.10 ms a
 //! step unbound and 1.48–1.65 ms bound.
 
@@ -103,28 +104,28 @@ pub fn bound_cpus(binding: CpuBinding, share: HostShare, cpus: &[usize]) -> Opti
     Some(cpus[k * c / l..(k + 1) * c / l].to_vec())
 }
 
-/// The fewest compute threads a task runs: a collective kernel holds the thread that runs it
-/// until its peers join, and the peers may wait for a value this task has yet to send (an
-/// evaluation step's `Send` beside a tensor-parallel all-reduce): with one thread the task
-/// would never send it. Measured: the bundled GPT at tp=2 in 2 processes of one thread each
-/// hung at its evaluation step.
+/// The fewest compute threads a task is given unless it asks for fewer: a collective kernel
+/// holds the thread that runs it until its peers join, and the peers may wait for a value this
+/// task has yet to send (an evaluation step's `Send` beside a tensor-parallel all-reduce):
+/// with one thread the task would never send it. Measured: the bundled GPT at tp=2 in 2
+/// processes of one thread each hung at its evaluation step.
 pub const MIN_COMPUTE_THREADS: usize = 2;
 
-/// Compute threads for a task: `requested` when given (`--compute-threads`), else one per CPU
-/// it is bound to, else (unbound) the `cpus` shared among the host's tasks; never fewer than
-/// [`MIN_COMPUTE_THREADS`].
+/// Compute threads for a task: `requested` when given (`--compute-threads N`, at least 1: one
+/// thread runs the nodes in the order the planner's memory accounting assumes, and may hang a
+/// job as [`MIN_COMPUTE_THREADS`] says), else one per CPU it is bound to, else (unbound) the
+/// `cpus` shared among the host's tasks, never fewer than [`MIN_COMPUTE_THREADS`].
 pub fn compute_threads(
     requested: Option<usize>,
     bound: Option<&[usize]>,
     cpus: usize,
     share: HostShare,
 ) -> usize {
-    let n = match (requested, bound) {
-        (Some(n), _) => n,
-        (None, Some(b)) => b.len(),
-        (None, None) => cpus / share.local_tasks.max(1),
-    };
-    n.max(MIN_COMPUTE_THREADS)
+    match (requested, bound) {
+        (Some(n), _) => n.max(1),
+        (None, Some(b)) => b.len().max(MIN_COMPUTE_THREADS),
+        (None, None) => (cpus / share.local_tasks.max(1)).max(MIN_COMPUTE_THREADS),
+    }
 }
 
 /// The CPUs this process may run on, in ascending order.
@@ -261,7 +262,13 @@ mod tests {
         assert_eq!(compute_threads(None, Some(&[4, 5, 6]), 16, share(0, 4)), 3);
         assert_eq!(compute_threads(None, Some(&[1]), 2, share(0, 2)), 2);
         assert_eq!(compute_threads(Some(3), Some(&[1]), 2, share(0, 8)), 3);
-        assert_eq!(compute_threads(Some(1), None, 2, alone), 2, "at least 2");
+        assert_eq!(compute_threads(Some(1), None, 2, alone), 1, "asked for");
+        assert_eq!(compute_threads(Some(0), None, 2, alone), 1);
+        assert_eq!(
+            compute_threads(None, None, 1, alone),
+            2,
+            "at least 2 unless asked"
+        );
     }
 
     #[test]

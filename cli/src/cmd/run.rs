@@ -173,7 +173,10 @@ pub struct Args {
     pub timeout: u64,
     /// Distributed: compute threads of each task this process runs (default: one per CPU the
     /// task is bound to; unbound, the CPUs this process may use shared among the cluster's
-    /// tasks on its host). At least 2: a collective holds its thread until its peers join.
+    /// tasks on its host), at least 2: a collective holds its thread until its peers join, and
+    /// with 1 a task can wait forever on a value only its busy thread would send. `1` runs the
+    /// nodes in the order `dflow plan`'s memory accounting assumes (its tests pin jobs to one
+    /// CPU with one thread).
     #[arg(long, value_name = "N")]
     pub compute_threads: Option<usize>,
     /// Distributed: `auto` binds each of the tasks sharing a host (same address host in the
