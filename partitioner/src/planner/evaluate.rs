@@ -63,8 +63,16 @@
 //! pads it: the stage sums come from [`StagedModel::at_tp`], every vocabulary-split tensor at
 //! the padded vocabulary.
 //!
-//! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
-//! loss's all-gathers and the dropped-token count.
+//! **The MoE layers' other collectives** (beside `ep > 1`, in the data-parallel bytes and
+//! time, their messages in [`Evaluation::moe_messages`]): each load-balancing loss's two inputs
+//! (the router's probabilities, f32, and the chosen experts, i64) all-gathered over the data-parallel
+//! group of its stage (`dp` ranks, per tp coordinate) for every micro-batch, the float one's
+//! gradient reduce-scattered back, even at α = 0 (`strategy::expert::worker_forward`); the
+//! dropped-token count (an i64) summed over the loss stage's data-parallel group once per step;
+//! and with clipping, the squared norm of each rank's expert shards summed over its
+//! expert-parallel group once per step (all-gathered, one f32 per rank, by the expert
+//! strategy without ZeRO, tp or pp; all-reduced elsewhere). So the table's bytes are the job
+//! plan's, every collective counted.
 
 use super::collective::{p2p_seconds, rank_messages, AxisLinks, Call, Collective, CommCost};
 use super::layout::Layout;
@@ -156,7 +164,10 @@ pub struct Traffic {
     /// Activations and gradients between stages.
     pub pipeline: CommCost,
     /// Data-parallel collectives of gradients (and parameters, ZeRO-3), the expert shards'
-    /// over their expert-data-parallel groups included.
+    /// over their expert-data-parallel groups included; beside `ep > 1` also the
+    /// load-balancing losses' all-gathers (and their gradients' reduce-scatters), the
+    /// dropped-token count's sum and the expert shards' clipping norm over each
+    /// expert-parallel group.
     pub data_parallel: CommCost,
     /// The experts' all-to-alls over the expert-parallel groups.
     pub expert_parallel: CommCost,
@@ -197,6 +208,12 @@ pub struct Evaluation {
     /// with a peer: [`super::collective::rank_messages`]), as the job plan's collectives over
     /// its `tensor*` groups send them.
     pub tensor_parallel_messages: f64,
+    /// Messages per step, every rank summed, of the MoE layers' collectives besides the
+    /// all-to-alls and the gradients' sums (each a step with a peer:
+    /// [`super::collective::rank_messages`]): the load-balancing losses' all-gathers and their
+    /// gradients' reduce-scatters, the dropped-token count's sum, and with clipping the
+    /// expert shards' squared norm over each expert-parallel group; 0 without `ep`.
+    pub moe_messages: f64,
     /// Bytes between stages per step over all replicas (Send/Recv pairs in a job plan).
     pub pipeline_bytes: f64,
     /// Bytes each rank of stage 0 puts into data-parallel collectives per step.
@@ -392,6 +409,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     // Tensor-parallel collectives once per step (clipping's norm) on the slowest device.
     let mut tp_step_time: f64 = 0.0;
     let mut tensor_parallel_messages = 0.0;
+    let mut moe_messages = 0.0;
     let mut stage0_payload = 0.0;
     // Bytes of the MoE layers' dropped counts (and under ZeRO with clipping the expert shards'
     // squared norms) sent to the loss's stage, every replica summed.
@@ -779,10 +797,29 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 (1.0 + gathers) * count
             };
         }
+        // The MoE layers' other collectives (`moe_collectives`): their cost and the busiest
+        // rank's messages, in the data-parallel time and bytes.
+        let ep_links = (mesh.ep > 1).then(|| stage_groups(Axis::Ep));
+        if let Some(ep_links) = &ep_links {
+            let moe = moe_collectives(
+                ctx,
+                layout,
+                MoeStage {
+                    aux_losses: chunks.iter().flat_map(|c| c.aux_losses.iter().copied()),
+                    loss_stage: s == p - 1,
+                    experts: local_experts > 0.0,
+                    rows,
+                },
+                &dp_links,
+                ep_links,
+            );
+            moe_messages += moe.messages;
+            dp = dp.then(moe.cost);
+            dp.seconds += moe.rank_messages * profile.job.collective;
+        }
         // The experts' tokens: four all-to-alls of the dispatch buffer of each MoE layer of
         // this stage per micro-batch.
-        if mesh.ep > 1 {
-            let ep_links = stage_groups(Axis::Ep);
+        if let Some(ep_links) = ep_links {
             let mut a2a = CommCost::default();
             let layers: Vec<usize> = chunks.iter().flat_map(|c| c.moe.iter().copied()).collect();
             for l in layers.iter().filter_map(|&k| ctx.model.moe.get(k)) {
@@ -858,6 +895,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         fits,
         traffic,
         tensor_parallel_messages,
+        moe_messages,
         pipeline_bytes,
         data_parallel_payload: stage0_payload,
         time,
@@ -866,6 +904,105 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         slot_gathers: gather_seconds,
         slowest_stage,
     }
+}
+
+/// What [`moe_collectives`] counts on one pipeline device.
+struct MoeStage<I> {
+    /// The load-balancing losses on it (indices into the model's `aux_losses`).
+    aux_losses: I,
+    /// Whether it computes the loss (and sums the dropped-token count).
+    loss_stage: bool,
+    /// Whether it holds expert shards (and, with clipping, sums their squared norm).
+    experts: bool,
+    /// Rows per micro-batch on one replica.
+    rows: f64,
+}
+
+/// The MoE layers' collectives on one pipeline device besides the all-to-alls and the
+/// gradients' sums, over the stage's data-parallel groups `dp_links` and expert-parallel
+/// groups `ep_links` (every group of the stage at once), as the expert strategies build them
+/// (`strategy/expert.rs`, `strategy/expert/pipeline.rs`, `strategy/expert/zero.rs`,
+/// `strategy/tensor/experts*.rs`): per micro-batch each load-balancing loss's inputs
+/// all-gathered (a float one's gradient reduce-scattered back); once per step the dropped-token
+/// count (an i64) all-reduced on the loss's stage, and with clipping each rank's expert shards'
+/// squared norm summed over its expert-parallel group (an all-gather of one f32 per rank by the
+/// expert strategy without ZeRO, tp or pp, an all-reduce of it elsewhere).
+struct MoeCollectives {
+    /// Their cost (every group of the stage).
+    cost: CommCost,
+    /// Their messages, every rank of the stage summed.
+    messages: f64,
+    /// The messages of the stage's busiest rank.
+    rank_messages: f64,
+}
+
+fn moe_collectives<I: Iterator<Item = usize>>(
+    ctx: &Context<'_>,
+    layout: &Layout,
+    stage: MoeStage<I>,
+    dp_links: &AxisLinks,
+    ep_links: &AxisLinks,
+) -> MoeCollectives {
+    let mesh = layout.mesh;
+    let (d, t, ep) = (mesh.dp, mesh.tp, mesh.ep);
+    let mf = layout.micro_batches as f64;
+    let mut out = MoeCollectives {
+        cost: CommCost::default(),
+        messages: 0.0,
+        rank_messages: 0.0,
+    };
+    // `times` calls of `call` on `elements` of `size` bytes over groups of `n` ranks, every
+    // rank of the stage (`d · t`) making one each; `whole` is the buffer the group's cost is
+    // priced on (the gathered output of an all-gather).
+    let mut add = |links: &AxisLinks, call: Call, elements: usize, size: usize, times: f64| {
+        let n = links.n;
+        let (kind, whole) = match call {
+            Call::AllGather => (Collective::AllGather, n * elements * size),
+            Call::ReduceScatter => (Collective::ReduceScatter, elements * size),
+            _ => (Collective::AllReduce, elements * size),
+        };
+        out.cost = out.cost.then(links.cost(kind, whole as f64).times(times));
+        let ranks: f64 = (0..n)
+            .map(|r| rank_messages(call, n, r, elements, size) as f64)
+            .sum();
+        let groups = (d * t / n.max(1)) as f64;
+        out.messages += ranks * groups * times;
+        out.rank_messages += rank_messages(call, n, 0, elements, size) as f64 * times;
+    };
+    for k in stage.aux_losses {
+        let Some(aux) = ctx.model.aux_losses.get(k) else {
+            continue;
+        };
+        for input in &aux.gathered {
+            let size = input.element_bytes.max(1);
+            let elements = (input.bytes.at(stage.rows) / size as f64).round() as usize;
+            add(dp_links, Call::AllGather, elements, size, mf);
+            if input.gradient {
+                // The gathered gradient, `dp` ranks' blocks, reduce-scattered.
+                add(dp_links, Call::ReduceScatter, elements * d, size, mf);
+            }
+        }
+    }
+    if stage.loss_stage {
+        add(
+            dp_links,
+            Call::AllReduce,
+            1,
+            DROPPED_COUNT_BYTES as usize,
+            1.0,
+        );
+    }
+    if ctx.model.clips && stage.experts {
+        let size = CLIP_NORM_BYTES as usize;
+        let call = if layout.zero == 0 && mesh.pp == 1 && t == 1 {
+            Call::AllGather
+        } else {
+            Call::AllReduce
+        };
+        debug_assert_eq!(ep_links.n, ep);
+        add(ep_links, call, 1, size, 1.0);
+    }
+    out
 }
 
 /// Bytes of one element of the activations (and their gradients) the tensor-parallel
@@ -2114,5 +2251,93 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("heads"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod diag {
+    use super::super::{accounting, evaluate_layout, ClusterProfile, ModelProfile, PlanOptions};
+    use crate::planner::collective::{rank_bytes, rank_messages, Call};
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use std::collections::BTreeMap;
+
+    fn moe(clip: Option<f64>, cf: f64, alpha: f64) -> dflow_graph::GraphDef {
+        gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            grad_clip: clip,
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 1,
+                capacity_factor: cf,
+                aux_loss_coef: alpha,
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def
+    }
+
+    #[test]
+    #[ignore]
+    fn diag_moe_collectives() {
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        let layouts = std::env::var("DIAG_LAYOUTS").unwrap();
+        let clip = std::env::var("DIAG_CLIP").is_ok().then_some(1.0);
+        let (cf, alpha) = if std::env::var("DIAG_UNCOUPLED").is_ok() { (4.0, 0.0) } else { (1.25, 0.01) };
+        let def = moe(clip, cf, alpha);
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        for text in layouts.split(';') {
+            let layout: crate::planner::Layout = text.parse().unwrap();
+            let options = PlanOptions { devices: layout.mesh.size(), batch_size: 8 };
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            let b = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+            let t = e.traffic;
+            let table = b(t.tensor_parallel) + b(t.data_parallel) + b(t.expert_parallel);
+            let rows = 8 / layout.mesh.dp;
+            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
+            let tr = accounting::traffic(&plan, rows).unwrap();
+            let job: u64 = tr.iter().map(|t| t.collective).sum();
+            let msgs: usize = tr.iter().map(|t| t.collective_messages).sum();
+            let dplane: u64 = tr.iter().map(|t| t.data_plane).sum();
+            eprintln!("== {text}: table {table} job {job} diff {} | pipeline table {} job {dplane} | job msgs {msgs} tp msgs {}", job as f64 - table, b(t.pipeline), e.tensor_parallel_messages);
+            let mut by: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
+            for sig in plan.train_signatures() {
+                for (device, part) in &sig.partitions.partitions {
+                    let task = device.task_name().unwrap();
+                    let f = accounting::with_rows(&part.graph, rows).unwrap();
+                    for i in f.node_indices() {
+                        let node = f.node(i);
+                        let call = match node.op {
+                            "CollectiveAllReduce" => Call::AllReduce,
+                            "CollectiveReduceScatter" => Call::ReduceScatter,
+                            "CollectiveAllGather" => Call::AllGather,
+                            "CollectiveAllToAll" => Call::AllToAll,
+                            _ => continue,
+                        };
+                        if !(node.name.contains("aux") || node.name.contains("dropped") || node.name.contains("clip") || node.name.contains("moe")) { continue; }
+                        let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key") else { continue };
+                        let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                        let rank = group.members.iter().position(|m| *m == task).unwrap();
+                        let (src, k) = f.inputs(i)[0];
+                        let tt = &f.node(src).outputs[k];
+                        let el = tt.shape.num_elements().unwrap();
+                        let n = group.members.len();
+                        let name: String = node.name.chars().map(|c| if c.is_ascii_digit() { '#' } else { c }).collect();
+                        let keyn: String = key.chars().map(|c| if c.is_ascii_digit() { '#' } else { c }).collect();
+                        let ent = by.entry(format!("{} {name} [{keyn} n={n}] {:?} el={el}", node.op, tt.dtype)).or_default();
+                        ent.0 += 1;
+                        ent.1 += rank_bytes(call, n, rank, el, tt.dtype.size_of());
+                        ent.2 += rank_messages(call, n, rank, el, tt.dtype.size_of());
+                    }
+                }
+            }
+            for (k, v) in by { eprintln!("   {k}: {} calls {} B {} msgs", v.0, v.1, v.2); }
+        }
     }
 }

@@ -58,6 +58,9 @@ pub struct StageCosts {
     pub backward_expert_variables: f64,
     /// The MoE layers on this stage (indices into the model's `moe`).
     pub moe: Vec<usize>,
+    /// The load-balancing losses on this stage (indices into the model's `aux_losses`): beside
+    /// `ep > 1` their inputs are all-gathered over the stage's data-parallel group.
+    pub aux_losses: Vec<usize>,
     /// ZeRO-3 over a pipeline: the expert variables' gathers (see [`PassGathers`]).
     pub expert_gathers: PassGathers,
 }
@@ -224,6 +227,9 @@ impl StagedModel {
             if let Some(i) = g.find(&l.dispatch) {
                 costs[stage_of[i.index()]].moe.push(k);
             }
+        }
+        for (k, a) in model.aux_losses.iter().enumerate() {
+            costs[stage_of[a.node.index()]].aux_losses.push(k);
         }
         for op in &model.ops {
             let s = &mut costs[stage_of[op.node.index()]];
