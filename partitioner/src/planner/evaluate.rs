@@ -1210,9 +1210,7 @@ mod tests {
             let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
             assert_eq!(e.memory.len(), 2);
             let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let (_, data) = expert_job_bytes(&plan, rows);
-            let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
-            assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
+            assert_expert_collectives(&e, &plan, rows, text);
             let tasks = accounting::account(&plan, rows, 1).unwrap();
             for (s, mem) in e.memory.iter().enumerate() {
                 // Worker dp·s holds replica 0 of stage s; adam/t (8 bytes) lives on stage 0 only.
@@ -1268,9 +1266,10 @@ mod tests {
     /// tp shard of the dense parameters, the routers whole and `1/ep` of the experts
     /// (replicated over tp), as the job plan's variables count them; the all-to-alls are the
     /// job plan's (each tp rank repeats its replica's), and the data-parallel bytes (the dense
-    /// gradients over `data_t<t>`, the experts' over `experts_dp<s>_t<t>`) are the job plan's
-    /// collectives over those groups but the load-balancing loss's all-gathers and the
-    /// dropped-token count (which the table leaves out). No tensor-parallel all-reduce is
+    /// gradients over `data_t<t>`, the experts' over `experts_dp<s>_t<t>`, the load-balancing
+    /// loss's all-gathers and the dropped-token count over `data_t<t>`) are the job plan's
+    /// collectives over those groups, every collective's bytes together the plan's, and the
+    /// MoE layers' other collectives' messages the plan's. No tensor-parallel all-reduce is
     /// around an MoE MLP.
     #[test]
     fn a_dp_tp_ep_layout_holds_its_expert_shard_on_every_tp_rank_as_the_job_plan_does() {
@@ -1341,11 +1340,8 @@ mod tests {
                     t.task
                 );
             }
-            let (a2a, data) = expert_job_bytes(&plan, rows);
-            let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
-            assert!(a2a > 0);
-            assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
-            assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
+            let job = assert_expert_collectives(&e, &plan, rows, text);
+            assert!(job.all_to_all > 0);
         }
     }
 
@@ -1433,9 +1429,7 @@ mod tests {
                 t.task
             );
         }
-        let (a2a, data) = expert_job_bytes(&plan, rows);
-        assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
-        assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+        let a2a = assert_expert_collectives(&e, &plan, rows, text).all_to_all;
         let (tp, messages) = tensor_job_traffic(&plan, rows);
         assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
         assert_eq!(e.tensor_parallel_messages, messages as f64, "{text}");
@@ -1503,11 +1497,18 @@ mod tests {
         };
         // ZeRO-3 beside expert-data-parallel groups: every micro-batch gathers the expert
         // matrices its forward and backward copies read, and the expert biases (read through a
-        // reshape the micro-batches share) are gathered once per pass: 522,880 B per step.
+        // reshape the micro-batches share) are gathered once per pass: 522,880 B per step;
+        // with the load-balancing losses' all-gathers of every micro-batch (9,216 B) and their
+        // gradients' reduce-scatters (6,144 B), the dropped-token count's sum (64 B) and the
+        // expert shards' clipping norm over each expert-parallel group (32 B): 538,336 B.
         let z3: crate::planner::Layout = "dp=4,ep=2,pp=2,m=2,zero=3".parse().unwrap();
         let e = evaluate_layout(&model, &profile, &options, &z3).unwrap();
         let data = e.traffic.data_parallel;
-        assert_eq!(data.intra_bytes + data.inter_bytes, 522_880.0);
+        assert_eq!(data.intra_bytes + data.inter_bytes, 538_336.0);
+        // Per micro-batch and rank: 3 ring steps each of the two gathers and the
+        // reduce-scatter (8 ranks, 2 micro-batches: 144); the count's 2 rounds on the 4 ranks
+        // of the loss's stage (8) and the norm's one on each of the 8 ranks.
+        assert_eq!(e.moe_messages, 144.0 + 8.0 + 8.0);
         let report = super::super::plan(&model, &profile, &options).unwrap();
         let all = || report.ranked.iter().chain(&report.too_big);
         assert!(all()
@@ -1519,14 +1520,35 @@ mod tests {
             .all(|r| !r.reason.contains("micro-batch")));
     }
 
-    /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
-    /// collectives of floats (over `workers`, `pipeline/stage<s>`, `data_t<t>` and the
-    /// `experts_dp*` groups) but the load-balancing loss's all-gathers (which the table leaves
-    /// out; the dropped-token count is an integer).
-    fn expert_job_bytes(plan: &crate::strategy::JobPlan, rows: usize) -> (u64, u64) {
+    /// A job plan's collectives per step, every rank summed (see [`expert_job_bytes`]).
+    struct ExpertJobBytes {
+        /// Bytes of its all-to-alls.
+        all_to_all: u64,
+        /// Bytes of every other collective but those over the `tensor*` groups: the
+        /// gradients' and weights' (over `workers`, `pipeline/stage<s>`, `data_t<t>` and the
+        /// `experts_dp*` groups), the load-balancing losses' all-gathers and reduce-scatters,
+        /// the dropped-token count's sum, the clipping norms' (over the `experts_ep*` groups
+        /// too).
+        data: u64,
+        /// Messages of the MoE layers' collectives besides the all-to-alls and the gradients'
+        /// sums: the load-balancing losses' all-gathers and their gradients' reduce-scatters,
+        /// the dropped-token count's sum, the expert shards' clipping norm over each
+        /// expert-parallel group.
+        moe_messages: usize,
+        /// Bytes of every collective.
+        all: u64,
+    }
+
+    /// What `plan`'s collectives send per step with `rows` rows per replica, every rank summed.
+    fn expert_job_bytes(plan: &crate::strategy::JobPlan, rows: usize) -> ExpertJobBytes {
         use super::super::accounting;
-        use crate::planner::collective::{rank_bytes, Call};
-        let (mut a2a, mut data) = (0u64, 0u64);
+        use crate::planner::collective::{rank_bytes, rank_messages, Call};
+        let mut sums = ExpertJobBytes {
+            all_to_all: 0,
+            data: 0,
+            moe_messages: 0,
+            all: 0,
+        };
         for sig in plan.train_signatures() {
             for (device, part) in &sig.partitions.partitions {
                 let task = device.task_name().unwrap();
@@ -1534,7 +1556,7 @@ mod tests {
                 for i in f.node_indices() {
                     let node = f.node(i);
                     let call = match node.op {
-                        "CollectiveAllReduce" => Call::AllReduce,
+                        "CollectiveAllReduce" | "CollectiveTpReduce" => Call::AllReduce,
                         "CollectiveReduceScatter" => Call::ReduceScatter,
                         "CollectiveAllGather" => Call::AllGather,
                         "CollectiveAllToAll" => Call::AllToAll,
@@ -1544,26 +1566,65 @@ mod tests {
                         continue;
                     };
                     let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                    let n = group.members.len();
                     let rank = group.members.iter().position(|m| *m == task).unwrap();
                     let (src, k) = f.inputs(i)[0];
                     let t = &f.node(src).outputs[k];
                     let elements = t.shape.num_elements().unwrap();
-                    let bytes =
-                        rank_bytes(call, group.members.len(), rank, elements, t.dtype.size_of());
+                    let size = t.dtype.size_of();
+                    let bytes = rank_bytes(call, n, rank, elements, size);
+                    sums.all += bytes;
                     if call == Call::AllToAll {
-                        a2a += bytes;
-                    } else if t.dtype.is_float()
-                        && !node.name.contains("aux_loss")
-                        && ["data_", "experts_dp", "pipeline/stage", "workers"]
-                            .iter()
-                            .any(|g| key.starts_with(g))
-                    {
-                        data += bytes;
+                        sums.all_to_all += bytes;
+                        continue;
+                    }
+                    if !key.starts_with("tensor") {
+                        sums.data += bytes;
+                    }
+                    // The expert strategy without ZeRO gathers the expert shards' norms
+                    // (`allreduce/clip/local/all_gather`, over `workers` where ep = dp).
+                    let moe = node.name.contains("aux_loss")
+                        || node.name.starts_with("moe/dropped")
+                        || node.name == "allreduce/clip/local/all_gather"
+                        || key.starts_with("experts_ep");
+                    if moe {
+                        sums.moe_messages += rank_messages(call, n, rank, elements, size);
                     }
                 }
             }
         }
-        (a2a, data)
+        sums
+    }
+
+    /// The table row `e` of an MoE layout `text` against its job plan `plan` (`rows` rows per
+    /// replica): the all-to-all bytes, the data-parallel bytes (every collective but the
+    /// all-to-alls and the tensor-parallel ones) and the MoE layers' other collectives'
+    /// messages equal the plan's, and so do all the collectives' bytes together.
+    fn assert_expert_collectives(
+        e: &super::Evaluation,
+        plan: &crate::strategy::JobPlan,
+        rows: usize,
+        text: &str,
+    ) -> ExpertJobBytes {
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        let job = expert_job_bytes(plan, rows);
+        let t = e.traffic;
+        assert_eq!(bytes(t.expert_parallel), job.all_to_all as f64, "{text}");
+        assert_eq!(bytes(t.data_parallel), job.data as f64, "{text}");
+        assert_eq!(e.moe_messages, job.moe_messages as f64, "{text}");
+        assert!(job.moe_messages > 0, "{text}");
+        let sent: u64 = super::super::accounting::traffic(plan, rows)
+            .unwrap()
+            .iter()
+            .map(|t| t.collective)
+            .sum();
+        assert_eq!(sent, job.all, "{text}");
+        assert_eq!(
+            bytes(t.tensor_parallel) + bytes(t.data_parallel) + bytes(t.expert_parallel),
+            sent as f64,
+            "{text}: every collective"
+        );
+        job
     }
 
     #[test]
@@ -1659,9 +1720,7 @@ mod tests {
             let layout: crate::planner::Layout = format!("dp=4,ep=2,zero={zero}").parse().unwrap();
             let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
             let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let (_, data) = expert_job_bytes(&plan, 2);
-            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
-            assert_eq!(table, data as f64, "zero={zero}");
+            assert_expert_collectives(&e, &plan, 2, &layout.short());
         }
         // A model without experts has no ep layout, and refuses one by name.
         let cfg = GptConfig {
@@ -2254,90 +2313,3 @@ mod tests {
     }
 }
 
-#[cfg(test)]
-mod diag {
-    use super::super::{accounting, evaluate_layout, ClusterProfile, ModelProfile, PlanOptions};
-    use crate::planner::collective::{rank_bytes, rank_messages, Call};
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
-    use std::collections::BTreeMap;
-
-    fn moe(clip: Option<f64>, cf: f64, alpha: f64) -> dflow_graph::GraphDef {
-        gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            grad_clip: clip,
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: cf,
-                aux_loss_coef: alpha,
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def
-    }
-
-    #[test]
-    #[ignore]
-    fn diag_moe_collectives() {
-        let profile = ClusterProfile::preset("this-machine").unwrap();
-        let layouts = std::env::var("DIAG_LAYOUTS").unwrap();
-        let clip = std::env::var("DIAG_CLIP").is_ok().then_some(1.0);
-        let (cf, alpha) = if std::env::var("DIAG_UNCOUPLED").is_ok() { (4.0, 0.0) } else { (1.25, 0.01) };
-        let def = moe(clip, cf, alpha);
-        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
-        let g = dflow_graph::Graph::from_def(&def).unwrap();
-        let train = def.train.clone().unwrap();
-        for text in layouts.split(';') {
-            let layout: crate::planner::Layout = text.parse().unwrap();
-            let options = PlanOptions { devices: layout.mesh.size(), batch_size: 8 };
-            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
-            let b = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
-            let t = e.traffic;
-            let table = b(t.tensor_parallel) + b(t.data_parallel) + b(t.expert_parallel);
-            let rows = 8 / layout.mesh.dp;
-            let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let tr = accounting::traffic(&plan, rows).unwrap();
-            let job: u64 = tr.iter().map(|t| t.collective).sum();
-            let msgs: usize = tr.iter().map(|t| t.collective_messages).sum();
-            let dplane: u64 = tr.iter().map(|t| t.data_plane).sum();
-            eprintln!("== {text}: table {table} job {job} diff {} | pipeline table {} job {dplane} | job msgs {msgs} tp msgs {}", job as f64 - table, b(t.pipeline), e.tensor_parallel_messages);
-            let mut by: BTreeMap<String, (usize, u64, usize)> = BTreeMap::new();
-            for sig in plan.train_signatures() {
-                for (device, part) in &sig.partitions.partitions {
-                    let task = device.task_name().unwrap();
-                    let f = accounting::with_rows(&part.graph, rows).unwrap();
-                    for i in f.node_indices() {
-                        let node = f.node(i);
-                        let call = match node.op {
-                            "CollectiveAllReduce" => Call::AllReduce,
-                            "CollectiveReduceScatter" => Call::ReduceScatter,
-                            "CollectiveAllGather" => Call::AllGather,
-                            "CollectiveAllToAll" => Call::AllToAll,
-                            _ => continue,
-                        };
-                        if !(node.name.contains("aux") || node.name.contains("dropped") || node.name.contains("clip") || node.name.contains("moe")) { continue; }
-                        let Some(dflow_graph::AttrValue::String(key)) = node.attr("group_key") else { continue };
-                        let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
-                        let rank = group.members.iter().position(|m| *m == task).unwrap();
-                        let (src, k) = f.inputs(i)[0];
-                        let tt = &f.node(src).outputs[k];
-                        let el = tt.shape.num_elements().unwrap();
-                        let n = group.members.len();
-                        let name: String = node.name.chars().map(|c| if c.is_ascii_digit() { '#' } else { c }).collect();
-                        let keyn: String = key.chars().map(|c| if c.is_ascii_digit() { '#' } else { c }).collect();
-                        let ent = by.entry(format!("{} {name} [{keyn} n={n}] {:?} el={el}", node.op, tt.dtype)).or_default();
-                        ent.0 += 1;
-                        ent.1 += rank_bytes(call, n, rank, el, tt.dtype.size_of());
-                        ent.2 += rank_messages(call, n, rank, el, tt.dtype.size_of());
-                    }
-                }
-            }
-            for (k, v) in by { eprintln!("   {k}: {} calls {} B {} msgs", v.0, v.1, v.2); }
-        }
-    }
-}
