@@ -918,6 +918,18 @@ struct MoeStage<I> {
     rows: f64,
 }
 
+/// The cost and messages of the MoE layers' other collectives on one pipeline device
+/// ([`moe_collectives`]).
+struct MoeCollectives {
+    /// Their cost (every group of the stage).
+    cost: CommCost,
+    /// Their messages, every rank of the stage summed.
+    messages: f64,
+    /// The messages of the stage's busiest rank (rank 0 of its groups: recursive doubling
+    /// folds the ranks past a power of two into the first ones).
+    rank_messages: f64,
+}
+
 /// The MoE layers' collectives on one pipeline device besides the all-to-alls and the
 /// gradients' sums, over the stage's data-parallel groups `dp_links` and expert-parallel
 /// groups `ep_links` (every group of the stage at once), as the expert strategies build them
@@ -927,15 +939,6 @@ struct MoeStage<I> {
 /// count (an i64) all-reduced on the loss's stage, and with clipping each rank's expert shards'
 /// squared norm summed over its expert-parallel group (an all-gather of one f32 per rank by the
 /// expert strategy without ZeRO, tp or pp, an all-reduce of it elsewhere).
-struct MoeCollectives {
-    /// Their cost (every group of the stage).
-    cost: CommCost,
-    /// Their messages, every rank of the stage summed.
-    messages: f64,
-    /// The messages of the stage's busiest rank.
-    rank_messages: f64,
-}
-
 fn moe_collectives<I: Iterator<Item = usize>>(
     ctx: &Context<'_>,
     layout: &Layout,
@@ -2310,43 +2313,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("heads"), "{e}");
-    }
-}
-
-
-#[cfg(test)]
-mod diag2 {
-    use super::super::{accounting, evaluate_layout, ClusterProfile, ModelProfile, PlanOptions};
-    #[test]
-    #[ignore]
-    fn diag_sends() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/gpt/gpt-moe.json");
-        let text = std::fs::read_to_string(path).unwrap();
-        let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
-        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
-        let g = dflow_graph::Graph::from_def(&def).unwrap();
-        let train = def.train.clone().unwrap();
-        let profile = ClusterProfile::preset("this-machine").unwrap();
-        let layout: crate::planner::Layout = std::env::var("DIAG_LAYOUT").unwrap().parse().unwrap();
-        let e = evaluate_layout(&model, &profile, &PlanOptions { devices: layout.mesh.size(), batch_size: 8 }, &layout).unwrap();
-        let staged = crate::planner::staging::StagedModel::new(&model, layout.mesh.pp).unwrap();
-        for c in &staged.crossings { eprintln!("crossing {:?} at rows {}: {}", c, e.rows, c.bytes.at(e.rows)); }
-        eprintln!("scalars {}", staged.scalars_per_later_stage);
-        for (s, st) in staged.stages.iter().enumerate() { eprintln!("stage {s} moe {:?} aux {:?}", st.moe, st.aux_losses); }
-        let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-        let rows = 8 / layout.mesh.dp;
-        for sig in plan.train_signatures() {
-            for (device, part) in &sig.partitions.partitions {
-                let f = accounting::with_rows(&part.graph, rows).unwrap();
-                for i in f.node_indices() {
-                    let n = f.node(i);
-                    if n.op != "Send" { continue; }
-                    let (src, k) = f.inputs(i)[0];
-                    let t = &f.node(src).outputs[k];
-                    let b = t.shape.num_elements().unwrap() * t.dtype.size_of();
-                    if b <= 64 { eprintln!("{device} {} {:?} {b} <- {}", n.name, n.attr("recv_device"), f.node(src).name); }
-                }
-            }
-        }
     }
 }

@@ -140,8 +140,7 @@ fn gradient_of(
             "AddN" => true,
             "Add" => {
                 model.ops[node.index()].batch == model.ops[reader.index()].batch
-                    && r
-                        .outputs
+                    && r.outputs
                         .first()
                         .is_some_and(|o| shape.is_static() && o.shape == *shape)
             }
