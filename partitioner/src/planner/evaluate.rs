@@ -1450,6 +1450,67 @@ mod tests {
         }
     }
 
+    /// The MoE layers' other collectives over groups whose sizes are not powers of two (6
+    /// experts, clipped, batch 12): the load-balancing losses' all-gathers and reduce-scatters
+    /// as rings of 6 or 3 ranks, the dropped-token count's all-reduce folding ranks past 4 (or
+    /// 2) in, the expert shards' clipping norm over expert-parallel groups of 3 (an all-gather
+    /// without ZeRO, an all-reduce folding one rank in with it), beside tp and inside pipeline
+    /// stages too: the table's bytes (every collective, and between stages) and those calls'
+    /// messages are the job plan's.
+    #[test]
+    fn moe_collectives_over_groups_of_three_and_six_are_the_job_plans() {
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 12,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 6,
+                top_k: 2,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        for text in [
+            "dp=6,ep=3",
+            "dp=6,ep=3,zero=1",
+            "dp=6,ep=2,zero=3",
+            "dp=6,ep=6",
+            "dp=3,tp=2,ep=3",
+            "dp=3,tp=2,ep=3,zero=2",
+            "dp=3,ep=3,pp=2",
+            "dp=3,ep=3,pp=2,zero=3",
+        ] {
+            let layout: crate::planner::Layout = text.parse().unwrap();
+            let options = PlanOptions {
+                devices: layout.mesh.size(),
+                batch_size: 12,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            let rows = 12 / layout.mesh.dp;
+            let plan =
+                super::super::accounting::job_plan(&g, &train, "idx", "targets", &layout, 12)
+                    .unwrap();
+            assert_expert_collectives(&e, &plan, rows, text);
+            let sent: u64 = super::super::accounting::traffic(&plan, rows)
+                .unwrap()
+                .iter()
+                .map(|t| t.data_plane)
+                .sum();
+            let between = e.traffic.pipeline.intra_bytes + e.traffic.pipeline.inter_bytes;
+            assert_eq!(between, sent as f64, "{text}");
+        }
+    }
+
     /// Where no router couples the batch (capacity factor ≥ E, no load-balancing loss) the
     /// planner ranks several micro-batches beside `ep × pp` (beside tp too), and the table's
     /// variables and bytes are the job plan's: `dp=2,ep=2,pp=2` and `dp=2,tp=2,pp=2,ep=2` with
