@@ -276,9 +276,32 @@ fn every_layout_the_planner_ranks_builds_the_job_plan_dflow_runs() {
             !(graph.ends_with("moe.json") && devices == 8) || (m.tp > 1 && m.pp > 1 && m.ep > 1)
         };
         for e in offered.iter().filter(four_axis) {
-            if let Err(err) = accounting::job_plan(&g, train, "idx", "targets", &e.layout, batch) {
-                panic!(
+            let plan = match accounting::job_plan(&g, train, "idx", "targets", &e.layout, batch) {
+                Ok(plan) => plan,
+                Err(err) => panic!(
                     "{graph} on {devices} devices: the planner ranks {} but dflow runs no job plan for it: {err}",
+                    e.layout.short()
+                ),
+            };
+            // An expert-parallel layout's table row sends what its job plan sends, every
+            // collective (the MoE layers' load-balancing losses' all-gathers, dropped-token
+            // count and clipping norms too) and every value between stages, every task summed.
+            if e.layout.mesh.ep > 1 {
+                let sent = accounting::traffic(&plan, batch / e.layout.mesh.dp).unwrap();
+                let bytes = |c: planner::collective::CommCost| c.intra_bytes + c.inter_bytes;
+                let t = e.traffic;
+                let collective = sent.iter().map(|t| t.collective).sum::<u64>();
+                let data_plane = sent.iter().map(|t| t.data_plane).sum::<u64>();
+                assert_eq!(
+                    bytes(t.tensor_parallel) + bytes(t.data_parallel) + bytes(t.expert_parallel),
+                    collective as f64,
+                    "{graph} on {devices} devices, {}: the table's collective bytes",
+                    e.layout.short()
+                );
+                assert_eq!(
+                    bytes(t.pipeline),
+                    data_plane as f64,
+                    "{graph} on {devices} devices, {}: the table's bytes between stages",
                     e.layout.short()
                 );
             }

@@ -22,7 +22,11 @@
 //! - the table row's bytes per step (`dflow plan`'s analytical count: tensor-parallel
 //!   all-reduces and data-parallel collectives, sends between stages), every task summed,
 //!   equal the counters too for the small GPT's tensor-parallel layouts: tp=2, dp=2×tp=2
-//!   (ZeRO 0–3), tp=2×pp=2 and dp=2×tp=2×pp=2 (ZeRO 1–3).
+//!   (ZeRO 0–3), tp=2×pp=2 and dp=2×tp=2×pp=2 (ZeRO 1–3), and for the MoE GPT's: dp×ep
+//!   (ZeRO 0, 2, 3), dp×tp×ep, dp×ep×pp (ZeRO 0–3; dp=4,ep=2,pp=2 with 2 micro-batches at
+//!   ZeRO-3) and dp×tp×pp×ep (the load-balancing losses' all-gathers, the dropped-token
+//!   count's sum and the expert shards' clipping norm over each expert-parallel group
+//!   included).
 //!
 //! The digits jobs run with no held-out split, so every counted byte is training; the GPT jobs
 //! end with one evaluation batch, counted from the plan's evaluation signature.
@@ -759,17 +763,13 @@ fn expert_pipeline_zero3_micro_batches_bytes_are_the_prediction() {
     assert_traffic(layout, &sent, steps, 0, &ends);
     let predicted = accounted(&graph, "idx", "targets", layout, 8);
     assert_memory(layout, &predicted, &ends);
-    // The table's collectives leave out the load-balancing loss's all-gathers and the
-    // dropped-token counts' sums (docs/planner.md), which the job plan's count above has; its
-    // other bytes equal the job plan's (`planner::evaluate::tests`). Between stages:
-    let (_, between) = table_bytes(&graph, layout, 8);
-    let measured: u64 = ends.iter().map(|e| e.data_plane).sum();
-    assert!(between > 0.0);
-    assert_eq!(
-        measured as f64,
-        between * steps as f64,
-        "{layout}: the table's {between} B between stages per step × {steps} steps"
-    );
+    // The table's collectives (with the load-balancing losses' all-gathers and their
+    // reduce-scatters, the dropped-token count's sum and the expert shards' clipping norm
+    // over each expert-parallel group: 15,456 B a step here, 30,912 B in 2 steps, which the
+    // table used to leave out) and its bytes between stages are what the tasks sent.
+    let table = table_bytes(&graph, layout, 8);
+    assert!(table.0 > 0.0 && table.1 > 0.0);
+    assert_table_bytes(layout, table, &sent.1, steps, 0, &ends);
 }
 
 /// The MoE GPT of examples/gpt/gpt-moe.json (4 experts, top-1, capacity factor 1.25) made
@@ -843,9 +843,13 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
         assert_eq!(ends.len(), workers, "{stderr}");
         let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
         assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
-        assert_traffic(&layout, &sent, trained_steps(&stderr), 1, &ends);
+        let steps = trained_steps(&stderr);
+        assert_traffic(&layout, &sent, steps, 1, &ends);
         let predicted = accounted(&graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
+        // The table row's bytes, every collective of the step counted.
+        let table = table_bytes(&graph, &layout, 4);
+        assert_table_bytes(&layout, table, &sent.1, steps, 1, &ends);
     }
 }
 
@@ -867,9 +871,13 @@ fn expert_and_tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
     assert_eq!(ends.len(), 4, "{stderr}");
     let sent = predicted_traffic(&graph, "idx", "targets", layout, 4);
     assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
-    assert_traffic(layout, &sent, trained_steps(&stderr), 1, &ends);
+    let steps = trained_steps(&stderr);
+    assert_traffic(layout, &sent, steps, 1, &ends);
     let predicted = accounted(&graph, "idx", "targets", layout, 4);
     assert_memory(layout, &predicted, &ends);
+    // The table row's bytes, every collective of the step counted.
+    let table = table_bytes(&graph, layout, 4);
+    assert_table_bytes(layout, table, &sent.1, steps, 1, &ends);
 }
 
 #[test]
@@ -911,9 +919,13 @@ fn expert_pipeline_memory_and_bytes_per_task_are_the_prediction() {
         assert_eq!(ends.len(), 4, "{stderr}");
         let sent = predicted_traffic(&graph, "idx", "targets", &layout, 4);
         assert!(sent.0.iter().all(|t| t.collective > 0), "{sent:?}");
-        assert_traffic(&layout, &sent, trained_steps(&stderr), 0, &ends);
+        let steps = trained_steps(&stderr);
+        assert_traffic(&layout, &sent, steps, 0, &ends);
         let predicted = accounted(&graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
+        // The table row's bytes, in collectives and between stages.
+        let table = table_bytes(&graph, &layout, 4);
+        assert_table_bytes(&layout, table, &sent.1, steps, 0, &ends);
     }
 }
 
@@ -923,8 +935,8 @@ fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
     // MoE block each), attention, the embedding and the loss split over each replica's tp
     // pair, each stage's MoE MLP replicated over tp with half of its experts on each replica.
     // `dflow plan --layout`'s job-plan count of every task's bytes (and collective messages)
-    // and memory is what the run measures, and the table's bytes between stages are what the
-    // tasks send over the data plane. No evaluation (as beside dp × ep × pp). ZeRO-3: each
+    // and memory is what the run measures, and the table's bytes (in collectives, between
+    // stages) are what the tasks send. No evaluation (as beside dp × ep × pp). ZeRO-3: each
     // (stage, shard)'s weights over its replicas, gathered before each pass.
     let graph = small_moe_gpt("plan_vs_measured_4axis");
     // No router coupling the batch (capacity ≥ E, no load-balancing loss): 2 micro-batches.
@@ -968,12 +980,8 @@ fn four_axis_mesh_memory_and_bytes_per_task_are_the_prediction() {
         assert_traffic(&layout, &sent, steps, 0, &ends);
         let predicted = accounted(graph, "idx", "targets", &layout, 4);
         assert_memory(&layout, &predicted, &ends);
-        let (_, between) = table_bytes(graph, &layout, 4);
-        let measured: u64 = ends.iter().map(|e| e.data_plane).sum();
-        assert_eq!(
-            measured as f64,
-            between * steps as f64,
-            "{layout}: the table's {between} B between stages per step × {steps} steps"
-        );
+        // The table row's bytes, in collectives and between stages.
+        let table = table_bytes(graph, &layout, 4);
+        assert_table_bytes(&layout, table, &sent.1, steps, 0, &ends);
     }
 }

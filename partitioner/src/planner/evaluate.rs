@@ -63,8 +63,16 @@
 //! pads it: the stage sums come from [`StagedModel::at_tp`], every vocabulary-split tensor at
 //! the padded vocabulary.
 //!
-//! Not counted here (the job-plan count of `dflow plan --layout` has them): the load-balancing
-//! loss's all-gathers and the dropped-token count.
+//! **The MoE layers' other collectives** (beside `ep > 1`, in the data-parallel bytes and
+//! time, their messages in [`Evaluation::moe_messages`]): each load-balancing loss's two inputs
+//! (the router's probabilities, f32, and the chosen experts, i64) all-gathered over the data-parallel
+//! group of its stage (`dp` ranks, per tp coordinate) for every micro-batch, the float one's
+//! gradient reduce-scattered back, even at α = 0 (`strategy::expert::worker_forward`); the
+//! dropped-token count (an i64) summed over the loss stage's data-parallel group once per step;
+//! and with clipping, the squared norm of each rank's expert shards summed over its
+//! expert-parallel group once per step (all-gathered, one f32 per rank, by the expert
+//! strategy without ZeRO, tp or pp; all-reduced elsewhere). So the table's bytes are the job
+//! plan's, every collective counted.
 
 use super::collective::{p2p_seconds, rank_messages, AxisLinks, Call, Collective, CommCost};
 use super::layout::Layout;
@@ -156,7 +164,10 @@ pub struct Traffic {
     /// Activations and gradients between stages.
     pub pipeline: CommCost,
     /// Data-parallel collectives of gradients (and parameters, ZeRO-3), the expert shards'
-    /// over their expert-data-parallel groups included.
+    /// over their expert-data-parallel groups included; beside `ep > 1` also the
+    /// load-balancing losses' all-gathers (and their gradients' reduce-scatters), the
+    /// dropped-token count's sum and the expert shards' clipping norm over each
+    /// expert-parallel group.
     pub data_parallel: CommCost,
     /// The experts' all-to-alls over the expert-parallel groups.
     pub expert_parallel: CommCost,
@@ -197,6 +208,12 @@ pub struct Evaluation {
     /// with a peer: [`super::collective::rank_messages`]), as the job plan's collectives over
     /// its `tensor*` groups send them.
     pub tensor_parallel_messages: f64,
+    /// Messages per step, every rank summed, of the MoE layers' collectives besides the
+    /// all-to-alls and the gradients' sums (each a step with a peer:
+    /// [`super::collective::rank_messages`]): the load-balancing losses' all-gathers and their
+    /// gradients' reduce-scatters, the dropped-token count's sum, and with clipping the
+    /// expert shards' squared norm over each expert-parallel group; 0 without `ep`.
+    pub moe_messages: f64,
     /// Bytes between stages per step over all replicas (Send/Recv pairs in a job plan).
     pub pipeline_bytes: f64,
     /// Bytes each rank of stage 0 puts into data-parallel collectives per step.
@@ -392,6 +409,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
     // Tensor-parallel collectives once per step (clipping's norm) on the slowest device.
     let mut tp_step_time: f64 = 0.0;
     let mut tensor_parallel_messages = 0.0;
+    let mut moe_messages = 0.0;
     let mut stage0_payload = 0.0;
     // Bytes of the MoE layers' dropped counts (and under ZeRO with clipping the expert shards'
     // squared norms) sent to the loss's stage, every replica summed.
@@ -779,10 +797,29 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
                 (1.0 + gathers) * count
             };
         }
+        // The MoE layers' other collectives (`moe_collectives`): their cost and the busiest
+        // rank's messages, in the data-parallel time and bytes.
+        let ep_links = (mesh.ep > 1).then(|| stage_groups(Axis::Ep));
+        if let Some(ep_links) = &ep_links {
+            let moe = moe_collectives(
+                ctx,
+                layout,
+                MoeStage {
+                    aux_losses: chunks.iter().flat_map(|c| c.aux_losses.iter().copied()),
+                    loss_stage: s == p - 1,
+                    experts: local_experts > 0.0,
+                    rows,
+                },
+                &dp_links,
+                ep_links,
+            );
+            moe_messages += moe.messages;
+            dp = dp.then(moe.cost);
+            dp.seconds += moe.rank_messages * profile.job.collective;
+        }
         // The experts' tokens: four all-to-alls of the dispatch buffer of each MoE layer of
         // this stage per micro-batch.
-        if mesh.ep > 1 {
-            let ep_links = stage_groups(Axis::Ep);
+        if let Some(ep_links) = ep_links {
             let mut a2a = CommCost::default();
             let layers: Vec<usize> = chunks.iter().flat_map(|c| c.moe.iter().copied()).collect();
             for l in layers.iter().filter_map(|&k| ctx.model.moe.get(k)) {
@@ -858,6 +895,7 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         fits,
         traffic,
         tensor_parallel_messages,
+        moe_messages,
         pipeline_bytes,
         data_parallel_payload: stage0_payload,
         time,
@@ -866,6 +904,108 @@ pub fn evaluate(ctx: &Context<'_>, layout: &Layout, staged: &StagedModel) -> Eva
         slot_gathers: gather_seconds,
         slowest_stage,
     }
+}
+
+/// What [`moe_collectives`] counts on one pipeline device.
+struct MoeStage<I> {
+    /// The load-balancing losses on it (indices into the model's `aux_losses`).
+    aux_losses: I,
+    /// Whether it computes the loss (and sums the dropped-token count).
+    loss_stage: bool,
+    /// Whether it holds expert shards (and, with clipping, sums their squared norm).
+    experts: bool,
+    /// Rows per micro-batch on one replica.
+    rows: f64,
+}
+
+/// The cost and messages of the MoE layers' other collectives on one pipeline device
+/// ([`moe_collectives`]).
+struct MoeCollectives {
+    /// Their cost (every group of the stage).
+    cost: CommCost,
+    /// Their messages, every rank of the stage summed.
+    messages: f64,
+    /// The messages of the stage's busiest rank (rank 0 of its groups: recursive doubling
+    /// folds the ranks past a power of two into the first ones).
+    rank_messages: f64,
+}
+
+/// The MoE layers' collectives on one pipeline device besides the all-to-alls and the
+/// gradients' sums, over the stage's data-parallel groups `dp_links` and expert-parallel
+/// groups `ep_links` (every group of the stage at once), as the expert strategies build them
+/// (`strategy/expert.rs`, `strategy/expert/pipeline.rs`, `strategy/expert/zero.rs`,
+/// `strategy/tensor/experts*.rs`): per micro-batch each load-balancing loss's inputs
+/// all-gathered (a float one's gradient reduce-scattered back); once per step the dropped-token
+/// count (an i64) all-reduced on the loss's stage, and with clipping each rank's expert shards'
+/// squared norm summed over its expert-parallel group (an all-gather of one f32 per rank by the
+/// expert strategy without ZeRO, tp or pp, an all-reduce of it elsewhere).
+fn moe_collectives<I: Iterator<Item = usize>>(
+    ctx: &Context<'_>,
+    layout: &Layout,
+    stage: MoeStage<I>,
+    dp_links: &AxisLinks,
+    ep_links: &AxisLinks,
+) -> MoeCollectives {
+    let mesh = layout.mesh;
+    let (d, t, ep) = (mesh.dp, mesh.tp, mesh.ep);
+    let mf = layout.micro_batches as f64;
+    let mut out = MoeCollectives {
+        cost: CommCost::default(),
+        messages: 0.0,
+        rank_messages: 0.0,
+    };
+    // `times` calls of `call` on `elements` of `size` bytes over groups of `n` ranks, every
+    // rank of the stage (`d · t`) making one each; `whole` is the buffer the group's cost is
+    // priced on (the gathered output of an all-gather).
+    let mut add = |links: &AxisLinks, call: Call, elements: usize, size: usize, times: f64| {
+        let n = links.n;
+        let (kind, whole) = match call {
+            Call::AllGather => (Collective::AllGather, n * elements * size),
+            Call::ReduceScatter => (Collective::ReduceScatter, elements * size),
+            _ => (Collective::AllReduce, elements * size),
+        };
+        out.cost = out.cost.then(links.cost(kind, whole as f64).times(times));
+        let ranks: f64 = (0..n)
+            .map(|r| rank_messages(call, n, r, elements, size) as f64)
+            .sum();
+        let groups = (d * t / n.max(1)) as f64;
+        out.messages += ranks * groups * times;
+        out.rank_messages += rank_messages(call, n, 0, elements, size) as f64 * times;
+    };
+    for k in stage.aux_losses {
+        let Some(aux) = ctx.model.aux_losses.get(k) else {
+            continue;
+        };
+        for input in &aux.gathered {
+            let size = input.element_bytes.max(1);
+            let elements = (input.bytes.at(stage.rows) / size as f64).round() as usize;
+            add(dp_links, Call::AllGather, elements, size, mf);
+            if input.gradient {
+                // The gathered gradient, `dp` ranks' blocks, reduce-scattered.
+                add(dp_links, Call::ReduceScatter, elements * d, size, mf);
+            }
+        }
+    }
+    if stage.loss_stage {
+        add(
+            dp_links,
+            Call::AllReduce,
+            1,
+            DROPPED_COUNT_BYTES as usize,
+            1.0,
+        );
+    }
+    if ctx.model.clips && stage.experts {
+        let size = CLIP_NORM_BYTES as usize;
+        let call = if layout.zero == 0 && mesh.pp == 1 && t == 1 {
+            Call::AllGather
+        } else {
+            Call::AllReduce
+        };
+        debug_assert_eq!(ep_links.n, ep);
+        add(ep_links, call, 1, size, 1.0);
+    }
+    out
 }
 
 /// Bytes of one element of the activations (and their gradients) the tensor-parallel
@@ -1073,9 +1213,7 @@ mod tests {
             let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
             assert_eq!(e.memory.len(), 2);
             let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let (_, data) = expert_job_bytes(&plan, rows);
-            let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
-            assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
+            assert_expert_collectives(&e, &plan, rows, text);
             let tasks = accounting::account(&plan, rows, 1).unwrap();
             for (s, mem) in e.memory.iter().enumerate() {
                 // Worker dp·s holds replica 0 of stage s; adam/t (8 bytes) lives on stage 0 only.
@@ -1131,9 +1269,10 @@ mod tests {
     /// tp shard of the dense parameters, the routers whole and `1/ep` of the experts
     /// (replicated over tp), as the job plan's variables count them; the all-to-alls are the
     /// job plan's (each tp rank repeats its replica's), and the data-parallel bytes (the dense
-    /// gradients over `data_t<t>`, the experts' over `experts_dp<s>_t<t>`) are the job plan's
-    /// collectives over those groups but the load-balancing loss's all-gathers and the
-    /// dropped-token count (which the table leaves out). No tensor-parallel all-reduce is
+    /// gradients over `data_t<t>`, the experts' over `experts_dp<s>_t<t>`, the load-balancing
+    /// loss's all-gathers and the dropped-token count over `data_t<t>`) are the job plan's
+    /// collectives over those groups, every collective's bytes together the plan's, and the
+    /// MoE layers' other collectives' messages the plan's. No tensor-parallel all-reduce is
     /// around an MoE MLP.
     #[test]
     fn a_dp_tp_ep_layout_holds_its_expert_shard_on_every_tp_rank_as_the_job_plan_does() {
@@ -1204,11 +1343,8 @@ mod tests {
                     t.task
                 );
             }
-            let (a2a, data) = expert_job_bytes(&plan, rows);
-            let table = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
-            assert!(a2a > 0);
-            assert_eq!(table(e.traffic.expert_parallel), a2a as f64, "{text}");
-            assert_eq!(table(e.traffic.data_parallel), data as f64, "{text}");
+            let job = assert_expert_collectives(&e, &plan, rows, text);
+            assert!(job.all_to_all > 0);
         }
     }
 
@@ -1296,9 +1432,7 @@ mod tests {
                 t.task
             );
         }
-        let (a2a, data) = expert_job_bytes(&plan, rows);
-        assert_eq!(bytes(e.traffic.expert_parallel), a2a as f64, "{text}");
-        assert_eq!(bytes(e.traffic.data_parallel), data as f64, "{text}");
+        let a2a = assert_expert_collectives(&e, &plan, rows, text).all_to_all;
         let (tp, messages) = tensor_job_traffic(&plan, rows);
         assert_eq!(bytes(e.traffic.tensor_parallel), tp as f64, "{text}");
         assert_eq!(e.tensor_parallel_messages, messages as f64, "{text}");
@@ -1313,6 +1447,67 @@ mod tests {
             all_to_all: a2a,
             tensor: tp,
             between_stages: sent,
+        }
+    }
+
+    /// The MoE layers' other collectives over groups whose sizes are not powers of two (6
+    /// experts, clipped, batch 12): the load-balancing losses' all-gathers and reduce-scatters
+    /// as rings of 6 or 3 ranks, the dropped-token count's all-reduce folding ranks past 4 (or
+    /// 2) in, the expert shards' clipping norm over expert-parallel groups of 3 (an all-gather
+    /// without ZeRO, an all-reduce folding one rank in with it), beside tp and inside pipeline
+    /// stages too: the table's bytes (every collective, and between stages) and those calls'
+    /// messages are the job plan's.
+    #[test]
+    fn moe_collectives_over_groups_of_three_and_six_are_the_job_plans() {
+        let def = gpt(&GptConfig {
+            vocab_size: 32,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 12,
+            grad_clip: Some(1.0),
+            moe: Some(dflow_graph::layers::MoeConfig {
+                num_experts: 6,
+                top_k: 2,
+                capacity_factor: 1.25,
+                ..Default::default()
+            }),
+            ..GptConfig::default()
+        })
+        .unwrap()
+        .def;
+        let model = ModelProfile::new(&def, "idx", "targets").unwrap();
+        let g = dflow_graph::Graph::from_def(&def).unwrap();
+        let train = def.train.clone().unwrap();
+        let profile = ClusterProfile::preset("this-machine").unwrap();
+        for text in [
+            "dp=6,ep=3",
+            "dp=6,ep=3,zero=1",
+            "dp=6,ep=2,zero=3",
+            "dp=6,ep=6",
+            "dp=3,tp=2,ep=3",
+            "dp=3,tp=2,ep=3,zero=2",
+            "dp=3,ep=3,pp=2",
+            "dp=3,ep=3,pp=2,zero=3",
+        ] {
+            let layout: crate::planner::Layout = text.parse().unwrap();
+            let options = PlanOptions {
+                devices: layout.mesh.size(),
+                batch_size: 12,
+            };
+            let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
+            let rows = 12 / layout.mesh.dp;
+            let plan =
+                super::super::accounting::job_plan(&g, &train, "idx", "targets", &layout, 12)
+                    .unwrap();
+            assert_expert_collectives(&e, &plan, rows, text);
+            let sent: u64 = super::super::accounting::traffic(&plan, rows)
+                .unwrap()
+                .iter()
+                .map(|t| t.data_plane)
+                .sum();
+            let between = e.traffic.pipeline.intra_bytes + e.traffic.pipeline.inter_bytes;
+            assert_eq!(between, sent as f64, "{text}");
         }
     }
 
@@ -1366,11 +1561,18 @@ mod tests {
         };
         // ZeRO-3 beside expert-data-parallel groups: every micro-batch gathers the expert
         // matrices its forward and backward copies read, and the expert biases (read through a
-        // reshape the micro-batches share) are gathered once per pass: 522,880 B per step.
+        // reshape the micro-batches share) are gathered once per pass: 522,880 B per step;
+        // with the load-balancing losses' all-gathers of every micro-batch (9,216 B) and their
+        // gradients' reduce-scatters (6,144 B), the dropped-token count's sum (64 B) and the
+        // expert shards' clipping norm over each expert-parallel group (32 B): 538,336 B.
         let z3: crate::planner::Layout = "dp=4,ep=2,pp=2,m=2,zero=3".parse().unwrap();
         let e = evaluate_layout(&model, &profile, &options, &z3).unwrap();
         let data = e.traffic.data_parallel;
-        assert_eq!(data.intra_bytes + data.inter_bytes, 522_880.0);
+        assert_eq!(data.intra_bytes + data.inter_bytes, 538_336.0);
+        // Per micro-batch and rank: 3 ring steps each of the two gathers and the
+        // reduce-scatter (8 ranks, 2 micro-batches: 144); the count's 2 rounds on the 4 ranks
+        // of the loss's stage (8) and the norm's one on each of the 8 ranks.
+        assert_eq!(e.moe_messages, 144.0 + 8.0 + 8.0);
         let report = super::super::plan(&model, &profile, &options).unwrap();
         let all = || report.ranked.iter().chain(&report.too_big);
         assert!(all()
@@ -1382,14 +1584,35 @@ mod tests {
             .all(|r| !r.reason.contains("micro-batch")));
     }
 
-    /// A job plan's bytes per step, every rank summed: its all-to-alls, and its data-parallel
-    /// collectives of floats (over `workers`, `pipeline/stage<s>`, `data_t<t>` and the
-    /// `experts_dp*` groups) but the load-balancing loss's all-gathers (which the table leaves
-    /// out; the dropped-token count is an integer).
-    fn expert_job_bytes(plan: &crate::strategy::JobPlan, rows: usize) -> (u64, u64) {
+    /// A job plan's collectives per step, every rank summed (see [`expert_job_bytes`]).
+    struct ExpertJobBytes {
+        /// Bytes of its all-to-alls.
+        all_to_all: u64,
+        /// Bytes of every other collective but those over the `tensor*` groups: the
+        /// gradients' and weights' (over `workers`, `pipeline/stage<s>`, `data_t<t>` and the
+        /// `experts_dp*` groups), the load-balancing losses' all-gathers and reduce-scatters,
+        /// the dropped-token count's sum, the clipping norms' (over the `experts_ep*` groups
+        /// too).
+        data: u64,
+        /// Messages of the MoE layers' collectives besides the all-to-alls and the gradients'
+        /// sums: the load-balancing losses' all-gathers and their gradients' reduce-scatters,
+        /// the dropped-token count's sum, the expert shards' clipping norm over each
+        /// expert-parallel group.
+        moe_messages: usize,
+        /// Bytes of every collective.
+        all: u64,
+    }
+
+    /// What `plan`'s collectives send per step with `rows` rows per replica, every rank summed.
+    fn expert_job_bytes(plan: &crate::strategy::JobPlan, rows: usize) -> ExpertJobBytes {
         use super::super::accounting;
-        use crate::planner::collective::{rank_bytes, Call};
-        let (mut a2a, mut data) = (0u64, 0u64);
+        use crate::planner::collective::{rank_bytes, rank_messages, Call};
+        let mut sums = ExpertJobBytes {
+            all_to_all: 0,
+            data: 0,
+            moe_messages: 0,
+            all: 0,
+        };
         for sig in plan.train_signatures() {
             for (device, part) in &sig.partitions.partitions {
                 let task = device.task_name().unwrap();
@@ -1397,7 +1620,7 @@ mod tests {
                 for i in f.node_indices() {
                     let node = f.node(i);
                     let call = match node.op {
-                        "CollectiveAllReduce" => Call::AllReduce,
+                        "CollectiveAllReduce" | "CollectiveTpReduce" => Call::AllReduce,
                         "CollectiveReduceScatter" => Call::ReduceScatter,
                         "CollectiveAllGather" => Call::AllGather,
                         "CollectiveAllToAll" => Call::AllToAll,
@@ -1407,26 +1630,65 @@ mod tests {
                         continue;
                     };
                     let group = plan.groups.iter().find(|x| x.key == *key).unwrap();
+                    let n = group.members.len();
                     let rank = group.members.iter().position(|m| *m == task).unwrap();
                     let (src, k) = f.inputs(i)[0];
                     let t = &f.node(src).outputs[k];
                     let elements = t.shape.num_elements().unwrap();
-                    let bytes =
-                        rank_bytes(call, group.members.len(), rank, elements, t.dtype.size_of());
+                    let size = t.dtype.size_of();
+                    let bytes = rank_bytes(call, n, rank, elements, size);
+                    sums.all += bytes;
                     if call == Call::AllToAll {
-                        a2a += bytes;
-                    } else if t.dtype.is_float()
-                        && !node.name.contains("aux_loss")
-                        && ["data_", "experts_dp", "pipeline/stage", "workers"]
-                            .iter()
-                            .any(|g| key.starts_with(g))
-                    {
-                        data += bytes;
+                        sums.all_to_all += bytes;
+                        continue;
+                    }
+                    if !key.starts_with("tensor") {
+                        sums.data += bytes;
+                    }
+                    // The expert strategy without ZeRO gathers the expert shards' norms
+                    // (`allreduce/clip/local/all_gather`, over `workers` where ep = dp).
+                    let moe = node.name.contains("aux_loss")
+                        || node.name.starts_with("moe/dropped")
+                        || node.name == "allreduce/clip/local/all_gather"
+                        || key.starts_with("experts_ep");
+                    if moe {
+                        sums.moe_messages += rank_messages(call, n, rank, elements, size);
                     }
                 }
             }
         }
-        (a2a, data)
+        sums
+    }
+
+    /// The table row `e` of an MoE layout `text` against its job plan `plan` (`rows` rows per
+    /// replica): the all-to-all bytes, the data-parallel bytes (every collective but the
+    /// all-to-alls and the tensor-parallel ones) and the MoE layers' other collectives'
+    /// messages equal the plan's, and so do all the collectives' bytes together.
+    fn assert_expert_collectives(
+        e: &super::Evaluation,
+        plan: &crate::strategy::JobPlan,
+        rows: usize,
+        text: &str,
+    ) -> ExpertJobBytes {
+        let bytes = |c: super::CommCost| c.intra_bytes + c.inter_bytes;
+        let job = expert_job_bytes(plan, rows);
+        let t = e.traffic;
+        assert_eq!(bytes(t.expert_parallel), job.all_to_all as f64, "{text}");
+        assert_eq!(bytes(t.data_parallel), job.data as f64, "{text}");
+        assert_eq!(e.moe_messages, job.moe_messages as f64, "{text}");
+        assert!(job.moe_messages > 0, "{text}");
+        let sent: u64 = super::super::accounting::traffic(plan, rows)
+            .unwrap()
+            .iter()
+            .map(|t| t.collective)
+            .sum();
+        assert_eq!(sent, job.all, "{text}");
+        assert_eq!(
+            bytes(t.tensor_parallel) + bytes(t.data_parallel) + bytes(t.expert_parallel),
+            sent as f64,
+            "{text}: every collective"
+        );
+        job
     }
 
     #[test]
@@ -1522,9 +1784,7 @@ mod tests {
             let layout: crate::planner::Layout = format!("dp=4,ep=2,zero={zero}").parse().unwrap();
             let e = evaluate_layout(&model, &profile, &options, &layout).unwrap();
             let plan = accounting::job_plan(&g, &train, "idx", "targets", &layout, 8).unwrap();
-            let (_, data) = expert_job_bytes(&plan, 2);
-            let table = e.traffic.data_parallel.intra_bytes + e.traffic.data_parallel.inter_bytes;
-            assert_eq!(table, data as f64, "zero={zero}");
+            assert_expert_collectives(&e, &plan, 2, &layout.short());
         }
         // A model without experts has no ep layout, and refuses one by name.
         let cfg = GptConfig {

@@ -169,6 +169,30 @@ impl MoeProfile {
     }
 }
 
+/// A load-balancing loss (`MoeAuxLoss`) of an MoE layer. Beside `ep > 1` the expert
+/// strategies (`strategy::expert::worker_forward`) all-gather both its inputs (the router's
+/// probabilities and the chosen experts) over the data-parallel group of the loss's stage, so
+/// that every rank computes the global batch's loss, even at α = 0; the gradient of a float
+/// input's all-gather is a reduce-scatter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AuxLossProfile {
+    /// The `MoeAuxLoss` node.
+    pub node: NodeIndex,
+    /// Its gathered inputs, in order.
+    pub gathered: Vec<GatheredInput>,
+}
+
+/// One input of a load-balancing loss the expert strategies all-gather.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GatheredInput {
+    /// Its bytes on one replica (rank) for a micro-batch of `rows` rows.
+    pub bytes: PerRows,
+    /// Bytes of one element.
+    pub element_bytes: usize,
+    /// Whether its gradient comes back (a float: the all-gather's gradient is a reduce-scatter).
+    pub gradient: bool,
+}
+
 /// A dimension tensor parallelism splits (it must divide by `tp`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SplitDim {
@@ -206,6 +230,9 @@ pub struct ModelProfile {
     /// The MoE layers, in graph order (none: the model has no experts, and no layout has an
     /// `ep` axis).
     pub moe: Vec<MoeProfile>,
+    /// The load-balancing losses of the MoE layers, in graph order (their inputs all-gathered
+    /// beside `ep > 1`).
+    pub aux_losses: Vec<AuxLossProfile>,
     /// The first op that couples the examples of a batch as configured (an MoE router that can
     /// drop tokens, a load-balancing loss with α > 0): a pipeline cut into several
     /// micro-batches would train another model, so `dflow run` refuses them (the pipeline
@@ -482,8 +509,10 @@ impl ModelProfile {
             .find(|n| crate::strategy::pipeline::couples_batch(n))
             .map(|n| n.name.clone());
         let tensor_refusal = crate::strategy::tensor::tensor_refusal(&g1, def, !moe.is_empty());
+        let aux_losses = aux_loss_profiles(&g1, &slot_bytes);
         let mut model = ModelProfile {
             moe,
+            aux_losses,
             batch_coupled,
             tensor_refusal,
             training_ops_per_op,
@@ -831,6 +860,30 @@ fn moe_profiles(
         });
     }
     (out, region)
+}
+
+/// The load-balancing losses of `g` (validated at one row), their first two inputs' bytes from
+/// `slot_bytes` (every node's outputs, as [`PerRows`]).
+fn aux_loss_profiles(g: &Graph, slot_bytes: &[Vec<PerRows>]) -> Vec<AuxLossProfile> {
+    g.node_indices()
+        .filter(|&i| g.node(i).op == "MoeAuxLoss")
+        .map(|i| AuxLossProfile {
+            node: i,
+            gathered: g
+                .inputs(i)
+                .into_iter()
+                .take(2)
+                .map(|(s, k)| {
+                    let t = &g.node(s).outputs[k];
+                    GatheredInput {
+                        bytes: slot_bytes[s.index()][k],
+                        element_bytes: t.dtype.size_of(),
+                        gradient: t.dtype.is_float(),
+                    }
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 /// Every node `from` depends on by data, `from` included.

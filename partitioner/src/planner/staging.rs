@@ -58,6 +58,9 @@ pub struct StageCosts {
     pub backward_expert_variables: f64,
     /// The MoE layers on this stage (indices into the model's `moe`).
     pub moe: Vec<usize>,
+    /// The load-balancing losses on this stage (indices into the model's `aux_losses`): beside
+    /// `ep > 1` their inputs are all-gathered over the stage's data-parallel group.
+    pub aux_losses: Vec<usize>,
     /// ZeRO-3 over a pipeline: the expert variables' gathers (see [`PassGathers`]).
     pub expert_gathers: PassGathers,
 }
@@ -104,6 +107,49 @@ impl PassGathers {
             per_step: self.per_step + other.per_step,
             calls_per_step: self.calls_per_step + other.calls_per_step,
         }
+    }
+}
+
+/// The tensor whose gradient is output `out` of `node`'s, as dflow's autodiff builds it: while
+/// its one reader is an `AddN`, or an `Add` of an input of the output's static shape, the
+/// reader's gradient passes through unchanged (no `ReduceToShapeOf`), so the gradient of each
+/// of the MoE layers' load-balancing losses added into the loss is the loss's, and a pipeline
+/// sends it back once. (An `Add` of a tensor that does not depend on the batch to one that does
+/// broadcasts at more rows than the model's one: not passed.)
+fn gradient_of(
+    model: &ModelProfile,
+    mut node: petgraph::graph::NodeIndex,
+    mut out: usize,
+) -> (petgraph::graph::NodeIndex, usize) {
+    let g = &model.graph;
+    loop {
+        let readers: Vec<_> = g
+            .out_edges(node)
+            .into_iter()
+            .filter(|(_, e)| {
+                matches!(e, dflow_graph::Edge::Data { src_output, .. } if *src_output == out)
+            })
+            .map(|(r, _)| r)
+            .collect();
+        let [reader] = readers[..] else {
+            return (node, out);
+        };
+        let r = g.node(reader);
+        let shape = &g.node(node).outputs[out].shape;
+        let passes = match r.op {
+            "AddN" => true,
+            "Add" => {
+                model.ops[node.index()].batch == model.ops[reader.index()].batch
+                    && r.outputs
+                        .first()
+                        .is_some_and(|o| shape.is_static() && o.shape == *shape)
+            }
+            _ => false,
+        };
+        if !passes {
+            return (node, out);
+        }
+        (node, out) = (reader, 0);
     }
 }
 
@@ -225,6 +271,9 @@ impl StagedModel {
                 costs[stage_of[i.index()]].moe.push(k);
             }
         }
+        for (k, a) in model.aux_losses.iter().enumerate() {
+            costs[stage_of[a.node.index()]].aux_losses.push(k);
+        }
         for op in &model.ops {
             let s = &mut costs[stage_of[op.node.index()]];
             s.ops += 1.0;
@@ -255,6 +304,9 @@ impl StagedModel {
             }
         }
         let mut crossings = Vec::new();
+        // The gradients already sent back to a stage, by the tensor whose gradient they are
+        // (`gradient_of`): one send each.
+        let mut gradients_sent: BTreeSet<(usize, usize, usize)> = BTreeSet::new();
         if stages > 1 {
             for idx in g.node_indices() {
                 let node = g.node(idx);
@@ -297,7 +349,10 @@ impl StagedModel {
                         split: op.split_output
                             || model.variable_of[idx.index()]
                                 .is_some_and(|v| model.variables[v].split),
-                        gradient: t.dtype.is_float() && op.needs_gradient,
+                        gradient: t.dtype.is_float() && op.needs_gradient && {
+                            let (n, k) = gradient_of(model, idx, out);
+                            gradients_sent.insert((from, n.index(), k))
+                        },
                         per_step: variable,
                     });
                 }
