@@ -21,29 +21,13 @@ echo "load before: $(cut -d' ' -f1-3 /proc/loadavg); $(nproc) CPUs" >&2
 GPT_SMALL=(tests/planner/gpt-2x32.json --data examples/data/shakespeare.txt.gz --batch-size 4 --steps 1000 --eval-every 0 --eval-batches 1 --quiet)
 GPT=(examples/gpt/gpt.json --data examples/data/shakespeare.txt.gz --batch-size 12 --steps 20 --eval-every 0 --eval-batches 1 --quiet)
 
-cluster_file() {
-  python3 - "$1" <<'PY'
-import socket, sys, json
-n = int(sys.argv[1]); socks = []
-for _ in range(n):
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
-print(json.dumps({"worker": ["127.0.0.1:%d" % s.getsockname()[1] for s in socks]}))
-PY
-}
+source tests/planner/jobs.sh
 
 # run BINDING WORKERS ARGS...: `MEDIAN MEAN` µs of one run, every task under --cpu-binding BINDING.
 run() {
-  local binding=$1 workers=$2; shift 2
-  cluster_file "$workers" > "$SCRATCH/cluster.json"
-  local others=()
-  for i in $(seq 1 $((workers - 1))); do
-    "$DFLOW" run --job worker --index "$i" --cluster "$SCRATCH/cluster.json" --cpu-binding "$binding" > /dev/null 2> "$SCRATCH/err$i" &
-    others+=($!)
-  done
-  "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" --cpu-binding "$binding" "$@" > /dev/null 2> "$SCRATCH/err"
-  wait "${others[@]}"
-  awk '/^step time: median/ { med = $4 } /^trained [0-9]+ steps in/ { mean = $5 / $2 * 1e6 }
-       END { printf "%.1f %.1f\n", med, mean }' "$SCRATCH/err"
+  local binding=$1 workers=$2
+  shift 2
+  run_job "$workers" "--cpu-binding $binding" "$@"
 }
 
 echo "| round | layout | auto: median / mean | none: median / mean | none / auto, median | none / auto, mean |"

@@ -35,38 +35,14 @@ predicted() {
            if (u == "ms") v *= 1000; else if (u == "s") v *= 1e6; else if (u == "ns") v /= 1000; print v }'
 }
 
-# step_of STDERR_FILE: `MEDIAN:MEAN`, µs per step, from `step time: median X µs` and from
-# `trained N steps in T s`.
-step_of() {
-  awk '/^step time: median/ { med = $4 } /^trained [0-9]+ steps in/ { mean = $5 / $2 * 1e6 }
-       END { printf "%.1f:%.1f\n", med, mean }' "$1"
-}
+source tests/planner/jobs.sh
 
-# cluster_file N: a cluster of N workers on free ports of 127.0.0.1.
-cluster_file() {
-  python3 - "$1" <<'PY'
-import socket, sys, json
-n = int(sys.argv[1]); socks = []
-for _ in range(n):
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
-print(json.dumps({"worker": ["127.0.0.1:%d" % s.getsockname()[1] for s in socks]}))
-PY
-}
-
-# measure WORKERS GRAPH ARGS...: RUNS step times (`MEDIAN:MEAN` µs), one per line. One process per task,
-# as a job runs on a cluster and as `dflow bench calibrate` runs its jobs.
+# measure WORKERS GRAPH ARGS...: RUNS step times (`MEDIAN:MEAN` µs), one per line.
 measure() {
-  local workers=$1 graph=$2; shift 2
+  local workers=$1
+  shift
   for _ in $(seq "$RUNS"); do
-    cluster_file "$workers" > "$SCRATCH/cluster.json"
-    local others=()
-    for i in $(seq 1 $((workers - 1))); do
-      "$DFLOW" run --job worker --index "$i" --cluster "$SCRATCH/cluster.json" > /dev/null 2> "$SCRATCH/err$i" &
-      others+=($!)
-    done
-    "$DFLOW" run --job worker --index 0 --cluster "$SCRATCH/cluster.json" "$graph" "$@" > /dev/null 2> "$SCRATCH/err"
-    wait "${others[@]}"
-    step_of "$SCRATCH/err"
+    run_job "$workers" "" "$@" | tr ' ' ':'
   done
 }
 
