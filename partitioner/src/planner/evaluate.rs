@@ -1173,22 +1173,7 @@ mod tests {
             devices: 4,
             batch_size: 8,
         };
-        let def = gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 1.25,
-                ..Default::default()
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let def = small_moe_gpt(|_| {});
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
         // ZeRO too: each stage's dense slots (ZeRO-3: and weights) halved over its replicas,
@@ -1279,22 +1264,7 @@ mod tests {
         use super::super::accounting;
         let model = moe_model();
         let profile = ClusterProfile::preset("this-machine").unwrap();
-        let def = gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 1.25,
-                ..Default::default()
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let def = small_moe_gpt(|_| {});
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
         // Tensor-parallel all-reduces: Megatron's around attention (one each way per block),
@@ -1356,15 +1326,15 @@ mod tests {
     /// bytes and messages (`tensor_s<s>_d<d>`), the data-parallel bytes (the dense gradients
     /// over `pipeline/stage<s>_t<t>`, the experts' over `experts_dp<k>_s<s>_t<t>`) and the
     /// bytes between stages are the job plan's, every task summed.
-    #[test]
-    fn a_dp_tp_pp_ep_layout_holds_its_stages_tp_shard_and_expert_shard_as_the_job_plan_does() {
-        let def = gpt(&GptConfig {
+    /// The tests' small MoE GPT: 2 blocks of 16 channels and 2 heads over 8 characters, a
+    /// vocabulary of 32, 4 experts, top-1, capacity factor 1.25; `tweak` changes the rest.
+    fn small_moe_gpt(tweak: impl FnOnce(&mut GptConfig)) -> dflow_graph::GraphDef {
+        let mut c = GptConfig {
             vocab_size: 32,
             block_size: 8,
             n_layer: 2,
             n_head: 2,
             n_embd: 16,
-            grad_clip: Some(1.0),
             moe: Some(dflow_graph::layers::MoeConfig {
                 num_experts: 4,
                 top_k: 1,
@@ -1372,9 +1342,16 @@ mod tests {
                 ..Default::default()
             }),
             ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        };
+        tweak(&mut c);
+        gpt(&c).unwrap().def
+    }
+
+    #[test]
+    fn a_dp_tp_pp_ep_layout_holds_its_stages_tp_shard_and_expert_shard_as_the_job_plan_does() {
+        let def = small_moe_gpt(|c| {
+            c.grad_clip = Some(1.0);
+        });
         let model = ModelProfile::new(&def, "idx", "targets").unwrap();
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
@@ -1459,23 +1436,14 @@ mod tests {
     /// messages are the job plan's.
     #[test]
     fn moe_collectives_over_groups_of_three_and_six_are_the_job_plans() {
-        let def = gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 12,
-            grad_clip: Some(1.0),
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 6,
-                top_k: 2,
-                capacity_factor: 1.25,
-                ..Default::default()
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let def = small_moe_gpt(|c| {
+            c.n_embd = 12;
+            c.grad_clip = Some(1.0);
+            if let Some(moe) = c.moe.as_mut() {
+                moe.num_experts = 6;
+                moe.top_k = 2;
+            }
+        });
         let model = ModelProfile::new(&def, "idx", "targets").unwrap();
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
@@ -1521,23 +1489,13 @@ mod tests {
     #[test]
     fn uncoupled_experts_over_a_pipeline_take_micro_batches_as_the_job_plan_does() {
         let profile = ClusterProfile::preset("this-machine").unwrap();
-        let def = gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            grad_clip: Some(1.0),
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 4.0,
-                aux_loss_coef: 0.0,
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let def = small_moe_gpt(|c| {
+            c.grad_clip = Some(1.0);
+            if let Some(moe) = c.moe.as_mut() {
+                moe.capacity_factor = 4.0;
+                moe.aux_loss_coef = 0.0;
+            }
+        });
         let model = ModelProfile::new(&def, "idx", "targets").unwrap();
         assert_eq!(model.batch_coupled, None);
         let g = dflow_graph::Graph::from_def(&def).unwrap();
@@ -1716,22 +1674,7 @@ mod tests {
         );
         assert_eq!(dp.traffic.expert_parallel, super::CommCost::default());
         // The all-to-alls: what the job plan's CollectiveAllToAll ops send, every rank summed.
-        let def = gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 1.25,
-                ..Default::default()
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let def = small_moe_gpt(|_| {});
         let g = dflow_graph::Graph::from_def(&def).unwrap();
         let train = def.train.clone().unwrap();
         let plan = accounting::job_plan(&g, &train, "idx", "targets", &ep.layout, 8).unwrap();
@@ -2161,23 +2104,9 @@ mod tests {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/gpt/gpt.json");
         let text = std::fs::read_to_string(path).unwrap();
         let def = dflow_graph::format::parse_json(&text, None).unwrap().def;
-        let moe = gpt(&GptConfig {
-            vocab_size: 32,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            grad_clip: Some(1.0),
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 1.25,
-                ..Default::default()
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let moe = small_moe_gpt(|c| {
+            c.grad_clip = Some(1.0);
+        });
         let profile = ClusterProfile::preset("this-machine").unwrap();
         let cases: Vec<(&dflow_graph::GraphDef, &str)> = vec![
             (&def, "tp=2"),
@@ -2339,23 +2268,10 @@ mod tests {
         }
         // The MoE GPT of 33 tokens beside tp (`dp=2,tp=2,ep=2`, the tensor strategy with ep;
         // `dp=2,tp=2,pp=2,ep=2`, the 4-axis mesh): padded the same way.
-        let moe = gpt(&GptConfig {
-            vocab_size: 33,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 16,
-            grad_clip: Some(1.0),
-            moe: Some(dflow_graph::layers::MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 1.25,
-                ..Default::default()
-            }),
-            ..GptConfig::default()
-        })
-        .unwrap()
-        .def;
+        let moe = small_moe_gpt(|c| {
+            c.vocab_size = 33;
+            c.grad_clip = Some(1.0);
+        });
         let moe_model = ModelProfile::new(&moe, "idx", "targets").unwrap();
         assert_eq!(moe_model.vocabulary, Some(33));
         let g = dflow_graph::Graph::from_def(&moe).unwrap();
