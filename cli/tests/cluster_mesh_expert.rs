@@ -70,9 +70,10 @@ fn dp4_ep2_trains_like_one_process_and_dp2_ep2_is_the_expert_strategy() {
     for (top_k, clip) in [(1, None), (2, Some(0.1))] {
         let graph = tiny_moe_gpt(&dir, top_k, clip);
         let tag = format!("top{top_k}-{clip:?}");
-        let local = run(&graph, &[], 5, &dir.join(format!("one-{tag}")));
+        let (local, one_validation) = run_out(&graph, &[], 5, &dir.join(format!("one-{tag}")));
         assert_eq!(local.len(), 5);
-        let mesh = run(
+        assert!(!one_validation.is_empty(), "no validation loss printed");
+        let (mesh, validation) = run_out(
             &graph,
             &["--cluster", FOUR, "--mesh", "dp=4,ep=2"],
             5,
@@ -80,13 +81,16 @@ fn dp4_ep2_trains_like_one_process_and_dp2_ep2_is_the_expert_strategy() {
         );
         let worst = assert_same_losses(&mesh, &local, 1e-5);
         eprintln!("dp=4,ep=2 top-{top_k} clip {clip:?}: worst relative difference {worst:e}");
+        // Evaluated with the experts on their ranks (activations sent to them): one process's.
+        assert_eq!(validation, one_validation, "dp=4,ep=2 {tag}");
         if clip.is_none() {
-            let two = run(
+            let (two, validation) = run_out(
                 &graph,
                 &["--cluster", TWO, "--mesh", "dp=2,ep=2"],
                 5,
                 &dir.join(format!("dp2ep2-{tag}")),
             );
+            assert_eq!(validation, one_validation, "dp=2,ep=2 {tag}");
             let expert = run(
                 &graph,
                 &["--cluster", TWO, "--strategy", "expert"],
@@ -153,7 +157,8 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-zero");
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let one = dir.join("one");
-    let local = run(&graph, &[], 5, &one);
+    let (local, one_validation) = run_out(&graph, &[], 5, &one);
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     let whole = checkpoint_f32(&one);
     for stage in ["1", "2", "3"] {
         let mesh = [
@@ -165,9 +170,11 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             stage,
         ];
         let ckpt = dir.join(format!("zero{stage}"));
-        let losses = run(&graph, &mesh, 5, &ckpt);
+        let (losses, validation) = run_out(&graph, &mesh, 5, &ckpt);
         let worst = assert_same_losses(&losses, &local, 1e-5);
         eprintln!("dp=4,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
+        // Evaluated with the experts on their ranks: one process's validation loss.
+        assert_eq!(validation, one_validation, "dp=4,ep=2 ZeRO-{stage}");
         let saved = checkpoint_f32(&ckpt);
         assert_eq!(
             saved.keys().collect::<Vec<_>>(),
@@ -227,23 +234,25 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             }
             // dp=2,ep=2: no other worker holds a worker's experts; their slots stay whole and
             // ZeRO shards the dense ones over both.
-            let two = run(
+            let (two, validation) = run_out(
                 &graph,
                 &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "1"],
                 5,
                 &dir.join("dp2ep2-zero1"),
             );
+            assert_eq!(validation, one_validation, "dp=2,ep=2 ZeRO-1");
             let worst = assert_same_losses(&two, &local, 1e-5);
             eprintln!("dp=2,ep=2 ZeRO-1: worst relative loss difference {worst:e}");
         }
         if stage == "3" {
             // dp=2,ep=2: the dense weights sharded over both workers, the experts whole.
-            let two = run(
+            let (two, validation) = run_out(
                 &graph,
                 &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"],
                 5,
                 &dir.join("dp2ep2-zero3"),
             );
+            assert_eq!(validation, one_validation, "dp=2,ep=2 ZeRO-3");
             let worst = assert_same_losses(&two, &local, 1e-5);
             eprintln!("dp=2,ep=2 ZeRO-3: worst relative loss difference {worst:e}");
             // A one-process checkpoint resumes under dp=4,ep=2 ZeRO-3 (split into the

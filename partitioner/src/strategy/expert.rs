@@ -72,6 +72,7 @@
 //! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
 //! ([`super::tensor::experts`], through `worker_forward`).
 
+mod ep_eval;
 pub(crate) mod eval;
 pub mod pipeline;
 pub mod zero;
@@ -303,14 +304,14 @@ impl Strategy for Expert {
             }
         }
         let layout = ExpertLayout::new(workers, self.ep.unwrap_or(workers))?;
-        let graphs = expert_training_with(
+        let graphs = expert_training_evaluating(
             input.graph,
             input.train,
             layout,
-            input.features,
-            input.labels,
+            (input.features, input.labels),
             self.bucket_bytes,
             self.zero,
+            self.batch_size,
         )?;
         let placement = input.explicit_placement();
         let tasks: Vec<String> = input.worker_task_names();
@@ -744,6 +745,30 @@ pub fn expert_training_with(
     bucket_bytes: usize,
     zero: Option<u8>,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
+    expert_training_evaluating(
+        graph,
+        spec,
+        layout,
+        (features, labels),
+        bucket_bytes,
+        zero,
+        None,
+    )
+}
+
+/// [`expert_training_with`], whose evaluation, given the held-out batches' rows (`eval_rows`,
+/// the global batch size), runs the experts on their ranks of expert-parallel group 0 and the
+/// rest on worker 0, moving activations only ([`ep_eval`]); without it worker 0 evaluates a
+/// copy that joins every expert's shards ([`add_eval_copy`]).
+pub fn expert_training_evaluating(
+    graph: &Graph,
+    spec: &TrainSpec,
+    layout: ExpertLayout,
+    (features, labels): (&str, &str),
+    bucket_bytes: usize,
+    zero: Option<u8>,
+    eval_rows: Option<usize>,
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
     let (workers, ep) = (layout.workers(), layout.ep());
     let loss_dtype = check_job(graph, spec, workers, features, labels)?;
     if zero.is_some() {
@@ -793,18 +818,26 @@ pub fn expert_training_with(
             )?
         };
         add_dropped_count(&mut g, &forward, i)?;
-        if i == 0 {
-            let stage3 = zero.is_some_and(|s| s >= 3);
-            let device = |_: &str, j: usize| worker_device("", "", j);
-            let copy = EvalCopy {
-                layout,
-                stage3,
-                shard_device: &device,
-                own_placeholders: false,
-            };
-            add_eval_copy(&mut g, graph, &forward, &layers, spec, copy)?;
-        }
         graphs.push(g);
+    }
+    let device = |_: &str, j: usize| worker_device("", "", j);
+    let copy = EvalCopy {
+        layout,
+        stage3: zero.is_some_and(|s| s >= 3),
+        shard_device: &device,
+        own_placeholders: false,
+    };
+    let feeds = (features, labels);
+    let staged = match eval_rows {
+        Some(rows) => {
+            ep_eval::add_ep_eval(&mut graphs, graph, &forward, &layers, spec, &copy, feeds, rows)?
+        }
+        None => false,
+    };
+    if !staged {
+        if let Some(g) = graphs.first_mut() {
+            add_eval_copy(g, graph, &forward, &layers, spec, copy)?;
+        }
     }
     Ok(graphs)
 }

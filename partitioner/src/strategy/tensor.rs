@@ -63,7 +63,7 @@
 //! MoE blocks without an expert-parallel axis.
 
 mod data;
-mod eval;
+pub(crate) mod eval;
 pub mod experts;
 pub mod experts_pipeline;
 pub mod hand;

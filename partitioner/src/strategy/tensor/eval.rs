@@ -483,7 +483,7 @@ fn peer_gathers(
 
 /// `placeholder` with its batch dimension set to `rows`; `None` when it is fixed at another
 /// size or the shape is not known.
-fn static_batch(placeholder: &NodeDef, rows: usize) -> Option<NodeDef> {
+pub(crate) fn static_batch(placeholder: &NodeDef, rows: usize) -> Option<NodeDef> {
     let mut p = placeholder.clone();
     match p.attrs.get_mut("shape") {
         Some(AttrValue::IntList(dims)) => {
