@@ -276,3 +276,152 @@ pub(crate) fn add_ep_eval(
     g0.eval.metrics = spec.metrics.iter().map(|m| remap(m, &[&map])).collect();
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{expert_training_evaluating, moe_layers, ExpertLayout};
+    use crate::strategy::ReplicaGraph;
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use dflow_graph::{Graph, InputRef, NodeDef};
+    use std::collections::{BTreeSet, HashMap, HashSet};
+
+    /// A two-block GPT with 4-expert MoE MLPs, top-2, nothing dropped.
+    fn moe_gpt() -> (Graph, dflow_graph::train::TrainSpec) {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 2,
+                capacity_factor: 4.0,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        let model = gpt(&cfg).unwrap();
+        let spec = model.def.train.clone().unwrap();
+        (Graph::from_def(&model.def).unwrap(), spec)
+    }
+
+    fn task_of(device: &str) -> usize {
+        dflow_graph::DeviceName::parse(device)
+            .ok()
+            .and_then(|d| d.task)
+            .map_or(usize::MAX, |t| t as usize)
+    }
+
+    /// Every tensor computed from weights alone (a variable, or an op all of whose data inputs
+    /// are) that an evaluation node (`eval/...`) of `g` reads from another task: `(tensor,
+    /// its task, the reader's task)`.
+    fn weights_crossing_tasks(g: &ReplicaGraph) -> Vec<(String, usize, usize)> {
+        let typed = &g.graph;
+        let mut weighty: HashSet<String> = HashSet::new();
+        for i in typed.topo_order() {
+            let n = typed.node(i);
+            let inputs = typed.inputs(i);
+            if n.op_def().is_variable
+                || (!inputs.is_empty()
+                    && inputs
+                        .iter()
+                        .all(|(p, _)| weighty.contains(&typed.node(*p).name)))
+            {
+                weighty.insert(n.name.clone());
+            }
+        }
+        let by_name: HashMap<&str, &NodeDef> = g
+            .training
+            .def
+            .nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n))
+            .collect();
+        let mut out = Vec::new();
+        for n in g.training.def.nodes.iter().filter(|n| n.name.starts_with("eval/")) {
+            for i in &n.inputs {
+                let Ok(InputRef::Data { node: p, .. }) = InputRef::parse(i) else {
+                    continue;
+                };
+                let (from, to) = (task_of(&by_name[p.as_str()].device), task_of(&n.device));
+                if weighty.contains(&p) && from != to {
+                    out.push((p, from, to));
+                }
+            }
+        }
+        out
+    }
+
+    /// `dp=4,ep=2` with a known batch, ZeRO 0, 1 and 3: the evaluation runs worker 0's
+    /// one-process forward graph with each MoE layer's expert ops on its ranks of expert group
+    /// 0 (workers 0 and 1, each on its own shard), so no expert weight (nor a piece of one)
+    /// reaches worker 0 from another worker, and without ZeRO-3 no weight crosses at all; under
+    /// ZeRO-3 only flat shards cross, each to where its weight is used: a dense one to worker
+    /// 0, an expert shard `j`'s to worker `j` (from its expert-data-parallel peer). The old
+    /// evaluation (no static batch) joins expert shard 1 on worker 0: this fails on it.
+    #[test]
+    fn dp4_ep2_evaluates_each_experts_on_its_rank_and_joins_no_expert_weight_on_worker_0() {
+        let (graph, spec) = moe_gpt();
+        let layout = ExpertLayout::new(4, 2).unwrap();
+        let layers = moe_layers(&graph, &graph.to_def()).unwrap();
+        let planned = |zero, rows| {
+            expert_training_evaluating(
+                &graph,
+                &spec,
+                layout,
+                ("idx", "targets"),
+                1 << 20,
+                zero,
+                rows,
+            )
+            .unwrap()
+        };
+        let old = planned(None, None);
+        assert!(weights_crossing_tasks(&old[0])
+            .iter()
+            .any(|(p, from, to)| p.contains("experts") && *from == 1 && *to == 0));
+        for zero in [None, Some(1), Some(3)] {
+            let graphs = planned(zero, Some(8));
+            let g0 = &graphs[0];
+            let crossing = weights_crossing_tasks(g0);
+            if zero != Some(3) {
+                assert!(crossing.is_empty(), "{zero:?}: {crossing:?}");
+            }
+            for (p, from, to) in &crossing {
+                assert!(p.contains("/shard_") && p.ends_with("/sent"), "{p}");
+                if let Some(j) = (0..2).find(|j| p.contains(&format!("/shard_{j}/shard_"))) {
+                    // An expert shard's flat piece, to the rank that holds the shard.
+                    assert_eq!((*to, from % 2), (j, j), "{zero:?}: {p}");
+                } else {
+                    assert!(!p.contains("experts") && *to == 0, "{zero:?}: {p}");
+                }
+            }
+            // Compute on workers 0 and 1 only; worker 1 runs each layer's experts on its shard.
+            let eval: Vec<&NodeDef> = g0
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.name.starts_with("eval/"))
+                .collect();
+            let computing: BTreeSet<usize> = eval
+                .iter()
+                .filter(|n| !matches!(n.op.as_str(), "Identity" | "Variable"))
+                .map(|n| task_of(&n.device))
+                .collect();
+            assert_eq!(computing, BTreeSet::from([0, 1]), "{zero:?}");
+            let by_name: HashMap<&str, &&NodeDef> =
+                eval.iter().map(|n| (n.name.as_str(), n)).collect();
+            for l in &layers {
+                let matmuls = l.expert_nodes.iter().filter(|x| x.ends_with("/matmul"));
+                for (x, j) in matmuls.flat_map(|x| [(x, 0), (x, 1)]) {
+                    let copy = by_name[format!("eval/ep{j}/{x}").as_str()];
+                    assert_eq!(task_of(&copy.device), j, "{zero:?}: {x}");
+                }
+            }
+            // No collective: the experts' tokens go by Send/Recv.
+            assert!(eval.iter().all(|n| !n.op.starts_with("Collective")));
+        }
+    }
+}
