@@ -829,9 +829,16 @@ pub fn expert_training_evaluating(
     };
     let feeds = (features, labels);
     let staged = match eval_rows {
-        Some(rows) => {
-            ep_eval::add_ep_eval(&mut graphs, graph, &forward, &layers, spec, &copy, feeds, rows)?
-        }
+        Some(rows) => ep_eval::add_ep_eval(
+            &mut graphs,
+            graph,
+            &forward,
+            &layers,
+            spec,
+            &copy,
+            feeds,
+            rows,
+        )?,
         None => false,
     };
     if !staged {

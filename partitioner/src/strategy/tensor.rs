@@ -2615,7 +2615,13 @@ mod tests {
             .map(|n| (n.name.as_str(), n))
             .collect();
         let mut out = Vec::new();
-        for n in g.training.def.nodes.iter().filter(|n| n.name.starts_with("eval/")) {
+        for n in g
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+        {
             for i in &n.inputs {
                 let Ok(InputRef::Data { node: p, .. }) = InputRef::parse(i) else {
                     continue;
@@ -2689,7 +2695,11 @@ mod tests {
             let task = task_of(&n.device);
             if task >= 2 {
                 // The other replica only joins the gathers.
-                assert!(matches!(n.op.as_str(), "CollectiveAllGather" | "Size"), "{}", n.name);
+                assert!(
+                    matches!(n.op.as_str(), "CollectiveAllGather" | "Size"),
+                    "{}",
+                    n.name
+                );
             }
             if n.op == "CollectiveAllGather" {
                 assert_eq!(

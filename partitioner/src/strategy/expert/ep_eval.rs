@@ -60,7 +60,13 @@ pub(crate) fn add_ep_eval(
     };
     let (workers, ep) = (copy.layout.workers(), copy.layout.ep());
     let worker0 = worker_device("", "", 0)?;
-    let mut taken: HashSet<String> = g0.training.def.nodes.iter().map(|n| n.name.clone()).collect();
+    let mut taken: HashSet<String> = g0
+        .training
+        .def
+        .nodes
+        .iter()
+        .map(|n| n.name.clone())
+        .collect();
     let mut map: HashMap<String, String> = HashMap::new();
     let mut added: Vec<NodeDef> = Vec::new();
     // The held-out batch on worker 0, of a static batch (the blocks crossing have static sizes).
@@ -253,9 +259,9 @@ pub(crate) fn add_ep_eval(
         ..GraphDef::default()
     };
     let reads = |value: &str, n: &NodeDef| {
-        n.inputs.iter().any(|i| {
-            matches!(InputRef::parse(i), Ok(InputRef::Data { node, .. }) if node == value)
-        })
+        n.inputs
+            .iter()
+            .any(|i| matches!(InputRef::parse(i), Ok(InputRef::Data { node, .. }) if node == value))
     };
     let mut readers: Vec<(String, Vec<String>)> = Vec::new();
     for (value, sent) in &sends {
@@ -339,7 +345,13 @@ mod tests {
             .map(|n| (n.name.as_str(), n))
             .collect();
         let mut out = Vec::new();
-        for n in g.training.def.nodes.iter().filter(|n| n.name.starts_with("eval/")) {
+        for n in g
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+        {
             for i in &n.inputs {
                 let Ok(InputRef::Data { node: p, .. }) = InputRef::parse(i) else {
                     continue;

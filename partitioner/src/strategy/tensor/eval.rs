@@ -185,21 +185,11 @@ pub(super) fn add_sharded_eval(
                 waits.push(format!("^{node}"));
             }
         }
-        copies.push(
-            map.into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
-        );
+        copies.push(map.into_iter().map(|(k, v)| (k.to_string(), v)).collect());
     }
     if let Some((zero, gathers)) = zero3 {
         added.extend(peer_gathers(
-            peers,
-            zero,
-            gathers,
-            &copies,
-            &added,
-            &mut taken,
-            &mut waits,
+            peers, zero, gathers, &copies, &added, &mut taken, &mut waits,
         )?);
     }
     // Rank 0's loss waits for every other rank's fetches: the step runs all of them.
@@ -335,10 +325,7 @@ pub(super) fn flat_gathers(
             crate::strategy::allreduce::node(&value, "FlatSlice", vec![gather.clone()], &device);
         s.attrs = [
             ("offset", AttrValue::Int(0)),
-            (
-                "shape",
-                AttrValue::Shape(dflow_graph::Shape::known(&dims)),
-            ),
+            ("shape", AttrValue::Shape(dflow_graph::Shape::known(&dims))),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
