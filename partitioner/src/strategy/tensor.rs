@@ -65,6 +65,7 @@
 mod data;
 pub(crate) mod eval;
 pub mod experts;
+mod experts_eval;
 pub mod experts_pipeline;
 pub mod hand;
 pub mod mesh3d;
@@ -897,7 +898,9 @@ pub fn mesh_training_evaluating(
             rows,
         };
         let zero = zero.as_ref().map(|z| (z, gathers.as_slice()));
-        sharded_eval = eval::add_sharded_eval(&mut graphs, &ranks, spec, &feeds, base, zero)?;
+        let shared = HashSet::new();
+        sharded_eval =
+            eval::add_sharded_eval(&mut graphs, &ranks, spec, &feeds, base, zero, &shared)?;
     }
     if !sharded_eval {
         if let Some(g0) = graphs.first_mut() {

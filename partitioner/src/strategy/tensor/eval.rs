@@ -49,7 +49,10 @@ pub(super) struct EvalFeeds<'a> {
 }
 
 /// Points `g0`'s evaluation (rank 0's graph) at a forward step over the tensor-parallel ranks
-/// whose forward graphs are `ranks` (rank `t` on worker `t`), see the module docs. Returns
+/// whose forward graphs are `ranks` (rank `t` on worker `t`), see the module docs. Under
+/// ZeRO-3 (`zero3`: the layout and each rank's [`flat_gathers`]) the other replicas join the
+/// ranks' gathers ([`peer_gathers`]). The nodes of ranks `t > 0` named in `shared` (an MoE
+/// layer, replicated over tp) are not copied: those ranks read rank 0's copy. Returns
 /// `false`, changing nothing, when the batch cannot be made static (a placeholder's batch
 /// dimension is fixed at another size than `feeds.rows`).
 pub(super) fn add_sharded_eval(
@@ -59,6 +62,7 @@ pub(super) fn add_sharded_eval(
     feeds: &EvalFeeds<'_>,
     instance_base: i64,
     zero3: Option<(&Zero3, &[Vec<FlatGather>])>,
+    shared: &HashSet<String>,
 ) -> Result<bool, StrategyError> {
     let (Some(first), Some((g0, peers))) = (ranks.first(), graphs.split_first_mut()) else {
         return Ok(false);
@@ -112,6 +116,13 @@ pub(super) fn add_sharded_eval(
         // Each node's name in the evaluation copy.
         let mut map: HashMap<&str, String> = HashMap::new();
         for x in &rank.def.nodes {
+            if t > 0 && shared.contains(&x.name) {
+                // Computed once, by rank 0: read its copy.
+                if let Some(to) = copies.first().and_then(|c| c.get(&x.name)) {
+                    map.insert(&x.name, to.clone());
+                }
+                continue;
+            }
             let to = match x.op.as_str() {
                 // Rank t's shards are its own; the replicated weights are read from worker 0.
                 "Variable" => {
@@ -153,6 +164,7 @@ pub(super) fn add_sharded_eval(
             .nodes
             .iter()
             .filter(|x| x.op != "Variable" && x.op != "Placeholder")
+            .filter(|x| t == 0 || !shared.contains(&x.name))
         {
             let mut copy = x.clone();
             copy.name = remap(&x.name);
