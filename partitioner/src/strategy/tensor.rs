@@ -2589,7 +2589,7 @@ mod tests {
     /// The tensors computed from weights alone (a variable, or an op all of whose data inputs
     /// are) that an evaluation node (`eval/...`) of `g` reads from another task, with the
     /// reader: a weight (or a piece of one) moving between devices.
-    fn weights_crossing_tasks(g: &ReplicaGraph) -> Vec<(String, String)> {
+    pub(super) fn weights_crossing_tasks(g: &ReplicaGraph) -> Vec<(String, String)> {
         let task = |device: &str| {
             dflow_graph::DeviceName::parse(device)
                 .ok()

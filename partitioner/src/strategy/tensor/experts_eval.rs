@@ -120,7 +120,14 @@ fn experts_on_their_ranks(
     let worker0 = worker_device("", "", 0)?;
     let in_g0: HashSet<&str> = graphs
         .first()
-        .map(|g| g.training.def.nodes.iter().map(|n| n.name.as_str()).collect())
+        .map(|g| {
+            g.training
+                .def
+                .nodes
+                .iter()
+                .map(|n| n.name.as_str())
+                .collect()
+        })
         .unwrap_or_default();
     let declared = |task: usize, name: &str| -> Result<NodeDef, StrategyError> {
         graphs
@@ -230,7 +237,11 @@ fn experts_on_their_ranks(
                 },
                 Err(_) => input.to_string(),
             };
-            for x in def.nodes.iter().filter(|n| l.expert_nodes.contains(&n.name)) {
+            for x in def
+                .nodes
+                .iter()
+                .filter(|n| l.expert_nodes.contains(&n.name))
+            {
                 let mut c = x.clone();
                 c.name = local[&x.name].clone();
                 c.inputs = x.inputs.iter().map(|i| rename(i)).collect();
@@ -316,4 +327,131 @@ pub(super) fn add_expert_eval(
         }
     }
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::experts::mesh_expert_training_evaluating;
+    use super::super::tests::weights_crossing_tasks;
+    use crate::mesh::Mesh;
+    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use dflow_graph::{Graph, NodeDef};
+    use std::collections::{BTreeSet, HashMap};
+
+    fn task_of(device: &str) -> usize {
+        dflow_graph::DeviceName::parse(device)
+            .ok()
+            .and_then(|d| d.task)
+            .map_or(usize::MAX, |t| t as usize)
+    }
+
+    /// `dp=2,tp=2,ep=2` (ZeRO 0, 1 and 3) and `dp=4,tp=2,ep=2` ZeRO-3 with a known batch:
+    /// the evaluation runs on tp group 0 (workers 0 and 1) with each MoE layer's experts on the
+    /// tp-0 ranks of the replicas holding them (workers 0 and 2), so no weight (nor a piece of
+    /// one) reaches worker 0 from another worker but expert shard 0's flat half and no tp
+    /// shard leaves its worker: what crosses is the replicated weights from worker 0 to rank 1
+    /// (as `dp,tp` evaluates) and, under ZeRO-3 with `D > E`, an expert shard's flat halves to
+    /// the rank holding that shard. Worker 0's old copy (no batch size) joins every shard
+    /// there: this fails on it.
+    #[test]
+    fn evaluates_on_tp_group_0_with_experts_on_their_ranks_and_joins_nothing_on_worker_0() {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                top_k: 2,
+                capacity_factor: 4.0,
+                ..MoeConfig::default()
+            }),
+            ..GptConfig::default()
+        };
+        let model = gpt(&cfg).unwrap();
+        let spec = model.def.train.clone().unwrap();
+        let graph = Graph::from_def(&model.def).unwrap();
+        let planned = |dp, zero, rows| {
+            let mesh = Mesh::new(dp, 2, 1).unwrap().with_ep(2).unwrap();
+            mesh_expert_training_evaluating(
+                &graph,
+                &spec,
+                &mesh,
+                1 << 20,
+                zero,
+                ("idx", "targets"),
+                rows,
+            )
+            .unwrap()
+            .graphs
+        };
+        let into_worker_0 = |g: &crate::strategy::ReplicaGraph| {
+            let device: HashMap<&str, &str> = g
+                .training
+                .def
+                .nodes
+                .iter()
+                .map(|n| (n.name.as_str(), n.device.as_str()))
+                .collect();
+            weights_crossing_tasks(g)
+                .into_iter()
+                .filter(|(_, reader)| task_of(device[reader.as_str()]) == 0)
+                .count()
+        };
+        assert!(into_worker_0(&planned(2, None, None)[0]) > 0);
+        for (dp, zero) in [(2, None), (2, Some(1)), (2, Some(3)), (4, Some(3))] {
+            let graphs = planned(dp, zero, Some(8));
+            let g0 = &graphs[0];
+            let by_name: HashMap<&str, &NodeDef> = g0
+                .training
+                .def
+                .nodes
+                .iter()
+                .map(|n| (n.name.as_str(), n))
+                .collect();
+            for (p, reader) in weights_crossing_tasks(g0) {
+                let (from, to) = (
+                    task_of(&by_name[p.as_str()].device),
+                    task_of(&by_name[reader.as_str()].device),
+                );
+                assert!(
+                    !p.contains("/tp_"),
+                    "{dp} {zero:?}: `{p}` leaves worker {from}"
+                );
+                if let Some(j) = (0..2).find(|j| p.contains(&format!("/shard_{j}/shard_"))) {
+                    // A flat half of expert shard j, to its rank of tp coordinate 0 (worker 0
+                    // holds shard 0: its other half comes from replica 2).
+                    assert_eq!((dp, zero, to), (4, Some(3), 2 * j), "`{p}`");
+                } else {
+                    assert_ne!(to, 0, "{dp} {zero:?}: `{p}` reaches worker 0");
+                    assert!(
+                        from == 0 && to == 1 && !p.contains("experts"),
+                        "{dp} {zero:?}: `{p}` from {from} to {to}"
+                    );
+                }
+            }
+            let eval: Vec<&NodeDef> = g0
+                .training
+                .def
+                .nodes
+                .iter()
+                .filter(|n| n.name.starts_with("eval/"))
+                .collect();
+            // Every expert matmul on worker 0 or 2 (replicas 0 and 1 of tp coordinate 0).
+            let experts: BTreeSet<usize> = eval
+                .iter()
+                .filter(|n| n.op == "BatchMatMul" && n.name.contains(".experts."))
+                .map(|n| task_of(&n.device))
+                .collect();
+            assert_eq!(experts, BTreeSet::from([0, 2]), "{dp} {zero:?}");
+            // Rank 1 runs no MoE layer of its own.
+            assert!(!eval
+                .iter()
+                .any(|n| task_of(&n.device) == 1 && n.op.starts_with("Moe")));
+            assert!(eval
+                .iter()
+                .all(|n| n.op != "Concat" || n.name.contains("/eval_experts")));
+        }
+    }
 }
