@@ -827,18 +827,15 @@ pub fn expert_training_evaluating(
         shard_device: &device,
         own_placeholders: false,
     };
-    let feeds = (features, labels);
     let staged = match eval_rows {
-        Some(rows) => ep_eval::add_ep_eval(
-            &mut graphs,
-            graph,
-            &forward,
-            &layers,
-            spec,
-            &copy,
-            feeds,
-            rows,
-        )?,
+        Some(rows) => {
+            let feeds = crate::strategy::tensor::eval::EvalFeeds {
+                features,
+                labels,
+                rows,
+            };
+            ep_eval::add_ep_eval(&mut graphs, graph, &forward, &layers, spec, &copy, &feeds)?
+        }
         None => false,
     };
     if !staged {

@@ -17,7 +17,7 @@
 
 use super::{shard_name, shard_variable, zero, EvalCopy, FlatJoin, MoeLayer};
 use crate::strategy::allreduce::{fresh, node, worker_device};
-use crate::strategy::tensor::eval::static_batch;
+use crate::strategy::tensor::eval::{static_batch, EvalFeeds};
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
@@ -42,9 +42,10 @@ fn remap(input: &str, maps: &[&HashMap<String, String>]) -> String {
 
 /// Points `graphs[0]`'s evaluation at the forward graph `forward` (validated as `graph`) run
 /// on worker 0 with each MoE layer's experts on their ranks of expert-parallel group 0 (see
-/// the module docs); `copy.layout` and `copy.stage3` say where the shards are, `feeds` are the
-/// features and labels placeholders, `rows` the held-out batch's rows. Returns `false`, changing nothing, when the batch cannot be made
-/// static (a placeholder's batch dimension fixed at another size).
+/// the module docs); `copy.layout` and `copy.stage3` say where the shards are, `feeds` names
+/// the features and labels placeholders and the held-out batch's rows. Returns `false`,
+/// changing nothing, when the batch cannot be made static (a placeholder's batch dimension
+/// fixed at another size).
 pub(crate) fn add_ep_eval(
     graphs: &mut [ReplicaGraph],
     graph: &Graph,
@@ -52,9 +53,9 @@ pub(crate) fn add_ep_eval(
     layers: &[MoeLayer],
     spec: &TrainSpec,
     copy: &EvalCopy<'_>,
-    feeds: (&str, &str),
-    rows: usize,
+    feeds: &EvalFeeds<'_>,
 ) -> Result<bool, StrategyError> {
+    let rows = feeds.rows;
     let Some((g0, peers)) = graphs.split_first_mut() else {
         return Ok(false);
     };
@@ -71,7 +72,7 @@ pub(crate) fn add_ep_eval(
     let mut added: Vec<NodeDef> = Vec::new();
     // The held-out batch on worker 0, of a static batch (the blocks crossing have static sizes).
     let mut placeholders = Vec::new();
-    for name in [feeds.0, feeds.1] {
+    for name in [feeds.features, feeds.labels] {
         let Some(p) = forward.nodes.iter().find(|n| n.name == name) else {
             return Ok(false);
         };

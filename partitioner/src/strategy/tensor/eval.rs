@@ -39,7 +39,7 @@ pub(super) fn first_free_instance(graphs: &[ReplicaGraph]) -> i64 {
 }
 
 /// What the evaluation of one sharded step reads: the batch's placeholders and its size.
-pub(super) struct EvalFeeds<'a> {
+pub(crate) struct EvalFeeds<'a> {
     /// The features placeholder of the forward graph.
     pub features: &'a str,
     /// The labels placeholder.
