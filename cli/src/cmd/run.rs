@@ -153,9 +153,10 @@ pub struct Args {
     /// parallelism on tp group 0's shards (beside ZeRO-3 each rank gathering its flat shards
     /// per use, the other replicas joining), ZeRO-3 gathers each weight just before its use;
     /// the 4-axis mesh on replica 0's stages, each joining its own shards; experts without a
-    /// pipeline (`dp,ep`) on worker 0 with each layer's experts run on their ranks (tokens
-    /// sent there and back; ZeRO-3's dense weights joined one at a time on worker 0). `dp,tp,ep`
-    /// and placements written by hand join the weights on worker 0.
+    /// pipeline run on their ranks, tokens sent there and back (`dp,ep` beside worker 0's dense
+    /// copy, whose ZeRO-3 weights it still joins; `dp,tp,ep` beside tp group 0's shards).
+    /// Placements written by hand, and any layout without a static batch (`--batch-size`),
+    /// join the weights on worker 0.
     #[arg(long, default_value_t = 20)]
     pub eval_batches: u64,
     /// Training: load these variables (a safetensors file, names as the graph's variables)

@@ -37,9 +37,11 @@
 //! - **Order**: all collectives of a worker (forward all-to-alls and all-gathers, their
 //!   gradients, the buckets, the loss) are chained by control edges in one topological order,
 //!   the same on every worker.
-//! - **Evaluation** (worker 0, whole batches): a copy of the forward graph named `eval/...`
-//!   whose experts read the concatenation of all workers' shards (sent to worker 0 when it
-//!   evaluates), so evaluation needs no collective.
+//! - **Evaluation** (whole batches, no collective; `ep_eval`): with the batch size known, a
+//!   copy of the forward graph named `eval/...` on worker 0 whose MoE layers send their
+//!   dispatch buffer's blocks to the experts' ranks of expert group 0 and take the results
+//!   back, so no expert weight leaves its worker; without it (`add_eval_copy`) the experts
+//!   read the concatenation of all workers' shards, sent to worker 0 when it evaluates.
 //!
 //! - **Dropped tokens**: each worker sums its layers' `MoeRoute` `dropped` counts and an
 //!   all-reduce (sum, after the loss's) gives the job's; the job fetches it every step
@@ -62,7 +64,8 @@
 //!   parameters' Adam slots (stage 3: and the parameters, gathered just before each use)
 //!   sharded over all the workers, each expert shard's over its expert-data-parallel group, by
 //!   `--strategy zero`'s step and stage-3 rewrite (see [`zero`]); under ZeRO-3 the evaluation
-//!   copy reads every parameter joined from its flat shards.
+//!   reads every dense parameter joined on worker 0 from its flat shards, and each expert
+//!   shard joined on its rank.
 //!
 //! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's

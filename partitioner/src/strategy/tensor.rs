@@ -34,9 +34,9 @@
 //! - All collectives of a rank are chained by control edges in one topological order.
 //! - Evaluation ([`eval`]): with the batch size known (`--batch-size`), the ranks of
 //!   tensor-parallel group 0 run their own forward graphs on their shards, fed the held-out
-//!   batch by worker 0, so no task holds the whole model; otherwise (and under ZeRO-3) worker 0
-//!   evaluates a copy of the forward graph, `eval/...`, whose weights are joined from every
-//!   rank's shards.
+//!   batch by worker 0, so no task holds the whole model (under ZeRO-3 each rank gathers its
+//!   flat shards per use, the other replicas joining); otherwise worker 0 evaluates a copy of
+//!   the forward graph, `eval/...`, whose weights are joined from every rank's shards.
 //!
 //! - **Data parallelism over tensor-parallel groups** (`--mesh dp=D,tp=T`, or `--tp T` over
 //!   `D·T` workers): ranks in Megatron-core order ([`crate::mesh`]: tp fastest, so the TP
@@ -818,8 +818,8 @@ pub fn mesh_training(
 
 /// [`mesh_training`], whose evaluation, given the held-out batches' rows (`eval_rows`, the
 /// global batch size), runs over the ranks of tensor-parallel group 0 on their shards (no task
-/// holds the whole model; [`eval`]); without it (or under ZeRO-3) worker 0 evaluates a copy
-/// that joins every rank's shards.
+/// holds the whole model; [`eval`], under ZeRO-3 gathering each rank's flat shards per use);
+/// without it worker 0 evaluates a copy that joins every rank's shards.
 #[allow(clippy::too_many_arguments)]
 pub fn mesh_training_evaluating(
     graph: &Graph,

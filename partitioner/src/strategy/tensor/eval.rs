@@ -12,9 +12,15 @@
 //! loss waits (a control edge) for every other rank's, so the step runs each rank's
 //! collectives, and every rank computes the same loss: the one-process model's.
 //!
+//! Under ZeRO-3 the ranks' weights are flat shards over their data-parallel groups: each rank
+//! gathers its own per use, as training's forward does ([`flat_gathers`]), the other
+//! replicas joining each gather with their shards ([`peer_gathers`]). Beside experts
+//! (`dp,tp,ep`, `tensor::experts_eval`) the MoE layers run once, on rank 0, whose copy the
+//! other ranks read (`shared`).
+//!
 //! Without a static batch (no `--batch-size`, or a placeholder whose batch dimension is fixed
-//! at another size), or under ZeRO-3 (whose weights are flat shards gathered per use), the
-//! strategy keeps the evaluation that joins the weights on worker 0 (`eval_copy`).
+//! at another size) the strategy keeps the evaluation that joins the weights on worker 0
+//! (`eval_copy`).
 
 use super::{find, RankForward, ReplicaGraph, StrategyError};
 use crate::strategy::allreduce::{fresh, worker_device};

@@ -22,8 +22,9 @@
 //!
 //! An expert shard's gradient is the same on the T tp ranks (same tokens, and the MoE output
 //! is consumed replicated, so the same upstream gradient): it is never reduced over tp and is
-//! kept out of the dense buckets. Worker 0 evaluates a copy of the forward graph reading the
-//! tp shards and the expert shards joined.
+//! kept out of the dense buckets. The evaluation runs on tp group 0's shards with each MoE
+//! layer on rank 0 and its experts on their replicas' ranks (`tensor/experts_eval.rs`; without
+//! a batch size worker 0 evaluates a copy reading the tp and expert shards joined).
 //!
 //! **ZeRO-1/2** ([`TensorExpert::zero_stage`], `zero_step`): the dense parameters' Adam slots
 //! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
@@ -31,8 +32,8 @@
 //! (`expert::zero::expert_shard_step`; whole when `D = E`), one clipping scale from both
 //! `Σ‖g‖²`. **ZeRO-3** (`shard_parameters`) also shards the weights over those groups (the
 //! expert shards marked as row shards first), gathered just before each pass, the gathers
-//! numbered in one order per group; worker 0's evaluation copy joins them from their flat
-//! shards. Inside pipeline stages (`--mesh dp=D,tp=T,pp=P,ep=E`) the same rank graphs are cut
+//! numbered in one order per group; the evaluation gathers them per use (and joins an expert
+//! shard on its own rank), worker 0's older copy joins them all from their flat shards. Inside pipeline stages (`--mesh dp=D,tp=T,pp=P,ep=E`) the same rank graphs are cut
 //! into stages by [`super::experts_pipeline`].
 
 use super::{
