@@ -15,12 +15,13 @@
 //! shard that is itself flat-sharded over its expert-data-parallel group (`D > G`) is joined
 //! the same way on its rank `j`, never on worker 0.
 
-use super::{shard_name, shard_variable, zero, EvalCopy, FlatJoin, MoeLayer};
+use super::{shard_name, shard_variable, zero, EvalCopy, FlatJoin, MoeLayer, GROUP};
+use crate::strategy::zero::params;
 use crate::strategy::allreduce::{fresh, node, worker_device};
 use crate::strategy::tensor::eval::{static_batch, EvalFeeds};
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
-use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef};
+use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef, Shape};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// `input` with its producer renamed by the first of `maps` that names it.
@@ -56,6 +57,13 @@ pub(crate) fn add_ep_eval(
     feeds: &EvalFeeds<'_>,
 ) -> Result<bool, StrategyError> {
     let rows = feeds.rows;
+    // Evaluation's collectives number from past every training key.
+    let base = graphs
+        .iter()
+        .map(|g| super::pipeline::max_instance(&g.training.def))
+        .max()
+        .unwrap_or(0)
+        + 1;
     let Some((g0, peers)) = graphs.split_first_mut() else {
         return Ok(false);
     };
@@ -103,24 +111,28 @@ pub(crate) fn add_ep_eval(
             .and_then(|t| t.shape.as_static())
             .ok_or_else(|| super::not_moe(name, "the variable's shape is not static".into()))
     };
-    // The dense weights: in place, or under ZeRO-3 joined on worker 0 from their flat shards.
+    // The dense weights: in place, or under ZeRO-3 all-gathered per use on worker 0 (every
+    // other worker joining the gathers: `peer_joins`).
+    let mut dense: Vec<(String, String)> = Vec::new();
     if copy.stage3 {
         for n in forward.nodes.iter().filter(|n| n.op == "Variable") {
             if experts.contains_key(n.name.as_str()) {
                 continue;
             }
             let dims = dims_of(&n.name)?;
-            let holders: Vec<usize> = (0..workers).collect();
-            let join = FlatJoin {
-                var: n,
-                name: &n.name,
-                dims: &dims,
-                holders: &holders,
-                device: &|w| (copy.shard_device)(&n.name, w),
-            };
-            let mut sent = Vec::new();
-            let value = join.add(&mut taken, &mut added, &mut sent, &worker0)?;
-            sends.push((value.clone(), sent));
+            let gather = fresh(&mut taken, &format!("eval/zero/{}/all_gather", n.name));
+            let shard = params::shard_name(&n.name, 0, workers);
+            added.push(gather_node(&gather, shard, &worker0, workers));
+            let value = fresh(&mut taken, &format!("eval/{}", n.name));
+            let mut s = node(&value, "FlatSlice", vec![gather.clone()], &worker0);
+            s.attrs = BTreeMap::from([
+                ("offset".to_string(), AttrValue::Int(0)),
+                ("shape".to_string(), AttrValue::Shape(Shape::known(&dims))),
+            ]);
+            added.push(s);
+            // Just in time: the gather waits for its readers' other inputs.
+            sends.push((value.clone(), vec![gather.clone()]));
+            dense.push((gather, n.name.clone()));
             map.insert(n.name.clone(), value);
         }
     }
@@ -133,6 +145,7 @@ pub(crate) fn add_ep_eval(
         map.insert(n.name.clone(), name);
     }
     // Per layer: the dispatch buffer's blocks, each rank's experts, the blocks joined back.
+    let mut expert_outs: Vec<(usize, String)> = Vec::new();
     for l in layers {
         let per = l.experts / ep;
         let Some(dispatch) = map.get(&l.dispatch).cloned() else {
@@ -236,6 +249,7 @@ pub(crate) fn add_ep_eval(
                 added.push(c);
             }
             outs.push(remap(&out, &[&local]));
+            expert_outs.push((j, outs[j].clone()));
         }
         let joined = fresh(&mut taken, &format!("eval/{}/experts", l.combine));
         let mut c = node(&joined, "Concat", outs, &worker0);
@@ -276,12 +290,156 @@ pub(crate) fn add_ep_eval(
     }
     crate::strategy::zero::params::just_in_time(&mut eval, &readers);
     g0.training.def.nodes.extend(eval.nodes);
+    let loss = remap(&spec.loss, &[&map]);
+    if !dense.is_empty() {
+        let joins = PeerJoins {
+            dense: &dense,
+            expert_outs: &expert_outs,
+            workers,
+            base,
+        };
+        joins.add(g0, peers, &loss, &mut taken)?;
+    }
     g0.graph = Graph::from_def(&g0.training.def).map_err(StrategyError::InvalidGraph)?;
     g0.eval.features.clone_from(&placeholders[0]);
     g0.eval.labels.clone_from(&placeholders[1]);
-    g0.eval.loss = remap(&spec.loss, &[&map]);
+    g0.eval.loss = loss;
     g0.eval.metrics = spec.metrics.iter().map(|m| remap(m, &[&map])).collect();
     Ok(true)
+}
+
+/// A ZeRO-3 gather of `shard` over every worker ([`GROUP`]), numbered later.
+fn gather_node(name: &str, shard: String, device: &str, workers: usize) -> NodeDef {
+    let mut g = node(name, "CollectiveAllGather", vec![shard], device);
+    g.attrs = BTreeMap::from([
+        ("group_key".to_string(), AttrValue::String(GROUP.into())),
+        ("instance_key".to_string(), AttrValue::Int(0)),
+        ("group_size".to_string(), AttrValue::Int(workers as i64)),
+    ]);
+    g
+}
+
+/// Under ZeRO-3, the other workers' part in worker 0's per-use gathers of the dense weights.
+struct PeerJoins<'a> {
+    /// Worker 0's gathers in the evaluation, each with the weight it gathers.
+    dense: &'a [(String, String)],
+    /// Each rank `j` of expert group 0's expert outputs (`j`, node), one per MoE layer.
+    expert_outs: &'a [(usize, String)],
+    /// The workers (every gather's group).
+    workers: usize,
+    /// The first instance key past the training step's.
+    base: i64,
+}
+
+impl PeerJoins<'_> {
+    /// Chains worker 0's gathers (already in `g0`) in its topological order, numbered from
+    /// `base`, and adds every other worker's joins in that order: its flat shard (declared as
+    /// its training graph, `peers[w - 1]`, declares it), the gather, a `Size` that frees the
+    /// gathered value, which the next join waits for (one gathered weight at a time). A rank
+    /// that runs experts joins a gather only after computing each expert block that worker 0
+    /// needs before that gather (so it never waits in a gather for worker 0 while worker 0
+    /// waits for its block). `loss` (worker 0's) waits for every worker's last join.
+    fn add(
+        &self,
+        g0: &mut ReplicaGraph,
+        peers: &[ReplicaGraph],
+        loss: &str,
+        taken: &mut HashSet<String>,
+    ) -> Result<(), StrategyError> {
+        let typed = Graph::from_def(&g0.training.def).map_err(StrategyError::InvalidGraph)?;
+        let var_of: HashMap<&str, &str> = self
+            .dense
+            .iter()
+            .map(|(g, v)| (g.as_str(), v.as_str()))
+            .collect();
+        let order: Vec<(String, String)> = typed
+            .topo_order()
+            .into_iter()
+            .map(|i| typed.node(i).name.as_str())
+            .filter_map(|n| var_of.get(n).map(|v| (n.to_string(), v.to_string())))
+            .collect();
+        let position: HashMap<String, usize> = g0
+            .training
+            .def
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.name.clone(), i))
+            .collect();
+        for (k, (gather, _)) in order.iter().enumerate() {
+            let n = &mut g0.training.def.nodes[position[gather]];
+            n.attrs
+                .insert("instance_key".into(), AttrValue::Int(self.base + k as i64));
+            if k > 0 {
+                n.inputs.push(format!("^{}", order[k - 1].0));
+            }
+        }
+        // Which expert outputs each of worker 0's gathers depends on.
+        let by_name: HashMap<&str, &NodeDef> = g0
+            .training
+            .def
+            .nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n))
+            .collect();
+        let needs: Vec<HashSet<String>> = order
+            .iter()
+            .map(|(gather, _)| super::ancestors(&by_name, gather))
+            .collect();
+        let mut added = Vec::new();
+        let mut waits = Vec::new();
+        for w in 1..self.workers {
+            let device = worker_device("", "", w)?;
+            let peer = peers
+                .get(w - 1)
+                .ok_or_else(|| super::options(format!("no training graph for worker {w}")))?;
+            let mut last: Option<String> = None;
+            for (k, (_, var)) in order.iter().enumerate() {
+                let shard = params::shard_name(var, w, self.workers);
+                let v = peer
+                    .training
+                    .def
+                    .nodes
+                    .iter()
+                    .find(|n| n.op == "Variable" && n.name == shard)
+                    .ok_or_else(|| {
+                        super::options(format!("worker {w} holds no flat shard `{shard}`"))
+                    })?;
+                taken.insert(shard.clone());
+                added.push(v.clone());
+                let name = fresh(taken, &format!("eval/zero/{var}/all_gather_r{w}"));
+                let mut g = gather_node(&name, shard, &device, self.workers);
+                g.attrs
+                    .insert("instance_key".into(), AttrValue::Int(self.base + k as i64));
+                if let Some(before) = &last {
+                    g.inputs.push(format!("^{before}"));
+                }
+                for (_, out) in self.expert_outs.iter().filter(|(j, _)| *j == w) {
+                    let node = match InputRef::parse(out) {
+                        Ok(InputRef::Data { node, .. }) => node,
+                        _ => out.clone(),
+                    };
+                    if needs[k].contains(&node) {
+                        g.inputs.push(format!("^{node}"));
+                    }
+                }
+                let done = fresh(taken, &format!("eval/zero/{var}/dropped_r{w}"));
+                added.push(g);
+                added.push(node(&done, "Size", vec![name], &device));
+                last = Some(done);
+            }
+            waits.extend(last.map(|d| format!("^{d}")));
+        }
+        let loss_node = match InputRef::parse(loss) {
+            Ok(InputRef::Data { node, .. }) => node,
+            _ => loss.to_string(),
+        };
+        if let Some(&i) = position.get(&loss_node) {
+            g0.training.def.nodes[i].inputs.extend(waits);
+        }
+        g0.training.def.nodes.extend(added);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -289,8 +447,8 @@ mod tests {
     use super::super::{expert_training_evaluating, moe_layers, ExpertLayout};
     use crate::strategy::ReplicaGraph;
     use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
-    use dflow_graph::{Graph, InputRef, NodeDef};
-    use std::collections::{BTreeSet, HashMap, HashSet};
+    use dflow_graph::{AttrValue, Graph, InputRef, NodeDef};
+    use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
     /// A two-block GPT with 4-expert MoE MLPs, top-2, nothing dropped.
     fn moe_gpt() -> (Graph, dflow_graph::train::TrainSpec) {
@@ -368,11 +526,12 @@ mod tests {
 
     /// `dp=4,ep=2` with a known batch, ZeRO 0, 1 and 3: the evaluation runs worker 0's
     /// one-process forward graph with each MoE layer's expert ops on its ranks of expert group
-    /// 0 (workers 0 and 1, each on its own shard), so no expert weight (nor a piece of one)
-    /// reaches worker 0 from another worker, and without ZeRO-3 no weight crosses at all; under
-    /// ZeRO-3 only flat shards cross, each to where its weight is used: a dense one to worker
-    /// 0, an expert shard `j`'s to worker `j` (from its expert-data-parallel peer). The old
-    /// evaluation (no static batch) joins expert shard 1 on worker 0: this fails on it.
+    /// 0 (workers 0 and 1, each on its own shard), so no weight (nor a piece of one) reaches
+    /// worker 0 from another worker, and without ZeRO-3 no weight crosses at all; under ZeRO-3
+    /// the dense weights are all-gathered per use on worker 0 (every worker joining, at the
+    /// same keys) and only an expert shard `j`'s flat piece crosses, to worker `j` (from its
+    /// expert-data-parallel peer). The old evaluation (no static batch) joins expert shard 1
+    /// on worker 0: this fails on it.
     #[test]
     fn dp4_ep2_evaluates_each_experts_on_its_rank_and_joins_no_expert_weight_on_worker_0() {
         let (graph, spec) = moe_gpt();
@@ -401,16 +560,17 @@ mod tests {
             if zero != Some(3) {
                 assert!(crossing.is_empty(), "{zero:?}: {crossing:?}");
             }
+            // Under ZeRO-3 only an expert shard's flat piece crosses, to the rank holding
+            // that shard (the dense weights are gathered per use, not joined).
             for (p, from, to) in &crossing {
                 assert!(p.contains("/shard_") && p.ends_with("/sent"), "{p}");
-                if let Some(j) = (0..2).find(|j| p.contains(&format!("/shard_{j}/shard_"))) {
-                    // An expert shard's flat piece, to the rank that holds the shard.
-                    assert_eq!((*to, from % 2), (j, j), "{zero:?}: {p}");
-                } else {
-                    assert!(!p.contains("experts") && *to == 0, "{zero:?}: {p}");
-                }
+                let j = (0..2)
+                    .find(|j| p.contains(&format!("/shard_{j}/shard_")))
+                    .unwrap_or_else(|| panic!("{zero:?}: `{p}` crosses"));
+                assert_eq!((*to, from % 2), (j, j), "{zero:?}: {p}");
             }
-            // Compute on workers 0 and 1 only; worker 1 runs each layer's experts on its shard.
+            // Compute on workers 0 and 1 only (the others only join gathers); worker 1 runs each
+            // layer's experts on its shard.
             let eval: Vec<&NodeDef> = g0
                 .training
                 .def
@@ -420,7 +580,12 @@ mod tests {
                 .collect();
             let computing: BTreeSet<usize> = eval
                 .iter()
-                .filter(|n| !matches!(n.op.as_str(), "Identity" | "Variable"))
+                .filter(|n| {
+                    !matches!(
+                        n.op.as_str(),
+                        "Identity" | "Variable" | "CollectiveAllGather" | "Size"
+                    )
+                })
                 .map(|n| task_of(&n.device))
                 .collect();
             assert_eq!(computing, BTreeSet::from([0, 1]), "{zero:?}");
@@ -433,8 +598,27 @@ mod tests {
                     assert_eq!(task_of(&copy.device), j, "{zero:?}: {x}");
                 }
             }
-            // No collective: the experts' tokens go by Send/Recv.
-            assert!(eval.iter().all(|n| !n.op.starts_with("Collective")));
+            // The experts' tokens go by Send/Recv; the only collectives are ZeRO-3's gathers of
+            // the dense weights, joined by every worker at the same keys.
+            let mut keys: BTreeMap<usize, Vec<AttrValue>> = BTreeMap::new();
+            for n in eval.iter().filter(|n| n.op.starts_with("Collective")) {
+                assert_eq!((n.op.as_str(), zero), ("CollectiveAllGather", Some(3)));
+                assert!(!n.name.contains("experts"), "{}", n.name);
+                keys.entry(task_of(&n.device))
+                    .or_default()
+                    .push(n.attrs["instance_key"].clone());
+            }
+            if zero == Some(3) {
+                assert_eq!(keys.len(), 4);
+                let mut sorted: Vec<Vec<AttrValue>> = keys.into_values().collect();
+                for k in &mut sorted {
+                    k.sort_by_key(|v| match v {
+                        AttrValue::Int(i) => *i,
+                        _ => 0,
+                    });
+                }
+                assert!(sorted.windows(2).all(|w| w[0] == w[1]));
+            }
         }
     }
 }
