@@ -611,7 +611,8 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
     let dir = scratch("mesh-expert-processes");
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let graph_s = graph.to_string_lossy().into_owned();
-    let local = run(&graph, &[], 3, &dir.join("one"));
+    let (local, one_validation) = run_out(&graph, &[], 3, &dir.join("one"));
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     for (mesh, zero) in [
         ("dp=4,ep=2", None),
         ("dp=4,ep=2", Some("2")),
@@ -652,5 +653,15 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
         assert_eq!(job.len(), 3);
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("4 processes, {mesh}, ZeRO {zero:?}: worst relative difference {worst:e}");
+        // The experts evaluated on their ranks across processes: one process's loss.
+        let validation = chief
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("validation loss: "))
+            .unwrap_or_default();
+        assert_eq!(
+            validation, one_validation,
+            "4 processes, {mesh}, ZeRO {zero:?}"
+        );
     }
 }

@@ -154,7 +154,7 @@ pub struct Args {
     /// per use, the other replicas joining), ZeRO-3 gathers each weight just before its use;
     /// the 4-axis mesh on replica 0's stages, each joining its own shards; experts without a
     /// pipeline run on their ranks, tokens sent there and back (`dp,ep` beside worker 0's dense
-    /// copy, whose ZeRO-3 weights it still joins; `dp,tp,ep` beside tp group 0's shards).
+    /// copy, its ZeRO-3 weights gathered per use; `dp,tp,ep` beside tp group 0's shards).
     /// Placements written by hand, and any layout without a static batch (`--batch-size`),
     /// join the weights on worker 0.
     #[arg(long, default_value_t = 20)]

@@ -10,15 +10,17 @@
 //! is the one-process loss; no collective runs and only activations cross between workers.
 //!
 //! The dense weights are whole on every worker (ZeRO 0–2) and read in place on worker 0. Under
-//! ZeRO-3 they are flat shards over all `D` workers and are joined on worker 0 one at a time
-//! as before (each holder's shard sent just before the weight's readers run), and an expert
-//! shard that is itself flat-sharded over its expert-data-parallel group (`D > G`) is joined
-//! the same way on its rank `j`, never on worker 0.
+//! ZeRO-3 they are flat shards over all `D` workers: worker 0 all-gathers each just before its
+//! first reader, as training's forward does, and drops it after its last, every other worker
+//! joining the gathers in worker 0's order with its shard ([`PeerJoins`]). An expert shard
+//! that is itself flat-sharded over its expert-data-parallel group (`D > G`) is joined on its
+//! rank `j` from its holders' flat shards (sent just before its readers run; its receive
+//! slots there hold the expert shard whole, its ZeRO-2 share), never on worker 0.
 
 use super::{shard_name, shard_variable, zero, EvalCopy, FlatJoin, MoeLayer, GROUP};
-use crate::strategy::zero::params;
 use crate::strategy::allreduce::{fresh, node, worker_device};
 use crate::strategy::tensor::eval::{static_batch, EvalFeeds};
+use crate::strategy::zero::params;
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
 use dflow_graph::{AttrValue, Graph, GraphDef, InputRef, NodeDef, Shape};
