@@ -665,3 +665,67 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
         );
     }
 }
+
+/// The evaluations that run collectives beside the experts' sends (`dp,ep` and `dp,tp,ep` at
+/// ZeRO-3: per-use gathers that the expert ranks join) finish on one CPU, where each task has
+/// one compute thread and a rank blocked in a gather before its expert block's `Send` ran
+/// would wait for ever, and print one process's validation loss. Skipped without `taskset`.
+#[test]
+fn zero3_evaluations_beside_experts_finish_on_one_cpu_with_one_process_s_loss() {
+    let pinned = std::process::Command::new("taskset")
+        .args(["-c", "0", "true"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !pinned {
+        eprintln!("no taskset: skipped");
+        return;
+    }
+    let dir = scratch("mesh-expert-one-cpu");
+    let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
+    let validation = |extra: &[&str]| {
+        let out = std::process::Command::new("taskset")
+            .args(["-c", "0"])
+            .arg(env!("CARGO_BIN_EXE_dflow"))
+            .args(["run", "--local"])
+            .arg(&graph)
+            .args(extra)
+            .args([
+                "--data",
+                "examples/data/shakespeare.txt.gz",
+                "--batch-size",
+                "8",
+                "--steps",
+                "1",
+                "--eval-batches",
+                "1",
+                "--timeout",
+                "20",
+                "--quiet",
+            ])
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with("validation loss: "))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let one = validation(&[]);
+    assert!(!one.is_empty(), "no validation loss printed");
+    for mesh in [
+        ["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"],
+        [
+            "--cluster",
+            FOUR,
+            "--mesh",
+            "dp=2,tp=2,ep=2",
+            "--zero-stage",
+            "3",
+        ],
+    ] {
+        assert_eq!(validation(&mesh), one, "{mesh:?}");
+    }
+}

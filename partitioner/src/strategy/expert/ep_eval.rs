@@ -19,7 +19,7 @@
 
 use super::{shard_name, shard_variable, zero, EvalCopy, FlatJoin, MoeLayer, GROUP};
 use crate::strategy::allreduce::{fresh, node, worker_device};
-use crate::strategy::tensor::eval::{static_batch, EvalFeeds};
+use crate::strategy::tensor::eval::{static_batch, CrossTaskNeeds, EvalFeeds};
 use crate::strategy::zero::params;
 use crate::strategy::{ReplicaGraph, StrategyError};
 use dflow_graph::train::TrainSpec;
@@ -147,7 +147,6 @@ pub(crate) fn add_ep_eval(
         map.insert(n.name.clone(), name);
     }
     // Per layer: the dispatch buffer's blocks, each rank's experts, the blocks joined back.
-    let mut expert_outs: Vec<(usize, String)> = Vec::new();
     for l in layers {
         let per = l.experts / ep;
         let Some(dispatch) = map.get(&l.dispatch).cloned() else {
@@ -251,7 +250,6 @@ pub(crate) fn add_ep_eval(
                 added.push(c);
             }
             outs.push(remap(&out, &[&local]));
-            expert_outs.push((j, outs[j].clone()));
         }
         let joined = fresh(&mut taken, &format!("eval/{}/experts", l.combine));
         let mut c = node(&joined, "Concat", outs, &worker0);
@@ -296,7 +294,6 @@ pub(crate) fn add_ep_eval(
     if !dense.is_empty() {
         let joins = PeerJoins {
             dense: &dense,
-            expert_outs: &expert_outs,
             workers,
             base,
         };
@@ -325,8 +322,6 @@ fn gather_node(name: &str, shard: String, device: &str, workers: usize) -> NodeD
 struct PeerJoins<'a> {
     /// Worker 0's gathers in the evaluation, each with the weight it gathers.
     dense: &'a [(String, String)],
-    /// Each rank `j` of expert group 0's expert outputs (`j`, node), one per MoE layer.
-    expert_outs: &'a [(usize, String)],
     /// The workers (every gather's group).
     workers: usize,
     /// The first instance key past the training step's.
@@ -337,10 +332,11 @@ impl PeerJoins<'_> {
     /// Chains worker 0's gathers (already in `g0`) in its topological order, numbered from
     /// `base`, and adds every other worker's joins in that order: its flat shard (declared as
     /// its training graph, `peers[w - 1]`, declares it), the gather, a `Size` that frees the
-    /// gathered value, which the next join waits for (one gathered weight at a time). A rank
-    /// that runs experts joins a gather only after computing each expert block that worker 0
-    /// needs before that gather (so it never waits in a gather for worker 0 while worker 0
-    /// waits for its block). `loss` (worker 0's) waits for every worker's last join.
+    /// gathered value, which the next join waits for (one gathered weight at a time). A worker
+    /// joins a gather only after sending what worker 0 needs before that gather (an expert
+    /// block, a flat piece of an expert shard: [`CrossTaskNeeds`]), so it never waits in a
+    /// gather while worker 0 waits for it. `loss` (worker 0's) waits for every worker's last
+    /// join.
     fn add(
         &self,
         g0: &mut ReplicaGraph,
@@ -376,18 +372,8 @@ impl PeerJoins<'_> {
                 n.inputs.push(format!("^{}", order[k - 1].0));
             }
         }
-        // Which expert outputs each of worker 0's gathers depends on.
-        let by_name: HashMap<&str, &NodeDef> = g0
-            .training
-            .def
-            .nodes
-            .iter()
-            .map(|n| (n.name.as_str(), n))
-            .collect();
-        let needs: Vec<HashSet<String>> = order
-            .iter()
-            .map(|(gather, _)| super::ancestors(&by_name, gather))
-            .collect();
+        // What each worker must send before it joins each of worker 0's gathers.
+        let needs = CrossTaskNeeds::new(&g0.training.def.nodes);
         let mut added = Vec::new();
         let mut waits = Vec::new();
         for w in 1..self.workers {
@@ -416,15 +402,9 @@ impl PeerJoins<'_> {
                 if let Some(before) = &last {
                     g.inputs.push(format!("^{before}"));
                 }
-                for (_, out) in self.expert_outs.iter().filter(|(j, _)| *j == w) {
-                    let node = match InputRef::parse(out) {
-                        Ok(InputRef::Data { node, .. }) => node,
-                        _ => out.clone(),
-                    };
-                    if needs[k].contains(&node) {
-                        g.inputs.push(format!("^{node}"));
-                    }
-                }
+                let gather = &order[k].0;
+                g.inputs
+                    .extend(needs.of(gather, w).into_iter().map(|n| format!("^{n}")));
                 let done = fresh(taken, &format!("eval/zero/{var}/dropped_r{w}"));
                 added.push(g);
                 added.push(node(&done, "Size", vec![name], &device));
@@ -611,6 +591,21 @@ mod tests {
                     .push(n.attrs["instance_key"].clone());
             }
             if zero == Some(3) {
+                // Worker 1 joins the gathers after layer 0's MoE only once worker 0 has its
+                // expert block (a control pair back from worker 0's concatenation), so it
+                // never blocks in a gather before its block's `Send` has run.
+                let join = eval
+                    .iter()
+                    .find(|n| n.name == "eval/zero/transformer.ln_f.bias/all_gather_r1")
+                    .unwrap();
+                assert!(
+                    join.inputs
+                        .iter()
+                        .any(|i| i.starts_with('^')
+                            && i.contains("transformer.h.0.mlp/combine/experts")),
+                    "{:?}",
+                    join.inputs
+                );
                 assert_eq!(keys.len(), 4);
                 let mut sorted: Vec<Vec<AttrValue>> = keys.into_values().collect();
                 for k in &mut sorted {

@@ -425,6 +425,8 @@ fn peer_gathers(
             .and_then(|n| n.attrs.get("instance_key").cloned())
     };
     let mut out = Vec::new();
+    // What each peer must send before it joins each gather (an expert block, a shard piece).
+    let needs = CrossTaskNeeds::new(added);
     for (t, list) in gathers.iter().enumerate() {
         let prefix = if t == 0 {
             "eval".to_string()
@@ -472,6 +474,10 @@ fn peer_gathers(
                 .collect();
                 if let Some(before) = &last {
                     g.inputs.push(format!("^{before}"));
+                }
+                if let Some(copied) = copies.get(t).and_then(|c| c.get(&f.gather)) {
+                    g.inputs
+                        .extend(needs.of(copied, task).into_iter().map(|n| format!("^{n}")));
                 }
                 let done = fresh(taken, &format!("{prefix}/zero/{}/dropped_d{d}", f.var));
                 out.push(g);
@@ -525,4 +531,85 @@ fn collective_order(def: &dflow_graph::GraphDef) -> Result<Vec<String>, Strategy
         .filter(|n| n.op.starts_with("Collective") && n.op != "CollectiveTpCopy")
         .map(|n| n.name.clone())
         .collect())
+}
+
+/// What a worker joining another worker's evaluation gathers must wait for before each join.
+/// A worker blocks a compute thread in a collective until every member has joined it, and a
+/// tensor it sends to another task leaves through a `Send` that may be queued behind that
+/// collective; if the gatherer needs the tensor before it reaches the gather, both wait for
+/// ever (with one compute thread). So the joining worker waits, before each join, for the
+/// readers on other tasks of what it sends that the gather depends on: a zero-byte control
+/// pair back, which arrives only once the tensor has.
+pub(crate) struct CrossTaskNeeds {
+    /// Each node's inputs (data and control) and task.
+    nodes: HashMap<String, (Vec<String>, usize)>,
+    /// Each node's readers (by data) on other tasks.
+    remote_readers: HashMap<String, Vec<String>>,
+}
+
+impl CrossTaskNeeds {
+    /// Over `nodes` (every node a gather may depend on, with its device).
+    pub(crate) fn new<'a>(nodes: impl IntoIterator<Item = &'a NodeDef>) -> CrossTaskNeeds {
+        let task = |device: &str| {
+            dflow_graph::DeviceName::parse(device)
+                .ok()
+                .and_then(|d| d.task)
+                .map_or(usize::MAX, |t| t as usize)
+        };
+        let mut all: HashMap<String, (Vec<String>, usize)> = HashMap::new();
+        let mut data: Vec<(String, String)> = Vec::new();
+        for n in nodes {
+            let mut inputs = Vec::with_capacity(n.inputs.len());
+            for i in &n.inputs {
+                match InputRef::parse(i) {
+                    Ok(InputRef::Data { node, .. }) => {
+                        data.push((node.clone(), n.name.clone()));
+                        inputs.push(node);
+                    }
+                    Ok(InputRef::Control(node)) => inputs.push(node),
+                    Err(_) => {}
+                }
+            }
+            all.insert(n.name.clone(), (inputs, task(&n.device)));
+        }
+        let mut remote_readers: HashMap<String, Vec<String>> = HashMap::new();
+        for (from, reader) in data {
+            let (Some((_, a)), Some((_, b))) = (all.get(&from), all.get(&reader)) else {
+                continue;
+            };
+            if a != b {
+                remote_readers.entry(from).or_default().push(reader);
+            }
+        }
+        CrossTaskNeeds {
+            nodes: all,
+            remote_readers,
+        }
+    }
+
+    /// The nodes on other tasks than `task` that `gather` depends on and that read a tensor
+    /// of `task`'s.
+    pub(crate) fn of(&self, gather: &str, task: usize) -> Vec<String> {
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut stack = vec![gather];
+        while let Some(n) = stack.pop() {
+            if !seen.insert(n) {
+                continue;
+            }
+            if let Some((inputs, _)) = self.nodes.get(n) {
+                stack.extend(inputs.iter().map(String::as_str));
+            }
+        }
+        let mut out: Vec<String> = seen
+            .iter()
+            .filter(|n| self.nodes.get(**n).is_some_and(|(_, t)| *t == task))
+            .filter_map(|n| self.remote_readers.get(*n))
+            .flatten()
+            .filter(|r| seen.contains(r.as_str()))
+            .cloned()
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
 }

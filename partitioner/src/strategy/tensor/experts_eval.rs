@@ -187,8 +187,16 @@ fn experts_on_their_ranks(
                         if !in_g0.contains(piece.as_str()) {
                             missing.push(v.clone());
                         }
+                        if at == task {
+                            pieces.push(piece);
+                        } else {
+                            // Sent by an op of its holder, which joins the evaluation's gathers
+                            // only once it has run (`eval::CrossTaskNeeds`).
+                            let sent = format!("{piece}/eval_sent");
+                            added.push(node(&sent, "Identity", vec![piece], &v.device));
+                            pieces.push(sent);
+                        }
                         added.push(v);
-                        pieces.push(piece);
                     }
                     let rows = def
                         .nodes
