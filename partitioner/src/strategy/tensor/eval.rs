@@ -137,7 +137,11 @@ pub(super) fn add_sharded_eval(
                         x.name.clone()
                     } else {
                         match (t, replicated.get(x.name.as_str())) {
-                            (1.., Some(value)) => copies[0][*value].clone(),
+                            (1.., Some(value)) => copies
+                                .first()
+                                .and_then(|c| c.get(*value))
+                                .cloned()
+                                .unwrap_or_else(|| x.name.clone()),
                             _ => x.name.clone(),
                         }
                     }
