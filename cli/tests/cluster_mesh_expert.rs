@@ -666,10 +666,12 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
     }
 }
 
-/// The evaluations that run collectives beside the experts' sends (`dp,ep` and `dp,tp,ep` at
-/// ZeRO-3: per-use gathers that the expert ranks join) finish on one CPU, where each task has
-/// one compute thread and a rank blocked in a gather before its expert block's `Send` ran
-/// would wait for ever, and print one process's validation loss. Skipped without `taskset`.
+/// The evaluations that run collectives beside sends between tasks (`dp,ep` and `dp,tp,ep` at
+/// ZeRO-3: per-use gathers that the expert ranks join; `dp,tp,ep`: tp collectives beside the
+/// batch (72 rows × 16 tokens: more than a cheap node's 1024 elements) and the MoE outputs sent
+/// to rank 1) finish on one CPU, where each task has one compute thread and a task blocked in a
+/// collective before a `Send` its peer waits for has run would wait for ever, and print one
+/// process's validation loss. Skipped without `taskset`.
 #[test]
 fn zero3_evaluations_beside_experts_finish_on_one_cpu_with_one_process_s_loss() {
     let pinned = std::process::Command::new("taskset")
@@ -693,7 +695,7 @@ fn zero3_evaluations_beside_experts_finish_on_one_cpu_with_one_process_s_loss() 
                 "--data",
                 "examples/data/shakespeare.txt.gz",
                 "--batch-size",
-                "8",
+                "72",
                 "--steps",
                 "1",
                 "--eval-batches",
@@ -716,8 +718,8 @@ fn zero3_evaluations_beside_experts_finish_on_one_cpu_with_one_process_s_loss() 
     let one = validation(&[]);
     assert!(!one.is_empty(), "no validation loss printed");
     for mesh in [
-        ["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"],
-        [
+        &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"][..],
+        &[
             "--cluster",
             FOUR,
             "--mesh",
@@ -725,7 +727,8 @@ fn zero3_evaluations_beside_experts_finish_on_one_cpu_with_one_process_s_loss() 
             "--zero-stage",
             "3",
         ],
+        &["--cluster", FOUR, "--mesh", "dp=2,tp=2,ep=2"],
     ] {
-        assert_eq!(validation(&mesh), one, "{mesh:?}");
+        assert_eq!(validation(mesh), one, "{mesh:?}");
     }
 }

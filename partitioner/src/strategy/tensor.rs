@@ -3133,13 +3133,14 @@ mod tests {
         let eval = plan.eval_signature().unwrap();
         let tasks: Vec<String> = eval.tasks().unwrap().into_iter().collect();
         assert_eq!(tasks, [task_name("worker", 0), task_name("worker", 1)]);
-        // Between the ranks: the batch (static, 4 rows), replicated weights, control edges;
-        // never a shard of a sharded weight.
+        // Between the ranks: the batch (static, 4 rows), replicated weights, control edges
+        // (zero bytes: rank 1's waits for the batch and weights before each collective, the
+        // loss); never a shard of a sharded weight.
         let cross: Vec<_> = eval
             .partitions
             .pairs
             .iter()
-            .filter(|p| !p.client_terminated)
+            .filter(|p| !p.client_terminated && !p.is_control)
             .collect();
         assert!(
             cross.iter().all(|p| !p.tensor_name.contains("/tp_")),

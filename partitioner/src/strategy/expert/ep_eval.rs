@@ -298,6 +298,7 @@ pub(crate) fn add_ep_eval(
             base,
         };
         joins.add(g0, peers, &loss, &mut taken)?;
+        crate::strategy::tensor::eval::sends_before_collectives(&mut g0.training.def.nodes, &[]);
     }
     g0.graph = Graph::from_def(&g0.training.def).map_err(StrategyError::InvalidGraph)?;
     g0.eval.features.clone_from(&placeholders[0]);

@@ -226,6 +226,7 @@ pub(super) fn add_sharded_eval(
     if let Some(n) = added.iter_mut().find(|n| n.name == loss_node) {
         n.inputs.extend(waits);
     }
+    sends_before_collectives(&mut added, &g0.training.def.nodes);
     g0.training.def.nodes.extend(added);
     g0.graph = Graph::from_def(&g0.training.def).map_err(StrategyError::InvalidGraph)?;
     g0.eval.features = placeholders[feeds.features].clone();
@@ -615,5 +616,65 @@ impl CrossTaskNeeds {
         out.sort();
         out.dedup();
         out
+    }
+}
+
+/// Makes every collective of `nodes` (an evaluation across tasks, beside the graph's other
+/// nodes `context`: the variables it reads) wait until the other
+/// members have received what its task sends them that their own call of it depends on: the
+/// member's call `B` of a collective whose call on task `A` is `G` (one group key and instance
+/// key), and `G` waits (a zero-byte control pair back) for the readers on other tasks of `A`'s
+/// tensors among `B`'s dependencies ([`CrossTaskNeeds`]). A task blocks a compute thread in a
+/// collective until every member has joined it, and its `Send`s may be queued behind it on
+/// that thread: without this, a rank waiting for the held-out batch, a replicated weight or
+/// an MoE output from worker 0 before its call would hang with worker 0 blocked in its own
+/// (with one compute thread per task).
+pub(crate) fn sends_before_collectives(nodes: &mut [NodeDef], context: &[NodeDef]) {
+    let task = |device: &str| {
+        dflow_graph::DeviceName::parse(device)
+            .ok()
+            .and_then(|d| d.task)
+            .map_or(usize::MAX, |t| t as usize)
+    };
+    // Each collective call: (group, instance) → [(node index, task)].
+    let mut calls: HashMap<(String, i64), Vec<(usize, usize)>> = HashMap::new();
+    for (i, n) in nodes.iter().enumerate() {
+        if !n.op.starts_with("Collective") || n.op == "CollectiveTpCopy" {
+            continue;
+        }
+        if let (Some(AttrValue::String(g)), Some(AttrValue::Int(k))) =
+            (n.attrs.get("group_key"), n.attrs.get("instance_key"))
+        {
+            calls
+                .entry((g.to_string(), *k))
+                .or_default()
+                .push((i, task(&n.device)));
+        }
+    }
+    let needs = CrossTaskNeeds::new(nodes.iter().chain(context));
+    let mut waits: Vec<(usize, Vec<String>)> = Vec::new();
+    for members in calls.values() {
+        for &(a, at) in members {
+            let mut wait: Vec<String> = Vec::new();
+            for &(b, bt) in members {
+                if bt != at {
+                    wait.extend(needs.of(&nodes[b].name, at));
+                }
+            }
+            wait.sort();
+            wait.dedup();
+            if !wait.is_empty() {
+                waits.push((a, wait));
+            }
+        }
+    }
+    for (a, wait) in waits {
+        let n = &mut nodes[a];
+        for w in wait {
+            let control = format!("^{w}");
+            if !n.inputs.contains(&control) {
+                n.inputs.push(control);
+            }
+        }
     }
 }
