@@ -339,8 +339,8 @@ fn partition_shows_each_placement_and_collective_with_its_bytes() {
 /// rank 1 needs the held-out labels from worker 0 (1,024 tokens, a `Send` that is not a cheap
 /// node) before its first tp collective, and worker 0 must not block in that collective with
 /// the `Send` queued behind it on its thread (`tensor::eval::sends_before_collectives`; without
-/// it this hung until the step timeout). Its validation loss is one process's. Skipped without
-/// `taskset`.
+/// it this hung until the step timeout), nor under `tp=2,pp=2` on the stages. The validation
+/// loss is one process's. Skipped without `taskset`.
 #[test]
 fn the_sharded_evaluation_finishes_on_one_cpu() {
     let pinned = std::process::Command::new("taskset")
@@ -386,11 +386,15 @@ fn the_sharded_evaluation_finishes_on_one_cpu() {
     };
     let one = validation(&[]);
     assert!(!one.is_empty(), "no validation loss printed");
-    let tp2 = [
-        "--cluster",
-        "examples/gpt/cluster-2workers.json",
-        "--mesh",
-        "dp=1,tp=2",
-    ];
-    assert_eq!(validation(&tp2), one);
+    for (cluster, mesh) in [
+        ("examples/gpt/cluster-2workers.json", "dp=1,tp=2"),
+        // On the stages (`pipeline::eval`): rank 1 of stage 0 waited for `wpe` the same way.
+        ("examples/gpt/cluster-4workers.json", "dp=1,tp=2,pp=2"),
+    ] {
+        assert_eq!(
+            validation(&["--cluster", cluster, "--mesh", mesh]),
+            one,
+            "{mesh}"
+        );
+    }
 }
