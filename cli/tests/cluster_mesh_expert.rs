@@ -70,9 +70,10 @@ fn dp4_ep2_trains_like_one_process_and_dp2_ep2_is_the_expert_strategy() {
     for (top_k, clip) in [(1, None), (2, Some(0.1))] {
         let graph = tiny_moe_gpt(&dir, top_k, clip);
         let tag = format!("top{top_k}-{clip:?}");
-        let local = run(&graph, &[], 5, &dir.join(format!("one-{tag}")));
+        let (local, one_validation) = run_out(&graph, &[], 5, &dir.join(format!("one-{tag}")));
         assert_eq!(local.len(), 5);
-        let mesh = run(
+        assert!(!one_validation.is_empty(), "no validation loss printed");
+        let (mesh, validation) = run_out(
             &graph,
             &["--cluster", FOUR, "--mesh", "dp=4,ep=2"],
             5,
@@ -80,13 +81,16 @@ fn dp4_ep2_trains_like_one_process_and_dp2_ep2_is_the_expert_strategy() {
         );
         let worst = assert_same_losses(&mesh, &local, 1e-5);
         eprintln!("dp=4,ep=2 top-{top_k} clip {clip:?}: worst relative difference {worst:e}");
+        // Evaluated with the experts on their ranks (activations sent to them): one process's.
+        assert_eq!(validation, one_validation, "dp=4,ep=2 {tag}");
         if clip.is_none() {
-            let two = run(
+            let (two, validation) = run_out(
                 &graph,
                 &["--cluster", TWO, "--mesh", "dp=2,ep=2"],
                 5,
                 &dir.join(format!("dp2ep2-{tag}")),
             );
+            assert_eq!(validation, one_validation, "dp=2,ep=2 {tag}");
             let expert = run(
                 &graph,
                 &["--cluster", TWO, "--strategy", "expert"],
@@ -153,7 +157,8 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
     let dir = scratch("mesh-expert-zero");
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let one = dir.join("one");
-    let local = run(&graph, &[], 5, &one);
+    let (local, one_validation) = run_out(&graph, &[], 5, &one);
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     let whole = checkpoint_f32(&one);
     for stage in ["1", "2", "3"] {
         let mesh = [
@@ -165,9 +170,11 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             stage,
         ];
         let ckpt = dir.join(format!("zero{stage}"));
-        let losses = run(&graph, &mesh, 5, &ckpt);
+        let (losses, validation) = run_out(&graph, &mesh, 5, &ckpt);
         let worst = assert_same_losses(&losses, &local, 1e-5);
         eprintln!("dp=4,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
+        // Evaluated with the experts on their ranks: one process's validation loss.
+        assert_eq!(validation, one_validation, "dp=4,ep=2 ZeRO-{stage}");
         let saved = checkpoint_f32(&ckpt);
         assert_eq!(
             saved.keys().collect::<Vec<_>>(),
@@ -227,23 +234,25 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
             }
             // dp=2,ep=2: no other worker holds a worker's experts; their slots stay whole and
             // ZeRO shards the dense ones over both.
-            let two = run(
+            let (two, validation) = run_out(
                 &graph,
                 &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "1"],
                 5,
                 &dir.join("dp2ep2-zero1"),
             );
+            assert_eq!(validation, one_validation, "dp=2,ep=2 ZeRO-1");
             let worst = assert_same_losses(&two, &local, 1e-5);
             eprintln!("dp=2,ep=2 ZeRO-1: worst relative loss difference {worst:e}");
         }
         if stage == "3" {
             // dp=2,ep=2: the dense weights sharded over both workers, the experts whole.
-            let two = run(
+            let (two, validation) = run_out(
                 &graph,
                 &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"],
                 5,
                 &dir.join("dp2ep2-zero3"),
             );
+            assert_eq!(validation, one_validation, "dp=2,ep=2 ZeRO-3");
             let worst = assert_same_losses(&two, &local, 1e-5);
             eprintln!("dp=2,ep=2 ZeRO-3: worst relative loss difference {worst:e}");
             // A one-process checkpoint resumes under dp=4,ep=2 ZeRO-3 (split into the
@@ -269,7 +278,8 @@ fn dp4_ep2_zero_trains_like_one_process_and_resumes_in_one() {
 /// load-balancing loss, clipped at global norm 0.1 every step: 5 steps' losses equal one
 /// process's within 1e-5, the final checkpoint (the one-process names and shapes: tp shards
 /// and expert shards joined) holds the same parameters and Adam moments within 1e-5, the
-/// validation loss (worker 0's copy joining every shard) is one process's, and a
+/// validation loss (tp group 0's ranks on their shards, each MoE layer on rank 0 with its
+/// experts on their replicas' ranks) is one process's, and a
 /// checkpoint written after 3 steps resumes in one process with the uninterrupted job's losses;
 /// `dp=4,tp=2,ep=2` on 8 workers equals one process too.
 #[test]
@@ -284,7 +294,7 @@ fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
     let (losses, validation) = run_out(&graph, &mesh, 5, &full);
     let worst = assert_same_losses(&losses, &local, 1e-5);
     eprintln!("dp=2,tp=2,ep=2: worst relative loss difference {worst:e}");
-    // Worker 0's evaluation copy joins the tp and expert shards: the one-process model's loss.
+    // Evaluated on the shards, the experts where they are: the one-process model's loss.
     assert!(!one_validation.is_empty(), "no validation loss printed");
     assert_eq!(validation, one_validation);
     let (whole, saved) = (checkpoint_f32(&one), checkpoint_f32(&full));
@@ -326,8 +336,9 @@ fn dp2_tp2_ep2_trains_like_one_process_and_resumes_in_one() {
 /// clipped at global norm 0.1 every step): each rank's dense Adam slots (its tp shards' and
 /// the replicated parameters') sharded over its `data_t<t>` group, the expert shards' whole
 /// (dp = ep: no other replica holds them), one global clipping norm; ZeRO-3 also shards the
-/// weights so (the expert shards stay whole), gathered just before each pass, and worker 0's
-/// evaluation joins them: its printed validation loss is one process's. 4 steps' losses equal one
+/// weights so (the expert shards stay whole), gathered just before each pass, and the
+/// evaluation gathers them per use on tp group 0 (the experts on their ranks): its printed
+/// validation loss is one process's at every stage. 4 steps' losses equal one
 /// process's within 1e-5, the final checkpoint (ZeRO's flat shards, the tp shards and the expert
 /// shards joined) holds the same parameters and Adam moments within 1e-5, and a checkpoint
 /// written after 2 steps resumes in one process with the job's steps 3–4 (and a one-process
@@ -358,10 +369,9 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
         let (losses, validation) = run_out(&graph, &mesh, 4, &ckpt);
         let worst = assert_same_losses(&losses, &local, 1e-5);
         eprintln!("dp=2,tp=2,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
-        if stage == "3" {
-            // Worker 0's evaluation copy joins the weights from their flat shards.
-            assert_eq!(validation, one_validation, "dp=2,tp=2,ep=2 ZeRO-3");
-        }
+        // Evaluated on tp group 0's shards, the experts on their replicas' ranks (under
+        // ZeRO-3 each rank gathering its flat shards per use): one process's.
+        assert_eq!(validation, one_validation, "dp=2,tp=2,ep=2 ZeRO-{stage}");
         let worst = assert_same_tensors_f32(
             &format!("ZeRO-{stage}"),
             &checkpoint_f32(&ckpt),
@@ -402,10 +412,9 @@ fn dp2_tp2_ep2_zero_trains_like_one_process_and_resumes_in_one() {
         let ckpt = dir.join(format!("dp4-zero{stage}"));
         let (losses, validation) = run_out(&graph, &eight, 4, &ckpt);
         let worst = assert_same_losses(&losses, &local, 1e-5);
-        if stage == "3" {
-            // The expert shards joined from their flat halves on their two holders.
-            assert_eq!(validation, one_validation, "dp=4,tp=2,ep=2 ZeRO-3");
-        }
+        // Under ZeRO-3 each expert shard joined from its flat halves on its rank of tp
+        // coordinate 0, never on worker 0.
+        assert_eq!(validation, one_validation, "dp=4,tp=2,ep=2 ZeRO-{stage}");
         eprintln!("dp=4,tp=2,ep=2 ZeRO-{stage}: worst relative loss difference {worst:e}");
         let what = format!("dp=4,tp=2,ep=2 ZeRO-{stage}");
         let worst = assert_same_tensors_f32(&what, &checkpoint_f32(&ckpt), &whole, 1e-5);
@@ -602,7 +611,8 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
     let dir = scratch("mesh-expert-processes");
     let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
     let graph_s = graph.to_string_lossy().into_owned();
-    let local = run(&graph, &[], 3, &dir.join("one"));
+    let (local, one_validation) = run_out(&graph, &[], 3, &dir.join("one"));
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     for (mesh, zero) in [
         ("dp=4,ep=2", None),
         ("dp=4,ep=2", Some("2")),
@@ -643,5 +653,82 @@ fn four_processes_under_dp4_ep2_train_like_one_process() {
         assert_eq!(job.len(), 3);
         let worst = assert_same_losses(&job, &local, 1e-5);
         eprintln!("4 processes, {mesh}, ZeRO {zero:?}: worst relative difference {worst:e}");
+        // The experts evaluated on their ranks across processes: one process's loss.
+        let validation = chief
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("validation loss: "))
+            .unwrap_or_default();
+        assert_eq!(
+            validation, one_validation,
+            "4 processes, {mesh}, ZeRO {zero:?}"
+        );
+    }
+}
+
+/// The evaluations that run collectives beside sends between tasks (`dp,ep` and `dp,tp,ep` at
+/// ZeRO-3: per-use gathers that the expert ranks join; `dp,tp,ep`: tp collectives beside the
+/// batch (72 rows × 16 tokens: more than a cheap node's 1024 elements) and the MoE outputs sent
+/// to rank 1) finish on one CPU, where each task has one compute thread and a task blocked in a
+/// collective before a `Send` its peer waits for has run would wait for ever, and print one
+/// process's validation loss. Skipped without `taskset`.
+#[test]
+fn zero3_evaluations_beside_experts_finish_on_one_cpu_with_one_process_s_loss() {
+    let pinned = std::process::Command::new("taskset")
+        .args(["-c", "0", "true"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !pinned {
+        eprintln!("no taskset: skipped");
+        return;
+    }
+    let dir = scratch("mesh-expert-one-cpu");
+    let graph = tiny_moe_gpt(&dir, 2, Some(0.1));
+    let validation = |extra: &[&str]| {
+        let out = std::process::Command::new("taskset")
+            .args(["-c", "0"])
+            .arg(env!("CARGO_BIN_EXE_dflow"))
+            .args(["run", "--local"])
+            .arg(&graph)
+            .args(extra)
+            .args([
+                "--data",
+                "examples/data/shakespeare.txt.gz",
+                "--batch-size",
+                "72",
+                "--steps",
+                "1",
+                "--eval-batches",
+                "1",
+                "--timeout",
+                "20",
+                "--quiet",
+            ])
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with("validation loss: "))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let one = validation(&[]);
+    assert!(!one.is_empty(), "no validation loss printed");
+    for mesh in [
+        &["--cluster", TWO, "--mesh", "dp=2,ep=2", "--zero-stage", "3"][..],
+        &[
+            "--cluster",
+            FOUR,
+            "--mesh",
+            "dp=2,tp=2,ep=2",
+            "--zero-stage",
+            "3",
+        ],
+        &["--cluster", FOUR, "--mesh", "dp=2,tp=2,ep=2"],
+    ] {
+        assert_eq!(validation(mesh), one, "{mesh:?}");
     }
 }

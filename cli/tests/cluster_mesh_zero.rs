@@ -25,9 +25,20 @@ fn mesh_zero_local(
     steps: u32,
     ckpt: &Path,
 ) -> Vec<(u64, f64)> {
+    mesh_zero_validated(dir, graph, stage, steps, ckpt).0
+}
+
+/// [`mesh_zero_local`]: its losses and its final validation loss line.
+fn mesh_zero_validated(
+    dir: &Path,
+    graph: &Path,
+    stage: u8,
+    steps: u32,
+    ckpt: &Path,
+) -> (Vec<(u64, f64)>, String) {
     let cluster = workers_file(dir, 4);
     let stage = stage.to_string();
-    local_run(
+    local_run_validated(
         graph,
         steps,
         ckpt,
@@ -47,13 +58,18 @@ fn dp2_tp2_with_zero_1_2_and_3_trains_the_gpt_like_one_process() {
     let _serial = serial();
     let dir = scratch("mesh-zero-dp2-tp2");
     let graph = gpt_file(&dir);
-    let one = local_run(&graph, 5, &dir.join("ckpt-one"), &[]);
+    let (one, one_validation) = local_run_validated(&graph, 5, &dir.join("ckpt-one"), &[]);
     assert_eq!(one.len(), 5);
+    assert!(!one_validation.is_empty(), "no validation loss printed");
     for stage in [1u8, 2, 3] {
-        let mesh = mesh_zero_local(&dir, &graph, stage, 5, &dir.join(format!("ckpt-z{stage}")));
+        let ckpt = dir.join(format!("ckpt-z{stage}"));
+        let (mesh, validation) = mesh_zero_validated(&dir, &graph, stage, 5, &ckpt);
         assert_eq!(mesh.len(), 5);
         let worst = assert_same_losses(&mesh, &one, 1e-5);
         eprintln!("dp=2,tp=2 ZeRO-{stage} (--local): worst relative loss difference {worst:e}");
+        // The validation loss, evaluated on tp group 0's ranks (at stage 3 each gathering its
+        // flat shards per use, the other replica joining), is the one process's as printed.
+        assert_eq!(validation, one_validation, "ZeRO-{stage}");
     }
 }
 

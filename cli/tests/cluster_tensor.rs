@@ -334,3 +334,67 @@ fn partition_shows_each_placement_and_collective_with_its_bytes() {
         "{err}"
     );
 }
+
+/// Tensor parallelism's sharded evaluation finishes on one CPU (each task one compute thread):
+/// rank 1 needs the held-out labels from worker 0 (1,024 tokens, a `Send` that is not a cheap
+/// node) before its first tp collective, and worker 0 must not block in that collective with
+/// the `Send` queued behind it on its thread (`tensor::eval::sends_before_collectives`; without
+/// it this hung until the step timeout), nor under `tp=2,pp=2` on the stages. The validation
+/// loss is one process's. Skipped without `taskset`.
+#[test]
+fn the_sharded_evaluation_finishes_on_one_cpu() {
+    let pinned = std::process::Command::new("taskset")
+        .args(["-c", "0", "true"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !pinned {
+        eprintln!("no taskset: skipped");
+        return;
+    }
+    let validation = |extra: &[&str]| {
+        let out = std::process::Command::new("taskset")
+            .args(["-c", "0"])
+            .arg(env!("CARGO_BIN_EXE_dflow"))
+            .args(["run", "--local", "examples/gpt/gpt.json"])
+            .args(extra)
+            .args([
+                "--data",
+                "examples/data/shakespeare.txt.gz",
+                "--batch-size",
+                "4",
+                "--steps",
+                "0",
+                "--eval-batches",
+                "1",
+                "--timeout",
+                "20",
+                "--quiet",
+            ])
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with("validation loss: "))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let one = validation(&[]);
+    assert!(!one.is_empty(), "no validation loss printed");
+    for (cluster, mesh) in [
+        ("examples/gpt/cluster-2workers.json", "dp=1,tp=2"),
+        // On the stages (`pipeline::eval`): rank 1 of stage 0 waited for `wpe` the same way.
+        ("examples/gpt/cluster-4workers.json", "dp=1,tp=2,pp=2"),
+    ] {
+        assert_eq!(
+            validation(&["--cluster", cluster, "--mesh", mesh]),
+            one,
+            "{mesh}"
+        );
+    }
+}

@@ -825,7 +825,8 @@ fn expert_parallel_memory_and_bytes_per_task_are_the_prediction() {
             4,
         ),
         // ZeRO-3: the weights too, gathered over the same groups before each pass; the
-        // evaluation batch joins every shard on worker 0 over the data plane.
+        // evaluation batch gathers the dense ones per use on worker 0 (every task joining) and
+        // runs the experts on their ranks, each expert shard joined there from its halves.
         (
             "dp=4,ep=2",
             Some("3"),
@@ -860,7 +861,7 @@ fn expert_and_tensor_parallel_memory_and_bytes_per_task_are_the_prediction() {
     // half of its experts on each replica, every tp rank moving its replica's tokens by
     // all-to-all. `dflow plan --layout`'s job-plan count of every task's bytes (and
     // collective messages) and memory is what the run measures; the evaluation batch at the
-    // end joins the tp and expert shards on worker 0 over the data plane.
+    // end runs on tp group 0's shards, the experts' blocks sent to their ranks and back.
     let graph = small_moe_gpt("plan_vs_measured_ep_tp");
     let layout = "dp=2,tp=2,ep=2";
     let (ends, stderr) = gpt_job(

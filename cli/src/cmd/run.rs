@@ -151,10 +151,13 @@ pub struct Args {
     /// Training on a text: batches of the validation split each validation loss averages
     /// (0: no validation loss, not even at the end, and a distributed job does not register
     /// its evaluation graph). A pipeline (with tp, ep or ZeRO) evaluates on its stages, tensor
-    /// parallelism on tp group 0's shards, ZeRO-3 gathers each weight just before its use;
+    /// parallelism on tp group 0's shards (beside ZeRO-3 each rank gathering its flat shards
+    /// per use, the other replicas joining), ZeRO-3 gathers each weight just before its use;
     /// the 4-axis mesh on replica 0's stages, each joining its own shards; experts without a
-    /// pipeline (`dp,ep`, `dp,tp,ep`), ZeRO-3 beside tp without a pipeline and placements
-    /// written by hand join the weights on worker 0.
+    /// pipeline run on their ranks, tokens sent there and back (`dp,ep` beside worker 0's dense
+    /// copy, its ZeRO-3 weights gathered per use; `dp,tp,ep` beside tp group 0's shards).
+    /// Placements written by hand, and any layout without a static batch (`--batch-size`),
+    /// join the weights on worker 0.
     #[arg(long, default_value_t = 20)]
     pub eval_batches: u64,
     /// Training: load these variables (a safetensors file, names as the graph's variables)

@@ -73,6 +73,17 @@ pub fn no_evaluation(args: &mut [String]) {
 
 /// One process (`--local`, plus `extra`): its losses; checkpoints to (and resumes from) `ckpt`.
 pub fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(u64, f64)> {
+    local_run_validated(graph, steps, ckpt, extra).0
+}
+
+/// [`local_run`]: its losses and its final `validation loss: …` line (empty if none).
+#[allow(dead_code)]
+pub fn local_run_validated(
+    graph: &Path,
+    steps: u32,
+    ckpt: &Path,
+    extra: &[&str],
+) -> (Vec<(u64, f64)>, String) {
     let losses = ckpt.with_extension("losses.txt");
     let mut args: Vec<String> = vec!["run".into(), "--local".into()];
     args.push(graph.to_string_lossy().into_owned());
@@ -85,8 +96,13 @@ pub fn local_run(graph: &Path, steps: u32, ckpt: &Path, extra: &[&str]) -> Vec<(
     ]);
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    stdout(&dflow(&args));
-    read_losses(&losses)
+    let out = stdout(&dflow(&args));
+    let validation = out
+        .lines()
+        .find(|l| l.starts_with("validation loss: "))
+        .unwrap_or_default()
+        .to_string();
+    (read_losses(&losses), validation)
 }
 
 /// `workers` worker processes running with `layout` (e.g. `--mesh dp=2,tp=2`): the chief's

@@ -37,9 +37,11 @@
 //! - **Order**: all collectives of a worker (forward all-to-alls and all-gathers, their
 //!   gradients, the buckets, the loss) are chained by control edges in one topological order,
 //!   the same on every worker.
-//! - **Evaluation** (worker 0, whole batches): a copy of the forward graph named `eval/...`
-//!   whose experts read the concatenation of all workers' shards (sent to worker 0 when it
-//!   evaluates), so evaluation needs no collective.
+//! - **Evaluation** (whole batches, no collective; `ep_eval`): with the batch size known, a
+//!   copy of the forward graph named `eval/...` on worker 0 whose MoE layers send their
+//!   dispatch buffer's blocks to the experts' ranks of expert group 0 and take the results
+//!   back, so no expert weight leaves its worker; without it (`add_eval_copy`) the experts
+//!   read the concatenation of all workers' shards, sent to worker 0 when it evaluates.
 //!
 //! - **Dropped tokens**: each worker sums its layers' `MoeRoute` `dropped` counts and an
 //!   all-reduce (sum, after the loss's) gives the job's; the job fetches it every step
@@ -62,7 +64,8 @@
 //!   parameters' Adam slots (stage 3: and the parameters, gathered just before each use)
 //!   sharded over all the workers, each expert shard's over its expert-data-parallel group, by
 //!   `--strategy zero`'s step and stage-3 rewrite (see [`zero`]); under ZeRO-3 the evaluation
-//!   copy reads every parameter joined from its flat shards.
+//!   reads every dense parameter joined on worker 0 from its flat shards, and each expert
+//!   shard joined on its rank.
 //!
 //! - **Pipeline stages** (`--mesh dp=D,ep=E,pp=P`, [`Expert::pipeline`]): each replica's
 //!   graph cut into stages by the pipeline rewrite, the experts shared inside each stage's
@@ -72,6 +75,7 @@
 //! parallelism (`--mesh dp=D,tp=T,ep=E`) the tensor strategy runs the experts
 //! ([`super::tensor::experts`], through `worker_forward`).
 
+mod ep_eval;
 pub(crate) mod eval;
 pub mod pipeline;
 pub mod zero;
@@ -303,14 +307,14 @@ impl Strategy for Expert {
             }
         }
         let layout = ExpertLayout::new(workers, self.ep.unwrap_or(workers))?;
-        let graphs = expert_training_with(
+        let graphs = expert_training_evaluating(
             input.graph,
             input.train,
             layout,
-            input.features,
-            input.labels,
+            (input.features, input.labels),
             self.bucket_bytes,
             self.zero,
+            self.batch_size,
         )?;
         let placement = input.explicit_placement();
         let tasks: Vec<String> = input.worker_task_names();
@@ -744,6 +748,30 @@ pub fn expert_training_with(
     bucket_bytes: usize,
     zero: Option<u8>,
 ) -> Result<Vec<ReplicaGraph>, StrategyError> {
+    expert_training_evaluating(
+        graph,
+        spec,
+        layout,
+        (features, labels),
+        bucket_bytes,
+        zero,
+        None,
+    )
+}
+
+/// [`expert_training_with`], whose evaluation, given the held-out batches' rows (`eval_rows`,
+/// the global batch size), runs the experts on their ranks of expert-parallel group 0 and the
+/// rest on worker 0, moving activations only ([`ep_eval`]); without it worker 0 evaluates a
+/// copy that joins every expert's shards ([`add_eval_copy`]).
+pub fn expert_training_evaluating(
+    graph: &Graph,
+    spec: &TrainSpec,
+    layout: ExpertLayout,
+    (features, labels): (&str, &str),
+    bucket_bytes: usize,
+    zero: Option<u8>,
+    eval_rows: Option<usize>,
+) -> Result<Vec<ReplicaGraph>, StrategyError> {
     let (workers, ep) = (layout.workers(), layout.ep());
     let loss_dtype = check_job(graph, spec, workers, features, labels)?;
     if zero.is_some() {
@@ -793,18 +821,30 @@ pub fn expert_training_with(
             )?
         };
         add_dropped_count(&mut g, &forward, i)?;
-        if i == 0 {
-            let stage3 = zero.is_some_and(|s| s >= 3);
-            let device = |_: &str, j: usize| worker_device("", "", j);
-            let copy = EvalCopy {
-                layout,
-                stage3,
-                shard_device: &device,
-                own_placeholders: false,
-            };
-            add_eval_copy(&mut g, graph, &forward, &layers, spec, copy)?;
-        }
         graphs.push(g);
+    }
+    let device = |_: &str, j: usize| worker_device("", "", j);
+    let copy = EvalCopy {
+        layout,
+        stage3: zero.is_some_and(|s| s >= 3),
+        shard_device: &device,
+        own_placeholders: false,
+    };
+    let staged = match eval_rows {
+        Some(rows) => {
+            let feeds = crate::strategy::tensor::eval::EvalFeeds {
+                features,
+                labels,
+                rows,
+            };
+            ep_eval::add_ep_eval(&mut graphs, graph, &forward, &layers, spec, &copy, &feeds)?
+        }
+        None => false,
+    };
+    if !staged {
+        if let Some(g) = graphs.first_mut() {
+            add_eval_copy(g, graph, &forward, &layers, spec, copy)?;
+        }
     }
     Ok(graphs)
 }

@@ -34,9 +34,9 @@
 //! - All collectives of a rank are chained by control edges in one topological order.
 //! - Evaluation ([`eval`]): with the batch size known (`--batch-size`), the ranks of
 //!   tensor-parallel group 0 run their own forward graphs on their shards, fed the held-out
-//!   batch by worker 0, so no task holds the whole model; otherwise (and under ZeRO-3) worker 0
-//!   evaluates a copy of the forward graph, `eval/...`, whose weights are joined from every
-//!   rank's shards.
+//!   batch by worker 0, so no task holds the whole model (under ZeRO-3 each rank gathers its
+//!   flat shards per use, the other replicas joining); otherwise worker 0 evaluates a copy of
+//!   the forward graph, `eval/...`, whose weights are joined from every rank's shards.
 //!
 //! - **Data parallelism over tensor-parallel groups** (`--mesh dp=D,tp=T`, or `--tp T` over
 //!   `D·T` workers): ranks in Megatron-core order ([`crate::mesh`]: tp fastest, so the TP
@@ -63,8 +63,9 @@
 //! MoE blocks without an expert-parallel axis.
 
 mod data;
-mod eval;
+pub(crate) mod eval;
 pub mod experts;
+mod experts_eval;
 pub mod experts_pipeline;
 pub mod hand;
 pub mod mesh3d;
@@ -817,8 +818,8 @@ pub fn mesh_training(
 
 /// [`mesh_training`], whose evaluation, given the held-out batches' rows (`eval_rows`, the
 /// global batch size), runs over the ranks of tensor-parallel group 0 on their shards (no task
-/// holds the whole model; [`eval`]); without it (or under ZeRO-3) worker 0 evaluates a copy
-/// that joins every rank's shards.
+/// holds the whole model; [`eval`], under ZeRO-3 gathering each rank's flat shards per use);
+/// without it worker 0 evaluates a copy that joins every rank's shards.
 #[allow(clippy::too_many_arguments)]
 pub fn mesh_training_evaluating(
     graph: &Graph,
@@ -871,24 +872,35 @@ pub fn mesh_training_evaluating(
     }
     let zero3 = zero_stage.filter(|&s| s >= 3).map(|_| mesh.dp);
     let mut sharded_eval = false;
-    if let (Some(rows), None) = (eval_rows, zero3) {
+    if let Some(rows) = eval_rows {
         // Tensor-parallel group 0's ranks, without data parallelism: their forward graphs.
-        let ranks = (0..tp)
+        let mut ranks = (0..tp)
             .map(|t| {
                 let at = RankAt::on_mesh(mesh, t, bucket_bytes, None);
                 let at = RankAt { data: None, ..at };
                 rank_forward(&def, &gpt, &shards, spec, &at, features, labels)
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Under ZeRO-3 each rank gathers its flat shards per use over its dp group, as
+        // training's forward does, the other replicas joining with theirs.
+        let zero = zero3.map(|dp| eval::Zero3 { dp, tp });
+        let mut gathers = Vec::new();
+        if let Some(zero) = &zero {
+            for (t, rank) in ranks.iter_mut().enumerate() {
+                let training = &graphs[t].training.def;
+                gathers.push(eval::flat_gathers(rank, t, zero, training)?);
+            }
+        }
         let base = eval::first_free_instance(&graphs);
         let feeds = eval::EvalFeeds {
             features,
             labels,
             rows,
         };
-        if let Some(g0) = graphs.first_mut() {
-            sharded_eval = eval::add_sharded_eval(g0, &ranks, spec, &feeds, base)?;
-        }
+        let zero = zero.as_ref().map(|z| (z, gathers.as_slice()));
+        let shared = HashSet::new();
+        sharded_eval =
+            eval::add_sharded_eval(&mut graphs, &ranks, spec, &feeds, base, zero, &shared)?;
     }
     if !sharded_eval {
         if let Some(g0) = graphs.first_mut() {
@@ -2574,6 +2586,186 @@ mod tests {
         );
     }
 
+    /// The tensors computed from weights alone (a variable, or an op all of whose data inputs
+    /// are) that an evaluation node (`eval/...`) of `g` reads from another task, with the
+    /// reader: a weight (or a piece of one) moving between devices.
+    pub(super) fn weights_crossing_tasks(g: &ReplicaGraph) -> Vec<(String, String)> {
+        let task = |device: &str| {
+            dflow_graph::DeviceName::parse(device)
+                .ok()
+                .and_then(|d| d.task)
+                .map_or(usize::MAX, |t| t as usize)
+        };
+        let typed = &g.graph;
+        let mut weighty: HashSet<String> = HashSet::new();
+        for i in typed.topo_order() {
+            let n = typed.node(i);
+            let inputs = typed.inputs(i);
+            if n.op_def().is_variable
+                || (!inputs.is_empty()
+                    && inputs
+                        .iter()
+                        .all(|(p, _)| weighty.contains(&typed.node(*p).name)))
+            {
+                weighty.insert(n.name.clone());
+            }
+        }
+        let by_name: HashMap<&str, &NodeDef> = g
+            .training
+            .def
+            .nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n))
+            .collect();
+        let mut out = Vec::new();
+        for n in g
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+        {
+            for i in &n.inputs {
+                let Ok(InputRef::Data { node: p, .. }) = InputRef::parse(i) else {
+                    continue;
+                };
+                if weighty.contains(&p) && task(&by_name[p.as_str()].device) != task(&n.device) {
+                    out.push((p, n.name.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// `dp=2,tp=2 --zero-stage 3` with a known batch evaluates on tensor-parallel group 0's
+    /// ranks (workers 0 and 1), each gathering its flat shards per use over its dp group as
+    /// training's forward does, the other replica (workers 2 and 3) joining each gather with
+    /// its shard: no tensor-parallel shard and no flat shard leaves its device, and no weight
+    /// is joined whole on one device (worker 0's old copy did: this fails on it). Only the
+    /// replicated weights (layer norms, `wpe`, row-parallel biases) go from worker 0's gathered
+    /// copy to rank 1, as without ZeRO-3.
+    #[test]
+    fn dp2_tp2_zero3_evaluates_on_tp_group_0_gathering_flat_shards_per_use_and_joins_no_weight() {
+        let (graph, spec) = model(11, 2, 4);
+        let mesh = Mesh::new(2, 2, 1).unwrap();
+        let task_of = |device: &str| {
+            dflow_graph::DeviceName::parse(device)
+                .ok()
+                .and_then(|d| d.task)
+                .map_or(usize::MAX, |t| t as usize)
+        };
+        let evaluated = |rows| {
+            mesh_training_evaluating(
+                &graph,
+                &spec,
+                &mesh,
+                1 << 20,
+                Some(3),
+                "idx",
+                "targets",
+                rows,
+            )
+            .unwrap()
+        };
+        // The old evaluation (no static batch) joins shards from the other workers on worker 0.
+        let old = evaluated(None);
+        assert!(weights_crossing_tasks(&old.graphs[0])
+            .iter()
+            .any(|(p, _)| p.contains("/tp_1_of_2/shard_")));
+        let tg = evaluated(Some(4));
+        let g0 = &tg.graphs[0];
+        for (p, reader) in weights_crossing_tasks(g0) {
+            let from = g0.training.def.nodes.iter().find(|n| n.name == p).unwrap();
+            assert!(
+                from.op == "FlatSlice" && task_of(&from.device) == 0 && !p.contains("/tp_"),
+                "`{p}` ({}) crosses to `{reader}`",
+                from.op
+            );
+        }
+        let eval: Vec<&NodeDef> = g0
+            .training
+            .def
+            .nodes
+            .iter()
+            .filter(|n| n.name.starts_with("eval/"))
+            .collect();
+        // No join: no weight is packed or concatenated whole anywhere.
+        assert!(eval.iter().all(|n| n.op != "PackFlat" && n.op != "Concat"));
+        let attr = |n: &NodeDef, a: &str| n.attrs.get(a).cloned().unwrap();
+        // Per worker: its gathers (group, key) in instance order.
+        let mut gathers: BTreeMap<usize, Vec<(AttrValue, AttrValue)>> = BTreeMap::new();
+        for n in &eval {
+            let task = task_of(&n.device);
+            if task >= 2 {
+                // The other replica only joins the gathers.
+                assert!(
+                    matches!(n.op.as_str(), "CollectiveAllGather" | "Size"),
+                    "{}",
+                    n.name
+                );
+            }
+            if n.op == "CollectiveAllGather" {
+                assert_eq!(
+                    attr(n, "group_key"),
+                    AttrValue::String(dp_group(task % 2).as_str().into())
+                );
+                // It reads the worker's own flat shard.
+                let shard = g0
+                    .training
+                    .def
+                    .nodes
+                    .iter()
+                    .find(|v| v.name == n.inputs[0])
+                    .unwrap();
+                assert_eq!(shard.op, "Variable");
+                assert_eq!(task_of(&shard.device), task);
+                assert!(shard.name.ends_with(&format!("/shard_{}_of_2", task / 2)));
+                gathers
+                    .entry(task)
+                    .or_default()
+                    .push((attr(n, "group_key"), attr(n, "instance_key")));
+            }
+        }
+        // Rank 0 gathers its tp shards and the replicated weights, rank 1 its tp shards; each
+        // peer joins the same gathers at the same keys.
+        assert!(gathers[&0].len() > gathers[&1].len() && !gathers[&1].is_empty());
+        for t in 0..2 {
+            let key = |x: &(AttrValue, AttrValue)| match x.1 {
+                AttrValue::Int(k) => k,
+                _ => 0,
+            };
+            let mut own = gathers[&t].clone();
+            let mut peer = gathers[&(t + 2)].clone();
+            own.sort_by_key(key);
+            peer.sort_by_key(key);
+            assert_eq!(own, peer, "rank {t}");
+        }
+        // The job plan: the evaluation runs on all four workers, and what crosses between
+        // them is the batch, activations, replicated weights and control edges (a peer's
+        // last gather done) only.
+        let cluster = dflow_graph::ClusterSpec::local(&[("worker", 4)]).unwrap();
+        let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+        let plan = TensorParallel {
+            tp: Some(2),
+            bucket_bytes: 1 << 20,
+            batch_size: Some(4),
+            pipeline: None,
+            zero_stage: Some(3),
+        }
+        .plan(&input)
+        .unwrap();
+        let eval = plan.eval_signature().unwrap();
+        assert_eq!(eval.tasks().unwrap().len(), 4);
+        let moved: Vec<String> = eval
+            .partitions
+            .pairs
+            .iter()
+            .map(|p| p.tensor_name.to_string())
+            .filter(|t| !t.starts_with('^') && (t.contains("/tp_") || t.contains("/shard_")))
+            .collect();
+        assert!(moved.is_empty(), "{moved:?}");
+    }
+
     #[test]
     fn zero_beside_tp_refuses_stage_4_one_replica_a_pipeline_and_sgd_naming_them() {
         let (graph, mut spec) = model(11, 2, 4);
@@ -2941,13 +3133,14 @@ mod tests {
         let eval = plan.eval_signature().unwrap();
         let tasks: Vec<String> = eval.tasks().unwrap().into_iter().collect();
         assert_eq!(tasks, [task_name("worker", 0), task_name("worker", 1)]);
-        // Between the ranks: the batch (static, 4 rows), replicated weights, control edges;
-        // never a shard of a sharded weight.
+        // Between the ranks: the batch (static, 4 rows), replicated weights, control edges
+        // (zero bytes: rank 1's waits for the batch and weights before each collective, the
+        // loss); never a shard of a sharded weight.
         let cross: Vec<_> = eval
             .partitions
             .pairs
             .iter()
-            .filter(|p| !p.client_terminated)
+            .filter(|p| !p.client_terminated && !p.is_control)
             .collect();
         assert!(
             cross.iter().all(|p| !p.tensor_name.contains("/tp_")),

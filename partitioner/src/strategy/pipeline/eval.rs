@@ -741,6 +741,8 @@ pub(crate) fn add_sharded_stage_eval(
             name: clash.name.clone(),
         });
     }
+    // No task blocks in a collective before sending what its peers need for theirs.
+    crate::strategy::tensor::eval::sends_before_collectives(&mut added, &g0.training.def.nodes);
     g0.training.def.nodes.extend(added);
     g0.graph = Graph::from_def(&g0.training.def).map_err(StrategyError::InvalidGraph)?;
     g0.eval = EvalNames {

@@ -22,8 +22,9 @@
 //!
 //! An expert shard's gradient is the same on the T tp ranks (same tokens, and the MoE output
 //! is consumed replicated, so the same upstream gradient): it is never reduced over tp and is
-//! kept out of the dense buckets. Worker 0 evaluates a copy of the forward graph reading the
-//! tp shards and the expert shards joined.
+//! kept out of the dense buckets. The evaluation runs on tp group 0's shards with each MoE
+//! layer on rank 0 and its experts on their replicas' ranks (`tensor/experts_eval.rs`; without
+//! a batch size worker 0 evaluates a copy reading the tp and expert shards joined).
 //!
 //! **ZeRO-1/2** ([`TensorExpert::zero_stage`], `zero_step`): the dense parameters' Adam slots
 //! sharded over `data_t<t>` by the step dp × tp ZeRO runs (`data::zero_step_with`), each expert
@@ -31,8 +32,8 @@
 //! (`expert::zero::expert_shard_step`; whole when `D = E`), one clipping scale from both
 //! `Σ‖g‖²`. **ZeRO-3** (`shard_parameters`) also shards the weights over those groups (the
 //! expert shards marked as row shards first), gathered just before each pass, the gathers
-//! numbered in one order per group; worker 0's evaluation copy joins them from their flat
-//! shards. Inside pipeline stages (`--mesh dp=D,tp=T,pp=P,ep=E`) the same rank graphs are cut
+//! numbered in one order per group; the evaluation gathers them per use (and joins an expert
+//! shard on its own rank), worker 0's older copy joins them all from their flat shards. Inside pipeline stages (`--mesh dp=D,tp=T,pp=P,ep=E`) the same rank graphs are cut
 //! into stages by [`super::experts_pipeline`].
 
 use super::{
@@ -152,14 +153,14 @@ impl Strategy for TensorExpert {
         let workers = input.workers();
         let tp = self.tp;
         let mesh = super::dp_tp_mesh(workers, tp, self.ep, self.batch_size)?;
-        let graphs = mesh_expert_training(
+        let graphs = mesh_expert_training_evaluating(
             input.graph,
             input.train,
             &mesh,
             self.bucket_bytes,
             self.zero_stage,
-            input.features,
-            input.labels,
+            (input.features, input.labels),
+            self.batch_size,
         )?;
         let placement = input.explicit_placement();
         let tasks: Vec<String> = input.worker_task_names();
@@ -194,6 +195,30 @@ pub fn mesh_expert_training(
     zero_stage: Option<u8>,
     features: &str,
     labels: &str,
+) -> Result<TensorGraphs, StrategyError> {
+    mesh_expert_training_evaluating(
+        graph,
+        spec,
+        mesh,
+        bucket_bytes,
+        zero_stage,
+        (features, labels),
+        None,
+    )
+}
+
+/// [`mesh_expert_training`], whose evaluation, given the held-out batches' rows (`eval_rows`,
+/// the global batch size), runs on tensor-parallel group 0's shards with each MoE layer's
+/// experts on their replicas' ranks (no weight joined on worker 0;
+/// `tensor::experts_eval`); without it worker 0's copy joins every shard.
+pub fn mesh_expert_training_evaluating(
+    graph: &Graph,
+    spec: &TrainSpec,
+    mesh: &Mesh,
+    bucket_bytes: usize,
+    zero_stage: Option<u8>,
+    (features, labels): (&str, &str),
+    eval_rows: Option<usize>,
 ) -> Result<TensorGraphs, StrategyError> {
     if mesh.pp != 1 || mesh.ep < 2 || mesh.dp < 2 {
         return Err(options(format!(
@@ -234,8 +259,26 @@ pub fn mesh_expert_training(
         };
         graphs.push(rank_graph(&parts, &at)?);
     }
-    if let Some(g0) = graphs.first_mut() {
-        let zero3 = zero_stage.is_some_and(|s| s >= 3);
+    let zero3 = zero_stage.is_some_and(|s| s >= 3);
+    let mut sharded = false;
+    if let Some(rows) = eval_rows {
+        let e = super::experts_eval::ExpertEval {
+            forward: &def,
+            gpt: &gpt,
+            shards: &shards,
+            layers: &layers,
+            mesh,
+            zero3,
+            bucket_bytes,
+        };
+        let feeds = super::eval::EvalFeeds {
+            features,
+            labels,
+            rows,
+        };
+        sharded = super::experts_eval::add_expert_eval(&mut graphs, &e, spec, &feeds)?;
+    }
+    if let (false, Some(g0)) = (sharded, graphs.first_mut()) {
         add_eval(
             g0,
             &def,
