@@ -9,6 +9,16 @@ import re
 import sys
 
 
+def micros(cell):
+    """`1,234 µs` as 1234.0."""
+    return float(cell.replace("µs", "").replace(",", "").strip())
+
+
+def error(predicted, measured):
+    """(predicted - measured) / measured in percent, from the cells (not their rounded percent)."""
+    return (micros(predicted) - micros(measured)) / micros(measured) * 100
+
+
 def rows(path):
     out = {}
     for line in open(path, encoding="utf-8"):
@@ -16,8 +26,8 @@ def rows(path):
         if len(cells) not in (4, 6) or not cells[3].endswith("%") or cells[0] == "layout":
             continue
         measured = cells[2].split(" (")[0]
-        mean_error = int(cells[5].rstrip("%")) if len(cells) == 6 else None
-        out[cells[0]] = (cells[1], measured, int(cells[3].rstrip("%")), mean_error)
+        mean = cells[4].split(" (")[0] if len(cells) == 6 else None
+        out[cells[0]] = (cells[1], measured, error(cells[1], measured), error(cells[1], mean) if mean else None)
     return out
 
 
@@ -32,11 +42,11 @@ def main(paths):
         for r in rounds:
             if name in r:
                 p, m, e, _ = r[name]
-                cells.append(f"{p} / {m} / {e:+d}%")
+                cells.append(f"{p} / {m} / {e:+.1f}%")
                 errors.append(e)
             else:
                 cells.append("—")
-        span = f"{min(errors):+d}…{max(errors):+d}%" if errors else "—"
+        span = f"{min(errors):+.1f}…{max(errors):+.1f}%" if errors else "—"
         print(f"| {name} | " + " | ".join(cells) + f" | {span} |")
     within = [sum(1 for v in r.values() if abs(v[2]) <= 25) for r in rounds]
     print()

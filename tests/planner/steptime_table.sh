@@ -55,8 +55,8 @@ name, pred = sys.argv[1], float(sys.argv[2])
 runs = [tuple(float(v) for v in x.split(":")) for x in sys.argv[3:]]
 xs, means = [r[0] for r in runs], [r[1] for r in runs]
 med, mean = statistics.median(xs), statistics.median(means)
-print(f"| {name} | {pred:,.0f} µs | {med:,.0f} µs ({min(xs):,.0f}–{max(xs):,.0f}) | {(pred - med) / med * 100:+.0f}% "
-      f"| {mean:,.0f} µs ({min(means):,.0f}–{max(means):,.0f}) | {(pred - mean) / mean * 100:+.0f}% |")
+print(f"| {name} | {pred:,.0f} µs | {med:,.0f} µs ({min(xs):,.0f}–{max(xs):,.0f}) | {(pred - med) / med * 100:+.1f}% "
+      f"| {mean:,.0f} µs ({min(means):,.0f}–{max(means):,.0f}) | {(pred - mean) / mean * 100:+.1f}% |")
 PY
 }
 
