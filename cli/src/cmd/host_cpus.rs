@@ -10,9 +10,9 @@
 //! host of `C` CPUs is bound to its own `C / L` of them (task `k` of the host to CPU `k mod C`
 //! when `L > C`) and runs one compute thread per CPU it is bound to
 //! (`--cpu-binding none`: unbound, `C / L` threads), at least [`MIN_COMPUTE_THREADS`] unless
-//! `--compute-threads` asks for fewer. Measured on this 2-CPU machine
-//! (BENCHMARKS.md "CPU binding"): the 2×32 GPT dp=2×pp=2 on 4 processes took 1.78–2.10 ms a
-//! step unbound and 1.48–1.65 ms bound.
+//! `--compute-threads` asks for fewer. Measured on this 2-CPU machine (BENCHMARKS.md "CPU
+//! binding", `tests/planner/cpu_binding.sh`): the 2×32 GPT's jobs of 2, 4 and 8 processes take
+//! 1.20–1.44× longer a step (median) unbound, idle; the bundled GPT at dp=2 the same (0.99–1.05).
 
 use anyhow::{bail, Context};
 use dflow_graph::ClusterSpec;
