@@ -408,6 +408,49 @@ fn under_dp2_tp2_pp2_zero3_each_stage_joins_its_flat_shards_and_sends_activation
 }
 
 #[test]
+fn a_crossing_tensor_of_no_static_size_keeps_the_evaluation_joined_on_worker_0() {
+    // Placeholders of windows of any length: the residual stream between the stages is
+    // `[?, ?, 8]`, no static size holds it, so worker 0 evaluates reading stage 1's weights.
+    let (graph, spec) = model(false);
+    let mut def = graph.to_def();
+    for n in def.nodes.iter_mut().filter(|n| n.op == "Placeholder") {
+        n.attrs.insert(
+            "shape".into(),
+            AttrValue::Shape(Shape::partial(vec![None, None])),
+        );
+    }
+    let graph = Graph::from_def(&def).unwrap();
+    let cluster = ClusterSpec::local(&[("worker", 2)]).unwrap();
+    let input = JobInput::new(&graph, &spec, &cluster, "idx", "targets");
+    let pipeline = Pipeline {
+        stages: Some(2),
+        micro_batches: 2,
+        schedule: ScheduleKind::OneFOneB,
+        chunks: 1,
+        batch_size: Some(4),
+    };
+    let (g, _) = pipeline.training_graph(&input).unwrap();
+    let worker = super::super::worker_device;
+    let eval: Vec<_> = (g.training.def.nodes.iter())
+        .filter(|n| n.name.starts_with("eval/"))
+        .collect();
+    assert!(!eval.is_empty());
+    assert!(eval.iter().all(|n| n.device == worker(0)));
+    assert!(eval.iter().all(|n| !n.name.starts_with("eval/pipeline/")));
+    assert_eq!(g.eval.loss, format!("eval/{}", spec.loss));
+    // Stage 1's weights are read where they live, on worker 1.
+    let variables: BTreeSet<&str> = (g.training.def.nodes.iter())
+        .filter(|n| n.op == "Variable" && n.device == worker(1))
+        .map(|n| n.name.as_str())
+        .collect();
+    assert!(!variables.is_empty());
+    assert!(eval.iter().any(|n| n
+        .inputs
+        .iter()
+        .any(|i| variables.contains(i.split(':').next().unwrap()))));
+}
+
+#[test]
 fn a_fetched_tensor_of_no_static_shape_keeps_the_evaluation_joined_on_worker_0() {
     // The digits MLP on 2 stages: its loss and accuracy are scalars, so the evaluation
     // runs on both stages; with the logits (`[?, 10]`, on the last stage) as a metric,
