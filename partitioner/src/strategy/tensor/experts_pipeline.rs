@@ -927,9 +927,9 @@ mod tests {
                 .collect()
         };
         // Fixed windows: on the stages, the loss sent to worker 0.
-        let staged = train(&graph);
-        assert_eq!(evaluating(&staged), BTreeSet::from([0, 4]));
-        assert_eq!(staged.eval.loss, "eval/pipeline/fetch/loss");
+        let on_stages = train(&graph);
+        assert_eq!(evaluating(&on_stages), BTreeSet::from([0, 4]));
+        assert_eq!(on_stages.eval.loss, "eval/pipeline/fetch/loss");
         // Windows of any length: joined on worker 0.
         let g0 = train(&any_window);
         let def = &g0.training.def;
