@@ -885,6 +885,94 @@ mod tests {
         }
     }
 
+    /// Where the stages cannot carry the evaluation (here the placeholders take windows of any
+    /// length: the staged evaluation's placeholders, of the global batch, get no static shape,
+    /// nor does any activation between the stages), `add_staged_eval` changes nothing and worker 0 evaluates a copy reading every stage's
+    /// shards joined (`add_eval`): the loss is still fetched, on worker 0, with no op of the
+    /// staged evaluation left behind. The same model with fixed windows evaluates on replica
+    /// 0's stages (workers 0 and 4).
+    #[test]
+    fn a_crossing_tensor_of_no_static_size_joins_the_evaluation_on_worker_0() {
+        let (graph, spec) = moe_gpt_tied(false);
+        let mut any_window = graph.to_def();
+        for n in any_window
+            .nodes
+            .iter_mut()
+            .filter(|n| n.op == "Placeholder")
+        {
+            n.attrs.insert(
+                "shape".into(),
+                AttrValue::Shape(dflow_graph::Shape::partial(vec![None, None])),
+            );
+        }
+        let any_window = Graph::from_def(&any_window).unwrap();
+        let mesh = Mesh::new(2, 2, 2).unwrap().with_ep(2).unwrap();
+        let train = |graph: &Graph| {
+            let out = expert_tensor_pipeline_training(
+                graph,
+                &spec,
+                &mesh,
+                &pipeline(1),
+                None,
+                "idx",
+                "targets",
+            )
+            .unwrap();
+            out.graphs.into_iter().next().unwrap()
+        };
+        let evaluating = |g0: &ReplicaGraph| -> BTreeSet<usize> {
+            (g0.training.def.nodes.iter())
+                .filter(|n| n.name.starts_with("eval/") && n.op != "Variable")
+                .map(|n| task_of(&n.device))
+                .collect()
+        };
+        // Fixed windows: on the stages, the loss sent to worker 0.
+        let on_stages = train(&graph);
+        assert_eq!(evaluating(&on_stages), BTreeSet::from([0, 4]));
+        assert_eq!(on_stages.eval.loss, "eval/pipeline/fetch/loss");
+        // Windows of any length: joined on worker 0.
+        let g0 = train(&any_window);
+        let def = &g0.training.def;
+        let device: HashMap<&str, &str> = (def.nodes.iter())
+            .map(|n| (n.name.as_str(), n.device.as_str()))
+            .collect();
+        let eval: Vec<&NodeDef> = (def.nodes.iter())
+            .filter(|n| n.name.starts_with("eval/"))
+            .collect();
+        assert!(!eval.is_empty());
+        assert!(
+            eval.iter().all(|n| task_of(&n.device) == 0),
+            "{:?}",
+            eval.iter()
+                .filter(|n| task_of(&n.device) != 0)
+                .map(|n| (&n.name, &n.device))
+                .collect::<Vec<_>>()
+        );
+        assert!(
+            eval.iter().all(|n| !n.name.starts_with("eval/pipeline/")),
+            "a staged evaluation's op is left behind"
+        );
+        assert_eq!(g0.eval.features, "eval/idx");
+        assert_eq!(g0.eval.labels, "eval/targets");
+        assert_eq!(g0.eval.loss, format!("eval/{}", spec.loss));
+        assert_eq!(
+            device.get(g0.eval.loss.as_str()).map(|d| task_of(d)),
+            Some(0)
+        );
+        // It reads stage 1's shards (workers 4 to 7) from where they live.
+        let reads_stage_1 = eval.iter().any(|n| {
+            n.inputs.iter().any(|i| match InputRef::parse(i) {
+                Ok(InputRef::Data { node, .. }) => {
+                    device.get(node.as_str()).is_some_and(|d| task_of(d) >= 4)
+                }
+                _ => false,
+            })
+        });
+        assert!(reads_stage_1, "worker 0 reads none of stage 1's weights");
+        // The graph with the joined evaluation is well formed.
+        Graph::from_def(def).unwrap();
+    }
+
     /// The groups of `dp=2,tp=2,pp=2,ep=2` are Megatron-core's (worker `s·4 + d·2 + t`): per
     /// stage, TP {0,1} {2,3} / {4,5} {6,7}, DP {0,2} {1,3} / {4,6} {5,7}, and the
     /// expert-parallel groups of each tp coordinate (E = D: the DP groups' members, no
