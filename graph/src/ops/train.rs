@@ -704,12 +704,28 @@ impl GlobalNormKernel {
     }
 }
 
+/// Independent partial sums of [`sum_squares`].
+const SQUARE_LANES: usize = 8;
+
+/// Σx² of `t`'s elements in f64, in [`SQUARE_LANES`] independent partial sums added at the end:
+/// one running sum is one dependent addition per element, bound by the adder's latency (the
+/// 2×32 GPT's clipping norm over its 28K gradient elements was 5% of a step's profile, ~30 µs,
+/// where its bytes take ~3 µs).
 fn sum_squares<T: Real>(t: &Tensor) -> Result<f64, String> {
-    Ok(t.as_slice::<T>()
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|&x| x.to_f64() * x.to_f64())
-        .sum())
+    let xs = t.as_slice::<T>().map_err(|e| e.to_string())?;
+    let square = |x: &T| {
+        let v = x.to_f64();
+        v * v
+    };
+    let mut lanes = [0.0f64; SQUARE_LANES];
+    let mut chunks = xs.chunks_exact(SQUARE_LANES);
+    for chunk in &mut chunks {
+        for (lane, x) in lanes.iter_mut().zip(chunk) {
+            *lane += square(x);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(square).sum();
+    Ok(lanes.iter().sum::<f64>() + tail)
 }
 
 impl Kernel for GlobalNormKernel {
@@ -777,4 +793,27 @@ fn squared_norm() -> OpDef {
             ctx.set_output(0, out)
         })))
     })
+}
+
+#[cfg(test)]
+mod sum_squares_tests {
+    use super::*;
+
+    /// Every element is counted once, the ones past the last full group of lanes too, and the
+    /// sum is the one running sum's (within rounding).
+    #[test]
+    fn the_lanes_sum_every_elements_square() {
+        for n in [0usize, 1, 7, 8, 9, 17, 1000, 28_001] {
+            let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+            let expected: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            let t = Tensor::from_slice(&[n], &v).unwrap();
+            let got = sum_squares::<f32>(&t).unwrap();
+            assert!(
+                (got - expected).abs() <= 1e-12 * expected.max(1.0),
+                "n={n}: {got} vs {expected}"
+            );
+        }
+        let t = Tensor::from_slice(&[3], &[1.0f64, 2.0, 2.0]).unwrap();
+        assert_eq!(sum_squares::<f64>(&t).unwrap(), 9.0);
+    }
 }
