@@ -51,6 +51,8 @@ pub mod pipeline;
 pub mod ps;
 pub mod sharded_embedding;
 pub mod tensor;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub mod zero;
 
 pub use crate::job::{JobPlan, JobPlanError};

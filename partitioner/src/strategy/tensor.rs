@@ -2342,6 +2342,7 @@ pub fn render_tensor_plan(
 mod tests {
     use super::*;
     use crate::job::task_name;
+    use crate::strategy::test_support::weights_crossing_tasks;
     use dflow_graph::layers::{gpt, GptConfig};
 
     fn model(vocab: usize, heads: usize, batch: i64) -> (Graph, TrainSpec) {
@@ -2584,57 +2585,6 @@ mod tests {
             axis.shards,
             [0, 1].map(|t| format!("{}/adam_m", shard_name(w, t, 2)))
         );
-    }
-
-    /// The tensors computed from weights alone (a variable, or an op all of whose data inputs
-    /// are) that an evaluation node (`eval/...`) of `g` reads from another task, with the
-    /// reader: a weight (or a piece of one) moving between devices.
-    pub(super) fn weights_crossing_tasks(g: &ReplicaGraph) -> Vec<(String, String)> {
-        let task = |device: &str| {
-            dflow_graph::DeviceName::parse(device)
-                .ok()
-                .and_then(|d| d.task)
-                .map_or(usize::MAX, |t| t as usize)
-        };
-        let typed = &g.graph;
-        let mut weighty: HashSet<String> = HashSet::new();
-        for i in typed.topo_order() {
-            let n = typed.node(i);
-            let inputs = typed.inputs(i);
-            if n.op_def().is_variable
-                || (!inputs.is_empty()
-                    && inputs
-                        .iter()
-                        .all(|(p, _)| weighty.contains(&typed.node(*p).name)))
-            {
-                weighty.insert(n.name.clone());
-            }
-        }
-        let by_name: HashMap<&str, &NodeDef> = g
-            .training
-            .def
-            .nodes
-            .iter()
-            .map(|n| (n.name.as_str(), n))
-            .collect();
-        let mut out = Vec::new();
-        for n in g
-            .training
-            .def
-            .nodes
-            .iter()
-            .filter(|n| n.name.starts_with("eval/"))
-        {
-            for i in &n.inputs {
-                let Ok(InputRef::Data { node: p, .. }) = InputRef::parse(i) else {
-                    continue;
-                };
-                if weighty.contains(&p) && task(&by_name[p.as_str()].device) != task(&n.device) {
-                    out.push((p, n.name.clone()));
-                }
-            }
-        }
-        out
     }
 
     /// `dp=2,tp=2 --zero-stage 3` with a known batch evaluates on tensor-parallel group 0's

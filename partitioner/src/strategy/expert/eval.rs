@@ -185,32 +185,18 @@ mod tests {
     use crate::strategy::expert::Expert;
     use crate::strategy::pipeline::schedule::ScheduleKind;
     use crate::strategy::pipeline::Pipeline;
+    use crate::strategy::test_support::{moe_of, tiny_moe_gpt};
     use crate::strategy::{JobInput, Strategy};
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
     use dflow_graph::{ClusterSpec, DeviceName, Graph};
     use std::collections::BTreeSet;
 
     /// A two-block GPT with 4-expert MoE MLPs, its head untied (a tied embedding would cross
     /// once per evaluation batch, as once per training step).
     fn moe_gpt() -> (Graph, dflow_graph::train::TrainSpec) {
-        let cfg = GptConfig {
-            tie_weights: false,
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 2,
-                capacity_factor: 4.0,
-                aux_loss_coef: 0.0,
-            }),
-            ..GptConfig::default()
-        };
-        let model = gpt(&cfg).unwrap();
-        let spec = model.def.train.clone().unwrap();
-        (Graph::from_def(&model.def).unwrap(), spec)
+        tiny_moe_gpt(|c| {
+            c.tie_weights = false;
+            moe_of(c).aux_loss_coef = 0.0;
+        })
     }
 
     #[test]

@@ -521,29 +521,15 @@ pub(crate) fn reduce_shard_gradients(
 mod tests {
     use super::*;
     use crate::strategy::pipeline::schedule::ScheduleKind;
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use crate::strategy::test_support::{moe_of, tiny_moe_gpt};
 
     /// A two-block GPT with 4-expert MoE MLPs (capacity factor 4: nothing dropped) and no
     /// load-balancing loss, so it may run several micro-batches.
     fn moe_gpt(clip: Option<f64>) -> (Graph, TrainSpec) {
-        let cfg = GptConfig {
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            grad_clip: clip,
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 2,
-                capacity_factor: 4.0,
-                aux_loss_coef: 0.0,
-            }),
-            ..GptConfig::default()
-        };
-        let model = gpt(&cfg).unwrap();
-        let spec = model.def.train.clone().unwrap();
-        (Graph::from_def(&model.def).unwrap(), spec)
+        tiny_moe_gpt(|c| {
+            c.grad_clip = clip;
+            moe_of(c).aux_loss_coef = 0.0;
+        })
     }
 
     fn pipeline(micro_batches: usize, schedule: ScheduleKind) -> Pipeline {
@@ -1055,23 +1041,12 @@ mod tests {
             ),
             (4.0, 0.0, None),
         ] {
-            let cfg = GptConfig {
-                vocab_size: 11,
-                block_size: 4,
-                n_layer: 2,
-                n_head: 2,
-                n_embd: 8,
-                moe: Some(MoeConfig {
-                    num_experts: 4,
-                    top_k: 1,
-                    capacity_factor: factor,
-                    aux_loss_coef: alpha,
-                }),
-                ..GptConfig::default()
-            };
-            let model = gpt(&cfg).unwrap();
-            let spec = model.def.train.clone().unwrap();
-            let graph = Graph::from_def(&model.def).unwrap();
+            let (graph, spec) = tiny_moe_gpt(|c| {
+                let moe = moe_of(c);
+                moe.top_k = 1;
+                moe.capacity_factor = factor;
+                moe.aux_loss_coef = alpha;
+            });
             let got = expert_pipeline_training(&graph, &spec, &mesh, &p, None, "idx", "targets");
             match (refused, got) {
                 (Some(want), Err(e)) => assert!(e.to_string().contains(want), "{e}"),
@@ -1086,24 +1061,13 @@ mod tests {
     /// its own groups, under keys of their own, in one order on both replicas.
     #[test]
     fn interleaved_chunks_keep_each_devices_groups_and_one_order() {
-        let cfg = GptConfig {
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 4,
-            n_head: 2,
-            n_embd: 8,
-            grad_clip: Some(0.5),
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 4.0,
-                aux_loss_coef: 0.0,
-            }),
-            ..GptConfig::default()
-        };
-        let model = gpt(&cfg).unwrap();
-        let spec = model.def.train.clone().unwrap();
-        let graph = Graph::from_def(&model.def).unwrap();
+        let (graph, spec) = tiny_moe_gpt(|c| {
+            c.n_layer = 4;
+            c.grad_clip = Some(0.5);
+            let moe = moe_of(c);
+            moe.top_k = 1;
+            moe.aux_loss_coef = 0.0;
+        });
         let mesh = Mesh::new(2, 1, 2).unwrap().with_ep(2).unwrap();
         let p = Pipeline {
             chunks: 2,

@@ -270,29 +270,15 @@ pub(crate) fn as_row_split(v: &mut NodeDef, ep: usize, shard: usize) {
 #[cfg(test)]
 mod tests {
     use super::super::{expert_training_with, ExpertLayout};
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
-    use dflow_graph::{AttrValue, Graph, NodeDef};
+    use crate::strategy::test_support::{moe_of, tiny_moe_gpt};
+    use dflow_graph::{AttrValue, NodeDef};
 
     /// A two-block MoE GPT (4 experts, AdamW), clipped at global norm 0.5.
     fn graphs(stage: u8, workers: usize, ep: usize) -> Vec<crate::strategy::ReplicaGraph> {
-        let cfg = GptConfig {
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            grad_clip: Some(0.5),
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 1,
-                capacity_factor: 4.0,
-                ..MoeConfig::default()
-            }),
-            ..GptConfig::default()
-        };
-        let model = gpt(&cfg).unwrap();
-        let spec = model.def.train.clone().unwrap();
-        let graph = Graph::from_def(&model.def).unwrap();
+        let (graph, spec) = tiny_moe_gpt(|c| {
+            c.grad_clip = Some(0.5);
+            moe_of(c).top_k = 1;
+        });
         let layout = ExpertLayout::new(workers, ep).unwrap();
         expert_training_with(
             &graph,

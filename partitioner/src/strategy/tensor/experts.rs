@@ -1092,37 +1092,22 @@ fn joined_expert_shard(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use crate::strategy::test_support::tiny_moe_gpt;
     use dflow_graph::Shape;
     use std::collections::BTreeMap;
 
     /// A two-block GPT with 4-expert MoE MLPs (top-2, load-balancing loss), clipped at 1.0,
     /// fed `batch` rows per replica.
     fn moe_gpt(batch: usize) -> (Graph, TrainSpec) {
-        let cfg = GptConfig {
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            grad_clip: Some(1.0),
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 2,
-                capacity_factor: 4.0,
-                ..MoeConfig::default()
-            }),
-            ..GptConfig::default()
-        };
-        let mut m = gpt(&cfg).unwrap();
-        let spec = m.def.train.clone().unwrap();
-        for n in &mut m.def.nodes {
+        let (graph, spec) = tiny_moe_gpt(|c| c.grad_clip = Some(1.0));
+        let mut def = graph.to_def();
+        for n in &mut def.nodes {
             if n.op == "Placeholder" {
                 n.attrs
                     .insert("shape".into(), AttrValue::Shape(Shape::known(&[batch, 4])));
             }
         }
-        (Graph::from_def(&m.def).unwrap(), spec)
+        (Graph::from_def(&def).unwrap(), spec)
     }
 
     /// One collective as its group's members must agree on it.

@@ -340,18 +340,10 @@ pub(super) fn add_expert_eval(
 #[cfg(test)]
 mod tests {
     use super::super::experts::mesh_expert_training_evaluating;
-    use super::super::tests::weights_crossing_tasks;
     use crate::mesh::Mesh;
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
-    use dflow_graph::{Graph, NodeDef};
+    use crate::strategy::test_support::{task_of, tiny_moe_gpt, weights_crossing_tasks};
+    use dflow_graph::NodeDef;
     use std::collections::{BTreeSet, HashMap};
-
-    fn task_of(device: &str) -> usize {
-        dflow_graph::DeviceName::parse(device)
-            .ok()
-            .and_then(|d| d.task)
-            .map_or(usize::MAX, |t| t as usize)
-    }
 
     /// `dp=2,tp=2,ep=2` (ZeRO 0, 1 and 3) and `dp=4,tp=2,ep=2` ZeRO-3 with a known batch:
     /// the evaluation runs on tp group 0 (workers 0 and 1) with each MoE layer's experts on the
@@ -363,23 +355,7 @@ mod tests {
     /// there: this fails on it.
     #[test]
     fn evaluates_on_tp_group_0_with_experts_on_their_ranks_and_joins_nothing_on_worker_0() {
-        let cfg = GptConfig {
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 2,
-                capacity_factor: 4.0,
-                ..MoeConfig::default()
-            }),
-            ..GptConfig::default()
-        };
-        let model = gpt(&cfg).unwrap();
-        let spec = model.def.train.clone().unwrap();
-        let graph = Graph::from_def(&model.def).unwrap();
+        let (graph, spec) = tiny_moe_gpt(|_| {});
         let planned = |dp, zero, rows| {
             let mesh = Mesh::new(dp, 2, 1).unwrap().with_ep(2).unwrap();
             mesh_expert_training_evaluating(

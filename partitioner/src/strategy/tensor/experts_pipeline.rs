@@ -731,7 +731,7 @@ fn clip_by_three_norms(
 mod tests {
     use super::*;
     use crate::strategy::pipeline::schedule::ScheduleKind;
-    use dflow_graph::layers::{gpt, GptConfig, MoeConfig};
+    use crate::strategy::test_support::{moe_of, tiny_moe_gpt};
     use std::collections::BTreeSet;
 
     /// A two-block GPT with 4-expert MoE MLPs (capacity factor 4: nothing dropped), no
@@ -742,25 +742,11 @@ mod tests {
 
     /// [`moe_gpt`], its head tied to the embedding or not.
     fn moe_gpt_tied(tie_weights: bool) -> (Graph, TrainSpec) {
-        let cfg = GptConfig {
-            tie_weights,
-            vocab_size: 11,
-            block_size: 4,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            grad_clip: Some(0.5),
-            moe: Some(MoeConfig {
-                num_experts: 4,
-                top_k: 2,
-                capacity_factor: 4.0,
-                aux_loss_coef: 0.0,
-            }),
-            ..GptConfig::default()
-        };
-        let model = gpt(&cfg).unwrap();
-        let spec = model.def.train.clone().unwrap();
-        (Graph::from_def(&model.def).unwrap(), spec)
+        tiny_moe_gpt(|c| {
+            c.tie_weights = tie_weights;
+            c.grad_clip = Some(0.5);
+            moe_of(c).aux_loss_coef = 0.0;
+        })
     }
 
     fn pipeline(micro_batches: usize) -> Pipeline {
