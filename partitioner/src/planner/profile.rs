@@ -196,24 +196,24 @@ const THIS_MACHINE_OP_OVERHEAD: f64 = 0.24e-6;
 /// `this-machine`'s executor cost per in-process step (the same run: 23.4 µs).
 const THIS_MACHINE_STEP_OVERHEAD: f64 = 23.4e-6;
 
-/// `this-machine`'s job costs: `dflow bench calibrate` (release build, 2026-11-25 13:25 UTC,
-/// the last of three idle rounds, nothing else running; the 19 jobs within 21% of the fit;
+/// `this-machine`'s job costs: `dflow bench calibrate` (release build, 2026-11-25 13:57 UTC,
+/// the last of three idle rounds, nothing else running; the 19 jobs within 18% of the fit;
 /// `tests/planner/this-machine-calibrated.json`, docs/planner.md). A loaded machine's steps are
 /// slower: calibrate at the time and pass `--profile`.
 const THIS_MACHINE_JOB: JobCosts = JobCosts {
-    step: 0.39e-6,
-    task: 44.5e-6,
-    op: 0.096e-6,
-    collective: 6.2e-6,
-    value: 26.2e-6,
+    step: 0.0,
+    task: 44.4e-6,
+    op: 0.092e-6,
+    collective: 6.6e-6,
+    value: 26.6e-6,
     product: 0.0,
-    beyond_cores: 2.5e-6,
-    spawn: 0.48e-6,
-    beyond_cores_per_flop: 0.24e-12,
-    transfer_per_byte: 0.187e-9,
-    flops_per_second: 112.2e9,
-    bytes_per_second: 44.24e9,
-    transcendentals_per_second: 341.6e6,
+    beyond_cores: 3.4e-6,
+    spawn: 0.49e-6,
+    beyond_cores_per_flop: 0.59e-12,
+    transfer_per_byte: 0.206e-9,
+    flops_per_second: 107.0e9,
+    bytes_per_second: 37.40e9,
+    transcendentals_per_second: 331.8e6,
 };
 
 impl ClusterProfile {
