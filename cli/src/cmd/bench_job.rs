@@ -775,7 +775,7 @@ mod tests {
             zero4[0].collective_calls, zero[0].collective_calls,
             "{zero4:?}"
         );
-        // The full-size jobs determine the twelve costs (no cost the others explain).
+        // The full-size jobs determine the thirteen costs (no cost the others explain).
         let full: Vec<runtime::CalibrationJob> = JOBS
             .into_iter()
             .map(|v| {
