@@ -682,6 +682,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_jobs_step_is_its_median_line_else_its_mean_and_none_is_an_error() {
+        let v = JOBS[0];
+        let both = "trained 1000 steps in 0.500 s (1 tokens/s)\nstep time: median 412.5 µs (p10 400.0, p90 900.0) over 999 steps\n";
+        assert!((step_of(v, both).unwrap() - 412.5e-6).abs() < 1e-12);
+        let mean = "trained 1000 steps in 0.500 s (1 tokens/s)\n";
+        assert!((step_of(v, mean).unwrap() - 500e-6).abs() < 1e-12);
+        let e = step_of(v, "error: the chief failed\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(v.name) && e.contains("step time"), "{e}");
+    }
+
+    #[test]
     fn the_calibration_jobs_plan_and_vary_their_work() {
         let small = |v: Variant| Variant {
             chain: v.chain.min(20),

@@ -79,7 +79,15 @@ impl HostShare {
     pub fn from_launcher(local_rank: Option<u32>) -> HostShare {
         let size = ["LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"]
             .iter()
-            .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+            .find_map(|v| std::env::var(v).ok());
+        HostShare::of_local_rank(local_rank, size.as_deref())
+    }
+
+    /// Local rank `local_rank` of the `size` (a launcher's variable, unparsed) tasks of a host;
+    /// alone when either is missing, `size` is not a positive number or the rank is not below it.
+    pub fn of_local_rank(local_rank: Option<u32>, size: Option<&str>) -> HostShare {
+        let size = size
+            .and_then(|s| s.trim().parse::<usize>().ok())
             .filter(|&n| n > 0);
         match (local_rank, size) {
             (Some(r), Some(n)) if (r as usize) < n => HostShare {
@@ -221,6 +229,26 @@ mod tests {
         assert_eq!(HostShare::in_cluster(&c, "worker", 7), HostShare::ALONE);
         let v6 = cluster(&[("worker", &["[::1]:1000", "[::1]:1001", "127.0.0.1:5"])]);
         assert_eq!(HostShare::in_cluster(&v6, "worker", 1), share(1, 2));
+    }
+
+    #[test]
+    fn a_launchers_local_rank_and_size_place_the_task_and_bad_ones_leave_it_alone() {
+        assert_eq!(HostShare::of_local_rank(Some(1), Some("4")), share(1, 4));
+        assert_eq!(HostShare::of_local_rank(Some(0), Some(" 2\n")), share(0, 2));
+        for (rank, size) in [
+            (None, Some("4")),
+            (Some(1), None),
+            (Some(4), Some("4")),
+            (Some(0), Some("0")),
+            (Some(0), Some("many")),
+            (Some(0), Some("-2")),
+        ] {
+            assert_eq!(
+                HostShare::of_local_rank(rank, size),
+                HostShare::ALONE,
+                "{rank:?} {size:?}"
+            );
+        }
     }
 
     #[test]

@@ -5,17 +5,23 @@
 
 use std::time::{Duration, Instant};
 
-/// Completion instants of a run's steps.
+/// Intervals a [`StepClock`] keeps: the most recent, so that a run of millions of steps holds
+/// 1 MiB of them, not 16 bytes a step.
+pub const KEPT_INTERVALS: usize = 1 << 16;
+
+/// Completion instants of a run's steps (the last [`KEPT_INTERVALS`] intervals between them).
 #[derive(Debug, Default)]
 pub struct StepClock {
     last: Option<Instant>,
     intervals: Vec<Duration>,
+    /// Where the next interval goes once `intervals` is full (the oldest one).
+    next: usize,
 }
 
 /// The distribution of a run's step intervals.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepTimes {
-    /// Intervals measured (steps less one).
+    /// Intervals the median is of (steps less one, at most [`KEPT_INTERVALS`]: the latest).
     pub count: usize,
     /// Their median.
     pub median: Duration,
@@ -34,7 +40,13 @@ impl StepClock {
     /// A step completed at `now`.
     pub fn tick_at(&mut self, now: Instant) {
         if let Some(last) = self.last {
-            self.intervals.push(now.saturating_duration_since(last));
+            let d = now.saturating_duration_since(last);
+            if self.intervals.len() < KEPT_INTERVALS {
+                self.intervals.push(d);
+            } else {
+                self.intervals[self.next] = d;
+                self.next = (self.next + 1) % KEPT_INTERVALS;
+            }
         }
         self.last = Some(now);
     }
@@ -97,6 +109,27 @@ mod tests {
         assert_eq!(
             s.to_string(),
             "step time: median 1000.0 µs (p10 1000.0, p90 1000.0) over 9 steps"
+        );
+    }
+
+    #[test]
+    fn a_long_run_keeps_only_the_latest_intervals() {
+        let mut c = StepClock::default();
+        let mut t = Instant::now();
+        c.tick_at(t);
+        // More 3 ms intervals than are kept, then as many 1 ms ones: only the latter remain.
+        for i in 0..2 * KEPT_INTERVALS {
+            t += Duration::from_millis(if i < KEPT_INTERVALS + 10 { 3 } else { 1 });
+            c.tick_at(t);
+        }
+        let s = c.times().unwrap();
+        assert_eq!(s.count, KEPT_INTERVALS);
+        assert_eq!(s.median, Duration::from_millis(1));
+        assert_eq!(s.p90, Duration::from_millis(1));
+        assert_eq!(
+            c.intervals.len(),
+            KEPT_INTERVALS,
+            "no interval beyond the kept ones"
         );
     }
 }
